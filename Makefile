@@ -1,0 +1,71 @@
+# pdserve: the two commands a user needs are `make up` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+PROTO_SRC := protos
+PROTO_OUT := shared/src
+PROTO_FILES := $(wildcard $(PROTO_SRC)/pdserve/v1/*.proto)
+BASELINE := protos/baseline/pdserve-v1.binpb
+INSTALL_STAMP := $(VENV)/.installed
+
+.PHONY: help venv install proto proto-check lint format typecheck test test-fast up demo-model \
+	contract-baseline lock clean
+
+help:  ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+$(INSTALL_STAMP): constraints.txt shared/pyproject.toml services/*/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade -c constraints.txt pip setuptools wheel
+	# NOTE: torch is pinned explicitly so pip never resolves an unpinned (CUDA) build.
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e 'shared[engine,dev]' \
+		-e services/gateway -e services/prefill -e services/decode
+	touch $@
+
+venv: $(INSTALL_STAMP)  ## create .venv and install all four distributions with dev extras
+
+install: venv
+
+proto: venv  ## regenerate pdserve.v1 Python code from protos/
+	rm -f $(PROTO_OUT)/pdserve/v1/*_pb2*.py $(PROTO_OUT)/pdserve/v1/*_pb2.pyi
+	$(PY) -m grpc_tools.protoc -I $(PROTO_SRC) --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
+		--grpc_python_out=$(PROTO_OUT) $(PROTO_FILES)
+
+proto-check: venv  ## fail if the committed generated code is stale
+	$(PY) -m pdserve.common.protogen --check
+
+lint: venv  ## ruff, ruff format, buf lint/format/breaking, generated-code freshness
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/buf lint
+	$(BIN)/buf format --diff --exit-code
+	$(BIN)/buf breaking --against $(BASELINE)
+	$(MAKE) --no-print-directory proto-check
+
+typecheck: venv  ## mypy on shared/
+	$(BIN)/mypy
+
+format: venv  ## apply ruff and buf formatting
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+	$(BIN)/buf format -w
+
+contract-baseline: venv  ## refresh the buf breaking baseline: only together with a protocol version bump
+	$(BIN)/buf build -o $(BASELINE)
+	@echo "baseline refreshed: commit it together with the PROTOCOL_VERSION bump and name both in the message"
+
+test: venv lint typecheck  ## lint, type-check, then the whole pytest suite
+	$(BIN)/pytest
+
+test-fast: venv  ## pytest without lint
+	$(BIN)/pytest -x -q
+
+lock:  ## re-pin constraints.txt from the current venv (review the diff)
+	{ head -2 constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -vE '^(pdserve|pip|setuptools|wheel)' \
+		| sed 's/^torch==\(.*\)+cpu/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
+
+clean:  ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
