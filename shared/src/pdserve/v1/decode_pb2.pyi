@@ -1,0 +1,222 @@
+from pdserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_KIND_UNSPECIFIED: _ClassVar[TransportKind]
+    TRANSPORT_KIND_GRPC_SYNC_CACHE: _ClassVar[TransportKind]
+    TRANSPORT_KIND_TCP: _ClassVar[TransportKind]
+    TRANSPORT_KIND_SHARED_MEMORY: _ClassVar[TransportKind]
+
+class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEASE_STATE_UNSPECIFIED: _ClassVar[LeaseState]
+    LEASE_STATE_ALLOCATED: _ClassVar[LeaseState]
+    LEASE_STATE_SYNCING: _ClassVar[LeaseState]
+    LEASE_STATE_COMMITTED: _ClassVar[LeaseState]
+    LEASE_STATE_RUNNING: _ClassVar[LeaseState]
+    LEASE_STATE_FINISHED: _ClassVar[LeaseState]
+    LEASE_STATE_PREEMPTED: _ClassVar[LeaseState]
+    LEASE_STATE_ABORTED: _ClassVar[LeaseState]
+    LEASE_STATE_EXPIRED: _ClassVar[LeaseState]
+    LEASE_STATE_FAILED: _ClassVar[LeaseState]
+
+class PreemptionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREEMPTION_REASON_UNSPECIFIED: _ClassVar[PreemptionReason]
+    PREEMPTION_REASON_OUT_OF_BLOCKS: _ClassVar[PreemptionReason]
+    PREEMPTION_REASON_DRAINING: _ClassVar[PreemptionReason]
+TRANSPORT_KIND_UNSPECIFIED: TransportKind
+TRANSPORT_KIND_GRPC_SYNC_CACHE: TransportKind
+TRANSPORT_KIND_TCP: TransportKind
+TRANSPORT_KIND_SHARED_MEMORY: TransportKind
+LEASE_STATE_UNSPECIFIED: LeaseState
+LEASE_STATE_ALLOCATED: LeaseState
+LEASE_STATE_SYNCING: LeaseState
+LEASE_STATE_COMMITTED: LeaseState
+LEASE_STATE_RUNNING: LeaseState
+LEASE_STATE_FINISHED: LeaseState
+LEASE_STATE_PREEMPTED: LeaseState
+LEASE_STATE_ABORTED: LeaseState
+LEASE_STATE_EXPIRED: LeaseState
+LEASE_STATE_FAILED: LeaseState
+PREEMPTION_REASON_UNSPECIFIED: PreemptionReason
+PREEMPTION_REASON_OUT_OF_BLOCKS: PreemptionReason
+PREEMPTION_REASON_DRAINING: PreemptionReason
+
+class Transport(_message.Message):
+    __slots__ = ("kind", "address", "token")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    kind: TransportKind
+    address: str
+    token: bytes
+    def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class Lease(_message.Message):
+    __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    expires_at_unix_ms: int
+    ttl_ms: int
+    transports: _containers.RepeatedCompositeFieldContainer[Transport]
+    decode_instance_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ...) -> None: ...
+
+class AllocateBlocksRequest(_message.Message):
+    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "kv_layout", "protocol", "prefill_instance_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_prompt_tokens: int
+    max_new_tokens: int
+    kv_layout: _common_pb2.KvLayout
+    protocol: _common_pb2.Protocol
+    prefill_instance_id: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., protocol: _Optional[_Union[_common_pb2.Protocol, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ...) -> None: ...
+
+class AllocateBlocksResponse(_message.Message):
+    __slots__ = ("lease", "protocol")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    lease: Lease
+    protocol: _common_pb2.Protocol
+    def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., protocol: _Optional[_Union[_common_pb2.Protocol, _Mapping]] = ...) -> None: ...
+
+class SyncCacheHeader(_message.Message):
+    __slots__ = ("lease_id", "request_id", "token_ids", "num_prompt_tokens", "sampling", "transport_token")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_prompt_tokens: int
+    sampling: _common_pb2.SamplingParams
+    transport_token: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., transport_token: _Optional[bytes] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("layer_index", "first_block", "num_blocks", "key", "value", "crc32c")
+    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    layer_index: int
+    first_block: int
+    num_blocks: int
+    key: bytes
+    value: bytes
+    crc32c: int
+    def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class SyncCacheCommit(_message.Message):
+    __slots__ = ("num_chunks", "num_bytes", "first_token_id", "first_token_index")
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    num_chunks: int
+    num_bytes: int
+    first_token_id: int
+    first_token_index: int
+    def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_index: _Optional[int] = ...) -> None: ...
+
+class SyncCacheRequest(_message.Message):
+    __slots__ = ("header", "chunk", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: SyncCacheHeader
+    chunk: KvChunk
+    commit: SyncCacheCommit
+    def __init__(self, header: _Optional[_Union[SyncCacheHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[SyncCacheCommit, _Mapping]] = ...) -> None: ...
+
+class SyncCacheResponse(_message.Message):
+    __slots__ = ("lease_id", "state", "num_chunks", "num_bytes")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    state: LeaseState
+    num_chunks: int
+    num_bytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class DecodeServiceGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "lease_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    lease_id: str
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class TokenBatch(_message.Message):
+    __slots__ = ("token_ids", "first_index")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., first_index: _Optional[int] = ...) -> None: ...
+
+class PreemptionNotice(_message.Message):
+    __slots__ = ("reason", "num_generated_tokens", "generated_token_ids", "stored_prefix_key")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STORED_PREFIX_KEY_FIELD_NUMBER: _ClassVar[int]
+    reason: PreemptionReason
+    num_generated_tokens: int
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stored_prefix_key: str
+    def __init__(self, reason: _Optional[_Union[PreemptionReason, str]] = ..., num_generated_tokens: _Optional[int] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., stored_prefix_key: _Optional[str] = ...) -> None: ...
+
+class DecodeServiceGenerateResponse(_message.Message):
+    __slots__ = ("tokens", "preemption", "finished")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTION_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    tokens: TokenBatch
+    preemption: PreemptionNotice
+    finished: _common_pb2.Finished
+    def __init__(self, tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., preemption: _Optional[_Union[PreemptionNotice, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "request_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    request_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: LeaseState
+    def __init__(self, state: _Optional[_Union[LeaseState, str]] = ...) -> None: ...
