@@ -4,9 +4,6 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PY := $(BIN)/python
-PROTO_SRC := protos
-PROTO_OUT := shared/src
-PROTO_FILES := $(wildcard $(PROTO_SRC)/pdserve/v1/*.proto)
 BASELINE := protos/baseline/pdserve-v1.binpb
 INSTALL_STAMP := $(VENV)/.installed
 
@@ -29,13 +26,11 @@ venv: $(INSTALL_STAMP)  ## create .venv and install all four distributions with 
 
 install: venv
 
-proto: venv  ## regenerate pdserve.v1 Python code from protos/
-	rm -f $(PROTO_OUT)/pdserve/v1/*_pb2*.py $(PROTO_OUT)/pdserve/v1/*_pb2.pyi
-	$(PY) -m grpc_tools.protoc -I $(PROTO_SRC) --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
-		--grpc_python_out=$(PROTO_OUT) $(PROTO_FILES)
+proto: venv  ## regenerate the pdserve.v1 Python code (shared/src/pdserve/v1) from protos/
+	$(PY) tools/protogen.py
 
 proto-check: venv  ## fail if the committed generated code is stale
-	$(PY) -m pdserve.common.protogen --check
+	$(PY) tools/protogen.py --check
 
 lint: venv  ## ruff, ruff format, buf lint/format/breaking, generated-code freshness
 	$(BIN)/ruff check .

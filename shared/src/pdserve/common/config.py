@@ -1,0 +1,91 @@
+"""The configuration pattern: frozen dataclasses that validate themselves and drive the CLI.
+
+A service declares its settings once, as a frozen dataclass whose fields carry their help
+text in ``metadata={"help": ...}`` and whose ``__post_init__`` raises `ValueError` for bad
+values. `add_arguments` turns the fields into ``--kebab-case`` flags with the dataclass
+defaults, and `from_args` builds the config back from parsed arguments, so defaults and
+validation live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def flag_name(field_name: str) -> str:
+    """``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _scalar_type(annotation: Any) -> Any:
+    """The argparse type for a field annotation (``int | None`` -> int)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return args[0] if len(args) == 1 else str
+    return annotation
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, config_cls: type, *, exclude: Iterable[str] = ()
+) -> None:
+    """Adds one flag per dataclass field of `config_cls` (except `exclude`) to `parser`.
+
+    Fields typed ``bool`` become ``--flag/--no-flag``; tuples of strings become repeatable
+    flags. The help text comes from ``field.metadata["help"]`` and shows the default.
+    """
+    hints = typing.get_type_hints(config_cls)
+    skipped = set(exclude)
+    for field in dataclasses.fields(config_cls):
+        if field.name in skipped or not field.init:
+            continue
+        annotation = hints[field.name]
+        default = (
+            field.default
+            if field.default is not dataclasses.MISSING
+            else field.default_factory()
+            if field.default_factory is not dataclasses.MISSING
+            else None
+        )
+        help_text = field.metadata.get("help", "")
+        kwargs: dict[str, Any] = {"default": default, "dest": field.name}
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(annotation) is tuple:
+            kwargs["action"] = "append"
+            kwargs["type"] = typing.get_args(annotation)[0]
+            kwargs["default"] = None
+        else:
+            kwargs["type"] = _scalar_type(annotation)
+            choices = field.metadata.get("choices")
+            if choices:
+                kwargs["choices"] = choices
+        parser.add_argument(
+            flag_name(field.name), help=f"{help_text} (default: {default!r})", **kwargs
+        )
+
+
+def from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """Builds `config_cls` from parsed arguments; `overrides` win over the namespace.
+
+    Raises:
+        ValueError: From the config's own validation.
+    """
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(config_cls):  # type: ignore[arg-type]
+        if not field.init or not hasattr(args, field.name):
+            continue
+        value = getattr(args, field.name)
+        if isinstance(value, list):
+            value = tuple(value)
+        if value is None:
+            continue  # not given on the command line: the dataclass default applies
+        values[field.name] = value
+    values.update(overrides)
+    return config_cls(**values)

@@ -1,0 +1,44 @@
+"""Standard pieces of every pdserve gRPC server: health, reflection and message limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# NOTE: KV chunks are sized below this; 64 MiB leaves room for large prompts' token lists.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+def new_aio_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """An aio server with pdserve's message limits."""
+    return grpc.aio.server(interceptors=list(interceptors), options=list(CHANNEL_OPTIONS))
+
+
+async def add_standard_services(
+    server: grpc.aio.Server, service_names: Iterable[str]
+) -> health.aio.HealthServicer:
+    """Registers grpc.health.v1 and server reflection for `service_names` on `server`.
+
+    Every named service (and the overall server, "") starts SERVING. Returns the health
+    servicer so the caller can flip to NOT_SERVING when it drains.
+    """
+    names = list(service_names)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return health_servicer
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """An aio client channel with pdserve's message limits."""
+    return grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))

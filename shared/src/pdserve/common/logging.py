@@ -1,0 +1,61 @@
+"""structlog setup shared by every service: JSON lines on stderr with the service name.
+
+Events are snake_case names with key-value context, never sentences:
+``log.info("lease_granted", request_id=..., num_blocks=...)``. Context bound with
+`structlog.contextvars.bind_contextvars` (for example ``request_id``) is added to every line
+logged in that context.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any
+
+import structlog
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(service: str, level: str = "info", *, json: bool = True) -> None:
+    """Configures structlog (and the stdlib root logger) for one process.
+
+    Args:
+        service: Value of the ``service`` key on every line, e.g. "decode".
+        level: Minimum level: debug, info, warning or error.
+        json: JSON lines when true (the default); human-readable console output otherwise.
+
+    Raises:
+        ValueError: For an unknown level.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
+    numeric_level = logging.getLevelNamesMapping()[level.upper()]
+
+    def add_service(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        event.setdefault("service", service)
+        return event
+
+    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            add_service,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr, force=True)
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    """Returns a structlog logger; `name` becomes the ``logger`` key when given."""
+    logger = structlog.get_logger()
+    return logger.bind(logger=name) if name else logger

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import structlog
+
+from pdserve.common.logging import configure_logging, get_logger
+
+
+def test_json_lines_carry_service_and_bound_context(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("decode", "info")
+    structlog.contextvars.bind_contextvars(request_id="req-1")
+    try:
+        get_logger().info("lease_granted", num_blocks=3)
+        get_logger().debug("hidden_detail")
+    finally:
+        structlog.contextvars.clear_contextvars()
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert len(lines) == 1
+    assert lines[0]["event"] == "lease_granted"
+    assert lines[0]["service"] == "decode"
+    assert lines[0]["request_id"] == "req-1"
+    assert lines[0]["num_blocks"] == 3
+    assert lines[0]["level"] == "info"
+
+
+def test_unknown_level_is_refused() -> None:
+    with pytest.raises(ValueError, match="log level"):
+        configure_logging("gateway", "loud")
