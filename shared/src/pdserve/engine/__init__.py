@@ -1,0 +1,70 @@
+"""pdserve's inference engine: a Llama-family model on a paged KV cache.
+
+Names are imported lazily so that light modules of this package (e.g. the demo model
+generator) can be imported without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.engine.block_pool import BlockPool, hash_block_tokens
+    from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine.kv_cache import (
+        KVBlockData,
+        KVCache,
+        KVCacheLayout,
+        logical_blocks_touched,
+    )
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_config import ModelConfig
+    from pdserve.engine.request import FinishReason, Request, RequestStatus
+    from pdserve.engine.runner import ForwardChunk, ModelRunner
+    from pdserve.engine.sampler import Sampler, SamplingRow, position_seed
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import (
+        RequestOutput,
+        ScheduledRequest,
+        Scheduler,
+        SchedulerOutput,
+    )
+
+_EXPORTS = {
+    "BlockPool": "block_pool",
+    "hash_block_tokens": "block_pool",
+    "CacheConfig": "config",
+    "EngineConfig": "config",
+    "SchedulerConfig": "config",
+    "KVBlockData": "kv_cache",
+    "KVCache": "kv_cache",
+    "KVCacheLayout": "kv_cache",
+    "logical_blocks_touched": "kv_cache",
+    "KVCacheManager": "kv_cache_manager",
+    "LLMEngine": "llm_engine",
+    "ModelConfig": "model_config",
+    "FinishReason": "request",
+    "Request": "request",
+    "RequestStatus": "request",
+    "ForwardChunk": "runner",
+    "ModelRunner": "runner",
+    "Sampler": "sampler",
+    "SamplingRow": "sampler",
+    "position_seed": "sampler",
+    "SamplingParams": "sampling_params",
+    "RequestOutput": "scheduler",
+    "ScheduledRequest": "scheduler",
+    "Scheduler": "scheduler",
+    "SchedulerOutput": "scheduler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pdserve.engine.{module}"), name)

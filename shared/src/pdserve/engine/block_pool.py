@@ -1,0 +1,162 @@
+"""Reference-counted pool of KV blocks with a prefix cache of full blocks."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The prefix hash of a full block: chained over its parent's hash and its own tokens.
+
+    The hash is stable across processes (SHA-256 over the parent digest and the tokens as
+    little-endian int64), so two instances agree on which prefix a block holds.
+
+    Args:
+        parent_hash: Hash of the previous block of the sequence, ``None`` for the first block.
+        token_ids: The tokens held by this block.
+
+    Returns:
+        A 32-byte digest.
+    """
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
+    return digest.digest()
+
+
+class BlockPool:
+    """Owns the ids ``0 .. num_blocks - 1`` of the paged KV cache.
+
+    A block is *used* while its reference count is positive and *free* otherwise. A free block
+    may still be in the prefix cache (it remembers a hash); it is reused only when it reaches the
+    front of the free queue (least recently freed first), and a prefix hit can revive it with
+    ``touch`` before that. ``num_free_blocks`` counts every free block, cached or not.
+    """
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        # NOTE: an ordered dict gives O(1) removal of a cached block from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_of_block: dict[int, BlockHash] = {}
+        self._block_of_hash: dict[BlockHash, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference (including cached blocks that may be evicted)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with at least one reference."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that currently carry a prefix hash."""
+        return len(self._block_of_hash)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``allocate(num_blocks)`` would succeed."""
+        return 0 <= num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Takes ``num_blocks`` free blocks (least recently freed first), each with one reference.
+
+        Raises:
+            ValueError: If fewer blocks are free; check ``can_allocate`` first.
+        """
+        if not self.can_allocate(num_blocks):
+            raise ValueError(f"cannot allocate {num_blocks} blocks: {len(self._free)} free")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drops one reference from each block; a block with none left joins the free queue.
+
+        Pass a sequence's blocks in reverse order so that its tail is evicted before its prefix.
+
+        Raises:
+            ValueError: If a block is not in use (a double free).
+        """
+        for block_id in block_ids:
+            if self.ref_counts[block_id] <= 0:
+                raise ValueError(f"block {block_id} freed while not in use")
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self._free[block_id] = None
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Adds one reference to each block, taking a free (cached) block out of the free queue."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+        """Records that a used, full block holds the prefix identified by ``block_hash``."""
+        if not self.enable_prefix_caching or block_id in self._hash_of_block:
+            return
+        if self.ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} cached while not in use")
+        # NOTE: keep the first block for a hash; a duplicate stays uncached and is reused normally.
+        if block_hash not in self._block_of_hash:
+            self._block_of_hash[block_hash] = block_id
+            self._hash_of_block[block_id] = block_hash
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        """The block holding ``block_hash``, or ``None``."""
+        return self._block_of_hash.get(block_hash)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached hash (the blocks themselves keep their references)."""
+        self._block_of_hash.clear()
+        self._hash_of_block.clear()
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of_hash[block_hash]
+
+    def check_integrity(self) -> None:
+        """Verifies the pool's invariants.
+
+        Raises:
+            AssertionError: If free + used != total, a reference count is negative, a free block
+                has references or a used block is in the free queue, an id is out of range, or
+                the two hash maps disagree.
+        """
+        free_ids = list(self._free)
+        if len(set(free_ids)) != len(free_ids):
+            raise AssertionError("free queue holds a block twice")
+        if any(not 0 <= b < self.num_blocks for b in free_ids):
+            raise AssertionError("free queue holds an id out of range")
+        if len(self.ref_counts) != self.num_blocks:
+            raise AssertionError("ref_counts has the wrong length")
+        used = [b for b, count in enumerate(self.ref_counts) if count > 0]
+        if any(count < 0 for count in self.ref_counts):
+            raise AssertionError("negative reference count")
+        if len(free_ids) + len(used) != self.num_blocks:
+            raise AssertionError(
+                f"free ({len(free_ids)}) + used ({len(used)}) != total ({self.num_blocks})"
+            )
+        if any(self.ref_counts[b] != 0 for b in free_ids):
+            raise AssertionError("a block in the free queue has references")
+        if len(self._block_of_hash) != len(self._hash_of_block):
+            raise AssertionError("prefix cache maps disagree in size")
+        for block_id, block_hash in self._hash_of_block.items():
+            if self._block_of_hash.get(block_hash) != block_id:
+                raise AssertionError(f"prefix cache maps disagree on block {block_id}")

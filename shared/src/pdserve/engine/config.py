@@ -1,0 +1,125 @@
+"""Engine, cache and scheduler settings: frozen dataclasses validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Maps ``float32`` / ``bfloat16`` / ``float16`` (or ``fp32``, ``bf16``, ``fp16``) to torch."""
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(name, name)
+    if key not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[key]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings.
+
+    Attributes:
+        block_size: Tokens per KV block.
+        num_blocks: Number of blocks; when ``None`` the cache is sized by ``memory_bytes``.
+        memory_bytes: KV cache budget in bytes (all layers, K and V) when ``num_blocks`` is unset.
+        dtype: Cache dtype name; ``None`` uses the model dtype.
+        enable_prefix_caching: Reuse full blocks whose chained token hash is already cached.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    dtype: str | None = None
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        if self.dtype is not None:
+            resolve_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_seqs: Most requests in one step.
+        max_num_batched_tokens: Token budget of one step (prefill chunks plus decodes).
+        enable_chunked_prefill: Split prompts longer than the remaining budget across steps.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine.
+
+    Attributes:
+        model: Hugging Face model directory (``config.json`` and ``*.safetensors``).
+        dtype: Weight and activation dtype: ``float32`` (CPU default), ``bfloat16``, ``float16``.
+        device: Torch device string, e.g. ``cpu`` or ``cuda:0``.
+        max_model_len: Longest sequence (prompt + output); ``None`` uses the model's limit.
+        attention_backend: ``auto`` (flash-attn when usable, else SDPA), ``sdpa`` or ``flash``.
+        seed: Seeds the draw of per-request seeds for requests that carry none.
+    """
+
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    seed: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model (a Hugging Face model directory) is required")
+        resolve_dtype(self.dtype)
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"invalid device {self.device!r}: {exc}") from None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The weight dtype as a ``torch.dtype``."""
+        return resolve_dtype(self.dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache dtype as a ``torch.dtype``."""
+        return resolve_dtype(self.cache.dtype or self.dtype)

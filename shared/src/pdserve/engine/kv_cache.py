@@ -1,0 +1,187 @@
+"""The paged KV cache tensor and the export/import of its blocks as bytes."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from pdserve.engine.kv_cache_manager import cdiv
+
+_BytesLike = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Everything two processes must agree on to exchange KV blocks.
+
+    Attributes:
+        num_layers: Decoder layers.
+        num_kv_heads: KV heads per layer.
+        head_dim: Size of one head.
+        block_size: Tokens per block.
+        dtype: Cache dtype name (``float32``, ``bfloat16``, ``float16``).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of K (or of V) of one block in one layer."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def fingerprint(self, model_id: str) -> str:
+        """A compact identity of this layout for ``model_id``, for pairing compatible peers."""
+        return (
+            f"{model_id}|layers={self.num_layers}|kv_heads={self.num_kv_heads}"
+            f"|head_dim={self.head_dim}|dtype={self.dtype}|block_size={self.block_size}"
+        )
+
+
+class KVBlockData(NamedTuple):
+    """K and V bytes of a run of blocks in one layer (see ``KVCache.export_blocks``)."""
+
+    k: memoryview
+    v: memoryview
+
+
+def num_blocks_for_budget(layout: KVCacheLayout, memory_bytes: int) -> int:
+    """How many blocks fit in ``memory_bytes`` (all layers, K and V)."""
+    per_block = 2 * layout.num_layers * layout.block_nbytes
+    return memory_bytes // per_block
+
+
+def logical_blocks_touched(num_computed_tokens: int, num_new_tokens: int, block_size: int) -> range:
+    """Indexes into a block table of the blocks that a chunk of new tokens writes to."""
+    return range(
+        num_computed_tokens // block_size, cdiv(num_computed_tokens + num_new_tokens, block_size)
+    )
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    # NOTE: numpy has no bfloat16, so expose the raw bytes through a uint8 view.
+    return tensor.view(torch.uint8).numpy().data.cast("B")
+
+
+def _contiguous_run(block_ids: Sequence[int]) -> bool:
+    first = block_ids[0]
+    return all(b == first + i for i, b in enumerate(block_ids))
+
+
+class KVCache:
+    """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 is K, 1 is V).
+
+    Args:
+        layout: Shape and dtype of the blocks.
+        num_blocks: Blocks per layer.
+        device: Where the cache lives.
+    """
+
+    def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = layout.block_size
+        self.device = device
+        self.dtype: torch.dtype = getattr(torch, layout.dtype)
+        # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = torch.zeros(
+            layout.num_layers,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            dtype=self.dtype,
+            device=device,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the cache tensor."""
+        return self.kv.numel() * self.kv.element_size()
+
+    def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer's K and V.
+
+        Returns:
+            ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        """
+        return self.kv[layer_index, 0], self.kv[layer_index, 1]
+
+    def export_blocks(self, layer_index: int, block_ids: Sequence[int]) -> KVBlockData:
+        """The K and V bytes of the given blocks of one layer, in the order given.
+
+        Layout of each of ``k`` and ``v``: the blocks one after another; per block
+        ``[block_size, num_kv_heads, head_dim]`` contiguous in the cache dtype (row-major, native
+        byte order), i.e. ``len(block_ids) * layout.block_nbytes`` bytes.
+
+        When ``block_ids`` is an ascending run of consecutive ids on CPU the views alias the cache
+        itself (no copy): send them before those blocks are freed or rewritten. Otherwise the
+        blocks are gathered once into a new contiguous buffer (and copied to host memory on GPU).
+
+        Args:
+            layer_index: Which decoder layer.
+            block_ids: Physical block ids, e.g. a run of a sequence's block table.
+
+        Returns:
+            ``KVBlockData(k, v)`` as byte ``memoryview``s.
+        """
+        if not block_ids:
+            raise ValueError("export_blocks needs at least one block id")
+        k_cache, v_cache = self.layer(layer_index)
+        if _contiguous_run(block_ids):
+            first = block_ids[0]
+            # k, v: [num_ids, block_size, num_kv_heads, head_dim] views of the cache
+            k = k_cache[first : first + len(block_ids)]
+            v = v_cache[first : first + len(block_ids)]
+        else:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            k, v = k_cache.index_select(0, index), v_cache.index_select(0, index)
+        if k.device.type != "cpu":
+            k, v = k.cpu(), v.cpu()
+        return KVBlockData(_as_bytes(k), _as_bytes(v))
+
+    def import_blocks(
+        self, layer_index: int, block_ids: Sequence[int], k: _BytesLike, v: _BytesLike
+    ) -> None:
+        """Writes K and V bytes (the layout of ``export_blocks``) into the given blocks of a layer.
+
+        Raises:
+            ValueError: If the byte counts do not match ``len(block_ids)`` blocks.
+        """
+        if not block_ids:
+            raise ValueError("import_blocks needs at least one block id")
+        expected = len(block_ids) * self.layout.block_nbytes
+        if len(k) != expected or len(v) != expected:
+            raise ValueError(
+                f"expected {expected} bytes each for K and V of {len(block_ids)} blocks, "
+                f"got {len(k)} and {len(v)}"
+            )
+        k_cache, v_cache = self.layer(layer_index)
+        shape = (len(block_ids), *k_cache.shape[1:])
+        k_src = self._from_bytes(k).view(shape)
+        v_src = self._from_bytes(v).view(shape)
+        if _contiguous_run(block_ids):
+            first = block_ids[0]
+            k_cache[first : first + len(block_ids)].copy_(k_src)
+            v_cache[first : first + len(block_ids)].copy_(v_src)
+        else:
+            index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            k_cache.index_copy_(0, index, k_src.to(self.device))
+            v_cache.index_copy_(0, index, v_src.to(self.device))
+
+    def _from_bytes(self, data: _BytesLike) -> torch.Tensor:
+        with warnings.catch_warnings():
+            # NOTE: the source is only read; torch warns about read-only buffers regardless.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(data, dtype=torch.uint8).view(self.dtype)

@@ -1,0 +1,108 @@
+"""Request-level block bookkeeping on top of the block pool (vLLM's KV cache manager)."""
+
+from __future__ import annotations
+
+from pdserve.engine.block_pool import BlockPool, hash_block_tokens
+from pdserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the blocks of requests.
+
+    Args:
+        block_pool: The pool that owns the block ids.
+        block_size: Tokens per block.
+    """
+
+    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether full blocks are hashed and reused across requests."""
+        return self.block_pool.enable_prefix_caching
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Finds the longest cached prefix of a request that holds no blocks yet.
+
+        At least the last token is always left to compute, since its logits are needed.
+
+        Returns:
+            ``(block_ids, num_computed_tokens)`` of the hit; the blocks are not yet referenced.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids: list[int] = []
+        parent = None
+        for index in range(max_blocks):
+            start = index * self.block_size
+            parent = hash_block_tokens(
+                parent, request.all_token_ids[start : start + self.block_size]
+            )
+            block_id = self.block_pool.get_cached_block(parent)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def num_blocks_needed(
+        self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0
+    ) -> int:
+        """Blocks to take from the free queue so that ``num_new_tokens`` more tokens fit."""
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if num_hit_blocks:
+            num_tokens = num_hit_blocks * self.block_size + num_new_tokens
+        return max(0, cdiv(num_tokens, self.block_size) - len(request.block_ids) - num_hit_blocks)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit_block_ids: list[int] | None = None
+    ) -> bool:
+        """Makes room for ``num_new_tokens`` more tokens of KV in the request's block table.
+
+        Args:
+            request: The request; its ``block_ids`` grow in place.
+            num_new_tokens: Tokens to be computed in the coming step.
+            hit_block_ids: Prefix-cache hits from ``get_computed_blocks`` to adopt first.
+
+        Returns:
+            False (and no change) if the pool has too few free blocks.
+        """
+        hit_block_ids = hit_block_ids or []
+        # NOTE: reviving a cached free block takes it out of the free queue, so count it.
+        num_revived = sum(1 for b in hit_block_ids if self.block_pool.ref_counts[b] == 0)
+        num_needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
+        if not self.block_pool.can_allocate(num_needed + num_revived):
+            return False
+        if hit_block_ids:
+            self.block_pool.touch(hit_block_ids)
+            request.block_ids.extend(hit_block_ids)
+            request.num_computed_tokens = len(hit_block_ids) * self.block_size
+        request.block_ids.extend(self.block_pool.allocate(num_needed))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Hashes the request's blocks that became full of computed KV and caches them."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        for index in range(len(request.block_hashes), num_full):
+            start = index * self.block_size
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block_tokens(
+                parent, request.all_token_ids[start : start + self.block_size]
+            )
+            request.block_hashes.append(block_hash)
+            self.block_pool.cache_block(request.block_ids[index], block_hash)
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first, and forgets its block table."""
+        self.block_pool.free(reversed(request.block_ids))
+        request.block_ids = []
+        request.block_hashes = []

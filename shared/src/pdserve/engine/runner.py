@@ -1,0 +1,178 @@
+"""Runs batches of sequence chunks through the model on the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import structlog
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.flash_attention import flash_attn_unusable_reason
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout, num_blocks_for_budget
+from pdserve.engine.loader import load_model
+from pdserve.engine.model import LayerCallback, LlamaForCausalLM
+from pdserve.engine.model_config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+
+class ForwardChunk(NamedTuple):
+    """One sequence's share of a batch.
+
+    Attributes:
+        token_ids: The new tokens to run (a prefill chunk, or the one last token of a decode).
+        num_computed_tokens: Tokens of this sequence already in the cache; the first new token
+            sits at this position.
+        block_ids: The sequence's block table; it must cover
+            ``num_computed_tokens + len(token_ids)`` tokens (extra trailing blocks are ignored).
+    """
+
+    token_ids: Sequence[int]
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+
+
+def resolve_attention_backend(
+    requested: str, device: torch.device, dtype: torch.dtype, block_size: int
+) -> str:
+    """Turns ``auto``/``sdpa``/``flash`` into the backend that will actually run.
+
+    Raises:
+        ValueError: If ``flash`` is requested where it cannot run.
+    """
+    reason = flash_attn_unusable_reason(device, dtype, block_size)
+    if requested == "flash" and reason is not None:
+        raise ValueError(f"attention_backend=flash is unusable: {reason}")
+    if requested == "auto":
+        return "flash" if reason is None else "sdpa"
+    return requested
+
+
+class ModelRunner:
+    """Executes forward passes; owns the model and the KV cache (not the block bookkeeping).
+
+    Args:
+        model: A loaded model.
+        kv_cache: The paged cache the model reads and writes.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.model_config: ModelConfig = model.config
+        self.block_size = kv_cache.block_size
+        self.device = kv_cache.device
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> ModelRunner:
+        """Loads the model named by ``config`` and allocates its KV cache."""
+        model_config = ModelConfig.from_pretrained(config.model)
+        device = torch.device(config.device)
+        backend = resolve_attention_backend(
+            config.attention_backend, device, config.cache_dtype, config.cache.block_size
+        )
+        model = load_model(config.model, config.torch_dtype, device, backend, model_config)
+        layout = KVCacheLayout(
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim,
+            block_size=config.cache.block_size,
+            dtype=str(config.cache_dtype).removeprefix("torch."),
+        )
+        num_blocks = config.cache.num_blocks or num_blocks_for_budget(
+            layout, config.cache.memory_bytes
+        )
+        kv_cache = KVCache(layout, num_blocks, device)
+        log.info(
+            "kv_cache_allocated",
+            num_blocks=num_blocks,
+            block_size=layout.block_size,
+            num_bytes=kv_cache.nbytes,
+            attention_backend=backend,
+        )
+        return cls(model, kv_cache)
+
+    @torch.inference_mode()
+    def execute(
+        self, chunks: Sequence[ForwardChunk], on_layer_done: LayerCallback | None = None
+    ) -> torch.Tensor:
+        """Runs one batch: writes every chunk's KV into its blocks and returns next-token logits.
+
+        Sequences may start anywhere (chunked prefill on top of cached KV); a chunk of one token
+        is a decode. Chunks are independent: a chunk's result does not depend on the others.
+
+        Args:
+            chunks: The sequences of the batch; no two may share a block they write to.
+            on_layer_done: Called with each layer index as soon as that layer's KV for the whole
+                batch is in the cache, so a sender can ship it while later layers compute. On
+                CUDA the write is enqueued, not finished: order any copy on the same stream.
+
+        Returns:
+            ``[len(chunks), vocab_size]`` float32 logits of the last token of each chunk.
+        """
+        if not chunks:
+            raise ValueError("execute needs at least one chunk")
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        input_ids, positions, metadata = self._prepare([chunks[i] for i in order])
+        hidden = self.model(input_ids, positions, self.kv_cache, metadata, on_layer_done)
+        last_rows = torch.cumsum(metadata.query_lens, 0) - 1
+        logits_sorted = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        return logits_sorted[inverse.to(self.device)]
+
+    def _prepare(
+        self, chunks: Sequence[ForwardChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_index: list[int] = []
+        tables: list[Sequence[int]] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        num_decodes = 0
+        for index, chunk in enumerate(chunks):
+            num_new = len(chunk.token_ids)
+            start = chunk.num_computed_tokens
+            context_len = start + num_new
+            num_blocks = -(-context_len // block_size)
+            if num_new == 0 or start < 0 or len(chunk.block_ids) < num_blocks:
+                raise ValueError(
+                    f"chunk {index}: {num_new} new tokens at position {start} need "
+                    f"{num_blocks} blocks, got {len(chunk.block_ids)}"
+                )
+            if num_new == 1:
+                num_decodes += 1
+            else:
+                prefills.append(PrefillSpan(index, len(input_ids), len(input_ids) + num_new, start))
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(start, context_len))
+            seq_index.extend([index] * num_new)
+            tables.append(chunk.block_ids[:num_blocks])
+            query_lens.append(num_new)
+            context_lens.append(context_len)
+        max_blocks = max(len(t) for t in tables)
+        block_table = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in tables])
+        positions_t = torch.tensor(positions)
+        seq_index_t = torch.tensor(seq_index)
+        slot_mapping = (
+            block_table[seq_index_t, positions_t // block_size] * block_size
+            + positions_t % block_size
+        )
+        device = self.device
+        metadata = AttentionMetadata(
+            block_size=block_size,
+            slot_mapping=slot_mapping.to(device),
+            block_table=block_table.to(device),
+            context_lens=torch.tensor(context_lens),
+            query_lens=torch.tensor(query_lens),
+            num_decodes=num_decodes,
+            decode_max_len=max(context_lens[:num_decodes], default=0),
+            prefills=prefills,
+        )
+        return torch.tensor(input_ids, device=device), positions_t.to(device), metadata
