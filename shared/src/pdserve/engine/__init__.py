@@ -60,7 +60,33 @@ _EXPORTS = {
     "SchedulerOutput": "scheduler",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BlockPool",
+    "CacheConfig",
+    "EngineConfig",
+    "FinishReason",
+    "ForwardChunk",
+    "KVBlockData",
+    "KVCache",
+    "KVCacheLayout",
+    "KVCacheManager",
+    "LLMEngine",
+    "ModelConfig",
+    "ModelRunner",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "Sampler",
+    "SamplingParams",
+    "SamplingRow",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "hash_block_tokens",
+    "logical_blocks_touched",
+    "position_seed",
+]
 
 
 def __getattr__(name: str) -> Any:
