@@ -1,0 +1,298 @@
+"""The decode thread: continuous batching over committed leases, preemption with notices.
+
+Each step admits committed requests (FCFS, up to ``max_num_seqs``), makes sure every running
+request has a slot for its next token (preempting the newest running request when the pool is
+short), runs one batched forward pass, samples, and hands one event per request to its sink.
+Events of one request are emitted in order on this one thread, so a preemption notice always
+follows every token of its request.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from pdserve.common.errors import ErrorReason
+from pdserve.decode.leases import Lease, LeaseManager, LeaseState
+from pdserve.engine.runner import ForwardChunk, ModelRunner
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended normally."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+
+class PreemptionReason(enum.Enum):
+    """Why a request was preempted."""
+
+    OUT_OF_BLOCKS = "out_of_blocks"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New tokens; ``first_index`` is the completion index of ``token_ids[0]``."""
+
+    token_ids: tuple[int, ...]
+    first_index: int
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """Terminal: generation ended."""
+
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+@dataclass(frozen=True)
+class PreemptedEvent:
+    """Terminal: preempted after every token in ``generated_token_ids`` was emitted."""
+
+    reason: PreemptionReason
+    generated_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EndedEvent:
+    """Terminal: the lease ended without finishing (aborted, expired or failed).
+
+    ``reason`` overrides the error reason the state implies (e.g. CACHE_SYNC_FAILED).
+    """
+
+    state: LeaseState
+    detail: str = ""
+    reason: ErrorReason | None = None
+
+
+DecodeEvent = TokensEvent | FinishedEvent | PreemptedEvent | EndedEvent
+EventSink = Callable[[DecodeEvent], None]
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """A committed request and its decoding state.
+
+    Attributes:
+        lease: The lease holding its KV (``num_computed_tokens`` tracks the cache).
+        token_ids: Prompt, earlier completion tokens, then every token generated so far; the
+            last one is fed next.
+        num_prompt_tokens: Length of the original prompt within ``token_ids``.
+        sampling: Sampling settings; ``max_tokens`` counts the whole completion.
+        seed: The seed used for every position.
+        sink: Receives this request's events (must be thread-safe).
+    """
+
+    lease: Lease
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    seed: int
+    sink: EventSink
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class DecodeLoop:
+    """Owns the running batch; runs on its own thread.
+
+    Args:
+        runner: Forward passes over the KV cache.
+        leases: The lease table (shared with the event loop).
+        max_num_seqs: Most requests per step.
+        eos_token_ids: End-of-sequence ids of the model.
+        max_model_len: Longest sequence served.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        leases: LeaseManager,
+        max_num_seqs: int,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+    ) -> None:
+        self.runner = runner
+        self.leases = leases
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.sampler = Sampler()
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._running: list[DecodeRequest] = []
+        self._waiting: deque[DecodeRequest] = deque()
+        self._aborts: dict[str, tuple[LeaseState, str]] = {}
+        self._preempt_all: PreemptionReason | None = None
+        self._cond = threading.Condition()
+        self._is_stopped = False
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+
+    # ---- called from other threads ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._is_stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, request: DecodeRequest) -> None:
+        """Queues a committed request for admission."""
+        with self._cond:
+            self._waiting.append(request)
+            self._cond.notify()
+
+    def abort(self, lease_id: str, state: LeaseState, detail: str = "") -> None:
+        """Ends a request at the next step boundary with terminal `state`."""
+        with self._cond:
+            self._aborts[lease_id] = (state, detail)
+            self._cond.notify()
+
+    def preempt_all(self, reason: PreemptionReason) -> None:
+        """Preempts every queued and running request at the next step (used when draining)."""
+        with self._cond:
+            self._preempt_all = reason
+            self._cond.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (
+                    self._is_stopped
+                    or self._running
+                    or self._waiting
+                    or self._aborts
+                    or self._preempt_all
+                ):
+                    self._cond.wait()
+                if self._is_stopped:
+                    return
+                aborts, self._aborts = self._aborts, {}
+                preempt_reason, self._preempt_all = self._preempt_all, None
+                if preempt_reason is not None:
+                    # Draining: every queued request is admitted so that it gets its notice.
+                    while self._waiting:
+                        self._admit(self._waiting.popleft())
+                while self._waiting and len(self._running) < self.max_num_seqs:
+                    self._admit(self._waiting.popleft())
+            try:
+                self._apply_aborts(aborts)
+                if preempt_reason is not None:
+                    for request in reversed(self._running):
+                        self._preempt(request, preempt_reason)
+                if self._running:
+                    self._step()
+            except Exception as error:
+                log.exception("decode_step_failed", error=str(error))
+                for request in list(self._running):
+                    self._end(request, LeaseState.FAILED, f"decode step failed: {error}")
+
+    def _admit(self, request: DecodeRequest) -> None:
+        if not self.leases.transition(request.lease, LeaseState.COMMITTED, LeaseState.RUNNING):
+            return  # released or expired while waiting
+        self._running.append(request)
+        finish = self._check_stop(request)
+        if finish is not None:
+            self._finish(request, finish)
+
+    def _apply_aborts(self, aborts: dict[str, tuple[LeaseState, str]]) -> None:
+        # NOTE: the waiting queue is only read on this thread after admission, so a lease
+        # aborted while waiting is caught by the failed COMMITTED -> RUNNING transition.
+        for request in [r for r in self._running if r.lease.lease_id in aborts]:
+            state, detail = aborts[request.lease.lease_id]
+            self._end(request, state, detail)
+
+    def _step(self) -> None:
+        # Make room for each request's next token, oldest first; preempt the newest if short.
+        for request in list(self._running):
+            if request not in self._running:
+                continue
+            needed = request.lease.num_computed_tokens + 1
+            while not self.leases.extend(request.lease, needed):
+                victim = self._running[-1]
+                self._preempt(victim, PreemptionReason.OUT_OF_BLOCKS)
+                if victim is request:
+                    break
+        if not self._running:
+            return
+        batch = list(self._running)
+        chunks = [
+            ForwardChunk([r.token_ids[-1]], r.lease.num_computed_tokens, r.lease.block_ids)
+            for r in batch
+        ]
+        logits = self.runner.execute(chunks)
+        rows = [SamplingRow(r.sampling, r.seed, r.num_generated_tokens) for r in batch]
+        tokens = self.sampler(logits, rows)
+        self.num_steps += 1
+        for request, token in zip(batch, tokens, strict=True):
+            index = request.num_generated_tokens
+            request.token_ids.append(token)
+            request.lease.num_computed_tokens += 1
+            request.lease.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
+            request.sink(TokensEvent((token,), index))
+            finish = self._check_stop(request)
+            if finish is not None:
+                self._finish(request, finish)
+
+    def _check_stop(self, request: DecodeRequest) -> FinishReason | None:
+        last = request.token_ids[-1]
+        if request.num_generated_tokens > 0:
+            if not request.sampling.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in request.sampling.stop_token_ids:
+                return FinishReason.STOP
+        if request.num_generated_tokens >= request.sampling.max_tokens:
+            return FinishReason.LENGTH
+        if len(request.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: DecodeRequest, reason: FinishReason) -> None:
+        self._running.remove(request)
+        self.leases.end(request.lease, LeaseState.FINISHED)
+        request.sink(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
+
+    def _preempt(self, request: DecodeRequest, reason: PreemptionReason) -> None:
+        self._running.remove(request)
+        self.leases.end(request.lease, LeaseState.PREEMPTED)
+        self.num_preemptions += 1
+        generated = tuple(request.token_ids[request.num_prompt_tokens :])
+        log.info(
+            "request_preempted",
+            request_id=request.lease.request_id,
+            reason=reason.value,
+            num_generated_tokens=len(generated),
+        )
+        request.sink(PreemptedEvent(reason, generated))
+
+    def _end(self, request: DecodeRequest, state: LeaseState, detail: str) -> None:
+        self._running.remove(request)
+        self.leases.end(request.lease, state)
+        request.sink(EndedEvent(state, detail))

@@ -1,0 +1,266 @@
+"""Block leases: admission with headroom, the lease state machine, and exactly-once freeing.
+
+The lease table is shared by the event loop (AllocateBlocks, SyncCache, ReleaseLease, the
+expiry sweep) and the decode thread (admitting committed leases, growing and preempting running
+ones), so every method takes one lock. Ownership rule: once a lease is RUNNING only the decode
+thread ends it, because its blocks may be in use by the forward pass of the current step.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.engine.block_pool import BlockPool
+
+NUM_REMEMBERED_ENDED = 4096
+
+
+class LeaseState(enum.IntEnum):
+    """Lease lifecycle; values at or above FINISHED are terminal."""
+
+    ALLOCATED = 1
+    SYNCING = 2
+    COMMITTED = 3
+    RUNNING = 4
+    FINISHED = 5
+    PREEMPTED = 6
+    ABORTED = 7
+    EXPIRED = 8
+    FAILED = 9
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= LeaseState.FINISHED
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False)
+class Lease:
+    """Blocks granted to one request, and how far the request has come.
+
+    Attributes:
+        lease_id: Unique id on this instance.
+        request_id: The gateway's request id.
+        block_ids: The request's block table (logical block i -> physical block_ids[i]).
+        num_prompt_tokens: Tokens whose KV the prefill ships.
+        max_new_tokens: Tokens the request may still generate when leased.
+        expires_at: Monotonic deadline for commit and attach.
+        num_computed_tokens: Tokens with KV in the cache (grows while decoding).
+        num_remaining_tokens: Tokens still to generate (shrinks while decoding).
+        is_attached: Whether a Generate stream is attached.
+    """
+
+    lease_id: str
+    request_id: str
+    block_ids: list[int]
+    num_prompt_tokens: int
+    max_new_tokens: int
+    expires_at: float
+    state: LeaseState = LeaseState.ALLOCATED
+    num_computed_tokens: int = 0
+    num_remaining_tokens: int = 0
+    is_attached: bool = False
+    created_at: float = field(default_factory=time.monotonic)
+
+
+class LeaseManager:
+    """Grants leases from a `BlockPool` and frees each lease's blocks exactly once.
+
+    Args:
+        pool: The decode's block pool.
+        block_size: Tokens per block.
+        reserve_tokens: Growth headroom per running request, in tokens.
+        ttl_s: Lease lifetime until commit and attach.
+        capacity_retry_s: Retry delay sent with DECODE_CAPACITY_EXHAUSTED.
+        clock: Monotonic clock (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        reserve_tokens: int,
+        ttl_s: float,
+        capacity_retry_s: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.reserve_tokens = reserve_tokens
+        self.ttl_s = ttl_s
+        self.capacity_retry_s = capacity_retry_s
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.is_draining = False
+        self.num_expired = 0
+        self._leases: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, LeaseState] = OrderedDict()
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def _headroom_blocks(self, num_computed: int, num_remaining: int, num_held: int) -> int:
+        wanted = cdiv(num_computed + min(self.reserve_tokens, num_remaining), self.block_size)
+        return max(0, wanted - num_held)
+
+    def num_reserved_blocks(self) -> int:
+        """Free blocks owed to open leases as growth headroom."""
+        with self.lock:
+            return sum(
+                self._headroom_blocks(
+                    lease.num_computed_tokens, lease.num_remaining_tokens, len(lease.block_ids)
+                )
+                for lease in self._leases.values()
+            )
+
+    def allocate(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Lease:
+        """Grants a lease for `num_prompt_tokens` of KV, keeping headroom for running requests.
+
+        Raises:
+            PdserveError: INSTANCE_DRAINING, INVALID_REQUEST, or DECODE_CAPACITY_EXHAUSTED
+                (with a retry delay) when free blocks minus owed headroom do not cover the
+                prompt and its own headroom.
+        """
+        if num_prompt_tokens <= 0 or max_new_tokens <= 0:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST,
+                "num_prompt_tokens and max_new_tokens must be positive",
+                {"requestId": request_id},
+            )
+        num_blocks = cdiv(num_prompt_tokens, self.block_size)
+        own_headroom = self._headroom_blocks(num_prompt_tokens, max_new_tokens, num_blocks)
+        with self.lock:
+            if self.is_draining:
+                raise PdserveError(
+                    ErrorReason.INSTANCE_DRAINING, "decode is draining", {"requestId": request_id}
+                )
+            available = self.pool.num_free_blocks - self.num_reserved_blocks()
+            if num_blocks + own_headroom > available:
+                raise PdserveError(
+                    ErrorReason.DECODE_CAPACITY_EXHAUSTED,
+                    f"needs {num_blocks} blocks (+{own_headroom} headroom), {available} available",
+                    {"requestId": request_id, "numBlocks": str(num_blocks)},
+                    retry_delay_s=self.capacity_retry_s,
+                )
+            lease = Lease(
+                lease_id=uuid.uuid4().hex,
+                request_id=request_id,
+                block_ids=self.pool.allocate(num_blocks),
+                num_prompt_tokens=num_prompt_tokens,
+                max_new_tokens=max_new_tokens,
+                expires_at=self.clock() + self.ttl_s,
+                num_computed_tokens=num_prompt_tokens,
+                num_remaining_tokens=max_new_tokens,
+            )
+            self._leases[lease.lease_id] = lease
+            return lease
+
+    # ---- lookups and transitions -----------------------------------------------------------
+
+    def get(self, lease_id: str) -> Lease:
+        """The open lease `lease_id`.
+
+        Raises:
+            PdserveError: LEASE_EXPIRED if it expired, LEASE_NOT_FOUND if unknown or ended.
+        """
+        with self.lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                return lease
+            if self._ended.get(lease_id) is LeaseState.EXPIRED:
+                raise PdserveError(
+                    ErrorReason.LEASE_EXPIRED, "lease expired", {"leaseId": lease_id}
+                )
+            raise PdserveError(ErrorReason.LEASE_NOT_FOUND, "no such lease", {"leaseId": lease_id})
+
+    def ended_state(self, lease_id: str) -> LeaseState | None:
+        """The terminal state of a recently ended lease, or None."""
+        with self.lock:
+            return self._ended.get(lease_id)
+
+    def transition(self, lease: Lease, expected: LeaseState, new: LeaseState) -> bool:
+        """Moves `lease` from `expected` to non-terminal `new`; False if it was elsewhere."""
+        assert not new.is_terminal, "use end() for terminal states"
+        with self.lock:
+            if lease.state is not expected:
+                return False
+            lease.state = new
+            return True
+
+    def extend(self, lease: Lease, num_tokens: int) -> bool:
+        """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
+        with self.lock:
+            missing = cdiv(num_tokens, self.block_size) - len(lease.block_ids)
+            if missing <= 0:
+                return True
+            if not self.pool.can_allocate(missing):
+                return False
+            lease.block_ids.extend(self.pool.allocate(missing))
+            return True
+
+    def end(self, lease: Lease, state: LeaseState) -> bool:
+        """Puts `lease` into terminal `state` and frees its blocks, once.
+
+        Returns:
+            True if this call ended the lease; False if it had already ended.
+        """
+        assert state.is_terminal
+        with self.lock:
+            if lease.state.is_terminal:
+                return False
+            lease.state = state
+            self.pool.free(lease.block_ids)
+            lease.block_ids = []
+            self._leases.pop(lease.lease_id, None)
+            self._ended[lease.lease_id] = state
+            while len(self._ended) > NUM_REMEMBERED_ENDED:
+                self._ended.popitem(last=False)
+            if state is LeaseState.EXPIRED:
+                self.num_expired += 1
+            return True
+
+    def due_for_expiry(self) -> list[Lease]:
+        """Open leases past their deadline that were never committed and attached."""
+        now = self.clock()
+        with self.lock:
+            return [
+                lease
+                for lease in self._leases.values()
+                if lease.expires_at < now
+                and (lease.state < LeaseState.COMMITTED or not lease.is_attached)
+            ]
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def open_leases(self) -> list[Lease]:
+        with self.lock:
+            return list(self._leases.values())
+
+    def num_leased_blocks(self) -> int:
+        """Blocks held by leases that are not running yet."""
+        with self.lock:
+            return sum(
+                len(lease.block_ids)
+                for lease in self._leases.values()
+                if lease.state < LeaseState.RUNNING
+            )
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless the pool is consistent and leases own disjoint blocks
+        that are exactly the pool's used blocks."""
+        with self.lock:
+            self.pool.check_integrity()
+            owned = [b for lease in self._leases.values() for b in lease.block_ids]
+            assert len(owned) == len(set(owned)), "a block is owned by two leases"
+            assert len(owned) == self.pool.num_used_blocks, (
+                f"leases own {len(owned)} blocks but the pool has {self.pool.num_used_blocks} used"
+            )

@@ -1,0 +1,173 @@
+"""Builds and runs a decode instance: `create_server(config)` then `serve(config)`."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health
+
+from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.common.registration import RegistrationClient
+from pdserve.decode.config import DecodeConfig
+from pdserve.decode.decode_loop import DecodeLoop, PreemptionReason
+from pdserve.decode.leases import LeaseManager
+from pdserve.decode.servicer import DecodeServicer, run_expiry_sweeper
+from pdserve.decode.status import DecodeStatus
+from pdserve.engine.block_pool import BlockPool
+from pdserve.serving.convert import local_protocol
+from pdserve.serving.model_host import ModelHost
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = (
+    decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
+    instance_pb2.DESCRIPTOR.services_by_name["InstanceService"].full_name,
+)
+
+
+@dataclass
+class DecodeInstance:
+    """A running decode server and its parts (what tests and `serve` hold on to)."""
+
+    config: DecodeConfig
+    server: grpc.aio.Server
+    port: int
+    host: ModelHost
+    leases: LeaseManager
+    loop: DecodeLoop
+    servicer: DecodeServicer
+    status: DecodeStatus
+    health: health.aio.HealthServicer
+    registration: RegistrationClient | None
+    _tasks: list[asyncio.Task[None]]
+
+    @property
+    def address(self) -> str:
+        return self.status.instance.address
+
+    async def drain_and_stop(self, timeout_s: float | None = None) -> None:
+        """Refuses new leases, lets running requests finish (up to the timeout), then stops.
+
+        Requests still running at the deadline are preempted with a DRAINING notice so the
+        gateway can continue them elsewhere.
+        """
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self.leases.is_draining = True
+        await self.health.enter_graceful_shutdown()
+        if self.registration is not None:
+            await self.registration.stop()
+        log.info("draining", num_open_leases=len(self.leases.open_leases()))
+        deadline = time.monotonic() + timeout_s
+        while self.leases.open_leases() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.leases.open_leases():
+            self.loop.preempt_all(PreemptionReason.DRAINING)
+            await asyncio.sleep(0.2)  # let the notices reach their streams
+        await self.stop(grace=1.0)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops the server, background tasks and the decode thread."""
+        for task in self._tasks:
+            task.cancel()
+        if self.registration is not None:
+            await self.registration.stop()
+        await self.server.stop(grace)
+        self.loop.stop()
+
+
+async def create_server(config: DecodeConfig, host: ModelHost | None = None) -> DecodeInstance:
+    """Loads the model (unless `host` is given), binds the port and starts serving.
+
+    Args:
+        config: Settings.
+        host: An already loaded model to reuse (tests share one across servers).
+    """
+    if host is None:
+        host = ModelHost.load(
+            config.model,
+            config.served_model_name,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_mb=config.kv_cache_memory_mb,
+            block_size=config.block_size,
+            dtype=config.dtype,
+            device=config.device,
+            max_model_len=config.max_model_len,
+        )
+    leases = LeaseManager(
+        BlockPool(host.num_blocks),
+        host.runner.block_size,
+        config.reserve_tokens,
+        config.lease_ttl_ms / 1000,
+        config.capacity_retry_ms / 1000,
+    )
+    loop = DecodeLoop(
+        host.runner, leases, config.max_num_seqs, host.eos_token_ids, host.max_model_len
+    )
+    servicer = DecodeServicer(host, leases, loop)
+    server = new_aio_server()
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    instance = common_pb2.InstanceInfo(
+        instance_id=config.instance_id or f"decode-{uuid.uuid4().hex[:12]}",
+        role=common_pb2.INSTANCE_ROLE_DECODE,
+        address=config.advertise_address or f"{config.host}:{port}",
+        protocol=local_protocol(),
+        kv_layout=host.kv_layout,
+        model_name=host.served_model_name,
+        max_model_len=host.max_model_len,
+    )
+    servicer.instance_id = instance.instance_id
+    status = DecodeStatus(instance, leases, loop)
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    instance_pb2_grpc.add_InstanceServiceServicer_to_server(status, server)
+    health_servicer = await add_standard_services(server, SERVICE_NAMES)
+    loop.start()
+    await server.start()
+    sweep_interval_s = min(1.0, config.lease_ttl_ms / 1000 / 10)
+    tasks = [asyncio.create_task(run_expiry_sweeper(servicer, sweep_interval_s))]
+    registration = None
+    if config.gateway:
+        registration = RegistrationClient(config.gateway, instance, status.load_report)
+        tasks.append(asyncio.create_task(registration.run()))
+    log.info(
+        "decode_started",
+        address=instance.address,
+        instance_id=instance.instance_id,
+        num_blocks=host.num_blocks,
+        block_size=host.runner.block_size,
+        model=host.served_model_name,
+    )
+    return DecodeInstance(
+        config,
+        server,
+        port,
+        host,
+        leases,
+        loop,
+        servicer,
+        status,
+        health_servicer,
+        registration,
+        tasks,
+    )
+
+
+async def serve(config: DecodeConfig) -> None:
+    """Runs a decode instance until SIGTERM/SIGINT, then drains and exits."""
+    instance = await create_server(config)
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutdown_requested")
+    await instance.drain_and_stop()
+    log.info("decode_stopped")

@@ -1,0 +1,125 @@
+"""Keeps a prefill or decode instance registered with a gateway's RegistryService.
+
+`RegistrationClient.run()` registers, then heartbeats with a fresh load report at the interval
+the gateway asks for. When the gateway answers INSTANCE_NOT_REGISTERED (it restarted or dropped
+the instance) the client registers again; when the gateway is unreachable it keeps retrying
+with capped backoff. `stop()` deregisters (best effort) and ends the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import grpc
+
+from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.common.logging import get_logger
+from pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+
+log = get_logger(__name__)
+
+DEFAULT_INTERVAL_S = 1.0
+MAX_BACKOFF_S = 5.0
+RPC_TIMEOUT_S = 5.0
+
+
+class RegistrationClient:
+    """Registers `instance` with the gateway at `gateway_address` and heartbeats its load.
+
+    Args:
+        gateway_address: "host:port" of the gateway's gRPC server.
+        instance: What to register (identity, address, protocol, KV layout).
+        load_report: Called before every register/heartbeat for the current load.
+    """
+
+    def __init__(
+        self,
+        gateway_address: str,
+        instance: common_pb2.InstanceInfo,
+        load_report: Callable[[], common_pb2.LoadReport],
+    ) -> None:
+        self.gateway_address = gateway_address
+        self.instance = instance
+        self.load_report = load_report
+        self.interval_s = DEFAULT_INTERVAL_S
+        self.num_registrations = 0
+        self.is_registered = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._channel = insecure_channel(gateway_address)
+        self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
+
+    async def run(self) -> None:
+        """Registers and heartbeats until `stop()`; never raises for gateway trouble."""
+        backoff_s = self.interval_s
+        while not self._stopping.is_set():
+            try:
+                if not self.is_registered.is_set():
+                    await self._register()
+                else:
+                    await self._heartbeat()
+                backoff_s = self.interval_s
+                await self._sleep(self.interval_s)
+            except PdserveError as error:
+                if error.reason is ErrorReason.INSTANCE_NOT_REGISTERED:
+                    log.info("registration_lost", instance_id=self.instance.instance_id)
+                    self.is_registered.clear()
+                    continue
+                log.warning(
+                    "registration_failed",
+                    gateway=self.gateway_address,
+                    reason=error.reason.name,
+                    detail=error.message,
+                )
+                self.is_registered.clear()
+                await self._sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
+
+    async def stop(self) -> None:
+        """Deregisters (best effort) and ends `run()`."""
+        self._stopping.set()
+        if self.is_registered.is_set():
+            try:
+                await self._stub.Deregister(
+                    registry_pb2.DeregisterRequest(instance_id=self.instance.instance_id),
+                    timeout=RPC_TIMEOUT_S,
+                )
+                log.info("deregistered", instance_id=self.instance.instance_id)
+            except grpc.RpcError as error:
+                log.warning("deregister_failed", reason=from_rpc_error(error).reason.name)
+        self.is_registered.clear()
+        await self._channel.close()
+
+    async def _register(self) -> None:
+        request = registry_pb2.RegisterRequest(instance=self.instance, load=self.load_report())
+        try:
+            response = await self._stub.Register(request, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        if response.heartbeat_interval_ms:
+            self.interval_s = response.heartbeat_interval_ms / 1000
+        self.num_registrations += 1
+        self.is_registered.set()
+        log.info(
+            "registered",
+            gateway=self.gateway_address,
+            instance_id=self.instance.instance_id,
+            heartbeat_interval_ms=response.heartbeat_interval_ms,
+        )
+
+    async def _heartbeat(self) -> None:
+        request = registry_pb2.HeartbeatRequest(
+            instance_id=self.instance.instance_id, load=self.load_report()
+        )
+        try:
+            response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from None
+        if response.heartbeat_interval_ms:
+            self.interval_s = response.heartbeat_interval_ms / 1000
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)

@@ -1,0 +1,105 @@
+"""Loads a model for serving: the runner, its KV layout and identity, and its tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.common.model_identity import model_id as compute_model_id
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.runner import ModelRunner
+from pdserve.serving.convert import kv_layout_to_proto
+from pdserve.v1 import common_pb2
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory to serve: `model`, or the built-in demo model when None."""
+    if model:
+        path = Path(model).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return path
+    from pdserve.engine.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@dataclass
+class ModelHost:
+    """A loaded model with everything a server publishes about it.
+
+    Attributes:
+        model_dir: Where the checkpoint lives.
+        served_model_name: Name clients use.
+        runner: Forward passes on the paged KV cache.
+        kv_layout: The KvLayout message (with fingerprint) peers must match.
+        max_model_len: Longest sequence served.
+        eos_token_ids: Ids that end a completion unless ignore_eos.
+    """
+
+    model_dir: Path
+    served_model_name: str
+    runner: ModelRunner
+    kv_layout: common_pb2.KvLayout
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def load(
+        cls,
+        model: str | None,
+        served_model_name: str | None,
+        *,
+        num_blocks: int | None,
+        kv_cache_memory_mb: int,
+        block_size: int,
+        dtype: str,
+        device: str,
+        max_model_len: int | None,
+    ) -> ModelHost:
+        """Loads the checkpoint and allocates the KV cache.
+
+        Raises:
+            ValueError: For a missing directory or bad settings.
+        """
+        model_dir = resolve_model_dir(model)
+        cache = CacheConfig(
+            block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory_mb << 20
+        )
+        engine_config = EngineConfig(
+            model=str(model_dir),
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            cache=cache,
+        )
+        runner = ModelRunner.load(engine_config)
+        name = served_model_name or model_dir.name
+        limit = runner.model_config.max_position_embeddings
+        return cls(
+            model_dir=model_dir,
+            served_model_name=name,
+            runner=runner,
+            kv_layout=kv_layout_to_proto(runner.kv_cache.layout, compute_model_id(name, model_dir)),
+            max_model_len=min(max_model_len or limit, limit),
+            eos_token_ids=tuple(runner.model_config.eos_token_ids),
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.kv_cache.num_blocks
+
+    def tokenizer_files(self) -> tuple[str, str, str]:
+        """(tokenizer.json text, tokenizer_config.json text, chat template), '' where absent."""
+        tokenizer_json = _read_text(self.model_dir / "tokenizer.json")
+        config_text = _read_text(self.model_dir / "tokenizer_config.json")
+        template = _read_text(self.model_dir / "chat_template.jinja")
+        if not template and config_text:
+            value = json.loads(config_text).get("chat_template", "")
+            template = value if isinstance(value, str) else ""
+        return tokenizer_json, config_text, template
+
+
+def _read_text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""

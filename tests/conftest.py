@@ -1,0 +1,39 @@
+"""Fixtures shared by the service test suites: tiny checkpoints built locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def build_tiny_llama(path: Path, *, num_layers: int = 2, vocab_size: int = 320) -> Path:
+    """Saves a tiny random Llama checkpoint (transformers is a test-only dependency)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama checkpoint directory shared by the whole session."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,188 @@
+"""A local 'prefill' that computes and ships real KV, and a client for a real decode server."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.decode.server import DecodeInstance
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.runner import ForwardChunk
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.convert import local_protocol, sampling_to_proto
+from pdserve.serving.kv_transfer import sync_cache_header, sync_cache_messages
+from pdserve.serving.model_host import ModelHost
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
+
+BLOCK_SIZE = 4
+
+
+def load_host(model_dir: Path, num_blocks: int) -> ModelHost:
+    return ModelHost.load(
+        str(model_dir),
+        "tiny",
+        num_blocks=num_blocks,
+        kv_cache_memory_mb=64,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+        device="cpu",
+        max_model_len=None,
+    )
+
+
+@dataclass
+class Prefilled:
+    """A prompt whose KV sits in the local sender's cache."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int]
+    first_token_id: int
+
+    @property
+    def first_token_index(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class LocalPrefill:
+    """Plays the prefill's part with the real engine: computes KV, ships it, and also
+    continues decoding locally to give the single-process reference."""
+
+    host: ModelHost
+    pool: BlockPool = field(init=False)
+    sampler: Sampler = field(default_factory=Sampler)
+
+    def __post_init__(self) -> None:
+        self.pool = BlockPool(self.host.num_blocks)
+
+    def prefill(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        generated: tuple[int, ...] = (),
+    ) -> Prefilled:
+        tokens = [*prompt, *generated]
+        block_ids = self.pool.allocate(-(-len(tokens) // BLOCK_SIZE))
+        logits = self.host.runner.execute([ForwardChunk(tokens, 0, block_ids)])
+        first = self.sampler(logits, [SamplingRow(sampling, sampling.seed or 0, len(generated))])
+        return Prefilled(request_id, tokens, len(prompt), sampling, block_ids, first[0])
+
+    def reference(self, prompt: list[int], sampling: SamplingParams) -> list[int]:
+        """Single-process output: prefill then decode here, greedy or seeded."""
+        eos = set(self.host.eos_token_ids)
+        tokens = list(prompt)
+        block_ids = self.pool.allocate(-(-(len(prompt) + sampling.max_tokens) // BLOCK_SIZE))
+        output: list[int] = []
+        chunk = ForwardChunk(tokens, 0, block_ids)
+        try:
+            while True:
+                logits = self.host.runner.execute([chunk])
+                row = SamplingRow(sampling, sampling.seed or 0, len(output))
+                token = self.sampler(logits, [row])[0]
+                output.append(token)
+                if len(output) >= sampling.max_tokens:
+                    return output
+                if (token in eos and not sampling.ignore_eos) or token in sampling.stop_token_ids:
+                    return output
+                chunk = ForwardChunk([token], len(tokens), block_ids)
+                tokens.append(token)
+        finally:
+            self.pool.free(block_ids)
+
+    def sync_messages(
+        self, prefilled: Prefilled, lease_id: str
+    ) -> Iterator[decode_pb2.SyncCacheRequest]:
+        header = sync_cache_header(
+            lease_id,
+            prefilled.request_id,
+            prefilled.token_ids,
+            prefilled.num_prompt_tokens,
+            sampling_to_proto(prefilled.sampling),
+        )
+        return sync_cache_messages(
+            self.host.runner.kv_cache,
+            prefilled.block_ids,
+            header,
+            prefilled.first_token_id,
+            prefilled.first_token_index,
+            max_chunk_bytes=1024,  # one block per chunk: many chunks
+        )
+
+    def free(self, prefilled: Prefilled) -> None:
+        self.pool.free(prefilled.block_ids)
+
+
+@dataclass
+class DecodeClient:
+    """Stubs for one decode server plus the steps of a handoff."""
+
+    instance: DecodeInstance
+    channel: grpc.aio.Channel
+    local: LocalPrefill
+
+    @property
+    def decode(self) -> decode_pb2_grpc.DecodeServiceStub:
+        return decode_pb2_grpc.DecodeServiceStub(self.channel)
+
+    async def allocate(
+        self, prefilled: Prefilled, max_new_tokens: int | None = None
+    ) -> decode_pb2.Lease:
+        response = await self.decode.AllocateBlocks(
+            decode_pb2.AllocateBlocksRequest(
+                request_id=prefilled.request_id,
+                num_prompt_tokens=len(prefilled.token_ids),
+                max_new_tokens=max_new_tokens or prefilled.sampling.max_tokens,
+                kv_layout=self.local.host.kv_layout,
+                protocol=local_protocol(),
+            )
+        )
+        return response.lease
+
+    async def sync(self, prefilled: Prefilled, lease_id: str) -> decode_pb2.SyncCacheResponse:
+        return await self.decode.SyncCache(iter(self.local.sync_messages(prefilled, lease_id)))
+
+    async def collect(self, lease_id: str, request_id: str = "") -> list[object]:
+        """Every Generate message, as ('tokens', ids, first_index) / ('finished', msg) /
+        ('preemption', notice)."""
+        out: list[object] = []
+        request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
+        async for message in self.decode.Generate(request):
+            kind = message.WhichOneof("event")
+            if kind == "tokens":
+                out.append(("tokens", list(message.tokens.token_ids), message.tokens.first_index))
+            else:
+                out.append((kind, getattr(message, kind)))
+        return out
+
+    async def pool(self) -> instance_pb2.GetInstanceStatusResponse:
+        stub = instance_pb2_grpc.InstanceServiceStub(self.channel)
+        return await stub.GetInstanceStatus(
+            instance_pb2.GetInstanceStatusRequest(check_integrity=True)
+        )
+
+    async def assert_whole(self) -> None:
+        """Invariant 3: the pool is consistent and every block is free again."""
+        status = await self.pool()
+        assert status.pool.is_consistent, status.pool.detail
+        assert status.pool.num_open_leases == 0
+        assert status.pool.num_free_blocks == status.pool.num_total_blocks
+
+
+def tokens_of(messages: list[object]) -> tuple[list[int], list[int]]:
+    """(token ids in order, their completion indices) from `collect` output."""
+    ids: list[int] = []
+    indices: list[int] = []
+    for message in messages:
+        if message[0] == "tokens":  # type: ignore[index]
+            _, batch, first = message  # type: ignore[misc]
+            ids.extend(batch)
+            indices.extend(range(first, first + len(batch)))
+    return ids, indices
