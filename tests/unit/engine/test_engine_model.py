@@ -1,0 +1,94 @@
+"""The engine's model against transformers: logits and greedy tokens, per architecture."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
+
+# fp32 on CPU: both sides use the same kernels up to fused projections and summation order.
+LOGITS_ATOL = 1e-4
+NUM_NEW_TOKENS = 40
+
+EngineFactory = Callable[..., LLMEngine]
+ModelFactory = Callable[[str], torch.nn.Module]
+PromptFactory = Callable[..., list[list[int]]]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_tokens_match_transformers(
+    arch: str, make_engine: EngineFactory, hf_model: ModelFactory, prompts: PromptFactory
+) -> None:
+    engine = make_engine(arch)
+    batch = prompts(3, seed=11, min_len=10, max_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outputs = engine.generate(batch, params)
+    for prompt, output in zip(batch, outputs, strict=True):
+        assert len(output) == NUM_NEW_TOKENS
+        assert output == hf_greedy(hf_model(arch), prompt, NUM_NEW_TOKENS)
+
+
+def test_logits_match_transformers_at_every_position(
+    arch: str, make_engine: EngineFactory, hf_model: ModelFactory, prompts: PromptFactory
+) -> None:
+    """Prefill a prompt, then feed the rest one token at a time; compare each position."""
+    engine = make_engine(arch)
+    sequence = prompts(1, seed=5, min_len=60, max_len=60)[0]
+    with torch.no_grad():
+        reference = hf_model(arch)(torch.tensor([sequence])).logits[0]
+    num_prompt = 20
+    block_ids = engine.block_pool.allocate(4)
+    ours = [engine.runner.execute([ForwardChunk(sequence[:num_prompt], 0, block_ids)])[0]]
+    for position in range(num_prompt, len(sequence)):
+        chunk = ForwardChunk([sequence[position]], position, block_ids)
+        ours.append(engine.runner.execute([chunk])[0])
+    torch.testing.assert_close(
+        torch.stack(ours), reference[num_prompt - 1 :], atol=LOGITS_ATOL, rtol=0
+    )
+
+
+def test_mistral_sliding_window_changes_attention(
+    make_engine: EngineFactory, hf_model: ModelFactory, prompts: PromptFactory
+) -> None:
+    """The window (24) is shorter than the sequence, so ignoring it would change the logits."""
+    engine = make_engine("mistral")
+    sequence = prompts(1, seed=9, min_len=50, max_len=50)[0]
+    logits = engine.runner.execute([ForwardChunk(sequence, 0, engine.block_pool.allocate(4))])[0]
+    model = hf_model("mistral")
+    with torch.no_grad():
+        windowed = model(torch.tensor([sequence])).logits[0, -1]
+        window = model.config.sliding_window
+        model.config.sliding_window = None
+        try:
+            full = model(torch.tensor([sequence])).logits[0, -1]
+        finally:
+            model.config.sliding_window = window
+    torch.testing.assert_close(logits, windowed, atol=LOGITS_ATOL, rtol=0)
+    assert (logits - full).abs().max() > 100 * LOGITS_ATOL
+
+
+def test_bfloat16_runs_close_to_float32(make_engine: EngineFactory, prompts: PromptFactory) -> None:
+    sequence = prompts(1, seed=3, min_len=30, max_len=30)[0]
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = make_engine("llama3", dtype=dtype)
+        assert engine.kv_cache.kv.dtype == getattr(torch, dtype)
+        chunk = ForwardChunk(sequence, 0, engine.block_pool.allocate(2))
+        logits[dtype] = engine.runner.execute([chunk])[0]
+    assert logits["bfloat16"].dtype == torch.float32
+    error = (logits["bfloat16"] - logits["float32"]).abs().max()
+    assert 0 < error < 0.25
