@@ -10,6 +10,8 @@ import grpc
 
 from pdserve.decode.server import DecodeInstance
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
@@ -52,12 +54,13 @@ class Prefilled:
 
 @dataclass
 class LocalPrefill:
-    """Plays the prefill's part with the real engine: computes KV, ships it, and also
-    continues decoding locally to give the single-process reference."""
+    """Plays the prefill's part with the real engine (computes KV and ships it), and gives
+    the single-process `LLMEngine` reference output."""
 
     host: ModelHost
     pool: BlockPool = field(init=False)
     sampler: Sampler = field(default_factory=Sampler)
+    engine: LLMEngine | None = None
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.host.num_blocks)
@@ -76,26 +79,14 @@ class LocalPrefill:
         return Prefilled(request_id, tokens, len(prompt), sampling, block_ids, first[0])
 
     def reference(self, prompt: list[int], sampling: SamplingParams) -> list[int]:
-        """Single-process output: prefill then decode here, greedy or seeded."""
-        eos = set(self.host.eos_token_ids)
-        tokens = list(prompt)
-        block_ids = self.pool.allocate(-(-(len(prompt) + sampling.max_tokens) // BLOCK_SIZE))
-        output: list[int] = []
-        chunk = ForwardChunk(tokens, 0, block_ids)
-        try:
-            while True:
-                logits = self.host.runner.execute([chunk])
-                row = SamplingRow(sampling, sampling.seed or 0, len(output))
-                token = self.sampler(logits, [row])[0]
-                output.append(token)
-                if len(output) >= sampling.max_tokens:
-                    return output
-                if (token in eos and not sampling.ignore_eos) or token in sampling.stop_token_ids:
-                    return output
-                chunk = ForwardChunk([token], len(tokens), block_ids)
-                tokens.append(token)
-        finally:
-            self.pool.free(block_ids)
+        """The single-process engine's output for the same prompt and sampling."""
+        if self.engine is None:
+            config = EngineConfig(
+                model=str(self.host.model_dir),
+                cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256),
+            )
+            self.engine = LLMEngine(config)
+        return self.engine.generate([prompt], sampling)[0]
 
     def sync_messages(
         self, prefilled: Prefilled, lease_id: str

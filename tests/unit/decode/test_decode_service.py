@@ -220,7 +220,7 @@ async def test_stream_broken_by_the_sender_frees_blocks(client: DecodeClient) ->
 
     never = asyncio.Event()
 
-    async def send_some_then_hang():  # noqa: ANN202
+    async def send_some_then_hang():
         for message in messages[:4]:
             yield message
         await never.wait()
