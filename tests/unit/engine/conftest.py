@@ -142,12 +142,14 @@ def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., LLMEngine]:
         block_size: int = 16,
         enable_prefix_caching: bool = False,
         dtype: str = "float32",
+        max_model_len: int | None = None,
         runner: ModelRunner | None = None,
         **scheduler: Any,
     ) -> LLMEngine:
         config = EngineConfig(
             model=str(checkpoint(name)),
             dtype=dtype,
+            max_model_len=max_model_len,
             seed=0,
             cache=CacheConfig(
                 block_size=block_size,
