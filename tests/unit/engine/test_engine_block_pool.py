@@ -1,0 +1,87 @@
+"""Block pool: reference counts, prefix hashes, and an integrity check that catches damage."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import BlockPool, hash_block_tokens
+
+
+def test_allocate_free_and_counts() -> None:
+    pool = BlockPool(8)
+    assert pool.can_allocate(8) and not pool.can_allocate(9)
+    first = pool.allocate(3)
+    second = pool.allocate(5)
+    assert sorted(first + second) == list(range(8))
+    assert pool.num_free_blocks == 0 and pool.num_used_blocks == 8
+    with pytest.raises(ValueError, match="cannot allocate"):
+        pool.allocate(1)
+    pool.free(first)
+    assert pool.num_free_blocks == 3
+    pool.check_integrity()
+    with pytest.raises(ValueError, match="not in use"):
+        pool.free([first[0]])
+    pool.check_integrity()
+
+
+def test_shared_blocks_are_freed_by_the_last_reference() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.touch(blocks)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 2
+    pool.free(blocks)
+    assert pool.num_free_blocks == 4
+    pool.check_integrity()
+
+
+def test_least_recently_freed_blocks_are_reused_first() -> None:
+    pool = BlockPool(4)
+    blocks = pool.allocate(4)
+    pool.free([blocks[2], blocks[0]])
+    assert pool.allocate(1) == [blocks[2]]
+
+
+def test_hash_is_chained_over_parent_and_tokens() -> None:
+    root = hash_block_tokens(None, [1, 2, 3, 4])
+    assert root == hash_block_tokens(None, [1, 2, 3, 4])
+    assert root != hash_block_tokens(None, [1, 2, 3, 5])
+    child = hash_block_tokens(root, [9, 9, 9, 9])
+    other_parent = hash_block_tokens(hash_block_tokens(None, [0, 2, 3, 4]), [9, 9, 9, 9])
+    assert child != other_parent
+
+
+def test_cached_free_block_is_revived_or_evicted() -> None:
+    pool = BlockPool(3, enable_prefix_caching=True)
+    block_hash = hash_block_tokens(None, [7, 7])
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, block_hash)
+    pool.free([block])
+    assert pool.get_cached_block(block_hash) == block and pool.num_free_blocks == 3
+    pool.touch([block])  # a prefix hit takes it back out of the free queue
+    assert pool.num_free_blocks == 2 and pool.ref_counts[block] == 1
+    pool.free([block])
+    pool.allocate(3)  # reusing every block evicts the cached hash
+    assert pool.get_cached_block(block_hash) is None
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda pool: pool.ref_counts.__setitem__(0, 1),  # referenced block left in free queue
+        lambda pool: pool.ref_counts.__setitem__(5, 0),  # used block lost: not free, no refs
+        lambda pool: pool.ref_counts.__setitem__(5, -1),
+        lambda pool: pool._free.__setitem__(99, None),  # id out of range
+        lambda pool: pool._block_of_hash.__setitem__(b"x", 5),  # hash maps disagree
+    ],
+)
+def test_integrity_check_catches_damage(damage: object) -> None:
+    pool = BlockPool(8, enable_prefix_caching=True)
+    pool.allocate(6)
+    pool.free([0])
+    pool.check_integrity()
+    assert callable(damage)
+    damage(pool)
+    with pytest.raises(AssertionError):
+        pool.check_integrity()
