@@ -1,11 +1,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 import structlog
 
 from pdserve.common.logging import configure_logging, get_logger
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()
 
 
 def test_json_lines_carry_service_and_bound_context(capsys: pytest.CaptureFixture[str]) -> None:

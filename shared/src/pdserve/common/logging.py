@@ -49,10 +49,15 @@ def configure_logging(service: str, level: str = "info", *, json: bool = True) -
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # NOTE: resolve sys.stderr per call, so a replaced stream (tests, daemons) is honoured.
+        logger_factory=_stderr_logger,
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr, force=True)
+
+
+def _stderr_logger(*_: Any) -> structlog.PrintLogger:
+    return structlog.PrintLogger(sys.stderr)
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
