@@ -1,0 +1,1 @@
+"""`pdserve up`: runs a whole cluster (gateway, prefills, decodes) as separate processes."""

@@ -1,0 +1,105 @@
+"""`pdserve`: cluster commands. `pdserve up` runs gateway + prefills + decodes locally."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from pdserve.common.config import add_arguments, from_args
+from pdserve.launcher.cluster import Cluster, ClusterConfig
+
+EPILOG = """examples:
+  pdserve up                                   # demo model, 1 prefill, 1 decode, REST on 8000
+  pdserve up --decodes 2 --decode-args "--num-blocks 64"
+  pdserve up --model /models/Llama-3.2-1B-Instruct --port 9000
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve cluster commands")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser(
+        "up",
+        help="run a gateway, prefills and decodes as local processes",
+        description=(
+            "Starts a gateway, N prefill and M decode instances as separate processes that "
+            "register with the gateway, waits until they are ready, prints the URLs, and "
+            "stops them all (draining first) on Ctrl-C."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(up, ClusterConfig)
+    return parser
+
+
+def _banner(cluster: Cluster) -> str:
+    url = cluster.rest_url
+    counts = f"{len(cluster.prefills)} prefill, {len(cluster.decodes)} decode"
+    return f"""
+pdserve is up: {counts} (logs: {cluster.log_dir})
+  REST (OpenAI API): {url}/v1
+  gRPC (pdserve.v1.GenerationService): {cluster.grpc_address}
+
+  curl {url}/v1/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{_model_name(cluster)}", "prompt": "Hello", "max_tokens": 16}}'
+
+Press Ctrl-C to stop.
+"""
+
+
+def _model_name(cluster: Cluster) -> str:
+    for child in cluster.decodes:
+        for record in child.events:
+            if record.get("event") == "decode_started" and record.get("model"):
+                return str(record["model"])
+    return "demo-llama-v1"
+
+
+def up(config: ClusterConfig) -> int:
+    cluster = Cluster(config)
+    stopping = False
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    print("starting pdserve ...", flush=True)
+    try:
+        cluster.start()
+    except RuntimeError as error:
+        print(f"pdserve up failed: {error}", file=sys.stderr)
+        return 1
+    print(_banner(cluster), flush=True)
+    status = 0
+    while not stopping:
+        crashed = cluster.first_exited()
+        if crashed is not None:
+            print(f"\n{crashed.describe_exit()}", file=sys.stderr)
+            status = 1
+            break
+        time.sleep(0.5)
+    print("stopping: draining prefills and decodes, then the gateway ...", flush=True)
+    cluster.stop()
+    print("stopped.", flush=True)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = from_args(ClusterConfig, args)
+    except ValueError as error:
+        print(f"pdserve: {error}", file=sys.stderr)
+        return 2
+    return up(config)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

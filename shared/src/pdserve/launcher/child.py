@@ -1,0 +1,115 @@
+"""One supervised service process: its log file, the events it logs, and its last lines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+NUM_TAIL_LINES = 40
+
+
+class ChildProcess:
+    """A service started as ``python -m <module> <args>``, stderr captured line by line.
+
+    Every line goes to `log_path`; JSON lines are parsed so the supervisor can wait for events
+    such as ``decode_started`` (which carries the bound address) or ``registered``.
+
+    Args:
+        name: Short name for messages, e.g. "decode-0".
+        argv: The command line.
+        log_path: Where its output is written.
+        env: Environment of the process.
+    """
+
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.tail: deque[str] = deque(maxlen=NUM_TAIL_LINES)
+        self.events: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._log = log_path.open("w", buffering=1)
+        self.process = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,  # Ctrl-C in the terminal reaches only the supervisor
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self._log.write(line)
+            self.tail.append(line.rstrip("\n"))
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                with self._cond:
+                    self.events.append(record)
+                    self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def wait_for_event(self, event: str, timeout_s: float) -> dict[str, Any]:
+        """The first logged record whose ``event`` is `event`, waiting up to `timeout_s`.
+
+        Raises:
+            RuntimeError: If the process exits first or the time runs out.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for record in self.events:
+                    if record.get("event") == event:
+                        return record
+                if self.process.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(self.describe_exit(f"exited before logging {event}"))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RuntimeError(f"{self.name} did not log {event} within {timeout_s:.0f}s")
+                self._cond.wait(min(remaining, 0.2))
+
+    def describe_exit(self, what: str = "exited") -> str:
+        """A report of the process's end: status and the last lines it printed."""
+        code = self.process.poll()
+        tail = "\n".join(f"    {line}" for line in self.tail)
+        return f"{self.name} (pid {self.pid}) {what} with status {code}; last output:\n{tail}"
+
+    def signal(self, sig: int) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self._reader.join(timeout=2)
+        self._log.close()

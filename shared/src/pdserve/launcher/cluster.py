@@ -1,0 +1,144 @@
+"""Starts a gateway, N prefills and M decodes as processes, waits until they are ready, and
+stops them in order (backends drain first, then the gateway)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.launcher.child import ChildProcess
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Settings of `pdserve up`; field help texts are its ``--help``."""
+
+    model: str | None = field(
+        default=None, metadata={"help": "model directory; the built-in demo model when unset"}
+    )
+    prefills: int = field(default=1, metadata={"help": "number of prefill instances"})
+    decodes: int = field(default=1, metadata={"help": "number of decode instances"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
+    port: int = field(default=8000, metadata={"help": "gateway REST port (OpenAI API)"})
+    grpc_port: int = field(
+        default=50050, metadata={"help": "gateway gRPC port (GenerationService, registry)"}
+    )
+    prefill_args: str = field(
+        default="", metadata={"help": 'extra flags for every prefill, e.g. "--num-blocks 512"'}
+    )
+    decode_args: str = field(
+        default="", metadata={"help": 'extra flags for every decode, e.g. "--num-blocks 32"'}
+    )
+    gateway_args: str = field(default="", metadata={"help": "extra flags for the gateway"})
+    log_dir: str | None = field(
+        default=None, metadata={"help": "where each service's log goes; a temp dir when unset"}
+    )
+    startup_timeout_s: float = field(
+        default=120.0, metadata={"help": "how long services may take to become ready"}
+    )
+    log_level: str = field(
+        default="info",
+        metadata={"help": "log level of the services", "choices": ("debug", "info", "warning")},
+    )
+
+    def __post_init__(self) -> None:
+        if self.prefills < 1 or self.decodes < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode")
+        for name in ("prefill_args", "decode_args", "gateway_args"):
+            shlex.split(getattr(self, name))  # raises ValueError for unbalanced quotes
+
+
+class Cluster:
+    """The processes of one cluster.
+
+    Args:
+        config: What to start.
+        env: Environment for the services (defaults to this process's).
+    """
+
+    def __init__(self, config: ClusterConfig, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.env = dict(os.environ if env is None else env)
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.gateway: ChildProcess | None = None
+        self.prefills: list[ChildProcess] = []
+        self.decodes: list[ChildProcess] = []
+        self.http_port = 0
+        self.grpc_port = 0
+
+    @property
+    def children(self) -> list[ChildProcess]:
+        return [c for c in (self.gateway, *self.prefills, *self.decodes) if c is not None]
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://{self.config.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.config.host}:{self.grpc_port}"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
+        argv = [sys.executable, "-m", module, *args, "--log-level", self.config.log_level]
+        return ChildProcess(name, argv, self.log_dir / f"{name}.log", self.env)
+
+    def start(self) -> None:
+        """Starts everything and returns once every backend registered with the gateway.
+
+        Raises:
+            RuntimeError: If a service exits or is not ready in time (everything is stopped).
+        """
+        config = self.config
+        try:
+            model = config.model or _demo_model_dir()
+            self.gateway = self._spawn(
+                "gateway",
+                "pdserve.gateway",
+                ["--host", config.host, "--port", str(config.port),
+                 "--grpc-port", str(config.grpc_port), *shlex.split(config.gateway_args)],
+            )  # fmt: skip
+            started = self.gateway.wait_for_event("gateway_started", config.startup_timeout_s)
+            self.http_port, self.grpc_port = started["http_port"], started["grpc_port"]
+            common = ["--model", model, "--host", config.host, "--port", "0",
+                      "--gateway", self.grpc_address]  # fmt: skip
+            for i in range(config.prefills):
+                args = [*common, *shlex.split(config.prefill_args)]
+                self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))
+            for i in range(config.decodes):
+                args = [*common, *shlex.split(config.decode_args)]
+                self.decodes.append(self._spawn(f"decode-{i}", "pdserve.decode", args))
+            deadline = time.monotonic() + config.startup_timeout_s
+            for child in [*self.prefills, *self.decodes]:
+                child.wait_for_event("registered", max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop(timeout_s=5)
+            raise
+
+    def first_exited(self) -> ChildProcess | None:
+        """A child that has exited, if any."""
+        return next((c for c in self.children if c.returncode is not None), None)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the backends (they drain), then to the gateway; SIGKILL what remains."""
+        for group in ([*self.prefills, *self.decodes], [self.gateway]):
+            members = [c for c in group if c is not None]
+            for child in members:
+                child.signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for child in members:
+                child.wait(max(0.1, deadline - time.monotonic()))
+        for child in self.children:
+            child.close()
+
+
+def _demo_model_dir() -> str:
+    from pdserve.engine.demo import ensure_demo_model
+
+    return str(ensure_demo_model())
