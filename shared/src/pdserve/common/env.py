@@ -28,3 +28,42 @@ def cache_dir() -> Path:
     value = os.environ.get(ENV_CACHE_DIR, "").strip()
     path = Path(value) if value else DEFAULT_CACHE_DIR
     return path.expanduser().absolute()
+
+
+ENV_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+ENV_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+ENV_TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
+
+
+def otlp_traces_endpoint() -> str | None:
+    """The OTLP endpoint that the standard OpenTelemetry variables ask traces to go to.
+
+    Returns ``None`` (tracing off) when ``OTEL_TRACES_EXPORTER`` is ``none`` or no endpoint is
+    set; ``OTEL_TRACES_EXPORTER=otlp`` alone means the OTLP default ``localhost:4317``.
+    """
+    exporter = os.environ.get(ENV_TRACES_EXPORTER, "").strip().lower()
+    if exporter == "none":
+        return None
+    endpoint = (
+        os.environ.get(ENV_OTLP_TRACES_ENDPOINT, "").strip()
+        or os.environ.get(ENV_OTLP_ENDPOINT, "").strip()
+    )
+    if endpoint:
+        return endpoint
+    return "localhost:4317" if exporter == "otlp" else None
+
+
+ENV_FAULT_CORRUPT_KV = "PDSERVE_FAULT_CORRUPT_KV"
+"""Fault injection for chaos tests: corrupt the KV of matching requests (off when unset)."""
+
+
+def fault_corrupt_kv() -> str | None:
+    """The request-id pattern whose KV a prefill corrupts on purpose, or ``None`` (off).
+
+    ``$PDSERVE_FAULT_CORRUPT_KV`` is an `fnmatch` pattern over request ids (``*`` matches every
+    request). For each matching request the prefill flips one byte of the first KV chunk it
+    ships after computing the chunk's checksum, so the decode must refuse the transfer. Unset
+    or empty (the default) turns the fault off.
+    """
+    value = os.environ.get(ENV_FAULT_CORRUPT_KV, "").strip()
+    return value or None

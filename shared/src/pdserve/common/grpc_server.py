@@ -8,6 +8,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.common import telemetry
+
 # NOTE: KV chunks are sized below this; 64 MiB leaves room for large prompts' token lists.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
@@ -17,8 +19,13 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 def new_aio_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """An aio server with pdserve's message limits."""
-    return grpc.aio.server(interceptors=list(interceptors), options=list(CHANNEL_OPTIONS))
+    """An aio server with pdserve's message limits (and trace propagation when tracing is on)."""
+    chain = list(interceptors)
+    if telemetry.is_enabled():
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+        chain.insert(0, aio_server_interceptor())
+    return grpc.aio.server(interceptors=chain, options=list(CHANNEL_OPTIONS))
 
 
 async def add_standard_services(
@@ -40,5 +47,12 @@ async def add_standard_services(
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    """An aio client channel with pdserve's message limits."""
-    return grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))
+    """An aio client channel with pdserve's message limits (and trace propagation)."""
+    interceptors = None
+    if telemetry.is_enabled():
+        from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+        interceptors = aio_client_interceptors()
+    return grpc.aio.insecure_channel(
+        address, options=list(CHANNEL_OPTIONS), interceptors=interceptors
+    )

@@ -1,6 +1,7 @@
 """structlog setup shared by every service: JSON lines on stderr with the service name.
 
-Events are snake_case names with key-value context, never sentences:
+Lines logged inside a span carry its ``trace_id`` and ``span_id``. Events are snake_case
+names with key-value context, never sentences:
 ``log.info("lease_granted", request_id=..., num_blocks=...)``. Context bound with
 `structlog.contextvars.bind_contextvars` (for example ``request_id``) is added to every line
 logged in that context.
@@ -14,6 +15,8 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
+
+from pdserve.common.telemetry import add_trace_ids
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -44,6 +47,7 @@ def configure_logging(service: str, level: str = "info", *, json: bool = True) -
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             add_service,
+            add_trace_ids,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
             renderer,
