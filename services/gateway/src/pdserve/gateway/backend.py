@@ -1,0 +1,120 @@
+"""What the orchestrator needs from prefill and decode instances, in plain data.
+
+`Backend` is the seam between the orchestrator's logic and the wire: `pdserve.gateway.clients`
+implements it over gRPC, and a test may implement it in memory. Every failure surfaces as a
+`BackendError` that wraps the typed `PdserveError` and says who sent it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdserve.common.errors import PdserveError
+from pdserve.gateway.request import FinishReason, Sampling
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    """One Prefill RPC: a prompt (plus earlier completion tokens) for a chosen decode.
+
+    Attributes:
+        token_ids: The prompt, followed on a reschedule by the completion tokens so far.
+        num_prompt_tokens: Length of the original prompt within `token_ids`.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    sampling: Sampling
+    decode_address: str
+    decode_instance_id: str
+
+
+@dataclass(frozen=True)
+class FirstTokenEvent:
+    """Prefill sampled the first token of this attempt."""
+
+    token_id: int
+    index: int
+
+
+@dataclass(frozen=True)
+class HandedOffEvent:
+    """The decode owns the request now; attach to it with `lease_id`."""
+
+    lease_id: str
+    decode_instance_id: str
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """The completion ended (terminal event of a prefill or decode stream)."""
+
+    finish_reason: FinishReason | None
+    num_completion_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokenBatchEvent:
+    """Tokens a decode generated, starting at completion index `first_index`."""
+
+    token_ids: tuple[int, ...]
+    first_index: int
+
+
+@dataclass(frozen=True)
+class PreemptionEvent:
+    """The decode preempted the request after every token in `generated_token_ids`."""
+
+    reason: str
+    num_generated_tokens: int
+    generated_token_ids: tuple[int, ...] = field(default=())
+
+
+PrefillEvent = FirstTokenEvent | HandedOffEvent | FinishedEvent
+DecodeEvent = TokenBatchEvent | PreemptionEvent | FinishedEvent
+
+
+class BackendError(Exception):
+    """A failed call to an instance.
+
+    Attributes:
+        error: The typed error (re-created from the status, or derived from its code).
+        is_from_server: True when the status carried a pdserve.v1 ErrorInfo, i.e. the server
+            itself reported `error`; False for transport failures (connection refused or lost,
+            a server that died mid-stream).
+    """
+
+    def __init__(self, error: PdserveError, *, is_from_server: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.is_from_server = is_from_server
+
+
+class Backend(Protocol):
+    """Calls to prefill and decode instances. Every method raises `BackendError` on failure."""
+
+    def prefill(
+        self, address: str, call: PrefillCall, timeout_s: float
+    ) -> AsyncIterator[PrefillEvent]:
+        """Streams the events of one Prefill RPC; closing the iterator cancels the call."""
+        ...
+
+    async def abort_request(self, address: str, request_id: str, timeout_s: float) -> None:
+        """Aborts a prefill request (PrefillService.AbortRequest)."""
+        ...
+
+    def generate(
+        self, address: str, request_id: str, lease_id: str, timeout_s: float
+    ) -> AsyncIterator[DecodeEvent]:
+        """Streams a decode's events for a lease; closing the iterator cancels the call."""
+        ...
+
+    async def release_lease(
+        self, address: str, lease_id: str, request_id: str, timeout_s: float
+    ) -> None:
+        """Releases a decode lease (DecodeService.ReleaseLease, idempotent)."""
+        ...
