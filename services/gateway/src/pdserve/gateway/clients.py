@@ -1,0 +1,145 @@
+"""gRPC clients of prefill and decode instances, behind the plain `Backend` interface.
+
+One channel per address, reused by every request. Every `grpc.aio.AioRpcError` becomes a
+`BackendError` carrying the typed `PdserveError` (classified by its ErrorInfo reason, or by
+the status code when the status carries none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
+
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.gateway import convert
+from pdserve.gateway.backend import BackendError, DecodeEvent, PrefillCall, PrefillEvent
+from pdserve.gateway.instance import InstanceInfo, LoadReport
+from pdserve.gateway.model_info import ModelFiles
+from pdserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    instance_pb2,
+    instance_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+
+def backend_error(error: grpc.RpcError) -> BackendError:
+    """Wraps a failed call's status as a `BackendError`."""
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    has_details = any(key == rpc_status.GRPC_DETAILS_METADATA_KEY for key, _ in trailing or ())
+    return BackendError(from_rpc_error(error), is_from_server=has_details)
+
+
+class GrpcBackend:
+    """`Backend` over gRPC, plus the status, health and model-info calls the gateway makes."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The shared channel to `address` (created on first use)."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = insecure_channel(address)
+        return channel
+
+    async def close(self) -> None:
+        """Closes every channel."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+    async def prefill(
+        self, address: str, call: PrefillCall, timeout_s: float
+    ) -> AsyncIterator[PrefillEvent]:
+        """Streams one Prefill RPC's events; closing the iterator cancels the call."""
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+        rpc = stub.Prefill(convert.prefill_request_to_pb(call), timeout=timeout_s)
+        try:
+            async for message in rpc:
+                event = convert.prefill_event_from_pb(message)
+                if event is not None:
+                    yield event
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+        finally:
+            rpc.cancel()
+
+    async def abort_request(self, address: str, request_id: str, timeout_s: float) -> None:
+        """PrefillService.AbortRequest."""
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+        try:
+            await stub.AbortRequest(
+                prefill_pb2.AbortRequestRequest(request_id=request_id), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+
+    async def generate(
+        self, address: str, request_id: str, lease_id: str, timeout_s: float
+    ) -> AsyncIterator[DecodeEvent]:
+        """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
+        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
+        request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
+        rpc = stub.Generate(request, timeout=timeout_s)
+        try:
+            async for message in rpc:
+                event = convert.decode_event_from_pb(message)
+                if event is not None:
+                    yield event
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+        finally:
+            rpc.cancel()
+
+    async def release_lease(
+        self, address: str, lease_id: str, request_id: str, timeout_s: float
+    ) -> None:
+        """DecodeService.ReleaseLease."""
+        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
+        try:
+            await stub.ReleaseLease(
+                decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id),
+                timeout=timeout_s,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+
+    async def get_model_files(self, address: str, timeout_s: float = 10.0) -> ModelFiles:
+        """PrefillService.GetModelInfo."""
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+        try:
+            response = await stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+        return convert.model_files_from_pb(response)
+
+    async def get_instance_status(
+        self, address: str, timeout_s: float
+    ) -> tuple[InstanceInfo, LoadReport]:
+        """InstanceService.GetInstanceStatus (counts only, no integrity pass)."""
+        stub = instance_pb2_grpc.InstanceServiceStub(self.channel(address))
+        try:
+            response = await stub.GetInstanceStatus(
+                instance_pb2.GetInstanceStatusRequest(), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+        return convert.instance_status_from_pb(response)
+
+    async def is_serving(self, address: str, timeout_s: float) -> bool:
+        """Whether grpc.health.v1 reports the server SERVING (False on any failure)."""
+        stub = health_pb2_grpc.HealthStub(self.channel(address))
+        try:
+            response = await stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,271 @@
+"""The gateway's only translation between pdserve.v1 messages and its plain dataclasses.
+
+Servicers and gRPC clients call these functions at the edge; the registry, router,
+orchestrator and text handling never see a protobuf message.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.protocol import FEATURES, PROTOCOL_VERSION
+from pdserve.gateway.backend import (
+    DecodeEvent,
+    FinishedEvent,
+    FirstTokenEvent,
+    HandedOffEvent,
+    PreemptionEvent,
+    PrefillCall,
+    PrefillEvent,
+    TokenBatchEvent,
+)
+from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
+from pdserve.gateway.model_info import ModelFiles
+from pdserve.gateway.pipeline import ChatMessage, GenerationParams, OutputDelta, PromptKind
+from pdserve.gateway.request import FinishReason, Sampling, Usage
+from pdserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    generation_pb2,
+    instance_pb2,
+    prefill_pb2,
+)
+
+_ROLES = {
+    common_pb2.INSTANCE_ROLE_PREFILL: InstanceRole.PREFILL,
+    common_pb2.INSTANCE_ROLE_DECODE: InstanceRole.DECODE,
+}
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+}
+_FINISH_REASONS_PB = {value: key for key, value in _FINISH_REASONS.items()}
+
+
+def local_protocol() -> common_pb2.Protocol:
+    """The gateway's own Protocol message."""
+    return common_pb2.Protocol(version=PROTOCOL_VERSION, features=list(FEATURES))
+
+
+# Instances -------------------------------------------------------------------------------------
+
+
+def kv_layout_from_pb(message: common_pb2.KvLayout) -> KvLayout:
+    """KvLayout message -> `KvLayout`."""
+    return KvLayout(
+        model_id=message.model_id,
+        num_layers=message.num_layers,
+        num_kv_heads=message.num_kv_heads,
+        head_dim=message.head_dim,
+        dtype=common_pb2.KvDtype.Name(message.dtype),
+        block_size=message.block_size,
+        fingerprint=message.fingerprint,
+    )
+
+
+def instance_info_from_pb(message: common_pb2.InstanceInfo) -> InstanceInfo:
+    """InstanceInfo message -> `InstanceInfo`.
+
+    Raises:
+        PdserveError: INVALID_REQUEST when the role is unset.
+    """
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST,
+            "instance.role must be INSTANCE_ROLE_PREFILL or INSTANCE_ROLE_DECODE",
+            {"instanceId": message.instance_id},
+        )
+    return InstanceInfo(
+        instance_id=message.instance_id,
+        role=role,
+        address=message.address,
+        protocol_version=message.protocol.version,
+        features=tuple(message.protocol.features),
+        kv_layout=kv_layout_from_pb(message.kv_layout),
+        model_name=message.model_name,
+        max_model_len=message.max_model_len,
+        metrics_address=message.metrics_address,
+    )
+
+
+def load_from_pb(message: common_pb2.LoadReport) -> LoadReport:
+    """LoadReport message -> `LoadReport`."""
+    return LoadReport(
+        num_queued_prompt_tokens=message.num_queued_prompt_tokens,
+        num_queued_requests=message.num_queued_requests,
+        num_running_requests=message.num_running_requests,
+        num_free_blocks=message.num_free_blocks,
+        num_total_blocks=message.num_total_blocks,
+        num_leased_blocks=message.num_leased_blocks,
+        num_reserved_blocks=message.num_reserved_blocks,
+        is_draining=message.is_draining,
+    )
+
+
+def instance_status_from_pb(
+    message: instance_pb2.GetInstanceStatusResponse,
+) -> tuple[InstanceInfo, LoadReport]:
+    """GetInstanceStatusResponse -> (`InstanceInfo`, `LoadReport`)."""
+    return instance_info_from_pb(message.instance), load_from_pb(message.load)
+
+
+def model_files_from_pb(message: prefill_pb2.GetModelInfoResponse) -> ModelFiles:
+    """GetModelInfoResponse -> `ModelFiles`.
+
+    Raises:
+        ValueError: If tokenizer_config_json is not a JSON object.
+    """
+    config = json.loads(message.tokenizer_config_json) if message.tokenizer_config_json else None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError("tokenizer_config_json must be a JSON object")
+    return ModelFiles(
+        model_name=message.model_name,
+        tokenizer_json=message.tokenizer_json,
+        tokenizer_config=config,
+        chat_template=message.chat_template or None,
+        eos_token_ids=tuple(message.eos_token_ids),
+        max_model_len=message.max_model_len,
+    )
+
+
+# Prefill and decode ----------------------------------------------------------------------------
+
+
+def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
+    """`Sampling` -> SamplingParams message (unset optionals stay unset)."""
+    message = common_pb2.SamplingParams(
+        seed=sampling.seed,
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+    if sampling.temperature is not None:
+        message.temperature = sampling.temperature
+    if sampling.top_p is not None:
+        message.top_p = sampling.top_p
+    if sampling.top_k is not None:
+        message.top_k = sampling.top_k
+    return message
+
+
+def prefill_request_to_pb(call: PrefillCall) -> prefill_pb2.PrefillRequest:
+    """`PrefillCall` -> PrefillRequest message."""
+    return prefill_pb2.PrefillRequest(
+        request_id=call.request_id,
+        token_ids=list(call.token_ids),
+        num_prompt_tokens=call.num_prompt_tokens,
+        sampling=sampling_to_pb(call.sampling),
+        decode=prefill_pb2.DecodeTarget(
+            address=call.decode_address, instance_id=call.decode_instance_id
+        ),
+        protocol=local_protocol(),
+    )
+
+
+def _finished_from_pb(message: common_pb2.Finished) -> FinishedEvent:
+    return FinishedEvent(
+        finish_reason=_FINISH_REASONS.get(message.finish_reason),
+        num_completion_tokens=message.usage.num_completion_tokens,
+        num_cached_prompt_tokens=message.usage.num_cached_prompt_tokens,
+    )
+
+
+def prefill_event_from_pb(message: prefill_pb2.PrefillResponse) -> PrefillEvent | None:
+    """PrefillResponse -> event; None for an empty message (no event set)."""
+    kind = message.WhichOneof("event")
+    if kind == "first_token":
+        return FirstTokenEvent(message.first_token.token_id, message.first_token.index)
+    if kind == "handed_off":
+        return HandedOffEvent(message.handed_off.lease_id, message.handed_off.decode_instance_id)
+    if kind == "finished":
+        return _finished_from_pb(message.finished)
+    return None
+
+
+def decode_event_from_pb(message: decode_pb2.DecodeServiceGenerateResponse) -> DecodeEvent | None:
+    """DecodeServiceGenerateResponse -> event; None for an empty message."""
+    kind = message.WhichOneof("event")
+    if kind == "tokens":
+        return TokenBatchEvent(tuple(message.tokens.token_ids), message.tokens.first_index)
+    if kind == "preemption":
+        notice = message.preemption
+        return PreemptionEvent(
+            reason=decode_pb2.PreemptionReason.Name(notice.reason),
+            num_generated_tokens=notice.num_generated_tokens,
+            generated_token_ids=tuple(notice.generated_token_ids),
+        )
+    if kind == "finished":
+        return _finished_from_pb(message.finished)
+    return None
+
+
+# Public GenerationService ----------------------------------------------------------------------
+
+
+def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> GenerationParams:
+    """GenerateRequest -> `GenerationParams` (validated later, like a REST request).
+
+    Raises:
+        PdserveError: INVALID_REQUEST when no input or no sampling is given.
+    """
+    kind = message.WhichOneof("input")
+    if kind is None:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST,
+            "one of text, token_ids or chat is required",
+            {"param": "input"},
+        )
+    if not message.HasField("sampling"):
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST, "sampling.max_tokens is required", {"param": "sampling"}
+        )
+    sampling = message.sampling
+    params = GenerationParams(
+        model=message.model,
+        kind=PromptKind.CHAT if kind == "chat" else PromptKind.COMPLETION,
+        text=message.text if kind == "text" else None,
+        token_ids=tuple(message.token_ids.token_ids) if kind == "token_ids" else None,
+        messages=tuple(ChatMessage(m.role, m.content) for m in message.chat.messages)
+        if kind == "chat"
+        else None,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else None,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
+        top_k=sampling.top_k if sampling.HasField("top_k") else None,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        client_request_id=message.request_id or None,
+        user=message.user or None,
+    )
+    return params
+
+
+def usage_to_pb(usage: Usage) -> common_pb2.Usage:
+    """`Usage` -> Usage message."""
+    return common_pb2.Usage(
+        num_prompt_tokens=usage.num_prompt_tokens,
+        num_completion_tokens=usage.num_completion_tokens,
+        num_cached_prompt_tokens=usage.num_cached_prompt_tokens,
+    )
+
+
+def generate_response_to_pb(
+    request_id: str, delta: OutputDelta, prompt_token_ids: tuple[int, ...] = ()
+) -> generation_pb2.GenerateResponse:
+    """`OutputDelta` -> GenerateResponse (finish reason and usage only on the last one)."""
+    message = generation_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=list(delta.token_ids),
+        first_index=delta.first_index,
+        text=delta.text,
+        prompt_token_ids=list(prompt_token_ids),
+    )
+    if delta.finish_reason is not None:
+        message.finish_reason = _FINISH_REASONS_PB[delta.finish_reason]
+    if delta.usage is not None:
+        message.usage.CopyFrom(usage_to_pb(delta.usage))
+    return message

@@ -1,0 +1,392 @@
+"""What the REST and gRPC front ends share: validate, tokenize, orchestrate, detokenize.
+
+A front end turns its request into `GenerationParams`, calls `Pipeline.prepare` (which raises
+a typed `PdserveError` for anything wrong, before any instance is asked to work) and then
+iterates `Pipeline.stream`, which yields `OutputDelta`s: text and token ids as they arrive, and
+a last delta with the finish reason and exact usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import math
+import random
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.model_info import ModelInfo, ModelInfoStore
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.registry import Registry
+from pdserve.gateway.request import (
+    FinishReason,
+    GenerationEnd,
+    GenerationRequest,
+    Sampling,
+    Usage,
+)
+from pdserve.gateway.router import Router
+from pdserve.gateway.text import CompletionText
+from pdserve.tokenizer import ChatTemplateError, Tokenizer
+
+log = structlog.get_logger("pdserve.gateway.pipeline")
+
+MAX_SEED = 2**63
+
+
+class PromptKind(enum.Enum):
+    """Which API a request came through (decides the default max_tokens)."""
+
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat message."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A generation request as a front end parsed it, not yet validated.
+
+    Exactly one of `text`, `token_ids` and `messages` is set. Unset sampling fields (None)
+    take the model's defaults; `max_tokens` None takes the API's default.
+    """
+
+    model: str
+    kind: PromptKind
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    client_request_id: str | None = None
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready to stream."""
+
+    request: GenerationRequest
+    stop: tuple[str, ...]
+    tokenizer: Tokenizer
+    client_request_id: str | None = None
+    user: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """One step of a completion stream.
+
+    Attributes:
+        text: New text (may lag `token_ids`).
+        token_ids: New completion tokens.
+        first_index: Completion index of ``token_ids[0]`` (or the token count so far).
+        finish_reason: Set on the last delta only.
+        usage: Set on the last delta only.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    first_index: int
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A served model with at least one compatible prefill/decode pair."""
+
+    name: str
+    max_model_len: int
+    num_prefill_instances: int
+    num_decode_instances: int
+
+
+def _invalid(message: str, param: str) -> PdserveError:
+    return PdserveError(ErrorReason.INVALID_REQUEST, message, {"param": param})
+
+
+def _check_sampling(params: GenerationParams) -> None:
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise _invalid(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
+    if params.temperature is not None and not (
+        math.isfinite(params.temperature) and params.temperature >= 0
+    ):
+        raise _invalid(f"temperature must be >= 0, got {params.temperature}", "temperature")
+    if params.top_p is not None and not 0 < params.top_p <= 1:
+        raise _invalid(f"top_p must be in (0, 1], got {params.top_p}", "top_p")
+    if params.top_k is not None and params.top_k < 0:
+        raise _invalid(f"top_k must be >= 0 (0 disables it), got {params.top_k}", "top_k")
+    if params.seed is not None and not 0 <= params.seed < MAX_SEED:
+        raise _invalid(f"seed must be in [0, 2**63), got {params.seed}", "seed")
+    if any(not stop for stop in params.stop):
+        raise _invalid("stop strings must not be empty", "stop")
+    if any(token_id < 0 for token_id in params.stop_token_ids):
+        raise _invalid("stop_token_ids must be >= 0", "stop_token_ids")
+    num_inputs = sum(x is not None for x in (params.text, params.token_ids, params.messages))
+    if num_inputs != 1:
+        raise _invalid("exactly one of a text prompt, token ids or messages is required", "prompt")
+
+
+class Pipeline:
+    """Validation, tokenization and streaming of requests for every front end.
+
+    Args:
+        registry: Known instances (for model names and limits).
+        router: Pair availability.
+        model_infos: Tokenizers per model.
+        orchestrator: Runs requests.
+        metrics: Outcome counters.
+        default_max_tokens: max_tokens of a completion request that sets none.
+        request_timeout_s: Bound of one request, retries included.
+        rng: Source of seeds for requests without one.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        model_infos: ModelInfoStore,
+        orchestrator: Orchestrator,
+        metrics: GatewayMetrics,
+        *,
+        default_max_tokens: int = 16,
+        request_timeout_s: float = 600.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._registry = registry
+        self._router = router
+        self._model_infos = model_infos
+        self._orchestrator = orchestrator
+        self._metrics = metrics
+        self._default_max_tokens = default_max_tokens
+        self._request_timeout_s = request_timeout_s
+        self._rng = rng or random.SystemRandom()
+        self._num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.is_draining = False
+
+    @property
+    def num_active_requests(self) -> int:
+        """Requests streaming right now."""
+        return self._num_active
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no request is streaming; returns False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def list_models(self) -> list[ModelSummary]:
+        """Models that have at least one compatible prefill/decode pair now."""
+        models = []
+        for name in sorted(self._registry.model_names()):
+            if not self._router.has_pair(name):
+                continue
+            prefills = self._router.candidates(InstanceRole.PREFILL, name)
+            decodes = self._router.candidates(InstanceRole.DECODE, name)
+            models.append(
+                ModelSummary(name, self._max_model_len(name), len(prefills), len(decodes))
+            )
+        return models
+
+    def _max_model_len(self, model: str, info: ModelInfo | None = None) -> int:
+        limits = [e.info.max_model_len for e in self._registry.alive(model_name=model)]
+        if info is not None:
+            limits.append(info.max_model_len)
+        limits = [limit for limit in limits if limit > 0]
+        return min(limits) if limits else 0
+
+    async def prepare(self, params: GenerationParams) -> PreparedRequest:
+        """Validates and tokenizes a request.
+
+        Raises:
+            PdserveError: INVALID_REQUEST or PROMPT_TOO_LONG (400), MODEL_NOT_FOUND (404),
+                NO_HEALTHY_INSTANCES when no prefill can provide the tokenizer (503),
+                INSTANCE_DRAINING while the gateway shuts down (503).
+        """
+        if self.is_draining:
+            raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
+        _check_sampling(params)
+        if not params.model:
+            raise _invalid("model is required", "model")
+        if params.model not in self._registry.model_names():
+            raise PdserveError(
+                ErrorReason.MODEL_NOT_FOUND,
+                f"the model {params.model!r} does not exist",
+                {"param": "model", "model": params.model},
+            )
+        prefill_addresses = [
+            e.info.address for e in self._router.candidates(InstanceRole.PREFILL, params.model)
+        ]
+        info = await self._model_infos.get(params.model, prefill_addresses)
+        tokenizer = info.tokenizer
+        prompt_token_ids = self._tokenize(params, tokenizer)
+        vocab_size = tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise _invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise _invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+        max_model_len = self._max_model_len(params.model, info)
+        num_prompt_tokens = len(prompt_token_ids)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            if params.kind is PromptKind.CHAT and max_model_len > num_prompt_tokens:
+                max_tokens = max_model_len - num_prompt_tokens
+            else:
+                max_tokens = self._default_max_tokens
+        if max_model_len and num_prompt_tokens + max_tokens > max_model_len:
+            raise PdserveError(
+                ErrorReason.PROMPT_TOO_LONG,
+                f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                f"exceeds the model's maximum length of {max_model_len} tokens",
+                {"param": "max_tokens" if params.max_tokens else "prompt"},
+            )
+        seed = params.seed if params.seed is not None else self._rng.randrange(MAX_SEED)
+        request = GenerationRequest(
+            request_id=uuid.uuid4().hex,
+            model=params.model,
+            prompt_token_ids=tuple(prompt_token_ids),
+            sampling=Sampling(
+                seed=seed,
+                max_tokens=max_tokens,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                stop_token_ids=params.stop_token_ids,
+                ignore_eos=params.ignore_eos,
+            ),
+            eos_token_ids=info.eos_token_ids,
+        )
+        return PreparedRequest(
+            request, params.stop, tokenizer, params.client_request_id, params.user
+        )
+
+    @staticmethod
+    def _tokenize(params: GenerationParams, tokenizer: Tokenizer) -> list[int]:
+        if params.messages is not None:
+            if not params.messages:
+                raise _invalid("messages must not be empty", "messages")
+            messages = [{"role": m.role, "content": m.content} for m in params.messages]
+            try:
+                token_ids = tokenizer.encode_chat(messages)
+            except ChatTemplateError as exc:
+                raise _invalid(f"messages cannot be rendered: {exc}", "messages") from exc
+        elif params.token_ids is not None:
+            token_ids = list(params.token_ids)
+        else:
+            token_ids = tokenizer.encode(params.text or "")
+        if not token_ids:
+            raise _invalid("the prompt is empty", "prompt")
+        return token_ids
+
+    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[OutputDelta]:
+        """Runs a prepared request.
+
+        Yields:
+            Deltas of text and tokens; the last one has finish_reason and usage.
+
+        Raises:
+            PdserveError: The error that ended the request.
+        """
+        request = prepared.request
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
+        end: GenerationEnd | None = None
+        outcome = "cancelled"
+        self._num_active += 1
+        self._idle.clear()
+        try:
+            events = self._orchestrator.run(request, started + self._request_timeout_s)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, GenerationEnd):
+                        end = event
+                        break
+                    step = text.add(event.token_ids)
+                    if step.text or step.token_ids:
+                        yield OutputDelta(step.text, step.token_ids, event.first_index)
+                    if step.is_stopped:
+                        break
+            finish_reason = (
+                FinishReason.STOP if text.is_stopped or end is None else end.finish_reason
+            )
+            usage = Usage(
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_completion_tokens=text.num_tokens,
+                num_cached_prompt_tokens=end.num_cached_prompt_tokens if end else 0,
+            )
+            final = OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
+            outcome = "finished"
+            log.info(
+                "request_finished",
+                request_id=request.request_id,
+                client_request_id=prepared.client_request_id,
+                user=prepared.user,
+                model=request.model,
+                finish_reason=finish_reason.value,
+                is_stop_string=text.is_stopped,
+                num_prompt_tokens=usage.num_prompt_tokens,
+                num_completion_tokens=usage.num_completion_tokens,
+                num_attempts=end.num_attempts if end else None,
+                num_reschedules=end.num_reschedules if end else None,
+                duration_s=round(loop.time() - started, 4),
+            )
+            yield final
+        except PdserveError as error:
+            outcome = error.reason.name
+            log.warning(
+                "request_failed",
+                request_id=request.request_id,
+                client_request_id=prepared.client_request_id,
+                model=request.model,
+                reason=error.reason.name,
+                message=error.message,
+                num_completion_tokens=text.num_tokens,
+                duration_s=round(loop.time() - started, 4),
+            )
+            raise
+        finally:
+            if outcome == "cancelled":
+                log.info(
+                    "request_cancelled",
+                    request_id=request.request_id,
+                    client_request_id=prepared.client_request_id,
+                    num_completion_tokens=text.num_tokens,
+                    duration_s=round(loop.time() - started, 4),
+                )
+            self._metrics.requests.labels(outcome=outcome).inc()
+            self._num_active -= 1
+            if self._num_active == 0:
+                self._idle.set()

@@ -1,0 +1,109 @@
+"""The tokens a request has delivered, kept exact across retries by completion index.
+
+Every token from a prefill or decode carries its completion index. `CompletionProgress`
+appends a token only at the next index, drops tokens it already delivered (a retried attempt
+resends them), reports a gap (a token index past the next one), and stops accepting once the
+completion is over: a stop token or end-of-sequence id, or ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import structlog
+
+from pdserve.gateway.request import FinishReason, GenerationRequest, TokenChunk
+
+log = structlog.get_logger("pdserve.gateway.progress")
+
+
+class Accepted(NamedTuple):
+    """What one batch of indexed tokens added.
+
+    Attributes:
+        chunk: The tokens new to the consumer, or None when there are none.
+        has_gap: A token's index was beyond the next one: tokens are missing, so the rest of
+            the batch was not accepted.
+    """
+
+    chunk: TokenChunk | None
+    has_gap: bool = False
+
+
+class CompletionProgress:
+    """The completion tokens of one request delivered so far.
+
+    Args:
+        request: The request (its prompt, max_tokens and stop ids).
+    """
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self._request = request
+        self._token_ids: list[int] = []
+        self._finish_reason: FinishReason | None = None
+        self._num_mismatches = 0
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every completion token delivered, in order."""
+        return tuple(self._token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens delivered (the next token's completion index)."""
+        return len(self._token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still allowed by max_tokens."""
+        return max(0, self._request.sampling.max_tokens - len(self._token_ids))
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why the completion is over by the gateway's own count, or None while it is not."""
+        return self._finish_reason
+
+    @property
+    def num_mismatches(self) -> int:
+        """Resent tokens that differed from what was delivered at the same index."""
+        return self._num_mismatches
+
+    def continuation_token_ids(self) -> tuple[int, ...]:
+        """Prompt plus delivered tokens: what a rescheduled attempt prefills."""
+        return (*self._request.prompt_token_ids, *self._token_ids)
+
+    def accept(self, token_ids: Sequence[int], first_index: int) -> Accepted:
+        """Adds indexed tokens; returns those new to the consumer.
+
+        Args:
+            token_ids: Consecutive tokens.
+            first_index: Completion index of ``token_ids[0]``.
+        """
+        new: list[int] = []
+        start = len(self._token_ids)
+        for offset, token_id in enumerate(token_ids):
+            if self._finish_reason is not None:
+                break
+            index = first_index + offset
+            if index < len(self._token_ids):
+                if self._token_ids[index] != token_id:
+                    # NOTE: the client already has the delivered token; keep it and log.
+                    self._num_mismatches += 1
+                    log.warning(
+                        "resent_token_mismatch",
+                        request_id=self._request.request_id,
+                        index=index,
+                        delivered_token_id=self._token_ids[index],
+                        resent_token_id=token_id,
+                    )
+                continue
+            if index > len(self._token_ids):
+                return Accepted(TokenChunk(tuple(new), start) if new else None, has_gap=True)
+            self._token_ids.append(token_id)
+            new.append(token_id)
+            if self._request.is_stop_token(token_id):
+                self._finish_reason = FinishReason.STOP
+            elif len(self._token_ids) >= self._request.sampling.max_tokens:
+                self._finish_reason = FinishReason.LENGTH
+        return Accepted(TokenChunk(tuple(new), start) if new else None)
