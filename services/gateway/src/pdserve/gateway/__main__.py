@@ -1,0 +1,61 @@
+"""``pdserve-gateway``: the OpenAI-compatible front door of a pdserve cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+from pdserve.common.config import add_arguments, from_args
+from pdserve.common.logging import configure_logging
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.server import serve
+
+DESCRIPTION = """\
+Serves the OpenAI-compatible REST API (GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions with SSE streaming, GET /health, GET /metrics) and the public gRPC
+GenerationService, and runs the registry that prefill and decode instances join over
+RegistryService (on the gRPC port). Each request is prefilled on one instance and decoded on
+another; capacity refusals, lost instances and preemptions are retried or rescheduled so the
+client sees one seamless stream, or a typed OpenAI-style error.
+"""
+
+EPILOG = """\
+examples:
+  # instances register themselves at this gateway's gRPC port (50050)
+  pdserve-gateway --port 8000 --grpc-port 50050
+  # or name them statically; they are polled for health and load
+  pdserve-gateway --prefill 10.0.0.5:50061 --decode 10.0.0.6:50071 --decode 10.0.0.7:50071
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "demo", "prompt": "Hello", "max_tokens": 16}'
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser; every flag is a `GatewayConfig` field."""
+    parser = argparse.ArgumentParser(
+        prog="pdserve-gateway",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(parser, GatewayConfig)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses flags, configures logging and serves until SIGTERM/SIGINT."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(GatewayConfig, args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging("gateway", config.log_level, json=config.log_format == "json")
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

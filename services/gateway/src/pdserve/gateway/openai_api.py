@@ -1,0 +1,351 @@
+"""The OpenAI-compatible REST API (FastAPI).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
+streaming as server-sent events ending in ``data: [DONE]``, or a single JSON body),
+``GET /health`` and ``GET /metrics``. Errors are OpenAI error bodies
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of their reason
+(``code`` is the lower-case pdserve.v1 reason) and ``Retry-After`` where a delay helps.
+
+A streaming request is answered only once its first token exists, so errors before it (no
+capacity, bad prompt) still get their own HTTP status rather than a 200 with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.gateway.auth import check_bearer
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.pipeline import OutputDelta, Pipeline, PreparedRequest
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_body(message: str, status: int, code: str, param: str | None = None) -> dict[str, Any]:
+    """An OpenAI error body."""
+    error_type = _ERROR_TYPES.get(
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(error: PdserveError) -> JSONResponse:
+    """The HTTP response for a typed error (status from REASON_SPECS, Retry-After if known)."""
+    status = error.http_status
+    headers = {}
+    if error.retry_delay_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_delay_s)))
+    elif status == 429:
+        headers["Retry-After"] = "1"
+    body = error_body(
+        error.message or error.reason.name,
+        status,
+        error.reason.name.lower(),
+        error.metadata.get("param"),
+    )
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    payload = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {payload}\n\n"
+
+
+def _usage(delta: OutputDelta) -> dict[str, Any] | None:
+    if delta.usage is None:
+        return None
+    usage: dict[str, Any] = {
+        "prompt_tokens": delta.usage.num_prompt_tokens,
+        "completion_tokens": delta.usage.num_completion_tokens,
+        "total_tokens": delta.usage.num_total_tokens,
+    }
+    if delta.usage.num_cached_prompt_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": delta.usage.num_cached_prompt_tokens}
+    return usage
+
+
+class _EventStreamResponse(StreamingResponse):
+    """An SSE response that always closes its event generator, even on client disconnect."""
+
+    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+class _Responder:
+    """Shapes one request's deltas as a completion or chat completion (stream or not)."""
+
+    def __init__(self, is_chat: bool, prepared: PreparedRequest, model: str, body: Any) -> None:
+        self.is_chat = is_chat
+        self.prepared = prepared
+        self.model = model
+        self.return_token_ids = bool(body.return_token_ids)
+        self.include_usage = bool(body.include_usage)
+        self.response_id = ("chatcmpl-" if is_chat else "cmpl-") + prepared.request_id
+        self.created = int(time.time())
+        self.object_name = "chat.completion" if is_chat else "text_completion"
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def full(self, deltas: list[OutputDelta]) -> dict[str, Any]:
+        """The non-streamed response body."""
+        text = "".join(d.text for d in deltas)
+        last = deltas[-1]
+        choice: dict[str, Any] = {"index": 0, "logprobs": None}
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None
+        if self.return_token_ids:
+            choice["prompt_token_ids"] = list(self.prepared.prompt_token_ids)
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
+        body = self._envelope(self.object_name, [choice])
+        body["usage"] = _usage(last)
+        return body
+
+    def chunk(self, delta: OutputDelta, is_first: bool) -> dict[str, Any] | None:
+        """One streamed chunk, or None when the delta carries nothing to send."""
+        if not (
+            delta.text or delta.token_ids or delta.finish_reason or (is_first and self.is_chat)
+        ):
+            return None
+        choice: dict[str, Any] = {"index": 0}
+        if self.is_chat:
+            content: dict[str, Any] = {"role": "assistant"} if is_first else {}
+            if delta.text or is_first:
+                content["content"] = delta.text
+            choice["delta"] = content
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = None
+        choice["finish_reason"] = delta.finish_reason.value if delta.finish_reason else None
+        if self.return_token_ids:
+            if is_first:
+                choice["prompt_token_ids"] = list(self.prepared.prompt_token_ids)
+            choice["token_ids"] = list(delta.token_ids)
+        body = self._envelope(self.object_name + (".chunk" if self.is_chat else ""), [choice])
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, delta: OutputDelta) -> dict[str, Any]:
+        """The final chunk of ``stream_options.include_usage``: no choices, the usage."""
+        body = self._envelope(self.object_name + (".chunk" if self.is_chat else ""), [])
+        body["usage"] = _usage(delta)
+        return body
+
+    def render(self, delta: OutputDelta, is_first: bool) -> list[str]:
+        """The SSE events of one delta (none when it carries nothing)."""
+        events = []
+        chunk = self.chunk(delta, is_first)
+        if chunk is not None:
+            events.append(_sse(chunk))
+        if delta.finish_reason is not None and self.include_usage:
+            events.append(_sse(self.usage_chunk(delta)))
+        return events
+
+    async def events(
+        self, first: OutputDelta, deltas: AsyncGenerator[OutputDelta, None]
+    ) -> AsyncGenerator[str, None]:
+        """The SSE events of a stream whose first delta was already received."""
+        try:
+            rendered = self.render(first, is_first=True)
+            is_first = not rendered
+            for event in rendered:
+                yield event
+            async for delta in deltas:
+                rendered = self.render(delta, is_first)
+                is_first = is_first and not rendered
+                for event in rendered:
+                    yield event
+        except PdserveError as error:
+            # NOTE: the headers are sent already; report the error in-band, as vLLM does.
+            message = error.message or error.reason.name
+            yield _sse(error_body(message, error.http_status, error.reason.name.lower()))
+        finally:
+            await deltas.aclose()
+        yield _sse("[DONE]")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(
+    pipeline: Pipeline,
+    metrics: GatewayMetrics,
+    *,
+    api_key: str | None = None,
+    now: Callable[[], float] = time.time,
+) -> FastAPI:
+    """Builds the REST application around a `Pipeline`.
+
+    Args:
+        pipeline: Validation, tokenization and streaming.
+        metrics: Served at /metrics.
+        api_key: Required as a Bearer token on /v1/* when set.
+        now: Wall clock for ``created`` timestamps.
+    """
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(PdserveError)
+    async def _on_error(_: Request, error: PdserveError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if error.status_code == 404 else "http_error"
+        return JSONResponse(
+            error_body(str(error.detail), error.status_code, code), status_code=error.status_code
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = "draining" if pipeline.is_draining else "ok"
+        body = {
+            "status": status,
+            "models": [m.name for m in pipeline.list_models()],
+            "num_active_requests": pipeline.num_active_requests,
+        }
+        return JSONResponse(body, status_code=503 if pipeline.is_draining else 200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        authorize(request)
+        created = int(now())
+        data = [
+            {
+                "id": model.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pdserve",
+                "max_model_len": model.max_model_len,
+            }
+            for model in pipeline.list_models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    def authorize(request: Request) -> None:
+        check_bearer(request.headers.get("authorization"), api_key)
+
+    async def generate(request: Request, is_chat: bool) -> Response:
+        authorize(request)
+        body_cls = ChatCompletionRequest if is_chat else CompletionRequest
+        body = await _parse_body(request, body_cls)
+        prepared = await pipeline.prepare(body.to_params())
+        responder = _Responder(is_chat, prepared, body.model, body)
+        headers = {"X-Request-Id": prepared.request_id}
+        deltas = pipeline.stream(prepared)
+        if body.stream:
+            try:
+                first = await anext(deltas)
+            except PdserveError as error:
+                await deltas.aclose()
+                return error_response(error)
+            return _EventStreamResponse(responder.events(first, deltas), headers)
+        collected = await _collect_unless_disconnected(request, deltas)
+        if collected is None:
+            return Response(status_code=499)
+        return JSONResponse(responder.full(collected), headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, is_chat=True)
+
+    return app
+
+
+async def _parse_body(request: Request, body_cls: type[pydantic.BaseModel]) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST, f"the request body is not valid JSON: {exc}"
+        ) from exc
+    if not isinstance(data, dict):
+        raise PdserveError(ErrorReason.INVALID_REQUEST, "the request body must be a JSON object")
+    try:
+        return body_cls.model_validate(data)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        # NOTE: the top-level parameter; deeper parts of `loc` include pydantic's union tags.
+        param = str(first["loc"][0]) if first["loc"] else None
+        where = ".".join(str(part) for part in first["loc"])
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = f"unrecognized request argument: {where}"
+        metadata = {"param": param} if param else {}
+        raise PdserveError(ErrorReason.INVALID_REQUEST, message, metadata) from exc
+
+
+async def _collect_unless_disconnected(
+    request: Request, deltas: AsyncGenerator[OutputDelta, None]
+) -> list[OutputDelta] | None:
+    """All deltas of a non-streamed request, or None if the client went away first."""
+
+    async def collect() -> list[OutputDelta]:
+        async with contextlib.aclosing(deltas):
+            return [delta async for delta in deltas]
+
+    collecting = asyncio.ensure_future(collect())
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not collecting.done():
+            collecting.cancel()
+            await asyncio.gather(collecting, return_exceptions=True)
+    if collecting.cancelled():
+        return None
+    return collecting.result()

@@ -1,0 +1,225 @@
+"""Assembles a gateway: registry, router, orchestrator, REST app and gRPC server.
+
+`create_server(config)` builds everything without binding; `GatewayServer.start()` binds the
+REST and gRPC ports (0 picks free ones) and starts the background loops (TTL sweep, static
+instance polling); `stop()` drains: health NOT_SERVING, new requests refused, running ones
+given ``shutdown_grace_s`` to finish. `serve(config)` runs one until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import structlog
+import uvicorn
+from fastapi import FastAPI
+
+from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.gateway.clients import GrpcBackend
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.generation_servicer import GenerationServicer
+from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.model_info import ModelInfoStore
+from pdserve.gateway.openai_api import create_app as create_rest_app
+from pdserve.gateway.orchestrator import Orchestrator, RetryPolicy
+from pdserve.gateway.pipeline import Pipeline
+from pdserve.gateway.poller import StaticPoller
+from pdserve.gateway.registry import InstanceEntry, Registry
+from pdserve.gateway.registry_servicer import RegistryServicer
+from pdserve.gateway.router import Router
+from pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
+
+log = structlog.get_logger("pdserve.gateway.server")
+
+SERVICE_NAMES = (
+    generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+    registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
+)
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: the gateway drains first, then stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class GatewayServer:
+    """One gateway: every part, plus the REST and gRPC servers that expose them.
+
+    Args:
+        config: Settings.
+        backend: Client of prefill/decode instances (a `GrpcBackend` by default).
+    """
+
+    def __init__(self, config: GatewayConfig, backend: GrpcBackend | None = None) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.registry = Registry(config.instance_ttl_s)
+        self.router = Router(self.registry, config.unavailable_retry_after_s)
+        self.backend = backend or GrpcBackend()
+        self.model_infos = ModelInfoStore(self.backend.get_model_files, config.tokenizer)
+        policy = RetryPolicy(
+            max_attempts=config.max_attempts,
+            preempt_retry_count=config.preempt_retry_count,
+            preempt_retry_exclude_decode=config.preempt_retry_exclude_decode,
+        )
+        self.orchestrator = Orchestrator(
+            self.backend, self.router, self.registry, policy, self.metrics
+        )
+        self.pipeline = Pipeline(
+            self.registry,
+            self.router,
+            self.model_infos,
+            self.orchestrator,
+            self.metrics,
+            default_max_tokens=config.default_max_tokens,
+            request_timeout_s=config.request_timeout,
+        )
+        self.app: FastAPI = create_rest_app(self.pipeline, self.metrics, api_key=config.api_key)
+        self.poller = StaticPoller(
+            self.registry,
+            [(a, InstanceRole.PREFILL) for a in config.prefill]
+            + [(a, InstanceRole.DECODE) for a in config.decode],
+            self.backend.get_instance_status,
+            self.backend.is_serving,
+            config.poll_interval_s,
+        )
+        self.registry.add_listener(self._on_instance_joined)
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._grpc_server: Any = None
+        self._health: Any = None
+        self._uvicorn: _UvicornServer | None = None
+        self._serving: asyncio.Task[Any] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _on_instance_joined(self, entry: InstanceEntry) -> None:
+        """Fetches a new prefill's tokenizer ahead of the first request for its model."""
+        info = entry.info
+        if info.role is not InstanceRole.PREFILL or self.model_infos.cached(info.model_name):
+            return
+        with contextlib.suppress(RuntimeError):  # no running loop: the first request fetches
+            self._spawn(self._prefetch(info.model_name, info.address))
+
+    async def _prefetch(self, model_name: str, address: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.model_infos.get(model_name, [address])
+
+    async def _sweep(self) -> None:
+        interval_s = min(1.0, self.config.instance_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            self.registry.drop_expired()
+
+    async def start(self) -> None:
+        """Binds both ports and starts serving (ports are in `http_port` / `grpc_port`)."""
+        config = self.config
+        server = new_aio_server()
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.pipeline, config.api_key), server
+        )
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server(
+            RegistryServicer(self.registry, config.heartbeat_interval_s), server
+        )
+        self._health = await add_standard_services(server, SERVICE_NAMES)
+        self.grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        await server.start()
+        self._grpc_server = server
+
+        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+        sock.set_inheritable(True)
+        self.http_port = sock.getsockname()[1]
+        uvicorn_config = uvicorn.Config(
+            self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30
+        )
+        self._uvicorn = _UvicornServer(uvicorn_config)
+        self._serving = serving = self._spawn(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if serving.done():
+                serving.result()  # raises the startup failure
+            await asyncio.sleep(0.01)
+
+        if config.prefill or config.decode:
+            await self.poller.poll_once()
+            self._spawn(self.poller.run())
+        self._spawn(self._sweep())
+        log.info(
+            "gateway_started",
+            host=config.host,
+            http_port=self.http_port,
+            grpc_port=self.grpc_port,
+            static_prefill=list(config.prefill),
+            static_decode=list(config.decode),
+            tokenizer=config.tokenizer,
+        )
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drains and stops: refuses new requests, waits for running ones, closes everything.
+
+        Args:
+            grace_s: Seconds running requests get; defaults to ``shutdown_grace_s``.
+        """
+        grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
+        self.pipeline.is_draining = True
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        log.info("gateway_draining", num_active_requests=self.pipeline.num_active_requests)
+        if not await self.pipeline.wait_idle(grace_s):
+            log.warning(
+                "gateway_drain_timeout", num_active_requests=self.pipeline.num_active_requests
+            )
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+            self._uvicorn.force_exit = True
+        if self._serving is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._serving), 5.0)
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(0.5)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.orchestrator.wait_for_cleanups(), 2.0)
+        await self.backend.close()
+        log.info("gateway_stopped")
+
+
+def create_server(config: GatewayConfig) -> GatewayServer:
+    """Builds a gateway without binding anything (call `start()`)."""
+    return GatewayServer(config)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    """The REST application of a new, unstarted gateway (for ASGI servers and tests)."""
+    return create_server(config).app
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Runs a gateway until SIGTERM or SIGINT, then drains and stops it."""
+    server = create_server(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
