@@ -1,0 +1,27 @@
+"""Fixtures of the gateway tests: a gateway on port 0 with fake instances."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from support.gateway_cluster import Cluster
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    """An empty cluster: the test starts the gateway and adds instances."""
+    running = Cluster()
+    try:
+        yield running
+    finally:
+        await running.close()
+
+
+@pytest.fixture
+async def pd(cluster: Cluster) -> Cluster:
+    """A started gateway with one prefill and one decode."""
+    await cluster.start_gateway()
+    await cluster.add_prefill()
+    await cluster.add_decode()
+    return cluster

@@ -1,0 +1,65 @@
+"""The pdserve-gateway command line: flags from GatewayConfig, validation, --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.common.config import from_args
+from pdserve.gateway.__main__ import build_parser
+from pdserve.gateway.config import GatewayConfig
+
+
+def _parse(*argv: str) -> GatewayConfig:
+    return from_args(GatewayConfig, build_parser().parse_args(list(argv)))
+
+
+def test_defaults_and_flags() -> None:
+    assert _parse() == GatewayConfig()
+    assert (GatewayConfig().port, GatewayConfig().grpc_port) == (8000, 50050)
+    config = _parse(
+        "--prefill", "10.0.0.1:50061", "--decode", "10.0.0.2:50071", "--decode", "h:1",
+        "--max-attempts", "5", "--preempt-retry-count", "2", "--preempt-retry-exclude-decode",
+        "--request-timeout", "30", "--api-key", "k",
+    )  # fmt: skip
+    assert config.prefill == ("10.0.0.1:50061",)
+    assert config.decode == ("10.0.0.2:50071", "h:1")
+    assert (config.max_attempts, config.preempt_retry_count) == (5, 2)
+    assert config.preempt_retry_exclude_decode and config.request_timeout == 30.0
+    assert config.api_key == "k"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-attempts", "0"], "max_attempts"),
+        (["--prefill", "nohost"], "--prefill must be HOST:PORT"),
+        (["--request-timeout", "0"], "request_timeout"),
+        (["--instance-ttl-s", "1", "--heartbeat-interval-s", "2"], "instance_ttl_s"),
+        (["--port", "70000"], "port"),
+    ],
+)
+def test_bad_settings_are_refused(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _parse(*argv)
+
+
+def test_help_explains_the_flags() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.gateway", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    for text in ("OpenAI-compatible", "--preempt-retry-count", "--prefill", "examples:"):
+        assert text in result.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdserve.gateway", "--max-attempts", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "max_attempts must be >= 1" in bad.stderr

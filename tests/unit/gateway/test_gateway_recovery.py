@@ -1,0 +1,242 @@
+"""Failures behind the gateway: the client sees the undisturbed stream, or a typed error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import openai
+import pytest
+from support.gateway_cluster import Cluster
+from support.gateway_fakes import MODEL_NAME, expected_tokens
+
+PROMPT = "the quick brown fox"
+PROMPT_IDS = list(PROMPT.encode())
+MAX_TOKENS = 24
+
+
+async def _eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def _stream_token_ids(cluster: Cluster, **extra: object) -> tuple[list[int], str, object]:
+    """Streams a completion; returns (token ids in order, text, usage)."""
+    stream = await cluster.openai().completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+        **extra,  # type: ignore[arg-type]
+    )
+    token_ids: list[int] = []
+    text = ""
+    usage = None
+    async for chunk in stream:
+        if chunk.choices:
+            token_ids += chunk.choices[0].model_extra["token_ids"]
+            text += chunk.choices[0].text
+        usage = chunk.usage or usage
+    return token_ids, text, usage
+
+
+def _seed_of_first_request(cluster: Cluster) -> int:
+    return cluster.prefills[0].requests[0].sampling.seed
+
+
+@pytest.mark.parametrize("is_stream", [True, False], ids=["stream", "non_stream"])
+async def test_preempted_request_continues_without_dup_or_gap(pd: Cluster, is_stream: bool) -> None:
+    decode = pd.decodes[0]
+    decode.knobs.preempt_after = 3
+    decode.knobs.num_preemptions = 2
+    if is_stream:
+        token_ids, text, usage = await _stream_token_ids(pd)  # no seed: the gateway draws one
+    else:
+        result = await pd.openai().completions.create(
+            model=MODEL_NAME,
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            extra_body={"return_token_ids": True},
+        )
+        token_ids, text, usage = (
+            result.choices[0].model_extra["token_ids"],
+            result.choices[0].text,
+            result.usage,
+        )
+    seed = _seed_of_first_request(pd)
+    expected = expected_tokens(PROMPT_IDS, seed, MAX_TOKENS)
+    assert token_ids == expected
+    assert text == bytes(expected).decode()
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), MAX_TOKENS)  # type: ignore[attr-defined]
+
+    requests = pd.prefills[0].requests
+    assert decode.num_preempted == 2 and len(requests) == 3
+    for request in requests:
+        assert request.sampling.seed == seed
+        assert request.num_prompt_tokens == len(PROMPT_IDS)
+        assert list(request.token_ids[: len(PROMPT_IDS)]) == PROMPT_IDS
+        assert (
+            list(request.token_ids[len(PROMPT_IDS) :])
+            == expected[: len(request.token_ids) - len(PROMPT_IDS)]
+        )
+    assert len(requests[1].token_ids) > len(PROMPT_IDS)
+    assert pd.gateway is not None
+    assert pd.gateway.metrics.count("reschedules", "preempted") == 2
+    assert decode.num_open_leases == 0
+
+
+async def test_preemption_excludes_the_decode_when_asked(cluster: Cluster) -> None:
+    await cluster.start_gateway(preempt_retry_exclude_decode=True)
+    await cluster.add_prefill()
+    first = await cluster.add_decode("decode-big", num_total_blocks=2000)
+    second = await cluster.add_decode("decode-small", num_total_blocks=1000)
+    first.knobs.preempt_after = 2
+    token_ids, _, _ = await _stream_token_ids(cluster, seed=77)
+    assert token_ids == expected_tokens(PROMPT_IDS, 77, MAX_TOKENS)
+    assert len(first.generate_calls) == 1 and len(second.generate_calls) == 1
+
+
+async def test_reschedules_are_bounded(cluster: Cluster) -> None:
+    await cluster.start_gateway(preempt_retry_count=1)
+    await cluster.add_prefill()
+    decode = await cluster.add_decode()
+    decode.knobs.preempt_after = 1
+    decode.knobs.num_preemptions = 10
+    with pytest.raises(openai.InternalServerError) as raised:
+        await cluster.openai().completions.create(
+            model=MODEL_NAME, prompt=PROMPT, max_tokens=MAX_TOKENS, seed=1
+        )
+    assert raised.value.status_code == 503
+    assert raised.value.code == "preempted"
+    assert decode.num_preempted == 2
+
+
+async def test_decode_killed_mid_stream_continues_on_the_other(cluster: Cluster) -> None:
+    await cluster.start_gateway()
+    await cluster.add_prefill()
+    doomed = await cluster.add_decode("decode-doomed", num_total_blocks=2000)
+    survivor = await cluster.add_decode("decode-survivor", num_total_blocks=1000)
+    doomed.knobs.pause_after = 4
+    stream = await cluster.openai().completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        seed=21,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    token_ids: list[int] = []
+    async for chunk in stream:
+        token_ids += chunk.choices[0].model_extra["token_ids"]
+        if doomed.paused.is_set() and doomed.server is not None:
+            await doomed.stop()  # the decode dies with the stream open
+            doomed.server = None
+    assert token_ids == expected_tokens(PROMPT_IDS, 21, MAX_TOKENS)
+    assert len(survivor.generate_calls) == 1
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("reschedules", "decode_lost") == 1
+    entry = cluster.gateway.registry.get("decode-doomed")
+    assert entry is not None and not entry.is_reachable
+
+
+async def test_capacity_refusal_routes_to_the_other_decode(cluster: Cluster) -> None:
+    await cluster.start_gateway()
+    await cluster.add_prefill()
+    full = await cluster.add_decode("decode-full", num_total_blocks=2000)
+    spare = await cluster.add_decode("decode-spare", num_total_blocks=1000)
+    full.knobs.refuse_allocation = True
+    token_ids, _, _ = await _stream_token_ids(cluster, seed=5)
+    assert token_ids == expected_tokens(PROMPT_IDS, 5, MAX_TOKENS)
+    assert full.allocations and spare.allocations
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 1
+
+
+@pytest.mark.parametrize("is_stream", [True, False], ids=["stream", "non_stream"])
+async def test_all_decodes_full_is_429_with_retry_after_not_a_hang(
+    cluster: Cluster, is_stream: bool
+) -> None:
+    await cluster.start_gateway()
+    await cluster.add_prefill()
+    for index in range(2):
+        decode = await cluster.add_decode(f"decode-{index}")
+        decode.knobs.refuse_allocation = True
+    started = time.monotonic()
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "stream": is_stream}
+    async with cluster.http() as http:
+        response = await http.post("/v1/completions", json=body)
+    assert time.monotonic() - started < 2.0
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "2"
+    assert response.json()["error"]["code"] == "decode_capacity_exhausted"
+    assert all(len(d.allocations) == 1 for d in cluster.decodes)
+
+
+async def test_lost_prefill_is_retried_on_another(cluster: Cluster) -> None:
+    await cluster.start_gateway()
+    dead = await cluster.add_prefill("prefill-dead")
+    await cluster.add_prefill("prefill-busy", num_queued_prompt_tokens=500)
+    await cluster.add_decode()
+    await dead.stop()
+    token_ids, _, _ = await _stream_token_ids(cluster, seed=3)
+    assert token_ids == expected_tokens(PROMPT_IDS, 3, MAX_TOKENS)
+    assert len(cluster.prefills[1].requests) == 1
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("retries", "PEER_UNAVAILABLE") == 1
+
+
+async def test_disconnect_while_decoding_releases_the_lease(pd: Cluster) -> None:
+    decode = pd.decodes[0]
+    decode.knobs.pause_after = 2
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+    async with pd.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.aiter_lines()  # NOTE: kept referenced: dropping it closes the stream
+        line = await anext(lines)
+        assert json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+        await asyncio.wait_for(decode.paused.wait(), 3.0)
+    lease_id = decode.generate_calls[0]
+    await _eventually(lambda: lease_id in decode.released and decode.num_open_leases == 0)
+    assert pd.gateway is not None
+    await _eventually(lambda: pd.gateway.pipeline.num_active_requests == 0)  # type: ignore[union-attr]
+    assert pd.gateway.metrics.count("requests", "cancelled") == 1
+
+
+async def test_disconnect_while_prefilling_aborts_on_prefill(pd: Cluster) -> None:
+    prefill, decode = pd.prefills[0], pd.decodes[0]
+    prefill.knobs.hold_before_handoff = True
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+    async with pd.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        # The first token reaches the client before the prefill hands off.
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        line = await anext(lines)
+        assert json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+        await _eventually(lambda: prefill.first_token_sent.is_set())
+    request_id = prefill.requests[0].request_id
+    await _eventually(lambda: request_id in prefill.aborted)
+    await _eventually(lambda: decode.num_open_leases == 0)
+    assert decode.generate_calls == []
+
+
+async def test_request_timeout_bounds_a_stalled_decode(cluster: Cluster) -> None:
+    await cluster.start_gateway(request_timeout=0.5)
+    await cluster.add_prefill()
+    decode = await cluster.add_decode()
+    decode.knobs.pause_after = 1
+    started = time.monotonic()
+    async with cluster.http() as http:
+        response = await http.post(
+            "/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 8}
+        )
+    assert 0.4 < time.monotonic() - started < 3.0
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    await _eventually(lambda: decode.num_open_leases == 0)

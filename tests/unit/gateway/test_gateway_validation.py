@@ -1,0 +1,148 @@
+"""Bad requests are refused with an OpenAI error body and never reach prefill or decode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from support.gateway_cluster import Cluster
+from support.gateway_fakes import MAX_MODEL_LEN, MODEL_NAME
+
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": "x", **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "messages": MESSAGES, **fields}
+
+
+TOOL = [{"role": "tool", "content": "x"}]
+TOO_MANY_TOKENS = _completion(prompt="y" * 100, max_tokens=MAX_MODEL_LEN)
+IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
+BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
+    # (name, path, body, status, param)
+    ("malformed_json", COMPLETIONS, b'{"model": "tiny", "prompt": ', 400, None),
+    ("not_an_object", COMPLETIONS, [1, 2], 400, None),
+    ("missing_messages", CHAT, {"model": MODEL_NAME}, 400, "messages"),
+    ("empty_messages", CHAT, _chat(messages=[]), 400, "messages"),
+    ("missing_model", COMPLETIONS, {"prompt": "x"}, 400, "model"),
+    ("max_tokens_zero", COMPLETIONS, _completion(max_tokens=0), 400, "max_tokens"),
+    ("max_tokens_negative", CHAT, _chat(max_tokens=-3), 400, "max_tokens"),
+    ("temperature_negative", COMPLETIONS, _completion(temperature=-0.5), 400, "temperature"),
+    ("top_p_zero", COMPLETIONS, _completion(top_p=0), 400, "top_p"),
+    ("n_two", CHAT, _chat(n=2), 400, "n"),
+    ("logprobs", CHAT, _chat(logprobs=True), 400, "logprobs"),
+    ("tools", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("unknown_field", COMPLETIONS, _completion(best_guess=1), 400, "best_guess"),
+    ("tool_role", CHAT, _chat(messages=TOOL), 400, "messages[0].role"),
+    ("image_part", CHAT, _chat(messages=IMAGE), 400, "messages"),
+    ("empty_prompt", COMPLETIONS, _completion(prompt=""), 400, "prompt"),
+    ("two_prompts", COMPLETIONS, _completion(prompt=["a", "b"]), 400, "prompt"),
+    ("token_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 99999]), 400, "prompt"),
+    ("empty_stop", COMPLETIONS, _completion(stop=[""]), 400, "stop"),
+    ("prompt_too_long", COMPLETIONS, _completion(prompt="y" * MAX_MODEL_LEN), 400, "prompt"),
+    ("prompt_plus_max_tokens_too_long", COMPLETIONS, TOO_MANY_TOKENS, 400, "max_tokens"),
+    ("unknown_model", COMPLETIONS, _completion(model="gpt-9"), 404, "model"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "body", "status", "param"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS]
+)
+async def test_bad_request_gets_openai_error_and_starts_nothing(
+    pd: Cluster, name: str, path: str, body: Any, status: int, param: str | None
+) -> None:
+    async with pd.http() as http:
+        if isinstance(body, bytes):
+            response = await http.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
+        else:
+            response = await http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param
+    if status == 404:
+        assert (error["code"], error["type"]) == ("model_not_found", "not_found_error")
+    elif "too_long" in name:
+        assert error["code"] == "prompt_too_long"
+    else:
+        assert (error["code"], error["type"]) == ("invalid_request", "invalid_request_error")
+    assert pd.prefills[0].requests == []
+    assert pd.decodes[0].allocations == []
+
+
+async def test_too_long_prompt_reports_prompt_too_long(pd: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        await pd.openai().completions.create(model=MODEL_NAME, prompt="z" * 300, max_tokens=4)
+    assert raised.value.code == "prompt_too_long"
+    assert pd.prefills[0].requests == []
+
+
+async def test_unknown_model_is_404_through_the_sdk(pd: Cluster) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        await pd.openai().chat.completions.create(model="nope", messages=MESSAGES)  # type: ignore[arg-type]
+    assert raised.value.code == "model_not_found"
+
+
+@pytest.mark.parametrize("api_key", [None, "wrong"])
+async def test_missing_or_wrong_api_key_is_401(cluster: Cluster, api_key: str | None) -> None:
+    await cluster.start_gateway(api_key="s3cret")
+    prefill = await cluster.add_prefill()
+    await cluster.add_decode()
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    async with cluster.http() as http:
+        for path in (COMPLETIONS, CHAT):
+            response = await http.post(
+                path, json={"model": MODEL_NAME, "prompt": "x"}, headers=headers
+            )
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "unauthenticated"
+        assert (await http.get("/v1/models", headers=headers)).status_code == 401
+        assert (await http.get("/health")).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        await cluster.openai(api_key or "not-the-key").completions.create(
+            model=MODEL_NAME, prompt="x"
+        )
+    ok = await cluster.openai("s3cret").completions.create(
+        model=MODEL_NAME, prompt="x", max_tokens=2
+    )
+    assert ok.usage is not None and ok.usage.completion_tokens == 2
+    assert len(prefill.requests) == 1
+
+    request = generation_pb2.GenerateRequest(
+        model=MODEL_NAME, text="x", sampling=common_pb2.SamplingParams(max_tokens=2)
+    )
+    metadata = () if api_key is None else (("authorization", f"Bearer {api_key}"),)
+    async with insecure_channel(cluster.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as rpc_error:
+            [r async for r in stub.Generate(request, metadata=metadata)]
+        assert rpc_error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        good = (("authorization", "Bearer s3cret"),)
+        responses = [r async for r in stub.Generate(request, metadata=good)]
+    assert responses[-1].usage.num_completion_tokens == 2
+
+
+async def test_no_instances_is_503_with_retry_after(cluster: Cluster) -> None:
+    await cluster.start_gateway(unavailable_retry_after_s=3.0)
+    prefill = await cluster.add_prefill()  # a prefill but no decode: no pair
+    async with cluster.http() as http:
+        response = await http.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": "x"})
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "3"
+        assert response.json()["error"]["code"] == "no_healthy_instances"
+        assert (await http.get("/v1/models")).json()["data"] == []
+    assert prefill.requests == []
