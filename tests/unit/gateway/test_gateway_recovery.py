@@ -240,3 +240,57 @@ async def test_request_timeout_bounds_a_stalled_decode(cluster: Cluster) -> None
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "deadline_exceeded"
     await _eventually(lambda: decode.num_open_leases == 0)
+
+
+async def test_draining_decode_named_by_the_prefill_is_avoided(cluster: Cluster) -> None:
+    await cluster.start_gateway()
+    await cluster.add_prefill()
+    draining = await cluster.add_decode("decode-draining", num_total_blocks=2000)
+    other = await cluster.add_decode("decode-other", num_total_blocks=1000)
+    draining.knobs.is_draining = True  # the registry has not heard yet; AllocateBlocks says so
+    token_ids, _, _ = await _stream_token_ids(cluster, seed=6)
+    assert token_ids == expected_tokens(PROMPT_IDS, 6, MAX_TOKENS)
+    assert draining.allocations and len(other.generate_calls) == 1
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("retries", "INSTANCE_DRAINING") == 1
+
+
+async def test_failure_after_the_first_token_is_reported_in_band(cluster: Cluster) -> None:
+    await cluster.start_gateway(preempt_retry_count=0)
+    await cluster.add_prefill()
+    decode = await cluster.add_decode()
+    decode.knobs.preempt_after = 2
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+    async with cluster.http() as http:
+        response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    assert payloads[-1]["error"]["code"] == "preempted"
+    text = "".join(p["choices"][0]["text"] for p in payloads[:-1])
+    assert text == bytes(expected_tokens(PROMPT_IDS, decode_seed(cluster), 3)).decode()
+
+
+def decode_seed(cluster: Cluster) -> int:
+    return cluster.prefills[0].requests[0].sampling.seed
+
+
+async def test_stop_drains_running_requests_and_refuses_new_ones(pd: Cluster) -> None:
+    decode = pd.decodes[0]
+    decode.knobs.pause_after = 2
+    running = asyncio.create_task(_stream_token_ids(pd, seed=12))
+    await asyncio.wait_for(decode.paused.wait(), 3.0)
+    assert pd.gateway is not None
+    stopping = asyncio.create_task(pd.gateway.stop(5.0))
+    await _eventually(lambda: pd.gateway.pipeline.is_draining)  # type: ignore[union-attr]
+    async with pd.http() as http:
+        refused = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "instance_draining"
+        assert (await http.get("/health")).status_code == 503
+    decode.resume.set()
+    token_ids, _, _ = await running
+    assert token_ids == expected_tokens(PROMPT_IDS, 12, MAX_TOKENS)
+    await stopping
+    pd.gateway = None

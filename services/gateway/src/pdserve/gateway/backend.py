@@ -7,9 +7,9 @@ implements it over gRPC, and a test may implement it in memory. Every failure su
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.request import FinishReason, Sampling
@@ -74,8 +74,8 @@ class PreemptionEvent:
     generated_token_ids: tuple[int, ...] = field(default=())
 
 
-PrefillEvent = FirstTokenEvent | HandedOffEvent | FinishedEvent
-DecodeEvent = TokenBatchEvent | PreemptionEvent | FinishedEvent
+PrefillEvent: TypeAlias = FirstTokenEvent | HandedOffEvent | FinishedEvent
+DecodeEvent: TypeAlias = TokenBatchEvent | PreemptionEvent | FinishedEvent
 
 
 class BackendError(Exception):
@@ -83,9 +83,9 @@ class BackendError(Exception):
 
     Attributes:
         error: The typed error (re-created from the status, or derived from its code).
-        is_from_server: True when the status carried a pdserve.v1 ErrorInfo, i.e. the server
-            itself reported `error`; False for transport failures (connection refused or lost,
-            a server that died mid-stream).
+        is_from_server: True when the server itself failed the call (its status carried a
+            pdserve.v1 ErrorInfo, or a code a live server sends); False when the connection was
+            lost (connection refused or reset, a server that died or stopped mid-stream).
     """
 
     def __init__(self, error: PdserveError, *, is_from_server: bool) -> None:
@@ -99,7 +99,7 @@ class Backend(Protocol):
 
     def prefill(
         self, address: str, call: PrefillCall, timeout_s: float
-    ) -> AsyncIterator[PrefillEvent]:
+    ) -> AsyncGenerator[PrefillEvent, None]:
         """Streams the events of one Prefill RPC; closing the iterator cancels the call."""
         ...
 
@@ -109,7 +109,7 @@ class Backend(Protocol):
 
     def generate(
         self, address: str, request_id: str, lease_id: str, timeout_s: float
-    ) -> AsyncIterator[DecodeEvent]:
+    ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams a decode's events for a lease; closing the iterator cancels the call."""
         ...
 

@@ -7,7 +7,7 @@ the status code when the status carries none).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,12 +28,23 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 
+# NOTE: statuses a call ends with when its connection breaks (server gone, connection reset,
+# server shut down mid-stream) rather than because the server's code decided to fail it.
+_CONNECTION_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
 
 def backend_error(error: grpc.RpcError) -> BackendError:
-    """Wraps a failed call's status as a `BackendError`."""
+    """Wraps a failed call's status as a `BackendError`.
+
+    A status with a pdserve.v1 ErrorInfo, or any code other than UNAVAILABLE / CANCELLED (an
+    unhandled exception in a servicer arrives as UNKNOWN), counts as reported by the server;
+    a bare UNAVAILABLE or CANCELLED means the connection to the instance was lost.
+    """
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     has_details = any(key == rpc_status.GRPC_DETAILS_METADATA_KEY for key, _ in trailing or ())
-    return BackendError(from_rpc_error(error), is_from_server=has_details)
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    is_from_server = has_details or code not in _CONNECTION_CODES
+    return BackendError(from_rpc_error(error), is_from_server=is_from_server)
 
 
 class GrpcBackend:
@@ -57,7 +68,7 @@ class GrpcBackend:
 
     async def prefill(
         self, address: str, call: PrefillCall, timeout_s: float
-    ) -> AsyncIterator[PrefillEvent]:
+    ) -> AsyncGenerator[PrefillEvent, None]:
         """Streams one Prefill RPC's events; closing the iterator cancels the call."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
         rpc = stub.Prefill(convert.prefill_request_to_pb(call), timeout=timeout_s)
@@ -83,7 +94,7 @@ class GrpcBackend:
 
     async def generate(
         self, address: str, request_id: str, lease_id: str, timeout_s: float
-    ) -> AsyncIterator[DecodeEvent]:
+    ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
         request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)

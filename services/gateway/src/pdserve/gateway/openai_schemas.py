@@ -14,9 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.pipeline import ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.pipeline import CHAT_ROLES, ChatMessage, GenerationParams, PromptKind
 
-CHAT_ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"developer": "system"}
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import structlog
 
@@ -49,7 +49,7 @@ from pdserve.gateway.router import Pair, Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 
-OrchestratorEvent = TokenChunk | GenerationEnd
+OrchestratorEvent: TypeAlias = TokenChunk | GenerationEnd
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class Orchestrator:
 
     async def run(
         self, request: GenerationRequest, deadline: float
-    ) -> AsyncIterator[OrchestratorEvent]:
+    ) -> AsyncGenerator[OrchestratorEvent, None]:
         """Generates the completion.
 
         Args:
@@ -223,7 +223,7 @@ class Orchestrator:
 
     async def _attempt(
         self, request: GenerationRequest, pair: Pair, state: _RequestState, deadline: float
-    ) -> AsyncIterator[OrchestratorEvent]:
+    ) -> AsyncGenerator[OrchestratorEvent, None]:
         progress = state.progress
         call = PrefillCall(
             request_id=request.request_id,
@@ -331,15 +331,15 @@ class Orchestrator:
     async def _guard(
         self,
         stage: str,
-        stream: AsyncIterator[PrefillEvent] | AsyncIterator[DecodeEvent],
+        stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
         progress: CompletionProgress,
-    ) -> AsyncIterator[TokenChunk | PrefillEvent | DecodeEvent]:
+    ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
         """Relays a stream: tokens go through `progress`, errors become `_AttemptFailed`.
 
         Once the gateway has seen the completion end, it waits at most ``end_grace_s`` for
         the stream's terminal event and ignores further tokens.
         """
-        events = aiter(stream)
+        events = stream
         try:
             while True:
                 try:
@@ -370,7 +370,7 @@ class Orchestrator:
                     yield event
         finally:
             with contextlib.suppress(BackendError):
-                await events.aclose()  # type: ignore[attr-defined]
+                await events.aclose()
 
     def _end(
         self, progress: CompletionProgress, state: _RequestState, finished: FinishedEvent | None

@@ -14,7 +14,7 @@ import enum
 import math
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import structlog
@@ -39,6 +39,7 @@ from pdserve.tokenizer import ChatTemplateError, Tokenizer
 log = structlog.get_logger("pdserve.gateway.pipeline")
 
 MAX_SEED = 2**63
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class PromptKind(enum.Enum):
@@ -297,6 +298,12 @@ class Pipeline:
         if params.messages is not None:
             if not params.messages:
                 raise _invalid("messages must not be empty", "messages")
+            for index, message in enumerate(params.messages):
+                if message.role not in CHAT_ROLES:
+                    raise _invalid(
+                        f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}",
+                        "messages",
+                    )
             messages = [{"role": m.role, "content": m.content} for m in params.messages]
             try:
                 token_ids = tokenizer.encode_chat(messages)
@@ -310,7 +317,7 @@ class Pipeline:
             raise _invalid("the prompt is empty", "prompt")
         return token_ids
 
-    async def stream(self, prepared: PreparedRequest) -> AsyncIterator[OutputDelta]:
+    async def stream(self, prepared: PreparedRequest) -> AsyncGenerator[OutputDelta, None]:
         """Runs a prepared request.
 
         Yields:
