@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -63,3 +66,41 @@ def test_help_explains_the_flags() -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "max_attempts must be >= 1" in bad.stderr
+
+
+def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve.gateway", "--host", "127.0.0.1", "--port", "0",
+         "--grpc-port", "0", "--shutdown-grace-s", "1"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        started = None
+        for line in process.stderr:
+            event = json.loads(line)
+            if event["event"] == "gateway_started":
+                started = event
+                break
+        assert started is not None and started["http_port"] > 0 and started["grpc_port"] > 0
+        health = urllib.request.urlopen(
+            f"http://127.0.0.1:{started['http_port']}/health", timeout=10
+        )
+        assert json.loads(health.read())["status"] == "ok"
+        process.send_signal(signal.SIGTERM)
+        remaining = process.stderr.read()
+        assert process.wait(timeout=20) == 0
+        assert "gateway_stopped" in remaining
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_the_gateway_never_imports_torch() -> None:
+    code = (
+        "import sys, pdserve.gateway.server, pdserve.gateway.__main__; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

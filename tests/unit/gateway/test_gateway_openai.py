@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 from support.gateway_cluster import Cluster
-from support.gateway_fakes import CHAT_TEMPLATE, EOS_TOKEN_ID, MODEL_NAME, expected_tokens
+from support.gateway_fakes import (
+    CHAT_TEMPLATE,
+    EOS_TOKEN_ID,
+    MODEL_NAME,
+    TOKENIZER_CONFIG,
+    TOKENIZER_JSON,
+    expected_tokens,
+)
 
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -238,3 +246,20 @@ async def test_grpc_generate_refuses_bad_input_with_a_typed_error(pd: Cluster) -
         else:
             raise AssertionError("max_tokens=0 was accepted")
     assert pd.prefills[0].requests == []
+
+
+async def test_local_tokenizer_directory_replaces_get_model_info(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    (tmp_path / "tokenizer.json").write_text(TOKENIZER_JSON)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    await cluster.start_gateway(tokenizer=str(tmp_path))
+    prefill = await cluster.add_prefill()
+    await cluster.add_decode()
+    result = await cluster.openai().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi there"}], max_tokens=4, seed=3
+    )
+    assert result.choices[0].message.content == _text(
+        expected_tokens(_chat_prompt_ids("hi there"), 3, 4)
+    )
+    assert prefill.num_model_info_calls == 0
