@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import statistics
+import time
 from pathlib import Path
 
 import grpc
@@ -263,3 +265,15 @@ async def test_local_tokenizer_directory_replaces_get_model_info(
         expected_tokens(_chat_prompt_ids("hi there"), 3, 4)
     )
     assert prefill.num_model_info_calls == 0
+
+
+async def test_small_responses_are_not_held_back_by_delayed_acks(pd: Cluster) -> None:
+    # Without TCP_NODELAY on accepted sockets each response waits ~40 ms for a delayed ACK.
+    async with pd.http() as http:
+        await http.get("/health")
+        durations = []
+        for _ in range(9):
+            started = time.perf_counter()
+            await http.get("/health")
+            durations.append(time.perf_counter() - started)
+    assert statistics.median(durations) < 0.03

@@ -140,7 +140,10 @@ class GatewayServer:
         await server.start()
         self._grpc_server = server
 
-        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        # NOTE: proto must be IPPROTO_TCP: asyncio enables TCP_NODELAY on accepted sockets only
+        # then, and without it small SSE/JSON writes wait on delayed ACKs (~40 ms each).
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((config.host, config.port))
         sock.set_inheritable(True)
