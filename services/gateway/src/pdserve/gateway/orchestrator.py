@@ -23,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import structlog
 
-from pdserve.common.errors import ErrorReason, PdserveError, RetryScope
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.backend import (
     Backend,
     BackendError,
@@ -45,76 +44,19 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.request import FinishReason, GenerationEnd, GenerationRequest, TokenChunk
+from pdserve.gateway.retry import (
+    AttemptFailed,
+    RequestState,
+    Reschedule,
+    RetryHandler,
+    RetryPolicy,
+    connection_lost,
+)
 from pdserve.gateway.router import Pair, Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 
 OrchestratorEvent: TypeAlias = TokenChunk | GenerationEnd
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How hard the orchestrator tries.
-
-    Attributes:
-        max_attempts: Failed attempts (retryable errors) after which a request fails.
-        preempt_retry_count: Reschedules (preemption, lost decode) a request may take.
-        preempt_retry_exclude_decode: Prefer another decode after a preemption.
-        cleanup_timeout_s: Deadline of each AbortRequest / ReleaseLease sent while cleaning up.
-        end_grace_s: How long to wait for a stream's terminal event once the gateway has seen
-            the completion end (stop token, max_tokens) before releasing the lease itself.
-    """
-
-    max_attempts: int = 3
-    preempt_retry_count: int = 4
-    preempt_retry_exclude_decode: bool = False
-    cleanup_timeout_s: float = 2.0
-    end_grace_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.preempt_retry_count < 0:
-            raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
-
-
-class _Reschedule(Exception):
-    """Continue the request elsewhere with its delivered tokens."""
-
-    def __init__(self, cause: str, decode_id: str, error: PdserveError) -> None:
-        super().__init__(cause)
-        self.cause = cause
-        self.decode_id = decode_id
-        self.error = error
-
-
-class _AttemptFailed(Exception):
-    """An attempt failed with an error status or a transport failure."""
-
-    def __init__(self, stage: str, failure: BackendError) -> None:
-        super().__init__(str(failure))
-        self.stage = stage
-        self.failure = failure
-
-
-@dataclass
-class _RequestState:
-    """Bookkeeping of one request across its attempts."""
-
-    progress: CompletionProgress
-    excluded_prefill_ids: set[str] = field(default_factory=set)
-    excluded_decode_ids: set[str] = field(default_factory=set)
-    preempted_decode_ids: set[str] = field(default_factory=set)
-    num_attempts: int = 0
-    num_failures: int = 0
-    num_reschedules: int = 0
-    has_used_once_retry: bool = False
-    last_error: PdserveError | None = None
-
-
-def _lost(stage: str, message: str) -> _AttemptFailed:
-    error = PdserveError(ErrorReason.PEER_UNAVAILABLE, message)
-    return _AttemptFailed(stage, BackendError(error, is_from_server=False))
 
 
 class Orchestrator:
@@ -138,9 +80,8 @@ class Orchestrator:
     ) -> None:
         self._backend = backend
         self._router = router
-        self._registry = registry
         self._policy = policy
-        self._metrics = metrics
+        self._retries = RetryHandler(policy, registry, metrics)
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
 
     async def wait_for_cleanups(self) -> None:
@@ -164,7 +105,7 @@ class Orchestrator:
             PdserveError: The error that ended the request (non-retryable, or retries
                 exhausted, or DEADLINE_EXCEEDED).
         """
-        state = _RequestState(CompletionProgress(request))
+        state = RequestState(CompletionProgress(request))
         while True:
             pair = self._pick(request, state, deadline)
             state.num_attempts += 1
@@ -175,10 +116,11 @@ class Orchestrator:
                     async for event in events:
                         yield event
                 return
-            except _Reschedule as reschedule:
-                self._on_reschedule(request, state, reschedule)
-            except _AttemptFailed as failed:
-                self._on_failure(request, pair, state, failed, deadline)
+            except Reschedule as reschedule:
+                self._retries.on_reschedule(request, state, reschedule)
+            except AttemptFailed as failed:
+                self._remaining_s(request, deadline)
+                self._retries.on_failure(request, pair, state, failed)
 
     def _remaining_s(self, request: GenerationRequest, deadline: float) -> float:
         remaining = deadline - asyncio.get_running_loop().time()
@@ -190,7 +132,7 @@ class Orchestrator:
             )
         return remaining
 
-    def _pick(self, request: GenerationRequest, state: _RequestState, deadline: float) -> Pair:
+    def _pick(self, request: GenerationRequest, state: RequestState, deadline: float) -> Pair:
         self._remaining_s(request, deadline)
         progress = state.progress
         num_tokens = len(request.prompt_token_ids) + progress.num_tokens
@@ -222,7 +164,7 @@ class Orchestrator:
             raise
 
     async def _attempt(
-        self, request: GenerationRequest, pair: Pair, state: _RequestState, deadline: float
+        self, request: GenerationRequest, pair: Pair, state: RequestState, deadline: float
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         progress = state.progress
         call = PrefillCall(
@@ -262,7 +204,9 @@ class Orchestrator:
                         yield self._end(progress, state, event)
                         return
             if handed_off is None:
-                raise _lost("prefill", "the prefill stream ended without a terminal event")
+                raise connection_lost(
+                    "prefill", "the prefill stream ended without a terminal event"
+                )
             is_prefill_done = True
             if progress.finish_reason is not None:
                 # NOTE: the gateway saw the end (stop id, max_tokens) but prefill handed off:
@@ -290,7 +234,7 @@ class Orchestrator:
                         if progress.finish_reason is not None:
                             yield self._end(progress, state, None)
                             return
-                        raise _Reschedule(
+                        raise Reschedule(
                             "preempted",
                             pair.decode.instance_id,
                             PdserveError(
@@ -306,7 +250,7 @@ class Orchestrator:
             if progress.finish_reason is not None:
                 yield self._end(progress, state, None)
                 return
-            raise _lost("decode", "the decode stream ended without a terminal event")
+            raise connection_lost("decode", "the decode stream ended without a terminal event")
         finally:
             if not is_prefill_done:
                 self._spawn(
@@ -334,7 +278,7 @@ class Orchestrator:
         stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
         progress: CompletionProgress,
     ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
-        """Relays a stream: tokens go through `progress`, errors become `_AttemptFailed`.
+        """Relays a stream: tokens go through `progress`, errors become `AttemptFailed`.
 
         Once the gateway has seen the completion end, it waits at most ``end_grace_s`` for
         the stream's terminal event and ignores further tokens.
@@ -353,7 +297,7 @@ class Orchestrator:
                 except TimeoutError:
                     return
                 except BackendError as failure:
-                    raise _AttemptFailed(stage, failure) from failure
+                    raise AttemptFailed(stage, failure) from failure
                 if isinstance(event, FirstTokenEvent | TokenBatchEvent):
                     if isinstance(event, FirstTokenEvent):
                         accepted = progress.accept((event.token_id,), event.index)
@@ -365,7 +309,7 @@ class Orchestrator:
                         gap = PdserveError(
                             ErrorReason.INTERNAL, f"{stage} skipped completion indices"
                         )
-                        raise _AttemptFailed(stage, BackendError(gap, is_from_server=True))
+                        raise AttemptFailed(stage, BackendError(gap, is_from_server=True))
                 else:
                     yield event
         finally:
@@ -373,7 +317,7 @@ class Orchestrator:
                 await events.aclose()
 
     def _end(
-        self, progress: CompletionProgress, state: _RequestState, finished: FinishedEvent | None
+        self, progress: CompletionProgress, state: RequestState, finished: FinishedEvent | None
     ) -> GenerationEnd:
         reason = progress.finish_reason
         if reason is None:
@@ -385,115 +329,6 @@ class Orchestrator:
             num_attempts=state.num_attempts,
             num_reschedules=state.num_reschedules,
         )
-
-    def _on_reschedule(
-        self, request: GenerationRequest, state: _RequestState, reschedule: _Reschedule
-    ) -> None:
-        state.num_reschedules += 1
-        state.last_error = reschedule.error
-        if reschedule.cause == "preempted":
-            if self._policy.preempt_retry_exclude_decode:
-                state.preempted_decode_ids.add(reschedule.decode_id)
-        else:
-            state.excluded_decode_ids.add(reschedule.decode_id)
-        if state.num_reschedules > self._policy.preempt_retry_count:
-            log.warning(
-                "reschedules_exhausted",
-                request_id=request.request_id,
-                cause=reschedule.cause,
-                num_reschedules=state.num_reschedules - 1,
-            )
-            raise reschedule.error
-        self._metrics.reschedules.labels(cause=reschedule.cause).inc()
-        log.info(
-            "request_rescheduled",
-            request_id=request.request_id,
-            cause=reschedule.cause,
-            decode_id=reschedule.decode_id,
-            num_generated_tokens=state.progress.num_tokens,
-            num_reschedules=state.num_reschedules,
-        )
-
-    def _on_failure(
-        self,
-        request: GenerationRequest,
-        pair: Pair,
-        state: _RequestState,
-        failed: _AttemptFailed,
-        deadline: float,
-    ) -> None:
-        error = failed.failure.error
-        self._remaining_s(request, deadline)
-        if error.reason is ErrorReason.DEADLINE_EXCEEDED:
-            raise error
-        if not failed.failure.is_from_server:
-            # NOTE: a transport failure: the instance we called is gone (or going).
-            called = pair.prefill if failed.stage == "prefill" else pair.decode
-            self._registry.mark_unreachable(called.instance_id)
-            if failed.stage == "decode":
-                self._on_reschedule(
-                    request, state, _Reschedule("decode_lost", pair.decode.instance_id, error)
-                )
-                return
-            state.excluded_prefill_ids.add(pair.prefill.instance_id)
-        elif error.retry_scope is RetryScope.RESCHEDULE:
-            self._on_reschedule(
-                request, state, _Reschedule("preempted", pair.decode.instance_id, error)
-            )
-            return
-        elif error.retry_scope in (RetryScope.NEVER, RetryScope.REGISTER_AGAIN):
-            raise error
-        elif error.retry_scope is RetryScope.ONCE:
-            if state.has_used_once_retry:
-                raise error
-            state.has_used_once_retry = True
-        else:
-            self._exclude(failed.stage, pair, state, error)
-        state.num_failures += 1
-        state.last_error = error
-        if state.num_failures >= self._policy.max_attempts:
-            log.warning(
-                "attempts_exhausted",
-                request_id=request.request_id,
-                reason=error.reason.name,
-                num_attempts=state.num_attempts,
-            )
-            raise error
-        self._metrics.retries.labels(reason=error.reason.name).inc()
-        log.warning(
-            "attempt_failed_retrying",
-            request_id=request.request_id,
-            stage=failed.stage,
-            reason=error.reason.name,
-            retry_scope=error.retry_scope.name,
-            is_from_server=failed.failure.is_from_server,
-            prefill_id=pair.prefill.instance_id,
-            decode_id=pair.decode.instance_id,
-            attempt=state.num_attempts,
-        )
-
-    @staticmethod
-    def _exclude(stage: str, pair: Pair, state: _RequestState, error: PdserveError) -> None:
-        """Excludes the instance(s) an error with a server-chosen retry scope blames."""
-        scope = error.retry_scope
-        blamed_id = error.metadata.get("instanceId")
-        if scope is RetryScope.ANOTHER_PAIR:
-            state.excluded_prefill_ids.add(pair.prefill.instance_id)
-            state.excluded_decode_ids.add(pair.decode.instance_id)
-        elif scope is RetryScope.ANOTHER_DECODE:
-            state.excluded_decode_ids.add(pair.decode.instance_id)
-        elif scope is RetryScope.ANOTHER_PREFILL:
-            state.excluded_prefill_ids.add(pair.prefill.instance_id)
-        elif scope is RetryScope.ANOTHER_INSTANCE:
-            if blamed_id == pair.decode.instance_id or stage == "decode":
-                state.excluded_decode_ids.add(pair.decode.instance_id)
-            elif blamed_id == pair.prefill.instance_id:
-                state.excluded_prefill_ids.add(pair.prefill.instance_id)
-            elif error.reason is ErrorReason.PEER_UNAVAILABLE:
-                # NOTE: a prefill that reports an unreachable peer means its decode target.
-                state.excluded_decode_ids.add(pair.decode.instance_id)
-            else:
-                state.excluded_prefill_ids.add(pair.prefill.instance_id)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], what: str, request_id: str) -> None:
         async def run() -> None:

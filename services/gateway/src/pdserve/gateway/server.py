@@ -27,11 +27,12 @@ from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfoStore
 from pdserve.gateway.openai_api import create_app as create_rest_app
-from pdserve.gateway.orchestrator import Orchestrator, RetryPolicy
+from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.pipeline import Pipeline
 from pdserve.gateway.poller import StaticPoller
 from pdserve.gateway.registry import InstanceEntry, Registry
 from pdserve.gateway.registry_servicer import RegistryServicer
+from pdserve.gateway.retry import RetryPolicy
 from pdserve.gateway.router import Router
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 
