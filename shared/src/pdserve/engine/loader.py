@@ -63,9 +63,10 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend).to(dtype)
     model = model.to_empty(device=device)
-    model.tie_weights()
     params = dict(model.named_parameters())
     pending = {name: _expected_shards(name, config) for name in params}
+    if config.tie_word_embeddings:
+        pending.pop("lm_head.weight_t")
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -73,6 +74,7 @@ def load_model(
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
+    model.tie_weights()
     model.init_rotary(device)
     model.eval()
     log.info(
@@ -111,10 +113,15 @@ def _load_tensor(
         fused, shard = _STACKED[match.group(1)]
         name = hf_name.replace(f".{match.group(1)}.", f".{fused}.")
         offset = sum(_shard_sizes(config, fused)[:shard])
+    transposed = name.endswith(".weight") and f"{name}_t" in params
+    if transposed:
+        # NOTE: our projections store weights as [in, out]; HF stores [out, in].
+        name, tensor = f"{name}_t", tensor.t()
     if name not in params:
         raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
-    param = params[name]
-    target = param.data if match is None else param.data.narrow(0, offset, tensor.shape[0])
+    target = params[name].data
+    if match is not None:
+        target = target.narrow(1 if transposed else 0, offset, tensor.shape[1 if transposed else 0])
     if target.shape != tensor.shape:
         raise ValueError(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"

