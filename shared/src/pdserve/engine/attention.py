@@ -9,6 +9,44 @@ import torch
 import torch.nn.functional as F
 
 
+class KVGatherBuffer:
+    """Reusable destination for K/V gathered through block tables.
+
+    NOTE: a fresh multi-megabyte tensor per layer and step is mapped anew by the allocator and
+    page-faulted on first write, which on CPU costs about as much as the copy itself.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def gather(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies the given blocks of one layer; valid until the next ``gather``.
+
+        Returns:
+            ``(k, v)``, each ``[len(block_ids), block_size, num_kv_heads, head_dim]``.
+        """
+        num_blocks = block_ids.numel()
+        if (
+            not self._buffers
+            or self._buffers[0].shape[0] < num_blocks
+            or (
+                self._buffers[0].dtype != k_cache.dtype or self._buffers[0].device != k_cache.device
+            )
+        ):
+            # Grow with headroom so that slowly growing contexts do not reallocate every step.
+            capacity = max(num_blocks + num_blocks // 4, 16)
+            shape = (capacity, *k_cache.shape[1:])
+            self._buffers = [
+                torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2)
+            ]
+        k_out, v_out = (buffer[:num_blocks] for buffer in self._buffers)
+        torch.index_select(k_cache, 0, block_ids, out=k_out)
+        torch.index_select(v_cache, 0, block_ids, out=v_out)
+        return k_out, v_out
+
+
 @dataclass
 class PrefillSpan:
     """One sequence with several new tokens in a batch.
@@ -53,6 +91,7 @@ class AttentionMetadata:
         num_decodes: Leading sequences (and tokens) with one new token.
         decode_max_len: Longest context among the decodes (0 without decodes).
         prefills: The other sequences.
+        gather_buffer: Where K/V gathered for attention are copied (reused across steps).
         derived: Memo of tensors derived from the above (masks, gathers), shared by all layers.
     """
 
@@ -64,6 +103,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_max_len: int
     prefills: list[PrefillSpan]
+    gather_buffer: KVGatherBuffer = field(default_factory=KVGatherBuffer)
     derived: dict[object, Any] = field(default_factory=dict)
 
     def blocks_of(self, seq_index: int, num_tokens: int) -> torch.Tensor:
@@ -211,8 +251,9 @@ class SdpaAttention:
         else:
             blocks = metadata.blocks_of(span.seq_index, span.context_len)
             # keys, values: [context_len, num_kv_heads, head_dim]
-            keys = k_cache.index_select(0, blocks).flatten(0, 1)[: span.context_len]
-            values = v_cache.index_select(0, blocks).flatten(0, 1)[: span.context_len]
+            keys, values = metadata.gather_buffer.gather(k_cache, v_cache, blocks)
+            keys = keys.flatten(0, 1)[: span.context_len]
+            values = values.flatten(0, 1)[: span.context_len]
         # keys, values: [1, num_kv_heads, context_len, head_dim]
         keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         is_plain_causal = span.num_computed_tokens == 0 and (

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillSpan
+from pdserve.engine.attention import AttentionMetadata, KVGatherBuffer, PrefillSpan
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import flash_attn_unusable_reason
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout, num_blocks_for_budget
@@ -65,6 +65,7 @@ class ModelRunner:
         self.model_config: ModelConfig = model.config
         self.block_size = kv_cache.block_size
         self.device = kv_cache.device
+        self.gather_buffer = KVGatherBuffer()
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
@@ -174,5 +175,6 @@ class ModelRunner:
             num_decodes=num_decodes,
             decode_max_len=max(context_lens[:num_decodes], default=0),
             prefills=prefills,
+            gather_buffer=self.gather_buffer,
         )
         return torch.tensor(input_ids, device=device), positions_t.to(device), metadata
