@@ -1,0 +1,201 @@
+"""The engine thread: forward passes over prepared requests, with KV exported layer by layer.
+
+Each pass is scheduled by `PrefillScheduler`. While the model runs, `on_layer_done(i)` fires as
+soon as layer i's KV of the whole pass is in the cache; the loop then exports, for every request
+of the pass that ships KV, layer i of the blocks this pass completed and hands the pieces to
+the request's sink, so the sender streams them while layers i+1.. still compute. A block that a
+later chunk of the same prompt still fills is exported with that chunk, never twice. After the
+pass, requests whose prompt is complete get their first token sampled.
+
+Submissions take effect between passes; a release frees the blocks at once unless the request
+may be part of the running pass, in which case it waits for the pass boundary, so blocks are
+never freed under a forward pass that writes them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import structlog
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.engine.runner import ForwardChunk, ModelRunner
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.prefill.request import EngineFailed, FirstTokenSampled, KvPiece, Request
+from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
+
+log = structlog.get_logger(__name__)
+
+
+class _Export(NamedTuple):
+    """The logical blocks [first_block, end_block) of one request that a pass completes."""
+
+    request: Request
+    first_block: int
+    end_block: int
+
+
+class PrefillLoop:
+    """Owns the prefill scheduler and its block pool; runs passes on its own thread.
+
+    Args:
+        runner: Forward passes over this prefill's KV cache.
+        max_num_batched_tokens: Token budget of one pass.
+        max_chunk_bytes: Most K+V bytes per exported piece.
+    """
+
+    def __init__(
+        self, runner: ModelRunner, max_num_batched_tokens: int, max_chunk_bytes: int
+    ) -> None:
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.scheduler = PrefillScheduler(
+            BlockPool(runner.kv_cache.num_blocks), self.block_size, max_num_batched_tokens
+        )
+        per_block = 2 * runner.kv_cache.layout.block_nbytes
+        self.blocks_per_piece = max(1, max_chunk_bytes // per_block)
+        self.sampler = Sampler()
+        self.num_passes = 0
+        self.lock = threading.RLock()  # guards the scheduler (and so the pool)
+        self._cond = threading.Condition(self.lock)
+        self._submitted: list[Request] = []
+        self._releases: list[tuple[Request, Callable[[], None]]] = []
+        self._is_stopped = False
+        self._is_blocked = False  # nothing fits until blocks are freed
+        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+
+    # ---- called from other threads ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._is_stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    def submit(self, request: Request) -> None:
+        """Queues a prepared request for prefill (FCFS)."""
+        with self._cond:
+            self._submitted.append(request)
+            self._cond.notify()
+
+    def release(self, request: Request, on_released: Callable[[], None]) -> None:
+        """Forgets `request` and frees its blocks: at once unless a pass may be computing it,
+        else at the next pass boundary.
+
+        Args:
+            request: A request given to `submit`.
+            on_released: Called (on this thread or the engine thread) once the blocks are free.
+        """
+        with self._cond:
+            if request in self._submitted:
+                self._submitted.remove(request)
+            # NOTE: only a request with uncomputed tokens can be part of the running pass; any
+            # other is idle, and the scheduler's state is only touched under this lock.
+            if request not in self.scheduler.running:
+                self.scheduler.release(request)
+                self._is_blocked = False  # freed blocks may admit a waiting request
+                self._cond.notify()
+                on_released()
+                return
+            self._releases.append((request, on_released))
+            self._cond.notify()
+
+    @property
+    def num_waiting(self) -> int:
+        """Prepared requests not yet admitted to a pass."""
+        with self.lock:
+            return len(self._submitted) + self.scheduler.num_waiting
+
+    # ---- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (
+                    self._is_stopped
+                    or self._submitted
+                    or self._releases
+                    or (self.scheduler.has_unfinished_requests() and not self._is_blocked)
+                ):
+                    self._cond.wait()
+                if self._is_stopped:
+                    return
+                submitted, self._submitted = self._submitted, []
+                releases, self._releases = self._releases, []
+                for request in submitted:
+                    self.scheduler.add_request(request)
+                for request, on_released in releases:
+                    self.scheduler.release(request)
+                    on_released()
+                output = self.scheduler.schedule()
+                self._is_blocked = output.is_empty
+            if not output.is_empty:
+                self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> None:
+        scheduled = output.scheduled
+        exports = [export for chunk in scheduled if (export := self._plan_export(chunk))]
+        chunks = [
+            ForwardChunk(c.token_ids, c.num_computed_tokens, c.request.block_ids) for c in scheduled
+        ]
+        try:
+            logits = self.runner.execute(chunks, lambda layer: self._export_layer(exports, layer))
+            completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
+            rows = [
+                SamplingRow(
+                    scheduled[i].request.sampling,
+                    scheduled[i].request.seed,
+                    scheduled[i].request.first_token_index,
+                )
+                for i in completed
+            ]
+            tokens = self.sampler(logits[completed], rows) if completed else []
+        except Exception as error:
+            log.exception("prefill_pass_failed", error=str(error))
+            with self.lock:
+                self.scheduler.fail([c.request for c in scheduled])
+            for chunk in scheduled:
+                chunk.request.sink(EngineFailed(f"forward pass failed: {error}"))
+            return
+        self.num_passes += 1
+        for export in exports:
+            export.request.num_sent_blocks = export.end_block
+        with self.lock:
+            self.scheduler.update_from_output(output)
+        for i, token in zip(completed, tokens, strict=True):
+            scheduled[i].request.sink(FirstTokenSampled(token))
+        log.debug(
+            "prefill_pass",
+            num_requests=len(scheduled),
+            num_batched_tokens=output.num_batched_tokens,
+            num_first_tokens=len(completed),
+        )
+
+    def _plan_export(self, chunk: ScheduledChunk) -> _Export | None:
+        request = chunk.request
+        if not request.is_sending_kv:
+            return None
+        end_token = chunk.num_computed_tokens + chunk.num_new_tokens
+        # NOTE: only blocks this pass fills completely, plus the partial last block once the
+        # prompt is complete; a block a later chunk still writes to waits for that chunk.
+        if chunk.completes_prompt:
+            end_block = cdiv(end_token, self.block_size)
+        else:
+            end_block = end_token // self.block_size
+        if end_block <= request.num_sent_blocks:
+            return None
+        return _Export(request, request.num_sent_blocks, end_block)
+
+    def _export_layer(self, exports: list[_Export], layer_index: int) -> None:
+        kv_cache = self.runner.kv_cache
+        for request, first_block, end_block in exports:
+            for start in range(first_block, end_block, self.blocks_per_piece):
+                stop = min(end_block, start + self.blocks_per_piece)
+                data = kv_cache.export_blocks(layer_index, request.block_ids[start:stop])
+                request.sink(KvPiece(layer_index, start, stop - start, data.k, data.v))
