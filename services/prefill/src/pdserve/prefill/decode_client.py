@@ -1,0 +1,148 @@
+"""The prefill's view of decode instances: cached channels, bounded lease preparation, release.
+
+Preparation is per decode: each decode address has its own `prepare_concurrency` slots, so a
+decode that answers slowly (or not at all) only queues the requests aimed at it. Every
+preparation has its own deadline (slot wait included); running out of it, or not reaching the
+decode, is PEER_UNAVAILABLE; a refusal keeps the decode's own reason (capacity exhausted with
+its retry delay, incompatible layout, draining).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.prefill import convert
+from pdserve.prefill.request import LeaseGrant, Request
+from pdserve.serving.convert import local_protocol
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+RELEASE_TIMEOUT_S = 5.0
+_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass
+class _Peer:
+    channel: grpc.aio.Channel
+    stub: decode_pb2_grpc.DecodeServiceStub
+    slots: asyncio.Semaphore
+
+
+def peer_error(error: grpc.RpcError, address: str, what: str) -> PdserveError:
+    """The typed error for a failed call to a decode: its own reason when it sent one,
+    PEER_UNAVAILABLE when it could not be reached or did not answer in time."""
+    typed = from_rpc_error(error)
+    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+    if code in _TRANSPORT_CODES and typed.reason in (
+        ErrorReason.PEER_UNAVAILABLE,
+        ErrorReason.DEADLINE_EXCEEDED,
+    ):
+        return PdserveError(
+            ErrorReason.PEER_UNAVAILABLE,
+            f"decode {address} unavailable during {what}: {typed.message}",
+            {"decodeAddress": address},
+        )
+    typed.metadata.setdefault("decodeAddress", address)
+    return typed
+
+
+class DecodePeers:
+    """Channels to the decodes this prefill ships to, one per address, opened on first use.
+
+    Args:
+        instance_id: This prefill's instance id (sent with every allocation).
+        kv_layout: This prefill's KvLayout (the decode checks its fingerprint).
+        prepare_concurrency: AllocateBlocks calls in flight per decode.
+        allocate_timeout_s: Deadline of one preparation, slot wait included.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        kv_layout: common_pb2.KvLayout,
+        prepare_concurrency: int,
+        allocate_timeout_s: float,
+    ) -> None:
+        self.instance_id = instance_id
+        self.kv_layout = kv_layout
+        self.prepare_concurrency = prepare_concurrency
+        self.allocate_timeout_s = allocate_timeout_s
+        self._protocol = local_protocol()
+        self._peers: dict[str, _Peer] = {}
+
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None:
+            channel = insecure_channel(address)
+            peer = _Peer(
+                channel,
+                decode_pb2_grpc.DecodeServiceStub(channel),
+                asyncio.Semaphore(self.prepare_concurrency),
+            )
+            self._peers[address] = peer
+        return peer
+
+    def stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
+        """The DecodeService stub for `address` (channel cached)."""
+        return self._peer(address).stub
+
+    async def allocate(self, request: Request) -> LeaseGrant:
+        """Leases blocks for `request` on its target decode.
+
+        Raises:
+            PdserveError: PEER_UNAVAILABLE when the decode is unreachable or too slow; the
+                decode's reason when it refused.
+        """
+        address = request.decode_address
+        peer = self._peer(address)
+        message = convert.allocate_request(
+            request, self.kv_layout, self._protocol, self.instance_id
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.allocate_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline), peer.slots:
+                remaining = max(0.001, deadline - loop.time())
+                response = await peer.stub.AllocateBlocks(message, timeout=remaining)
+        except TimeoutError:
+            raise PdserveError(
+                ErrorReason.PEER_UNAVAILABLE,
+                f"decode {address} granted no lease within {self.allocate_timeout_s:.3g}s",
+                {"decodeAddress": address, "requestId": request.request_id},
+            ) from None
+        except grpc.RpcError as error:
+            raise peer_error(error, address, "AllocateBlocks") from None
+        return convert.lease_from_proto(response.lease)
+
+    async def release_lease(self, address: str, lease_id: str, request_id: str) -> bool:
+        """Releases a lease (idempotent on the decode); False if the decode could not be told.
+
+        A lease the decode never hears about is reclaimed by its TTL.
+        """
+        request = decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id)
+        try:
+            await self._peer(address).stub.ReleaseLease(request, timeout=RELEASE_TIMEOUT_S)
+        except grpc.RpcError as error:
+            log.warning(
+                "lease_release_failed",
+                request_id=request_id,
+                lease_id=lease_id,
+                decode_address=address,
+                reason=from_rpc_error(error).reason.name,
+            )
+            return False
+        log.info("lease_released", request_id=request_id, lease_id=lease_id)
+        return True
+
+    async def close(self) -> None:
+        """Closes every channel."""
+        peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            await peer.channel.close()

@@ -1,0 +1,137 @@
+"""Ships one request's KV to its decode over a SyncCache stream as the engine produces it.
+
+The stream opens as soon as the lease is granted: header first, then every `KvPiece` the engine
+thread exports (layer by layer, while later layers still compute), then the commit with the
+chunk count, byte total and first token once the engine sampled it. `run()` returns when the
+decode acknowledged the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.prefill import convert
+from pdserve.prefill.decode_client import peer_error
+from pdserve.prefill.request import KvPiece, Request
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class _Commit:
+    first_token_id: int
+    first_token_index: int
+
+
+class _StreamEnded(Exception):
+    """A write found the stream already ended by the decode."""
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """What the decode acknowledged."""
+
+    num_chunks: int
+    num_bytes: int
+
+
+class KvSender:
+    """One SyncCache transfer.
+
+    Args:
+        stub: The target decode's DecodeService stub.
+        request: The request (holding its lease).
+        corrupt_first_chunk: Fault injection: flip a byte of the first chunk after its checksum.
+    """
+
+    def __init__(
+        self,
+        stub: decode_pb2_grpc.DecodeServiceStub,
+        request: Request,
+        *,
+        corrupt_first_chunk: bool = False,
+    ) -> None:
+        self.stub = stub
+        self.request = request
+        self.corrupt_first_chunk = corrupt_first_chunk
+        self.num_chunks = 0
+        self.num_bytes = 0
+        self._queue: asyncio.Queue[KvPiece | _Commit] = asyncio.Queue()
+
+    def put(self, piece: KvPiece) -> None:
+        """Queues a piece of KV (event loop only)."""
+        self._queue.put_nowait(piece)
+
+    def commit(self, first_token_id: int, first_token_index: int) -> None:
+        """Queues the commit: the last message once every queued piece is sent."""
+        self._queue.put_nowait(_Commit(first_token_id, first_token_index))
+
+    async def run(self) -> TransferResult:
+        """Streams header, pieces and commit; returns once the decode committed.
+
+        Raises:
+            PdserveError: The decode's reason (CACHE_SYNC_FAILED, LEASE_EXPIRED, ...), or
+                PEER_UNAVAILABLE when the stream broke.
+        """
+        address = self.request.decode_address
+        call = self.stub.SyncCache()
+        try:
+            await self._write(call, convert.sync_header(self.request))
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, _Commit):
+                    await self._write(
+                        call,
+                        convert.sync_commit(
+                            self.num_chunks,
+                            self.num_bytes,
+                            item.first_token_id,
+                            item.first_token_index,
+                        ),
+                    )
+                    await call.done_writing()
+                    response: decode_pb2.SyncCacheResponse = await call
+                    break
+                corrupt = self.corrupt_first_chunk and self.num_chunks == 0
+                message = convert.kv_chunk(item, corrupt=corrupt)
+                await self._write(call, message)
+                self.num_chunks += 1
+                self.num_bytes += len(message.chunk.key) + len(message.chunk.value)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except _StreamEnded:
+            # NOTE: the decode ended the stream early (e.g. a bad checksum); the call's final
+            # status says why, the failed write does not.
+            raise await self._final_error(call, address) from None
+        except grpc.RpcError as error:
+            raise peer_error(error, address, "SyncCache") from None
+        if response.state != decode_pb2.LEASE_STATE_COMMITTED:
+            raise PdserveError(
+                ErrorReason.CACHE_SYNC_FAILED,
+                f"decode answered {decode_pb2.LeaseState.Name(response.state)}, not COMMITTED",
+                {"requestId": self.request.request_id, "decodeAddress": address},
+            )
+        return TransferResult(self.num_chunks, self.num_bytes)
+
+    @staticmethod
+    async def _write(call: grpc.aio.StreamUnaryCall, message: decode_pb2.SyncCacheRequest) -> None:
+        try:
+            await call.write(message)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            raise _StreamEnded from None
+
+    async def _final_error(self, call: grpc.aio.StreamUnaryCall, address: str) -> PdserveError:
+        try:
+            await call
+        except grpc.RpcError as error:
+            return peer_error(error, address, "SyncCache")
+        return PdserveError(
+            ErrorReason.CACHE_SYNC_FAILED, "SyncCache ended early", {"decodeAddress": address}
+        )

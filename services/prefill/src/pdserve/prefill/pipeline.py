@@ -1,0 +1,352 @@
+"""The life of each prefill request on the event loop: prepare, prefill, ship, hand off.
+
+One asyncio task per request walks QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING ->
+HANDED_OFF (or FINISHED when the first token already ends the request) and writes what the
+caller must see into the request's outbox. Every way out of that task (success, a typed
+failure, `abort`, the caller hanging up) runs the same cleanup: the SyncCache stream is
+cancelled if still open, the prefill's blocks are freed on the engine thread, and a decode
+lease that was not handed off is released. Errors reach the caller only after that cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fnmatch
+from dataclasses import dataclass, field
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.prefill.decode_client import DecodePeers
+from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.prefill_loop import PrefillLoop
+from pdserve.prefill.request import (
+    EngineEvent,
+    EngineFailed,
+    FinishReason,
+    FirstTokenSampled,
+    KvPiece,
+    LeaseGrant,
+    Request,
+    RequestStatus,
+    first_token_finish,
+    is_length_capped,
+)
+
+log = structlog.get_logger(__name__)
+
+RELEASE_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class FirstTokenOut:
+    """The first token, for the caller (sent before the transfer finishes)."""
+
+    token_id: int
+    index: int
+
+
+@dataclass(frozen=True)
+class HandedOffOut:
+    """Terminal: the decode committed the KV and owns the request."""
+
+    lease: LeaseGrant
+    num_chunks: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class FinishedOut:
+    """Terminal: the first token ended the request; no decode runs."""
+
+    reason: FinishReason
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+Outcome = FirstTokenOut | HandedOffOut | FinishedOut | PdserveError
+
+
+@dataclass(eq=False)
+class RequestTask:
+    """The event-loop side of one request."""
+
+    request: Request
+    outbox: asyncio.Queue[Outcome] = field(default_factory=asyncio.Queue)
+    first_token: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    sender: KvSender | None = None
+    sender_task: asyncio.Task[object] | None = None
+    task: asyncio.Task[None] | None = None
+    cleanup_task: asyncio.Task[None] | None = None
+    is_lease_open: bool = False
+    is_submitted: bool = False
+
+    def on_engine_event(self, event: EngineEvent) -> None:
+        """Dispatches an engine-thread event (runs on the event loop)."""
+        if isinstance(event, KvPiece):
+            if self.sender is not None and not self.request.status.is_terminal:
+                self.sender.put(event)
+        elif self.first_token.done() or self.request.status.is_terminal:
+            return
+        elif isinstance(event, FirstTokenSampled):
+            self.first_token.set_result(event.token_id)
+        elif isinstance(event, EngineFailed):
+            self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))
+
+
+class Pipeline:
+    """Starts, tracks and aborts the requests of one prefill instance.
+
+    Args:
+        loop: The engine thread.
+        peers: Channels to the decodes.
+        eos_token_ids: The model's end-of-sequence ids.
+        max_model_len: Longest sequence served.
+        max_queue_len: Most requests in flight; more are refused with PREFILL_OVERLOADED.
+        fault_corrupt_kv: Request-id pattern whose first KV chunk is corrupted on purpose
+            (fault injection for chaos tests), or None.
+    """
+
+    def __init__(
+        self,
+        loop: PrefillLoop,
+        peers: DecodePeers,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        max_queue_len: int,
+        fault_corrupt_kv: str | None = None,
+    ) -> None:
+        self.loop = loop
+        self.peers = peers
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_queue_len = max_queue_len
+        self.fault_corrupt_kv = fault_corrupt_kv
+        self.is_draining = False
+        self.live: dict[str, RequestTask] = {}
+
+    def start(self, request: Request) -> RequestTask:
+        """Admits a validated request and starts its task.
+
+        Raises:
+            PdserveError: INSTANCE_DRAINING, PREFILL_OVERLOADED, or INVALID_REQUEST for a
+                request id that is already in flight here.
+        """
+        meta = {"requestId": request.request_id}
+        if self.is_draining:
+            raise PdserveError(ErrorReason.INSTANCE_DRAINING, "prefill is draining", meta)
+        if request.request_id in self.live:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST, "a request with this id is in flight", meta
+            )
+        if len(self.live) >= self.max_queue_len:
+            raise PdserveError(
+                ErrorReason.PREFILL_OVERLOADED,
+                f"{len(self.live)} requests in flight (max_queue_len {self.max_queue_len})",
+                meta,
+            )
+        request.is_sending_kv = not is_length_capped(request, self.max_model_len)
+        task = RequestTask(request)
+        aio_loop = asyncio.get_running_loop()
+
+        def sink(event: EngineEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
+                aio_loop.call_soon_threadsafe(task.on_engine_event, event)
+
+        request.sink = sink
+        self.live[request.request_id] = task
+        task.task = asyncio.create_task(self._run(task), name=f"prefill-{request.request_id}")
+        log.info(
+            "prefill_queued",
+            request_id=request.request_id,
+            num_tokens=request.num_tokens,
+            decode_address=request.decode_address,
+        )
+        return task
+
+    def cancel(self, task: RequestTask) -> None:
+        """Aborts a request whose caller went away (cleanup continues in the background)."""
+        if task.task is not None and not task.task.done():
+            task.task.cancel()
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request at any stage and waits until its lease and blocks are released.
+
+        Returns:
+            True if the request was in flight.
+        """
+        task = self.live.get(request_id)
+        if task is None:
+            return False
+        self.cancel(task)
+        await self._wait_done(task)
+        return True
+
+    async def abort_all(self) -> None:
+        """Aborts every request in flight and waits for their cleanup."""
+        tasks = list(self.live.values())
+        for task in tasks:
+            self.cancel(task)
+        for task in tasks:
+            await self._wait_done(task)
+
+    async def _wait_done(self, task: RequestTask) -> None:
+        assert task.task is not None
+        await asyncio.wait([task.task])
+        if task.cleanup_task is not None:
+            await asyncio.wait([task.cleanup_task])
+
+    # ---- one request -----------------------------------------------------------------------
+
+    async def _run(self, task: RequestTask) -> None:
+        request = task.request
+        error: PdserveError | None = None
+        try:
+            await self._prefill(task)
+        except asyncio.CancelledError:
+            request.status = RequestStatus.ABORTED
+            error = PdserveError(
+                ErrorReason.CANCELLED, "request aborted", {"requestId": request.request_id}
+            )
+        except PdserveError as failure:
+            request.status = RequestStatus.FAILED
+            error = failure
+        except Exception as failure:
+            log.exception("prefill_internal_error", request_id=request.request_id)
+            request.status = RequestStatus.FAILED
+            error = PdserveError(ErrorReason.INTERNAL, str(failure))
+        finally:
+            # NOTE: shielded so that a second cancellation cannot cut the cleanup short.
+            task.cleanup_task = asyncio.create_task(self._cleanup(task, error))
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task.cleanup_task)
+
+    async def _prefill(self, task: RequestTask) -> None:
+        request = task.request
+        if request.is_sending_kv:
+            request.status = RequestStatus.PREPARING
+            lease = await self.peers.allocate(request)
+            request.lease = lease
+            task.is_lease_open = True
+            log.info(
+                "lease_granted",
+                request_id=request.request_id,
+                lease_id=lease.lease_id,
+                decode_instance_id=lease.decode_instance_id,
+            )
+            if (
+                request.decode_instance_id
+                and lease.decode_instance_id != request.decode_instance_id
+            ):
+                log.warning(
+                    "decode_instance_mismatch",
+                    request_id=request.request_id,
+                    expected=request.decode_instance_id,
+                    actual=lease.decode_instance_id,
+                )
+            corrupt = self.fault_corrupt_kv is not None and fnmatch.fnmatchcase(
+                request.request_id, self.fault_corrupt_kv
+            )
+            task.sender = KvSender(
+                self.peers.stub(request.decode_address), request, corrupt_first_chunk=corrupt
+            )
+            task.sender_task = asyncio.create_task(task.sender.run())
+        request.status = RequestStatus.PREFILLING
+        task.is_submitted = True
+        self.loop.submit(request)
+        token_id = await self._first_token(task)
+        index = request.first_token_index
+        task.outbox.put_nowait(FirstTokenOut(token_id, index))
+        log.info("first_token", request_id=request.request_id, token_id=token_id, index=index)
+        finish = first_token_finish(request, token_id, self.eos_token_ids, self.max_model_len)
+        if finish is not None:
+            await self._release_lease(task)
+            request.status = RequestStatus.FINISHED
+            task.outbox.put_nowait(FinishedOut(finish, request.num_prompt_tokens, index + 1))
+            return
+        assert task.sender is not None and task.sender_task is not None
+        assert request.lease is not None
+        request.status = RequestStatus.TRANSFERRING
+        task.sender.commit(token_id, index)
+        await task.sender_task
+        task.is_lease_open = False  # the decode owns it now
+        request.status = RequestStatus.HANDED_OFF
+        task.outbox.put_nowait(
+            HandedOffOut(request.lease, task.sender.num_chunks, task.sender.num_bytes)
+        )
+        log.info(
+            "handed_off",
+            request_id=request.request_id,
+            lease_id=request.lease.lease_id,
+            num_chunks=task.sender.num_chunks,
+            num_bytes=task.sender.num_bytes,
+        )
+
+    async def _first_token(self, task: RequestTask) -> int:
+        """The first token; fails early if the transfer broke before it was sampled."""
+        waiters: set[asyncio.Future[object]] = {task.first_token}  # type: ignore[arg-type]
+        if task.sender_task is not None:
+            waiters.add(task.sender_task)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if task.first_token.done():
+            return task.first_token.result()
+        assert task.sender_task is not None
+        task.sender_task.result()  # raises the transfer's error
+        raise PdserveError(ErrorReason.INTERNAL, "the transfer ended before the first token")
+
+    async def _release_lease(self, task: RequestTask) -> None:
+        request = task.request
+        if not task.is_lease_open or request.lease is None:
+            return
+        task.is_lease_open = False
+        await self.peers.release_lease(
+            request.decode_address, request.lease.lease_id, request.request_id
+        )
+
+    async def _cleanup(self, task: RequestTask, error: PdserveError | None) -> None:
+        request = task.request
+        try:
+            if task.is_lease_open:
+                # NOTE: release before cancelling the stream, so the decode ends the lease as
+                # released rather than as a broken transfer.
+                await self._release_lease(task)
+            if task.sender_task is not None:
+                task.sender_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task.sender_task
+            if task.is_submitted:
+                await self._free_blocks(request)
+        finally:
+            self.live.pop(request.request_id, None)
+            if error is not None:
+                log.info(
+                    "prefill_failed"
+                    if request.status is RequestStatus.FAILED
+                    else "prefill_aborted",
+                    request_id=request.request_id,
+                    reason=error.reason.name,
+                    detail=error.message,
+                )
+                task.outbox.put_nowait(error)
+
+    async def _free_blocks(self, request: Request) -> None:
+        aio_loop = asyncio.get_running_loop()
+        released = aio_loop.create_future()
+
+        def on_released() -> None:
+            with contextlib.suppress(RuntimeError):
+                aio_loop.call_soon_threadsafe(_resolve, released)
+
+        self.loop.release(request, on_released)
+        try:
+            await asyncio.wait_for(released, RELEASE_WAIT_S)
+        except TimeoutError:
+            log.error("prefill_blocks_not_released", request_id=request.request_id)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

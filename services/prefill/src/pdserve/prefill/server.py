@@ -1,0 +1,184 @@
+"""Builds and runs a prefill instance: `create_server(config)` then `serve(config)`."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health
+
+from pdserve.common import env
+from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.common.registration import RegistrationClient
+from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.convert import RequestLimits
+from pdserve.prefill.decode_client import DecodePeers
+from pdserve.prefill.pipeline import Pipeline
+from pdserve.prefill.prefill_loop import PrefillLoop
+from pdserve.prefill.servicer import PrefillServicer
+from pdserve.prefill.status import PrefillStatus
+from pdserve.serving.convert import local_protocol
+from pdserve.serving.model_host import ModelHost
+from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = (
+    prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
+    instance_pb2.DESCRIPTOR.services_by_name["InstanceService"].full_name,
+)
+
+
+@dataclass
+class PrefillInstance:
+    """A running prefill server and its parts (what tests and `serve` hold on to)."""
+
+    config: PrefillConfig
+    server: grpc.aio.Server
+    port: int
+    host: ModelHost
+    loop: PrefillLoop
+    peers: DecodePeers
+    pipeline: Pipeline
+    servicer: PrefillServicer
+    status: PrefillStatus
+    health: health.aio.HealthServicer
+    registration: RegistrationClient | None
+    _tasks: list[asyncio.Task[None]]
+
+    @property
+    def address(self) -> str:
+        return self.status.instance.address
+
+    async def drain_and_stop(self, timeout_s: float | None = None) -> None:
+        """Refuses new requests, lets those in flight finish (up to the timeout), then stops.
+
+        Requests still in flight at the deadline are aborted, which releases their leases.
+        """
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self.pipeline.is_draining = True
+        await self.health.enter_graceful_shutdown()
+        if self.registration is not None:
+            await self.registration.stop()
+        log.info("draining", num_requests=len(self.pipeline.live))
+        deadline = time.monotonic() + timeout_s
+        while self.pipeline.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop(grace=1.0)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Aborts what is in flight, stops the server, background tasks and the engine thread."""
+        self.pipeline.is_draining = True
+        for task in self._tasks:
+            task.cancel()
+        if self.registration is not None:
+            await self.registration.stop()
+        await self.pipeline.abort_all()
+        await self.server.stop(grace)
+        await self.peers.close()
+        self.loop.stop()
+
+
+async def create_server(config: PrefillConfig, host: ModelHost | None = None) -> PrefillInstance:
+    """Loads the model (unless `host` is given), binds the port and starts serving.
+
+    Args:
+        config: Settings.
+        host: An already loaded model to reuse (tests and benchmarks load one per server).
+    """
+    if host is None:
+        host = ModelHost.load(
+            config.model,
+            config.served_model_name,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_mb=config.kv_cache_memory_mb,
+            block_size=config.block_size,
+            dtype=config.dtype,
+            device=config.device,
+            max_model_len=config.max_model_len,
+        )
+    server = new_aio_server()
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    instance = common_pb2.InstanceInfo(
+        instance_id=config.instance_id or f"prefill-{uuid.uuid4().hex[:12]}",
+        role=common_pb2.INSTANCE_ROLE_PREFILL,
+        address=config.advertise_address or f"{config.host}:{port}",
+        protocol=local_protocol(),
+        kv_layout=host.kv_layout,
+        model_name=host.served_model_name,
+        max_model_len=host.max_model_len,
+    )
+    loop = PrefillLoop(host.runner, config.max_num_batched_tokens, config.max_chunk_bytes)
+    peers = DecodePeers(
+        instance.instance_id,
+        host.kv_layout,
+        config.prepare_concurrency,
+        config.allocate_timeout_ms / 1000,
+    )
+    fault = env.fault_corrupt_kv()
+    pipeline = Pipeline(
+        loop, peers, host.eos_token_ids, host.max_model_len, config.max_queue_len, fault
+    )
+    limits = RequestLimits(
+        vocab_size=host.runner.model_config.vocab_size,
+        max_model_len=host.max_model_len,
+        max_prompt_blocks=host.num_blocks,
+        block_size=host.runner.block_size,
+    )
+    servicer = PrefillServicer(host, pipeline, instance, limits)
+    status = PrefillStatus(instance, pipeline, loop)
+    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    instance_pb2_grpc.add_InstanceServiceServicer_to_server(status, server)
+    health_servicer = await add_standard_services(server, SERVICE_NAMES)
+    loop.start()
+    await server.start()
+    tasks: list[asyncio.Task[None]] = []
+    registration = None
+    if config.gateway:
+        registration = RegistrationClient(config.gateway, instance, status.load_report)
+        tasks.append(asyncio.create_task(registration.run()))
+    if fault is not None:
+        log.warning("fault_injection_enabled", fault="corrupt_kv", request_id_pattern=fault)
+    log.info(
+        "prefill_started",
+        address=instance.address,
+        instance_id=instance.instance_id,
+        num_blocks=host.num_blocks,
+        block_size=host.runner.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        model=host.served_model_name,
+    )
+    return PrefillInstance(
+        config,
+        server,
+        port,
+        host,
+        loop,
+        peers,
+        pipeline,
+        servicer,
+        status,
+        health_servicer,
+        registration,
+        tasks,
+    )
+
+
+async def serve(config: PrefillConfig) -> None:
+    """Runs a prefill instance until SIGTERM/SIGINT, then drains and exits."""
+    instance = await create_server(config)
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutdown_requested")
+    await instance.drain_and_stop()
+    log.info("prefill_stopped")

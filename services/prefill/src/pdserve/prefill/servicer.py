@@ -1,0 +1,114 @@
+"""PrefillService over gRPC: the edge between pdserve.v1 messages and the request pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from pdserve.common.errors import PdserveError, abort_with_error
+from pdserve.prefill import convert
+from pdserve.prefill.pipeline import FinishedOut, FirstTokenOut, HandedOffOut, Outcome, Pipeline
+from pdserve.serving.model_host import ModelHost
+from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+def outcome_to_proto(outcome: Outcome) -> prefill_pb2.PrefillResponse:
+    """The stream message of a non-error outcome."""
+    if isinstance(outcome, FirstTokenOut):
+        return prefill_pb2.PrefillResponse(
+            first_token=prefill_pb2.FirstToken(token_id=outcome.token_id, index=outcome.index)
+        )
+    if isinstance(outcome, HandedOffOut):
+        return prefill_pb2.PrefillResponse(
+            handed_off=prefill_pb2.HandedOff(
+                lease_id=outcome.lease.lease_id,
+                decode_instance_id=outcome.lease.decode_instance_id,
+                num_bytes=outcome.num_bytes,
+                num_chunks=outcome.num_chunks,
+                transport=convert.GRPC_TRANSPORT,
+            )
+        )
+    assert isinstance(outcome, FinishedOut)
+    return prefill_pb2.PrefillResponse(
+        finished=common_pb2.Finished(
+            finish_reason=convert.finish_reason_to_proto(outcome.reason),
+            usage=common_pb2.Usage(
+                num_prompt_tokens=outcome.num_prompt_tokens,
+                num_completion_tokens=outcome.num_completion_tokens,
+            ),
+        )
+    )
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
+    """Implements pdserve.v1.PrefillService.
+
+    Args:
+        host: The loaded model (tokenizer files, limits, KV layout).
+        pipeline: Runs the requests.
+        instance: This instance's InstanceInfo.
+        limits: What a request must fit.
+    """
+
+    def __init__(
+        self,
+        host: ModelHost,
+        pipeline: Pipeline,
+        instance: common_pb2.InstanceInfo,
+        limits: convert.RequestLimits,
+    ) -> None:
+        self.host = host
+        self.pipeline = pipeline
+        self.instance = instance
+        self.limits = limits
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
+        """Runs a prompt for its decode: `first_token`, then `handed_off` or `finished`."""
+        try:
+            task = self.pipeline.start(convert.request_from_proto(request, self.limits))
+        except PdserveError as error:
+            log.info("prefill_refused", request_id=request.request_id, reason=error.reason.name)
+            await abort_with_error(context, error)
+        is_done = False
+        try:
+            while not is_done:
+                outcome = await task.outbox.get()
+                if isinstance(outcome, PdserveError):
+                    is_done = True
+                    await abort_with_error(context, outcome)
+                is_done = not isinstance(outcome, FirstTokenOut)
+                yield outcome_to_proto(outcome)
+        finally:
+            if not is_done:
+                # NOTE: the caller hung up: abort, which releases the decode lease.
+                self.pipeline.cancel(task)
+
+    async def AbortRequest(
+        self, request: prefill_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.AbortRequestResponse:
+        """Aborts a request at any stage; returns once its lease and blocks are released."""
+        was_known = await self.pipeline.abort(request.request_id)
+        log.info("abort_requested", request_id=request.request_id, was_known=was_known)
+        return prefill_pb2.AbortRequestResponse(was_known=was_known)
+
+    async def GetModelInfo(
+        self, request: prefill_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.GetModelInfoResponse:
+        """Tokenizer files, chat template, end-of-sequence ids, limits and KV layout."""
+        tokenizer_json, tokenizer_config_json, chat_template = self.host.tokenizer_files()
+        return prefill_pb2.GetModelInfoResponse(
+            model_name=self.host.served_model_name,
+            tokenizer_json=tokenizer_json,
+            tokenizer_config_json=tokenizer_config_json,
+            chat_template=chat_template,
+            eos_token_ids=list(self.host.eos_token_ids),
+            max_model_len=self.host.max_model_len,
+            kv_layout=self.host.kv_layout,
+            instance=self.instance,
+        )

@@ -1,0 +1,308 @@
+"""Real prefill and decode servers in one process, plus clients and fault interceptors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.common import errors
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.decode import server as decode_server
+from pdserve.decode.config import DecodeConfig
+from pdserve.decode.server import DecodeInstance
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.server import PrefillInstance, create_server
+from pdserve.serving.convert import local_protocol, sampling_to_proto
+from pdserve.serving.model_host import ModelHost
+from pdserve.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    instance_pb2,
+    instance_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+BLOCK_SIZE = 4
+
+
+def load_host(model_dir: Path, num_blocks: int) -> ModelHost:
+    return ModelHost.load(
+        str(model_dir),
+        "tiny",
+        num_blocks=num_blocks,
+        kv_cache_memory_mb=64,
+        block_size=BLOCK_SIZE,
+        dtype="float32",
+        device="cpu",
+        max_model_len=None,
+    )
+
+
+class Delay(grpc.aio.ServerInterceptor):
+    """Delays the start of one method's handler (a slow peer); `delay_s` may change any time."""
+
+    def __init__(self, method: str, delay_s: float) -> None:
+        self.method = method
+        self.delay_s = delay_s
+        self.num_calls = 0
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.endswith(f"/{self.method}"):
+            return handler
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def delayed_unary(request, context):  # type: ignore[no-untyped-def]
+                self.num_calls += 1
+                await asyncio.sleep(self.delay_s)
+                return await unary(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                delayed_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        stream_unary = handler.stream_unary
+
+        async def delayed_stream(request_iterator, context):  # type: ignore[no-untyped-def]
+            self.num_calls += 1
+            await asyncio.sleep(self.delay_s)
+            return await stream_unary(request_iterator, context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            delayed_stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+@contextlib.contextmanager
+def decode_interceptors(interceptors: Sequence[grpc.aio.ServerInterceptor]) -> Iterator[None]:
+    """Makes `pdserve.decode.server.create_server` build its server with `interceptors`."""
+    original = decode_server.new_aio_server
+    decode_server.new_aio_server = lambda: original(interceptors)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        decode_server.new_aio_server = original  # type: ignore[assignment]
+
+
+async def start_decode(
+    model_dir: Path,
+    *,
+    num_blocks: int = 128,
+    lease_ttl_ms: int = 10_000,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> DecodeInstance:
+    config = DecodeConfig(
+        port=0, block_size=BLOCK_SIZE, num_blocks=num_blocks, lease_ttl_ms=lease_ttl_ms
+    )
+    with decode_interceptors(interceptors):
+        return await decode_server.create_server(config, load_host(model_dir, num_blocks))
+
+
+async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance:
+    settings: dict[str, object] = {
+        "port": 0,
+        "block_size": BLOCK_SIZE,
+        "num_blocks": 64,
+        "max_num_batched_tokens": 16,
+        "allocate_timeout_ms": 5000,
+        "max_chunk_bytes": 2048,
+    }
+    settings.update(overrides)
+    config = PrefillConfig(**settings)  # type: ignore[arg-type]
+    return await create_server(config, load_host(model_dir, config.num_blocks or 64))
+
+
+def reference_engine(model_dir: Path) -> LLMEngine:
+    """The single-process engine the disaggregated output must equal."""
+    config = EngineConfig(
+        model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256)
+    )
+    return LLMEngine(config)
+
+
+@dataclass
+class Events:
+    """What one Prefill stream delivered, with arrival times."""
+
+    messages: list[prefill_pb2.PrefillResponse] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    error: errors.PdserveError | None = None
+
+    @property
+    def kinds(self) -> list[str]:
+        return [str(m.WhichOneof("event")) for m in self.messages]
+
+    def last(self, kind: str) -> prefill_pb2.PrefillResponse:
+        return next(m for m in reversed(self.messages) if m.WhichOneof("event") == kind)
+
+
+@dataclass
+class Cluster:
+    """One prefill and its decodes, with stubs."""
+
+    prefill: PrefillInstance
+    decodes: list[DecodeInstance]
+    channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    def _channel(self, port: int) -> grpc.aio.Channel:
+        channel = insecure_channel(f"127.0.0.1:{port}")
+        self.channels.append(channel)
+        return channel
+
+    def __post_init__(self) -> None:
+        prefill_channel = self._channel(self.prefill.port)
+        self.stub = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        self.prefill_status = instance_pb2_grpc.InstanceServiceStub(prefill_channel)
+        self.decode_stubs = []
+        self.decode_status = []
+        for decode in self.decodes:
+            channel = self._channel(decode.port)
+            self.decode_stubs.append(decode_pb2_grpc.DecodeServiceStub(channel))
+            self.decode_status.append(instance_pb2_grpc.InstanceServiceStub(channel))
+
+    def request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        decode: int = 0,
+        num_prompt_tokens: int = 0,
+    ) -> prefill_pb2.PrefillRequest:
+        return prefill_pb2.PrefillRequest(
+            request_id=request_id,
+            token_ids=list(token_ids),
+            num_prompt_tokens=num_prompt_tokens,
+            sampling=sampling_to_proto(sampling),
+            decode=prefill_pb2.DecodeTarget(
+                address=f"127.0.0.1:{self.decodes[decode].port}",
+                instance_id=self.decodes[decode].status.instance.instance_id,
+            ),
+            protocol=local_protocol(),
+        )
+
+    async def run_prefill(self, message: prefill_pb2.PrefillRequest) -> Events:
+        """Runs one Prefill stream to its end (an error status lands in `error`)."""
+        events = Events()
+        try:
+            async for response in self.stub.Prefill(message):
+                events.messages.append(response)
+                events.times.append(time.monotonic())
+        except grpc.aio.AioRpcError as error:
+            events.error = errors.from_rpc_error(error)
+            events.times.append(time.monotonic())
+        return events
+
+    async def generate(self, lease_id: str, decode: int = 0) -> tuple[list[int], list[int]]:
+        """Every decode token of a lease, and their completion indices."""
+        ids: list[int] = []
+        indices: list[int] = []
+        request = decode_pb2.DecodeServiceGenerateRequest(lease_id=lease_id)
+        async for message in self.decode_stubs[decode].Generate(request):
+            if message.WhichOneof("event") == "tokens":
+                ids.extend(message.tokens.token_ids)
+                first = message.tokens.first_index
+                indices.extend(range(first, first + len(message.tokens.token_ids)))
+        return ids, indices
+
+    async def complete(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        decode: int = 0,
+        num_prompt_tokens: int = 0,
+    ) -> list[int]:
+        """Prefill then decode: the whole continuation after `token_ids`."""
+        message = self.request(
+            request_id, token_ids, sampling, decode=decode, num_prompt_tokens=num_prompt_tokens
+        )
+        events = await self.run_prefill(message)
+        assert events.error is None, events.error
+        first = events.messages[0].first_token
+        assert first.index == len(token_ids) - (num_prompt_tokens or len(token_ids))
+        if events.kinds[-1] == "finished":
+            return [first.token_id]
+        assert events.kinds == ["first_token", "handed_off"], events.kinds
+        lease_id = events.last("handed_off").handed_off.lease_id
+        ids, indices = await self.generate(lease_id, decode)
+        assert indices == list(range(first.index + 1, first.index + 1 + len(ids)))
+        return [first.token_id, *ids]
+
+    async def prefill_pool(self) -> instance_pb2.GetInstanceStatusResponse:
+        return await self.prefill_status.GetInstanceStatus(
+            instance_pb2.GetInstanceStatusRequest(check_integrity=True)
+        )
+
+    async def decode_pool(self, decode: int = 0) -> instance_pb2.GetInstanceStatusResponse:
+        return await self.decode_status[decode].GetInstanceStatus(
+            instance_pb2.GetInstanceStatusRequest(check_integrity=True)
+        )
+
+    async def assert_whole(self) -> None:
+        """Invariant 3 on every instance: consistent pools, all blocks free, no open lease."""
+        statuses = [await self.prefill_pool()]
+        statuses += [await self.decode_pool(i) for i in range(len(self.decodes))]
+        for status in statuses:
+            pool = status.pool
+            assert pool.is_consistent, pool.detail
+            assert pool.num_open_leases == 0, status.instance.instance_id
+            assert pool.num_free_blocks == pool.num_total_blocks, status.instance.instance_id
+
+    async def eventually_whole(self, timeout_s: float = 5.0) -> None:
+        """`assert_whole`, allowing `timeout_s` for work already under way to settle."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.assert_whole()
+                return
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+        await self.prefill.stop(grace=None)
+        for decode in self.decodes:
+            await decode.stop(grace=None)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    model_dir: Path,
+    *,
+    num_decodes: int = 1,
+    decode_interceptors: Sequence[Sequence[grpc.aio.ServerInterceptor]] = (),
+    decode_blocks: int = 128,
+    **prefill_overrides: object,
+) -> AsyncIterator[Cluster]:
+    """A prefill and `num_decodes` decodes (decode i built with `decode_interceptors[i]`)."""
+    decodes = []
+    for i in range(num_decodes):
+        interceptors = decode_interceptors[i] if i < len(decode_interceptors) else ()
+        decodes.append(
+            await start_decode(model_dir, num_blocks=decode_blocks, interceptors=interceptors)
+        )
+    prefill = await start_prefill(model_dir, **prefill_overrides)
+    running = Cluster(prefill, decodes)
+    try:
+        yield running
+    finally:
+        await running.close()

@@ -1,0 +1,115 @@
+"""The engine thread: KV leaves layer by layer during the pass, every block exactly once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from support.prefill_cluster import BLOCK_SIZE, load_host
+
+from pdserve.engine.runner import ForwardChunk
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill.prefill_loop import PrefillLoop
+from pdserve.prefill.request import EngineEvent, FirstTokenSampled, KvPiece, Request
+from pdserve.serving.model_host import ModelHost
+
+PROMPT = [(7 * i + 3) % 300 + 3 for i in range(37)]  # 10 blocks, the last one partial
+
+
+class _Recorder:
+    """Collects engine events and marks where each forward pass returned."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.done = threading.Event()
+
+    def sink(self, event: EngineEvent) -> None:
+        self.events.append(event)
+        if isinstance(event, FirstTokenSampled):
+            self.done.set()
+
+
+@pytest.fixture(scope="module")
+def host(tiny_model_dir: Path) -> ModelHost:
+    return load_host(tiny_model_dir, num_blocks=32)
+
+
+def _loop(host: ModelHost, recorder: _Recorder, budget: int, chunk_bytes: int) -> PrefillLoop:
+    loop = PrefillLoop(host.runner, budget, chunk_bytes)
+    execute = host.runner.execute
+
+    def marked_execute(chunks: Sequence[ForwardChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        logits = execute(chunks, on_layer_done)
+        recorder.events.append("pass_returned")
+        return logits
+
+    loop.runner = type("MarkedRunner", (), {})()  # a stand-in with the runner's interface
+    loop.runner.execute = marked_execute  # type: ignore[attr-defined]
+    loop.runner.kv_cache = host.runner.kv_cache  # type: ignore[attr-defined]
+    return loop
+
+
+def _run(
+    host: ModelHost, budget: int, chunk_bytes: int
+) -> tuple[list[object], Request, dict[tuple[int, int], bytes]]:
+    recorder = _Recorder()
+    loop = _loop(host, recorder, budget, chunk_bytes)
+    request = Request(
+        request_id="r",
+        token_ids=list(PROMPT),
+        num_prompt_tokens=len(PROMPT),
+        sampling=SamplingParams(temperature=0.0),
+        seed=0,
+        decode_address="127.0.0.1:1",
+        sink=recorder.sink,
+    )
+    loop.start()
+    try:
+        loop.submit(request)
+        assert recorder.done.wait(30)
+        block_ids = list(request.block_ids)
+        expected = {
+            (layer, b): bytes(host.runner.kv_cache.export_blocks(layer, [block_ids[b]]).k)
+            for layer in range(host.runner.kv_cache.layout.num_layers)
+            for b in range(len(block_ids))
+        }
+        released = threading.Event()
+        loop.release(request, released.set)
+        assert released.wait(10)
+        assert loop.scheduler.pool.num_free_blocks == loop.scheduler.pool.num_blocks
+    finally:
+        loop.stop()
+    return recorder.events, request, expected
+
+
+def test_kv_leaves_layer_by_layer_while_the_pass_runs(host: ModelHost) -> None:
+    events, _, _ = _run(host, budget=64, chunk_bytes=1 << 20)
+    pieces = [e for e in events if isinstance(e, KvPiece)]
+    # One pass: every layer's piece is handed over before the pass returns, in layer order.
+    assert events.index("pass_returned") > max(events.index(p) for p in pieces)
+    assert [p.layer_index for p in pieces] == list(range(host.runner.kv_cache.layout.num_layers))
+    assert isinstance(events[-1], FirstTokenSampled)
+
+
+def test_chunked_prompt_ships_every_block_of_every_layer_exactly_once(host: ModelHost) -> None:
+    # Budget 16 with block size 4: passes of 16, 16 and 5 tokens; max 2 blocks per piece.
+    chunk_bytes = 2 * 2 * host.runner.kv_cache.layout.block_nbytes
+    events, request, expected = _run(host, budget=16, chunk_bytes=chunk_bytes)
+    pieces = [e for e in events if isinstance(e, KvPiece)]
+    seen: dict[tuple[int, int], bytes] = {}
+    for piece in pieces:
+        assert piece.num_blocks <= 2
+        size = len(piece.key) // piece.num_blocks
+        for i in range(piece.num_blocks):
+            key = (piece.layer_index, piece.first_block + i)
+            assert key not in seen, f"block shipped twice: {key}"
+            seen[key] = bytes(piece.key[i * size : (i + 1) * size])
+    assert seen == expected
+    assert events.count("pass_returned") == 3
+    # The first pass already shipped its 4 full blocks of layer 0 before the second pass ran.
+    first_return = events.index("pass_returned")
+    assert any(isinstance(e, KvPiece) for e in events[:first_return])
+    assert request.num_sent_blocks == -(-len(PROMPT) // BLOCK_SIZE)
