@@ -37,3 +37,11 @@ def build_tiny_llama(path: Path, *, num_layers: int = 2, vocab_size: int = 320) 
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint directory shared by the whole session."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built-in demo model (tokenizer and chat template included), generated locally."""
+    from pdserve.engine.demo import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("pdserve-cache"))

@@ -121,6 +121,10 @@ class Orchestrator:
             except AttemptFailed as failed:
                 self._remaining_s(request, deadline)
                 self._retries.on_failure(request, pair, state, failed)
+                if state.wait_before_retry_s:
+                    remaining = self._remaining_s(request, deadline)
+                    await asyncio.sleep(min(state.wait_before_retry_s, remaining))
+                    state.wait_before_retry_s = 0.0
 
     def _remaining_s(self, request: GenerationRequest, deadline: float) -> float:
         remaining = deadline - asyncio.get_running_loop().time()

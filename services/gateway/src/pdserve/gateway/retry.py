@@ -4,7 +4,8 @@ Errors are classified by their reason's retry scope, never by message text. A fa
 server reported itself excludes the instance(s) its scope blames (another decode / prefill /
 pair / instance), or retries as is (whole request, once), or ends the request (never). A lost
 connection to a decode, and a preemption, reschedule the request instead: they count against
-``preempt_retry_count``, everything else against ``max_attempts``.
+``preempt_retry_count``, everything else against ``max_attempts`` (except a full decode after
+the first token: the request waits for room until its timeout).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.router import Pair
 
 log = structlog.get_logger("pdserve.gateway.retry")
+
+DEFAULT_CAPACITY_WAIT_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class RequestState:
     num_reschedules: int = 0
     has_used_once_retry: bool = False
     last_error: PdserveError | None = None
+    wait_before_retry_s: float = 0.0
 
 
 def connection_lost(stage: str, message: str) -> AttemptFailed:
@@ -168,6 +172,21 @@ class RetryHandler:
             return
         elif error.retry_scope in (RetryScope.NEVER, RetryScope.REGISTER_AGAIN):
             raise error
+        elif error.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED and state.progress.num_tokens:
+            # NOTE: a completion the client already receives must not fail because decodes are
+            # momentarily full (e.g. after a preemption): wait the suggested delay and try
+            # again, bounded by the request timeout rather than by max_attempts.
+            state.wait_before_retry_s = error.retry_delay_s or DEFAULT_CAPACITY_WAIT_S
+            state.last_error = error
+            self._metrics.retries.labels(reason=error.reason.name).inc()
+            log.info(
+                "waiting_for_decode_capacity",
+                request_id=request.request_id,
+                decode_id=pair.decode.instance_id,
+                wait_s=state.wait_before_retry_s,
+                num_generated_tokens=state.progress.num_tokens,
+            )
+            return
         elif error.retry_scope is RetryScope.ONCE:
             if state.has_used_once_retry:
                 raise error

@@ -1,0 +1,205 @@
+"""The gateway in front of real prefill and decode services, through the openai SDK.
+
+The reference engine runs in a worker thread: the services share this event loop.
+
+Every answer is compared with the single-process engine (invariant 1), and every instance's
+block pool must be whole afterwards (invariant 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support.real_cluster import MODEL_NAME, RealCluster, Reference
+
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "Tell me about PD disaggregation."}]
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path) -> Reference:
+    return Reference(demo_model_dir)
+
+
+@pytest.fixture
+async def cluster(
+    demo_model_dir: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[RealCluster]:
+    options: dict[str, Any] = getattr(request, "param", {})
+    real = RealCluster(demo_model_dir)
+    try:
+        yield await real.start(**options)
+    finally:
+        await real.close()
+
+
+def _ids(choice: Any) -> list[int]:
+    return list(choice.model_extra["token_ids"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_completions_equal_the_engine(
+    cluster: RealCluster, reference: Reference, stream: bool
+) -> None:
+    client = cluster.openai()
+    kwargs = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
+              "extra_body": {"return_token_ids": True}}  # fmt: skip
+    expected = await asyncio.to_thread(reference.completion, PROMPT, temperature=0.0, max_tokens=20)
+    if stream:
+        ids, text, usage = [], "", None
+        chunks = await client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                ids.extend(_ids(choice))
+                text += choice.text
+    else:
+        response = await client.completions.create(**kwargs)
+        ids, text, usage = _ids(response.choices[0]), response.choices[0].text, response.usage
+    assert ids == expected
+    assert text == reference.text(expected)
+    assert usage is not None
+    assert usage.prompt_tokens == len(reference.tokenizer.encode(PROMPT))
+    assert usage.completion_tokens == len(expected)
+    await cluster.assert_whole()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_seeded_chat_equals_the_engine(
+    cluster: RealCluster, reference: Reference, stream: bool
+) -> None:
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 1234, "max_tokens": 24}
+    expected = await asyncio.to_thread(reference.chat, MESSAGES, **sampling)
+    client = cluster.openai()
+    kwargs = {"model": MODEL_NAME, "messages": MESSAGES, **sampling,
+              "extra_body": {"return_token_ids": True}}  # fmt: skip
+    if stream:
+        ids: list[int] = []
+        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                ids.extend(_ids(choice))
+        assert ids == expected
+    else:
+        response = await client.chat.completions.create(**kwargs)
+        assert _ids(response.choices[0]) == expected
+        assert response.choices[0].message.content == reference.text(expected)
+        assert response.usage.prompt_tokens == len(reference.tokenizer.encode_chat(MESSAGES))
+    await cluster.assert_whole()
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(name)
+    )
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    # 20 blocks of 16 tokens and no growth headroom: 8 long streams must preempt each other.
+    [{"decode_overrides": [{"num_blocks": 20, "reserve_tokens": 0}], "preempt_retry_count": 50}],
+    indirect=True,
+)
+async def test_preemption_storm_is_invisible_to_clients(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    client = cluster.openai()
+    prompts = [f"{PROMPT} number {i}" for i in range(8)]
+    expected = [
+        await asyncio.to_thread(reference.completion, p, temperature=0.0, max_tokens=48)
+        for p in prompts
+    ]
+
+    async def one(prompt: str) -> list[int]:
+        ids: list[int] = []
+        chunks = await client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0, stream=True,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids.extend(_ids(choice))
+        return ids
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    assert results == expected
+    metrics = (await cluster.http().get("/metrics")).text
+    assert _counter(metrics, "pdserve_gateway_reschedules") > 0
+    await cluster.assert_whole()
+
+
+@pytest.mark.parametrize("cluster", [{"decodes": 2}], indirect=True)
+async def test_stream_survives_a_decode_stopped_mid_stream(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    expected = await asyncio.to_thread(
+        reference.completion, PROMPT, temperature=0.0, max_tokens=200
+    )
+    client = cluster.openai()
+    chunks = await client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    ids: list[int] = []
+    victim = None
+    async for chunk in chunks:
+        for choice in chunk.choices:
+            ids.extend(_ids(choice))
+        if victim is None and len(ids) >= 10:
+            victim = next(d for d in cluster.decodes if d.leases.open_leases())
+            await victim.stop(grace=None)  # the decode is gone, mid-stream
+    assert victim is not None
+    assert ids == expected
+    cluster.decodes.remove(victim)
+    await cluster.assert_whole()
+
+
+@pytest.mark.parametrize(
+    "cluster", [{"decode_overrides": [{"num_blocks": 4}], "max_attempts": 2}], indirect=True
+)
+async def test_no_capacity_anywhere_is_a_429_with_retry_hint(cluster: RealCluster) -> None:
+    long_prompt = "word " * 100  # > 4 blocks of 16 tokens
+    async with cluster.http() as http:
+        response = await http.post(
+            "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 8},
+        )
+    assert response.status_code in (429, 503)
+    assert "retry-after" in response.headers
+    assert response.json()["error"]["message"]
+    await cluster.assert_whole()
+
+
+async def test_client_disconnect_mid_stream_frees_both_pools(cluster: RealCluster) -> None:
+    client = cluster.openai()
+    chunks = await client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=1000, temperature=0, stream=True
+    )
+    received = 0
+    async for _ in chunks:
+        received += 1
+        if received == 5:
+            break
+    await chunks.close()
+    await cluster.assert_whole(timeout_s=10)
+
+
+async def test_bad_input_is_refused_before_any_work(cluster: RealCluster) -> None:
+    client = cluster.openai()
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="nope", prompt=PROMPT, max_tokens=4)
+    status = await cluster.pool_status(cluster.decodes[0].address)
+    assert status.pool.num_free_blocks == status.pool.num_total_blocks
