@@ -1,0 +1,194 @@
+"""LLMEngine vs transformers `generate` on the same machine, in the same run.
+
+    python bench/engine.py              # full run (a few minutes on 2 CPU cores)
+    python bench/engine.py --quick      # smaller smoke run
+
+Workload: a random Llama (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000) and
+32 requests with prompt lengths uniform in [16, 192] and output lengths uniform in [16, 160],
+all greedy with EOS ignored so every request produces exactly its length. Baselines:
+
+* HF sequential: `generate` one request at a time.
+* HF padded batches: static batches (left padding); a batch runs until its longest request is
+  done, so throughput counts only the tokens each request asked for.
+* LLMEngine: all requests added at once (continuous batching, paged KV cache).
+
+Single-request latency compares `generate` and `LLMEngine.generate` on one request at a time
+(median over several). Results print as a table and are written to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import build_random_llama, write_results
+
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+
+
+def make_workload(num: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
+    generator = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(16, 193, (num,), generator=generator).tolist()
+    output_lens = torch.randint(16, 161, (num,), generator=generator).tolist()
+    return [
+        (torch.randint(3, vocab_size, (p,), generator=generator).tolist(), n)
+        for p, n in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+def hf_generate(model: Any, batch: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Greedy `generate` of a left-padded static batch; each row is cut to its own length."""
+    max_prompt = max(len(p) for p, _ in batch)
+    max_new = max(n for _, n in batch)
+    input_ids = torch.zeros(len(batch), max_prompt, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (prompt, _) in enumerate(batch):
+        input_ids[row, max_prompt - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, max_prompt - len(prompt) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [out[row, max_prompt : max_prompt + n].tolist() for row, (_, n) in enumerate(batch)]
+
+
+def engine_generate(engine: LLMEngine, batch: list[tuple[list[int], int]]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in batch]
+    return engine.generate([p for p, _ in batch], params)
+
+
+def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 requests, 4 layers, 1 round")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--latency-runs", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="engine vs HF padded repetitions")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--model-dir", type=Path, help="reuse/keep the random checkpoint here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    num_layers = 4 if args.quick else 8
+    num_requests = 8 if args.quick else args.num_requests
+    rounds = 1 if args.quick else args.rounds
+    vocab_size = 32000
+
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="pdserve-bench-engine-"))
+    build_random_llama(model_dir, num_layers=num_layers, hidden_size=512, vocab_size=vocab_size)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            seed=0,
+            cache=CacheConfig(block_size=16, num_blocks=2048),
+            scheduler=SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=2048),
+        )
+    )
+    workload = make_workload(num_requests, seed=0, vocab_size=vocab_size)
+    num_tokens = sum(n for _, n in workload)
+    warmup = make_workload(2, seed=1, vocab_size=vocab_size)
+    hf_generate(hf, warmup[:1])
+    hf_generate(hf, warmup)
+    engine_generate(engine, warmup)
+
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, seconds: float, tokens: list[list[int]]) -> float:
+        assert sum(len(t) for t in tokens) == num_tokens
+        rows.append({"run": name, "seconds": seconds, "tokens_per_s": num_tokens / seconds})
+        print(f"  {name:<34} {seconds:8.2f} s {num_tokens / seconds:9.1f} tok/s", flush=True)
+        return num_tokens / seconds
+
+    def hf_padded(batch_size: int) -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        padded: list[list[int]] = []
+        for first in range(0, num_requests, batch_size):
+            padded.extend(hf_generate(hf, workload[first : first + batch_size]))
+        return time.perf_counter() - start, padded
+
+    print(f"{num_requests} requests, {num_tokens} output tokens, threads={args.threads}")
+    # NOTE: the machine is shared and noisy: alternate the engine and its main baseline and
+    # compare them round by round.
+    same_batch_ratios = []
+    for round_index in range(rounds):
+        seconds, ours = timed(engine_generate, engine, workload)
+        ours_tps = record(f"LLMEngine, {num_requests} concurrent [{round_index}]", seconds, ours)
+        hf_tps = record(
+            f"HF padded, batch {num_requests} [{round_index}]", *hf_padded(num_requests)
+        )
+        same_batch_ratios.append(ours_tps / hf_tps)
+    engine_tps = statistics.median(r["tokens_per_s"] for r in rows if r["run"].startswith("LLM"))
+    small_batch = min(8, num_requests // 2)
+    hf_small_tps = record(f"HF padded, batch {small_batch}", *hf_padded(small_batch))
+    start = time.perf_counter()
+    sequential = [hf_generate(hf, [item])[0] for item in workload]
+    hf_sequential_tps = record("HF sequential", time.perf_counter() - start, sequential)
+    matches = sum(a == b for a, b in zip(ours, sequential, strict=True))
+
+    latency_items = make_workload(args.latency_runs, seed=2, vocab_size=vocab_size)
+    latency_items = [(prompt[:128], 64) for prompt, _ in latency_items]
+    engine_latency, hf_latency = [], []
+    for item in latency_items:
+        # NOTE: alternate the two so that machine noise hits both alike.
+        engine_latency.append(timed(engine_generate, engine, [item])[0])
+        hf_latency.append(timed(hf_generate, hf, [item])[0])
+
+    summary = {
+        "throughput_vs_hf_padded_same_batch": statistics.median(same_batch_ratios),
+        f"throughput_vs_hf_padded_batch_{small_batch}": engine_tps / hf_small_tps,
+        "throughput_vs_hf_sequential": engine_tps / hf_sequential_tps,
+        "single_request_latency_engine_s": statistics.median(engine_latency),
+        "single_request_latency_hf_s": statistics.median(hf_latency),
+        "single_request_latency_ratio": statistics.median(
+            e / h for e, h in zip(engine_latency, hf_latency, strict=True)
+        ),
+        "greedy_outputs_identical_to_hf": f"{matches}/{num_requests}",
+    }
+    print("\n| metric | value |\n|---|---|")
+    for key, value in summary.items():
+        shown = f"{value:.3f}" if isinstance(value, float) else value
+        print(f"| {key} | {shown} |")
+    path = write_results(
+        "engine",
+        {
+            "config": {
+                "num_layers": num_layers,
+                "hidden_size": 512,
+                "vocab_size": vocab_size,
+                "num_requests": num_requests,
+                "num_output_tokens": num_tokens,
+                "threads": args.threads,
+                "latency_request": "prompt 128, output 64",
+            },
+            "runs": rows,
+            "same_batch_ratios": same_batch_ratios,
+            "latency_engine_s": engine_latency,
+            "latency_hf_s": hf_latency,
+            "summary": summary,
+        },
+    )
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()
