@@ -7,7 +7,7 @@ PY := $(BIN)/python
 BASELINE := protos/baseline/pdserve-v1.binpb
 INSTALL_STAMP := $(VENV)/.installed
 
-.PHONY: help venv install proto proto-check lint format typecheck test test-fast demo-model \
+.PHONY: help venv install up proto proto-check lint format typecheck test test-fast demo-model \
 	contract-baseline lock clean
 
 help:  ## list the targets
@@ -39,6 +39,9 @@ lint: venv  ## ruff, ruff format, buf lint/format/breaking, generated-code fresh
 	$(BIN)/buf format --diff --exit-code
 	$(BIN)/buf breaking --against $(BASELINE)
 	$(MAKE) --no-print-directory proto-check
+
+up: venv  ## install, then run gateway + prefill + decode on the demo model (UP_ARGS="--decodes 2")
+	$(BIN)/pdserve up $(UP_ARGS)
 
 demo-model: venv  ## generate the built-in demo model into the cache (prints its path)
 	$(PY) -m pdserve.engine.demo
