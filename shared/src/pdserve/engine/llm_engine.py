@@ -172,7 +172,8 @@ class LLMEngine:
         """Runs prompts to completion and returns each one's generated tokens, in order.
 
         Raises:
-            RuntimeError: If other requests are already live in this engine.
+            RuntimeError: If other requests are already live in this engine, or the requests
+                cannot make progress.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine")
@@ -187,6 +188,9 @@ class LLMEngine:
         for request_id, prompt, params in zip(ids, prompts, params_list, strict=True):
             self.add_request(request_id, prompt, params)
         while self.has_unfinished_requests():
-            for output in self.step():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty and not scheduler_output.preempted_request_ids:
+                raise RuntimeError("no request can be scheduled: the KV cache has no room left")
+            for output in self.execute(scheduler_output):
                 results[output.request_id].extend(output.new_token_ids)
         return [results[request_id] for request_id in ids]
