@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
+from pdserve.engine.attention_metadata import DecodeGroup, split_decode_groups
 
 EngineFactory = Callable[..., LLMEngine]
 PromptFactory = Callable[..., list[list[int]]]
@@ -109,3 +110,28 @@ def test_engine_on_a_shuffled_free_queue_generates_the_same(
     pool.free(block_ids)
     assert engine.generate(batch, GREEDY) == expected
     pool.check_integrity()
+
+
+def test_split_decode_groups_covers_all_and_splits_far_apart_lengths() -> None:
+    assert split_decode_groups([], 16) == []
+    similar = split_decode_groups([30, 33, 40, 47], 16)
+    assert similar == [DecodeGroup(0, 4, 3)]
+    apart = split_decode_groups([5, 17, 300, 310, 900], 16)
+    assert [(g.start, g.end) for g in apart] == [(0, 2), (2, 4), (4, 5)]
+    assert [g.num_blocks for g in apart] == [2, 20, 57]
+
+
+def test_decodes_of_very_different_lengths_equal_each_alone(
+    make_engine: EngineFactory, prompts: PromptFactory
+) -> None:
+    engine = make_engine("llama3", num_blocks=128)
+    lengths = [400, 6, 210, 17, 200]
+    sequences = [prompts(1, seed=80 + i, min_len=n, max_len=n)[0] for i, n in enumerate(lengths)]
+    tables = [engine.block_pool.allocate(-(-n // 16)) for n in lengths]
+    for sequence, table in zip(sequences, tables, strict=True):
+        engine.runner.execute([ForwardChunk(sequence[:-1], 0, table)])
+    decodes = [ForwardChunk(s[-1:], len(s) - 1, t) for s, t in zip(sequences, tables, strict=True)]
+    together = engine.runner.execute(decodes)
+    alone = torch.cat([engine.runner.execute([chunk]) for chunk in decodes])
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
+    assert len(split_decode_groups(sorted(lengths), 16)) > 1

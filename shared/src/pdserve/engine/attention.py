@@ -2,152 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
-
-class KVGatherBuffer:
-    """Reusable destination for K/V gathered through block tables.
-
-    NOTE: a fresh multi-megabyte tensor per layer and step is mapped anew by the allocator and
-    page-faulted on first write, which on CPU costs about as much as the copy itself.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-
-    def gather(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies the given blocks of one layer; valid until the next ``gather``.
-
-        Returns:
-            ``(k, v)``, each ``[len(block_ids), block_size, num_kv_heads, head_dim]``.
-        """
-        num_blocks = block_ids.numel()
-        if (
-            not self._buffers
-            or self._buffers[0].shape[0] < num_blocks
-            or (
-                self._buffers[0].dtype != k_cache.dtype or self._buffers[0].device != k_cache.device
-            )
-        ):
-            # Grow with headroom so that slowly growing contexts do not reallocate every step.
-            capacity = max(num_blocks + num_blocks // 4, 16)
-            shape = (capacity, *k_cache.shape[1:])
-            self._buffers = [
-                torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device) for _ in range(2)
-            ]
-        k_out, v_out = (buffer[:num_blocks] for buffer in self._buffers)
-        torch.index_select(k_cache, 0, block_ids, out=k_out)
-        torch.index_select(v_cache, 0, block_ids, out=v_out)
-        return k_out, v_out
-
-
-@dataclass
-class PrefillSpan:
-    """One sequence with several new tokens in a batch.
-
-    Attributes:
-        seq_index: Row of the sequence in ``AttentionMetadata.block_table``.
-        token_start: First row of the sequence's tokens in the flattened batch.
-        token_end: One past its last row.
-        num_computed_tokens: Tokens already in the cache before this chunk (its start position).
-    """
-
-    seq_index: int
-    token_start: int
-    token_end: int
-    num_computed_tokens: int
-
-    @property
-    def num_new_tokens(self) -> int:
-        """Tokens of this chunk."""
-        return self.token_end - self.token_start
-
-    @property
-    def context_len(self) -> int:
-        """Tokens attended to by the last new token (cached plus new)."""
-        return self.num_computed_tokens + self.num_new_tokens
-
-
-@dataclass
-class AttentionMetadata:
-    """Per-step inputs shared by all layers.
-
-    Sequences with exactly one new token ("decodes") come first in the batch, one token each;
-    the remaining sequences are ``prefills``.
-
-    Attributes:
-        block_size: Tokens per block.
-        slot_mapping: ``[num_tokens]`` flat cache slot (``block_id * block_size + offset``) of each
-            new token.
-        block_table: ``[num_seqs, max_num_blocks]`` physical block ids, padded with 0.
-        context_lens: ``[num_seqs]`` cached plus new tokens per sequence (CPU tensor).
-        query_lens: ``[num_seqs]`` new tokens per sequence (CPU tensor).
-        num_decodes: Leading sequences (and tokens) with one new token.
-        decode_max_len: Longest context among the decodes (0 without decodes).
-        prefills: The other sequences.
-        gather_buffer: Where K/V gathered for attention are copied (reused across steps).
-        derived: Memo of tensors derived from the above (masks, gathers), shared by all layers.
-    """
-
-    block_size: int
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    context_lens: torch.Tensor
-    query_lens: torch.Tensor
-    num_decodes: int
-    decode_max_len: int
-    prefills: list[PrefillSpan]
-    gather_buffer: KVGatherBuffer = field(default_factory=KVGatherBuffer)
-    derived: dict[object, Any] = field(default_factory=dict)
-
-    def blocks_of(self, seq_index: int, num_tokens: int) -> torch.Tensor:
-        """``[num_blocks]`` physical ids of the blocks holding a sequence's first ``num_tokens``."""
-        return self.block_table[seq_index, : -(-num_tokens // self.block_size)]
-
-    @property
-    def decode_padded_len(self) -> int:
-        """Decode context length padded to whole blocks (the key length of the decode batch)."""
-        return -(-self.decode_max_len // self.block_size) * self.block_size
-
-    def decode_blocks(self) -> torch.Tensor:
-        """``[num_decodes * num_blocks]`` block ids of every decode's context, row-major."""
-        key = "decode_blocks"
-        if key not in self.derived:
-            num_blocks = self.decode_padded_len // self.block_size
-            self.derived[key] = self.block_table[: self.num_decodes, :num_blocks].reshape(-1)
-        return self.derived[key]
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """``[num_decodes, 1, 1, padded_len]`` bool mask of the keys each decode may attend to."""
-        key = ("decode_mask", window)
-        if key not in self.derived:
-            max_len = self.decode_padded_len
-            lens = self.context_lens[: self.num_decodes].to(self.block_table.device)[:, None]
-            key_pos = torch.arange(max_len, device=self.block_table.device)[None, :]
-            mask = key_pos < lens
-            if window is not None:
-                mask &= key_pos > lens - 1 - window
-            self.derived[key] = mask[:, None, None, :]
-        return self.derived[key]
-
-    def prefill_mask(self, span: PrefillSpan, window: int | None) -> torch.Tensor:
-        """``[num_new_tokens, context_len]`` bool causal (and sliding-window) mask of a chunk."""
-        key = ("prefill_mask", span.seq_index, window)
-        if key not in self.derived:
-            device = self.block_table.device
-            query_pos = torch.arange(span.num_computed_tokens, span.context_len, device=device)
-            key_pos = torch.arange(span.context_len, device=device)
-            mask = key_pos[None, :] <= query_pos[:, None]
-            if window is not None:
-                mask &= key_pos[None, :] > query_pos[:, None] - window
-            self.derived[key] = mask
-        return self.derived[key]
+from pdserve.engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
 class SdpaAttention:
@@ -210,9 +68,24 @@ class SdpaAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for group in metadata.decode_groups:
+            out[group.start : group.end] = self._decode_group(
+                group, q[group.start : group.end], k_cache, v_cache, metadata
+            )
+        return out
+
+    def _decode_group(
+        self,
+        group: DecodeGroup,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_decodes = q.shape[0]
-        blocks = metadata.decode_blocks()
-        padded_len = metadata.decode_padded_len
+        blocks = metadata.decode_blocks(group)
+        padded_len = group.num_blocks * metadata.block_size
         # NOTE: gathering whole blocks (block_size * num_kv_heads * head_dim contiguous values)
         # is many times faster than gathering token slots one by one.
         # keys, values: [num_decodes, padded_len, num_kv_heads, head_dim]
@@ -227,7 +100,7 @@ class SdpaAttention:
             q_grouped,
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=metadata.decode_mask(self.sliding_window),
+            attn_mask=metadata.decode_mask(group, self.sliding_window),
             scale=self.scale,
         )
         return out.reshape(num_decodes, self.num_heads, self.head_dim)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.attention_metadata import AttentionMetadata
 
 _flash_attn_varlen_func: Any
 try:  # pragma: no cover - exercised only where flash-attn is installed

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata, SdpaAttention
+from pdserve.engine.attention import SdpaAttention
+from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.flash_attention import FlashAttention
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.model_config import ModelConfig

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, KVGatherBuffer, PrefillSpan
+from pdserve.engine.attention_buffer import KVGatherBuffer
+from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan, split_decode_groups
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import flash_attn_unusable_reason
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout, num_blocks_for_budget
@@ -33,6 +34,11 @@ class ForwardChunk(NamedTuple):
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_ids: Sequence[int]
+
+
+def _batch_position(chunk: ForwardChunk) -> tuple[bool, int]:
+    is_decode = len(chunk.token_ids) == 1
+    return (not is_decode, chunk.num_computed_tokens if is_decode else 0)
 
 
 def resolve_attention_backend(
@@ -116,7 +122,8 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("execute needs at least one chunk")
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) != 1)
+        # NOTE: decodes first, shortest context first, so that similar lengths attend together.
+        order = sorted(range(len(chunks)), key=lambda i: _batch_position(chunks[i]))
         input_ids, positions, metadata = self._prepare([chunks[i] for i in order])
         hidden = self.model(input_ids, positions, self.kv_cache, metadata, on_layer_done)
         last_rows = torch.cumsum(metadata.query_lens, 0) - 1
@@ -173,7 +180,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens),
             query_lens=torch.tensor(query_lens),
             num_decodes=num_decodes,
-            decode_max_len=max(context_lens[:num_decodes], default=0),
+            decode_groups=split_decode_groups(context_lens[:num_decodes], block_size),
             prefills=prefills,
             gather_buffer=self.gather_buffer,
         )
