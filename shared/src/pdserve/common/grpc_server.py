@@ -19,12 +19,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 
 
 def new_aio_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """An aio server with pdserve's message limits (and trace propagation when tracing is on)."""
+    """An aio server with pdserve's message limits (and a span per RPC when tracing is on)."""
     chain = list(interceptors)
     if telemetry.is_enabled():
-        from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
-        chain.insert(0, aio_server_interceptor())
+        chain.insert(0, telemetry.server_interceptor())
     return grpc.aio.server(interceptors=chain, options=list(CHANNEL_OPTIONS))
 
 
@@ -47,12 +45,8 @@ async def add_standard_services(
 
 
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    """An aio client channel with pdserve's message limits (and trace propagation)."""
-    interceptors = None
-    if telemetry.is_enabled():
-        from opentelemetry.instrumentation.grpc import aio_client_interceptors
+    """An aio client channel with pdserve's message limits.
 
-        interceptors = aio_client_interceptors()
-    return grpc.aio.insecure_channel(
-        address, options=list(CHANNEL_OPTIONS), interceptors=interceptors
-    )
+    Calls that continue a trace pass ``metadata=telemetry.outgoing_metadata(...)``.
+    """
+    return grpc.aio.insecure_channel(address, options=list(CHANNEL_OPTIONS))

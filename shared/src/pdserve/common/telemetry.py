@@ -10,10 +10,13 @@ carry the ``pdserve.`` prefix.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -52,6 +55,11 @@ def configure_tracing(
     endpoint = otlp_endpoint or env.otlp_traces_endpoint()
     if endpoint is None and not processors:
         return False
+    if _provider is not None:
+        # NOTE: one provider per process; several in-process services (tests) share it.
+        for processor in processors or ():
+            _provider.add_span_processor(processor)
+        return True
     if sample_ratio is not None and not 0.0 <= sample_ratio <= 1.0:
         raise ValueError(f"sample_ratio must be in [0, 1], got {sample_ratio}")
     sampler = None if sample_ratio is None else ParentBased(TraceIdRatioBased(sample_ratio))
@@ -89,3 +97,65 @@ def add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMa
         event.setdefault("trace_id", format(context.trace_id, "032x"))
         event.setdefault("span_id", format(context.span_id, "016x"))
     return event
+
+
+# Control-plane RPCs that are not traced: health checks, registry heartbeats, status polls,
+# model-info fetches. Every request-path RPC is.
+UNTRACED_SERVICES = (
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1alpha.ServerReflection",
+    "pdserve.v1.RegistryService",
+    "pdserve.v1.InstanceService",
+)
+UNTRACED_METHODS = ("/pdserve.v1.PrefillService/GetModelInfo",)
+
+
+def server_interceptor() -> Any:
+    """The OpenTelemetry aio server interceptor: a server span per RPC, its parent taken from
+    the caller's ``traceparent`` metadata (health, registry and status RPCs excluded)."""
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
+
+    untraced = filters.any_of(
+        *(filters.service_name(name) for name in UNTRACED_SERVICES),
+        *(filters.full_method_name(name) for name in UNTRACED_METHODS),
+    )
+    return aio_server_interceptor(filter_=filters.negate(untraced))
+
+
+def outgoing_metadata(ctx: Context | None = None) -> list[tuple[str, str]]:
+    """The W3C trace context of `ctx` (default: the current one) as gRPC metadata.
+
+    Empty when tracing is off, so calls carry nothing extra.
+    """
+    if _provider is None:
+        return []
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return list(carrier.items())
+
+
+def extract(headers: Any) -> Context:
+    """The trace context carried by incoming headers (``traceparent``), or an empty one."""
+    return propagate.extract(headers)
+
+
+@contextmanager
+def activated(span: trace.Span) -> Iterator[None]:
+    """Makes `span` current for a synchronous block (e.g. creating a task or a call that
+    copies the current context); safe inside generators because nothing awaits in between."""
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def trace_fields(span: trace.Span) -> dict[str, str]:
+    """``trace_id`` / ``span_id`` of `span` for log lines (empty when not recording)."""
+    span_context = span.get_span_context()
+    if not span_context.is_valid:
+        return {}
+    return {
+        "trace_id": format(span_context.trace_id, "032x"),
+        "span_id": format(span_context.span_id, "016x"),
+    }

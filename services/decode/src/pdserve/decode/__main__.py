@@ -8,6 +8,7 @@ import sys
 
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
+from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.decode.config import DecodeConfig
 
 
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve-decode: {error}", file=sys.stderr)
         return 2
     configure_logging("decode", config.log_level)
-    asyncio.run(serve_main(config))
+    configure_tracing("pdserve-decode", config.otlp_endpoint, config.trace_sample_ratio)
+    try:
+        asyncio.run(serve_main(config))
+    finally:
+        shutdown_tracing()
     return 0
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.protocol import check_compatible
@@ -72,6 +73,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             log.info("lease_refused", request_id=request.request_id, reason=error.reason.name)
             await abort_with_error(context, error)
         self.streams[lease.lease_id] = LeaseStream(lease)
+        trace.get_current_span().set_attributes(
+            {"pdserve.request_id": lease.request_id, "pdserve.lease_id": lease.lease_id,
+             "pdserve.num_blocks": len(lease.block_ids)}
+        )  # fmt: skip
         log.info(
             "lease_granted",
             request_id=lease.request_id,
@@ -120,6 +125,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 elif part == "commit":
                     receiver.commit(message.commit.num_chunks, message.commit.num_bytes)
                     self._commit(lease, header, message.commit)
+                    trace.get_current_span().set_attributes(
+                        {"pdserve.lease_id": lease.lease_id,
+                         "pdserve.kv.num_bytes": receiver.num_bytes,
+                         "pdserve.kv.num_chunks": receiver.num_chunks}
+                    )  # fmt: skip
                     return decode_pb2.SyncCacheResponse(
                         lease_id=lease.lease_id,
                         state=decode_pb2.LEASE_STATE_COMMITTED,
@@ -262,7 +272,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         is_done = True
                         await abort_with_error(context, error)
                     assert message is not None
-                    is_done = message.WhichOneof("event") != "tokens"
+                    kind = message.WhichOneof("event")
+                    is_done = kind != "tokens"
+                    if kind == "preemption":
+                        count = message.preemption.num_generated_tokens
+                        trace.get_current_span().add_event(
+                            "preemption", {"pdserve.num_generated_tokens": count}
+                        )
                     yield message
         finally:
             if not is_done:

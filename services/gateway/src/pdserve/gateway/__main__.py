@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
+from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import serve
 
@@ -53,7 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging("gateway", config.log_level, json=config.log_format == "json")
-    asyncio.run(serve(config))
+    configure_tracing("pdserve-gateway", config.otlp_endpoint, config.trace_sample_ratio)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()
     return 0
 
 

@@ -22,6 +22,7 @@ class PrefillCall:
     Attributes:
         token_ids: The prompt, followed on a reschedule by the completion tokens so far.
         num_prompt_tokens: Length of the original prompt within `token_ids`.
+        trace_metadata: W3C trace context to send with the call (empty when tracing is off).
     """
 
     request_id: str
@@ -30,6 +31,7 @@ class PrefillCall:
     sampling: Sampling
     decode_address: str
     decode_instance_id: str
+    trace_metadata: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,12 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, address: str, request_id: str, lease_id: str, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        lease_id: str,
+        timeout_s: float,
+        trace_metadata: tuple[tuple[str, str], ...] = (),
     ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams a decode's events for a lease; closing the iterator cancels the call."""
         ...

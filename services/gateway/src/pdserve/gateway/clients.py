@@ -71,7 +71,9 @@ class GrpcBackend:
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Streams one Prefill RPC's events; closing the iterator cancels the call."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
-        rpc = stub.Prefill(convert.prefill_request_to_pb(call), timeout=timeout_s)
+        rpc = stub.Prefill(
+            convert.prefill_request_to_pb(call), timeout=timeout_s, metadata=call.trace_metadata
+        )
         try:
             async for message in rpc:
                 event = convert.prefill_event_from_pb(message)
@@ -93,12 +95,17 @@ class GrpcBackend:
             raise backend_error(error) from error
 
     async def generate(
-        self, address: str, request_id: str, lease_id: str, timeout_s: float
+        self,
+        address: str,
+        request_id: str,
+        lease_id: str,
+        timeout_s: float,
+        trace_metadata: tuple[tuple[str, str], ...] = (),
     ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
         request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
-        rpc = stub.Generate(request, timeout=timeout_s)
+        rpc = stub.Generate(request, timeout=timeout_s, metadata=trace_metadata)
         try:
             async for message in rpc:
                 event = convert.decode_event_from_pb(message)

@@ -107,6 +107,17 @@ class GatewayConfig:
         default=10.0,
         metadata={"help": "seconds a stopping gateway lets running requests finish"},
     )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "OTLP/gRPC collector for traces, e.g. localhost:4317 (Jaeger); the standard "
+            "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER variables also work; off if unset"
+        },
+    )
+    trace_sample_ratio: float | None = field(
+        default=None,
+        metadata={"help": "fraction of new traces kept (parent-based); all when unset"},
+    )
     log_level: str = field(
         default="info", metadata={"help": "minimum log level", "choices": LEVELS}
     )
@@ -115,6 +126,8 @@ class GatewayConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
         for name in ("port", "grpc_port"):
             value = getattr(self, name)
             if not 0 <= value < 65536:

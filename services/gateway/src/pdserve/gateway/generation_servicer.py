@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import context as otel_context
 
 from pdserve.common.errors import PdserveError, abort_with_error
 from pdserve.gateway import convert
@@ -47,7 +48,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             prepared = await self._pipeline.prepare(convert.generation_params_from_pb(request))
             request_id = prepared.client_request_id or prepared.request_id
             prompt_ids = prepared.prompt_token_ids if request.include_prompt_token_ids else ()
-            deltas = self._pipeline.stream(prepared)
+            # NOTE: with tracing on, the server interceptor made the caller's context current.
+            deltas = self._pipeline.stream(prepared, otel_context.get_current())
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield convert.generate_response_to_pb(request_id, delta, prompt_ids)

@@ -1,14 +1,17 @@
-"""The gateway's Prometheus counters, on a registry of its own (one per gateway object)."""
+"""The gateway's Prometheus metrics, on a registry of its own (one per gateway object)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+# Seconds; from interactive (tens of ms) to a slow CPU-only cluster (a minute).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 _LABELS = {"requests": "outcome", "retries": "reason", "reschedules": "cause"}
 
 
 class GatewayMetrics:
-    """Counters of request outcomes, retries and reschedules.
+    """Request outcomes, retries, reschedules and latency histograms.
 
     Attributes:
         registry: The Prometheus registry these counters live in (served at /metrics).
@@ -32,6 +35,25 @@ class GatewayMetrics:
             "pdserve_gateway_reschedules",
             "Requests continued elsewhere with their generated tokens, by cause.",
             ["cause"],
+            registry=self.registry,
+        )
+
+        self.ttft = Histogram(
+            "pdserve_gateway_time_to_first_token_seconds",
+            "From request start to the first token delivered to the client.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "pdserve_gateway_inter_token_latency_seconds",
+            "Gap between consecutive tokens delivered to a client (a batch shares its gap).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "pdserve_gateway_request_duration_seconds",
+            "From request start to the last token of a finished request.",
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.auth import check_bearer
 from pdserve.gateway.metrics import GatewayMetrics
@@ -280,7 +281,7 @@ def create_app(
         prepared = await pipeline.prepare(body.to_params())
         responder = _Responder(is_chat, prepared, body.model, body)
         headers = {"X-Request-Id": prepared.request_id}
-        deltas = pipeline.stream(prepared)
+        deltas = pipeline.stream(prepared, telemetry.extract(request.headers))
         if body.stream:
             try:
                 first = await anext(deltas)

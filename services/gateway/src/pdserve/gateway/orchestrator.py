@@ -26,7 +26,9 @@ from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, TypeAlias
 
 import structlog
+from opentelemetry import trace
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.backend import (
     Backend,
@@ -55,6 +57,7 @@ from pdserve.gateway.retry import (
 from pdserve.gateway.router import Pair, Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
+_tracer = telemetry.tracer("pdserve.gateway")
 
 OrchestratorEvent: TypeAlias = TokenChunk | GenerationEnd
 
@@ -90,13 +93,18 @@ class Orchestrator:
             await asyncio.gather(*self._cleanup_tasks, return_exceptions=True)
 
     async def run(
-        self, request: GenerationRequest, deadline: float
+        self,
+        request: GenerationRequest,
+        deadline: float,
+        parent_span: trace.Span = trace.INVALID_SPAN,
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         """Generates the completion.
 
         Args:
             request: The prepared request (its seed is fixed).
             deadline: ``loop.time()`` by which the request must be done.
+            parent_span: The request's span; routing and each attempt become its children,
+                retries and reschedules its events.
 
         Yields:
             `TokenChunk`s with strictly consecutive indices, then one `GenerationEnd`.
@@ -106,25 +114,52 @@ class Orchestrator:
                 exhausted, or DEADLINE_EXCEEDED).
         """
         state = RequestState(CompletionProgress(request))
+        parent = trace.set_span_in_context(parent_span)
         while True:
-            pair = self._pick(request, state, deadline)
+            with _tracer.start_as_current_span("gateway.route", context=parent) as route:
+                pair = self._pick(request, state, deadline)
+                route.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)
+                route.set_attribute("pdserve.decode.instance_id", pair.decode.instance_id)
             state.num_attempts += 1
+            attempt = _tracer.start_span(
+                "gateway.attempt",
+                context=parent,
+                attributes={
+                    "pdserve.attempt": state.num_attempts,
+                    "pdserve.prefill.instance_id": pair.prefill.instance_id,
+                    "pdserve.decode.instance_id": pair.decode.instance_id,
+                    "pdserve.num_generated_tokens": state.progress.num_tokens,
+                },
+            )
             try:
                 async with contextlib.aclosing(
-                    self._attempt(request, pair, state, deadline)
+                    self._attempt(request, pair, state, deadline, attempt)
                 ) as events:
                     async for event in events:
                         yield event
                 return
             except Reschedule as reschedule:
+                attempt.set_status(trace.Status(trace.StatusCode.ERROR, reschedule.cause))
                 self._retries.on_reschedule(request, state, reschedule)
+                parent_span.add_event(
+                    "retry",
+                    {"pdserve.cause": reschedule.cause, "pdserve.reason": "PREEMPTED"
+                     if reschedule.cause == "preempted" else "PEER_UNAVAILABLE"},
+                )  # fmt: skip
             except AttemptFailed as failed:
+                reason = failed.failure.error.reason.name
+                attempt.set_status(trace.Status(trace.StatusCode.ERROR, reason))
                 self._remaining_s(request, deadline)
                 self._retries.on_failure(request, pair, state, failed)
-                if state.wait_before_retry_s:
-                    remaining = self._remaining_s(request, deadline)
-                    await asyncio.sleep(min(state.wait_before_retry_s, remaining))
-                    state.wait_before_retry_s = 0.0
+                parent_span.add_event(
+                    "retry", {"pdserve.reason": reason, "pdserve.stage": failed.stage}
+                )
+            finally:
+                attempt.end()
+            if state.wait_before_retry_s:
+                remaining = self._remaining_s(request, deadline)
+                await asyncio.sleep(min(state.wait_before_retry_s, remaining))
+                state.wait_before_retry_s = 0.0
 
     def _remaining_s(self, request: GenerationRequest, deadline: float) -> float:
         remaining = deadline - asyncio.get_running_loop().time()
@@ -168,9 +203,15 @@ class Orchestrator:
             raise
 
     async def _attempt(
-        self, request: GenerationRequest, pair: Pair, state: RequestState, deadline: float
+        self,
+        request: GenerationRequest,
+        pair: Pair,
+        state: RequestState,
+        deadline: float,
+        span: trace.Span,
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         progress = state.progress
+        trace_metadata = tuple(telemetry.outgoing_metadata(trace.set_span_in_context(span)))
         call = PrefillCall(
             request_id=request.request_id,
             token_ids=progress.continuation_token_ids(),
@@ -178,6 +219,7 @@ class Orchestrator:
             sampling=request.sampling,
             decode_address=pair.decode.address,
             decode_instance_id=pair.decode.instance_id,
+            trace_metadata=trace_metadata,
         )
         log.debug(
             "attempt_started",
@@ -200,6 +242,9 @@ class Orchestrator:
             ) as events:
                 async for event in events:
                     if isinstance(event, TokenChunk):
+                        span.add_event(
+                            "first_token", {"pdserve.completion_index": event.first_index}
+                        )
                         yield event
                     elif isinstance(event, HandedOffEvent):
                         handed_off, lease_id = event, event.lease_id
@@ -223,6 +268,7 @@ class Orchestrator:
                 request.request_id,
                 handed_off.lease_id,
                 self._remaining_s(request, deadline),
+                trace_metadata,
             )
             async with contextlib.aclosing(
                 self._guard("decode", decode_stream, progress)
@@ -232,6 +278,11 @@ class Orchestrator:
                         yield event
                     elif isinstance(event, PreemptionEvent):
                         is_decode_done = True
+                        span.add_event(
+                            "preemption",
+                            {"pdserve.reason": str(event.reason),
+                             "pdserve.num_generated_tokens": event.num_generated_tokens},
+                        )  # fmt: skip
                         accepted = progress.accept(event.generated_token_ids, 0)
                         if accepted.chunk is not None:
                             yield accepted.chunk

@@ -18,7 +18,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
@@ -37,6 +40,7 @@ from pdserve.gateway.text import CompletionText
 from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
 log = structlog.get_logger("pdserve.gateway.pipeline")
+_tracer = telemetry.tracer("pdserve.gateway")
 
 MAX_SEED = 2**63
 CHAT_ROLES = ("system", "user", "assistant")
@@ -317,8 +321,15 @@ class Pipeline:
             raise _invalid("the prompt is empty", "prompt")
         return token_ids
 
-    async def stream(self, prepared: PreparedRequest) -> AsyncGenerator[OutputDelta, None]:
+    async def stream(
+        self, prepared: PreparedRequest, trace_context: Context | None = None
+    ) -> AsyncGenerator[OutputDelta, None]:
         """Runs a prepared request.
+
+        Args:
+            prepared: From `prepare`.
+            trace_context: The caller's trace context (incoming ``traceparent``); the
+                request's root span joins it.
 
         Yields:
             Deltas of text and tokens; the last one has finish_reason and usage.
@@ -334,13 +345,35 @@ class Pipeline:
         outcome = "cancelled"
         self._num_active += 1
         self._idle.clear()
+        span = _tracer.start_span(
+            "gateway.request",
+            context=trace_context,
+            kind=trace.SpanKind.SERVER,
+            attributes={
+                "pdserve.request_id": request.request_id,
+                "gen_ai.operation.name": "text_completion",
+                "gen_ai.request.model": request.model,
+                "gen_ai.request.max_tokens": request.sampling.max_tokens,
+                "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            },
+        )
+        trace_ids = telemetry.trace_fields(span)
+        last_token_at: float | None = None
         try:
-            events = self._orchestrator.run(request, started + self._request_timeout_s)
+            events = self._orchestrator.run(request, started + self._request_timeout_s, span)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, GenerationEnd):
                         end = event
                         break
+                    now = loop.time()
+                    if last_token_at is None:
+                        self._metrics.ttft.observe(now - started)
+                    elif event.token_ids:
+                        gap = (now - last_token_at) / len(event.token_ids)
+                        for _ in event.token_ids:
+                            self._metrics.inter_token_latency.observe(gap)
+                    last_token_at = now
                     step = text.add(event.token_ids)
                     if step.text or step.token_ids:
                         yield OutputDelta(step.text, step.token_ids, event.first_index)
@@ -356,8 +389,12 @@ class Pipeline:
             )
             final = OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
             outcome = "finished"
+            span.set_attribute("gen_ai.usage.output_tokens", usage.num_completion_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [finish_reason.value])
+            self._metrics.e2e_latency.observe(loop.time() - started)
             log.info(
                 "request_finished",
+                **trace_ids,
                 request_id=request.request_id,
                 client_request_id=prepared.client_request_id,
                 user=prepared.user,
@@ -373,8 +410,11 @@ class Pipeline:
             yield final
         except PdserveError as error:
             outcome = error.reason.name
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error.reason.name))
+            span.set_attribute("pdserve.error.reason", error.reason.name)
             log.warning(
                 "request_failed",
+                **trace_ids,
                 request_id=request.request_id,
                 client_request_id=prepared.client_request_id,
                 model=request.model,
@@ -386,14 +426,17 @@ class Pipeline:
             raise
         finally:
             if outcome == "cancelled":
+                span.add_event("cancelled")
                 log.info(
                     "request_cancelled",
+                    **trace_ids,
                     request_id=request.request_id,
                     client_request_id=prepared.client_request_id,
                     num_completion_tokens=text.num_tokens,
                     duration_s=round(loop.time() - started, 4),
                 )
             self._metrics.requests.labels(outcome=outcome).inc()
+            span.end()
             self._num_active -= 1
             if self._num_active == 0:
                 self._idle.set()

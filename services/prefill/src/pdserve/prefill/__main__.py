@@ -8,6 +8,7 @@ import sys
 
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
+from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.prefill.config import PrefillConfig
 
 
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve-prefill: {error}", file=sys.stderr)
         return 2
     configure_logging("prefill", config.log_level)
-    asyncio.run(serve_main(config))
+    configure_tracing("pdserve-prefill", config.otlp_endpoint, config.trace_sample_ratio)
+    try:
+        asyncio.run(serve_main(config))
+    finally:
+        shutdown_tracing()
     return 0
 
 

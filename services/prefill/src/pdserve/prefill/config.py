@@ -85,12 +85,25 @@ class PrefillConfig:
     drain_timeout_s: float = field(
         default=30.0, metadata={"help": "on SIGTERM, how long requests in flight may finish"}
     )
+    otlp_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "OTLP/gRPC collector for traces, e.g. localhost:4317 (Jaeger); the standard "
+            "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER variables also work; off if unset"
+        },
+    )
+    trace_sample_ratio: float | None = field(
+        default=None,
+        metadata={"help": "fraction of new traces kept (parent-based); all when unset"},
+    )
     log_level: str = field(
         default="info",
         metadata={"help": "log level", "choices": ("debug", "info", "warning", "error")},
     )
 
     def __post_init__(self) -> None:
+        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
         positive = {
             "kv_cache_memory_mb": self.kv_cache_memory_mb,
             "block_size": self.block_size,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.prefill import convert
@@ -110,7 +111,9 @@ class DecodePeers:
         try:
             async with asyncio.timeout_at(deadline), peer.slots:
                 remaining = max(0.001, deadline - loop.time())
-                response = await peer.stub.AllocateBlocks(message, timeout=remaining)
+                response = await peer.stub.AllocateBlocks(
+                    message, timeout=remaining, metadata=telemetry.outgoing_metadata()
+                )
         except TimeoutError:
             raise PdserveError(
                 ErrorReason.PEER_UNAVAILABLE,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.prefill import convert
 from pdserve.prefill.decode_client import peer_error
@@ -80,7 +81,7 @@ class KvSender:
                 PEER_UNAVAILABLE when the stream broke.
         """
         address = self.request.decode_address
-        call = self.stub.SyncCache()
+        call = self.stub.SyncCache(metadata=telemetry.outgoing_metadata())
         try:
             await self._write(call, convert.sync_header(self.request))
             while True:

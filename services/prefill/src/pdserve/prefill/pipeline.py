@@ -16,7 +16,10 @@ import fnmatch
 from dataclasses import dataclass, field
 
 import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.kv_sender import KvSender
@@ -35,6 +38,7 @@ from pdserve.prefill.request import (
 )
 
 log = structlog.get_logger(__name__)
+_tracer = telemetry.tracer("pdserve.prefill")
 
 RELEASE_WAIT_S = 30.0
 
@@ -228,7 +232,12 @@ class Pipeline:
         request = task.request
         if request.is_sending_kv:
             request.status = RequestStatus.PREPARING
-            lease = await self.peers.allocate(request)
+            with _tracer.start_as_current_span(
+                "prefill.allocate", attributes={"pdserve.decode.address": request.decode_address}
+            ) as allocate_span:
+                lease = await self.peers.allocate(request)
+                allocate_span.set_attribute("pdserve.lease_id", lease.lease_id)
+                allocate_span.set_attribute("pdserve.num_blocks", len(lease.block_ids))
             request.lease = lease
             task.is_lease_open = True
             log.info(
@@ -253,11 +262,24 @@ class Pipeline:
             task.sender = KvSender(
                 self.peers.stub(request.decode_address), request, corrupt_first_chunk=corrupt
             )
-            task.sender_task = asyncio.create_task(task.sender.run())
+            transfer_span = _tracer.start_span(
+                "prefill.kv_transfer", attributes={"pdserve.transport": "grpc-sync-cache"}
+            )
+            # NOTE: the task copies the current context: its SyncCache call joins the span.
+            with telemetry.activated(transfer_span):
+                task.sender_task = asyncio.create_task(task.sender.run())
+            task.sender_task.add_done_callback(
+                lambda done, sender=task.sender: _end_transfer_span(transfer_span, sender, done)
+            )
         request.status = RequestStatus.PREFILLING
         task.is_submitted = True
-        self.loop.submit(request)
-        token_id = await self._first_token(task)
+        with _tracer.start_as_current_span(
+            "prefill.compute", attributes={"pdserve.num_tokens": request.num_tokens}
+        ):
+            if telemetry.is_enabled():
+                request.trace_context = otel_context.get_current()
+            self.loop.submit(request)
+            token_id = await self._first_token(task)
         index = request.first_token_index
         task.outbox.put_nowait(FirstTokenOut(token_id, index))
         log.info("first_token", request_id=request.request_id, token_id=token_id, index=index)
@@ -345,6 +367,14 @@ class Pipeline:
             await asyncio.wait_for(released, RELEASE_WAIT_S)
         except TimeoutError:
             log.error("prefill_blocks_not_released", request_id=request.request_id)
+
+
+def _end_transfer_span(span: trace.Span, sender: KvSender, done: asyncio.Task[object]) -> None:
+    span.set_attribute("pdserve.kv.num_bytes", sender.num_bytes)
+    span.set_attribute("pdserve.kv.num_chunks", sender.num_chunks)
+    if done.cancelled() or done.exception() is not None:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, "transfer failed"))
+    span.end()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

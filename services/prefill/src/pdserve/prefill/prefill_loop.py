@@ -15,11 +15,14 @@ never freed under a forward pass that writes them.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import structlog
+from opentelemetry import trace
 
+from pdserve.common import telemetry
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.runner import ForwardChunk, ModelRunner
@@ -28,6 +31,7 @@ from pdserve.prefill.request import EngineFailed, FirstTokenSampled, KvPiece, Re
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
 
 log = structlog.get_logger(__name__)
+_tracer = telemetry.tracer("pdserve.prefill")
 
 
 class _Export(NamedTuple):
@@ -80,6 +84,7 @@ class PrefillLoop:
 
     def submit(self, request: Request) -> None:
         """Queues a prepared request for prefill (FCFS)."""
+        request.submitted_ns = time.time_ns()
         with self._cond:
             self._submitted.append(request)
             self._cond.notify()
@@ -144,6 +149,7 @@ class PrefillLoop:
         chunks = [
             ForwardChunk(c.token_ids, c.num_computed_tokens, c.request.block_ids) for c in scheduled
         ]
+        spans = _chunk_spans(scheduled) if telemetry.is_enabled() else []
         try:
             logits = self.runner.execute(chunks, lambda layer: self._export_layer(exports, layer))
             completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
@@ -157,6 +163,9 @@ class PrefillLoop:
             ]
             tokens = self.sampler(logits[completed], rows) if completed else []
         except Exception as error:
+            for span in spans:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+                span.end()
             log.exception("prefill_pass_failed", error=str(error))
             with self.lock:
                 self.scheduler.fail([c.request for c in scheduled])
@@ -164,6 +173,8 @@ class PrefillLoop:
                 chunk.request.sink(EngineFailed(f"forward pass failed: {error}"))
             return
         self.num_passes += 1
+        for span in spans:
+            span.end()
         for export in exports:
             export.request.num_sent_blocks = export.end_block
         with self.lock:
@@ -199,3 +210,33 @@ class PrefillLoop:
                 stop = min(end_block, start + self.blocks_per_piece)
                 data = kv_cache.export_blocks(layer_index, request.block_ids[start:stop])
                 request.sink(KvPiece(layer_index, start, stop - start, data.k, data.v))
+
+
+def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:
+    """Starts a ``prefill.chunk`` span per scheduled chunk (and, for a request's first chunk,
+    records its ``prefill.queue_wait``), each under its request's trace context."""
+    now_ns = time.time_ns()
+    spans = []
+    for chunk in scheduled:
+        request = chunk.request
+        if request.trace_context is None:
+            continue
+        if chunk.num_computed_tokens == 0 and request.submitted_ns:
+            waited = _tracer.start_span(
+                "prefill.queue_wait", context=request.trace_context, start_time=request.submitted_ns
+            )
+            waited.end(end_time=now_ns)
+        spans.append(
+            _tracer.start_span(
+                "prefill.chunk",
+                context=request.trace_context,
+                start_time=now_ns,
+                attributes={
+                    "pdserve.request_id": request.request_id,
+                    "pdserve.num_tokens": chunk.num_new_tokens,
+                    "pdserve.start_position": chunk.num_computed_tokens,
+                    "pdserve.num_batched_requests": len(scheduled),
+                },
+            )
+        )
+    return spans

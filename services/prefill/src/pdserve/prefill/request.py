@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -102,6 +104,8 @@ class Request:
         block_ids: This prefill's blocks holding the request's KV.
         num_computed_tokens: Tokens whose KV is computed.
         num_sent_blocks: Leading logical blocks already exported to the sender.
+        trace_context: Parent of the engine thread's spans for this request (None: untraced).
+        submitted_ns: Wall-clock time it was handed to the engine thread (for queue spans).
     """
 
     request_id: str
@@ -119,6 +123,8 @@ class Request:
     num_computed_tokens: int = 0
     num_sent_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    trace_context: Context | None = None
+    submitted_ns: int = 0
 
     @property
     def num_tokens(self) -> int:
