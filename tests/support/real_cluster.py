@@ -58,7 +58,8 @@ class RealCluster:
         self.gateway = GatewayServer(GatewayConfig(**settings))
         await self.gateway.start()
         common = {"model": str(self.model_dir), "served_model_name": MODEL_NAME, "port": 0,
-                  "gateway": self.grpc_address, "block_size": BLOCK_SIZE}  # fmt: skip
+                  "gateway": self.grpc_address, "block_size": BLOCK_SIZE,
+                  "metrics_port": 0}  # fmt: skip
         for _ in range(prefills):
             await self.add_prefill(**common)
         overrides = list(decode_overrides) or [{}] * decodes

@@ -44,6 +44,7 @@ def _banner(cluster: Cluster) -> str:
 pdserve is up: {counts} (logs: {cluster.log_dir})
   REST (OpenAI API): {url}/v1
   gRPC (pdserve.v1.GenerationService): {cluster.grpc_address}
+  Prometheus: {" ".join(cluster.metrics_urls())}
 
   curl {url}/v1/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{_model_name(cluster)}", "prompt": "Hello", "max_tokens": 16}}'

@@ -107,7 +107,7 @@ class Cluster:
             started = self.gateway.wait_for_event("gateway_started", config.startup_timeout_s)
             self.http_port, self.grpc_port = started["http_port"], started["grpc_port"]
             common = ["--model", model, "--host", config.host, "--port", "0",
-                      "--gateway", self.grpc_address]  # fmt: skip
+                      "--metrics-port", "0", "--gateway", self.grpc_address]  # fmt: skip
             for i in range(config.prefills):
                 args = [*common, *shlex.split(config.prefill_args)]
                 self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))
@@ -120,6 +120,15 @@ class Cluster:
         except BaseException:
             self.stop(timeout_s=5)
             raise
+
+    def metrics_urls(self) -> list[str]:
+        """``/metrics`` URLs of the gateway and every backend (from their start-up logs)."""
+        urls = [f"{self.rest_url}/metrics"]
+        for child in [*self.prefills, *self.decodes]:
+            for record in child.events:
+                if record.get("event") == "metrics_started":
+                    urls.append(f"http://{record['address']}/metrics")
+        return urls
 
     def first_exited(self) -> ChildProcess | None:
         """A child that has exited, if any."""

@@ -62,6 +62,12 @@ class DecodeConfig:
     drain_timeout_s: float = field(
         default=30.0, metadata={"help": "on SIGTERM, how long running requests may finish"}
     )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
+        },
+    )
     otlp_endpoint: str | None = field(
         default=None,
         metadata={

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import structlog
 
 from pdserve.common.errors import ErrorReason
 from pdserve.decode.leases import Lease, LeaseManager, LeaseState
+from pdserve.decode.metrics import DecodeMetrics
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
@@ -116,6 +118,7 @@ class DecodeLoop:
         max_num_seqs: Most requests per step.
         eos_token_ids: End-of-sequence ids of the model.
         max_model_len: Longest sequence served.
+        metrics: Where step durations are observed, if anywhere.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class DecodeLoop:
         max_num_seqs: int,
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
+        metrics: DecodeMetrics | None = None,
     ) -> None:
         self.runner = runner
         self.leases = leases
@@ -132,8 +136,10 @@ class DecodeLoop:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.sampler = Sampler()
+        self.metrics = metrics
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_generated_tokens = 0
         self._running: list[DecodeRequest] = []
         self._waiting: deque[DecodeRequest] = deque()
         self._aborts: dict[str, tuple[LeaseState, str]] = {}
@@ -242,6 +248,7 @@ class DecodeLoop:
                     break
         if not self._running:
             return
+        started = time.perf_counter()
         batch = list(self._running)
         chunks = [
             ForwardChunk([r.token_ids[-1]], r.lease.num_computed_tokens, r.lease.block_ids)
@@ -251,6 +258,9 @@ class DecodeLoop:
         rows = [SamplingRow(r.sampling, r.seed, r.num_generated_tokens) for r in batch]
         tokens = self.sampler(logits, rows)
         self.num_steps += 1
+        self.num_generated_tokens += len(tokens)
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
         for request, token in zip(batch, tokens, strict=True):
             index = request.num_generated_tokens
             request.token_ids.append(token)

@@ -103,6 +103,8 @@ class LeaseManager:
         self.lock = threading.RLock()
         self.is_draining = False
         self.num_expired = 0
+        self.num_granted = 0
+        self.num_refused = 0
         self._leases: dict[str, Lease] = {}
         self._ended: OrderedDict[str, LeaseState] = OrderedDict()
 
@@ -145,6 +147,7 @@ class LeaseManager:
                 )
             available = self.pool.num_free_blocks - self.num_reserved_blocks()
             if num_blocks + own_headroom > available:
+                self.num_refused += 1
                 raise PdserveError(
                     ErrorReason.DECODE_CAPACITY_EXHAUSTED,
                     f"needs {num_blocks} blocks (+{own_headroom} headroom), {available} available",
@@ -162,6 +165,7 @@ class LeaseManager:
                 num_remaining_tokens=max_new_tokens,
             )
             self._leases[lease.lease_id] = lease
+            self.num_granted += 1
             return lease
 
     # ---- lookups and transitions -----------------------------------------------------------

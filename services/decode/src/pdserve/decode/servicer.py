@@ -18,6 +18,7 @@ from pdserve.decode import convert
 from pdserve.decode.decode_loop import DecodeEvent, DecodeLoop, DecodeRequest, EndedEvent
 from pdserve.decode.kv_receiver import KvChunkData, KvReceiver
 from pdserve.decode.leases import Lease, LeaseManager, LeaseState
+from pdserve.decode.metrics import DecodeMetrics
 from pdserve.serving.convert import local_protocol, sampling_from_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -43,12 +44,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         host: The loaded model (runner, KV layout).
         leases: The lease table.
         loop: The decode thread.
+        metrics: Where transfer durations are observed, if anywhere.
     """
 
-    def __init__(self, host: ModelHost, leases: LeaseManager, loop: DecodeLoop) -> None:
+    def __init__(
+        self,
+        host: ModelHost,
+        leases: LeaseManager,
+        loop: DecodeLoop,
+        metrics: DecodeMetrics | None = None,
+    ) -> None:
         self.host = host
         self.leases = leases
         self.loop = loop
+        self.metrics = metrics
+        self.num_kv_bytes_received = 0
         self.streams: dict[str, LeaseStream] = {}
         self.instance_id = ""
 
@@ -111,6 +121,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> decode_pb2.SyncCacheResponse:
         """Receives header, chunks and commit; on any failure frees the lease."""
         lease: Lease | None = None
+        started = time.perf_counter()
         try:
             lease, receiver, header = await self._open_transfer(request_iterator)
             async for message in request_iterator:
@@ -125,6 +136,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 elif part == "commit":
                     receiver.commit(message.commit.num_chunks, message.commit.num_bytes)
                     self._commit(lease, header, message.commit)
+                    self.num_kv_bytes_received += receiver.num_bytes
+                    if self.metrics is not None:
+                        self.metrics.sync_seconds.observe(time.perf_counter() - started)
                     trace.get_current_span().set_attributes(
                         {"pdserve.lease_id": lease.lease_id,
                          "pdserve.kv.num_bytes": receiver.num_bytes,

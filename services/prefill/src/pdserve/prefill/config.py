@@ -85,6 +85,12 @@ class PrefillConfig:
     drain_timeout_s: float = field(
         default=30.0, metadata={"help": "on SIGTERM, how long requests in flight may finish"}
     )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
+        },
+    )
     otlp_endpoint: str | None = field(
         default=None,
         metadata={

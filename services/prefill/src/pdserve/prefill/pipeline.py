@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import functools
+import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -23,6 +25,7 @@ from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import (
     EngineEvent,
@@ -131,6 +134,9 @@ class Pipeline:
         self.fault_corrupt_kv = fault_corrupt_kv
         self.is_draining = False
         self.live: dict[str, RequestTask] = {}
+        self.metrics: PrefillMetrics | None = None
+        self.num_kv_bytes_sent = 0
+        self.num_handed_off = 0
 
     def start(self, request: Request) -> RequestTask:
         """Admits a validated request and starts its task.
@@ -269,7 +275,9 @@ class Pipeline:
             with telemetry.activated(transfer_span):
                 task.sender_task = asyncio.create_task(task.sender.run())
             task.sender_task.add_done_callback(
-                lambda done, sender=task.sender: _end_transfer_span(transfer_span, sender, done)
+                functools.partial(
+                    self._on_transfer_done, transfer_span, task.sender, time.perf_counter()
+                )
             )
         request.status = RequestStatus.PREFILLING
         task.is_submitted = True
@@ -306,6 +314,20 @@ class Pipeline:
             num_chunks=task.sender.num_chunks,
             num_bytes=task.sender.num_bytes,
         )
+
+    def _on_transfer_done(
+        self, span: trace.Span, sender: KvSender, started: float, done: asyncio.Task[object]
+    ) -> None:
+        span.set_attribute("pdserve.kv.num_bytes", sender.num_bytes)
+        span.set_attribute("pdserve.kv.num_chunks", sender.num_chunks)
+        if done.cancelled() or done.exception() is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, "transfer failed"))
+        else:
+            self.num_kv_bytes_sent += sender.num_bytes
+            self.num_handed_off += 1
+            if self.metrics is not None:
+                self.metrics.transfer_seconds.observe(time.perf_counter() - started)
+        span.end()
 
     async def _first_token(self, task: RequestTask) -> int:
         """The first token; fails early if the transfer broke before it was sampled."""
@@ -367,14 +389,6 @@ class Pipeline:
             await asyncio.wait_for(released, RELEASE_WAIT_S)
         except TimeoutError:
             log.error("prefill_blocks_not_released", request_id=request.request_id)
-
-
-def _end_transfer_span(span: trace.Span, sender: KvSender, done: asyncio.Task[object]) -> None:
-    span.set_attribute("pdserve.kv.num_bytes", sender.num_bytes)
-    span.set_attribute("pdserve.kv.num_chunks", sender.num_chunks)
-    if done.cancelled() or done.exception() is not None:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, "transfer failed"))
-    span.end()
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

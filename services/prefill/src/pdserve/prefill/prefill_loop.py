@@ -27,6 +27,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import EngineFailed, FirstTokenSampled, KvPiece, Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
 
@@ -63,6 +64,8 @@ class PrefillLoop:
         self.blocks_per_piece = max(1, max_chunk_bytes // per_block)
         self.sampler = Sampler()
         self.num_passes = 0
+        self.num_prompt_tokens = 0
+        self.metrics: PrefillMetrics | None = None
         self.lock = threading.RLock()  # guards the scheduler (and so the pool)
         self._cond = threading.Condition(self.lock)
         self._submitted: list[Request] = []
@@ -150,6 +153,7 @@ class PrefillLoop:
             ForwardChunk(c.token_ids, c.num_computed_tokens, c.request.block_ids) for c in scheduled
         ]
         spans = _chunk_spans(scheduled) if telemetry.is_enabled() else []
+        started = time.perf_counter()
         try:
             logits = self.runner.execute(chunks, lambda layer: self._export_layer(exports, layer))
             completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
@@ -173,6 +177,9 @@ class PrefillLoop:
                 chunk.request.sink(EngineFailed(f"forward pass failed: {error}"))
             return
         self.num_passes += 1
+        self.num_prompt_tokens += output.num_batched_tokens
+        if self.metrics is not None:
+            self.metrics.pass_seconds.observe(time.perf_counter() - started)
         for span in spans:
             span.end()
         for export in exports:

@@ -7,6 +7,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import structlog
@@ -14,10 +15,12 @@ from grpc_health.v1 import health
 
 from pdserve.common import env
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.common.metrics import CounterSource, start_metrics_server
 from pdserve.common.registration import RegistrationClient
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import RequestLimits
 from pdserve.prefill.decode_client import DecodePeers
+from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.pipeline import Pipeline
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.servicer import PrefillServicer
@@ -50,6 +53,7 @@ class PrefillInstance:
     health: health.aio.HealthServicer
     registration: RegistrationClient | None
     _tasks: list[asyncio.Task[None]]
+    metrics_server: WSGIServer | None = None
 
     @property
     def address(self) -> str:
@@ -82,6 +86,9 @@ class PrefillInstance:
         await self.server.stop(grace)
         await self.peers.close()
         self.loop.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
 
 
 async def create_server(config: PrefillConfig, host: ModelHost | None = None) -> PrefillInstance:
@@ -134,6 +141,15 @@ async def create_server(config: PrefillConfig, host: ModelHost | None = None) ->
     )
     servicer = PrefillServicer(host, pipeline, instance, limits)
     status = PrefillStatus(instance, pipeline, loop)
+    metrics = PrefillMetrics()
+    loop.metrics = pipeline.metrics = metrics
+    metrics.watch(status.load_report, _counters(loop, pipeline))
+    metrics_server = None
+    if config.metrics_port is not None:
+        metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
+        host_part = instance.address.rsplit(":", 1)[0]
+        instance.metrics_address = f"{host_part}:{metrics_server.server_port}"
+        log.info("metrics_started", address=instance.metrics_address)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     instance_pb2_grpc.add_InstanceServiceServicer_to_server(status, server)
     health_servicer = await add_standard_services(server, SERVICE_NAMES)
@@ -168,7 +184,23 @@ async def create_server(config: PrefillConfig, host: ModelHost | None = None) ->
         health_servicer,
         registration,
         tasks,
+        metrics_server=metrics_server,
     )
+
+
+def _counters(loop: PrefillLoop, pipeline: Pipeline) -> CounterSource:
+    def read() -> dict[str, tuple[str, float]]:
+        return {
+            "prompt_tokens": (
+                "Prompt tokens prefilled (rate() gives tokens/s).",
+                loop.num_prompt_tokens,
+            ),
+            "passes": ("Prefill forward passes run.", loop.num_passes),
+            "handed_off": ("Requests whose KV the decode acknowledged.", pipeline.num_handed_off),
+            "kv_sent_bytes": ("KV bytes in acknowledged transfers.", pipeline.num_kv_bytes_sent),
+        }
+
+    return read
 
 
 async def serve(config: PrefillConfig) -> None:

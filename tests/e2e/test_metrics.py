@@ -1,0 +1,66 @@
+"""Prometheus /metrics on every service, read with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support.real_cluster import MODEL_NAME, RealCluster
+
+NUM_REQUESTS = 5
+
+
+def _samples(text: str) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels or (set(sample.labels) <= {"le"} and sample.labels.get("le") == "+Inf")
+    }
+
+
+@pytest.fixture
+async def cluster(demo_model_dir: Path) -> AsyncIterator[RealCluster]:
+    real = RealCluster(demo_model_dir)
+    try:
+        yield await real.start()
+    finally:
+        await real.close()
+
+
+async def test_metrics_after_n_requests(cluster: RealCluster) -> None:
+    async with cluster.http() as http:
+        for i in range(NUM_REQUESTS):
+            body = {
+                "model": MODEL_NAME,
+                "prompt": f"count {i}",
+                "max_tokens": 6,
+                "stream": i % 2 == 0,
+            }
+            (await http.post("/v1/completions", json=body)).raise_for_status()
+        gateway = _samples((await http.get("/metrics")).text)
+    assert gateway["pdserve_gateway_time_to_first_token_seconds_count"] == NUM_REQUESTS
+    assert gateway["pdserve_gateway_request_duration_seconds_count"] == NUM_REQUESTS
+    assert gateway["pdserve_gateway_inter_token_latency_seconds_count"] == NUM_REQUESTS * 5
+
+    await cluster.assert_whole()
+    prefill_address = cluster.prefills[0].status.instance.metrics_address
+    decode_address = cluster.decodes[0].status.instance.metrics_address
+    async with httpx.AsyncClient(timeout=10) as client:
+        prefill = _samples((await client.get(f"http://{prefill_address}/metrics")).text)
+        decode = _samples((await client.get(f"http://{decode_address}/metrics")).text)
+    assert prefill["pdserve_prefill_handed_off_total"] == NUM_REQUESTS
+    assert prefill["pdserve_prefill_prompt_tokens_total"] > 0
+    assert prefill["pdserve_prefill_kv_transfer_seconds_count"] == NUM_REQUESTS
+    assert (
+        prefill["pdserve_prefill_kv_sent_bytes_total"]
+        == decode["pdserve_decode_kv_received_bytes_total"]
+    )
+    assert decode["pdserve_decode_leases_granted_total"] == NUM_REQUESTS
+    assert decode["pdserve_decode_generated_tokens_total"] == NUM_REQUESTS * 5  # first is prefill's
+    assert decode["pdserve_decode_free_blocks"] == decode["pdserve_decode_total_blocks"] > 0
+    assert decode["pdserve_decode_preemptions_total"] == 0
+    assert prefill["pdserve_prefill_free_blocks"] == prefill["pdserve_prefill_total_blocks"]
