@@ -229,7 +229,8 @@ class RetryHandler:
         elif scope is RetryScope.ANOTHER_PREFILL:
             state.excluded_prefill_ids.add(pair.prefill.instance_id)
         elif scope is RetryScope.ANOTHER_INSTANCE:
-            if blamed_id == pair.decode.instance_id or stage == "decode":
+            is_decode_blamed = error.metadata.get("decodeAddress") == pair.decode.address
+            if blamed_id == pair.decode.instance_id or stage == "decode" or is_decode_blamed:
                 state.excluded_decode_ids.add(pair.decode.instance_id)
             elif blamed_id == pair.prefill.instance_id:
                 state.excluded_prefill_ids.add(pair.prefill.instance_id)
