@@ -37,6 +37,7 @@ HF: dict[str, Any] = {
         lambda: EngineConfig(model="m", dtype="float64"),
         lambda: EngineConfig(model="m", attention_backend="xformers"),
         lambda: EngineConfig(model="m", device="nonsense"),
+        lambda: EngineConfig(model="m", num_threads=0),
         lambda: ModelConfig.from_hf_config({**HF, "num_key_value_heads": 3}),
         lambda: ModelConfig.from_hf_config({**HF, "model_type": "gpt2"}),
         lambda: ModelConfig.from_hf_config({**HF, "hidden_act": "gelu"}),

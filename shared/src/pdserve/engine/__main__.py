@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.common.logging import LEVELS, configure_logging
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--num-threads", type=int, help="torch intra-op threads")
+    parser.add_argument("--log-level", default="warning", choices=LEVELS, help="logs go to stderr")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
     parser.add_argument("--num-blocks", type=int, default=cache.num_blocks)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=cache.memory_bytes)
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    configure_logging("engine", args.log_level, json=False)
     if args.model is None:
         from pdserve.engine.demo import ensure_demo_model
 
@@ -75,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=str(model_dir),
             dtype=args.dtype,
             device=args.device,
+            num_threads=args.num_threads,
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

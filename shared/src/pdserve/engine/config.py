@@ -87,6 +87,9 @@ class EngineConfig:
         max_model_len: Longest sequence (prompt + output); ``None`` uses the model's limit.
         attention_backend: ``auto`` (flash-attn when usable, else SDPA), ``sdpa`` or ``flash``.
         seed: Seeds the draw of per-request seeds for requests that carry none.
+        num_threads: Torch intra-op threads for this process (a process-wide setting); ``None``
+            keeps torch's default. Use 1 when several engines share a few cores: threads of
+            one op that wait on a busy core make small kernels orders of magnitude slower.
     """
 
     model: str
@@ -95,6 +98,7 @@ class EngineConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     seed: int | None = None
+    num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -109,6 +113,8 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         try:
             torch.device(self.device)
         except RuntimeError as exc:

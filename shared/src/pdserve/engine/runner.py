@@ -76,6 +76,8 @@ class ModelRunner:
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
         """Loads the model named by ``config`` and allocates its KV cache."""
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_pretrained(config.model)
         device = torch.device(config.device)
         backend = resolve_attention_backend(
