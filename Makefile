@@ -6,9 +6,10 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 BASELINE := protos/baseline/pdserve-v1.binpb
 INSTALL_STAMP := $(VENV)/.installed
+NODE_CLIENT := clients/node
 
 .PHONY: help venv install up proto proto-check lint format typecheck test test-fast demo-model \
-	contract-baseline lock clean
+	contract-baseline lock clean node-deps
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -58,7 +59,15 @@ contract-baseline: venv  ## refresh the buf breaking baseline: only together wit
 	$(BIN)/buf build -o $(BASELINE)
 	@echo "baseline refreshed: commit it together with the PROTOCOL_VERSION bump and name both in the message"
 
-test: venv lint typecheck  ## lint, type-check, then the whole pytest suite
+node-deps: $(NODE_CLIENT)/node_modules/.package-lock.json  ## npm ci for the Node.js client test (skipped without npm)
+
+# NOTE: npm rewrites node_modules/.package-lock.json on every install, so it is the stamp.
+$(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package.json $(NODE_CLIENT)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+		cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund; \
+	else echo "npm not found: tests/e2e/test_node_client.py will be skipped"; fi
+
+test: venv lint typecheck node-deps  ## lint, type-check, then the whole pytest suite
 	$(BIN)/pytest
 
 test-fast: venv  ## pytest without lint
@@ -69,4 +78,4 @@ lock:  ## re-pin constraints.txt from the current venv (review the diff)
 		| sed 's/^torch==\(.*\)+cpu/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 clean:  ## remove the virtualenv and caches
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache $(NODE_CLIENT)/node_modules

@@ -1,0 +1,222 @@
+"""Clusters of real service processes, started the way `pdserve up` starts them.
+
+`ProcessCluster` is the launcher's `Cluster` (gateway, prefills and decodes as separate
+processes on loopback, ports picked by the OS) plus what fault-injection tests need: extra
+environment variables per process, instance addresses, the block-pool inspection RPC
+(`InstanceService.GetInstanceStatus`), gateway counters, and streaming clients that compare
+token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.launcher.child import ChildProcess
+from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+
+STARTED_EVENTS = ("prefill_started", "decode_started")
+
+
+class ProcessCluster(Cluster):
+    """A launcher `Cluster` whose processes may each get extra environment variables.
+
+    Args:
+        config: What to start (use port 0 and grpc_port 0 in tests).
+        child_env: Extra variables per child name ("prefill-1", "decode-0", ...), e.g. a
+            fault-injection switch for one instance only.
+    """
+
+    def __init__(
+        self, config: ClusterConfig, child_env: Mapping[str, Mapping[str, str]] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._child_env = {name: dict(env) for name, env in (child_env or {}).items()}
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
+        base = self.env
+        self.env = {**base, **self._child_env.get(name, {})}
+        try:
+            return super()._spawn(name, module, args)
+        finally:
+            self.env = base
+
+    @property
+    def instances(self) -> list[ChildProcess]:
+        """Every prefill and decode process, alive or not."""
+        return [*self.prefills, *self.decodes]
+
+    def survivors(self) -> list[ChildProcess]:
+        """Prefills and decodes whose process is still running."""
+        return [child for child in self.instances if child.returncode is None]
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (what clients pass as ``model``)."""
+        return str(started_event(self.decodes[0])["model"])
+
+    def openai(self, timeout_s: float = 60.0) -> openai.AsyncOpenAI:
+        """An SDK client for the gateway's REST API (no SDK-level retries)."""
+        return openai.AsyncOpenAI(
+            base_url=f"{self.rest_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s
+        )
+
+    async def counter(self, name: str, **labels: str) -> float:
+        """Sum of a gateway counter's ``_total`` samples that carry `labels`."""
+        async with httpx.AsyncClient(base_url=self.rest_url, timeout=10.0) as http:
+            text = (await http.get("/metrics")).text
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == f"{name}_total"
+            and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+
+    async def wait_whole(self, timeout_s: float = 10.0) -> None:
+        """Invariant 3 on every surviving instance, polled until it holds or time runs out.
+
+        Raises:
+            AssertionError: Naming each instance whose pool is inconsistent, not all free, or
+                still has open leases when the time is up.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            problems = []
+            for child in self.survivors():
+                problem = pool_problem(await pool_status(address(child)))
+                if problem:
+                    problems.append(f"{child.name}: {problem}")
+            if not problems:
+                return
+            if loop.time() > deadline:
+                raise AssertionError("; ".join(problems))
+            await asyncio.sleep(0.1)
+
+
+@contextlib.contextmanager
+def running_cluster(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    child_env: Mapping[str, Mapping[str, str]] | None = None,
+    stop_timeout_s: float = 10.0,
+    **settings: Any,
+) -> Iterator[ProcessCluster]:
+    """Starts a `ProcessCluster` on loopback with OS-picked ports; stops it on exit.
+
+    Args:
+        model_dir: The model every instance serves.
+        log_dir: Where each process's log goes.
+        child_env: Extra environment per child name.
+        stop_timeout_s: How long the processes may drain when the block ends.
+        settings: Further `ClusterConfig` fields (prefills, decodes, *_args).
+    """
+    config = ClusterConfig(
+        model=str(model_dir),
+        host="127.0.0.1",
+        port=0,
+        grpc_port=0,
+        log_dir=str(log_dir),
+        startup_timeout_s=120,
+        **settings,
+    )
+    cluster = ProcessCluster(config, child_env)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop(timeout_s=stop_timeout_s)
+
+
+def started_event(child: ChildProcess) -> dict[str, Any]:
+    """The record a prefill or decode logs once it serves (it carries address and model)."""
+    for record in child.events:
+        if record.get("event") in STARTED_EVENTS:
+            return record
+    raise AssertionError(f"{child.name} never logged that it started")
+
+
+def address(child: ChildProcess) -> str:
+    """The gRPC address a prefill or decode process serves on."""
+    return str(started_event(child)["address"])
+
+
+def events_named(child: ChildProcess, event: str) -> list[dict[str, Any]]:
+    """The records `child` logged so far with this event name."""
+    return [record for record in list(child.events) if record.get("event") == event]
+
+
+async def pool_status(
+    target: str, timeout_s: float = 5.0
+) -> instance_pb2.GetInstanceStatusResponse:
+    """`InstanceService.GetInstanceStatus` with the block-pool integrity check."""
+    channel = insecure_channel(target)
+    try:
+        stub = instance_pb2_grpc.InstanceServiceStub(channel)
+        request = instance_pb2.GetInstanceStatusRequest(check_integrity=True)
+        return await stub.GetInstanceStatus(request, timeout=timeout_s)
+    finally:
+        await channel.close()
+
+
+def pool_problem(status: instance_pb2.GetInstanceStatusResponse) -> str:
+    """Why a pool is not whole (inconsistent, blocks not free, open leases), or ``""``."""
+    pool: common_pb2.PoolIntegrity = status.pool
+    if not pool.is_consistent:
+        return f"inconsistent: {pool.detail}"
+    if pool.num_free_blocks != pool.num_total_blocks or pool.num_open_leases:
+        return (
+            f"{pool.num_free_blocks}/{pool.num_total_blocks} blocks free, "
+            f"{pool.num_leased_blocks} leased, {pool.num_open_leases} open leases"
+        )
+    return ""
+
+
+async def stream_token_ids(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    timeout_s: float = 60.0,
+    **sampling: Any,
+) -> list[int]:
+    """Streams one completion and returns its token ids (``return_token_ids``).
+
+    Args:
+        client: The SDK client.
+        model: Served model name.
+        prompt: Text prompt.
+        max_tokens: Completion length.
+        on_tokens: Called with the ids so far after every chunk.
+        timeout_s: The whole stream's bound (raises TimeoutError).
+        sampling: temperature, top_p, seed, ...
+    """
+    ids: list[int] = []
+    async with asyncio.timeout(timeout_s):
+        chunks = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"return_token_ids": True},
+            **sampling,
+        )
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids.extend((choice.model_extra or {}).get("token_ids") or ())
+            if on_tokens is not None:
+                on_tokens(ids)
+    return ids
