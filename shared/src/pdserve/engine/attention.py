@@ -69,7 +69,7 @@ class SdpaAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        for group in metadata.decode_groups:
+        for group in metadata.decode_groups():
             out[group.start : group.end] = self._decode_group(
                 group, q[group.start : group.end], k_cache, v_cache, metadata
             )

@@ -28,6 +28,8 @@ class DecodeGroup(NamedTuple):
 # NOTE: one more attention call costs about as much as gathering and attending ~8 extra
 # padding blocks, so a new group pays off only when it saves more padding than that.
 _GROUP_OVERHEAD_BLOCKS = 8
+# Bounds the search (and the size of one attention call); groups beyond it gain nothing.
+_MAX_GROUP_SIZE = 32
 
 
 def split_decode_groups(context_lens: Sequence[int], block_size: int) -> list[DecodeGroup]:
@@ -50,7 +52,7 @@ def split_decode_groups(context_lens: Sequence[int], block_size: int) -> list[De
     for end in range(1, count + 1):
         best[end], cut[end] = min(
             (best[start] + (end - start) * num_blocks[end - 1] + _GROUP_OVERHEAD_BLOCKS, start)
-            for start in range(end)
+            for start in range(max(0, end - _MAX_GROUP_SIZE), end)
         )
     groups = []
     end = count
@@ -103,7 +105,6 @@ class AttentionMetadata:
         context_lens: ``[num_seqs]`` cached plus new tokens per sequence (CPU tensor).
         query_lens: ``[num_seqs]`` new tokens per sequence (CPU tensor).
         num_decodes: Leading sequences (and tokens) with one new token, sorted by context length.
-        decode_groups: The decodes split into runs of similar context length.
         prefills: The other sequences.
         gather_buffer: Where K/V gathered for attention are copied (reused across steps).
         derived: Memo of tensors derived from the above (masks, gathers), shared by all layers.
@@ -115,7 +116,6 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     query_lens: torch.Tensor
     num_decodes: int
-    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     gather_buffer: KVGatherBuffer = field(default_factory=KVGatherBuffer)
     derived: dict[object, Any] = field(default_factory=dict)
@@ -123,6 +123,14 @@ class AttentionMetadata:
     def blocks_of(self, seq_index: int, num_tokens: int) -> torch.Tensor:
         """``[num_blocks]`` physical ids of the blocks holding a sequence's first ``num_tokens``."""
         return self.block_table[seq_index, : -(-num_tokens // self.block_size)]
+
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The decodes split into runs of similar context length (see ``split_decode_groups``)."""
+        key = "decode_groups"
+        if key not in self.derived:
+            lens = self.context_lens[: self.num_decodes].tolist()
+            self.derived[key] = split_decode_groups(lens, self.block_size)
+        return self.derived[key]
 
     def decode_blocks(self, group: DecodeGroup) -> torch.Tensor:
         """``[group size * group.num_blocks]`` block ids of a decode group's contexts, row-major."""

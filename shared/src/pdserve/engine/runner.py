@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from pdserve.engine.attention_buffer import KVGatherBuffer
-from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan, split_decode_groups
+from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import flash_attn_unusable_reason
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout, num_blocks_for_budget
@@ -182,7 +182,6 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens),
             query_lens=torch.tensor(query_lens),
             num_decodes=num_decodes,
-            decode_groups=split_decode_groups(context_lens[:num_decodes], block_size),
             prefills=prefills,
             gather_buffer=self.gather_buffer,
         )
