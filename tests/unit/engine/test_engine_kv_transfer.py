@@ -144,3 +144,16 @@ def test_logical_blocks_touched_by_a_chunk() -> None:
     assert logical_blocks_touched(0, 16, 16) == range(0, 1)
     assert logical_blocks_touched(15, 2, 16) == range(0, 2)
     assert logical_blocks_touched(32, 1, 16) == range(2, 3)
+
+
+def test_adopting_blocks_not_allocated_from_the_pool_is_refused(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine("llama3", num_blocks=16)
+    with pytest.raises(ValueError, match="allocated"):
+        engine.add_request("r", [5, 6, 7], block_ids=[3], num_computed_tokens=3)
+    with pytest.raises(ValueError, match="cannot hold"):
+        engine.add_request(
+            "r", list(range(3, 40)), block_ids=engine.block_pool.allocate(1), num_computed_tokens=30
+        )
+    assert not engine.has_unfinished_requests()

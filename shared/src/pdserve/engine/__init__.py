@@ -1,5 +1,21 @@
 """pdserve's inference engine: a Llama-family model on a paged KV cache.
 
+Layers, from the bottom up:
+
+* ``ModelRunner.load(EngineConfig)`` loads the model and allocates ``runner.kv_cache``
+  (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``).
+  ``runner.execute([ForwardChunk(token_ids, num_computed_tokens, block_ids), ...],
+  on_layer_done=callback)`` runs prefill chunks and decodes in one batch and returns the
+  last-position logits of each chunk; ``callback(layer_index)`` fires as soon as a layer's KV
+  for the batch is in the cache (layer-wise KV push from a prefill instance).
+* ``KVCache.export_blocks(layer_index, block_ids)`` / ``import_blocks(layer_index, block_ids,
+  k, v)`` move the bytes of blocks between processes.
+* ``BlockPool`` (ids and reference counts), ``KVCacheManager`` (a request's blocks),
+  ``Scheduler`` (continuous batching), ``Sampler`` (tokens from logits, reproducible per seed
+  and completion index).
+* ``LLMEngine`` puts them together in one process: ``add_request``, ``step``, ``abort``,
+  ``generate``.
+
 Names are imported lazily so that light modules of this package (e.g. the demo model
 generator) can be imported without loading torch.
 """

@@ -96,6 +96,11 @@ class LLMEngine:
             )
         if cdiv(num_computed_tokens, self.block_size) > len(block_ids):
             raise ValueError(f"request {request_id!r}: block_ids cannot hold num_computed_tokens")
+        if any(
+            not 0 <= b < self.block_pool.num_blocks or self.block_pool.ref_counts[b] <= 0
+            for b in block_ids
+        ):
+            raise ValueError(f"request {request_id!r}: block_ids must be allocated from block_pool")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             request_id,
