@@ -22,7 +22,7 @@ from pdserve.gateway.backend import (
 )
 from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
 from pdserve.gateway.model_info import ModelFiles
-from pdserve.gateway.pipeline import ChatMessage, GenerationParams, OutputDelta, PromptKind
+from pdserve.gateway.params import ChatMessage, GenerationParams, OutputDelta, PromptKind
 from pdserve.gateway.request import FinishReason, Sampling, Usage
 from pdserve.v1 import (
     common_pb2,

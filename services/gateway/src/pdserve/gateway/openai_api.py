@@ -31,7 +31,8 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.auth import check_bearer
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
-from pdserve.gateway.pipeline import OutputDelta, Pipeline, PreparedRequest
+from pdserve.gateway.params import OutputDelta, PreparedRequest
+from pdserve.gateway.pipeline import Pipeline
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.pipeline import CHAT_ROLES, ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.params import CHAT_ROLES, ChatMessage, GenerationParams, PromptKind
 
 ROLE_ALIASES = {"developer": "system"}
 

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
-import math
 import random
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 import structlog
 from opentelemetry import trace
@@ -27,6 +24,17 @@ from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfo, ModelInfoStore
 from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.params import (
+    MAX_SEED,
+    GenerationParams,
+    ModelSummary,
+    OutputDelta,
+    PreparedRequest,
+    PromptKind,
+    check_sampling,
+    invalid,
+    tokenize_prompt,
+)
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.request import (
     FinishReason,
@@ -37,127 +45,9 @@ from pdserve.gateway.request import (
 )
 from pdserve.gateway.router import Router
 from pdserve.gateway.text import CompletionText
-from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
 log = structlog.get_logger("pdserve.gateway.pipeline")
 _tracer = telemetry.tracer("pdserve.gateway")
-
-MAX_SEED = 2**63
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-class PromptKind(enum.Enum):
-    """Which API a request came through (decides the default max_tokens)."""
-
-    COMPLETION = "completion"
-    CHAT = "chat"
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    """One chat message."""
-
-    role: str
-    content: str
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """A generation request as a front end parsed it, not yet validated.
-
-    Exactly one of `text`, `token_ids` and `messages` is set. Unset sampling fields (None)
-    take the model's defaults; `max_tokens` None takes the API's default.
-    """
-
-    model: str
-    kind: PromptKind
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    client_request_id: str | None = None
-    user: str | None = None
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated, tokenized request, ready to stream."""
-
-    request: GenerationRequest
-    stop: tuple[str, ...]
-    tokenizer: Tokenizer
-    client_request_id: str | None = None
-    user: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def prompt_token_ids(self) -> tuple[int, ...]:
-        return self.request.prompt_token_ids
-
-
-@dataclass(frozen=True)
-class OutputDelta:
-    """One step of a completion stream.
-
-    Attributes:
-        text: New text (may lag `token_ids`).
-        token_ids: New completion tokens.
-        first_index: Completion index of ``token_ids[0]`` (or the token count so far).
-        finish_reason: Set on the last delta only.
-        usage: Set on the last delta only.
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    first_index: int
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    """A served model with at least one compatible prefill/decode pair."""
-
-    name: str
-    max_model_len: int
-    num_prefill_instances: int
-    num_decode_instances: int
-
-
-def _invalid(message: str, param: str) -> PdserveError:
-    return PdserveError(ErrorReason.INVALID_REQUEST, message, {"param": param})
-
-
-def _check_sampling(params: GenerationParams) -> None:
-    if params.max_tokens is not None and params.max_tokens < 1:
-        raise _invalid(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
-    if params.temperature is not None and not (
-        math.isfinite(params.temperature) and params.temperature >= 0
-    ):
-        raise _invalid(f"temperature must be >= 0, got {params.temperature}", "temperature")
-    if params.top_p is not None and not 0 < params.top_p <= 1:
-        raise _invalid(f"top_p must be in (0, 1], got {params.top_p}", "top_p")
-    if params.top_k is not None and params.top_k < 0:
-        raise _invalid(f"top_k must be >= 0 (0 disables it), got {params.top_k}", "top_k")
-    if params.seed is not None and not 0 <= params.seed < MAX_SEED:
-        raise _invalid(f"seed must be in [0, 2**63), got {params.seed}", "seed")
-    if any(not stop for stop in params.stop):
-        raise _invalid("stop strings must not be empty", "stop")
-    if any(token_id < 0 for token_id in params.stop_token_ids):
-        raise _invalid("stop_token_ids must be >= 0", "stop_token_ids")
-    num_inputs = sum(x is not None for x in (params.text, params.token_ids, params.messages))
-    if num_inputs != 1:
-        raise _invalid("exactly one of a text prompt, token ids or messages is required", "prompt")
 
 
 class Pipeline:
@@ -242,9 +132,9 @@ class Pipeline:
         """
         if self.is_draining:
             raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
-        _check_sampling(params)
+        check_sampling(params)
         if not params.model:
-            raise _invalid("model is required", "model")
+            raise invalid("model is required", "model")
         if params.model not in self._registry.model_names():
             raise PdserveError(
                 ErrorReason.MODEL_NOT_FOUND,
@@ -256,12 +146,12 @@ class Pipeline:
         ]
         info = await self._model_infos.get(params.model, prefill_addresses)
         tokenizer = info.tokenizer
-        prompt_token_ids = self._tokenize(params, tokenizer)
+        prompt_token_ids = tokenize_prompt(params, tokenizer)
         vocab_size = tokenizer.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise _invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+            raise invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         if any(t >= vocab_size for t in params.stop_token_ids):
-            raise _invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+            raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
         max_model_len = self._max_model_len(params.model, info)
         num_prompt_tokens = len(prompt_token_ids)
         max_tokens = params.max_tokens
@@ -296,30 +186,6 @@ class Pipeline:
         return PreparedRequest(
             request, params.stop, tokenizer, params.client_request_id, params.user
         )
-
-    @staticmethod
-    def _tokenize(params: GenerationParams, tokenizer: Tokenizer) -> list[int]:
-        if params.messages is not None:
-            if not params.messages:
-                raise _invalid("messages must not be empty", "messages")
-            for index, message in enumerate(params.messages):
-                if message.role not in CHAT_ROLES:
-                    raise _invalid(
-                        f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}",
-                        "messages",
-                    )
-            messages = [{"role": m.role, "content": m.content} for m in params.messages]
-            try:
-                token_ids = tokenizer.encode_chat(messages)
-            except ChatTemplateError as exc:
-                raise _invalid(f"messages cannot be rendered: {exc}", "messages") from exc
-        elif params.token_ids is not None:
-            token_ids = list(params.token_ids)
-        else:
-            token_ids = tokenizer.encode(params.text or "")
-        if not token_ids:
-            raise _invalid("the prompt is empty", "prompt")
-        return token_ids
 
     async def stream(
         self, prepared: PreparedRequest, trace_context: Context | None = None
