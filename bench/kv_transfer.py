@@ -1,0 +1,290 @@
+"""KV transfer: SyncCache into a real decode process vs a raw loopback TCP socket, same run.
+
+    .venv/bin/python bench/kv_transfer.py                    # 16 .. 512 MiB, 3 repeats each
+    .venv/bin/python bench/kv_transfer.py --sizes-mib 16 64 --repeats 2
+
+For each size, one sequence's KV of that many bytes is moved from this process to another
+process on the same host, two ways, alternating:
+
+* SyncCache: a `pdserve-decode` process (launched as by `pdserve up`) leases the blocks with
+  AllocateBlocks, then receives the stream this process sends over gRPC: header, every layer's
+  chunks as the prefill cuts them (`pdserve.serving.kv_transfer.sync_cache_messages`, at most
+  ``--max-chunk-bytes`` of K+V each, CRC-32C included), commit. The decode verifies each
+  checksum, copies the chunk into its paged cache and answers once the commit is verified. The
+  chunk messages are built before the clock starts (their build time is reported apart).
+* raw TCP: the same chunk bytes (K then V of every chunk) written with ``sendall`` to a receiver
+  process that reads them into one preallocated buffer with ``recv_into`` and acknowledges the
+  last byte: the floor for any transport over loopback TCP from Python.
+
+The model is a random Llama built for a large KV per token (16 layers, 8 KV heads of 128,
+float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s per size
+(median over repeats), the ratio SyncCache / TCP, and the build time. Results go to
+bench/results/kv_transfer-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import select
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import write_results
+
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.launcher.child import ChildProcess
+from pdserve.serving.convert import local_protocol, sampling_to_proto
+from pdserve.serving.kv_transfer import sync_cache_header, sync_cache_messages
+from pdserve.v1 import decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
+
+MIB = 1 << 20
+BLOCK_SIZE = 16
+DEFAULT_SIZES_MIB = (16, 32, 64, 128, 256, 512)
+MODEL_SHAPE = {"num_layers": 16, "num_kv_heads": 8, "head_dim": 128}
+VOCAB_SIZE = 512
+
+# The receiver of the raw TCP baseline: a separate process, like the decode. It prints its port,
+# then per connection reads an 8-byte length and that many bytes into one buffer, and acks.
+TCP_RECEIVER = r"""
+import socket, struct, sys
+server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+server.bind(("127.0.0.1", 0))
+server.listen(1)
+print(server.getsockname()[1], flush=True)
+buffer = memoryview(bytearray(int(sys.argv[1])))
+while True:
+    conn, _ = server.accept()
+    size = struct.unpack("!Q", conn.recv(8, socket.MSG_WAITALL))[0]
+    received = 0
+    while received < size:
+        received += conn.recv_into(buffer[received:size])
+    conn.sendall(b"k")
+    conn.close()
+"""
+
+
+def build_kv_model(path: Path) -> Path:
+    """A random Llama whose KV is 128 KiB per token (weights are small: hidden 256)."""
+    if (path / "config.json").is_file():
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=MODEL_SHAPE["num_layers"],
+        num_attention_heads=MODEL_SHAPE["num_kv_heads"],
+        num_key_value_heads=MODEL_SHAPE["num_kv_heads"],
+        head_dim=MODEL_SHAPE["head_dim"],
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def bytes_per_token() -> int:
+    return 2 * MODEL_SHAPE["num_layers"] * MODEL_SHAPE["num_kv_heads"] * MODEL_SHAPE["head_dim"] * 4
+
+
+class Decode:
+    """A `pdserve-decode` process and a channel to it."""
+
+    def __init__(self, model: Path, num_blocks: int, log_dir: Path) -> None:
+        argv = [sys.executable, "-m", "pdserve.decode", "--model", str(model), "--port", "0",
+                "--num-blocks", str(num_blocks), "--lease-ttl-ms", "120000",
+                "--max-model-len", "8192", "--log-level", "info"]  # fmt: skip
+        self.child = ChildProcess("decode", argv, log_dir / "decode.log")
+        self.address = str(self.child.wait_for_event("decode_started", 120)["address"])
+        self.channel = insecure_channel(self.address)
+        self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.status = instance_pb2_grpc.InstanceServiceStub(self.channel)
+
+    async def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Waits until every block is free again (the last transfer's request has ended)."""
+        deadline = time.monotonic() + timeout_s
+        request = instance_pb2.GetInstanceStatusRequest(check_integrity=True)
+        while True:
+            pool = (await self.status.GetInstanceStatus(request, timeout=5)).pool
+            if pool.num_free_blocks == pool.num_total_blocks and not pool.num_open_leases:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the decode pool did not drain: {pool}")
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        await self.channel.close()
+        self.child.signal(15)
+        self.child.wait(20)
+        self.child.close()
+
+
+async def sync_cache_once(
+    decode: Decode, kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int, request_id: str
+) -> tuple[float, float, int]:
+    """One lease + SyncCache of `num_tokens` tokens' KV.
+
+    Returns:
+        (transfer seconds, message build seconds, K+V bytes sent).
+    """
+    status = await decode.status.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())
+    allocate = decode_pb2.AllocateBlocksRequest(
+        request_id=request_id,
+        num_prompt_tokens=num_tokens,
+        max_new_tokens=2,
+        kv_layout=status.instance.kv_layout,
+        protocol=local_protocol(),
+    )
+    lease = (await decode.stub.AllocateBlocks(allocate, timeout=30)).lease
+    sampling = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
+    header = sync_cache_header(lease.lease_id, request_id, [5] * num_tokens, num_tokens, sampling)
+    block_ids = list(range(-(-num_tokens // BLOCK_SIZE)))
+    began = time.perf_counter()
+    messages = list(sync_cache_messages(kv_cache, block_ids, header, 7, 0, max_chunk_bytes))
+    build_s = time.perf_counter() - began
+    num_bytes = messages[-1].commit.num_bytes
+    began = time.perf_counter()
+    response = await decode.stub.SyncCache(iter(messages), timeout=600)
+    transfer_s = time.perf_counter() - began
+    if response.state != decode_pb2.LEASE_STATE_COMMITTED or response.num_bytes != num_bytes:
+        raise RuntimeError(f"unexpected SyncCache answer: {response}")
+    del messages
+    await decode.wait_idle()
+    return transfer_s, build_s, num_bytes
+
+
+def chunk_payloads(kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int) -> list[bytes]:
+    """The K and V byte strings of every chunk SyncCache would send, in order."""
+    header = decode_pb2.SyncCacheHeader()
+    block_ids = list(range(-(-num_tokens // BLOCK_SIZE)))
+    payloads = []
+    for message in sync_cache_messages(kv_cache, block_ids, header, 7, 0, max_chunk_bytes):
+        if message.WhichOneof("part") == "chunk":
+            payloads += [message.chunk.key, message.chunk.value]
+    return payloads
+
+
+def tcp_once(port: int, payloads: list[bytes]) -> float:
+    """Sends `payloads` to the receiver process; seconds until it acknowledged the last byte."""
+    began = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(struct.pack("!Q", sum(len(p) for p in payloads)))
+        for payload in payloads:
+            sock.sendall(payload)
+        if sock.recv(1) != b"k":
+            raise RuntimeError("the TCP receiver did not acknowledge")
+    return time.perf_counter() - began
+
+
+def start_tcp_receiver(max_bytes: int) -> tuple[subprocess.Popen[str], int]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", TCP_RECEIVER, str(max_bytes)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], 30)
+    if not ready:
+        process.kill()
+        raise RuntimeError("the TCP receiver did not start")
+    return process, int(process.stdout.readline())
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from pdserve.common.env import cache_dir
+
+    model = build_kv_model(cache_dir() / "bench-kv-llama-v1")
+    max_tokens = max(args.sizes_mib) * MIB // bytes_per_token()
+    num_blocks = -(-max_tokens // BLOCK_SIZE) + 8
+    layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype="float32", **MODEL_SHAPE)
+    kv_cache = KVCache(layout, -(-max_tokens // BLOCK_SIZE), torch.device("cpu"))
+    kv_cache.kv.normal_()  # stands in for a computed prompt: what the bytes are does not matter
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-logs-"))
+    decode = Decode(model, num_blocks, log_dir)
+    receiver, port = start_tcp_receiver(max(args.sizes_mib) * MIB)
+    rows = []
+    try:
+        # NOTE: one small transfer each way first (connections, allocator, code paths warm).
+        await sync_cache_once(decode, kv_cache, 64, args.max_chunk_bytes, "warmup")
+        tcp_once(port, chunk_payloads(kv_cache, 64, args.max_chunk_bytes))
+        for size_mib in args.sizes_mib:
+            num_tokens = size_mib * MIB // bytes_per_token()
+            payloads = chunk_payloads(kv_cache, num_tokens, args.max_chunk_bytes)
+            grpc_s, tcp_s, build_s = [], [], []
+            num_bytes = 0
+            for repeat in range(args.repeats):
+                request_id = f"kv-{size_mib}-{repeat}"
+                if repeat % 2:
+                    tcp_s.append(tcp_once(port, payloads))
+                seconds, built, num_bytes = await sync_cache_once(
+                    decode, kv_cache, num_tokens, args.max_chunk_bytes, request_id
+                )
+                grpc_s.append(seconds)
+                build_s.append(built)
+                if not repeat % 2:
+                    tcp_s.append(tcp_once(port, payloads))
+            assert num_bytes == sum(len(p) for p in payloads)
+            row = {
+                "size_mib": size_mib,
+                "num_tokens": num_tokens,
+                "num_bytes": num_bytes,
+                "num_chunks": len(payloads) // 2,
+                "sync_cache_s": grpc_s,
+                "tcp_s": tcp_s,
+                "build_s": build_s,
+                "sync_cache_mib_per_s": round(num_bytes / MIB / statistics.median(grpc_s), 1),
+                "tcp_mib_per_s": round(num_bytes / MIB / statistics.median(tcp_s), 1),
+            }
+            row["ratio_sync_cache_over_tcp"] = round(
+                row["sync_cache_mib_per_s"] / row["tcp_mib_per_s"], 3
+            )
+            rows.append(row)
+            print(
+                f"{size_mib:>6} MiB  SyncCache {row['sync_cache_mib_per_s']:>8.1f} MiB/s  "
+                f"TCP {row['tcp_mib_per_s']:>8.1f} MiB/s  ratio "
+                f"{row['ratio_sync_cache_over_tcp']:.3f}  build "
+                f"{statistics.median(build_s):.2f} s",
+                flush=True,
+            )
+    finally:
+        receiver.kill()
+        receiver.wait()
+        await decode.close()
+    return {
+        "command": " ".join(sys.argv[1:]),
+        "max_chunk_bytes": args.max_chunk_bytes,
+        "repeats": args.repeats,
+        "bytes_per_token": bytes_per_token(),
+        "rows": rows,
+        "median_ratio": statistics.median(r["ratio_sync_cache_over_tcp"] for r in rows),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=list(DEFAULT_SIZES_MIB))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--max-chunk-bytes", type=int, default=1 << 20, help="as the prefill's flag (1 MiB)"
+    )
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    print(f"median SyncCache / TCP throughput ratio: {results['median_ratio']:.3f}")
+    print(f"results: {write_results('kv_transfer', results)}")
+
+
+if __name__ == "__main__":
+    main()
