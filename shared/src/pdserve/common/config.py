@@ -14,7 +14,10 @@ import dataclasses
 import types
 import typing
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from pdserve.common.logging import LEVELS
 
 T = TypeVar("T")
 
@@ -42,7 +45,10 @@ def add_arguments(
     """
     hints = typing.get_type_hints(config_cls)
     skipped = set(exclude)
-    for field in dataclasses.fields(config_cls):
+    # NOTE: the settings every service shares (logging, tracing) go last in --help.
+    common = {f.name for f in dataclasses.fields(ServiceConfig)}
+    ordered = sorted(dataclasses.fields(config_cls), key=lambda f: f.name in common)
+    for field in ordered:
         if field.name in skipped or not field.init:
             continue
         annotation = hints[field.name]
@@ -89,3 +95,29 @@ def from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -
         values[field.name] = value
     values.update(overrides)
     return config_cls(**values)
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Settings every pdserve service has: logging and tracing."""
+
+    log_level: str = dataclasses.field(
+        default="info", metadata={"help": "log level", "choices": LEVELS}
+    )
+    otlp_endpoint: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "OTLP/gRPC collector for traces, e.g. localhost:4317 (Jaeger); the standard "
+            "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER variables also work; off if unset"
+        },
+    )
+    trace_sample_ratio: float | None = dataclasses.field(
+        default=None,
+        metadata={"help": "fraction of new traces kept (parent-based); all when unset"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.log_level not in LEVELS:
+            raise ValueError(f"log_level must be one of {LEVELS}, got {self.log_level!r}")
+        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
+            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.common.logging import LEVELS
+from pdserve.common.config import ServiceConfig
 
 LOG_FORMATS = ("json", "console")
 
@@ -16,7 +16,7 @@ def _check_address(flag: str, address: str) -> None:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(ServiceConfig):
     """Everything a gateway needs; each field is also a ``--kebab-case`` flag."""
 
     host: str = field(
@@ -107,27 +107,12 @@ class GatewayConfig:
         default=10.0,
         metadata={"help": "seconds a stopping gateway lets running requests finish"},
     )
-    otlp_endpoint: str | None = field(
-        default=None,
-        metadata={
-            "help": "OTLP/gRPC collector for traces, e.g. localhost:4317 (Jaeger); the standard "
-            "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER variables also work; off if unset"
-        },
-    )
-    trace_sample_ratio: float | None = field(
-        default=None,
-        metadata={"help": "fraction of new traces kept (parent-based); all when unset"},
-    )
-    log_level: str = field(
-        default="info", metadata={"help": "minimum log level", "choices": LEVELS}
-    )
     log_format: str = field(
         default="json", metadata={"help": "log line format", "choices": LOG_FORMATS}
     )
 
     def __post_init__(self) -> None:
-        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
-            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        super().__post_init__()
         for name in ("port", "grpc_port"):
             value = getattr(self, name)
             if not 0 <= value < 65536:
@@ -160,7 +145,5 @@ class GatewayConfig:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
-        if self.log_level not in LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LEVELS)}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")

@@ -1,0 +1,71 @@
+"""Settings shared by the prefill and decode services (model, cache, server, lifecycle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.common.config import ServiceConfig
+
+
+@dataclass(frozen=True)
+class InstanceConfig(ServiceConfig):
+    """What every prefill and decode instance is configured with; field help is ``--help``."""
+
+    model: str | None = field(
+        default=None,
+        metadata={"help": "Hugging Face model directory; the built-in demo model when unset"},
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name clients use; the directory name when unset"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC server binds"})
+    port: int = field(default=0, metadata={"help": "gRPC port; 0 picks a free port"})
+    advertise_address: str | None = field(
+        default=None,
+        metadata={"help": "host:port peers use to reach this instance; host:port when unset"},
+    )
+    gateway: str | None = field(
+        default=None, metadata={"help": "gateway host:port to register with and heartbeat to"}
+    )
+    instance_id: str | None = field(
+        default=None, metadata={"help": "stable instance id; a random one when unset"}
+    )
+    num_blocks: int | None = field(
+        default=None, metadata={"help": "KV cache blocks; sized by --kv-cache-memory-mb if unset"}
+    )
+    kv_cache_memory_mb: int = field(
+        default=256, metadata={"help": "KV cache budget in MiB when --num-blocks is unset"}
+    )
+    block_size: int = field(
+        default=16, metadata={"help": "tokens per KV block (prefills and decodes must agree)"}
+    )
+    dtype: str = field(default="float32", metadata={"help": "weights and KV dtype"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "longest sequence served; the model's limit when unset"}
+    )
+    drain_timeout_s: float = field(
+        default=30.0, metadata={"help": "on SIGTERM, how long work in flight may finish"}
+    )
+    metrics_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("kv_cache_memory_mb", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {value}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
