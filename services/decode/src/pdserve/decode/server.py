@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -14,7 +13,7 @@ import structlog
 from grpc_health.v1 import health
 
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
-from pdserve.common.metrics import CounterSource, start_metrics_server
+from pdserve.common.metrics import CounterSource
 from pdserve.common.registration import RegistrationClient
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop, PreemptionReason
@@ -23,7 +22,12 @@ from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.servicer import DecodeServicer, run_expiry_sweeper
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
-from pdserve.serving.convert import local_protocol
+from pdserve.serving.instance import (
+    instance_info,
+    load_model,
+    registration_client,
+    serve_metrics,
+)
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
 
@@ -96,17 +100,7 @@ async def create_server(config: DecodeConfig, host: ModelHost | None = None) -> 
         config: Settings.
         host: An already loaded model to reuse (tests share one across servers).
     """
-    if host is None:
-        host = ModelHost.load(
-            config.model,
-            config.served_model_name,
-            num_blocks=config.num_blocks,
-            kv_cache_memory_mb=config.kv_cache_memory_mb,
-            block_size=config.block_size,
-            dtype=config.dtype,
-            device=config.device,
-            max_model_len=config.max_model_len,
-        )
+    host = host or load_model(config)
     leases = LeaseManager(
         BlockPool(host.num_blocks),
         host.runner.block_size,
@@ -123,24 +117,11 @@ async def create_server(config: DecodeConfig, host: ModelHost | None = None) -> 
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
-    instance = common_pb2.InstanceInfo(
-        instance_id=config.instance_id or f"decode-{uuid.uuid4().hex[:12]}",
-        role=common_pb2.INSTANCE_ROLE_DECODE,
-        address=config.advertise_address or f"{config.host}:{port}",
-        protocol=local_protocol(),
-        kv_layout=host.kv_layout,
-        model_name=host.served_model_name,
-        max_model_len=host.max_model_len,
-    )
+    instance = instance_info(config, common_pb2.INSTANCE_ROLE_DECODE, port, host)
     servicer.instance_id = instance.instance_id
     status = DecodeStatus(instance, leases, loop)
     metrics.watch(status.load_report, _counters(leases, loop, servicer))
-    metrics_server = None
-    if config.metrics_port is not None:
-        metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
-        host_part = instance.address.rsplit(":", 1)[0]
-        instance.metrics_address = f"{host_part}:{metrics_server.server_port}"
-        log.info("metrics_started", address=instance.metrics_address)
+    metrics_server = serve_metrics(config, metrics, instance)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     instance_pb2_grpc.add_InstanceServiceServicer_to_server(status, server)
     health_servicer = await add_standard_services(server, SERVICE_NAMES)
@@ -148,9 +129,8 @@ async def create_server(config: DecodeConfig, host: ModelHost | None = None) -> 
     await server.start()
     sweep_interval_s = min(1.0, config.lease_ttl_ms / 1000 / 10)
     tasks = [asyncio.create_task(run_expiry_sweeper(servicer, sweep_interval_s))]
-    registration = None
-    if config.gateway:
-        registration = RegistrationClient(config.gateway, instance, status.load_report)
+    registration = registration_client(config, instance, status.load_report)
+    if registration is not None:
         tasks.append(asyncio.create_task(registration.run()))
     log.info(
         "decode_started",

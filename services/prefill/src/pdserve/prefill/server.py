@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -15,7 +14,7 @@ from grpc_health.v1 import health
 
 from pdserve.common import env
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
-from pdserve.common.metrics import CounterSource, start_metrics_server
+from pdserve.common.metrics import CounterSource
 from pdserve.common.registration import RegistrationClient
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import RequestLimits
@@ -25,7 +24,12 @@ from pdserve.prefill.pipeline import Pipeline
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.servicer import PrefillServicer
 from pdserve.prefill.status import PrefillStatus
-from pdserve.serving.convert import local_protocol
+from pdserve.serving.instance import (
+    instance_info,
+    load_model,
+    registration_client,
+    serve_metrics,
+)
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -98,30 +102,12 @@ async def create_server(config: PrefillConfig, host: ModelHost | None = None) ->
         config: Settings.
         host: An already loaded model to reuse (tests and benchmarks load one per server).
     """
-    if host is None:
-        host = ModelHost.load(
-            config.model,
-            config.served_model_name,
-            num_blocks=config.num_blocks,
-            kv_cache_memory_mb=config.kv_cache_memory_mb,
-            block_size=config.block_size,
-            dtype=config.dtype,
-            device=config.device,
-            max_model_len=config.max_model_len,
-        )
+    host = host or load_model(config)
     server = new_aio_server()
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
-    instance = common_pb2.InstanceInfo(
-        instance_id=config.instance_id or f"prefill-{uuid.uuid4().hex[:12]}",
-        role=common_pb2.INSTANCE_ROLE_PREFILL,
-        address=config.advertise_address or f"{config.host}:{port}",
-        protocol=local_protocol(),
-        kv_layout=host.kv_layout,
-        model_name=host.served_model_name,
-        max_model_len=host.max_model_len,
-    )
+    instance = instance_info(config, common_pb2.INSTANCE_ROLE_PREFILL, port, host)
     loop = PrefillLoop(host.runner, config.max_num_batched_tokens, config.max_chunk_bytes)
     peers = DecodePeers(
         instance.instance_id,
@@ -144,21 +130,15 @@ async def create_server(config: PrefillConfig, host: ModelHost | None = None) ->
     metrics = PrefillMetrics()
     loop.metrics = pipeline.metrics = metrics
     metrics.watch(status.load_report, _counters(loop, pipeline))
-    metrics_server = None
-    if config.metrics_port is not None:
-        metrics_server = start_metrics_server(metrics.registry, config.host, config.metrics_port)
-        host_part = instance.address.rsplit(":", 1)[0]
-        instance.metrics_address = f"{host_part}:{metrics_server.server_port}"
-        log.info("metrics_started", address=instance.metrics_address)
+    metrics_server = serve_metrics(config, metrics, instance)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, server)
     instance_pb2_grpc.add_InstanceServiceServicer_to_server(status, server)
     health_servicer = await add_standard_services(server, SERVICE_NAMES)
     loop.start()
     await server.start()
     tasks: list[asyncio.Task[None]] = []
-    registration = None
-    if config.gateway:
-        registration = RegistrationClient(config.gateway, instance, status.load_report)
+    registration = registration_client(config, instance, status.load_report)
+    if registration is not None:
         tasks.append(asyncio.create_task(registration.run()))
     if fault is not None:
         log.warning("fault_injection_enabled", fault="corrupt_kv", request_id_pattern=fault)
