@@ -28,8 +28,9 @@ class DecodeGroup(NamedTuple):
 # NOTE: one more attention call costs about as much as gathering and attending ~8 extra
 # padding blocks, so a new group pays off only when it saves more padding than that.
 _GROUP_OVERHEAD_BLOCKS = 8
-# Bounds the search (and the size of one attention call); groups beyond it gain nothing.
-_MAX_GROUP_SIZE = 32
+# NOTE: a few sequences per call keep the gathered K/V in cache while SDPA reads them (measured
+# on CPU: groups of 4-8 decodes attend 25-30% faster than one call over 32).
+_MAX_GROUP_SIZE = 8
 
 
 def split_decode_groups(context_lens: Sequence[int], block_size: int) -> list[DecodeGroup]:
