@@ -44,10 +44,13 @@ class ClusterConfig:
     )
     log_level: str = field(
         default="info",
-        metadata={"help": "log level of the services", "choices": ("debug", "info", "warning")},
+        # NOTE: readiness is read from the services' info-level start-up events.
+        metadata={"help": "log level of the services", "choices": ("debug", "info")},
     )
 
     def __post_init__(self) -> None:
+        if self.log_level not in ("debug", "info"):
+            raise ValueError("log_level must be debug or info (readiness is read from the logs)")
         if self.prefills < 1 or self.decodes < 1:
             raise ValueError("a cluster needs at least one prefill and one decode")
         for name in ("prefill_args", "decode_args", "gateway_args"):

@@ -237,21 +237,28 @@ class Orchestrator:
                 pair.prefill.address, call, self._remaining_s(request, deadline)
             )
             handed_off: HandedOffEvent | None = None
-            async with contextlib.aclosing(
-                self._guard("prefill", prefill_stream, progress)
-            ) as events:
-                async for event in events:
-                    if isinstance(event, TokenChunk):
-                        span.add_event(
-                            "first_token", {"pdserve.completion_index": event.first_index}
-                        )
-                        yield event
-                    elif isinstance(event, HandedOffEvent):
-                        handed_off, lease_id = event, event.lease_id
-                    elif isinstance(event, FinishedEvent):
-                        is_prefill_done = True
-                        yield self._end(progress, state, event)
-                        return
+            try:
+                async with contextlib.aclosing(
+                    self._guard("prefill", prefill_stream, progress)
+                ) as events:
+                    async for event in events:
+                        if isinstance(event, TokenChunk):
+                            span.add_event(
+                                "first_token", {"pdserve.completion_index": event.first_index}
+                            )
+                            yield event
+                        elif isinstance(event, HandedOffEvent):
+                            handed_off, lease_id = event, event.lease_id
+                        elif isinstance(event, FinishedEvent):
+                            is_prefill_done = True
+                            yield self._end(progress, state, event)
+                            return
+            except AttemptFailed as failed:
+                # NOTE: a prefill that reported the failure itself has already ended the
+                # request and released its lease. An AbortRequest now would arrive late and
+                # could cancel the retry, which reuses the request id on the same prefill.
+                is_prefill_done = failed.failure.is_from_server
+                raise
             if handed_off is None:
                 raise connection_lost(
                     "prefill", "the prefill stream ended without a terminal event"

@@ -136,6 +136,7 @@ class Pipeline:
         self.live: dict[str, RequestTask] = {}
         self.metrics: PrefillMetrics | None = None
         self.num_kv_bytes_sent = 0
+        self._background: set[asyncio.Future[bool]] = set()
         self.num_handed_off = 0
 
     def start(self, request: Request) -> RequestTask:
@@ -241,7 +242,16 @@ class Pipeline:
             with _tracer.start_as_current_span(
                 "prefill.allocate", attributes={"pdserve.decode.address": request.decode_address}
             ) as allocate_span:
-                lease = await self.peers.allocate(request)
+                allocation = asyncio.ensure_future(self.peers.allocate(request))
+                try:
+                    lease = await asyncio.shield(allocation)
+                except asyncio.CancelledError:
+                    # NOTE: the decode may still grant the lease after this request was
+                    # aborted: release it then instead of leaving it to the lease TTL.
+                    allocation.add_done_callback(
+                        functools.partial(self._release_late_grant, request)
+                    )
+                    raise
                 allocate_span.set_attribute("pdserve.lease_id", lease.lease_id)
                 allocate_span.set_attribute("pdserve.num_blocks", len(lease.block_ids))
             request.lease = lease
@@ -340,6 +350,17 @@ class Pipeline:
         assert task.sender_task is not None
         task.sender_task.result()  # raises the transfer's error
         raise PdserveError(ErrorReason.INTERNAL, "the transfer ended before the first token")
+
+    def _release_late_grant(self, request: Request, allocation: asyncio.Future[LeaseGrant]) -> None:
+        if allocation.cancelled() or allocation.exception() is not None:
+            return
+        lease = allocation.result()
+        log.info("late_lease_released", request_id=request.request_id, lease_id=lease.lease_id)
+        release = asyncio.ensure_future(
+            self.peers.release_lease(request.decode_address, lease.lease_id, request.request_id)
+        )
+        self._background.add(release)
+        release.add_done_callback(self._background.discard)
 
     async def _release_lease(self, task: RequestTask) -> None:
         request = task.request
