@@ -109,8 +109,12 @@ class Cluster:
             )  # fmt: skip
             started = self.gateway.wait_for_event("gateway_started", config.startup_timeout_s)
             self.http_port, self.grpc_port = started["http_port"], started["grpc_port"]
+            # NOTE: one machine, several engines: each gets its share of the cores, since
+            # oversubscribed torch threads make small kernels far slower.
+            threads = max(1, (os.cpu_count() or 1) // (config.prefills + config.decodes))
             common = ["--model", model, "--host", config.host, "--port", "0",
-                      "--metrics-port", "0", "--gateway", self.grpc_address]  # fmt: skip
+                      "--metrics-port", "0", "--num-threads", str(threads),
+                      "--gateway", self.grpc_address]  # fmt: skip
             for i in range(config.prefills):
                 args = [*common, *shlex.split(config.prefill_args)]
                 self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))

@@ -41,6 +41,13 @@ class InstanceConfig(ServiceConfig):
     )
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
+    num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "torch intra-op threads; torch's default (all cores) when unset. Give each "
+            "process its share when several run on one machine (pdserve up does)"
+        },
+    )
     max_model_len: int | None = field(
         default=None, metadata={"help": "longest sequence served; the model's limit when unset"}
     )
@@ -59,6 +66,8 @@ class InstanceConfig(ServiceConfig):
         for name in ("kv_cache_memory_mb", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:

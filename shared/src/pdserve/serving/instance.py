@@ -29,6 +29,7 @@ def load_model(config: InstanceConfig) -> ModelHost:
         dtype=config.dtype,
         device=config.device,
         max_model_len=config.max_model_len,
+        num_threads=config.num_threads,
     )
 
 

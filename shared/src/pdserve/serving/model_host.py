@@ -57,6 +57,7 @@ class ModelHost:
         dtype: str,
         device: str,
         max_model_len: int | None,
+        num_threads: int | None = None,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -72,6 +73,7 @@ class ModelHost:
             dtype=dtype,
             device=device,
             max_model_len=max_model_len,
+            num_threads=num_threads,
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
