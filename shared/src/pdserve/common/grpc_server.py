@@ -12,21 +12,9 @@ from pdserve.common import telemetry
 
 # NOTE: KV chunks are sized below this; 64 MiB leaves room for large prompts' token lists.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# NOTE: HTTP/2 keepalive pings find a peer that stopped answering (a frozen or partitioned
-# process keeps its TCP connection open) within KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS, so
-# streams to it fail with UNAVAILABLE instead of hanging until their deadline.
-KEEPALIVE_TIME_MS = 2_000
-KEEPALIVE_TIMEOUT_MS = 3_000
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Server side: accept the peers' pings at that rate instead of answering GOAWAY.
-    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
 )
 
 
