@@ -15,7 +15,8 @@
    per second until the last HandedOff) as a ratio to the same requests all aimed at the
    healthy decode (target >= 0.95): a prefill that waited on the slow decode's leases would
    idle. Also reported: the healthy decode's requests alone vs with the slow ones in the mix.
-   The variants take turns on the same servers; ratios are medians of per-round ratios.
+   The variants take turns on the same servers (5 rounds); ratios are medians of per-round
+   ratios.
 3. Overlap and chunk size. Time from `first_token` to `HandedOff` (the part of the KV transfer
    that layer-wise pushing leaves after the last layer) for one long prompt at several
    --max-chunk-bytes, next to the time the same KV takes as one stream sent after compute.
@@ -522,7 +523,7 @@ def main() -> None:
             }
         if "isolation" in args.parts:
             results["isolation"] = asyncio.run(
-                isolation_rows(model_dir, num_iso, args.slow_delay_s, max(rounds, 3))
+                isolation_rows(model_dir, num_iso, args.slow_delay_s, max(rounds, 5))
             )
         if "transfer" in args.parts:
             long_prompt = workload(1, seed=9, lengths=(1024, 1024))[0]
