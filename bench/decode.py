@@ -3,7 +3,7 @@
 For each concurrency N, N prompts are prefilled locally, their KV shipped to a real decode
 server over SyncCache, and N Generate streams read to the end; decode tokens/s counts the
 tokens after the first. The baseline is `LLMEngine` decoding the same N requests in-process
-(timed from when every prompt has its first token). Run:
+(timed from when every prompt has its first token). Both use one torch thread. Run:
 
     .venv/bin/python bench/decode.py [--concurrency 1 8 32] [--max-tokens 64]
 """
@@ -40,6 +40,7 @@ def _load(model_dir: Path, num_blocks: int) -> ModelHost:
     return ModelHost.load(
         str(model_dir), "bench", num_blocks=num_blocks, kv_cache_memory_mb=1,
         block_size=BLOCK_SIZE, dtype="float32", device="cpu", max_model_len=None,
+        num_threads=1,
     )  # fmt: skip
 
 
@@ -87,7 +88,9 @@ async def service_tokens_per_s(model_dir: Path, n: int, sampling: SamplingParams
 
 def engine_tokens_per_s(model_dir: Path, n: int, sampling: SamplingParams) -> float:
     config = EngineConfig(
-        model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64 * 32)
+        model=str(model_dir),
+        num_threads=1,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64 * 32),
     )
     engine = LLMEngine(config)
     for i, prompt in enumerate(_prompts(n)):
