@@ -38,13 +38,6 @@ class KVCacheLayout:
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
-    def fingerprint(self, model_id: str) -> str:
-        """A compact identity of this layout for ``model_id``, for pairing compatible peers."""
-        return (
-            f"{model_id}|layers={self.num_layers}|kv_heads={self.num_kv_heads}"
-            f"|head_dim={self.head_dim}|dtype={self.dtype}|block_size={self.block_size}"
-        )
-
 
 class KVBlockData(NamedTuple):
     """K and V bytes of a run of blocks in one layer (see ``KVCache.export_blocks``)."""

@@ -12,8 +12,9 @@ from typing import NamedTuple
 import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.decode.leases import Lease, cdiv
+from pdserve.decode.leases import Lease
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.serving.kv_transfer import chunk_crc32c
 
 

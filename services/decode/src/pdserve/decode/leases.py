@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.kv_cache_manager import cdiv
 
 NUM_REMEMBERED_ENDED = 4096
 
@@ -38,10 +39,6 @@ class LeaseState(enum.IntEnum):
     @property
     def is_terminal(self) -> bool:
         return self >= LeaseState.FINISHED
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(eq=False)
