@@ -204,9 +204,9 @@ REQUEST_TIMEOUT_S = 12.0
 
 @pytest.fixture
 def frozen_decode_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    # NOTE: a frozen decode stops heartbeating (the gateway drops it after 2 s) and stops
-    # answering AllocateBlocks (the prefill gives up after 1.5 s with PEER_UNAVAILABLE and the
-    # gateway tries another decode); the request timeout bounds everything else.
+    # NOTE: a frozen decode stops heartbeating: the gateway drops it after 2 s and moves the
+    # streams that depend on it. It also stops answering AllocateBlocks (the prefill gives up
+    # after 1.5 s with PEER_UNAVAILABLE and the gateway tries another decode).
     with running_cluster(
         demo_model_dir,
         tmp_path,
@@ -265,23 +265,16 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
         )
         assert results == expected
 
-        # The stream that was on the frozen decode does not hang past the request timeout.
-        long_ids: list[int] | None
-        try:
-            long_ids = await long_task
-        except openai.APIError as error:
-            assert error.code == "deadline_exceeded", error
-            long_ids = None
-        assert time.monotonic() - stopped_at < REQUEST_TIMEOUT_S + 5
+        # The stream that was on the frozen decode moves once the decode misses its
+        # heartbeats, and ends exactly as an undisturbed run, well before the request timeout.
+        long_ids = await long_task
+        assert long_ids == long_expected
+        assert time.monotonic() - stopped_at < REQUEST_TIMEOUT_S
+        assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
 
     victim.signal(signal.SIGCONT)
+    # The thawed decode finds its stream cancelled and releases the lease; it registers again.
     await cluster.wait_whole(timeout_s=15)
-    if long_ids is None:
-        pytest.xfail(
-            "known gap: a stream on a frozen decode ends with DEADLINE_EXCEEDED at the request "
-            "timeout instead of moving (the gateway has no stall detection on decode streams)"
-        )
-    assert long_ids == long_expected
 
 
 # ---- a tiny decode pool under 16 concurrent streams --------------------------------------------

@@ -62,6 +62,33 @@ def test_static_instances_are_not_dropped_by_ttl() -> None:
     assert registry.alive() == []  # known but stale until the next successful poll
 
 
+def test_lost_listeners_hear_of_each_silence_once() -> None:
+    clock = FakeClock()
+    registry = Registry(ttl_s=1.0, clock=clock)
+    lost: list[str] = []
+    registry.add_lost_listener(lambda entry: lost.append(entry.instance_id))
+    registry.register(instance_info("d1", InstanceRole.DECODE), LoadReport())
+    registry.register(instance_info("d2", InstanceRole.DECODE), LoadReport())
+    registry.register(instance_info("p1", InstanceRole.PREFILL), LoadReport(), is_static=True)
+    registry.mark_unreachable("d2")  # one failed call is not a loss
+    registry.deregister("d2")  # nor is a goodbye
+    clock.now += 0.5
+    registry.heartbeat("d1", LoadReport())
+    assert registry.drop_expired() == [] and lost == []
+    clock.now += 0.7
+    assert registry.drop_expired() == []
+    assert lost == ["p1"]  # static: stale, announced, kept
+    clock.now += 0.5
+    assert registry.drop_expired() == ["d1"]
+    assert registry.drop_expired() == []
+    assert lost == ["p1", "d1"]
+    # A static instance that answers a poll again can be lost again.
+    registry.register(instance_info("p1", InstanceRole.PREFILL), LoadReport(), is_static=True)
+    clock.now += 1.5
+    registry.drop_expired()
+    assert lost == ["p1", "d1", "p1"]
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [

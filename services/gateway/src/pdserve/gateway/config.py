@@ -93,7 +93,10 @@ class GatewayConfig(ServiceConfig):
     )
     instance_ttl_s: float = field(
         default=10.0,
-        metadata={"help": "seconds without a heartbeat after which an instance is dropped"},
+        metadata={
+            "help": "seconds without a heartbeat after which an instance is lost: "
+            "dropped, and its streams move to other instances"
+        },
     )
     poll_interval_s: float = field(
         default=2.0,

@@ -7,11 +7,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 # Seconds; from interactive (tens of ms) to a slow CPU-only cluster (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
-_LABELS = {"requests": "outcome", "retries": "reason", "reschedules": "cause"}
+_LABELS = {
+    "requests": "outcome",
+    "retries": "reason",
+    "reschedules": "cause",
+    "instances_lost": "role",
+}
 
 
 class GatewayMetrics:
-    """Request outcomes, retries, reschedules and latency histograms.
+    """Request outcomes, retries, reschedules, lost instances and latency histograms.
 
     Attributes:
         registry: The Prometheus registry these counters live in (served at /metrics).
@@ -35,6 +40,12 @@ class GatewayMetrics:
             "pdserve_gateway_reschedules",
             "Requests continued elsewhere with their generated tokens, by cause.",
             ["cause"],
+            registry=self.registry,
+        )
+        self.instances_lost = Counter(
+            "pdserve_gateway_instances_lost",
+            "Instances silent past the TTL (their streams were moved), by role.",
+            ["role"],
             registry=self.registry,
         )
 

@@ -8,9 +8,9 @@ once) -> ``HandedOff{lease}`` -> ``DecodeService.Generate(lease)`` on D -> token
   another decode / prefill / pair / instance -> exclude the failed instance and try again;
   whole request / once -> try again; never -> give up. At most ``max_attempts`` failures.
 * A ``PreemptionNotice``, or a decode lost mid-stream (connection lost, a stream that ends
-  without a terminal event), reschedules the request: prefill prompt + delivered tokens, with
-  the same sampling and seed, then decode on (possibly) another instance. At most
-  ``preempt_retry_count`` reschedules.
+  without a terminal event, a decode that stopped heartbeating: see `pdserve.gateway.relay`),
+  reschedules the request: prefill prompt + delivered tokens, with the same sampling and seed,
+  then decode on (possibly) another instance. At most ``preempt_retry_count`` reschedules.
 * Every attempt after the first token is such a continuation, and `CompletionProgress` drops
   tokens the consumer already has, so the consumer sees each completion index exactly once.
 * Leaving an attempt early (an error, the consumer closing the stream, a client disconnect)
@@ -35,16 +35,15 @@ from pdserve.gateway.backend import (
     BackendError,
     DecodeEvent,
     FinishedEvent,
-    FirstTokenEvent,
     HandedOffEvent,
     PreemptionEvent,
     PrefillCall,
     PrefillEvent,
-    TokenBatchEvent,
 )
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.registry import Registry
+from pdserve.gateway.relay import LossWatch, relay
 from pdserve.gateway.request import FinishReason, GenerationEnd, GenerationRequest, TokenChunk
 from pdserve.gateway.retry import (
     AttemptFailed,
@@ -68,7 +67,8 @@ class Orchestrator:
     Args:
         backend: Calls to prefill and decode instances.
         router: Pair selection.
-        registry: Told about instances that stopped answering.
+        registry: Told about instances that stopped answering; tells about instances that
+            stopped heartbeating (their streams are interrupted and the requests move).
         policy: Retry limits.
         metrics: Retry and reschedule counters.
     """
@@ -86,6 +86,8 @@ class Orchestrator:
         self._policy = policy
         self._retries = RetryHandler(policy, registry, metrics)
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
+        self.loss_watch = LossWatch()
+        registry.add_lost_listener(lambda entry: self.loss_watch.notify(entry.instance_id))
 
     async def wait_for_cleanups(self) -> None:
         """Waits until every background AbortRequest / ReleaseLease has finished."""
@@ -237,9 +239,11 @@ class Orchestrator:
                 pair.prefill.address, call, self._remaining_s(request, deadline)
             )
             handed_off: HandedOffEvent | None = None
+            # NOTE: until the hand-off, the attempt waits on the decode too (allocation, KV).
+            watched = {pair.prefill.instance_id: "prefill", pair.decode.instance_id: "decode"}
             try:
                 async with contextlib.aclosing(
-                    self._guard("prefill", prefill_stream, progress)
+                    self._relay("prefill", prefill_stream, progress, watched)
                 ) as events:
                     async for event in events:
                         if isinstance(event, TokenChunk):
@@ -278,7 +282,7 @@ class Orchestrator:
                 trace_metadata,
             )
             async with contextlib.aclosing(
-                self._guard("decode", decode_stream, progress)
+                self._relay("decode", decode_stream, progress, {pair.decode.instance_id: "decode"})
             ) as events:
                 async for event in events:
                     if isinstance(event, TokenChunk):
@@ -334,49 +338,14 @@ class Orchestrator:
                     request.request_id,
                 )
 
-    async def _guard(
+    def _relay(
         self,
         stage: str,
         stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
         progress: CompletionProgress,
+        watched: dict[str, str],
     ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
-        """Relays a stream: tokens go through `progress`, errors become `AttemptFailed`.
-
-        Once the gateway has seen the completion end, it waits at most ``end_grace_s`` for
-        the stream's terminal event and ignores further tokens.
-        """
-        events = stream
-        try:
-            while True:
-                try:
-                    if progress.finish_reason is None:
-                        event = await anext(events)
-                    else:
-                        async with asyncio.timeout(self._policy.end_grace_s):
-                            event = await anext(events)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    return
-                except BackendError as failure:
-                    raise AttemptFailed(stage, failure) from failure
-                if isinstance(event, FirstTokenEvent | TokenBatchEvent):
-                    if isinstance(event, FirstTokenEvent):
-                        accepted = progress.accept((event.token_id,), event.index)
-                    else:
-                        accepted = progress.accept(event.token_ids, event.first_index)
-                    if accepted.chunk is not None:
-                        yield accepted.chunk
-                    if accepted.has_gap:
-                        gap = PdserveError(
-                            ErrorReason.INTERNAL, f"{stage} skipped completion indices"
-                        )
-                        raise AttemptFailed(stage, BackendError(gap, is_from_server=True))
-                else:
-                    yield event
-        finally:
-            with contextlib.suppress(BackendError):
-                await events.aclose()
+        return relay(stage, stream, progress, self.loss_watch, watched, self._policy.end_grace_s)
 
     def _end(
         self, progress: CompletionProgress, state: RequestState, finished: FinishedEvent | None

@@ -4,6 +4,11 @@ Instances either register over RegistryService and heartbeat, or are configured 
 polled (`pdserve.gateway.poller`). An instance counts as *alive* while its last heartbeat (or
 successful poll) is younger than the TTL and no call to it has failed since; expired instances
 are dropped by `drop_expired`, which the server runs periodically.
+
+An instance silent for longer than the TTL is *lost*: a registered one is dropped, a static one
+stays known but stale. Either way the registry tells its lost-listeners once, so the
+orchestrator can move requests off an instance that froze without closing its connections (a
+SIGSTOPped process, a hung host), which no stream error would ever reveal.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class InstanceEntry:
             its next heartbeat or successful poll.
         load_seq: Incremented with every new load report (lets the router reset its own
             estimates of work it sent since the report).
+        is_lost: Silent past the TTL and announced to the lost-listeners (a registered entry
+            is dropped at the same time; a static one stays until its next successful poll,
+            which replaces it).
     """
 
     info: InstanceInfo
@@ -42,6 +50,7 @@ class InstanceEntry:
     is_static: bool = False
     is_reachable: bool = True
     load_seq: int = 0
+    is_lost: bool = False
 
     @property
     def instance_id(self) -> str:
@@ -93,6 +102,7 @@ class Registry:
         self._clock = clock
         self._entries: dict[str, InstanceEntry] = {}
         self._listeners: list[Callable[[InstanceEntry], None]] = []
+        self._lost_listeners: list[Callable[[InstanceEntry], None]] = []
 
     @property
     def ttl_s(self) -> float:
@@ -101,6 +111,10 @@ class Registry:
     def add_listener(self, listener: Callable[[InstanceEntry], None]) -> None:
         """Calls `listener(entry)` whenever an instance joins (or re-joins)."""
         self._listeners.append(listener)
+
+    def add_lost_listener(self, listener: Callable[[InstanceEntry], None]) -> None:
+        """Calls `listener(entry)` once when an instance goes silent past the TTL."""
+        self._lost_listeners.append(listener)
 
     def register(
         self, info: InstanceInfo, load: LoadReport, *, is_static: bool = False
@@ -173,20 +187,25 @@ class Registry:
     def drop_expired(self) -> list[str]:
         """Removes registered instances whose heartbeat is older than the TTL.
 
-        Static instances stay (they are configured); they simply stop being alive.
+        Static instances stay (they are configured); they simply stop being alive. Both kinds
+        are announced to the lost-listeners, once per silence.
 
         Returns:
             The ids dropped.
         """
         now = self._clock()
-        dropped = [
-            entry.instance_id
-            for entry in self._entries.values()
-            if not entry.is_static and now - entry.last_seen > self._ttl_s
-        ]
+        silent = [entry for entry in self._entries.values() if now - entry.last_seen > self._ttl_s]
+        dropped = [entry.instance_id for entry in silent if not entry.is_static]
         for instance_id in dropped:
             del self._entries[instance_id]
             log.warning("instance_expired", instance_id=instance_id, ttl_s=self._ttl_s)
+        newly_lost = [entry for entry in silent if not entry.is_lost]
+        for entry in newly_lost:
+            entry.is_lost = True
+            if entry.is_static:
+                log.warning("instance_lost", instance_id=entry.instance_id, ttl_s=self._ttl_s)
+            for listener in self._lost_listeners:
+                listener(entry)
         return dropped
 
     def is_alive(self, entry: InstanceEntry) -> bool:

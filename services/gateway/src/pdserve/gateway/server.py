@@ -94,6 +94,9 @@ class GatewayServer:
             config.poll_interval_s,
         )
         self.registry.add_listener(self._on_instance_joined)
+        self.registry.add_lost_listener(
+            lambda entry: self.metrics.instances_lost.labels(role=entry.info.role.value).inc()
+        )
         self.http_port: int | None = None
         self.grpc_port: int | None = None
         self._grpc_server: Any = None

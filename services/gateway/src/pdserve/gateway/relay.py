@@ -1,0 +1,176 @@
+"""Relays one instance stream into a request's progress, and gives up on lost instances.
+
+A frozen instance (a SIGSTOPped process, a hung host) keeps its TCP connections open: its
+streams neither yield nor fail, and gRPC keepalive does not notice in useful time. The registry
+does notice, because the instance stops heartbeating; `LossWatch` turns that into an
+interruption of every stream that depends on the instance, so the orchestrator can move the
+request instead of waiting for its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from typing import TypeVar
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.gateway.backend import (
+    BackendError,
+    DecodeEvent,
+    FirstTokenEvent,
+    PrefillEvent,
+    TokenBatchEvent,
+)
+from pdserve.gateway.progress import CompletionProgress
+from pdserve.gateway.request import TokenChunk
+from pdserve.gateway.retry import AttemptFailed, connection_lost
+
+log = structlog.get_logger("pdserve.gateway.relay")
+
+T = TypeVar("T")
+
+
+class InstanceLost(Exception):
+    """An instance a stream depends on went silent past the registry's TTL."""
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(instance_id)
+        self.instance_id = instance_id
+
+
+class LossWatch:
+    """Futures that resolve with an instance's id when the registry announces it lost."""
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Future[str]]] = {}
+
+    def notify(self, instance_id: str) -> None:
+        """Resolves every watcher of `instance_id` (a registry lost-listener)."""
+        waiters = self._waiters.get(instance_id, ())
+        if waiters:
+            log.warning("streams_interrupted", instance_id=instance_id, num_streams=len(waiters))
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(instance_id)
+
+    @property
+    def num_watchers(self) -> int:
+        """Open watches (each counted once per instance it watches)."""
+        return sum(len(waiters) for waiters in self._waiters.values())
+
+    @contextlib.contextmanager
+    def watching(self, instance_ids: tuple[str, ...]) -> Iterator[asyncio.Future[str]]:
+        """A future resolved with the first of `instance_ids` to be lost while inside."""
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        for instance_id in instance_ids:
+            self._waiters.setdefault(instance_id, set()).add(waiter)
+        try:
+            yield waiter
+        finally:
+            for instance_id in instance_ids:
+                waiters = self._waiters.get(instance_id)
+                if waiters is not None:
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._waiters[instance_id]
+
+
+async def next_or_lost(events: AsyncIterator[T], lost: asyncio.Future[str]) -> T:
+    """``anext(events)``, unless `lost` resolves first.
+
+    Raises:
+        StopAsyncIteration: `events` is exhausted.
+        InstanceLost: `lost` resolved first; the pending step was cancelled (which closes the
+            underlying call) before this returns.
+    """
+    if lost.done():
+        raise InstanceLost(lost.result())
+
+    async def step() -> tuple[bool, T | None]:
+        try:
+            return True, await anext(events)
+        except StopAsyncIteration:
+            return False, None
+
+    task = asyncio.ensure_future(step())
+    try:
+        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            # NOTE: let the stream unwind (its call is cancelled in its `finally`) before the
+            # caller closes or abandons it.
+            await asyncio.wait((task,))
+    if task.cancelled():
+        if lost.done():
+            raise InstanceLost(lost.result())
+        raise asyncio.CancelledError  # the stream was cancelled from elsewhere
+    has_event, event = task.result()
+    if not has_event:
+        raise StopAsyncIteration
+    return event  # type: ignore[return-value]
+
+
+async def relay(
+    stage: str,
+    stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
+    progress: CompletionProgress,
+    watch: LossWatch,
+    watched: Mapping[str, str],
+    end_grace_s: float,
+) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
+    """Relays a stream: tokens go through `progress`, errors become `AttemptFailed`.
+
+    Args:
+        stage: "prefill" or "decode": whose stream this is.
+        stream: The backend's event stream (closed when the relay ends).
+        progress: Dedupes tokens by completion index.
+        watch: Announces lost instances.
+        watched: The instances the stream depends on, each with its stage ("prefill" /
+            "decode"), so a loss is blamed on the right one.
+        end_grace_s: Once the gateway has seen the completion end, how long to wait for the
+            stream's terminal event; further tokens are ignored.
+
+    Raises:
+        AttemptFailed: The stream failed, skipped indices, or an instance it depends on was
+            lost (then: a transport failure of that instance's stage, PEER_UNAVAILABLE).
+    """
+    try:
+        with watch.watching(tuple(watched)) as lost:
+            while True:
+                try:
+                    if progress.finish_reason is None:
+                        event = await next_or_lost(stream, lost)
+                    else:
+                        async with asyncio.timeout(end_grace_s):
+                            event = await next_or_lost(stream, lost)
+                except (StopAsyncIteration, TimeoutError):
+                    return
+                except BackendError as failure:
+                    raise AttemptFailed(stage, failure) from failure
+                except InstanceLost as lost_instance:
+                    lost_stage = watched.get(lost_instance.instance_id, stage)
+                    raise connection_lost(
+                        lost_stage,
+                        f"{lost_stage} instance {lost_instance.instance_id} stopped heartbeating",
+                    ) from lost_instance
+                if isinstance(event, FirstTokenEvent | TokenBatchEvent):
+                    if isinstance(event, FirstTokenEvent):
+                        accepted = progress.accept((event.token_id,), event.index)
+                    else:
+                        accepted = progress.accept(event.token_ids, event.first_index)
+                    if accepted.chunk is not None:
+                        yield accepted.chunk
+                    if accepted.has_gap:
+                        gap = PdserveError(
+                            ErrorReason.INTERNAL, f"{stage} skipped completion indices"
+                        )
+                        raise AttemptFailed(stage, BackendError(gap, is_from_server=True))
+                else:
+                    yield event
+    finally:
+        with contextlib.suppress(BackendError):
+            await stream.aclose()

@@ -1,0 +1,211 @@
+"""Frozen instances: streams on an instance that stopped heartbeating move instead of hanging.
+
+A frozen process keeps its connections open, so its streams neither yield nor fail. The
+registry notices the missing heartbeats; the gateway then interrupts every stream that depends
+on the instance and continues the request elsewhere, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from support.gateway_cluster import Cluster
+from support.gateway_fakes import MODEL_NAME, FakeInstance, expected_tokens, heartbeat
+
+from pdserve.gateway.relay import InstanceLost, LossWatch, next_or_lost
+
+PROMPT = "a frozen decode"
+PROMPT_IDS = list(PROMPT.encode())
+MAX_TOKENS = 24
+TTL_S = 0.6
+
+
+async def _eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def heartbeating(
+    cluster: Cluster, *instances: FakeInstance, until: Callable[[FakeInstance], bool]
+) -> AsyncIterator[None]:
+    """Heartbeats every instance every 0.1 s, each until `until(instance)` holds."""
+
+    async def beat() -> None:
+        while True:
+            for instance in instances:
+                if not until(instance):
+                    await heartbeat(cluster.grpc_address, instance)
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _stream(cluster: Cluster, seed: int) -> list[int]:
+    stream = await cluster.openai().completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        seed=seed,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    token_ids: list[int] = []
+    async for chunk in stream:
+        token_ids += chunk.choices[0].model_extra["token_ids"]
+    return token_ids
+
+
+async def _frozen_cluster(cluster: Cluster) -> tuple[FakeInstance, FakeInstance, FakeInstance]:
+    await cluster.start_gateway(heartbeat_interval_s=0.1, instance_ttl_s=TTL_S)
+    prefill = await cluster.add_prefill()
+    # NOTE: more free blocks: the router picks the doomed decode first.
+    doomed = await cluster.add_decode("decode-doomed", num_total_blocks=2000)
+    survivor = await cluster.add_decode("decode-survivor", num_total_blocks=1000)
+    return prefill, doomed, survivor
+
+
+async def test_stream_on_a_frozen_decode_moves_to_the_other(cluster: Cluster) -> None:
+    prefill, doomed, survivor = await _frozen_cluster(cluster)
+    doomed.knobs.pause_after = 4  # the stream stalls with its connection open, for good
+    started = time.monotonic()
+    async with heartbeating(cluster, prefill, doomed, survivor, until=lambda i: i.paused.is_set()):
+        token_ids = await _stream(cluster, seed=31)
+    assert token_ids == expected_tokens(PROMPT_IDS, 31, MAX_TOKENS)
+    # Moved after the TTL (plus one sweep), not at the 20 s request timeout.
+    assert time.monotonic() - started < TTL_S + 4.0
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("reschedules", "decode_lost") == 1
+    assert cluster.gateway.metrics.count("instances_lost", "decode") == 1
+    assert len(survivor.generate_calls) == 1
+    assert cluster.gateway.registry.get("decode-doomed") is None
+    # The interrupted Generate was cancelled, which releases the frozen decode's lease.
+    await _eventually(lambda: doomed.num_open_leases == 0)
+    assert cluster.gateway.orchestrator.loss_watch.num_watchers == 0
+
+
+async def test_decode_frozen_before_handoff_moves_the_request(cluster: Cluster) -> None:
+    prefill, doomed, survivor = await _frozen_cluster(cluster)
+    prefill.knobs.hold_before_handoff = True
+    frozen = asyncio.Event()
+    async with heartbeating(
+        cluster, prefill, doomed, survivor, until=lambda i: i is doomed and frozen.is_set()
+    ):
+        task = asyncio.create_task(_stream(cluster, seed=32))
+        await _eventually(lambda: prefill.first_token_sent.is_set())
+        frozen.set()  # the decode stops heartbeating while the prefill waits to hand off
+        first_request_id = prefill.requests[0].request_id
+        await _eventually(lambda: first_request_id in prefill.aborted, timeout_s=TTL_S + 3.0)
+        prefill.knobs.hold_before_handoff = False
+        token_ids = await asyncio.wait_for(task, 10.0)
+    assert token_ids == expected_tokens(PROMPT_IDS, 32, MAX_TOKENS)
+    assert doomed.generate_calls == []
+    assert len(survivor.generate_calls) == 1
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("reschedules", "decode_lost") == 1
+    await _eventually(lambda: doomed.num_open_leases == 0)
+
+
+async def test_prefill_frozen_before_handoff_is_retried_on_another(cluster: Cluster) -> None:
+    await cluster.start_gateway(heartbeat_interval_s=0.1, instance_ttl_s=TTL_S)
+    # NOTE: the frozen prefill reports the shorter queue, so the router picks it first.
+    doomed = await cluster.add_prefill("prefill-doomed")
+    other = await cluster.add_prefill("prefill-other", num_queued_prompt_tokens=500)
+    decode = await cluster.add_decode()
+    doomed.knobs.hold_before_handoff = True  # first token sent, then silence
+
+    async with heartbeating(
+        cluster, doomed, other, decode, until=lambda i: i is doomed and i.first_token_sent.is_set()
+    ):
+        token_ids = await asyncio.wait_for(_stream(cluster, seed=34), 10.0)
+    assert token_ids == expected_tokens(PROMPT_IDS, 34, MAX_TOKENS)
+    assert len(other.requests) == 1
+    assert list(other.requests[0].token_ids[len(PROMPT_IDS) :]) == token_ids[:1]
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("retries", "PEER_UNAVAILABLE") == 1
+    assert cluster.gateway.registry.get("prefill-doomed") is None
+    # Cancelling the silent Prefill stream released its decode lease (a truly frozen prefill
+    # leaves it to the decode's lease TTL).
+    await _eventually(lambda: decode.num_open_leases == 0)
+
+
+async def test_a_draining_decode_that_deregisters_keeps_its_streams(cluster: Cluster) -> None:
+    """Deregistering is a graceful goodbye, not a loss: running streams finish where they are."""
+    await cluster.start_gateway()
+    await cluster.add_prefill()
+    decode = await cluster.add_decode()
+    decode.knobs.pause_after = 3
+    task = asyncio.create_task(_stream(cluster, seed=33))
+    await asyncio.wait_for(decode.paused.wait(), 3.0)
+    assert cluster.gateway is not None
+    cluster.gateway.registry.deregister(decode.instance_id)
+    decode.resume.set()
+    assert await asyncio.wait_for(task, 5.0) == expected_tokens(PROMPT_IDS, 33, MAX_TOKENS)
+    assert cluster.gateway.metrics.count("reschedules", "decode_lost") == 0
+
+
+# ---- next_or_lost ------------------------------------------------------------------------------
+
+
+async def _stalling_stream(closed: list[bool]) -> AsyncIterator[int]:
+    try:
+        yield 1
+        await asyncio.sleep(3600)
+        yield 2
+    finally:
+        closed.append(True)
+
+
+async def test_next_or_lost_relays_until_the_instance_is_lost() -> None:
+    watch, closed = LossWatch(), []
+    stream = _stalling_stream(closed)
+    with watch.watching(("d1", "p1")) as lost:
+        assert await next_or_lost(stream, lost) == 1
+        pending = asyncio.create_task(next_or_lost(stream, lost))
+        await asyncio.sleep(0.01)
+        watch.notify("p2")  # another instance: nothing happens
+        await asyncio.sleep(0.01)
+        assert not pending.done()
+        watch.notify("d1")
+        with pytest.raises(InstanceLost) as raised:
+            await asyncio.wait_for(pending, 1.0)
+        assert raised.value.instance_id == "d1"
+        assert closed == [True]  # the stalled step was cancelled and the stream unwound
+        with pytest.raises(InstanceLost):
+            await next_or_lost(stream, lost)
+    assert watch.num_watchers == 0
+
+
+async def test_next_or_lost_ends_with_the_stream() -> None:
+    async def two() -> AsyncIterator[int]:
+        yield 1
+        yield 2
+
+    watch, stream = LossWatch(), two()
+    with watch.watching(("d1",)) as lost:
+        assert [await next_or_lost(stream, lost), await next_or_lost(stream, lost)] == [1, 2]
+        with pytest.raises(StopAsyncIteration):
+            await next_or_lost(stream, lost)
+
+
+async def test_next_or_lost_cancelled_caller_unwinds_the_stream() -> None:
+    watch, closed = LossWatch(), []
+    stream = _stalling_stream(closed)
+    with watch.watching(("d1",)) as lost:
+        assert await next_or_lost(stream, lost) == 1
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await next_or_lost(stream, lost)
+    assert closed == [True]
