@@ -205,6 +205,16 @@ def from_rpc_error(error: grpc.RpcError) -> PdserveError:
     return PdserveError(reason, details or code.name)
 
 
+def has_error_info(error: grpc.RpcError) -> bool:
+    """Whether a failed call's status carries a pdserve.v1 ErrorInfo.
+
+    A status without one was not sent by a pdserve server's error helper: a transport failure,
+    a foreign server, or a status the client library made up locally.
+    """
+    status = _status_from_error(error)
+    return status is not None and _parse_status(status) is not None
+
+
 def _status_from_error(error: grpc.RpcError) -> status_pb2.Status | None:
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in trailing or ():

@@ -11,9 +11,8 @@ from collections.abc import AsyncGenerator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_status import rpc_status
 
-from pdserve.common.errors import from_rpc_error
+from pdserve.common.errors import from_rpc_error, has_error_info
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.gateway import convert
 from pdserve.gateway.backend import BackendError, DecodeEvent, PrefillCall, PrefillEvent
@@ -40,10 +39,8 @@ def backend_error(error: grpc.RpcError) -> BackendError:
     unhandled exception in a servicer arrives as UNKNOWN), counts as reported by the server;
     a bare UNAVAILABLE or CANCELLED means the connection to the instance was lost.
     """
-    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    has_details = any(key == rpc_status.GRPC_DETAILS_METADATA_KEY for key, _ in trailing or ())
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    is_from_server = has_details or code not in _CONNECTION_CODES
+    is_from_server = has_error_info(error) or code not in _CONNECTION_CODES
     return BackendError(from_rpc_error(error), is_from_server=is_from_server)
 
 

@@ -15,9 +15,9 @@ import grpc
 import structlog
 
 from pdserve.common import telemetry
-from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.errors import ErrorReason, PdserveError, has_error_info
 from pdserve.prefill import convert
-from pdserve.prefill.decode_client import peer_error
+from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
 from pdserve.prefill.request import KvPiece, Request
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
@@ -132,7 +132,36 @@ class KvSender:
         try:
             await call
         except grpc.RpcError as error:
-            return peer_error(error, address, "SyncCache")
+            if has_error_info(error):
+                return peer_error(error, address, "SyncCache")
+            # NOTE: a write that loses the race with the decode's early status makes grpc.aio
+            # replace that status with a local INTERNAL error; the lease says what happened.
+            return await self._ask_lease_state(address, peer_error(error, address, "SyncCache"))
         return PdserveError(
             ErrorReason.CACHE_SYNC_FAILED, "SyncCache ended early", {"decodeAddress": address}
         )
+
+    async def _ask_lease_state(self, address: str, local: PdserveError) -> PdserveError:
+        """Classifies a stream the decode ended by the lease's state (ReleaseLease, idempotent)."""
+        assert self.request.lease is not None
+        lease_id = self.request.lease.lease_id
+        metadata = {"requestId": self.request.request_id, "decodeAddress": address}
+        try:
+            response = await self.stub.ReleaseLease(
+                decode_pb2.ReleaseLeaseRequest(
+                    lease_id=lease_id, request_id=self.request.request_id
+                ),
+                timeout=RELEASE_TIMEOUT_S,
+            )
+        except grpc.RpcError as error:
+            return peer_error(error, address, "SyncCache")
+        if response.state == decode_pb2.LEASE_STATE_EXPIRED:
+            return PdserveError(
+                ErrorReason.LEASE_EXPIRED, "the lease expired during SyncCache", metadata
+            )
+        if response.state in (decode_pb2.LEASE_STATE_FAILED, decode_pb2.LEASE_STATE_ABORTED):
+            state = decode_pb2.LeaseState.Name(response.state)
+            return PdserveError(
+                ErrorReason.CACHE_SYNC_FAILED, f"the decode ended SyncCache ({state})", metadata
+            )
+        return local
