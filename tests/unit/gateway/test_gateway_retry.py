@@ -108,3 +108,24 @@ def test_lost_connections_mark_the_instance_and_reschedule_lost_decodes() -> Non
     handler.on_failure(REQUEST, PAIR, state, _failed("prefill", lost, is_from_server=False))
     assert state.excluded_prefill_ids == {"p"} and state.num_failures == 1
     assert registry.alive() == []
+
+
+def test_a_corrupt_transfer_prefers_another_pair_but_does_not_require_one() -> None:
+    handler, _, _ = _handler()
+    state = RequestState(CompletionProgress(REQUEST))
+    handler.on_failure(REQUEST, PAIR, state, _failed("prefill", ErrorReason.CACHE_SYNC_FAILED))
+    assert (state.excluded_prefill_ids, state.excluded_decode_ids) == (set(), set())
+    assert state.exclusions() == [
+        ({"p"}, {"d"}),  # another prefill and another decode, if there are
+        (set(), {"d"}),
+        ({"p"}, set()),
+        (set(), set()),  # else the same pair again
+    ]
+
+
+def test_exclusions_always_keep_the_excluded_instances() -> None:
+    state = RequestState(CompletionProgress(REQUEST))
+    assert state.exclusions() == [(set(), set())]
+    state.excluded_prefill_ids.add("p-dead")
+    state.avoided_decode_ids.add("d-preempting")
+    assert state.exclusions() == [({"p-dead"}, {"d-preempting"}), ({"p-dead"}, set())]

@@ -177,26 +177,21 @@ class Orchestrator:
         self._remaining_s(request, deadline)
         progress = state.progress
         num_tokens = len(request.prompt_token_ids) + progress.num_tokens
+        exclusions = state.exclusions()
         try:
-            try:
-                return self._router.pick(
-                    request.model,
-                    num_tokens,
-                    progress.num_remaining_tokens,
-                    exclude_prefill_ids=state.excluded_prefill_ids,
-                    exclude_decode_ids=state.excluded_decode_ids | state.preempted_decode_ids,
-                )
-            except PdserveError:
-                if not state.preempted_decode_ids:
-                    raise
-                # NOTE: avoiding the preempting decode is a preference, not a requirement.
-                return self._router.pick(
-                    request.model,
-                    num_tokens,
-                    progress.num_remaining_tokens,
-                    exclude_prefill_ids=state.excluded_prefill_ids,
-                    exclude_decode_ids=state.excluded_decode_ids,
-                )
+            for i, (excluded_prefill_ids, excluded_decode_ids) in enumerate(exclusions):
+                try:
+                    return self._router.pick(
+                        request.model,
+                        num_tokens,
+                        progress.num_remaining_tokens,
+                        exclude_prefill_ids=excluded_prefill_ids,
+                        exclude_decode_ids=excluded_decode_ids,
+                    )
+                except PdserveError:
+                    if i == len(exclusions) - 1:
+                        raise
+            raise AssertionError("unreachable: the last pick raises")
         except PdserveError as error:
             # NOTE: when earlier attempts excluded every instance, their error explains more
             # (and carries its retry delay, e.g. DECODE_CAPACITY_EXHAUSTED -> 429).

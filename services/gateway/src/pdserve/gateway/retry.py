@@ -79,13 +79,36 @@ class RequestState:
     progress: CompletionProgress
     excluded_prefill_ids: set[str] = field(default_factory=set)
     excluded_decode_ids: set[str] = field(default_factory=set)
-    preempted_decode_ids: set[str] = field(default_factory=set)
+    # NOTE: avoided instances are a preference (used when another one is available), excluded
+    # ones a requirement.
+    avoided_prefill_ids: set[str] = field(default_factory=set)
+    avoided_decode_ids: set[str] = field(default_factory=set)
     num_attempts: int = 0
     num_failures: int = 0
     num_reschedules: int = 0
     has_used_once_retry: bool = False
     last_error: PdserveError | None = None
     wait_before_retry_s: float = 0.0
+
+    def exclusions(self) -> list[tuple[set[str], set[str]]]:
+        """(prefill ids, decode ids) to exclude from routing, strictest first.
+
+        The excluded instances are always left out; the avoided ones first together, then
+        only the avoided decodes, then only the avoided prefills, then none of them.
+        """
+        no_ids: set[str] = set()
+        avoided = [
+            (self.avoided_prefill_ids, self.avoided_decode_ids),
+            (no_ids, self.avoided_decode_ids),
+            (self.avoided_prefill_ids, no_ids),
+            (no_ids, no_ids),
+        ]
+        result: list[tuple[set[str], set[str]]] = []
+        for prefill_ids, decode_ids in avoided:
+            pair = (self.excluded_prefill_ids | prefill_ids, self.excluded_decode_ids | decode_ids)
+            if pair not in result:
+                result.append(pair)
+        return result
 
 
 def connection_lost(stage: str, message: str) -> AttemptFailed:
@@ -116,7 +139,7 @@ class RetryHandler:
         state.last_error = reschedule.error
         if reschedule.cause == "preempted":
             if self.policy.preempt_retry_exclude_decode:
-                state.preempted_decode_ids.add(reschedule.decode_id)
+                state.avoided_decode_ids.add(reschedule.decode_id)
         else:
             state.excluded_decode_ids.add(reschedule.decode_id)
         if state.num_reschedules > self.policy.preempt_retry_count:
@@ -193,6 +216,11 @@ class RetryHandler:
             state.has_used_once_retry = True
         else:
             self._exclude(failed.stage, pair, state, error)
+            if error.reason is ErrorReason.CACHE_SYNC_FAILED:
+                # NOTE: KV that failed its checksum may come from either end (memory, NIC):
+                # the retry prefers another prefill and decode when there are any.
+                state.avoided_prefill_ids.add(pair.prefill.instance_id)
+                state.avoided_decode_ids.add(pair.decode.instance_id)
         state.num_failures += 1
         state.last_error = error
         if state.num_failures >= self.policy.max_attempts:
