@@ -10,6 +10,7 @@ OS-picked ports, and every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -200,6 +201,7 @@ async def test_sigkill_prefill_mid_prefill(
 # ---- SIGSTOP a decode ------------------------------------------------------------------------
 
 REQUEST_TIMEOUT_S = 12.0
+INSTANCE_TTL_S = 2.0
 
 
 @pytest.fixture
@@ -214,7 +216,7 @@ def frozen_decode_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[Proc
         prefill_args=f"{PREFILL_ARGS} --allocate-timeout-ms 1500",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms 3000",
         gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S} --heartbeat-interval-s 0.5 "
-        "--instance-ttl-s 2",
+        f"--instance-ttl-s {INSTANCE_TTL_S}",
     ) as cluster:
         try:
             yield cluster
@@ -231,6 +233,13 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
     long_expected = (await expected_ids(reference, [(long_prompt, GREEDY)], long_max_tokens))[0]
     expected = await expected_ids(reference, requests, max_tokens)
     is_streaming = asyncio.Event()
+    arrivals: list[float] = []
+    on_streaming = set_when_streaming(is_streaming)
+
+    def on_tokens(ids: list[int]) -> None:
+        arrivals.append(time.monotonic())
+        on_streaming(ids)
+
     async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 10) as client:
         long_task = asyncio.create_task(
             stream_token_ids(
@@ -238,7 +247,7 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
                 cluster.model_name,
                 long_prompt,
                 max_tokens=long_max_tokens,
-                on_tokens=set_when_streaming(is_streaming),
+                on_tokens=on_tokens,
                 timeout_s=REQUEST_TIMEOUT_S + 10,
                 **GREEDY,
             )
@@ -270,6 +279,10 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
         long_ids = await long_task
         assert long_ids == long_expected
         assert time.monotonic() - stopped_at < REQUEST_TIMEOUT_S
+        # The client saw one stall: the 2 s TTL, a sweep, and the continuation's prefill.
+        longest_gap_s = max(b - a for a, b in itertools.pairwise(arrivals))
+        print(f"longest token gap of the moved stream: {longest_gap_s:.2f} s")
+        assert longest_gap_s < INSTANCE_TTL_S + 4.0
         assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
 
     victim.signal(signal.SIGCONT)
