@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from support.gateway_cluster import Cluster
+from support.gateway_cluster import Cluster, eventually
 from support.gateway_fakes import MODEL_NAME, FakeInstance, expected_tokens, heartbeat
 
 from pdserve.gateway.relay import InstanceLost, LossWatch, next_or_lost
@@ -22,13 +22,6 @@ PROMPT = "a frozen decode"
 PROMPT_IDS = list(PROMPT.encode())
 MAX_TOKENS = 24
 TTL_S = 0.6
-
-
-async def _eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
@@ -92,7 +85,7 @@ async def test_stream_on_a_frozen_decode_moves_to_the_other(cluster: Cluster) ->
     assert len(survivor.generate_calls) == 1
     assert cluster.gateway.registry.get("decode-doomed") is None
     # The interrupted Generate was cancelled, which releases the frozen decode's lease.
-    await _eventually(lambda: doomed.num_open_leases == 0)
+    await eventually(lambda: doomed.num_open_leases == 0)
     assert cluster.gateway.orchestrator.loss_watch.num_watchers == 0
 
 
@@ -104,10 +97,10 @@ async def test_decode_frozen_before_handoff_moves_the_request(cluster: Cluster) 
         cluster, prefill, doomed, survivor, until=lambda i: i is doomed and frozen.is_set()
     ):
         task = asyncio.create_task(_stream(cluster, seed=32))
-        await _eventually(lambda: prefill.first_token_sent.is_set())
+        await eventually(lambda: prefill.first_token_sent.is_set())
         frozen.set()  # the decode stops heartbeating while the prefill waits to hand off
         first_request_id = prefill.requests[0].request_id
-        await _eventually(lambda: first_request_id in prefill.aborted, timeout_s=TTL_S + 3.0)
+        await eventually(lambda: first_request_id in prefill.aborted, timeout_s=TTL_S + 3.0)
         prefill.knobs.hold_before_handoff = False
         token_ids = await asyncio.wait_for(task, 10.0)
     assert token_ids == expected_tokens(PROMPT_IDS, 32, MAX_TOKENS)
@@ -115,7 +108,7 @@ async def test_decode_frozen_before_handoff_moves_the_request(cluster: Cluster) 
     assert len(survivor.generate_calls) == 1
     assert cluster.gateway is not None
     assert cluster.gateway.metrics.count("reschedules", "decode_lost") == 1
-    await _eventually(lambda: doomed.num_open_leases == 0)
+    await eventually(lambda: doomed.num_open_leases == 0)
 
 
 async def test_prefill_frozen_before_handoff_is_retried_on_another(cluster: Cluster) -> None:
@@ -138,7 +131,7 @@ async def test_prefill_frozen_before_handoff_is_retried_on_another(cluster: Clus
     assert cluster.gateway.registry.get("prefill-doomed") is None
     # Cancelling the silent Prefill stream released its decode lease (a truly frozen prefill
     # leaves it to the decode's lease TTL).
-    await _eventually(lambda: decode.num_open_leases == 0)
+    await eventually(lambda: decode.num_open_leases == 0)
 
 
 async def test_a_draining_decode_that_deregisters_keeps_its_streams(cluster: Cluster) -> None:

@@ -5,23 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
 
 import openai
 import pytest
-from support.gateway_cluster import Cluster
+from support.gateway_cluster import Cluster, eventually
 from support.gateway_fakes import MODEL_NAME, expected_tokens
 
 PROMPT = "the quick brown fox"
 PROMPT_IDS = list(PROMPT.encode())
 MAX_TOKENS = 24
-
-
-async def _eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def _stream_token_ids(cluster: Cluster, **extra: object) -> tuple[list[int], str, object]:
@@ -203,9 +195,9 @@ async def test_disconnect_while_decoding_releases_the_lease(pd: Cluster) -> None
         assert json.loads(line.removeprefix("data: "))["choices"][0]["text"]
         await asyncio.wait_for(decode.paused.wait(), 3.0)
     lease_id = decode.generate_calls[0]
-    await _eventually(lambda: lease_id in decode.released and decode.num_open_leases == 0)
+    await eventually(lambda: lease_id in decode.released and decode.num_open_leases == 0)
     assert pd.gateway is not None
-    await _eventually(lambda: pd.gateway.pipeline.num_active_requests == 0)  # type: ignore[union-attr]
+    await eventually(lambda: pd.gateway.pipeline.num_active_requests == 0)  # type: ignore[union-attr]
     assert pd.gateway.metrics.count("requests", "cancelled") == 1
 
 
@@ -219,10 +211,10 @@ async def test_disconnect_while_prefilling_aborts_on_prefill(pd: Cluster) -> Non
         lines = response.aiter_lines()
         line = await anext(lines)
         assert json.loads(line.removeprefix("data: "))["choices"][0]["text"]
-        await _eventually(lambda: prefill.first_token_sent.is_set())
+        await eventually(lambda: prefill.first_token_sent.is_set())
     request_id = prefill.requests[0].request_id
-    await _eventually(lambda: request_id in prefill.aborted)
-    await _eventually(lambda: decode.num_open_leases == 0)
+    await eventually(lambda: request_id in prefill.aborted)
+    await eventually(lambda: decode.num_open_leases == 0)
     assert decode.generate_calls == []
 
 
@@ -239,7 +231,7 @@ async def test_request_timeout_bounds_a_stalled_decode(cluster: Cluster) -> None
     assert 0.4 < time.monotonic() - started < 3.0
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "deadline_exceeded"
-    await _eventually(lambda: decode.num_open_leases == 0)
+    await eventually(lambda: decode.num_open_leases == 0)
 
 
 async def test_draining_decode_named_by_the_prefill_is_avoided(cluster: Cluster) -> None:
@@ -283,7 +275,7 @@ async def test_stop_drains_running_requests_and_refuses_new_ones(pd: Cluster) ->
     await asyncio.wait_for(decode.paused.wait(), 3.0)
     assert pd.gateway is not None
     stopping = asyncio.create_task(pd.gateway.stop(5.0))
-    await _eventually(lambda: pd.gateway.pipeline.is_draining)  # type: ignore[union-attr]
+    await eventually(lambda: pd.gateway.pipeline.is_draining)  # type: ignore[union-attr]
     async with pd.http() as http:
         refused = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
         assert refused.status_code == 503
