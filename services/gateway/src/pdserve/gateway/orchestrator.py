@@ -177,21 +177,22 @@ class Orchestrator:
         self._remaining_s(request, deadline)
         progress = state.progress
         num_tokens = len(request.prompt_token_ids) + progress.num_tokens
-        exclusions = state.exclusions()
+
+        def pick(excluded: tuple[set[str], set[str]]) -> Pair:
+            return self._router.pick(
+                request.model,
+                num_tokens,
+                progress.num_remaining_tokens,
+                exclude_prefill_ids=excluded[0],
+                exclude_decode_ids=excluded[1],
+            )
+
+        *preferred, required = state.exclusions()
+        for excluded in preferred:
+            with contextlib.suppress(PdserveError):
+                return pick(excluded)
         try:
-            for i, (excluded_prefill_ids, excluded_decode_ids) in enumerate(exclusions):
-                try:
-                    return self._router.pick(
-                        request.model,
-                        num_tokens,
-                        progress.num_remaining_tokens,
-                        exclude_prefill_ids=excluded_prefill_ids,
-                        exclude_decode_ids=excluded_decode_ids,
-                    )
-                except PdserveError:
-                    if i == len(exclusions) - 1:
-                        raise
-            raise AssertionError("unreachable: the last pick raises")
+            return pick(required)
         except PdserveError as error:
             # NOTE: when earlier attempts excluded every instance, their error explains more
             # (and carries its retry delay, e.g. DECODE_CAPACITY_EXHAUSTED -> 429).
