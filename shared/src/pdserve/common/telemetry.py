@@ -2,18 +2,24 @@
 
 `configure_tracing` installs an SDK tracer provider when an OTLP endpoint is given (flag or the
 standard ``OTEL_*`` variables); otherwise the API's no-op tracer stays in place and spans cost
-next to nothing. The W3C ``traceparent`` travels in gRPC metadata through the interceptors of
-`opentelemetry-instrumentation-grpc`, which `pdserve.common.grpc_server` adds to every server
-and channel once tracing is on. Hand-made spans use `tracer(name)`; attributes of our own
-carry the ``pdserve.`` prefix.
+next to nothing. Once tracing is on, `pdserve.common.grpc_server` adds the server interceptor of
+`opentelemetry-instrumentation-grpc` to every server (a SERVER span per request-path RPC, its
+parent read from the caller's ``traceparent`` metadata). Channels get no interceptor: a caller
+passes its trace context explicitly, either as `client_span` (a CLIENT span whose context goes
+out as metadata; the gateway's calls) or as `outgoing_metadata` (the context of a span of its
+own that covers the call; the prefill's ``prefill.allocate`` and ``prefill.kv_transfer``).
+Hand-made spans use `tracer(name)`; attributes of our own carry the ``pdserve.`` prefix, and
+every span of a request carries ``pdserve.request_id`` (`REQUEST_ID`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -23,6 +29,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from pdserve.common import env
+
+REQUEST_ID = "pdserve.request_id"
+"""The attribute that every span of a request carries, in every service."""
 
 _provider: TracerProvider | None = None
 
@@ -90,6 +99,9 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+_client_tracer = tracer("pdserve.grpc")
+
+
 def add_trace_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: adds ``trace_id`` and ``span_id`` of the current span, if any."""
     context = trace.get_current_span().get_span_context()
@@ -107,7 +119,10 @@ UNTRACED_SERVICES = (
     "pdserve.v1.RegistryService",
     "pdserve.v1.InstanceService",
 )
-UNTRACED_METHODS = ("/pdserve.v1.PrefillService/GetModelInfo",)
+UNTRACED_METHODS = (
+    "/pdserve.v1.PrefillService/GetModelInfo",
+    "/pdserve.v1.GenerationService/ListModels",
+)
 
 
 def server_interceptor() -> Any:
@@ -137,6 +152,64 @@ def outgoing_metadata(ctx: Context | None = None) -> list[tuple[str, str]]:
 def extract(headers: Any) -> Context:
     """The trace context carried by incoming headers (``traceparent``), or an empty one."""
     return propagate.extract(headers)
+
+
+class ClientSpan(NamedTuple):
+    """The CLIENT span of one outgoing call and the gRPC metadata that carries its context."""
+
+    span: trace.Span
+    metadata: tuple[tuple[str, str], ...]
+
+
+@contextmanager
+def client_span(
+    full_method: str, address: str, request_id: str, parent: Context | None = None
+) -> Iterator[ClientSpan]:
+    """A CLIENT span around one outgoing request-path RPC, named like the server's span.
+
+    The span is not made current, so the block may ``yield`` (async generators). Send
+    ``metadata`` with the call: the server's span becomes the child of this one. The span ends
+    with the block and records ``rpc.grpc.status_code``: OK; the code of a `grpc.RpcError`
+    that leaves the block (status ERROR); or CANCELLED when the caller stopped early (a closed
+    stream, a cancelled task), which is not an error.
+
+    Args:
+        full_method: ``/package.Service/Method``.
+        address: ``HOST:PORT`` of the server.
+        request_id: The request the call belongs to.
+        parent: The caller's trace context (default: the current one).
+    """
+    service, _, method = full_method.lstrip("/").partition("/")
+    host, _, port = address.rpartition(":")
+    attributes: dict[str, str | int] = {
+        "rpc.system": "grpc",
+        "rpc.service": service,
+        "rpc.method": method,
+        "server.address": host or address,
+        REQUEST_ID: request_id,
+    }
+    if port.isdigit():
+        attributes["server.port"] = int(port)
+    span = _client_tracer.start_span(
+        full_method, context=parent, kind=trace.SpanKind.CLIENT, attributes=attributes
+    )
+    code = grpc.StatusCode.OK
+    try:
+        yield ClientSpan(span, tuple(outgoing_metadata(trace.set_span_in_context(span, parent))))
+    except grpc.RpcError as error:
+        code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+        span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+        raise
+    except (GeneratorExit, asyncio.CancelledError):
+        code = grpc.StatusCode.CANCELLED
+        raise
+    except BaseException as error:
+        code = grpc.StatusCode.UNKNOWN
+        span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+        raise
+    finally:
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span.end()
 
 
 @contextmanager
