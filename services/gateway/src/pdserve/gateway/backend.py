@@ -11,6 +11,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
+from opentelemetry.context import Context
+
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.request import FinishReason, Sampling
 
@@ -22,7 +24,7 @@ class PrefillCall:
     Attributes:
         token_ids: The prompt, followed on a reschedule by the completion tokens so far.
         num_prompt_tokens: Length of the original prompt within `token_ids`.
-        trace_metadata: W3C trace context to send with the call (empty when tracing is off).
+        trace_context: The attempt's trace context; the call's span becomes its child.
     """
 
     request_id: str
@@ -31,7 +33,7 @@ class PrefillCall:
     sampling: Sampling
     decode_address: str
     decode_instance_id: str
-    trace_metadata: tuple[tuple[str, str], ...] = ()
+    trace_context: Context | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,11 @@ class BackendError(Exception):
 
 
 class Backend(Protocol):
-    """Calls to prefill and decode instances. Every method raises `BackendError` on failure."""
+    """Calls to prefill and decode instances. Every method raises `BackendError` on failure.
+
+    ``trace_context`` is the trace context of the attempt a call belongs to (None: the
+    current one); with tracing on, each call is a CLIENT span under it.
+    """
 
     def prefill(
         self, address: str, call: PrefillCall, timeout_s: float
@@ -105,7 +111,13 @@ class Backend(Protocol):
         """Streams the events of one Prefill RPC; closing the iterator cancels the call."""
         ...
 
-    async def abort_request(self, address: str, request_id: str, timeout_s: float) -> None:
+    async def abort_request(
+        self,
+        address: str,
+        request_id: str,
+        timeout_s: float,
+        trace_context: Context | None = None,
+    ) -> None:
         """Aborts a prefill request (PrefillService.AbortRequest)."""
         ...
 
@@ -115,13 +127,18 @@ class Backend(Protocol):
         request_id: str,
         lease_id: str,
         timeout_s: float,
-        trace_metadata: tuple[tuple[str, str], ...] = (),
+        trace_context: Context | None = None,
     ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams a decode's events for a lease; closing the iterator cancels the call."""
         ...
 
     async def release_lease(
-        self, address: str, lease_id: str, request_id: str, timeout_s: float
+        self,
+        address: str,
+        lease_id: str,
+        request_id: str,
+        timeout_s: float,
+        trace_context: Context | None = None,
     ) -> None:
         """Releases a decode lease (DecodeService.ReleaseLease, idempotent)."""
         ...

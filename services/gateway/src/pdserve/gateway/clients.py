@@ -2,7 +2,9 @@
 
 One channel per address, reused by every request. Every `grpc.aio.AioRpcError` becomes a
 `BackendError` carrying the typed `PdserveError` (classified by its ErrorInfo reason, or by
-the status code when the status carries none).
+the status code when the status carries none). With tracing on, each request-path call
+(Prefill, Generate, AbortRequest, ReleaseLease) is a CLIENT span; status, health and
+model-info calls are not traced.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from collections.abc import AsyncGenerator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.context import Context
 
+from pdserve.common import telemetry
 from pdserve.common.errors import from_rpc_error, has_error_info
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.gateway import convert
@@ -30,6 +34,11 @@ from pdserve.v1 import (
 # NOTE: statuses a call ends with when its connection breaks (server gone, connection reset,
 # server shut down mid-stream) rather than because the server's code decided to fail it.
 _CONNECTION_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+PREFILL = "/pdserve.v1.PrefillService/Prefill"
+ABORT_REQUEST = "/pdserve.v1.PrefillService/AbortRequest"
+GENERATE = "/pdserve.v1.DecodeService/Generate"
+RELEASE_LEASE = "/pdserve.v1.DecodeService/ReleaseLease"
 
 
 def backend_error(error: grpc.RpcError) -> BackendError:
@@ -68,26 +77,39 @@ class GrpcBackend:
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Streams one Prefill RPC's events; closing the iterator cancels the call."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
-        rpc = stub.Prefill(
-            convert.prefill_request_to_pb(call), timeout=timeout_s, metadata=call.trace_metadata
-        )
         try:
-            async for message in rpc:
-                event = convert.prefill_event_from_pb(message)
-                if event is not None:
-                    yield event
+            with telemetry.client_span(
+                PREFILL, address, call.request_id, call.trace_context
+            ) as traced:
+                rpc = stub.Prefill(
+                    convert.prefill_request_to_pb(call), timeout=timeout_s, metadata=traced.metadata
+                )
+                try:
+                    async for message in rpc:
+                        event = convert.prefill_event_from_pb(message)
+                        if event is not None:
+                            yield event
+                finally:
+                    rpc.cancel()
         except grpc.aio.AioRpcError as error:
             raise backend_error(error) from error
-        finally:
-            rpc.cancel()
 
-    async def abort_request(self, address: str, request_id: str, timeout_s: float) -> None:
+    async def abort_request(
+        self,
+        address: str,
+        request_id: str,
+        timeout_s: float,
+        trace_context: Context | None = None,
+    ) -> None:
         """PrefillService.AbortRequest."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
         try:
-            await stub.AbortRequest(
-                prefill_pb2.AbortRequestRequest(request_id=request_id), timeout=timeout_s
-            )
+            with telemetry.client_span(ABORT_REQUEST, address, request_id, trace_context) as traced:
+                await stub.AbortRequest(
+                    prefill_pb2.AbortRequestRequest(request_id=request_id),
+                    timeout=timeout_s,
+                    metadata=traced.metadata,
+                )
         except grpc.aio.AioRpcError as error:
             raise backend_error(error) from error
 
@@ -97,32 +119,41 @@ class GrpcBackend:
         request_id: str,
         lease_id: str,
         timeout_s: float,
-        trace_metadata: tuple[tuple[str, str], ...] = (),
+        trace_context: Context | None = None,
     ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
         request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
-        rpc = stub.Generate(request, timeout=timeout_s, metadata=trace_metadata)
         try:
-            async for message in rpc:
-                event = convert.decode_event_from_pb(message)
-                if event is not None:
-                    yield event
+            with telemetry.client_span(GENERATE, address, request_id, trace_context) as traced:
+                rpc = stub.Generate(request, timeout=timeout_s, metadata=traced.metadata)
+                try:
+                    async for message in rpc:
+                        event = convert.decode_event_from_pb(message)
+                        if event is not None:
+                            yield event
+                finally:
+                    rpc.cancel()
         except grpc.aio.AioRpcError as error:
             raise backend_error(error) from error
-        finally:
-            rpc.cancel()
 
     async def release_lease(
-        self, address: str, lease_id: str, request_id: str, timeout_s: float
+        self,
+        address: str,
+        lease_id: str,
+        request_id: str,
+        timeout_s: float,
+        trace_context: Context | None = None,
     ) -> None:
         """DecodeService.ReleaseLease."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
         try:
-            await stub.ReleaseLease(
-                decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id),
-                timeout=timeout_s,
-            )
+            with telemetry.client_span(RELEASE_LEASE, address, request_id, trace_context) as traced:
+                await stub.ReleaseLease(
+                    decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id),
+                    timeout=timeout_s,
+                    metadata=traced.metadata,
+                )
         except grpc.aio.AioRpcError as error:
             raise backend_error(error) from error
 

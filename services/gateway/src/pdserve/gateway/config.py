@@ -110,6 +110,13 @@ class GatewayConfig(ServiceConfig):
         default=10.0,
         metadata={"help": "seconds a stopping gateway lets running requests finish"},
     )
+    trace_polls: bool = field(
+        default=False,
+        metadata={
+            "help": "with tracing on, also trace /health, readiness, /v1/models and /metrics "
+            "requests (by default only generation requests make traces)"
+        },
+    )
     log_format: str = field(
         default="json", metadata={"help": "log line format", "choices": LOG_FORMATS}
     )

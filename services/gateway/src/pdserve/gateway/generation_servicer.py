@@ -6,8 +6,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
-from opentelemetry import context as otel_context
+from opentelemetry import trace
 
+from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError, abort_with_error
 from pdserve.gateway import convert
 from pdserve.gateway.auth import check_bearer
@@ -46,10 +47,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             check_bearer(_authorization(context), self._api_key)
             prepared = await self._pipeline.prepare(convert.generation_params_from_pb(request))
+            # NOTE: with tracing on, the current span is the server interceptor's (parented on
+            # the caller's traceparent); gateway.request becomes its child.
+            trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
             request_id = prepared.client_request_id or prepared.request_id
             prompt_ids = prepared.prompt_token_ids if request.include_prompt_token_ids else ()
-            # NOTE: with tracing on, the server interceptor made the caller's context current.
-            deltas = self._pipeline.stream(prepared, otel_context.get_current())
+            deltas = self._pipeline.stream(prepared)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield convert.generate_response_to_pb(request_id, delta, prompt_ids)

@@ -8,6 +8,12 @@ streaming as server-sent events ending in ``data: [DONE]``, or a single JSON bod
 
 A streaming request is answered only once its first token exists, so errors before it (no
 capacity, bad prompt) still get their own HTTP status rather than a 200 with an error event.
+
+Tracing: FastAPI's own OpenTelemetry support makes the HTTP SERVER span of each request
+(``POST /v1/chat/completions``, parented on an incoming ``traceparent``), and the request's
+``gateway.request`` span is its child, so one request is one trace. Only the generation
+endpoints are traced unless ``trace_polls`` is set; FastAPI's operation spans, metrics and logs
+are off (pdserve has its own spans and Prometheus metrics).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.telemetry import TelemetryConfig
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -41,6 +49,32 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
 }
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _is_poll(scope: Any) -> bool:
+    """Whether FastAPI's tracing skips a request: anything but generation (health, readiness,
+    model list, metrics) is a poll."""
+    return scope.get("path") not in TRACED_PATHS
+
+
+def http_telemetry(trace_polls: bool = False) -> TelemetryConfig:
+    """FastAPI's OpenTelemetry settings: one HTTP server span per traced request, nothing else.
+
+    The span exists only once tracing is on (`pdserve.common.telemetry.configure_tracing`);
+    FastAPI finds no provider before that and adds nothing.
+
+    Args:
+        trace_polls: Also trace health, readiness, model-list and metrics requests.
+    """
+    return {
+        "tracing": True,
+        "operation_spans": False,
+        "metrics": False,
+        "logs": False,
+        "auto_configure": False,
+        "exclude": None if trace_polls else _is_poll,
+    }
 
 
 def error_body(message: str, status: int, code: str, param: str | None = None) -> dict[str, Any]:
@@ -219,6 +253,7 @@ def create_app(
     metrics: GatewayMetrics,
     *,
     api_key: str | None = None,
+    trace_polls: bool = False,
     now: Callable[[], float] = time.time,
 ) -> FastAPI:
     """Builds the REST application around a `Pipeline`.
@@ -227,9 +262,16 @@ def create_app(
         pipeline: Validation, tokenization and streaming.
         metrics: Served at /metrics.
         api_key: Required as a Bearer token on /v1/* when set.
+        trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
     """
-    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pdserve gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry=http_telemetry(trace_polls),
+    )
 
     @app.exception_handler(PdserveError)
     async def _on_error(_: Request, error: PdserveError) -> JSONResponse:
@@ -280,9 +322,11 @@ def create_app(
         body_cls = ChatCompletionRequest if is_chat else CompletionRequest
         body = await _parse_body(request, body_cls)
         prepared = await pipeline.prepare(body.to_params())
+        # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
         responder = _Responder(is_chat, prepared, body.model, body)
         headers = {"X-Request-Id": prepared.request_id}
-        deltas = pipeline.stream(prepared, telemetry.extract(request.headers))
+        deltas = pipeline.stream(prepared)
         if body.stream:
             try:
                 first = await anext(deltas)

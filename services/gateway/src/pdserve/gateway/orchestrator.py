@@ -118,7 +118,11 @@ class Orchestrator:
         state = RequestState(CompletionProgress(request))
         parent = trace.set_span_in_context(parent_span)
         while True:
-            with _tracer.start_as_current_span("gateway.route", context=parent) as route:
+            with _tracer.start_as_current_span(
+                "gateway.route",
+                context=parent,
+                attributes={telemetry.REQUEST_ID: request.request_id},
+            ) as route:
                 pair = self._pick(request, state, deadline)
                 route.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)
                 route.set_attribute("pdserve.decode.instance_id", pair.decode.instance_id)
@@ -127,6 +131,7 @@ class Orchestrator:
                 "gateway.attempt",
                 context=parent,
                 attributes={
+                    telemetry.REQUEST_ID: request.request_id,
                     "pdserve.attempt": state.num_attempts,
                     "pdserve.prefill.instance_id": pair.prefill.instance_id,
                     "pdserve.decode.instance_id": pair.decode.instance_id,
@@ -209,7 +214,7 @@ class Orchestrator:
         span: trace.Span,
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         progress = state.progress
-        trace_metadata = tuple(telemetry.outgoing_metadata(trace.set_span_in_context(span)))
+        attempt_context = trace.set_span_in_context(span)
         call = PrefillCall(
             request_id=request.request_id,
             token_ids=progress.continuation_token_ids(),
@@ -217,7 +222,7 @@ class Orchestrator:
             sampling=request.sampling,
             decode_address=pair.decode.address,
             decode_instance_id=pair.decode.instance_id,
-            trace_metadata=trace_metadata,
+            trace_context=attempt_context,
         )
         log.debug(
             "attempt_started",
@@ -275,7 +280,7 @@ class Orchestrator:
                 request.request_id,
                 handed_off.lease_id,
                 self._remaining_s(request, deadline),
-                trace_metadata,
+                attempt_context,
             )
             async with contextlib.aclosing(
                 self._relay("decode", decode_stream, progress, {pair.decode.instance_id: "decode"})
@@ -317,7 +322,10 @@ class Orchestrator:
             if not is_prefill_done:
                 self._spawn(
                     self._backend.abort_request(
-                        pair.prefill.address, request.request_id, self._policy.cleanup_timeout_s
+                        pair.prefill.address,
+                        request.request_id,
+                        self._policy.cleanup_timeout_s,
+                        attempt_context,
                     ),
                     "abort_request",
                     request.request_id,
@@ -329,6 +337,7 @@ class Orchestrator:
                         lease_id,
                         request.request_id,
                         self._policy.cleanup_timeout_s,
+                        attempt_context,
                     ),
                     "release_lease",
                     request.request_id,

@@ -19,7 +19,8 @@ CHAT_ROLES = ("system", "user", "assistant")
 
 
 class PromptKind(enum.Enum):
-    """Which API a request came through (decides the default max_tokens)."""
+    """Which API a request came through (decides the default max_tokens and the trace's
+    ``gen_ai.operation.name``)."""
 
     COMPLETION = "completion"
     CHAT = "chat"
@@ -67,6 +68,7 @@ class PreparedRequest:
     tokenizer: Tokenizer
     client_request_id: str | None = None
     user: str | None = None
+    kind: PromptKind = PromptKind.COMPLETION
 
     @property
     def request_id(self) -> str:

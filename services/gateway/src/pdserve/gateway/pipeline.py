@@ -123,13 +123,19 @@ class Pipeline:
         return min(limits) if limits else 0
 
     async def prepare(self, params: GenerationParams) -> PreparedRequest:
-        """Validates and tokenizes a request.
+        """Validates and tokenizes a request (span ``gateway.prepare``).
 
         Raises:
             PdserveError: INVALID_REQUEST or PROMPT_TOO_LONG (400), MODEL_NOT_FOUND (404),
                 NO_HEALTHY_INSTANCES when no prefill can provide the tokenizer (503),
                 INSTANCE_DRAINING while the gateway shuts down (503).
         """
+        with _tracer.start_as_current_span("gateway.prepare") as span:
+            prepared = await self._prepare(params)
+            span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
+        return prepared
+
+    async def _prepare(self, params: GenerationParams) -> PreparedRequest:
         if self.is_draining:
             raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
         check_sampling(params)
@@ -184,7 +190,7 @@ class Pipeline:
             eos_token_ids=info.eos_token_ids,
         )
         return PreparedRequest(
-            request, params.stop, tokenizer, params.client_request_id, params.user
+            request, params.stop, tokenizer, params.client_request_id, params.user, params.kind
         )
 
     async def stream(
@@ -194,8 +200,8 @@ class Pipeline:
 
         Args:
             prepared: From `prepare`.
-            trace_context: The caller's trace context (incoming ``traceparent``); the
-                request's root span joins it.
+            trace_context: Parent of the request's span (default: the current context, i.e.
+                the front end's server span: HTTP or gRPC).
 
         Yields:
             Deltas of text and tokens; the last one has finish_reason and usage.
@@ -212,16 +218,7 @@ class Pipeline:
         self._num_active += 1
         self._idle.clear()
         span = _tracer.start_span(
-            "gateway.request",
-            context=trace_context,
-            kind=trace.SpanKind.SERVER,
-            attributes={
-                "pdserve.request_id": request.request_id,
-                "gen_ai.operation.name": "text_completion",
-                "gen_ai.request.model": request.model,
-                "gen_ai.request.max_tokens": request.sampling.max_tokens,
-                "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
-            },
+            "gateway.request", context=trace_context, attributes=_request_attributes(prepared)
         )
         trace_ids = telemetry.trace_fields(span)
         last_token_at: float | None = None
@@ -255,8 +252,13 @@ class Pipeline:
             )
             final = OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
             outcome = "finished"
-            span.set_attribute("gen_ai.usage.output_tokens", usage.num_completion_tokens)
-            span.set_attribute("gen_ai.response.finish_reasons", [finish_reason.value])
+            span.set_attributes(
+                {
+                    "gen_ai.response.model": request.model,
+                    "gen_ai.usage.output_tokens": usage.num_completion_tokens,
+                    "gen_ai.response.finish_reasons": [finish_reason.value],
+                }
+            )
             self._metrics.e2e_latency.observe(loop.time() - started)
             log.info(
                 "request_finished",
@@ -306,3 +308,26 @@ class Pipeline:
             self._num_active -= 1
             if self._num_active == 0:
                 self._idle.set()
+
+
+def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | float | list[str]]:
+    """The request span's attributes known up front (OpenTelemetry GenAI conventions)."""
+    request = prepared.request
+    sampling = request.sampling
+    attributes: dict[str, str | int | float | list[str]] = {
+        telemetry.REQUEST_ID: request.request_id,
+        "gen_ai.operation.name": "chat" if prepared.kind is PromptKind.CHAT else "text_completion",
+        "gen_ai.request.model": request.model,
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.seed": sampling.seed,
+        "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+    }
+    optional = {
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+        "gen_ai.request.top_k": sampling.top_k,
+    }
+    attributes.update({key: value for key, value in optional.items() if value is not None})
+    if prepared.stop:
+        attributes["gen_ai.request.stop_sequences"] = list(prepared.stop)
+    return attributes

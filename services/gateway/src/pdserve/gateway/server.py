@@ -84,7 +84,9 @@ class GatewayServer:
             default_max_tokens=config.default_max_tokens,
             request_timeout_s=config.request_timeout,
         )
-        self.app: FastAPI = create_rest_app(self.pipeline, self.metrics, api_key=config.api_key)
+        self.app: FastAPI = create_rest_app(
+            self.pipeline, self.metrics, api_key=config.api_key, trace_polls=config.trace_polls
+        )
         self.poller = StaticPoller(
             self.registry,
             [(a, InstanceRole.PREFILL) for a in config.prefill]
