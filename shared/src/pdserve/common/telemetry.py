@@ -149,11 +149,6 @@ def outgoing_metadata(ctx: Context | None = None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def extract(headers: Any) -> Context:
-    """The trace context carried by incoming headers (``traceparent``), or an empty one."""
-    return propagate.extract(headers)
-
-
 class ClientSpan(NamedTuple):
     """The CLIENT span of one outgoing call and the gRPC metadata that carries its context."""
 
