@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -84,10 +85,14 @@ def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
                 started = event
                 break
         assert started is not None and started["http_port"] > 0 and started["grpc_port"] > 0
-        health = urllib.request.urlopen(
-            f"http://127.0.0.1:{started['http_port']}/health", timeout=10
-        )
-        assert json.loads(health.read())["status"] == "ok"
+        base = f"http://127.0.0.1:{started['http_port']}"
+        live = urllib.request.urlopen(f"{base}/livez", timeout=10)
+        assert json.loads(live.read())["status"] == "alive"
+        # NOTE: no prefill or decode registered: not ready.
+        with pytest.raises(urllib.error.HTTPError) as not_ready:
+            urllib.request.urlopen(f"{base}/health", timeout=10)
+        assert not_ready.value.code == 503
+        assert json.loads(not_ready.value.read())["status"] == "not_ready"
         process.send_signal(signal.SIGTERM)
         remaining = process.stderr.read()
         assert process.wait(timeout=20) == 0

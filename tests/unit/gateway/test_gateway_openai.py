@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import (
     CHAT_TEMPLATE,
@@ -277,3 +279,35 @@ async def test_small_responses_are_not_held_back_by_delayed_acks(pd: Cluster) ->
             await http.get("/health")
             durations.append(time.perf_counter() - started)
     assert statistics.median(durations) < 0.03
+
+
+async def _generation_health(cluster: Cluster) -> int:
+    async with insecure_channel(cluster.grpc_address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pdserve.v1.GenerationService")
+        )
+    return int(reply.status)
+
+
+async def test_readiness_waits_for_a_compatible_pair(cluster: Cluster) -> None:
+    # A probe or script that waits for /health must not send its first request into a 404.
+    await cluster.start_gateway()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    async with cluster.http() as http:
+        assert (await http.get("/livez")).status_code == 200
+        for step in ("empty", "prefill only"):
+            health = await http.get("/health")
+            assert health.status_code == 503, step
+            assert health.json()["status"] == "not_ready"
+            assert health.json()["reason"]
+            assert await _generation_health(cluster) != serving
+            if step == "empty":
+                await cluster.add_prefill()
+        await cluster.add_decode()
+        health = await http.get("/health")
+        assert health.status_code == 200
+        assert health.json()["models"] == [MODEL_NAME]
+        deadline = time.monotonic() + 3.0
+        while await _generation_health(cluster) != serving:
+            assert time.monotonic() < deadline, "GenerationService never became SERVING"
+            await asyncio.sleep(0.01)

@@ -2,7 +2,9 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
 streaming as server-sent events ending in ``data: [DONE]``, or a single JSON body),
-``GET /health`` and ``GET /metrics``. Errors are OpenAI error bodies
+``GET /health`` (readiness: 503 with a reason until a compatible prefill/decode pair serves
+some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. Errors are
+OpenAI error bodies
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of their reason
 (``code`` is the lower-case pdserve.v1 reason) and ``Retry-After`` where a delay helps.
 
@@ -75,6 +77,9 @@ def http_telemetry(trace_polls: bool = False) -> TelemetryConfig:
         "auto_configure": False,
         "exclude": None if trace_polls else _is_poll,
     }
+
+
+NOT_READY_REASON = "no compatible prefill/decode pair is registered for any model yet"
 
 
 def error_body(message: str, status: int, code: str, param: str | None = None) -> dict[str, Any]:
@@ -286,13 +291,23 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        status = "draining" if pipeline.is_draining else "ok"
-        body = {
-            "status": status,
-            "models": [m.name for m in pipeline.list_models()],
+        # NOTE: readiness: 200 only while some model has a compatible prefill/decode pair.
+        models = [m.name for m in pipeline.list_models()]
+        body: dict[str, Any] = {
+            "status": "ok",
+            "models": models,
             "num_active_requests": pipeline.num_active_requests,
         }
-        return JSONResponse(body, status_code=503 if pipeline.is_draining else 200)
+        if pipeline.is_draining:
+            body.update(status="draining", reason="the gateway is shutting down")
+        elif not models:
+            body.update(status="not_ready", reason=NOT_READY_REASON)
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        # NOTE: liveness: the process answers; says nothing about backends.
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

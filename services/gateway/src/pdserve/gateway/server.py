@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 import uvicorn
 from fastapi import FastAPI
+from grpc_health.v1 import health_pb2
 
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.gateway.clients import GrpcBackend
@@ -38,10 +39,12 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, regist
 
 log = structlog.get_logger("pdserve.gateway.server")
 
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 SERVICE_NAMES = (
-    generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+    GENERATION_SERVICE,
     registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
 )
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class _UvicornServer(uvicorn.Server):
@@ -96,6 +99,7 @@ class GatewayServer:
             config.poll_interval_s,
         )
         self.registry.add_listener(self._on_instance_joined)
+        self.registry.add_listener(lambda _: self._spawn_readiness_update())
         self.registry.add_lost_listener(
             lambda entry: self.metrics.instances_lost.labels(role=entry.info.role.value).inc()
         )
@@ -103,6 +107,7 @@ class GatewayServer:
         self.grpc_port: int | None = None
         self._grpc_server: Any = None
         self._health: Any = None
+        self._is_ready = False
         self._uvicorn: _UvicornServer | None = None
         self._serving: asyncio.Task[Any] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -130,6 +135,21 @@ class GatewayServer:
         while True:
             await asyncio.sleep(interval_s)
             self.registry.drop_expired()
+            await self._update_readiness()
+
+    def _spawn_readiness_update(self) -> None:
+        with contextlib.suppress(RuntimeError):  # no running loop: the next sweep updates
+            self._spawn(self._update_readiness())
+
+    async def _update_readiness(self) -> None:
+        """gRPC health of GenerationService: SERVING only while some model has a pair."""
+        is_ready = bool(self.pipeline.list_models()) and not self.pipeline.is_draining
+        if self._health is None or is_ready == self._is_ready or self.pipeline.is_draining:
+            return
+        self._is_ready = is_ready
+        status = health_pb2.HealthCheckResponse.SERVING if is_ready else NOT_SERVING
+        await self._health.set(GENERATION_SERVICE, status)
+        log.info("gateway_readiness_changed", is_ready=is_ready)
 
     async def start(self) -> None:
         """Binds both ports and starts serving (ports are in `http_port` / `grpc_port`)."""
@@ -142,6 +162,8 @@ class GatewayServer:
             RegistryServicer(self.registry, config.heartbeat_interval_s), server
         )
         self._health = await add_standard_services(server, SERVICE_NAMES)
+        await self._health.set(GENERATION_SERVICE, NOT_SERVING)
+        await self._update_readiness()
         self.grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         await server.start()
         self._grpc_server = server
