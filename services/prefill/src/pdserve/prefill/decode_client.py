@@ -131,7 +131,10 @@ class DecodePeers:
         """
         request = decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id)
         try:
-            await self._peer(address).stub.ReleaseLease(request, timeout=RELEASE_TIMEOUT_S)
+            # NOTE: the current context is the request's: the release joins its trace.
+            await self._peer(address).stub.ReleaseLease(
+                request, timeout=RELEASE_TIMEOUT_S, metadata=telemetry.outgoing_metadata()
+            )
         except grpc.RpcError as error:
             log.warning(
                 "lease_release_failed",

@@ -240,7 +240,11 @@ class Pipeline:
         if request.is_sending_kv:
             request.status = RequestStatus.PREPARING
             with _tracer.start_as_current_span(
-                "prefill.allocate", attributes={"pdserve.decode.address": request.decode_address}
+                "prefill.allocate",
+                attributes={
+                    telemetry.REQUEST_ID: request.request_id,
+                    "pdserve.decode.address": request.decode_address,
+                },
             ) as allocate_span:
                 allocation = asyncio.ensure_future(self.peers.allocate(request))
                 try:
@@ -279,7 +283,11 @@ class Pipeline:
                 self.peers.stub(request.decode_address), request, corrupt_first_chunk=corrupt
             )
             transfer_span = _tracer.start_span(
-                "prefill.kv_transfer", attributes={"pdserve.transport": "grpc-sync-cache"}
+                "prefill.kv_transfer",
+                attributes={
+                    telemetry.REQUEST_ID: request.request_id,
+                    "pdserve.transport": "grpc-sync-cache",
+                },
             )
             # NOTE: the task copies the current context: its SyncCache call joins the span.
             with telemetry.activated(transfer_span):
@@ -292,7 +300,11 @@ class Pipeline:
         request.status = RequestStatus.PREFILLING
         task.is_submitted = True
         with _tracer.start_as_current_span(
-            "prefill.compute", attributes={"pdserve.num_tokens": request.num_tokens}
+            "prefill.compute",
+            attributes={
+                telemetry.REQUEST_ID: request.request_id,
+                "pdserve.num_tokens": request.num_tokens,
+            },
         ):
             if telemetry.is_enabled():
                 request.trace_context = otel_context.get_current()

@@ -230,7 +230,10 @@ def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:
             continue
         if chunk.num_computed_tokens == 0 and request.submitted_ns:
             waited = _tracer.start_span(
-                "prefill.queue_wait", context=request.trace_context, start_time=request.submitted_ns
+                "prefill.queue_wait",
+                context=request.trace_context,
+                start_time=request.submitted_ns,
+                attributes={telemetry.REQUEST_ID: request.request_id},
             )
             waited.end(end_time=now_ns)
         spans.append(
@@ -239,7 +242,7 @@ def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:
                 context=request.trace_context,
                 start_time=now_ns,
                 attributes={
-                    "pdserve.request_id": request.request_id,
+                    telemetry.REQUEST_ID: request.request_id,
                     "pdserve.num_tokens": chunk.num_new_tokens,
                     "pdserve.start_position": chunk.num_computed_tokens,
                     "pdserve.num_batched_requests": len(scheduled),

@@ -6,7 +6,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from opentelemetry import trace
 
+from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError, abort_with_error
 from pdserve.prefill import convert
 from pdserve.prefill.pipeline import FinishedOut, FirstTokenOut, HandedOffOut, Outcome, Pipeline
@@ -70,6 +72,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         """Runs a prompt for its decode: `first_token`, then `handed_off` or `finished`."""
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
             task = self.pipeline.start(convert.request_from_proto(request, self.limits))
         except PdserveError as error:
@@ -93,6 +96,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self, request: prefill_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.AbortRequestResponse:
         """Aborts a request at any stage; returns once its lease and blocks are released."""
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         was_known = await self.pipeline.abort(request.request_id)
         log.info("abort_requested", request_id=request.request_id, was_known=was_known)
         return prefill_pb2.AbortRequestResponse(was_known=was_known)
