@@ -4,7 +4,8 @@ Each step admits committed requests (FCFS, up to ``max_num_seqs``), makes sure e
 request has a slot for its next token (preempting the newest running request when the pool is
 short), runs one batched forward pass, samples, and hands one event per request to its sink.
 Events of one request are emitted in order on this one thread, so a preemption notice always
-follows every token of its request.
+follows every token of its request. Each request's ``decode.generation`` span (started at
+commit) records its admission to the batch, its steps and tokens, and how it ended.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
+from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason
 from pdserve.decode.leases import Lease, LeaseManager, LeaseState
@@ -95,6 +97,8 @@ class DecodeRequest:
         sampling: Sampling settings; ``max_tokens`` counts the whole completion.
         seed: The seed used for every position.
         sink: Receives this request's events (must be thread-safe).
+        span: Its ``decode.generation`` span, ended by the loop with the request.
+        num_steps: Decode steps it took part in (one token each).
     """
 
     lease: Lease
@@ -103,6 +107,8 @@ class DecodeRequest:
     sampling: SamplingParams
     seed: int
     sink: EventSink
+    span: trace.Span = trace.INVALID_SPAN
+    num_steps: int = 0
 
     @property
     def num_generated_tokens(self) -> int:
@@ -222,8 +228,10 @@ class DecodeLoop:
 
     def _admit(self, request: DecodeRequest) -> None:
         if not self.leases.transition(request.lease, LeaseState.COMMITTED, LeaseState.RUNNING):
-            return  # released or expired while waiting
+            _end_span(request, request.lease.state)  # released or expired while waiting
+            return
         self._running.append(request)
+        request.span.add_event("scheduled", {"pdserve.num_running": len(self._running)})
         finish = self._check_stop(request)
         if finish is not None:
             self._finish(request, finish)
@@ -263,6 +271,7 @@ class DecodeLoop:
             self.metrics.step_seconds.observe(time.perf_counter() - started)
         for request, token in zip(batch, tokens, strict=True):
             index = request.num_generated_tokens
+            request.num_steps += 1
             request.token_ids.append(token)
             request.lease.num_computed_tokens += 1
             request.lease.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
@@ -288,6 +297,7 @@ class DecodeLoop:
         self._running.remove(request)
         self.leases.end(request.lease, LeaseState.FINISHED)
         request.sink(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
+        _end_span(request, LeaseState.FINISHED, {"pdserve.finish_reason": reason.value})
 
     def _preempt(self, request: DecodeRequest, reason: PreemptionReason) -> None:
         self._running.remove(request)
@@ -301,8 +311,33 @@ class DecodeLoop:
             num_generated_tokens=len(generated),
         )
         request.sink(PreemptedEvent(reason, generated))
+        request.span.add_event(
+            "preemption",
+            {"pdserve.reason": reason.value, "pdserve.num_generated_tokens": len(generated)},
+        )
+        _end_span(request, LeaseState.PREEMPTED)
 
     def _end(self, request: DecodeRequest, state: LeaseState, detail: str) -> None:
         self._running.remove(request)
         self.leases.end(request.lease, state)
         request.sink(EndedEvent(state, detail))
+        if state is LeaseState.FAILED:
+            request.span.set_status(trace.Status(trace.StatusCode.ERROR, detail))
+        _end_span(request, state)
+
+
+def _end_span(
+    request: DecodeRequest, state: LeaseState, attributes: dict[str, str] | None = None
+) -> None:
+    """Ends a request's ``decode.generation`` span with what it did and how it ended."""
+    request.span.set_attributes(
+        {
+            "pdserve.lease_state": state.name,
+            "pdserve.num_steps": request.num_steps,
+            # NOTE: every step samples one token for each request in the batch.
+            "pdserve.num_generated_tokens": request.num_steps,
+            "pdserve.num_completion_tokens": request.num_generated_tokens,
+            **(attributes or {}),
+        }
+    )
+    request.span.end()

@@ -12,6 +12,7 @@ import grpc
 import structlog
 from opentelemetry import trace
 
+from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
@@ -24,6 +25,7 @@ from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
+_tracer = telemetry.tracer("pdserve.decode")
 
 
 @dataclass(eq=False)
@@ -84,7 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             await abort_with_error(context, error)
         self.streams[lease.lease_id] = LeaseStream(lease)
         trace.get_current_span().set_attributes(
-            {"pdserve.request_id": lease.request_id, "pdserve.lease_id": lease.lease_id,
+            {telemetry.REQUEST_ID: lease.request_id, "pdserve.lease_id": lease.lease_id,
              "pdserve.num_blocks": len(lease.block_ids)}
         )  # fmt: skip
         log.info(
@@ -124,6 +126,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         started = time.perf_counter()
         try:
             lease, receiver, header = await self._open_transfer(request_iterator)
+            trace.get_current_span().set_attribute(telemetry.REQUEST_ID, lease.request_id)
             async for message in request_iterator:
                 part = message.WhichOneof("part")
                 if part == "chunk":
@@ -216,16 +219,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 {"leaseId": lease.lease_id},
             )
         aio_loop = asyncio.get_running_loop()
+        token_ids = [*header.token_ids, commit.first_token_id]
+        # NOTE: a child of this SyncCache call, whose commit starts the generation; it runs
+        # until the request ends, well past the call (and past the gateway's Generate start).
+        span = _tracer.start_span(
+            "decode.generation",
+            attributes={
+                telemetry.REQUEST_ID: lease.request_id,
+                "pdserve.lease_id": lease.lease_id,
+                "pdserve.num_prompt_tokens": num_prompt,
+                "pdserve.num_tokens": len(token_ids),
+            },
+        )
         self.loop.submit(
             DecodeRequest(
                 lease=lease,
-                token_ids=[*header.token_ids, commit.first_token_id],
+                token_ids=token_ids,
                 num_prompt_tokens=num_prompt,
                 sampling=sampling,
                 # NOTE: the gateway always sets a seed; a missing one gets a fixed stand-in so
                 # that every instance continues the request the same way.
                 seed=sampling.seed if sampling.seed is not None else 0,
                 sink=lambda event: aio_loop.call_soon_threadsafe(stream.queue.put_nowait, event),
+                span=span,
             )
         )
         stream.ready.set()
@@ -251,6 +267,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[decode_pb2.DecodeServiceGenerateResponse]:
         """Streams a lease's tokens; waits for the commit, bounded by the lease TTL."""
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         stream = self.streams.get(request.lease_id)
         try:
             if stream is None:
@@ -306,6 +323,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.ReleaseLeaseResponse:
         """Releases a lease in any state; idempotent."""
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
             lease = self.leases.get(request.lease_id)
         except PdserveError:
