@@ -2,7 +2,8 @@
 
 Tracing is process-wide (one tracer provider), so tests run this module in a child process:
 ``python -m support.trace_scenario MODEL_DIR SCENARIO``. Scenarios: ``chat`` (one chat request
-with an incoming ``traceparent``) and ``preemption`` (streams on a tiny decode pool).
+with an incoming ``traceparent``, then polls of a gateway started with ``trace_polls``) and
+``preemption`` (streams on a tiny decode pool).
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from pdserve.common.telemetry import configure_tracing
 
 INCOMING_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 INCOMING_SPAN_ID = "00f067aa0ba902b7"
+POLLS = ("/health", "/v1/models", "/metrics")
 
 
 def _span_record(span: Any) -> dict[str, Any]:
     return {
         "name": span.name,
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
         "scope": span.instrumentation_scope.name if span.instrumentation_scope else "",
         "trace_id": format(span.context.trace_id, "032x"),
         "span_id": format(span.context.span_id, "016x"),
@@ -47,6 +52,8 @@ async def _chat(cluster: Any) -> None:
             headers={"traceparent": f"00-{INCOMING_TRACE_ID}-{INCOMING_SPAN_ID}-01"},
         )  # fmt: skip
         response.raise_for_status()
+        for path in POLLS:
+            await http.get(path)
 
 
 async def _preemption(cluster: Any) -> None:
@@ -63,7 +70,7 @@ async def _preemption(cluster: Any) -> None:
 async def main(model_dir: Path, scenario: str) -> dict[str, Any]:
     from support.real_cluster import RealCluster
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"trace_polls": True}
     if scenario == "preemption":
         options = {"decode_overrides": [{"num_blocks": 16, "reserve_tokens": 0}],
                    "preempt_retry_count": 50}  # fmt: skip
