@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, ResolvedModel, resolve_model
 
 
 def build_tiny_llama(path: Path, *, num_layers: int = 2, vocab_size: int = 320) -> Path:
@@ -45,3 +48,31 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pdserve.engine.demo import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("pdserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> ResolvedModel:
+    """The default real model, SmolLM2-135M-Instruct, prepared in the pdserve cache.
+
+    `make test` prepares it first (`make model`); a missing model is fetched here, and a test
+    that needs it fails (never skips) when that is impossible.
+    """
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2: ResolvedModel) -> Path:
+    """The GGUF file the default model was prepared from."""
+    return smollm2.path.parent / Path(KNOWN_MODELS[DEFAULT_MODEL].member).name
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf: Path) -> tuple[Any, Any]:
+    """(tokenizer, model) as transformers loads the same GGUF: the reference in tests."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return tokenizer, model.eval()

@@ -126,7 +126,7 @@ def resolve_model(
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(_prepare_gguf_file(path, cache, show_progress), path.stem)
     if path.is_dir() and (path / "config.json").is_file():
-        return ResolvedModel(path, path.name)
+        return ResolvedModel(path, _prepared_name(path) or path.name)
     names = ", ".join([*KNOWN_MODELS, DEMO])
     raise ValueError(
         f"--model {spec!r} is neither a known model ({names}), a .gguf file, nor a Hugging "
@@ -143,19 +143,21 @@ def _prepare_known(known: KnownModel, cache: Path, show_progress: bool) -> Path:
                 log.warning("model_file_damaged", model=known.name, path=str(gguf_path))
                 print(f"pdserve: {gguf_path} is damaged; fetching it again", file=sys.stderr)
             _fetch(known, gguf_path)
-        return _prepare_dir(gguf_path, known.gguf_sha256, root / "hf", show_progress)
+        return _prepare_dir(gguf_path, known.gguf_sha256, known.name, root / "hf", show_progress)
 
 
 def _prepare_gguf_file(path: Path, cache: Path, show_progress: bool) -> Path:
     digest = _sha256(path)
     root = cache / "gguf" / f"{path.stem}-{digest[:16]}"
     with _locked(root):
-        return _prepare_dir(path, digest, root / "hf", show_progress)
+        return _prepare_dir(path, digest, path.stem, root / "hf", show_progress)
 
 
-def _prepare_dir(gguf_path: Path, digest: str, target: Path, show_progress: bool) -> Path:
+def _prepare_dir(
+    gguf_path: Path, digest: str, name: str, target: Path, show_progress: bool
+) -> Path:
     """Converts the GGUF into `target` unless a complete conversion of it is already there."""
-    expected = {"format": PREPARE_FORMAT, "source_sha256": digest}
+    expected = {"format": PREPARE_FORMAT, "source_sha256": digest, "name": name}
     if _is_prepared(target, expected):
         log.info("model_reused", path=str(target))
         return target
@@ -176,6 +178,15 @@ def _prepare_dir(gguf_path: Path, digest: str, target: Path, show_progress: bool
         shutil.rmtree(staging, ignore_errors=True)
     log.info("model_prepared", source=gguf_path.name, path=str(target))
     return target
+
+
+def _prepared_name(directory: Path) -> str | None:
+    """The model name a prepared directory records (so it serves under its own name)."""
+    try:
+        name = json.loads((directory / MANIFEST_FILE).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name else None
 
 
 def _is_prepared(target: Path, expected: dict[str, Any]) -> bool:
