@@ -296,8 +296,8 @@ class DecodeLoop:
     def _finish(self, request: DecodeRequest, reason: FinishReason) -> None:
         self._running.remove(request)
         self.leases.end(request.lease, LeaseState.FINISHED)
-        request.sink(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
         _end_span(request, LeaseState.FINISHED, {"pdserve.finish_reason": reason.value})
+        request.sink(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
 
     def _preempt(self, request: DecodeRequest, reason: PreemptionReason) -> None:
         self._running.remove(request)
@@ -310,26 +310,30 @@ class DecodeLoop:
             reason=reason.value,
             num_generated_tokens=len(generated),
         )
-        request.sink(PreemptedEvent(reason, generated))
         request.span.add_event(
             "preemption",
             {"pdserve.reason": reason.value, "pdserve.num_generated_tokens": len(generated)},
         )
         _end_span(request, LeaseState.PREEMPTED)
+        request.sink(PreemptedEvent(reason, generated))
 
     def _end(self, request: DecodeRequest, state: LeaseState, detail: str) -> None:
         self._running.remove(request)
         self.leases.end(request.lease, state)
-        request.sink(EndedEvent(state, detail))
         if state is LeaseState.FAILED:
             request.span.set_status(trace.Status(trace.StatusCode.ERROR, detail))
         _end_span(request, state)
+        request.sink(EndedEvent(state, detail))
 
 
 def _end_span(
     request: DecodeRequest, state: LeaseState, attributes: dict[str, str] | None = None
 ) -> None:
-    """Ends a request's ``decode.generation`` span with what it did and how it ended."""
+    """Ends a request's ``decode.generation`` span with what it did and how it ended.
+
+    Called before the terminal event goes to the sink, so the span ends before the request's
+    Generate stream does.
+    """
     request.span.set_attributes(
         {
             "pdserve.lease_state": state.name,
