@@ -113,8 +113,8 @@ class GatewayConfig(ServiceConfig):
     trace_polls: bool = field(
         default=False,
         metadata={
-            "help": "with tracing on, also trace /health, readiness, /v1/models and /metrics "
-            "requests (by default only generation requests make traces)"
+            "help": "with tracing on, also trace polls: /health, /livez, /v1/models, /metrics "
+            "(by default only generation requests make traces)"
         },
     )
     log_format: str = field(
