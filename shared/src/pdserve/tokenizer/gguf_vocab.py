@@ -149,10 +149,13 @@ def build_tokenizer(vocab: GgufVocab) -> tokenizers.Tokenizer:
         if kind == TOKEN_TYPE_CONTROL and set(token) <= letters
     ]
     backend.add_special_tokens(control)
+    # NOTE: llama.cpp stores a user-defined token as its text (e.g. "\t\t"). One that is not
+    # itself a vocabulary key would be added under a new id past the model's vocabulary, so it
+    # stays out and its text encodes through the merges (transformers skips it too).
     user_defined = [
         AddedToken(token, normalized=False, special=False)
         for token, kind in zip(vocab.tokens, types, strict=True)
-        if kind == TOKEN_TYPE_USER_DEFINED and spelled(token) in token_ids
+        if kind == TOKEN_TYPE_USER_DEFINED and token in token_ids
     ]
     backend.add_tokens(user_defined)
     backend.post_processor = _post_processor(vocab)
