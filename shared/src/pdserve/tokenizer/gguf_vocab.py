@@ -33,17 +33,49 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# NOTE: llama.cpp's pre-tokenizer names whose split differs from GPT-2's. Any other name (e.g.
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# NOTE: llama.cpp's pre-tokenizer names whose split differs from GPT-2's, the same table as
+# transformers' (e.g. Mistral Nemo is a "llama" GGUF with "tekken"). Any other name (e.g.
 # SmolLM2's "smollm", "default") splits like GPT-2, as in transformers.
 PRE_TOKENIZER_SPLITS = {
     "llama3": _LLAMA3_SPLIT,
     "llama-v3": _LLAMA3_SPLIT,
     "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT,
     "falcon3": _LLAMA3_SPLIT,
+    "falcon-h1": _LLAMA3_SPLIT,
+    "pixtral": _LLAMA3_SPLIT,
+    "midm-2.0": _LLAMA3_SPLIT,
+    "lfm2": _LLAMA3_SPLIT,
+    "jina-v5-nano": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
     "qwen2": _QWEN2_SPLIT,
     "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "kormo": _QWEN2_SPLIT,
+    "f2llmv2": _QWEN2_SPLIT,
+    "megrez": _QWEN2_SPLIT,
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    "gpt-4o": _GPT4O_SPLIT,
+    "llama4": _GPT4O_SPLIT,
+    "kanana2": _GPT4O_SPLIT,
+    "talkie": _GPT4O_SPLIT,
+    "minimax-m2": _GPT4O_SPLIT,
 }
 
 
