@@ -157,11 +157,13 @@ def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., LLMEngine]:
         dtype: str = "float32",
         max_model_len: int | None = None,
         runner: ModelRunner | None = None,
+        linear_backend: str = "auto",
         **scheduler: Any,
     ) -> LLMEngine:
         config = EngineConfig(
             model=str(checkpoint(name)),
             dtype=dtype,
+            linear_backend=linear_backend,
             max_model_len=max_model_len,
             seed=0,
             cache=CacheConfig(

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
+from pdserve.engine.model import Linear
 
 # fp32 on CPU: both sides use the same kernels up to fused projections and summation order.
 LOGITS_ATOL = 1e-4
@@ -92,3 +93,21 @@ def test_bfloat16_runs_close_to_float32(make_engine: EngineFactory, prompts: Pro
     assert logits["bfloat16"].dtype == torch.float32
     error = (logits["bfloat16"] - logits["float32"]).abs().max()
     assert 0 < error < 0.25
+
+
+def test_onednn_packed_projections_equal_torch_gemm(
+    make_engine: EngineFactory, prompts: PromptFactory
+) -> None:
+    # The CPU default packs every projection for oneDNN; torch's GEMM is the fallback.
+    packed, plain = make_engine(linear_backend="auto"), make_engine(linear_backend="torch")
+    linears = [m for m in packed.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    plain_linears = [m for m in plain.runner.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed_weight is None for m in plain_linears)
+    batch = prompts(3, seed=21, min_len=5, max_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert packed.generate(batch, params) == plain.generate(batch, params)
+    chunk = [ForwardChunk(batch[0], 0, packed.block_pool.allocate(4))]
+    torch.testing.assert_close(
+        packed.runner.execute(chunk), plain.runner.execute(chunk), atol=LOGITS_ATOL, rtol=0
+    )

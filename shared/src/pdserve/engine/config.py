@@ -12,6 +12,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
 
 
@@ -86,6 +87,8 @@ class EngineConfig:
         device: Torch device string, e.g. ``cpu`` or ``cuda:0``.
         max_model_len: Longest sequence (prompt + output); ``None`` uses the model's limit.
         attention_backend: ``auto`` (flash-attn when usable, else SDPA), ``sdpa`` or ``flash``.
+        linear_backend: ``auto`` (oneDNN-packed projections for float32 on CPU, else torch's
+            GEMM), ``onednn`` or ``torch``.
         seed: Seeds the draw of per-request seeds for requests that carry none.
         num_threads: Torch intra-op threads for this process (a process-wide setting); ``None``
             keeps torch's default. Use 1 when several engines share a few cores: threads of
@@ -97,6 +100,7 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     seed: int | None = None
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -112,6 +116,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(
+                f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}"
             )
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")

@@ -9,7 +9,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig
 
 log = structlog.get_logger(__name__)
@@ -38,6 +38,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: str = "sdpa",
     config: ModelConfig | None = None,
+    linear_backend: str = "auto",
 ) -> LlamaForCausalLM:
     """Loads a Llama/Qwen2/Mistral checkpoint.
 
@@ -47,6 +48,8 @@ def load_model(
         device: Target device.
         attention_backend: ``sdpa`` or ``flash``.
         config: The parsed config, if the caller already has it.
+        linear_backend: ``auto`` (oneDNN-packed projections where `can_pack_for_onednn`,
+            else torch's GEMM), ``onednn`` or ``torch``.
 
     Returns:
         The model in eval mode with every parameter loaded.
@@ -77,13 +80,20 @@ def load_model(
     model.tie_weights()
     model.init_rotary(device)
     model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    is_packed = linear_backend != "torch" and can_pack_for_onednn(device, dtype)
+    if linear_backend == "onednn" and not is_packed:
+        raise ValueError(f"linear_backend=onednn needs float32 on a CPU, not {dtype} on {device}")
+    if is_packed:
+        model.pack_linears_for_onednn()
     log.info(
         "model_loaded",
         model_type=config.model_type,
         num_layers=config.num_hidden_layers,
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=num_params,
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
+        linear_backend="onednn" if is_packed else "torch",
     )
     return model
 

@@ -34,21 +34,52 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def can_pack_for_onednn(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `Linear.pack_for_onednn` can run here: float32 on a CPU torch built with oneDNN."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
 class Linear(nn.Module):
     """``y = x @ weight_t + bias``, the weight stored as ``[in_features, out_features]``.
 
     NOTE: decode is bound by streaming weights from memory; on CPU a GEMM over a row-major
     ``[in, out]`` matrix streams markedly faster for few rows (1.6x for one row) than
-    ``F.linear`` over the ``[out, in]`` layout, and is no slower for many rows.
+    ``F.linear`` over the ``[out, in]`` layout, and is no slower for many rows. Faster still on
+    CPU is oneDNN's GEMM over a weight repacked into its blocked layout (`pack_for_onednn`):
+    2.4-2.6x MKL's for 8 to 2048 rows on AMD EPYC (float32, one thread), where MKL does not
+    take its AVX-512 paths; the engine packs every projection after loading.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack_for_onednn(self, keep_weight: bool = False) -> None:
+        """Repacks the weight for oneDNN (see `can_pack_for_onednn`) and uses it from now on.
+
+        Args:
+            keep_weight: Keep the ``[in, out]`` copy (a tied embedding shares it); otherwise
+                its memory is released and `weight_t` becomes empty.
+        """
+        # NOTE: the batch-size hint only picks a layout; any number of rows runs on it.
+        weight = self.weight_t.detach().t().contiguous()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+        if not keep_weight:
+            self.weight_t.data = self.weight_t.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -175,6 +206,13 @@ class LlamaForCausalLM(nn.Module):
         self.model.embed_tokens.weight = nn.Parameter(
             self.lm_head.weight_t.t(), requires_grad=False
         )
+
+    def pack_linears_for_onednn(self) -> int:
+        """Packs every projection for oneDNN (CPU float32); returns how many were packed."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for linear in linears:
+            linear.pack_for_onednn(keep_weight=linear is self.lm_head)
+        return len(linears)
 
     def init_rotary(self, device: torch.device) -> None:
         """Builds the rotary tables on the model's device (call after weights are placed)."""

@@ -83,7 +83,14 @@ class ModelRunner:
         backend = resolve_attention_backend(
             config.attention_backend, device, config.cache_dtype, config.cache.block_size
         )
-        model = load_model(config.model, config.torch_dtype, device, backend, model_config)
+        model = load_model(
+            config.model,
+            config.torch_dtype,
+            device,
+            backend,
+            model_config,
+            linear_backend=config.linear_backend,
+        )
         layout = KVCacheLayout(
             num_layers=model_config.num_hidden_layers,
             num_kv_heads=model_config.num_key_value_heads,
