@@ -4,8 +4,11 @@
     python bench/engine.py --threads 1 --clock cpu  # ratios of process CPU time: robust when
                                                     # other work shares the machine
     python bench/engine.py --quick                  # smaller smoke run
+    python bench/engine.py --model smollm2-135m-instruct --threads 1 --clock cpu
+                                                    # a real model (any --model value)
 
-Workload: a random Llama (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000) and
+Workload: a random Llama (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000), or the
+model given with --model (transformers loads the same prepared checkpoint), and
 32 requests with prompt lengths uniform in [16, 192] and output lengths uniform in [16, 160],
 all greedy with EOS ignored so every request produces exactly its length. Baselines:
 
@@ -21,6 +24,7 @@ Single-request latency compares `generate` and `LLMEngine.generate` on one reque
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -31,6 +35,7 @@ import torch
 from common import build_random_llama, write_results
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pdserve.engine.model_store import resolve_model
 
 
 def make_workload(num: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -100,16 +105,30 @@ def main() -> None:
         help="what the ratios compare; cpu (process time, with --threads 1) resists other load",
     )
     parser.add_argument("--model-dir", type=Path, help="reuse/keep the random checkpoint here")
+    parser.add_argument(
+        "--model", help="serve this model instead of a random one (see `pdserve pull --help`)"
+    )
+    parser.add_argument(
+        "--skip-sequential", action="store_true", help="skip the slow HF one-at-a-time baseline"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     num_layers = 4 if args.quick else 8
     num_requests = 8 if args.quick else args.num_requests
     rounds = 1 if args.quick else args.rounds
-    vocab_size = 32000
+    vocab_size, hidden_size = 32000, 512
     clock = args.clock
 
-    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="pdserve-bench-engine-"))
-    build_random_llama(model_dir, num_layers=num_layers, hidden_size=512, vocab_size=vocab_size)
+    if args.model:
+        model_dir = resolve_model(args.model).path
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        num_layers, vocab_size = hf_config["num_hidden_layers"], hf_config["vocab_size"]
+        hidden_size = hf_config["hidden_size"]
+    else:
+        model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="pdserve-bench-engine-"))
+        build_random_llama(
+            model_dir, num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size
+        )
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
@@ -166,8 +185,13 @@ def main() -> None:
         same_batch_ratios.append(engine_tps[-1] / hf_tps)
     small_batch = min(8, num_requests // 2)
     hf_small_tps = record(f"HF padded, batch {small_batch}", *hf_padded(small_batch))
-    timing, sequential = timed(lambda: [hf_generate(hf, [item])[0] for item in workload])
-    hf_sequential_tps = record("HF sequential", timing, sequential)
+    if args.skip_sequential:
+        # NOTE: the padded batch of 1 per request is skipped; compare with padded outputs.
+        _, sequential = hf_padded(num_requests)
+        hf_sequential_tps = float("nan")
+    else:
+        timing, sequential = timed(lambda: [hf_generate(hf, [item])[0] for item in workload])
+        hf_sequential_tps = record("HF sequential", timing, sequential)
     matches = sum(a == b for a, b in zip(ours, sequential, strict=True))
 
     latency_items = make_workload(args.latency_runs, seed=2, vocab_size=vocab_size)
@@ -198,8 +222,9 @@ def main() -> None:
         "engine",
         {
             "config": {
+                "model": args.model or "random llama",
                 "num_layers": num_layers,
-                "hidden_size": 512,
+                "hidden_size": hidden_size,
                 "vocab_size": vocab_size,
                 "num_requests": num_requests,
                 "num_output_tokens": num_tokens,
