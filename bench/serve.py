@@ -10,7 +10,7 @@ starts pdserve and the colocated engine and runs the same workload on both in on
     .venv/bin/python bench/serve.py --url http://127.0.0.1:8000 --model demo-llama-v1 \\
         --request-rate 4
     # pdserve (launcher: gateway + 1 prefill + 1 decode) vs bench/colocated_server.py
-    .venv/bin/python bench/serve.py --compare [--model-preset mid|demo] [--rounds 2]
+    .venv/bin/python bench/serve.py --compare [--model-preset mid|demo|smollm2] [--rounds 2]
 
 Workload: prompts of random words with a length drawn uniformly from ``--prompt-len LO:HI``
 (characters: tokens for the demo tokenizer, which is byte-level), outputs drawn uniformly from
@@ -69,6 +69,12 @@ def demo_model_dir() -> Path:
     from pdserve.engine.demo import ensure_demo_model
 
     return ensure_demo_model()
+
+
+def smollm2_model_dir() -> Path:
+    from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+
+    return resolve_model(DEFAULT_MODEL).path
 
 
 def mid_model_dir() -> Path:
@@ -229,9 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model name to request (default: the first listed)")
     parser.add_argument(
         "--model-preset",
-        choices=("mid", "demo"),
+        choices=("mid", "demo", "smollm2"),
         default="mid",
-        help="--compare: mid = random 8-layer hidden-512 Llama, demo = the tiny demo model",
+        help="--compare: mid = random 8-layer hidden-512 Llama, demo = the tiny demo model, "
+        "smollm2 = SmolLM2-135M-Instruct (the default real model)",
     )
     parser.add_argument("--model-dir", help="--compare: serve this model directory instead")
     load = parser.add_mutually_exclusive_group()
@@ -282,7 +289,8 @@ def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
-        model_dir = mid_model_dir() if args.model_preset == "mid" else demo_model_dir()
+        presets = {"mid": mid_model_dir, "demo": demo_model_dir, "smollm2": smollm2_model_dir}
+        model_dir = presets[args.model_preset]()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serve-logs-"))
     warmup = make_workload(4, args.prompt_len, (8, 8), None, args.seed + 1)
     runs: dict[str, list[list[RequestResult]]] = {"pdserve": [], "colocated": []}
