@@ -109,6 +109,12 @@ def main() -> None:
         "--model", help="serve this model instead of a random one (see `pdserve pull --help`)"
     )
     parser.add_argument(
+        "--linear-backend",
+        choices=("auto", "onednn", "torch"),
+        default="auto",
+        help="the engine's projections: oneDNN-packed (auto on CPU float32) or torch's GEMM",
+    )
+    parser.add_argument(
         "--skip-sequential", action="store_true", help="skip the slow HF one-at-a-time baseline"
     )
     args = parser.parse_args()
@@ -138,6 +144,7 @@ def main() -> None:
         EngineConfig(
             model=str(model_dir),
             seed=0,
+            linear_backend=args.linear_backend,
             cache=CacheConfig(block_size=16, num_blocks=2048),
             scheduler=SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=2048),
         )
@@ -229,6 +236,7 @@ def main() -> None:
                 "num_requests": num_requests,
                 "num_output_tokens": num_tokens,
                 "threads": args.threads,
+                "linear_backend": args.linear_backend,
                 "clock": clock,
                 "latency_request": "prompt 128, output 64",
             },
