@@ -58,6 +58,8 @@ class ErrorReason(enum.Enum):
     MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
     INSTANCE_NOT_REGISTERED = "INSTANCE_NOT_REGISTERED"
     NO_HEALTHY_INSTANCES = "NO_HEALTHY_INSTANCES"
+    REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
+    RATE_LIMITED = "RATE_LIMITED"
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ REASON_SPECS: Mapping[ErrorReason, ReasonSpec] = {
     ErrorReason.NO_HEALTHY_INSTANCES: ReasonSpec(
         (_S.UNAVAILABLE,), RetryScope.ANOTHER_INSTANCE, 503
     ),
+    ErrorReason.REQUEST_TOO_LARGE: ReasonSpec((_S.RESOURCE_EXHAUSTED,), RetryScope.NEVER, 413),
+    ErrorReason.RATE_LIMITED: ReasonSpec((_S.RESOURCE_EXHAUSTED,), RetryScope.WHOLE_REQUEST, 429),
 }
 
 

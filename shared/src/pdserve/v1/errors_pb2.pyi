@@ -25,6 +25,8 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_MODEL_NOT_FOUND: _ClassVar[ErrorReason]
     ERROR_REASON_INSTANCE_NOT_REGISTERED: _ClassVar[ErrorReason]
     ERROR_REASON_NO_HEALTHY_INSTANCES: _ClassVar[ErrorReason]
+    ERROR_REASON_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
+    ERROR_REASON_RATE_LIMITED: _ClassVar[ErrorReason]
 
 class RetryScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +59,8 @@ ERROR_REASON_UNAUTHENTICATED: ErrorReason
 ERROR_REASON_MODEL_NOT_FOUND: ErrorReason
 ERROR_REASON_INSTANCE_NOT_REGISTERED: ErrorReason
 ERROR_REASON_NO_HEALTHY_INSTANCES: ErrorReason
+ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason
+ERROR_REASON_RATE_LIMITED: ErrorReason
 RETRY_SCOPE_UNSPECIFIED: RetryScope
 RETRY_SCOPE_NEVER: RetryScope
 RETRY_SCOPE_ONCE: RetryScope
