@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine import demo_tokenizer as demo
@@ -41,6 +41,8 @@ def test_emoji_split_over_four_tokens_is_emitted_whole(demo_tokenizer: Tokenizer
 def test_deltas_are_whole_characters_and_concatenate_to_decode(
     any_tokenizer: Tokenizer, text: str, data: st.DataObject
 ) -> None:
+    # NOTE: a special token's spelling ("<|bos|>") encodes to that token, which decode skips.
+    assume(not any(token in text for token in any_tokenizer.config.special_tokens.values()))
     ids = any_tokenizer.encode(text, add_special_tokens=False)
     chunk_sizes = data.draw(st.lists(st.integers(1, 5), max_size=len(ids)))
     deltas, rest = _stream(any_tokenizer, ids, chunk_sizes)

@@ -18,12 +18,26 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
 )
 
 
-def new_aio_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """An aio server with pdserve's message limits (and a span per RPC when tracing is on)."""
+def new_aio_server(
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    *,
+    max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> grpc.aio.Server:
+    """An aio server with pdserve's message limits (and a span per RPC when tracing is on).
+
+    Args:
+        interceptors: Server interceptors, after the tracing one.
+        max_receive_message_bytes: Largest request message accepted; gRPC itself refuses a
+            larger one with RESOURCE_EXHAUSTED before any handler runs.
+    """
     chain = list(interceptors)
     if telemetry.is_enabled():
         chain.insert(0, telemetry.server_interceptor())
-    return grpc.aio.server(interceptors=chain, options=list(CHANNEL_OPTIONS))
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", max_receive_message_bytes),
+    ]
+    return grpc.aio.server(interceptors=chain, options=options)
 
 
 async def add_standard_services(

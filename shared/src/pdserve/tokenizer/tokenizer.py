@@ -187,7 +187,10 @@ class Tokenizer:
             add_special_tokens: Whether to add the tokens the model expects around a sequence
                 (typically BOS). Prompts rendered from a chat template already contain them.
         """
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch releases the GIL while it works and encode does not, so a long text
+        # tokenized on a worker thread does not stall the other threads (an event loop).
+        encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        ids: list[int] = encoding.ids
         if add_special_tokens and self._prepended_bos_id is not None:
             ids = [self._prepended_bos_id, *ids]
         if add_special_tokens and self._appended_eos_id is not None:
