@@ -170,7 +170,7 @@ def _prepare_dir(
     staging.chmod(0o755)
     try:
         convert_gguf(gguf_path, staging, _progress_bar if show_progress else None)
-        sizes = {name: (staging / name).stat().st_size for name in _HF_FILES}
+        sizes = {file: (staging / file).stat().st_size for file in _HF_FILES}
         manifest = {**expected, "source": gguf_path.name, "file_sizes": sizes}
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         staging.rename(target)

@@ -15,6 +15,7 @@ from types import FrameType
 
 from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
+from pdserve.common.logging import configure_logging
 from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, MODEL_HELP, resolve_model
 from pdserve.launcher.cluster import Cluster, ClusterConfig
 
@@ -129,6 +130,8 @@ def up(config: ClusterConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # NOTE: stdout is for what the command prints (e.g. the prepared path); logs go to stderr.
+    configure_logging("pdserve", "info", json=False)
     if args.command == "pull":
         return pull(args.model, args.list)
     try:
