@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from support.hf_reference import hf_greedy
 
 from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
 from pdserve.engine.model import Linear
@@ -16,19 +17,6 @@ NUM_NEW_TOKENS = 40
 EngineFactory = Callable[..., LLMEngine]
 ModelFactory = Callable[[str], torch.nn.Module]
 PromptFactory = Callable[..., list[list[int]]]
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_tokens_match_transformers(

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from support.gguf_files import TinyGgufSpec, write_tiny_gguf
+from support.hf_reference import hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine import CacheConfig, EngineConfig, ForwardChunk, LLMEngine, SamplingParams
@@ -22,7 +24,6 @@ from pdserve.engine.gguf_import import (
 )
 from pdserve.tokenizer import Tokenizer
 from pdserve.tokenizer.gguf_vocab import SUPPORTED_TOKENIZER_MODELS
-from tests.support.gguf_files import TinyGgufSpec, write_tiny_gguf
 
 # fp32 on CPU: both sides dequantize the same blocks and differ only in summation order.
 LOGITS_ATOL = 1e-4
@@ -62,19 +63,6 @@ def load_transformers(gguf_path: Path) -> torch.nn.Module:
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="sdpa"
     )
     return model.eval()
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def assert_matches_transformers(gguf_path: Path) -> None:
