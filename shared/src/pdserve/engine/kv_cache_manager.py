@@ -1,4 +1,9 @@
-"""Request-level block bookkeeping on top of the block pool (vLLM's KV cache manager)."""
+"""The colocated `LLMEngine`'s request-level block bookkeeping on the block pool (vLLM's KV
+cache manager).
+
+The services keep their own (the prefill's scheduler, the decode's lease table); of this module
+they use only `cdiv`.
+"""
 
 from __future__ import annotations
 

@@ -23,8 +23,11 @@ log = structlog.get_logger(__name__)
 class LLMEngine:
     """Continuous batching over the paged KV cache, in the calling thread.
 
-    This is the colocated reference: the prefill and decode services reuse its parts
-    (``ModelRunner``, ``BlockPool``, ``KVCacheManager``, ``Scheduler``, ``Sampler``).
+    The colocated engine: ``python -m pdserve.engine`` runs it, tests hold the disaggregated
+    output equal to it, and benchmarks measure the services against it. The prefill and decode
+    services share its lower layers (``ModelRunner`` with its ``KVCache``, ``BlockPool``,
+    ``Sampler``) but schedule with their own code; ``Scheduler``, ``KVCacheManager`` and
+    ``Request`` serve this engine only.
 
     Args:
         config: Engine settings.

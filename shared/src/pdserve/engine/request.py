@@ -1,4 +1,7 @@
-"""A generation request and its life cycle."""
+"""A generation request of the colocated `LLMEngine` and its life cycle.
+
+The prefill and decode services keep their own request types.
+"""
 
 from __future__ import annotations
 

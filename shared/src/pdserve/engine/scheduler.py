@@ -1,4 +1,8 @@
-"""Continuous batching: mixes prefill chunks and decodes under a token budget."""
+"""The colocated `LLMEngine`'s continuous batching: prefill chunks and decodes under a budget.
+
+The prefill and decode services do not use it: each schedules its own role
+(`pdserve.prefill.scheduler`, `pdserve.decode.decode_loop`).
+"""
 
 from __future__ import annotations
 
