@@ -53,6 +53,31 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("prompt_too_long", COMPLETIONS, _completion(prompt="y" * MAX_MODEL_LEN), 400, "prompt"),
     ("prompt_plus_max_tokens_too_long", COMPLETIONS, TOO_MANY_TOKENS, 400, "max_tokens"),
     ("unknown_model", COMPLETIONS, _completion(model="gpt-9"), 404, "model"),
+    # strict types: nothing is coerced
+    ("stream_string", COMPLETIONS, _completion(stream="yes"), 400, "stream"),
+    ("temperature_bool", COMPLETIONS, _completion(temperature=True), 400, "temperature"),
+    ("prompt_bools", COMPLETIONS, _completion(prompt=[True]), 400, "prompt"),
+    ("max_tokens_float", COMPLETIONS, _completion(max_tokens=2.5), 400, "max_tokens"),
+    ("content_number", CHAT, _chat(messages=[{"role": "user", "content": 5}]), 400, "messages"),
+    ("temperature_nan", COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', 400,
+     "temperature"),
+    # ranges checked before any conversion
+    ("top_k_2_32", COMPLETIONS, _completion(top_k=2**32), 400, "top_k"),
+    ("seed_2_64", COMPLETIONS, _completion(seed=2**64), 400, "seed"),
+    ("token_id_2_40", COMPLETIONS, _completion(prompt=[2**40]), 400, "prompt"),
+    ("temperature_huge", COMPLETIONS, _completion(temperature=1e39), 400, "temperature"),
+    ("max_completion_tokens_zero", CHAT, _chat(max_completion_tokens=0), 400,
+     "max_completion_tokens"),
+    # what the JSON parser refuses
+    ("lone_surrogate_prompt", COMPLETIONS, b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, None),
+    ("lone_surrogate_chat", CHAT,
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400, None),
+    ("nested_5000", COMPLETIONS, b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     400, None),
+    ("int_4301_digits", COMPLETIONS, b'{"model": "tiny", "prompt": "x", "max_tokens": '
+     + b"9" * 4301 + b"}", 400, None),
+    ("not_utf8", COMPLETIONS, b'{"model": "tiny", "prompt": "\xff"}', 400, None),
+    ("long_model_name", COMPLETIONS, _completion(model="m" * 300), 400, "model"),
 ]  # fmt: skip
 
 

@@ -143,6 +143,11 @@ class PdserveError(Exception):
     def __str__(self) -> str:
         return f"{self.reason.name}: {self.message}" if self.message else self.reason.name
 
+    def __reduce__(self) -> tuple[type[PdserveError], tuple[object, ...]]:
+        # NOTE: an exception pickles as cls(*args), and args holds only the message; rebuild it
+        # from its fields instead, so it can cross a process boundary.
+        return type(self), (self.reason, self.message, self.metadata, self.retry_delay_s, self.code)
+
     @property
     def retry_scope(self) -> RetryScope:
         return REASON_SPECS[self.reason].retry_scope

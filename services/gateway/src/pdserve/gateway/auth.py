@@ -21,11 +21,18 @@ def check_bearer(authorization: str | None, api_key: str | None) -> None:
     """
     if api_key is None:
         return
-    if authorization is None or not authorization.lower().startswith(BEARER_PREFIX):
+    presented = bearer_token(authorization)
+    if presented is None:
         raise PdserveError(
             ErrorReason.UNAUTHENTICATED,
             "missing API key: send 'Authorization: Bearer <key>'",
         )
-    presented = authorization[len(BEARER_PREFIX) :].strip()
     if not hmac.compare_digest(presented.encode(), api_key.encode()):
         raise PdserveError(ErrorReason.UNAUTHENTICATED, "invalid API key")
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of a ``Bearer <token>`` header or metadata value, or None without one."""
+    if authorization is None or not authorization.lower().startswith(BEARER_PREFIX):
+        return None
+    return authorization[len(BEARER_PREFIX) :].strip()

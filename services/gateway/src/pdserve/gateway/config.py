@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
+from pdserve.gateway.validation import RequestLimits
 
 LOG_FORMATS = ("json", "console")
+MIB = 1024 * 1024
+_LIMITS = RequestLimits()  # the defaults of the per-request limits live there once
 
 
 def _check_address(flag: str, address: str) -> None:
@@ -87,6 +90,88 @@ class GatewayConfig(ServiceConfig):
         default=16,
         metadata={"help": "max_tokens of a /v1/completions request that does not set it"},
     )
+    default_chat_max_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "max_tokens of a chat request that sets none (GenerationService always sets "
+            "it), lowered to what fits in the model's length after the prompt"
+        },
+    )
+    max_body_bytes: int = field(
+        default=8 * MIB,
+        metadata={
+            "help": "largest REST request body in bytes; a larger one is refused with 413 "
+            "before it is read (by its Content-Length) or as soon as it grows past this"
+        },
+    )
+    grpc_max_receive_bytes: int = field(
+        default=8 * MIB,
+        metadata={
+            "help": "largest gRPC message the gateway receives (GenerationService, "
+            "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED"
+        },
+    )
+    max_prompt_chars: int = field(
+        default=_LIMITS.max_prompt_chars,
+        metadata={"help": "characters of a text prompt, or of all chat messages together"},
+    )
+    max_prompt_tokens: int = field(
+        default=_LIMITS.max_prompt_tokens,
+        metadata={
+            "help": "tokens of a prompt (after the chat template); a prompt must also leave the "
+            "model's length room for one generated token"
+        },
+    )
+    max_messages: int = field(
+        default=_LIMITS.max_messages, metadata={"help": "messages of one chat request"}
+    )
+    max_stop_strings: int = field(
+        default=_LIMITS.max_stop_strings, metadata={"help": "stop strings of one request"}
+    )
+    max_stop_chars: int = field(
+        default=_LIMITS.max_stop_chars, metadata={"help": "characters of one stop string"}
+    )
+    max_stop_token_ids: int = field(
+        default=_LIMITS.max_stop_token_ids, metadata={"help": "stop token ids of one request"}
+    )
+    max_tokens_limit: int = field(
+        default=_LIMITS.max_tokens_limit,
+        metadata={
+            "help": "largest max_tokens a request may ask for; 0: whatever fits in the model's "
+            "length after the prompt"
+        },
+    )
+    max_concurrent_requests: int = field(
+        default=512,
+        metadata={"help": "generation requests in flight on the gateway; more get 429"},
+    )
+    max_concurrent_requests_per_key: int = field(
+        default=256,
+        metadata={
+            "help": "generation requests in flight per API key presented (requests without one "
+            "share a count); more get 429"
+        },
+    )
+    prepare_workers: int = field(
+        default=4,
+        metadata={
+            "help": "threads that tokenize prompts and render chat templates, off the event loop"
+        },
+    )
+    parse_processes: int = field(
+        default=2,
+        metadata={
+            "help": "worker processes that parse request bodies and messages over 16 KiB, off "
+            "the gateway's process (started on the first such request)"
+        },
+    )
+    prepare_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a request may wait for and use a parser process, then a tokenizer "
+            "thread (each); then it fails with DEADLINE_EXCEEDED (504)"
+        },
+    )
     heartbeat_interval_s: float = field(
         default=2.0,
         metadata={"help": "heartbeat interval the registry asks instances for, in seconds"},
@@ -135,13 +220,25 @@ class GatewayConfig(ServiceConfig):
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.preempt_retry_count < 0:
             raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
-        if self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        for name in (
+            "default_max_tokens",
+            "default_chat_max_tokens",
+            "max_body_bytes",
+            "grpc_max_receive_bytes",
+            "max_concurrent_requests",
+            "max_concurrent_requests_per_key",
+            "prepare_workers",
+            "parse_processes",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self.request_limits()  # raises ValueError for a bad per-request limit
         for name in (
             "request_timeout",
             "heartbeat_interval_s",
             "instance_ttl_s",
             "poll_interval_s",
+            "prepare_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -157,3 +254,15 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("api_key must not be empty")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
+
+    def request_limits(self) -> RequestLimits:
+        """The per-request limits these settings name."""
+        return RequestLimits(
+            max_prompt_chars=self.max_prompt_chars,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_messages=self.max_messages,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_chars=self.max_stop_chars,
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_tokens_limit=self.max_tokens_limit,
+        )

@@ -1,19 +1,45 @@
-"""GenerationService: the public gRPC API, with the semantics of the REST endpoints."""
+"""GenerationService: the public gRPC API, with the semantics of the REST endpoints.
+
+The servicer receives each request as bytes and parses it itself (`add_to_server` registers it
+without gRPC's deserializer): a message that does not parse is then INVALID_ARGUMENT with
+ErrorInfo like any other bad request, where gRPC's own parser would fail the call as UNKNOWN
+without one. Large messages parse in a worker process (`pdserve.gateway.workers.ParserPool`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
-from pdserve.common.errors import PdserveError, abort_with_error
+from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway import convert
-from pdserve.gateway.auth import check_bearer
+from pdserve.gateway.admission import ConcurrencyLimiter
+from pdserve.gateway.auth import bearer_token, check_bearer
+from pdserve.gateway.parsing import parse_generate_request, parse_message
 from pdserve.gateway.pipeline import Pipeline
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.gateway.workers import ParserPool
+from pdserve.v1 import generation_pb2
+
+log = structlog.get_logger("pdserve.gateway.generation_servicer")
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+def _internal(exc: Exception) -> PdserveError:
+    """INTERNAL (with ErrorInfo, like every error) for an exception nothing expected."""
+    request_id = uuid.uuid4().hex
+    log.exception("internal_error", request_id=request_id, error=type(exc).__name__)
+    return PdserveError(
+        ErrorReason.INTERNAL,
+        f"internal server error (request id {request_id})",
+        {"requestId": request_id},
+    )
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
@@ -23,49 +49,67 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+class GenerationServicer:
     """Serves GenerationService on top of the shared `Pipeline`.
 
     Args:
-        pipeline: Validation, tokenization and streaming.
+        pipeline: Validation, tokenization and streaming (and the request limits).
+        limiter: Admission of Generate calls (per API key and in total).
+        parser: Parses large requests in worker processes.
         api_key: Required as ``authorization: Bearer <key>`` metadata when set.
     """
 
-    def __init__(self, pipeline: Pipeline, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        limiter: ConcurrencyLimiter,
+        parser: ParserPool,
+        api_key: str | None = None,
+    ) -> None:
         self._pipeline = pipeline
+        self._limiter = limiter
+        self._parser = parser
         self._api_key = api_key
 
     async def Generate(
-        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Generates a completion as a stream of deltas; the last one has finish reason and usage.
 
         Errors use the pdserve.v1 error model (INVALID_REQUEST, PROMPT_TOO_LONG,
-        MODEL_NOT_FOUND, UNAUTHENTICATED, NO_HEALTHY_INSTANCES, ...). Cancelling the call aborts
-        the request on its prefill and releases its decode lease.
+        MODEL_NOT_FOUND, UNAUTHENTICATED, RATE_LIMITED, NO_HEALTHY_INSTANCES, ...). Cancelling
+        the call aborts the request on its prefill and releases its decode lease.
         """
         try:
-            check_bearer(_authorization(context), self._api_key)
-            prepared = await self._pipeline.prepare(convert.generation_params_from_pb(request))
-            # NOTE: with tracing on, the current span is the server interceptor's (parented on
-            # the caller's traceparent); gateway.request becomes its child.
-            trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
-            request_id = prepared.client_request_id or prepared.request_id
-            prompt_ids = prepared.prompt_token_ids if request.include_prompt_token_ids else ()
-            deltas = self._pipeline.stream(prepared)
-            async with contextlib.aclosing(deltas):
-                async for delta in deltas:
-                    yield convert.generate_response_to_pb(request_id, delta, prompt_ids)
-                    prompt_ids = ()
+            authorization = _authorization(context)
+            check_bearer(authorization, self._api_key)
+            with self._limiter.admit(bearer_token(authorization)):
+                body = await self._parser.run(
+                    parse_generate_request, len(raw), raw, self._pipeline.limits
+                )
+                prepared = await self._pipeline.prepare(body.params)
+                # NOTE: with tracing on, the current span is the server interceptor's (parented
+                # on the caller's traceparent); gateway.request becomes its child.
+                trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
+                request_id = prepared.client_request_id or prepared.request_id
+                prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
+                deltas = self._pipeline.stream(prepared)
+                async with contextlib.aclosing(deltas):
+                    async for delta in deltas:
+                        yield convert.generate_response_to_pb(request_id, delta, prompt_ids)
+                        prompt_ids = ()
         except PdserveError as error:
             await abort_with_error(context, error)
+        except Exception as exc:
+            await abort_with_error(context, _internal(exc))
 
     async def ListModels(
-        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+        self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ListModelsResponse:
         """Lists the models that have at least one compatible prefill/decode pair."""
         try:
             check_bearer(_authorization(context), self._api_key)
+            parse_message(generation_pb2.ListModelsRequest, raw)
         except PdserveError as error:
             await abort_with_error(context, error)
         return generation_pb2.ListModelsResponse(
@@ -79,3 +123,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 for model in self._pipeline.list_models()
             ]
         )
+
+
+def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Registers `servicer` as GenerationService; requests reach it as bytes (see module doc)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels,
+            response_serializer=generation_pb2.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -6,10 +6,15 @@ streaming as server-sent events ending in ``data: [DONE]``, or a single JSON bod
 some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. Errors are
 OpenAI error bodies
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of their reason
-(``code`` is the lower-case pdserve.v1 reason) and ``Retry-After`` where a delay helps.
+(``code`` is the lower-case pdserve.v1 reason) and ``Retry-After`` where a delay helps (see
+`pdserve.gateway.openai_http`). Paths are exact: a trailing slash is a 404, not a redirect.
 
-A streaming request is answered only once its first token exists, so errors before it (no
-capacity, bad prompt) still get their own HTTP status rather than a 200 with an error event.
+A generation request passes, in order: the API key (401), admission (429, per key and in
+total), ``Content-Type: application/json`` (415), the body size (413, before the body is read
+where ``Content-Length`` tells), parsing and validation (400; large bodies parse in a worker
+process), then the pipeline. A streaming request is answered only once its first token exists,
+so errors before it (no capacity, bad prompt) still get their own HTTP status rather than a 200
+with an error event.
 
 Tracing: FastAPI's own OpenTelemetry support makes the HTTP SERVER span of each request
 (``POST /v1/chat/completions``, parented on an incoming ``traceparent``), and the request's
@@ -23,12 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.telemetry import TelemetryConfig
@@ -37,19 +40,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve.common import telemetry
-from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.auth import check_bearer
+from pdserve.common.errors import PdserveError
+from pdserve.gateway.admission import Admission, ConcurrencyLimiter
+from pdserve.gateway.auth import bearer_token, check_bearer
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.openai_schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.openai_http import (
+    RequestIdMiddleware,
+    check_json_content_type,
+    error_body,
+    error_response,
+    http_error_response,
+    read_body,
+    request_id_of,
+)
 from pdserve.gateway.params import OutputDelta, PreparedRequest
+from pdserve.gateway.parsing import OpenAIBody, parse_openai_body
 from pdserve.gateway.pipeline import Pipeline
+from pdserve.gateway.workers import ParserPool
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    429: "rate_limit_error",
-}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -82,31 +90,6 @@ def http_telemetry(trace_polls: bool = False) -> TelemetryConfig:
 NOT_READY_REASON = "no compatible prefill/decode pair is registered for any model yet"
 
 
-def error_body(message: str, status: int, code: str, param: str | None = None) -> dict[str, Any]:
-    """An OpenAI error body."""
-    error_type = _ERROR_TYPES.get(
-        status, "server_error" if status >= 500 else "invalid_request_error"
-    )
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def error_response(error: PdserveError) -> JSONResponse:
-    """The HTTP response for a typed error (status from REASON_SPECS, Retry-After if known)."""
-    status = error.http_status
-    headers = {}
-    if error.retry_delay_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_delay_s)))
-    elif status == 429:
-        headers["Retry-After"] = "1"
-    body = error_body(
-        error.message or error.reason.name,
-        status,
-        error.reason.name.lower(),
-        error.metadata.get("param"),
-    )
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
 def _sse(data: dict[str, Any] | str) -> str:
     payload = (
         data
@@ -130,28 +113,33 @@ def _usage(delta: OutputDelta) -> dict[str, Any] | None:
 
 
 class _EventStreamResponse(StreamingResponse):
-    """An SSE response that always closes its event generator, even on client disconnect."""
+    """An SSE response that always closes its event generator and gives back its admission,
+    even on client disconnect."""
 
-    def __init__(self, events: AsyncGenerator[str, None], headers: dict[str, str]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], headers: dict[str, str], admission: Admission
+    ) -> None:
         super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
         self._events = events
+        self._admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            self._admission.release()
             await self._events.aclose()
 
 
 class _Responder:
     """Shapes one request's deltas as a completion or chat completion (stream or not)."""
 
-    def __init__(self, is_chat: bool, prepared: PreparedRequest, model: str, body: Any) -> None:
+    def __init__(self, is_chat: bool, prepared: PreparedRequest, body: OpenAIBody) -> None:
         self.is_chat = is_chat
         self.prepared = prepared
-        self.model = model
-        self.return_token_ids = bool(body.return_token_ids)
-        self.include_usage = bool(body.include_usage)
+        self.model = body.model
+        self.return_token_ids = body.return_token_ids
+        self.include_usage = body.include_usage
         self.response_id = ("chatcmpl-" if is_chat else "cmpl-") + prepared.request_id
         self.created = int(time.time())
         self.object_name = "chat.completion" if is_chat else "text_completion"
@@ -257,6 +245,9 @@ def create_app(
     pipeline: Pipeline,
     metrics: GatewayMetrics,
     *,
+    limiter: ConcurrencyLimiter,
+    parser: ParserPool,
+    max_body_bytes: int,
     api_key: str | None = None,
     trace_polls: bool = False,
     now: Callable[[], float] = time.time,
@@ -264,8 +255,11 @@ def create_app(
     """Builds the REST application around a `Pipeline`.
 
     Args:
-        pipeline: Validation, tokenization and streaming.
+        pipeline: Validation, tokenization and streaming (and the request limits).
         metrics: Served at /metrics.
+        limiter: Admission of generation requests (per API key and in total).
+        parser: Parses large bodies in worker processes.
+        max_body_bytes: Largest request body; larger ones are refused with 413.
         api_key: Required as a Bearer token on /v1/* when set.
         trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
@@ -275,8 +269,10 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        redirect_slashes=False,
         telemetry=http_telemetry(trace_polls),
     )
+    app.add_middleware(RequestIdMiddleware)
 
     @app.exception_handler(PdserveError)
     async def _on_error(_: Request, error: PdserveError) -> JSONResponse:
@@ -284,10 +280,7 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if error.status_code == 404 else "http_error"
-        return JSONResponse(
-            error_body(str(error.detail), error.status_code, code), status_code=error.status_code
-        )
+        return http_error_response(error)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -333,13 +326,26 @@ def create_app(
         check_bearer(request.headers.get("authorization"), api_key)
 
     async def generate(request: Request, is_chat: bool) -> Response:
-        authorize(request)
-        body_cls = ChatCompletionRequest if is_chat else CompletionRequest
-        body = await _parse_body(request, body_cls)
-        prepared = await pipeline.prepare(body.to_params())
+        authorization = request.headers.get("authorization")
+        check_bearer(authorization, api_key)
+        admission = limiter.admit(bearer_token(authorization))
+        response: Response | None = None
+        try:
+            response = await _generate(request, is_chat, admission)
+            return response
+        finally:
+            # NOTE: a stream gives its admission back when it ends (_EventStreamResponse).
+            if not isinstance(response, _EventStreamResponse):
+                admission.release()
+
+    async def _generate(request: Request, is_chat: bool, admission: Admission) -> Response:
+        check_json_content_type(request)
+        raw = await read_body(request, max_body_bytes)
+        body = await parser.run(parse_openai_body, len(raw), raw, is_chat, pipeline.limits)
+        prepared = await pipeline.prepare(body.params, request_id_of(request))
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
-        responder = _Responder(is_chat, prepared, body.model, body)
+        responder = _Responder(is_chat, prepared, body)
         headers = {"X-Request-Id": prepared.request_id}
         deltas = pipeline.stream(prepared)
         if body.stream:
@@ -348,7 +354,7 @@ def create_app(
             except PdserveError as error:
                 await deltas.aclose()
                 return error_response(error)
-            return _EventStreamResponse(responder.events(first, deltas), headers)
+            return _EventStreamResponse(responder.events(first, deltas), headers, admission)
         collected = await _collect_unless_disconnected(request, deltas)
         if collected is None:
             return Response(status_code=499)
@@ -363,30 +369,6 @@ def create_app(
         return await generate(request, is_chat=True)
 
     return app
-
-
-async def _parse_body(request: Request, body_cls: type[pydantic.BaseModel]) -> Any:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PdserveError(
-            ErrorReason.INVALID_REQUEST, f"the request body is not valid JSON: {exc}"
-        ) from exc
-    if not isinstance(data, dict):
-        raise PdserveError(ErrorReason.INVALID_REQUEST, "the request body must be a JSON object")
-    try:
-        return body_cls.model_validate(data)
-    except pydantic.ValidationError as exc:
-        first = exc.errors()[0]
-        # NOTE: the top-level parameter; deeper parts of `loc` include pydantic's union tags.
-        param = str(first["loc"][0]) if first["loc"] else None
-        where = ".".join(str(part) for part in first["loc"])
-        message = f"{where}: {first['msg']}" if where else first["msg"]
-        if first["type"] == "extra_forbidden":
-            message = f"unrecognized request argument: {where}"
-        metadata = {"param": param} if param else {}
-        raise PdserveError(ErrorReason.INVALID_REQUEST, message, metadata) from exc
 
 
 async def _collect_unless_disconnected(

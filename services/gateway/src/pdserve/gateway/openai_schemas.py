@@ -1,9 +1,14 @@
 """Request bodies of the OpenAI-compatible endpoints, and their translation to `GenerationParams`.
 
-Unknown fields are refused (as the OpenAI API does), and every OpenAI parameter pdserve does
-not implement is accepted only at its neutral value (``n: 1``, ``logprobs: false``...): any
-other value is a 400, never silently ignored. Extensions (as in vLLM): ``top_k``,
-``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
+Bodies are parsed strictly: unknown fields are refused (as the OpenAI API does), and no value
+is coerced to another type (``"stream": "yes"``, ``"temperature": true`` and ``"prompt":
+[true]`` are 400s; an integer is accepted where a number is expected). Non-finite numbers are
+refused. Every OpenAI parameter pdserve does not implement is accepted only at its neutral value
+(``n: 1``, ``logprobs: false``...): any other value is a 400, never silently ignored.
+Extensions (as in vLLM): ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
+
+Ranges, limits, Unicode and roles are checked after the translation, by the validator both
+front ends share (`pdserve.gateway.validation`).
 """
 
 from __future__ import annotations
@@ -14,13 +19,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.params import CHAT_ROLES, ChatMessage, GenerationParams, PromptKind
-
-ROLE_ALIASES = {"developer": "system"}
+from pdserve.gateway.params import ChatMessage, GenerationParams, PromptKind
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -174,22 +177,20 @@ class ChatCompletionRequest(_SamplingBody):
         if problem is not None:
             raise unsupported(*problem)
         messages = []
-        for index, message in enumerate(self.messages):
-            role = ROLE_ALIASES.get(message.role, message.role)
-            if role not in CHAT_ROLES:
-                raise unsupported(
-                    f"messages[{index}].role",
-                    f"role {message.role!r} is not supported (system, user, assistant)",
-                )
+        for message in self.messages:
             content = message.content
             if isinstance(content, list):
                 content = "".join(part.text for part in content)
-            messages.append(ChatMessage(role, content or ""))
+            messages.append(ChatMessage(message.role, content or ""))
         params = self._params(PromptKind.CHAT, messages=tuple(messages))
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise unsupported("max_tokens", "max_tokens and max_completion_tokens differ")
-            return dataclasses.replace(params, max_tokens=self.max_completion_tokens)
+            return dataclasses.replace(
+                params,
+                max_tokens=self.max_completion_tokens,
+                max_tokens_name="max_completion_tokens",
+            )
         return params
 
     def _unsupported_chat(self) -> tuple[str, str] | None:

@@ -25,14 +25,11 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfo, ModelInfoStore
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.params import (
-    MAX_SEED,
     GenerationParams,
     ModelSummary,
     OutputDelta,
     PreparedRequest,
     PromptKind,
-    check_sampling,
-    invalid,
     tokenize_prompt,
 )
 from pdserve.gateway.registry import Registry
@@ -45,6 +42,8 @@ from pdserve.gateway.request import (
 )
 from pdserve.gateway.router import Router
 from pdserve.gateway.text import CompletionText
+from pdserve.gateway.validation import MAX_SEED, RequestLimits, invalid, validate_request
+from pdserve.gateway.workers import WorkerPool
 
 log = structlog.get_logger("pdserve.gateway.pipeline")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -59,7 +58,11 @@ class Pipeline:
         model_infos: Tokenizers per model.
         orchestrator: Runs requests.
         metrics: Outcome counters.
+        workers: Threads for tokenization and chat templates, off the event loop.
+        limits: What one request may ask for.
         default_max_tokens: max_tokens of a completion request that sets none.
+        default_chat_max_tokens: max_tokens of a chat request that sets none (lowered to what
+            fits in the model's length after the prompt).
         request_timeout_s: Bound of one request, retries included.
         rng: Source of seeds for requests without one.
     """
@@ -72,7 +75,10 @@ class Pipeline:
         orchestrator: Orchestrator,
         metrics: GatewayMetrics,
         *,
+        workers: WorkerPool,
+        limits: RequestLimits,
         default_max_tokens: int = 16,
+        default_chat_max_tokens: int = 1024,
         request_timeout_s: float = 600.0,
         rng: random.Random | None = None,
     ) -> None:
@@ -81,13 +87,21 @@ class Pipeline:
         self._model_infos = model_infos
         self._orchestrator = orchestrator
         self._metrics = metrics
+        self._workers = workers
+        self._limits = limits
         self._default_max_tokens = default_max_tokens
+        self._default_chat_max_tokens = default_chat_max_tokens
         self._request_timeout_s = request_timeout_s
         self._rng = rng or random.SystemRandom()
         self._num_active = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self.is_draining = False
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for."""
+        return self._limits
 
     @property
     def num_active_requests(self) -> int:
@@ -122,25 +136,30 @@ class Pipeline:
         limits = [limit for limit in limits if limit > 0]
         return min(limits) if limits else 0
 
-    async def prepare(self, params: GenerationParams) -> PreparedRequest:
+    async def prepare(
+        self, params: GenerationParams, request_id: str | None = None
+    ) -> PreparedRequest:
         """Validates and tokenizes a request (span ``gateway.prepare``).
+
+        Args:
+            params: The request as a front end parsed it.
+            request_id: The id the front end already gave the request (a new one if None).
 
         Raises:
             PdserveError: INVALID_REQUEST or PROMPT_TOO_LONG (400), MODEL_NOT_FOUND (404),
                 NO_HEALTHY_INSTANCES when no prefill can provide the tokenizer (503),
-                INSTANCE_DRAINING while the gateway shuts down (503).
+                INSTANCE_DRAINING while the gateway shuts down (503), DEADLINE_EXCEEDED when
+                tokenization does not finish within its budget (504).
         """
         with _tracer.start_as_current_span("gateway.prepare") as span:
-            prepared = await self._prepare(params)
+            prepared = await self._prepare(params, request_id or uuid.uuid4().hex)
             span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
         return prepared
 
-    async def _prepare(self, params: GenerationParams) -> PreparedRequest:
+    async def _prepare(self, params: GenerationParams, request_id: str) -> PreparedRequest:
         if self.is_draining:
             raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
-        check_sampling(params)
-        if not params.model:
-            raise invalid("model is required", "model")
+        params = validate_request(params, self._limits)
         if params.model not in self._registry.model_names():
             raise PdserveError(
                 ErrorReason.MODEL_NOT_FOUND,
@@ -152,30 +171,36 @@ class Pipeline:
         ]
         info = await self._model_infos.get(params.model, prefill_addresses)
         tokenizer = info.tokenizer
-        prompt_token_ids = tokenize_prompt(params, tokenizer)
+        max_model_len = self._max_model_len(params.model, info)
+        prompt_param = "messages" if params.messages is not None else "prompt"
+        if params.token_ids is not None:
+            # NOTE: checked before anything walks the ids (the vocabulary check below).
+            self._check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
+            prompt_token_ids = list(params.token_ids)
+        else:
+            prompt_token_ids = await self._workers.run(tokenize_prompt, params, tokenizer)
+        num_prompt_tokens = len(prompt_token_ids)
+        self._check_prompt_length(num_prompt_tokens, max_model_len, prompt_param)
+        if not prompt_token_ids:
+            raise invalid("the prompt is empty", "prompt")
         vocab_size = tokenizer.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        if params.token_ids is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
-        max_model_len = self._max_model_len(params.model, info)
-        num_prompt_tokens = len(prompt_token_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
-            if params.kind is PromptKind.CHAT and max_model_len > num_prompt_tokens:
-                max_tokens = max_model_len - num_prompt_tokens
-            else:
-                max_tokens = self._default_max_tokens
+            max_tokens = self._default_max_tokens_for(params.kind, num_prompt_tokens, max_model_len)
         if max_model_len and num_prompt_tokens + max_tokens > max_model_len:
             raise PdserveError(
                 ErrorReason.PROMPT_TOO_LONG,
                 f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
                 f"exceeds the model's maximum length of {max_model_len} tokens",
-                {"param": "max_tokens" if params.max_tokens else "prompt"},
+                {"param": params.max_tokens_name if params.max_tokens else prompt_param},
             )
         seed = params.seed if params.seed is not None else self._rng.randrange(MAX_SEED)
         request = GenerationRequest(
-            request_id=uuid.uuid4().hex,
+            request_id=request_id,
             model=params.model,
             prompt_token_ids=tuple(prompt_token_ids),
             sampling=Sampling(
@@ -192,6 +217,42 @@ class Pipeline:
         return PreparedRequest(
             request, params.stop, tokenizer, params.client_request_id, params.user, params.kind
         )
+
+    def _check_prompt_length(self, num_tokens: int, max_model_len: int, param: str) -> None:
+        """PROMPT_TOO_LONG past --max-prompt-tokens, or when no token is left to generate."""
+        limit = self._limits.max_prompt_tokens
+        if num_tokens > limit:
+            raise PdserveError(
+                ErrorReason.PROMPT_TOO_LONG,
+                f"the prompt has {num_tokens} tokens; at most {limit} are accepted",
+                {"param": param},
+            )
+        if max_model_len and num_tokens >= max_model_len:
+            raise PdserveError(
+                ErrorReason.PROMPT_TOO_LONG,
+                f"the prompt ({num_tokens} tokens) leaves no room to generate within the "
+                f"model's maximum length of {max_model_len} tokens",
+                {"param": param},
+            )
+
+    def _default_max_tokens_for(
+        self, kind: PromptKind, num_prompt_tokens: int, max_model_len: int
+    ) -> int:
+        """max_tokens of a request that sets none.
+
+        Completions take --default-max-tokens (OpenAI's 16). Chat follows the OpenAI
+        convention of "as much as fits", but capped: --default-chat-max-tokens, lowered to what
+        fits after the prompt. Both stay within --max-tokens-limit.
+        """
+        if kind is PromptKind.CHAT:
+            max_tokens = self._default_chat_max_tokens
+            if max_model_len:
+                max_tokens = min(max_tokens, max_model_len - num_prompt_tokens)
+        else:
+            max_tokens = self._default_max_tokens
+        if self._limits.max_tokens_limit:
+            max_tokens = min(max_tokens, self._limits.max_tokens_limit)
+        return max_tokens
 
     async def stream(
         self, prepared: PreparedRequest, trace_context: Context | None = None

@@ -21,9 +21,10 @@ from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.gateway import generation_servicer
+from pdserve.gateway.admission import ConcurrencyLimiter
 from pdserve.gateway.clients import GrpcBackend
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.generation_servicer import GenerationServicer
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfoStore
@@ -31,11 +32,12 @@ from pdserve.gateway.openai_api import create_app as create_rest_app
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.pipeline import Pipeline
 from pdserve.gateway.poller import StaticPoller
-from pdserve.gateway.registry import InstanceEntry, Registry
+from pdserve.gateway.registry import InstanceEntry, LivenessClock, Registry
 from pdserve.gateway.registry_servicer import RegistryServicer
 from pdserve.gateway.retry import RetryPolicy
 from pdserve.gateway.router import Router
-from pdserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
+from pdserve.gateway.workers import ParserPool, WorkerPool
+from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("pdserve.gateway.server")
 
@@ -66,7 +68,8 @@ class GatewayServer:
     def __init__(self, config: GatewayConfig, backend: GrpcBackend | None = None) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
-        self.registry = Registry(config.instance_ttl_s)
+        self.liveness_clock = LivenessClock()
+        self.registry = Registry(config.instance_ttl_s, self.liveness_clock)
         self.router = Router(self.registry, config.unavailable_retry_after_s)
         self.backend = backend or GrpcBackend()
         self.model_infos = ModelInfoStore(self.backend.get_model_files, config.tokenizer)
@@ -78,17 +81,31 @@ class GatewayServer:
         self.orchestrator = Orchestrator(
             self.backend, self.router, self.registry, policy, self.metrics
         )
+        self.workers = WorkerPool(config.prepare_workers, config.prepare_timeout_s)
+        self.parser = ParserPool(config.parse_processes, config.prepare_timeout_s)
+        self.limiter = ConcurrencyLimiter(
+            config.max_concurrent_requests, config.max_concurrent_requests_per_key
+        )
         self.pipeline = Pipeline(
             self.registry,
             self.router,
             self.model_infos,
             self.orchestrator,
             self.metrics,
+            workers=self.workers,
+            limits=config.request_limits(),
             default_max_tokens=config.default_max_tokens,
+            default_chat_max_tokens=config.default_chat_max_tokens,
             request_timeout_s=config.request_timeout,
         )
         self.app: FastAPI = create_rest_app(
-            self.pipeline, self.metrics, api_key=config.api_key, trace_polls=config.trace_polls
+            self.pipeline,
+            self.metrics,
+            limiter=self.limiter,
+            parser=self.parser,
+            max_body_bytes=config.max_body_bytes,
+            api_key=config.api_key,
+            trace_polls=config.trace_polls,
         )
         self.poller = StaticPoller(
             self.registry,
@@ -154,9 +171,14 @@ class GatewayServer:
     async def start(self) -> None:
         """Binds both ports and starts serving (ports are in `http_port` / `grpc_port`)."""
         config = self.config
-        server = new_aio_server()
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.pipeline, config.api_key), server
+        # NOTE: heartbeats must not look late because the loop was busy: start the clock first.
+        self._spawn(self.liveness_clock.run())
+        server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
+        generation_servicer.add_to_server(
+            generation_servicer.GenerationServicer(
+                self.pipeline, self.limiter, self.parser, config.api_key
+            ),
+            server,
         )
         registry_pb2_grpc.add_RegistryServiceServicer_to_server(
             RegistryServicer(self.registry, config.heartbeat_interval_s), server
@@ -228,6 +250,8 @@ class GatewayServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.orchestrator.wait_for_cleanups(), 2.0)
+        self.workers.shutdown()
+        self.parser.shutdown()
         await self.backend.close()
         log.info("gateway_stopped")
 

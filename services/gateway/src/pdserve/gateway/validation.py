@@ -1,0 +1,208 @@
+"""The one validator of generation requests, whichever front end (REST or gRPC) they came by.
+
+`validate_request` checks a `GenerationParams` before any tokenization or instance work: the
+ranges the contract's wire types allow (checked here, before any conversion could fail), the
+gateway's `RequestLimits`, valid Unicode in every string, and the chat roles. It returns the
+params with roles normalized (``developer`` is ``system``, as in the OpenAI API). Every failure
+is an INVALID_REQUEST naming the offending parameter.
+
+What needs the model (its vocabulary, its maximum length) is checked by the pipeline once it
+knows the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.gateway.params import ChatMessage, GenerationParams
+
+MAX_SEED = 2**63
+MAX_UINT32 = 2**32 - 1
+MAX_FLOAT32 = 3.4028234663852886e38
+MAX_NAME_CHARS = 256  # model, user and client request ids
+CHAT_ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for; each is a gateway flag of the same name.
+
+    Attributes:
+        max_prompt_chars: Characters of a text prompt, or of all chat message contents.
+        max_prompt_tokens: Tokens of a prompt (and never more than the model's length leaves
+            room for).
+        max_messages: Messages of one chat request.
+        max_stop_strings: Stop strings of one request.
+        max_stop_chars: Characters of one stop string.
+        max_stop_token_ids: Stop token ids of one request.
+        max_tokens_limit: Largest max_tokens; 0 means whatever fits in the model's length.
+    """
+
+    max_prompt_chars: int = 1_000_000
+    max_prompt_tokens: int = 131072
+    max_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_tokens_limit: int = 0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            lowest = 0 if field.name == "max_tokens_limit" else 1
+            if value < lowest:
+                raise ValueError(f"{field.name} must be >= {lowest}, got {value}")
+        if self.max_tokens_limit > MAX_UINT32:
+            raise ValueError(f"max_tokens_limit must be <= {MAX_UINT32}")
+
+
+def invalid(message: str, param: str) -> PdserveError:
+    """An INVALID_REQUEST naming the offending parameter."""
+    return PdserveError(ErrorReason.INVALID_REQUEST, message, {"param": param})
+
+
+def check_text(value: str, param: str) -> None:
+    """Refuses a string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``)."""
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(
+            f"{param} is not valid Unicode (a lone surrogate at character {exc.start})", param
+        ) from exc
+
+
+def _check_name(value: str | None, param: str) -> None:
+    if value is None:
+        return
+    if len(value) > MAX_NAME_CHARS:
+        raise invalid(f"{param} is longer than {MAX_NAME_CHARS} characters", param)
+    check_text(value, param)
+
+
+def _check_range(value: float | None, lowest: float, highest: float, param: str) -> None:
+    # NOTE: NaN fails both comparisons, so it is refused too.
+    if value is not None and not lowest <= value <= highest:
+        bounds = ", ".join(f"{b:g}" if isinstance(b, float) else str(b) for b in (lowest, highest))
+        raise invalid(f"{param} must be in [{bounds}]", param)
+
+
+def check_counts(
+    limits: RequestLimits,
+    *,
+    num_messages: int = 0,
+    num_prompt_tokens: int = 0,
+    num_stop_strings: int = 0,
+    num_stop_token_ids: int = 0,
+) -> None:
+    """Checks how many items a request's lists hold, before anything walks them.
+
+    `validate_request` starts with it; a front end may call it first on its own message (a
+    parsed protobuf) to refuse an oversized list before converting it.
+
+    Raises:
+        PdserveError: INVALID_REQUEST, or PROMPT_TOO_LONG for too many prompt tokens.
+    """
+    if num_messages > limits.max_messages:
+        raise invalid(f"at most {limits.max_messages} messages", "messages")
+    if num_prompt_tokens > limits.max_prompt_tokens:
+        raise PdserveError(
+            ErrorReason.PROMPT_TOO_LONG,
+            f"the prompt has {num_prompt_tokens} tokens; at most {limits.max_prompt_tokens} "
+            "are accepted",
+            {"param": "prompt"},
+        )
+    if num_stop_strings > limits.max_stop_strings:
+        raise invalid(f"at most {limits.max_stop_strings} stop strings", "stop")
+    if num_stop_token_ids > limits.max_stop_token_ids:
+        raise invalid(f"at most {limits.max_stop_token_ids} stop_token_ids", "stop_token_ids")
+
+
+def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
+    max_tokens_limit = limits.max_tokens_limit or MAX_UINT32
+    _check_range(params.max_tokens, 1, max_tokens_limit, params.max_tokens_name)
+    _check_range(params.temperature, 0.0, MAX_FLOAT32, "temperature")
+    if params.top_p is not None and not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
+        raise invalid("top_p must be in (0, 1]", "top_p")
+    _check_range(params.top_k, 0, MAX_UINT32, "top_k")
+    _check_range(params.seed, 0, MAX_SEED - 1, "seed")
+    if any(not 0 <= token_id <= MAX_UINT32 for token_id in params.stop_token_ids):
+        raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+    for stop in params.stop:
+        if not 0 < len(stop) <= limits.max_stop_chars:
+            raise invalid(f"stop strings must have 1 to {limits.max_stop_chars} characters", "stop")
+        check_text(stop, "stop")
+
+
+def _checked_messages(
+    messages: tuple[ChatMessage, ...], limits: RequestLimits
+) -> tuple[ChatMessage, ...]:
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    checked: list[ChatMessage] = []
+    num_chars = 0
+    for index, message in enumerate(messages):
+        role = ROLE_ALIASES.get(message.role, message.role)
+        if role not in CHAT_ROLES:
+            raise invalid(
+                f"role {message.role[:MAX_NAME_CHARS]!r} is not supported "
+                "(system, developer, user, assistant)",
+                f"messages[{index}].role",
+            )
+        check_text(message.content, f"messages[{index}].content")
+        num_chars += len(message.content)
+        checked.append(message if role == message.role else ChatMessage(role, message.content))
+    if num_chars > limits.max_prompt_chars:
+        raise invalid(
+            f"the messages have {num_chars} characters; at most {limits.max_prompt_chars} "
+            "are accepted",
+            "messages",
+        )
+    return tuple(checked)
+
+
+def validate_request(params: GenerationParams, limits: RequestLimits) -> GenerationParams:
+    """Checks a request before any work; returns it with chat roles normalized.
+
+    Raises:
+        PdserveError: INVALID_REQUEST (with ``param``) for anything out of range or limits,
+            invalid Unicode, an unknown role, or not exactly one prompt input.
+    """
+    if not params.model:
+        raise invalid("model is required", "model")
+    _check_name(params.model, "model")
+    _check_name(params.user, "user")
+    _check_name(params.client_request_id, "request_id")
+    check_counts(
+        limits,
+        num_messages=len(params.messages or ()),
+        num_prompt_tokens=len(params.token_ids or ()),
+        num_stop_strings=len(params.stop),
+        num_stop_token_ids=len(params.stop_token_ids),
+    )
+    _check_sampling(params, limits)
+    num_inputs = sum(x is not None for x in (params.text, params.token_ids, params.messages))
+    if num_inputs != 1:
+        raise invalid("exactly one of a text prompt, token ids or messages is required", "prompt")
+    if params.text is not None:
+        if len(params.text) > limits.max_prompt_chars:
+            raise invalid(
+                f"the prompt has {len(params.text)} characters; at most "
+                f"{limits.max_prompt_chars} are accepted",
+                "prompt",
+            )
+        check_text(params.text, "prompt")
+    if params.token_ids is not None and any(
+        not 0 <= token_id <= MAX_UINT32 for token_id in params.token_ids
+    ):
+        raise invalid("prompt token ids must be token ids (>= 0)", "prompt")
+    if params.messages is not None:
+        messages = _checked_messages(params.messages, limits)
+        if any(a is not b for a, b in zip(messages, params.messages, strict=True)):
+            return dataclasses.replace(params, messages=messages)
+    return params
