@@ -1,7 +1,8 @@
 """Decode throughput of the decode service vs the colocated engine, in the same run.
 
 For each concurrency N, N prompts are prefilled locally, their KV shipped to a real decode
-server over SyncCache, and N Generate streams read to the end; decode tokens/s counts the
+server over SyncCache (the prefill's stream, `pdserve.prefill.kv_sender.sync_cache_messages`),
+and N Generate streams read to the end; decode tokens/s counts the
 tokens after the first. The baseline is `LLMEngine` decoding the same N requests in-process
 (timed from when every prompt has its first token). Both use one torch thread. Run:
 
@@ -27,13 +28,17 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.convert import local_protocol, sampling_to_proto
-from pdserve.serving.kv_transfer import sync_cache_header, sync_cache_messages
+from pdserve.prefill import convert
+from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.kv_sender import sync_cache_messages
+from pdserve.prefill.request import Request
+from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 64
+MAX_CHUNK_BYTES = PrefillConfig().max_chunk_bytes
 
 
 def _load(model_dir: Path, num_blocks: int) -> ModelHost:
@@ -60,22 +65,21 @@ async def service_tokens_per_s(model_dir: Path, n: int, sampling: SamplingParams
         block_ids = pool.allocate(-(-PROMPT_LEN // BLOCK_SIZE))
         logits = sender.runner.execute([ForwardChunk(prompt, 0, block_ids)])
         first = int(logits[0].argmax())
-        request = decode_pb2.AllocateBlocksRequest(
-            request_id=f"r{i}", num_prompt_tokens=PROMPT_LEN, max_new_tokens=sampling.max_tokens,
-            kv_layout=sender.kv_layout, protocol=local_protocol(),
+        request = Request(
+            request_id=f"r{i}", token_ids=prompt, num_prompt_tokens=PROMPT_LEN,
+            sampling=sampling, seed=0, decode_address="", block_ids=block_ids,
         )  # fmt: skip
-        lease = (await stub.AllocateBlocks(request)).lease
-        header = sync_cache_header(
-            lease.lease_id, f"r{i}", prompt, PROMPT_LEN, sampling_to_proto(sampling)
-        )
-        leases.append((lease, header, block_ids, first))
+        allocate = convert.allocate_request(request, sender.kv_layout, local_protocol(), "bench")
+        request.lease = convert.lease_from_proto((await stub.AllocateBlocks(allocate)).lease)
+        leases.append((request, first))
 
-    async def run(lease, header, block_ids, first) -> int:
-        messages = sync_cache_messages(sender.runner.kv_cache, block_ids, header, first, 0)
+    async def run(request: Request, first: int) -> int:
+        messages = sync_cache_messages(request, sender.runner.kv_cache, first, MAX_CHUNK_BYTES)
         await stub.SyncCache(iter(list(messages)))
+        assert request.lease is not None
         count = 0
-        request = decode_pb2.DecodeServiceGenerateRequest(lease_id=lease.lease_id)
-        async for message in stub.Generate(request):
+        generate = decode_pb2.DecodeServiceGenerateRequest(lease_id=request.lease.lease_id)
+        async for message in stub.Generate(generate):
             count += len(message.tokens.token_ids)
         return count
 

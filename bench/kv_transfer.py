@@ -7,18 +7,22 @@ For each size, one sequence's KV of that many bytes is moved from this process t
 process on the same host, two ways, alternating:
 
 * SyncCache: a `pdserve-decode` process (launched as by `pdserve up`) leases the blocks with
-  AllocateBlocks, then receives the stream this process sends over gRPC: header, every layer's
-  chunks as the prefill cuts them (`pdserve.serving.kv_transfer.sync_cache_messages`, at most
-  ``--max-chunk-bytes`` of K+V each, CRC-32C included), commit. The decode verifies each
-  checksum, copies the chunk into its paged cache and answers once the commit is verified. The
-  chunk messages are built before the clock starts (their build time is reported apart).
-* raw TCP: the same chunk bytes (K then V of every chunk) written with ``sendall`` to a receiver
-  process that reads them into one preallocated buffer with ``recv_into`` and acknowledges the
-  last byte: the floor for any transport over loopback TCP from Python.
+  AllocateBlocks, then receives the stream this process sends with the prefill's own sender
+  (`pdserve.prefill.kv_sender.KvSender`, the code a prefill instance runs): the pieces are cut
+  as the prefill's engine thread cuts them (`pdserve.serving.kv_transfer`, at most
+  ``--max-chunk-bytes`` of K+V each) and queued, then the clock runs while the sender writes
+  the header, each chunk (copied out of the cache and checksummed with CRC-32C as it is
+  written), and the commit, until the decode acknowledges it. The decode verifies each
+  checksum, copies the chunk into its paged cache and answers once the commit is verified.
+  Cutting the pieces (views of the cache) is timed apart.
+* raw TCP: the same chunk bytes (K then V of every chunk, copied out beforehand) written with
+  ``sendall`` to a receiver process that reads them into one preallocated buffer with
+  ``recv_into`` and acknowledges the last byte: the floor for any transport over loopback TCP
+  from Python.
 
 The model is a random Llama built for a large KV per token (16 layers, 8 KV heads of 128,
 float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s per size
-(median over repeats), the ratio SyncCache / TCP, and the build time. Results go to
+(median over repeats), the ratio SyncCache / TCP, and the cut time. Results go to
 bench/results/kv_transfer-<time>.json.
 """
 
@@ -44,9 +48,12 @@ from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher.child import ChildProcess
-from pdserve.serving.convert import local_protocol, sampling_to_proto
-from pdserve.serving.kv_transfer import sync_cache_header, sync_cache_messages
-from pdserve.v1 import decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
+from pdserve.prefill import convert
+from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.request import Request
+from pdserve.serving.convert import local_protocol
+from pdserve.serving.kv_transfer import sequence_pieces
+from pdserve.v1 import decode_pb2_grpc, instance_pb2, instance_pb2_grpc
 
 MIB = 1 << 20
 BLOCK_SIZE = 16
@@ -136,45 +143,45 @@ class Decode:
 async def sync_cache_once(
     decode: Decode, kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int, request_id: str
 ) -> tuple[float, float, int]:
-    """One lease + SyncCache of `num_tokens` tokens' KV.
+    """One lease + SyncCache of `num_tokens` tokens' KV, sent by the prefill's `KvSender`.
 
     Returns:
-        (transfer seconds, message build seconds, K+V bytes sent).
+        (transfer seconds, piece cutting seconds, K+V bytes sent).
     """
     status = await decode.status.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())
-    allocate = decode_pb2.AllocateBlocksRequest(
+    request = Request(
         request_id=request_id,
+        token_ids=[5] * num_tokens,
         num_prompt_tokens=num_tokens,
-        max_new_tokens=2,
-        kv_layout=status.instance.kv_layout,
-        protocol=local_protocol(),
+        sampling=SamplingParams(temperature=0.0, max_tokens=2),
+        seed=0,
+        decode_address=decode.address,
+        block_ids=list(range(-(-num_tokens // BLOCK_SIZE))),
     )
-    lease = (await decode.stub.AllocateBlocks(allocate, timeout=30)).lease
-    sampling = sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
-    header = sync_cache_header(lease.lease_id, request_id, [5] * num_tokens, num_tokens, sampling)
-    block_ids = list(range(-(-num_tokens // BLOCK_SIZE)))
+    allocate = convert.allocate_request(
+        request, status.instance.kv_layout, local_protocol(), sender="bench"
+    )
+    response = await decode.stub.AllocateBlocks(allocate, timeout=30)
+    request.lease = convert.lease_from_proto(response.lease)
+    sender = KvSender(decode.stub, request)
     began = time.perf_counter()
-    messages = list(sync_cache_messages(kv_cache, block_ids, header, 7, 0, max_chunk_bytes))
-    build_s = time.perf_counter() - began
-    num_bytes = messages[-1].commit.num_bytes
+    for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):
+        sender.put(piece)
+    sender.commit(7, request.first_token_index)
+    cut_s = time.perf_counter() - began
     began = time.perf_counter()
-    response = await decode.stub.SyncCache(iter(messages), timeout=600)
+    result = await sender.run()
     transfer_s = time.perf_counter() - began
-    if response.state != decode_pb2.LEASE_STATE_COMMITTED or response.num_bytes != num_bytes:
-        raise RuntimeError(f"unexpected SyncCache answer: {response}")
-    del messages
     await decode.wait_idle()
-    return transfer_s, build_s, num_bytes
+    return transfer_s, cut_s, result.num_bytes
 
 
 def chunk_payloads(kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int) -> list[bytes]:
-    """The K and V byte strings of every chunk SyncCache would send, in order."""
-    header = decode_pb2.SyncCacheHeader()
+    """The K and V byte strings of every chunk SyncCache sends, in order."""
     block_ids = list(range(-(-num_tokens // BLOCK_SIZE)))
     payloads = []
-    for message in sync_cache_messages(kv_cache, block_ids, header, 7, 0, max_chunk_bytes):
-        if message.WhichOneof("part") == "chunk":
-            payloads += [message.chunk.key, message.chunk.value]
+    for piece in sequence_pieces(kv_cache, block_ids, max_chunk_bytes):
+        payloads += [bytes(piece.key), bytes(piece.value)]
     return payloads
 
 
@@ -223,17 +230,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for size_mib in args.sizes_mib:
             num_tokens = size_mib * MIB // bytes_per_token()
             payloads = chunk_payloads(kv_cache, num_tokens, args.max_chunk_bytes)
-            grpc_s, tcp_s, build_s = [], [], []
+            grpc_s, tcp_s, cut_s = [], [], []
             num_bytes = 0
             for repeat in range(args.repeats):
                 request_id = f"kv-{size_mib}-{repeat}"
                 if repeat % 2:
                     tcp_s.append(tcp_once(port, payloads))
-                seconds, built, num_bytes = await sync_cache_once(
+                seconds, cut, num_bytes = await sync_cache_once(
                     decode, kv_cache, num_tokens, args.max_chunk_bytes, request_id
                 )
                 grpc_s.append(seconds)
-                build_s.append(built)
+                cut_s.append(cut)
                 if not repeat % 2:
                     tcp_s.append(tcp_once(port, payloads))
             assert num_bytes == sum(len(p) for p in payloads)
@@ -244,7 +251,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "num_chunks": len(payloads) // 2,
                 "sync_cache_s": grpc_s,
                 "tcp_s": tcp_s,
-                "build_s": build_s,
+                "cut_s": cut_s,
                 "sync_cache_mib_per_s": round(num_bytes / MIB / statistics.median(grpc_s), 1),
                 "tcp_mib_per_s": round(num_bytes / MIB / statistics.median(tcp_s), 1),
             }
@@ -255,8 +262,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"{size_mib:>6} MiB  SyncCache {row['sync_cache_mib_per_s']:>8.1f} MiB/s  "
                 f"TCP {row['tcp_mib_per_s']:>8.1f} MiB/s  ratio "
-                f"{row['ratio_sync_cache_over_tcp']:.3f}  build "
-                f"{statistics.median(build_s):.2f} s",
+                f"{row['ratio_sync_cache_over_tcp']:.3f}  cut "
+                f"{statistics.median(cut_s):.2f} s",
                 flush=True,
             )
     finally:

@@ -52,10 +52,13 @@ from pdserve.decode.config import DecodeConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.request import Request
 from pdserve.prefill.server import PrefillInstance, create_server
 from pdserve.serving.convert import local_protocol, sampling_to_proto
-from pdserve.serving.kv_transfer import sync_cache_header, sync_cache_messages
+from pdserve.serving.kv_transfer import sequence_pieces
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -408,24 +411,28 @@ async def transfer_tail(
             if message.WhichOneof("event") == "first_token":
                 first = time.perf_counter()
         tails.append(time.perf_counter() - first)
-        # The same amount of KV as one SyncCache stream once everything is computed.
-        allocate = decode_pb2.AllocateBlocksRequest(
+        # The same amount of KV as one SyncCache stream, by the same sender, once everything
+        # is computed.
+        request = Request(
             request_id=f"s{i}",
+            token_ids=prompt,
             num_prompt_tokens=len(prompt),
-            max_new_tokens=1,
-            kv_layout=prefill.host.kv_layout,
-            protocol=local_protocol(),
+            sampling=sampling,
+            seed=0,
+            decode_address=address,
+            block_ids=list(range(-(-len(prompt) // BLOCK_SIZE))),
         )
-        lease = (await decode_stub.AllocateBlocks(allocate)).lease
-        header = sync_cache_header(
-            lease.lease_id, f"s{i}", prompt, len(prompt), sampling_to_proto(sampling)
+        allocate = convert.allocate_request(
+            request, prefill.host.kv_layout, local_protocol(), sender="bench"
         )
-        block_ids = list(range(-(-len(prompt) // BLOCK_SIZE)))
+        request.lease = convert.lease_from_proto((await decode_stub.AllocateBlocks(allocate)).lease)
         begin = time.perf_counter()
-        messages = sync_cache_messages(
-            prefill.host.runner.kv_cache, block_ids, header, 5, 0, max_chunk_bytes
-        )
-        await decode_stub.SyncCache(iter(list(messages)))
+        sender = KvSender(decode_stub, request)
+        kv_cache = prefill.host.runner.kv_cache
+        for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):
+            sender.put(piece)
+        sender.commit(5, request.first_token_index)
+        await sender.run()
         serial.append(time.perf_counter() - begin)
     await channel.close()
     await decode_channel.close()

@@ -15,8 +15,9 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.serving.convert import local_protocol, sampling_to_proto
-from pdserve.serving.kv_transfer import sync_cache_header, sync_cache_messages
+from pdserve.prefill.kv_sender import sync_cache_messages
+from pdserve.prefill.request import LeaseGrant, Request
+from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
 
@@ -46,10 +47,6 @@ class Prefilled:
     sampling: SamplingParams
     block_ids: list[int]
     first_token_id: int
-
-    @property
-    def first_token_index(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -91,19 +88,21 @@ class LocalPrefill:
     def sync_messages(
         self, prefilled: Prefilled, lease_id: str
     ) -> Iterator[decode_pb2.SyncCacheRequest]:
-        header = sync_cache_header(
-            lease_id,
-            prefilled.request_id,
-            prefilled.token_ids,
-            prefilled.num_prompt_tokens,
-            sampling_to_proto(prefilled.sampling),
+        """The SyncCache stream the prefill's sender writes for `prefilled`."""
+        request = Request(
+            request_id=prefilled.request_id,
+            token_ids=prefilled.token_ids,
+            num_prompt_tokens=prefilled.num_prompt_tokens,
+            sampling=prefilled.sampling,
+            seed=prefilled.sampling.seed or 0,
+            decode_address="",
+            block_ids=prefilled.block_ids,
         )
+        request.lease = LeaseGrant(lease_id, (), "")
         return sync_cache_messages(
+            request,
             self.host.runner.kv_cache,
-            prefilled.block_ids,
-            header,
             prefilled.first_token_id,
-            prefilled.first_token_index,
             max_chunk_bytes=1024,  # one block per chunk: many chunks
         )
 

@@ -1,10 +1,12 @@
-"""The engine thread: KV leaves layer by layer during the pass, every block exactly once."""
+"""The engine thread: KV leaves layer by layer during the pass, every block exactly once, and
+the sender writes the stream the benchmarks and the decode tests send."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,9 +14,12 @@ from support.prefill_cluster import BLOCK_SIZE, load_host
 
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill.kv_sender import KvSender, sync_cache_messages
 from pdserve.prefill.prefill_loop import PrefillLoop
-from pdserve.prefill.request import EngineEvent, FirstTokenSampled, KvPiece, Request
+from pdserve.prefill.request import EngineEvent, FirstTokenSampled, LeaseGrant, Request
+from pdserve.serving.kv_transfer import KvPiece
 from pdserve.serving.model_host import ModelHost
+from pdserve.v1 import decode_pb2
 
 PROMPT = [(7 * i + 3) % 300 + 3 for i in range(37)]  # 10 blocks, the last one partial
 
@@ -52,12 +57,8 @@ def _loop(host: ModelHost, recorder: _Recorder, budget: int, chunk_bytes: int) -
     return loop
 
 
-def _run(
-    host: ModelHost, budget: int, chunk_bytes: int
-) -> tuple[list[object], Request, dict[tuple[int, int], bytes]]:
-    recorder = _Recorder()
-    loop = _loop(host, recorder, budget, chunk_bytes)
-    request = Request(
+def _request(recorder: _Recorder) -> Request:
+    return Request(
         request_id="r",
         token_ids=list(PROMPT),
         num_prompt_tokens=len(PROMPT),
@@ -66,6 +67,14 @@ def _run(
         decode_address="127.0.0.1:1",
         sink=recorder.sink,
     )
+
+
+def _run(
+    host: ModelHost, budget: int, chunk_bytes: int
+) -> tuple[list[object], Request, dict[tuple[int, int], bytes]]:
+    recorder = _Recorder()
+    loop = _loop(host, recorder, budget, chunk_bytes)
+    request = _request(recorder)
     loop.start()
     try:
         loop.submit(request)
@@ -113,3 +122,62 @@ def test_chunked_prompt_ships_every_block_of_every_layer_exactly_once(host: Mode
     first_return = events.index("pass_returned")
     assert any(isinstance(e, KvPiece) for e in events[:first_return])
     assert request.num_sent_blocks == -(-len(PROMPT) // BLOCK_SIZE)
+
+
+class _RecordingCall:
+    """A SyncCache call that keeps what is written and commits."""
+
+    def __init__(self) -> None:
+        self.messages: list[decode_pb2.SyncCacheRequest] = []
+
+    async def write(self, message: decode_pb2.SyncCacheRequest) -> None:
+        self.messages.append(message)
+
+    async def done_writing(self) -> None:
+        pass
+
+    def __await__(self) -> Any:
+        return self._response().__await__()
+
+    async def _response(self) -> decode_pb2.SyncCacheResponse:
+        return decode_pb2.SyncCacheResponse(state=decode_pb2.LEASE_STATE_COMMITTED)
+
+
+class _RecordingStub:
+    def __init__(self) -> None:
+        self.call = _RecordingCall()
+
+    def SyncCache(self, metadata: Any = None) -> _RecordingCall:
+        return self.call
+
+
+async def test_one_pass_prompt_is_sent_as_sync_cache_messages_builds_it(host: ModelHost) -> None:
+    # bench/kv_transfer.py and the decode tests send `sync_cache_messages`; a prompt computed in
+    # one pass must reach the decode as exactly that stream. 3 blocks per chunk: the last of the
+    # 10 blocks travels in a short chunk.
+    chunk_bytes = 3 * 2 * host.runner.kv_cache.layout.block_nbytes
+    recorder = _Recorder()
+    loop = _loop(host, recorder, budget=64, chunk_bytes=chunk_bytes)
+    request = _request(recorder)
+    request.lease = LeaseGrant("lease-1", (), "decode-1", b"token")
+    loop.start()
+    try:
+        loop.submit(request)
+        assert recorder.done.wait(30)
+        stub = _RecordingStub()
+        sender = KvSender(stub, request)  # type: ignore[arg-type]
+        for event in recorder.events:
+            if isinstance(event, KvPiece):
+                sender.put(event)
+        first = recorder.events[-1]
+        assert isinstance(first, FirstTokenSampled)
+        sender.commit(first.token_id, request.first_token_index)
+        await sender.run()
+        expected = sync_cache_messages(request, host.runner.kv_cache, first.token_id, chunk_bytes)
+        assert stub.call.messages == list(expected)
+        assert [m.chunk.num_blocks for m in stub.call.messages[1:5]] == [3, 3, 3, 1]
+        released = threading.Event()
+        loop.release(request, released.set)
+        assert released.wait(10)
+    finally:
+        loop.stop()

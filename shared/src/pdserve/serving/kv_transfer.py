@@ -1,20 +1,37 @@
-"""Both ends of the SyncCache data plane: cutting a sequence's KV into checksummed chunks.
+"""The SyncCache data plane's rules, for both ends: how KV is cut into chunks and checksummed.
 
-A chunk holds one layer's K and V for a run of the sequence's logical blocks, at most
-`max_chunk_bytes` of K+V, so messages stay well under gRPC limits. The CRC-32C covers the K
-bytes followed by the V bytes.
+A chunk holds one layer's K and V for a run of a sequence's logical blocks, at most
+`max_chunk_bytes` of K+V (at least one block), so messages stay well under gRPC limits. The
+CRC-32C covers the K bytes followed by the V bytes.
+
+The prefill cuts its KV with `layer_pieces` (on its engine thread, as each layer is computed)
+and `pdserve.prefill.kv_sender` turns the pieces into the SyncCache stream; the decode checks
+every chunk with `chunk_crc32c`. No protobuf here: the engine thread imports this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import google_crc32c
 
-from pdserve.engine.kv_cache import KVCache
-from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 
-DEFAULT_MAX_CHUNK_BYTES = 2 << 20
+
+@dataclass(frozen=True)
+class KvPiece:
+    """One layer's K and V for a run of a sequence's logical blocks, ready to ship.
+
+    ``key`` and ``value`` may alias the sender's KV cache: they stay valid while the sequence
+    holds its blocks.
+    """
+
+    layer_index: int
+    first_block: int
+    num_blocks: int
+    key: memoryview
+    value: memoryview
 
 
 def chunk_crc32c(key: bytes, value: bytes) -> int:
@@ -22,76 +39,42 @@ def chunk_crc32c(key: bytes, value: bytes) -> int:
     return int(google_crc32c.extend(google_crc32c.value(key), value))
 
 
-def layer_chunks(
+def blocks_per_piece(layout: KVCacheLayout, max_chunk_bytes: int) -> int:
+    """Most blocks of one layer whose K+V fit in `max_chunk_bytes` (at least one)."""
+    return max(1, max_chunk_bytes // (2 * layout.block_nbytes))
+
+
+def layer_pieces(
     kv_cache: KVCache,
     layer_index: int,
     block_ids: Sequence[int],
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> Iterator[decode_pb2.KvChunk]:
-    """KvChunk messages for one layer of a sequence whose block table is `block_ids`.
+    num_blocks_per_piece: int,
+    first_block: int = 0,
+    end_block: int | None = None,
+) -> Iterator[KvPiece]:
+    """One layer of the logical blocks [first_block, end_block) of a sequence, in pieces.
 
     Args:
         kv_cache: The sender's cache.
         layer_index: Which layer.
-        block_ids: The sender's physical blocks, in the sequence's logical order; chunk
-            ``first_block`` values index this list (and so the receiver's lease).
-        max_chunk_bytes: Upper bound of K+V bytes per chunk (at least one block is sent).
+        block_ids: The sender's physical blocks, in the sequence's logical order; a piece's
+            ``first_block`` indexes this list (and so the receiver's lease).
+        num_blocks_per_piece: Most blocks per piece (`blocks_per_piece`).
+        first_block: First logical block to export.
+        end_block: One past the last logical block (default: the whole block table).
     """
-    per_block = 2 * kv_cache.layout.block_nbytes
-    blocks_per_chunk = max(1, max_chunk_bytes // per_block)
-    for first in range(0, len(block_ids), blocks_per_chunk):
-        run = block_ids[first : first + blocks_per_chunk]
-        data = kv_cache.export_blocks(layer_index, run)
-        # NOTE: protobuf needs bytes; this is the one copy out of the cache.
-        key, value = bytes(data.k), bytes(data.v)
-        yield decode_pb2.KvChunk(
-            layer_index=layer_index,
-            first_block=first,
-            num_blocks=len(run),
-            key=key,
-            value=value,
-            crc32c=chunk_crc32c(key, value),
-        )
+    end = len(block_ids) if end_block is None else end_block
+    for start in range(first_block, end, num_blocks_per_piece):
+        stop = min(end, start + num_blocks_per_piece)
+        data = kv_cache.export_blocks(layer_index, block_ids[start:stop])
+        yield KvPiece(layer_index, start, stop - start, data.k, data.v)
 
 
-def sync_cache_messages(
-    kv_cache: KVCache,
-    block_ids: Sequence[int],
-    header: decode_pb2.SyncCacheHeader,
-    first_token_id: int,
-    first_token_index: int,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> Iterator[decode_pb2.SyncCacheRequest]:
-    """A whole SyncCache stream (header, every layer's chunks, commit) for a computed sequence."""
-    yield decode_pb2.SyncCacheRequest(header=header)
-    num_chunks = num_bytes = 0
+def sequence_pieces(
+    kv_cache: KVCache, block_ids: Sequence[int], max_chunk_bytes: int
+) -> Iterator[KvPiece]:
+    """Every layer's pieces of a whole computed sequence, layer by layer: what the prefill
+    exports for a prompt computed in one pass."""
+    num_blocks_per_piece = blocks_per_piece(kv_cache.layout, max_chunk_bytes)
     for layer_index in range(kv_cache.layout.num_layers):
-        for chunk in layer_chunks(kv_cache, layer_index, block_ids, max_chunk_bytes):
-            num_chunks += 1
-            num_bytes += len(chunk.key) + len(chunk.value)
-            yield decode_pb2.SyncCacheRequest(chunk=chunk)
-    yield decode_pb2.SyncCacheRequest(
-        commit=decode_pb2.SyncCacheCommit(
-            num_chunks=num_chunks,
-            num_bytes=num_bytes,
-            first_token_id=first_token_id,
-            first_token_index=first_token_index,
-        )
-    )
-
-
-def sync_cache_header(
-    lease_id: str,
-    request_id: str,
-    token_ids: Sequence[int],
-    num_prompt_tokens: int,
-    sampling: common_pb2.SamplingParams,
-) -> decode_pb2.SyncCacheHeader:
-    """The header message of a transfer."""
-    return decode_pb2.SyncCacheHeader(
-        lease_id=lease_id,
-        request_id=request_id,
-        token_ids=list(token_ids),
-        num_prompt_tokens=num_prompt_tokens,
-        sampling=sampling,
-    )
+        yield from layer_pieces(kv_cache, layer_index, block_ids, num_blocks_per_piece)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.protocol import check_compatible
-from pdserve.prefill.request import FinishReason, KvPiece, LeaseGrant, Request
+from pdserve.prefill.request import FinishReason, LeaseGrant, Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
-from pdserve.serving.kv_transfer import chunk_crc32c
+from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 GRPC_TRANSPORT = decode_pb2.TransportKind.Name(decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE)

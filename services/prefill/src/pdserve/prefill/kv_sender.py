@@ -1,14 +1,19 @@
-"""Ships one request's KV to its decode over a SyncCache stream as the engine produces it.
+"""The SyncCache sender: ships one request's KV to its decode as the engine produces it.
 
 The stream opens as soon as the lease is granted: header first, then every `KvPiece` the engine
 thread exports (layer by layer, while later layers still compute), then the commit with the
 chunk count, byte total and first token once the engine sampled it. `run()` returns when the
 decode acknowledged the commit.
+
+`SyncCacheMessages` builds the messages (chunks with their CRC-32C) and the commit's counts;
+`KvSender` writes them. `sync_cache_messages` is the same stream for a sequence computed before
+it is sent, for tests and benchmarks that drive the decode themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -16,9 +21,11 @@ import structlog
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, has_error_info
+from pdserve.engine.kv_cache import KVCache
 from pdserve.prefill import convert
 from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
-from pdserve.prefill.request import KvPiece, Request
+from pdserve.prefill.request import Request
+from pdserve.serving.kv_transfer import KvPiece, sequence_pieces
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -42,6 +49,57 @@ class TransferResult:
     num_bytes: int
 
 
+class SyncCacheMessages:
+    """The messages of one request's SyncCache stream, in order, and the counts its commit states.
+
+    Args:
+        request: The request (holding its lease).
+        corrupt_first_chunk: Fault injection: flip a byte of the first chunk after its checksum.
+    """
+
+    def __init__(self, request: Request, *, corrupt_first_chunk: bool = False) -> None:
+        self.request = request
+        self.corrupt_first_chunk = corrupt_first_chunk
+        self.num_chunks = 0
+        self.num_bytes = 0
+
+    def header(self) -> decode_pb2.SyncCacheRequest:
+        """The first message."""
+        return convert.sync_header(self.request)
+
+    def chunk(self, piece: KvPiece) -> decode_pb2.SyncCacheRequest:
+        """The chunk message of `piece` with its CRC-32C, counted for the commit."""
+        corrupt = self.corrupt_first_chunk and self.num_chunks == 0
+        message = convert.kv_chunk(piece, corrupt=corrupt)
+        self.num_chunks += 1
+        self.num_bytes += len(message.chunk.key) + len(message.chunk.value)
+        return message
+
+    def commit(self, first_token_id: int, first_token_index: int) -> decode_pb2.SyncCacheRequest:
+        """The last message: every chunk built so far, and the first token."""
+        return convert.sync_commit(
+            self.num_chunks, self.num_bytes, first_token_id, first_token_index
+        )
+
+
+def sync_cache_messages(
+    request: Request, kv_cache: KVCache, first_token_id: int, max_chunk_bytes: int
+) -> Iterator[decode_pb2.SyncCacheRequest]:
+    """The whole stream `KvSender` writes for `request` when its KV was computed in one pass.
+
+    Args:
+        request: The request (holding its lease); ``block_ids`` hold its KV in `kv_cache`.
+        kv_cache: The sender's cache.
+        first_token_id: The sampled first token (the commit's).
+        max_chunk_bytes: Most K+V bytes per chunk, as the prefill's flag.
+    """
+    messages = SyncCacheMessages(request)
+    yield messages.header()
+    for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):
+        yield messages.chunk(piece)
+    yield messages.commit(first_token_id, request.first_token_index)
+
+
 class KvSender:
     """One SyncCache transfer.
 
@@ -60,10 +118,18 @@ class KvSender:
     ) -> None:
         self.stub = stub
         self.request = request
-        self.corrupt_first_chunk = corrupt_first_chunk
-        self.num_chunks = 0
-        self.num_bytes = 0
+        self.messages = SyncCacheMessages(request, corrupt_first_chunk=corrupt_first_chunk)
         self._queue: asyncio.Queue[KvPiece | _Commit] = asyncio.Queue()
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks handed to the stream so far."""
+        return self.messages.num_chunks
+
+    @property
+    def num_bytes(self) -> int:
+        """K+V bytes of those chunks."""
+        return self.messages.num_bytes
 
     def put(self, piece: KvPiece) -> None:
         """Queues a piece of KV (event loop only)."""
@@ -83,27 +149,16 @@ class KvSender:
         address = self.request.decode_address
         call = self.stub.SyncCache(metadata=telemetry.outgoing_metadata())
         try:
-            await self._write(call, convert.sync_header(self.request))
+            await self._write(call, self.messages.header())
             while True:
                 item = await self._queue.get()
                 if isinstance(item, _Commit):
-                    await self._write(
-                        call,
-                        convert.sync_commit(
-                            self.num_chunks,
-                            self.num_bytes,
-                            item.first_token_id,
-                            item.first_token_index,
-                        ),
-                    )
+                    commit = self.messages.commit(item.first_token_id, item.first_token_index)
+                    await self._write(call, commit)
                     await call.done_writing()
                     response: decode_pb2.SyncCacheResponse = await call
                     break
-                corrupt = self.corrupt_first_chunk and self.num_chunks == 0
-                message = convert.kv_chunk(item, corrupt=corrupt)
-                await self._write(call, message)
-                self.num_chunks += 1
-                self.num_bytes += len(message.chunk.key) + len(message.chunk.value)
+                await self._write(call, self.messages.chunk(item))
         except asyncio.CancelledError:
             call.cancel()
             raise

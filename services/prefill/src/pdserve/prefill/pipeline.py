@@ -32,13 +32,13 @@ from pdserve.prefill.request import (
     EngineFailed,
     FinishReason,
     FirstTokenSampled,
-    KvPiece,
     LeaseGrant,
     Request,
     RequestStatus,
     first_token_finish,
     is_length_capped,
 )
+from pdserve.serving.kv_transfer import KvPiece
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")

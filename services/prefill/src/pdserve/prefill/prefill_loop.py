@@ -28,8 +28,9 @@ from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.prefill.metrics import PrefillMetrics
-from pdserve.prefill.request import EngineFailed, FirstTokenSampled, KvPiece, Request
+from pdserve.prefill.request import EngineFailed, FirstTokenSampled, Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
+from pdserve.serving.kv_transfer import blocks_per_piece, layer_pieces
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
@@ -60,8 +61,7 @@ class PrefillLoop:
         self.scheduler = PrefillScheduler(
             BlockPool(runner.kv_cache.num_blocks), self.block_size, max_num_batched_tokens
         )
-        per_block = 2 * runner.kv_cache.layout.block_nbytes
-        self.blocks_per_piece = max(1, max_chunk_bytes // per_block)
+        self.blocks_per_piece = blocks_per_piece(runner.kv_cache.layout, max_chunk_bytes)
         self.sampler = Sampler()
         self.num_passes = 0
         self.num_prompt_tokens = 0
@@ -213,10 +213,15 @@ class PrefillLoop:
     def _export_layer(self, exports: list[_Export], layer_index: int) -> None:
         kv_cache = self.runner.kv_cache
         for request, first_block, end_block in exports:
-            for start in range(first_block, end_block, self.blocks_per_piece):
-                stop = min(end_block, start + self.blocks_per_piece)
-                data = kv_cache.export_blocks(layer_index, request.block_ids[start:stop])
-                request.sink(KvPiece(layer_index, start, stop - start, data.k, data.v))
+            for piece in layer_pieces(
+                kv_cache,
+                layer_index,
+                request.block_ids,
+                self.blocks_per_piece,
+                first_block,
+                end_block,
+            ):
+                request.sink(piece)
 
 
 def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving.kv_transfer import KvPiece
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,21 +50,6 @@ class LeaseGrant:
     block_ids: tuple[int, ...]
     decode_instance_id: str
     transport_token: bytes = b""
-
-
-@dataclass(frozen=True)
-class KvPiece:
-    """One layer's K and V for a run of a request's logical blocks, ready to ship.
-
-    ``key`` and ``value`` may alias the prefill's KV cache: they stay valid while the request
-    holds its blocks, i.e. until it is released from the engine thread.
-    """
-
-    layer_index: int
-    first_block: int
-    num_blocks: int
-    key: memoryview
-    value: memoryview
 
 
 @dataclass(frozen=True)
