@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pickle
+
 import grpc
 import pytest
 
@@ -28,3 +30,20 @@ def test_client_errors_map_to_4xx_and_never_retry(reason: ErrorReason) -> None:
         assert 400 <= spec.http_status < 500 or reason is ErrorReason.DEADLINE_EXCEEDED
     if 400 <= spec.http_status < 500 and spec.http_status != 429:
         assert spec.retry_scope is RetryScope.NEVER
+
+
+def test_an_error_survives_pickling_with_every_field() -> None:
+    error = PdserveError(
+        ErrorReason.CACHE_SYNC_FAILED,
+        "broken stream",
+        {"leaseId": "lease-7"},
+        retry_delay_s=0.5,
+        code=grpc.StatusCode.ABORTED,
+    )
+    copy = pickle.loads(pickle.dumps(error))
+    assert copy == error
+    assert (copy.code, copy.retry_delay_s, copy.metadata) == (
+        grpc.StatusCode.ABORTED,
+        0.5,
+        {"leaseId": "lease-7"},
+    )
