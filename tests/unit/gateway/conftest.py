@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from support.gateway_cluster import Cluster
+from support.threaded_gateway import ThreadedCluster
 
 
 @pytest.fixture
@@ -25,3 +26,14 @@ async def pd(cluster: Cluster) -> Cluster:
     await cluster.add_prefill()
     await cluster.add_decode()
     return cluster
+
+
+@pytest.fixture(scope="module")
+def threaded_gateway() -> Iterator[ThreadedCluster]:
+    """A gateway with one prefill and decode on a thread of its own, for a whole module of
+    synchronous tests (a small default chat length keeps completions short)."""
+    running = ThreadedCluster(default_chat_max_tokens=8).start()
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -41,14 +40,9 @@ FUZZ = settings(
 DEFAULTS = GatewayConfig()
 
 
-@pytest.fixture(scope="module")
-def gateway() -> Iterator[ThreadedCluster]:
-    # NOTE: a small default chat length keeps generated completions short.
-    running = ThreadedCluster(default_chat_max_tokens=8).start()
-    try:
-        yield running
-    finally:
-        running.stop()
+@pytest.fixture
+def gateway(threaded_gateway: ThreadedCluster) -> ThreadedCluster:
+    return threaded_gateway
 
 
 # Strategies -----------------------------------------------------------------------------------
