@@ -385,3 +385,30 @@ async def test_a_stalled_event_loop_does_not_make_instances_look_dead(cluster: C
     assert gateway.metrics.count("instances_lost", "decode") == 0
     result = await cluster.openai().completions.create(model=MODEL_NAME, prompt="x", max_tokens=2)
     assert result.usage is not None and result.usage.completion_tokens == 2
+
+
+async def test_16_clients_get_no_errors_and_leave_nothing_in_flight(pd: Cluster) -> None:
+    gateway = pd.gateway
+    assert gateway is not None
+    num_finished = 0
+
+    async def client(index: int) -> None:
+        nonlocal num_finished
+        openai_client = pd.openai(f"key-{index % 4}")
+        for round_index in range(8):
+            stream = await openai_client.completions.create(
+                model=MODEL_NAME, prompt=f"client {index}", max_tokens=12, stream=True
+            )
+            if (index + round_index) % 4 == 0:
+                async for _ in stream:
+                    break  # leave early: the stream is cancelled
+                await stream.close()
+                continue
+            chunks = [chunk async for chunk in stream]
+            assert chunks[-1].choices[0].finish_reason == "length"
+            num_finished += 1
+
+    await asyncio.gather(*(client(index) for index in range(16)))
+    assert num_finished == 16 * 8 - 32
+    await eventually(lambda: gateway.limiter.num_in_flight == 0)
+    await eventually(lambda: gateway.pipeline.num_active_requests == 0)
