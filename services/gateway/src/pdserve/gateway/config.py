@@ -98,14 +98,14 @@ class GatewayConfig(ServiceConfig):
         },
     )
     max_body_bytes: int = field(
-        default=8 * MIB,
+        default=4 * MIB,
         metadata={
             "help": "largest REST request body in bytes; a larger one is refused with 413 "
             "before it is read (by its Content-Length) or as soon as it grows past this"
         },
     )
     grpc_max_receive_bytes: int = field(
-        default=8 * MIB,
+        default=4 * MIB,
         metadata={
             "help": "largest gRPC message the gateway receives (GenerationService, "
             "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED"

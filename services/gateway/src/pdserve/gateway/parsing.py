@@ -81,6 +81,12 @@ def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenA
         body: Any = body_cls.model_validate_json(raw)
     except pydantic.ValidationError as exc:
         raise _from_validation_error(exc) from None
+    check_counts(
+        limits,
+        num_messages=len(getattr(body, "messages", ())),
+        num_stop_strings=len(body.stop) if isinstance(body.stop, list) else 0,
+        num_stop_token_ids=len(body.stop_token_ids or ()),
+    )
     params = validate_request(body.to_params(), limits)
     return OpenAIBody(
         params, body.model, body.stream, body.include_usage, bool(body.return_token_ids)
