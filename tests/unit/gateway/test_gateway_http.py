@@ -21,12 +21,15 @@ GOOD = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
 GENERATE = "/pdserve.v1.GenerationService/Generate"
 
 
+ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 415: "invalid_request_error"}
+
+
 def _assert_openai_error(body: Any, status: int, code: str) -> None:
     error = body["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert error["code"] == code
-    assert error["type"] == ("server_error" if status >= 500 else error["type"])
+    assert error["type"] == ERROR_TYPES.get(status, "server_error")
 
 
 @pytest.mark.parametrize(

@@ -23,14 +23,14 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
-async def _raw_exchange(port: int, head: bytes, body: bytes = b"", timeout_s: float = 2.0) -> bytes:
-    """Sends raw HTTP/1.1 bytes and returns what the server answers within `timeout_s`."""
+async def _answer_head(port: int, request_head: bytes, timeout_s: float = 2.0) -> bytes:
+    """Sends raw HTTP/1.1 request headers and returns the response's status line and headers,
+    which must arrive within `timeout_s`."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(head + body)
+        writer.write(request_head)
         await writer.drain()
-        status_line = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
-        return status_line
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
     finally:
         writer.close()
 
@@ -44,7 +44,7 @@ async def test_declared_oversized_body_is_413_before_it_is_sent(pd: Cluster) -> 
         b"Content-Length: 10000000\r\n\r\n"
     )
     started = time.monotonic()
-    answer = await _raw_exchange(gateway.http_port, head)
+    answer = await _answer_head(gateway.http_port, head)
     assert time.monotonic() - started < 1.0
     assert answer.startswith(b"HTTP/1.1 413 ")
     assert pd.prefills[0].requests == []
