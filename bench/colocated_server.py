@@ -35,11 +35,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from pdserve.common.generation import FinishReason, SamplingParams
 from pdserve.common.logging import configure_logging
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.request import FinishReason
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.tokenizer import TextStream, Tokenizer
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from common import build_random_llama, write_results
 
+from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import create_server
@@ -27,7 +28,6 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_sender import sync_cache_messages
@@ -62,7 +62,7 @@ async def service_tokens_per_s(model_dir: Path, n: int, sampling: SamplingParams
     stub = decode_pb2_grpc.DecodeServiceStub(insecure_channel(f"127.0.0.1:{instance.port}"))
     leases = []
     for i, prompt in enumerate(_prompts(n)):
-        block_ids = pool.allocate(-(-PROMPT_LEN // BLOCK_SIZE))
+        block_ids = pool.allocate(num_blocks_for(PROMPT_LEN, BLOCK_SIZE))
         logits = sender.runner.execute([ForwardChunk(prompt, 0, block_ids)])
         first = int(logits[0].argmax())
         request = Request(

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from common import write_results
 
+from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
 from pdserve.prefill.kv_sender import KvSender
@@ -156,7 +156,7 @@ async def sync_cache_once(
         sampling=SamplingParams(temperature=0.0, max_tokens=2),
         seed=0,
         decode_address=decode.address,
-        block_ids=list(range(-(-num_tokens // BLOCK_SIZE))),
+        block_ids=list(range(num_blocks_for(num_tokens, BLOCK_SIZE))),
     )
     allocate = convert.allocate_request(
         request, status.instance.kv_layout, local_protocol(), sender="bench"
@@ -178,7 +178,7 @@ async def sync_cache_once(
 
 def chunk_payloads(kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int) -> list[bytes]:
     """The K and V byte strings of every chunk SyncCache sends, in order."""
-    block_ids = list(range(-(-num_tokens // BLOCK_SIZE)))
+    block_ids = list(range(num_blocks_for(num_tokens, BLOCK_SIZE)))
     payloads = []
     for piece in sequence_pieces(kv_cache, block_ids, max_chunk_bytes):
         payloads += [bytes(piece.key), bytes(piece.value)]
@@ -215,9 +215,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model = build_kv_model(cache_dir() / "bench-kv-llama-v1")
     max_tokens = max(args.sizes_mib) * MIB // bytes_per_token()
-    num_blocks = -(-max_tokens // BLOCK_SIZE) + 8
+    num_blocks = num_blocks_for(max_tokens, BLOCK_SIZE) + 8
     layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype="float32", **MODEL_SHAPE)
-    kv_cache = KVCache(layout, -(-max_tokens // BLOCK_SIZE), torch.device("cpu"))
+    kv_cache = KVCache(layout, num_blocks_for(max_tokens, BLOCK_SIZE), torch.device("cpu"))
     kv_cache.kv.normal_()  # stands in for a computed prompt: what the bytes are does not matter
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-logs-"))
     decode = Decode(model, num_blocks, log_dir)

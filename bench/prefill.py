@@ -45,13 +45,13 @@ import grpc
 import torch
 from common import build_random_llama, percentile, write_results
 
+from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.common.logging import configure_logging
 from pdserve.decode import server as decode_server
 from pdserve.decode.config import DecodeConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_sender import KvSender
@@ -298,12 +298,7 @@ def _host(model_dir: Path) -> ModelHost:
 
 async def _decode(model_dir: Path, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):  # type: ignore[no-untyped-def]
     config = DecodeConfig(port=0, block_size=BLOCK_SIZE, lease_ttl_ms=600_000)
-    original = decode_server.new_aio_server
-    decode_server.new_aio_server = lambda: original(interceptors)  # type: ignore[assignment]
-    try:
-        return await decode_server.create_server(config, _host(model_dir))
-    finally:
-        decode_server.new_aio_server = original  # type: ignore[assignment]
+    return await decode_server.create_server(config, _host(model_dir), interceptors=interceptors)
 
 
 async def _prefill(model_dir: Path, **settings: Any) -> PrefillInstance:
@@ -420,7 +415,7 @@ async def transfer_tail(
             sampling=sampling,
             seed=0,
             decode_address=address,
-            block_ids=list(range(-(-len(prompt) // BLOCK_SIZE))),
+            block_ids=list(range(num_blocks_for(len(prompt), BLOCK_SIZE))),
         )
         allocate = convert.allocate_request(
             request, prefill.host.kv_layout, local_protocol(), sender="bench"

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.common.generation import SamplingParams, num_blocks_for, resolve_seed
 from pdserve.decode.server import DecodeInstance
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.kv_sender import sync_cache_messages
 from pdserve.prefill.request import LeaseGrant, Request
 from pdserve.serving.convert import local_protocol
@@ -70,9 +70,11 @@ class LocalPrefill:
         generated: tuple[int, ...] = (),
     ) -> Prefilled:
         tokens = [*prompt, *generated]
-        block_ids = self.pool.allocate(-(-len(tokens) // BLOCK_SIZE))
+        block_ids = self.pool.allocate(num_blocks_for(len(tokens), BLOCK_SIZE))
         logits = self.host.runner.execute([ForwardChunk(tokens, 0, block_ids)])
-        first = self.sampler(logits, [SamplingRow(sampling, sampling.seed or 0, len(generated))])
+        first = self.sampler(
+            logits, [SamplingRow(sampling, resolve_seed(sampling.seed), len(generated))]
+        )
         return Prefilled(request_id, tokens, len(prompt), sampling, block_ids, first[0])
 
     def reference(self, prompt: list[int], sampling: SamplingParams) -> list[int]:
@@ -94,7 +96,7 @@ class LocalPrefill:
             token_ids=prefilled.token_ids,
             num_prompt_tokens=prefilled.num_prompt_tokens,
             sampling=prefilled.sampling,
-            seed=prefilled.sampling.seed or 0,
+            seed=resolve_seed(prefilled.sampling.seed),
             decode_address="",
             block_ids=prefilled.block_ids,
         )

@@ -5,22 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from pdserve.common import errors
+from pdserve.common.generation import SamplingParams
 from pdserve.common.grpc_server import insecure_channel
-from pdserve.decode import server as decode_server
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import DecodeInstance
+from pdserve.decode.server import create_server as create_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.config import PrefillConfig
-from pdserve.prefill.server import PrefillInstance, create_server
+from pdserve.prefill.server import PrefillInstance
+from pdserve.prefill.server import create_server as create_prefill
 from pdserve.serving.convert import local_protocol, sampling_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import (
@@ -87,17 +88,6 @@ class Delay(grpc.aio.ServerInterceptor):
         )
 
 
-@contextlib.contextmanager
-def decode_interceptors(interceptors: Sequence[grpc.aio.ServerInterceptor]) -> Iterator[None]:
-    """Makes `pdserve.decode.server.create_server` build its server with `interceptors`."""
-    original = decode_server.new_aio_server
-    decode_server.new_aio_server = lambda: original(interceptors)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        decode_server.new_aio_server = original  # type: ignore[assignment]
-
-
 async def start_decode(
     model_dir: Path,
     *,
@@ -108,8 +98,8 @@ async def start_decode(
     config = DecodeConfig(
         port=0, block_size=BLOCK_SIZE, num_blocks=num_blocks, lease_ttl_ms=lease_ttl_ms
     )
-    with decode_interceptors(interceptors):
-        return await decode_server.create_server(config, load_host(model_dir, num_blocks))
+    host = load_host(model_dir, num_blocks)
+    return await create_decode(config, host, interceptors=interceptors)
 
 
 async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance:
@@ -123,7 +113,7 @@ async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance
     }
     settings.update(overrides)
     config = PrefillConfig(**settings)  # type: ignore[arg-type]
-    return await create_server(config, load_host(model_dir, config.num_blocks or 64))
+    return await create_prefill(config, load_host(model_dir, config.num_blocks or 64))
 
 
 def reference_engine(model_dir: Path) -> LLMEngine:

@@ -14,13 +14,13 @@ from typing import Any
 import httpx
 import openai
 
+from pdserve.common.generation import SamplingParams
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import DecodeInstance
 from pdserve.decode.server import create_server as create_decode
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import GatewayServer
 from pdserve.prefill.config import PrefillConfig

@@ -11,8 +11,8 @@ from support.decode_harness import BLOCK_SIZE, DecodeClient, tokens_of
 
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
+from pdserve.common.generation import SamplingParams
 from pdserve.decode.config import DecodeConfig
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import common_pb2, decode_pb2
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
 from pdserve.engine.attention_metadata import DecodeGroup, split_decode_groups
 
@@ -127,7 +128,7 @@ def test_decodes_of_very_different_lengths_equal_each_alone(
     engine = make_engine("llama3", num_blocks=128)
     lengths = [400, 6, 210, 17, 200]
     sequences = [prompts(1, seed=80 + i, min_len=n, max_len=n)[0] for i, n in enumerate(lengths)]
-    tables = [engine.block_pool.allocate(-(-n // 16)) for n in lengths]
+    tables = [engine.block_pool.allocate(num_blocks_for(n, 16)) for n in lengths]
     for sequence, table in zip(sequences, tables, strict=True):
         engine.runner.execute([ForwardChunk(sequence[:-1], 0, table)])
     decodes = [ForwardChunk(s[-1:], len(s) - 1, t) for s, t in zip(sequences, tables, strict=True)]

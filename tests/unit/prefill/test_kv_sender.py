@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.generation import SamplingParams
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.request import LeaseGrant, Request
 from pdserve.v1 import decode_pb2

@@ -12,8 +12,8 @@ import pytest
 import torch
 from support.prefill_cluster import BLOCK_SIZE, load_host
 
+from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.runner import ForwardChunk
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.kv_sender import KvSender, sync_cache_messages
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import EngineEvent, FirstTokenSampled, LeaseGrant, Request
@@ -121,7 +121,7 @@ def test_chunked_prompt_ships_every_block_of_every_layer_exactly_once(host: Mode
     # The first pass already shipped its 4 full blocks of layer 0 before the second pass ran.
     first_return = events.index("pass_returned")
     assert any(isinstance(e, KvPiece) for e in events[:first_return])
-    assert request.num_sent_blocks == -(-len(PROMPT) // BLOCK_SIZE)
+    assert request.num_sent_blocks == num_blocks_for(len(PROMPT), BLOCK_SIZE)
 
 
 class _RecordingCall:

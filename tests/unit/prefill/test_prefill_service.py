@@ -11,8 +11,8 @@ from support.prefill_cluster import BLOCK_SIZE, Cluster, Delay, cluster
 
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
+from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
@@ -48,7 +48,7 @@ async def test_concurrent_requests_share_passes_and_each_equals_the_engine(
     )
     assert results == references
     # Shared passes: fewer than one pass per budget-sized piece of each prompt.
-    one_by_one = sum(-(-len(p) // 16) for p in prompts)
+    one_by_one = sum(num_blocks_for(len(p), 16) for p in prompts)
     assert pd.prefill.loop.num_passes < one_by_one
     await pd.assert_whole()
 
@@ -81,7 +81,7 @@ async def test_first_token_arrives_before_the_transfer_is_acknowledged(
         handed_off = events.messages[1].handed_off
         assert handed_off.decode_instance_id == pd.decodes[0].status.instance.instance_id
         assert handed_off.num_chunks > 0
-        num_blocks = -(-len(SHORT) // BLOCK_SIZE)
+        num_blocks = num_blocks_for(len(SHORT), BLOCK_SIZE)
         layout = pd.prefill.host.runner.kv_cache.layout
         assert handed_off.num_bytes == 2 * num_blocks * layout.num_layers * layout.block_nbytes
         ids, _ = await pd.generate(handed_off.lease_id)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.common.generation import SamplingParams
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler
 

@@ -16,6 +16,9 @@ Layers, from the bottom up:
 * ``LLMEngine`` puts them together in one process: ``add_request``, ``step``, ``abort``,
   ``generate``.
 
+``SamplingParams`` and ``FinishReason`` are the services' own (``pdserve.common.generation``),
+re-exported here.
+
 Names are imported lazily so that light modules of this package (e.g. the demo model
 generator) can be imported without loading torch.
 """
@@ -26,6 +29,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdserve.common.generation import FinishReason, SamplingParams
     from pdserve.engine.block_pool import BlockPool, hash_block_tokens
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.kv_cache import (
@@ -37,10 +41,9 @@ if TYPE_CHECKING:
     from pdserve.engine.kv_cache_manager import KVCacheManager
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.request import FinishReason, Request, RequestStatus
+    from pdserve.engine.request import Request, RequestStatus
     from pdserve.engine.runner import ForwardChunk, ModelRunner
     from pdserve.engine.sampler import Sampler, SamplingRow, position_seed
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler import (
         RequestOutput,
         ScheduledRequest,
@@ -61,7 +64,7 @@ _EXPORTS = {
     "KVCacheManager": "kv_cache_manager",
     "LLMEngine": "llm_engine",
     "ModelConfig": "model_config",
-    "FinishReason": "request",
+    "FinishReason": "pdserve.common.generation",
     "Request": "request",
     "RequestStatus": "request",
     "ForwardChunk": "runner",
@@ -69,7 +72,7 @@ _EXPORTS = {
     "Sampler": "sampler",
     "SamplingRow": "sampler",
     "position_seed": "sampler",
-    "SamplingParams": "sampling_params",
+    "SamplingParams": "pdserve.common.generation",
     "RequestOutput": "scheduler",
     "ScheduledRequest": "scheduler",
     "Scheduler": "scheduler",
@@ -109,4 +112,6 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"pdserve.engine.{module}"), name)
+    if "." not in module:
+        module = f"pdserve.engine.{module}"
+    return getattr(importlib.import_module(module), name)

@@ -11,11 +11,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+from pdserve.common.generation import SamplingParams
 from pdserve.common.logging import LEVELS, configure_logging
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
-from pdserve.engine.sampling_params import SamplingParams
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.attention_buffer import KVGatherBuffer
 
 
@@ -43,7 +44,7 @@ def split_decode_groups(context_lens: Sequence[int], block_size: int) -> list[De
     Returns:
         Consecutive groups covering every decode; each is padded to its own longest context.
     """
-    num_blocks = [-(-n // block_size) for n in context_lens]
+    num_blocks = [num_blocks_for(n, block_size) for n in context_lens]
     count = len(num_blocks)
     if count == 0:
         return []
@@ -123,7 +124,7 @@ class AttentionMetadata:
 
     def blocks_of(self, seq_index: int, num_tokens: int) -> torch.Tensor:
         """``[num_blocks]`` physical ids of the blocks holding a sequence's first ``num_tokens``."""
-        return self.block_table[seq_index, : -(-num_tokens // self.block_size)]
+        return self.block_table[seq_index, : num_blocks_for(num_tokens, self.block_size)]
 
     def decode_groups(self) -> list[DecodeGroup]:
         """The decodes split into runs of similar context length (see ``split_decode_groups``)."""

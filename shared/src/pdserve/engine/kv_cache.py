@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.engine.kv_cache_manager import cdiv
+from pdserve.common.generation import num_blocks_for
 
 _BytesLike = bytes | bytearray | memoryview
 
@@ -55,7 +55,8 @@ def num_blocks_for_budget(layout: KVCacheLayout, memory_bytes: int) -> int:
 def logical_blocks_touched(num_computed_tokens: int, num_new_tokens: int, block_size: int) -> range:
     """Indexes into a block table of the blocks that a chunk of new tokens writes to."""
     return range(
-        num_computed_tokens // block_size, cdiv(num_computed_tokens + num_new_tokens, block_size)
+        num_computed_tokens // block_size,
+        num_blocks_for(num_computed_tokens + num_new_tokens, block_size),
     )
 
 

@@ -1,19 +1,14 @@
 """The colocated `LLMEngine`'s request-level block bookkeeping on the block pool (vLLM's KV
 cache manager).
 
-The services keep their own (the prefill's scheduler, the decode's lease table); of this module
-they use only `cdiv`.
+The services keep their own (the prefill's scheduler, the decode's lease table).
 """
 
 from __future__ import annotations
 
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool, hash_block_tokens
 from pdserve.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -64,7 +59,8 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_tokens
         if num_hit_blocks:
             num_tokens = num_hit_blocks * self.block_size + num_new_tokens
-        return max(0, cdiv(num_tokens, self.block_size) - len(request.block_ids) - num_hit_blocks)
+        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        return max(0, num_blocks - len(request.block_ids) - num_hit_blocks)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, hit_block_ids: list[int] | None = None

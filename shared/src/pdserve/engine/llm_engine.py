@@ -7,14 +7,14 @@ from collections.abc import Sequence
 
 import structlog
 
+from pdserve.common.generation import SamplingParams, num_blocks_for, resolve_seed
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model import LayerCallback
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -92,24 +92,24 @@ class LLMEngine:
         if len(output_token_ids) >= params.max_tokens:
             raise ValueError(f"request {request_id!r} already has max_tokens output tokens")
         final_len = min(num_tokens + params.max_tokens - len(output_token_ids), self.max_model_len)
-        if cdiv(final_len, self.block_size) > self.block_pool.num_blocks:
+        num_blocks = num_blocks_for(final_len, self.block_size)
+        if num_blocks > self.block_pool.num_blocks:
             raise ValueError(
-                f"request {request_id!r} needs up to {cdiv(final_len, self.block_size)} blocks; "
+                f"request {request_id!r} needs up to {num_blocks} blocks; "
                 f"the cache has {self.block_pool.num_blocks}"
             )
-        if cdiv(num_computed_tokens, self.block_size) > len(block_ids):
+        if num_blocks_for(num_computed_tokens, self.block_size) > len(block_ids):
             raise ValueError(f"request {request_id!r}: block_ids cannot hold num_computed_tokens")
         if any(
             not 0 <= b < self.block_pool.num_blocks or self.block_pool.ref_counts[b] <= 0
             for b in block_ids
         ):
             raise ValueError(f"request {request_id!r}: block_ids must be allocated from block_pool")
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             request_id,
             prompt_token_ids,
             params,
-            seed,
+            resolve_seed(params.seed, self._seed_rng),
             output_token_ids=output_token_ids,
             block_ids=block_ids,
             num_computed_tokens=num_computed_tokens,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+from pdserve.common.generation import FinishReason, SamplingParams, check_stop
 from pdserve.engine.block_pool import BlockHash
-from pdserve.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -28,19 +28,12 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
 
-class FinishReason(enum.Enum):
-    """Why a request ended, in OpenAI's vocabulary."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+_FINISHED_STATUSES = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
 class Request:
@@ -87,9 +80,7 @@ class Request:
         self.num_computed_tokens = num_computed_tokens
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.stop_token_ids = frozenset(sampling_params.stop_token_ids) | (
-            frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
-        )
+        self.eos_token_ids = frozenset(eos_token_ids)
         if not 0 <= num_computed_tokens < self.num_tokens:
             raise ValueError(
                 f"request {request_id!r}: num_computed_tokens must be in [0, {self.num_tokens})"
@@ -127,13 +118,15 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The terminal status reached after the latest token, or ``None`` to keep going."""
-        if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.sampling_params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        if self.num_tokens >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
+        reason = check_stop(
+            self.all_token_ids[-1],
+            self.num_output_tokens,
+            self.sampling_params,
+            self.eos_token_ids,
+            num_tokens=self.num_tokens,
+            max_model_len=max_model_len,
+        )
+        return None if reason is None else _FINISHED_STATUSES[reason]
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import structlog
 import torch
 
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.attention_buffer import KVGatherBuffer
 from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 from pdserve.engine.config import EngineConfig
@@ -157,7 +158,7 @@ class ModelRunner:
             num_new = len(chunk.token_ids)
             start = chunk.num_computed_tokens
             context_len = start + num_new
-            num_blocks = -(-context_len // block_size)
+            num_blocks = num_blocks_for(context_len, block_size)
             if num_new == 0 or start < 0 or len(chunk.block_ids) < num_blocks:
                 raise ValueError(
                     f"chunk {index}: {num_new} new tokens at position {start} need "

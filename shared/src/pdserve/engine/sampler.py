@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.generation import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

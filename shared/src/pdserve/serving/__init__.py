@@ -1,2 +1,2 @@
-"""Edge code shared by the prefill and decode servers: loading a model for serving and
-converting between pdserve.v1 messages and the engine's plain types."""
+"""Edge code shared by the servers: loading a model for serving (prefill and decode) and
+converting between pdserve.v1 messages and the shared plain types (every service)."""

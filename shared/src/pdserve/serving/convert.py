@@ -1,19 +1,33 @@
-"""Conversions between pdserve.v1 messages and the engine's plain dataclasses."""
+"""The one mapping between pdserve.v1's common messages and the plain types every service
+shares: `SamplingParams` and `FinishReason` (`pdserve.common.generation`), `KvLayout`,
+`Protocol`.
+
+No torch is imported here (the engine's cache layout only as a type), so the gateway converts
+with these functions too.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import MAX_SEED, FinishReason, SamplingParams
 from pdserve.common.protocol import FEATURES, PROTOCOL_VERSION, kv_layout_fingerprint
-from pdserve.engine.kv_cache import KVCacheLayout
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_cache import KVCacheLayout
 
 _KV_DTYPES = {
     "float32": common_pb2.KV_DTYPE_FLOAT32,
     "float16": common_pb2.KV_DTYPE_FLOAT16,
     "bfloat16": common_pb2.KV_DTYPE_BFLOAT16,
 }
-MAX_SEED = 2**63
+_FINISH_REASONS = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+}
+_FINISH_REASONS_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_REASONS.items()}
 
 
 def local_protocol() -> common_pb2.Protocol:
@@ -43,7 +57,8 @@ def kv_layout_to_proto(layout: KVCacheLayout, model_id: str) -> common_pb2.KvLay
 
 
 def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    """Engine sampling params from the contract's, validated.
+    """`SamplingParams` from the contract's message, validated (unset fields take the
+    contract's defaults).
 
     Raises:
         PdserveError: INVALID_REQUEST for out-of-range values.
@@ -65,7 +80,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """The contract's sampling params from the engine's."""
+    """The contract's SamplingParams message of `params` (an unset seed stays unset)."""
     message = common_pb2.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -77,3 +92,20 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     if params.seed is not None:
         message.seed = params.seed
     return message
+
+
+def finish_reason_to_proto(reason: FinishReason) -> common_pb2.FinishReason:
+    """The contract's FinishReason value of `reason`.
+
+    Raises:
+        ValueError: For ABORT, which the contract does not carry.
+    """
+    value = _FINISH_REASONS.get(reason)
+    if value is None:
+        raise ValueError(f"{reason} has no FinishReason in the contract")
+    return value
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """`FinishReason` of the contract's value; None for UNSPECIFIED or an unknown value."""
+    return _FINISH_REASONS_FROM_PROTO.get(value)

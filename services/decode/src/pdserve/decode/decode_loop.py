@@ -21,11 +21,11 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason
+from pdserve.common.generation import SamplingParams
 from pdserve.decode.leases import Lease, LeaseManager, LeaseState
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -12,9 +12,9 @@ from typing import NamedTuple
 import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import num_blocks_for
 from pdserve.decode.leases import Lease
 from pdserve.engine.kv_cache import KVCache
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.serving.kv_transfer import chunk_crc32c
 
 
@@ -41,7 +41,7 @@ class KvReceiver:
         self.kv_cache = kv_cache
         self.lease = lease
         self.num_layers = kv_cache.layout.num_layers
-        self.num_blocks = cdiv(lease.num_prompt_tokens, kv_cache.block_size)
+        self.num_blocks = num_blocks_for(lease.num_prompt_tokens, kv_cache.block_size)
         self.num_chunks = 0
         self.num_bytes = 0
         # NOTE: one flag per (layer, logical block) proves the cache is complete at commit.

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import cdiv
 
 NUM_REMEMBERED_ENDED = 4096
 
@@ -108,7 +108,9 @@ class LeaseManager:
     # ---- admission -------------------------------------------------------------------------
 
     def _headroom_blocks(self, num_computed: int, num_remaining: int, num_held: int) -> int:
-        wanted = cdiv(num_computed + min(self.reserve_tokens, num_remaining), self.block_size)
+        wanted = num_blocks_for(
+            num_computed + min(self.reserve_tokens, num_remaining), self.block_size
+        )
         return max(0, wanted - num_held)
 
     def num_reserved_blocks(self) -> int:
@@ -135,7 +137,7 @@ class LeaseManager:
                 "num_prompt_tokens and max_new_tokens must be positive",
                 {"requestId": request_id},
             )
-        num_blocks = cdiv(num_prompt_tokens, self.block_size)
+        num_blocks = num_blocks_for(num_prompt_tokens, self.block_size)
         own_headroom = self._headroom_blocks(num_prompt_tokens, max_new_tokens, num_blocks)
         with self.lock:
             if self.is_draining:
@@ -200,7 +202,7 @@ class LeaseManager:
     def extend(self, lease: Lease, num_tokens: int) -> bool:
         """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
         with self.lock:
-            missing = cdiv(num_tokens, self.block_size) - len(lease.block_ids)
+            missing = num_blocks_for(num_tokens, self.block_size) - len(lease.block_ids)
             if missing <= 0:
                 return True
             if not self.pool.can_allocate(missing):

@@ -10,12 +10,12 @@ out instead of piling onto one instance. Ties are broken at random.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import num_blocks_for
 from pdserve.common.protocol import check_compatible
 from pdserve.gateway.instance import InstanceInfo, InstanceRole
 from pdserve.gateway.registry import InstanceEntry, Registry
@@ -123,7 +123,7 @@ class Router:
         )
         self._book(prefill, num_prompt_tokens)
         block_size = max(1, decode.info.kv_layout.block_size)
-        self._book(decode, math.ceil((num_prompt_tokens + max_new_tokens) / block_size))
+        self._book(decode, num_blocks_for(num_prompt_tokens + max_new_tokens, block_size))
         return Pair(prefill.info, decode.info)
 
     def _best(

@@ -23,8 +23,8 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.prefill.metrics import PrefillMetrics
@@ -203,7 +203,7 @@ class PrefillLoop:
         # NOTE: only blocks this pass fills completely, plus the partial last block once the
         # prompt is complete; a block a later chunk still writes to waits for that chunk.
         if chunk.completes_prompt:
-            end_block = cdiv(end_token, self.block_size)
+            end_block = num_blocks_for(end_token, self.block_size)
         else:
             end_block = end_token // self.block_size
         if end_block <= request.num_sent_blocks:

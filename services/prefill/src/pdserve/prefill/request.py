@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.common.generation import SamplingParams
 from pdserve.serving.kv_transfer import KvPiece
 
 

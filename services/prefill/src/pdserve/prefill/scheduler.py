@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.kv_cache_manager import cdiv
 from pdserve.prefill.request import Request
 
 
@@ -93,7 +93,7 @@ class PrefillScheduler:
             budget -= num_new
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            num_blocks = cdiv(request.num_tokens, self.block_size)
+            num_blocks = num_blocks_for(request.num_tokens, self.block_size)
             if not self.pool.can_allocate(num_blocks):
                 break
             self.waiting.popleft()

@@ -1,0 +1,155 @@
+"""The vocabulary of a generation request, spoken by the gateway, the prefill, the decode and the
+engine alike: what a request asks for (`SamplingParams`, the seed rule), how it ends
+(`FinishReason`, `check_stop`), and how many KV blocks its tokens take (`num_blocks_for`).
+
+Plain Python only (no torch, no protobuf), so every service can import it; the one mapping to
+and from pdserve.v1 messages is `pdserve.serving.convert`.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Container
+from dataclasses import dataclass
+
+MAX_SEED = 2**63  # the sampler's generator takes 63 bits
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request and when to stop.
+
+    Attributes:
+        temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+        top_k: Keep the k most likely tokens; 0 disables.
+        top_p: Keep the smallest set of tokens whose probability reaches top_p; 1.0 disables.
+        seed: Makes sampling reproducible: the token at completion index i is a pure function of
+            (seed, i, logits). None: `resolve_seed` picks one.
+        max_tokens: Most tokens to generate (counting tokens generated before a resume).
+        stop_token_ids: Token ids that end the request (the id is included in the output).
+        ignore_eos: Keep generating past the model's end-of-sequence ids.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative")
+        # NOTE: accept lists from callers but keep the frozen value hashable.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the most likely token is always taken."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def resolve_seed(seed: int | None, rng: random.Random | None = None) -> int:
+    """The seed a request samples with: its own, else one drawn from `rng`, else `DEFAULT_SEED`.
+
+    Where a request enters (the gateway, the colocated engine) a seedless request gets a seed
+    drawn from `rng`, so that every later attempt continues the same random stream. An instance
+    that receives no seed (the gateway always sends one) uses `DEFAULT_SEED`, so that the
+    prefill's first token and the decode's continuation come from one stream.
+    """
+    if seed is not None:
+        return seed
+    if rng is not None:
+        return rng.getrandbits(63)
+    return DEFAULT_SEED
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended, in OpenAI's vocabulary.
+
+    Only STOP and LENGTH travel in the contract; ABORT is the colocated engine's own ending of a
+    request it was told to abort (a service reports that as an error status instead).
+    """
+
+    STOP = "stop"  # an end-of-sequence id or a stop token id
+    LENGTH = "length"  # max_tokens or the model's maximum length
+    ABORT = "abort"
+
+
+def is_stop_token(token_id: int, sampling: SamplingParams, eos_token_ids: Container[int]) -> bool:
+    """Whether generating `token_id` ends the completion: a stop id, or an end-of-sequence id
+    unless ``sampling.ignore_eos``."""
+    if token_id in sampling.stop_token_ids:
+        return True
+    return not sampling.ignore_eos and token_id in eos_token_ids
+
+
+def is_length_reached(
+    num_output_tokens: int,
+    sampling: SamplingParams,
+    num_tokens: int = 0,
+    max_model_len: int | None = None,
+) -> bool:
+    """Whether a completion of `num_output_tokens` tokens (a sequence of `num_tokens`) may grow
+    no further: ``max_tokens`` is reached, or the model's length (unless `max_model_len` is
+    None)."""
+    if num_output_tokens >= sampling.max_tokens:
+        return True
+    return max_model_len is not None and num_tokens >= max_model_len
+
+
+def check_stop(
+    token_id: int,
+    num_output_tokens: int,
+    sampling: SamplingParams,
+    eos_token_ids: Container[int] = (),
+    *,
+    num_tokens: int = 0,
+    max_model_len: int | None = None,
+) -> FinishReason | None:
+    """The stop rule: whether the completion ends after its latest token, and why.
+
+    The order matters and is the same everywhere: a stop or end-of-sequence token first, then
+    ``max_tokens`` (counted over the whole completion, across attempts), then the model length.
+
+    Args:
+        token_id: The sequence's last token: the one just generated (it stays in the output).
+        num_output_tokens: Completion tokens so far, `token_id` included; 0 means `token_id`
+            is still the prompt's, so it cannot stop the request.
+        sampling: The request's ``max_tokens``, ``stop_token_ids`` and ``ignore_eos``.
+        eos_token_ids: The model's end-of-sequence ids.
+        num_tokens: Prompt plus completion tokens, `token_id` included.
+        max_model_len: The model's longest sequence; None leaves the length unchecked (the
+            gateway: its backends check it).
+
+    Returns:
+        STOP or LENGTH when the completion is over, None while it goes on.
+    """
+    if num_output_tokens > 0 and is_stop_token(token_id, sampling, eos_token_ids):
+        return FinishReason.STOP
+    if is_length_reached(num_output_tokens, sampling, num_tokens, max_model_len):
+        return FinishReason.LENGTH
+    return None
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of integers."""
+    return -(-a // b)
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold `num_tokens` tokens (the last block may be partly filled)."""
+    return cdiv(num_tokens, block_size)
