@@ -5,18 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import num_blocks_for, resolve_seed
 from pdserve.common.protocol import check_compatible
-from pdserve.prefill.request import FinishReason, LeaseGrant, Request
+from pdserve.prefill.request import LeaseGrant, Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
 from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 GRPC_TRANSPORT = decode_pb2.TransportKind.Name(decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE)
-
-_FINISH_REASONS = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-}
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ def request_from_proto(message: prefill_pb2.PrefillRequest, limits: RequestLimit
             "token must fit",
             {**meta, "maxModelLen": str(limits.max_model_len)},
         )
-    num_blocks = -(-len(token_ids) // limits.block_size)
+    num_blocks = num_blocks_for(len(token_ids), limits.block_size)
     if num_blocks > limits.max_prompt_blocks:
         raise PdserveError(
             ErrorReason.PROMPT_TOO_LONG,
@@ -87,9 +83,9 @@ def request_from_proto(message: prefill_pb2.PrefillRequest, limits: RequestLimit
         token_ids=token_ids,
         num_prompt_tokens=num_prompt_tokens,
         sampling=sampling,
-        # NOTE: the decode continues a seedless request with seed 0; the first token must
-        # come from the same stream.
-        seed=sampling.seed if sampling.seed is not None else 0,
+        # NOTE: the decode resolves a missing seed the same way; the first token must come
+        # from the same stream.
+        seed=resolve_seed(sampling.seed),
         decode_address=message.decode.address,
         decode_instance_id=message.decode.instance_id,
     )
@@ -164,8 +160,3 @@ def sync_commit(
             first_token_index=first_token_index,
         )
     )
-
-
-def finish_reason_to_proto(reason: FinishReason) -> int:
-    """The FinishReason enum value of `reason`."""
-    return _FINISH_REASONS[reason]

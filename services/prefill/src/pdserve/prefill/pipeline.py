@@ -23,6 +23,7 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.metrics import PrefillMetrics
@@ -30,7 +31,6 @@ from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import (
     EngineEvent,
     EngineFailed,
-    FinishReason,
     FirstTokenSampled,
     LeaseGrant,
     Request,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from pdserve.common.generation import SamplingParams
+from pdserve.common.generation import FinishReason, SamplingParams, check_stop, is_length_reached
 from pdserve.serving.kv_transfer import KvPiece
 
 
@@ -33,13 +33,6 @@ class RequestStatus(enum.IntEnum):
     @property
     def is_terminal(self) -> bool:
         return self >= RequestStatus.HANDED_OFF
-
-
-class FinishReason(enum.Enum):
-    """Why the first token already ended a request."""
-
-    STOP = "stop"
-    LENGTH = "length"
 
 
 @dataclass(frozen=True)
@@ -79,7 +72,7 @@ class Request:
         token_ids: The prompt followed by earlier completion tokens (a reschedule).
         num_prompt_tokens: Length of the original prompt within ``token_ids``.
         sampling: Sampling settings; ``max_tokens`` counts the whole completion.
-        seed: Seed of every sampled position (the request's, or 0 when it has none).
+        seed: Seed of every sampled position (``resolve_seed`` of the request's).
         decode_address: "host:port" of the target decode.
         decode_instance_id: The instance id the caller expects there ('' if not given).
         is_sending_kv: Whether the engine exports KV for the decode (False when the first
@@ -137,23 +130,21 @@ class Request:
 
 def is_length_capped(request: Request, max_model_len: int) -> bool:
     """Whether the first token ends the request whatever it is (max_tokens or model length)."""
-    return request.first_token_index + 1 >= request.sampling.max_tokens or (
-        request.num_tokens + 1 >= max_model_len
+    return is_length_reached(
+        request.first_token_index + 1, request.sampling, request.num_tokens + 1, max_model_len
     )
 
 
 def first_token_finish(
     request: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
 ) -> FinishReason | None:
-    """Why the first token ends the request, or None when the decode continues it.
-
-    The rules and their order are the decode's: end-of-sequence (unless ``ignore_eos``) or a
-    stop id, then ``max_tokens`` counted over the whole completion, then the model length.
-    """
-    if not request.sampling.ignore_eos and token_id in eos_token_ids:
-        return FinishReason.STOP
-    if token_id in request.sampling.stop_token_ids:
-        return FinishReason.STOP
-    if is_length_capped(request, max_model_len):
-        return FinishReason.LENGTH
-    return None
+    """Why the first token ends the request, or None when the decode continues it (the one
+    stop rule, `check_stop`, at the first token's completion index)."""
+    return check_stop(
+        token_id,
+        request.first_token_index + 1,
+        request.sampling,
+        eos_token_ids,
+        num_tokens=request.num_tokens + 1,
+        max_model_len=max_model_len,
+    )

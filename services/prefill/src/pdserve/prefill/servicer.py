@@ -12,6 +12,7 @@ from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError, abort_with_error
 from pdserve.prefill import convert
 from pdserve.prefill.pipeline import FinishedOut, FirstTokenOut, HandedOffOut, Outcome, Pipeline
+from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -37,7 +38,7 @@ def outcome_to_proto(outcome: Outcome) -> prefill_pb2.PrefillResponse:
     assert isinstance(outcome, FinishedOut)
     return prefill_pb2.PrefillResponse(
         finished=common_pb2.Finished(
-            finish_reason=convert.finish_reason_to_proto(outcome.reason),
+            finish_reason=finish_reason_to_proto(outcome.reason),
             usage=common_pb2.Usage(
                 num_prompt_tokens=outcome.num_prompt_tokens,
                 num_completion_tokens=outcome.num_completion_tokens,
