@@ -9,18 +9,14 @@ from pdserve.decode.decode_loop import (
     DecodeEvent,
     EndedEvent,
     FinishedEvent,
-    FinishReason,
     PreemptedEvent,
     PreemptionReason,
     TokensEvent,
 )
 from pdserve.decode.leases import LeaseState
+from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
 
-_FINISH_REASONS = {
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-}
 _PREEMPTION_REASONS = {
     PreemptionReason.OUT_OF_BLOCKS: decode_pb2.PREEMPTION_REASON_OUT_OF_BLOCKS,
     PreemptionReason.DRAINING: decode_pb2.PREEMPTION_REASON_DRAINING,
@@ -66,7 +62,7 @@ def events_to_messages(
                 num_completion_tokens=event.num_completion_tokens,
             )
             finished = common_pb2.Finished(
-                finish_reason=_FINISH_REASONS[event.finish_reason], usage=usage
+                finish_reason=finish_reason_to_proto(event.finish_reason), usage=usage
             )
             yield Response(finished=finished), None
         elif isinstance(event, PreemptedEvent):

@@ -21,20 +21,13 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason
-from pdserve.common.generation import SamplingParams
+from pdserve.common.generation import FinishReason, SamplingParams, check_stop
 from pdserve.decode.leases import Lease, LeaseManager, LeaseState
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 
 log = structlog.get_logger(__name__)
-
-
-class FinishReason(enum.Enum):
-    """Why a request ended normally."""
-
-    STOP = "stop"
-    LENGTH = "length"
 
 
 class PreemptionReason(enum.Enum):
@@ -281,17 +274,14 @@ class DecodeLoop:
                 self._finish(request, finish)
 
     def _check_stop(self, request: DecodeRequest) -> FinishReason | None:
-        last = request.token_ids[-1]
-        if request.num_generated_tokens > 0:
-            if not request.sampling.ignore_eos and last in self.eos_token_ids:
-                return FinishReason.STOP
-            if last in request.sampling.stop_token_ids:
-                return FinishReason.STOP
-        if request.num_generated_tokens >= request.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if len(request.token_ids) >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        return check_stop(
+            request.token_ids[-1],
+            request.num_generated_tokens,
+            request.sampling,
+            self.eos_token_ids,
+            num_tokens=len(request.token_ids),
+            max_model_len=self.max_model_len,
+        )
 
     def _finish(self, request: DecodeRequest, reason: FinishReason) -> None:
         self._running.remove(request)

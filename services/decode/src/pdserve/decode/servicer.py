@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
+from pdserve.common.generation import resolve_seed
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
 from pdserve.decode.decode_loop import DecodeEvent, DecodeLoop, DecodeRequest, EndedEvent
@@ -237,9 +238,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 token_ids=token_ids,
                 num_prompt_tokens=num_prompt,
                 sampling=sampling,
-                # NOTE: the gateway always sets a seed; a missing one gets a fixed stand-in so
-                # that every instance continues the request the same way.
-                seed=sampling.seed if sampling.seed is not None else 0,
+                # NOTE: the gateway always sets a seed; a missing one is resolved as the prefill
+                # does, so that every instance continues the request the same way.
+                seed=resolve_seed(sampling.seed),
                 sink=lambda event: aio_loop.call_soon_threadsafe(stream.queue.put_nowait, event),
                 span=span,
             )
