@@ -28,6 +28,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import check_stop, num_blocks_for
 from pdserve.common.grpc_server import add_standard_services, insecure_channel, new_aio_server
 from pdserve.common.protocol import (
     FEATURES,
@@ -35,6 +36,7 @@ from pdserve.common.protocol import (
     check_compatible,
     kv_layout_fingerprint,
 )
+from pdserve.serving.convert import finish_reason_to_proto, sampling_from_proto
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -130,12 +132,10 @@ def _protocol() -> common_pb2.Protocol:
 
 
 def _ends(token: int, sampling: common_pb2.SamplingParams, index: int) -> int:
-    """FINISH_REASON_* if generating `token` at `index` ends the completion, else 0."""
-    if token in sampling.stop_token_ids or (token == EOS_TOKEN_ID and not sampling.ignore_eos):
-        return common_pb2.FINISH_REASON_STOP
-    if index + 1 >= sampling.max_tokens:
-        return common_pb2.FINISH_REASON_LENGTH
-    return 0
+    """FINISH_REASON_* if generating `token` at `index` ends the completion (the services' stop
+    rule), else 0."""
+    reason = check_stop(token, index + 1, sampling_from_proto(sampling), (EOS_TOKEN_ID,))
+    return 0 if reason is None else finish_reason_to_proto(reason)
 
 
 @dataclass
@@ -248,7 +248,7 @@ class FakeDecode(FakeInstance, decode_pb2_grpc.DecodeServiceServicer):
         except PdserveError as error:
             await errors.abort_with_error(context, error)
         num_tokens = request.num_prompt_tokens + request.max_new_tokens
-        lease = _Lease(uuid.uuid4().hex, request.request_id, -(-num_tokens // BLOCK_SIZE))
+        lease = _Lease(uuid.uuid4().hex, request.request_id, num_blocks_for(num_tokens, BLOCK_SIZE))
         self.leases[lease.lease_id] = lease
         return decode_pb2.AllocateBlocksResponse(
             lease=decode_pb2.Lease(

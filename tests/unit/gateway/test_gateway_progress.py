@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from support.gateway_fakes import EOS_TOKEN_ID, TOKENIZER_CONFIG, TOKENIZER_JSON
 
+from pdserve.common.generation import FinishReason, SamplingParams
 from pdserve.gateway.progress import CompletionProgress
-from pdserve.gateway.request import FinishReason, GenerationRequest, Sampling
+from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.text import CompletionText
 from pdserve.tokenizer import Tokenizer
 
@@ -16,7 +17,7 @@ def _request(max_tokens: int = 10, stop_token_ids: tuple[int, ...] = ()) -> Gene
         request_id="r",
         model="tiny",
         prompt_token_ids=(1, 2, 3),
-        sampling=Sampling(seed=1, max_tokens=max_tokens, stop_token_ids=stop_token_ids),
+        sampling=SamplingParams(seed=1, max_tokens=max_tokens, stop_token_ids=stop_token_ids),
         eos_token_ids=(EOS_TOKEN_ID,),
     )
 

@@ -6,16 +6,17 @@ import pytest
 from support.gateway_cluster import instance_info
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import SamplingParams
 from pdserve.gateway.backend import BackendError
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.registry import Registry
-from pdserve.gateway.request import GenerationRequest, Sampling
+from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.retry import AttemptFailed, RequestState, RetryHandler, RetryPolicy
 from pdserve.gateway.router import Pair
 
-REQUEST = GenerationRequest("r", "tiny", (1, 2), Sampling(seed=1, max_tokens=8))
+REQUEST = GenerationRequest("r", "tiny", (1, 2), SamplingParams(seed=1, max_tokens=8))
 PAIR = Pair(instance_info("p", InstanceRole.PREFILL), instance_info("d", InstanceRole.DECODE))
 
 

@@ -14,7 +14,7 @@ from typing import Protocol, TypeAlias
 from opentelemetry.context import Context
 
 from pdserve.common.errors import PdserveError
-from pdserve.gateway.request import FinishReason, Sampling
+from pdserve.common.generation import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class PrefillCall:
     request_id: str
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
-    sampling: Sampling
+    sampling: SamplingParams
     decode_address: str
     decode_instance_id: str
     trace_context: Context | None = None

@@ -1,7 +1,8 @@
 """The gateway's only translation between pdserve.v1 messages and its plain dataclasses.
 
 Servicers and gRPC clients call these functions at the edge; the registry, router,
-orchestrator and text handling never see a protobuf message.
+orchestrator and text handling never see a protobuf message. Sampling settings, finish reasons
+and the Protocol message convert with the services' shared functions (`pdserve.serving.convert`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.protocol import FEATURES, PROTOCOL_VERSION
 from pdserve.gateway.backend import (
     DecodeEvent,
     FinishedEvent,
@@ -23,7 +23,13 @@ from pdserve.gateway.backend import (
 from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
 from pdserve.gateway.model_info import ModelFiles
 from pdserve.gateway.params import ChatMessage, GenerationParams, OutputDelta, PromptKind
-from pdserve.gateway.request import FinishReason, Sampling, Usage
+from pdserve.gateway.request import Usage
+from pdserve.serving.convert import (
+    finish_reason_from_proto,
+    finish_reason_to_proto,
+    local_protocol,
+    sampling_to_proto,
+)
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
@@ -36,17 +42,6 @@ _ROLES = {
     common_pb2.INSTANCE_ROLE_PREFILL: InstanceRole.PREFILL,
     common_pb2.INSTANCE_ROLE_DECODE: InstanceRole.DECODE,
 }
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-}
-_FINISH_REASONS_PB = {value: key for key, value in _FINISH_REASONS.items()}
-
-
-def local_protocol() -> common_pb2.Protocol:
-    """The gateway's own Protocol message."""
-    return common_pb2.Protocol(version=PROTOCOL_VERSION, features=list(FEATURES))
-
 
 # Instances -------------------------------------------------------------------------------------
 
@@ -133,30 +128,13 @@ def model_files_from_pb(message: prefill_pb2.GetModelInfoResponse) -> ModelFiles
 # Prefill and decode ----------------------------------------------------------------------------
 
 
-def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
-    """`Sampling` -> SamplingParams message (unset optionals stay unset)."""
-    message = common_pb2.SamplingParams(
-        seed=sampling.seed,
-        max_tokens=sampling.max_tokens,
-        stop_token_ids=list(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-    )
-    if sampling.temperature is not None:
-        message.temperature = sampling.temperature
-    if sampling.top_p is not None:
-        message.top_p = sampling.top_p
-    if sampling.top_k is not None:
-        message.top_k = sampling.top_k
-    return message
-
-
 def prefill_request_to_pb(call: PrefillCall) -> prefill_pb2.PrefillRequest:
     """`PrefillCall` -> PrefillRequest message."""
     return prefill_pb2.PrefillRequest(
         request_id=call.request_id,
         token_ids=list(call.token_ids),
         num_prompt_tokens=call.num_prompt_tokens,
-        sampling=sampling_to_pb(call.sampling),
+        sampling=sampling_to_proto(call.sampling),
         decode=prefill_pb2.DecodeTarget(
             address=call.decode_address, instance_id=call.decode_instance_id
         ),
@@ -166,7 +144,7 @@ def prefill_request_to_pb(call: PrefillCall) -> prefill_pb2.PrefillRequest:
 
 def _finished_from_pb(message: common_pb2.Finished) -> FinishedEvent:
     return FinishedEvent(
-        finish_reason=_FINISH_REASONS.get(message.finish_reason),
+        finish_reason=finish_reason_from_proto(message.finish_reason),
         num_completion_tokens=message.usage.num_completion_tokens,
         num_cached_prompt_tokens=message.usage.num_cached_prompt_tokens,
     )
@@ -265,7 +243,7 @@ def generate_response_to_pb(
         prompt_token_ids=list(prompt_token_ids),
     )
     if delta.finish_reason is not None:
-        message.finish_reason = _FINISH_REASONS_PB[delta.finish_reason]
+        message.finish_reason = finish_reason_to_proto(delta.finish_reason)
     if delta.usage is not None:
         message.usage.CopyFrom(usage_to_pb(delta.usage))
     return message

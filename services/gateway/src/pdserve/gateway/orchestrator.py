@@ -30,6 +30,7 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
 from pdserve.gateway.backend import (
     Backend,
     BackendError,
@@ -44,7 +45,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.relay import LossWatch, relay
-from pdserve.gateway.request import FinishReason, GenerationEnd, GenerationRequest, TokenChunk
+from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
 from pdserve.gateway.retry import (
     AttemptFailed,
     RequestState,

@@ -11,7 +11,8 @@ import enum
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.request import FinishReason, GenerationRequest, Usage
+from pdserve.common.generation import FinishReason, SamplingParams
+from pdserve.gateway.request import GenerationRequest, Usage
 from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -57,6 +58,24 @@ class GenerationParams:
     client_request_id: str | None = None
     user: str | None = None
     max_tokens_name: str = "max_tokens"
+
+    def to_sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
+        """The validated request's `SamplingParams`; unset fields take their defaults.
+
+        Args:
+            max_tokens: The request's own, or the API's default.
+            seed: The request's own, or one drawn for it.
+        """
+        unset = SamplingParams(max_tokens=max_tokens)
+        return SamplingParams(
+            temperature=unset.temperature if self.temperature is None else self.temperature,
+            top_k=unset.top_k if self.top_k is None else self.top_k,
+            top_p=unset.top_p if self.top_p is None else self.top_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from opentelemetry.context import Context
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason, resolve_seed
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfo, ModelInfoStore
@@ -33,16 +34,10 @@ from pdserve.gateway.params import (
     tokenize_prompt,
 )
 from pdserve.gateway.registry import Registry
-from pdserve.gateway.request import (
-    FinishReason,
-    GenerationEnd,
-    GenerationRequest,
-    Sampling,
-    Usage,
-)
+from pdserve.gateway.request import GenerationEnd, GenerationRequest, Usage
 from pdserve.gateway.router import Router
 from pdserve.gateway.text import CompletionText
-from pdserve.gateway.validation import MAX_SEED, RequestLimits, invalid, validate_request
+from pdserve.gateway.validation import RequestLimits, invalid, validate_request
 from pdserve.gateway.workers import WorkerPool
 
 log = structlog.get_logger("pdserve.gateway.pipeline")
@@ -198,20 +193,11 @@ class Pipeline:
                 f"exceeds the model's maximum length of {max_model_len} tokens",
                 {"param": params.max_tokens_name if params.max_tokens else prompt_param},
             )
-        seed = params.seed if params.seed is not None else self._rng.randrange(MAX_SEED)
         request = GenerationRequest(
             request_id=request_id,
             model=params.model,
             prompt_token_ids=tuple(prompt_token_ids),
-            sampling=Sampling(
-                seed=seed,
-                max_tokens=max_tokens,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                top_k=params.top_k,
-                stop_token_ids=params.stop_token_ids,
-                ignore_eos=params.ignore_eos,
-            ),
+            sampling=params.to_sampling_params(max_tokens, resolve_seed(params.seed, self._rng)),
             eos_token_ids=info.eos_token_ids,
         )
         return PreparedRequest(
@@ -380,15 +366,12 @@ def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | floa
         "gen_ai.operation.name": "chat" if prepared.kind is PromptKind.CHAT else "text_completion",
         "gen_ai.request.model": request.model,
         "gen_ai.request.max_tokens": sampling.max_tokens,
-        "gen_ai.request.seed": sampling.seed,
-        "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
-    }
-    optional = {
+        "gen_ai.request.seed": resolve_seed(sampling.seed),
         "gen_ai.request.temperature": sampling.temperature,
         "gen_ai.request.top_p": sampling.top_p,
         "gen_ai.request.top_k": sampling.top_k,
+        "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
     }
-    attributes.update({key: value for key, value in optional.items() if value is not None})
     if prepared.stop:
         attributes["gen_ai.request.stop_sequences"] = list(prepared.stop)
     return attributes

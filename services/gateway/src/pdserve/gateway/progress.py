@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import structlog
 
-from pdserve.gateway.request import FinishReason, GenerationRequest, TokenChunk
+from pdserve.common.generation import FinishReason, check_stop
+from pdserve.gateway.request import GenerationRequest, TokenChunk
 
 log = structlog.get_logger("pdserve.gateway.progress")
 
@@ -102,8 +103,7 @@ class CompletionProgress:
                 return Accepted(TokenChunk(tuple(new), start) if new else None, has_gap=True)
             self._token_ids.append(token_id)
             new.append(token_id)
-            if self._request.is_stop_token(token_id):
-                self._finish_reason = FinishReason.STOP
-            elif len(self._token_ids) >= self._request.sampling.max_tokens:
-                self._finish_reason = FinishReason.LENGTH
+            self._finish_reason = check_stop(
+                token_id, len(self._token_ids), self._request.sampling, self._request.eos_token_ids
+            )
         return Accepted(TokenChunk(tuple(new), start) if new else None)

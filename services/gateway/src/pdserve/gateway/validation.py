@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import MAX_SEED
 from pdserve.gateway.params import ChatMessage, GenerationParams
 
-MAX_SEED = 2**63
 MAX_UINT32 = 2**32 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
 MAX_NAME_CHARS = 256  # model, user and client request ids
