@@ -1,21 +1,209 @@
-"""Start-up steps every prefill and decode server shares: model, identity, metrics, registry."""
+"""The server every prefill and decode runs: one scaffold with the role's parts plugged in.
+
+`InstanceServer` holds what both roles share: the model, the gRPC server (the role's service,
+InstanceService, health and reflection), the ``/metrics`` endpoint, registration and heartbeats
+with ``--gateway``, and drain on SIGTERM. A role subclasses it: its constructor builds the
+engine thread, its request table and its servicers once the port is bound and the instance is
+named, and it answers the hooks marked below. Each role's ``server.py`` adds
+`create_server(config)` (build and start) and `serve(config)` (run until SIGTERM).
+"""
 
 from __future__ import annotations
 
+import abc
+import asyncio
+import signal
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 from wsgiref.simple_server import WSGIServer
 
+import grpc
 import structlog
+from grpc_health.v1 import health
 
+from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
-from pdserve.v1 import common_pb2
+from pdserve.serving.status import InstanceStatus
+from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+INSTANCE_SERVICE = instance_pb2.DESCRIPTOR.services_by_name["InstanceService"].full_name
+DRAIN_POLL_S = 0.05
+
+
+class EngineThread(Protocol):
+    """The role's engine thread (model work never runs on the event loop)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class InstanceServer(abc.ABC):
+    """A prefill or decode server: the shared scaffold, with a role's parts plugged in.
+
+    Constructing one loads the model (unless `host` is given), creates the gRPC server, binds
+    the port and names the instance; `start()` serves; `drain_and_stop()` and `stop()` end it.
+    A subclass sets `role` and `service_name`, builds `loop`, `status` and `metrics` in its
+    constructor (after this one) and implements the abstract hooks.
+
+    Args:
+        config: The instance's settings.
+        host: An already loaded model to reuse (tests and benchmarks share one), or None.
+        interceptors: gRPC server interceptors (tests inject faults with them).
+
+    Attributes:
+        server: The gRPC server.
+        port: The bound port (useful with port 0).
+        instance: The InstanceInfo this server registers and reports.
+        health: The health servicer, once started.
+        registration: Keeps the instance registered with ``--gateway``; None without one.
+        metrics_server: The ``/metrics`` endpoint with ``--metrics-port``; None without it.
+    """
+
+    role: ClassVar[common_pb2.InstanceRole]
+    service_name: ClassVar[str]
+    loop: EngineThread
+    status: InstanceStatus
+    metrics: InstanceMetrics
+
+    def __init__(
+        self,
+        config: InstanceConfig,
+        host: ModelHost | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self.config = config
+        self.host = host or load_model(config)
+        self.server = new_aio_server(interceptors)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        self.instance = instance_info(config, self.role, self.port, self.host)
+        self.health: health.aio.HealthServicer | None = None
+        self.registration: RegistrationClient | None = None
+        self.metrics_server: WSGIServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def address(self) -> str:
+        """host:port peers use to reach this instance."""
+        return self.instance.address
+
+    # ---- what a role plugs in --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def add_service(self, server: grpc.aio.Server) -> None:
+        """Registers the role's own gRPC service (the one named `service_name`) on `server`."""
+
+    @abc.abstractmethod
+    def counters(self) -> Mapping[str, tuple[str, float]]:
+        """Running totals for ``/metrics``: ``{name: (help, value)}``, read at scrape time."""
+
+    @abc.abstractmethod
+    def stop_admitting(self) -> None:
+        """Refuses new requests from now on (INSTANCE_DRAINING); load reports say draining."""
+
+    @abc.abstractmethod
+    def num_in_flight(self) -> int:
+        """Requests a drain waits for."""
+
+    @abc.abstractmethod
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        """Coroutines run as tasks while serving; `stop` cancels them."""
+
+    @abc.abstractmethod
+    async def at_drain_deadline(self) -> None:
+        """Deals with requests still in flight when the drain time is up, before `stop`."""
+
+    @abc.abstractmethod
+    async def abort_in_flight(self) -> None:
+        """In `stop`, before the server stops: aborts what is in flight."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """In `stop`, after the server stopped: closes the role's own clients."""
+
+    # ---- the scaffold ----------------------------------------------------------------------
+
+    def describe(self) -> dict[str, object]:
+        """Log fields that name this instance (for the role's ``*_started`` event)."""
+        return {
+            "address": self.address,
+            "instance_id": self.instance.instance_id,
+            "num_blocks": self.host.num_blocks,
+            "block_size": self.host.runner.block_size,
+            "model": self.host.served_model_name,
+        }
+
+    async def start(self) -> None:
+        """Serves: metrics, the role's service with InstanceService, health and reflection,
+        the engine thread, background tasks, then registration with the gateway."""
+        self.metrics.watch(self.status.load_report, self.counters)
+        self.metrics_server = serve_metrics(self.config, self.metrics, self.instance)
+        self.add_service(self.server)
+        instance_pb2_grpc.add_InstanceServiceServicer_to_server(self.status, self.server)
+        self.health = await add_standard_services(
+            self.server, (self.service_name, INSTANCE_SERVICE)
+        )
+        self.loop.start()
+        await self.server.start()
+        self._tasks.extend(asyncio.create_task(work) for work in self.background())
+        self.registration = registration_client(self.config, self.instance, self.status.load_report)
+        if self.registration is not None:
+            self._tasks.append(asyncio.create_task(self.registration.run()))
+
+    async def drain_and_stop(self, timeout_s: float | None = None) -> None:
+        """Refuses new requests, lets those in flight finish (up to the timeout), then stops.
+
+        Health turns NOT_SERVING and the instance deregisters first, so the gateway routes
+        elsewhere; what is still in flight at the deadline goes to `at_drain_deadline`.
+        """
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self.stop_admitting()
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()
+        if self.registration is not None:
+            await self.registration.stop()
+        log.info("draining", num_in_flight=self.num_in_flight())
+        deadline = time.monotonic() + timeout_s
+        while self.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.num_in_flight():
+            await self.at_drain_deadline()
+        await self.stop(grace=1.0)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stops background tasks, registration, the server, the engine thread and metrics."""
+        self.stop_admitting()
+        for task in self._tasks:
+            task.cancel()
+        if self.registration is not None:
+            await self.registration.stop()
+        await self.abort_in_flight()
+        await self.server.stop(grace)
+        await self.close()
+        self.loop.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+
+    async def run_until_signal(self) -> None:
+        """Serves until SIGTERM or SIGINT, then drains and stops (the body of ``serve``)."""
+        stop = asyncio.Event()
+        aio_loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio_loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("shutdown_requested")
+        await self.drain_and_stop()
 
 
 def load_model(config: InstanceConfig) -> ModelHost:

@@ -3,46 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 
-from pdserve.common.config import add_arguments, from_args
-from pdserve.common.logging import configure_logging
-from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.decode.config import DecodeConfig
+from pdserve.serving import cli
+
+DESCRIPTION = (
+    "pdserve decode instance: leases KV blocks to prefill instances, receives their KV "
+    "over SyncCache, decodes with continuous batching and streams tokens to the "
+    "gateway. Serves pdserve.v1.DecodeService, InstanceService, gRPC health and "
+    "reflection."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve-decode",
-        description=(
-            "pdserve decode instance: leases KV blocks to prefill instances, receives their KV "
-            "over SyncCache, decodes with continuous batching and streams tokens to the "
-            "gateway. Serves pdserve.v1.DecodeService, InstanceService, gRPC health and "
-            "reflection."
-        ),
-    )
-    add_arguments(parser, DecodeConfig)
-    return parser
+    return cli.build_parser("pdserve-decode", DESCRIPTION, DecodeConfig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        config = from_args(DecodeConfig, args)
-    except ValueError as error:
-        print(f"pdserve-decode: {error}", file=sys.stderr)
-        return 2
-    configure_logging("decode", config.log_level)
-    configure_tracing("pdserve-decode", config.otlp_endpoint, config.trace_sample_ratio)
-    try:
-        asyncio.run(serve_main(config))
-    finally:
-        shutdown_tracing()
-    return 0
+    return cli.run(build_parser(), DecodeConfig, serve_main, argv)
 
 
 async def serve_main(config: DecodeConfig) -> None:
+    # NOTE: imported here so that --help and refused flags answer without loading torch.
     from pdserve.decode.server import serve
 
     await serve(config)

@@ -1,20 +1,17 @@
-"""Builds and runs a decode instance: `create_server(config)` then `serve(config)`."""
+"""A decode instance: the shared instance scaffold with the decode's parts plugged in.
+
+`create_server(config)` builds one and starts serving; `serve(config)` runs one until SIGTERM.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import signal
-import time
-from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health
 
-from pdserve.common.grpc_server import add_standard_services, new_aio_server
-from pdserve.common.metrics import CounterSource
-from pdserve.common.registration import RegistrationClient
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop, PreemptionReason
 from pdserve.decode.leases import LeaseManager
@@ -22,142 +19,64 @@ from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.servicer import DecodeServicer, run_expiry_sweeper
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
-from pdserve.serving.instance import (
-    instance_info,
-    load_model,
-    registration_client,
-    serve_metrics,
-)
+from pdserve.serving.instance import InstanceServer
 from pdserve.serving.model_host import ModelHost
-from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-SERVICE_NAMES = (
-    decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
-    instance_pb2.DESCRIPTOR.services_by_name["InstanceService"].full_name,
-)
+NOTICE_WAIT_S = 0.2
 
 
-@dataclass
-class DecodeInstance:
-    """A running decode server and its parts (what tests and `serve` hold on to)."""
+class DecodeInstance(InstanceServer):
+    """A decode server: the lease table, the decode thread and DecodeService plugged into
+    the shared scaffold (what tests and `serve` hold on to).
 
+    Drain refuses new leases; requests still running at the deadline are preempted with a
+    DRAINING notice so the gateway can continue them elsewhere.
+    """
+
+    role = common_pb2.INSTANCE_ROLE_DECODE
+    service_name = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
     config: DecodeConfig
-    server: grpc.aio.Server
-    port: int
-    host: ModelHost
     leases: LeaseManager
     loop: DecodeLoop
     servicer: DecodeServicer
     status: DecodeStatus
-    health: health.aio.HealthServicer
-    registration: RegistrationClient | None
-    _tasks: list[asyncio.Task[None]]
-    metrics_server: WSGIServer | None = None
+    metrics: DecodeMetrics
 
-    @property
-    def address(self) -> str:
-        return self.status.instance.address
+    def __init__(
+        self,
+        config: DecodeConfig,
+        host: ModelHost | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        super().__init__(config, host, interceptors)
+        self.leases = LeaseManager(
+            BlockPool(self.host.num_blocks),
+            self.host.runner.block_size,
+            config.reserve_tokens,
+            config.lease_ttl_ms / 1000,
+            config.capacity_retry_ms / 1000,
+        )
+        self.metrics = DecodeMetrics()
+        self.loop = DecodeLoop(
+            self.host.runner,
+            self.leases,
+            config.max_num_seqs,
+            self.host.eos_token_ids,
+            self.host.max_model_len,
+            self.metrics,
+        )
+        self.servicer = DecodeServicer(self.host, self.leases, self.loop, self.metrics)
+        self.servicer.instance_id = self.instance.instance_id
+        self.status = DecodeStatus(self.instance, self.leases, self.loop)
 
-    async def drain_and_stop(self, timeout_s: float | None = None) -> None:
-        """Refuses new leases, lets running requests finish (up to the timeout), then stops.
+    def add_service(self, server: grpc.aio.Server) -> None:
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, server)
 
-        Requests still running at the deadline are preempted with a DRAINING notice so the
-        gateway can continue them elsewhere.
-        """
-        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
-        self.leases.is_draining = True
-        await self.health.enter_graceful_shutdown()
-        if self.registration is not None:
-            await self.registration.stop()
-        log.info("draining", num_open_leases=len(self.leases.open_leases()))
-        deadline = time.monotonic() + timeout_s
-        while self.leases.open_leases() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.leases.open_leases():
-            self.loop.preempt_all(PreemptionReason.DRAINING)
-            await asyncio.sleep(0.2)  # let the notices reach their streams
-        await self.stop(grace=1.0)
-
-    async def stop(self, grace: float | None = None) -> None:
-        """Stops the server, background tasks and the decode thread."""
-        for task in self._tasks:
-            task.cancel()
-        if self.registration is not None:
-            await self.registration.stop()
-        await self.server.stop(grace)
-        self.loop.stop()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server.server_close()
-
-
-async def create_server(config: DecodeConfig, host: ModelHost | None = None) -> DecodeInstance:
-    """Loads the model (unless `host` is given), binds the port and starts serving.
-
-    Args:
-        config: Settings.
-        host: An already loaded model to reuse (tests share one across servers).
-    """
-    host = host or load_model(config)
-    leases = LeaseManager(
-        BlockPool(host.num_blocks),
-        host.runner.block_size,
-        config.reserve_tokens,
-        config.lease_ttl_ms / 1000,
-        config.capacity_retry_ms / 1000,
-    )
-    metrics = DecodeMetrics()
-    loop = DecodeLoop(
-        host.runner, leases, config.max_num_seqs, host.eos_token_ids, host.max_model_len, metrics
-    )
-    servicer = DecodeServicer(host, leases, loop, metrics)
-    server = new_aio_server()
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    instance = instance_info(config, common_pb2.INSTANCE_ROLE_DECODE, port, host)
-    servicer.instance_id = instance.instance_id
-    status = DecodeStatus(instance, leases, loop)
-    metrics.watch(status.load_report, _counters(leases, loop, servicer))
-    metrics_server = serve_metrics(config, metrics, instance)
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
-    instance_pb2_grpc.add_InstanceServiceServicer_to_server(status, server)
-    health_servicer = await add_standard_services(server, SERVICE_NAMES)
-    loop.start()
-    await server.start()
-    sweep_interval_s = min(1.0, config.lease_ttl_ms / 1000 / 10)
-    tasks = [asyncio.create_task(run_expiry_sweeper(servicer, sweep_interval_s))]
-    registration = registration_client(config, instance, status.load_report)
-    if registration is not None:
-        tasks.append(asyncio.create_task(registration.run()))
-    log.info(
-        "decode_started",
-        address=instance.address,
-        instance_id=instance.instance_id,
-        num_blocks=host.num_blocks,
-        block_size=host.runner.block_size,
-        model=host.served_model_name,
-    )
-    return DecodeInstance(
-        config,
-        server,
-        port,
-        host,
-        leases,
-        loop,
-        servicer,
-        status,
-        health_servicer,
-        registration,
-        tasks,
-        metrics_server=metrics_server,
-    )
-
-
-def _counters(leases: LeaseManager, loop: DecodeLoop, servicer: DecodeServicer) -> CounterSource:
-    def read() -> dict[str, tuple[str, float]]:
+    def counters(self) -> Mapping[str, tuple[str, float]]:
+        loop, leases = self.loop, self.leases
         return {
             "generated_tokens": ("Tokens generated by decode steps.", loop.num_generated_tokens),
             "steps": ("Batched decode steps run.", loop.num_steps),
@@ -167,21 +86,56 @@ def _counters(leases: LeaseManager, loop: DecodeLoop, servicer: DecodeServicer) 
             "lease_expiries": ("Leases reclaimed after their TTL.", leases.num_expired),
             "kv_received_bytes": (
                 "KV bytes received in committed transfers.",
-                servicer.num_kv_bytes_received,
+                self.servicer.num_kv_bytes_received,
             ),
         }
 
-    return read
+    def stop_admitting(self) -> None:
+        self.leases.is_draining = True
+
+    def num_in_flight(self) -> int:
+        return len(self.leases.open_leases())
+
+    def background(self) -> list[Coroutine[Any, Any, None]]:
+        sweep_interval_s = min(1.0, self.config.lease_ttl_ms / 1000 / 10)
+        return [run_expiry_sweeper(self.servicer, sweep_interval_s)]
+
+    async def at_drain_deadline(self) -> None:
+        self.loop.preempt_all(PreemptionReason.DRAINING)
+        await asyncio.sleep(NOTICE_WAIT_S)  # let the notices reach their streams
+
+    async def abort_in_flight(self) -> None:
+        pass  # NOTE: a cancelled Generate stream releases its lease itself.
+
+    async def close(self) -> None:
+        pass  # the decode holds no clients of its own
+
+
+async def create_server(
+    config: DecodeConfig,
+    host: ModelHost | None = None,
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> DecodeInstance:
+    """Builds a decode instance and starts serving it.
+
+    Args:
+        config: Settings.
+        host: An already loaded model to reuse (tests share one across servers); None loads
+            ``config.model``.
+        interceptors: gRPC server interceptors (tests inject faults with them).
+
+    Returns:
+        The running instance: its `server`, bound `port` and parts.
+    """
+    instance = DecodeInstance(config, host, interceptors)
+    await instance.start()
+    log.info("decode_started", **instance.describe())
+    return instance
 
 
 async def serve(config: DecodeConfig) -> None:
     """Runs a decode instance until SIGTERM/SIGINT, then drains and exits."""
     instance = await create_server(config)
-    stop = asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutdown_requested")
-    await instance.drain_and_stop()
+    await instance.run_until_signal()
     log.info("decode_stopped")

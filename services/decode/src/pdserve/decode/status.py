@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import grpc
-
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.leases import LeaseManager
-from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from pdserve.serving.status import InstanceStatus, integrity_failure
+from pdserve.v1 import common_pb2
 
 
-class DecodeStatus(instance_pb2_grpc.InstanceServiceServicer):
+class DecodeStatus(InstanceStatus):
     """Builds load reports and serves InstanceService for a decode instance.
 
     Args:
@@ -21,12 +20,11 @@ class DecodeStatus(instance_pb2_grpc.InstanceServiceServicer):
     def __init__(
         self, instance: common_pb2.InstanceInfo, leases: LeaseManager, loop: DecodeLoop
     ) -> None:
-        self.instance = instance
+        super().__init__(instance)
         self.leases = leases
         self.loop = loop
 
     def load_report(self) -> common_pb2.LoadReport:
-        """The current load (cheap; called for every heartbeat)."""
         with self.leases.lock:
             return common_pb2.LoadReport(
                 num_queued_requests=self.loop.num_waiting,
@@ -39,13 +37,7 @@ class DecodeStatus(instance_pb2_grpc.InstanceServiceServicer):
             )
 
     def pool_integrity(self, check: bool) -> common_pb2.PoolIntegrity:
-        """Block-pool counts, and the full invariant check when `check` is set."""
-        detail = ""
-        if check:
-            try:
-                self.leases.check_integrity()
-            except AssertionError as error:
-                detail = str(error) or "integrity check failed"
+        detail = integrity_failure(self.leases.check_integrity) if check else ""
         with self.leases.lock:
             return common_pb2.PoolIntegrity(
                 num_total_blocks=self.leases.pool.num_blocks,
@@ -55,13 +47,3 @@ class DecodeStatus(instance_pb2_grpc.InstanceServiceServicer):
                 is_consistent=not detail,
                 detail=detail,
             )
-
-    async def GetInstanceStatus(
-        self, request: instance_pb2.GetInstanceStatusRequest, context: grpc.aio.ServicerContext
-    ) -> instance_pb2.GetInstanceStatusResponse:
-        """Identity, load and pool integrity of this decode."""
-        return instance_pb2.GetInstanceStatusResponse(
-            instance=self.instance,
-            load=self.load_report(),
-            pool=self.pool_integrity(request.check_integrity),
-        )

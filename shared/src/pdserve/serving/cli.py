@@ -1,0 +1,57 @@
+"""The command line of a prefill or decode instance: flags, logging, tracing, then serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from pdserve.common.config import add_arguments, from_args
+from pdserve.common.logging import configure_logging
+from pdserve.common.telemetry import configure_tracing, shutdown_tracing
+from pdserve.serving.config import InstanceConfig
+
+ConfigT = TypeVar("ConfigT", bound=InstanceConfig)
+
+
+def build_parser(
+    prog: str, description: str, config_type: type[InstanceConfig]
+) -> argparse.ArgumentParser:
+    """A parser with one flag per field of `config_type` (the fields' help is ``--help``).
+
+    Args:
+        prog: The command, ``pdserve-<role>``.
+        description: What the instance does, for ``--help``.
+        config_type: The role's config dataclass.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, config_type)
+    return parser
+
+
+def run(
+    parser: argparse.ArgumentParser,
+    config_type: type[ConfigT],
+    serve: Callable[[ConfigT], Coroutine[Any, Any, None]],
+    argv: list[str] | None = None,
+) -> int:
+    """Parses `argv`, configures logging and tracing, and runs `serve` until it returns.
+
+    Returns:
+        The exit status: 0, or 2 for settings the config refuses (the reason goes to stderr).
+    """
+    args = parser.parse_args(argv)
+    try:
+        config = from_args(config_type, args)
+    except ValueError as error:
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return 2
+    configure_logging(parser.prog.removeprefix("pdserve-"), config.log_level)
+    configure_tracing(parser.prog, config.otlp_endpoint, config.trace_sample_ratio)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()
+    return 0
