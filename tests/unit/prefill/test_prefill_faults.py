@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 async def _wait_status(pd: Cluster, request_id: str, status: RequestStatus) -> None:
     deadline = time.monotonic() + 10
     while True:
-        task = pd.prefill.pipeline.live.get(request_id)
+        task = pd.prefill.handoffs.live.get(request_id)
         if task is not None and task.request.status is status:
             return
         assert time.monotonic() < deadline, f"{request_id} never reached {status.name}"
@@ -192,7 +192,7 @@ async def test_a_caller_that_hangs_up_releases_everything(
             await reader  # the first token, when it was already sent
         await asyncio.sleep(0.5)  # past the decode's delay
         await pd.eventually_whole()
-        assert "gone" not in pd.prefill.pipeline.live
+        assert "gone" not in pd.prefill.handoffs.live
 
 
 async def test_corrupted_kv_is_refused_by_the_decode_and_leaks_nothing(

@@ -171,7 +171,7 @@ async def test_overload_and_duplicate_ids_are_refused(tiny_model_dir: Path) -> N
             asyncio.create_task(pd.run_prefill(pd.request(f"h{i}", SHORT, GREEDY)))
             for i in range(2)
         ]
-        while len(pd.prefill.pipeline.live) < 2:
+        while len(pd.prefill.handoffs.live) < 2:
             await asyncio.sleep(0.01)
         overloaded = await pd.run_prefill(pd.request("one-more", SHORT, GREEDY))
         assert overloaded.error is not None

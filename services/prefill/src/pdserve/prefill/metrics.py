@@ -6,7 +6,7 @@ from pdserve.common.metrics import InstanceMetrics
 
 
 class PrefillMetrics(InstanceMetrics):
-    """Histograms observed by the engine thread and the request pipeline.
+    """Histograms observed by the engine thread and the handoffs.
 
     Attributes:
         pass_seconds: Duration of one prefill forward pass (all chunks of the batch).

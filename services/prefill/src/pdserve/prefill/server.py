@@ -15,8 +15,8 @@ from pdserve.common import env
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import RequestLimits
 from pdserve.prefill.decode_client import DecodePeers
+from pdserve.prefill.handoff import Handoffs
 from pdserve.prefill.metrics import PrefillMetrics
-from pdserve.prefill.pipeline import Pipeline
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.servicer import PrefillServicer
 from pdserve.prefill.status import PrefillStatus
@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 
 
 class PrefillInstance(InstanceServer):
-    """A prefill server: the engine thread, the decode peers, the request pipeline and
+    """A prefill server: the engine thread, the decode peers, the handoffs and
     PrefillService plugged into the shared scaffold (what tests and `serve` hold on to).
 
     Drain refuses new requests; requests still in flight at the deadline are aborted, which
@@ -40,7 +40,7 @@ class PrefillInstance(InstanceServer):
     config: PrefillConfig
     loop: PrefillLoop
     peers: DecodePeers
-    pipeline: Pipeline
+    handoffs: Handoffs
     servicer: PrefillServicer
     status: PrefillStatus
     metrics: PrefillMetrics
@@ -60,7 +60,7 @@ class PrefillInstance(InstanceServer):
             config.prepare_concurrency,
             config.allocate_timeout_ms / 1000,
         )
-        self.pipeline = Pipeline(
+        self.handoffs = Handoffs(
             self.loop,
             self.peers,
             host.eos_token_ids,
@@ -74,31 +74,31 @@ class PrefillInstance(InstanceServer):
             max_prompt_blocks=host.num_blocks,
             block_size=host.runner.block_size,
         )
-        self.servicer = PrefillServicer(host, self.pipeline, self.instance, limits)
-        self.status = PrefillStatus(self.instance, self.pipeline, self.loop)
+        self.servicer = PrefillServicer(host, self.handoffs, self.instance, limits)
+        self.status = PrefillStatus(self.instance, self.handoffs, self.loop)
         self.metrics = PrefillMetrics()
-        self.loop.metrics = self.pipeline.metrics = self.metrics
+        self.loop.metrics = self.handoffs.metrics = self.metrics
 
     def add_service(self, server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)
 
     def counters(self) -> Mapping[str, tuple[str, float]]:
-        loop, pipeline = self.loop, self.pipeline
+        loop, handoffs = self.loop, self.handoffs
         return {
             "prompt_tokens": (
                 "Prompt tokens prefilled (rate() gives tokens/s).",
                 loop.num_prompt_tokens,
             ),
             "passes": ("Prefill forward passes run.", loop.num_passes),
-            "handed_off": ("Requests whose KV the decode acknowledged.", pipeline.num_handed_off),
-            "kv_sent_bytes": ("KV bytes in acknowledged transfers.", pipeline.num_kv_bytes_sent),
+            "handed_off": ("Requests whose KV the decode acknowledged.", handoffs.num_handed_off),
+            "kv_sent_bytes": ("KV bytes in acknowledged transfers.", handoffs.num_kv_bytes_sent),
         }
 
     def stop_admitting(self) -> None:
-        self.pipeline.is_draining = True
+        self.handoffs.is_draining = True
 
     def num_in_flight(self) -> int:
-        return len(self.pipeline.live)
+        return len(self.handoffs.live)
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         return []
@@ -107,7 +107,7 @@ class PrefillInstance(InstanceServer):
         pass  # NOTE: `stop` aborts them, which releases their decode leases.
 
     async def abort_in_flight(self) -> None:
-        await self.pipeline.abort_all()
+        await self.handoffs.abort_all()
 
     async def close(self) -> None:
         await self.peers.close()
@@ -132,7 +132,7 @@ async def create_server(
     """
     instance = PrefillInstance(config, host, interceptors)
     await instance.start()
-    fault = instance.pipeline.fault_corrupt_kv
+    fault = instance.handoffs.fault_corrupt_kv
     if fault is not None:
         log.warning("fault_injection_enabled", fault="corrupt_kv", request_id_pattern=fault)
     log.info(

@@ -1,4 +1,4 @@
-"""PrefillService over gRPC: the edge between pdserve.v1 messages and the request pipeline."""
+"""PrefillService over gRPC: the edge between pdserve.v1 messages and the handoffs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from opentelemetry import trace
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError, abort_with_error
 from pdserve.prefill import convert
-from pdserve.prefill.pipeline import FinishedOut, FirstTokenOut, HandedOffOut, Outcome, Pipeline
+from pdserve.prefill.handoff import Handoffs
+from pdserve.prefill.request_task import FinishedOut, FirstTokenOut, HandedOffOut, Outcome
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -52,7 +53,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
 
     Args:
         host: The loaded model (tokenizer files, limits, KV layout).
-        pipeline: Runs the requests.
+        handoffs: Runs the requests.
         instance: This instance's InstanceInfo.
         limits: What a request must fit.
     """
@@ -60,12 +61,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(
         self,
         host: ModelHost,
-        pipeline: Pipeline,
+        handoffs: Handoffs,
         instance: common_pb2.InstanceInfo,
         limits: convert.RequestLimits,
     ) -> None:
         self.host = host
-        self.pipeline = pipeline
+        self.handoffs = handoffs
         self.instance = instance
         self.limits = limits
 
@@ -75,7 +76,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Runs a prompt for its decode: `first_token`, then `handed_off` or `finished`."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
-            task = self.pipeline.start(convert.request_from_proto(request, self.limits))
+            task = self.handoffs.start(convert.request_from_proto(request, self.limits))
         except PdserveError as error:
             log.info("prefill_refused", request_id=request.request_id, reason=error.reason.name)
             await abort_with_error(context, error)
@@ -91,14 +92,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             if not is_done:
                 # NOTE: the caller hung up: abort, which releases the decode lease.
-                self.pipeline.cancel(task)
+                self.handoffs.cancel(task)
 
     async def AbortRequest(
         self, request: prefill_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.AbortRequestResponse:
         """Aborts a request at any stage; returns once its lease and blocks are released."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
-        was_known = await self.pipeline.abort(request.request_id)
+        was_known = await self.handoffs.abort(request.request_id)
         log.info("abort_requested", request_id=request.request_id, was_known=was_known)
         return prefill_pb2.AbortRequestResponse(was_known=was_known)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.prefill.pipeline import Pipeline
+from pdserve.prefill.handoff import Handoffs
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import RequestStatus
 from pdserve.serving.status import InstanceStatus, integrity_failure
@@ -14,15 +14,15 @@ class PrefillStatus(InstanceStatus):
 
     Args:
         instance: This instance's InstanceInfo.
-        pipeline: The requests in flight.
+        handoffs: The requests in flight.
         loop: The engine thread (and through it the block pool).
     """
 
     def __init__(
-        self, instance: common_pb2.InstanceInfo, pipeline: Pipeline, loop: PrefillLoop
+        self, instance: common_pb2.InstanceInfo, handoffs: Handoffs, loop: PrefillLoop
     ) -> None:
         super().__init__(instance)
-        self.pipeline = pipeline
+        self.handoffs = handoffs
         self.loop = loop
 
     def load_report(self) -> common_pb2.LoadReport:
@@ -30,7 +30,7 @@ class PrefillStatus(InstanceStatus):
         those computing or shipping their KV. Queued prompt tokens count every token not yet
         computed.
         """
-        requests = [task.request for task in self.pipeline.live.values()]
+        requests = [task.request for task in self.handoffs.live.values()]
         num_preparing = sum(1 for r in requests if r.status <= RequestStatus.PREPARING)
         num_waiting = self.loop.num_waiting
         with self.loop.lock:
@@ -42,7 +42,7 @@ class PrefillStatus(InstanceStatus):
             num_running_requests=max(0, len(requests) - num_preparing - num_waiting),
             num_free_blocks=num_free,
             num_total_blocks=num_total,
-            is_draining=self.pipeline.is_draining,
+            is_draining=self.handoffs.is_draining,
         )
 
     def pool_integrity(self, check: bool) -> common_pb2.PoolIntegrity:
@@ -56,7 +56,7 @@ class PrefillStatus(InstanceStatus):
         return common_pb2.PoolIntegrity(
             num_total_blocks=num_total,
             num_free_blocks=num_free,
-            num_open_leases=sum(1 for t in self.pipeline.live.values() if t.is_lease_open),
+            num_open_leases=sum(1 for t in self.handoffs.live.values() if t.is_lease_open),
             is_consistent=not detail,
             detail=detail,
         )

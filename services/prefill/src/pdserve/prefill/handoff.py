@@ -15,7 +15,6 @@ import contextlib
 import fnmatch
 import functools
 import time
-from dataclasses import dataclass, field
 
 import structlog
 from opentelemetry import context as otel_context
@@ -23,89 +22,26 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import FinishReason
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import (
-    EngineEvent,
-    EngineFailed,
-    FirstTokenSampled,
     LeaseGrant,
     Request,
     RequestStatus,
     first_token_finish,
     is_length_capped,
 )
-from pdserve.serving.kv_transfer import KvPiece
+from pdserve.prefill.request_task import FinishedOut, FirstTokenOut, HandedOffOut, RequestTask
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
 
-RELEASE_WAIT_S = 30.0
 
-
-@dataclass(frozen=True)
-class FirstTokenOut:
-    """The first token, for the caller (sent before the transfer finishes)."""
-
-    token_id: int
-    index: int
-
-
-@dataclass(frozen=True)
-class HandedOffOut:
-    """Terminal: the decode committed the KV and owns the request."""
-
-    lease: LeaseGrant
-    num_chunks: int
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class FinishedOut:
-    """Terminal: the first token ended the request; no decode runs."""
-
-    reason: FinishReason
-    num_prompt_tokens: int
-    num_completion_tokens: int
-
-
-Outcome = FirstTokenOut | HandedOffOut | FinishedOut | PdserveError
-
-
-@dataclass(eq=False)
-class RequestTask:
-    """The event-loop side of one request."""
-
-    request: Request
-    outbox: asyncio.Queue[Outcome] = field(default_factory=asyncio.Queue)
-    first_token: asyncio.Future[int] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-    sender: KvSender | None = None
-    sender_task: asyncio.Task[object] | None = None
-    task: asyncio.Task[None] | None = None
-    cleanup_task: asyncio.Task[None] | None = None
-    is_lease_open: bool = False
-    is_submitted: bool = False
-
-    def on_engine_event(self, event: EngineEvent) -> None:
-        """Dispatches an engine-thread event (runs on the event loop)."""
-        if isinstance(event, KvPiece):
-            if self.sender is not None and not self.request.status.is_terminal:
-                self.sender.put(event)
-        elif self.first_token.done() or self.request.status.is_terminal:
-            return
-        elif isinstance(event, FirstTokenSampled):
-            self.first_token.set_result(event.token_id)
-        elif isinstance(event, EngineFailed):
-            self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))
-
-
-class Pipeline:
-    """Starts, tracks and aborts the requests of one prefill instance.
+class Handoffs:
+    """Starts, tracks and aborts the requests of one prefill instance on their way to a
+    handoff.
 
     Args:
         loop: The engine thread.
@@ -161,13 +97,7 @@ class Pipeline:
             )
         request.is_sending_kv = not is_length_capped(request, self.max_model_len)
         task = RequestTask(request)
-        aio_loop = asyncio.get_running_loop()
-
-        def sink(event: EngineEvent) -> None:
-            with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
-                aio_loop.call_soon_threadsafe(task.on_engine_event, event)
-
-        request.sink = sink
+        request.sink = task.engine_sink()
         self.live[request.request_id] = task
         task.task = asyncio.create_task(self._run(task), name=f"prefill-{request.request_id}")
         log.info(
@@ -309,13 +239,13 @@ class Pipeline:
             if telemetry.is_enabled():
                 request.trace_context = otel_context.get_current()
             self.loop.submit(request)
-            token_id = await self._first_token(task)
+            token_id = await task.wait_first_token()
         index = request.first_token_index
         task.outbox.put_nowait(FirstTokenOut(token_id, index))
         log.info("first_token", request_id=request.request_id, token_id=token_id, index=index)
         finish = first_token_finish(request, token_id, self.eos_token_ids, self.max_model_len)
         if finish is not None:
-            await self._release_lease(task)
+            await task.release_lease(self.peers)
             request.status = RequestStatus.FINISHED
             task.outbox.put_nowait(FinishedOut(finish, request.num_prompt_tokens, index + 1))
             return
@@ -351,18 +281,6 @@ class Pipeline:
                 self.metrics.transfer_seconds.observe(time.perf_counter() - started)
         span.end()
 
-    async def _first_token(self, task: RequestTask) -> int:
-        """The first token; fails early if the transfer broke before it was sampled."""
-        waiters: set[asyncio.Future[object]] = {task.first_token}  # type: ignore[arg-type]
-        if task.sender_task is not None:
-            waiters.add(task.sender_task)
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        if task.first_token.done():
-            return task.first_token.result()
-        assert task.sender_task is not None
-        task.sender_task.result()  # raises the transfer's error
-        raise PdserveError(ErrorReason.INTERNAL, "the transfer ended before the first token")
-
     def _release_late_grant(self, request: Request, allocation: asyncio.Future[LeaseGrant]) -> None:
         if allocation.cancelled() or allocation.exception() is not None:
             return
@@ -374,28 +292,10 @@ class Pipeline:
         self._background.add(release)
         release.add_done_callback(self._background.discard)
 
-    async def _release_lease(self, task: RequestTask) -> None:
-        request = task.request
-        if not task.is_lease_open or request.lease is None:
-            return
-        task.is_lease_open = False
-        await self.peers.release_lease(
-            request.decode_address, request.lease.lease_id, request.request_id
-        )
-
     async def _cleanup(self, task: RequestTask, error: PdserveError | None) -> None:
         request = task.request
         try:
-            if task.is_lease_open:
-                # NOTE: release before cancelling the stream, so the decode ends the lease as
-                # released rather than as a broken transfer.
-                await self._release_lease(task)
-            if task.sender_task is not None:
-                task.sender_task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task.sender_task
-            if task.is_submitted:
-                await self._free_blocks(request)
+            await task.release(self.peers, self.loop)
         finally:
             self.live.pop(request.request_id, None)
             if error is not None:
@@ -408,22 +308,3 @@ class Pipeline:
                     detail=error.message,
                 )
                 task.outbox.put_nowait(error)
-
-    async def _free_blocks(self, request: Request) -> None:
-        aio_loop = asyncio.get_running_loop()
-        released = aio_loop.create_future()
-
-        def on_released() -> None:
-            with contextlib.suppress(RuntimeError):
-                aio_loop.call_soon_threadsafe(_resolve, released)
-
-        self.loop.release(request, on_released)
-        try:
-            await asyncio.wait_for(released, RELEASE_WAIT_S)
-        except TimeoutError:
-            log.error("prefill_blocks_not_released", request_id=request.request_id)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
