@@ -2,10 +2,10 @@
 
 `InstanceServer` holds what both roles share: the model, the gRPC server (the role's service,
 InstanceService, health and reflection), the ``/metrics`` endpoint, registration and heartbeats
-with ``--gateway``, and drain on SIGTERM. A role subclasses it: its constructor builds the
-engine thread, its request table and its servicers once the port is bound and the instance is
-named, and it answers the hooks marked below. Each role's ``server.py`` adds
-`create_server(config)` (build and start) and `serve(config)` (run until SIGTERM).
+with ``--gateway``, and drain on SIGTERM. A role subclasses it: `build()` makes its engine
+thread, request table and servicers once the port is bound and the instance is named, and it
+answers the other hooks marked below. Each role's ``server.py`` adds `create_server(config)`
+(build and start) and `serve(config)` (run until SIGTERM).
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ class InstanceServer(abc.ABC):
     """A prefill or decode server: the shared scaffold, with a role's parts plugged in.
 
     Constructing one loads the model (unless `host` is given), creates the gRPC server, binds
-    the port and names the instance; `start()` serves; `drain_and_stop()` and `stop()` end it.
-    A subclass sets `role` and `service_name`, builds `loop`, `status` and `metrics` in its
-    constructor (after this one) and implements the abstract hooks.
+    the port, names the instance and calls `build()`; `start()` serves; `drain_and_stop()` and
+    `stop()` end it. A subclass sets `role` and `service_name`, makes `loop`, `status` and
+    `metrics` (and its own parts) in `build()` and implements the other hooks.
 
     Args:
         config: The instance's settings.
@@ -91,6 +91,7 @@ class InstanceServer(abc.ABC):
         self.registration: RegistrationClient | None = None
         self.metrics_server: WSGIServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.build()
 
     @property
     def address(self) -> str:
@@ -98,6 +99,11 @@ class InstanceServer(abc.ABC):
         return self.instance.address
 
     # ---- what a role plugs in --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def build(self) -> None:
+        """Makes the role's parts (`loop`, `status`, `metrics`, servicers) from `config`,
+        `host` and `instance`; called once by the constructor."""
 
     @abc.abstractmethod
     def add_service(self, server: grpc.aio.Server) -> None:

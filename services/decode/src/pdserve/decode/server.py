@@ -45,30 +45,25 @@ class DecodeInstance(InstanceServer):
     status: DecodeStatus
     metrics: DecodeMetrics
 
-    def __init__(
-        self,
-        config: DecodeConfig,
-        host: ModelHost | None = None,
-        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    ) -> None:
-        super().__init__(config, host, interceptors)
+    def build(self) -> None:
+        config, host = self.config, self.host
         self.leases = LeaseManager(
-            BlockPool(self.host.num_blocks),
-            self.host.runner.block_size,
+            BlockPool(host.num_blocks),
+            host.runner.block_size,
             config.reserve_tokens,
             config.lease_ttl_ms / 1000,
             config.capacity_retry_ms / 1000,
         )
         self.metrics = DecodeMetrics()
         self.loop = DecodeLoop(
-            self.host.runner,
+            host.runner,
             self.leases,
             config.max_num_seqs,
-            self.host.eos_token_ids,
-            self.host.max_model_len,
+            host.eos_token_ids,
+            host.max_model_len,
             self.metrics,
         )
-        self.servicer = DecodeServicer(self.host, self.leases, self.loop, self.metrics)
+        self.servicer = DecodeServicer(host, self.leases, self.loop, self.metrics)
         self.servicer.instance_id = self.instance.instance_id
         self.status = DecodeStatus(self.instance, self.leases, self.loop)
 
@@ -117,17 +112,7 @@ async def create_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> DecodeInstance:
-    """Builds a decode instance and starts serving it.
-
-    Args:
-        config: Settings.
-        host: An already loaded model to reuse (tests share one across servers); None loads
-            ``config.model``.
-        interceptors: gRPC server interceptors (tests inject faults with them).
-
-    Returns:
-        The running instance: its `server`, bound `port` and parts.
-    """
+    """Builds a decode instance and starts serving it (`InstanceServer` explains the arguments)."""
     instance = DecodeInstance(config, host, interceptors)
     await instance.start()
     log.info("decode_started", **instance.describe())

@@ -45,14 +45,8 @@ class PrefillInstance(InstanceServer):
     status: PrefillStatus
     metrics: PrefillMetrics
 
-    def __init__(
-        self,
-        config: PrefillConfig,
-        host: ModelHost | None = None,
-        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    ) -> None:
-        super().__init__(config, host, interceptors)
-        host = self.host
+    def build(self) -> None:
+        config, host = self.config, self.host
         self.loop = PrefillLoop(host.runner, config.max_num_batched_tokens, config.max_chunk_bytes)
         self.peers = DecodePeers(
             self.instance.instance_id,
@@ -119,17 +113,7 @@ async def create_server(
     *,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> PrefillInstance:
-    """Builds a prefill instance and starts serving it.
-
-    Args:
-        config: Settings.
-        host: An already loaded model to reuse (tests and benchmarks load one per server);
-            None loads ``config.model``.
-        interceptors: gRPC server interceptors (tests inject faults with them).
-
-    Returns:
-        The running instance: its `server`, bound `port` and parts.
-    """
+    """Builds a prefill instance and starts serving it (`InstanceServer` explains the arguments)."""
     instance = PrefillInstance(config, host, interceptors)
     await instance.start()
     fault = instance.handoffs.fault_corrupt_kv
