@@ -1,2 +1,3 @@
-"""Edge code shared by the servers: loading a model for serving (prefill and decode) and
-converting between pdserve.v1 messages and the shared plain types (every service)."""
+"""Code shared by the servers: the prefill and decode instance scaffold (server, status, CLI),
+loading a model for serving, and converting between pdserve.v1 messages and the shared plain
+types (every service)."""
