@@ -24,13 +24,42 @@ from pdserve.gateway.backend import (
     PrefillEvent,
     TokenBatchEvent,
 )
+from pdserve.gateway.decisions import Failed, Lost
+from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.request import TokenChunk
-from pdserve.gateway.retry import AttemptFailed, connection_lost
+from pdserve.gateway.router import Pair
 
 log = structlog.get_logger("pdserve.gateway.relay")
 
 T = TypeVar("T")
+
+
+class AttemptFailed(Exception):
+    """A stream of the attempt failed with an error status or a transport failure.
+
+    Attributes:
+        role: Which instance of the pair failed (or was lost).
+        failure: The error, and whether the server reported it itself.
+    """
+
+    def __init__(self, role: InstanceRole, failure: BackendError) -> None:
+        super().__init__(str(failure))
+        self.role = role
+        self.failure = failure
+
+    def setback(self, pair: Pair, num_delivered_tokens: int) -> Failed | Lost:
+        """The attempt's outcome: `Failed` when the server reported it, else `Lost`."""
+        error = self.failure.error
+        if self.failure.is_from_server:
+            return Failed(self.role, pair, error, num_delivered_tokens)
+        return Lost(self.role, pair, error)
+
+
+def connection_lost(role: InstanceRole, message: str) -> AttemptFailed:
+    """An `AttemptFailed` for a stream that ended without its terminal event."""
+    error = PdserveError(ErrorReason.PEER_UNAVAILABLE, message)
+    return AttemptFailed(role, BackendError(error, is_from_server=False))
 
 
 class InstanceLost(Exception):
@@ -115,28 +144,28 @@ async def next_or_lost(events: AsyncIterator[T], lost: asyncio.Future[str]) -> T
 
 
 async def relay(
-    stage: str,
+    role: InstanceRole,
     stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
     progress: CompletionProgress,
     watch: LossWatch,
-    watched: Mapping[str, str],
+    watched: Mapping[str, InstanceRole],
     end_grace_s: float,
 ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
     """Relays a stream: tokens go through `progress`, errors become `AttemptFailed`.
 
     Args:
-        stage: "prefill" or "decode": whose stream this is.
+        role: Whose stream this is.
         stream: The backend's event stream (closed when the relay ends).
         progress: Dedupes tokens by completion index.
         watch: Announces lost instances.
-        watched: The instances the stream depends on, each with its stage ("prefill" /
-            "decode"), so a loss is blamed on the right one.
+        watched: The instances the stream depends on, each with its role, so a loss is blamed
+            on the right one.
         end_grace_s: Once the gateway has seen the completion end, how long to wait for the
             stream's terminal event; further tokens are ignored.
 
     Raises:
         AttemptFailed: The stream failed, skipped indices, or an instance it depends on was
-            lost (then: a transport failure of that instance's stage, PEER_UNAVAILABLE).
+            lost (then: a transport failure of that instance, PEER_UNAVAILABLE).
     """
     try:
         with watch.watching(tuple(watched)) as lost:
@@ -150,13 +179,11 @@ async def relay(
                 except (StopAsyncIteration, TimeoutError):
                     return
                 except BackendError as failure:
-                    raise AttemptFailed(stage, failure) from failure
-                except InstanceLost as lost_instance:
-                    lost_stage = watched.get(lost_instance.instance_id, stage)
-                    raise connection_lost(
-                        lost_stage,
-                        f"{lost_stage} instance {lost_instance.instance_id} stopped heartbeating",
-                    ) from lost_instance
+                    raise AttemptFailed(role, failure) from failure
+                except InstanceLost as gone:
+                    lost_role = watched.get(gone.instance_id, role)
+                    message = f"{lost_role.value} instance {gone.instance_id} stopped heartbeating"
+                    raise connection_lost(lost_role, message) from gone
                 if isinstance(event, FirstTokenEvent | TokenBatchEvent):
                     if isinstance(event, FirstTokenEvent):
                         accepted = progress.accept((event.token_id,), event.index)
@@ -166,9 +193,9 @@ async def relay(
                         yield accepted.chunk
                     if accepted.has_gap:
                         gap = PdserveError(
-                            ErrorReason.INTERNAL, f"{stage} skipped completion indices"
+                            ErrorReason.INTERNAL, f"{role.value} skipped completion indices"
                         )
-                        raise AttemptFailed(stage, BackendError(gap, is_from_server=True))
+                        raise AttemptFailed(role, BackendError(gap, is_from_server=True))
                 else:
                     yield event
     finally:

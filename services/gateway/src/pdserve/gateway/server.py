@@ -25,6 +25,7 @@ from pdserve.gateway import generation_servicer
 from pdserve.gateway.admission import ConcurrencyLimiter
 from pdserve.gateway.clients import GrpcBackend
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.decisions import RetryPolicy
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfoStore
@@ -34,7 +35,6 @@ from pdserve.gateway.pipeline import Pipeline
 from pdserve.gateway.poller import StaticPoller
 from pdserve.gateway.registry import InstanceEntry, LivenessClock, Registry
 from pdserve.gateway.registry_servicer import RegistryServicer
-from pdserve.gateway.retry import RetryPolicy
 from pdserve.gateway.router import Router
 from pdserve.gateway.workers import ParserPool, WorkerPool
 from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc

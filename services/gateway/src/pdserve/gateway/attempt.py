@@ -1,0 +1,255 @@
+"""One attempt of a request on a prefill/decode pair, ending in an outcome value.
+
+An attempt is: ``Prefill`` on a prefill P (targeting decode D) -> ``FirstToken`` (delivered at
+once) -> ``HandedOff{lease}`` -> ``DecodeService.Generate(lease)`` on D -> token batches ->
+``Finished``. `Attempts.run` yields the tokens new to the consumer, then exactly one outcome:
+the `GenerationEnd`, or a setback (`Preempted`, `Failed`, `Lost`) for
+`pdserve.gateway.decisions.decide`.
+
+Leaving an attempt early (a setback, the consumer closing the stream, a client disconnect)
+aborts the prefill request and releases the decode lease in background tasks, so cleanup also
+happens inside a cancelled task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Coroutine
+from contextlib import aclosing
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.gateway.backend import (
+    Backend,
+    BackendError,
+    DecodeEvent,
+    FinishedEvent,
+    HandedOffEvent,
+    PreemptionEvent,
+    PrefillCall,
+    PrefillEvent,
+)
+from pdserve.gateway.decisions import Preempted, RequestState, RetryPolicy, Setback
+from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.progress import CompletionProgress
+from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
+from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
+from pdserve.gateway.router import Pair
+
+log = structlog.get_logger("pdserve.gateway.attempt")
+
+PREFILL, DECODE = InstanceRole.PREFILL, InstanceRole.DECODE
+
+
+def remaining_s(request: GenerationRequest, deadline: float) -> float:
+    """Seconds left until `deadline` (``loop.time()``).
+
+    Raises:
+        PdserveError: DEADLINE_EXCEEDED once none are left.
+    """
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        raise PdserveError(
+            ErrorReason.DEADLINE_EXCEEDED,
+            "the request did not finish within the gateway's request timeout",
+            {"requestId": request.request_id},
+        )
+    return remaining
+
+
+class Attempts:
+    """Runs attempts over a `Backend`, and gives back what an attempt left behind.
+
+    Args:
+        backend: Calls to prefill and decode instances.
+        loss_watch: Interrupts the streams of instances the registry lost.
+        policy: Cleanup deadline and end grace.
+    """
+
+    def __init__(self, backend: Backend, loss_watch: LossWatch, policy: RetryPolicy) -> None:
+        self._backend = backend
+        self._loss_watch = loss_watch
+        self._policy = policy
+        self._cleanup_tasks: set[asyncio.Task[None]] = set()
+
+    async def wait_for_cleanups(self) -> None:
+        """Waits until every background AbortRequest / ReleaseLease has finished."""
+        while self._cleanup_tasks:
+            await asyncio.gather(*self._cleanup_tasks, return_exceptions=True)
+
+    async def run(
+        self,
+        request: GenerationRequest,
+        pair: Pair,
+        progress: CompletionProgress,
+        state: RequestState,
+        deadline: float,
+        span: trace.Span,
+    ) -> AsyncGenerator[TokenChunk | GenerationEnd | Setback, None]:
+        """One attempt on `pair`.
+
+        Args:
+            request: The request.
+            pair: Where to run it.
+            progress: The tokens delivered so far (the attempt continues from there).
+            state: The request's bookkeeping (this attempt counted).
+            deadline: ``loop.time()`` by which the request must be done.
+            span: The attempt's span (first token and preemption become its events).
+
+        Yields:
+            `TokenChunk`s new to the consumer, then one `GenerationEnd` or setback.
+
+        Raises:
+            PdserveError: DEADLINE_EXCEEDED before a call could start.
+        """
+        context = trace.set_span_in_context(span)
+        call = PrefillCall(
+            request_id=request.request_id,
+            token_ids=progress.continuation_token_ids(),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            decode_address=pair.decode.address,
+            decode_instance_id=pair.decode.instance_id,
+            trace_context=context,
+        )
+        log.debug(
+            "attempt_started",
+            request_id=request.request_id,
+            attempt=state.num_attempts,
+            prefill_id=pair.prefill.instance_id,
+            decode_id=pair.decode.instance_id,
+            num_generated_tokens=progress.num_tokens,
+        )
+        # NOTE: what the attempt holds on the instances, given back if it is left early.
+        owes_abort, lease_id = True, None
+        outcome: GenerationEnd | Setback
+        try:
+            handed_off: HandedOffEvent | None = None
+            finished: FinishedEvent | None = None
+            prefill = self._backend.prefill(
+                pair.prefill.address, call, remaining_s(request, deadline)
+            )
+            # NOTE: until the hand-off, the attempt waits on the decode too (allocation, KV).
+            watched = {pair.prefill.instance_id: PREFILL, pair.decode.instance_id: DECODE}
+            try:
+                async with aclosing(self._relay(PREFILL, prefill, progress, watched)) as events:
+                    async for event in events:
+                        if isinstance(event, TokenChunk):
+                            index = {"pdserve.completion_index": event.first_index}
+                            span.add_event("first_token", index)
+                            yield event
+                        elif isinstance(event, HandedOffEvent):
+                            handed_off, lease_id = event, event.lease_id
+                        elif isinstance(event, FinishedEvent):
+                            finished = event
+                            break
+            except AttemptFailed as failed:
+                # NOTE: a prefill that reported the failure itself has already ended the
+                # request and released its lease. An AbortRequest now would arrive late and
+                # could cancel the retry, which reuses the request id on the same prefill.
+                owes_abort = not failed.failure.is_from_server
+                raise
+            if finished is None and handed_off is None:
+                raise connection_lost(PREFILL, "the prefill stream ended without a terminal event")
+            owes_abort = False
+            preempted: PreemptionEvent | None = None
+            if handed_off is not None and progress.finish_reason is None:
+                decode = self._backend.generate(
+                    pair.decode.address,
+                    request.request_id,
+                    handed_off.lease_id,
+                    remaining_s(request, deadline),
+                    context,
+                )
+                watched = {pair.decode.instance_id: DECODE}
+                async with aclosing(self._relay(DECODE, decode, progress, watched)) as events:
+                    async for event in events:
+                        if isinstance(event, TokenChunk):
+                            yield event
+                        elif isinstance(event, PreemptionEvent | FinishedEvent):
+                            lease_id = None  # the decode let go of it
+                            if isinstance(event, FinishedEvent):
+                                finished = event
+                            else:
+                                preempted = event
+                            break
+                if preempted is not None:
+                    span.add_event(
+                        "preemption",
+                        {"pdserve.reason": str(preempted.reason),
+                         "pdserve.num_generated_tokens": preempted.num_generated_tokens},
+                    )  # fmt: skip
+                    accepted = progress.accept(preempted.generated_token_ids, 0)
+                    if accepted.chunk is not None:
+                        yield accepted.chunk
+                elif finished is None and progress.finish_reason is None:
+                    raise connection_lost(
+                        DECODE, "the decode stream ended without a terminal event"
+                    )
+            if preempted is not None and progress.finish_reason is None:
+                message = f"preempted ({preempted.reason}) after {preempted.num_generated_tokens}"
+                error = PdserveError(ErrorReason.PREEMPTED, f"{message} tokens")
+                outcome = Preempted(pair, error)
+            else:
+                # NOTE: the gateway may see the end (stop id, max_tokens) before an instance
+                # does: a lease handed off in the meantime is released below.
+                outcome = _end(progress, state, finished)
+        except AttemptFailed as failed:
+            outcome = failed.setback(pair, progress.num_tokens)
+        finally:
+            timeout_s = self._policy.cleanup_timeout_s
+            if owes_abort:
+                address = pair.prefill.address
+                aborting = self._backend.abort_request(
+                    address, request.request_id, timeout_s, context
+                )
+                self._spawn(aborting, "abort_request", request.request_id)
+            if lease_id is not None:
+                address = pair.decode.address
+                releasing = self._backend.release_lease(
+                    address, lease_id, request.request_id, timeout_s, context
+                )
+                self._spawn(releasing, "release_lease", request.request_id)
+        yield outcome
+
+    def _relay(
+        self,
+        role: InstanceRole,
+        stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
+        progress: CompletionProgress,
+        watched: dict[str, InstanceRole],
+    ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
+        end_grace_s = self._policy.end_grace_s
+        return relay(role, stream, progress, self._loss_watch, watched, end_grace_s)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str, request_id: str) -> None:
+        async def run() -> None:
+            try:
+                await coro
+            except BackendError as failure:
+                log.debug("cleanup_failed", request_id=request_id, call=what, error=str(failure))
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._cleanup_tasks.add(task)
+        task.add_done_callback(self._cleanup_tasks.discard)
+        log.debug("cleanup_sent", request_id=request_id, call=what)
+
+
+def _end(
+    progress: CompletionProgress, state: RequestState, finished: FinishedEvent | None
+) -> GenerationEnd:
+    """The completion's end: the gateway's own finish reason first, else the instance's."""
+    reason = progress.finish_reason
+    if reason is None and finished is not None:
+        reason = finished.finish_reason
+    return GenerationEnd(
+        finish_reason=reason or FinishReason.STOP,
+        num_completion_tokens=progress.num_tokens,
+        num_cached_prompt_tokens=finished.num_cached_prompt_tokens if finished else 0,
+        num_attempts=state.num_attempts,
+        num_reschedules=state.num_reschedules,
+    )

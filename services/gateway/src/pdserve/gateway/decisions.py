@@ -1,0 +1,318 @@
+"""What follows an attempt: its outcome as a value, and the one rule that decides what next.
+
+An attempt that does not finish the completion ends with a *setback*:
+
+* `Preempted`: the decode preempted the request (every token it generated was delivered);
+* `Failed`: an instance answered with an error status;
+* `Lost`: the connection to an instance was lost (refused or reset, a stream that ended without
+  its terminal event, an instance that stopped heartbeating).
+
+`decide(setback, state, policy)` is a pure function of those values: it returns a `Decision`
+carrying the request's next `RequestState`, and the orchestrator carries it out. Errors are
+classified by their reason's retry scope, never by message text:
+
+=========================================  ==============================  ====================
+setback                                    decision                        counts against
+=========================================  ==============================  ====================
+preempted, or a PREEMPTED (RESCHEDULE)     reschedule with the delivered   preempt_retry_count
+                                           tokens (avoiding the decode
+                                           with preempt_retry_exclude_
+                                           decode)
+lost decode                                reschedule, excluding it        preempt_retry_count
+lost prefill                               retry, excluding it             max_attempts
+DEADLINE_EXCEEDED, NEVER, REGISTER_AGAIN   give up with the error
+DECODE_CAPACITY_EXHAUSTED once the client  wait for capacity (the retry    the request timeout
+has tokens                                 delay), then retry
+ONCE                                       retry as is, once               max_attempts
+ANOTHER_PAIR / _DECODE / _PREFILL /        retry, excluding the blamed     max_attempts
+_INSTANCE                                  instance(s)
+WHOLE_REQUEST                              retry as is (CACHE_SYNC_FAILED  max_attempts
+                                           avoids both ends)
+=========================================  ==============================  ====================
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+from typing import TypeAlias
+
+from pdserve.common.errors import ErrorReason, PdserveError, RetryScope
+from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.router import Pair
+
+DEFAULT_CAPACITY_WAIT_S = 0.2
+_NO_IDS: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard the orchestrator tries.
+
+    Attributes:
+        max_attempts: Failed attempts (retryable errors) after which a request fails.
+        preempt_retry_count: Reschedules (preemption, lost decode) a request may take.
+        preempt_retry_exclude_decode: Prefer another decode after a preemption.
+        cleanup_timeout_s: Deadline of each AbortRequest / ReleaseLease sent while cleaning up.
+        end_grace_s: How long to wait for a stream's terminal event once the gateway has seen
+            the completion end (stop token, max_tokens) before releasing the lease itself.
+    """
+
+    max_attempts: int = 3
+    preempt_retry_count: int = 4
+    preempt_retry_exclude_decode: bool = False
+    cleanup_timeout_s: float = 2.0
+    end_grace_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.preempt_retry_count < 0:
+            raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """Bookkeeping of one request across its attempts.
+
+    Excluded instances are a requirement: routing never picks them again for this request.
+    Avoided ones are a preference, relaxed when no other instance is available.
+    """
+
+    excluded_prefill_ids: frozenset[str] = _NO_IDS
+    excluded_decode_ids: frozenset[str] = _NO_IDS
+    avoided_prefill_ids: frozenset[str] = _NO_IDS
+    avoided_decode_ids: frozenset[str] = _NO_IDS
+    num_attempts: int = 0
+    num_failures: int = 0
+    num_reschedules: int = 0
+    has_used_once_retry: bool = False
+    last_error: PdserveError | None = None
+
+    def exclusions(self) -> list[tuple[frozenset[str], frozenset[str]]]:
+        """(prefill ids, decode ids) to exclude from routing, strictest first.
+
+        The excluded instances are always left out; the avoided ones first together, then
+        only the avoided decodes, then only the avoided prefills, then none of them.
+        """
+        avoided = [
+            (self.avoided_prefill_ids, self.avoided_decode_ids),
+            (_NO_IDS, self.avoided_decode_ids),
+            (self.avoided_prefill_ids, _NO_IDS),
+            (_NO_IDS, _NO_IDS),
+        ]
+        result: list[tuple[frozenset[str], frozenset[str]]] = []
+        for prefill_ids, decode_ids in avoided:
+            pair = (self.excluded_prefill_ids | prefill_ids, self.excluded_decode_ids | decode_ids)
+            if pair not in result:
+                result.append(pair)
+        return result
+
+
+# ---- outcomes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """The decode of `pair` preempted the request; its error says why and after how much."""
+
+    pair: Pair
+    error: PdserveError
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The `role` instance of `pair` answered with an error status.
+
+    Attributes:
+        num_delivered_tokens: Completion tokens the consumer had when the attempt ended.
+    """
+
+    role: InstanceRole
+    pair: Pair
+    error: PdserveError
+    num_delivered_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The connection to the `role` instance of `pair` was lost (``error``: PEER_UNAVAILABLE)."""
+
+    role: InstanceRole
+    pair: Pair
+    error: PdserveError
+
+    @property
+    def instance_id(self) -> str:
+        """The instance that was lost."""
+        info = self.pair.prefill if self.role is InstanceRole.PREFILL else self.pair.decode
+        return info.instance_id
+
+
+Setback: TypeAlias = Preempted | Failed | Lost
+
+
+# ---- decisions --------------------------------------------------------------------------------
+
+
+class RescheduleCause(enum.Enum):
+    """Why a request continues elsewhere (the ``cause`` label of the reschedules metric)."""
+
+    PREEMPTED = "preempted"
+    DECODE_LOST = "decode_lost"
+
+
+class Limit(enum.Enum):
+    """The `RetryPolicy` limit a request ran out of."""
+
+    ATTEMPTS = "max_attempts"
+    RESCHEDULES = "preempt_retry_count"
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Route again (under `state`'s exclusions) and start another attempt from the same point."""
+
+    state: RequestState
+
+
+@dataclass(frozen=True)
+class WaitForCapacity:
+    """Wait `wait_s` (or until the deadline) for a decode to free blocks, then retry."""
+
+    state: RequestState
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class Reschedule:
+    """Continue elsewhere: prefill prompt + delivered tokens, then decode on."""
+
+    state: RequestState
+    cause: RescheduleCause
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """End the request with `error` (`limit`: the policy limit reached, if that is why)."""
+
+    error: PdserveError
+    limit: Limit | None = None
+
+
+Decision: TypeAlias = Retry | WaitForCapacity | Reschedule | GiveUp
+
+
+def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decision:
+    """What a request does after a setback (see the module's table).
+
+    Args:
+        setback: How the attempt ended.
+        state: The request's bookkeeping before the setback (its attempt counted).
+        policy: The limits.
+
+    Returns:
+        The decision, with the next `RequestState` unless it gives up.
+    """
+    if isinstance(setback, Preempted):
+        return _reschedule(setback.pair, setback.error, RescheduleCause.PREEMPTED, state, policy)
+    error = setback.error
+    if error.reason is ErrorReason.DEADLINE_EXCEEDED:
+        return GiveUp(error)
+    if isinstance(setback, Lost):
+        # NOTE: the instance we called is gone (or going).
+        if setback.role is InstanceRole.DECODE:
+            cause = RescheduleCause.DECODE_LOST
+            return _reschedule(setback.pair, error, cause, state, policy)
+        return _count_failure(error, _exclude(state, setback.pair, {InstanceRole.PREFILL}), policy)
+    scope = error.retry_scope
+    if scope is RetryScope.RESCHEDULE:
+        return _reschedule(setback.pair, error, RescheduleCause.PREEMPTED, state, policy)
+    if scope in (RetryScope.NEVER, RetryScope.REGISTER_AGAIN):
+        return GiveUp(error)
+    if error.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED and setback.num_delivered_tokens:
+        # NOTE: a completion the client already receives must not fail because decodes are
+        # momentarily full (e.g. after a preemption): wait the suggested delay and try again,
+        # bounded by the request timeout rather than by max_attempts.
+        wait_s = error.retry_delay_s or DEFAULT_CAPACITY_WAIT_S
+        return WaitForCapacity(replace(state, last_error=error), wait_s)
+    if scope is RetryScope.ONCE:
+        if state.has_used_once_retry:
+            return GiveUp(error)
+        return _count_failure(error, replace(state, has_used_once_retry=True), policy)
+    state = _exclude(state, setback.pair, _blamed_roles(setback))
+    if error.reason is ErrorReason.CACHE_SYNC_FAILED:
+        # NOTE: KV that failed its checksum may come from either end (memory, NIC): the retry
+        # prefers another prefill and decode when there are any.
+        state = replace(
+            state,
+            avoided_prefill_ids=state.avoided_prefill_ids | {setback.pair.prefill.instance_id},
+            avoided_decode_ids=state.avoided_decode_ids | {setback.pair.decode.instance_id},
+        )
+    return _count_failure(error, state, policy)
+
+
+def _reschedule(
+    pair: Pair,
+    error: PdserveError,
+    cause: RescheduleCause,
+    state: RequestState,
+    policy: RetryPolicy,
+) -> Decision:
+    if state.num_reschedules >= policy.preempt_retry_count:
+        return GiveUp(error, Limit.RESCHEDULES)
+    if cause is RescheduleCause.DECODE_LOST:
+        state = _exclude(state, pair, {InstanceRole.DECODE})
+    elif policy.preempt_retry_exclude_decode:
+        avoided = state.avoided_decode_ids | {pair.decode.instance_id}
+        state = replace(state, avoided_decode_ids=avoided)
+    return Reschedule(
+        replace(state, num_reschedules=state.num_reschedules + 1, last_error=error), cause
+    )
+
+
+def _count_failure(error: PdserveError, state: RequestState, policy: RetryPolicy) -> Decision:
+    if state.num_failures + 1 >= policy.max_attempts:
+        return GiveUp(error, Limit.ATTEMPTS)
+    return Retry(replace(state, num_failures=state.num_failures + 1, last_error=error))
+
+
+def _blamed_roles(setback: Failed) -> set[InstanceRole]:
+    """The instance(s) of the pair that an error's retry scope says to leave out."""
+    error, pair = setback.error, setback.pair
+    scope = error.retry_scope
+    if scope is RetryScope.ANOTHER_PAIR:
+        return {InstanceRole.PREFILL, InstanceRole.DECODE}
+    if scope is RetryScope.ANOTHER_DECODE:
+        return {InstanceRole.DECODE}
+    if scope is RetryScope.ANOTHER_PREFILL:
+        return {InstanceRole.PREFILL}
+    if scope is not RetryScope.ANOTHER_INSTANCE:
+        return set()
+    blamed_id = error.metadata.get("instanceId")
+    if (
+        blamed_id == pair.decode.instance_id
+        or setback.role is InstanceRole.DECODE
+        or error.metadata.get("decodeAddress") == pair.decode.address
+    ):
+        return {InstanceRole.DECODE}
+    if blamed_id == pair.prefill.instance_id:
+        return {InstanceRole.PREFILL}
+    # NOTE: a prefill that reports an unreachable peer means its decode target.
+    return (
+        {InstanceRole.DECODE}
+        if error.reason is ErrorReason.PEER_UNAVAILABLE
+        else {InstanceRole.PREFILL}
+    )
+
+
+def _exclude(state: RequestState, pair: Pair, roles: set[InstanceRole]) -> RequestState:
+    """`state` with the `roles` instances of `pair` excluded."""
+    if InstanceRole.PREFILL in roles:
+        excluded = state.excluded_prefill_ids | {pair.prefill.instance_id}
+        state = replace(state, excluded_prefill_ids=excluded)
+    if InstanceRole.DECODE in roles:
+        state = replace(
+            state, excluded_decode_ids=state.excluded_decode_ids | {pair.decode.instance_id}
+        )
+    return state
