@@ -9,7 +9,9 @@ Instead of a model, every token is a pure function of (original prompt, seed, co
 index) (`fake_token`), so a continuation on any instance yields exactly the tokens an
 undisturbed run would, and tests can compute the expected completion (`expected_tokens`).
 Knobs make failures happen on purpose: refuse allocations, preempt after k tokens, pause
-mid-stream (so a test can stop the server), hold a prefill before hand-off.
+mid-stream (so a test can stop the server), hold a prefill before hand-off. These fakes are for
+tests of the edges (REST, gRPC, registry, clients); orchestration alone is tested over the
+in-memory backend (`support.memory_backend`), which shares their tokens.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 SPACE_EVERY = 6  # every 6th token is a space, so the text has words
+BATCH_SIZE = 2  # tokens per TokenBatch of the fake decode
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -161,10 +164,7 @@ class InstanceKnobs:
     num_preemptions: int = 1
     pause_after: int | None = None
     hold_before_handoff: bool = False
-    token_delay_s: float = 0.0
-    batch_size: int = 2
     eos_index: int | None = None
-    is_draining: bool = False
 
 
 class FakeInstance:
@@ -197,7 +197,6 @@ class FakeInstance:
         return common_pb2.LoadReport(
             num_total_blocks=self.num_total_blocks,
             num_free_blocks=self.num_total_blocks,
-            is_draining=self.knobs.is_draining,
         )
 
     async def stop(self) -> None:
@@ -234,10 +233,6 @@ class FakeDecode(FakeInstance, decode_pb2_grpc.DecodeServiceServicer):
             check_compatible(request.protocol.version)
             if request.kv_layout.fingerprint != self.layout.fingerprint:
                 raise PdserveError(ErrorReason.INCOMPATIBLE_PEER, "KV layout differs")
-            if self.knobs.is_draining:
-                raise PdserveError(
-                    ErrorReason.INSTANCE_DRAINING, "draining", {"instanceId": self.instance_id}
-                )
             if self.knobs.refuse_allocation:
                 raise PdserveError(
                     ErrorReason.DECODE_CAPACITY_EXHAUSTED,
@@ -334,8 +329,6 @@ class FakeDecode(FakeInstance, decode_pb2_grpc.DecodeServiceServicer):
                         batch = []
                     self.paused.set()
                     await self.resume.wait()
-                if knobs.token_delay_s:
-                    await asyncio.sleep(knobs.token_delay_s)
                 token = (
                     EOS_TOKEN_ID
                     if index == knobs.eos_index
@@ -343,7 +336,7 @@ class FakeDecode(FakeInstance, decode_pb2_grpc.DecodeServiceServicer):
                 )
                 generated.append(token)
                 batch.append(token)
-                if len(batch) >= knobs.batch_size:
+                if len(batch) >= BATCH_SIZE:
                     yield self._batch(batch, index + 1 - len(batch))
                     batch = []
             if batch:
@@ -385,9 +378,7 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, instance_id: str = "prefill-0") -> None:
         super().__init__(common_pb2.INSTANCE_ROLE_PREFILL, instance_id, 1000)
         self.requests: list[prefill_pb2.PrefillRequest] = []
-        self.aborted: list[str] = []
         self.num_model_info_calls = 0
-        self.first_token_sent = asyncio.Event()
         self.queued_prompt_tokens = 0
 
     def load(self) -> common_pb2.LoadReport:
@@ -455,7 +446,6 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
             yield prefill_pb2.PrefillResponse(
                 first_token=prefill_pb2.FirstToken(token_id=first, index=index)
             )
-            self.first_token_sent.set()
             if _ends(first, sampling, index):
                 await decode.ReleaseLease(decode_pb2.ReleaseLeaseRequest(lease_id=lease_id))
                 lease_id = ""
@@ -487,7 +477,6 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
     async def AbortRequest(
         self, request: prefill_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.AbortRequestResponse:
-        self.aborted.append(request.request_id)
         return prefill_pb2.AbortRequestResponse(was_known=True)
 
     async def GetModelInfo(

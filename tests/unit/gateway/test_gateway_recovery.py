@@ -1,4 +1,6 @@
-"""Failures behind the gateway: the client sees the undisturbed stream, or a typed error."""
+"""Failures behind the gateway, through REST and gRPC: the client sees the undisturbed stream,
+or a typed error. (Retry and reschedule rules: test_gateway_decisions; orchestration over
+in-memory instances: test_gateway_orchestrator.)"""
 
 from __future__ import annotations
 
@@ -6,9 +8,9 @@ import asyncio
 import json
 import time
 
-import openai
 import pytest
-from support.gateway_cluster import Cluster, eventually
+from support.eventually import eventually
+from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME, expected_tokens
 
 PROMPT = "the quick brown fox"
@@ -68,46 +70,14 @@ async def test_preempted_request_continues_without_dup_or_gap(pd: Cluster, is_st
     assert usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(PROMPT_IDS), MAX_TOKENS)  # type: ignore[attr-defined]
 
+    # NOTE: the continuations themselves are tested on the orchestrator (in memory); here: the
+    # seed the gateway drew is the one every attempt used, and REST counts each token once.
     requests = pd.prefills[0].requests
     assert decode.num_preempted == 2 and len(requests) == 3
-    for request in requests:
-        assert request.sampling.seed == seed
-        assert request.num_prompt_tokens == len(PROMPT_IDS)
-        assert list(request.token_ids[: len(PROMPT_IDS)]) == PROMPT_IDS
-        assert (
-            list(request.token_ids[len(PROMPT_IDS) :])
-            == expected[: len(request.token_ids) - len(PROMPT_IDS)]
-        )
-    assert len(requests[1].token_ids) > len(PROMPT_IDS)
+    assert {request.sampling.seed for request in requests} == {seed}
     assert pd.gateway is not None
     assert pd.gateway.metrics.count("reschedules", "preempted") == 2
     assert decode.num_open_leases == 0
-
-
-async def test_preemption_excludes_the_decode_when_asked(cluster: Cluster) -> None:
-    await cluster.start_gateway(preempt_retry_exclude_decode=True)
-    await cluster.add_prefill()
-    first = await cluster.add_decode("decode-big", num_total_blocks=2000)
-    second = await cluster.add_decode("decode-small", num_total_blocks=1000)
-    first.knobs.preempt_after = 2
-    token_ids, _, _ = await _stream_token_ids(cluster, seed=77)
-    assert token_ids == expected_tokens(PROMPT_IDS, 77, MAX_TOKENS)
-    assert len(first.generate_calls) == 1 and len(second.generate_calls) == 1
-
-
-async def test_reschedules_are_bounded(cluster: Cluster) -> None:
-    await cluster.start_gateway(preempt_retry_count=1)
-    await cluster.add_prefill()
-    decode = await cluster.add_decode()
-    decode.knobs.preempt_after = 1
-    decode.knobs.num_preemptions = 10
-    with pytest.raises(openai.InternalServerError) as raised:
-        await cluster.openai().completions.create(
-            model=MODEL_NAME, prompt=PROMPT, max_tokens=MAX_TOKENS, seed=1
-        )
-    assert raised.value.status_code == 503
-    assert raised.value.code == "preempted"
-    assert decode.num_preempted == 2
 
 
 async def test_decode_killed_mid_stream_continues_on_the_other(cluster: Cluster) -> None:
@@ -136,19 +106,6 @@ async def test_decode_killed_mid_stream_continues_on_the_other(cluster: Cluster)
     assert cluster.gateway.metrics.count("reschedules", "decode_lost") == 1
     entry = cluster.gateway.registry.get("decode-doomed")
     assert entry is not None and not entry.is_reachable
-
-
-async def test_capacity_refusal_routes_to_the_other_decode(cluster: Cluster) -> None:
-    await cluster.start_gateway()
-    await cluster.add_prefill()
-    full = await cluster.add_decode("decode-full", num_total_blocks=2000)
-    spare = await cluster.add_decode("decode-spare", num_total_blocks=1000)
-    full.knobs.refuse_allocation = True
-    token_ids, _, _ = await _stream_token_ids(cluster, seed=5)
-    assert token_ids == expected_tokens(PROMPT_IDS, 5, MAX_TOKENS)
-    assert full.allocations and spare.allocations
-    assert cluster.gateway is not None
-    assert cluster.gateway.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 1
 
 
 @pytest.mark.parametrize("is_stream", [True, False], ids=["stream", "non_stream"])
@@ -201,23 +158,6 @@ async def test_disconnect_while_decoding_releases_the_lease(pd: Cluster) -> None
     assert pd.gateway.metrics.count("requests", "cancelled") == 1
 
 
-async def test_disconnect_while_prefilling_aborts_on_prefill(pd: Cluster) -> None:
-    prefill, decode = pd.prefills[0], pd.decodes[0]
-    prefill.knobs.hold_before_handoff = True
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
-    async with pd.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
-        # The first token reaches the client before the prefill hands off.
-        assert response.status_code == 200
-        lines = response.aiter_lines()
-        line = await anext(lines)
-        assert json.loads(line.removeprefix("data: "))["choices"][0]["text"]
-        await eventually(lambda: prefill.first_token_sent.is_set())
-    request_id = prefill.requests[0].request_id
-    await eventually(lambda: request_id in prefill.aborted)
-    await eventually(lambda: decode.num_open_leases == 0)
-    assert decode.generate_calls == []
-
-
 async def test_request_timeout_bounds_a_stalled_decode(cluster: Cluster) -> None:
     await cluster.start_gateway(request_timeout=0.5)
     await cluster.add_prefill()
@@ -232,19 +172,6 @@ async def test_request_timeout_bounds_a_stalled_decode(cluster: Cluster) -> None
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "deadline_exceeded"
     await eventually(lambda: decode.num_open_leases == 0)
-
-
-async def test_draining_decode_named_by_the_prefill_is_avoided(cluster: Cluster) -> None:
-    await cluster.start_gateway()
-    await cluster.add_prefill()
-    draining = await cluster.add_decode("decode-draining", num_total_blocks=2000)
-    other = await cluster.add_decode("decode-other", num_total_blocks=1000)
-    draining.knobs.is_draining = True  # the registry has not heard yet; AllocateBlocks says so
-    token_ids, _, _ = await _stream_token_ids(cluster, seed=6)
-    assert token_ids == expected_tokens(PROMPT_IDS, 6, MAX_TOKENS)
-    assert draining.allocations and len(other.generate_calls) == 1
-    assert cluster.gateway is not None
-    assert cluster.gateway.metrics.count("retries", "INSTANCE_DRAINING") == 1
 
 
 async def test_failure_after_the_first_token_is_reported_in_band(cluster: Cluster) -> None:

@@ -1,0 +1,381 @@
+"""The orchestrator over scripted in-memory instances: the consumer sees the undisturbed
+completion, each index exactly once, or a typed error; every attempt left early gives back what
+it held (AbortRequest before the hand-off, ReleaseLease after)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from support.eventually import eventually
+from support.memory_backend import (
+    MemoryInstance,
+    end,
+    fail,
+    lose,
+    preempt,
+    repeat,
+    skip,
+    stall,
+)
+from support.memory_cluster import PROMPT_IDS, MemoryCluster, expected
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.gateway.orchestrator import OrchestratorEvent
+from pdserve.gateway.request import GenerationRequest
+
+R = ErrorReason
+
+
+@pytest.fixture
+def cluster() -> MemoryCluster:
+    return MemoryCluster()
+
+
+def _pd(cluster: MemoryCluster) -> tuple[MemoryInstance, MemoryInstance]:
+    return cluster.add_prefill(), cluster.add_decode()
+
+
+def _continued_from(prefill: MemoryInstance) -> list[int]:
+    """How many completion tokens each Prefill call on `prefill` continued from."""
+    return [len(call.token_ids) - call.num_prompt_tokens for call in prefill.calls]
+
+
+# ---- rescheduling ----------------------------------------------------------------------------
+
+
+async def test_preempted_request_continues_without_dup_or_gap(cluster: MemoryCluster) -> None:
+    prefill, decode = _pd(cluster)
+    decode.script = [preempt(after=3), preempt(after=3)]
+    request = cluster.request(seed=11)
+    completion = await cluster.run(request)
+    assert completion.token_ids == expected(request)
+    assert completion.end.finish_reason is FinishReason.LENGTH
+    end_counts = completion.end
+    assert (end_counts.num_completion_tokens, end_counts.num_attempts) == (24, 3)
+    assert end_counts.num_reschedules == 2
+    # Each continuation prefills prompt + every delivered token, with the same sampling.
+    assert _continued_from(prefill) == [0, 4, 8]
+    for call in prefill.calls:
+        assert call.token_ids == (*PROMPT_IDS, *expected(request)[: len(call.token_ids) - 19])
+        assert (call.num_prompt_tokens, call.sampling) == (len(PROMPT_IDS), request.sampling)
+    assert cluster.metrics.count("reschedules", "preempted") == 2
+    assert decode.num_open_leases == 0 and decode.released == []
+
+
+async def test_preemption_avoids_the_decode_when_asked_but_falls_back_to_it() -> None:
+    cluster = MemoryCluster(preempt_retry_exclude_decode=True)
+    cluster.add_prefill()
+    big, small = cluster.add_decode("decode-big", num_blocks=2000), cluster.add_decode()
+    big.script = [preempt(after=2)]
+    small.script = [preempt(after=2)]
+    request = cluster.request()
+    assert (await cluster.run(request)).token_ids == expected(request)
+    # big preempts -> small (avoiding big) preempts -> both avoided: big again
+    assert [len(big.generate_calls), len(small.generate_calls)] == [2, 1]
+
+
+async def test_reschedules_are_bounded() -> None:
+    cluster = MemoryCluster(preempt_retry_count=1)
+    _, decode = _pd(cluster)
+    decode.script = [preempt(after=1)] * 3
+    with pytest.raises(PdserveError) as raised:
+        await cluster.run(cluster.request())
+    assert raised.value.reason is R.PREEMPTED
+    assert len(decode.generate_calls) == 2 and decode.num_open_leases == 0
+
+
+@pytest.mark.parametrize("fault", [lose(after=4), end(after=4)], ids=["lost", "ended_early"])
+async def test_a_decode_lost_mid_stream_continues_on_the_other(
+    cluster: MemoryCluster, fault: object
+) -> None:
+    cluster.add_prefill()
+    doomed = cluster.add_decode("decode-doomed", num_blocks=2000)
+    survivor = cluster.add_decode("decode-survivor")
+    doomed.script = [fault]  # type: ignore[list-item]
+    request = cluster.request()
+    completion = await cluster.run(request)
+    assert completion.token_ids == expected(request)
+    assert completion.end.num_reschedules == 1
+    assert len(survivor.generate_calls) == 1
+    assert cluster.metrics.count("reschedules", "decode_lost") == 1
+    entry = cluster.registry.get("decode-doomed")
+    assert entry is not None and not entry.is_reachable
+    assert doomed.num_open_leases == 0
+
+
+# ---- retries by scope --------------------------------------------------------------------------
+
+
+async def test_a_lost_prefill_is_retried_on_another(cluster: MemoryCluster) -> None:
+    dead = cluster.add_prefill("prefill-dead")
+    other = cluster.add_prefill("prefill-other", num_queued_prompt_tokens=500)
+    cluster.add_decode()
+    dead.script = [lose()]
+    request = cluster.request()
+    assert (await cluster.run(request)).token_ids == expected(request)
+    assert len(other.calls) == 1
+    assert cluster.metrics.count("retries", "PEER_UNAVAILABLE") == 1
+    entry = cluster.registry.get("prefill-dead")
+    assert entry is not None and not entry.is_reachable
+    # NOTE: it did not say it ended the request, so it is told to (best effort).
+    assert dead.aborted == [request.request_id]
+
+
+async def test_a_decode_refusal_routes_to_the_other_decode(cluster: MemoryCluster) -> None:
+    cluster.add_prefill()
+    full = cluster.add_decode("decode-full", num_blocks=2000)
+    spare = cluster.add_decode("decode-spare")
+    full.refuse(retry_delay_s=2.0)
+    request = cluster.request()
+    assert (await cluster.run(request)).token_ids == expected(request)
+    assert (full.generate_calls, len(spare.generate_calls)) == ([], 1)
+    assert cluster.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 1
+
+
+async def test_all_decodes_full_fails_fast_with_their_error(cluster: MemoryCluster) -> None:
+    prefill = cluster.add_prefill()
+    for index in range(2):
+        cluster.add_decode(f"decode-{index}").refuse(retry_delay_s=2.0)
+    with pytest.raises(PdserveError) as raised:
+        await cluster.run(cluster.request())
+    assert raised.value.reason is R.DECODE_CAPACITY_EXHAUSTED
+    assert raised.value.retry_delay_s == 2.0  # -> 429 with Retry-After
+    assert len(prefill.calls) == 2
+
+
+async def test_a_started_completion_waits_for_decode_capacity() -> None:
+    cluster = MemoryCluster(max_attempts=1)
+    _, decode = _pd(cluster)
+    decode.script = [preempt(after=3)]
+    decode.refuse(times=2, retry_delay_s=0.01, after=1)  # the continuation finds it full, twice
+    request = cluster.request()
+    completion = await cluster.run(request)
+    assert completion.token_ids == expected(request)
+    assert (completion.end.num_attempts, completion.end.num_reschedules) == (4, 1)
+    assert cluster.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 2
+
+
+async def test_the_draining_decode_named_by_the_prefill_is_avoided(
+    cluster: MemoryCluster,
+) -> None:
+    cluster.add_prefill()
+    draining = cluster.add_decode("decode-draining", num_blocks=2000)
+    other = cluster.add_decode("decode-other")
+    draining.refuse(reason=R.INSTANCE_DRAINING)  # the registry has not heard yet
+    request = cluster.request()
+    assert (await cluster.run(request)).token_ids == expected(request)
+    assert (draining.generate_calls, len(other.generate_calls)) == ([], 1)
+    assert cluster.metrics.count("retries", "INSTANCE_DRAINING") == 1
+
+
+@pytest.mark.parametrize("num_failures", [1, 2])
+async def test_internal_errors_are_retried_once(num_failures: int) -> None:
+    cluster = MemoryCluster(max_attempts=5)
+    prefill, _ = _pd(cluster)
+    prefill.script = [fail(R.INTERNAL)] * num_failures
+    request = cluster.request()
+    if num_failures == 1:
+        assert (await cluster.run(request)).token_ids == expected(request)
+    else:
+        with pytest.raises(PdserveError) as raised:
+            await cluster.run(request)
+        assert raised.value.reason is R.INTERNAL
+    # NOTE: a prefill that reported the failure itself has ended the request: no abort.
+    assert prefill.aborted == []
+
+
+async def test_a_corrupt_transfer_moves_to_another_pair_or_retries_the_same(
+    cluster: MemoryCluster,
+) -> None:
+    first = cluster.add_prefill("prefill-a")
+    decode = cluster.add_decode("decode-a", num_blocks=2000)
+    first.script = [fail(R.CACHE_SYNC_FAILED)] * 2
+    request = cluster.request()
+    assert (await cluster.run(request)).token_ids == expected(request)  # the only pair, twice
+    other = cluster.add_prefill("prefill-b", num_queued_prompt_tokens=500)
+    spare = cluster.add_decode("decode-b")
+    first.script = [fail(R.CACHE_SYNC_FAILED)]
+    request = cluster.request()
+    assert (await cluster.run(request)).token_ids == expected(request)
+    assert (len(other.calls), len(spare.generate_calls), len(decode.generate_calls)) == (1, 1, 1)
+
+
+# ---- dedupe by completion index ---------------------------------------------------------------
+
+
+async def test_resent_tokens_reach_the_consumer_once(cluster: MemoryCluster) -> None:
+    _, decode = _pd(cluster)
+    decode.script = [preempt(after=5), repeat(4)]
+    request = cluster.request()
+    completion = await cluster.run(request)
+    assert completion.token_ids == expected(request)  # checks the indices too
+
+
+async def test_a_skipped_index_fails_the_attempt_and_the_retry_fills_it(
+    cluster: MemoryCluster,
+) -> None:
+    _, decode = _pd(cluster)
+    decode.script = [skip(after=4)]
+    request = cluster.request()
+    completion = await cluster.run(request)
+    assert completion.token_ids == expected(request)
+    assert completion.end.num_attempts == 2
+    assert cluster.metrics.count("retries", "INTERNAL") == 1
+    assert decode.num_open_leases == 0
+
+
+# ---- cleanup when an attempt is left early -----------------------------------------------------
+
+
+async def _leave_when_stalled(
+    cluster: MemoryCluster, request: GenerationRequest, instance: MemoryInstance
+) -> list[OrchestratorEvent]:
+    """Consumes `request`'s events until `instance` stalls, then goes away (as a client that
+    disconnects does: its task is cancelled); returns what it received."""
+    received: list[OrchestratorEvent] = []
+
+    async def consume() -> None:
+        async for event in cluster.stream(request):
+            received.append(event)
+
+    consuming = asyncio.create_task(consume())
+    await instance.stalled.wait()
+    consuming.cancel()
+    await asyncio.gather(consuming, return_exceptions=True)
+    await cluster.orchestrator.wait_for_cleanups()
+    return received
+
+
+async def test_a_consumer_leaving_while_decoding_releases_the_lease(
+    cluster: MemoryCluster,
+) -> None:
+    prefill, decode = _pd(cluster)
+    decode.script = [stall(after=2)]
+    received = await _leave_when_stalled(cluster, cluster.request(), decode)
+    assert [len(chunk.token_ids) for chunk in received] == [1, 2]  # type: ignore[union-attr]
+    assert decode.released == decode.generate_calls and decode.num_open_leases == 0
+    assert prefill.aborted == []  # it had handed off
+
+
+async def test_a_consumer_leaving_before_the_hand_off_aborts_on_the_prefill(
+    cluster: MemoryCluster,
+) -> None:
+    prefill, decode = _pd(cluster)
+    prefill.script = [stall(after=1)]
+    request = cluster.request()
+    received = await _leave_when_stalled(cluster, request, prefill)
+    assert len(received) == 1  # the first token comes before the hand-off
+    assert prefill.aborted == [request.request_id]
+    assert decode.num_open_leases == 0 and decode.generate_calls == []
+
+
+async def test_an_end_the_gateway_sees_first_releases_the_lease(cluster: MemoryCluster) -> None:
+    """The gateway's stop rule ends the completion while the instance goes on."""
+    _, decode = _pd(cluster)
+    stop_id = expected(cluster.request())[0]
+    request = cluster.request(eos_token_ids=(stop_id,))
+    completion = await cluster.run(request)
+    assert completion.token_ids == [stop_id] and completion.end.finish_reason is FinishReason.STOP
+    assert decode.generate_calls == [] and len(decode.released) == 1
+    assert decode.num_open_leases == 0
+
+
+async def test_a_decode_that_goes_on_past_the_end_is_released_after_the_grace() -> None:
+    cluster = MemoryCluster(end_grace_s=0.05)
+    _, decode = _pd(cluster)
+    stop_id = expected(cluster.request())[3]
+    decode.script = [stall(after=4)]
+    request = cluster.request(eos_token_ids=(stop_id,))
+    completion = await cluster.run(request)
+    assert completion.token_ids == expected(request)[:4]
+    assert decode.released == decode.generate_calls and decode.num_open_leases == 0
+
+
+async def test_the_request_timeout_bounds_a_stalled_decode(cluster: MemoryCluster) -> None:
+    _, decode = _pd(cluster)
+    decode.script = [stall(after=1)]
+    with pytest.raises(PdserveError) as raised:
+        await cluster.run(cluster.request(), timeout_s=0.2)
+    assert raised.value.reason is R.DEADLINE_EXCEEDED
+    assert decode.num_open_leases == 0
+
+
+# ---- instances the registry loses (frozen: silent, connections open) -------------------------
+
+
+async def _lose_when_stalled(
+    cluster: MemoryCluster, stalled: MemoryInstance, lost: MemoryInstance | None = None
+) -> None:
+    """Once `stalled` stalls, `lost` (default: the same instance) stops heartbeating."""
+    await stalled.stalled.wait()
+    cluster.lose(lost or stalled)
+
+
+async def test_a_stream_on_a_frozen_decode_moves_to_the_other(cluster: MemoryCluster) -> None:
+    cluster.add_prefill()
+    doomed = cluster.add_decode("decode-doomed", num_blocks=2000)
+    survivor = cluster.add_decode("decode-survivor")
+    doomed.script = [stall(after=4)]
+    request = cluster.request()
+    losing = asyncio.create_task(_lose_when_stalled(cluster, doomed))
+    completion = await cluster.run(request)
+    await losing
+    assert completion.token_ids == expected(request)
+    assert cluster.metrics.count("reschedules", "decode_lost") == 1
+    assert len(survivor.generate_calls) == 1
+    assert doomed.num_open_leases == 0  # the interrupted stream was closed
+    assert cluster.orchestrator.loss_watch.num_watchers == 0
+
+
+async def test_a_decode_frozen_before_the_hand_off_moves_the_request(
+    cluster: MemoryCluster,
+) -> None:
+    prefill = cluster.add_prefill()
+    doomed = cluster.add_decode("decode-doomed", num_blocks=2000)
+    survivor = cluster.add_decode("decode-survivor")
+    prefill.script = [stall(after=1)]  # the prefill waits on the decode
+    request = cluster.request()
+    losing = asyncio.create_task(_lose_when_stalled(cluster, prefill, doomed))
+    completion = await cluster.run(request)
+    await losing
+    assert completion.token_ids == expected(request)
+    assert doomed.generate_calls == [] and len(survivor.generate_calls) == 1
+    assert cluster.metrics.count("reschedules", "decode_lost") == 1
+    assert prefill.aborted == [request.request_id]
+    assert doomed.num_open_leases == 0
+
+
+async def test_a_prefill_frozen_before_the_hand_off_is_retried_on_another(
+    cluster: MemoryCluster,
+) -> None:
+    doomed = cluster.add_prefill("prefill-doomed")
+    other = cluster.add_prefill("prefill-other", num_queued_prompt_tokens=500)
+    decode = cluster.add_decode()
+    doomed.script = [stall(after=1)]  # first token sent, then silence
+    request = cluster.request()
+    losing = asyncio.create_task(_lose_when_stalled(cluster, doomed))
+    completion = await cluster.run(request)
+    await losing
+    assert completion.token_ids == expected(request)
+    assert _continued_from(other) == [1]
+    assert cluster.metrics.count("retries", "PEER_UNAVAILABLE") == 1
+    assert decode.num_open_leases == 0
+
+
+async def test_a_draining_decode_that_deregisters_keeps_its_streams(
+    cluster: MemoryCluster,
+) -> None:
+    """Deregistering is a graceful goodbye, not a loss: running streams finish where they are."""
+    _, decode = _pd(cluster)
+    resume = asyncio.Event()
+    decode.script = [stall(after=3, until=resume)]
+    request = cluster.request()
+    running = asyncio.create_task(cluster.run(request))
+    await decode.stalled.wait()
+    cluster.registry.deregister(decode.instance_id)
+    resume.set()
+    assert (await running).token_ids == expected(request)
+    assert cluster.metrics.count("reschedules", "decode_lost") == 0
+    await eventually(lambda: cluster.orchestrator.loss_watch.num_watchers == 0)
