@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -126,11 +123,3 @@ def instance_info(
             max_model_len=max_model_len,
         )
     )
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    """Polls `condition()` every 10 ms; fails the test if it is not true within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)

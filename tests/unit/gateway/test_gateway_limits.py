@@ -10,7 +10,8 @@ from typing import Any
 
 import grpc
 import pytest
-from support.gateway_cluster import Cluster, eventually
+from support.eventually import eventually
+from support.gateway_cluster import Cluster
 from support.gateway_fakes import MAX_MODEL_LEN, MODEL_NAME, heartbeat
 
 from pdserve.common.errors import ErrorReason, from_rpc_error, has_error_info
@@ -375,10 +376,24 @@ async def test_a_stalled_event_loop_does_not_make_instances_look_dead(cluster: C
                 await heartbeat(cluster.grpc_address, instance)
             await asyncio.sleep(0.1)
 
+    sweeps: list[float] = []
+    drop_expired = gateway.registry.drop_expired
+
+    def counted_drop_expired() -> list[str]:
+        sweeps.append(time.monotonic())
+        return drop_expired()
+
+    gateway.registry.drop_expired = counted_drop_expired  # type: ignore[method-assign]
     beating = asyncio.create_task(heartbeats())
-    await asyncio.sleep(0.3)
+    await eventually(lambda: all(e.load_seq > 0 for e in gateway.registry.entries()))
+    seqs = {e.instance_id: e.load_seq for e in gateway.registry.entries()}
+    stalled_at = time.monotonic()
     time.sleep(2.0)  # a request path that blocks the loop for twice the TTL
-    await asyncio.sleep(0.5)  # the sweep runs, queued heartbeats arrive
+    # the sweep runs and queued heartbeats arrive
+    await eventually(lambda: any(swept > stalled_at for swept in sweeps), what="a sweep")
+    await eventually(
+        lambda: all(e.load_seq > seqs[e.instance_id] for e in gateway.registry.entries())
+    )
     stop.set()
     await beating
     assert {e.instance_id for e in gateway.registry.alive()} == {"prefill-0", "decode-0"}

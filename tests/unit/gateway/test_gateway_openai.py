@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.eventually import eventually
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import (
     CHAT_TEMPLATE,
@@ -307,7 +307,8 @@ async def test_readiness_waits_for_a_compatible_pair(cluster: Cluster) -> None:
         health = await http.get("/health")
         assert health.status_code == 200
         assert health.json()["models"] == [MODEL_NAME]
-        deadline = time.monotonic() + 3.0
-        while await _generation_health(cluster) != serving:
-            assert time.monotonic() < deadline, "GenerationService never became SERVING"
-            await asyncio.sleep(0.01)
+
+        async def is_serving() -> bool:
+            return await _generation_health(cluster) == serving
+
+        await eventually(is_serving, what="GenerationService SERVING")

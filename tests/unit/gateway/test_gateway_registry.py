@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import grpc
 import pytest
+from support.eventually import eventually
 from support.gateway_cluster import Cluster, instance_info
 from support.gateway_fakes import MODEL_NAME, heartbeat, register
 
@@ -129,7 +129,7 @@ async def test_registry_service_flow(cluster: Cluster) -> None:
 
     # Missing heartbeats: the sweep drops the instance, and the next heartbeat is refused
     # with INSTANCE_NOT_REGISTERED, so the instance registers again.
-    await _wait_until_dropped(gateway.registry, decode.instance_id)
+    await eventually(lambda: gateway.registry.get(decode.instance_id) is None, 2.0, "the drop")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await heartbeat(cluster.grpc_address, decode)
     error = from_rpc_error(raised.value)
@@ -137,14 +137,6 @@ async def test_registry_service_flow(cluster: Cluster) -> None:
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
     await register(cluster.grpc_address, decode)
     assert gateway.registry.get(decode.instance_id) is not None
-
-
-async def _wait_until_dropped(registry: Registry, instance_id: str) -> None:
-    for _ in range(200):
-        if registry.get(instance_id) is None:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the instance was not dropped after its TTL")
 
 
 async def test_registry_service_refuses_another_major(cluster: Cluster) -> None:
@@ -181,8 +173,7 @@ async def test_static_instances_are_polled_and_serve_requests(cluster: Cluster) 
 
     await decode.stop()
     decode.server = None
-    for _ in range(100):
-        if not any(e.info.role is InstanceRole.DECODE for e in gateway.registry.alive()):
-            break
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: not any(e.info.role is InstanceRole.DECODE for e in gateway.registry.alive())
+    )
     assert [e.instance_id for e in gateway.registry.alive()] == ["prefill-0"]
