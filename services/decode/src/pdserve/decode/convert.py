@@ -1,19 +1,22 @@
-"""Decode events and lease states as pdserve.v1 messages."""
+"""Decode events, leases and request states as pdserve.v1 messages."""
 
 from __future__ import annotations
 
+import secrets
+import time
 from collections.abc import Iterator, Sequence
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.decode.decode_loop import (
+from pdserve.decode.request import (
     DecodeEvent,
+    DecodeRequest,
     EndedEvent,
     FinishedEvent,
     PreemptedEvent,
     PreemptionReason,
+    RequestStatus,
     TokensEvent,
 )
-from pdserve.decode.leases import LeaseState
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
 
@@ -22,19 +25,39 @@ _PREEMPTION_REASONS = {
     PreemptionReason.DRAINING: decode_pb2.PREEMPTION_REASON_DRAINING,
 }
 _ENDED_REASONS = {
-    LeaseState.ABORTED: ErrorReason.CANCELLED,
-    LeaseState.EXPIRED: ErrorReason.LEASE_EXPIRED,
-    LeaseState.FAILED: ErrorReason.INTERNAL,
+    RequestStatus.ABORTED: ErrorReason.CANCELLED,
+    RequestStatus.EXPIRED: ErrorReason.LEASE_EXPIRED,
+    RequestStatus.FAILED: ErrorReason.INTERNAL,
 }
 
 Response = decode_pb2.DecodeServiceGenerateResponse
 
 
-def lease_state_to_proto(state: LeaseState | None) -> decode_pb2.LeaseState.ValueType:
-    """LeaseState message value (UNSPECIFIED for None)."""
-    if state is None:
+def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState.ValueType:
+    """LeaseState message value of a request status (UNSPECIFIED for None)."""
+    if status is None:
         return decode_pb2.LEASE_STATE_UNSPECIFIED
-    return decode_pb2.LeaseState.Value(f"LEASE_STATE_{state.name}")
+    return decode_pb2.LeaseState.Value(f"LEASE_STATE_{status.name}")
+
+
+def lease_to_proto(
+    request: DecodeRequest, block_size: int, ttl_s: float, instance_id: str
+) -> decode_pb2.Lease:
+    """The Lease message granting `request`'s blocks (with a fresh SyncCache token)."""
+    ttl_ms = round(ttl_s * 1000)
+    return decode_pb2.Lease(
+        lease_id=request.lease_id,
+        block_ids=request.block_ids,
+        block_size=block_size,
+        expires_at_unix_ms=int(time.time() * 1000) + ttl_ms,
+        ttl_ms=ttl_ms,
+        transports=[
+            decode_pb2.Transport(
+                kind=decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE, token=secrets.token_bytes(16)
+            )
+        ],
+        decode_instance_id=instance_id,
+    )
 
 
 def events_to_messages(
@@ -73,8 +96,8 @@ def events_to_messages(
             )
             yield Response(preemption=notice), None
         elif isinstance(event, EndedEvent):
-            reason = event.reason or _ENDED_REASONS[event.state]
-            yield None, PdserveError(reason, event.detail or f"lease {event.state.name.lower()}")
+            reason = event.reason or _ENDED_REASONS[event.status]
+            yield None, PdserveError(reason, event.detail or f"lease {event.status.name.lower()}")
         return  # a terminal event ends the stream
     if pending:
         yield _tokens(pending, first_index), None

@@ -1,8 +1,8 @@
-"""The decode thread: continuous batching over committed leases, preemption with notices.
+"""The decode thread: continuous batching over committed requests, preemption with notices.
 
 Each step admits committed requests (FCFS, up to ``max_num_seqs``), makes sure every running
 request has a slot for its next token (preempting the newest running request when the pool is
-short), runs one batched forward pass, samples, and hands one event per request to its sink.
+short), runs one batched forward pass, samples, and emits one event per request to its stream.
 Events of one request are emitted in order on this one thread, so a preemption notice always
 follows every token of its request. Each request's ``decode.generation`` span (started at
 commit) records its admission to the batch, its steps and tokens, and how it ended.
@@ -10,102 +10,29 @@ commit) records its admission to the batch, its steps and tokens, and how it end
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 from opentelemetry import trace
 
-from pdserve.common.errors import ErrorReason
-from pdserve.common.generation import FinishReason, SamplingParams, check_stop
-from pdserve.decode.leases import Lease, LeaseManager, LeaseState
+from pdserve.common.generation import FinishReason, check_stop
+from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.request import (
+    DecodeRequest,
+    EndedEvent,
+    FinishedEvent,
+    PreemptedEvent,
+    PreemptionReason,
+    RequestStatus,
+    TokensEvent,
+)
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 
 log = structlog.get_logger(__name__)
-
-
-class PreemptionReason(enum.Enum):
-    """Why a request was preempted."""
-
-    OUT_OF_BLOCKS = "out_of_blocks"
-    DRAINING = "draining"
-
-
-@dataclass(frozen=True)
-class TokensEvent:
-    """New tokens; ``first_index`` is the completion index of ``token_ids[0]``."""
-
-    token_ids: tuple[int, ...]
-    first_index: int
-
-
-@dataclass(frozen=True)
-class FinishedEvent:
-    """Terminal: generation ended."""
-
-    finish_reason: FinishReason
-    num_prompt_tokens: int
-    num_completion_tokens: int
-
-
-@dataclass(frozen=True)
-class PreemptedEvent:
-    """Terminal: preempted after every token in ``generated_token_ids`` was emitted."""
-
-    reason: PreemptionReason
-    generated_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class EndedEvent:
-    """Terminal: the lease ended without finishing (aborted, expired or failed).
-
-    ``reason`` overrides the error reason the state implies (e.g. CACHE_SYNC_FAILED).
-    """
-
-    state: LeaseState
-    detail: str = ""
-    reason: ErrorReason | None = None
-
-
-DecodeEvent = TokensEvent | FinishedEvent | PreemptedEvent | EndedEvent
-EventSink = Callable[[DecodeEvent], None]
-
-
-@dataclass(eq=False)
-class DecodeRequest:
-    """A committed request and its decoding state.
-
-    Attributes:
-        lease: The lease holding its KV (``num_computed_tokens`` tracks the cache).
-        token_ids: Prompt, earlier completion tokens, then every token generated so far; the
-            last one is fed next.
-        num_prompt_tokens: Length of the original prompt within ``token_ids``.
-        sampling: Sampling settings; ``max_tokens`` counts the whole completion.
-        seed: The seed used for every position.
-        sink: Receives this request's events (must be thread-safe).
-        span: Its ``decode.generation`` span, ended by the loop with the request.
-        num_steps: Decode steps it took part in (one token each).
-    """
-
-    lease: Lease
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    seed: int
-    sink: EventSink
-    span: trace.Span = trace.INVALID_SPAN
-    num_steps: int = 0
-
-    @property
-    def num_generated_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 class DecodeLoop:
@@ -113,7 +40,7 @@ class DecodeLoop:
 
     Args:
         runner: Forward passes over the KV cache.
-        leases: The lease table (shared with the event loop).
+        leases: The lease table (shared with the event loop), whose lock guards transitions.
         max_num_seqs: Most requests per step.
         eos_token_ids: End-of-sequence ids of the model.
         max_model_len: Longest sequence served.
@@ -141,7 +68,7 @@ class DecodeLoop:
         self.num_generated_tokens = 0
         self._running: list[DecodeRequest] = []
         self._waiting: deque[DecodeRequest] = deque()
-        self._aborts: dict[str, tuple[LeaseState, str]] = {}
+        self._aborts: dict[str, tuple[RequestStatus, str]] = {}
         self._preempt_all: PreemptionReason | None = None
         self._cond = threading.Condition()
         self._is_stopped = False
@@ -164,11 +91,24 @@ class DecodeLoop:
             self._waiting.append(request)
             self._cond.notify()
 
-    def abort(self, lease_id: str, state: LeaseState, detail: str = "") -> None:
-        """Ends a request at the next step boundary with terminal `state`."""
+    def abort(self, request: DecodeRequest, status: RequestStatus, detail: str = "") -> None:
+        """Ends a running request at the next step boundary with terminal `status`."""
         with self._cond:
-            self._aborts[lease_id] = (state, detail)
+            self._aborts[request.lease_id] = (status, detail)
             self._cond.notify()
+
+    def release(self, request: DecodeRequest, status: RequestStatus, detail: str = "") -> None:
+        """Ends a request from the event loop in terminal `status`: at the next step boundary
+        if it is RUNNING (this thread owns it then), else at once."""
+        with self.leases.lock:
+            if request.status is RequestStatus.RUNNING:
+                self.abort(request, status, detail)
+                return
+            # NOTE: a COMMITTED request may sit in the waiting queue; ending it here makes its
+            # COMMITTED -> RUNNING admission fail, so it is never decoded.
+            is_ended = self.leases.end(request, status)
+        if is_ended:
+            request.deliver(EndedEvent(status, detail))
 
     def preempt_all(self, reason: PreemptionReason) -> None:
         """Preempts every queued and running request at the next step (used when draining)."""
@@ -217,11 +157,11 @@ class DecodeLoop:
             except Exception as error:
                 log.exception("decode_step_failed", error=str(error))
                 for request in list(self._running):
-                    self._end(request, LeaseState.FAILED, f"decode step failed: {error}")
+                    self._end(request, RequestStatus.FAILED, f"decode step failed: {error}")
 
     def _admit(self, request: DecodeRequest) -> None:
-        if not self.leases.transition(request.lease, LeaseState.COMMITTED, LeaseState.RUNNING):
-            _end_span(request, request.lease.state)  # released or expired while waiting
+        if not self.leases.advance(request, RequestStatus.RUNNING):
+            request.end_span()  # released or expired while waiting
             return
         self._running.append(request)
         request.span.add_event("scheduled", {"pdserve.num_running": len(self._running)})
@@ -229,20 +169,20 @@ class DecodeLoop:
         if finish is not None:
             self._finish(request, finish)
 
-    def _apply_aborts(self, aborts: dict[str, tuple[LeaseState, str]]) -> None:
-        # NOTE: the waiting queue is only read on this thread after admission, so a lease
-        # aborted while waiting is caught by the failed COMMITTED -> RUNNING transition.
-        for request in [r for r in self._running if r.lease.lease_id in aborts]:
-            state, detail = aborts[request.lease.lease_id]
-            self._end(request, state, detail)
+    def _apply_aborts(self, aborts: dict[str, tuple[RequestStatus, str]]) -> None:
+        # NOTE: the waiting queue is only read on this thread after admission, so a request
+        # ended while waiting is caught by the failed COMMITTED -> RUNNING transition.
+        for request in [r for r in self._running if r.lease_id in aborts]:
+            status, detail = aborts[request.lease_id]
+            self._end(request, status, detail)
 
     def _step(self) -> None:
         # Make room for each request's next token, oldest first; preempt the newest if short.
         for request in list(self._running):
             if request not in self._running:
                 continue
-            needed = request.lease.num_computed_tokens + 1
-            while not self.leases.extend(request.lease, needed):
+            needed = request.num_computed_tokens + 1
+            while not self.leases.extend(request, needed):
                 victim = self._running[-1]
                 self._preempt(victim, PreemptionReason.OUT_OF_BLOCKS)
                 if victim is request:
@@ -252,8 +192,7 @@ class DecodeLoop:
         started = time.perf_counter()
         batch = list(self._running)
         chunks = [
-            ForwardChunk([r.token_ids[-1]], r.lease.num_computed_tokens, r.lease.block_ids)
-            for r in batch
+            ForwardChunk([r.token_ids[-1]], r.num_computed_tokens, r.block_ids) for r in batch
         ]
         logits = self.runner.execute(chunks)
         rows = [SamplingRow(r.sampling, r.seed, r.num_generated_tokens) for r in batch]
@@ -266,9 +205,9 @@ class DecodeLoop:
             index = request.num_generated_tokens
             request.num_steps += 1
             request.token_ids.append(token)
-            request.lease.num_computed_tokens += 1
-            request.lease.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
-            request.sink(TokensEvent((token,), index))
+            request.num_computed_tokens += 1
+            request.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
+            request.emit(TokensEvent((token,), index))
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish)
@@ -285,18 +224,18 @@ class DecodeLoop:
 
     def _finish(self, request: DecodeRequest, reason: FinishReason) -> None:
         self._running.remove(request)
-        self.leases.end(request.lease, LeaseState.FINISHED)
-        _end_span(request, LeaseState.FINISHED, {"pdserve.finish_reason": reason.value})
-        request.sink(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
+        self.leases.end(request, RequestStatus.FINISHED)
+        request.end_span({"pdserve.finish_reason": reason.value})
+        request.emit(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
 
     def _preempt(self, request: DecodeRequest, reason: PreemptionReason) -> None:
         self._running.remove(request)
-        self.leases.end(request.lease, LeaseState.PREEMPTED)
+        self.leases.end(request, RequestStatus.PREEMPTED)
         self.num_preemptions += 1
         generated = tuple(request.token_ids[request.num_prompt_tokens :])
         log.info(
             "request_preempted",
-            request_id=request.lease.request_id,
+            request_id=request.request_id,
             reason=reason.value,
             num_generated_tokens=len(generated),
         )
@@ -304,34 +243,13 @@ class DecodeLoop:
             "preemption",
             {"pdserve.reason": reason.value, "pdserve.num_generated_tokens": len(generated)},
         )
-        _end_span(request, LeaseState.PREEMPTED)
-        request.sink(PreemptedEvent(reason, generated))
+        request.end_span()
+        request.emit(PreemptedEvent(reason, generated))
 
-    def _end(self, request: DecodeRequest, state: LeaseState, detail: str) -> None:
+    def _end(self, request: DecodeRequest, status: RequestStatus, detail: str) -> None:
         self._running.remove(request)
-        self.leases.end(request.lease, state)
-        if state is LeaseState.FAILED:
+        self.leases.end(request, status)
+        if status is RequestStatus.FAILED:
             request.span.set_status(trace.Status(trace.StatusCode.ERROR, detail))
-        _end_span(request, state)
-        request.sink(EndedEvent(state, detail))
-
-
-def _end_span(
-    request: DecodeRequest, state: LeaseState, attributes: dict[str, str] | None = None
-) -> None:
-    """Ends a request's ``decode.generation`` span with what it did and how it ended.
-
-    Called before the terminal event goes to the sink, so the span ends before the request's
-    Generate stream does.
-    """
-    request.span.set_attributes(
-        {
-            "pdserve.lease_state": state.name,
-            "pdserve.num_steps": request.num_steps,
-            # NOTE: every step samples one token for each request in the batch.
-            "pdserve.num_generated_tokens": request.num_steps,
-            "pdserve.num_completion_tokens": request.num_generated_tokens,
-            **(attributes or {}),
-        }
-    )
-    request.span.end()
+        request.end_span()
+        request.emit(EndedEvent(status, detail))

@@ -1,4 +1,4 @@
-"""Receives one SyncCache transfer into a lease's blocks and verifies it completely.
+"""Receives one SyncCache transfer into a request's leased blocks and verifies it completely.
 
 A transfer is accepted only if every chunk's CRC-32C matches, every chunk lands inside the
 lease, the commit's chunk count and byte total equal what arrived, and every (layer, block) the
@@ -13,7 +13,7 @@ import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
-from pdserve.decode.leases import Lease
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.kv_cache import KVCache
 from pdserve.serving.kv_transfer import chunk_crc32c
 
@@ -30,18 +30,18 @@ class KvChunkData(NamedTuple):
 
 
 class KvReceiver:
-    """Writes the chunks of one transfer into `lease`'s blocks of `kv_cache`.
+    """Writes the chunks of one transfer into `request`'s blocks of `kv_cache`.
 
     Args:
         kv_cache: The decode's KV cache.
-        lease: The lease being filled (its block table is fixed during the transfer).
+        request: The SYNCING request being filled (its block table is fixed meanwhile).
     """
 
-    def __init__(self, kv_cache: KVCache, lease: Lease) -> None:
+    def __init__(self, kv_cache: KVCache, request: DecodeRequest) -> None:
         self.kv_cache = kv_cache
-        self.lease = lease
+        self.request = request
         self.num_layers = kv_cache.layout.num_layers
-        self.num_blocks = num_blocks_for(lease.num_prompt_tokens, kv_cache.block_size)
+        self.num_blocks = num_blocks_for(request.num_kv_tokens, kv_cache.block_size)
         self.num_chunks = 0
         self.num_bytes = 0
         # NOTE: one flag per (layer, logical block) proves the cache is complete at commit.
@@ -54,9 +54,21 @@ class KvReceiver:
         return PdserveError(
             ErrorReason.CACHE_SYNC_FAILED,
             message,
-            {"leaseId": self.lease.lease_id, "requestId": self.lease.request_id},
+            {"leaseId": self.request.lease_id, "requestId": self.request.request_id},
             code=code,
         )
+
+    def check_header(self, num_tokens: int, num_prompt_tokens: int) -> None:
+        """Checks that the header's tokens are the ones the lease was granted for.
+
+        Raises:
+            PdserveError: CACHE_SYNC_FAILED if they are not.
+        """
+        if num_tokens != self.request.num_kv_tokens or num_prompt_tokens > num_tokens:
+            raise self.failure(
+                f"header carries {num_tokens} tokens (prompt {num_prompt_tokens}), "
+                f"the lease was granted for {self.request.num_kv_tokens}"
+            )
 
     def receive(self, chunk: KvChunkData) -> None:
         """Verifies and writes one chunk.
@@ -75,7 +87,7 @@ class KvReceiver:
             raise self.failure(
                 f"blocks {chunk.first_block}..{end - 1} outside the lease's {self.num_blocks}"
             )
-        block_ids = self.lease.block_ids[chunk.first_block : end]
+        block_ids = self.request.block_ids[chunk.first_block : end]
         try:
             self.kv_cache.import_blocks(chunk.layer_index, block_ids, chunk.key, chunk.value)
         except ValueError as error:
@@ -85,8 +97,11 @@ class KvReceiver:
         self.num_chunks += 1
         self.num_bytes += len(chunk.key) + len(chunk.value)
 
-    def commit(self, num_chunks: int, num_bytes: int) -> None:
-        """Checks the commit's counts and that every needed block of every layer arrived.
+    def commit(
+        self, num_chunks: int, num_bytes: int, first_token_index: int, expected_index: int
+    ) -> None:
+        """Checks the commit's counts and first-token index, and that every needed block of
+        every layer arrived.
 
         Raises:
             PdserveError: CACHE_SYNC_FAILED for a short or inconsistent transfer.
@@ -99,3 +114,5 @@ class KvReceiver:
         missing = self._written.count(0)
         if missing:
             raise self.failure(f"{missing} (layer, block) pairs of the prompt's KV never arrived")
+        if first_token_index != expected_index:
+            raise self.failure(f"first_token_index {first_token_index}, expected {expected_index}")

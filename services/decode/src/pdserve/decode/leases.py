@@ -1,77 +1,30 @@
-"""Block leases: admission with headroom, the lease state machine, and exactly-once freeing.
+"""The lease table: admission with headroom, and the lock every request transition runs under.
 
-The lease table is shared by the event loop (AllocateBlocks, SyncCache, ReleaseLease, the
-expiry sweep) and the decode thread (admitting committed leases, growing and preempting running
-ones), so every method takes one lock. Ownership rule: once a lease is RUNNING only the decode
-thread ends it, because its blocks may be in use by the forward pass of the current step.
+A lease is a `DecodeRequest` in one of its open states; the table holds a reference to each open
+one. It is shared by the event loop (AllocateBlocks, SyncCache, ReleaseLease, the expiry sweep)
+and the decode thread (admitting committed requests, growing and preempting running ones), so
+every method takes one lock. Ownership rule: once a request is RUNNING only the decode thread
+ends it, because its blocks may be in use by the forward pass of the current step.
 """
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
+from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.block_pool import BlockPool
 
 NUM_REMEMBERED_ENDED = 4096
 
 
-class LeaseState(enum.IntEnum):
-    """Lease lifecycle; values at or above FINISHED are terminal."""
-
-    ALLOCATED = 1
-    SYNCING = 2
-    COMMITTED = 3
-    RUNNING = 4
-    FINISHED = 5
-    PREEMPTED = 6
-    ABORTED = 7
-    EXPIRED = 8
-    FAILED = 9
-
-    @property
-    def is_terminal(self) -> bool:
-        return self >= LeaseState.FINISHED
-
-
-@dataclass(eq=False)
-class Lease:
-    """Blocks granted to one request, and how far the request has come.
-
-    Attributes:
-        lease_id: Unique id on this instance.
-        request_id: The gateway's request id.
-        block_ids: The request's block table (logical block i -> physical block_ids[i]).
-        num_prompt_tokens: Tokens whose KV the prefill ships.
-        max_new_tokens: Tokens the request may still generate when leased.
-        expires_at: Monotonic deadline for commit and attach.
-        num_computed_tokens: Tokens with KV in the cache (grows while decoding).
-        num_remaining_tokens: Tokens still to generate (shrinks while decoding).
-        is_attached: Whether a Generate stream is attached.
-    """
-
-    lease_id: str
-    request_id: str
-    block_ids: list[int]
-    num_prompt_tokens: int
-    max_new_tokens: int
-    expires_at: float
-    state: LeaseState = LeaseState.ALLOCATED
-    num_computed_tokens: int = 0
-    num_remaining_tokens: int = 0
-    is_attached: bool = False
-    created_at: float = field(default_factory=time.monotonic)
-
-
 class LeaseManager:
-    """Grants leases from a `BlockPool` and frees each lease's blocks exactly once.
+    """Grants leases (new `DecodeRequest`s) from a `BlockPool`; runs their transitions.
 
     Args:
         pool: The decode's block pool.
@@ -102,8 +55,8 @@ class LeaseManager:
         self.num_expired = 0
         self.num_granted = 0
         self.num_refused = 0
-        self._leases: dict[str, Lease] = {}
-        self._ended: OrderedDict[str, LeaseState] = OrderedDict()
+        self._leases: dict[str, DecodeRequest] = {}
+        self._ended: OrderedDict[str, RequestStatus] = OrderedDict()
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -123,22 +76,22 @@ class LeaseManager:
                 for lease in self._leases.values()
             )
 
-    def allocate(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Lease:
-        """Grants a lease for `num_prompt_tokens` of KV, keeping headroom for running requests.
+    def allocate(self, request_id: str, num_kv_tokens: int, max_new_tokens: int) -> DecodeRequest:
+        """Grants a lease for `num_kv_tokens` of KV, keeping headroom for running requests.
 
         Raises:
             PdserveError: INSTANCE_DRAINING, INVALID_REQUEST, or DECODE_CAPACITY_EXHAUSTED
                 (with a retry delay) when free blocks minus owed headroom do not cover the
                 prompt and its own headroom.
         """
-        if num_prompt_tokens <= 0 or max_new_tokens <= 0:
+        if num_kv_tokens <= 0 or max_new_tokens <= 0:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST,
                 "num_prompt_tokens and max_new_tokens must be positive",
                 {"requestId": request_id},
             )
-        num_blocks = num_blocks_for(num_prompt_tokens, self.block_size)
-        own_headroom = self._headroom_blocks(num_prompt_tokens, max_new_tokens, num_blocks)
+        num_blocks = num_blocks_for(num_kv_tokens, self.block_size)
+        own_headroom = self._headroom_blocks(num_kv_tokens, max_new_tokens, num_blocks)
         with self.lock:
             if self.is_draining:
                 raise PdserveError(
@@ -153,14 +106,14 @@ class LeaseManager:
                     {"requestId": request_id, "numBlocks": str(num_blocks)},
                     retry_delay_s=self.capacity_retry_s,
                 )
-            lease = Lease(
+            lease = DecodeRequest(
                 lease_id=uuid.uuid4().hex,
                 request_id=request_id,
                 block_ids=self.pool.allocate(num_blocks),
-                num_prompt_tokens=num_prompt_tokens,
+                num_kv_tokens=num_kv_tokens,
                 max_new_tokens=max_new_tokens,
                 expires_at=self.clock() + self.ttl_s,
-                num_computed_tokens=num_prompt_tokens,
+                num_computed_tokens=num_kv_tokens,
                 num_remaining_tokens=max_new_tokens,
             )
             self._leases[lease.lease_id] = lease
@@ -169,8 +122,8 @@ class LeaseManager:
 
     # ---- lookups and transitions -----------------------------------------------------------
 
-    def get(self, lease_id: str) -> Lease:
-        """The open lease `lease_id`.
+    def get(self, lease_id: str) -> DecodeRequest:
+        """The open request holding lease `lease_id`.
 
         Raises:
             PdserveError: LEASE_EXPIRED if it expired, LEASE_NOT_FOUND if unknown or ended.
@@ -179,27 +132,26 @@ class LeaseManager:
             lease = self._leases.get(lease_id)
             if lease is not None:
                 return lease
-            if self._ended.get(lease_id) is LeaseState.EXPIRED:
+            if self._ended.get(lease_id) is RequestStatus.EXPIRED:
                 raise PdserveError(
                     ErrorReason.LEASE_EXPIRED, "lease expired", {"leaseId": lease_id}
                 )
             raise PdserveError(ErrorReason.LEASE_NOT_FOUND, "no such lease", {"leaseId": lease_id})
 
-    def ended_state(self, lease_id: str) -> LeaseState | None:
+    def ended_status(self, lease_id: str) -> RequestStatus | None:
         """The terminal state of a recently ended lease, or None."""
         with self.lock:
             return self._ended.get(lease_id)
 
-    def transition(self, lease: Lease, expected: LeaseState, new: LeaseState) -> bool:
-        """Moves `lease` from `expected` to non-terminal `new`; False if it was elsewhere."""
-        assert not new.is_terminal, "use end() for terminal states"
+    def advance(self, request: DecodeRequest, status: RequestStatus) -> bool:
+        """Moves `request` to non-terminal `status` if its state machine allows it now."""
         with self.lock:
-            if lease.state is not expected:
+            if not request.can_move_to(status):
                 return False
-            lease.state = new
+            request.move_to(status)
             return True
 
-    def extend(self, lease: Lease, num_tokens: int) -> bool:
+    def extend(self, lease: DecodeRequest, num_tokens: int) -> bool:
         """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
         with self.lock:
             missing = num_blocks_for(num_tokens, self.block_size) - len(lease.block_ids)
@@ -210,28 +162,25 @@ class LeaseManager:
             lease.block_ids.extend(self.pool.allocate(missing))
             return True
 
-    def end(self, lease: Lease, state: LeaseState) -> bool:
-        """Puts `lease` into terminal `state` and frees its blocks, once.
+    def end(self, request: DecodeRequest, status: RequestStatus) -> bool:
+        """Ends `request` in terminal `status` (`DecodeRequest.end` frees its blocks, once) and
+        forgets it, remembering how it ended.
 
         Returns:
-            True if this call ended the lease; False if it had already ended.
+            True if this call ended it; False if it had already ended.
         """
-        assert state.is_terminal
         with self.lock:
-            if lease.state.is_terminal:
+            if not request.end(status, self.pool):
                 return False
-            lease.state = state
-            self.pool.free(lease.block_ids)
-            lease.block_ids = []
-            self._leases.pop(lease.lease_id, None)
-            self._ended[lease.lease_id] = state
+            self._leases.pop(request.lease_id, None)
+            self._ended[request.lease_id] = status
             while len(self._ended) > NUM_REMEMBERED_ENDED:
                 self._ended.popitem(last=False)
-            if state is LeaseState.EXPIRED:
+            if status is RequestStatus.EXPIRED:
                 self.num_expired += 1
             return True
 
-    def due_for_expiry(self) -> list[Lease]:
+    def due_for_expiry(self) -> list[DecodeRequest]:
         """Open leases past their deadline that were never committed and attached."""
         now = self.clock()
         with self.lock:
@@ -239,12 +188,12 @@ class LeaseManager:
                 lease
                 for lease in self._leases.values()
                 if lease.expires_at < now
-                and (lease.state < LeaseState.COMMITTED or not lease.is_attached)
+                and (lease.status < RequestStatus.COMMITTED or not lease.is_attached)
             ]
 
     # ---- introspection ---------------------------------------------------------------------
 
-    def open_leases(self) -> list[Lease]:
+    def open_leases(self) -> list[DecodeRequest]:
         with self.lock:
             return list(self._leases.values())
 
@@ -254,7 +203,7 @@ class LeaseManager:
             return sum(
                 len(lease.block_ids)
                 for lease in self._leases.values()
-                if lease.state < LeaseState.RUNNING
+                if lease.status < RequestStatus.RUNNING
             )
 
     def check_integrity(self) -> None:

@@ -13,9 +13,10 @@ import grpc
 import structlog
 
 from pdserve.decode.config import DecodeConfig
-from pdserve.decode.decode_loop import DecodeLoop, PreemptionReason
+from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.request import PreemptionReason
 from pdserve.decode.servicer import DecodeServicer, run_expiry_sweeper
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool

@@ -1,12 +1,14 @@
-"""DecodeService over gRPC: the edge between pdserve.v1 messages and the lease table and loop."""
+"""DecodeService over gRPC: the edge between pdserve.v1 messages and the decode's requests.
+
+Each RPC finds its `DecodeRequest` (AllocateBlocks creates it) and moves it through the lease
+table; the servicer keeps a reference to every request whose stream may still be read.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -17,27 +19,16 @@ from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.generation import resolve_seed
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
-from pdserve.decode.decode_loop import DecodeEvent, DecodeLoop, DecodeRequest, EndedEvent
+from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.kv_receiver import KvChunkData, KvReceiver
-from pdserve.decode.leases import Lease, LeaseManager, LeaseState
+from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.request import DecodeRequest, EndedEvent, RequestStatus
 from pdserve.serving.convert import local_protocol, sampling_from_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
-_tracer = telemetry.tracer("pdserve.decode")
-
-
-@dataclass(eq=False)
-class LeaseStream:
-    """Event-loop side of one lease: where its decode events wait for a Generate stream."""
-
-    lease: Lease
-    queue: asyncio.Queue[DecodeEvent] = field(default_factory=asyncio.Queue)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)  # committed or ended
-    is_attached: bool = False
-    ended_at: float | None = None
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -62,7 +53,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.loop = loop
         self.metrics = metrics
         self.num_kv_bytes_received = 0
-        self.streams: dict[str, LeaseStream] = {}
+        self.requests: dict[str, DecodeRequest] = {}  # by lease id, until their stream ends
         self.instance_id = ""
 
     # ---- AllocateBlocks --------------------------------------------------------------------
@@ -85,7 +76,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         except PdserveError as error:
             log.info("lease_refused", request_id=request.request_id, reason=error.reason.name)
             await abort_with_error(context, error)
-        self.streams[lease.lease_id] = LeaseStream(lease)
+        self.requests[lease.lease_id] = lease
         trace.get_current_span().set_attributes(
             {telemetry.REQUEST_ID: lease.request_id, "pdserve.lease_id": lease.lease_id,
              "pdserve.num_blocks": len(lease.block_ids)}
@@ -96,21 +87,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             lease_id=lease.lease_id,
             num_blocks=len(lease.block_ids),
         )
-        ttl_ms = round(self.leases.ttl_s * 1000)
         return decode_pb2.AllocateBlocksResponse(
-            lease=decode_pb2.Lease(
-                lease_id=lease.lease_id,
-                block_ids=lease.block_ids,
-                block_size=self.leases.block_size,
-                expires_at_unix_ms=int(time.time() * 1000) + ttl_ms,
-                ttl_ms=ttl_ms,
-                transports=[
-                    decode_pb2.Transport(
-                        kind=decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE,
-                        token=secrets.token_bytes(16),
-                    )
-                ],
-                decode_instance_id=self.instance_id,
+            lease=convert.lease_to_proto(
+                lease, self.leases.block_size, self.leases.ttl_s, self.instance_id
             ),
             protocol=local_protocol(),
         )
@@ -123,10 +102,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> decode_pb2.SyncCacheResponse:
         """Receives header, chunks and commit; on any failure frees the lease."""
-        lease: Lease | None = None
+        lease: DecodeRequest | None = None
         started = time.perf_counter()
         try:
-            lease, receiver, header = await self._open_transfer(request_iterator)
+            header = await self._header(request_iterator)
+            receiver = self._open_transfer(header.lease_id)
+            lease = receiver.request  # SYNCING: from here on a failure ends it
+            receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
             trace.get_current_span().set_attribute(telemetry.REQUEST_ID, lease.request_id)
             async for message in request_iterator:
                 part = message.WhichOneof("part")
@@ -138,8 +120,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         )
                     )
                 elif part == "commit":
-                    receiver.commit(message.commit.num_chunks, message.commit.num_bytes)
-                    self._commit(lease, header, message.commit)
+                    self._commit(lease, receiver, header, message.commit)
                     self.num_kv_bytes_received += receiver.num_bytes
                     if self.metrics is not None:
                         self.metrics.sync_seconds.observe(time.perf_counter() - started)
@@ -170,9 +151,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             )
             raise
 
-    async def _open_transfer(
+    async def _header(
         self, request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest]
-    ) -> tuple[Lease, KvReceiver, decode_pb2.SyncCacheHeader]:
+    ) -> decode_pb2.SyncCacheHeader:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("part") != "header":
             raise PdserveError(
@@ -180,79 +161,56 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 "a SyncCache stream must start with a header",
                 code=grpc.StatusCode.ABORTED,
             )
-        header = first.header
-        lease = self.leases.get(header.lease_id)
-        if not self.leases.transition(lease, LeaseState.ALLOCATED, LeaseState.SYNCING):
+        return first.header
+
+    def _open_transfer(self, lease_id: str) -> KvReceiver:
+        lease = self.leases.get(lease_id)
+        if not self.leases.advance(lease, RequestStatus.SYNCING):
             raise PdserveError(
                 ErrorReason.CACHE_SYNC_FAILED,
-                f"lease is {lease.state.name}, not ALLOCATED",
+                f"lease is {lease.status.name}, not ALLOCATED",
                 {"leaseId": lease.lease_id},
             )
-        receiver = KvReceiver(self.host.runner.kv_cache, lease)
-        num_tokens = len(header.token_ids)
-        if num_tokens != lease.num_prompt_tokens or header.num_prompt_tokens > num_tokens:
-            raise receiver.failure(
-                f"header carries {num_tokens} tokens (prompt {header.num_prompt_tokens}), "
-                f"the lease was granted for {lease.num_prompt_tokens}"
-            )
-        return lease, receiver, header
+        return KvReceiver(self.host.runner.kv_cache, lease)
 
     def _commit(
         self,
-        lease: Lease,
+        lease: DecodeRequest,
+        receiver: KvReceiver,
         header: decode_pb2.SyncCacheHeader,
         commit: decode_pb2.SyncCacheCommit,
     ) -> None:
         num_prompt = header.num_prompt_tokens or len(header.token_ids)
-        expected_index = len(header.token_ids) - num_prompt
-        if commit.first_token_index != expected_index:
-            raise PdserveError(
-                ErrorReason.CACHE_SYNC_FAILED,
-                f"first_token_index {commit.first_token_index}, expected {expected_index}",
-                {"leaseId": lease.lease_id},
-            )
-        sampling = sampling_from_proto(header.sampling)
-        stream = self.streams[lease.lease_id]
-        if not self.leases.transition(lease, LeaseState.SYNCING, LeaseState.COMMITTED):
+        receiver.commit(
+            commit.num_chunks,
+            commit.num_bytes,
+            commit.first_token_index,
+            expected_index=len(header.token_ids) - num_prompt,
+        )
+        if not self.leases.advance(lease, RequestStatus.COMMITTED):
             raise PdserveError(
                 ErrorReason.LEASE_EXPIRED,
                 "lease ended during the transfer",
                 {"leaseId": lease.lease_id},
             )
-        aio_loop = asyncio.get_running_loop()
-        token_ids = [*header.token_ids, commit.first_token_id]
-        # NOTE: a child of this SyncCache call, whose commit starts the generation; it runs
-        # until the request ends, well past the call (and past the gateway's Generate start).
-        span = _tracer.start_span(
-            "decode.generation",
-            attributes={
-                telemetry.REQUEST_ID: lease.request_id,
-                "pdserve.lease_id": lease.lease_id,
-                "pdserve.num_prompt_tokens": num_prompt,
-                "pdserve.num_tokens": len(token_ids),
-            },
+        sampling = sampling_from_proto(header.sampling)
+        # NOTE: the gateway always sets a seed; a missing one is resolved as the prefill does,
+        # so that every instance continues the request the same way.
+        lease.start_generation(
+            [*header.token_ids, commit.first_token_id],
+            num_prompt,
+            sampling,
+            resolve_seed(sampling.seed),
         )
-        self.loop.submit(
-            DecodeRequest(
-                lease=lease,
-                token_ids=token_ids,
-                num_prompt_tokens=num_prompt,
-                sampling=sampling,
-                # NOTE: the gateway always sets a seed; a missing one is resolved as the prefill
-                # does, so that every instance continues the request the same way.
-                seed=resolve_seed(sampling.seed),
-                sink=lambda event: aio_loop.call_soon_threadsafe(stream.queue.put_nowait, event),
-                span=span,
-            )
-        )
-        stream.ready.set()
+        self.loop.submit(lease)
+        lease.ready.set()
         log.info("lease_committed", request_id=lease.request_id, lease_id=lease.lease_id)
 
-    def _fail_transfer(self, lease: Lease | None, error: PdserveError) -> None:
+    def _fail_transfer(self, lease: DecodeRequest | None, error: PdserveError) -> None:
         if lease is None:
             return
-        if self.leases.end(lease, LeaseState.FAILED):
-            self._push(lease.lease_id, EndedEvent(LeaseState.FAILED, error.message, error.reason))
+        if self.leases.end(lease, RequestStatus.FAILED):
+            lease.deliver(EndedEvent(RequestStatus.FAILED, error.message, error.reason))
             log.warning(
                 "cache_sync_failed",
                 request_id=lease.request_id,
@@ -269,40 +227,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     ) -> AsyncIterator[decode_pb2.DecodeServiceGenerateResponse]:
         """Streams a lease's tokens; waits for the commit, bounded by the lease TTL."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
-        stream = self.streams.get(request.lease_id)
+        lease = self.requests.get(request.lease_id)
         try:
-            if stream is None:
+            if lease is None:
                 self.leases.get(request.lease_id)  # raises LEASE_NOT_FOUND / LEASE_EXPIRED
                 raise PdserveError(ErrorReason.LEASE_NOT_FOUND, "no such lease")
-            if stream.is_attached:
-                raise PdserveError(
-                    ErrorReason.INVALID_REQUEST,
-                    "another Generate stream is attached to this lease",
-                    {"leaseId": request.lease_id},
-                )
-            stream.is_attached = stream.lease.is_attached = True
-            timeout = max(0.0, stream.lease.expires_at - time.monotonic())
-            try:
-                await asyncio.wait_for(stream.ready.wait(), timeout)
-            except TimeoutError:
-                if stream.queue.empty():
-                    raise PdserveError(
-                        ErrorReason.LEASE_EXPIRED,
-                        "no commit within the lease TTL",
-                        {"leaseId": request.lease_id},
-                    ) from None
+            await lease.attach()
         except PdserveError as error:
             await abort_with_error(context, error)
         is_done = False
         try:
             while not is_done:
-                events = [await stream.queue.get()]
-                while not stream.queue.empty():
-                    events.append(stream.queue.get_nowait())
-                for message, error in convert.events_to_messages(events):
-                    if error is not None:
+                for message, ending in convert.events_to_messages(await lease.next_events()):
+                    if ending is not None:
                         is_done = True
-                        await abort_with_error(context, error)
+                        await abort_with_error(context, ending)
                     assert message is not None
                     kind = message.WhichOneof("event")
                     is_done = kind != "tokens"
@@ -315,8 +254,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             if not is_done:
                 # NOTE: the client went away: release the lease (decode thread ends it).
-                self._release(stream.lease, LeaseState.ABORTED)
-            self.streams.pop(request.lease_id, None)
+                self.loop.release(lease, RequestStatus.ABORTED)
+            self.requests.pop(request.lease_id, None)
 
     # ---- ReleaseLease ----------------------------------------------------------------------
 
@@ -328,46 +267,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         try:
             lease = self.leases.get(request.lease_id)
         except PdserveError:
-            state = self.leases.ended_state(request.lease_id)
-            return decode_pb2.ReleaseLeaseResponse(state=convert.lease_state_to_proto(state))
-        self._release(lease, LeaseState.ABORTED)
+            status = self.leases.ended_status(request.lease_id)
+            return decode_pb2.ReleaseLeaseResponse(state=convert.lease_state_to_proto(status))
+        self.loop.release(lease, RequestStatus.ABORTED)
         log.info("lease_released", request_id=lease.request_id, lease_id=lease.lease_id)
         return decode_pb2.ReleaseLeaseResponse(state=decode_pb2.LEASE_STATE_ABORTED)
 
     # ---- shared helpers --------------------------------------------------------------------
 
-    def _release(self, lease: Lease, state: LeaseState, detail: str = "") -> None:
-        """Ends a lease from the event loop: directly unless the decode thread owns it."""
-        with self.leases.lock:
-            if lease.state is LeaseState.RUNNING:
-                self.loop.abort(lease.lease_id, state, detail)
-                return
-            # NOTE: a COMMITTED lease may sit in the loop's queue; ending it here makes the
-            # loop's COMMITTED -> RUNNING admission fail, so it is never decoded.
-            is_ended = self.leases.end(lease, state)
-        if is_ended:
-            self._push(lease.lease_id, EndedEvent(state, detail))
-
-    def _push(self, lease_id: str, event: DecodeEvent) -> None:
-        stream = self.streams.get(lease_id)
-        if stream is not None:
-            stream.queue.put_nowait(event)
-            stream.ready.set()
-
     def expire_due(self) -> int:
-        """Reclaims leases past their TTL; forgets streams nobody attached to. Returns count."""
+        """Reclaims leases past their TTL; forgets ended requests nobody attached to. Returns
+        how many expired."""
         expired = self.leases.due_for_expiry()
         for lease in expired:
             log.info("lease_expired", request_id=lease.request_id, lease_id=lease.lease_id)
-            self._release(lease, LeaseState.EXPIRED, "lease TTL ran out")
-        now = time.monotonic()
-        for lease_id, stream in list(self.streams.items()):
-            if stream.is_attached or not stream.lease.state.is_terminal:
+            self.loop.release(lease, RequestStatus.EXPIRED, "lease TTL ran out")
+        forget_before = time.monotonic() - self.leases.ttl_s
+        for lease_id, lease in list(self.requests.items()):
+            if lease.is_attached or lease.ended_at is None:
                 continue
-            if stream.ended_at is None:
-                stream.ended_at = now
-            elif stream.ended_at < now - self.leases.ttl_s:
-                del self.streams[lease_id]  # ended and never attached: nobody will read it
+            if lease.ended_at < forget_before:
+                del self.requests[lease_id]  # ended and never attached: nobody will read it
         return len(expired)
 
 

@@ -1,0 +1,283 @@
+"""One request on the decode: its lease, its stream and its generation, as states of one object.
+
+A `DecodeRequest` is created by AllocateBlocks and lives until its Generate stream has read its
+terminal event. Its status walks ALLOCATED -> SYNCING -> COMMITTED -> RUNNING -> one terminal
+state; `can_move_to`/`move_to` allow only the transitions `TRANSITIONS` lists, and `end()` is the
+one place its blocks go back to the pool, once. The lease table, the servicer, the KV receiver
+and the decode thread hold references to it. Transitions run under the lease table's lock
+(`LeaseManager.advance`/`end`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from pdserve.common import telemetry
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason, SamplingParams
+from pdserve.engine.block_pool import BlockPool
+
+_tracer = telemetry.tracer("pdserve.decode")
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle of a decode request (the lease states); values from FINISHED on are terminal."""
+
+    ALLOCATED = 1
+    SYNCING = 2
+    COMMITTED = 3
+    RUNNING = 4
+    FINISHED = 5
+    PREEMPTED = 6
+    ABORTED = 7
+    EXPIRED = 8
+    FAILED = 9
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+_S = RequestStatus
+_ENDINGS = frozenset({_S.ABORTED, _S.EXPIRED, _S.FAILED})  # possible in every open state
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.ALLOCATED: _ENDINGS | {_S.SYNCING},
+    _S.SYNCING: _ENDINGS | {_S.COMMITTED},
+    _S.COMMITTED: _ENDINGS | {_S.RUNNING},
+    _S.RUNNING: _ENDINGS | {_S.FINISHED, _S.PREEMPTED},
+    **{status: frozenset() for status in RequestStatus if status.is_terminal},
+}
+
+
+class IllegalTransition(AssertionError):
+    """A transition the state machine does not allow (a bug, never a client error)."""
+
+
+class PreemptionReason(enum.Enum):
+    """Why a request was preempted."""
+
+    OUT_OF_BLOCKS = "out_of_blocks"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New tokens; ``first_index`` is the completion index of ``token_ids[0]``."""
+
+    token_ids: tuple[int, ...]
+    first_index: int
+
+
+@dataclass(frozen=True)
+class FinishedEvent:
+    """Terminal: generation ended."""
+
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+@dataclass(frozen=True)
+class PreemptedEvent:
+    """Terminal: preempted after every token in ``generated_token_ids`` was emitted."""
+
+    reason: PreemptionReason
+    generated_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EndedEvent:
+    """Terminal: the request ended without finishing (aborted, expired or failed).
+
+    ``reason`` overrides the error reason the status implies (e.g. CACHE_SYNC_FAILED).
+    """
+
+    status: RequestStatus
+    detail: str = ""
+    reason: ErrorReason | None = None
+
+
+DecodeEvent = TokensEvent | FinishedEvent | PreemptedEvent | EndedEvent
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    """One request on this decode, from its lease to its last event.
+
+    Attributes:
+        lease_id: Unique id on this instance.
+        request_id: The gateway's request id.
+        block_ids: Its block table (logical block i -> physical block_ids[i]); empty once ended.
+        num_kv_tokens: Tokens whose KV the prefill ships (prompt and earlier completion).
+        max_new_tokens: Tokens it may still generate when leased.
+        expires_at: Monotonic deadline for commit and attach.
+        status: Where it is in its life cycle.
+        num_computed_tokens: Tokens with KV in the cache (grows while decoding).
+        num_remaining_tokens: Tokens still to generate (shrinks while decoding).
+        is_attached: Whether a Generate stream is attached.
+        events: Its events, waiting for (or read by) the Generate stream.
+        ready: Set once committed or ended: a Generate stream may start reading.
+        ended_at: Monotonic time it reached a terminal status.
+        token_ids: Prompt, earlier completion tokens, then every token generated so far; the
+            last one is fed next (set at commit).
+        num_prompt_tokens: Length of the original prompt within ``token_ids``.
+        sampling: Sampling settings; ``max_tokens`` counts the whole completion.
+        seed: The seed used for every position.
+        span: Its ``decode.generation`` span (commit to end).
+        num_steps: Decode steps it took part in (one token each).
+    """
+
+    lease_id: str
+    request_id: str
+    block_ids: list[int]
+    num_kv_tokens: int
+    max_new_tokens: int
+    expires_at: float
+    status: RequestStatus = RequestStatus.ALLOCATED
+    num_computed_tokens: int = 0
+    num_remaining_tokens: int = 0
+    is_attached: bool = False
+    events: asyncio.Queue[DecodeEvent] = field(default_factory=asyncio.Queue)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_at: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    span: trace.Span = trace.INVALID_SPAN
+    num_steps: int = 0
+    _aio_loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    # ---- transitions (callers hold the lease table's lock) ---------------------------------
+
+    def can_move_to(self, status: RequestStatus) -> bool:
+        """Whether `status` may follow the current one."""
+        return status in TRANSITIONS[self.status]
+
+    def move_to(self, status: RequestStatus) -> None:
+        """Moves to non-terminal `status` (terminal ones go through `end`).
+
+        Raises:
+            IllegalTransition: If the state machine does not allow it.
+        """
+        if status.is_terminal or not self.can_move_to(status):
+            raise IllegalTransition(f"{self.status.name} -> {status.name}")
+        self.status = status
+
+    def end(self, status: RequestStatus, pool: BlockPool) -> bool:
+        """Moves to terminal `status` and frees its blocks into `pool`, once.
+
+        Returns:
+            True if this call ended it; False if it had already ended.
+
+        Raises:
+            IllegalTransition: For a non-terminal `status`, or one its status cannot reach.
+        """
+        if self.status.is_terminal:
+            return False
+        if not status.is_terminal or not self.can_move_to(status):
+            raise IllegalTransition(f"{self.status.name} -> {status.name}")
+        self.status = status
+        self.ended_at = time.monotonic()
+        pool.free(self.block_ids)
+        self.block_ids = []
+        return True
+
+    # ---- its generation and its stream -----------------------------------------------------
+
+    def start_generation(
+        self,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> None:
+        """Sets what the decode thread generates from and starts the ``decode.generation``
+        span (called on the event loop at commit)."""
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.sampling = sampling
+        self.seed = seed
+        self._aio_loop = asyncio.get_running_loop()
+        # NOTE: a child of the SyncCache call whose commit starts the generation; it runs
+        # until the request ends, well past the call (and past the gateway's Generate start).
+        self.span = _tracer.start_span(
+            "decode.generation",
+            attributes={
+                telemetry.REQUEST_ID: self.request_id,
+                "pdserve.lease_id": self.lease_id,
+                "pdserve.num_prompt_tokens": num_prompt_tokens,
+                "pdserve.num_tokens": len(token_ids),
+            },
+        )
+
+    async def attach(self) -> None:
+        """Attaches the one Generate stream; waits for the commit, bounded by the lease TTL.
+
+        Raises:
+            PdserveError: INVALID_REQUEST if a stream is attached already, LEASE_EXPIRED if
+                neither the commit nor an ending came within the TTL.
+        """
+        if self.is_attached:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST,
+                "another Generate stream is attached to this lease",
+                {"leaseId": self.lease_id},
+            )
+        self.is_attached = True
+        timeout = max(0.0, self.expires_at - time.monotonic())
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout)
+        except TimeoutError:
+            if self.events.empty():
+                raise PdserveError(
+                    ErrorReason.LEASE_EXPIRED,
+                    "no commit within the lease TTL",
+                    {"leaseId": self.lease_id},
+                ) from None
+
+    async def next_events(self) -> list[DecodeEvent]:
+        """Every queued event, waiting for at least one."""
+        events = [await self.events.get()]
+        while not self.events.empty():
+            events.append(self.events.get_nowait())
+        return events
+
+    def deliver(self, event: DecodeEvent) -> None:
+        """Queues an event for the Generate stream (on the event loop)."""
+        self.events.put_nowait(event)
+        self.ready.set()
+
+    def emit(self, event: DecodeEvent) -> None:
+        """Queues an event from the decode thread (it hops to the event loop)."""
+        assert self._aio_loop is not None, "emit() before start_generation()"
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
+            self._aio_loop.call_soon_threadsafe(self.deliver, event)
+
+    def end_span(self, attributes: dict[str, str] | None = None) -> None:
+        """Ends its ``decode.generation`` span with what it did and how it ended.
+
+        Called before the terminal event is emitted, so the span ends before the request's
+        Generate stream does.
+        """
+        self.span.set_attributes(
+            {
+                "pdserve.lease_state": self.status.name,
+                "pdserve.num_steps": self.num_steps,
+                # NOTE: every step samples one token for each request in the batch.
+                "pdserve.num_generated_tokens": self.num_steps,
+                "pdserve.num_completion_tokens": self.num_generated_tokens,
+                **(attributes or {}),
+            }
+        )
+        self.span.end()
