@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import FinishReason, SamplingParams, check_stop
+from pdserve.common.generation import FinishReason, SamplingParams, check_stop, resolve_seed
 from pdserve.gateway.backend import (
     BackendError,
     DecodeEvent,
@@ -146,7 +146,7 @@ def _lost(instance_id: str) -> BackendError:
 
 def _token(call: PrefillCall, index: int) -> int:
     prompt = call.token_ids[: call.num_prompt_tokens]
-    return fake_token(prompt, call.sampling.seed or 0, index)
+    return fake_token(prompt, resolve_seed(call.sampling.seed), index)
 
 
 def _finish(token_id: int, index: int, sampling: SamplingParams) -> FinishReason | None:

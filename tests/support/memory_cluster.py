@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.common.generation import SamplingParams
+from pdserve.common.generation import SamplingParams, resolve_seed
 from pdserve.gateway.decisions import RetryPolicy
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.metrics import GatewayMetrics
@@ -142,5 +142,8 @@ def expected(request: GenerationRequest) -> list[int]:
     """The tokens an undisturbed run of `request` generates."""
     sampling = request.sampling
     return expected_tokens(
-        request.prompt_token_ids, sampling.seed or 0, sampling.max_tokens, sampling.stop_token_ids
+        request.prompt_token_ids,
+        resolve_seed(sampling.seed),
+        sampling.max_tokens,
+        sampling.stop_token_ids,
     )
