@@ -15,8 +15,9 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.prefill.events import LeaseGrant
 from pdserve.prefill.kv_sender import sync_cache_messages
-from pdserve.prefill.request import LeaseGrant, Request
+from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc

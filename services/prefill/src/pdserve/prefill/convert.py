@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for, resolve_seed
 from pdserve.common.protocol import check_compatible
-from pdserve.prefill.request import LeaseGrant, Request
+from pdserve.prefill.events import LeaseGrant
+from pdserve.prefill.request import Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
 from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2

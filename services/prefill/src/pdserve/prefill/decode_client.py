@@ -19,7 +19,8 @@ from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.prefill import convert
-from pdserve.prefill.request import LeaseGrant, Request
+from pdserve.prefill.events import LeaseGrant
+from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 

@@ -1,9 +1,10 @@
 """The life of each prefill request on the event loop: prepare, prefill, ship, hand off.
 
-One asyncio task per request walks QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING ->
-HANDED_OFF (or FINISHED when the first token already ends the request) and writes what the
-caller must see into the request's outbox. Every way out of that task (success, a typed
-failure, `abort`, the caller hanging up) runs the same cleanup: the SyncCache stream is
+One asyncio task per request walks it QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING ->
+HANDED_OFF (or FINISHED when the first token already ends the request) through its own
+transitions (`Request.move_to`/`end`) and writes what the caller must see into its outbox.
+Every way out of that task (success, a typed failure, `abort`, the caller hanging up) runs
+the same cleanup (`Request.release`): the SyncCache stream is
 cancelled if still open, the prefill's blocks are freed on the engine thread, and a decode
 lease that was not handed off is released. Errors reach the caller only after that cleanup.
 """
@@ -23,17 +24,11 @@ from opentelemetry import trace
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.prefill.decode_client import DecodePeers
+from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut, LeaseGrant
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
-from pdserve.prefill.request import (
-    LeaseGrant,
-    Request,
-    RequestStatus,
-    first_token_finish,
-    is_length_capped,
-)
-from pdserve.prefill.request_task import FinishedOut, FirstTokenOut, HandedOffOut, RequestTask
+from pdserve.prefill.request import Request, RequestStatus, first_token_finish, is_length_capped
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
@@ -69,13 +64,13 @@ class Handoffs:
         self.max_queue_len = max_queue_len
         self.fault_corrupt_kv = fault_corrupt_kv
         self.is_draining = False
-        self.live: dict[str, RequestTask] = {}
+        self.live: dict[str, Request] = {}
         self.metrics: PrefillMetrics | None = None
         self.num_kv_bytes_sent = 0
         self._background: set[asyncio.Future[bool]] = set()
         self.num_handed_off = 0
 
-    def start(self, request: Request) -> RequestTask:
+    def start(self, request: Request) -> Request:
         """Admits a validated request and starts its task.
 
         Raises:
@@ -96,22 +91,21 @@ class Handoffs:
                 meta,
             )
         request.is_sending_kv = not is_length_capped(request, self.max_model_len)
-        task = RequestTask(request)
-        request.sink = task.engine_sink()
-        self.live[request.request_id] = task
-        task.task = asyncio.create_task(self._run(task), name=f"prefill-{request.request_id}")
+        request.sink = request.engine_sink()
+        self.live[request.request_id] = request
+        request.task = asyncio.create_task(self._run(request), name=f"prefill-{request.request_id}")
         log.info(
             "prefill_queued",
             request_id=request.request_id,
             num_tokens=request.num_tokens,
             decode_address=request.decode_address,
         )
-        return task
+        return request
 
-    def cancel(self, task: RequestTask) -> None:
+    def cancel(self, request: Request) -> None:
         """Aborts a request whose caller went away (cleanup continues in the background)."""
-        if task.task is not None and not task.task.done():
-            task.task.cancel()
+        if request.task is not None and not request.task.done():
+            request.task.cancel()
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a request at any stage and waits until its lease and blocks are released.
@@ -119,56 +113,54 @@ class Handoffs:
         Returns:
             True if the request was in flight.
         """
-        task = self.live.get(request_id)
-        if task is None:
+        request = self.live.get(request_id)
+        if request is None:
             return False
-        self.cancel(task)
-        await self._wait_done(task)
+        self.cancel(request)
+        await self._wait_done(request)
         return True
 
     async def abort_all(self) -> None:
         """Aborts every request in flight and waits for their cleanup."""
-        tasks = list(self.live.values())
-        for task in tasks:
-            self.cancel(task)
-        for task in tasks:
-            await self._wait_done(task)
+        requests = list(self.live.values())
+        for request in requests:
+            self.cancel(request)
+        for request in requests:
+            await self._wait_done(request)
 
-    async def _wait_done(self, task: RequestTask) -> None:
-        assert task.task is not None
-        await asyncio.wait([task.task])
-        if task.cleanup_task is not None:
-            await asyncio.wait([task.cleanup_task])
+    async def _wait_done(self, request: Request) -> None:
+        assert request.task is not None
+        await asyncio.wait([request.task])
+        if request.cleanup_task is not None:
+            await asyncio.wait([request.cleanup_task])
 
     # ---- one request -----------------------------------------------------------------------
 
-    async def _run(self, task: RequestTask) -> None:
-        request = task.request
+    async def _run(self, request: Request) -> None:
         error: PdserveError | None = None
         try:
-            await self._prefill(task)
+            await self._prefill(request)
         except asyncio.CancelledError:
-            request.status = RequestStatus.ABORTED
+            request.end(RequestStatus.ABORTED)
             error = PdserveError(
                 ErrorReason.CANCELLED, "request aborted", {"requestId": request.request_id}
             )
         except PdserveError as failure:
-            request.status = RequestStatus.FAILED
+            request.end(RequestStatus.FAILED)
             error = failure
         except Exception as failure:
             log.exception("prefill_internal_error", request_id=request.request_id)
-            request.status = RequestStatus.FAILED
+            request.end(RequestStatus.FAILED)
             error = PdserveError(ErrorReason.INTERNAL, str(failure))
         finally:
             # NOTE: shielded so that a second cancellation cannot cut the cleanup short.
-            task.cleanup_task = asyncio.create_task(self._cleanup(task, error))
+            request.cleanup_task = asyncio.create_task(self._cleanup(request, error))
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task.cleanup_task)
+                await asyncio.shield(request.cleanup_task)
 
-    async def _prefill(self, task: RequestTask) -> None:
-        request = task.request
+    async def _prefill(self, request: Request) -> None:
         if request.is_sending_kv:
-            request.status = RequestStatus.PREPARING
+            request.move_to(RequestStatus.PREPARING)
             with _tracer.start_as_current_span(
                 "prefill.allocate",
                 attributes={
@@ -189,7 +181,7 @@ class Handoffs:
                 allocate_span.set_attribute("pdserve.lease_id", lease.lease_id)
                 allocate_span.set_attribute("pdserve.num_blocks", len(lease.block_ids))
             request.lease = lease
-            task.is_lease_open = True
+            request.is_lease_open = True
             log.info(
                 "lease_granted",
                 request_id=request.request_id,
@@ -209,7 +201,7 @@ class Handoffs:
             corrupt = self.fault_corrupt_kv is not None and fnmatch.fnmatchcase(
                 request.request_id, self.fault_corrupt_kv
             )
-            task.sender = KvSender(
+            request.sender = KvSender(
                 self.peers.stub(request.decode_address), request, corrupt_first_chunk=corrupt
             )
             transfer_span = _tracer.start_span(
@@ -221,14 +213,14 @@ class Handoffs:
             )
             # NOTE: the task copies the current context: its SyncCache call joins the span.
             with telemetry.activated(transfer_span):
-                task.sender_task = asyncio.create_task(task.sender.run())
-            task.sender_task.add_done_callback(
+                request.sender_task = asyncio.create_task(request.sender.run())
+            request.sender_task.add_done_callback(
                 functools.partial(
-                    self._on_transfer_done, transfer_span, task.sender, time.perf_counter()
+                    self._on_transfer_done, transfer_span, request.sender, time.perf_counter()
                 )
             )
-        request.status = RequestStatus.PREFILLING
-        task.is_submitted = True
+        request.move_to(RequestStatus.PREFILLING)
+        request.is_submitted = True
         with _tracer.start_as_current_span(
             "prefill.compute",
             attributes={
@@ -239,32 +231,31 @@ class Handoffs:
             if telemetry.is_enabled():
                 request.trace_context = otel_context.get_current()
             self.loop.submit(request)
-            token_id = await task.wait_first_token()
+            token_id = await request.wait_first_token()
         index = request.first_token_index
-        task.outbox.put_nowait(FirstTokenOut(token_id, index))
+        request.outbox.put_nowait(FirstTokenOut(token_id, index))
         log.info("first_token", request_id=request.request_id, token_id=token_id, index=index)
         finish = first_token_finish(request, token_id, self.eos_token_ids, self.max_model_len)
         if finish is not None:
-            await task.release_lease(self.peers)
-            request.status = RequestStatus.FINISHED
-            task.outbox.put_nowait(FinishedOut(finish, request.num_prompt_tokens, index + 1))
+            await request.release_lease(self.peers)
+            request.move_to(RequestStatus.FINISHED)
+            request.outbox.put_nowait(FinishedOut(finish, request.num_prompt_tokens, index + 1))
             return
-        assert task.sender is not None and task.sender_task is not None
+        sender = request.sender
+        assert sender is not None and request.sender_task is not None
         assert request.lease is not None
-        request.status = RequestStatus.TRANSFERRING
-        task.sender.commit(token_id, index)
-        await task.sender_task
-        task.is_lease_open = False  # the decode owns it now
-        request.status = RequestStatus.HANDED_OFF
-        task.outbox.put_nowait(
-            HandedOffOut(request.lease, task.sender.num_chunks, task.sender.num_bytes)
-        )
+        request.move_to(RequestStatus.TRANSFERRING)
+        sender.commit(token_id, index)
+        await request.sender_task
+        request.is_lease_open = False  # the decode owns it now
+        request.move_to(RequestStatus.HANDED_OFF)
+        request.outbox.put_nowait(HandedOffOut(request.lease, sender.num_chunks, sender.num_bytes))
         log.info(
             "handed_off",
             request_id=request.request_id,
             lease_id=request.lease.lease_id,
-            num_chunks=task.sender.num_chunks,
-            num_bytes=task.sender.num_bytes,
+            num_chunks=sender.num_chunks,
+            num_bytes=sender.num_bytes,
         )
 
     def _on_transfer_done(
@@ -292,10 +283,9 @@ class Handoffs:
         self._background.add(release)
         release.add_done_callback(self._background.discard)
 
-    async def _cleanup(self, task: RequestTask, error: PdserveError | None) -> None:
-        request = task.request
+    async def _cleanup(self, request: Request, error: PdserveError | None) -> None:
         try:
-            await task.release(self.peers, self.loop)
+            await request.release(self.peers, self.loop)
         finally:
             self.live.pop(request.request_id, None)
             if error is not None:
@@ -307,4 +297,4 @@ class Handoffs:
                     reason=error.reason.name,
                     detail=error.message,
                 )
-                task.outbox.put_nowait(error)
+                request.outbox.put_nowait(error)

@@ -27,8 +27,9 @@ from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.prefill.events import EngineFailed, FirstTokenSampled
 from pdserve.prefill.metrics import PrefillMetrics
-from pdserve.prefill.request import EngineFailed, FirstTokenSampled, Request
+from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
 from pdserve.serving.kv_transfer import blocks_per_piece, layer_pieces
 

@@ -1,21 +1,47 @@
-"""A prefill request, its life cycle, and the events the engine thread sends about it.
+"""One prefill request as one object: its life cycle, what it holds, what its caller reads.
 
-Ownership: the event loop sets ``status`` and ``lease``; the engine thread owns ``block_ids``,
-``num_computed_tokens`` and ``num_sent_blocks`` from the moment the request is submitted to it
-until it is released.
+A `Request` walks QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING -> HANDED_OFF (or FINISHED
+when the first token ends it, or FAILED / ABORTED from any open state); `move_to`/`end` allow
+only what `TRANSITIONS` lists. Besides its tokens and blocks it holds the decode lease, the KV
+sender, the outbox the servicer streams from, and `release()`, which gives all of it back.
+
+Ownership: the event loop moves ``status`` and sets ``lease``; the engine thread owns
+``block_ids``, ``num_computed_tokens`` and ``num_sent_blocks`` from the moment the request is
+submitted to it until it is released.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import structlog
 from opentelemetry.context import Context
 
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams, check_stop, is_length_reached
+from pdserve.prefill.events import (
+    EngineEvent,
+    EngineFailed,
+    EventSink,
+    FirstTokenSampled,
+    LeaseGrant,
+    Outcome,
+)
 from pdserve.serving.kv_transfer import KvPiece
+
+if TYPE_CHECKING:
+    from pdserve.prefill.decode_client import DecodePeers
+    from pdserve.prefill.kv_sender import KvSender
+    from pdserve.prefill.prefill_loop import PrefillLoop
+
+log = structlog.get_logger(__name__)
+
+RELEASE_WAIT_S = 30.0
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,32 +61,20 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.HANDED_OFF
 
 
-@dataclass(frozen=True)
-class LeaseGrant:
-    """The decode's lease for one request (the Lease message without protobuf)."""
-
-    lease_id: str
-    block_ids: tuple[int, ...]
-    decode_instance_id: str
-    transport_token: bytes = b""
-
-
-@dataclass(frozen=True)
-class FirstTokenSampled:
-    """The last prompt position was computed and the first token sampled."""
-
-    token_id: int
+_S = RequestStatus
+_ENDINGS = frozenset({_S.FAILED, _S.ABORTED})  # possible in every open state
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    # NOTE: a request whose first token is known to end it takes no lease: QUEUED -> PREFILLING.
+    _S.QUEUED: _ENDINGS | {_S.PREPARING, _S.PREFILLING},
+    _S.PREPARING: _ENDINGS | {_S.PREFILLING},
+    _S.PREFILLING: _ENDINGS | {_S.TRANSFERRING, _S.FINISHED},
+    _S.TRANSFERRING: _ENDINGS | {_S.HANDED_OFF},
+    **{status: frozenset() for status in RequestStatus if status.is_terminal},
+}
 
 
-@dataclass(frozen=True)
-class EngineFailed:
-    """A forward pass that included the request raised."""
-
-    detail: str
-
-
-EngineEvent = KvPiece | FirstTokenSampled | EngineFailed
-EventSink = Callable[[EngineEvent], None]
+class IllegalTransition(AssertionError):
+    """A transition the state machine does not allow (a bug, never a client error)."""
 
 
 @dataclass(eq=False)
@@ -85,6 +99,14 @@ class Request:
         num_sent_blocks: Leading logical blocks already exported to the sender.
         trace_context: Parent of the engine thread's spans for this request (None: untraced).
         submitted_ns: Wall-clock time it was handed to the engine thread (for queue spans).
+        outbox: What its caller reads: `Outcome`s (the first token, then a handoff, a finish
+            or a `PdserveError`).
+        first_token: Resolved by the engine thread's first token (made by `engine_sink`).
+        sender: Its KV sender once a lease is granted; ``sender_task`` runs it.
+        task: The event-loop task that walks it through its states; ``cleanup_task`` releases
+            what it holds.
+        is_lease_open: Whether it holds a decode lease not yet handed off or released.
+        is_submitted: Whether the engine thread knows it (so its blocks must be released).
     """
 
     request_id: str
@@ -104,6 +126,14 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Context | None = None
     submitted_ns: int = 0
+    outbox: asyncio.Queue[Outcome] = field(default_factory=asyncio.Queue)
+    first_token: asyncio.Future[int] | None = None
+    sender: KvSender | None = None
+    sender_task: asyncio.Task[object] | None = None
+    task: asyncio.Task[None] | None = None
+    cleanup_task: asyncio.Task[None] | None = None
+    is_lease_open: bool = False
+    is_submitted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +157,112 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    # ---- transitions (on the event loop) ---------------------------------------------------
+
+    def can_move_to(self, status: RequestStatus) -> bool:
+        """Whether `status` may follow the current one."""
+        return status in TRANSITIONS[self.status]
+
+    def move_to(self, status: RequestStatus) -> None:
+        """Moves to `status`.
+
+        Raises:
+            IllegalTransition: If the state machine does not allow it.
+        """
+        if not self.can_move_to(status):
+            raise IllegalTransition(f"{self.status.name} -> {status.name}")
+        self.status = status
+
+    def end(self, status: RequestStatus) -> bool:
+        """Ends it as FAILED or ABORTED; False if it had ended already (its caller then knows
+        how it ended). `release()` gives back what it holds, lease included.
+
+        Raises:
+            IllegalTransition: For any other `status`.
+        """
+        if status not in _ENDINGS:
+            raise IllegalTransition(f"{self.status.name} -> {status.name}")
+        if self.status.is_terminal:
+            return False
+        self.move_to(status)
+        return True
+
+    # ---- the engine thread's events --------------------------------------------------------
+
+    def engine_sink(self) -> EventSink:
+        """What the engine thread calls with its events (they hop to the running event loop)."""
+        aio_loop = asyncio.get_running_loop()
+        self.first_token = aio_loop.create_future()
+
+        def sink(event: EngineEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
+                aio_loop.call_soon_threadsafe(self.on_engine_event, event)
+
+        return sink
+
+    def on_engine_event(self, event: EngineEvent) -> None:
+        """Dispatches an engine-thread event (runs on the event loop)."""
+        assert self.first_token is not None
+        if isinstance(event, KvPiece):
+            if self.sender is not None and not self.status.is_terminal:
+                self.sender.put(event)
+        elif self.first_token.done() or self.status.is_terminal:
+            return
+        elif isinstance(event, FirstTokenSampled):
+            self.first_token.set_result(event.token_id)
+        elif isinstance(event, EngineFailed):
+            self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))
+
+    async def wait_first_token(self) -> int:
+        """The first token; fails early if the transfer broke before it was sampled."""
+        assert self.first_token is not None
+        waiters: set[asyncio.Future[object]] = {self.first_token}  # type: ignore[arg-type]
+        if self.sender_task is not None:
+            waiters.add(self.sender_task)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if self.first_token.done():
+            return self.first_token.result()
+        assert self.sender_task is not None
+        self.sender_task.result()  # raises the transfer's error
+        raise PdserveError(ErrorReason.INTERNAL, "the transfer ended before the first token")
+
+    # ---- giving back what it holds ---------------------------------------------------------
+
+    async def release_lease(self, peers: DecodePeers) -> None:
+        """Releases the decode lease unless it was handed off or released already."""
+        if not self.is_lease_open or self.lease is None:
+            return
+        self.is_lease_open = False
+        await peers.release_lease(self.decode_address, self.lease.lease_id, self.request_id)
+
+    async def release(self, peers: DecodePeers, loop: PrefillLoop) -> None:
+        """Gives back what it holds: the decode lease unless handed off, the SyncCache stream,
+        and the prefill's blocks (freed on the engine thread)."""
+        if self.is_lease_open:
+            # NOTE: release before cancelling the stream, so the decode ends the lease as
+            # released rather than as a broken transfer.
+            await self.release_lease(peers)
+        if self.sender_task is not None:
+            self.sender_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.sender_task
+        if self.is_submitted:
+            await self._free_blocks(loop)
+
+    async def _free_blocks(self, loop: PrefillLoop) -> None:
+        aio_loop = asyncio.get_running_loop()
+        released = aio_loop.create_future()
+
+        def on_released() -> None:
+            with contextlib.suppress(RuntimeError):
+                aio_loop.call_soon_threadsafe(_resolve, released)
+
+        loop.release(self, on_released)
+        try:
+            await asyncio.wait_for(released, RELEASE_WAIT_S)
+        except TimeoutError:
+            log.error("prefill_blocks_not_released", request_id=self.request_id)
+
 
 def is_length_capped(request: Request, max_model_len: int) -> bool:
     """Whether the first token ends the request whatever it is (max_tokens or model length)."""
@@ -148,3 +284,8 @@ def first_token_finish(
         num_tokens=request.num_tokens + 1,
         max_model_len=max_model_len,
     )
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

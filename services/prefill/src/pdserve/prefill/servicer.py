@@ -11,8 +11,8 @@ from opentelemetry import trace
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError, abort_with_error
 from pdserve.prefill import convert
+from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut, Outcome
 from pdserve.prefill.handoff import Handoffs
-from pdserve.prefill.request_task import FinishedOut, FirstTokenOut, HandedOffOut, Outcome
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -76,14 +76,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Runs a prompt for its decode: `first_token`, then `handed_off` or `finished`."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
-            task = self.handoffs.start(convert.request_from_proto(request, self.limits))
+            started = self.handoffs.start(convert.request_from_proto(request, self.limits))
         except PdserveError as error:
             log.info("prefill_refused", request_id=request.request_id, reason=error.reason.name)
             await abort_with_error(context, error)
         is_done = False
         try:
             while not is_done:
-                outcome = await task.outbox.get()
+                outcome = await started.outbox.get()
                 if isinstance(outcome, PdserveError):
                     is_done = True
                     await abort_with_error(context, outcome)
@@ -92,7 +92,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         finally:
             if not is_done:
                 # NOTE: the caller hung up: abort, which releases the decode lease.
-                self.handoffs.cancel(task)
+                self.handoffs.cancel(started)
 
     async def AbortRequest(
         self, request: prefill_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext

@@ -30,7 +30,7 @@ class PrefillStatus(InstanceStatus):
         those computing or shipping their KV. Queued prompt tokens count every token not yet
         computed.
         """
-        requests = [task.request for task in self.handoffs.live.values()]
+        requests = list(self.handoffs.live.values())
         num_preparing = sum(1 for r in requests if r.status <= RequestStatus.PREPARING)
         num_waiting = self.loop.num_waiting
         with self.loop.lock:

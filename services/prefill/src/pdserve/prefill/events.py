@@ -1,0 +1,68 @@
+"""What a prefill request exchanges: its decode lease, the engine thread's events about it,
+and the outcomes its caller reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.common.errors import PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.serving.kv_transfer import KvPiece
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """The decode's lease for one request (the Lease message without protobuf)."""
+
+    lease_id: str
+    block_ids: tuple[int, ...]
+    decode_instance_id: str
+    transport_token: bytes = b""
+
+
+@dataclass(frozen=True)
+class FirstTokenSampled:
+    """The last prompt position was computed and the first token sampled."""
+
+    token_id: int
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """A forward pass that included the request raised."""
+
+    detail: str
+
+
+EngineEvent = KvPiece | FirstTokenSampled | EngineFailed
+EventSink = Callable[[EngineEvent], None]
+
+
+@dataclass(frozen=True)
+class FirstTokenOut:
+    """The first token, for the caller (sent before the transfer finishes)."""
+
+    token_id: int
+    index: int
+
+
+@dataclass(frozen=True)
+class HandedOffOut:
+    """Terminal: the decode committed the KV and owns the request."""
+
+    lease: LeaseGrant
+    num_chunks: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class FinishedOut:
+    """Terminal: the first token ended the request; no decode runs."""
+
+    reason: FinishReason
+    num_prompt_tokens: int
+    num_completion_tokens: int
+
+
+Outcome = FirstTokenOut | HandedOffOut | FinishedOut | PdserveError
