@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.decode.request import (
@@ -33,11 +34,11 @@ _ENDED_REASONS = {
 Response = decode_pb2.DecodeServiceGenerateResponse
 
 
-def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState.ValueType:
+def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState:
     """LeaseState message value of a request status (UNSPECIFIED for None)."""
     if status is None:
         return decode_pb2.LEASE_STATE_UNSPECIFIED
-    return decode_pb2.LeaseState.Value(f"LEASE_STATE_{status.name}")
+    return cast(decode_pb2.LeaseState, decode_pb2.LeaseState.Value(f"LEASE_STATE_{status.name}"))
 
 
 def lease_to_proto(
