@@ -50,7 +50,7 @@ up: venv model  ## install, then run gateway + prefill + decode on SmolLM2-135M-
 demo-model: venv  ## generate the built-in demo model into the cache (prints its path)
 	$(PY) -m pdserve.engine.demo
 
-typecheck: venv  ## mypy on shared/
+typecheck: venv  ## mypy on all four packages (shared, gateway, prefill, decode)
 	$(BIN)/mypy
 
 format: venv  ## apply ruff and buf formatting
