@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from support.eventually import eventually
 from support.memory_backend import (
+    Fault,
     MemoryInstance,
     end,
     fail,
@@ -22,8 +23,7 @@ from support.memory_cluster import PROMPT_IDS, MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
-from pdserve.gateway.orchestrator import OrchestratorEvent
-from pdserve.gateway.request import GenerationRequest
+from pdserve.gateway.request import GenerationRequest, TokenChunk
 
 R = ErrorReason
 
@@ -52,13 +52,13 @@ async def test_preempted_request_continues_without_dup_or_gap(cluster: MemoryClu
     completion = await cluster.run(request)
     assert completion.token_ids == expected(request)
     assert completion.end.finish_reason is FinishReason.LENGTH
-    end_counts = completion.end
-    assert (end_counts.num_completion_tokens, end_counts.num_attempts) == (24, 3)
-    assert end_counts.num_reschedules == 2
+    counts = completion.end
+    assert (counts.num_completion_tokens, counts.num_attempts, counts.num_reschedules) == (24, 3, 2)
     # Each continuation prefills prompt + every delivered token, with the same sampling.
     assert _continued_from(prefill) == [0, 4, 8]
     for call in prefill.calls:
-        assert call.token_ids == (*PROMPT_IDS, *expected(request)[: len(call.token_ids) - 19])
+        delivered = expected(request)[: len(call.token_ids) - len(PROMPT_IDS)]
+        assert call.token_ids == (*PROMPT_IDS, *delivered)
         assert (call.num_prompt_tokens, call.sampling) == (len(PROMPT_IDS), request.sampling)
     assert cluster.metrics.count("reschedules", "preempted") == 2
     assert decode.num_open_leases == 0 and decode.released == []
@@ -88,12 +88,12 @@ async def test_reschedules_are_bounded() -> None:
 
 @pytest.mark.parametrize("fault", [lose(after=4), end(after=4)], ids=["lost", "ended_early"])
 async def test_a_decode_lost_mid_stream_continues_on_the_other(
-    cluster: MemoryCluster, fault: object
+    cluster: MemoryCluster, fault: Fault
 ) -> None:
     cluster.add_prefill()
     doomed = cluster.add_decode("decode-doomed", num_blocks=2000)
     survivor = cluster.add_decode("decode-survivor")
-    doomed.script = [fault]  # type: ignore[list-item]
+    doomed.script = [fault]
     request = cluster.request()
     completion = await cluster.run(request)
     assert completion.token_ids == expected(request)
@@ -231,13 +231,14 @@ async def test_a_skipped_index_fails_the_attempt_and_the_retry_fills_it(
 
 async def _leave_when_stalled(
     cluster: MemoryCluster, request: GenerationRequest, instance: MemoryInstance
-) -> list[OrchestratorEvent]:
-    """Consumes `request`'s events until `instance` stalls, then goes away (as a client that
+) -> list[TokenChunk]:
+    """Consumes `request`'s tokens until `instance` stalls, then goes away (as a client that
     disconnects does: its task is cancelled); returns what it received."""
-    received: list[OrchestratorEvent] = []
+    received: list[TokenChunk] = []
 
     async def consume() -> None:
         async for event in cluster.stream(request):
+            assert isinstance(event, TokenChunk)
             received.append(event)
 
     consuming = asyncio.create_task(consume())
@@ -254,7 +255,7 @@ async def test_a_consumer_leaving_while_decoding_releases_the_lease(
     prefill, decode = _pd(cluster)
     decode.script = [stall(after=2)]
     received = await _leave_when_stalled(cluster, cluster.request(), decode)
-    assert [len(chunk.token_ids) for chunk in received] == [1, 2]  # type: ignore[union-attr]
+    assert [(e.first_index, len(e.token_ids)) for e in received] == [(0, 1), (1, 2)]
     assert decode.released == decode.generate_calls and decode.num_open_leases == 0
     assert prefill.aborted == []  # it had handed off
 

@@ -11,24 +11,15 @@ An attempt that does not finish the completion ends with a *setback*:
 carrying the request's next `RequestState`, and the orchestrator carries it out. Errors are
 classified by their reason's retry scope, never by message text:
 
-=========================================  ==============================  ====================
-setback                                    decision                        counts against
-=========================================  ==============================  ====================
-preempted, or a PREEMPTED (RESCHEDULE)     reschedule with the delivered   preempt_retry_count
-                                           tokens (avoiding the decode
-                                           with preempt_retry_exclude_
-                                           decode)
-lost decode                                reschedule, excluding it        preempt_retry_count
-lost prefill                               retry, excluding it             max_attempts
-DEADLINE_EXCEEDED, NEVER, REGISTER_AGAIN   give up with the error
-DECODE_CAPACITY_EXHAUSTED once the client  wait for capacity (the retry    the request timeout
-has tokens                                 delay), then retry
-ONCE                                       retry as is, once               max_attempts
-ANOTHER_PAIR / _DECODE / _PREFILL /        retry, excluding the blamed     max_attempts
-_INSTANCE                                  instance(s)
-WHOLE_REQUEST                              retry as is (CACHE_SYNC_FAILED  max_attempts
-                                           avoids both ends)
-=========================================  ==============================  ====================
+* preempted, or a PREEMPTED status (RESCHEDULE): reschedule with the delivered tokens (avoiding
+  that decode with ``preempt_retry_exclude_decode``); a lost decode: reschedule without it.
+  Both count against ``preempt_retry_count``.
+* a lost prefill: retry without it; ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
+  without the instance(s) the scope blames; WHOLE_REQUEST: retry as is (CACHE_SYNC_FAILED
+  avoids both ends); ONCE: retry as is, once. All count against ``max_attempts``.
+* DECODE_CAPACITY_EXHAUSTED once the consumer has tokens: wait for capacity (the retry
+  delay), then retry; only the request timeout bounds the waiting.
+* DEADLINE_EXCEEDED, NEVER, REGISTER_AGAIN: give up with the error.
 """
 
 from __future__ import annotations
@@ -109,9 +100,6 @@ class RequestState:
         return result
 
 
-# ---- outcomes ---------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Preempted:
     """The decode of `pair` preempted the request; its error says why and after how much."""
@@ -150,9 +138,6 @@ class Lost:
 
 
 Setback: TypeAlias = Preempted | Failed | Lost
-
-
-# ---- decisions --------------------------------------------------------------------------------
 
 
 class RescheduleCause(enum.Enum):
@@ -298,12 +283,9 @@ def _blamed_roles(setback: Failed) -> set[InstanceRole]:
         return {InstanceRole.DECODE}
     if blamed_id == pair.prefill.instance_id:
         return {InstanceRole.PREFILL}
-    # NOTE: a prefill that reports an unreachable peer means its decode target.
-    return (
-        {InstanceRole.DECODE}
-        if error.reason is ErrorReason.PEER_UNAVAILABLE
-        else {InstanceRole.PREFILL}
-    )
+    if error.reason is ErrorReason.PEER_UNAVAILABLE:
+        return {InstanceRole.DECODE}  # a prefill that cannot reach a peer means its decode
+    return {InstanceRole.PREFILL}
 
 
 def _exclude(state: RequestState, pair: Pair, roles: set[InstanceRole]) -> RequestState:
@@ -312,7 +294,6 @@ def _exclude(state: RequestState, pair: Pair, roles: set[InstanceRole]) -> Reque
         excluded = state.excluded_prefill_ids | {pair.prefill.instance_id}
         state = replace(state, excluded_prefill_ids=excluded)
     if InstanceRole.DECODE in roles:
-        state = replace(
-            state, excluded_decode_ids=state.excluded_decode_ids | {pair.decode.instance_id}
-        )
+        excluded = state.excluded_decode_ids | {pair.decode.instance_id}
+        state = replace(state, excluded_decode_ids=excluded)
     return state
