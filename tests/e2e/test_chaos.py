@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from support.eventually import eventually
 from support.process_cluster import (
     ProcessCluster,
     address,
@@ -67,15 +68,6 @@ async def expected_ids(
         return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
 
     return await asyncio.to_thread(run)
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls `predicate()` every 5 ms until it is true; fails the test after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[list[int]], None]:
@@ -182,7 +174,7 @@ async def test_sigkill_prefill_mid_prefill(
         def has_leased() -> bool:
             return any(events_named(p, "lease_granted") for p in cluster.prefills)
 
-        await wait_until(has_leased, 30, "a prefill to lease decode blocks for a prompt")
+        await eventually(has_leased, 30, "a prefill to lease decode blocks for a prompt")
         victim = next(p for p in cluster.prefills if events_named(p, "lease_granted"))
         victim.signal(signal.SIGKILL)
         assert victim.wait(10) == -signal.SIGKILL

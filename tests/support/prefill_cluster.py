@@ -32,6 +32,7 @@ from pdserve.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from support.eventually import eventually
 
 BLOCK_SIZE = 4
 
@@ -256,15 +257,19 @@ class Cluster:
 
     async def eventually_whole(self, timeout_s: float = 5.0) -> None:
         """`assert_whole`, allowing `timeout_s` for work already under way to settle."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        async def is_whole() -> bool:
             try:
                 await self.assert_whole()
-                return
             except AssertionError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
+                return False
+            return True
+
+        try:
+            await eventually(is_whole, timeout_s, "every pool to be whole")
+        except AssertionError:
+            await self.assert_whole()  # NOTE: fails with the pool's own message
+            raise
 
     async def close(self) -> None:
         for channel in self.channels:

@@ -8,6 +8,7 @@ import dataclasses
 import grpc
 import pytest
 from support.decode_harness import BLOCK_SIZE, DecodeClient, tokens_of
+from support.eventually import eventually
 
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
@@ -137,7 +138,8 @@ async def test_lease_expiry_reclaims_blocks(client: DecodeClient) -> None:
     client.local.free(prefilled)
     lease = await client.allocate(prefilled)
     assert (await client.pool()).pool.num_leased_blocks == len(lease.block_ids)
-    await asyncio.sleep(2.0)  # TTL 1.5 s, sweep every 0.15 s
+    # NOTE: TTL 1.5 s, sweep every 0.15 s.
+    await eventually(lambda: client.instance.leases.num_expired == 1, 4.0, "the lease expiring")
     await client.assert_whole()
     await _expect_error(client.collect(lease.lease_id), ErrorReason.LEASE_EXPIRED)
     assert client.instance.leases.num_expired == 1
@@ -163,10 +165,11 @@ async def test_client_cancel_releases_a_running_lease(client: DecodeClient) -> N
     call = client.decode.Generate(decode_pb2.DecodeServiceGenerateRequest(lease_id=lease.lease_id))
     await call.read()
     call.cancel()
-    for _ in range(100):
-        if (await client.pool()).pool.num_open_leases == 0:
-            break
-        await asyncio.sleep(0.05)
+
+    async def is_released() -> bool:
+        return (await client.pool()).pool.num_open_leases == 0
+
+    await eventually(is_released, 5.0, "the abandoned lease's release")
     await client.assert_whole()
 
 
