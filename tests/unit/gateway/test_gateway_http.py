@@ -93,7 +93,7 @@ async def test_unexpected_exception_is_a_500_openai_body_that_closes_the_connect
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(gateway.pipeline, "prepare", broken)
+    monkeypatch.setattr(gateway.frontend, "prepare", broken)
     async with pd.http() as http:
         response = await http.post(
             COMPLETIONS, content=GOOD, headers={"content-type": "application/json"}
@@ -109,7 +109,7 @@ async def test_unexpected_exception_is_a_500_openai_body_that_closes_the_connect
         )
         assert ok.status_code == 200
 
-    monkeypatch.setattr(gateway.pipeline, "prepare", broken)
+    monkeypatch.setattr(gateway.frontend, "prepare", broken)
     request = generation_pb2.GenerateRequest(
         model=MODEL_NAME, text="x", sampling=common_pb2.SamplingParams(max_tokens=2)
     )

@@ -426,4 +426,4 @@ async def test_16_clients_get_no_errors_and_leave_nothing_in_flight(pd: Cluster)
     await asyncio.gather(*(client(index) for index in range(16)))
     assert num_finished == 16 * 8 - 32
     await eventually(lambda: gateway.limiter.num_in_flight == 0)
-    await eventually(lambda: gateway.pipeline.num_active_requests == 0)
+    await eventually(lambda: gateway.frontend.num_active_requests == 0)

@@ -154,7 +154,7 @@ async def test_disconnect_while_decoding_releases_the_lease(pd: Cluster) -> None
     lease_id = decode.generate_calls[0]
     await eventually(lambda: lease_id in decode.released and decode.num_open_leases == 0)
     assert pd.gateway is not None
-    await eventually(lambda: pd.gateway.pipeline.num_active_requests == 0)  # type: ignore[union-attr]
+    await eventually(lambda: pd.gateway.frontend.num_active_requests == 0)  # type: ignore[union-attr]
     assert pd.gateway.metrics.count("requests", "cancelled") == 1
 
 
@@ -202,7 +202,7 @@ async def test_stop_drains_running_requests_and_refuses_new_ones(pd: Cluster) ->
     await asyncio.wait_for(decode.paused.wait(), 3.0)
     assert pd.gateway is not None
     stopping = asyncio.create_task(pd.gateway.stop(5.0))
-    await eventually(lambda: pd.gateway.pipeline.is_draining)  # type: ignore[union-attr]
+    await eventually(lambda: pd.gateway.frontend.is_draining)  # type: ignore[union-attr]
     async with pd.http() as http:
         refused = await http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x"})
         assert refused.status_code == 503

@@ -1,8 +1,8 @@
 """What the REST and gRPC front ends share: validate, tokenize, orchestrate, detokenize.
 
-A front end turns its request into `GenerationParams`, calls `Pipeline.prepare` (which raises
+A front end turns its request into `GenerationParams`, calls `Frontend.prepare` (which raises
 a typed `PdserveError` for anything wrong, before any instance is asked to work) and then
-iterates `Pipeline.stream`, which yields `OutputDelta`s: text and token ids as they arrive, and
+iterates `Frontend.stream`, which yields `OutputDelta`s: text and token ids as they arrive, and
 a last delta with the finish reason and exact usage.
 """
 
@@ -40,11 +40,11 @@ from pdserve.gateway.text import CompletionText
 from pdserve.gateway.validation import RequestLimits, invalid, validate_request
 from pdserve.gateway.workers import WorkerPool
 
-log = structlog.get_logger("pdserve.gateway.pipeline")
+log = structlog.get_logger("pdserve.gateway.frontend")
 _tracer = telemetry.tracer("pdserve.gateway")
 
 
-class Pipeline:
+class Frontend:
     """Validation, tokenization and streaming of requests for every front end.
 
     Args:

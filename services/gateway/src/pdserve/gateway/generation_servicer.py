@@ -21,8 +21,8 @@ from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway import convert
 from pdserve.gateway.admission import ConcurrencyLimiter
 from pdserve.gateway.auth import bearer_token, check_bearer
+from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.parsing import parse_generate_request, parse_message
-from pdserve.gateway.pipeline import Pipeline
 from pdserve.gateway.workers import ParserPool
 from pdserve.v1 import generation_pb2
 
@@ -50,10 +50,10 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class GenerationServicer:
-    """Serves GenerationService on top of the shared `Pipeline`.
+    """Serves GenerationService on top of the shared `Frontend`.
 
     Args:
-        pipeline: Validation, tokenization and streaming (and the request limits).
+        frontend: Validation, tokenization and streaming (and the request limits).
         limiter: Admission of Generate calls (per API key and in total).
         parser: Parses large requests in worker processes.
         api_key: Required as ``authorization: Bearer <key>`` metadata when set.
@@ -61,12 +61,12 @@ class GenerationServicer:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        frontend: Frontend,
         limiter: ConcurrencyLimiter,
         parser: ParserPool,
         api_key: str | None = None,
     ) -> None:
-        self._pipeline = pipeline
+        self._frontend = frontend
         self._limiter = limiter
         self._parser = parser
         self._api_key = api_key
@@ -85,15 +85,15 @@ class GenerationServicer:
             check_bearer(authorization, self._api_key)
             with self._limiter.admit(bearer_token(authorization)):
                 body = await self._parser.run(
-                    parse_generate_request, len(raw), raw, self._pipeline.limits
+                    parse_generate_request, len(raw), raw, self._frontend.limits
                 )
-                prepared = await self._pipeline.prepare(body.params)
+                prepared = await self._frontend.prepare(body.params)
                 # NOTE: with tracing on, the current span is the server interceptor's (parented
                 # on the caller's traceparent); gateway.request becomes its child.
                 trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
                 request_id = prepared.client_request_id or prepared.request_id
                 prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
-                deltas = self._pipeline.stream(prepared)
+                deltas = self._frontend.stream(prepared)
                 async with contextlib.aclosing(deltas):
                     async for delta in deltas:
                         yield convert.generate_response_to_pb(request_id, delta, prompt_ids)
@@ -120,7 +120,7 @@ class GenerationServicer:
                     num_prefill_instances=model.num_prefill_instances,
                     num_decode_instances=model.num_decode_instances,
                 )
-                for model in self._pipeline.list_models()
+                for model in self._frontend.list_models()
             ]
         )
 

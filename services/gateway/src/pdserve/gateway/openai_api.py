@@ -12,9 +12,9 @@ OpenAI error bodies
 A generation request passes, in order: the API key (401), admission (429, per key and in
 total), ``Content-Type: application/json`` (415), the body size (413, before the body is read
 where ``Content-Length`` tells), parsing and validation (400; large bodies parse in a worker
-process), then the pipeline. A streaming request is answered only once its first token exists,
-so errors before it (no capacity, bad prompt) still get their own HTTP status rather than a 200
-with an error event.
+process), then the `Frontend`. A streaming request is answered only once its first token
+exists, so errors before it (no capacity, bad prompt) still get their own HTTP status rather
+than a 200 with an error event.
 
 Tracing: FastAPI's own OpenTelemetry support makes the HTTP SERVER span of each request
 (``POST /v1/chat/completions``, parented on an incoming ``traceparent``), and the request's
@@ -43,6 +43,7 @@ from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.admission import Admission, ConcurrencyLimiter
 from pdserve.gateway.auth import bearer_token, check_bearer
+from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_http import (
     RequestIdMiddleware,
@@ -55,7 +56,6 @@ from pdserve.gateway.openai_http import (
 )
 from pdserve.gateway.params import OutputDelta, PreparedRequest
 from pdserve.gateway.parsing import OpenAIBody, parse_openai_body
-from pdserve.gateway.pipeline import Pipeline
 from pdserve.gateway.workers import ParserPool
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -242,7 +242,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def create_app(
-    pipeline: Pipeline,
+    frontend: Frontend,
     metrics: GatewayMetrics,
     *,
     limiter: ConcurrencyLimiter,
@@ -252,10 +252,10 @@ def create_app(
     trace_polls: bool = False,
     now: Callable[[], float] = time.time,
 ) -> FastAPI:
-    """Builds the REST application around a `Pipeline`.
+    """Builds the REST application around a `Frontend`.
 
     Args:
-        pipeline: Validation, tokenization and streaming (and the request limits).
+        frontend: Validation, tokenization and streaming (and the request limits).
         metrics: Served at /metrics.
         limiter: Admission of generation requests (per API key and in total).
         parser: Parses large bodies in worker processes.
@@ -285,13 +285,13 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         # NOTE: readiness: 200 only while some model has a compatible prefill/decode pair.
-        models = [m.name for m in pipeline.list_models()]
+        models = [m.name for m in frontend.list_models()]
         body: dict[str, Any] = {
             "status": "ok",
             "models": models,
-            "num_active_requests": pipeline.num_active_requests,
+            "num_active_requests": frontend.num_active_requests,
         }
-        if pipeline.is_draining:
+        if frontend.is_draining:
             body.update(status="draining", reason="the gateway is shutting down")
         elif not models:
             body.update(status="not_ready", reason=NOT_READY_REASON)
@@ -318,7 +318,7 @@ def create_app(
                 "owned_by": "pdserve",
                 "max_model_len": model.max_model_len,
             }
-            for model in pipeline.list_models()
+            for model in frontend.list_models()
         ]
         return JSONResponse({"object": "list", "data": data})
 
@@ -341,13 +341,13 @@ def create_app(
     async def _generate(request: Request, is_chat: bool, admission: Admission) -> Response:
         check_json_content_type(request)
         raw = await read_body(request, max_body_bytes)
-        body = await parser.run(parse_openai_body, len(raw), raw, is_chat, pipeline.limits)
-        prepared = await pipeline.prepare(body.params, request_id_of(request))
+        body = await parser.run(parse_openai_body, len(raw), raw, is_chat, frontend.limits)
+        prepared = await frontend.prepare(body.params, request_id_of(request))
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
         responder = _Responder(is_chat, prepared, body)
         headers = {"X-Request-Id": prepared.request_id}
-        deltas = pipeline.stream(prepared)
+        deltas = frontend.stream(prepared)
         if body.stream:
             try:
                 first = await anext(deltas)

@@ -130,7 +130,7 @@ class ModelSummary:
 def tokenize_prompt(params: GenerationParams, tokenizer: Tokenizer) -> list[int]:
     """The prompt's token ids: chat messages through the template, text through the tokenizer.
 
-    Heavy for long prompts: the pipeline runs it on a worker thread.
+    Heavy for long prompts: the front end runs it on a worker thread.
 
     Raises:
         PdserveError: INVALID_REQUEST for a chat the template refuses, or an empty prompt.

@@ -26,12 +26,12 @@ from pdserve.gateway.admission import ConcurrencyLimiter
 from pdserve.gateway.clients import GrpcBackend
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.decisions import RetryPolicy
+from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.model_info import ModelInfoStore
 from pdserve.gateway.openai_api import create_app as create_rest_app
 from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.pipeline import Pipeline
 from pdserve.gateway.poller import StaticPoller
 from pdserve.gateway.registry import InstanceEntry, LivenessClock, Registry
 from pdserve.gateway.registry_servicer import RegistryServicer
@@ -86,7 +86,7 @@ class GatewayServer:
         self.limiter = ConcurrencyLimiter(
             config.max_concurrent_requests, config.max_concurrent_requests_per_key
         )
-        self.pipeline = Pipeline(
+        self.frontend = Frontend(
             self.registry,
             self.router,
             self.model_infos,
@@ -99,7 +99,7 @@ class GatewayServer:
             request_timeout_s=config.request_timeout,
         )
         self.app: FastAPI = create_rest_app(
-            self.pipeline,
+            self.frontend,
             self.metrics,
             limiter=self.limiter,
             parser=self.parser,
@@ -160,8 +160,8 @@ class GatewayServer:
 
     async def _update_readiness(self) -> None:
         """gRPC health of GenerationService: SERVING only while some model has a pair."""
-        is_ready = bool(self.pipeline.list_models()) and not self.pipeline.is_draining
-        if self._health is None or is_ready == self._is_ready or self.pipeline.is_draining:
+        is_ready = bool(self.frontend.list_models()) and not self.frontend.is_draining
+        if self._health is None or is_ready == self._is_ready or self.frontend.is_draining:
             return
         self._is_ready = is_ready
         status = health_pb2.HealthCheckResponse.SERVING if is_ready else NOT_SERVING
@@ -176,7 +176,7 @@ class GatewayServer:
         server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
         generation_servicer.add_to_server(
             generation_servicer.GenerationServicer(
-                self.pipeline, self.limiter, self.parser, config.api_key
+                self.frontend, self.limiter, self.parser, config.api_key
             ),
             server,
         )
@@ -229,13 +229,13 @@ class GatewayServer:
             grace_s: Seconds running requests get; defaults to ``shutdown_grace_s``.
         """
         grace_s = self.config.shutdown_grace_s if grace_s is None else grace_s
-        self.pipeline.is_draining = True
+        self.frontend.is_draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        log.info("gateway_draining", num_active_requests=self.pipeline.num_active_requests)
-        if not await self.pipeline.wait_idle(grace_s):
+        log.info("gateway_draining", num_active_requests=self.frontend.num_active_requests)
+        if not await self.frontend.wait_idle(grace_s):
             log.warning(
-                "gateway_drain_timeout", num_active_requests=self.pipeline.num_active_requests
+                "gateway_drain_timeout", num_active_requests=self.frontend.num_active_requests
             )
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True

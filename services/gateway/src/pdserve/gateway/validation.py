@@ -6,7 +6,7 @@ gateway's `RequestLimits`, valid Unicode in every string, and the chat roles. It
 params with roles normalized (``developer`` is ``system``, as in the OpenAI API). Every failure
 is an INVALID_REQUEST naming the offending parameter.
 
-What needs the model (its vocabulary, its maximum length) is checked by the pipeline once it
+What needs the model (its vocabulary, its maximum length) is checked by the front end once it
 knows the model.
 """
 
