@@ -1,0 +1,198 @@
+"""Running a prepared request: orchestrate, detokenize, and record its outcome.
+
+`Streamer.stream` runs one `PreparedRequest` through the orchestrator and turns its tokens into
+`OutputDelta`s (text through `CompletionText`, with the stop strings). It owns what the gateway
+records of a request: the ``gateway.request`` span, the latency metrics, the outcome counter
+and one log line per outcome (``request_finished``, ``request_failed``, ``request_cancelled``).
+It also counts the requests streaming, so a draining gateway can wait for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+
+import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from pdserve.common import telemetry
+from pdserve.common.errors import PdserveError
+from pdserve.common.generation import FinishReason, resolve_seed
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.params import OutputDelta, PreparedRequest, PromptKind
+from pdserve.gateway.request import GenerationEnd, Usage
+from pdserve.gateway.text import CompletionText
+
+log = structlog.get_logger("pdserve.gateway.streaming")
+_tracer = telemetry.tracer("pdserve.gateway")
+
+
+class Streamer:
+    """Runs prepared requests and records each one; counts those in flight.
+
+    Args:
+        orchestrator: Runs requests.
+        metrics: Latency histograms and outcome counters.
+        request_timeout_s: Bound of one request, retries included.
+    """
+
+    def __init__(
+        self, orchestrator: Orchestrator, metrics: GatewayMetrics, request_timeout_s: float
+    ) -> None:
+        self._orchestrator = orchestrator
+        self._metrics = metrics
+        self._request_timeout_s = request_timeout_s
+        self._num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def num_active_requests(self) -> int:
+        """Requests streaming right now."""
+        return self._num_active
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no request is streaming; returns False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def stream(
+        self, prepared: PreparedRequest, trace_context: Context | None = None
+    ) -> AsyncGenerator[OutputDelta, None]:
+        """Runs a prepared request under its span ``gateway.request``.
+
+        Args:
+            prepared: From `Frontend.prepare`.
+            trace_context: Parent of the request's span (default: the current context).
+
+        Yields:
+            Deltas of text and tokens; the last one has finish_reason and usage.
+
+        Raises:
+            PdserveError: The error that ended the request.
+        """
+        request = prepared.request
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
+        end: GenerationEnd | None = None
+        outcome = "cancelled"
+        self._num_active += 1
+        self._idle.clear()
+        span = _tracer.start_span(
+            "gateway.request", context=trace_context, attributes=_request_attributes(prepared)
+        )
+        trace_ids = telemetry.trace_fields(span)
+        last_token_at: float | None = None
+        try:
+            events = self._orchestrator.run(request, started + self._request_timeout_s, span)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, GenerationEnd):
+                        end = event
+                        break
+                    now = loop.time()
+                    if last_token_at is None:
+                        self._metrics.ttft.observe(now - started)
+                    elif event.token_ids:
+                        gap = (now - last_token_at) / len(event.token_ids)
+                        for _ in event.token_ids:
+                            self._metrics.inter_token_latency.observe(gap)
+                    last_token_at = now
+                    step = text.add(event.token_ids)
+                    if step.text or step.token_ids:
+                        yield OutputDelta(step.text, step.token_ids, event.first_index)
+                    if step.is_stopped:
+                        break
+            finish_reason = (
+                FinishReason.STOP if text.is_stopped or end is None else end.finish_reason
+            )
+            usage = Usage(
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_completion_tokens=text.num_tokens,
+                num_cached_prompt_tokens=end.num_cached_prompt_tokens if end else 0,
+            )
+            final = OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
+            outcome = "finished"
+            span.set_attributes(
+                {
+                    "gen_ai.response.model": request.model,
+                    "gen_ai.usage.output_tokens": usage.num_completion_tokens,
+                    "gen_ai.response.finish_reasons": [finish_reason.value],
+                }
+            )
+            self._metrics.e2e_latency.observe(loop.time() - started)
+            log.info(
+                "request_finished",
+                **trace_ids,
+                request_id=request.request_id,
+                client_request_id=prepared.client_request_id,
+                user=prepared.user,
+                model=request.model,
+                finish_reason=finish_reason.value,
+                is_stop_string=text.is_stopped,
+                num_prompt_tokens=usage.num_prompt_tokens,
+                num_completion_tokens=usage.num_completion_tokens,
+                num_attempts=end.num_attempts if end else None,
+                num_reschedules=end.num_reschedules if end else None,
+                duration_s=round(loop.time() - started, 4),
+            )
+            yield final
+        except PdserveError as error:
+            outcome = error.reason.name
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error.reason.name))
+            span.set_attribute("pdserve.error.reason", error.reason.name)
+            log.warning(
+                "request_failed",
+                **trace_ids,
+                request_id=request.request_id,
+                client_request_id=prepared.client_request_id,
+                model=request.model,
+                reason=error.reason.name,
+                message=error.message,
+                num_completion_tokens=text.num_tokens,
+                duration_s=round(loop.time() - started, 4),
+            )
+            raise
+        finally:
+            if outcome == "cancelled":
+                span.add_event("cancelled")
+                log.info(
+                    "request_cancelled",
+                    **trace_ids,
+                    request_id=request.request_id,
+                    client_request_id=prepared.client_request_id,
+                    num_completion_tokens=text.num_tokens,
+                    duration_s=round(loop.time() - started, 4),
+                )
+            self._metrics.requests.labels(outcome=outcome).inc()
+            span.end()
+            self._num_active -= 1
+            if self._num_active == 0:
+                self._idle.set()
+
+
+def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | float | list[str]]:
+    """The request span's attributes known up front (OpenTelemetry GenAI conventions)."""
+    request = prepared.request
+    sampling = request.sampling
+    attributes: dict[str, str | int | float | list[str]] = {
+        telemetry.REQUEST_ID: request.request_id,
+        "gen_ai.operation.name": "chat" if prepared.kind is PromptKind.CHAT else "text_completion",
+        "gen_ai.request.model": request.model,
+        "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.seed": resolve_seed(sampling.seed),
+        "gen_ai.request.temperature": sampling.temperature,
+        "gen_ai.request.top_p": sampling.top_p,
+        "gen_ai.request.top_k": sampling.top_k,
+        "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+    }
+    if prepared.stop:
+        attributes["gen_ai.request.stop_sequences"] = list(prepared.stop)
+    return attributes
