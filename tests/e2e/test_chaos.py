@@ -101,7 +101,9 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
     cluster, max_tokens = two_decodes, 300
     requests = cases(4)
     expected = await expected_ids(reference, requests, max_tokens)
-    is_streaming = asyncio.Event()
+    # NOTE: every stream past its first tokens, so the victim's streams are all decoding (a
+    # request still in prefill would fail over as a prefill error, not as a lost decode).
+    streaming = [asyncio.Event() for _ in requests]
     async with cluster.openai() as client:
         tasks = [
             asyncio.create_task(
@@ -110,13 +112,13 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
                     cluster.model_name,
                     prompt,
                     max_tokens=max_tokens,
-                    on_tokens=set_when_streaming(is_streaming),
+                    on_tokens=set_when_streaming(event),
                     **sampling,
                 )
             )
-            for prompt, sampling in requests
+            for (prompt, sampling), event in zip(requests, streaming, strict=True)
         ]
-        await asyncio.wait_for(is_streaming.wait(), 30)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
         victim, num_leases = await busiest_decode(cluster)
         victim.signal(signal.SIGKILL)
         assert num_leases > 0, "no decode held a lease while streams were running"
