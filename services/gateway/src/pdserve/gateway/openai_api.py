@@ -7,7 +7,8 @@ some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. 
 OpenAI error bodies
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of their reason
 (``code`` is the lower-case pdserve.v1 reason) and ``Retry-After`` where a delay helps (see
-`pdserve.gateway.openai_http`). Paths are exact: a trailing slash is a 404, not a redirect.
+`pdserve.gateway.openai_http`); bodies and SSE events are shaped in
+`pdserve.gateway.openai_responses`. Paths are exact: a trailing slash is a 404, not a redirect.
 
 A generation request passes, in order: the API key (401), admission (429, per key and in
 total), ``Content-Type: application/json`` (415), the body size (413, before the body is read
@@ -27,17 +28,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.telemetry import TelemetryConfig
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
@@ -48,17 +47,16 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_http import (
     RequestIdMiddleware,
     check_json_content_type,
-    error_body,
     error_response,
     http_error_response,
     read_body,
     request_id_of,
 )
-from pdserve.gateway.params import OutputDelta, PreparedRequest
-from pdserve.gateway.parsing import OpenAIBody, parse_openai_body
+from pdserve.gateway.openai_responses import EventStreamResponse, Responder
+from pdserve.gateway.params import OutputDelta
+from pdserve.gateway.parsing import parse_openai_body
 from pdserve.gateway.workers import ParserPool
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
@@ -88,150 +86,6 @@ def http_telemetry(trace_polls: bool = False) -> TelemetryConfig:
 
 
 NOT_READY_REASON = "no compatible prefill/decode pair is registered for any model yet"
-
-
-def _sse(data: dict[str, Any] | str) -> str:
-    payload = (
-        data
-        if isinstance(data, str)
-        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    )
-    return f"data: {payload}\n\n"
-
-
-def _usage(delta: OutputDelta) -> dict[str, Any] | None:
-    if delta.usage is None:
-        return None
-    usage: dict[str, Any] = {
-        "prompt_tokens": delta.usage.num_prompt_tokens,
-        "completion_tokens": delta.usage.num_completion_tokens,
-        "total_tokens": delta.usage.num_total_tokens,
-    }
-    if delta.usage.num_cached_prompt_tokens:
-        usage["prompt_tokens_details"] = {"cached_tokens": delta.usage.num_cached_prompt_tokens}
-    return usage
-
-
-class _EventStreamResponse(StreamingResponse):
-    """An SSE response that always closes its event generator and gives back its admission,
-    even on client disconnect."""
-
-    def __init__(
-        self, events: AsyncGenerator[str, None], headers: dict[str, str], admission: Admission
-    ) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
-        self._events = events
-        self._admission = admission
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._admission.release()
-            await self._events.aclose()
-
-
-class _Responder:
-    """Shapes one request's deltas as a completion or chat completion (stream or not)."""
-
-    def __init__(self, is_chat: bool, prepared: PreparedRequest, body: OpenAIBody) -> None:
-        self.is_chat = is_chat
-        self.prepared = prepared
-        self.model = body.model
-        self.return_token_ids = body.return_token_ids
-        self.include_usage = body.include_usage
-        self.response_id = ("chatcmpl-" if is_chat else "cmpl-") + prepared.request_id
-        self.created = int(time.time())
-        self.object_name = "chat.completion" if is_chat else "text_completion"
-
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": object_name,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def full(self, deltas: list[OutputDelta]) -> dict[str, Any]:
-        """The non-streamed response body."""
-        text = "".join(d.text for d in deltas)
-        last = deltas[-1]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None}
-        if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["finish_reason"] = last.finish_reason.value if last.finish_reason else None
-        if self.return_token_ids:
-            choice["prompt_token_ids"] = list(self.prepared.prompt_token_ids)
-            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
-        body = self._envelope(self.object_name, [choice])
-        body["usage"] = _usage(last)
-        return body
-
-    def chunk(self, delta: OutputDelta, is_first: bool) -> dict[str, Any] | None:
-        """One streamed chunk, or None when the delta carries nothing to send."""
-        if not (
-            delta.text or delta.token_ids or delta.finish_reason or (is_first and self.is_chat)
-        ):
-            return None
-        choice: dict[str, Any] = {"index": 0}
-        if self.is_chat:
-            content: dict[str, Any] = {"role": "assistant"} if is_first else {}
-            if delta.text or is_first:
-                content["content"] = delta.text
-            choice["delta"] = content
-        else:
-            choice["text"] = delta.text
-        choice["logprobs"] = None
-        choice["finish_reason"] = delta.finish_reason.value if delta.finish_reason else None
-        if self.return_token_ids:
-            if is_first:
-                choice["prompt_token_ids"] = list(self.prepared.prompt_token_ids)
-            choice["token_ids"] = list(delta.token_ids)
-        body = self._envelope(self.object_name + (".chunk" if self.is_chat else ""), [choice])
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, delta: OutputDelta) -> dict[str, Any]:
-        """The final chunk of ``stream_options.include_usage``: no choices, the usage."""
-        body = self._envelope(self.object_name + (".chunk" if self.is_chat else ""), [])
-        body["usage"] = _usage(delta)
-        return body
-
-    def render(self, delta: OutputDelta, is_first: bool) -> list[str]:
-        """The SSE events of one delta (none when it carries nothing)."""
-        events = []
-        chunk = self.chunk(delta, is_first)
-        if chunk is not None:
-            events.append(_sse(chunk))
-        if delta.finish_reason is not None and self.include_usage:
-            events.append(_sse(self.usage_chunk(delta)))
-        return events
-
-    async def events(
-        self, first: OutputDelta, deltas: AsyncGenerator[OutputDelta, None]
-    ) -> AsyncGenerator[str, None]:
-        """The SSE events of a stream whose first delta was already received."""
-        try:
-            rendered = self.render(first, is_first=True)
-            is_first = not rendered
-            for event in rendered:
-                yield event
-            async for delta in deltas:
-                rendered = self.render(delta, is_first)
-                is_first = is_first and not rendered
-                for event in rendered:
-                    yield event
-        except PdserveError as error:
-            # NOTE: the headers are sent already; report the error in-band, as vLLM does.
-            message = error.message or error.reason.name
-            yield _sse(error_body(message, error.http_status, error.reason.name.lower()))
-        finally:
-            await deltas.aclose()
-        yield _sse("[DONE]")
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -334,8 +188,8 @@ def create_app(
             response = await _generate(request, is_chat, admission)
             return response
         finally:
-            # NOTE: a stream gives its admission back when it ends (_EventStreamResponse).
-            if not isinstance(response, _EventStreamResponse):
+            # NOTE: a stream gives its admission back when it ends (EventStreamResponse).
+            if not isinstance(response, EventStreamResponse):
                 admission.release()
 
     async def _generate(request: Request, is_chat: bool, admission: Admission) -> Response:
@@ -345,7 +199,7 @@ def create_app(
         prepared = await frontend.prepare(body.params, request_id_of(request))
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
-        responder = _Responder(is_chat, prepared, body)
+        responder = Responder(is_chat, prepared, body)
         headers = {"X-Request-Id": prepared.request_id}
         deltas = frontend.stream(prepared)
         if body.stream:
@@ -354,7 +208,7 @@ def create_app(
             except PdserveError as error:
                 await deltas.aclose()
                 return error_response(error)
-            return _EventStreamResponse(responder.events(first, deltas), headers, admission)
+            return EventStreamResponse(responder.events(first, deltas), headers, admission)
         collected = await _collect_unless_disconnected(request, deltas)
         if collected is None:
             return Response(status_code=499)
