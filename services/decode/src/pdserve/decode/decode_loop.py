@@ -10,7 +10,6 @@ commit) records its admission to the batch, its steps and tokens, and how it end
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 
@@ -31,11 +30,12 @@ from pdserve.decode.request import (
 )
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.serving.engine_thread import EngineThread
 
 log = structlog.get_logger(__name__)
 
 
-class DecodeLoop:
+class DecodeLoop(EngineThread):
     """Owns the running batch; runs on its own thread.
 
     Args:
@@ -70,20 +70,9 @@ class DecodeLoop:
         self._waiting: deque[DecodeRequest] = deque()
         self._aborts: dict[str, tuple[RequestStatus, str]] = {}
         self._preempt_all: PreemptionReason | None = None
-        self._cond = threading.Condition()
-        self._is_stopped = False
-        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        super().__init__("decode-loop")
 
     # ---- called from other threads ---------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._is_stopped = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
 
     def submit(self, request: DecodeRequest) -> None:
         """Queues a committed request for admission."""

@@ -31,6 +31,7 @@ from pdserve.prefill.events import EngineFailed, FirstTokenSampled
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
+from pdserve.serving.engine_thread import EngineThread
 from pdserve.serving.kv_transfer import blocks_per_piece, layer_pieces
 
 log = structlog.get_logger(__name__)
@@ -45,7 +46,7 @@ class _Export(NamedTuple):
     end_block: int
 
 
-class PrefillLoop:
+class PrefillLoop(EngineThread):
     """Owns the prefill scheduler and its block pool; runs passes on its own thread.
 
     Args:
@@ -68,23 +69,12 @@ class PrefillLoop:
         self.num_prompt_tokens = 0
         self.metrics: PrefillMetrics | None = None
         self.lock = threading.RLock()  # guards the scheduler (and so the pool)
-        self._cond = threading.Condition(self.lock)
         self._submitted: list[Request] = []
         self._releases: list[tuple[Request, Callable[[], None]]] = []
-        self._is_stopped = False
         self._is_blocked = False  # nothing fits until blocks are freed
-        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+        super().__init__("prefill-loop", self.lock)
 
     # ---- called from other threads ---------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._is_stopped = True
-            self._cond.notify()
-        self._thread.join(timeout=30)
 
     def submit(self, request: Request) -> None:
         """Queues a prepared request for prefill (FCFS)."""

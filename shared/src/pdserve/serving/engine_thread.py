@@ -1,0 +1,37 @@
+"""The thread a prefill or decode engine steps on, with its wake-up condition and its stop."""
+
+from __future__ import annotations
+
+import threading
+
+
+class EngineThread:
+    """Base of the services' engine loops: model work never runs on the event loop.
+
+    A subclass implements `_run`: wait on `_cond` until there is work or `_is_stopped`, take
+    the work under the condition, step outside it. Other threads queue work under `_cond` and
+    notify it.
+
+    Args:
+        name: The thread's name (shows in stack dumps and profiles).
+        lock: The lock under `_cond`, when the subclass guards more state with it.
+    """
+
+    def __init__(self, name: str, lock: threading.Lock | threading.RLock | None = None) -> None:
+        self._cond = threading.Condition(lock)
+        self._is_stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Starts stepping."""
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Asks the loop to stop at its next wake-up and waits up to `timeout_s` for it."""
+        with self._cond:
+            self._is_stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        raise NotImplementedError("an engine loop implements _run")
