@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import abc
 import threading
 
 
-class EngineThread:
+class EngineThread(abc.ABC):
     """Base of the services' engine loops: model work never runs on the event loop.
 
     A subclass implements `_run`: wait on `_cond` until there is work or `_is_stopped`, take
@@ -33,5 +34,6 @@ class EngineThread:
             self._cond.notify()
         self._thread.join(timeout=timeout_s)
 
+    @abc.abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError("an engine loop implements _run")
+        """The loop itself: returns once `_is_stopped` is seen."""

@@ -9,7 +9,8 @@ model-info calls are not traced.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +40,8 @@ PREFILL = "/pdserve.v1.PrefillService/Prefill"
 ABORT_REQUEST = "/pdserve.v1.PrefillService/AbortRequest"
 GENERATE = "/pdserve.v1.DecodeService/Generate"
 RELEASE_LEASE = "/pdserve.v1.DecodeService/ReleaseLease"
+
+E = TypeVar("E")
 
 
 def backend_error(error: grpc.RpcError) -> BackendError:
@@ -72,27 +75,20 @@ class GrpcBackend:
         for channel in channels.values():
             await channel.close()
 
-    async def prefill(
+    def prefill(
         self, address: str, call: PrefillCall, timeout_s: float
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Streams one Prefill RPC's events; closing the iterator cancels the call."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
-        try:
-            with telemetry.client_span(
-                PREFILL, address, call.request_id, call.trace_context
-            ) as traced:
-                rpc = stub.Prefill(
-                    convert.prefill_request_to_pb(call), timeout=timeout_s, metadata=traced.metadata
-                )
-                try:
-                    async for message in rpc:
-                        event = convert.prefill_event_from_pb(message)
-                        if event is not None:
-                            yield event
-                finally:
-                    rpc.cancel()
-        except grpc.aio.AioRpcError as error:
-            raise backend_error(error) from error
+        request = convert.prefill_request_to_pb(call)
+        return _server_stream(
+            PREFILL,
+            address,
+            call.request_id,
+            call.trace_context,
+            lambda metadata: stub.Prefill(request, timeout=timeout_s, metadata=metadata),
+            convert.prefill_event_from_pb,
+        )
 
     async def abort_request(
         self,
@@ -113,7 +109,7 @@ class GrpcBackend:
         except grpc.aio.AioRpcError as error:
             raise backend_error(error) from error
 
-    async def generate(
+    def generate(
         self,
         address: str,
         request_id: str,
@@ -124,18 +120,14 @@ class GrpcBackend:
         """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
         request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
-        try:
-            with telemetry.client_span(GENERATE, address, request_id, trace_context) as traced:
-                rpc = stub.Generate(request, timeout=timeout_s, metadata=traced.metadata)
-                try:
-                    async for message in rpc:
-                        event = convert.decode_event_from_pb(message)
-                        if event is not None:
-                            yield event
-                finally:
-                    rpc.cancel()
-        except grpc.aio.AioRpcError as error:
-            raise backend_error(error) from error
+        return _server_stream(
+            GENERATE,
+            address,
+            request_id,
+            trace_context,
+            lambda metadata: stub.Generate(request, timeout=timeout_s, metadata=metadata),
+            convert.decode_event_from_pb,
+        )
 
     async def release_lease(
         self,
@@ -189,3 +181,30 @@ class GrpcBackend:
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _server_stream(
+    span_name: str,
+    address: str,
+    request_id: str,
+    trace_context: Context | None,
+    start: Callable[[Any], Any],
+    from_pb: Callable[[Any], E | None],
+) -> AsyncGenerator[E, None]:
+    """Yields a server stream's messages as events (None skipped) under a CLIENT span.
+
+    `start(metadata)` opens the call; leaving the iterator cancels it, and a failed call
+    raises `BackendError`.
+    """
+    try:
+        with telemetry.client_span(span_name, address, request_id, trace_context) as traced:
+            rpc = start(traced.metadata)
+            try:
+                async for message in rpc:
+                    event = from_pb(message)
+                    if event is not None:
+                        yield event
+            finally:
+                rpc.cancel()
+    except grpc.aio.AioRpcError as error:
+        raise backend_error(error) from error
