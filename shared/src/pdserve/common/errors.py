@@ -60,6 +60,7 @@ class ErrorReason(enum.Enum):
     NO_HEALTHY_INSTANCES = "NO_HEALTHY_INSTANCES"
     REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
     RATE_LIMITED = "RATE_LIMITED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ REASON_SPECS: Mapping[ErrorReason, ReasonSpec] = {
     ),
     ErrorReason.REQUEST_TOO_LARGE: ReasonSpec((_S.RESOURCE_EXHAUSTED,), RetryScope.NEVER, 413),
     ErrorReason.RATE_LIMITED: ReasonSpec((_S.RESOURCE_EXHAUSTED,), RetryScope.WHOLE_REQUEST, 429),
+    ErrorReason.PERMISSION_DENIED: ReasonSpec((_S.PERMISSION_DENIED,), RetryScope.NEVER, 403),
 }
 
 
@@ -210,6 +212,7 @@ def from_rpc_error(error: grpc.RpcError) -> PdserveError:
         grpc.StatusCode.DEADLINE_EXCEEDED: ErrorReason.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED: ErrorReason.CANCELLED,
         grpc.StatusCode.UNAUTHENTICATED: ErrorReason.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED: ErrorReason.PERMISSION_DENIED,
     }.get(code, ErrorReason.INTERNAL)
     return PdserveError(reason, details or code.name)
 

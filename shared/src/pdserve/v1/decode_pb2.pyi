@@ -208,12 +208,14 @@ class DecodeServiceGenerateResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., preemption: _Optional[_Union[PreemptionNotice, _Mapping]] = ..., finished: _Optional[_Union[_common_pb2.Finished, _Mapping]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
-    __slots__ = ("lease_id", "request_id")
+    __slots__ = ("lease_id", "request_id", "lease_token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     request_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    lease_token: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., lease_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ("state",)
