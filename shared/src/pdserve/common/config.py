@@ -99,7 +99,7 @@ def from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    """Settings every pdserve service has: logging and tracing."""
+    """Settings every pdserve service has: logging, tracing and internal-plane security."""
 
     log_level: str = dataclasses.field(
         default="info", metadata={"help": "log level", "choices": LEVELS}
@@ -114,6 +114,27 @@ class ServiceConfig:
     trace_sample_ratio: float | None = dataclasses.field(
         default=None,
         metadata={"help": "fraction of new traces kept (parent-based); all when unset"},
+    )
+    tls_ca: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "cluster CA certificate (PEM) every internal peer must be signed by"},
+    )
+    tls_cert: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "this service's certificate (PEM, from `pdserve certs issue`); its role and "
+            "instance id are the service's identity"
+        },
+    )
+    tls_key: str | None = dataclasses.field(
+        default=None, metadata={"help": "private key of --tls-cert (PEM)"}
+    )
+    insecure: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "run the internal gRPC plane in plaintext, trusting any caller that reaches "
+            "its ports (logs a warning; shown in GetInstanceStatus and /health)"
+        },
     )
 
     def __post_init__(self) -> None:

@@ -26,6 +26,7 @@ from grpc_health.v1 import health
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
+from pdserve.common.security import Security
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
@@ -58,6 +59,7 @@ class InstanceServer(abc.ABC):
         config: The instance's settings.
         host: An already loaded model to reuse (tests and benchmarks share one), or None.
         interceptors: gRPC server interceptors (tests inject faults with them).
+        security: The internal plane's credentials (mTLS identity, or insecure).
 
     Attributes:
         server: The gRPC server.
@@ -79,8 +81,10 @@ class InstanceServer(abc.ABC):
         config: InstanceConfig,
         host: ModelHost | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        security: Security | None = None,
     ) -> None:
         self.config = config
+        self.security = security or Security.insecure()
         self.host = host or load_model(config)
         self.server = new_aio_server(interceptors)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
