@@ -38,7 +38,7 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 BLOCK_SIZE = 16
 PROMPT_LEN = 64
-MAX_CHUNK_BYTES = PrefillConfig().max_chunk_bytes
+MAX_CHUNK_BYTES = PrefillConfig(insecure=True).max_chunk_bytes
 
 
 def _load(model_dir: Path, num_blocks: int) -> ModelHost:
@@ -57,7 +57,9 @@ async def service_tokens_per_s(model_dir: Path, n: int, sampling: SamplingParams
     host = _load(model_dir, num_blocks=64 * 32)
     sender = _load(model_dir, num_blocks=64 * 32)
     pool = BlockPool(sender.num_blocks)
-    config = DecodeConfig(port=0, block_size=BLOCK_SIZE, max_num_seqs=64, lease_ttl_ms=600_000)
+    config = DecodeConfig(
+        port=0, block_size=BLOCK_SIZE, max_num_seqs=64, lease_ttl_ms=600_000, insecure=True
+    )
     instance = await create_server(config, host)
     stub = decode_pb2_grpc.DecodeServiceStub(insecure_channel(f"127.0.0.1:{instance.port}"))
     leases = []

@@ -297,14 +297,14 @@ def _host(model_dir: Path) -> ModelHost:
 
 
 async def _decode(model_dir: Path, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):  # type: ignore[no-untyped-def]
-    config = DecodeConfig(port=0, block_size=BLOCK_SIZE, lease_ttl_ms=600_000)
+    config = DecodeConfig(port=0, block_size=BLOCK_SIZE, lease_ttl_ms=600_000, insecure=True)
     return await decode_server.create_server(config, _host(model_dir), interceptors=interceptors)
 
 
 async def _prefill(model_dir: Path, **settings: Any) -> PrefillInstance:
     config = PrefillConfig(
         port=0, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
-        allocate_timeout_ms=60_000, **settings,
+        allocate_timeout_ms=60_000, insecure=True, **settings,
     )  # fmt: skip
     return await create_server(config, _host(model_dir))
 

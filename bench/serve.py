@@ -106,7 +106,9 @@ def pdserve_cluster(model: Path, threads: int, log_dir: Path) -> Iterator[str]:
     from pdserve.launcher.cluster import Cluster, ClusterConfig
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    config = ClusterConfig(model=str(model), port=0, grpc_port=0, log_dir=str(log_dir))
+    config = ClusterConfig(
+        model=str(model), port=0, grpc_port=0, internal_port=0, log_dir=str(log_dir)
+    )
     cluster = Cluster(config, env=env)
     cluster.start()
     try:

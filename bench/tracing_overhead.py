@@ -58,7 +58,7 @@ async def _load(url: str, num_requests: int, concurrency: int, max_tokens: int) 
 
 def _measure(env: dict[str, str], args: argparse.Namespace, model: str) -> float:
     with tempfile.TemporaryDirectory() as logs:
-        config = ClusterConfig(model=model, port=0, grpc_port=0, log_dir=logs)
+        config = ClusterConfig(model=model, port=0, grpc_port=0, internal_port=0, log_dir=logs)
         cluster = Cluster(config, env=env)
         cluster.start()
         try:

@@ -26,7 +26,6 @@ from support.process_cluster import (
     ProcessCluster,
     address,
     events_named,
-    pool_status,
     running_cluster,
     stream_token_ids,
 )
@@ -34,7 +33,7 @@ from support.real_cluster import Reference
 
 from pdserve.common.env import ENV_FAULT_CORRUPT_KV
 from pdserve.common.errors import ErrorReason, from_rpc_error
-from pdserve.common.grpc_server import insecure_channel
+from pdserve.common.pki import role_dns_name
 from pdserve.launcher.child import ChildProcess
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
@@ -82,7 +81,8 @@ def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[
 
 async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
     """The decode holding the most open leases right now, and that count."""
-    leases = [(await pool_status(address(d))).pool.num_open_leases for d in cluster.decodes]
+    statuses = [await cluster.pool_status(address(d)) for d in cluster.decodes]
+    leases = [status.pool.num_open_leases for status in statuses]
     return cluster.decodes[leases.index(max(leases))], max(leases)
 
 
@@ -439,9 +439,9 @@ async def test_lease_of_a_prefill_that_never_sends_expires(
 ) -> None:
     cluster = faulty_prefill_cluster
     decode = cluster.decodes[0]
-    status = await pool_status(address(decode))
+    status = await cluster.pool_status(address(decode))
     request_id = f"silent-prefill-{os.getpid()}"
-    channel = insecure_channel(address(decode))
+    channel = cluster.security("prefill-0").channel(address(decode), role_dns_name("decode"))
     try:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
         response = await stub.AllocateBlocks(
@@ -458,7 +458,7 @@ async def test_lease_of_a_prefill_that_never_sends_expires(
         lease = response.lease
         granted_at = time.monotonic()
         assert len(lease.block_ids) >= 7 and lease.ttl_ms == LEASE_TTL_MS
-        held = (await pool_status(address(decode))).pool
+        held = (await cluster.pool_status(address(decode))).pool
         assert held.num_open_leases >= 1 and held.num_leased_blocks >= len(lease.block_ids)
 
         # Nothing is ever sent: the decode reclaims the blocks on its own after the TTL.

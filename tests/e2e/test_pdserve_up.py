@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -9,11 +10,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import httpx
 import openai
 import pytest
 from support.real_cluster import Reference
 
+from pdserve.common.pki import MEMBER_DNS_NAME
+from pdserve.common.security import Security
 from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.v1 import instance_pb2, instance_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -22,6 +28,7 @@ def cluster(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         model=str(demo_model_dir),
         port=0,
         grpc_port=0,
+        internal_port=0,
         log_dir=str(tmp_path_factory.mktemp("logs")),
         startup_timeout_s=120,
     )
@@ -49,21 +56,56 @@ def test_openai_sdk_against_real_processes(cluster: Cluster, demo_model_dir: Pat
     assert text == reference.text(reference.chat(messages, temperature=0.0, max_tokens=12))
 
 
+def test_every_internal_port_refuses_a_caller_without_a_certificate(cluster: Cluster) -> None:
+    assert httpx.get(f"{cluster.rest_url}/health").json()["internal_plane"] == "mtls"
+    addresses = []
+    for child in [*cluster.prefills, *cluster.decodes]:
+        role = child.name.split("-")[0]
+        started = next(r for r in child.events if r.get("event") == f"{role}_started")
+        assert started["internal_plane"] == f"mtls {role}/{child.name}"
+        addresses.append(started["address"])
+    status = instance_pb2.GetInstanceStatusRequest()
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetInstanceStatus(status, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    registry = f"{cluster.config.host}:{cluster.internal_port}"
+    with grpc.insecure_channel(registry) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            registry_pb2_grpc.RegistryServiceStub(channel).Deregister(
+                registry_pb2.DeregisterRequest(instance_id="decode-0"), timeout=5
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    # NOTE: the operator certificate `pdserve up` made is let in (status is a client call).
+    assert cluster.tls_dir is not None
+    files = cluster.tls["client"]
+    operator = Security.from_files(files.ca, files.cert, files.key)
+
+    async def status_as_operator() -> str:
+        async with operator.channel(addresses[-1], MEMBER_DNS_NAME) as channel:
+            reply = await instance_pb2_grpc.InstanceServiceStub(channel).GetInstanceStatus(status)
+            return str(reply.instance.instance_id)
+
+    assert asyncio.run(status_as_operator()) == "decode-0"
+
+
 def test_cli_reports_a_crashed_child(demo_model_dir: Path, tmp_path: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.launcher", "up", "--model", str(demo_model_dir),
-         "--port", "0", "--grpc-port", "0", "--log-dir", str(tmp_path)],
+         "--port", "0", "--grpc-port", "0", "--internal-port", "0", "--log-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert process.stdout is not None
-        grpc_address = ""
+        registry_address = ""
         for line in process.stdout:
-            if "gRPC (pdserve.v1.GenerationService):" in line:
-                grpc_address = line.split()[-1]
+            if "Registry (internal gRPC):" in line:
+                registry_address = line.split()[-1]
                 break
-        assert grpc_address, "the banner never came"
-        pattern = f"pdserve.decode .*--gateway {grpc_address}"
+        assert registry_address, "the banner never came"
+        pattern = f"pdserve.decode .*--gateway {registry_address}"
         pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
         os.kill(int(pids.split()[0]), signal.SIGKILL)
         _, stderr = process.communicate(timeout=60)

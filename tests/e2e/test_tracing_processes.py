@@ -36,7 +36,9 @@ def exported(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     with otlp_receiver() as receiver:
         env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
         log_dir = tmp_path_factory.mktemp("tracing-logs")
-        config = ClusterConfig(model=str(demo_model_dir), port=0, grpc_port=0, log_dir=str(log_dir))
+        config = ClusterConfig(
+            model=str(demo_model_dir), port=0, grpc_port=0, internal_port=0, log_dir=str(log_dir)
+        )
         cluster = Cluster(config, env=env)
         cluster.start()
         try:

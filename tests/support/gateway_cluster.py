@@ -37,6 +37,8 @@ class Cluster:
             "host": "127.0.0.1",
             "port": 0,
             "grpc_port": 0,
+            "internal_port": 0,
+            "insecure": True,
             "request_timeout": 20.0,
             "shutdown_grace_s": 0.5,
             **overrides,
@@ -49,6 +51,12 @@ class Cluster:
     def grpc_address(self) -> str:
         assert self.gateway is not None
         return f"127.0.0.1:{self.gateway.grpc_port}"
+
+    @property
+    def internal_address(self) -> str:
+        """The gateway's internal port (RegistryService)."""
+        assert self.gateway is not None
+        return f"127.0.0.1:{self.gateway.internal_port}"
 
     @property
     def base_url(self) -> str:
@@ -68,7 +76,7 @@ class Cluster:
         prefill.queued_prompt_tokens = num_queued_prompt_tokens
         self.prefills.append(prefill)
         if is_registered:
-            await register(self.grpc_address, prefill)
+            await register(self.internal_address, prefill)
         return prefill
 
     async def add_decode(
@@ -83,7 +91,7 @@ class Cluster:
         assert isinstance(decode, FakeDecode)
         self.decodes.append(decode)
         if is_registered:
-            await register(self.grpc_address, decode)
+            await register(self.internal_address, decode)
         return decode
 
     def openai(self, api_key: str = "unused") -> openai.AsyncOpenAI:

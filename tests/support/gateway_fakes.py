@@ -541,10 +541,10 @@ async def start_instance(instance: FakePrefill | FakeDecode) -> FakePrefill | Fa
 
 
 async def register(
-    gateway_grpc_address: str, instance: FakeInstance
+    gateway_internal_address: str, instance: FakeInstance
 ) -> registry_pb2.RegisterResponse:
     """Registers a fake at a gateway over RegistryService, as a real instance does."""
-    async with insecure_channel(gateway_grpc_address) as channel:
+    async with insecure_channel(gateway_internal_address) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         return await stub.Register(
             registry_pb2.RegisterRequest(instance=instance.info(), load=instance.load())
@@ -552,10 +552,10 @@ async def register(
 
 
 async def heartbeat(
-    gateway_grpc_address: str, instance: FakeInstance
+    gateway_internal_address: str, instance: FakeInstance
 ) -> registry_pb2.HeartbeatResponse:
     """Sends one heartbeat with the fake's current load."""
-    async with insecure_channel(gateway_grpc_address) as channel:
+    async with insecure_channel(gateway_internal_address) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         return await stub.Heartbeat(
             registry_pb2.HeartbeatRequest(instance_id=instance.instance_id, load=instance.load())

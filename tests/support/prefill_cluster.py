@@ -97,7 +97,11 @@ async def start_decode(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> DecodeInstance:
     config = DecodeConfig(
-        port=0, block_size=BLOCK_SIZE, num_blocks=num_blocks, lease_ttl_ms=lease_ttl_ms
+        port=0,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        lease_ttl_ms=lease_ttl_ms,
+        insecure=True,
     )
     host = load_host(model_dir, num_blocks)
     return await create_decode(config, host, interceptors=interceptors)
@@ -111,6 +115,7 @@ async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance
         "max_num_batched_tokens": 16,
         "allocate_timeout_ms": 5000,
         "max_chunk_bytes": 2048,
+        "insecure": True,
     }
     settings.update(overrides)
     config = PrefillConfig(**settings)  # type: ignore[arg-type]

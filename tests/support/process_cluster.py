@@ -19,7 +19,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.common.grpc_server import insecure_channel
+from pdserve.common.pki import MEMBER_DNS_NAME
+from pdserve.common.security import Security
 from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.cluster import Cluster, ClusterConfig
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
@@ -82,6 +83,26 @@ class ProcessCluster(Cluster):
             and all(sample.labels.get(k) == v for k, v in labels.items())
         )
 
+    def security(self, name: str = "client") -> Security:
+        """The credentials `pdserve up` made for `name` (insecure when the cluster is)."""
+        if self.tls_dir is None:
+            return Security.insecure()
+        files = self.tls[name]
+        return Security.from_files(files.ca, files.cert, files.key)
+
+    async def pool_status(
+        self, target: str, timeout_s: float = 5.0
+    ) -> instance_pb2.GetInstanceStatusResponse:
+        """`InstanceService.GetInstanceStatus` with the block-pool integrity check (as the
+        cluster's operator certificate)."""
+        channel = self.security().channel(target, MEMBER_DNS_NAME)
+        try:
+            stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            request = instance_pb2.GetInstanceStatusRequest(check_integrity=True)
+            return await stub.GetInstanceStatus(request, timeout=timeout_s)
+        finally:
+            await channel.close()
+
     async def wait_whole(self, timeout_s: float = 10.0) -> None:
         """Invariant 3 on every surviving instance, polled until it holds or time runs out.
 
@@ -94,7 +115,7 @@ class ProcessCluster(Cluster):
         while True:
             problems = []
             for child in self.survivors():
-                problem = pool_problem(await pool_status(address(child)))
+                problem = pool_problem(await self.pool_status(address(child)))
                 if problem:
                     problems.append(f"{child.name}: {problem}")
             if not problems:
@@ -127,6 +148,7 @@ def running_cluster(
         host="127.0.0.1",
         port=0,
         grpc_port=0,
+        internal_port=0,
         log_dir=str(log_dir),
         startup_timeout_s=120,
         **settings,
@@ -155,19 +177,6 @@ def address(child: ChildProcess) -> str:
 def events_named(child: ChildProcess, event: str) -> list[dict[str, Any]]:
     """The records `child` logged so far with this event name."""
     return [record for record in list(child.events) if record.get("event") == event]
-
-
-async def pool_status(
-    target: str, timeout_s: float = 5.0
-) -> instance_pb2.GetInstanceStatusResponse:
-    """`InstanceService.GetInstanceStatus` with the block-pool integrity check."""
-    channel = insecure_channel(target)
-    try:
-        stub = instance_pb2_grpc.InstanceServiceStub(channel)
-        request = instance_pb2.GetInstanceStatusRequest(check_integrity=True)
-        return await stub.GetInstanceStatus(request, timeout=timeout_s)
-    finally:
-        await channel.close()
 
 
 def pool_problem(status: instance_pb2.GetInstanceStatusResponse) -> str:

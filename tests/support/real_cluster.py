@@ -1,7 +1,8 @@
 """A whole cluster of real services in one process: gateway, prefills and decodes on port 0.
 
 The prefills and decodes register with the gateway over RegistryService, exactly as separate
-processes would; the model is the built-in demo model (it has a tokenizer and chat template).
+processes would, and every internal call is mutual TLS under the test CA (`support.pki`); the
+model is the built-in demo model (it has a tokenizer and chat template).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import httpx
 import openai
 
 from pdserve.common.generation import SamplingParams
-from pdserve.common.grpc_server import insecure_channel
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import DecodeInstance
 from pdserve.decode.server import create_server as create_decode
@@ -28,6 +28,7 @@ from pdserve.prefill.server import PrefillInstance
 from pdserve.prefill.server import create_server as create_prefill
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import instance_pb2, instance_pb2_grpc
+from support.pki import cluster_pki
 
 MODEL_NAME = "demo"
 BLOCK_SIZE = 16
@@ -53,12 +54,13 @@ class RealCluster:
             decode_overrides: One dict of DecodeConfig overrides per decode (or empty).
             gateway: GatewayConfig overrides.
         """
-        settings = {"host": "127.0.0.1", "port": 0, "grpc_port": 0, "request_timeout": 30.0,
-                    "shutdown_grace_s": 0.5, "heartbeat_interval_s": 0.2, **gateway}  # fmt: skip
+        settings = {"host": "127.0.0.1", "port": 0, "grpc_port": 0, "internal_port": 0,
+                    "request_timeout": 30.0, "shutdown_grace_s": 0.5, "heartbeat_interval_s": 0.2,
+                    **cluster_pki().config("gateway"), **gateway}  # fmt: skip
         self.gateway = GatewayServer(GatewayConfig(**settings))
         await self.gateway.start()
         common = {"model": str(self.model_dir), "served_model_name": MODEL_NAME, "port": 0,
-                  "gateway": self.grpc_address, "block_size": BLOCK_SIZE,
+                  "gateway": self.internal_address, "block_size": BLOCK_SIZE,
                   "metrics_port": 0}  # fmt: skip
         for _ in range(prefills):
             await self.add_prefill(**common)
@@ -69,12 +71,16 @@ class RealCluster:
         return self
 
     async def add_prefill(self, **settings: Any) -> PrefillInstance:
-        instance = await create_prefill(PrefillConfig(**settings))
+        instance = await create_prefill(
+            PrefillConfig(**{**cluster_pki().config("prefill"), **settings})
+        )
         self.prefills.append(instance)
         return instance
 
     async def add_decode(self, **settings: Any) -> DecodeInstance:
-        instance = await create_decode(DecodeConfig(**settings))
+        instance = await create_decode(
+            DecodeConfig(**{**cluster_pki().config("decode"), **settings})
+        )
         self.decodes.append(instance)
         return instance
 
@@ -90,6 +96,11 @@ class RealCluster:
         return f"127.0.0.1:{self.gateway.grpc_port}"
 
     @property
+    def internal_address(self) -> str:
+        assert self.gateway is not None
+        return f"127.0.0.1:{self.gateway.internal_port}"
+
+    @property
     def base_url(self) -> str:
         assert self.gateway is not None
         return f"http://127.0.0.1:{self.gateway.http_port}"
@@ -103,7 +114,7 @@ class RealCluster:
         return httpx.AsyncClient(base_url=self.base_url, timeout=60.0)
 
     async def pool_status(self, address: str) -> instance_pb2.GetInstanceStatusResponse:
-        channel = insecure_channel(address)
+        channel = cluster_pki().channel(address)
         try:
             stub = instance_pb2_grpc.InstanceServiceStub(channel)
             request = instance_pb2.GetInstanceStatusRequest(check_integrity=True)

@@ -20,7 +20,9 @@ def local_prefill(tiny_model_dir: Path) -> LocalPrefill:
 
 @pytest.fixture
 def decode_config() -> DecodeConfig:
-    return DecodeConfig(port=0, block_size=BLOCK_SIZE, num_blocks=64, lease_ttl_ms=5000)
+    return DecodeConfig(
+        port=0, block_size=BLOCK_SIZE, num_blocks=64, lease_ttl_ms=5000, insecure=True
+    )
 
 
 @pytest.fixture

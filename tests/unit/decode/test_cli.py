@@ -71,11 +71,15 @@ async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) 
         "32",
         "--gateway",
         f"127.0.0.1:{gateway_port}",
+        "--insecure",
         stderr=asyncio.subprocess.PIPE,
     )
     try:
         assert process.stderr is not None
+        warning = await _log_event(process.stderr, "internal_plane_insecure", 60)
+        assert warning["level"] == "warning"
         started = await _log_event(process.stderr, "decode_started", 60)
+        assert started["internal_plane"] == "insecure"
         channel = grpc.aio.insecure_channel(started["address"])
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="pdserve.v1.DecodeService")

@@ -96,7 +96,9 @@ async def test_capacity_exhausted_is_typed_with_retry_delay(client: DecodeClient
 
 @pytest.fixture
 def decode_config() -> DecodeConfig:
-    return DecodeConfig(port=0, block_size=BLOCK_SIZE, num_blocks=64, lease_ttl_ms=1500)
+    return DecodeConfig(
+        port=0, block_size=BLOCK_SIZE, num_blocks=64, lease_ttl_ms=1500, insecure=True
+    )
 
 
 async def test_headroom_keeps_running_requests_from_preemption(client: DecodeClient) -> None:
@@ -271,7 +273,12 @@ class TestPreemption:
     def decode_config(self) -> DecodeConfig:
         # 24 blocks of 4 tokens; headroom 0 so admission packs the pool and growth preempts.
         return DecodeConfig(
-            port=0, block_size=BLOCK_SIZE, num_blocks=24, reserve_tokens=0, lease_ttl_ms=20_000
+            port=0,
+            block_size=BLOCK_SIZE,
+            num_blocks=24,
+            reserve_tokens=0,
+            lease_ttl_ms=20_000,
+            insecure=True,
         )
 
     async def test_preempted_streams_end_with_an_exact_notice(self, client: DecodeClient) -> None:

@@ -10,6 +10,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from support.pki import cluster_pki
 
 from pdserve.common.config import from_args
 from pdserve.gateway.__main__ import build_parser
@@ -17,12 +18,13 @@ from pdserve.gateway.config import GatewayConfig
 
 
 def _parse(*argv: str) -> GatewayConfig:
-    return from_args(GatewayConfig, build_parser().parse_args(list(argv)))
+    return from_args(GatewayConfig, build_parser().parse_args(["--insecure", *argv]))
 
 
 def test_defaults_and_flags() -> None:
-    assert _parse() == GatewayConfig()
-    assert (GatewayConfig().port, GatewayConfig().grpc_port) == (8000, 50050)
+    defaults = GatewayConfig(insecure=True)
+    assert _parse() == defaults
+    assert (defaults.port, defaults.grpc_port, defaults.internal_port) == (8000, 50050, 50051)
     config = _parse(
         "--prefill", "10.0.0.1:50061", "--decode", "10.0.0.2:50071", "--decode", "h:1",
         "--max-attempts", "5", "--preempt-retry-count", "2", "--preempt-retry-exclude-decode",
@@ -43,11 +45,20 @@ def test_defaults_and_flags() -> None:
         (["--request-timeout", "0"], "request_timeout"),
         (["--instance-ttl-s", "1", "--heartbeat-interval-s", "2"], "instance_ttl_s"),
         (["--port", "70000"], "port"),
+        (["--internal-port", "70000"], "internal_port"),
+        (["--tls-ca", "ca.crt"], "exclude each other"),
     ],
 )
 def test_bad_settings_are_refused(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _parse(*argv)
+
+
+def test_no_certificates_and_no_insecure_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs mutual TLS: pass --tls-ca"):
+        from_args(GatewayConfig, build_parser().parse_args([]))
+    with pytest.raises(ValueError, match="needs mutual TLS"):
+        GatewayConfig(tls_ca="ca.crt", tls_cert="gateway.crt")
 
 
 def test_help_explains_the_flags() -> None:
@@ -58,10 +69,11 @@ def test_help_explains_the_flags() -> None:
         timeout=60,
         check=True,
     )
-    for text in ("OpenAI-compatible", "--preempt-retry-count", "--prefill", "examples:"):
+    for text in ("OpenAI-compatible", "--preempt-retry-count", "--prefill", "examples:",
+                 "--tls-cert", "--insecure", "--internal-port"):  # fmt: skip
         assert text in result.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "pdserve.gateway", "--max-attempts", "0"],
+        [sys.executable, "-m", "pdserve.gateway", "--insecure", "--max-attempts", "0"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -72,7 +84,8 @@ def test_help_explains_the_flags() -> None:
 def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve.gateway", "--host", "127.0.0.1", "--port", "0",
-         "--grpc-port", "0", "--shutdown-grace-s", "1"],
+         "--grpc-port", "0", "--internal-port", "0", "--shutdown-grace-s", "1",
+         *cluster_pki().args("gateway", "gateway-cli")],
         stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -85,6 +98,8 @@ def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
                 started = event
                 break
         assert started is not None and started["http_port"] > 0 and started["grpc_port"] > 0
+        assert started["internal_port"] > 0
+        assert started["internal_plane"] == "mtls gateway/gateway-cli"
         base = f"http://127.0.0.1:{started['http_port']}"
         live = urllib.request.urlopen(f"{base}/livez", timeout=10)
         assert json.loads(live.read())["status"] == "alive"
@@ -92,7 +107,8 @@ def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
         with pytest.raises(urllib.error.HTTPError) as not_ready:
             urllib.request.urlopen(f"{base}/health", timeout=10)
         assert not_ready.value.code == 503
-        assert json.loads(not_ready.value.read())["status"] == "not_ready"
+        body = json.loads(not_ready.value.read())
+        assert (body["status"], body["internal_plane"]) == ("not_ready", "mtls")
         process.send_signal(signal.SIGTERM)
         remaining = process.stderr.read()
         assert process.wait(timeout=20) == 0

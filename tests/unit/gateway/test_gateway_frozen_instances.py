@@ -37,7 +37,7 @@ async def heartbeating(
         while True:
             for instance in instances:
                 if not until(instance):
-                    await heartbeat(cluster.grpc_address, instance)
+                    await heartbeat(cluster.internal_address, instance)
             await asyncio.sleep(0.1)
 
     task = asyncio.create_task(beat())

@@ -37,7 +37,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-DEFAULTS = GatewayConfig()
+DEFAULTS = GatewayConfig(insecure=True)
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ async def test_10mb_body_is_refused_at_once_while_other_requests_and_heartbeats_
     async def heartbeats() -> None:
         while not stop.is_set():
             for instance in (prefill, decode):
-                await heartbeat(cluster.grpc_address, instance)
+                await heartbeat(cluster.internal_address, instance)
             await asyncio.sleep(0.2)
 
     beating = asyncio.create_task(heartbeats())
@@ -344,7 +344,7 @@ async def test_preparation_past_its_budget_is_504(cluster: Cluster) -> None:
 )
 def test_bad_limit_settings_are_refused(setting: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(setting))):
-        GatewayConfig(**setting)
+        GatewayConfig(insecure=True, **setting)
 
 
 def test_liveness_clock_stands_still_while_the_loop_is_stalled() -> None:
@@ -373,7 +373,7 @@ async def test_a_stalled_event_loop_does_not_make_instances_look_dead(cluster: C
     async def heartbeats() -> None:
         while not stop.is_set():
             for instance in (prefill, decode):
-                await heartbeat(cluster.grpc_address, instance)
+                await heartbeat(cluster.internal_address, instance)
             await asyncio.sleep(0.1)
 
     sweeps: list[float] = []

@@ -118,12 +118,12 @@ def test_register_refuses_a_forged_fingerprint() -> None:
 async def test_registry_service_flow(cluster: Cluster) -> None:
     gateway = await cluster.start_gateway(heartbeat_interval_s=0.2, instance_ttl_s=0.4)
     decode = await cluster.add_decode(is_registered=False)
-    response = await register(cluster.grpc_address, decode)
+    response = await register(cluster.internal_address, decode)
     assert (response.heartbeat_interval_ms, response.instance_ttl_ms) == (200, 400)
     assert response.protocol.version.startswith("1.")
 
     decode.num_total_blocks = 7
-    await heartbeat(cluster.grpc_address, decode)
+    await heartbeat(cluster.internal_address, decode)
     entry = gateway.registry.get(decode.instance_id)
     assert entry is not None and entry.load.num_free_blocks == 7
 
@@ -131,11 +131,11 @@ async def test_registry_service_flow(cluster: Cluster) -> None:
     # with INSTANCE_NOT_REGISTERED, so the instance registers again.
     await eventually(lambda: gateway.registry.get(decode.instance_id) is None, 2.0, "the drop")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await heartbeat(cluster.grpc_address, decode)
+        await heartbeat(cluster.internal_address, decode)
     error = from_rpc_error(raised.value)
     assert error.reason is ErrorReason.INSTANCE_NOT_REGISTERED
     assert raised.value.code() == grpc.StatusCode.NOT_FOUND
-    await register(cluster.grpc_address, decode)
+    await register(cluster.internal_address, decode)
     assert gateway.registry.get(decode.instance_id) is not None
 
 
@@ -144,7 +144,7 @@ async def test_registry_service_refuses_another_major(cluster: Cluster) -> None:
     decode = await cluster.add_decode(is_registered=False)
     decode.protocol_version = "2.0"
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await register(cluster.grpc_address, decode)
+        await register(cluster.internal_address, decode)
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert from_rpc_error(raised.value).reason is ErrorReason.INCOMPATIBLE_PEER
     assert gateway.registry.entries() == []
@@ -153,7 +153,7 @@ async def test_registry_service_refuses_another_major(cluster: Cluster) -> None:
 async def test_deregister_is_idempotent(cluster: Cluster) -> None:
     gateway = await cluster.start_gateway()
     await cluster.add_prefill()
-    async with insecure_channel(cluster.grpc_address) as channel:
+    async with insecure_channel(cluster.internal_address) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         for _ in range(2):
             await stub.Deregister(registry_pb2.DeregisterRequest(instance_id="prefill-0"))

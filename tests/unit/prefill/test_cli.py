@@ -8,10 +8,11 @@ import signal
 import sys
 from pathlib import Path
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.pki import cluster_pki
 
+from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.grpc_server import new_aio_server
 from pdserve.prefill.__main__ import build_parser, main
 from pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
@@ -69,15 +70,17 @@ def test_help_explains_the_flags() -> None:
 
 
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--max-num-batched-tokens", "0"]) == 2
+    assert main(["--insecure", "--max-num-batched-tokens", "0"]) == 2
     assert "max_num_batched_tokens must be positive" in capsys.readouterr().err
 
 
 async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) -> None:
+    # NOTE: mutual TLS end to end: the process registers with a gateway certificate's server
+    # and serves health to an operator's client certificate.
     registry = _Registry()
-    server = new_aio_server()
+    server = new_aio_server([AuthorizationInterceptor()])
     registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
-    gateway_port = server.add_insecure_port("127.0.0.1:0")
+    gateway_port = cluster_pki().security("gateway", "gateway-cli").bind(server, "127.0.0.1:0")
     await server.start()
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -91,12 +94,15 @@ async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) 
         "32",
         "--gateway",
         f"127.0.0.1:{gateway_port}",
+        *cluster_pki().args("prefill", "prefill-cli"),
         stderr=asyncio.subprocess.PIPE,
     )
     try:
         assert process.stderr is not None
         started = await _log_event(process.stderr, "prefill_started", 60)
-        channel = grpc.aio.insecure_channel(started["address"])
+        assert started["instance_id"] == "prefill-cli"
+        assert started["internal_plane"] == "mtls prefill/prefill-cli"
+        channel = cluster_pki().channel(started["address"])
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="pdserve.v1.PrefillService")
         reply = await health.Check(check)

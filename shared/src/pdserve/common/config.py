@@ -142,3 +142,11 @@ class ServiceConfig:
             raise ValueError(f"log_level must be one of {LEVELS}, got {self.log_level!r}")
         if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
             raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        tls = (self.tls_ca, self.tls_cert, self.tls_key)
+        if self.insecure and any(tls):
+            raise ValueError("--insecure and --tls-ca/--tls-cert/--tls-key exclude each other")
+        if not self.insecure and not all(tls):
+            raise ValueError(
+                "the internal gRPC plane needs mutual TLS: pass --tls-ca, --tls-cert and "
+                "--tls-key (make them with `pdserve certs`), or --insecure for plaintext"
+            )

@@ -1,13 +1,15 @@
 """The cluster's certificates: a CA, and one certificate per service that names its identity.
 
-A service's identity is its role and instance id, carried in its certificate three ways:
+A service's identity is its role and instance id, carried in its certificate's SANs:
 
 * the URI SAN ``spiffe://pdserve.internal/<role>/<instance_id>`` (a SPIFFE ID: what servers
   read to authorize a caller),
 * the DNS SAN ``<instance_id>.<role>.pdserve.internal`` (what a client checks when it must
   reach one particular instance, e.g. the decode a gateway named), and
 * the DNS SAN ``<role>.pdserve.internal`` (what a client checks when any instance of the role
-  will do, e.g. the gateway an instance registers with).
+  will do, e.g. the gateway an instance registers with), and
+* the DNS SAN ``pdserve.internal`` (any member of the cluster: status and health polls of an
+  instance whose role the caller does not know).
 
 Clients verify these names (``grpc.ssl_target_name_override``), not the address they dialled,
 so a certificate stays valid when an instance moves; ``hosts`` adds the machine's names and
@@ -32,6 +34,8 @@ TRUST_DOMAIN = "pdserve.internal"
 ROLES = ("gateway", "prefill", "decode", "client")
 """Roles a certificate may carry; ``client`` is an operator's tool (status, health)."""
 _LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+MEMBER_DNS_NAME = TRUST_DOMAIN
+"""The name every cluster certificate carries (a client that accepts any member checks it)."""
 DEFAULT_DAYS = 365
 _CA_KEY_USAGE = x509.KeyUsage(
     digital_signature=True,
@@ -176,6 +180,7 @@ def issue(
         x509.UniformResourceIdentifier(identity.spiffe_id),
         x509.DNSName(identity.dns_name),
         x509.DNSName(role_dns_name(identity.role)),
+        x509.DNSName(MEMBER_DNS_NAME),
     ]
     for host in hosts:
         try:

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
-from pdserve.common.grpc_server import insecure_channel
 from pdserve.common.logging import get_logger
+from pdserve.common.pki import role_dns_name
+from pdserve.common.security import Security
 from pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 log = get_logger(__name__)
@@ -33,6 +34,8 @@ class RegistrationClient:
         gateway_address: "host:port" of the gateway's gRPC server.
         instance: What to register (identity, address, protocol, KV layout).
         load_report: Called before every register/heartbeat for the current load.
+        security: How to reach the gateway's internal port (mTLS: the gateway must present a
+            gateway certificate of the cluster CA); plaintext when None.
     """
 
     def __init__(
@@ -40,6 +43,7 @@ class RegistrationClient:
         gateway_address: str,
         instance: common_pb2.InstanceInfo,
         load_report: Callable[[], common_pb2.LoadReport],
+        security: Security | None = None,
     ) -> None:
         self.gateway_address = gateway_address
         self.instance = instance
@@ -48,7 +52,9 @@ class RegistrationClient:
         self.num_registrations = 0
         self.is_registered = asyncio.Event()
         self._stopping = asyncio.Event()
-        self._channel = insecure_channel(gateway_address)
+        self._channel = (security or Security.insecure()).channel(
+            gateway_address, role_dns_name("gateway")
+        )
         self._stub = registry_pb2_grpc.RegistryServiceStub(self._channel)
 
     async def run(self) -> None:

@@ -1,7 +1,8 @@
 """`pdserve`: cluster commands.
 
 `pdserve up` runs gateway + prefills + decodes locally; `pdserve pull` fetches and prepares a
-model into the cache ahead of time (what `make up` does at install time).
+model into the cache ahead of time (what `make up` does at install time); `pdserve certs`
+makes a cluster CA and per-service certificates for clusters spread over several machines.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
 from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, MODEL_HELP, resolve_model
+from pdserve.launcher import certs
 from pdserve.launcher.cluster import Cluster, ClusterConfig
 
 EPILOG = """examples:
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pull.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=MODEL_HELP)
     pull.add_argument("--list", action="store_true", help="list the known models and exit")
+    certs.add_parser(commands)
     return parser
 
 
@@ -80,6 +83,8 @@ pdserve is up: {counts} (logs: {cluster.log_dir})
   REST (OpenAI API): {url}/v1
   gRPC (pdserve.v1.GenerationService): {cluster.grpc_address}
   Prometheus: {" ".join(cluster.metrics_urls())}
+  Registry (internal gRPC): {cluster.config.host}:{cluster.internal_port}
+  Internal plane: {_plane(cluster)}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{
     "model": "{_model_name(cluster)}", "temperature": 0,
@@ -87,6 +92,12 @@ pdserve is up: {counts} (logs: {cluster.log_dir})
 
 Press Ctrl-C to stop.
 """
+
+
+def _plane(cluster: Cluster) -> str:
+    if cluster.tls_dir is None:
+        return "INSECURE (plaintext; any caller that reaches the ports is trusted)"
+    return f"mutual TLS, throwaway CA; an operator certificate: {cluster.tls['client'].cert}"
 
 
 def _model_name(cluster: Cluster) -> str:
@@ -134,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("pdserve", "info", json=False)
     if args.command == "pull":
         return pull(args.model, args.list)
+    if args.command == "certs":
+        return certs.run(args)
     try:
         config = from_args(ClusterConfig, args)
     except ValueError as error:

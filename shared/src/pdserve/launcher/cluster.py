@@ -1,10 +1,16 @@
 """Starts a gateway, N prefills and M decodes as processes, waits until they are ready, and
-stops them in order (backends drain first, then the gateway)."""
+stops them in order (backends drain first, then the gateway).
+
+Unless ``--insecure``, the cluster's internal plane is mutual TLS under a throwaway CA made at
+start: one certificate per service (and a ``client`` one for operators' tools) in a private
+temporary directory that is removed on stop.
+"""
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -12,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.common.pki import Identity, TlsFiles
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
+from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 
 
@@ -29,7 +37,18 @@ class ClusterConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
     port: int = field(default=8000, metadata={"help": "gateway REST port (OpenAI API)"})
     grpc_port: int = field(
-        default=50050, metadata={"help": "gateway gRPC port (GenerationService, registry)"}
+        default=50050, metadata={"help": "gateway public gRPC port (GenerationService)"}
+    )
+    internal_port: int = field(
+        default=50051,
+        metadata={"help": "gateway internal gRPC port (RegistryService; mutual TLS)"},
+    )
+    insecure: bool = field(
+        default=False,
+        metadata={
+            "help": "run the internal plane in plaintext instead of mutual TLS under a "
+            "throwaway CA (every service logs a warning)"
+        },
     )
     prefill_args: str = field(
         default="", metadata={"help": 'extra flags for every prefill, e.g. "--num-blocks 512"'}
@@ -77,6 +96,9 @@ class Cluster:
         self.decodes: list[ChildProcess] = []
         self.http_port = 0
         self.grpc_port = 0
+        self.internal_port = 0
+        self.tls_dir: Path | None = None
+        self.tls: dict[str, TlsFiles] = {}
 
     @property
     def children(self) -> list[ChildProcess]:
@@ -90,8 +112,32 @@ class Cluster:
     def grpc_address(self) -> str:
         return f"{self.config.host}:{self.grpc_port}"
 
+    def _make_certs(self) -> None:
+        """The throwaway CA and a certificate per service, named like the processes."""
+        if self.config.insecure:
+            return
+        self.tls_dir = Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
+        identities = [Identity("gateway", "gateway"), Identity("client", "client")]
+        identities += [Identity("prefill", f"prefill-{i}") for i in range(self.config.prefills)]
+        identities += [Identity("decode", f"decode-{i}") for i in range(self.config.decodes)]
+        self.tls = certs.throwaway(self.tls_dir, identities)
+
+    def _security_args(self, name: str) -> list[str]:
+        if self.config.insecure:
+            return ["--insecure"]
+        files = self.tls[name]
+        return [
+            "--tls-ca",
+            str(files.ca),
+            "--tls-cert",
+            str(files.cert),
+            "--tls-key",
+            str(files.key),
+        ]
+
     def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
-        argv = [sys.executable, "-m", module, *args, "--log-level", self.config.log_level]
+        argv = [sys.executable, "-m", module, *args, *self._security_args(name)]
+        argv += ["--log-level", self.config.log_level]
         return ChildProcess(name, argv, self.log_dir / f"{name}.log", self.env)
 
     def start(self) -> None:
@@ -105,21 +151,24 @@ class Cluster:
             # NOTE: fetch and prepare once here, with progress bars; the instances then find
             # the prepared directory and load it.
             model = resolve_model(config.model, show_progress=True)
+            self._make_certs()
             self.gateway = self._spawn(
                 "gateway",
                 "pdserve.gateway",
                 ["--host", config.host, "--port", str(config.port),
-                 "--grpc-port", str(config.grpc_port), *shlex.split(config.gateway_args)],
+                 "--grpc-port", str(config.grpc_port), "--internal-port", str(config.internal_port),
+                 *shlex.split(config.gateway_args)],
             )  # fmt: skip
             started = self.gateway.wait_for_event("gateway_started", config.startup_timeout_s)
             self.http_port, self.grpc_port = started["http_port"], started["grpc_port"]
+            self.internal_port = started["internal_port"]
             # NOTE: one machine, several engines: each gets its share of the cores, since
             # oversubscribed torch threads make small kernels far slower.
             threads = max(1, (os.cpu_count() or 1) // (config.prefills + config.decodes))
             common = ["--model", str(model.path), "--served-model-name", model.name,
                       "--host", config.host, "--port", "0",
                       "--metrics-port", "0", "--num-threads", str(threads),
-                      "--gateway", self.grpc_address]  # fmt: skip
+                      "--gateway", f"{config.host}:{self.internal_port}"]  # fmt: skip
             for i in range(config.prefills):
                 args = [*common, *shlex.split(config.prefill_args)]
                 self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))
@@ -157,3 +206,5 @@ class Cluster:
                 child.wait(max(0.1, deadline - time.monotonic()))
         for child in self.children:
             child.close()
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)

@@ -23,6 +23,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health
 
+from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
@@ -59,7 +60,9 @@ class InstanceServer(abc.ABC):
         config: The instance's settings.
         host: An already loaded model to reuse (tests and benchmarks share one), or None.
         interceptors: gRPC server interceptors (tests inject faults with them).
-        security: The internal plane's credentials (mTLS identity, or insecure).
+        security: The internal plane's credentials; read from the config's TLS flags (or
+            ``--insecure``) when None. With mTLS the instance id is the certificate's, and
+            every call is checked against `pdserve.common.authz.CALLERS`.
 
     Attributes:
         server: The gRPC server.
@@ -84,13 +87,15 @@ class InstanceServer(abc.ABC):
         security: Security | None = None,
     ) -> None:
         self.config = config
-        self.security = security or Security.insecure()
+        self.security = security or Security.from_config(config, role_name(self.role))
+        instance_id = self.security.instance_id(config.instance_id)
         self.host = host or load_model(config)
-        self.server = new_aio_server(interceptors)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        guard = [] if self.security.is_insecure else [AuthorizationInterceptor()]
+        self.server = new_aio_server([*guard, *interceptors])
+        self.port = self.security.bind(self.server, f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
-        self.instance = instance_info(config, self.role, self.port, self.host)
+        self.instance = instance_info(config, self.role, self.port, self.host, instance_id)
         self.health: health.aio.HealthServicer | None = None
         self.registration: RegistrationClient | None = None
         self.metrics_server: WSGIServer | None = None
@@ -151,11 +156,13 @@ class InstanceServer(abc.ABC):
             "num_blocks": self.host.num_blocks,
             "block_size": self.host.runner.block_size,
             "model": self.host.served_model_name,
+            "internal_plane": self.security.describe(),
         }
 
     async def start(self) -> None:
         """Serves: metrics, the role's service with InstanceService, health and reflection,
         the engine thread, background tasks, then registration with the gateway."""
+        self.status.is_insecure = self.security.is_insecure
         self.metrics.watch(self.status.load_report, self.counters)
         self.metrics_server = serve_metrics(self.config, self.metrics, self.instance)
         self.add_service(self.server)
@@ -166,7 +173,9 @@ class InstanceServer(abc.ABC):
         self.loop.start()
         await self.server.start()
         self._tasks.extend(asyncio.create_task(work) for work in self.background())
-        self.registration = registration_client(self.config, self.instance, self.status.load_report)
+        self.registration = registration_client(
+            self.config, self.security, self.instance, self.status.load_report
+        )
         if self.registration is not None:
             self._tasks.append(asyncio.create_task(self.registration.run()))
 
@@ -231,13 +240,21 @@ def load_model(config: InstanceConfig) -> ModelHost:
     )
 
 
+def role_name(role: common_pb2.InstanceRole) -> str:
+    """``INSTANCE_ROLE_PREFILL`` -> ``prefill`` (the role's name in certificates)."""
+    return common_pb2.InstanceRole.Name(role).removeprefix("INSTANCE_ROLE_").lower()
+
+
 def instance_info(
-    config: InstanceConfig, role: common_pb2.InstanceRole, port: int, host: ModelHost
+    config: InstanceConfig,
+    role: common_pb2.InstanceRole,
+    port: int,
+    host: ModelHost,
+    instance_id: str | None = None,
 ) -> common_pb2.InstanceInfo:
-    """The InstanceInfo this server registers and reports (a random id unless configured)."""
-    name = common_pb2.InstanceRole.Name(role).removeprefix("INSTANCE_ROLE_").lower()
+    """The InstanceInfo this server registers and reports (a random id unless given)."""
     return common_pb2.InstanceInfo(
-        instance_id=config.instance_id or f"{name}-{uuid.uuid4().hex[:12]}",
+        instance_id=instance_id or f"{role_name(role)}-{uuid.uuid4().hex[:12]}",
         role=role,
         address=config.advertise_address or f"{config.host}:{port}",
         protocol=local_protocol(),
@@ -262,10 +279,11 @@ def serve_metrics(
 
 def registration_client(
     config: InstanceConfig,
+    security: Security,
     instance: common_pb2.InstanceInfo,
     load_report: Callable[[], common_pb2.LoadReport],
 ) -> RegistrationClient | None:
     """A client that keeps `instance` registered with ``--gateway``, or None without one."""
     if not config.gateway:
         return None
-    return RegistrationClient(config.gateway, instance, load_report)
+    return RegistrationClient(config.gateway, instance, load_report, security)

@@ -18,10 +18,14 @@ class InstanceStatus(instance_pb2_grpc.InstanceServiceServicer, abc.ABC):
     Args:
         instance: This instance's InstanceInfo (its ``metrics_address`` is filled in once the
             metrics endpoint is up).
+
+    Attributes:
+        is_insecure: Whether the internal plane runs without mTLS (reported to callers).
     """
 
     def __init__(self, instance: common_pb2.InstanceInfo) -> None:
         self.instance = instance
+        self.is_insecure = False
 
     @abc.abstractmethod
     def load_report(self) -> common_pb2.LoadReport:
@@ -39,6 +43,7 @@ class InstanceStatus(instance_pb2_grpc.InstanceServiceServicer, abc.ABC):
             instance=self.instance,
             load=self.load_report(),
             pool=self.pool_integrity(request.check_integrity),
+            insecure=self.is_insecure,
         )
 
 

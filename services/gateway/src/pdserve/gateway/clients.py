@@ -18,7 +18,8 @@ from opentelemetry.context import Context
 
 from pdserve.common import telemetry
 from pdserve.common.errors import from_rpc_error, has_error_info
-from pdserve.common.grpc_server import insecure_channel
+from pdserve.common.pki import MEMBER_DNS_NAME, role_dns_name
+from pdserve.common.security import Security
 from pdserve.gateway import convert
 from pdserve.gateway.backend import BackendError, DecodeEvent, PrefillCall, PrefillEvent
 from pdserve.gateway.instance import InstanceInfo, LoadReport
@@ -56,17 +57,29 @@ def backend_error(error: grpc.RpcError) -> BackendError:
     return BackendError(from_rpc_error(error), is_from_server=is_from_server)
 
 
+PREFILL_NAME = role_dns_name("prefill")
+DECODE_NAME = role_dns_name("decode")
+
+
 class GrpcBackend:
-    """`Backend` over gRPC, plus the status, health and model-info calls the gateway makes."""
+    """`Backend` over gRPC, plus the status, health and model-info calls the gateway makes.
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    Args:
+        security: How to dial instances; with mTLS a prefill call only connects to a server
+            with a prefill certificate of the cluster CA, a decode call to a decode's.
+    """
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        """The shared channel to `address` (created on first use)."""
-        channel = self._channels.get(address)
+    def __init__(self, security: Security | None = None) -> None:
+        self.security = security or Security.insecure()
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+
+    def channel(self, address: str, server_name: str = MEMBER_DNS_NAME) -> grpc.aio.Channel:
+        """The shared channel to `address` whose server must present `server_name` (created
+        on first use)."""
+        channel = self._channels.get((address, server_name))
         if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
+            channel = self.security.channel(address, server_name)
+            self._channels[(address, server_name)] = channel
         return channel
 
     async def close(self) -> None:
@@ -79,7 +92,7 @@ class GrpcBackend:
         self, address: str, call: PrefillCall, timeout_s: float
     ) -> AsyncGenerator[PrefillEvent, None]:
         """Streams one Prefill RPC's events; closing the iterator cancels the call."""
-        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address, PREFILL_NAME))
         request = convert.prefill_request_to_pb(call)
         return _server_stream(
             PREFILL,
@@ -98,7 +111,7 @@ class GrpcBackend:
         trace_context: Context | None = None,
     ) -> None:
         """PrefillService.AbortRequest."""
-        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address, PREFILL_NAME))
         try:
             with telemetry.client_span(ABORT_REQUEST, address, request_id, trace_context) as traced:
                 await stub.AbortRequest(
@@ -118,7 +131,7 @@ class GrpcBackend:
         trace_context: Context | None = None,
     ) -> AsyncGenerator[DecodeEvent, None]:
         """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
-        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
+        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address, DECODE_NAME))
         request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
         return _server_stream(
             GENERATE,
@@ -138,7 +151,7 @@ class GrpcBackend:
         trace_context: Context | None = None,
     ) -> None:
         """DecodeService.ReleaseLease."""
-        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address))
+        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address, DECODE_NAME))
         try:
             with telemetry.client_span(RELEASE_LEASE, address, request_id, trace_context) as traced:
                 await stub.ReleaseLease(
@@ -151,7 +164,7 @@ class GrpcBackend:
 
     async def get_model_files(self, address: str, timeout_s: float = 10.0) -> ModelFiles:
         """PrefillService.GetModelInfo."""
-        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address))
+        stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address, PREFILL_NAME))
         try:
             response = await stub.GetModelInfo(prefill_pb2.GetModelInfoRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:

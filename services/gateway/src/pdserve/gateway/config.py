@@ -33,8 +33,16 @@ class GatewayConfig(ServiceConfig):
     grpc_port: int = field(
         default=50050,
         metadata={
-            "help": "gRPC port for GenerationService (public API) and RegistryService (instances "
-            "register here); 0 picks a free one"
+            "help": "public gRPC port: GenerationService (API keys, no client certificates); 0 "
+            "picks a free one"
+        },
+    )
+    internal_port: int = field(
+        default=50051,
+        metadata={
+            "help": "internal gRPC port: RegistryService, where prefills and decodes register "
+            "(mutual TLS with --tls-*; each instance may only speak for its own certificate); "
+            "0 picks a free one"
         },
     )
     prefill: tuple[str, ...] = field(
@@ -208,7 +216,7 @@ class GatewayConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("port", "grpc_port"):
+        for name in ("port", "grpc_port", "internal_port"):
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")

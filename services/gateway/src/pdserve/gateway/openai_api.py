@@ -105,6 +105,7 @@ def create_app(
     api_key: str | None = None,
     trace_polls: bool = False,
     now: Callable[[], float] = time.time,
+    internal_plane: str = "mtls",
 ) -> FastAPI:
     """Builds the REST application around a `Frontend`.
 
@@ -117,6 +118,7 @@ def create_app(
         api_key: Required as a Bearer token on /v1/* when set.
         trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
+        internal_plane: ``mtls`` or ``insecure``, reported by /health.
     """
     app = FastAPI(
         title="pdserve gateway",
@@ -144,6 +146,7 @@ def create_app(
             "status": "ok",
             "models": models,
             "num_active_requests": frontend.num_active_requests,
+            "internal_plane": internal_plane,
         }
         if frontend.is_draining:
             body.update(status="draining", reason="the gateway is shutting down")

@@ -1,10 +1,16 @@
-"""RegistryService: prefill and decode instances join, report load and leave."""
+"""RegistryService: prefill and decode instances join, report load and leave.
+
+With mTLS (the gateway's internal port) an instance may only speak for itself: the instance
+id and role it registers, heartbeats or deregisters must be the ones in its certificate, so
+no instance can register as, keep alive, or remove another. Refusals are PERMISSION_DENIED.
+"""
 
 from __future__ import annotations
 
 import grpc
 
-from pdserve.common.errors import PdserveError, abort_with_error
+from pdserve.common.authz import peer_identity
+from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway import convert
 from pdserve.gateway.registry import Registry
 from pdserve.v1 import registry_pb2, registry_pb2_grpc
@@ -33,6 +39,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """
         try:
             info = convert.instance_info_from_pb(request.instance)
+            check_speaks_for(context, info.instance_id, info.role.value)
             self._registry.register(info, convert.load_from_pb(request.load))
         except PdserveError as error:
             await abort_with_error(context, error)
@@ -47,6 +54,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     ) -> registry_pb2.HeartbeatResponse:
         """Records load; INSTANCE_NOT_REGISTERED for an unknown id (the instance re-registers)."""
         try:
+            check_speaks_for(context, request.instance_id)
             self._registry.heartbeat(request.instance_id, convert.load_from_pb(request.load))
         except PdserveError as error:
             await abort_with_error(context, error)
@@ -56,5 +64,30 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self, request: registry_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.DeregisterResponse:
         """Removes an instance. Idempotent."""
+        try:
+            check_speaks_for(context, request.instance_id)
+        except PdserveError as error:
+            await abort_with_error(context, error)
         self._registry.deregister(request.instance_id)
         return registry_pb2.DeregisterResponse()
+
+
+def check_speaks_for(
+    context: grpc.aio.ServicerContext, instance_id: str, role: str | None = None
+) -> None:
+    """Refuses a caller whose certificate names another instance (or role); a plaintext
+    (``--insecure``) plane has no identities and trusts every caller.
+
+    Raises:
+        PdserveError: PERMISSION_DENIED.
+    """
+    identity = peer_identity(context)
+    if identity is None:
+        return
+    if identity.instance_id != instance_id or (role is not None and identity.role != role):
+        raise PdserveError(
+            ErrorReason.PERMISSION_DENIED,
+            f"{identity} may not speak for instance {instance_id!r}"
+            + (f" as a {role}" if role is not None else ""),
+            {"instanceId": instance_id},
+        )

@@ -1,9 +1,10 @@
-"""Assembles a gateway: registry, router, orchestrator, REST app and gRPC server.
+"""Assembles a gateway: registry, router, orchestrator, REST app and gRPC servers.
 
 `create_server(config)` builds everything without binding; `GatewayServer.start()` binds the
-REST and gRPC ports (0 picks free ones) and starts the background loops (TTL sweep, static
-instance polling); `stop()` drains: health NOT_SERVING, new requests refused, running ones
-given ``shutdown_grace_s`` to finish. `serve(config)` runs one until SIGTERM or SIGINT.
+REST port, the public gRPC port (GenerationService) and the internal one (RegistryService,
+mutual TLS unless ``--insecure``), 0 picking free ones, and starts the background loops (TTL
+sweep, static instance polling); `stop()` drains: health NOT_SERVING, new requests refused,
+running ones given ``shutdown_grace_s`` to finish. `serve(config)` runs one until SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 
+from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.common.security import Security
 from pdserve.gateway import generation_servicer
 from pdserve.gateway.admission import ConcurrencyLimiter
 from pdserve.gateway.clients import GrpcBackend
@@ -42,10 +45,7 @@ from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc
 log = structlog.get_logger("pdserve.gateway.server")
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-SERVICE_NAMES = (
-    GENERATION_SERVICE,
-    registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name,
-)
+REGISTRY_SERVICE = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -63,15 +63,22 @@ class GatewayServer:
     Args:
         config: Settings.
         backend: Client of prefill/decode instances (a `GrpcBackend` by default).
+        security: The internal plane's credentials; from the config's TLS flags when None.
     """
 
-    def __init__(self, config: GatewayConfig, backend: GrpcBackend | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        backend: GrpcBackend | None = None,
+        security: Security | None = None,
+    ) -> None:
         self.config = config
+        self.security = security or Security.from_config(config, "gateway")
         self.metrics = GatewayMetrics()
         self.liveness_clock = LivenessClock()
         self.registry = Registry(config.instance_ttl_s, self.liveness_clock)
         self.router = Router(self.registry, config.unavailable_retry_after_s)
-        self.backend = backend or GrpcBackend()
+        self.backend = backend or GrpcBackend(self.security)
         self.model_infos = ModelInfoStore(self.backend.get_model_files, config.tokenizer)
         policy = RetryPolicy(
             max_attempts=config.max_attempts,
@@ -106,6 +113,7 @@ class GatewayServer:
             max_body_bytes=config.max_body_bytes,
             api_key=config.api_key,
             trace_polls=config.trace_polls,
+            internal_plane="insecure" if self.security.is_insecure else "mtls",
         )
         self.poller = StaticPoller(
             self.registry,
@@ -122,7 +130,9 @@ class GatewayServer:
         )
         self.http_port: int | None = None
         self.grpc_port: int | None = None
+        self.internal_port: int | None = None
         self._grpc_server: Any = None
+        self._internal_server: Any = None
         self._health: Any = None
         self._is_ready = False
         self._uvicorn: _UvicornServer | None = None
@@ -169,7 +179,8 @@ class GatewayServer:
         log.info("gateway_readiness_changed", is_ready=is_ready)
 
     async def start(self) -> None:
-        """Binds both ports and starts serving (ports are in `http_port` / `grpc_port`)."""
+        """Binds every port and starts serving (ports are in `http_port`, `grpc_port` and
+        `internal_port`)."""
         config = self.config
         # NOTE: heartbeats must not look late because the loop was busy: start the clock first.
         self._spawn(self.liveness_clock.run())
@@ -180,15 +191,13 @@ class GatewayServer:
             ),
             server,
         )
-        registry_pb2_grpc.add_RegistryServiceServicer_to_server(
-            RegistryServicer(self.registry, config.heartbeat_interval_s), server
-        )
-        self._health = await add_standard_services(server, SERVICE_NAMES)
+        self._health = await add_standard_services(server, (GENERATION_SERVICE,))
         await self._health.set(GENERATION_SERVICE, NOT_SERVING)
         await self._update_readiness()
         self.grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         await server.start()
         self._grpc_server = server
+        await self._start_internal()
 
         # NOTE: proto must be IPPROTO_TCP: asyncio enables TCP_NODELAY on accepted sockets only
         # then, and without it small SSE/JSON writes wait on delayed ACKs (~40 ms each).
@@ -217,10 +226,27 @@ class GatewayServer:
             host=config.host,
             http_port=self.http_port,
             grpc_port=self.grpc_port,
+            internal_port=self.internal_port,
+            internal_plane=self.security.describe(),
             static_prefill=list(config.prefill),
             static_decode=list(config.decode),
             tokenizer=config.tokenizer,
         )
+
+    async def _start_internal(self) -> None:
+        """The internal port: RegistryService (and health), behind mTLS and the role table."""
+        config = self.config
+        guard = [] if self.security.is_insecure else [AuthorizationInterceptor()]
+        server = new_aio_server(guard, max_receive_message_bytes=config.grpc_max_receive_bytes)
+        registry_pb2_grpc.add_RegistryServiceServicer_to_server(
+            RegistryServicer(self.registry, config.heartbeat_interval_s), server
+        )
+        await add_standard_services(server, (REGISTRY_SERVICE,))
+        self.internal_port = self.security.bind(server, f"{config.host}:{config.internal_port}")
+        if self.internal_port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.internal_port}")
+        await server.start()
+        self._internal_server = server
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains and stops: refuses new requests, waits for running ones, closes everything.
@@ -243,8 +269,9 @@ class GatewayServer:
         if self._serving is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._serving), 5.0)
-        if self._grpc_server is not None:
-            await self._grpc_server.stop(0.5)
+        for grpc_server in (self._grpc_server, self._internal_server):
+            if grpc_server is not None:
+                await grpc_server.stop(0.5)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

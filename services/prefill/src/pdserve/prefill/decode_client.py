@@ -17,7 +17,8 @@ import structlog
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
-from pdserve.common.grpc_server import insecure_channel
+from pdserve.common.pki import instance_dns_name, role_dns_name
+from pdserve.common.security import Security
 from pdserve.prefill import convert
 from pdserve.prefill.events import LeaseGrant
 from pdserve.prefill.request import Request
@@ -63,6 +64,8 @@ class DecodePeers:
         kv_layout: This prefill's KvLayout (the decode checks its fingerprint).
         prepare_concurrency: AllocateBlocks calls in flight per decode.
         allocate_timeout_s: Deadline of one preparation, slot wait included.
+        security: How to dial decodes. With mTLS a channel to a named decode instance only
+            connects if the server's certificate is that instance's, so KV goes to no one else.
     """
 
     def __init__(
@@ -71,29 +74,35 @@ class DecodePeers:
         kv_layout: common_pb2.KvLayout,
         prepare_concurrency: int,
         allocate_timeout_s: float,
+        security: Security | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.kv_layout = kv_layout
         self.prepare_concurrency = prepare_concurrency
         self.allocate_timeout_s = allocate_timeout_s
+        self.security = security or Security.insecure()
         self._protocol = local_protocol()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[tuple[str, str], _Peer] = {}
 
-    def _peer(self, address: str) -> _Peer:
-        peer = self._peers.get(address)
+    def _peer(self, address: str, instance_id: str = "") -> _Peer:
+        peer = self._peers.get((address, instance_id))
         if peer is None:
-            channel = insecure_channel(address)
+            name = (
+                instance_dns_name("decode", instance_id) if instance_id else role_dns_name("decode")
+            )
+            channel = self.security.channel(address, name)
             peer = _Peer(
                 channel,
                 decode_pb2_grpc.DecodeServiceStub(channel),
                 asyncio.Semaphore(self.prepare_concurrency),
             )
-            self._peers[address] = peer
+            self._peers[(address, instance_id)] = peer
         return peer
 
-    def stub(self, address: str) -> decode_pb2_grpc.DecodeServiceStub:
-        """The DecodeService stub for `address` (channel cached)."""
-        return self._peer(address).stub
+    def stub(self, address: str, instance_id: str = "") -> decode_pb2_grpc.DecodeServiceStub:
+        """The DecodeService stub for decode `instance_id` at `address` (channel cached); any
+        decode of the cluster when `instance_id` is empty."""
+        return self._peer(address, instance_id).stub
 
     async def allocate(self, request: Request) -> LeaseGrant:
         """Leases blocks for `request` on its target decode.
@@ -103,7 +112,7 @@ class DecodePeers:
                 decode's reason when it refused.
         """
         address = request.decode_address
-        peer = self._peer(address)
+        peer = self._peer(address, request.decode_instance_id)
         message = convert.allocate_request(
             request, self.kv_layout, self._protocol, self.instance_id
         )

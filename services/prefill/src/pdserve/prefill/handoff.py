@@ -202,7 +202,9 @@ class Handoffs:
                 request.request_id, self.fault_corrupt_kv
             )
             request.sender = KvSender(
-                self.peers.stub(request.decode_address), request, corrupt_first_chunk=corrupt
+                self.peers.stub(request.decode_address, request.decode_instance_id),
+                request,
+                corrupt_first_chunk=corrupt,
             )
             transfer_span = _tracer.start_span(
                 "prefill.kv_transfer",

@@ -53,6 +53,7 @@ class PrefillInstance(InstanceServer):
             host.kv_layout,
             config.prepare_concurrency,
             config.allocate_timeout_ms / 1000,
+            self.security,
         )
         self.handoffs = Handoffs(
             self.loop,
