@@ -20,9 +20,14 @@ process on the same host, two ways, alternating:
   ``recv_into`` and acknowledges the last byte: the floor for any transport over loopback TCP
   from Python.
 
+SyncCache runs twice per repeat, into two decode processes: one with the internal plane in
+plaintext (``--insecure``) and one with mutual TLS (certificates from a throwaway CA, the
+sender presenting a prefill certificate), so the TLS cost is measured in the same run.
+
 The model is a random Llama built for a large KV per token (16 layers, 8 KV heads of 128,
 float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s per size
-(median over repeats), the ratio SyncCache / TCP, and the cut time. Results go to
+(median over repeats), the ratios SyncCache / TCP and SyncCache over mTLS / plaintext, and the
+cut time. Results go to
 bench/results/kv_transfer-<time>.json.
 """
 
@@ -45,8 +50,10 @@ import torch
 from common import write_results
 
 from pdserve.common.generation import SamplingParams, num_blocks_for
-from pdserve.common.grpc_server import insecure_channel
+from pdserve.common.pki import MEMBER_DNS_NAME, Identity, instance_dns_name
+from pdserve.common.security import Security
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
 from pdserve.prefill.kv_sender import KvSender
@@ -109,17 +116,36 @@ def bytes_per_token() -> int:
 
 
 class Decode:
-    """A `pdserve-decode` process and a channel to it."""
+    """A `pdserve-decode` process and channels to it: as a prefill (KV) and as an operator.
 
-    def __init__(self, model: Path, num_blocks: int, log_dir: Path) -> None:
+    Args:
+        is_tls: Mutual TLS under a throwaway CA in `log_dir`; plaintext (``--insecure``) if not.
+    """
+
+    def __init__(self, model: Path, num_blocks: int, log_dir: Path, is_tls: bool) -> None:
+        name = "decode-tls" if is_tls else "decode-plain"
         argv = [sys.executable, "-m", "pdserve.decode", "--model", str(model), "--port", "0",
                 "--num-blocks", str(num_blocks), "--lease-ttl-ms", "120000",
                 "--max-model-len", "8192", "--log-level", "info"]  # fmt: skip
-        self.child = ChildProcess("decode", argv, log_dir / "decode.log")
+        sender, operator = Security.insecure(), Security.insecure()
+        if is_tls:
+            ids = [Identity("decode", name), Identity("prefill", "prefill-bench"),
+                   Identity("client", "client-bench")]  # fmt: skip
+            files = certs.throwaway(log_dir / "tls", ids)
+            argv += ["--tls-ca", str(files[name].ca), "--tls-cert", str(files[name].cert),
+                     "--tls-key", str(files[name].key)]  # fmt: skip
+            sender, operator = (
+                Security.from_files(f.ca, f.cert, f.key)
+                for f in (files["prefill-bench"], files["client-bench"])
+            )
+        else:
+            argv.append("--insecure")
+        self.child = ChildProcess(name, argv, log_dir / f"{name}.log")
         self.address = str(self.child.wait_for_event("decode_started", 120)["address"])
-        self.channel = insecure_channel(self.address)
+        self.channel = sender.channel(self.address, instance_dns_name("decode", name))
+        self.status_channel = operator.channel(self.address, MEMBER_DNS_NAME)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        self.status = instance_pb2_grpc.InstanceServiceStub(self.channel)
+        self.status = instance_pb2_grpc.InstanceServiceStub(self.status_channel)
 
     async def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Waits until every block is free again (the last transfer's request has ended)."""
@@ -135,6 +161,7 @@ class Decode:
 
     async def close(self) -> None:
         await self.channel.close()
+        await self.status_channel.close()
         self.child.signal(15)
         self.child.wait(20)
         self.child.close()
@@ -220,17 +247,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     kv_cache = KVCache(layout, num_blocks_for(max_tokens, BLOCK_SIZE), torch.device("cpu"))
     kv_cache.kv.normal_()  # stands in for a computed prompt: what the bytes are does not matter
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-logs-"))
-    decode = Decode(model, num_blocks, log_dir)
+    decode = Decode(model, num_blocks, log_dir, is_tls=False)
+    decode_tls = Decode(model, num_blocks, log_dir, is_tls=True)
     receiver, port = start_tcp_receiver(max(args.sizes_mib) * MIB)
     rows = []
     try:
         # NOTE: one small transfer each way first (connections, allocator, code paths warm).
         await sync_cache_once(decode, kv_cache, 64, args.max_chunk_bytes, "warmup")
+        await sync_cache_once(decode_tls, kv_cache, 64, args.max_chunk_bytes, "warmup-tls")
         tcp_once(port, chunk_payloads(kv_cache, 64, args.max_chunk_bytes))
         for size_mib in args.sizes_mib:
             num_tokens = size_mib * MIB // bytes_per_token()
             payloads = chunk_payloads(kv_cache, num_tokens, args.max_chunk_bytes)
-            grpc_s, tcp_s, cut_s = [], [], []
+            grpc_s, tls_s, tcp_s, cut_s = [], [], [], []
             num_bytes = 0
             for repeat in range(args.repeats):
                 request_id = f"kv-{size_mib}-{repeat}"
@@ -241,6 +270,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 grpc_s.append(seconds)
                 cut_s.append(cut)
+                seconds, _, _ = await sync_cache_once(
+                    decode_tls, kv_cache, num_tokens, args.max_chunk_bytes, f"{request_id}-tls"
+                )
+                tls_s.append(seconds)
                 if not repeat % 2:
                     tcp_s.append(tcp_once(port, payloads))
             assert num_bytes == sum(len(p) for p in payloads)
@@ -250,19 +283,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "num_bytes": num_bytes,
                 "num_chunks": len(payloads) // 2,
                 "sync_cache_s": grpc_s,
+                "sync_cache_tls_s": tls_s,
                 "tcp_s": tcp_s,
                 "cut_s": cut_s,
                 "sync_cache_mib_per_s": round(num_bytes / MIB / statistics.median(grpc_s), 1),
+                "sync_cache_tls_mib_per_s": round(num_bytes / MIB / statistics.median(tls_s), 1),
                 "tcp_mib_per_s": round(num_bytes / MIB / statistics.median(tcp_s), 1),
             }
+            row["ratio_tls_over_plain"] = round(
+                row["sync_cache_tls_mib_per_s"] / row["sync_cache_mib_per_s"], 3
+            )
             row["ratio_sync_cache_over_tcp"] = round(
                 row["sync_cache_mib_per_s"] / row["tcp_mib_per_s"], 3
             )
             rows.append(row)
             print(
                 f"{size_mib:>6} MiB  SyncCache {row['sync_cache_mib_per_s']:>8.1f} MiB/s  "
+                f"mTLS {row['sync_cache_tls_mib_per_s']:>8.1f} MiB/s  "
                 f"TCP {row['tcp_mib_per_s']:>8.1f} MiB/s  ratio "
-                f"{row['ratio_sync_cache_over_tcp']:.3f}  cut "
+                f"{row['ratio_sync_cache_over_tcp']:.3f}  mTLS/plain "
+                f"{row['ratio_tls_over_plain']:.3f}  cut "
                 f"{statistics.median(cut_s):.2f} s",
                 flush=True,
             )
@@ -270,6 +310,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         receiver.kill()
         receiver.wait()
         await decode.close()
+        await decode_tls.close()
     return {
         "command": " ".join(sys.argv[1:]),
         "max_chunk_bytes": args.max_chunk_bytes,
@@ -277,6 +318,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bytes_per_token": bytes_per_token(),
         "rows": rows,
         "median_ratio": statistics.median(r["ratio_sync_cache_over_tcp"] for r in rows),
+        "median_ratio_tls_over_plain": statistics.median(r["ratio_tls_over_plain"] for r in rows),
     }
 
 
