@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from support.pki import cluster_pki
@@ -35,6 +36,8 @@ def test_defaults_and_flags() -> None:
     assert (config.max_attempts, config.preempt_retry_count) == (5, 2)
     assert config.preempt_retry_exclude_decode and config.request_timeout == 30.0
     assert config.api_key == "k"
+    keys = _parse("--api-key-file", "/etc/keys.txt", "--requests-per-minute-per-key", "90")
+    assert (keys.api_key_file, keys.requests_per_minute_per_key) == ("/etc/keys.txt", 90.0)
 
 
 @pytest.mark.parametrize(
@@ -47,6 +50,8 @@ def test_defaults_and_flags() -> None:
         (["--port", "70000"], "port"),
         (["--internal-port", "70000"], "internal_port"),
         (["--tls-ca", "ca.crt"], "exclude each other"),
+        (["--requests-per-minute-per-key", "0"], "requests_per_minute_per_key"),
+        (["--api-key-file", " "], "api_key_file"),
     ],
 )
 def test_bad_settings_are_refused(argv: list[str], message: str) -> None:
@@ -79,6 +84,22 @@ def test_help_explains_the_flags() -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "max_attempts must be >= 1" in bad.stderr
+    for flag in ("--api-key-file", "--requests-per-minute-per-key", "NAME:KEY"):
+        assert flag in result.stdout
+
+
+def test_a_malformed_key_file_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "keys.txt"
+    path.write_text("alice:sk-alice\nsk-bare-key\n")
+    bad = subprocess.run(
+        [sys.executable, "-m", "pdserve.gateway", "--insecure", "--api-key-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "keys.txt line 2: expected NAME:KEY" in bad.stderr
+    assert "sk-bare-key" not in bad.stderr
 
 
 def test_process_serves_until_sigterm_then_stops_cleanly() -> None:

@@ -10,6 +10,7 @@ import pytest
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MAX_MODEL_LEN, MODEL_NAME
 
+from pdserve.common.errors import ErrorReason, from_rpc_error
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -113,6 +114,27 @@ async def test_too_long_prompt_reports_prompt_too_long(pd: Cluster) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         await pd.openai().completions.create(model=MODEL_NAME, prompt="z" * 300, max_tokens=4)
     assert raised.value.code == "prompt_too_long"
+    assert pd.prefills[0].requests == []
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "param"),
+    [("y" * MAX_MODEL_LEN, 2, "prompt"), ("y", MAX_MODEL_LEN, "max_tokens")],
+    ids=["prompt", "max_tokens"],
+)
+async def test_past_the_model_length_is_invalid_argument_over_grpc(
+    pd: Cluster, prompt: str, max_tokens: int, param: str
+) -> None:
+    request = generation_pb2.GenerateRequest(
+        model=MODEL_NAME, text=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens)
+    )
+    async with insecure_channel(pd.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            [r async for r in stub.Generate(request)]
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    error = from_rpc_error(raised.value)
+    assert (error.reason, error.metadata.get("param")) == (ErrorReason.PROMPT_TOO_LONG, param)
     assert pd.prefills[0].requests == []
 
 

@@ -67,3 +67,16 @@ def fault_corrupt_kv() -> str | None:
     """
     value = os.environ.get(ENV_FAULT_CORRUPT_KV, "").strip()
     return value or None
+
+
+ENV_API_KEYS = "PDSERVE_API_KEYS"
+"""API keys the gateway accepts, as ``name:key`` entries (see `pdserve.gateway.api_keys`)."""
+
+
+def api_keys() -> str | None:
+    """The gateway's ``$PDSERVE_API_KEYS`` (entries separated by ``,`` or newlines), or ``None``.
+
+    Unset or blank means no keys come from the environment.
+    """
+    value = os.environ.get(ENV_API_KEYS, "")
+    return value if value.strip() else None

@@ -32,6 +32,8 @@ from pdserve.common import env
 
 REQUEST_ID = "pdserve.request_id"
 """The attribute that every span of a request carries, in every service."""
+API_KEY_NAME = "pdserve.api_key_name"
+"""The name of the API key a gateway request authenticated with (never the key)."""
 
 _provider: TracerProvider | None = None
 

@@ -7,9 +7,11 @@ import asyncio
 import sys
 from collections.abc import Sequence
 
+from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
+from pdserve.gateway.api_keys import ApiKeyStore
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import serve
 
@@ -51,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = from_args(GatewayConfig, args)
+        # NOTE: read once here too, so a bad key file or $PDSERVE_API_KEYS is a usage error.
+        ApiKeyStore.from_settings(config.api_key, config.api_key_file, env.api_keys())
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging("gateway", config.log_level, json=config.log_format == "json")

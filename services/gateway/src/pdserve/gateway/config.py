@@ -69,7 +69,24 @@ class GatewayConfig(ServiceConfig):
         default=None,
         metadata={
             "help": "require 'Authorization: Bearer KEY' on the REST API (except /health and "
-            "/metrics) and 'authorization' metadata on GenerationService"
+            "/metrics) and 'authorization' metadata on GenerationService; this key is named "
+            "'default'"
+        },
+    )
+    api_key_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "file of named API keys, one 'NAME:KEY[:rpm=N][:concurrency=N]' a line ('#' "
+            "comments allowed), re-read within a second of a change; $PDSERVE_API_KEYS may hold "
+            "more, separated by ',' (with no key anywhere the gateway is open)"
+        },
+    )
+    requests_per_minute_per_key: float | None = field(
+        default=None,
+        metadata={
+            "help": "generation requests one API key may start a minute (token bucket, bursts "
+            "of a minute's worth); more get 429 with Retry-After; a key's rpm= replaces it; "
+            "off when unset"
         },
     )
     max_attempts: int = field(
@@ -260,6 +277,11 @@ class GatewayConfig(ServiceConfig):
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
+        if self.api_key_file is not None and not self.api_key_file.strip():
+            raise ValueError("api_key_file must not be empty")
+        rpm = self.requests_per_minute_per_key
+        if rpm is not None and not 0 < rpm < float("inf"):
+            raise ValueError(f"requests_per_minute_per_key must be > 0, got {rpm}")
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
 

@@ -119,13 +119,17 @@ class Frontend:
         return min(limits) if limits else 0
 
     async def prepare(
-        self, params: GenerationParams, request_id: str | None = None
+        self,
+        params: GenerationParams,
+        request_id: str | None = None,
+        api_key_name: str | None = None,
     ) -> PreparedRequest:
         """Validates and tokenizes a request (span ``gateway.prepare``).
 
         Args:
             params: The request as a front end parsed it.
             request_id: The id the front end already gave the request (a new one if None).
+            api_key_name: Name of the API key it authenticated with (for logs and spans).
 
         Raises:
             PdserveError: INVALID_REQUEST or PROMPT_TOO_LONG (400), MODEL_NOT_FOUND (404),
@@ -134,11 +138,13 @@ class Frontend:
                 tokenization does not finish within its budget (504).
         """
         with _tracer.start_as_current_span("gateway.prepare") as span:
-            prepared = await self._prepare(params, request_id or uuid.uuid4().hex)
+            prepared = await self._prepare(params, request_id or uuid.uuid4().hex, api_key_name)
             span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
         return prepared
 
-    async def _prepare(self, params: GenerationParams, request_id: str) -> PreparedRequest:
+    async def _prepare(
+        self, params: GenerationParams, request_id: str, api_key_name: str | None
+    ) -> PreparedRequest:
         if self.is_draining:
             raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
         params = validate_request(params, self._limits)
@@ -188,7 +194,13 @@ class Frontend:
             eos_token_ids=info.eos_token_ids,
         )
         return PreparedRequest(
-            request, params.stop, tokenizer, params.client_request_id, params.user, params.kind
+            request,
+            params.stop,
+            tokenizer,
+            params.client_request_id,
+            params.user,
+            params.kind,
+            api_key_name,
         )
 
     def _check_prompt_length(self, num_tokens: int, max_model_len: int, param: str) -> None:

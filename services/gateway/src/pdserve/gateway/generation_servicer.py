@@ -20,7 +20,8 @@ from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway import convert
 from pdserve.gateway.admission import ConcurrencyLimiter
-from pdserve.gateway.auth import bearer_token, check_bearer
+from pdserve.gateway.api_keys import ApiKeyStore
+from pdserve.gateway.auth import authenticate
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.parsing import parse_generate_request, parse_message
 from pdserve.gateway.workers import ParserPool
@@ -56,7 +57,8 @@ class GenerationServicer:
         frontend: Validation, tokenization and streaming (and the request limits).
         limiter: Admission of Generate calls (per API key and in total).
         parser: Parses large requests in worker processes.
-        api_key: Required as ``authorization: Bearer <key>`` metadata when set.
+        api_keys: Keys accepted as ``authorization: Bearer <key>`` metadata; None or an open
+            store: any.
     """
 
     def __init__(
@@ -64,12 +66,12 @@ class GenerationServicer:
         frontend: Frontend,
         limiter: ConcurrencyLimiter,
         parser: ParserPool,
-        api_key: str | None = None,
+        api_keys: ApiKeyStore | None = None,
     ) -> None:
         self._frontend = frontend
         self._limiter = limiter
         self._parser = parser
-        self._api_key = api_key
+        self._api_keys = api_keys or ApiKeyStore()
 
     async def Generate(
         self, raw: bytes, context: grpc.aio.ServicerContext
@@ -81,16 +83,18 @@ class GenerationServicer:
         the call aborts the request on its prefill and releases its decode lease.
         """
         try:
-            authorization = _authorization(context)
-            check_bearer(authorization, self._api_key)
-            with self._limiter.admit(bearer_token(authorization)):
+            caller = authenticate(_authorization(context), self._api_keys)
+            # NOTE: with tracing on, the current span is the server interceptor's (parented on
+            # the caller's traceparent); gateway.request becomes its child.
+            span = trace.get_current_span()
+            if caller.api_key_name is not None:
+                span.set_attribute(telemetry.API_KEY_NAME, caller.api_key_name)
+            with self._limiter.admit(caller):
                 body = await self._parser.run(
                     parse_generate_request, len(raw), raw, self._frontend.limits
                 )
-                prepared = await self._frontend.prepare(body.params)
-                # NOTE: with tracing on, the current span is the server interceptor's (parented
-                # on the caller's traceparent); gateway.request becomes its child.
-                trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
+                prepared = await self._frontend.prepare(body.params, None, caller.api_key_name)
+                span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
                 request_id = prepared.client_request_id or prepared.request_id
                 prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
                 deltas = self._frontend.stream(prepared)
@@ -108,7 +112,7 @@ class GenerationServicer:
     ) -> generation_pb2.ListModelsResponse:
         """Lists the models that have at least one compatible prefill/decode pair."""
         try:
-            check_bearer(_authorization(context), self._api_key)
+            authenticate(_authorization(context), self._api_keys)
             parse_message(generation_pb2.ListModelsRequest, raw)
         except PdserveError as error:
             await abort_with_error(context, error)

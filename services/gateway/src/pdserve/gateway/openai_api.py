@@ -41,7 +41,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.admission import Admission, ConcurrencyLimiter
-from pdserve.gateway.auth import bearer_token, check_bearer
+from pdserve.gateway.api_keys import ApiKeyStore
+from pdserve.gateway.auth import Caller, authenticate
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai_http import (
@@ -102,7 +103,7 @@ def create_app(
     limiter: ConcurrencyLimiter,
     parser: ParserPool,
     max_body_bytes: int,
-    api_key: str | None = None,
+    api_keys: ApiKeyStore | None = None,
     trace_polls: bool = False,
     now: Callable[[], float] = time.time,
     internal_plane: str = "mtls",
@@ -115,7 +116,7 @@ def create_app(
         limiter: Admission of generation requests (per API key and in total).
         parser: Parses large bodies in worker processes.
         max_body_bytes: Largest request body; larger ones are refused with 413.
-        api_key: Required as a Bearer token on /v1/* when set.
+        api_keys: Keys accepted as a Bearer token on /v1/*; None or an open store: any.
         trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
         internal_plane: ``mtls`` or ``insecure``, reported by /health.
@@ -129,6 +130,7 @@ def create_app(
         telemetry=http_telemetry(trace_polls),
     )
     app.add_middleware(RequestIdMiddleware)
+    keys = api_keys or ApiKeyStore()
 
     @app.exception_handler(PdserveError)
     async def _on_error(_: Request, error: PdserveError) -> JSONResponse:
@@ -179,27 +181,31 @@ def create_app(
         ]
         return JSONResponse({"object": "list", "data": data})
 
-    def authorize(request: Request) -> None:
-        check_bearer(request.headers.get("authorization"), api_key)
+    def authorize(request: Request) -> Caller:
+        return authenticate(request.headers.get("authorization"), keys)
 
     async def generate(request: Request, is_chat: bool) -> Response:
-        authorization = request.headers.get("authorization")
-        check_bearer(authorization, api_key)
-        admission = limiter.admit(bearer_token(authorization))
+        caller = authorize(request)
+        if caller.api_key_name is not None:
+            # NOTE: the current span is FastAPI's HTTP server span (gateway.request has it too).
+            trace.get_current_span().set_attribute(telemetry.API_KEY_NAME, caller.api_key_name)
+        admission = limiter.admit(caller)
         response: Response | None = None
         try:
-            response = await _generate(request, is_chat, admission)
+            response = await _generate(request, is_chat, admission, caller)
             return response
         finally:
             # NOTE: a stream gives its admission back when it ends (EventStreamResponse).
             if not isinstance(response, EventStreamResponse):
                 admission.release()
 
-    async def _generate(request: Request, is_chat: bool, admission: Admission) -> Response:
+    async def _generate(
+        request: Request, is_chat: bool, admission: Admission, caller: Caller
+    ) -> Response:
         check_json_content_type(request)
         raw = await read_body(request, max_body_bytes)
         body = await parser.run(parse_openai_body, len(raw), raw, is_chat, frontend.limits)
-        prepared = await frontend.prepare(body.params, request_id_of(request))
+        prepared = await frontend.prepare(body.params, request_id_of(request), caller.api_key_name)
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
         responder = Responder(is_chat, prepared, body)

@@ -88,6 +88,7 @@ class PreparedRequest:
     client_request_id: str | None = None
     user: str | None = None
     kind: PromptKind = PromptKind.COMPLETION
+    api_key_name: str | None = None
 
     @property
     def request_id(self) -> str:

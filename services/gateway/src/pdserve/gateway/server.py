@@ -21,11 +21,13 @@ import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 
+from pdserve.common import env
 from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.security import Security
 from pdserve.gateway import generation_servicer
-from pdserve.gateway.admission import ConcurrencyLimiter
+from pdserve.gateway.admission import ConcurrencyLimiter, RateLimiter
+from pdserve.gateway.api_keys import ApiKeyStore
 from pdserve.gateway.clients import GrpcBackend
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.decisions import RetryPolicy
@@ -90,8 +92,13 @@ class GatewayServer:
         )
         self.workers = WorkerPool(config.prepare_workers, config.prepare_timeout_s)
         self.parser = ParserPool(config.parse_processes, config.prepare_timeout_s)
+        self.api_keys = ApiKeyStore.from_settings(
+            config.api_key, config.api_key_file, env.api_keys()
+        )
         self.limiter = ConcurrencyLimiter(
-            config.max_concurrent_requests, config.max_concurrent_requests_per_key
+            config.max_concurrent_requests,
+            config.max_concurrent_requests_per_key,
+            rate=RateLimiter(config.requests_per_minute_per_key),
         )
         self.frontend = Frontend(
             self.registry,
@@ -111,7 +118,7 @@ class GatewayServer:
             limiter=self.limiter,
             parser=self.parser,
             max_body_bytes=config.max_body_bytes,
-            api_key=config.api_key,
+            api_keys=self.api_keys,
             trace_polls=config.trace_polls,
             internal_plane="insecure" if self.security.is_insecure else "mtls",
         )
@@ -187,7 +194,7 @@ class GatewayServer:
         server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
         generation_servicer.add_to_server(
             generation_servicer.GenerationServicer(
-                self.frontend, self.limiter, self.parser, config.api_key
+                self.frontend, self.limiter, self.parser, self.api_keys
             ),
             server,
         )

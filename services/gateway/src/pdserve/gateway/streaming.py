@@ -133,6 +133,7 @@ class Streamer:
                 **trace_ids,
                 request_id=request.request_id,
                 client_request_id=prepared.client_request_id,
+                api_key_name=prepared.api_key_name,
                 user=prepared.user,
                 model=request.model,
                 finish_reason=finish_reason.value,
@@ -153,6 +154,7 @@ class Streamer:
                 **trace_ids,
                 request_id=request.request_id,
                 client_request_id=prepared.client_request_id,
+                api_key_name=prepared.api_key_name,
                 model=request.model,
                 reason=error.reason.name,
                 message=error.message,
@@ -168,6 +170,7 @@ class Streamer:
                     **trace_ids,
                     request_id=request.request_id,
                     client_request_id=prepared.client_request_id,
+                    api_key_name=prepared.api_key_name,
                     num_completion_tokens=text.num_tokens,
                     duration_s=round(loop.time() - started, 4),
                 )
@@ -195,4 +198,6 @@ def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | floa
     }
     if prepared.stop:
         attributes["gen_ai.request.stop_sequences"] = list(prepared.stop)
+    if prepared.api_key_name is not None:
+        attributes[telemetry.API_KEY_NAME] = prepared.api_key_name
     return attributes
