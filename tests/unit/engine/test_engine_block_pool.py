@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine import BlockPool, hash_block_tokens
+from pdserve.engine.block_pool import layout_root, prefix_block_keys
 
 
 def test_allocate_free_and_counts() -> None:
@@ -85,3 +86,15 @@ def test_integrity_check_catches_damage(damage: object) -> None:
     damage(pool)
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_prefix_block_keys_chain_over_tokens_and_are_scoped_by_layout() -> None:
+    tokens = list(range(40))
+    keys = prefix_block_keys("layout-a", tokens, 16)
+    assert len(keys) == 2  # the partial last block has no key
+    assert keys == prefix_block_keys("layout-a", tokens[:32], 16)
+    assert keys[0] == hash_block_tokens(layout_root("layout-a"), tokens[:16])
+    assert keys[1] == hash_block_tokens(keys[0], tokens[16:32])
+    assert prefix_block_keys("layout-b", tokens, 16)[0] != keys[0]
+    changed = prefix_block_keys("layout-a", [99, *tokens[1:]], 16)
+    assert changed[0] != keys[0] and changed[1] != keys[1]  # a key covers every earlier token

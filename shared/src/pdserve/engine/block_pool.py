@@ -29,6 +29,28 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return digest.digest()
 
 
+def layout_root(fingerprint: str) -> BlockHash:
+    """The parent hash of a sequence's first block for one KV layout.
+
+    Chains rooted here are the block keys every instance and the storage tier share: a key
+    names the tokens of its block and of every block before it, *and* the KV layout (model,
+    layers, heads, head size, dtype, block size), so it can never match KV of another model.
+    """
+    return hashlib.sha256(b"pdserve-kv-prefix-v1|" + fingerprint.encode()).digest()
+
+
+def prefix_block_keys(
+    fingerprint: str, token_ids: Sequence[int], block_size: int
+) -> list[BlockHash]:
+    """The keys of the full blocks of `token_ids` (a partial last block has none)."""
+    keys: list[BlockHash] = []
+    parent = layout_root(fingerprint)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
 class BlockPool:
     """Owns the ids ``0 .. num_blocks - 1`` of the paged KV cache.
 
