@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
 
 import grpc
@@ -110,6 +111,21 @@ async def test_a_lease_token_is_unguessable_and_stays_out_of_reprs(client: Decod
         leases.end(lease, RequestStatus.ABORTED)
 
 
+class _SlowSteps:
+    """Delegates to the decode's runner, sleeping before every step (a stream that lasts)."""
+
+    def __init__(self, runner: object, delay_s: float) -> None:
+        self._runner = runner
+        self.delay_s = delay_s
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._runner, name)
+
+    def execute(self, *args: object, **kwargs: object) -> object:
+        time.sleep(self.delay_s)
+        return self._runner.execute(*args, **kwargs)  # type: ignore[attr-defined]
+
+
 # ---- SyncCache ---------------------------------------------------------------------------
 
 # (allocated by, writer, secure plane, token presented, refused?)
@@ -198,8 +214,9 @@ REUSE_CASES = {
 async def test_a_token_is_void_once_its_lease_left_allocated(
     client: DecodeClient, how: str, reason: ErrorReason
 ) -> None:
-    # NOTE: long enough that the committed request still runs when the token comes back.
-    sampling = dataclasses.replace(GREEDY, max_tokens=200)
+    # NOTE: slow enough that the committed request still runs when the token comes back.
+    client.instance.loop.runner = _SlowSteps(client.instance.loop.runner, 0.01)  # type: ignore[assignment]
+    sampling = dataclasses.replace(GREEDY, max_tokens=100)
     prefilled = client.local.prefill(f"reuse-{how}", PROMPT, sampling)
     lease = await _end_lease(client, prefilled, how)
     await _expect_error(client.sync(prefilled, lease), reason)
@@ -266,15 +283,19 @@ async def test_release_lease_rules(
 async def test_a_release_for_another_request_does_not_stop_a_live_stream(
     client: DecodeClient,
 ) -> None:
-    sampling = dataclasses.replace(GREEDY, max_tokens=200)
+    sampling = dataclasses.replace(GREEDY, max_tokens=100)
+    reference = client.local.reference(PROMPT, sampling)
+    client.instance.loop.runner = _SlowSteps(client.instance.loop.runner, 0.01)  # type: ignore[assignment]
     prefilled = client.local.prefill("live", PROMPT, sampling)
     lease = await client.allocate(prefilled)
     await client.sync(prefilled, lease)
     client.local.free(prefilled)
-    stream = asyncio.create_task(_generates_reference(client, prefilled, lease.lease_id))
+    stream = asyncio.create_task(client.collect(lease.lease_id, "live"))
+    await eventually(lambda: client.instance.leases.get(lease.lease_id).is_attached, 2.0, "attach")
     stranger = decode_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id, request_id="not-live")
     await _expect_error(client.decode.ReleaseLease(stranger), DENIED)
-    await stream
+    ids, _ = tokens_of(await stream)
+    assert [prefilled.first_token_id, *ids] == reference
     await client.assert_whole()
 
 
