@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.prefill.events import LeaseGrant
+from pdserve.prefill.convert import lease_from_proto
 from pdserve.prefill.kv_sender import sync_cache_messages
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
@@ -89,9 +90,10 @@ class LocalPrefill:
         return self.engine.generate([prompt], sampling)[0]
 
     def sync_messages(
-        self, prefilled: Prefilled, lease_id: str
+        self, prefilled: Prefilled, lease: decode_pb2.Lease, token: bytes | None = None
     ) -> Iterator[decode_pb2.SyncCacheRequest]:
-        """The SyncCache stream the prefill's sender writes for `prefilled`."""
+        """The SyncCache stream the prefill's sender writes for `prefilled` into `lease`
+        (presenting the lease's own token unless `token` is given)."""
         request = Request(
             request_id=prefilled.request_id,
             token_ids=prefilled.token_ids,
@@ -101,7 +103,9 @@ class LocalPrefill:
             decode_address="",
             block_ids=prefilled.block_ids,
         )
-        request.lease = LeaseGrant(lease_id, (), "")
+        request.lease = lease_from_proto(lease)
+        if token is not None:
+            request.lease = dataclasses.replace(request.lease, transport_token=token)
         return sync_cache_messages(
             request,
             self.host.runner.kv_cache,
@@ -139,8 +143,11 @@ class DecodeClient:
         )
         return response.lease
 
-    async def sync(self, prefilled: Prefilled, lease_id: str) -> decode_pb2.SyncCacheResponse:
-        return await self.decode.SyncCache(iter(self.local.sync_messages(prefilled, lease_id)))
+    async def sync(
+        self, prefilled: Prefilled, lease: decode_pb2.Lease, token: bytes | None = None
+    ) -> decode_pb2.SyncCacheResponse:
+        messages = self.local.sync_messages(prefilled, lease, token)
+        return await self.decode.SyncCache(iter(messages))
 
     async def collect(self, lease_id: str, request_id: str = "") -> list[object]:
         """Every Generate message, as ('tokens', ids, first_index) / ('finished', msg) /

@@ -25,7 +25,7 @@ async def _handoff(client: DecodeClient, request_id: str, prompt: list[int], sam
     prefilled = client.local.prefill(request_id, prompt, sampling)
     try:
         lease = await client.allocate(prefilled)
-        await client.sync(prefilled, lease.lease_id)
+        await client.sync(prefilled, lease)
     finally:
         client.local.free(prefilled)
     return prefilled, lease
@@ -68,7 +68,7 @@ async def test_generate_may_attach_before_the_commit(client: DecodeClient) -> No
     stream = asyncio.create_task(client.collect(lease.lease_id))
     await asyncio.sleep(0.2)
     assert not stream.done()
-    await client.sync(prefilled, lease.lease_id)
+    await client.sync(prefilled, lease)
     client.local.free(prefilled)
     ids, _ = tokens_of(await stream)
     assert [prefilled.first_token_id, *ids] == reference
@@ -120,9 +120,11 @@ async def test_headroom_keeps_running_requests_from_preemption(client: DecodeCli
             max_new_tokens=1,
             kv_layout=client.local.host.kv_layout,
             protocol=local_protocol(),
+            prefill_instance_id=f"prefill-{len(admitted)}",  # each within its share
         )
         try:
-            admitted.append((await client.decode.AllocateBlocks(request)).lease.lease_id)
+            lease_id = (await client.decode.AllocateBlocks(request)).lease.lease_id
+            admitted.append((lease_id, request.request_id))
         except grpc.aio.AioRpcError as error:
             assert errors.from_rpc_error(error).reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
             break
@@ -130,8 +132,10 @@ async def test_headroom_keeps_running_requests_from_preemption(client: DecodeCli
     messages = await stream
     assert messages[-1][0] == "finished"  # type: ignore[index]
     assert all(m[0] != "preemption" for m in messages)  # type: ignore[index]
-    for lease_id in admitted:
-        await client.decode.ReleaseLease(decode_pb2.ReleaseLeaseRequest(lease_id=lease_id))
+    for lease_id, request_id in admitted:
+        await client.decode.ReleaseLease(
+            decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id)
+        )
     await client.assert_whole()
 
 
@@ -151,7 +155,7 @@ async def test_release_is_idempotent_and_unknown_lease_is_not_found(client: Deco
     prefilled = client.local.prefill("rel", PROMPT, GREEDY)
     client.local.free(prefilled)
     lease = await client.allocate(prefilled)
-    release = decode_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id)
+    release = decode_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id, request_id="rel")
     first = await client.decode.ReleaseLease(release)
     second = await client.decode.ReleaseLease(release)
     assert first.state == second.state == decode_pb2.LEASE_STATE_ABORTED
@@ -204,7 +208,7 @@ def _corrupt(
 async def test_bad_transfer_fails_and_frees_blocks(client: DecodeClient, how: str) -> None:
     prefilled = client.local.prefill(f"bad-{how}", PROMPT, GREEDY)
     lease = await client.allocate(prefilled)
-    messages = _corrupt(list(client.local.sync_messages(prefilled, lease.lease_id)), how)
+    messages = _corrupt(list(client.local.sync_messages(prefilled, lease)), how)
     client.local.free(prefilled)
     waiting = asyncio.create_task(client.collect(lease.lease_id))
     error = await _expect_error(
@@ -220,7 +224,7 @@ async def test_bad_transfer_fails_and_frees_blocks(client: DecodeClient, how: st
 async def test_stream_broken_by_the_sender_frees_blocks(client: DecodeClient) -> None:
     prefilled = client.local.prefill("broken", PROMPT, GREEDY)
     lease = await client.allocate(prefilled)
-    messages = list(client.local.sync_messages(prefilled, lease.lease_id))
+    messages = list(client.local.sync_messages(prefilled, lease))
     client.local.free(prefilled)
 
     never = asyncio.Event()
@@ -271,13 +275,15 @@ async def test_draining_refuses_new_leases(client: DecodeClient) -> None:
 class TestPreemption:
     @pytest.fixture
     def decode_config(self) -> DecodeConfig:
-        # 24 blocks of 4 tokens; headroom 0 so admission packs the pool and growth preempts.
+        # 24 blocks of 4 tokens; headroom 0 so admission packs the pool and growth preempts;
+        # one client leases them all before committing any, so its share is the whole pool.
         return DecodeConfig(
             port=0,
             block_size=BLOCK_SIZE,
             num_blocks=24,
             reserve_tokens=0,
             lease_ttl_ms=20_000,
+            max_lease_share=1.0,
             insecure=True,
         )
 
@@ -290,7 +296,7 @@ class TestPreemption:
             prefilled = client.local.prefill(f"p{i}", prompt, sampling)
             handoffs.append((prefilled, await client.allocate(prefilled)))
         for prefilled, lease in handoffs:
-            await client.sync(prefilled, lease.lease_id)
+            await client.sync(prefilled, lease)
             client.local.free(prefilled)
         results = await asyncio.gather(
             *(client.collect(lease.lease_id, f"p{i}") for i, (_, lease) in enumerate(handoffs))

@@ -36,7 +36,7 @@ class _Stub:
     def __init__(self, status: grpc.aio.AioRpcError, lease_state: int | None) -> None:
         self.call = _EndedCall(status)
         self.lease_state = lease_state
-        self.released: list[str] = []
+        self.released: list[tuple[str, str, bytes]] = []
 
     def SyncCache(self, metadata: Any = None) -> _EndedCall:
         return self.call
@@ -44,7 +44,7 @@ class _Stub:
     async def ReleaseLease(
         self, request: decode_pb2.ReleaseLeaseRequest, timeout: float
     ) -> decode_pb2.ReleaseLeaseResponse:
-        self.released.append(request.lease_id)
+        self.released.append((request.lease_id, request.request_id, request.lease_token))
         if self.lease_state is None:
             raise grpc.aio.AioRpcError(
                 grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
@@ -61,7 +61,9 @@ def _request() -> Request:
         seed=0,
         decode_address="127.0.0.1:1",
     )
-    request.lease = LeaseGrant(lease_id="lease-1", block_ids=(0,), decode_instance_id="d")
+    request.lease = LeaseGrant(
+        lease_id="lease-1", block_ids=(0,), decode_instance_id="d", transport_token=b"t0k3n"
+    )
     return request
 
 
@@ -98,7 +100,7 @@ async def test_a_status_lost_to_a_failed_write_is_recovered_from_the_lease(
     with pytest.raises(PdserveError) as raised:
         await KvSender(stub, _request()).run()  # type: ignore[arg-type]
     assert raised.value.reason is reason
-    assert stub.released == ["lease-1"]
+    assert stub.released == [("lease-1", "r1", b"t0k3n")]  # the lease's own token
 
 
 async def test_the_decodes_own_status_is_kept() -> None:

@@ -218,3 +218,29 @@ def test_kv_corruption_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> Non
     assert env.fault_corrupt_kv() is None
     monkeypatch.setenv(env.ENV_FAULT_CORRUPT_KV, "r-*")
     assert env.fault_corrupt_kv() == "r-*"
+
+
+async def test_a_decode_other_than_the_one_named_gets_no_kv(tiny_model_dir: Path) -> None:
+    syncs = Delay("SyncCache", 0.0)  # counts SyncCache calls
+    async with cluster(tiny_model_dir, decode_interceptors=[[syncs]]) as pd:
+        message = pd.request("elsewhere", PROMPT, GREEDY)
+        message.decode.instance_id = "decode-the-gateway-chose"
+        events = await pd.run_prefill(message)
+        _expect(events, ErrorReason.PERMISSION_DENIED)
+        assert events.error is not None and "decode-the-gateway-chose" in events.error.message
+        assert events.kinds == [] and syncs.num_calls == 0
+        # Its lease is released at once (the TTL is 10 s).
+        assert pd.decodes[0].leases.num_granted == 1
+        await pd.eventually_whole()
+
+
+async def test_a_refused_transfer_releases_its_lease_with_the_token(tiny_model_dir: Path) -> None:
+    async with cluster(tiny_model_dir) as pd:
+        # A decode on an mTLS plane refuses SyncCache from a caller without a certificate, and
+        # lets it release the lease only with the lease's token.
+        pd.decodes[0].leases.is_insecure = False
+        events = await pd.run_prefill(pd.request("refused", PROMPT, GREEDY))
+        assert events.error is not None
+        assert events.error.reason in (ErrorReason.PERMISSION_DENIED, ErrorReason.CACHE_SYNC_FAILED)
+        assert pd.decodes[0].leases.num_access_refused >= 1
+        await pd.eventually_whole()  # released, not left to the 10 s TTL

@@ -181,10 +181,12 @@ async def test_overload_and_duplicate_ids_are_refused(tiny_model_dir: Path) -> N
         assert duplicate.error is not None
         assert duplicate.error.reason is ErrorReason.INVALID_REQUEST
         # Nobody attaches: release the committed leases so the pools are whole again.
-        for events in await asyncio.gather(*held):
+        for i, events in enumerate(await asyncio.gather(*held)):
             assert events.kinds == ["first_token", "handed_off"]
             lease_id = events.last("handed_off").handed_off.lease_id
-            await pd.decode_stubs[0].ReleaseLease(decode_pb2.ReleaseLeaseRequest(lease_id=lease_id))
+            await pd.decode_stubs[0].ReleaseLease(
+                decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=f"h{i}")
+            )
         await pd.eventually_whole()
 
 

@@ -31,6 +31,13 @@ class DecodeConfig(InstanceConfig):
     capacity_retry_ms: int = field(
         default=200, metadata={"help": "retry delay suggested with DECODE_CAPACITY_EXHAUSTED"}
     )
+    max_lease_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "fraction of the KV pool one prefill may hold in leases not yet committed; "
+            "more is refused with DECODE_CAPACITY_EXHAUSTED (and a retry delay)"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -39,5 +46,7 @@ class DecodeConfig(InstanceConfig):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.reserve_tokens < 0:
             raise ValueError(f"reserve_tokens must be >= 0, got {self.reserve_tokens}")
+        if not 0 < self.max_lease_share <= 1:
+            raise ValueError(f"max_lease_share must be in (0, 1], got {self.max_lease_share}")
         if self.capacity_retry_ms < 0:
             raise ValueError(f"capacity_retry_ms must be >= 0, got {self.capacity_retry_ms}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from typing import cast
@@ -44,7 +43,8 @@ def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState:
 def lease_to_proto(
     request: DecodeRequest, block_size: int, ttl_s: float, instance_id: str
 ) -> decode_pb2.Lease:
-    """The Lease message granting `request`'s blocks (with a fresh SyncCache token)."""
+    """The Lease message granting `request`'s blocks, with its token for SyncCache (never log
+    this message: the token is the lease's only credential)."""
     ttl_ms = round(ttl_s * 1000)
     return decode_pb2.Lease(
         lease_id=request.lease_id,
@@ -54,7 +54,7 @@ def lease_to_proto(
         ttl_ms=ttl_ms,
         transports=[
             decode_pb2.Transport(
-                kind=decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE, token=secrets.token_bytes(16)
+                kind=decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE, token=request.lease_token
             )
         ],
         decode_instance_id=instance_id,

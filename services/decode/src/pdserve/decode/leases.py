@@ -17,6 +17,8 @@ from collections.abc import Callable
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
+from pdserve.common.pki import Identity
+from pdserve.decode import lease_access
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.block_pool import BlockPool
 
@@ -33,6 +35,10 @@ class LeaseManager:
         ttl_s: Lease lifetime until commit and attach.
         capacity_retry_s: Retry delay sent with DECODE_CAPACITY_EXHAUSTED.
         clock: Monotonic clock (injectable for tests).
+        max_model_len: Longest sequence (KV plus new tokens) a lease may be for.
+        max_lease_share: Fraction of the pool one peer may hold in uncommitted leases.
+        is_insecure: Whether the plane is plaintext (callers have no certified identity; the
+            weaker rules of `lease_access` apply).
     """
 
     def __init__(
@@ -43,6 +49,10 @@ class LeaseManager:
         ttl_s: float,
         capacity_retry_s: float = 0.2,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        max_model_len: int | None = None,
+        max_lease_share: float = 1.0,
+        is_insecure: bool = False,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -50,11 +60,15 @@ class LeaseManager:
         self.ttl_s = ttl_s
         self.capacity_retry_s = capacity_retry_s
         self.clock = clock
+        self.max_model_len = max_model_len
+        self.max_lease_share = max_lease_share
+        self.is_insecure = is_insecure
         self.lock = threading.RLock()
         self.is_draining = False
         self.num_expired = 0
         self.num_granted = 0
         self.num_refused = 0
+        self.num_access_refused = 0
         self._leases: dict[str, DecodeRequest] = {}
         self._ended: OrderedDict[str, RequestStatus] = OrderedDict()
 
@@ -76,34 +90,74 @@ class LeaseManager:
                 for lease in self._leases.values()
             )
 
-    def allocate(self, request_id: str, num_kv_tokens: int, max_new_tokens: int) -> DecodeRequest:
-        """Grants a lease for `num_kv_tokens` of KV, keeping headroom for running requests.
+    def num_uncommitted_blocks(self, peer_key: str) -> int:
+        """Blocks that `peer_key`'s leases hold before their commit (ALLOCATED, SYNCING)."""
+        with self.lock:
+            return sum(
+                len(lease.block_ids)
+                for lease in self._leases.values()
+                if lease.peer_key == peer_key and lease.status < RequestStatus.COMMITTED
+            )
+
+    def allocate(
+        self,
+        request_id: str,
+        num_kv_tokens: int,
+        max_new_tokens: int,
+        *,
+        caller: Identity | None = None,
+        prefill_instance_id: str = "",
+    ) -> DecodeRequest:
+        """Grants a lease (with a fresh token) for `num_kv_tokens` of KV, keeping headroom for
+        running requests and within the share of the pool the calling peer may hold
+        uncommitted (`caller`: its certified identity; `prefill_instance_id`: the id it states).
 
         Raises:
-            PdserveError: INSTANCE_DRAINING, INVALID_REQUEST, or DECODE_CAPACITY_EXHAUSTED
-                (with a retry delay) when free blocks minus owed headroom do not cover the
-                prompt and its own headroom.
+            PdserveError: INSTANCE_DRAINING; INVALID_REQUEST; PROMPT_TOO_LONG past
+                ``max_model_len``; DECODE_CAPACITY_EXHAUSTED (with a retry delay) when free
+                blocks minus owed headroom do not cover the prompt and its own headroom, or
+                when the peer would hold more than its share in uncommitted leases.
         """
+        meta = {"requestId": request_id}
         if num_kv_tokens <= 0 or max_new_tokens <= 0:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST,
                 "num_prompt_tokens and max_new_tokens must be positive",
-                {"requestId": request_id},
+                meta,
+            )
+        if self.max_model_len is not None and num_kv_tokens + max_new_tokens > self.max_model_len:
+            # NOTE: the gateway's rule (prompt + max_tokens <= max_model_len); the prefill's
+            # num_prompt_tokens includes earlier completion tokens, max_new_tokens the rest.
+            raise PdserveError(
+                ErrorReason.PROMPT_TOO_LONG,
+                f"num_prompt_tokens ({num_kv_tokens}) plus max_new_tokens ({max_new_tokens}) "
+                f"exceeds max_model_len {self.max_model_len}",
+                {**meta, "maxModelLen": str(self.max_model_len)},
             )
         num_blocks = num_blocks_for(num_kv_tokens, self.block_size)
         own_headroom = self._headroom_blocks(num_kv_tokens, max_new_tokens, num_blocks)
         with self.lock:
             if self.is_draining:
-                raise PdserveError(
-                    ErrorReason.INSTANCE_DRAINING, "decode is draining", {"requestId": request_id}
-                )
+                raise PdserveError(ErrorReason.INSTANCE_DRAINING, "decode is draining", meta)
             available = self.pool.num_free_blocks - self.num_reserved_blocks()
             if num_blocks + own_headroom > available:
                 self.num_refused += 1
                 raise PdserveError(
                     ErrorReason.DECODE_CAPACITY_EXHAUSTED,
                     f"needs {num_blocks} blocks (+{own_headroom} headroom), {available} available",
-                    {"requestId": request_id, "numBlocks": str(num_blocks)},
+                    {**meta, "numBlocks": str(num_blocks)},
+                    retry_delay_s=self.capacity_retry_s,
+                )
+            peer_key = lease_access.peer_key(caller, prefill_instance_id)
+            share = int(self.max_lease_share * self.pool.num_blocks)
+            held = self.num_uncommitted_blocks(peer_key)
+            if held + num_blocks > share:
+                self.num_refused += 1
+                raise PdserveError(
+                    ErrorReason.DECODE_CAPACITY_EXHAUSTED,
+                    f"needs {num_blocks} blocks; this peer already holds {held} in uncommitted "
+                    f"leases and may hold {share} (max_lease_share {self.max_lease_share:g})",
+                    {**meta, "numBlocks": str(num_blocks)},
                     retry_delay_s=self.capacity_retry_s,
                 )
             lease = DecodeRequest(
@@ -113,6 +167,9 @@ class LeaseManager:
                 num_kv_tokens=num_kv_tokens,
                 max_new_tokens=max_new_tokens,
                 expires_at=self.clock() + self.ttl_s,
+                lease_token=lease_access.new_lease_token(),
+                allocated_by=caller,
+                peer_key=peer_key,
                 num_computed_tokens=num_kv_tokens,
                 num_remaining_tokens=max_new_tokens,
             )
@@ -150,6 +207,41 @@ class LeaseManager:
                 return False
             request.move_to(status)
             return True
+
+    # ---- who may write or release (rules in `lease_access`) -------------------------------
+
+    def begin_sync(self, lease_id: str, token: bytes, caller: Identity | None) -> DecodeRequest:
+        """Moves lease `lease_id` to SYNCING if `caller` may write into it with `token`;
+        checked and moved under one lock, so a token opens one transfer at most.
+
+        Raises:
+            PdserveError: LEASE_EXPIRED / LEASE_NOT_FOUND as `get`; PERMISSION_DENIED (the
+                lease unchanged) when refused.
+        """
+        with self.lock:
+            lease = self.get(lease_id)
+            refusal = lease_access.sync_refusal(lease, token, caller, is_insecure=self.is_insecure)
+            if refusal is not None:
+                raise self._denied("SyncCache", lease, caller, refusal)
+            lease.move_to(RequestStatus.SYNCING)
+            return lease
+
+    def check_release(
+        self, lease: DecodeRequest, request_id: str, token: bytes, caller: Identity | None
+    ) -> None:
+        """Raises PERMISSION_DENIED (the lease unchanged) unless `caller` may release `lease`."""
+        refusal = lease_access.release_refusal(
+            lease, request_id, token, caller, is_insecure=self.is_insecure
+        )
+        if refusal is not None:
+            raise self._denied("ReleaseLease", lease, caller, refusal)
+
+    def _denied(
+        self, rpc: str, lease: DecodeRequest, caller: Identity | None, refusal: str
+    ) -> PdserveError:
+        with self.lock:
+            self.num_access_refused += 1
+            return lease_access.denied(rpc, lease, caller, refusal, self.num_access_refused)
 
     def extend(self, lease: DecodeRequest, num_tokens: int) -> bool:
         """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""

@@ -21,6 +21,7 @@ from opentelemetry import trace
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams
+from pdserve.common.pki import Identity
 from pdserve.engine.block_pool import BlockPool
 
 _tracer = telemetry.tracer("pdserve.decode")
@@ -117,6 +118,10 @@ class DecodeRequest:
         num_kv_tokens: Tokens whose KV the prefill ships (prompt and earlier completion).
         max_new_tokens: Tokens it may still generate when leased.
         expires_at: Monotonic deadline for commit and attach.
+        lease_token: The unguessable token a SyncCache (or ReleaseLease) must present
+            (`lease_access`); never logged, and left out of ``repr``.
+        allocated_by: The certified identity that allocated it; None on a plaintext plane.
+        peer_key: Whose share of the pool it counts against while uncommitted.
         status: Where it is in its life cycle.
         num_computed_tokens: Tokens with KV in the cache (grows while decoding).
         num_remaining_tokens: Tokens still to generate (shrinks while decoding).
@@ -139,6 +144,9 @@ class DecodeRequest:
     num_kv_tokens: int
     max_new_tokens: int
     expires_at: float
+    lease_token: bytes = field(default=b"", repr=False)
+    allocated_by: Identity | None = None
+    peer_key: str = ""
     status: RequestStatus = RequestStatus.ALLOCATED
     num_computed_tokens: int = 0
     num_remaining_tokens: int = 0

@@ -17,7 +17,7 @@ from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import PreemptionReason
-from pdserve.decode.servicer import DecodeServicer, run_expiry_sweeper
+from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
 from pdserve.serving.instance import InstanceServer
@@ -54,6 +54,9 @@ class DecodeInstance(InstanceServer):
             config.reserve_tokens,
             config.lease_ttl_ms / 1000,
             config.capacity_retry_ms / 1000,
+            max_model_len=host.max_model_len,
+            max_lease_share=config.max_lease_share,
+            is_insecure=self.security.is_insecure,
         )
         self.metrics = DecodeMetrics()
         self.loop = DecodeLoop(
@@ -79,6 +82,10 @@ class DecodeInstance(InstanceServer):
             "preemptions": ("Requests preempted for lack of blocks.", loop.num_preemptions),
             "leases_granted": ("Leases granted by AllocateBlocks.", leases.num_granted),
             "leases_refused": ("AllocateBlocks refused for capacity.", leases.num_refused),
+            "lease_access_refused": (
+                "SyncCache and ReleaseLease calls refused (wrong token, request id or caller).",
+                leases.num_access_refused,
+            ),
             "lease_expiries": ("Leases reclaimed after their TTL.", leases.num_expired),
             "kv_received_bytes": (
                 "KV bytes received in committed transfers.",
@@ -105,6 +112,16 @@ class DecodeInstance(InstanceServer):
 
     async def close(self) -> None:
         pass  # the decode holds no clients of its own
+
+
+async def run_expiry_sweeper(servicer: DecodeServicer, interval_s: float) -> None:
+    """Background task: reclaims expired leases every `interval_s` until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            servicer.expire_due()
+        except Exception as error:
+            log.exception("expiry_sweep_failed", error=str(error))
 
 
 async def create_server(

@@ -15,6 +15,7 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
+from pdserve.common.authz import peer_identity
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.generation import resolve_seed
 from pdserve.common.protocol import check_compatible
@@ -71,7 +72,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     {"requestId": request.request_id, "expected": self.host.kv_layout.fingerprint},
                 )
             lease = self.leases.allocate(
-                request.request_id, request.num_prompt_tokens, request.max_new_tokens
+                request.request_id,
+                request.num_prompt_tokens,
+                request.max_new_tokens,
+                caller=peer_identity(context),
+                prefill_instance_id=request.prefill_instance_id,
             )
         except PdserveError as error:
             log.info("lease_refused", request_id=request.request_id, reason=error.reason.name)
@@ -106,8 +111,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         started = time.perf_counter()
         try:
             header = await self._header(request_iterator)
-            receiver = self._open_transfer(header.lease_id)
-            lease = receiver.request  # SYNCING: from here on a failure ends it
+            # NOTE: a refused token leaves the lease as it was (`lease` stays None).
+            lease = self.leases.begin_sync(
+                header.lease_id, header.transport_token, peer_identity(context)
+            )  # SYNCING: from here on a failure ends it
+            receiver = KvReceiver(self.host.runner.kv_cache, lease)
             receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
             trace.get_current_span().set_attribute(telemetry.REQUEST_ID, lease.request_id)
             async for message in request_iterator:
@@ -162,16 +170,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 code=grpc.StatusCode.ABORTED,
             )
         return first.header
-
-    def _open_transfer(self, lease_id: str) -> KvReceiver:
-        lease = self.leases.get(lease_id)
-        if not self.leases.advance(lease, RequestStatus.SYNCING):
-            raise PdserveError(
-                ErrorReason.CACHE_SYNC_FAILED,
-                f"lease is {lease.status.name}, not ALLOCATED",
-                {"leaseId": lease.lease_id},
-            )
-        return KvReceiver(self.host.runner.kv_cache, lease)
 
     def _commit(
         self,
@@ -262,13 +260,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     async def ReleaseLease(
         self, request: decode_pb2.ReleaseLeaseRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.ReleaseLeaseResponse:
-        """Releases a lease in any state; idempotent."""
+        """Releases a lease in any state if the caller may (`lease_access`); idempotent."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
             lease = self.leases.get(request.lease_id)
         except PdserveError:
             status = self.leases.ended_status(request.lease_id)
             return decode_pb2.ReleaseLeaseResponse(state=convert.lease_state_to_proto(status))
+        try:
+            self.leases.check_release(
+                lease, request.request_id, request.lease_token, peer_identity(context)
+            )
+        except PdserveError as error:
+            await abort_with_error(context, error)
         self.loop.release(lease, RequestStatus.ABORTED)
         log.info("lease_released", request_id=lease.request_id, lease_id=lease.lease_id)
         return decode_pb2.ReleaseLeaseResponse(state=decode_pb2.LEASE_STATE_ABORTED)
@@ -289,13 +293,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if lease.ended_at < forget_before:
                 del self.requests[lease_id]  # ended and never attached: nobody will read it
         return len(expired)
-
-
-async def run_expiry_sweeper(servicer: DecodeServicer, interval_s: float) -> None:
-    """Background task: reclaims expired leases every `interval_s` until cancelled."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            servicer.expire_due()
-        except Exception as error:
-            log.exception("expiry_sweep_failed", error=str(error))

@@ -134,12 +134,16 @@ class DecodePeers:
             raise peer_error(error, address, "AllocateBlocks") from None
         return convert.lease_from_proto(response.lease)
 
-    async def release_lease(self, address: str, lease_id: str, request_id: str) -> bool:
-        """Releases a lease (idempotent on the decode); False if the decode could not be told.
+    async def release_lease(self, address: str, lease: LeaseGrant, request_id: str) -> bool:
+        """Releases a lease, presenting its token (idempotent on the decode); False if the
+        decode could not be told.
 
         A lease the decode never hears about is reclaimed by its TTL.
         """
-        request = decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id)
+        lease_id = lease.lease_id
+        request = decode_pb2.ReleaseLeaseRequest(
+            lease_id=lease_id, request_id=request_id, lease_token=lease.transport_token
+        )
         try:
             # NOTE: the current context is the request's: the release joins its trace.
             await self._peer(address).stub.ReleaseLease(

@@ -4,7 +4,7 @@ and the outcomes its caller reads."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason
@@ -13,12 +13,16 @@ from pdserve.serving.kv_transfer import KvPiece
 
 @dataclass(frozen=True)
 class LeaseGrant:
-    """The decode's lease for one request (the Lease message without protobuf)."""
+    """The decode's lease for one request (the Lease message without protobuf).
+
+    ``transport_token`` is the lease's credential (SyncCache, ReleaseLease): never logged, and
+    left out of ``repr``.
+    """
 
     lease_id: str
     block_ids: tuple[int, ...]
     decode_instance_id: str
-    transport_token: bytes = b""
+    transport_token: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

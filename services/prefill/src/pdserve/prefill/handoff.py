@@ -188,15 +188,14 @@ class Handoffs:
                 lease_id=lease.lease_id,
                 decode_instance_id=lease.decode_instance_id,
             )
-            if (
-                request.decode_instance_id
-                and lease.decode_instance_id != request.decode_instance_id
-            ):
-                log.warning(
-                    "decode_instance_mismatch",
-                    request_id=request.request_id,
-                    expected=request.decode_instance_id,
-                    actual=lease.decode_instance_id,
+            if request.decode_instance_id not in ("", lease.decode_instance_id):
+                # NOTE: whoever answers at that address is not the decode the gateway chose:
+                # no KV goes to it (the open lease is released by the cleanup).
+                raise PdserveError(
+                    ErrorReason.PERMISSION_DENIED,
+                    f"the decode at {request.decode_address} is {lease.decode_instance_id!r}, "
+                    f"not {request.decode_instance_id!r} as the gateway named",
+                    {"requestId": request.request_id, "decodeAddress": request.decode_address},
                 )
             corrupt = self.fault_corrupt_kv is not None and fnmatch.fnmatchcase(
                 request.request_id, self.fault_corrupt_kv
@@ -280,7 +279,7 @@ class Handoffs:
         lease = allocation.result()
         log.info("late_lease_released", request_id=request.request_id, lease_id=lease.lease_id)
         release = asyncio.ensure_future(
-            self.peers.release_lease(request.decode_address, lease.lease_id, request.request_id)
+            self.peers.release_lease(request.decode_address, lease, request.request_id)
         )
         self._background.add(release)
         release.add_done_callback(self._background.discard)

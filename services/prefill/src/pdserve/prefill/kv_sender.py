@@ -198,13 +198,15 @@ class KvSender:
 
     async def _ask_lease_state(self, address: str, local: PdserveError) -> PdserveError:
         """Classifies a stream the decode ended by the lease's state (ReleaseLease, idempotent)."""
-        assert self.request.lease is not None
-        lease_id = self.request.lease.lease_id
+        lease = self.request.lease
+        assert lease is not None
         metadata = {"requestId": self.request.request_id, "decodeAddress": address}
         try:
             response = await self.stub.ReleaseLease(
                 decode_pb2.ReleaseLeaseRequest(
-                    lease_id=lease_id, request_id=self.request.request_id
+                    lease_id=lease.lease_id,
+                    request_id=self.request.request_id,
+                    lease_token=lease.transport_token,
                 ),
                 timeout=RELEASE_TIMEOUT_S,
             )

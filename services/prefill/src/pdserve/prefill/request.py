@@ -233,7 +233,7 @@ class Request:
         if not self.is_lease_open or self.lease is None:
             return
         self.is_lease_open = False
-        await peers.release_lease(self.decode_address, self.lease.lease_id, self.request_id)
+        await peers.release_lease(self.decode_address, self.lease, self.request_id)
 
     async def release(self, peers: DecodePeers, loop: PrefillLoop) -> None:
         """Gives back what it holds: the decode lease unless handed off, the SyncCache stream,
