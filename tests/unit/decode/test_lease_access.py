@@ -375,6 +375,22 @@ async def test_one_peer_holds_at_most_its_share_until_it_commits(
     await client.assert_whole()
 
 
+async def test_a_peers_only_lease_may_exceed_the_share(client: DecodeClient) -> None:
+    # 64 blocks, share 0.5 (32): one 35-block lease alone is granted (the model length bounds
+    # it), but nothing more until it commits or ends.
+    big = await _allocate(client, "big", 140, 2, "prefill-c")
+    assert len(big.block_ids) == 35
+    await _expect_error(
+        _allocate(client, "small", 4, 2, "prefill-c"), ErrorReason.DECODE_CAPACITY_EXHAUSTED
+    )
+    release = decode_pb2.ReleaseLeaseRequest(lease_id=big.lease_id, request_id="big")
+    await client.decode.ReleaseLease(release)
+    small = await _allocate(client, "small", 4, 2, "prefill-c")
+    release = decode_pb2.ReleaseLeaseRequest(lease_id=small.lease_id, request_id="small")
+    await client.decode.ReleaseLease(release)
+    await client.assert_whole()
+
+
 @pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
 def test_max_lease_share_must_be_a_fraction(share: float) -> None:
     with pytest.raises(ValueError, match="max_lease_share"):

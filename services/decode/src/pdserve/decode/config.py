@@ -35,7 +35,8 @@ class DecodeConfig(InstanceConfig):
         default=0.5,
         metadata={
             "help": "fraction of the KV pool one prefill may hold in leases not yet committed; "
-            "more is refused with DECODE_CAPACITY_EXHAUSTED (and a retry delay)"
+            "more is refused with DECODE_CAPACITY_EXHAUSTED (and a retry delay), except a "
+            "prefill's only uncommitted lease"
         },
     )
 

@@ -116,7 +116,7 @@ class LeaseManager:
             PdserveError: INSTANCE_DRAINING; INVALID_REQUEST; PROMPT_TOO_LONG past
                 ``max_model_len``; DECODE_CAPACITY_EXHAUSTED (with a retry delay) when free
                 blocks minus owed headroom do not cover the prompt and its own headroom, or
-                when the peer would hold more than its share in uncommitted leases.
+                when a peer already holding uncommitted leases would exceed its share.
         """
         meta = {"requestId": request_id}
         if num_kv_tokens <= 0 or max_new_tokens <= 0:
@@ -151,7 +151,9 @@ class LeaseManager:
             peer_key = lease_access.peer_key(caller, prefill_instance_id)
             share = int(self.max_lease_share * self.pool.num_blocks)
             held = self.num_uncommitted_blocks(peer_key)
-            if held + num_blocks > share:
+            # NOTE: a peer holding nothing uncommitted may always take one lease, however
+            # large (max_model_len bounds it): the share caps accumulation, not one request.
+            if held and held + num_blocks > share:
                 self.num_refused += 1
                 raise PdserveError(
                     ErrorReason.DECODE_CAPACITY_EXHAUSTED,
