@@ -350,15 +350,20 @@ async def test_one_peer_holds_at_most_its_share_until_it_commits(
         await _allocate(client, f"a{i}", 40, 2, "prefill-a" if not is_secure else f"id-{i}")
         for i in range(3)
     ]
+    # Alone, a peer may use the whole pool: the share applies while others ask too.
+    alone = await _allocate(client, "a-alone", 4, 2, "prefill-a" if not is_secure else "id-9")
+    await client.decode.ReleaseLease(
+        decode_pb2.ReleaseLeaseRequest(lease_id=alone.lease_id, request_id="a-alone")
+    )
+    caller(PREFILL_B if is_secure else None)
+    other = await _allocate(client, "b0", 40, 2, "prefill-b")
+    caller(PREFILL_A if is_secure else None)
     fourth = _allocate(client, "a3", 40, 2, "prefill-a" if not is_secure else "id-3")
     error = await _expect_error(fourth, ErrorReason.DECODE_CAPACITY_EXHAUSTED)
     assert error.retry_delay_s == pytest.approx(0.2)
     assert "30" in error.message and "32" in error.message
-    # Another peer still gets blocks.
-    caller(PREFILL_B if is_secure else None)
-    other = await _allocate(client, "b0", 40, 2, "prefill-b")
+    assert error.metadata["limit"] == "peer_share"
     # A commit frees the share it used.
-    caller(PREFILL_A if is_secure else None)
     await client.sync(prefilled[0], leases[0])
     await client.collect(leases[0].lease_id, "a0")
     leases.append(await _allocate(client, "a3", 40, 2, "prefill-a" if not is_secure else "id-3"))
@@ -376,8 +381,12 @@ async def test_one_peer_holds_at_most_its_share_until_it_commits(
 
 
 async def test_a_peers_only_lease_may_exceed_the_share(client: DecodeClient) -> None:
-    # 64 blocks, share 0.5 (32): one 35-block lease alone is granted (the model length bounds
-    # it), but nothing more until it commits or ends.
+    # 64 blocks, share 0.5 (32), another peer asking too: one 35-block lease alone is granted
+    # (the model length bounds it), but nothing more until it commits or ends.
+    other = await _allocate(client, "other", 4, 2, "prefill-d")
+    await client.decode.ReleaseLease(
+        decode_pb2.ReleaseLeaseRequest(lease_id=other.lease_id, request_id="other")
+    )
     big = await _allocate(client, "big", 140, 2, "prefill-c")
     assert len(big.block_ids) == 35
     await _expect_error(

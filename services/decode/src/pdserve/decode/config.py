@@ -34,9 +34,10 @@ class DecodeConfig(InstanceConfig):
     max_lease_share: float = field(
         default=0.5,
         metadata={
-            "help": "fraction of the KV pool one prefill may hold in leases not yet committed; "
-            "more is refused with DECODE_CAPACITY_EXHAUSTED (and a retry delay), except a "
-            "prefill's only uncommitted lease"
+            "help": "fraction of the KV pool one prefill may hold in leases not yet committed "
+            "while other prefills ask for blocks too; more is refused with "
+            "DECODE_CAPACITY_EXHAUSTED (the prefill waits and asks again), except a prefill's "
+            "only uncommitted lease"
         },
     )
 

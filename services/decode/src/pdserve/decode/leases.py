@@ -25,6 +25,11 @@ from pdserve.engine.block_pool import BlockPool
 NUM_REMEMBERED_ENDED = 4096
 
 
+PEER_SHARE_LIMIT = "peer_share"
+"""ErrorInfo ``limit`` of a refusal for the peer's share: it clears as the peer's leases
+commit, so the prefill waits and asks again instead of failing the request."""
+
+
 class LeaseManager:
     """Grants leases (new `DecodeRequest`s) from a `BlockPool`; runs their transitions.
 
@@ -36,7 +41,9 @@ class LeaseManager:
         capacity_retry_s: Retry delay sent with DECODE_CAPACITY_EXHAUSTED.
         clock: Monotonic clock (injectable for tests).
         max_model_len: Longest sequence (KV plus new tokens) a lease may be for.
-        max_lease_share: Fraction of the pool one peer may hold in uncommitted leases.
+        max_lease_share: Fraction of the pool one peer may hold in uncommitted leases while
+            other peers ask for blocks too (a peer's only uncommitted lease is never refused
+            for it).
         is_insecure: Whether the plane is plaintext (callers have no certified identity; the
             weaker rules of `lease_access` apply).
     """
@@ -60,6 +67,7 @@ class LeaseManager:
         self.ttl_s = ttl_s
         self.capacity_retry_s = capacity_retry_s
         self.clock = clock
+        self._asked_at: dict[str, float] = {}
         self.max_model_len = max_model_len
         self.max_lease_share = max_lease_share
         self.is_insecure = is_insecure
@@ -98,6 +106,18 @@ class LeaseManager:
                 for lease in self._leases.values()
                 if lease.peer_key == peer_key and lease.status < RequestStatus.COMMITTED
             )
+
+    def _is_contended(self, peer_key: str) -> bool:
+        """Whether another peer asked for a lease within the lease TTL (call under the lock).
+
+        The share only bites then: a lone prefill may use the whole pool.
+        """
+        now = self.clock()
+        self._asked_at[peer_key] = now
+        for key, asked_at in list(self._asked_at.items()):
+            if now - asked_at > self.ttl_s:
+                del self._asked_at[key]
+        return len(self._asked_at) > 1
 
     def allocate(
         self,
@@ -152,14 +172,16 @@ class LeaseManager:
             share = int(self.max_lease_share * self.pool.num_blocks)
             held = self.num_uncommitted_blocks(peer_key)
             # NOTE: a peer holding nothing uncommitted may always take one lease, however
-            # large (max_model_len bounds it): the share caps accumulation, not one request.
-            if held and held + num_blocks > share:
+            # large (max_model_len bounds it): the share caps accumulation, not one request,
+            # and only while other peers want blocks too.
+            contended = self._is_contended(peer_key)
+            if held and held + num_blocks > share and contended:
                 self.num_refused += 1
                 raise PdserveError(
                     ErrorReason.DECODE_CAPACITY_EXHAUSTED,
                     f"needs {num_blocks} blocks; this peer already holds {held} in uncommitted "
                     f"leases and may hold {share} (max_lease_share {self.max_lease_share:g})",
-                    {**meta, "numBlocks": str(num_blocks)},
+                    {**meta, "numBlocks": str(num_blocks), "limit": PEER_SHARE_LIMIT},
                     retry_delay_s=self.capacity_retry_s,
                 )
             lease = DecodeRequest(

@@ -28,6 +28,8 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 log = structlog.get_logger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
+SHARE_RETRY_S = 0.05
+PEER_SHARE_LIMIT = "peer_share"  # NOTE: the decode's ErrorInfo ``limit`` for its share rule
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -107,6 +109,9 @@ class DecodePeers:
     async def allocate(self, request: Request) -> LeaseGrant:
         """Leases blocks for `request` on its target decode.
 
+        A refusal for this prefill's share of the decode's pool is waited out (asking again
+        after the decode's retry delay) until the deadline.
+
         Raises:
             PdserveError: PEER_UNAVAILABLE when the decode is unreachable or too slow; the
                 decode's reason when it refused.
@@ -118,21 +123,30 @@ class DecodePeers:
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.allocate_timeout_s
-        try:
-            async with asyncio.timeout_at(deadline), peer.slots:
-                remaining = max(0.001, deadline - loop.time())
-                response = await peer.stub.AllocateBlocks(
-                    message, timeout=remaining, metadata=telemetry.outgoing_metadata()
-                )
-        except TimeoutError:
-            raise PdserveError(
-                ErrorReason.PEER_UNAVAILABLE,
-                f"decode {address} granted no lease within {self.allocate_timeout_s:.3g}s",
-                {"decodeAddress": address, "requestId": request.request_id},
-            ) from None
-        except grpc.RpcError as error:
-            raise peer_error(error, address, "AllocateBlocks") from None
-        return convert.lease_from_proto(response.lease)
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline), peer.slots:
+                    remaining = max(0.001, deadline - loop.time())
+                    response = await peer.stub.AllocateBlocks(
+                        message, timeout=remaining, metadata=telemetry.outgoing_metadata()
+                    )
+                return convert.lease_from_proto(response.lease)
+            except TimeoutError:
+                raise PdserveError(
+                    ErrorReason.PEER_UNAVAILABLE,
+                    f"decode {address} granted no lease within {self.allocate_timeout_s:.3g}s",
+                    {"decodeAddress": address, "requestId": request.request_id},
+                ) from None
+            except grpc.RpcError as error:
+                refusal = peer_error(error, address, "AllocateBlocks")
+            # NOTE: over our share of the decode's pool: our own leases commit soon, so wait
+            # (bounded by the deadline) rather than fail the request.
+            delay_s = refusal.retry_delay_s or SHARE_RETRY_S
+            if refusal.metadata.get("limit") != PEER_SHARE_LIMIT or (
+                loop.time() + delay_s >= deadline
+            ):
+                raise refusal
+            await asyncio.sleep(delay_s)
 
     async def release_lease(self, address: str, lease: LeaseGrant, request_id: str) -> bool:
         """Releases a lease, presenting its token (idempotent on the decode); False if the

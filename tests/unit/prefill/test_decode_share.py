@@ -1,0 +1,58 @@
+"""A prefill over its share of a decode's pool waits for its own leases instead of failing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from support.prefill_cluster import BLOCK_SIZE, start_decode
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import SamplingParams
+from pdserve.prefill.decode_client import DecodePeers
+from pdserve.prefill.request import Request
+
+
+def _request(request_id: str, address: str, num_tokens: int) -> Request:
+    return Request(
+        request_id=request_id,
+        token_ids=[5] * num_tokens,
+        num_prompt_tokens=num_tokens,
+        sampling=SamplingParams(temperature=0.0, max_tokens=2),
+        seed=0,
+        decode_address=address,
+    )
+
+
+async def test_a_share_refusal_is_waited_out_until_the_deadline(tiny_model_dir: Path) -> None:
+    # 32 blocks, share 0.5: 16 blocks per prefill while both ask. Each 6-block lease fits
+    # alone; the third of prefill A's is over its share until one of its own leases ends.
+    decode = await start_decode(tiny_model_dir, num_blocks=32)
+    layout = decode.host.kv_layout
+    tokens = 6 * BLOCK_SIZE
+    a = DecodePeers("prefill-a", layout, prepare_concurrency=4, allocate_timeout_s=3.0)
+    b = DecodePeers("prefill-b", layout, prepare_concurrency=4, allocate_timeout_s=0.3)
+    try:
+        held = [await a.allocate(_request(f"a{i}", decode.address, tokens)) for i in range(2)]
+        other = await b.allocate(_request("b0", decode.address, BLOCK_SIZE))
+        third = asyncio.ensure_future(a.allocate(_request("a2", decode.address, tokens)))
+        await asyncio.sleep(0.5)
+        assert not third.done()  # waiting, not failed
+        await a.release_lease(decode.address, held[0], "a0")
+        granted = await asyncio.wait_for(third, 3.0)
+        assert len(granted.block_ids) == 6
+        # B's deadline is short: over its share it fails with the decode's reason.
+        b_held = [await b.allocate(_request(f"b{i}", decode.address, tokens)) for i in (1, 2)]
+        with pytest.raises(PdserveError) as refused:
+            await b.allocate(_request("b3", decode.address, tokens))
+        assert refused.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
+        for peers, lease, request_id in (
+            (a, held[1], "a1"), (a, granted, "a2"), (b, other, "b0"),
+            (b, b_held[0], "b1"), (b, b_held[1], "b2"),
+        ):  # fmt: skip
+            assert await peers.release_lease(decode.address, lease, request_id)
+    finally:
+        await a.close()
+        await b.close()
+        await decode.stop(grace=None)
