@@ -227,7 +227,8 @@ class PrefillScheduler:
             assert request.num_cached_tokens % self.block_size == 0, "a partial cached block"
             for index, block_id in enumerate(request.block_ids):
                 block_hash = self.pool.block_hash(block_id)
-                assert block_hash is None or block_hash == request.block_keys[index], (
+                keys = request.block_keys
+                assert block_hash is None or (index < len(keys) and block_hash == keys[index]), (
                     f"request {request.request_id}: block {index} is cached under another key"
                 )
         assert not any(r.block_ids for r in self.waiting), "a waiting request holds blocks"
