@@ -43,8 +43,21 @@ def host(tiny_model_dir: Path) -> ModelHost:
     return load_host(tiny_model_dir, num_blocks=32)
 
 
-def _loop(host: ModelHost, recorder: _Recorder, budget: int, chunk_bytes: int) -> PrefillLoop:
-    loop = PrefillLoop(host.runner, budget, chunk_bytes)
+def _loop(
+    host: ModelHost,
+    recorder: _Recorder,
+    budget: int,
+    chunk_bytes: int,
+    *,
+    enable_prefix_cache: bool = False,
+) -> PrefillLoop:
+    loop = PrefillLoop(
+        host.runner,
+        budget,
+        chunk_bytes,
+        enable_prefix_cache=enable_prefix_cache,
+        kv_fingerprint=host.kv_layout.fingerprint,
+    )
     execute = host.runner.execute
 
     def marked_execute(chunks: Sequence[ForwardChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -58,11 +71,11 @@ def _loop(host: ModelHost, recorder: _Recorder, budget: int, chunk_bytes: int) -
     return loop
 
 
-def _request(recorder: _Recorder) -> Request:
+def _request(recorder: _Recorder, token_ids: Sequence[int] = PROMPT) -> Request:
     return Request(
         request_id="r",
-        token_ids=list(PROMPT),
-        num_prompt_tokens=len(PROMPT),
+        token_ids=list(token_ids),
+        num_prompt_tokens=len(token_ids),
         sampling=SamplingParams(temperature=0.0),
         seed=0,
         decode_address="127.0.0.1:1",
@@ -123,6 +136,53 @@ def test_chunked_prompt_ships_every_block_of_every_layer_exactly_once(host: Mode
     first_return = events.index("pass_returned")
     assert any(isinstance(e, KvPiece) for e in events[:first_return])
     assert request.num_sent_blocks == num_blocks_for(len(PROMPT), BLOCK_SIZE)
+
+
+def _shipped_blocks(pieces: list[KvPiece]) -> dict[tuple[int, int], bytes]:
+    """The K bytes of every (layer, logical block) the pieces carry; each at most once."""
+    seen: dict[tuple[int, int], bytes] = {}
+    for piece in pieces:
+        size = len(piece.key) // piece.num_blocks
+        for i in range(piece.num_blocks):
+            key = (piece.layer_index, piece.first_block + i)
+            assert key not in seen, f"block shipped twice: {key}"
+            seen[key] = bytes(piece.key[i * size : (i + 1) * size])
+    return seen
+
+
+def test_cached_leading_blocks_are_shipped_with_the_first_pass(host: ModelHost) -> None:
+    # The second prompt shares 6 of PROMPT's blocks; budget 8: it computes 13 tokens in passes
+    # of 8 and 5, and its first pass ships the 6 cached blocks (never computed) with its own.
+    second = [*PROMPT[:24], *range(40, 53)]
+    recorder = _Recorder()
+    loop = _loop(host, recorder, budget=8, chunk_bytes=1 << 20, enable_prefix_cache=True)
+    loop.start()
+    try:
+        for token_ids in (PROMPT, second):
+            recorder.events.clear()
+            recorder.done.clear()
+            request = _request(recorder, token_ids)
+            loop.submit(request)
+            assert recorder.done.wait(30)
+            released = threading.Event()
+            block_ids = list(request.block_ids)
+            expected = {
+                (layer, b): bytes(host.runner.kv_cache.export_blocks(layer, [block_ids[b]]).k)
+                for layer in range(host.runner.kv_cache.layout.num_layers)
+                for b in range(len(block_ids))
+            }
+            loop.release(request, released.set)
+            assert released.wait(10)
+        pieces = [e for e in recorder.events if isinstance(e, KvPiece)]
+        assert _shipped_blocks(pieces) == expected
+        first_return = recorder.events.index("pass_returned")
+        first_pass = [e for e in recorder.events[:first_return] if isinstance(e, KvPiece)]
+        assert {(p.first_block, p.num_blocks) for p in first_pass} == {(0, 8)}
+        assert recorder.events.count("pass_returned") == 2
+        assert request.num_cached_tokens == 24
+        loop.scheduler.check_integrity()
+    finally:
+        loop.stop()
 
 
 class _RecordingCall:

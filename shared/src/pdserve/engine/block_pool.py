@@ -143,6 +143,10 @@ class BlockPool:
         """The block holding ``block_hash``, or ``None``."""
         return self._block_of_hash.get(block_hash)
 
+    def block_hash(self, block_id: int) -> BlockHash | None:
+        """The prefix hash ``block_id`` is cached under, or ``None``."""
+        return self._hash_of_block.get(block_id)
+
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (the blocks themselves keep their references)."""
         self._block_of_hash.clear()
@@ -159,7 +163,7 @@ class BlockPool:
         Raises:
             AssertionError: If free + used != total, a reference count is negative, a free block
                 has references or a used block is in the free queue, an id is out of range, or
-                the two hash maps disagree.
+                the two hash maps disagree (or hold blocks while caching is off).
         """
         free_ids = list(self._free)
         if len(set(free_ids)) != len(free_ids):
@@ -179,6 +183,10 @@ class BlockPool:
             raise AssertionError("a block in the free queue has references")
         if len(self._block_of_hash) != len(self._hash_of_block):
             raise AssertionError("prefix cache maps disagree in size")
+        if self._hash_of_block and not self.enable_prefix_caching:
+            raise AssertionError("blocks are cached while prefix caching is off")
+        if any(not 0 <= b < self.num_blocks for b in self._hash_of_block):
+            raise AssertionError("prefix cache holds a block id out of range")
         for block_id, block_hash in self._hash_of_block.items():
             if self._block_of_hash.get(block_hash) != block_id:
                 raise AssertionError(f"prefix cache maps disagree on block {block_id}")

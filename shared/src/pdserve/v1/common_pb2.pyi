@@ -139,17 +139,19 @@ class LoadReport(_message.Message):
     def __init__(self, num_queued_prompt_tokens: _Optional[int] = ..., num_queued_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., is_draining: _Optional[bool] = ...) -> None: ...
 
 class PoolIntegrity(_message.Message):
-    __slots__ = ("num_total_blocks", "num_free_blocks", "num_leased_blocks", "num_open_leases", "is_consistent", "detail")
+    __slots__ = ("num_total_blocks", "num_free_blocks", "num_leased_blocks", "num_open_leases", "is_consistent", "detail", "num_cached_blocks")
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
     IS_CONSISTENT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_total_blocks: int
     num_free_blocks: int
     num_leased_blocks: int
     num_open_leases: int
     is_consistent: bool
     detail: str
-    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., is_consistent: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_open_leases: _Optional[int] = ..., is_consistent: _Optional[bool] = ..., detail: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...

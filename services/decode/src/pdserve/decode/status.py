@@ -42,6 +42,7 @@ class DecodeStatus(InstanceStatus):
             return common_pb2.PoolIntegrity(
                 num_total_blocks=self.leases.pool.num_blocks,
                 num_free_blocks=self.leases.pool.num_free_blocks,
+                num_cached_blocks=self.leases.pool.num_cached_blocks,
                 num_leased_blocks=self.leases.num_leased_blocks(),
                 num_open_leases=len(self.leases.open_leases()),
                 is_consistent=not detail,

@@ -50,6 +50,13 @@ class PrefillConfig(InstanceConfig):
             "before it fails with PEER_UNAVAILABLE"
         },
     )
+    prefix_cache: bool = field(
+        default=True,
+        metadata={
+            "help": "keep the full blocks of finished prompts as an evictable prefix cache and "
+            "compute only what follows the longest cached prefix of a new prompt"
+        },
+    )
     max_chunk_bytes: int = field(
         default=1 << 20,
         metadata={"help": "most K+V bytes per SyncCache chunk (one layer's run of blocks)"},

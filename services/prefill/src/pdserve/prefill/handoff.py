@@ -235,7 +235,13 @@ class Handoffs:
             token_id = await request.wait_first_token()
         index = request.first_token_index
         request.outbox.put_nowait(FirstTokenOut(token_id, index))
-        log.info("first_token", request_id=request.request_id, token_id=token_id, index=index)
+        log.info(
+            "first_token",
+            request_id=request.request_id,
+            token_id=token_id,
+            index=index,
+            num_cached_tokens=request.num_cached_tokens,
+        )
         finish = first_token_finish(request, token_id, self.eos_token_ids, self.max_model_len)
         if finish is not None:
             await request.release_lease(self.peers)

@@ -7,6 +7,10 @@ the request's sink, so the sender streams them while layers i+1.. still compute.
 later chunk of the same prompt still fills is exported with that chunk, never twice. After the
 pass, requests whose prompt is complete get their first token sampled.
 
+With the prefix cache on, a request's leading cached blocks are never computed, but their KV
+is in the cache like any other: the first pass of such a request exports them too (its export
+starts at block 0), so the decode still receives the whole prompt, in the same order.
+
 Submissions take effect between passes; a release frees the blocks at once unless the request
 may be part of the running pass, in which case it waits for the pass boundary, so blocks are
 never freed under a forward pass that writes them.
@@ -53,15 +57,27 @@ class PrefillLoop(EngineThread):
         runner: Forward passes over this prefill's KV cache.
         max_num_batched_tokens: Token budget of one pass.
         max_chunk_bytes: Most K+V bytes per exported piece.
+        enable_prefix_cache: Keep freed full blocks as an evictable prefix cache and skip
+            computing the leading blocks a request finds there.
+        kv_fingerprint: The KV layout fingerprint the cache's block keys are rooted in.
     """
 
     def __init__(
-        self, runner: ModelRunner, max_num_batched_tokens: int, max_chunk_bytes: int
+        self,
+        runner: ModelRunner,
+        max_num_batched_tokens: int,
+        max_chunk_bytes: int,
+        *,
+        enable_prefix_cache: bool = False,
+        kv_fingerprint: str = "",
     ) -> None:
         self.runner = runner
         self.block_size = runner.block_size
         self.scheduler = PrefillScheduler(
-            BlockPool(runner.kv_cache.num_blocks), self.block_size, max_num_batched_tokens
+            BlockPool(runner.kv_cache.num_blocks, enable_prefix_caching=enable_prefix_cache),
+            self.block_size,
+            max_num_batched_tokens,
+            kv_fingerprint,
         )
         self.blocks_per_piece = blocks_per_piece(runner.kv_cache.layout, max_chunk_bytes)
         self.sampler = Sampler()
@@ -224,7 +240,11 @@ def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:
         request = chunk.request
         if request.trace_context is None:
             continue
-        if chunk.num_computed_tokens == 0 and request.submitted_ns:
+        if chunk.num_computed_tokens == request.num_cached_tokens and request.submitted_ns:
+            # NOTE: the request's first chunk: say on its compute span how much was cached.
+            trace.get_current_span(request.trace_context).set_attribute(
+                "pdserve.cached_tokens", request.num_cached_tokens
+            )
             waited = _tracer.start_span(
                 "prefill.queue_wait",
                 context=request.trace_context,

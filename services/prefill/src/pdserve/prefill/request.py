@@ -6,8 +6,8 @@ only what `TRANSITIONS` lists. Besides its tokens and blocks it holds the decode
 sender, the outbox the servicer streams from, and `release()`, which gives all of it back.
 
 Ownership: the event loop moves ``status`` and sets ``lease``; the engine thread owns
-``block_ids``, ``num_computed_tokens`` and ``num_sent_blocks`` from the moment the request is
-submitted to it until it is released.
+``block_ids``, ``num_computed_tokens``, ``num_cached_tokens``, ``block_keys`` and
+``num_sent_blocks`` from the moment the request is submitted to it until it is released.
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ class Request:
         status: Where the request is in its life cycle.
         lease: The decode lease once granted.
         block_ids: This prefill's blocks holding the request's KV.
-        num_computed_tokens: Tokens whose KV is computed.
+        num_computed_tokens: Tokens whose KV is computed (or was found in the prefix cache).
+        num_cached_tokens: Leading tokens whose KV came from the prefix cache (not computed).
+        block_keys: Cluster-wide keys of the full blocks of ``token_ids`` (prefix cache on).
         num_sent_blocks: Leading logical blocks already exported to the sender.
         trace_context: Parent of the engine thread's spans for this request (None: untraced).
         submitted_ns: Wall-clock time it was handed to the engine thread (for queue spans).
@@ -122,6 +124,8 @@ class Request:
     lease: LeaseGrant | None = None
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_keys: list[bytes] = field(default_factory=list)
     num_sent_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Context | None = None

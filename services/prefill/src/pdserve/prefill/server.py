@@ -47,7 +47,13 @@ class PrefillInstance(InstanceServer):
 
     def build(self) -> None:
         config, host = self.config, self.host
-        self.loop = PrefillLoop(host.runner, config.max_num_batched_tokens, config.max_chunk_bytes)
+        self.loop = PrefillLoop(
+            host.runner,
+            config.max_num_batched_tokens,
+            config.max_chunk_bytes,
+            enable_prefix_cache=config.prefix_cache,
+            kv_fingerprint=host.kv_layout.fingerprint,
+        )
         self.peers = DecodePeers(
             self.instance.instance_id,
             host.kv_layout,
@@ -78,11 +84,19 @@ class PrefillInstance(InstanceServer):
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)
 
     def counters(self) -> Mapping[str, tuple[str, float]]:
-        loop, handoffs = self.loop, self.handoffs
+        loop, handoffs, scheduler = self.loop, self.handoffs, self.loop.scheduler
         return {
             "prompt_tokens": (
-                "Prompt tokens prefilled (rate() gives tokens/s).",
+                "Prompt tokens computed by forward passes (rate() gives tokens/s).",
                 loop.num_prompt_tokens,
+            ),
+            "cached_prompt_tokens": (
+                "Prompt tokens taken from the prefix cache instead of computed.",
+                scheduler.num_cached_prompt_tokens,
+            ),
+            "prefix_cache_hit_blocks": (
+                "Cached blocks that admitted requests shared instead of computing.",
+                scheduler.num_cache_hit_blocks,
             ),
             "passes": ("Prefill forward passes run.", loop.num_passes),
             "handed_off": ("Requests whose KV the decode acknowledged.", handoffs.num_handed_off),
@@ -124,6 +138,7 @@ async def create_server(
         "prefill_started",
         **instance.describe(),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        prefix_cache=config.prefix_cache,
     )
     return instance
 

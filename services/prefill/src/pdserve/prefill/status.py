@@ -48,14 +48,17 @@ class PrefillStatus(InstanceStatus):
     def pool_integrity(self, check: bool) -> common_pb2.PoolIntegrity:
         """Block-pool counts. A prefill leases no blocks of its own: ``num_open_leases``
         counts the decode leases its requests hold and have not handed off or released yet.
+        Free blocks include evictable prefix-cache blocks (also in ``num_cached_blocks``).
         """
         with self.loop.lock:
             detail = integrity_failure(self.loop.scheduler.check_integrity) if check else ""
             pool = self.loop.scheduler.pool
             num_free, num_total = pool.num_free_blocks, pool.num_blocks
+            num_cached = pool.num_cached_blocks
         return common_pb2.PoolIntegrity(
             num_total_blocks=num_total,
             num_free_blocks=num_free,
+            num_cached_blocks=num_cached,
             num_open_leases=sum(1 for t in self.handoffs.live.values() if t.is_lease_open),
             is_consistent=not detail,
             detail=detail,
