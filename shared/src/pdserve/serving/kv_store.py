@@ -19,8 +19,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from urllib.parse import parse_qsl, urlsplit
@@ -29,6 +28,7 @@ from pdserve.serving.kv_block_codec import BlockMiss, MissCause, decode_block, e
 
 DEFAULT_FILE_MAX_BYTES = 1 << 30
 DEFAULT_REDIS_TIMEOUT_S = 2.0
+_KIND_NAMES = {int: "an integer", float: "a number"}
 
 
 class KvStoreUnavailable(Exception):
@@ -105,22 +105,37 @@ class KvStore(abc.ABC):
         Returns:
             Bytes written.
         """
-        with self._timed("put") as nbytes:
-            nbytes.append(self._put_many(entries))
-        return nbytes[0]
+        start, written = time.perf_counter(), 0
+        try:
+            written = self._put_many(entries)
+            return written
+        except KvStoreUnavailable:
+            self.stats.record_error()
+            raise
+        finally:
+            self.stats.record_io(put_s=time.perf_counter() - start, stored=written)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The raw entries stored under `keys`, None where there is none (unchecked: see
         `get_blocks`)."""
-        with self._timed("get") as nbytes:
+        start, loaded = time.perf_counter(), 0
+        try:
             blobs = self._get_many(keys)
-            nbytes.append(sum(len(b) for b in blobs if b is not None))
-        return blobs
+            loaded = sum(len(b) for b in blobs if b is not None)
+            return blobs
+        except KvStoreUnavailable:
+            self.stats.record_error()
+            raise
+        finally:
+            self.stats.record_io(get_s=time.perf_counter() - start, loaded=loaded)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` have an entry (the longest stored prefix, unchecked)."""
-        with self._timed(None):
+        try:
             return self._contains_prefix(keys)
+        except KvStoreUnavailable:
+            self.stats.record_error()
+            raise
 
     def put_blocks(self, fingerprint: str, payloads: Mapping[bytes, bytes]) -> int:
         """Encodes and stores block payloads (block key -> `export_block_payloads` bytes).
@@ -134,6 +149,8 @@ class KvStore(abc.ABC):
         self, keys: Sequence[bytes], fingerprint: str, payload_nbytes: int
     ) -> list[bytes | None]:
         """The checked payloads under `keys`, None for each miss; counts hits and misses by cause.
+
+        A prefix load uses the payloads up to the first None.
 
         Args:
             keys: Block keys, e.g. a request's `prefix_block_keys`.
@@ -167,23 +184,6 @@ class KvStore(abc.ABC):
     ) -> None:
         self.close()
 
-    @contextmanager
-    def _timed(self, kind: str | None) -> Iterator[list[int]]:
-        nbytes: list[int] = []
-        start = time.perf_counter()
-        try:
-            yield nbytes
-        except KvStoreUnavailable:
-            self.stats.record_error()
-            raise
-        finally:
-            elapsed = time.perf_counter() - start
-            done = nbytes[0] if nbytes else 0
-            if kind == "get":
-                self.stats.record_io(get_s=elapsed, loaded=done)
-            elif kind == "put":
-                self.stats.record_io(put_s=elapsed, stored=done)
-
     @abc.abstractmethod
     def _put_many(self, entries: Mapping[bytes, bytes]) -> int: ...
 
@@ -202,7 +202,7 @@ def _number_param(
     try:
         value = kind(params.pop(name))
     except ValueError:
-        raise ValueError(f"{name} in KV store spec {spec!r} must be a {kind.__name__}") from None
+        raise ValueError(f"{name} in KV store spec {spec!r} must be {_KIND_NAMES[kind]}") from None
     if value <= 0:
         raise ValueError(f"{name} in KV store spec {spec!r} must be positive, got {value}")
     return value
