@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from pdserve.serving.kv_block_codec import (
     HEADER_NBYTES,
     MissCause,
     block_payload_nbytes,
+    encode_block,
     export_block_payloads,
 )
 from pdserve.serving.kv_store import KvStoreUnavailable
@@ -95,3 +98,58 @@ def test_a_store_over_an_unwritable_directory_raises_unavailable(tmp_path: Path)
     with pytest.raises(KvStoreUnavailable):
         store.put_blocks(FINGERPRINT, {key: export_block_payloads(filled_cache(), [0])[0]})
     assert store.stats.snapshot().num_errors == 1
+
+
+_WRITER = """
+import os, sys, time
+from pdserve.serving.kv_block_codec import BlockMiss, decode_block
+from pdserve.serving.kv_store_file import FileKvStore
+
+root, go, fingerprint, key_hex, payload_nbytes, *blob_paths = sys.argv[1:]
+key = bytes.fromhex(key_hex)
+blobs = [open(p, "rb").read() for p in blob_paths]
+store = FileKvStore(root, max_bytes=1 << 30)
+print("ready", flush=True)
+while not os.path.exists(go):  # start together, so that the writes overlap
+    time.sleep(0.001)
+for i in range(60):
+    store.put_many({key: blobs[i % len(blobs)]})
+    (blob,) = store.get_many([key])
+    if isinstance(decode_block(blob, fingerprint, key, int(payload_nbytes)), BlockMiss):
+        sys.exit("a reader saw an unusable entry")
+"""
+
+
+def test_processes_writing_the_same_key_leave_a_valid_entry(tmp_path: Path) -> None:
+    (key,) = block_keys(1)
+    # NOTE: 1 MiB entries make the window of a torn write wide enough to be seen.
+    payloads = [os.urandom(1 << 20) for _ in range(3)]
+    blob_paths = []
+    for i, payload in enumerate(payloads):
+        blob_paths.append(tmp_path / f"blob{i}")
+        blob_paths[-1].write_bytes(encode_block(FINGERPRINT, key, payload))
+    root, go = tmp_path / "kv", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [root, go, FINGERPRINT, key.hex(), 1 << 20]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WRITER, *map(str, args + blob_paths[i:])],
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+        for i in range(3)
+    ]
+    try:
+        assert all(w.stdout is not None and w.stdout.readline() == b"ready\n" for w in writers)
+        go.touch()
+        assert [w.wait(timeout=120) for w in writers] == [0, 0, 0]
+    finally:
+        for w in writers:
+            w.kill()
+            w.wait()
+            if w.stdout is not None:
+                w.stdout.close()
+    store = FileKvStore(root, max_bytes=1 << 30)
+    assert store.get_blocks([key], FINGERPRINT, 1 << 20)[0] in payloads
+    assert _entry_files(root) == [store.path_of(key)]
+    assert not list(root.glob("*/.*"))
