@@ -134,6 +134,12 @@ def decode_block(
     return payload
 
 
+def _blocks_first(kv_cache: KVCache) -> torch.Tensor:
+    """A view of the cache indexed by block first (no copy)."""
+    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    return kv_cache.kv.permute(2, 0, 1, 3, 4, 5)
+
+
 def export_block_payloads(kv_cache: KVCache, block_ids: Sequence[int]) -> list[bytes]:
     """The payloads of the given blocks, in the order given (one gather, one host copy).
 
@@ -144,8 +150,8 @@ def export_block_payloads(kv_cache: KVCache, block_ids: Sequence[int]) -> list[b
     if not block_ids:
         return []
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    # blocks: [num_ids, num_layers, 2, block_size, num_kv_heads, head_dim]
-    blocks = kv_cache.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()
+    # blocks: [num_ids, num_layers, 2, block_size, num_kv_heads, head_dim], gathered in one copy
+    blocks = _blocks_first(kv_cache)[index]
     raw = blocks.cpu().view(torch.uint8).reshape(len(block_ids), -1).numpy()
     return [row.tobytes() for row in raw]
 
@@ -171,8 +177,8 @@ def import_block_payloads(
         # NOTE: the source is only read; torch warns about read-only buffers regardless.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(joined, dtype=torch.uint8).view(kv_cache.dtype)
-    # src: [num_layers, 2, num_ids, block_size, num_kv_heads, head_dim]
-    src = flat.view(len(block_ids), *kv_cache.kv.shape[:2], *kv_cache.kv.shape[3:])
-    src = src.permute(1, 2, 0, 3, 4, 5).to(kv_cache.device)
+    view = _blocks_first(kv_cache)
+    # src: [num_ids, num_layers, 2, block_size, num_kv_heads, head_dim]
+    src = flat.view(len(block_ids), *view.shape[1:]).to(kv_cache.device)
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache.kv.index_copy_(2, index, src)
+    view[index] = src
