@@ -7,9 +7,11 @@ PY := $(BIN)/python
 BASELINE := protos/baseline/pdserve-v1.binpb
 INSTALL_STAMP := $(VENV)/.installed
 NODE_CLIENT := clients/node
+# NOTE: apt-get needs root; elsewhere it goes through sudo.
+SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: help venv install model up proto proto-check lint format typecheck test test-fast demo-model \
-	contract-baseline lock clean node-deps
+	contract-baseline lock clean node-deps system-deps
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -70,10 +72,14 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package.json $(NO
 		cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund; \
 	else echo "npm not found: tests/e2e/test_node_client.py will be skipped"; fi
 
-test: venv model lint typecheck node-deps  ## lint, type-check, then the whole pytest suite
+system-deps:  ## install the system packages the tests run (redis-server for the KV store tests)
+	@command -v redis-server >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends redis-server)
+
+test: system-deps venv model lint typecheck node-deps  ## lint, type-check, then the whole pytest suite
 	$(BIN)/pytest
 
-test-fast: venv  ## pytest without lint
+test-fast: system-deps venv  ## pytest without lint
 	$(BIN)/pytest -x -q
 
 lock:  ## re-pin constraints.txt from the current venv (review the diff)

@@ -1,0 +1,84 @@
+"""A real redis-server on 127.0.0.1 for tests: no persistence, its own temp dir, a free port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+_START_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers_ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server process; `stop` may be called mid-test to take the store down."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail(
+                "redis-server is not installed: `make test` installs it (make system-deps), "
+                "or run `apt-get install -y redis-server`",
+                pytrace=False,
+            )
+        self.port = _free_port()
+        self.spec = f"redis://127.0.0.1:{self.port}/0"
+        self._log = open(workdir / "redis.log", "wb")  # noqa: SIM115
+        self._process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not _answers_ping(self.port):
+            if self._process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                log = (workdir / "redis.log").read_text(errors="replace")
+                pytest.fail(f"redis-server did not answer PING on port {self.port}:\n{log}")
+            time.sleep(0.02)
+
+    @property
+    def is_running(self) -> bool:
+        return self._process.poll() is None
+
+    def stop(self) -> None:
+        """Stops the server and waits until it has exited."""
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+
+
+@contextmanager
+def running_redis(workdir: Path) -> Iterator[RedisServer]:
+    """A redis-server for the duration of the block (stopped at the end even if it failed)."""
+    server = RedisServer(workdir)
+    try:
+        yield server
+    finally:
+        server.stop()
