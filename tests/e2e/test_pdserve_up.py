@@ -86,6 +86,7 @@ def test_every_internal_port_refuses_a_caller_without_a_certificate(cluster: Clu
     async def status_as_operator() -> str:
         async with operator.channel(addresses[-1], MEMBER_DNS_NAME) as channel:
             reply = await instance_pb2_grpc.InstanceServiceStub(channel).GetInstanceStatus(status)
+            assert not reply.insecure
             return str(reply.instance.instance_id)
 
     assert asyncio.run(status_as_operator()) == "decode-0"

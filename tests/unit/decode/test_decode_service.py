@@ -108,7 +108,9 @@ async def test_headroom_keeps_running_requests_from_preemption(client: DecodeCli
     sampling = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     _, lease = await _handoff(client, "runner", PROMPT, sampling)
     stream = asyncio.create_task(client.collect(lease.lease_id))
-    load = (await client.pool()).load
+    status = await client.pool()
+    assert status.insecure  # the harness runs with --insecure, and says so
+    load = status.load
     assert load.num_reserved_blocks > 0
     available = load.num_free_blocks - load.num_reserved_blocks
     # Fill everything admission allows, in prompts of 8 blocks with no growth of their own.
