@@ -22,7 +22,6 @@ from pdserve.common.pki import Identity, TlsFiles
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
-from pdserve.serving.kv_store import check_store_spec
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,8 @@ class ClusterConfig:
         for name in ("prefill_args", "decode_args", "gateway_args"):
             shlex.split(getattr(self, name))  # raises ValueError for unbalanced quotes
         if self.kv_store is not None:
+            from pdserve.serving.kv_store import check_store_spec  # NOTE: loads torch
+
             try:
                 check_store_spec(self.kv_store)
             except ValueError as error:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
-from pdserve.serving.kv_offload import DEFAULT_MAX_QUEUE_LEN
-from pdserve.serving.kv_store import check_store_spec
+
+DEFAULT_KV_STORE_QUEUE_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,16 @@ class InstanceConfig(ServiceConfig):
         },
     )
     kv_store_queue_len: int = field(
-        default=DEFAULT_MAX_QUEUE_LEN,
+        default=DEFAULT_KV_STORE_QUEUE_LEN,
         metadata={"help": "most KV store writes waiting at once; beyond it the oldest is dropped"},
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kv_store is not None:
+            # NOTE: imported here so that --help and other refused flags never load torch.
+            from pdserve.serving.kv_store import check_store_spec
+
             try:
                 check_store_spec(self.kv_store)
             except ValueError as error:

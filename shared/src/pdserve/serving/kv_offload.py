@@ -23,14 +23,13 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from pdserve.common import telemetry
+from pdserve.serving.config import DEFAULT_KV_STORE_QUEUE_LEN
 from pdserve.serving.engine_thread import EngineThread
 from pdserve.serving.kv_block_codec import MissCause
 from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.serving")
-
-DEFAULT_MAX_QUEUE_LEN = 64
 
 
 class WriteDropped(Exception):
@@ -62,7 +61,7 @@ class KvStoreWriter(EngineThread):
     """
 
     def __init__(
-        self, store: KvStore, fingerprint: str, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
+        self, store: KvStore, fingerprint: str, max_queue_len: int = DEFAULT_KV_STORE_QUEUE_LEN
     ) -> None:
         if max_queue_len <= 0:
             raise ValueError(f"max_queue_len must be positive, got {max_queue_len}")
@@ -116,8 +115,12 @@ class KvStoreWriter(EngineThread):
             return len(self._queue)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops after the write in progress; writes still queued fail with `WriteDropped`."""
-        super().stop(timeout_s)
+        """Stops after the write in progress; writes still queued fail with `WriteDropped`
+        (also before `start`: then every write fails)."""
+        if self._thread.ident is not None:
+            super().stop(timeout_s)
+        with self._cond:
+            self._is_stopped = True
         with self._cond:
             left, self._queue = list(self._queue), collections.deque()
             self.num_dropped += len(left)
