@@ -29,9 +29,11 @@ def reference(demo_model_dir: Path) -> Reference:
 
 @pytest.fixture
 async def cluster(
-    demo_model_dir: Path, request: pytest.FixtureRequest
+    demo_model_dir: Path, request: pytest.FixtureRequest, tmp_path: Path
 ) -> AsyncIterator[RealCluster]:
-    options: dict[str, Any] = getattr(request, "param", {})
+    options: dict[str, Any] = dict(getattr(request, "param", {}))
+    if options.pop("kv_store", False):
+        options["instance_settings"] = {"kv_store": f"file:{tmp_path / 'kv'}"}
     real = RealCluster(demo_model_dir)
     try:
         yield await real.start(**options)
@@ -105,11 +107,16 @@ def _counter(text: str, name: str) -> float:
     )
 
 
+STORM = {"decode_overrides": [{"num_blocks": 20, "reserve_tokens": 0}], "preempt_retry_count": 50}
+
+
 @pytest.mark.parametrize(
     "cluster",
-    # 20 blocks of 16 tokens and no growth headroom: 8 long streams must preempt each other.
-    [{"decode_overrides": [{"num_blocks": 20, "reserve_tokens": 0}], "preempt_retry_count": 50}],
+    # 20 blocks of 16 tokens and no growth headroom: 8 long streams must preempt each other;
+    # with the KV store on, preempted requests are offloaded and reloaded on reschedule.
+    [STORM, {**STORM, "kv_store": True}],
     indirect=True,
+    ids=["no-store", "kv-store"],
 )
 async def test_preemption_storm_is_invisible_to_clients(
     cluster: RealCluster, reference: Reference
@@ -136,6 +143,9 @@ async def test_preemption_storm_is_invisible_to_clients(
     assert results == expected
     metrics = (await cluster.http().get("/metrics")).text
     assert _counter(metrics, "pdserve_gateway_reschedules") > 0
+    for decode in cluster.decodes:
+        if decode.offload is not None:
+            assert decode.offload.num_written > 0
     await cluster.assert_whole()
 
 

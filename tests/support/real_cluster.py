@@ -44,7 +44,14 @@ class RealCluster:
         self.decodes: list[DecodeInstance] = []
 
     async def start(
-        self, *, prefills: int = 1, decodes: int = 1, decode_overrides: Any = (), **gateway: Any
+        self,
+        *,
+        prefills: int = 1,
+        decodes: int = 1,
+        decode_overrides: Any = (),
+        instance_settings: Any = None,
+        prefill_settings: Any = None,
+        **gateway: Any,
     ) -> RealCluster:
         """Starts the gateway, then the instances, and waits until all registered.
 
@@ -52,6 +59,8 @@ class RealCluster:
             prefills: Number of prefill instances.
             decodes: Number of decode instances.
             decode_overrides: One dict of DecodeConfig overrides per decode (or empty).
+            instance_settings: Settings of every prefill and decode (e.g. ``kv_store``).
+            prefill_settings: PrefillConfig overrides of every prefill.
             gateway: GatewayConfig overrides.
         """
         settings = {"host": "127.0.0.1", "port": 0, "grpc_port": 0, "internal_port": 0,
@@ -61,9 +70,9 @@ class RealCluster:
         await self.gateway.start()
         common = {"model": str(self.model_dir), "served_model_name": MODEL_NAME, "port": 0,
                   "gateway": self.internal_address, "block_size": BLOCK_SIZE,
-                  "metrics_port": 0}  # fmt: skip
+                  "metrics_port": 0, **(instance_settings or {})}  # fmt: skip
         for _ in range(prefills):
-            await self.add_prefill(**common)
+            await self.add_prefill(**common, **(prefill_settings or {}))
         overrides = list(decode_overrides) or [{}] * decodes
         for extra in overrides:
             await self.add_decode(**{**common, "num_blocks": 256, **extra})

@@ -101,3 +101,11 @@ async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) 
             process.kill()
             await process.wait()
         await server.stop(grace=None)
+
+
+def test_a_bad_kv_store_spec_is_refused_at_start(capsys) -> None:
+    from pdserve.decode.__main__ import main
+
+    assert main(["--insecure", "--kv-store", "s3://bucket"]) == 2
+    error = capsys.readouterr().err
+    assert "kv_store" in error and "file:DIR" in error and "redis://HOST:PORT" in error

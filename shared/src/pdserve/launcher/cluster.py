@@ -57,6 +57,13 @@ class ClusterConfig:
         default="", metadata={"help": 'extra flags for every decode, e.g. "--num-blocks 32"'}
     )
     gateway_args: str = field(default="", metadata={"help": "extra flags for the gateway"})
+    kv_store: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV storage tier for every prefill and decode (their --kv-store): "
+            "file:DIR[?max_bytes=N] or redis://HOST:PORT[/DB]; off if unset"
+        },
+    )
     log_dir: str | None = field(
         default=None, metadata={"help": "where each service's log goes; a temp dir when unset"}
     )
@@ -76,6 +83,13 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one prefill and one decode")
         for name in ("prefill_args", "decode_args", "gateway_args"):
             shlex.split(getattr(self, name))  # raises ValueError for unbalanced quotes
+        if self.kv_store is not None:
+            from pdserve.serving.kv_store import check_store_spec  # NOTE: loads torch
+
+            try:
+                check_store_spec(self.kv_store)
+            except ValueError as error:
+                raise ValueError(f"kv_store: {error}") from None
 
 
 class Cluster:
@@ -169,6 +183,8 @@ class Cluster:
                       "--host", config.host, "--port", "0",
                       "--metrics-port", "0", "--num-threads", str(threads),
                       "--gateway", f"{config.host}:{self.internal_port}"]  # fmt: skip
+            if config.kv_store is not None:
+                common += ["--kv-store", config.kv_store]
             for i in range(config.prefills):
                 args = [*common, *shlex.split(config.prefill_args)]
                 self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pdserve.common.config import ServiceConfig
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 
+DEFAULT_KV_STORE_QUEUE_LEN = 64
+
 
 @dataclass(frozen=True)
 class InstanceConfig(ServiceConfig):
@@ -62,9 +64,32 @@ class InstanceConfig(ServiceConfig):
             "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
         },
     )
+    kv_store: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV storage tier shared by instances: file:DIR[?max_bytes=N] (one host) or "
+            "redis://HOST:PORT[/DB] (shared). The decode offloads preempted requests' blocks "
+            "there, the prefill writes computed prompt blocks and loads stored prefixes "
+            "instead of computing them; off if unset"
+        },
+    )
+    kv_store_queue_len: int = field(
+        default=DEFAULT_KV_STORE_QUEUE_LEN,
+        metadata={"help": "most KV store writes waiting at once; beyond it the oldest is dropped"},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_store is not None:
+            # NOTE: imported here so that --help and other refused flags never load torch.
+            from pdserve.serving.kv_store import check_store_spec
+
+            try:
+                check_store_spec(self.kv_store)
+            except ValueError as error:
+                raise ValueError(f"kv_store: {error}") from None
+        if self.kv_store_queue_len <= 0:
+            raise ValueError(f"kv_store_queue_len must be positive, got {self.kv_store_queue_len}")
         for name in ("kv_cache_memory_mb", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

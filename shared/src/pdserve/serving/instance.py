@@ -30,6 +30,8 @@ from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import local_protocol
+from pdserve.serving.kv_offload import KvStoreWriter, kv_store_counters
+from pdserve.serving.kv_store import KvStore, KvStoreUnavailable, open_store
 from pdserve.serving.model_host import ModelHost
 from pdserve.serving.status import InstanceStatus
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
@@ -71,6 +73,9 @@ class InstanceServer(abc.ABC):
         health: The health servicer, once started.
         registration: Keeps the instance registered with ``--gateway``; None without one.
         metrics_server: The ``/metrics`` endpoint with ``--metrics-port``; None without it.
+        kv_store: The KV storage tier with ``--kv-store`` (None without one, or when it
+            could not be opened at start: then every store operation is skipped).
+        kv_writer: The worker thread that writes to `kv_store`; None without a store.
     """
 
     role: ClassVar[common_pb2.InstanceRole]
@@ -100,6 +105,14 @@ class InstanceServer(abc.ABC):
         self.registration: RegistrationClient | None = None
         self.metrics_server: WSGIServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.kv_store = open_kv_store(config)
+        self.kv_writer = (
+            None
+            if self.kv_store is None
+            else KvStoreWriter(
+                self.kv_store, self.host.kv_layout.fingerprint, config.kv_store_queue_len
+            )
+        )
         self.build()
 
     @property
@@ -121,6 +134,10 @@ class InstanceServer(abc.ABC):
     @abc.abstractmethod
     def counters(self) -> Mapping[str, tuple[str, float]]:
         """Running totals for ``/metrics``: ``{name: (help, value)}``, read at scrape time."""
+
+    def all_counters(self) -> Mapping[str, tuple[str, float]]:
+        """The role's `counters` and the KV store's (``kv_store_*``, with ``--kv-store``)."""
+        return {**self.counters(), **kv_store_counters(self.kv_store, self.host.runner.block_size)}
 
     @abc.abstractmethod
     def stop_admitting(self) -> None:
@@ -163,7 +180,7 @@ class InstanceServer(abc.ABC):
         """Serves: metrics, the role's service with InstanceService, health and reflection,
         the engine thread, background tasks, then registration with the gateway."""
         self.status.is_insecure = self.security.is_insecure
-        self.metrics.watch(self.status.load_report, self.counters)
+        self.metrics.watch(self.status.load_report, self.all_counters)
         self.metrics_server = serve_metrics(self.config, self.metrics, self.instance)
         self.add_service(self.server)
         instance_pb2_grpc.add_InstanceServiceServicer_to_server(self.status, self.server)
@@ -171,6 +188,8 @@ class InstanceServer(abc.ABC):
             self.server, (self.service_name, INSTANCE_SERVICE)
         )
         self.loop.start()
+        if self.kv_writer is not None:
+            self.kv_writer.start()
         await self.server.start()
         self._tasks.extend(asyncio.create_task(work) for work in self.background())
         self.registration = registration_client(
@@ -210,6 +229,10 @@ class InstanceServer(abc.ABC):
         await self.server.stop(grace)
         await self.close()
         self.loop.stop()
+        if self.kv_writer is not None:
+            await asyncio.to_thread(self.kv_writer.stop)
+        if self.kv_store is not None:
+            self.kv_store.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
@@ -238,6 +261,20 @@ def load_model(config: InstanceConfig) -> ModelHost:
         max_model_len=config.max_model_len,
         num_threads=config.num_threads,
     )
+
+
+def open_kv_store(config: InstanceConfig) -> KvStore | None:
+    """Opens ``--kv-store`` (None without one). A store that cannot be opened now is logged
+    and left out: the instance serves without it (every load misses, nothing is offloaded)."""
+    if config.kv_store is None:
+        return None
+    try:
+        store = open_store(config.kv_store)
+    except KvStoreUnavailable as error:
+        log.warning("kv_store_unavailable", spec=config.kv_store, error=str(error))
+        return None
+    log.info("kv_store_opened", spec=config.kv_store)
+    return store
 
 
 def role_name(role: common_pb2.InstanceRole) -> str:

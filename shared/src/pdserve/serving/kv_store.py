@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from urllib.parse import parse_qsl, urlsplit
@@ -215,6 +215,20 @@ def open_store(spec: str) -> KvStore:
         ValueError: If the spec is not one of the supported forms, with what is wrong.
         KvStoreUnavailable: If the store exists but cannot be opened.
     """
+    return _parse_spec(spec)()
+
+
+def check_store_spec(spec: str) -> None:
+    """Checks a spec's form without opening anything (for config validation).
+
+    Raises:
+        ValueError: If the spec is not one of the supported forms, with what is wrong.
+    """
+    _parse_spec(spec)
+
+
+def _parse_spec(spec: str) -> Callable[[], KvStore]:
+    """A function that opens the store `spec` names (raises ValueError for a bad spec)."""
     scheme, sep, rest = spec.partition(":")
     path, _, query = rest.partition("?")
     try:
@@ -226,9 +240,13 @@ def open_store(spec: str) -> KvStore:
             raise ValueError(f"KV store spec {spec!r} must be file:DIR[?max_bytes=N]")
         max_bytes = int(_number_param(params, "max_bytes", spec) or DEFAULT_FILE_MAX_BYTES)
         _reject_unknown(params, spec)
-        from pdserve.serving.kv_store_file import FileKvStore
 
-        return FileKvStore(path, max_bytes=max_bytes)
+        def open_file() -> KvStore:
+            from pdserve.serving.kv_store_file import FileKvStore
+
+            return FileKvStore(path, max_bytes=max_bytes)
+
+        return open_file
     if sep and scheme in ("redis", "valkey"):
         url = urlsplit(spec)
         try:
@@ -241,15 +259,21 @@ def open_store(spec: str) -> KvStore:
         ttl_s = _number_param(params, "ttl_s", spec)
         timeout_s = _number_param(params, "timeout_s", spec, float)
         _reject_unknown(params, spec)
-        from pdserve.serving.kv_store_redis import RedisKvStore
 
-        return RedisKvStore(
-            host,
-            port,
-            int(db_text),
-            ttl_s=None if ttl_s is None else int(ttl_s),
-            timeout_s=timeout_s or DEFAULT_REDIS_TIMEOUT_S,
-        )
+        redis_host, redis_port = host, port
+
+        def open_redis() -> KvStore:
+            from pdserve.serving.kv_store_redis import RedisKvStore
+
+            return RedisKvStore(
+                redis_host,
+                redis_port,
+                int(db_text),
+                ttl_s=None if ttl_s is None else int(ttl_s),
+                timeout_s=timeout_s or DEFAULT_REDIS_TIMEOUT_S,
+            )
+
+        return open_redis
     raise ValueError(
         f"unsupported KV store spec {spec!r}: use file:DIR[?max_bytes=N] or "
         "redis://HOST:PORT[/DB] (valkey:// also accepted)"

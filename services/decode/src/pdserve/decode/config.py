@@ -40,9 +40,19 @@ class DecodeConfig(InstanceConfig):
             "only uncommitted lease"
         },
     )
+    kv_offload_wait_ms: int = field(
+        default=1000,
+        metadata={
+            "help": "with --kv-store, how long a preemption notice waits for the offload of "
+            "the request's blocks; a notice sent before the write landed carries no key (the "
+            "reschedule recomputes those blocks)"
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.kv_offload_wait_ms < 0:
+            raise ValueError(f"kv_offload_wait_ms must be >= 0, got {self.kv_offload_wait_ms}")
         for name in ("max_num_seqs", "lease_ttl_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

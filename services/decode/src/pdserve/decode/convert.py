@@ -94,6 +94,7 @@ def events_to_messages(
                 reason=_PREEMPTION_REASONS[event.reason],
                 num_generated_tokens=len(event.generated_token_ids),
                 generated_token_ids=list(event.generated_token_ids),
+                stored_prefix_key=event.stored_prefix_key,
             )
             yield Response(preemption=notice), None
         elif isinstance(event, EndedEvent):

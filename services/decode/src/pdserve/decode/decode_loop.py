@@ -19,6 +19,7 @@ from opentelemetry import trace
 from pdserve.common.generation import FinishReason, check_stop
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.request import (
     DecodeRequest,
     EndedEvent,
@@ -45,6 +46,7 @@ class DecodeLoop(EngineThread):
         eos_token_ids: End-of-sequence ids of the model.
         max_model_len: Longest sequence served.
         metrics: Where step durations are observed, if anywhere.
+        offload: Stores preempted requests' blocks in the KV store (None: no store).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class DecodeLoop(EngineThread):
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         metrics: DecodeMetrics | None = None,
+        offload: PreemptionOffload | None = None,
     ) -> None:
         self.runner = runner
         self.leases = leases
@@ -63,6 +66,7 @@ class DecodeLoop(EngineThread):
         self.max_model_len = max_model_len
         self.sampler = Sampler()
         self.metrics = metrics
+        self.offload = offload
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -219,9 +223,12 @@ class DecodeLoop(EngineThread):
 
     def _preempt(self, request: DecodeRequest, reason: PreemptionReason) -> None:
         self._running.remove(request)
+        event = PreemptedEvent(reason, tuple(request.token_ids[request.num_prompt_tokens :]))
+        # NOTE: the offload copies the blocks out before `end` frees them.
+        offload = None if self.offload is None else self.offload.start(request)
         self.leases.end(request, RequestStatus.PREEMPTED)
         self.num_preemptions += 1
-        generated = tuple(request.token_ids[request.num_prompt_tokens :])
+        generated = event.generated_token_ids
         log.info(
             "request_preempted",
             request_id=request.request_id,
@@ -233,7 +240,10 @@ class DecodeLoop(EngineThread):
             {"pdserve.reason": reason.value, "pdserve.num_generated_tokens": len(generated)},
         )
         request.end_span()
-        request.emit(PreemptedEvent(reason, generated))
+        if self.offload is None:
+            request.emit(event)
+        else:
+            self.offload.emit_notice(request, event, offload)
 
     def _end(self, request: DecodeRequest, status: RequestStatus, detail: str) -> None:
         self._running.remove(request)

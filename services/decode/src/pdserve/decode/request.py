@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import enum
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -25,6 +27,7 @@ from pdserve.common.pki import Identity
 from pdserve.engine.block_pool import BlockPool
 
 _tracer = telemetry.tracer("pdserve.decode")
+_PENDING: set[asyncio.Future[None]] = set()  # notices waiting for their offload (keep a ref)
 
 
 class RequestStatus(enum.IntEnum):
@@ -86,10 +89,15 @@ class FinishedEvent:
 
 @dataclass(frozen=True)
 class PreemptedEvent:
-    """Terminal: preempted after every token in ``generated_token_ids`` was emitted."""
+    """Terminal: preempted after every token in ``generated_token_ids`` was emitted.
+
+    ``stored_prefix_key`` is the hex key of the last block offloaded to the KV store ('' when
+    nothing was stored in time).
+    """
 
     reason: PreemptionReason
     generated_token_ids: tuple[int, ...]
+    stored_prefix_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -271,6 +279,37 @@ class DecodeRequest:
         assert self._aio_loop is not None, "emit() before start_generation()"
         with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
             self._aio_loop.call_soon_threadsafe(self.deliver, event)
+
+    def emit_when_done(
+        self,
+        future: Future[int],
+        timeout_s: float,
+        make_event: Callable[[Future[int] | None], DecodeEvent],
+    ) -> None:
+        """Emits ``make_event(future)`` once `future` resolves, or ``make_event(None)`` after
+        `timeout_s`, whichever comes first (from any thread; events emitted before this call
+        are delivered before it)."""
+        assert self._aio_loop is not None, "emit_when_done() before start_generation()"
+
+        def schedule() -> None:
+            task = asyncio.ensure_future(self._deliver_when_done(future, timeout_s, make_event))
+            _PENDING.add(task)
+            task.add_done_callback(_PENDING.discard)
+
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
+            self._aio_loop.call_soon_threadsafe(schedule)
+
+    async def _deliver_when_done(
+        self,
+        future: Future[int],
+        timeout_s: float,
+        make_event: Callable[[Future[int] | None], DecodeEvent],
+    ) -> None:
+        waited = asyncio.wrap_future(future)
+        # NOTE: a write that lands after the wait still resolves `waited`; retrieve its error.
+        waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done, _ = await asyncio.wait({waited}, timeout=timeout_s)
+        self.deliver(make_event(future if done else None))
 
     def end_span(self, attributes: dict[str, str] | None = None) -> None:
         """Ends its ``decode.generation`` span with what it did and how it ended.

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.request import PreemptionReason
 from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
@@ -59,6 +61,16 @@ class DecodeInstance(InstanceServer):
             is_insecure=self.security.is_insecure,
         )
         self.metrics = DecodeMetrics()
+        self.offload = (
+            None
+            if self.kv_writer is None
+            else PreemptionOffload(
+                self.kv_writer,
+                host.runner.kv_cache,
+                host.runner.block_size,
+                config.kv_offload_wait_ms / 1000,
+            )
+        )
         self.loop = DecodeLoop(
             host.runner,
             self.leases,
@@ -66,6 +78,7 @@ class DecodeInstance(InstanceServer):
             host.eos_token_ids,
             host.max_model_len,
             self.metrics,
+            self.offload,
         )
         self.servicer = DecodeServicer(host, self.leases, self.loop, self.metrics)
         self.servicer.instance_id = self.instance.instance_id
@@ -91,6 +104,30 @@ class DecodeInstance(InstanceServer):
                 "KV bytes received in committed transfers.",
                 self.servicer.num_kv_bytes_received,
             ),
+            **self._offload_counters(),
+        }
+
+    def _offload_counters(self) -> dict[str, tuple[str, float]]:
+        if self.offload is None or self.kv_writer is None:
+            return {}
+        return {
+            "kv_offloads_written": (
+                "Preempted requests whose blocks reached the KV store before their notice.",
+                self.offload.num_written,
+            ),
+            "kv_offloads_skipped": (
+                "Preempted requests noticed without a stored prefix (store down or full, "
+                "writer behind, or the write late).",
+                self.offload.num_skipped,
+            ),
+            "kv_offload_blocks": (
+                "Blocks copied out of the cache for offloads.",
+                self.offload.num_blocks_exported,
+            ),
+            "kv_store_writes_dropped": (
+                "KV store writes dropped because the writer fell behind.",
+                self.kv_writer.num_dropped,
+            ),
         }
 
     def stop_admitting(self) -> None:
@@ -106,6 +143,12 @@ class DecodeInstance(InstanceServer):
     async def at_drain_deadline(self) -> None:
         self.loop.preempt_all(PreemptionReason.DRAINING)
         await asyncio.sleep(NOTICE_WAIT_S)  # let the notices reach their streams
+        if self.offload is not None:
+            # NOTE: notices wait for their offloads (bounded by --kv-offload-wait-ms).
+            deadline = time.monotonic() + self.offload.wait_s
+            while self.offload.num_pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(NOTICE_WAIT_S)
 
     async def abort_in_flight(self) -> None:
         pass  # NOTE: a cancelled Generate stream releases its lease itself.

@@ -220,6 +220,9 @@ class Handoffs:
                     self._on_transfer_done, transfer_span, request.sender, time.perf_counter()
                 )
             )
+        if self.loop.store_loader is not None:
+            # NOTE: store I/O on a worker thread, before the engine thread sees the request.
+            await self.loop.store_loader.load(request)
         request.move_to(RequestStatus.PREFILLING)
         request.is_submitted = True
         with _tracer.start_as_current_span(
@@ -241,6 +244,7 @@ class Handoffs:
             token_id=token_id,
             index=index,
             num_cached_tokens=request.num_cached_tokens,
+            num_loaded_tokens=request.num_loaded_tokens,
         )
         finish = first_token_finish(request, token_id, self.eos_token_ids, self.max_model_len)
         if finish is not None:

@@ -11,6 +11,10 @@ With the prefix cache on, a request's leading cached blocks are never computed, 
 is in the cache like any other: the first pass of such a request exports them too (its export
 starts at block 0), so the decode still receives the whole prompt, in the same order.
 
+With the KV store on, blocks admission filled from the store are copied into the cache before
+the request's first pass (and exported like cached ones), and after each pass the full blocks
+it computed are written through to the store (`StoreLoader.write_through`).
+
 Submissions take effect between passes; a release frees the blocks at once unless the request
 may be part of the running pass, in which case it waits for the pass boundary, so blocks are
 never freed under a forward pass that writes them.
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import structlog
@@ -35,7 +39,9 @@ from pdserve.prefill.events import EngineFailed, FirstTokenSampled
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
+from pdserve.prefill.store_loader import StoreLoader
 from pdserve.serving.engine_thread import EngineThread
+from pdserve.serving.kv_block_codec import import_block_payloads
 from pdserve.serving.kv_transfer import blocks_per_piece, layer_pieces
 
 log = structlog.get_logger(__name__)
@@ -84,6 +90,7 @@ class PrefillLoop(EngineThread):
         self.num_passes = 0
         self.num_prompt_tokens = 0
         self.metrics: PrefillMetrics | None = None
+        self.store_loader: StoreLoader | None = None  # set by the server with --kv-store
         self.lock = threading.RLock()  # guards the scheduler (and so the pool)
         self._submitted: list[Request] = []
         self._releases: list[tuple[Request, Callable[[], None]]] = []
@@ -120,6 +127,17 @@ class PrefillLoop(EngineThread):
                 return
             self._releases.append((request, on_released))
             self._cond.notify()
+
+    def num_cached_leading_blocks(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the local prefix cache holds now (any thread)."""
+        with self.lock:
+            pool = self.scheduler.pool
+            if not pool.enable_prefix_caching:
+                return 0
+            num = 0
+            while num < len(keys) and pool.get_cached_block(keys[num]) is not None:
+                num += 1
+            return num
 
     @property
     def num_waiting(self) -> int:
@@ -162,6 +180,7 @@ class PrefillLoop(EngineThread):
         spans = _chunk_spans(scheduled) if telemetry.is_enabled() else []
         started = time.perf_counter()
         try:
+            self._import_stored_blocks(scheduled)
             logits = self.runner.execute(chunks, lambda layer: self._export_layer(exports, layer))
             completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
             rows = [
@@ -193,6 +212,11 @@ class PrefillLoop(EngineThread):
             export.request.num_sent_blocks = export.end_block
         with self.lock:
             self.scheduler.update_from_output(output)
+        if self.store_loader is not None:
+            for chunk in scheduled:
+                first_block = chunk.num_computed_tokens // self.block_size
+                end_block = chunk.request.num_computed_tokens // self.block_size
+                self.store_loader.write_through(chunk.request, first_block, end_block)
         for i, token in zip(completed, tokens, strict=True):
             scheduled[i].request.sink(FirstTokenSampled(token))
         log.debug(
@@ -201,6 +225,16 @@ class PrefillLoop(EngineThread):
             num_batched_tokens=output.num_batched_tokens,
             num_first_tokens=len(completed),
         )
+
+    def _import_stored_blocks(self, scheduled: list[ScheduledChunk]) -> None:
+        """Copies the payloads admission took from the store into their blocks."""
+        for chunk in scheduled:
+            request = chunk.request
+            if request.pending_imports:
+                block_ids = [block_id for block_id, _ in request.pending_imports]
+                payloads = [payload for _, payload in request.pending_imports]
+                request.pending_imports = []
+                import_block_payloads(self.runner.kv_cache, block_ids, payloads)
 
     def _plan_export(self, chunk: ScheduledChunk) -> _Export | None:
         request = chunk.request
@@ -240,11 +274,13 @@ def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:
         request = chunk.request
         if request.trace_context is None:
             continue
-        if chunk.num_computed_tokens == request.num_cached_tokens and request.submitted_ns:
-            # NOTE: the request's first chunk: say on its compute span how much was cached.
-            trace.get_current_span(request.trace_context).set_attribute(
-                "pdserve.cached_tokens", request.num_cached_tokens
-            )
+        num_reused = request.num_cached_tokens + request.num_loaded_tokens
+        if chunk.num_computed_tokens == num_reused and request.submitted_ns:
+            # NOTE: the request's first chunk: say on its compute span how much was reused.
+            trace.get_current_span(request.trace_context).set_attributes(
+                {"pdserve.cached_tokens": request.num_cached_tokens,
+                 "pdserve.loaded_tokens": request.num_loaded_tokens}
+            )  # fmt: skip
             waited = _tracer.start_span(
                 "prefill.queue_wait",
                 context=request.trace_context,

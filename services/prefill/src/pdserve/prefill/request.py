@@ -6,8 +6,9 @@ only what `TRANSITIONS` lists. Besides its tokens and blocks it holds the decode
 sender, the outbox the servicer streams from, and `release()`, which gives all of it back.
 
 Ownership: the event loop moves ``status`` and sets ``lease``; the engine thread owns
-``block_ids``, ``num_computed_tokens``, ``num_cached_tokens``, ``block_keys`` and
-``num_sent_blocks`` from the moment the request is submitted to it until it is released.
+``block_ids``, ``num_computed_tokens``, ``num_cached_tokens``, ``num_loaded_tokens``,
+``block_keys``, the stored payloads and ``num_sent_blocks`` from the moment the request is
+submitted to it until it is released (the store lookup sets the keys and payloads just before).
 """
 
 from __future__ import annotations
@@ -97,7 +98,14 @@ class Request:
         block_ids: This prefill's blocks holding the request's KV.
         num_computed_tokens: Tokens whose KV is computed (or was found in the prefix cache).
         num_cached_tokens: Leading tokens whose KV came from the prefix cache (not computed).
-        block_keys: Cluster-wide keys of the full blocks of ``token_ids`` (prefix cache on).
+        num_loaded_tokens: Tokens after those whose KV was loaded from the KV store.
+        block_keys: Cluster-wide keys of the full blocks of ``token_ids`` (prefix cache or
+            KV store on).
+        stored_first_block: Logical block of ``stored_payloads[0]``.
+        stored_payloads: Block payloads found in the KV store before admission (admission
+            copies those it uses into the request's blocks and drops the list).
+        pending_imports: Blocks admission gave stored payloads to, ``(block_id, payload)``;
+            written into the cache before the request's first pass.
         num_sent_blocks: Leading logical blocks already exported to the sender.
         trace_context: Parent of the engine thread's spans for this request (None: untraced).
         submitted_ns: Wall-clock time it was handed to the engine thread (for queue spans).
@@ -125,7 +133,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_loaded_tokens: int = 0
     block_keys: list[bytes] = field(default_factory=list)
+    stored_first_block: int = 0
+    stored_payloads: list[bytes] = field(default_factory=list, repr=False)
+    pending_imports: list[tuple[int, bytes]] = field(default_factory=list, repr=False)
     num_sent_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Context | None = None

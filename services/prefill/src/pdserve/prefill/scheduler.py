@@ -10,6 +10,11 @@ With the pool's prefix caching on, a request's full blocks carry cluster-wide ke
 leading blocks already cached is shared (a reference each) and computing starts after it; a
 block is cached under its key once a pass has filled it. Freed blocks keep their keys until the
 pool reuses them (least recently freed first), so admission counts them as free.
+
+With the KV store on, a request may arrive with payloads of the leading blocks after its
+locally cached ones (`store_loader`); admission gives them new blocks, caches them under their
+keys and starts computing after them (`Request.pending_imports` says what the engine thread
+copies into the cache before the pass).
 """
 
 from __future__ import annotations
@@ -82,13 +87,14 @@ class PrefillScheduler:
         self.kv_fingerprint = kv_fingerprint
         self.num_cached_prompt_tokens = 0  # prompt tokens taken from the prefix cache
         self.num_cache_hit_blocks = 0
+        self.num_loaded_prompt_tokens = 0  # prompt tokens loaded from the KV store
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admitted (blocks held), prompt not fully computed
         self.prefilled: dict[str, Request] = {}  # computed; blocks held until released
 
     def add_request(self, request: Request) -> None:
         """Queues a prepared request (FCFS)."""
-        if self.pool.enable_prefix_caching:
+        if self.pool.enable_prefix_caching and not request.block_keys:
             request.block_keys = prefix_block_keys(
                 self.kv_fingerprint, request.token_ids, self.block_size
             )
@@ -164,12 +170,29 @@ class PrefillScheduler:
             return False
         # NOTE: touch before allocate, so that allocating cannot evict a hit.
         self.pool.touch(hit_block_ids)
-        request.block_ids = hit_block_ids + self.pool.allocate(num_new_blocks)
+        new_block_ids = self.pool.allocate(num_new_blocks)
+        request.block_ids = hit_block_ids + new_block_ids
         request.num_cached_tokens = len(hit_block_ids) * self.block_size
-        request.num_computed_tokens = request.num_cached_tokens
+        loaded = self._take_stored_payloads(request, len(hit_block_ids))
+        request.pending_imports = list(zip(new_block_ids, loaded, strict=False))
+        for index in range(len(hit_block_ids), len(hit_block_ids) + len(loaded)):
+            self.pool.cache_block(request.block_ids[index], request.block_keys[index])
+        request.num_loaded_tokens = len(loaded) * self.block_size
+        request.num_computed_tokens = request.num_cached_tokens + request.num_loaded_tokens
         self.num_cache_hit_blocks += len(hit_block_ids)
         self.num_cached_prompt_tokens += request.num_cached_tokens
+        self.num_loaded_prompt_tokens += request.num_loaded_tokens
         return True
+
+    def _take_stored_payloads(self, request: Request, num_hit_blocks: int) -> list[bytes]:
+        """The stored payloads that continue the request's `num_hit_blocks` cached blocks
+        (capped so the last token is computed); the request drops its list."""
+        payloads, request.stored_payloads = request.stored_payloads, []
+        skip = num_hit_blocks - request.stored_first_block
+        if skip < 0:
+            return []  # NOTE: a cached block was evicted since the lookup: there is a gap.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return payloads[skip : max(skip, max_blocks - request.stored_first_block)]
 
     def _cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
         """Caches the blocks a pass filled, from `num_computed_before` to now, under their keys."""
@@ -225,6 +248,7 @@ class PrefillScheduler:
         )
         for request in admitted:
             assert request.num_cached_tokens % self.block_size == 0, "a partial cached block"
+            assert request.num_loaded_tokens % self.block_size == 0, "a partial loaded block"
             for index, block_id in enumerate(request.block_ids):
                 block_hash = self.pool.block_hash(block_id)
                 keys = request.block_keys

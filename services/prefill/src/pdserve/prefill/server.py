@@ -20,6 +20,7 @@ from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.servicer import PrefillServicer
 from pdserve.prefill.status import PrefillStatus
+from pdserve.prefill.store_loader import StoreLoader
 from pdserve.serving.instance import InstanceServer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -54,6 +55,14 @@ class PrefillInstance(InstanceServer):
             enable_prefix_cache=config.prefix_cache,
             kv_fingerprint=host.kv_layout.fingerprint,
         )
+        if self.kv_store is not None and self.kv_writer is not None:
+            self.loop.store_loader = StoreLoader(
+                self.kv_store,
+                self.kv_writer,
+                host.runner.kv_cache,
+                host.runner.block_size,
+                self.loop.num_cached_leading_blocks,
+            )
         self.peers = DecodePeers(
             self.instance.instance_id,
             host.kv_layout,
@@ -98,10 +107,31 @@ class PrefillInstance(InstanceServer):
                 "Cached blocks that admitted requests shared instead of computing.",
                 scheduler.num_cache_hit_blocks,
             ),
+            "store_loaded_prompt_tokens": (
+                "Prompt tokens loaded from the KV store instead of computed.",
+                scheduler.num_loaded_prompt_tokens,
+            ),
             "passes": ("Prefill forward passes run.", loop.num_passes),
             "handed_off": ("Requests whose KV the decode acknowledged.", handoffs.num_handed_off),
             "kv_sent_bytes": ("KV bytes in acknowledged transfers.", handoffs.num_kv_bytes_sent),
+            **self._store_counters(),
         }
+
+    def _store_counters(self) -> dict[str, tuple[str, float]]:
+        loader, writer = self.loop.store_loader, self.kv_writer
+        if loader is None or writer is None:
+            return {}
+        return {
+            "kv_store_lookups": ("Requests whose prefix was looked up in the KV store.",
+                                 loader.num_lookups),
+            "kv_store_writes": ("Write-through batches of computed blocks that reached the "
+                                "KV store.", writer.num_written),
+            "kv_store_written_blocks": ("Computed blocks written through to the KV store.",
+                                        writer.num_blocks_written),
+            "kv_store_writes_skipped": ("Write-through batches that did not reach the KV store "
+                                        "(store down or full, or the writer behind).",
+                                        writer.num_failed + writer.num_dropped),
+        }  # fmt: skip
 
     def stop_admitting(self) -> None:
         self.handoffs.is_draining = True
@@ -120,6 +150,8 @@ class PrefillInstance(InstanceServer):
 
     async def close(self) -> None:
         await self.peers.close()
+        if self.loop.store_loader is not None:
+            self.loop.store_loader.close()
 
 
 async def create_server(
@@ -139,6 +171,7 @@ async def create_server(
         **instance.describe(),
         max_num_batched_tokens=config.max_num_batched_tokens,
         prefix_cache=config.prefix_cache,
+        kv_store=config.kv_store,
     )
     return instance
 
