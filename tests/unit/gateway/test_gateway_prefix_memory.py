@@ -38,7 +38,8 @@ def test_a_repeated_prefix_stays_while_others_come_and_go() -> None:
     for i in range(20):
         memory.record("p1", _keys(1, 2, 3, 4))  # the hot system prompt, refreshed
         memory.record("p1", _keys(100 + i, 0, 0, 0))
-    assert memory.num_matched_blocks("p1", _keys(1, 2, 3, 4)) == 2
+        memory.record("p1", _keys(200 + i, 0))
+        assert memory.num_matched_blocks("p1", _keys(1, 2, 3, 4)) == 2
     assert memory.num_blocks("p1") == 6
 
 
