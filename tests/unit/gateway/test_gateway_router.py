@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from support.gateway_cluster import instance_info
 from support.gateway_fakes import MODEL_NAME
+from support.memory_cluster import MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.instance import InstanceRole, LoadReport
@@ -192,3 +193,16 @@ def test_the_memory_forgets_prefills_that_leave_or_rejoin() -> None:
     assert router.prefix_memory.num_blocks(holder) == 8
     registry.register(dataclasses.replace(entry.info, address="moved.invalid:2"), LoadReport())
     assert holder not in router.prefix_memory.instance_ids  # it may have restarted empty
+
+
+async def test_the_orchestrator_counts_routes_by_reason() -> None:
+    cluster = MemoryCluster()
+    prefills = [cluster.add_prefill("prefill-a"), cluster.add_prefill("prefill-b")]
+    cluster.add_decode()
+    for _ in range(4):  # PROMPT_IDS: 19 tokens, 4 full blocks
+        request = cluster.request()
+        assert (await cluster.run(request)).token_ids == expected(request)
+    assert sorted(len(p.calls) for p in prefills) == [0, 4]
+    assert cluster.metrics.count("routes", "load") == 1
+    assert cluster.metrics.count("routes", "prefix") == 3
+    assert b'pdserve_gateway_routes_total{reason="prefix"} 3.0' in cluster.metrics.render()
