@@ -140,9 +140,9 @@ def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
             process.wait()
 
 
-def test_the_gateway_never_imports_torch() -> None:
+def test_the_gateway_never_imports_torch_or_numpy() -> None:
     code = (
-        "import sys, pdserve.gateway.server, pdserve.gateway.__main__; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, pdserve.gateway.server, pdserve.gateway.__main__, pdserve.gateway.router; "
+        "heavy = {'torch', 'numpy'} & set(sys.modules); assert not heavy, f'imported {heavy}'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
