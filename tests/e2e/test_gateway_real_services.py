@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.real_cluster import MODEL_NAME, RealCluster, Reference
+from support.real_cluster import BLOCK_SIZE, MODEL_NAME, RealCluster, Reference
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "user", "content": "Tell me about PD disaggregation."}]
@@ -213,3 +214,65 @@ async def test_bad_input_is_refused_before_any_work(cluster: RealCluster) -> Non
         await client.completions.create(model="nope", prompt=PROMPT, max_tokens=4)
     status = await cluster.pool_status(cluster.decodes[0].address)
     assert status.pool.num_free_blocks == status.pool.num_total_blocks
+
+
+def _total(text: str, name: str) -> float:
+    """The value of counter `name` (its ``_total`` sample) in a /metrics page."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == f"{name}_total"
+    )
+
+
+async def _prefill_totals(cluster: RealCluster, name: str) -> dict[str, float]:
+    """Counter `name` of every prefill, by instance id, from its own /metrics."""
+    totals = {}
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        for prefill in cluster.prefills:
+            page = await http.get(f"http://{prefill.instance.metrics_address}/metrics")
+            totals[prefill.instance.instance_id] = _total(page.text, name)
+    return totals
+
+
+@pytest.mark.parametrize("cluster", [{"prefills": 2}], indirect=True)
+async def test_a_shared_prefix_stays_on_the_prefill_that_cached_it(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    client = cluster.openai()
+    prefix = " ".join(f"rule {i}: answer briefly and politely." for i in range(40))
+    prompts = [f"{prefix} Question {i}: what is {i} plus {i}?" for i in range(5)]
+    num_prefix_tokens = len(reference.tokenizer.encode(prefix))
+    assert num_prefix_tokens >= 10 * BLOCK_SIZE
+    for prompt in prompts:  # one after another: each finds the previous ones cached
+        answer = await client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+    expected = await asyncio.to_thread(reference.completion, prompts[-1], temperature=0.0,
+                                       max_tokens=4)  # fmt: skip
+    assert _ids(answer.choices[0]) == expected
+    cached = await _prefill_totals(cluster, "pdserve_prefill_cached_prompt_tokens")
+    computed = await _prefill_totals(cluster, "pdserve_prefill_prompt_tokens")
+    holder = max(cached, key=lambda instance_id: cached[instance_id])
+    # NOTE: the first prompt computes the prefix, the four after it take it from the cache.
+    assert cached[holder] >= 4 * (num_prefix_tokens // BLOCK_SIZE - 1) * BLOCK_SIZE
+    assert [computed[i] for i in computed if i != holder] == [0]
+    gateway_metrics = (await cluster.http().get("/metrics")).text
+    routes = {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(gateway_metrics)
+        for s in f.samples
+        if s.name == "pdserve_gateway_routes_total"
+    }
+    assert routes == {"load": 1, "prefix": 4}
+
+    # Unrelated prompts (no shared first block) still spread over both prefills by load.
+    unrelated = [f"{i} {'different words ' * 12}" for i in range(8)]
+    await asyncio.gather(
+        *(client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=2) for p in unrelated)
+    )
+    after = await _prefill_totals(cluster, "pdserve_prefill_prompt_tokens")
+    assert all(after[i] > computed[i] for i in after), (computed, after)
+    await cluster.assert_whole()

@@ -16,7 +16,10 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 
 
 def _run(model_dir: Path, scenario: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
+    # NOTE: keep the caller's PYTHONPATH after the tests: a checkout that puts its own sources
+    # first must run the scenario on them, not on whatever the environment has installed.
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-m", "support.trace_scenario", str(model_dir), scenario],
         capture_output=True, text=True, timeout=240, env=env, check=False,
@@ -55,7 +58,11 @@ def test_chat_request_is_one_trace_across_three_services(chat: dict[str, Any]) -
     assert parent(_one(spans, "gateway.prepare")) is http
     attempt = _one(spans, "gateway.attempt")
     assert parent(attempt) is root and "first_token" in attempt["events"]
-    assert parent(_one(spans, "gateway.route")) is root
+    route = _one(spans, "gateway.route")
+    assert parent(route) is root
+    # NOTE: the first prompt of a fresh cluster: no prefill holds any of it yet.
+    assert route["attributes"]["pdserve.route.prefill_reason"] == "load"
+    assert route["attributes"]["pdserve.route.matched_blocks"] == 0
 
     prefill_call = _one(spans, "/pdserve.v1.PrefillService/Prefill", "CLIENT")
     assert parent(prefill_call) is attempt

@@ -16,6 +16,7 @@ from support.pki import cluster_pki
 from pdserve.common.config import from_args
 from pdserve.gateway.__main__ import build_parser
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.routing_policy import CacheRouting
 
 
 def _parse(*argv: str) -> GatewayConfig:
@@ -38,6 +39,11 @@ def test_defaults_and_flags() -> None:
     assert config.api_key == "k"
     keys = _parse("--api-key-file", "/etc/keys.txt", "--requests-per-minute-per-key", "90")
     assert (keys.api_key_file, keys.requests_per_minute_per_key) == ("/etc/keys.txt", 90.0)
+    assert defaults.cache_routing() == CacheRouting()
+    routing = _parse(
+        "--no-cache-aware-routing", "--cache-balance-tokens", "0", "--cache-memory-blocks", "9"
+    ).cache_routing()
+    assert routing == CacheRouting(is_enabled=False, balance_tokens=0, memory_blocks=9)
 
 
 @pytest.mark.parametrize(
@@ -52,6 +58,8 @@ def test_defaults_and_flags() -> None:
         (["--tls-ca", "ca.crt"], "exclude each other"),
         (["--requests-per-minute-per-key", "0"], "requests_per_minute_per_key"),
         (["--api-key-file", " "], "api_key_file"),
+        (["--cache-balance-tokens", "-1"], "cache_balance_tokens"),
+        (["--cache-memory-blocks", "0"], "cache_memory_blocks"),
     ],
 )
 def test_bad_settings_are_refused(argv: list[str], message: str) -> None:
@@ -140,9 +148,9 @@ def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
             process.wait()
 
 
-def test_the_gateway_never_imports_torch() -> None:
+def test_the_gateway_never_imports_torch_or_numpy() -> None:
     code = (
-        "import sys, pdserve.gateway.server, pdserve.gateway.__main__; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, pdserve.gateway.server, pdserve.gateway.__main__, pdserve.gateway.router; "
+        "heavy = {'torch', 'numpy'} & set(sys.modules); assert not heavy, f'imported {heavy}'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

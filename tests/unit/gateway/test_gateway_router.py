@@ -1,21 +1,31 @@
-"""Pair selection: load-aware, compatible only, fair on ties, honours exclusions."""
+"""Pair selection: cache- and load-aware, compatible only, fair on ties, honours exclusions."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import random
+from typing import Any
 
 import pytest
 from support.gateway_cluster import instance_info
 from support.gateway_fakes import MODEL_NAME
+from support.memory_cluster import MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.router import Router
+from pdserve.gateway.routing_policy import CacheRouting, RouteReason
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
+_first_tokens = itertools.count(1000)
+
+
+def _tokens(num_tokens: int) -> list[int]:
+    """A prompt that shares no prefix with any other prompt of these tests."""
+    return [next(_first_tokens), *range(num_tokens - 1)]
 
 
 def _registry(*instances: tuple[str, InstanceRole, LoadReport]) -> Registry:
@@ -32,7 +42,7 @@ def test_prefers_short_prefill_queue_and_free_decode_blocks() -> None:
         ("d-reserved", D, LoadReport(num_free_blocks=100, num_reserved_blocks=95)),
         ("d-roomy", D, LoadReport(num_free_blocks=60, num_reserved_blocks=0)),
     )
-    pair = Router(registry).pick(MODEL_NAME, 8, 8)
+    pair = Router(registry).pick(MODEL_NAME, _tokens(8), 8)
     assert (pair.prefill.instance_id, pair.decode.instance_id) == ("p-idle", "d-roomy")
 
 
@@ -46,11 +56,11 @@ def test_skips_draining_unreachable_and_excluded_instances() -> None:
     )
     registry.mark_unreachable("d-gone")
     router = Router(registry)
-    assert router.pick(MODEL_NAME, 4, 4).decode.instance_id == "d-ok"
-    pair = router.pick(MODEL_NAME, 4, 4, exclude_prefill_ids={"p1"})
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d-ok"
+    pair = router.pick(MODEL_NAME, _tokens(4), 4, exclude_prefill_ids={"p1"})
     assert pair.prefill.instance_id == "p2"
     with pytest.raises(PdserveError) as raised:
-        router.pick(MODEL_NAME, 4, 4, exclude_decode_ids={"d-ok"})
+        router.pick(MODEL_NAME, _tokens(4), 4, exclude_decode_ids={"d-ok"})
     assert raised.value.reason is ErrorReason.NO_HEALTHY_INSTANCES
     assert raised.value.retry_delay_s == 1.0
 
@@ -63,13 +73,13 @@ def test_pairs_only_equal_kv_fingerprints() -> None:
     )
     registry.register(instance_info("d-b", D, model_id="weights-b"), LoadReport(num_free_blocks=9))
     router = Router(registry)
-    pair = router.pick(MODEL_NAME, 4, 4)  # p-a is idler but has no compatible decode
+    pair = router.pick(MODEL_NAME, _tokens(4), 4)  # p-a is idler but has no compatible decode
     assert (pair.prefill.instance_id, pair.decode.instance_id) == ("p-b", "d-b")
     assert router.has_pair(MODEL_NAME)
     registry.deregister("p-b")
     assert not router.has_pair(MODEL_NAME)
     with pytest.raises(PdserveError):
-        router.pick(MODEL_NAME, 4, 4)
+        router.pick(MODEL_NAME, _tokens(4), 4)
 
 
 def test_incompatible_protocol_major_is_never_picked() -> None:
@@ -78,7 +88,7 @@ def test_incompatible_protocol_major_is_never_picked() -> None:
     assert entry is not None
     entry.info = dataclasses.replace(entry.info, protocol_version="2.3")
     with pytest.raises(PdserveError):
-        Router(registry).pick(MODEL_NAME, 4, 4)
+        Router(registry).pick(MODEL_NAME, _tokens(4), 4)
 
 
 def test_ties_are_spread_fairly() -> None:
@@ -89,7 +99,7 @@ def test_ties_are_spread_fairly() -> None:
         ("d2", D, LoadReport(num_free_blocks=1000)),
     )
     router = Router(registry, rng=random.Random(7))
-    picks = [router.pick(MODEL_NAME, 16, 16) for _ in range(200)]
+    picks = [router.pick(MODEL_NAME, _tokens(16), 16) for _ in range(200)]
     prefills = collections.Counter(p.prefill.instance_id for p in picks)
     decodes = collections.Counter(p.decode.instance_id for p in picks)
     assert min(prefills.values()) >= 90 and min(decodes.values()) >= 90
@@ -102,8 +112,97 @@ def test_routed_work_counts_until_the_next_load_report() -> None:
         ("d2", D, LoadReport(num_free_blocks=90)),
     )
     router = Router(registry)
-    assert router.pick(MODEL_NAME, 40, 40).decode.instance_id == "d1"  # books 20 blocks
-    assert router.pick(MODEL_NAME, 4, 4).decode.instance_id == "d2"  # d1 now ~80
+    assert router.pick(MODEL_NAME, _tokens(40), 40).decode.instance_id == "d1"  # books 20 blocks
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d2"  # d1 now ~80
     registry.heartbeat("d1", LoadReport(num_free_blocks=100))  # the report includes its work
     registry.heartbeat("d2", LoadReport(num_free_blocks=90))
-    assert router.pick(MODEL_NAME, 4, 4).decode.instance_id == "d1"
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d1"
+
+
+SHARED = list(range(500, 532))  # 8 full blocks of BLOCK_SIZE 4
+
+
+def _two_prefills(**routing: Any) -> tuple[Registry, Router]:
+    registry = _registry(
+        ("p1", P, LoadReport(num_total_blocks=1000)),
+        ("p2", P, LoadReport(num_total_blocks=1000)),
+        ("d1", D, LoadReport(num_free_blocks=10_000)),
+    )
+    return registry, Router(registry, rng=random.Random(3), cache_routing=CacheRouting(**routing))
+
+
+def test_prompts_sharing_a_prefix_follow_it_and_unrelated_ones_spread() -> None:
+    _, router = _two_prefills()
+    first = router.pick(MODEL_NAME, [*SHARED, 1, 2], 4)
+    assert (first.prefill_reason, first.num_matched_blocks) == (RouteReason.LOAD, 0)
+    followers = [router.pick(MODEL_NAME, [*SHARED, 7, i], 4) for i in range(6)]
+    assert {p.prefill.instance_id for p in followers} == {first.prefill.instance_id}
+    assert {(p.prefill_reason, p.num_matched_blocks) for p in followers} == {
+        (RouteReason.PREFIX, 8)
+    }
+    # NOTE: the last token is always computed, so a prompt of exactly 8 blocks matches 7.
+    assert router.pick(MODEL_NAME, SHARED, 4).num_matched_blocks == 7
+    unrelated = collections.Counter(
+        router.pick(MODEL_NAME, _tokens(40), 4).prefill.instance_id for _ in range(40)
+    )
+    assert min(unrelated.values()) >= 15
+
+
+def test_a_busy_cache_holder_loses_the_prefix_to_an_idle_prefill() -> None:
+    registry, router = _two_prefills(balance_tokens=100)
+    holder = router.pick(MODEL_NAME, [*SHARED, 1], 4).prefill.instance_id
+    other = "p2" if holder == "p1" else "p1"
+    registry.heartbeat(holder, LoadReport(num_queued_prompt_tokens=101, num_total_blocks=1000))
+    spill = router.pick(MODEL_NAME, [*SHARED, 2], 4)
+    assert (spill.prefill.instance_id, spill.prefill_reason) == (other, RouteReason.LOAD)
+    registry.heartbeat(holder, LoadReport(num_queued_prompt_tokens=100, num_total_blocks=1000))
+    within = router.pick(MODEL_NAME, [*SHARED, 3], 4)  # both hold it now: the idler one wins
+    assert (within.prefill.instance_id, within.prefill_reason) == (other, RouteReason.PREFIX)
+
+
+def test_cache_aware_routing_off_routes_by_load_only() -> None:
+    _, router = _two_prefills(is_enabled=False)
+    picks = [router.pick(MODEL_NAME, [*SHARED, i], 4) for i in range(40)]
+    assert {p.prefill_reason for p in picks} == {RouteReason.LOAD}
+    assert min(collections.Counter(p.prefill.instance_id for p in picks).values()) >= 15
+    assert not router.prefix_memory.instance_ids
+
+
+def test_only_uncached_tokens_are_booked_on_the_prefill() -> None:
+    _, router = _two_prefills()
+    holder = router.pick(MODEL_NAME, [*SHARED, 1], 4).prefill.instance_id  # books 33 tokens
+    # NOTE: each books 2 tokens (8 blocks cached); booking all 34 would pass the balance (2048).
+    for i in range(70):
+        assert router.pick(MODEL_NAME, [*SHARED, 2, i], 4).prefill.instance_id == holder
+
+
+def test_the_memory_forgets_prefills_that_leave_or_rejoin() -> None:
+    registry, router = _two_prefills()
+    holder = router.pick(MODEL_NAME, [*SHARED, 1], 4).prefill.instance_id
+    assert router.prefix_memory.num_blocks(holder) == 8
+    entry = registry.get(holder)
+    assert entry is not None
+    registry.deregister(holder)
+    router.pick(MODEL_NAME, _tokens(3), 4)
+    assert holder not in router.prefix_memory.instance_ids
+    registry.register(entry.info, LoadReport(num_total_blocks=1000))
+    others = {"p1", "p2"} - {holder}
+    assert (
+        router.pick(MODEL_NAME, [*SHARED, 1], 4, exclude_prefill_ids=others).num_matched_blocks == 0
+    )
+    assert router.prefix_memory.num_blocks(holder) == 8
+    registry.register(dataclasses.replace(entry.info, address="moved.invalid:2"), LoadReport())
+    assert holder not in router.prefix_memory.instance_ids  # it may have restarted empty
+
+
+async def test_the_orchestrator_counts_routes_by_reason() -> None:
+    cluster = MemoryCluster()
+    prefills = [cluster.add_prefill("prefill-a"), cluster.add_prefill("prefill-b")]
+    cluster.add_decode()
+    for _ in range(4):  # PROMPT_IDS: 19 tokens, 4 full blocks
+        request = cluster.request()
+        assert (await cluster.run(request)).token_ids == expected(request)
+    assert sorted(len(p.calls) for p in prefills) == [0, 4]
+    assert cluster.metrics.count("routes", "load") == 1
+    assert cluster.metrics.count("routes", "prefix") == 3
+    assert b'pdserve_gateway_routes_total{reason="prefix"} 3.0' in cluster.metrics.render()

@@ -2,53 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-import numpy as np
+# NOTE: the block keys live in `pdserve.common.prefix_keys` (no numpy, so the gateway shares
+# them); they are re-exported here for the engine and the services.
+from pdserve.common.prefix_keys import (
+    BlockHash,
+    hash_block_tokens,
+    layout_root,
+    prefix_block_keys,
+)
 
-BlockHash = bytes
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The prefix hash of a full block: chained over its parent's hash and its own tokens.
-
-    The hash is stable across processes (SHA-256 over the parent digest and the tokens as
-    little-endian int64), so two instances agree on which prefix a block holds.
-
-    Args:
-        parent_hash: Hash of the previous block of the sequence, ``None`` for the first block.
-        token_ids: The tokens held by this block.
-
-    Returns:
-        A 32-byte digest.
-    """
-    digest = hashlib.sha256(parent_hash or b"")
-    digest.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    return digest.digest()
-
-
-def layout_root(fingerprint: str) -> BlockHash:
-    """The parent hash of a sequence's first block for one KV layout.
-
-    Chains rooted here are the block keys every instance and the storage tier share: a key
-    names the tokens of its block and of every block before it, *and* the KV layout (model,
-    layers, heads, head size, dtype, block size), so it can never match KV of another model.
-    """
-    return hashlib.sha256(b"pdserve-kv-prefix-v1|" + fingerprint.encode()).digest()
-
-
-def prefix_block_keys(
-    fingerprint: str, token_ids: Sequence[int], block_size: int
-) -> list[BlockHash]:
-    """The keys of the full blocks of `token_ids` (a partial last block has none)."""
-    keys: list[BlockHash] = []
-    parent = layout_root(fingerprint)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        keys.append(parent)
-    return keys
+__all__ = ["BlockHash", "BlockPool", "hash_block_tokens", "layout_root", "prefix_block_keys"]
 
 
 class BlockPool:

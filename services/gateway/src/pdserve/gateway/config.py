@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
+from pdserve.gateway.routing_policy import CacheRouting
 from pdserve.gateway.validation import RequestLimits
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
 _LIMITS = RequestLimits()  # the defaults of the per-request limits live there once
+_ROUTING = CacheRouting()  # and those of cache-aware routing there
 
 
 def _check_address(flag: str, address: str) -> None:
@@ -212,6 +214,27 @@ class GatewayConfig(ServiceConfig):
         default=2.0,
         metadata={"help": "seconds between status polls of --prefill/--decode instances"},
     )
+    cache_aware_routing: bool = field(
+        default=_ROUTING.is_enabled,
+        metadata={
+            "help": "send a prompt to the prefill believed to hold its longest prefix in its "
+            "prefix cache (off: always the prefill with the fewest queued prompt tokens)"
+        },
+    )
+    cache_balance_tokens: int = field(
+        default=_ROUTING.balance_tokens,
+        metadata={
+            "help": "a prefill holding a prompt's prefix is preferred unless its queued prompt "
+            "tokens exceed the least-loaded prefill's by more than this"
+        },
+    )
+    cache_memory_blocks: int = field(
+        default=_ROUTING.memory_blocks,
+        metadata={
+            "help": "block keys remembered per prefill for cache-aware routing (least recently "
+            "routed forgotten first; at most the prefill's pool size)"
+        },
+    )
     unavailable_retry_after_s: float = field(
         default=1.0,
         metadata={"help": "retry delay (Retry-After) suggested when no healthy pair exists"},
@@ -258,6 +281,7 @@ class GatewayConfig(ServiceConfig):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.request_limits()  # raises ValueError for a bad per-request limit
+        self.cache_routing()  # raises ValueError for a bad routing setting
         for name in (
             "request_timeout",
             "heartbeat_interval_s",
@@ -295,4 +319,12 @@ class GatewayConfig(ServiceConfig):
             max_stop_chars=self.max_stop_chars,
             max_stop_token_ids=self.max_stop_token_ids,
             max_tokens_limit=self.max_tokens_limit,
+        )
+
+    def cache_routing(self) -> CacheRouting:
+        """The cache-aware routing settings these flags name."""
+        return CacheRouting(
+            is_enabled=self.cache_aware_routing,
+            balance_tokens=self.cache_balance_tokens,
+            memory_blocks=self.cache_memory_blocks,
         )

@@ -12,11 +12,12 @@ _LABELS = {
     "retries": "reason",
     "reschedules": "cause",
     "instances_lost": "role",
+    "routes": "reason",
 }
 
 
 class GatewayMetrics:
-    """Request outcomes, retries, reschedules, lost instances and latency histograms.
+    """Request outcomes, retries, reschedules, lost instances, routes and latency histograms.
 
     Attributes:
         registry: The Prometheus registry these counters live in (served at /metrics).
@@ -46,6 +47,13 @@ class GatewayMetrics:
             "pdserve_gateway_instances_lost",
             "Instances silent past the TTL (their streams were moved), by role.",
             ["role"],
+            registry=self.registry,
+        )
+        self.routes = Counter(
+            "pdserve_gateway_routes",
+            "Attempts routed, by why their prefill was chosen: prefix (it holds the longest "
+            "cached prefix of the prompt within the load balance) or load (fewest queued tokens).",
+            ["reason"],
             registry=self.registry,
         )
 

@@ -218,6 +218,9 @@ class Orchestrator:
                 raise
             span.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)
             span.set_attribute("pdserve.decode.instance_id", pair.decode.instance_id)
+            span.set_attribute("pdserve.route.prefill_reason", pair.prefill_reason.value)
+            span.set_attribute("pdserve.route.matched_blocks", pair.num_matched_blocks)
+        self._metrics.routes.labels(reason=pair.prefill_reason.value).inc()
         return pair
 
     def _pick(
@@ -229,7 +232,7 @@ class Orchestrator:
     ) -> Pair:
         return self._router.pick(
             request.model,
-            len(request.prompt_token_ids) + progress.num_tokens,
+            progress.continuation_token_ids(),
             progress.num_remaining_tokens,
             exclude_prefill_ids=prefill_ids,
             exclude_decode_ids=decode_ids,

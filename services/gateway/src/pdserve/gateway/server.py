@@ -79,7 +79,11 @@ class GatewayServer:
         self.metrics = GatewayMetrics()
         self.liveness_clock = LivenessClock()
         self.registry = Registry(config.instance_ttl_s, self.liveness_clock)
-        self.router = Router(self.registry, config.unavailable_retry_after_s)
+        self.router = Router(
+            self.registry,
+            config.unavailable_retry_after_s,
+            cache_routing=config.cache_routing(),
+        )
         self.backend = backend or GrpcBackend(self.security)
         self.model_infos = ModelInfoStore(self.backend.get_model_files, config.tokenizer)
         policy = RetryPolicy(
