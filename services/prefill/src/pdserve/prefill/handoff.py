@@ -3,7 +3,8 @@
 One asyncio task per request walks it QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING ->
 HANDED_OFF (or FINISHED when the first token already ends the request) through its own
 transitions (`Request.move_to`/`end`) and writes what the caller must see into its outbox;
-its decode lease comes from `leasing.open_lease`.
+its decode lease comes from `leasing.open_lease`. Whether it ships KV at all and whether its
+first token ends it is the one stop rule (`is_length_capped`, `first_token_finish`).
 Every way out of that task (success, a typed failure, `abort`, the caller hanging up) runs
 the same cleanup (`Request.release`): the SyncCache stream is
 cancelled if still open, the prefill's blocks are freed on the engine thread, and a decode
@@ -24,13 +25,14 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason, check_stop, is_length_reached
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.leasing import open_lease
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
-from pdserve.prefill.request import Request, RequestStatus, first_token_finish, is_length_capped
+from pdserve.prefill.request import Request, RequestStatus
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
@@ -265,3 +267,25 @@ class Handoffs:
                     detail=error.message,
                 )
                 request.outbox.put_nowait(error)
+
+
+def is_length_capped(request: Request, max_model_len: int) -> bool:
+    """Whether the first token ends the request whatever it is (max_tokens or model length)."""
+    return is_length_reached(
+        request.first_token_index + 1, request.sampling, request.num_tokens + 1, max_model_len
+    )
+
+
+def first_token_finish(
+    request: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
+) -> FinishReason | None:
+    """Why the first token ends the request, or None when the decode continues it (the one
+    stop rule, `check_stop`, at the first token's completion index)."""
+    return check_stop(
+        token_id,
+        request.first_token_index + 1,
+        request.sampling,
+        eos_token_ids,
+        num_tokens=request.num_tokens + 1,
+        max_model_len=max_model_len,
+    )
