@@ -30,8 +30,7 @@ from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import local_protocol
-from pdserve.serving.kv_offload import KvStoreWriter, kv_store_counters
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable, open_store
+from pdserve.serving.kv_tier import kv_store_counters, open_kv_tier
 from pdserve.serving.model_host import ModelHost
 from pdserve.serving.status import InstanceStatus
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
@@ -94,7 +93,7 @@ class InstanceServer(abc.ABC):
         self.config = config
         self.security = security or Security.from_config(config, role_name(self.role))
         instance_id = self.security.instance_id(config.instance_id)
-        self.host = host or load_model(config)
+        self.host = host or ModelHost.from_config(config)
         guard = [] if self.security.is_insecure else [AuthorizationInterceptor()]
         self.server = new_aio_server([*guard, *interceptors])
         self.port = self.security.bind(self.server, f"{config.host}:{config.port}")
@@ -105,14 +104,7 @@ class InstanceServer(abc.ABC):
         self.registration: RegistrationClient | None = None
         self.metrics_server: WSGIServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.kv_store = open_kv_store(config)
-        self.kv_writer = (
-            None
-            if self.kv_store is None
-            else KvStoreWriter(
-                self.kv_store, self.host.kv_layout.fingerprint, config.kv_store_queue_len
-            )
-        )
+        self.kv_store, self.kv_writer = open_kv_tier(config, self.host.kv_layout.fingerprint)
         self.build()
 
     @property
@@ -246,35 +238,6 @@ class InstanceServer(abc.ABC):
         await stop.wait()
         log.info("shutdown_requested")
         await self.drain_and_stop()
-
-
-def load_model(config: InstanceConfig) -> ModelHost:
-    """Loads the configured checkpoint (the demo model when none) and allocates the KV cache."""
-    return ModelHost.load(
-        config.model,
-        config.served_model_name,
-        num_blocks=config.num_blocks,
-        kv_cache_memory_mb=config.kv_cache_memory_mb,
-        block_size=config.block_size,
-        dtype=config.dtype,
-        device=config.device,
-        max_model_len=config.max_model_len,
-        num_threads=config.num_threads,
-    )
-
-
-def open_kv_store(config: InstanceConfig) -> KvStore | None:
-    """Opens ``--kv-store`` (None without one). A store that cannot be opened now is logged
-    and left out: the instance serves without it (every load misses, nothing is offloaded)."""
-    if config.kv_store is None:
-        return None
-    try:
-        store = open_store(config.kv_store)
-    except KvStoreUnavailable as error:
-        log.warning("kv_store_unavailable", spec=config.kv_store, error=str(error))
-        return None
-    log.info("kv_store_opened", spec=config.kv_store)
-    return store
 
 
 def role_name(role: common_pb2.InstanceRole) -> str:

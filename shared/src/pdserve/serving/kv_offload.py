@@ -5,10 +5,7 @@ gather) and hand the payloads to a `KvStoreWriter`; its thread does the store I/
 dead store never stalls a forward pass. The queue is bounded: when the writer falls behind the
 oldest write is dropped (and counted), never the engine. Every write resolves a future with the
 bytes written, or with an exception (`KvStoreUnavailable`, `WriteDropped`); a caller that
-waits for it waits a bounded time.
-
-`kv_store_counters` exports a store's `KvStoreStats` and a writer's totals as the role's
-Prometheus counters.
+waits for it waits a bounded time. (`kv_tier` opens the store and exports its counters.)
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from opentelemetry.context import Context
 from pdserve.common import telemetry
 from pdserve.serving.config import DEFAULT_KV_STORE_QUEUE_LEN
 from pdserve.serving.engine_thread import EngineThread
-from pdserve.serving.kv_block_codec import MissCause
 from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
@@ -166,40 +162,3 @@ class KvStoreWriter(EngineThread):
         span.set_attribute("pdserve.kv_store.num_bytes", num_bytes)
         span.end()
         write.future.set_result(num_bytes)
-
-
-def kv_store_counters(store: KvStore | None, block_size: int) -> dict[str, tuple[str, float]]:
-    """The store's `KvStoreStats` as role counters (``kv_store_*``); empty without a store."""
-    if store is None:
-        return {}
-    stats = store.stats.snapshot()
-    num_missed = sum(stats.num_misses.values())
-    counters: dict[str, tuple[str, float]] = {
-        "kv_store_hit_blocks": ("Blocks loaded from the KV store.", stats.num_hits),
-        "kv_store_hit_tokens": (
-            "Tokens in blocks loaded from the KV store.",
-            stats.num_hits * block_size,
-        ),
-        "kv_store_miss_tokens": (
-            "Tokens in blocks looked up in the KV store and not loaded (any cause).",
-            num_missed * block_size,
-        ),
-        "kv_store_stored_bytes": ("Entry bytes written to the KV store.", stats.num_bytes_stored),
-        "kv_store_loaded_bytes": ("Entry bytes read from the KV store.", stats.num_bytes_loaded),
-        "kv_store_errors": (
-            "KV store operations that failed (store down, full or refusing).",
-            stats.num_errors,
-        ),
-        "kv_store_evictions": (
-            "Entries the KV store evicted to stay in bounds.",
-            stats.num_evictions,
-        ),
-        "kv_store_get_seconds": ("Seconds spent reading the KV store.", stats.get_seconds),
-        "kv_store_put_seconds": ("Seconds spent writing the KV store.", stats.put_seconds),
-    }
-    for cause in MissCause:
-        counters[f"kv_store_miss_blocks_{cause.value}"] = (
-            f"Blocks looked up in the KV store and not loaded: {cause.value}.",
-            stats.num_misses.get(cause, 0),
-        )
-    return counters

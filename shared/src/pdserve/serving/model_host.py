@@ -10,6 +10,7 @@ from pdserve.common.model_identity import model_id as compute_model_id
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.runner import ModelRunner
+from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import kv_layout_to_proto
 from pdserve.v1 import common_pb2
 
@@ -80,6 +81,22 @@ class ModelHost:
             kv_layout=kv_layout_to_proto(runner.kv_cache.layout, compute_model_id(name, model_dir)),
             max_model_len=min(max_model_len or limit, limit),
             eos_token_ids=tuple(runner.model_config.eos_token_ids),
+        )
+
+    @classmethod
+    def from_config(cls, config: InstanceConfig) -> ModelHost:
+        """Loads the configured checkpoint (the demo model when none) and allocates the KV
+        cache."""
+        return cls.load(
+            config.model,
+            config.served_model_name,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_mb=config.kv_cache_memory_mb,
+            block_size=config.block_size,
+            dtype=config.dtype,
+            device=config.device,
+            max_model_len=config.max_model_len,
+            num_threads=config.num_threads,
         )
 
     @property

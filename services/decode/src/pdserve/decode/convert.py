@@ -7,16 +7,15 @@ from collections.abc import Iterator, Sequence
 from typing import cast
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.decode.request import (
+from pdserve.decode.events import (
     DecodeEvent,
-    DecodeRequest,
     EndedEvent,
     FinishedEvent,
     PreemptedEvent,
     PreemptionReason,
-    RequestStatus,
     TokensEvent,
 )
+from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
 

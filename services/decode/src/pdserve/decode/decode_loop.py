@@ -17,18 +17,17 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common.generation import FinishReason, check_stop
-from pdserve.decode.leases import LeaseManager
-from pdserve.decode.metrics import DecodeMetrics
-from pdserve.decode.offload import PreemptionOffload
-from pdserve.decode.request import (
-    DecodeRequest,
+from pdserve.decode.events import (
     EndedEvent,
     FinishedEvent,
     PreemptedEvent,
     PreemptionReason,
-    RequestStatus,
     TokensEvent,
 )
+from pdserve.decode.leases import LeaseManager
+from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.offload import PreemptionOffload
+from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.serving.engine_thread import EngineThread

@@ -4,7 +4,8 @@ A lease is a `DecodeRequest` in one of its open states; the table holds a refere
 one. It is shared by the event loop (AllocateBlocks, SyncCache, ReleaseLease, the expiry sweep)
 and the decode thread (admitting committed requests, growing and preempting running ones), so
 every method takes one lock. Ownership rule: once a request is RUNNING only the decode thread
-ends it, because its blocks may be in use by the forward pass of the current step.
+ends it, because its blocks may be in use by the forward pass of the current step. The
+admission arithmetic (headroom, capacity, per-peer share) is pure, in `lease_admission`.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
 from pdserve.common.pki import Identity
 from pdserve.decode import lease_access
+from pdserve.decode.lease_admission import (
+    RecentAsks,
+    capacity_refusal,
+    lease_size,
+    length_refusal,
+    num_owed_blocks,
+    share_refusal,
+)
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.block_pool import BlockPool
 
 NUM_REMEMBERED_ENDED = 4096
-
-
-PEER_SHARE_LIMIT = "peer_share"
-"""ErrorInfo ``limit`` of a refusal for the peer's share: it clears as the peer's leases
-commit, so the prefill waits and asks again instead of failing the request."""
 
 
 class LeaseManager:
@@ -67,7 +71,7 @@ class LeaseManager:
         self.ttl_s = ttl_s
         self.capacity_retry_s = capacity_retry_s
         self.clock = clock
-        self._asked_at: dict[str, float] = {}
+        self._asks = RecentAsks()
         self.max_model_len = max_model_len
         self.max_lease_share = max_lease_share
         self.is_insecure = is_insecure
@@ -82,20 +86,13 @@ class LeaseManager:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def _headroom_blocks(self, num_computed: int, num_remaining: int, num_held: int) -> int:
-        wanted = num_blocks_for(
-            num_computed + min(self.reserve_tokens, num_remaining), self.block_size
-        )
-        return max(0, wanted - num_held)
-
     def num_reserved_blocks(self) -> int:
         """Free blocks owed to open leases as growth headroom."""
         with self.lock:
-            return sum(
-                self._headroom_blocks(
-                    lease.num_computed_tokens, lease.num_remaining_tokens, len(lease.block_ids)
-                )
-                for lease in self._leases.values()
+            return num_owed_blocks(
+                self._leases.values(),
+                reserve_tokens=self.reserve_tokens,
+                block_size=self.block_size,
             )
 
     def num_uncommitted_blocks(self, peer_key: str) -> int:
@@ -106,18 +103,6 @@ class LeaseManager:
                 for lease in self._leases.values()
                 if lease.peer_key == peer_key and lease.status < RequestStatus.COMMITTED
             )
-
-    def _is_contended(self, peer_key: str) -> bool:
-        """Whether another peer asked for a lease within the lease TTL (call under the lock).
-
-        The share only bites then: a lone prefill may use the whole pool.
-        """
-        now = self.clock()
-        self._asked_at[peer_key] = now
-        for key, asked_at in list(self._asked_at.items()):
-            if now - asked_at > self.ttl_s:
-                del self._asked_at[key]
-        return len(self._asked_at) > 1
 
     def allocate(
         self,
@@ -138,56 +123,35 @@ class LeaseManager:
                 blocks minus owed headroom do not cover the prompt and its own headroom, or
                 when a peer already holding uncommitted leases would exceed its share.
         """
-        meta = {"requestId": request_id}
-        if num_kv_tokens <= 0 or max_new_tokens <= 0:
-            raise PdserveError(
-                ErrorReason.INVALID_REQUEST,
-                "num_prompt_tokens and max_new_tokens must be positive",
-                meta,
-            )
-        if self.max_model_len is not None and num_kv_tokens + max_new_tokens > self.max_model_len:
-            # NOTE: the gateway's rule (prompt + max_tokens <= max_model_len); the prefill's
-            # num_prompt_tokens includes earlier completion tokens, max_new_tokens the rest.
-            raise PdserveError(
-                ErrorReason.PROMPT_TOO_LONG,
-                f"num_prompt_tokens ({num_kv_tokens}) plus max_new_tokens ({max_new_tokens}) "
-                f"exceeds max_model_len {self.max_model_len}",
-                {**meta, "maxModelLen": str(self.max_model_len)},
-            )
-        num_blocks = num_blocks_for(num_kv_tokens, self.block_size)
-        own_headroom = self._headroom_blocks(num_kv_tokens, max_new_tokens, num_blocks)
+        refusal = length_refusal(request_id, num_kv_tokens, max_new_tokens, self.max_model_len)
+        if refusal is not None:
+            raise refusal
+        size = lease_size(num_kv_tokens, max_new_tokens, self.reserve_tokens, self.block_size)
+        peer_key = lease_access.peer_key(caller, prefill_instance_id)
         with self.lock:
             if self.is_draining:
-                raise PdserveError(ErrorReason.INSTANCE_DRAINING, "decode is draining", meta)
+                raise PdserveError(
+                    ErrorReason.INSTANCE_DRAINING, "decode is draining", {"requestId": request_id}
+                )
             available = self.pool.num_free_blocks - self.num_reserved_blocks()
-            if num_blocks + own_headroom > available:
-                self.num_refused += 1
-                raise PdserveError(
-                    ErrorReason.DECODE_CAPACITY_EXHAUSTED,
-                    f"needs {num_blocks} blocks (+{own_headroom} headroom), {available} available",
-                    {**meta, "numBlocks": str(num_blocks)},
+            refusal = capacity_refusal(request_id, size, available, self.capacity_retry_s)
+            if refusal is None:
+                refusal = share_refusal(
+                    request_id,
+                    size.num_blocks,
+                    self.num_uncommitted_blocks(peer_key),
+                    self.pool.num_blocks,
+                    self.max_lease_share,
+                    is_contended=self._asks.is_contended(peer_key, self.clock(), self.ttl_s),
                     retry_delay_s=self.capacity_retry_s,
                 )
-            peer_key = lease_access.peer_key(caller, prefill_instance_id)
-            share = int(self.max_lease_share * self.pool.num_blocks)
-            held = self.num_uncommitted_blocks(peer_key)
-            # NOTE: a peer holding nothing uncommitted may always take one lease, however
-            # large (max_model_len bounds it): the share caps accumulation, not one request,
-            # and only while other peers want blocks too.
-            contended = self._is_contended(peer_key)
-            if held and held + num_blocks > share and contended:
+            if refusal is not None:
                 self.num_refused += 1
-                raise PdserveError(
-                    ErrorReason.DECODE_CAPACITY_EXHAUSTED,
-                    f"needs {num_blocks} blocks; this peer already holds {held} in uncommitted "
-                    f"leases and may hold {share} (max_lease_share {self.max_lease_share:g})",
-                    {**meta, "numBlocks": str(num_blocks), "limit": PEER_SHARE_LIMIT},
-                    retry_delay_s=self.capacity_retry_s,
-                )
+                raise refusal
             lease = DecodeRequest(
                 lease_id=uuid.uuid4().hex,
                 request_id=request_id,
-                block_ids=self.pool.allocate(num_blocks),
+                block_ids=self.pool.allocate(size.num_blocks),
                 num_kv_tokens=num_kv_tokens,
                 max_new_tokens=max_new_tokens,
                 expires_at=self.clock() + self.ttl_s,

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import structlog
 from opentelemetry import trace
 
-from pdserve.decode.request import DecodeRequest, PreemptedEvent
+from pdserve.decode.events import PreemptedEvent
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.block_pool import prefix_block_keys
 from pdserve.engine.kv_cache import KVCache
 from pdserve.serving.kv_block_codec import export_block_payloads

@@ -5,7 +5,7 @@ terminal event. Its status walks ALLOCATED -> SYNCING -> COMMITTED -> RUNNING ->
 state; `can_move_to`/`move_to` allow only the transitions `TRANSITIONS` lists, and `end()` is the
 one place its blocks go back to the pool, once. The lease table, the servicer, the KV receiver
 and the decode thread hold references to it. Transitions run under the lease table's lock
-(`LeaseManager.advance`/`end`).
+(`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import FinishReason, SamplingParams
+from pdserve.common.generation import SamplingParams
 from pdserve.common.pki import Identity
+from pdserve.decode.events import DecodeEvent
 from pdserve.engine.block_pool import BlockPool
 
 _tracer = telemetry.tracer("pdserve.decode")
@@ -61,58 +62,6 @@ TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
 
 class IllegalTransition(AssertionError):
     """A transition the state machine does not allow (a bug, never a client error)."""
-
-
-class PreemptionReason(enum.Enum):
-    """Why a request was preempted."""
-
-    OUT_OF_BLOCKS = "out_of_blocks"
-    DRAINING = "draining"
-
-
-@dataclass(frozen=True)
-class TokensEvent:
-    """New tokens; ``first_index`` is the completion index of ``token_ids[0]``."""
-
-    token_ids: tuple[int, ...]
-    first_index: int
-
-
-@dataclass(frozen=True)
-class FinishedEvent:
-    """Terminal: generation ended."""
-
-    finish_reason: FinishReason
-    num_prompt_tokens: int
-    num_completion_tokens: int
-
-
-@dataclass(frozen=True)
-class PreemptedEvent:
-    """Terminal: preempted after every token in ``generated_token_ids`` was emitted.
-
-    ``stored_prefix_key`` is the hex key of the last block offloaded to the KV store ('' when
-    nothing was stored in time).
-    """
-
-    reason: PreemptionReason
-    generated_token_ids: tuple[int, ...]
-    stored_prefix_key: str = ""
-
-
-@dataclass(frozen=True)
-class EndedEvent:
-    """Terminal: the request ended without finishing (aborted, expired or failed).
-
-    ``reason`` overrides the error reason the status implies (e.g. CACHE_SYNC_FAILED).
-    """
-
-    status: RequestStatus
-    detail: str = ""
-    reason: ErrorReason | None = None
-
-
-DecodeEvent = TokensEvent | FinishedEvent | PreemptedEvent | EndedEvent
 
 
 @dataclass(eq=False)

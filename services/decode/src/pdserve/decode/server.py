@@ -15,10 +15,10 @@ import structlog
 
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop
+from pdserve.decode.events import PreemptionReason
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
-from pdserve.decode.request import PreemptionReason
 from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool

@@ -21,10 +21,11 @@ from pdserve.common.generation import resolve_seed
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
 from pdserve.decode.decode_loop import DecodeLoop
+from pdserve.decode.events import EndedEvent
 from pdserve.decode.kv_receiver import KvChunkData, KvReceiver
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
-from pdserve.decode.request import DecodeRequest, EndedEvent, RequestStatus
+from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.serving.convert import local_protocol, sampling_from_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
+from pdserve.gateway.config_fields import limit_field, routing_field
 from pdserve.gateway.routing_policy import CacheRouting
 from pdserve.gateway.validation import RequestLimits
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
-_LIMITS = RequestLimits()  # the defaults of the per-request limits live there once
-_ROUTING = CacheRouting()  # and those of cache-aware routing there
 
 
 def _check_address(flag: str, address: str) -> None:
@@ -22,7 +21,8 @@ def _check_address(flag: str, address: str) -> None:
 
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
-    """Everything a gateway needs; each field is also a ``--kebab-case`` flag."""
+    """Everything a gateway needs; each field is also a ``--kebab-case`` flag (the request
+    limits' and cache routing's are declared in `config_fields`)."""
 
     host: str = field(
         default="0.0.0.0",
@@ -138,36 +138,13 @@ class GatewayConfig(ServiceConfig):
             "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED"
         },
     )
-    max_prompt_chars: int = field(
-        default=_LIMITS.max_prompt_chars,
-        metadata={"help": "characters of a text prompt, or of all chat messages together"},
-    )
-    max_prompt_tokens: int = field(
-        default=_LIMITS.max_prompt_tokens,
-        metadata={
-            "help": "tokens of a prompt (after the chat template); a prompt must also leave the "
-            "model's length room for one generated token"
-        },
-    )
-    max_messages: int = field(
-        default=_LIMITS.max_messages, metadata={"help": "messages of one chat request"}
-    )
-    max_stop_strings: int = field(
-        default=_LIMITS.max_stop_strings, metadata={"help": "stop strings of one request"}
-    )
-    max_stop_chars: int = field(
-        default=_LIMITS.max_stop_chars, metadata={"help": "characters of one stop string"}
-    )
-    max_stop_token_ids: int = field(
-        default=_LIMITS.max_stop_token_ids, metadata={"help": "stop token ids of one request"}
-    )
-    max_tokens_limit: int = field(
-        default=_LIMITS.max_tokens_limit,
-        metadata={
-            "help": "largest max_tokens a request may ask for; 0: whatever fits in the model's "
-            "length after the prompt"
-        },
-    )
+    max_prompt_chars: int = limit_field("max_prompt_chars")
+    max_prompt_tokens: int = limit_field("max_prompt_tokens")
+    max_messages: int = limit_field("max_messages")
+    max_stop_strings: int = limit_field("max_stop_strings")
+    max_stop_chars: int = limit_field("max_stop_chars")
+    max_stop_token_ids: int = limit_field("max_stop_token_ids")
+    max_tokens_limit: int = limit_field("max_tokens_limit")
     max_concurrent_requests: int = field(
         default=512,
         metadata={"help": "generation requests in flight on the gateway; more get 429"},
@@ -214,27 +191,9 @@ class GatewayConfig(ServiceConfig):
         default=2.0,
         metadata={"help": "seconds between status polls of --prefill/--decode instances"},
     )
-    cache_aware_routing: bool = field(
-        default=_ROUTING.is_enabled,
-        metadata={
-            "help": "send a prompt to the prefill believed to hold its longest prefix in its "
-            "prefix cache (off: always the prefill with the fewest queued prompt tokens)"
-        },
-    )
-    cache_balance_tokens: int = field(
-        default=_ROUTING.balance_tokens,
-        metadata={
-            "help": "a prefill holding a prompt's prefix is preferred unless its queued prompt "
-            "tokens exceed the least-loaded prefill's by more than this"
-        },
-    )
-    cache_memory_blocks: int = field(
-        default=_ROUTING.memory_blocks,
-        metadata={
-            "help": "block keys remembered per prefill for cache-aware routing (least recently "
-            "routed forgotten first; at most the prefill's pool size)"
-        },
-    )
+    cache_aware_routing: bool = routing_field("is_enabled")
+    cache_balance_tokens: int = routing_field("balance_tokens")
+    cache_memory_blocks: int = routing_field("memory_blocks")
     unavailable_retry_after_s: float = field(
         default=1.0,
         metadata={"help": "retry delay (Retry-After) suggested when no healthy pair exists"},

@@ -1,10 +1,11 @@
 """Assembles a gateway: registry, router, orchestrator, REST app and gRPC servers.
 
 `create_server(config)` builds everything without binding; `GatewayServer.start()` binds the
-REST port, the public gRPC port (GenerationService) and the internal one (RegistryService,
-mutual TLS unless ``--insecure``), 0 picking free ones, and starts the background loops (TTL
-sweep, static instance polling); `stop()` drains: health NOT_SERVING, new requests refused,
-running ones given ``shutdown_grace_s`` to finish. `serve(config)` runs one until SIGTERM.
+REST port (`rest_server`), the public gRPC port (GenerationService) and the internal one
+(RegistryService, mutual TLS unless ``--insecure``), 0 picking free ones, and starts the
+background loops (TTL sweep, static instance polling); `stop()` drains: health NOT_SERVING,
+new requests refused, running ones given ``shutdown_grace_s`` to finish. `serve(config)` runs
+one until SIGTERM.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any
 
 import structlog
-import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 
@@ -40,6 +39,7 @@ from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.poller import StaticPoller
 from pdserve.gateway.registry import InstanceEntry, LivenessClock, Registry
 from pdserve.gateway.registry_servicer import RegistryServicer
+from pdserve.gateway.rest_server import RestServer
 from pdserve.gateway.router import Router
 from pdserve.gateway.workers import ParserPool, WorkerPool
 from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc
@@ -49,14 +49,6 @@ log = structlog.get_logger("pdserve.gateway.server")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 REGISTRY_SERVICE = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-class _UvicornServer(uvicorn.Server):
-    """uvicorn without its own signal handlers: the gateway drains first, then stops it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class GatewayServer:
@@ -146,8 +138,7 @@ class GatewayServer:
         self._internal_server: Any = None
         self._health: Any = None
         self._is_ready = False
-        self._uvicorn: _UvicornServer | None = None
-        self._serving: asyncio.Task[Any] | None = None
+        self._rest = RestServer(self.app)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -210,23 +201,7 @@ class GatewayServer:
         self._grpc_server = server
         await self._start_internal()
 
-        # NOTE: proto must be IPPROTO_TCP: asyncio enables TCP_NODELAY on accepted sockets only
-        # then, and without it small SSE/JSON writes wait on delayed ACKs (~40 ms each).
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((config.host, config.port))
-        sock.set_inheritable(True)
-        self.http_port = sock.getsockname()[1]
-        uvicorn_config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", timeout_keep_alive=30
-        )
-        self._uvicorn = _UvicornServer(uvicorn_config)
-        self._serving = serving = self._spawn(self._uvicorn.serve(sockets=[sock]))
-        while not self._uvicorn.started:
-            if serving.done():
-                serving.result()  # raises the startup failure
-            await asyncio.sleep(0.01)
+        self.http_port = await self._rest.start(config.host, config.port, self._spawn)
 
         if config.prefill or config.decode:
             await self.poller.poll_once()
@@ -274,12 +249,7 @@ class GatewayServer:
             log.warning(
                 "gateway_drain_timeout", num_active_requests=self.frontend.num_active_requests
             )
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
-            self._uvicorn.force_exit = True
-        if self._serving is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._serving), 5.0)
+        await self._rest.stop(5.0)
         for grpc_server in (self._grpc_server, self._internal_server):
             if grpc_server is not None:
                 await grpc_server.stop(0.5)

@@ -2,7 +2,9 @@
 
 One asyncio task per request walks it QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING ->
 HANDED_OFF (or FINISHED when the first token already ends the request) through its own
-transitions (`Request.move_to`/`end`) and writes what the caller must see into its outbox.
+transitions (`Request.move_to`/`end`) and writes what the caller must see into its outbox;
+its decode lease comes from `leasing.open_lease`. Whether it ships KV at all and whether its
+first token ends it is the one stop rule (`is_length_capped`, `first_token_finish`).
 Every way out of that task (success, a typed failure, `abort`, the caller hanging up) runs
 the same cleanup (`Request.release`): the SyncCache stream is
 cancelled if still open, the prefill's blocks are freed on the engine thread, and a decode
@@ -23,12 +25,14 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason, check_stop, is_length_reached
 from pdserve.prefill.decode_client import DecodePeers
-from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut, LeaseGrant
+from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
 from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.leasing import open_lease
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
-from pdserve.prefill.request import Request, RequestStatus, first_token_finish, is_length_capped
+from pdserve.prefill.request import Request, RequestStatus
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
@@ -161,42 +165,7 @@ class Handoffs:
     async def _prefill(self, request: Request) -> None:
         if request.is_sending_kv:
             request.move_to(RequestStatus.PREPARING)
-            with _tracer.start_as_current_span(
-                "prefill.allocate",
-                attributes={
-                    telemetry.REQUEST_ID: request.request_id,
-                    "pdserve.decode.address": request.decode_address,
-                },
-            ) as allocate_span:
-                allocation = asyncio.ensure_future(self.peers.allocate(request))
-                try:
-                    lease = await asyncio.shield(allocation)
-                except asyncio.CancelledError:
-                    # NOTE: the decode may still grant the lease after this request was
-                    # aborted: release it then instead of leaving it to the lease TTL.
-                    allocation.add_done_callback(
-                        functools.partial(self._release_late_grant, request)
-                    )
-                    raise
-                allocate_span.set_attribute("pdserve.lease_id", lease.lease_id)
-                allocate_span.set_attribute("pdserve.num_blocks", len(lease.block_ids))
-            request.lease = lease
-            request.is_lease_open = True
-            log.info(
-                "lease_granted",
-                request_id=request.request_id,
-                lease_id=lease.lease_id,
-                decode_instance_id=lease.decode_instance_id,
-            )
-            if request.decode_instance_id not in ("", lease.decode_instance_id):
-                # NOTE: whoever answers at that address is not the decode the gateway chose:
-                # no KV goes to it (the open lease is released by the cleanup).
-                raise PdserveError(
-                    ErrorReason.PERMISSION_DENIED,
-                    f"the decode at {request.decode_address} is {lease.decode_instance_id!r}, "
-                    f"not {request.decode_instance_id!r} as the gateway named",
-                    {"requestId": request.request_id, "decodeAddress": request.decode_address},
-                )
+            await open_lease(self.peers, request, self._background)
             corrupt = self.fault_corrupt_kv is not None and fnmatch.fnmatchcase(
                 request.request_id, self.fault_corrupt_kv
             )
@@ -283,17 +252,6 @@ class Handoffs:
                 self.metrics.transfer_seconds.observe(time.perf_counter() - started)
         span.end()
 
-    def _release_late_grant(self, request: Request, allocation: asyncio.Future[LeaseGrant]) -> None:
-        if allocation.cancelled() or allocation.exception() is not None:
-            return
-        lease = allocation.result()
-        log.info("late_lease_released", request_id=request.request_id, lease_id=lease.lease_id)
-        release = asyncio.ensure_future(
-            self.peers.release_lease(request.decode_address, lease, request.request_id)
-        )
-        self._background.add(release)
-        release.add_done_callback(self._background.discard)
-
     async def _cleanup(self, request: Request, error: PdserveError | None) -> None:
         try:
             await request.release(self.peers, self.loop)
@@ -309,3 +267,25 @@ class Handoffs:
                     detail=error.message,
                 )
                 request.outbox.put_nowait(error)
+
+
+def is_length_capped(request: Request, max_model_len: int) -> bool:
+    """Whether the first token ends the request whatever it is (max_tokens or model length)."""
+    return is_length_reached(
+        request.first_token_index + 1, request.sampling, request.num_tokens + 1, max_model_len
+    )
+
+
+def first_token_finish(
+    request: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
+) -> FinishReason | None:
+    """Why the first token ends the request, or None when the decode continues it (the one
+    stop rule, `check_stop`, at the first token's completion index)."""
+    return check_stop(
+        token_id,
+        request.first_token_index + 1,
+        request.sampling,
+        eos_token_ids,
+        num_tokens=request.num_tokens + 1,
+        max_model_len=max_model_len,
+    )

@@ -1,11 +1,11 @@
 """The engine thread: forward passes over prepared requests, with KV exported layer by layer.
 
 Each pass is scheduled by `PrefillScheduler`. While the model runs, `on_layer_done(i)` fires as
-soon as layer i's KV of the whole pass is in the cache; the loop then exports, for every request
-of the pass that ships KV, layer i of the blocks this pass completed and hands the pieces to
-the request's sink, so the sender streams them while layers i+1.. still compute. A block that a
-later chunk of the same prompt still fills is exported with that chunk, never twice. After the
-pass, requests whose prompt is complete get their first token sampled.
+soon as layer i's KV of the whole pass is in the cache; the loop then exports (`kv_export`), for
+every request of the pass that ships KV, layer i of the blocks this pass completed and hands the
+pieces to the request's sink, so the sender streams them while layers i+1.. still compute. A
+block that a later chunk of the same prompt still fills is exported with that chunk, never
+twice. After the pass, requests whose prompt is complete get their first token sampled.
 
 With the prefix cache on, a request's leading cached blocks are never computed, but their KV
 is in the cache like any other: the first pass of such a request exports them too (its export
@@ -25,35 +25,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
-from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.prefill.events import EngineFailed, FirstTokenSampled
+from pdserve.prefill.kv_export import export_layer, plan_export
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
 from pdserve.prefill.store_loader import StoreLoader
 from pdserve.serving.engine_thread import EngineThread
 from pdserve.serving.kv_block_codec import import_block_payloads
-from pdserve.serving.kv_transfer import blocks_per_piece, layer_pieces
+from pdserve.serving.kv_transfer import blocks_per_piece
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
-
-
-class _Export(NamedTuple):
-    """The logical blocks [first_block, end_block) of one request that a pass completes."""
-
-    request: Request
-    first_block: int
-    end_block: int
 
 
 class PrefillLoop(EngineThread):
@@ -173,7 +164,7 @@ class PrefillLoop(EngineThread):
 
     def _execute(self, output: SchedulerOutput) -> None:
         scheduled = output.scheduled
-        exports = [export for chunk in scheduled if (export := self._plan_export(chunk))]
+        exports = [export for chunk in scheduled if (export := plan_export(chunk, self.block_size))]
         chunks = [
             ForwardChunk(c.token_ids, c.num_computed_tokens, c.request.block_ids) for c in scheduled
         ]
@@ -181,7 +172,12 @@ class PrefillLoop(EngineThread):
         started = time.perf_counter()
         try:
             self._import_stored_blocks(scheduled)
-            logits = self.runner.execute(chunks, lambda layer: self._export_layer(exports, layer))
+            logits = self.runner.execute(
+                chunks,
+                lambda layer: export_layer(
+                    self.runner.kv_cache, exports, layer, self.blocks_per_piece
+                ),
+            )
             completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
             rows = [
                 SamplingRow(
@@ -235,34 +231,6 @@ class PrefillLoop(EngineThread):
                 payloads = [payload for _, payload in request.pending_imports]
                 request.pending_imports = []
                 import_block_payloads(self.runner.kv_cache, block_ids, payloads)
-
-    def _plan_export(self, chunk: ScheduledChunk) -> _Export | None:
-        request = chunk.request
-        if not request.is_sending_kv:
-            return None
-        end_token = chunk.num_computed_tokens + chunk.num_new_tokens
-        # NOTE: only blocks this pass fills completely, plus the partial last block once the
-        # prompt is complete; a block a later chunk still writes to waits for that chunk.
-        if chunk.completes_prompt:
-            end_block = num_blocks_for(end_token, self.block_size)
-        else:
-            end_block = end_token // self.block_size
-        if end_block <= request.num_sent_blocks:
-            return None
-        return _Export(request, request.num_sent_blocks, end_block)
-
-    def _export_layer(self, exports: list[_Export], layer_index: int) -> None:
-        kv_cache = self.runner.kv_cache
-        for request, first_block, end_block in exports:
-            for piece in layer_pieces(
-                kv_cache,
-                layer_index,
-                request.block_ids,
-                self.blocks_per_piece,
-                first_block,
-                end_block,
-            ):
-                request.sink(piece)
 
 
 def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:

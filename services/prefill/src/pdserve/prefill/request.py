@@ -24,7 +24,7 @@ import structlog
 from opentelemetry.context import Context
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import FinishReason, SamplingParams, check_stop, is_length_reached
+from pdserve.common.generation import SamplingParams
 from pdserve.prefill.events import (
     EngineEvent,
     EngineFailed,
@@ -278,28 +278,6 @@ class Request:
             await asyncio.wait_for(released, RELEASE_WAIT_S)
         except TimeoutError:
             log.error("prefill_blocks_not_released", request_id=self.request_id)
-
-
-def is_length_capped(request: Request, max_model_len: int) -> bool:
-    """Whether the first token ends the request whatever it is (max_tokens or model length)."""
-    return is_length_reached(
-        request.first_token_index + 1, request.sampling, request.num_tokens + 1, max_model_len
-    )
-
-
-def first_token_finish(
-    request: Request, token_id: int, eos_token_ids: frozenset[int], max_model_len: int
-) -> FinishReason | None:
-    """Why the first token ends the request, or None when the decode continues it (the one
-    stop rule, `check_stop`, at the first token's completion index)."""
-    return check_stop(
-        token_id,
-        request.first_token_index + 1,
-        request.sampling,
-        eos_token_ids,
-        num_tokens=request.num_tokens + 1,
-        max_model_len=max_model_len,
-    )
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
