@@ -387,7 +387,9 @@ def faulty_prefill_cluster(
 ) -> Iterator[ProcessCluster]:
     # NOTE: prefill-1 corrupts the first KV chunk of every request it serves; prefill-0 is
     # healthy. A corrupt transfer is retried as a whole request on another prefill, so the
-    # gateway's default of 3 attempts is plenty.
+    # gateway's default of 3 attempts is plenty. The test's prompts share their first block:
+    # cache-aware routing would send them all to the prefill that took the first one (half
+    # the time never the faulty one), so requests go by load alone.
     with running_cluster(
         demo_model_dir,
         tmp_path_factory.mktemp("faulty-prefill-logs"),
@@ -395,6 +397,7 @@ def faulty_prefill_cluster(
         child_env={"prefill-1": {ENV_FAULT_CORRUPT_KV: "*"}},
         prefill_args=PREFILL_ARGS,
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms {LEASE_TTL_MS}",
+        gateway_args="--no-cache-aware-routing",
     ) as cluster:
         yield cluster
 
