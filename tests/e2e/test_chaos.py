@@ -5,11 +5,17 @@ outputs equal the undisturbed single-process engine token for token (greedy and 
 afterwards every surviving instance's block pool is whole (consistent, all blocks free, no
 open lease), checked with `InstanceService.GetInstanceStatus`. Everything binds loopback with
 OS-picked ports, and every wait is bounded.
+
+The scenarios where the KV storage tier takes part (a lost or frozen decode, a lost prefill,
+preemption, corrupt KV) run twice: with the store off and with a ``file:`` store of their own
+(`store`). The load test and the silent-prefill lease run with the store off only: neither
+reschedules anything, so the store would add write-through and half a minute, nothing to check.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -45,9 +51,57 @@ GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
 
 
+STORES = ("off", "file")
+BLOCK_SIZE = 16  # the instances' default
+
+
 @pytest.fixture(scope="module")
 def reference(demo_model_dir: Path) -> Reference:
     return Reference(demo_model_dir)
+
+
+@pytest.fixture(scope="module", params=STORES)
+def store(request: pytest.FixtureRequest) -> str:
+    """The KV storage tier of the test's cluster: ``off``, or ``file`` (a store of its own)."""
+    return str(request.param)
+
+
+# NOTE: the store is a module-scoped parameter, so pytest runs every test with the store off,
+# then every one with it on (the module-scoped cluster starts once per value).
+STORE_OFF_ONLY = pytest.mark.parametrize("store", ["off"], indirect=True)
+
+
+@contextlib.contextmanager
+def chaos_cluster(
+    demo_model_dir: Path,
+    log_dir: Path,
+    store: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    **settings: Any,
+) -> Iterator[ProcessCluster]:
+    """`running_cluster` with the `store` variant: nothing, or a ``file:`` store in a new
+    directory that every prefill and decode opened."""
+    if store == "off":
+        with running_cluster(demo_model_dir, log_dir, **settings) as cluster:
+            yield cluster
+        return
+    spec = f"file:{tmp_path_factory.mktemp('kv-store')}"
+    with running_cluster(demo_model_dir, log_dir, kv_store=spec, **settings) as cluster:
+        for child in cluster.instances:
+            assert [e["spec"] for e in events_named(child, "kv_store_opened")] == [spec]
+        yield cluster
+
+
+async def store_counter(cluster: ProcessCluster, role: str, name: str) -> float:
+    """A ``pdserve_<role>_<name>`` counter summed over the role's surviving instances."""
+    children = cluster.prefills if role == "prefill" else cluster.decodes
+    return sum(
+        [
+            await cluster.instance_counter(child, f"pdserve_{role}_{name}")
+            for child in children
+            if child.returncode is None
+        ]
+    )
 
 
 def cases(num: int, prefix: str = "The quick brown fox") -> list[tuple[str, dict[str, Any]]]:
@@ -91,9 +145,17 @@ def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
 
 
 @pytest.fixture
-def two_decodes(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    with running_cluster(
-        demo_model_dir, tmp_path, decodes=2, prefill_args=PREFILL_ARGS, decode_args=DECODE_ARGS
+def two_decodes(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with chaos_cluster(
+        demo_model_dir,
+        tmp_path,
+        store,
+        tmp_path_factory,
+        decodes=2,
+        prefill_args=PREFILL_ARGS,
+        decode_args=DECODE_ARGS,
     ) as cluster:
         yield cluster
 
@@ -144,12 +206,17 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
 
 
 @pytest.fixture
-def two_prefills(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+def two_prefills(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
     # NOTE: a 16-token budget per forward pass makes a 1,200-token prompt take many passes, so
     # the kill lands while prompts are being computed and their KV shipped layer by layer.
-    with running_cluster(
+    # With a store, the survivor may load what the victim wrote through before it died.
+    with chaos_cluster(
         demo_model_dir,
         tmp_path,
+        store,
+        tmp_path_factory,
         prefills=2,
         prefill_args=f"{PREFILL_ARGS} --max-num-batched-tokens 16",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms 3000",
@@ -200,13 +267,17 @@ INSTANCE_TTL_S = 2.0
 
 
 @pytest.fixture
-def frozen_decode_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+def frozen_decode_cluster(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
     # NOTE: a frozen decode stops heartbeating: the gateway drops it after 2 s and moves the
     # streams that depend on it. It also stops answering AllocateBlocks (the prefill gives up
     # after 1.5 s with PEER_UNAVAILABLE and the gateway tries another decode).
-    with running_cluster(
+    with chaos_cluster(
         demo_model_dir,
         tmp_path,
+        store,
+        tmp_path_factory,
         decodes=2,
         prefill_args=f"{PREFILL_ARGS} --allocate-timeout-ms 1500",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms 3000",
@@ -288,35 +359,55 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
 # ---- a tiny decode pool under 16 concurrent streams --------------------------------------------
 
 
+# NOTE: 40 blocks of 16 tokens and no growth headroom: 16 two-block prompts fit, their
+# growth to up to 6 blocks each does not, so running streams keep preempting each other.
+TINY_POOL: dict[str, Any] = {
+    "prefill_args": PREFILL_ARGS,
+    "decode_args": "--num-blocks 40 --reserve-tokens 0",
+    "gateway_args": "--preempt-retry-count 100",
+}
+STORM_MAX_TOKENS = 64
+
+
 @pytest.fixture
-def tiny_pool(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    # NOTE: 40 blocks of 16 tokens and no growth headroom: 16 two-block prompts fit, their
-    # growth to up to 6 blocks each does not, so running streams keep preempting each other.
-    with running_cluster(
-        demo_model_dir,
-        tmp_path,
-        prefill_args=PREFILL_ARGS,
-        decode_args="--num-blocks 40 --reserve-tokens 0",
-        gateway_args="--preempt-retry-count 100",
-    ) as cluster:
+def tiny_pool(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with chaos_cluster(demo_model_dir, tmp_path, store, tmp_path_factory, **TINY_POOL) as cluster:
         yield cluster
 
 
-async def test_preemption_storm(tiny_pool: ProcessCluster, reference: Reference) -> None:
-    cluster, max_tokens = tiny_pool, 64
-    requests = cases(16, prefix="Storm")
-    expected = await expected_ids(reference, requests, max_tokens)
+async def storm(
+    cluster: ProcessCluster, requests: list[tuple[str, dict[str, Any]]]
+) -> list[list[int]]:
+    """Streams every request at once (token ids of each)."""
     async with cluster.openai() as client:
-        results = await asyncio.gather(
+        return await asyncio.gather(
             *(
                 stream_token_ids(
-                    client, cluster.model_name, prompt, max_tokens=max_tokens, **sampling
+                    client, cluster.model_name, prompt, max_tokens=STORM_MAX_TOKENS, **sampling
                 )
                 for prompt, sampling in requests
             )
         )
+
+
+async def test_preemption_storm(
+    tiny_pool: ProcessCluster, reference: Reference, store: str
+) -> None:
+    cluster = tiny_pool
+    requests = cases(16, prefix="Storm")
+    expected = await expected_ids(reference, requests, STORM_MAX_TOKENS)
+    results = await storm(cluster, requests)
     assert results == expected
     assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") >= 1
+    if store == "file":
+        # A victim's notice waits for the offload of its full blocks; its reschedule (prompt
+        # and tokens so far) finds those the prefill never computed, the generated tokens',
+        # in the store instead of computing them.
+        assert await store_counter(cluster, "decode", "kv_offloads_written") >= 1
+        loaded = await store_counter(cluster, "prefill", "store_loaded_prompt_tokens")
+        assert loaded >= BLOCK_SIZE
     await cluster.wait_whole()
 
 
@@ -327,12 +418,16 @@ LOAD_DURATION_S = 30.0
 
 
 @pytest.fixture
-def default_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    with running_cluster(demo_model_dir, tmp_path) as cluster:  # what `pdserve up` runs
+def default_cluster(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    # what `pdserve up` runs
+    with chaos_cluster(demo_model_dir, tmp_path, store, tmp_path_factory) as cluster:
         yield cluster
 
 
 @pytest.mark.slow
+@STORE_OFF_ONLY
 async def test_load_64_streaming_clients(
     default_cluster: ProcessCluster, reference: Reference
 ) -> None:
@@ -384,16 +479,18 @@ LEASE_TTL_MS = 2000
 
 @pytest.fixture(scope="module")
 def faulty_prefill_cluster(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    demo_model_dir: Path, store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ProcessCluster]:
     # NOTE: prefill-1 corrupts the first KV chunk of every request it serves; prefill-0 is
     # healthy. A corrupt transfer is retried as a whole request on another prefill, so the
     # gateway's default of 3 attempts is plenty. The test's prompts share their first block:
     # cache-aware routing would send them all to the prefill that took the first one (half
     # the time never the faulty one), so requests go by load alone.
-    with running_cluster(
+    with chaos_cluster(
         demo_model_dir,
         tmp_path_factory.mktemp("faulty-prefill-logs"),
+        store,
+        tmp_path_factory,
         prefills=2,
         child_env={"prefill-1": {ENV_FAULT_CORRUPT_KV: "*"}},
         prefill_args=PREFILL_ARGS,
@@ -438,6 +535,7 @@ async def test_corrupted_kv_chunk_is_detected_and_retried(
     await cluster.wait_whole()
 
 
+@STORE_OFF_ONLY
 async def test_lease_of_a_prefill_that_never_sends_expires(
     faulty_prefill_cluster: ProcessCluster,
 ) -> None:
