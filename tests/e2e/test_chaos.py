@@ -10,6 +10,7 @@ The scenarios where the KV storage tier takes part (a lost or frozen decode, a l
 preemption, corrupt KV) run twice: with the store off and with a ``file:`` store of their own
 (`store`). The load test and the silent-prefill lease run with the store off only: neither
 reschedules anything, so the store would add write-through and half a minute, nothing to check.
+One more storm runs on a store that breaks under it.
 """
 
 from __future__ import annotations
@@ -409,6 +410,48 @@ async def test_preemption_storm(
         loaded = await store_counter(cluster, "prefill", "store_loaded_prompt_tokens")
         assert loaded >= BLOCK_SIZE
     await cluster.wait_whole()
+
+
+# ---- the store breaks mid-run ----------------------------------------------------------------
+
+
+async def test_preemption_storm_while_the_store_breaks(
+    demo_model_dir: Path, tmp_path: Path, reference: Reference
+) -> None:
+    # NOTE: tests run as root, whom `chmod 000` does not stop: the store's directory is moved
+    # away and a regular file takes its place, so every read, write and mkdir under it fails.
+    root = tmp_path / "kv-store"
+    requests, later = cases(16, prefix="Storm"), cases(16, prefix="Gone")
+    expected = await expected_ids(reference, requests, STORM_MAX_TOKENS)
+    expected_later = await expected_ids(reference, later, STORM_MAX_TOKENS)
+    with running_cluster(
+        demo_model_dir, tmp_path / "logs", kv_store=f"file:{root}", **TINY_POOL
+    ) as cluster:
+        decode = cluster.decodes[0]
+        wave = asyncio.create_task(storm(cluster, requests))
+
+        def has_offloaded() -> bool:
+            return bool(events_named(decode, "kv_offload_written")) or wave.done()
+
+        await eventually(has_offloaded, 30, "a preempted request's offload to land")
+        root.rename(tmp_path / "kv-store-gone")
+        root.write_bytes(b"not a directory")
+        assert await wave == expected
+
+        # Every preemption from now on meets the broken store: the offload fails, the notice
+        # goes without a stored prefix and the reschedule computes everything again.
+        num_reschedules = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+        assert await storm(cluster, later) == expected_later
+        assert (
+            await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+            > num_reschedules
+        )
+        skipped = events_named(decode, "kv_offload_skipped")
+        assert skipped and {e["cause"] for e in skipped} == {"store_error"}
+        assert await store_counter(cluster, "decode", "kv_offloads_skipped") >= 1
+        assert await store_counter(cluster, "decode", "kv_store_errors") >= 1
+        assert await store_counter(cluster, "prefill", "kv_store_errors") >= 1
+        await cluster.wait_whole()
 
 
 # ---- bounded load: 64 streaming clients for 30 s ---------------------------------------------
