@@ -5,11 +5,18 @@ outputs equal the undisturbed single-process engine token for token (greedy and 
 afterwards every surviving instance's block pool is whole (consistent, all blocks free, no
 open lease), checked with `InstanceService.GetInstanceStatus`. Everything binds loopback with
 OS-picked ports, and every wait is bounded.
+
+The scenarios where the KV storage tier takes part (a lost or frozen decode, a lost prefill,
+preemption, corrupt KV) run twice: with the store off and with a ``file:`` store of their own
+(`store`). The load test and the silent-prefill lease run with the store off only: neither
+reschedules anything, so the store would add write-through and half a minute, nothing to check.
+One more storm runs on a store that breaks under it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -45,9 +52,57 @@ GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
 
 
+STORES = ("off", "file")
+BLOCK_SIZE = 16  # the instances' default
+
+
 @pytest.fixture(scope="module")
 def reference(demo_model_dir: Path) -> Reference:
     return Reference(demo_model_dir)
+
+
+@pytest.fixture(scope="module", params=STORES)
+def store(request: pytest.FixtureRequest) -> str:
+    """The KV storage tier of the test's cluster: ``off``, or ``file`` (a store of its own)."""
+    return str(request.param)
+
+
+# NOTE: the store is a module-scoped parameter, so pytest runs every test with the store off,
+# then every one with it on (the module-scoped cluster starts once per value).
+STORE_OFF_ONLY = pytest.mark.parametrize("store", ["off"], indirect=True)
+
+
+@contextlib.contextmanager
+def chaos_cluster(
+    demo_model_dir: Path,
+    log_dir: Path,
+    store: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    **settings: Any,
+) -> Iterator[ProcessCluster]:
+    """`running_cluster` with the `store` variant: nothing, or a ``file:`` store in a new
+    directory that every prefill and decode opened."""
+    if store == "off":
+        with running_cluster(demo_model_dir, log_dir, **settings) as cluster:
+            yield cluster
+        return
+    spec = f"file:{tmp_path_factory.mktemp('kv-store')}"
+    with running_cluster(demo_model_dir, log_dir, kv_store=spec, **settings) as cluster:
+        for child in cluster.instances:
+            assert [e["spec"] for e in events_named(child, "kv_store_opened")] == [spec]
+        yield cluster
+
+
+async def store_counter(cluster: ProcessCluster, role: str, name: str) -> float:
+    """A ``pdserve_<role>_<name>`` counter summed over the role's surviving instances."""
+    children = cluster.prefills if role == "prefill" else cluster.decodes
+    return sum(
+        [
+            await cluster.instance_counter(child, f"pdserve_{role}_{name}")
+            for child in children
+            if child.returncode is None
+        ]
+    )
 
 
 def cases(num: int, prefix: str = "The quick brown fox") -> list[tuple[str, dict[str, Any]]]:
@@ -79,20 +134,35 @@ def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[
     return on_tokens
 
 
-async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
-    """The decode holding the most open leases right now, and that count."""
-    statuses = [await cluster.pool_status(address(d)) for d in cluster.decodes]
-    leases = [status.pool.num_open_leases for status in statuses]
-    return cluster.decodes[leases.index(max(leases))], max(leases)
+def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
+    """The decode with the most streams still running, and that count: requests whose lease
+    it committed and the gateway has not finished."""
+    # NOTE: read from the logs, not asked of the pools: two mTLS calls on a loaded machine
+    # take long enough for a few hundred tiny-model tokens to end before the fault lands.
+    assert cluster.gateway is not None
+    finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
+    running = [
+        len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
+        for d in cluster.decodes
+    ]
+    return cluster.decodes[running.index(max(running))], max(running)
 
 
 # ---- SIGKILL a decode mid-stream -------------------------------------------------------------
 
 
 @pytest.fixture
-def two_decodes(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    with running_cluster(
-        demo_model_dir, tmp_path, decodes=2, prefill_args=PREFILL_ARGS, decode_args=DECODE_ARGS
+def two_decodes(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with chaos_cluster(
+        demo_model_dir,
+        tmp_path,
+        store,
+        tmp_path_factory,
+        decodes=2,
+        prefill_args=PREFILL_ARGS,
+        decode_args=DECODE_ARGS,
     ) as cluster:
         yield cluster
 
@@ -119,9 +189,9 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
             for (prompt, sampling), event in zip(requests, streaming, strict=True)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
-        victim, num_leases = await busiest_decode(cluster)
+        victim, num_running = busiest_decode(cluster)
         victim.signal(signal.SIGKILL)
-        assert num_leases > 0, "no decode held a lease while streams were running"
+        assert num_running > 0, "no decode held a running stream"
         assert not all(task.done() for task in tasks), "the streams ended before the kill"
         assert victim.wait(10) == -signal.SIGKILL
 
@@ -143,12 +213,17 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
 
 
 @pytest.fixture
-def two_prefills(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+def two_prefills(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
     # NOTE: a 16-token budget per forward pass makes a 1,200-token prompt take many passes, so
     # the kill lands while prompts are being computed and their KV shipped layer by layer.
-    with running_cluster(
+    # With a store, the survivor may load what the victim wrote through before it died.
+    with chaos_cluster(
         demo_model_dir,
         tmp_path,
+        store,
+        tmp_path_factory,
         prefills=2,
         prefill_args=f"{PREFILL_ARGS} --max-num-batched-tokens 16",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms 3000",
@@ -199,13 +274,17 @@ INSTANCE_TTL_S = 2.0
 
 
 @pytest.fixture
-def frozen_decode_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+def frozen_decode_cluster(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
     # NOTE: a frozen decode stops heartbeating: the gateway drops it after 2 s and moves the
     # streams that depend on it. It also stops answering AllocateBlocks (the prefill gives up
     # after 1.5 s with PEER_UNAVAILABLE and the gateway tries another decode).
-    with running_cluster(
+    with chaos_cluster(
         demo_model_dir,
         tmp_path,
+        store,
+        tmp_path_factory,
         decodes=2,
         prefill_args=f"{PREFILL_ARGS} --allocate-timeout-ms 1500",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms 3000",
@@ -247,10 +326,10 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
             )
         )
         await asyncio.wait_for(is_streaming.wait(), 30)
-        victim, num_leases = await busiest_decode(cluster)
+        victim, num_running = busiest_decode(cluster)
         victim.signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
-        assert num_leases > 0 and not long_task.done()
+        assert num_running > 0 and not long_task.done()
 
         # New requests move to the other decode, well within the request timeout.
         results = await asyncio.gather(
@@ -287,36 +366,98 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
 # ---- a tiny decode pool under 16 concurrent streams --------------------------------------------
 
 
+# NOTE: 40 blocks of 16 tokens and no growth headroom: 16 two-block prompts fit, their
+# growth to up to 6 blocks each does not, so running streams keep preempting each other.
+TINY_POOL: dict[str, Any] = {
+    "prefill_args": PREFILL_ARGS,
+    "decode_args": "--num-blocks 40 --reserve-tokens 0",
+    "gateway_args": "--preempt-retry-count 100",
+}
+STORM_MAX_TOKENS = 64
+
+
 @pytest.fixture
-def tiny_pool(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    # NOTE: 40 blocks of 16 tokens and no growth headroom: 16 two-block prompts fit, their
-    # growth to up to 6 blocks each does not, so running streams keep preempting each other.
-    with running_cluster(
-        demo_model_dir,
-        tmp_path,
-        prefill_args=PREFILL_ARGS,
-        decode_args="--num-blocks 40 --reserve-tokens 0",
-        gateway_args="--preempt-retry-count 100",
-    ) as cluster:
+def tiny_pool(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with chaos_cluster(demo_model_dir, tmp_path, store, tmp_path_factory, **TINY_POOL) as cluster:
         yield cluster
 
 
-async def test_preemption_storm(tiny_pool: ProcessCluster, reference: Reference) -> None:
-    cluster, max_tokens = tiny_pool, 64
-    requests = cases(16, prefix="Storm")
-    expected = await expected_ids(reference, requests, max_tokens)
+async def storm(
+    cluster: ProcessCluster, requests: list[tuple[str, dict[str, Any]]]
+) -> list[list[int]]:
+    """Streams every request at once (token ids of each)."""
     async with cluster.openai() as client:
-        results = await asyncio.gather(
+        return await asyncio.gather(
             *(
                 stream_token_ids(
-                    client, cluster.model_name, prompt, max_tokens=max_tokens, **sampling
+                    client, cluster.model_name, prompt, max_tokens=STORM_MAX_TOKENS, **sampling
                 )
                 for prompt, sampling in requests
             )
         )
+
+
+async def test_preemption_storm(
+    tiny_pool: ProcessCluster, reference: Reference, store: str
+) -> None:
+    cluster = tiny_pool
+    requests = cases(16, prefix="Storm")
+    expected = await expected_ids(reference, requests, STORM_MAX_TOKENS)
+    results = await storm(cluster, requests)
     assert results == expected
     assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") >= 1
+    if store == "file":
+        # A victim's notice waits for the offload of its full blocks; its reschedule (prompt
+        # and tokens so far) finds those the prefill never computed, the generated tokens',
+        # in the store instead of computing them.
+        assert await store_counter(cluster, "decode", "kv_offloads_written") >= 1
+        loaded = await store_counter(cluster, "prefill", "store_loaded_prompt_tokens")
+        assert loaded >= BLOCK_SIZE
     await cluster.wait_whole()
+
+
+# ---- the store breaks mid-run ----------------------------------------------------------------
+
+
+async def test_preemption_storm_while_the_store_breaks(
+    demo_model_dir: Path, tmp_path: Path, reference: Reference
+) -> None:
+    # NOTE: tests run as root, whom `chmod 000` does not stop: the store's directory is moved
+    # away and a regular file takes its place, so every read, write and mkdir under it fails.
+    root = tmp_path / "kv-store"
+    requests, later = cases(16, prefix="Storm"), cases(16, prefix="Gone")
+    expected = await expected_ids(reference, requests, STORM_MAX_TOKENS)
+    expected_later = await expected_ids(reference, later, STORM_MAX_TOKENS)
+    with running_cluster(
+        demo_model_dir, tmp_path / "logs", kv_store=f"file:{root}", **TINY_POOL
+    ) as cluster:
+        decode = cluster.decodes[0]
+        wave = asyncio.create_task(storm(cluster, requests))
+
+        def has_offloaded() -> bool:
+            return bool(events_named(decode, "kv_offload_written")) or wave.done()
+
+        await eventually(has_offloaded, 30, "a preempted request's offload to land")
+        root.rename(tmp_path / "kv-store-gone")
+        root.write_bytes(b"not a directory")
+        assert await wave == expected
+
+        # Every preemption from now on meets the broken store: the offload fails, the notice
+        # goes without a stored prefix and the reschedule computes everything again.
+        num_reschedules = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+        assert await storm(cluster, later) == expected_later
+        assert (
+            await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+            > num_reschedules
+        )
+        skipped = events_named(decode, "kv_offload_skipped")
+        assert skipped and {e["cause"] for e in skipped} == {"store_error"}
+        assert await store_counter(cluster, "decode", "kv_offloads_skipped") >= 1
+        assert await store_counter(cluster, "decode", "kv_store_errors") >= 1
+        assert await store_counter(cluster, "prefill", "kv_store_errors") >= 1
+        await cluster.wait_whole()
 
 
 # ---- bounded load: 64 streaming clients for 30 s ---------------------------------------------
@@ -326,12 +467,16 @@ LOAD_DURATION_S = 30.0
 
 
 @pytest.fixture
-def default_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
-    with running_cluster(demo_model_dir, tmp_path) as cluster:  # what `pdserve up` runs
+def default_cluster(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    # what `pdserve up` runs
+    with chaos_cluster(demo_model_dir, tmp_path, store, tmp_path_factory) as cluster:
         yield cluster
 
 
 @pytest.mark.slow
+@STORE_OFF_ONLY
 async def test_load_64_streaming_clients(
     default_cluster: ProcessCluster, reference: Reference
 ) -> None:
@@ -383,20 +528,25 @@ LEASE_TTL_MS = 2000
 
 @pytest.fixture(scope="module")
 def faulty_prefill_cluster(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    demo_model_dir: Path, store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ProcessCluster]:
     # NOTE: prefill-1 corrupts the first KV chunk of every request it serves; prefill-0 is
     # healthy. A corrupt transfer is retried as a whole request on another prefill, so the
-    # gateway's default of 3 attempts is plenty.
-    with running_cluster(
+    # gateway's default of 3 attempts is plenty. The test's prompts share their first block:
+    # cache-aware routing would send them all to the prefill that took the first one (half
+    # the time never the faulty one), so requests go by load alone.
+    with chaos_cluster(
         demo_model_dir,
         tmp_path_factory.mktemp("faulty-prefill-logs"),
+        store,
+        tmp_path_factory,
         prefills=2,
         child_env={"prefill-1": {ENV_FAULT_CORRUPT_KV: "*"}},
         prefill_args=PREFILL_ARGS,
         # NOTE: the prompts share a prefix; routed by load, both prefills serve some of them.
         gateway_args="--no-cache-aware-routing",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms {LEASE_TTL_MS}",
+        gateway_args="--no-cache-aware-routing",
     ) as cluster:
         yield cluster
 
@@ -436,6 +586,7 @@ async def test_corrupted_kv_chunk_is_detected_and_retried(
     await cluster.wait_whole()
 
 
+@STORE_OFF_ONLY
 async def test_lease_of_a_prefill_that_never_sends_expires(
     faulty_prefill_cluster: ProcessCluster,
 ) -> None:

@@ -3,8 +3,8 @@
 `ProcessCluster` is the launcher's `Cluster` (gateway, prefills and decodes as separate
 processes on loopback, ports picked by the OS) plus what fault-injection tests need: extra
 environment variables per process, instance addresses, the block-pool inspection RPC
-(`InstanceService.GetInstanceStatus`), gateway counters, and streaming clients that compare
-token ids.
+(`InstanceService.GetInstanceStatus`), gateway and instance counters, and streaming clients that
+compare token ids.
 """
 
 from __future__ import annotations
@@ -73,15 +73,12 @@ class ProcessCluster(Cluster):
 
     async def counter(self, name: str, **labels: str) -> float:
         """Sum of a gateway counter's ``_total`` samples that carry `labels`."""
-        async with httpx.AsyncClient(base_url=self.rest_url, timeout=10.0) as http:
-            text = (await http.get("/metrics")).text
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == f"{name}_total"
-            and all(sample.labels.get(k) == v for k, v in labels.items())
-        )
+        return await counter_at(f"{self.rest_url}/metrics", name, **labels)
+
+    async def instance_counter(self, child: ChildProcess, name: str, **labels: str) -> float:
+        """Sum of a prefill's or decode's counter ``_total`` samples that carry `labels`
+        (0 when the instance does not export it, e.g. the store's counters without a store)."""
+        return await counter_at(metrics_url(child), name, **labels)
 
     def security(self, name: str = "client") -> Security:
         """The credentials `pdserve up` made for `name` (insecure when the cluster is)."""
@@ -172,6 +169,27 @@ def started_event(child: ChildProcess) -> dict[str, Any]:
 def address(child: ChildProcess) -> str:
     """The gRPC address a prefill or decode process serves on."""
     return str(started_event(child)["address"])
+
+
+def metrics_url(child: ChildProcess) -> str:
+    """The ``/metrics`` URL of a prefill or decode process (from its start-up log)."""
+    for record in child.events:
+        if record.get("event") == "metrics_started":
+            return f"http://{record['address']}/metrics"
+    raise AssertionError(f"{child.name} never logged its metrics address")
+
+
+async def counter_at(url: str, name: str, **labels: str) -> float:
+    """Sum of the ``{name}_total`` samples that carry `labels` on a ``/metrics`` page."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        text = (await http.get(url)).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == f"{name}_total"
+        and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def events_named(child: ChildProcess, event: str) -> list[dict[str, Any]]:
