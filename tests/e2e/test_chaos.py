@@ -543,8 +543,6 @@ def faulty_prefill_cluster(
         prefills=2,
         child_env={"prefill-1": {ENV_FAULT_CORRUPT_KV: "*"}},
         prefill_args=PREFILL_ARGS,
-        # NOTE: the prompts share a prefix; routed by load, both prefills serve some of them.
-        gateway_args="--no-cache-aware-routing",
         decode_args=f"{DECODE_ARGS} --lease-ttl-ms {LEASE_TTL_MS}",
         gateway_args="--no-cache-aware-routing",
     ) as cluster:
