@@ -88,7 +88,12 @@ class Streamer:
         span = _tracer.start_span(
             "gateway.request", context=trace_context, attributes=_request_attributes(prepared)
         )
-        trace_ids = telemetry.trace_fields(span)
+        request_log = log.bind(
+            **telemetry.trace_fields(span),
+            request_id=request.request_id,
+            client_request_id=prepared.client_request_id,
+            api_key_name=prepared.api_key_name,
+        )
         last_token_at: float | None = None
         try:
             events = self._orchestrator.run(request, started + self._request_timeout_s, span)
@@ -128,12 +133,8 @@ class Streamer:
                 }
             )
             self._metrics.e2e_latency.observe(loop.time() - started)
-            log.info(
+            request_log.info(
                 "request_finished",
-                **trace_ids,
-                request_id=request.request_id,
-                client_request_id=prepared.client_request_id,
-                api_key_name=prepared.api_key_name,
                 user=prepared.user,
                 model=request.model,
                 finish_reason=finish_reason.value,
@@ -149,12 +150,8 @@ class Streamer:
             outcome = error.reason.name
             span.set_status(trace.Status(trace.StatusCode.ERROR, error.reason.name))
             span.set_attribute("pdserve.error.reason", error.reason.name)
-            log.warning(
+            request_log.warning(
                 "request_failed",
-                **trace_ids,
-                request_id=request.request_id,
-                client_request_id=prepared.client_request_id,
-                api_key_name=prepared.api_key_name,
                 model=request.model,
                 reason=error.reason.name,
                 message=error.message,
@@ -165,12 +162,8 @@ class Streamer:
         finally:
             if outcome == "cancelled":
                 span.add_event("cancelled")
-                log.info(
+                request_log.info(
                     "request_cancelled",
-                    **trace_ids,
-                    request_id=request.request_id,
-                    client_request_id=prepared.client_request_id,
-                    api_key_name=prepared.api_key_name,
                     num_completion_tokens=text.num_tokens,
                     duration_s=round(loop.time() - started, 4),
                 )
