@@ -159,8 +159,9 @@ class DecodePeers:
             lease_id=lease_id, request_id=request_id, lease_token=lease.transport_token
         )
         try:
-            # NOTE: the current context is the request's: the release joins its trace.
-            await self._peer(address).stub.ReleaseLease(
+            # NOTE: the current context is the request's: the release joins its trace. The
+            # lease's decode is the one the allocation reached: the same channel.
+            await self._peer(address, lease.decode_instance_id).stub.ReleaseLease(
                 request, timeout=RELEASE_TIMEOUT_S, metadata=telemetry.outgoing_metadata()
             )
         except grpc.RpcError as error:
