@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from pdserve.common.config import ServiceConfig
-from pdserve.common.grpc_server import CHANNEL_OPTIONS
+from pdserve.common.grpc_server import CHANNEL_OPTIONS, insecure_channel
 from pdserve.common.pki import Identity, identity_of_pem
 
 log = structlog.get_logger(__name__)
@@ -124,9 +124,9 @@ class Security:
             server_name: A DNS name from `pki` (`pki.role_dns_name`, `pki.instance_dns_name`)
                 the server's certificate must carry; ignored when insecure.
         """
-        options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
         if self.identity is None:
-            return grpc.aio.insecure_channel(address, options=options)
+            return insecure_channel(address)
+        options: list[tuple[str, str | int]] = list(CHANNEL_OPTIONS)
         credentials = grpc.ssl_channel_credentials(self._ca_pem, self._key_pem, self._cert_pem)
         options.append(("grpc.ssl_target_name_override", server_name))
         return grpc.aio.secure_channel(address, credentials, options=options)
