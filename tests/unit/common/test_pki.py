@@ -105,3 +105,17 @@ def test_pdserve_certs_makes_a_ca_and_service_certificates(
     assert Security.from_files(files.ca, files.cert, files.key).identity is not None
     assert main([*argv[:6], "--instance-id", "Bad_Id"]) == 1
     assert "DNS label" in capsys.readouterr().err
+
+
+def test_unusable_certificate_files_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdserve.decode.__main__ import main as decode_main
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match="must be a PEM certificate"):
+        Security.from_files(garbage, garbage, garbage)
+    flags = ["--tls-ca", str(garbage), "--tls-cert", str(garbage), "--tls-key", str(garbage)]
+    assert decode_main(flags) == 2
+    assert "must be a PEM certificate" in capsys.readouterr().err

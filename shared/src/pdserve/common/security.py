@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 import structlog
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from pdserve.common.config import ServiceConfig
 from pdserve.common.grpc_server import CHANNEL_OPTIONS, insecure_channel
@@ -54,7 +56,15 @@ class Security:
                 pems.append(Path(path).read_bytes())
             except OSError as error:
                 raise ValueError(f"{flag} {path}: {error.strerror or error}") from None
-        identity = identity_of_pem(pems[1])
+        try:
+            x509.load_pem_x509_certificate(pems[0])
+            identity = identity_of_pem(pems[1])
+            serialization.load_pem_private_key(pems[2], password=None)
+        except ValueError as error:
+            raise ValueError(
+                f"--tls-ca/--tls-cert/--tls-key ({ca}, {cert}, {key}) must be a PEM certificate, "
+                f"a PEM certificate and its unencrypted PEM key: {error}"
+            ) from None
         if identity is None:
             raise ValueError(
                 f"--tls-cert {cert} names no pdserve identity (a spiffe://pdserve.internal/ROLE/ID"
@@ -76,6 +86,16 @@ class Security:
                 "trusted (started with --insecure)",
             )
             return cls.insecure()
+        return cls.from_flags(config, role)
+
+    @classmethod
+    def from_flags(cls, config: ServiceConfig, role: str) -> Security:
+        """Mutual TLS from ``--tls-ca/--tls-cert/--tls-key`` (the CLIs call it before serving,
+        so a bad file is a usage error).
+
+        Raises:
+            ValueError: As `from_files`, or when the certificate is of another role.
+        """
         assert config.tls_ca and config.tls_cert and config.tls_key  # checked by the config
         security = cls.from_files(config.tls_ca, config.tls_cert, config.tls_key)
         assert security.identity is not None

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
+from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.serving.config import InstanceConfig
 
@@ -40,11 +41,15 @@ def run(
     """Parses `argv`, configures logging and tracing, and runs `serve` until it returns.
 
     Returns:
-        The exit status: 0, or 2 for settings the config refuses (the reason goes to stderr).
+        The exit status: 0, or 2 for settings the config refuses or unusable certificates (the
+        reason goes to stderr).
     """
     args = parser.parse_args(argv)
     try:
         config = from_args(config_type, args)
+        if not config.insecure:
+            # NOTE: read the certificates once here, so a bad file is a usage error.
+            Security.from_flags(config, parser.prog.removeprefix("pdserve-"))
     except ValueError as error:
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 2

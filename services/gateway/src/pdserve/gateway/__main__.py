@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
+from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.gateway.api_keys import ApiKeyStore
 from pdserve.gateway.config import GatewayConfig
@@ -55,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = from_args(GatewayConfig, args)
         # NOTE: read once here too, so a bad key file or $PDSERVE_API_KEYS is a usage error.
         ApiKeyStore.from_settings(config.api_key, config.api_key_file, env.api_keys())
+        if not config.insecure:
+            Security.from_flags(config, "gateway")  # a bad certificate is a usage error too
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging("gateway", config.log_level, json=config.log_format == "json")
