@@ -1,4 +1,5 @@
 from pdserve.v1 import common_pb2 as _common_pb2
+from pdserve.v1 import errors_pb2 as _errors_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -104,20 +105,22 @@ class AllocateBlocksResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ..., protocol: _Optional[_Union[_common_pb2.Protocol, _Mapping]] = ...) -> None: ...
 
 class SyncCacheHeader(_message.Message):
-    __slots__ = ("lease_id", "request_id", "token_ids", "num_prompt_tokens", "sampling", "transport_token")
+    __slots__ = ("lease_id", "request_id", "token_ids", "num_prompt_tokens", "sampling", "transport_token", "transport")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     sampling: _common_pb2.SamplingParams
     transport_token: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., transport_token: _Optional[bytes] = ...) -> None: ...
+    transport: TransportKind
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., transport_token: _Optional[bytes] = ..., transport: _Optional[_Union[TransportKind, str]] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("layer_index", "first_block", "num_blocks", "key", "value", "crc32c")
@@ -135,17 +138,31 @@ class KvChunk(_message.Message):
     crc32c: int
     def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
+class KvChunkRef(_message.Message):
+    __slots__ = ("layer_index", "first_block", "num_blocks", "crc32c")
+    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    layer_index: int
+    first_block: int
+    num_blocks: int
+    crc32c: int
+    def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
 class SyncCacheCommit(_message.Message):
-    __slots__ = ("num_chunks", "num_bytes", "first_token_id", "first_token_index")
+    __slots__ = ("num_chunks", "num_bytes", "first_token_id", "first_token_index", "chunks")
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     num_chunks: int
     num_bytes: int
     first_token_id: int
     first_token_index: int
-    def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_index: _Optional[int] = ...) -> None: ...
+    chunks: _containers.RepeatedCompositeFieldContainer[KvChunkRef]
+    def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_index: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[KvChunkRef, _Mapping]]] = ...) -> None: ...
 
 class SyncCacheRequest(_message.Message):
     __slots__ = ("header", "chunk", "commit")
@@ -168,6 +185,16 @@ class SyncCacheResponse(_message.Message):
     num_chunks: int
     num_bytes: int
     def __init__(self, lease_id: _Optional[str] = ..., state: _Optional[_Union[LeaseState, str]] = ..., num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class KvTcpResult(_message.Message):
+    __slots__ = ("response", "error_reason", "error_message")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    response: SyncCacheResponse
+    error_reason: _errors_pb2.ErrorReason
+    error_message: str
+    def __init__(self, response: _Optional[_Union[SyncCacheResponse, _Mapping]] = ..., error_reason: _Optional[_Union[_errors_pb2.ErrorReason, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
     __slots__ = ("request_id", "lease_id")

@@ -31,27 +31,45 @@ class PrefillRequest(_message.Message):
     protocol: _common_pb2.Protocol
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode: _Optional[_Union[DecodeTarget, _Mapping]] = ..., protocol: _Optional[_Union[_common_pb2.Protocol, _Mapping]] = ...) -> None: ...
 
+class PrefillPhases(_message.Message):
+    __slots__ = ("lease_us", "queue_us", "compute_us", "transfer_tail_us", "transport")
+    LEASE_US_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TAIL_US_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    lease_us: int
+    queue_us: int
+    compute_us: int
+    transfer_tail_us: int
+    transport: str
+    def __init__(self, lease_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., transfer_tail_us: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "index")
+    __slots__ = ("token_id", "index", "phases")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     index: int
-    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    phases: PrefillPhases
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., phases: _Optional[_Union[PrefillPhases, _Mapping]] = ...) -> None: ...
 
 class HandedOff(_message.Message):
-    __slots__ = ("lease_id", "decode_instance_id", "num_bytes", "num_chunks", "transport")
+    __slots__ = ("lease_id", "decode_instance_id", "num_bytes", "num_chunks", "transport", "phases")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     decode_instance_id: str
     num_bytes: int
     num_chunks: int
     transport: str
-    def __init__(self, lease_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    phases: PrefillPhases
+    def __init__(self, lease_id: _Optional[str] = ..., decode_instance_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., transport: _Optional[str] = ..., phases: _Optional[_Union[PrefillPhases, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "handed_off", "finished")
