@@ -95,6 +95,7 @@ async def start_decode(
     num_blocks: int = 128,
     lease_ttl_ms: int = 10_000,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    **overrides: object,
 ) -> DecodeInstance:
     config = DecodeConfig(
         port=0,
@@ -102,6 +103,7 @@ async def start_decode(
         num_blocks=num_blocks,
         lease_ttl_ms=lease_ttl_ms,
         insecure=True,
+        **overrides,  # type: ignore[arg-type]
     )
     host = load_host(model_dir, num_blocks)
     return await create_decode(config, host, interceptors=interceptors)
@@ -291,6 +293,7 @@ async def cluster(
     num_decodes: int = 1,
     decode_interceptors: Sequence[Sequence[grpc.aio.ServerInterceptor]] = (),
     decode_blocks: int = 128,
+    decode_overrides: dict[str, object] | None = None,
     **prefill_overrides: object,
 ) -> AsyncIterator[Cluster]:
     """A prefill and `num_decodes` decodes (decode i built with `decode_interceptors[i]`)."""
@@ -298,7 +301,12 @@ async def cluster(
     for i in range(num_decodes):
         interceptors = decode_interceptors[i] if i < len(decode_interceptors) else ()
         decodes.append(
-            await start_decode(model_dir, num_blocks=decode_blocks, interceptors=interceptors)
+            await start_decode(
+                model_dir,
+                num_blocks=decode_blocks,
+                interceptors=interceptors,
+                **(decode_overrides or {}),
+            )
         )
     prefill = await start_prefill(model_dir, **prefill_overrides)
     running = Cluster(prefill, decodes)

@@ -10,6 +10,7 @@ import pytest
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.prefill.events import LeaseGrant
+from pdserve.prefill.kv_channels import GrpcChannel
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2
@@ -67,6 +68,11 @@ def _request() -> Request:
     return request
 
 
+def _sender(stub: _Stub) -> KvSender:
+    request = _request()
+    return KvSender(request, [GrpcChannel(stub, request)])  # type: ignore[arg-type]
+
+
 def _status(error: PdserveError | None) -> grpc.aio.AioRpcError:
     """A failed call's error: the decode's typed status, or grpc.aio's local INTERNAL one."""
     if error is None:
@@ -98,7 +104,7 @@ async def test_a_status_lost_to_a_failed_write_is_recovered_from_the_lease(
 ) -> None:
     stub = _Stub(_status(None), lease_state)
     with pytest.raises(PdserveError) as raised:
-        await KvSender(stub, _request()).run()  # type: ignore[arg-type]
+        await _sender(stub).run()
     assert raised.value.reason is reason
     assert stub.released == [("lease-1", "r1", b"t0k3n")]  # the lease's own token
 
@@ -109,7 +115,7 @@ async def test_the_decodes_own_status_is_kept() -> None:
     )
     stub = _Stub(_status(refused), decode_pb2.LEASE_STATE_FAILED)
     with pytest.raises(PdserveError) as raised:
-        await KvSender(stub, _request()).run()  # type: ignore[arg-type]
+        await _sender(stub).run()
     assert raised.value.reason is ErrorReason.CACHE_SYNC_FAILED
     assert raised.value.code is grpc.StatusCode.DATA_LOSS
     assert raised.value.metadata["decodeAddress"] == "127.0.0.1:1"

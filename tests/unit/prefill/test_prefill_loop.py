@@ -15,6 +15,7 @@ from support.prefill_cluster import BLOCK_SIZE, load_host
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.runner import ForwardChunk
 from pdserve.prefill.events import EngineEvent, FirstTokenSampled, LeaseGrant
+from pdserve.prefill.kv_channels import GrpcChannel
 from pdserve.prefill.kv_sender import KvSender, sync_cache_messages
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import Request
@@ -197,6 +198,9 @@ class _RecordingCall:
     async def done_writing(self) -> None:
         pass
 
+    def cancel(self) -> bool:
+        return False
+
     def __await__(self) -> Any:
         return self._response().__await__()
 
@@ -226,7 +230,7 @@ async def test_one_pass_prompt_is_sent_as_sync_cache_messages_builds_it(host: Mo
         loop.submit(request)
         assert recorder.done.wait(30)
         stub = _RecordingStub()
-        sender = KvSender(stub, request)  # type: ignore[arg-type]
+        sender = KvSender(request, [GrpcChannel(stub, request)])  # type: ignore[arg-type]
         for event in recorder.events:
             if isinstance(event, KvPiece):
                 sender.put(event)

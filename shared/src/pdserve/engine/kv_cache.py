@@ -99,6 +99,29 @@ class KVCache:
             device=device,
         )
 
+    def place_in(self, buffer: memoryview) -> None:
+        """Moves the cache into `buffer` (e.g. a shared-memory mapping of at least `nbytes`
+        bytes, on CPU), keeping its contents; the old tensor is dropped.
+
+        Raises:
+            ValueError: If the cache is not on CPU or `buffer` is too small.
+        """
+        if self.kv.device.type != "cpu":
+            raise ValueError("only a CPU cache can be placed in a host buffer")
+        if len(buffer) < self.nbytes:
+            raise ValueError(f"buffer holds {len(buffer)} bytes, the cache needs {self.nbytes}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            placed = torch.frombuffer(buffer, dtype=torch.uint8, count=self.nbytes)
+        placed = placed.view(self.dtype).view(self.kv.shape)
+        placed.copy_(self.kv)
+        self.kv = placed
+
+    def block_bytes(self, layer_cache: torch.Tensor, start: int, stop: int) -> memoryview:
+        """The bytes of blocks [start, stop) of one layer's K or V (a `layer` view) on CPU, as
+        a view of the cache (no copy)."""
+        return _as_bytes(layer_cache[start:stop])
+
     @property
     def nbytes(self) -> int:
         """Total bytes of the cache tensor."""

@@ -127,7 +127,6 @@ def decode_block(
         return BlockMiss(MissCause.LAYOUT_MISMATCH)
     if len(blob) < HEADER_NBYTES + payload_len:
         return BlockMiss(MissCause.TRUNCATED)
-    # NOTE: google-crc32c reads bytes only (no memoryview), so the payload is sliced out once.
     payload = blob[HEADER_NBYTES:]
     if len(payload) != payload_len or chunk_crc32c(payload, b"") != crc:
         return BlockMiss(MissCause.CORRUPT)

@@ -1,22 +1,32 @@
-"""The SyncCache data plane's rules, for both ends: how KV is cut into chunks and checksummed.
+"""The KV data plane's rules, for both ends: how KV is cut into chunks and checksummed.
 
 A chunk holds one layer's K and V for a run of a sequence's logical blocks, at most
 `max_chunk_bytes` of K+V (at least one block), so messages stay well under gRPC limits. The
 CRC-32C covers the K bytes followed by the V bytes.
 
 The prefill cuts its KV with `layer_pieces` (on its engine thread, as each layer is computed)
-and `pdserve.prefill.kv_sender` turns the pieces into the SyncCache stream; the decode checks
-every chunk with `chunk_crc32c`. No protobuf here: the engine thread imports this module.
+and `pdserve.prefill.kv_sender` ships the pieces over one of the transports; the decode checks
+every chunk with `chunk_crc32c` (bytes it received) or `blocks_crc32c` (bytes already in its
+cache). No protobuf here: the engine thread imports this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-import google_crc32c
+import crc32c
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+
+
+class TransportOffer(NamedTuple):
+    """A way a decode accepts KV besides gRPC SyncCache (the Transport message without its
+    token): ``kind`` "shm" (address: the segment name) or "tcp" (address: host:port)."""
+
+    kind: str
+    address: str
 
 
 @dataclass(frozen=True)
@@ -34,9 +44,33 @@ class KvPiece:
     value: memoryview
 
 
-def chunk_crc32c(key: bytes, value: bytes) -> int:
-    """CRC-32C of `key` followed by `value`, as KvChunk.crc32c defines it."""
-    return int(google_crc32c.extend(google_crc32c.value(key), value))
+_Buffer = bytes | bytearray | memoryview
+
+
+def chunk_crc32c(key: _Buffer, value: _Buffer) -> int:
+    """CRC-32C of `key` followed by `value`, as KvChunk.crc32c defines it (any buffer, no
+    copy; the GIL is released for large ones)."""
+    return int(crc32c.crc32c(value, crc32c.crc32c(key)))
+
+
+def blocks_crc32c(kv_cache: KVCache, layer_index: int, block_ids: Sequence[int]) -> int:
+    """The chunk CRC-32C of blocks already in `kv_cache`: K of `block_ids` in order, then V,
+    computed on the cache itself (runs of consecutive ids are not copied)."""
+    k_cache, v_cache = kv_cache.layer(layer_index)
+    crc = 0
+    for cache in (k_cache, v_cache):
+        for start, stop in id_runs(block_ids):
+            crc = crc32c.crc32c(kv_cache.block_bytes(cache, start, stop), crc)
+    return int(crc)
+
+
+def id_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """Maximal runs of consecutive ids in `block_ids`, as ``(first_id, last_id + 1)``."""
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            yield block_ids[start], block_ids[i - 1] + 1
+            start = i
 
 
 def blocks_per_piece(layout: KVCacheLayout, max_chunk_bytes: int) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50070
+KV_TRANSPORTS = ("shm", "tcp")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,19 @@ class DecodeConfig(InstanceConfig):
             "only uncommitted lease"
         },
     )
+    kv_transports: str = field(
+        default="shm,tcp",
+        metadata={
+            "help": "KV transports offered to prefills besides gRPC SyncCache (always offered), "
+            "comma-separated in order of preference: shm (the KV cache in a shared-memory "
+            "segment that a prefill on this host writes into; CPU caches only) and tcp (a raw "
+            "TCP data port); empty offers gRPC only"
+        },
+    )
+    kv_tcp_port: int = field(
+        default=0,
+        metadata={"help": "port of the TCP KV data port (bound on --host); 0 picks a free port"},
+    )
     kv_offload_wait_ms: int = field(
         default=1000,
         metadata={
@@ -60,5 +74,18 @@ class DecodeConfig(InstanceConfig):
             raise ValueError(f"reserve_tokens must be >= 0, got {self.reserve_tokens}")
         if not 0 < self.max_lease_share <= 1:
             raise ValueError(f"max_lease_share must be in (0, 1], got {self.max_lease_share}")
+        unknown = set(self.kv_transport_kinds) - set(KV_TRANSPORTS)
+        if unknown:
+            raise ValueError(
+                f"kv_transports: unknown {', '.join(sorted(unknown))} (choose from "
+                f"{', '.join(KV_TRANSPORTS)}; gRPC is always offered)"
+            )
+        if not 0 <= self.kv_tcp_port < 65536:
+            raise ValueError(f"kv_tcp_port must be in 0..65535, got {self.kv_tcp_port}")
         if self.capacity_retry_ms < 0:
             raise ValueError(f"capacity_retry_ms must be >= 0, got {self.capacity_retry_ms}")
+
+    @property
+    def kv_transport_kinds(self) -> tuple[str, ...]:
+        """The offered transports besides gRPC, in order of preference."""
+        return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())

@@ -17,6 +17,7 @@ from pdserve.decode.events import (
 )
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.serving.convert import finish_reason_to_proto
+from pdserve.serving.kv_transfer import TransportOffer
 from pdserve.v1 import common_pb2, decode_pb2
 
 _PREEMPTION_REASONS = {
@@ -39,12 +40,29 @@ def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState:
     return cast(decode_pb2.LeaseState, decode_pb2.LeaseState.Value(f"LEASE_STATE_{status.name}"))
 
 
+_TRANSPORT_KINDS = {
+    "shm": decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
+    "tcp": decode_pb2.TRANSPORT_KIND_TCP,
+}
+
+
 def lease_to_proto(
-    request: DecodeRequest, block_size: int, ttl_s: float, instance_id: str
+    request: DecodeRequest,
+    block_size: int,
+    ttl_s: float,
+    instance_id: str,
+    offers: Sequence[TransportOffer] = (),
 ) -> decode_pb2.Lease:
-    """The Lease message granting `request`'s blocks, with its token for SyncCache (never log
-    this message: the token is the lease's only credential)."""
+    """The Lease message granting `request`'s blocks: the `offers` in order, then gRPC
+    SyncCache, each with the lease's token (never log this message: the token is the lease's
+    only credential)."""
     ttl_ms = round(ttl_s * 1000)
+    transports = [
+        decode_pb2.Transport(
+            kind=_TRANSPORT_KINDS[offer.kind], address=offer.address, token=request.lease_token
+        )
+        for offer in offers
+    ]
     return decode_pb2.Lease(
         lease_id=request.lease_id,
         block_ids=request.block_ids,
@@ -52,9 +70,10 @@ def lease_to_proto(
         expires_at_unix_ms=int(time.time() * 1000) + ttl_ms,
         ttl_ms=ttl_ms,
         transports=[
+            *transports,
             decode_pb2.Transport(
                 kind=decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE, token=request.lease_token
-            )
+            ),
         ],
         decode_instance_id=instance_id,
     )

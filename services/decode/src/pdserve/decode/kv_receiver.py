@@ -1,21 +1,38 @@
-"""Receives one SyncCache transfer into a request's leased blocks and verifies it completely.
+"""Receives one KV transfer into a request's leased blocks and verifies it completely.
 
-A transfer is accepted only if every chunk's CRC-32C matches, every chunk lands inside the
-lease, the commit's chunk count and byte total equal what arrived, and every (layer, block) the
-prompt needs was written. Anything else is CACHE_SYNC_FAILED; the caller then frees the lease.
+The chunks arrive three ways: as bytes in the SyncCache stream (`receive`), read from the TCP
+data port straight into the leased blocks (`receive_into`), or already written into the blocks
+by a sender sharing the cache's memory (`receive_written`). Whatever the way, a transfer is
+accepted only if every chunk lies inside the lease, the CRC-32C of what is in the cache matches
+the sender's, the commit's chunk count and byte total equal what arrived, and every (layer,
+block) the prompt needs was written. Anything else is CACHE_SYNC_FAILED; the caller then frees
+the lease.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
-from pdserve.decode.request import DecodeRequest
+from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.kv_cache import KVCache
-from pdserve.serving.kv_transfer import chunk_crc32c
+from pdserve.serving.kv_transfer import blocks_crc32c, chunk_crc32c, id_runs
+
+# Fills a view of the cache with the next bytes of a transfer (the TCP port's recv_into loop).
+Filler = Callable[[memoryview], None]
+
+
+class KvChunkMeta(NamedTuple):
+    """Where a chunk goes and its checksum, without its bytes."""
+
+    layer_index: int
+    first_block: int
+    num_blocks: int
+    crc32c: int
 
 
 class KvChunkData(NamedTuple):
@@ -71,7 +88,7 @@ class KvReceiver:
             )
 
     def receive(self, chunk: KvChunkData) -> None:
-        """Verifies and writes one chunk.
+        """Verifies and writes one chunk of the SyncCache stream.
 
         Raises:
             PdserveError: CACHE_SYNC_FAILED for a bad checksum, range or size.
@@ -80,22 +97,69 @@ class KvReceiver:
             raise self.failure(
                 f"checksum mismatch in chunk {self.num_chunks} (layer {chunk.layer_index})"
             )
-        if not 0 <= chunk.layer_index < self.num_layers:
-            raise self.failure(f"layer {chunk.layer_index} out of range 0..{self.num_layers - 1}")
-        end = chunk.first_block + chunk.num_blocks
-        if chunk.num_blocks <= 0 or end > self.num_blocks:
-            raise self.failure(
-                f"blocks {chunk.first_block}..{end - 1} outside the lease's {self.num_blocks}"
-            )
-        block_ids = self.request.block_ids[chunk.first_block : end]
+        meta = KvChunkMeta(chunk.layer_index, chunk.first_block, chunk.num_blocks, chunk.crc32c)
+        block_ids = self._leased_blocks(meta)
         try:
             self.kv_cache.import_blocks(chunk.layer_index, block_ids, chunk.key, chunk.value)
         except ValueError as error:
             raise self.failure(str(error)) from None
-        row = chunk.layer_index * self.num_blocks
-        self._written[row + chunk.first_block : row + end] = b"\x01" * chunk.num_blocks
+        self._count(meta)
+
+    def receive_into(self, meta: KvChunkMeta, fill: Filler) -> None:
+        """Reads one chunk straight into its leased blocks with `fill` (K of every block, then
+        V), then verifies the checksum of what landed.
+
+        Raises:
+            PdserveError: CACHE_SYNC_FAILED for a bad range or checksum.
+        """
+        block_ids = self._leased_blocks(meta)
+        k_cache, v_cache = self.kv_cache.layer(meta.layer_index)
+        for cache in (k_cache, v_cache):
+            for start, stop in id_runs(block_ids):
+                fill(self.kv_cache.block_bytes(cache, start, stop))
+        self._verify_in_cache(meta, block_ids)
+
+    def receive_written(self, meta: KvChunkMeta) -> None:
+        """Accepts one chunk the sender wrote into the leased blocks itself (shared memory),
+        once the checksum of what is in the cache matches.
+
+        Raises:
+            PdserveError: CACHE_SYNC_FAILED for a bad range or checksum.
+        """
+        self._verify_in_cache(meta, self._leased_blocks(meta))
+
+    def _leased_blocks(self, meta: KvChunkMeta) -> list[int]:
+        status = self.request.status
+        if status is RequestStatus.EXPIRED:
+            raise PdserveError(
+                ErrorReason.LEASE_EXPIRED,
+                "the lease expired during the transfer",
+                {"leaseId": self.request.lease_id, "requestId": self.request.request_id},
+            )
+        if status is not RequestStatus.SYNCING:
+            raise self.failure(f"the lease ended during the transfer ({status.name})")
+        if not 0 <= meta.layer_index < self.num_layers:
+            raise self.failure(f"layer {meta.layer_index} out of range 0..{self.num_layers - 1}")
+        end = meta.first_block + meta.num_blocks
+        if meta.num_blocks <= 0 or meta.first_block < 0 or end > self.num_blocks:
+            raise self.failure(
+                f"blocks {meta.first_block}..{end - 1} outside the lease's {self.num_blocks}"
+            )
+        return self.request.block_ids[meta.first_block : end]
+
+    def _verify_in_cache(self, meta: KvChunkMeta, block_ids: list[int]) -> None:
+        if blocks_crc32c(self.kv_cache, meta.layer_index, block_ids) != meta.crc32c:
+            raise self.failure(
+                f"checksum mismatch in chunk {self.num_chunks} (layer {meta.layer_index})"
+            )
+        self._count(meta)
+
+    def _count(self, meta: KvChunkMeta) -> None:
+        row = meta.layer_index * self.num_blocks
+        start = row + meta.first_block
+        self._written[start : start + meta.num_blocks] = b"\x01" * meta.num_blocks
         self.num_chunks += 1
-        self.num_bytes += len(chunk.key) + len(chunk.value)
+        self.num_bytes += 2 * meta.num_blocks * self.kv_cache.layout.block_nbytes
 
     def commit(
         self, num_chunks: int, num_bytes: int, first_token_index: int, expected_index: int

@@ -4,9 +4,10 @@ the caller.
 Every lease carries an unguessable token (`new_lease_token`), sent to the prefill that allocated
 it in the Lease message and never logged. The rules:
 
-* **SyncCache** needs the token, and only while the lease is ALLOCATED (after commit, release,
-  expiry or failure the token is void); with mTLS the caller must also be the prefill that
-  allocated the lease.
+* **SyncCache** (any transport) needs the token, and only while the lease is ALLOCATED (after
+  commit, release, expiry or failure the token is void); with mTLS the caller must also be the
+  prefill that allocated the lease. The TCP data port has no caller identities: there the token
+  is the whole credential (it reached the allocating prefill over the authenticated plane).
 * **ReleaseLease** needs the lease's request id. With mTLS it is then allowed with the token, to
   the prefill that allocated the lease, or to any gateway. On a plaintext plane (no caller
   identity) the request id alone suffices: that plane trusts every caller that reaches it (the

@@ -83,6 +83,8 @@ class LeaseManager:
         self.num_access_refused = 0
         self._leases: dict[str, DecodeRequest] = {}
         self._ended: OrderedDict[str, RequestStatus] = OrderedDict()
+        # NOTE: ended while a transfer was writing into them; freed when the transfer ends.
+        self._held_for_writer: dict[str, DecodeRequest] = {}
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -198,9 +200,19 @@ class LeaseManager:
 
     # ---- who may write or release (rules in `lease_access`) -------------------------------
 
-    def begin_sync(self, lease_id: str, token: bytes, caller: Identity | None) -> DecodeRequest:
+    def begin_sync(
+        self,
+        lease_id: str,
+        token: bytes,
+        caller: Identity | None,
+        *,
+        is_token_only: bool = False,
+    ) -> DecodeRequest:
         """Moves lease `lease_id` to SYNCING if `caller` may write into it with `token`;
-        checked and moved under one lock, so a token opens one transfer at most.
+        checked and moved under one lock, so a token opens one transfer at most. From here
+        until `end_sync` the lease's blocks stay reserved even if it ends (a writer may still
+        be filling them). `is_token_only`: a channel without caller identities (the TCP
+        data port), where the token is the whole credential.
 
         Raises:
             PdserveError: LEASE_EXPIRED / LEASE_NOT_FOUND as `get`; PERMISSION_DENIED (the
@@ -208,11 +220,22 @@ class LeaseManager:
         """
         with self.lock:
             lease = self.get(lease_id)
-            refusal = lease_access.sync_refusal(lease, token, caller, is_insecure=self.is_insecure)
+            refusal = lease_access.sync_refusal(
+                lease, token, caller, is_insecure=self.is_insecure or is_token_only
+            )
             if refusal is not None:
                 raise self._denied("SyncCache", lease, caller, refusal)
             lease.move_to(RequestStatus.SYNCING)
+            lease.is_being_written = True
             return lease
+
+    def end_sync(self, lease: DecodeRequest) -> None:
+        """The transfer into `lease` stopped writing: frees its blocks if it ended meanwhile."""
+        with self.lock:
+            lease.is_being_written = False
+            if self._held_for_writer.pop(lease.lease_id, None) is not None:
+                self.pool.free(lease.block_ids)
+                lease.block_ids = []
 
     def check_release(
         self, lease: DecodeRequest, request_id: str, token: bytes, caller: Identity | None
@@ -250,8 +273,11 @@ class LeaseManager:
             True if this call ended it; False if it had already ended.
         """
         with self.lock:
-            if not request.end(status, self.pool):
+            is_held = request.is_being_written
+            if not request.end(status, None if is_held else self.pool):
                 return False
+            if is_held:
+                self._held_for_writer[request.lease_id] = request
             self._leases.pop(request.lease_id, None)
             self._ended[request.lease_id] = status
             while len(self._ended) > NUM_REMEMBERED_ENDED:
@@ -291,7 +317,8 @@ class LeaseManager:
         that are exactly the pool's used blocks."""
         with self.lock:
             self.pool.check_integrity()
-            owned = [b for lease in self._leases.values() for b in lease.block_ids]
+            holders = [*self._leases.values(), *self._held_for_writer.values()]
+            owned = [b for lease in holders for b in lease.block_ids]
             assert len(owned) == len(set(owned)), "a block is owned by two leases"
             assert len(owned) == self.pool.num_used_blocks, (
                 f"leases own {len(owned)} blocks but the pool has {self.pool.num_used_blocks} used"

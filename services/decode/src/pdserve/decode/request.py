@@ -93,6 +93,8 @@ class DecodeRequest:
         seed: The seed used for every position.
         span: Its ``decode.generation`` span (commit to end).
         num_steps: Decode steps it took part in (one token each).
+        is_being_written: A KV transfer may be writing into its blocks (from `begin_sync`
+            until the transfer ends); ending it meanwhile keeps the blocks until then.
     """
 
     lease_id: str
@@ -117,6 +119,7 @@ class DecodeRequest:
     seed: int = 0
     span: trace.Span = trace.INVALID_SPAN
     num_steps: int = 0
+    is_being_written: bool = False
     _aio_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -139,8 +142,9 @@ class DecodeRequest:
             raise IllegalTransition(f"{self.status.name} -> {status.name}")
         self.status = status
 
-    def end(self, status: RequestStatus, pool: BlockPool) -> bool:
-        """Moves to terminal `status` and frees its blocks into `pool`, once.
+    def end(self, status: RequestStatus, pool: BlockPool | None) -> bool:
+        """Moves to terminal `status` and frees its blocks into `pool`, once (`pool` None:
+        keeps them, for the caller to free later).
 
         Returns:
             True if this call ended it; False if it had already ended.
@@ -154,8 +158,9 @@ class DecodeRequest:
             raise IllegalTransition(f"{self.status.name} -> {status.name}")
         self.status = status
         self.ended_at = time.monotonic()
-        pool.free(self.block_ids)
-        self.block_ids = []
+        if pool is not None:
+            pool.free(self.block_ids)
+            self.block_ids = []
         return True
 
     # ---- its generation and its stream -----------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -16,6 +16,7 @@ import structlog
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.events import PreemptionReason
+from pdserve.decode.kv_tcp_server import KvTcpServer
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
@@ -23,6 +24,8 @@ from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
 from pdserve.serving.instance import InstanceServer
+from pdserve.serving.kv_shm import KvSegment
+from pdserve.serving.kv_transfer import TransportOffer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -82,7 +85,37 @@ class DecodeInstance(InstanceServer):
         )
         self.servicer = DecodeServicer(host, self.leases, self.loop, self.metrics)
         self.servicer.instance_id = self.instance.instance_id
+        self.kv_segment: KvSegment | None = None
+        self.kv_tcp: KvTcpServer | None = None
+        self.servicer.transport_offers = tuple(self._open_transports())
         self.status = DecodeStatus(self.instance, self.leases, self.loop)
+
+    def _open_transports(self) -> Iterator[TransportOffer]:
+        """Sets up the offered KV transports besides gRPC; one that cannot be set up is left
+        out with a warning (prefills then use the next)."""
+        config, host = self.config, self.host
+        for kind in config.kv_transport_kinds:
+            if kind == "shm":
+                try:
+                    self.kv_segment = KvSegment.create(host.runner.kv_cache)
+                except (OSError, ValueError) as error:
+                    log.warning("kv_transport_unavailable", transport="shm", detail=str(error))
+                    continue
+                yield TransportOffer("shm", self.kv_segment.name)
+            elif kind == "tcp":
+                self.kv_tcp = KvTcpServer(
+                    self.servicer.transfers,
+                    config.host,
+                    config.kv_tcp_port,
+                    host.max_model_len,
+                    data_timeout_s=config.lease_ttl_ms / 1000,
+                )
+                advertised_host = self.address.rsplit(":", 1)[0]
+                yield TransportOffer("tcp", f"{advertised_host}:{self.kv_tcp.port}")
+
+    def describe(self) -> dict[str, object]:
+        offers = self.servicer.transport_offers
+        return {**super().describe(), "kv_transports": [o.kind for o in offers] + ["grpc"]}
 
     def add_service(self, server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(self.servicer, server)
@@ -103,6 +136,11 @@ class DecodeInstance(InstanceServer):
             "kv_received_bytes": (
                 "KV bytes received in committed transfers.",
                 self.servicer.num_kv_bytes_received,
+            ),
+            "kv_tcp_refused": (
+                "TCP data-port connections closed at once (no header, or a wrong, expired or "
+                "used lease token).",
+                0 if self.kv_tcp is None else self.kv_tcp.num_refused,
             ),
             **self._offload_counters(),
         }
@@ -137,6 +175,8 @@ class DecodeInstance(InstanceServer):
         return len(self.leases.open_leases())
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
+        if self.kv_tcp is not None:
+            self.kv_tcp.start(asyncio.get_running_loop())
         sweep_interval_s = min(1.0, self.config.lease_ttl_ms / 1000 / 10)
         return [run_expiry_sweeper(self.servicer, sweep_interval_s)]
 
@@ -154,7 +194,10 @@ class DecodeInstance(InstanceServer):
         pass  # NOTE: a cancelled Generate stream releases its lease itself.
 
     async def close(self) -> None:
-        pass  # the decode holds no clients of its own
+        if self.kv_tcp is not None:
+            self.kv_tcp.stop()
+        if self.kv_segment is not None:
+            self.kv_segment.remove()
 
 
 async def run_expiry_sweeper(servicer: DecodeServicer, interval_s: float) -> None:

@@ -17,20 +17,23 @@ from opentelemetry import trace
 from pdserve.common import telemetry
 from pdserve.common.authz import peer_identity
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
-from pdserve.common.generation import resolve_seed
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
 from pdserve.decode.decode_loop import DecodeLoop
-from pdserve.decode.events import EndedEvent
-from pdserve.decode.kv_receiver import KvChunkData, KvReceiver
+from pdserve.decode.kv_receiver import KvChunkData, KvChunkMeta, KvReceiver
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest, RequestStatus
-from pdserve.serving.convert import local_protocol, sampling_from_proto
+from pdserve.decode.transfers import TRANSPORT_NAMES, Transfers
+from pdserve.serving.convert import local_protocol
+from pdserve.serving.kv_transfer import TransportOffer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
+
+# Initial metadata a decode sends once it accepted a SyncCache header.
+SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -54,9 +57,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.leases = leases
         self.loop = loop
         self.metrics = metrics
-        self.num_kv_bytes_received = 0
+        self.transfers = Transfers(host.runner.kv_cache, leases, loop, metrics)
         self.requests: dict[str, DecodeRequest] = {}  # by lease id, until their stream ends
         self.instance_id = ""
+        self.transport_offers: tuple[TransportOffer, ...] = ()  # besides gRPC, set by the server
+
+    @property
+    def num_kv_bytes_received(self) -> int:
+        """KV bytes of committed transfers, every transport."""
+        return self.transfers.num_kv_bytes_received
 
     # ---- AllocateBlocks --------------------------------------------------------------------
 
@@ -95,7 +104,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         )
         return decode_pb2.AllocateBlocksResponse(
             lease=convert.lease_to_proto(
-                lease, self.leases.block_size, self.leases.ttl_s, self.instance_id
+                lease,
+                self.leases.block_size,
+                self.leases.ttl_s,
+                self.instance_id,
+                self.transport_offers,
             ),
             protocol=local_protocol(),
         )
@@ -107,58 +120,75 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest],
         context: grpc.aio.ServicerContext,
     ) -> decode_pb2.SyncCacheResponse:
-        """Receives header, chunks and commit; on any failure frees the lease."""
+        """Receives header, chunks (or the shared-memory chunk list) and commit; on any
+        failure frees the lease."""
         lease: DecodeRequest | None = None
         started = time.perf_counter()
         try:
             header = await self._header(request_iterator)
             # NOTE: a refused token leaves the lease as it was (`lease` stays None).
-            lease = self.leases.begin_sync(
-                header.lease_id, header.transport_token, peer_identity(context)
-            )  # SYNCING: from here on a failure ends it
-            receiver = KvReceiver(self.host.runner.kv_cache, lease)
-            receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
-            trace.get_current_span().set_attribute(telemetry.REQUEST_ID, lease.request_id)
-            async for message in request_iterator:
-                part = message.WhichOneof("part")
-                if part == "chunk":
-                    c = message.chunk
-                    receiver.receive(
-                        KvChunkData(
-                            c.layer_index, c.first_block, c.num_blocks, c.key, c.value, c.crc32c
-                        )
-                    )
-                elif part == "commit":
-                    self._commit(lease, receiver, header, message.commit)
-                    self.num_kv_bytes_received += receiver.num_bytes
-                    if self.metrics is not None:
-                        self.metrics.sync_seconds.observe(time.perf_counter() - started)
-                    trace.get_current_span().set_attributes(
-                        {"pdserve.lease_id": lease.lease_id,
-                         "pdserve.kv.num_bytes": receiver.num_bytes,
-                         "pdserve.kv.num_chunks": receiver.num_chunks}
-                    )  # fmt: skip
-                    return decode_pb2.SyncCacheResponse(
-                        lease_id=lease.lease_id,
-                        state=decode_pb2.LEASE_STATE_COMMITTED,
-                        num_chunks=receiver.num_chunks,
-                        num_bytes=receiver.num_bytes,
-                    )
-                else:
-                    raise receiver.failure(f"unexpected {part or 'empty'} message after the header")
-            raise receiver.failure("stream ended without a commit", grpc.StatusCode.ABORTED)
+            lease, receiver = self.transfers.begin(header, peer_identity(context))
+            trace.get_current_span().set_attributes(
+                {telemetry.REQUEST_ID: lease.request_id, "pdserve.lease_id": lease.lease_id,
+                 "pdserve.transport": TRANSPORT_NAMES.get(header.transport, "grpc")}
+            )  # fmt: skip
+            try:
+                if header.transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY:
+                    # NOTE: the sender writes into the segment only after this answer.
+                    await context.send_initial_metadata(((SYNC_ACCEPTED_KEY, "1"),))
+                commit = await self._receive(request_iterator, receiver, header.transport)
+                response = self.transfers.commit(lease, receiver, header, commit, started)
+            finally:
+                self.transfers.end(lease)
+            trace.get_current_span().set_attributes(
+                {"pdserve.kv.num_bytes": receiver.num_bytes,
+                 "pdserve.kv.num_chunks": receiver.num_chunks}
+            )  # fmt: skip
+            return response
         except PdserveError as error:
-            self._fail_transfer(lease, error)
+            self.transfers.fail(lease, error)
             await abort_with_error(context, error)
         except (asyncio.CancelledError, grpc.RpcError):
             # NOTE: the sender hung up mid-transfer; the partial cache must never be decoded.
-            self._fail_transfer(
+            self.transfers.fail(
                 lease,
                 PdserveError(
                     ErrorReason.CACHE_SYNC_FAILED, "stream broken", code=grpc.StatusCode.ABORTED
                 ),
             )
             raise
+
+    @staticmethod
+    async def _receive(
+        request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest],
+        receiver: KvReceiver,
+        transport: decode_pb2.TransportKind,
+    ) -> decode_pb2.SyncCacheCommit:
+        """Takes chunks until the commit; returns it once the chunks it lists (shared memory)
+        are verified in the cache."""
+        is_shared = transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
+        async for message in request_iterator:
+            part = message.WhichOneof("part")
+            if part == "chunk" and not is_shared:
+                c = message.chunk
+                receiver.receive(
+                    KvChunkData(
+                        c.layer_index, c.first_block, c.num_blocks, c.key, c.value, c.crc32c
+                    )
+                )
+            elif part == "commit":
+                refs = [
+                    KvChunkMeta(r.layer_index, r.first_block, r.num_blocks, r.crc32c)
+                    for r in message.commit.chunks
+                ]
+                if refs and not is_shared:
+                    raise receiver.failure("a chunk list in the commit of an in-stream transfer")
+                # NOTE: checksums over the cache, off the event loop.
+                await asyncio.to_thread(_verify_written, receiver, refs)
+                return message.commit
+            else:
+                raise receiver.failure(f"unexpected {part or 'empty'} message after the header")
+        raise receiver.failure("stream ended without a commit", grpc.StatusCode.ABORTED)
 
     async def _header(
         self, request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest]
@@ -170,52 +200,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 "a SyncCache stream must start with a header",
                 code=grpc.StatusCode.ABORTED,
             )
-        return first.header
-
-    def _commit(
-        self,
-        lease: DecodeRequest,
-        receiver: KvReceiver,
-        header: decode_pb2.SyncCacheHeader,
-        commit: decode_pb2.SyncCacheCommit,
-    ) -> None:
-        num_prompt = header.num_prompt_tokens or len(header.token_ids)
-        receiver.commit(
-            commit.num_chunks,
-            commit.num_bytes,
-            commit.first_token_index,
-            expected_index=len(header.token_ids) - num_prompt,
-        )
-        if not self.leases.advance(lease, RequestStatus.COMMITTED):
+        if first.header.transport == decode_pb2.TRANSPORT_KIND_TCP:
             raise PdserveError(
-                ErrorReason.LEASE_EXPIRED,
-                "lease ended during the transfer",
-                {"leaseId": lease.lease_id},
+                ErrorReason.CACHE_SYNC_FAILED,
+                "a TCP transfer goes to the data port, not to SyncCache",
+                code=grpc.StatusCode.INVALID_ARGUMENT,
             )
-        sampling = sampling_from_proto(header.sampling)
-        # NOTE: the gateway always sets a seed; a missing one is resolved as the prefill does,
-        # so that every instance continues the request the same way.
-        lease.start_generation(
-            [*header.token_ids, commit.first_token_id],
-            num_prompt,
-            sampling,
-            resolve_seed(sampling.seed),
-        )
-        self.loop.submit(lease)
-        lease.ready.set()
-        log.info("lease_committed", request_id=lease.request_id, lease_id=lease.lease_id)
-
-    def _fail_transfer(self, lease: DecodeRequest | None, error: PdserveError) -> None:
-        if lease is None:
-            return
-        if self.leases.end(lease, RequestStatus.FAILED):
-            lease.deliver(EndedEvent(RequestStatus.FAILED, error.message, error.reason))
-            log.warning(
-                "cache_sync_failed",
-                request_id=lease.request_id,
-                lease_id=lease.lease_id,
-                detail=error.message,
-            )
+        return first.header
 
     # ---- Generate --------------------------------------------------------------------------
 
@@ -294,3 +285,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if lease.ended_at < forget_before:
                 del self.requests[lease_id]  # ended and never attached: nobody will read it
         return len(expired)
+
+
+def _verify_written(receiver: KvReceiver, refs: list[KvChunkMeta]) -> None:
+    for ref in refs:
+        receiver.receive_written(ref)

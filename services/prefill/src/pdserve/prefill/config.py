@@ -8,6 +8,7 @@ from pdserve.common.grpc_server import MAX_MESSAGE_BYTES
 from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50060
+KV_TRANSPORTS = ("shm", "tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,15 @@ class PrefillConfig(InstanceConfig):
             "compute only what follows the longest cached prefix of a new prompt"
         },
     )
+    kv_transports: str = field(
+        default="shm,tcp,grpc",
+        metadata={
+            "help": "KV transports this prefill may use, comma-separated in order of "
+            "preference, among those its decode offers: shm (write into the decode's shared-"
+            "memory KV cache, same host), tcp (the decode's data port), grpc (SyncCache, always "
+            "offered). One that cannot be opened falls back to the next; listing one forces it"
+        },
+    )
     max_chunk_bytes: int = field(
         default=1 << 20,
         metadata={"help": "most K+V bytes per SyncCache chunk (one layer's run of blocks)"},
@@ -74,6 +84,13 @@ class PrefillConfig(InstanceConfig):
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        kinds = self.kv_transport_kinds
+        unknown = set(kinds) - set(KV_TRANSPORTS)
+        if not kinds or unknown or len(set(kinds)) != len(kinds):
+            raise ValueError(
+                f"kv_transports must list some of {', '.join(KV_TRANSPORTS)} once each, got "
+                f"{self.kv_transports!r}"
+            )
         # NOTE: a chunk also carries its header fields; keep the K+V payload well inside the
         # channels' message limit.
         if self.max_chunk_bytes > MAX_MESSAGE_BYTES // 2:
@@ -81,3 +98,8 @@ class PrefillConfig(InstanceConfig):
                 f"max_chunk_bytes must be <= {MAX_MESSAGE_BYTES // 2} (half the gRPC message "
                 f"limit), got {self.max_chunk_bytes}"
             )
+
+    @property
+    def kv_transport_kinds(self) -> tuple[str, ...]:
+        """The transports this prefill may use, in order of preference."""
+        return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -10,10 +11,8 @@ from pdserve.common.protocol import check_compatible
 from pdserve.prefill.events import LeaseGrant
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
-from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c
+from pdserve.serving.kv_transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
-
-GRPC_TRANSPORT = decode_pb2.TransportKind.Name(decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE)
 
 
 @dataclass(frozen=True)
@@ -92,13 +91,31 @@ def request_from_proto(message: prefill_pb2.PrefillRequest, limits: RequestLimit
     )
 
 
+_TRANSPORT_NAMES = {
+    decode_pb2.TRANSPORT_KIND_SHARED_MEMORY: "shm",
+    decode_pb2.TRANSPORT_KIND_TCP: "tcp",
+}
+TRANSPORT_KINDS = {
+    "grpc": decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE,
+    **{name: kind for kind, name in _TRANSPORT_NAMES.items()},
+}
+
+
 def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
-    """The granted lease; the gRPC transport's token travels in the SyncCache header."""
+    """The granted lease with the decode's transport offers (gRPC is always there; kinds this
+    prefill does not know are ignored). The token travels on whichever transport is used."""
     token = next(
         (t.token for t in lease.transports if t.kind == decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE),
         b"",
     )
-    return LeaseGrant(lease.lease_id, tuple(lease.block_ids), lease.decode_instance_id, token)
+    offers = tuple(
+        TransportOffer(_TRANSPORT_NAMES[t.kind], t.address)
+        for t in lease.transports
+        if t.kind in _TRANSPORT_NAMES
+    )
+    return LeaseGrant(
+        lease.lease_id, tuple(lease.block_ids), lease.decode_instance_id, token, offers
+    )
 
 
 def allocate_request(
@@ -115,8 +132,8 @@ def allocate_request(
     )
 
 
-def sync_header(request: Request) -> decode_pb2.SyncCacheRequest:
-    """The header message of `request`'s SyncCache stream (the request must hold a lease)."""
+def sync_header(request: Request, transport: str = "grpc") -> decode_pb2.SyncCacheRequest:
+    """The header of `request`'s transfer on `transport` (the request must hold a lease)."""
     assert request.lease is not None
     return decode_pb2.SyncCacheRequest(
         header=decode_pb2.SyncCacheHeader(
@@ -126,6 +143,7 @@ def sync_header(request: Request) -> decode_pb2.SyncCacheRequest:
             num_prompt_tokens=request.num_prompt_tokens,
             sampling=sampling_to_proto(request.sampling),
             transport_token=request.lease.transport_token,
+            transport=TRANSPORT_KINDS[transport],
         )
     )
 
@@ -149,15 +167,42 @@ def kv_chunk(piece: KvPiece, *, corrupt: bool = False) -> decode_pb2.SyncCacheRe
     )
 
 
+def kv_chunk_meta(piece: KvPiece, crc: int) -> decode_pb2.SyncCacheRequest:
+    """A chunk message without its bytes (they follow it raw on the TCP data port)."""
+    return decode_pb2.SyncCacheRequest(
+        chunk=decode_pb2.KvChunk(
+            layer_index=piece.layer_index,
+            first_block=piece.first_block,
+            num_blocks=piece.num_blocks,
+            crc32c=crc,
+        )
+    )
+
+
+def kv_chunk_ref(piece: KvPiece, crc: int) -> decode_pb2.KvChunkRef:
+    """Where a chunk written into the decode's shared memory lies, and its checksum."""
+    return decode_pb2.KvChunkRef(
+        layer_index=piece.layer_index,
+        first_block=piece.first_block,
+        num_blocks=piece.num_blocks,
+        crc32c=crc,
+    )
+
+
 def sync_commit(
-    num_chunks: int, num_bytes: int, first_token_id: int, first_token_index: int
+    num_chunks: int,
+    num_bytes: int,
+    first_token_id: int,
+    first_token_index: int,
+    chunks: Sequence[decode_pb2.KvChunkRef] = (),
 ) -> decode_pb2.SyncCacheRequest:
-    """The commit message that closes a SyncCache stream."""
+    """The commit message that closes a transfer (`chunks`: those written to shared memory)."""
     return decode_pb2.SyncCacheRequest(
         commit=decode_pb2.SyncCacheCommit(
             num_chunks=num_chunks,
             num_bytes=num_bytes,
             first_token_id=first_token_id,
             first_token_index=first_token_index,
+            chunks=chunks,
         )
     )

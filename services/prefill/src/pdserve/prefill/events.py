@@ -8,21 +8,23 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason
-from pdserve.serving.kv_transfer import KvPiece
+from pdserve.serving.kv_transfer import KvPiece, TransportOffer
 
 
 @dataclass(frozen=True)
 class LeaseGrant:
     """The decode's lease for one request (the Lease message without protobuf).
 
-    ``transport_token`` is the lease's credential (SyncCache, ReleaseLease): never logged, and
-    left out of ``repr``.
+    ``transport_token`` is the lease's credential (every transport, ReleaseLease): never
+    logged, and left out of ``repr``. ``transports`` are the decode's offers besides gRPC
+    SyncCache, in its order of preference.
     """
 
     lease_id: str
     block_ids: tuple[int, ...]
     decode_instance_id: str
     transport_token: bytes = field(default=b"", repr=False)
+    transports: tuple[TransportOffer, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class HandedOffOut:
     lease: LeaseGrant
     num_chunks: int
     num_bytes: int
+    transport: str = "grpc"
 
 
 @dataclass(frozen=True)

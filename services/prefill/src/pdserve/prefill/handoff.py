@@ -18,6 +18,7 @@ import contextlib
 import fnmatch
 import functools
 import time
+from collections.abc import Sequence
 
 import structlog
 from opentelemetry import context as otel_context
@@ -28,7 +29,9 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, check_stop, is_length_reached
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
+from pdserve.prefill.kv_channels import SharedPools
 from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv_transports import channels_for
 from pdserve.prefill.leasing import open_lease
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
@@ -48,6 +51,7 @@ class Handoffs:
         eos_token_ids: The model's end-of-sequence ids.
         max_model_len: Longest sequence served.
         max_queue_len: Most requests in flight; more are refused with PREFILL_OVERLOADED.
+        kv_transports: The KV transports this prefill may use, in order of preference.
         fault_corrupt_kv: Request-id pattern whose first KV chunk is corrupted on purpose
             (fault injection for chaos tests), or None.
     """
@@ -59,6 +63,7 @@ class Handoffs:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         max_queue_len: int,
+        kv_transports: Sequence[str] = ("grpc",),
         fault_corrupt_kv: str | None = None,
     ) -> None:
         self.loop = loop
@@ -67,6 +72,8 @@ class Handoffs:
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.fault_corrupt_kv = fault_corrupt_kv
+        self.kv_transports = tuple(kv_transports)
+        self.shared_pools = SharedPools(loop.runner.kv_cache.layout)
         self.is_draining = False
         self.live: dict[str, Request] = {}
         self.metrics: PrefillMetrics | None = None
@@ -169,17 +176,14 @@ class Handoffs:
             corrupt = self.fault_corrupt_kv is not None and fnmatch.fnmatchcase(
                 request.request_id, self.fault_corrupt_kv
             )
+            stub = self.peers.stub(request.decode_address, request.decode_instance_id)
             request.sender = KvSender(
-                self.peers.stub(request.decode_address, request.decode_instance_id),
                 request,
+                channels_for(request, stub, self.shared_pools, self.kv_transports),
                 corrupt_first_chunk=corrupt,
             )
             transfer_span = _tracer.start_span(
-                "prefill.kv_transfer",
-                attributes={
-                    telemetry.REQUEST_ID: request.request_id,
-                    "pdserve.transport": "grpc-sync-cache",
-                },
+                "prefill.kv_transfer", attributes={telemetry.REQUEST_ID: request.request_id}
             )
             # NOTE: the task copies the current context: its SyncCache call joins the span.
             with telemetry.activated(transfer_span):
@@ -229,18 +233,22 @@ class Handoffs:
         await request.sender_task
         request.is_lease_open = False  # the decode owns it now
         request.move_to(RequestStatus.HANDED_OFF)
-        request.outbox.put_nowait(HandedOffOut(request.lease, sender.num_chunks, sender.num_bytes))
+        request.outbox.put_nowait(
+            HandedOffOut(request.lease, sender.num_chunks, sender.num_bytes, sender.transport)
+        )
         log.info(
             "handed_off",
             request_id=request.request_id,
             lease_id=request.lease.lease_id,
             num_chunks=sender.num_chunks,
             num_bytes=sender.num_bytes,
+            transport=sender.transport,
         )
 
     def _on_transfer_done(
         self, span: trace.Span, sender: KvSender, started: float, done: asyncio.Task[object]
     ) -> None:
+        span.set_attribute("pdserve.transport", sender.transport)
         span.set_attribute("pdserve.kv.num_bytes", sender.num_bytes)
         span.set_attribute("pdserve.kv.num_chunks", sender.num_chunks)
         if done.cancelled() or done.exception() is not None:

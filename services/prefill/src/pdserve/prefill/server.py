@@ -76,6 +76,7 @@ class PrefillInstance(InstanceServer):
             host.eos_token_ids,
             host.max_model_len,
             config.max_queue_len,
+            config.kv_transport_kinds,
             env.fault_corrupt_kv(),
         )
         limits = RequestLimits(

@@ -15,7 +15,7 @@ from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut, Out
 from pdserve.prefill.handoff import Handoffs
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.serving.model_host import ModelHost
-from pdserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -33,7 +33,7 @@ def outcome_to_proto(outcome: Outcome) -> prefill_pb2.PrefillResponse:
                 decode_instance_id=outcome.lease.decode_instance_id,
                 num_bytes=outcome.num_bytes,
                 num_chunks=outcome.num_chunks,
-                transport=convert.GRPC_TRANSPORT,
+                transport=decode_pb2.TransportKind.Name(convert.TRANSPORT_KINDS[outcome.transport]),
             )
         )
     assert isinstance(outcome, FinishedOut)

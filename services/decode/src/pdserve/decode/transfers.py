@@ -1,0 +1,158 @@
+"""One KV transfer into a lease, whatever carries it: begin (token checked), commit, fail.
+
+The SyncCache servicer (chunks in the stream, or written to the shared-memory segment) and the
+TCP data port (`kv_tcp_server`) both open a transfer with `begin`, feed its `KvReceiver`, and
+finish with `commit` or `fail`, then `end`. From `begin` to `end` the lease's blocks stay
+reserved even if the lease ends meanwhile (expiry, release): a writer may still be filling
+them, and they must not go to another lease before it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import resolve_seed
+from pdserve.common.pki import Identity
+from pdserve.decode.decode_loop import DecodeLoop
+from pdserve.decode.events import EndedEvent
+from pdserve.decode.kv_receiver import KvReceiver
+from pdserve.decode.leases import LeaseManager
+from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.engine.kv_cache import KVCache
+from pdserve.serving.convert import sampling_from_proto
+from pdserve.v1 import decode_pb2
+
+log = structlog.get_logger(__name__)
+
+TRANSPORT_NAMES = {
+    decode_pb2.TRANSPORT_KIND_UNSPECIFIED: "grpc",
+    decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE: "grpc",
+    decode_pb2.TRANSPORT_KIND_TCP: "tcp",
+    decode_pb2.TRANSPORT_KIND_SHARED_MEMORY: "shm",
+}
+
+
+class Transfers:
+    """Opens, commits and fails the transfers into one decode's leases.
+
+    Args:
+        kv_cache: The decode's cache.
+        leases: The lease table.
+        loop: The decode thread (committed requests are submitted to it).
+        metrics: Where transfer durations are observed, if anywhere.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        leases: LeaseManager,
+        loop: DecodeLoop,
+        metrics: DecodeMetrics | None = None,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.leases = leases
+        self.loop = loop
+        self.metrics = metrics
+        self.num_kv_bytes_received = 0
+
+    def begin(
+        self,
+        header: decode_pb2.SyncCacheHeader,
+        caller: Identity | None,
+        *,
+        is_token_only: bool = False,
+    ) -> tuple[DecodeRequest, KvReceiver]:
+        """Moves the header's lease to SYNCING (token and caller checked) and returns it with
+        its receiver; `end` must follow.
+
+        Raises:
+            PdserveError: PERMISSION_DENIED (lease unchanged), LEASE_NOT_FOUND /
+                LEASE_EXPIRED, or CACHE_SYNC_FAILED for a header that does not fit the lease
+                (the lease then failed).
+        """
+        lease = self.leases.begin_sync(
+            header.lease_id, header.transport_token, caller, is_token_only=is_token_only
+        )
+        receiver = KvReceiver(self.kv_cache, lease)
+        try:
+            receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
+        except PdserveError as error:
+            self.fail(lease, error)
+            self.end(lease)
+            raise
+        return lease, receiver
+
+    def commit(
+        self,
+        lease: DecodeRequest,
+        receiver: KvReceiver,
+        header: decode_pb2.SyncCacheHeader,
+        commit: decode_pb2.SyncCacheCommit,
+        started: float,
+    ) -> decode_pb2.SyncCacheResponse:
+        """Verifies the commit and hands the request to the decode loop (event loop only).
+
+        Raises:
+            PdserveError: CACHE_SYNC_FAILED for a short or inconsistent transfer;
+                LEASE_EXPIRED when the lease ended meanwhile.
+        """
+        num_prompt = header.num_prompt_tokens or len(header.token_ids)
+        receiver.commit(
+            commit.num_chunks,
+            commit.num_bytes,
+            commit.first_token_index,
+            expected_index=len(header.token_ids) - num_prompt,
+        )
+        if not self.leases.advance(lease, RequestStatus.COMMITTED):
+            raise PdserveError(
+                ErrorReason.LEASE_EXPIRED,
+                "lease ended during the transfer",
+                {"leaseId": lease.lease_id},
+            )
+        sampling = sampling_from_proto(header.sampling)
+        # NOTE: the gateway always sets a seed; a missing one is resolved as the prefill does,
+        # so that every instance continues the request the same way.
+        lease.start_generation(
+            [*header.token_ids, commit.first_token_id],
+            num_prompt,
+            sampling,
+            resolve_seed(sampling.seed),
+        )
+        self.loop.submit(lease)
+        lease.ready.set()
+        self.num_kv_bytes_received += receiver.num_bytes
+        if self.metrics is not None:
+            self.metrics.sync_seconds.observe(time.perf_counter() - started)
+        log.info(
+            "lease_committed",
+            request_id=lease.request_id,
+            lease_id=lease.lease_id,
+            transport=TRANSPORT_NAMES.get(header.transport, "grpc"),
+        )
+        return decode_pb2.SyncCacheResponse(
+            lease_id=lease.lease_id,
+            state=decode_pb2.LEASE_STATE_COMMITTED,
+            num_chunks=receiver.num_chunks,
+            num_bytes=receiver.num_bytes,
+        )
+
+    def fail(self, lease: DecodeRequest | None, error: PdserveError) -> None:
+        """Ends `lease` FAILED (if still open) because its transfer failed with `error`."""
+        if lease is None:
+            return
+        if self.leases.end(lease, RequestStatus.FAILED):
+            lease.deliver(EndedEvent(RequestStatus.FAILED, error.message, error.reason))
+            log.warning(
+                "cache_sync_failed",
+                request_id=lease.request_id,
+                lease_id=lease.lease_id,
+                detail=error.message,
+            )
+
+    def end(self, lease: DecodeRequest) -> None:
+        """The transfer stopped writing into `lease` (frees its blocks if it ended meanwhile)."""
+        self.leases.end_sync(lease)

@@ -1,0 +1,262 @@
+"""The ways KV reaches a decode over its SyncCache RPC: in the stream, or through shared memory.
+
+A channel is one transfer on one transport (`KvChannel`): `open` it (a `TransportUnavailable`
+from `open` means nothing touched the lease, so the sender may try the next transport), `send`
+each piece, `finish` with the commit, or `close` it when the transfer is abandoned.
+
+* `GrpcChannel`: header, chunks with their bytes, commit, all in the SyncCache stream.
+* `SharedMemoryChannel`: the decode's KV cache is a segment on this host; the header goes out
+  first and the pieces are written into the lease's blocks only after the decode accepted it
+  (its initial metadata), then the commit lists them with their checksums. An abandoned
+  transfer waits for a copy under way before the stream is cancelled: until the stream ends the
+  decode keeps the blocks reserved, so no late write can reach another lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+import grpc
+
+from pdserve.common import telemetry
+from pdserve.common.errors import ErrorReason, PdserveError, has_error_info
+from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.prefill import convert
+from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
+from pdserve.prefill.request import Request
+from pdserve.serving.kv_shm import LeaseWindow, SharedKvPool
+from pdserve.serving.kv_transfer import KvPiece
+from pdserve.v1 import decode_pb2, decode_pb2_grpc
+
+T = TypeVar("T")
+
+# Initial metadata a decode sends once it accepted a SyncCache header (see its servicer).
+SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
+
+
+class TransportUnavailable(Exception):
+    """The transport cannot be used for this lease; nothing was sent on it."""
+
+
+class KvChannel(Protocol):
+    """One transfer's channel to the decode (see the module docstring)."""
+
+    name: str
+
+    async def open(self) -> None: ...
+
+    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None: ...
+
+    async def finish(
+        self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
+    ) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _StreamEnded(Exception):
+    """A write found the stream already ended by the decode."""
+
+
+class GrpcChannel:
+    """SyncCache with the chunks in the stream.
+
+    Args:
+        stub: The decode's stub.
+        request: The request (holding its lease).
+    """
+
+    name = "grpc"
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeServiceStub, request: Request) -> None:
+        self.stub = stub
+        self.request = request
+        self.call: grpc.aio.StreamUnaryCall | None = None
+
+    async def open(self) -> None:
+        self.call = self.stub.SyncCache(metadata=telemetry.outgoing_metadata())
+        await self._write(convert.sync_header(self.request, self.name))
+
+    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None:
+        await self._write(convert.kv_chunk(piece, corrupt=corrupt))
+
+    async def finish(
+        self,
+        first_token_id: int,
+        first_token_index: int,
+        num_chunks: int,
+        num_bytes: int,
+        chunks: list[decode_pb2.KvChunkRef] | None = None,
+    ) -> None:
+        await self._write(
+            convert.sync_commit(
+                num_chunks, num_bytes, first_token_id, first_token_index, chunks or ()
+            )
+        )
+        assert self.call is not None
+        try:
+            await self.call.done_writing()
+            response: decode_pb2.SyncCacheResponse = await self.call
+        except grpc.RpcError as error:
+            raise peer_error(error, self.request.decode_address, "SyncCache") from None
+        if response.state != decode_pb2.LEASE_STATE_COMMITTED:
+            raise PdserveError(
+                ErrorReason.CACHE_SYNC_FAILED,
+                f"decode answered {decode_pb2.LeaseState.Name(response.state)}, not COMMITTED",
+                {
+                    "requestId": self.request.request_id,
+                    "decodeAddress": self.request.decode_address,
+                },
+            )
+
+    def close(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+
+    async def _write(self, message: decode_pb2.SyncCacheRequest) -> None:
+        assert self.call is not None
+        try:
+            await self.call.write(message)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            # NOTE: the decode ended the stream early (e.g. a bad checksum); the call's final
+            # status says why, the failed write does not.
+            raise await self._final_error() from None
+
+    async def _final_error(self) -> PdserveError:
+        assert self.call is not None
+        address = self.request.decode_address
+        try:
+            await self.call
+        except grpc.RpcError as error:
+            if has_error_info(error):
+                return peer_error(error, address, "SyncCache")
+            # NOTE: a write that loses the race with the decode's early status makes grpc.aio
+            # replace that status with a local INTERNAL error; the lease says what happened.
+            return await ask_lease_state(
+                self.stub, self.request, peer_error(error, address, "SyncCache")
+            )
+        return PdserveError(
+            ErrorReason.CACHE_SYNC_FAILED, "SyncCache ended early", {"decodeAddress": address}
+        )
+
+
+class SharedMemoryChannel(GrpcChannel):
+    """SyncCache whose chunks are written into the decode's shared-memory KV cache.
+
+    Args:
+        stub: The decode's stub.
+        request: The request (holding its lease).
+        open_pool: Maps the decode's segment (by name) or returns the mapping already open.
+        segment_name: The lease's shared-memory address.
+    """
+
+    name = "shm"
+
+    def __init__(
+        self,
+        stub: decode_pb2_grpc.DecodeServiceStub,
+        request: Request,
+        open_pool: Callable[[str], SharedKvPool],
+        segment_name: str,
+    ) -> None:
+        super().__init__(stub, request)
+        self.open_pool = open_pool
+        self.segment_name = segment_name
+        self.window: LeaseWindow | None = None
+        self.refs: list[decode_pb2.KvChunkRef] = []
+        self._copy: asyncio.Future[int] | None = None
+
+    async def open(self) -> None:
+        assert self.request.lease is not None
+        try:
+            pool = self.open_pool(self.segment_name)
+            self.window = pool.window(self.request.lease.block_ids)
+        except (OSError, ValueError) as error:
+            raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
+        await super().open()
+        assert self.call is not None
+        metadata = await self.call.initial_metadata()
+        if SYNC_ACCEPTED_KEY not in dict(metadata or ()):
+            raise await self._final_error()
+
+    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None:
+        assert self.window is not None
+        self._copy = asyncio.ensure_future(
+            asyncio.to_thread(self.window.write, piece, corrupt=corrupt)
+        )
+        try:
+            crc = await asyncio.shield(self._copy)
+        except asyncio.CancelledError:
+            await asyncio.wait([self._copy])  # NOTE: never leave a copy running (module doc)
+            raise
+        self.refs.append(convert.kv_chunk_ref(piece, crc))
+
+    async def finish(
+        self,
+        first_token_id: int,
+        first_token_index: int,
+        num_chunks: int,
+        num_bytes: int,
+        chunks: list[decode_pb2.KvChunkRef] | None = None,
+    ) -> None:
+        await super().finish(first_token_id, first_token_index, num_chunks, num_bytes, self.refs)
+
+
+async def ask_lease_state(
+    stub: decode_pb2_grpc.DecodeServiceStub, request: Request, local: PdserveError
+) -> PdserveError:
+    """Classifies a transfer the decode ended without saying why, by the lease's state
+    (ReleaseLease, idempotent): LEASE_EXPIRED, CACHE_SYNC_FAILED, or `local`."""
+    lease = request.lease
+    assert lease is not None
+    address = request.decode_address
+    metadata = {"requestId": request.request_id, "decodeAddress": address}
+    try:
+        response = await stub.ReleaseLease(
+            decode_pb2.ReleaseLeaseRequest(
+                lease_id=lease.lease_id,
+                request_id=request.request_id,
+                lease_token=lease.transport_token,
+            ),
+            timeout=RELEASE_TIMEOUT_S,
+        )
+    except grpc.RpcError as error:
+        return peer_error(error, address, "SyncCache")
+    if response.state == decode_pb2.LEASE_STATE_EXPIRED:
+        return PdserveError(
+            ErrorReason.LEASE_EXPIRED, "the lease expired during the transfer", metadata
+        )
+    if response.state in (decode_pb2.LEASE_STATE_FAILED, decode_pb2.LEASE_STATE_ABORTED):
+        state = decode_pb2.LeaseState.Name(response.state)
+        return PdserveError(
+            ErrorReason.CACHE_SYNC_FAILED, f"the decode ended the transfer ({state})", metadata
+        )
+    return local
+
+
+class SharedPools:
+    """The decodes' segments this prefill mapped, by name; a mapping whose segment is gone
+    (its decode stopped) is dropped when the next one is opened.
+
+    Args:
+        layout: The KV layout (the decodes' fingerprints equal the prefill's).
+    """
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self._pools: dict[str, SharedKvPool] = {}
+
+    def open(self, name: str) -> SharedKvPool:
+        """The mapping of segment `name` (mapped on first use).
+
+        Raises:
+            OSError, ValueError: As `SharedKvPool`.
+        """
+        pool = self._pools.get(name)
+        if pool is None:
+            for stale in [n for n, p in self._pools.items() if not p.exists()]:
+                del self._pools[stale]
+            pool = self._pools[name] = SharedKvPool(name, self.layout)
+        return pool

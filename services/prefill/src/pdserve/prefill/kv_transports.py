@@ -1,0 +1,51 @@
+"""Which channels a transfer may use: the decode's offers, in this prefill's order.
+
+The decode lists what it offers besides gRPC SyncCache (always available) in the lease;
+`--kv-transports` says which of them this prefill may use and in what order. The sender opens
+the first that works (`KvSender`), so listing one transport forces it: a transfer then fails
+rather than falling back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.prefill.kv_channels import GrpcChannel, KvChannel, SharedMemoryChannel, SharedPools
+from pdserve.prefill.kv_tcp_channel import TcpChannel
+from pdserve.prefill.request import Request
+from pdserve.v1 import decode_pb2_grpc
+
+KV_TRANSPORTS = ("shm", "tcp", "grpc")
+
+
+def channels_for(
+    request: Request,
+    stub: decode_pb2_grpc.DecodeServiceStub,
+    pools: SharedPools,
+    preference: Sequence[str],
+) -> list[KvChannel]:
+    """The channels `request`'s transfer may try, in order: each transport of `preference`
+    that its lease offers (gRPC always).
+
+    Raises:
+        PdserveError: INCOMPATIBLE_PEER when the decode offers none of them.
+    """
+    assert request.lease is not None
+    offers = {offer.kind: offer.address for offer in request.lease.transports}
+    channels: list[KvChannel] = []
+    for kind in preference:
+        if kind == "grpc":
+            channels.append(GrpcChannel(stub, request))
+        elif kind == "shm" and "shm" in offers:
+            channels.append(SharedMemoryChannel(stub, request, pools.open, offers["shm"]))
+        elif kind == "tcp" and "tcp" in offers:
+            channels.append(TcpChannel(stub, request, offers["tcp"]))
+    if not channels:
+        raise PdserveError(
+            ErrorReason.INCOMPATIBLE_PEER,
+            f"the decode offers none of the KV transports {', '.join(preference)} "
+            f"(it offers {', '.join([*offers, 'grpc'])})",
+            {"requestId": request.request_id, "decodeAddress": request.decode_address},
+        )
+    return channels

@@ -1,0 +1,204 @@
+"""The shared-memory KV transport's segment: a decode's KV cache in a named file under
+/dev/shm that a prefill on the same host writes into directly.
+
+The decode places its whole cache in a segment (`KvSegment.create`): the file is created
+exclusively with mode 0600 (only the decode's user can open it), its name carries 128 random
+bits (it is only ever sent inside Lease messages, over the authenticated plane), and its pages
+are allocated up front, so a full /dev/shm fails here rather than as a SIGBUS in a writer.
+The layout is the cache's own: ``[layer][K, V][physical block][block bytes]``.
+
+A prefill maps the segment once per decode (`SharedKvPool`) and writes a lease's KV through a
+`LeaseWindow`, which knows only that lease's block ids: a piece is addressed by its logical
+blocks within the lease, so a write outside the leased blocks cannot be expressed. (Any process
+of the same user can also read or write the decode's memory directly, so the file mode is the
+boundary between users; the window is the boundary between leases.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c, id_runs
+
+log = structlog.get_logger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "pdserve-kv-"
+
+
+class KvSegment:
+    """A decode's KV cache placed in a shared-memory file (decode side).
+
+    Args:
+        path: The segment's file.
+        mapping: Its mapping (backs the cache tensor; stays open while the process lives).
+    """
+
+    def __init__(self, path: Path, mapping: mmap.mmap) -> None:
+        self.path = path
+        self.mapping = mapping
+
+    @property
+    def name(self) -> str:
+        """What a Lease's shared-memory transport carries as its address."""
+        return self.path.name
+
+    @classmethod
+    def create(cls, kv_cache: KVCache, directory: Path = SHM_DIR) -> KvSegment:
+        """Creates a segment of the cache's size and moves `kv_cache` into it.
+
+        Raises:
+            OSError: The segment cannot be created or its pages allocated (e.g. /dev/shm full).
+            ValueError: The cache is not on CPU.
+        """
+        remove_stale_segments(directory)
+        path = directory / f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, kv_cache.nbytes)
+            mapping = mmap.mmap(fd, kv_cache.nbytes, mmap.MAP_SHARED)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        try:
+            kv_cache.place_in(memoryview(mapping))
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        log.info("kv_segment_created", name=path.name, num_bytes=kv_cache.nbytes)
+        return cls(path, mapping)
+
+    def remove(self) -> None:
+        """Removes the file (the cache keeps its memory; writers that mapped it keep theirs)."""
+        self.path.unlink(missing_ok=True)
+
+
+def remove_stale_segments(directory: Path = SHM_DIR) -> int:
+    """Removes this user's segments left by decode processes that no longer run; returns how
+    many."""
+    num_removed = 0
+    for path in directory.glob(f"{NAME_PREFIX}*"):
+        pid_text = path.name.removeprefix(NAME_PREFIX).split("-", 1)[0]
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
+                continue
+            path.unlink()
+            num_removed += 1
+    return num_removed
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedKvPool:
+    """A decode's segment mapped into a prefill (sender side).
+
+    Args:
+        name: The segment name from the lease's shared-memory transport.
+        layout: The KV layout (both ends' fingerprints are equal).
+        directory: Where segments live.
+
+    Raises:
+        OSError: No such segment here (the decode is on another host), or it cannot be mapped.
+        PermissionError: The file is not this user's or other users may open it.
+        ValueError: The name is not a segment name, or its size does not fit the layout.
+    """
+
+    def __init__(self, name: str, layout: KVCacheLayout, directory: Path = SHM_DIR) -> None:
+        if not name.startswith(NAME_PREFIX) or "/" in name or name in (".", ".."):
+            raise ValueError(f"not a KV segment name: {name!r}")
+        self.name = name
+        self.path = directory / name
+        self.block_nbytes = layout.block_nbytes
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise PermissionError(f"{name} is not private to this user")
+            per_block = 2 * layout.num_layers * layout.block_nbytes
+            if info.st_size == 0 or info.st_size % per_block:
+                raise ValueError(f"{name} holds {info.st_size} bytes, not whole KV blocks")
+            self.num_blocks = info.st_size // per_block
+            self.mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        # blocks: [num_layers, 2, num_blocks, block_nbytes] bytes of the decode's cache
+        self.blocks = np.frombuffer(self.mapping, dtype=np.uint8).reshape(
+            layout.num_layers, 2, self.num_blocks, layout.block_nbytes
+        )
+
+    def exists(self) -> bool:
+        """Whether the segment's file is still there (its decode still runs)."""
+        return self.path.exists()
+
+    def window(self, block_ids: Sequence[int]) -> LeaseWindow:
+        """The writer of one lease's blocks.
+
+        Raises:
+            ValueError: A block id outside the segment.
+        """
+        if any(not 0 <= b < self.num_blocks for b in block_ids):
+            raise ValueError(f"lease blocks outside the {self.num_blocks} blocks of {self.name}")
+        return LeaseWindow(self, tuple(block_ids))
+
+
+class LeaseWindow:
+    """Writes one lease's KV into its blocks of a `SharedKvPool`, and nowhere else.
+
+    Args:
+        pool: The mapped segment.
+        block_ids: The lease's physical blocks, in the sequence's logical order.
+    """
+
+    def __init__(self, pool: SharedKvPool, block_ids: tuple[int, ...]) -> None:
+        self._blocks = pool.blocks
+        self._block_nbytes = pool.block_nbytes
+        self._block_ids = block_ids
+
+    def write(self, piece: KvPiece, *, corrupt: bool = False) -> int:
+        """Copies `piece` into the lease's blocks; returns the CRC-32C of what it meant to write.
+
+        `corrupt` flips one written byte after the checksum (fault injection).
+
+        Raises:
+            IndexError: The piece's logical blocks are not all within the lease.
+        """
+        end = piece.first_block + piece.num_blocks
+        if piece.first_block < 0 or end > len(self._block_ids) or piece.num_blocks <= 0:
+            raise IndexError(
+                f"blocks {piece.first_block}..{end - 1} outside the lease's {len(self._block_ids)}"
+            )
+        crc = chunk_crc32c(piece.key, piece.value)
+        block_ids = self._block_ids[piece.first_block : end]
+        for kv_index, data in ((0, piece.key), (1, piece.value)):
+            # source: [num_blocks, block_nbytes] bytes of the sender's cache
+            source = np.frombuffer(data, dtype=np.uint8).reshape(-1, self._block_nbytes)
+            offset = 0
+            for start, stop in id_runs(block_ids):
+                count = stop - start
+                self._blocks[piece.layer_index, kv_index, start:stop] = source[
+                    offset : offset + count
+                ]
+                offset += count
+        if corrupt:
+            self._blocks[piece.layer_index, 0, block_ids[0], 0] ^= 0xFF
+        return crc

@@ -1,0 +1,215 @@
+"""The KV transports between a real prefill and a real decode: each one forced, fallback, and
+the refusals of the TCP data port and the shared-memory window."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from support.eventually import eventually
+from support.prefill_cluster import Cluster, cluster
+
+from pdserve.common.errors import ErrorReason
+from pdserve.common.generation import SamplingParams
+from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.serving.convert import local_protocol
+from pdserve.serving.kv_shm import LeaseWindow, SharedKvPool
+from pdserve.serving.kv_transfer import KvPiece, TransportOffer, chunk_crc32c
+from pdserve.serving.kv_wire import frame, recv_frame
+from pdserve.v1 import common_pb2, decode_pb2, errors_pb2
+
+LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]
+SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+KINDS = {
+    "shm": decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
+    "tcp": decode_pb2.TRANSPORT_KIND_TCP,
+    "grpc": decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE,
+}
+
+
+async def _handed_off(pd: Cluster, request_id: str, prompt: list[int]) -> decode_pb2.Lease:
+    events = await pd.run_prefill(pd.request(request_id, prompt, GREEDY))
+    assert events.error is None, events.error
+    return events.last("handed_off").handed_off
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+async def test_a_forced_transport_carries_the_kv_and_the_output_is_the_engines(
+    tiny_model_dir: Path, engine: LLMEngine, transport: str
+) -> None:
+    async with cluster(tiny_model_dir, kv_transports=transport) as pd:
+        references = [engine.generate([p], GREEDY)[0] for p in (LONG, SHORT, LONG[::-1])]
+        results = await asyncio.gather(
+            *(pd.complete(f"r{i}", p, GREEDY) for i, p in enumerate((LONG, SHORT, LONG[::-1])))
+        )
+        assert results == references
+        handed_off = await _handed_off(pd, "one-more", SHORT)
+        assert handed_off.transport == decode_pb2.TransportKind.Name(KINDS[transport])
+        await pd.decode_stubs[0].ReleaseLease(
+            decode_pb2.ReleaseLeaseRequest(lease_id=handed_off.lease_id, request_id="one-more")
+        )
+        await pd.eventually_whole()
+
+
+async def test_the_default_prefers_shared_memory_on_one_host(tiny_model_dir: Path) -> None:
+    async with cluster(tiny_model_dir) as pd:
+        handed_off = await _handed_off(pd, "r", SHORT)
+        assert handed_off.transport == "TRANSPORT_KIND_SHARED_MEMORY"
+
+
+async def test_a_segment_this_host_lacks_falls_back_to_tcp_without_failing(
+    tiny_model_dir: Path, engine: LLMEngine
+) -> None:
+    async with cluster(tiny_model_dir) as pd:
+        # The decode "on another host": its segment name resolves to nothing here.
+        decode = pd.decodes[0]
+        tcp = next(o for o in decode.servicer.transport_offers if o.kind == "tcp")
+        decode.servicer.transport_offers = (
+            TransportOffer("shm", "pdserve-kv-1-00000000000000000000000000000000"),
+            tcp,
+        )
+        assert await pd.complete("r", LONG, GREEDY) == engine.generate([LONG], GREEDY)[0]
+        handed_off = await _handed_off(pd, "r2", SHORT)
+        assert handed_off.transport == "TRANSPORT_KIND_TCP"
+
+
+async def test_a_decode_without_offers_is_refused_when_tcp_is_forced(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(
+        tiny_model_dir, kv_transports="tcp", decode_overrides={"kv_transports": ""}
+    ) as pd:
+        events = await pd.run_prefill(pd.request("r", SHORT, GREEDY))
+        assert events.error is not None
+        assert events.error.reason is ErrorReason.INCOMPATIBLE_PEER
+        await pd.eventually_whole()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+async def test_corrupt_kv_is_detected_on_every_transport(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    monkeypatch.setenv("PDSERVE_FAULT_CORRUPT_KV", "bad-*")
+    async with cluster(tiny_model_dir, kv_transports=transport) as pd:
+        events = await pd.run_prefill(pd.request("bad-1", LONG, GREEDY))
+        assert events.error is not None
+        assert events.error.reason is ErrorReason.CACHE_SYNC_FAILED
+        await pd.eventually_whole()
+
+
+# ---- the TCP data port, spoken to directly --------------------------------------------------
+
+
+async def _lease(pd: Cluster, request_id: str, num_tokens: int) -> decode_pb2.Lease:
+    layout = pd.decodes[0].host.kv_layout
+    response = await pd.decode_stubs[0].AllocateBlocks(
+        decode_pb2.AllocateBlocksRequest(
+            request_id=request_id,
+            num_prompt_tokens=num_tokens,
+            max_new_tokens=4,
+            kv_layout=common_pb2.KvLayout(fingerprint=layout.fingerprint),
+            protocol=local_protocol(),
+        )
+    )
+    return response.lease
+
+
+def _tcp_address(lease: decode_pb2.Lease) -> tuple[str, int]:
+    offer = next(t for t in lease.transports if t.kind == decode_pb2.TRANSPORT_KIND_TCP)
+    host, port = offer.address.rsplit(":", 1)
+    return host, int(port)
+
+
+def _header(lease: decode_pb2.Lease, request_id: str, num_tokens: int, token: bytes) -> bytes:
+    header = decode_pb2.SyncCacheRequest(
+        header=decode_pb2.SyncCacheHeader(
+            lease_id=lease.lease_id,
+            request_id=request_id,
+            token_ids=list(range(1, num_tokens + 1)),
+            transport_token=token,
+            transport=decode_pb2.TRANSPORT_KIND_TCP,
+        )
+    )
+    return frame(header.SerializeToString())
+
+
+def _closed_without_answer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_a_wrong_token_on_the_data_port_is_closed_at_once_and_counted(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(tiny_model_dir) as pd:
+        lease = await _lease(pd, "r", 8)
+        decode = pd.decodes[0]
+        with socket.create_connection(_tcp_address(lease)) as sock:
+            sock.sendall(_header(lease, "r", 8, b"x" * 32))
+            assert await asyncio.to_thread(_closed_without_answer, sock)
+        assert decode.kv_tcp is not None and decode.kv_tcp.num_refused == 1
+        (granted,) = decode.leases.open_leases()
+        assert granted.status.name == "ALLOCATED"  # untouched: the right holder can still use it
+        token = lease.transports[0].token
+        with socket.create_connection(_tcp_address(lease)) as holder:
+            holder.sendall(_header(lease, "r", 8, token))
+            await eventually(lambda: granted.status.name == "SYNCING", 5, "the transfer to start")
+            # The same token again while its transfer runs: used.
+            with socket.create_connection(_tcp_address(lease)) as sock:
+                sock.sendall(_header(lease, "r", 8, token))
+                assert await asyncio.to_thread(_closed_without_answer, sock)
+        assert decode.kv_tcp.num_refused == 2
+        await pd.eventually_whole()
+
+
+async def test_a_chunk_outside_the_lease_is_refused_and_the_lease_freed(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(tiny_model_dir) as pd:
+        lease = await _lease(pd, "r", 8)  # 2 blocks of 4 tokens
+        token = lease.transports[0].token
+        block_nbytes = pd.decodes[0].host.runner.kv_cache.layout.block_nbytes
+        chunk = decode_pb2.SyncCacheRequest(
+            chunk=decode_pb2.KvChunk(layer_index=0, first_block=2, num_blocks=1, crc32c=0)
+        )
+        with socket.create_connection(_tcp_address(lease)) as sock:
+            sock.sendall(_header(lease, "r", 8, token))
+            sock.sendall(frame(chunk.SerializeToString()) + bytes(2 * block_nbytes))
+            sock.settimeout(5)
+            answer = decode_pb2.KvTcpResult.FromString(
+                await asyncio.to_thread(recv_frame, sock, 1 << 16)
+            )
+        assert answer.error_reason == errors_pb2.ERROR_REASON_CACHE_SYNC_FAILED
+        assert "outside the lease" in answer.error_message
+        await pd.eventually_whole()
+
+
+async def test_a_window_cannot_address_blocks_outside_its_lease(tiny_model_dir: Path) -> None:
+    async with cluster(tiny_model_dir) as pd:
+        lease = await _lease(pd, "r", 8)
+        decode = pd.decodes[0]
+        assert decode.kv_segment is not None
+        layout = decode.host.runner.kv_cache.layout
+        window: LeaseWindow = SharedKvPool(decode.kv_segment.name, layout).window(lease.block_ids)
+        data = memoryview(bytearray(layout.block_nbytes))
+        outside = KvPiece(0, len(lease.block_ids), 1, data, data)
+        with pytest.raises(IndexError):
+            window.write(outside)
+        inside = KvPiece(0, 0, 1, data, data)
+        assert window.write(inside) == chunk_crc32c(data, data)
+
+
+def test_a_segment_other_users_may_open_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pdserve-kv-1-open"
+    path.write_bytes(bytes(4096))
+    path.chmod(0o666)
+    layout = KVCacheLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32")
+    with pytest.raises(PermissionError):
+        SharedKvPool(path.name, layout, directory=tmp_path)
