@@ -1,20 +1,23 @@
-"""KV transfer: SyncCache into a real decode process vs a raw loopback TCP socket, same run.
+"""KV transfer: each transport into a real decode process vs a raw loopback TCP socket, same run.
 
     .venv/bin/python bench/kv_transfer.py                    # 16 .. 512 MiB, 3 repeats each
-    .venv/bin/python bench/kv_transfer.py --sizes-mib 16 64 --repeats 2
+    .venv/bin/python bench/kv_transfer.py --sizes-mib 64 --repeats 3 --json
 
 For each size, one sequence's KV of that many bytes is moved from this process to another
-process on the same host, two ways, alternating:
+process on the same host, several ways, alternating:
 
-* SyncCache: a `pdserve-decode` process (launched as by `pdserve up`) leases the blocks with
-  AllocateBlocks, then receives the stream this process sends with the prefill's own sender
-  (`pdserve.prefill.kv_sender.KvSender`, the code a prefill instance runs): the pieces are cut
-  as the prefill's engine thread cuts them (`pdserve.serving.kv_transfer`, at most
-  ``--max-chunk-bytes`` of K+V each) and queued, then the clock runs while the sender writes
-  the header, each chunk (copied out of the cache and checksummed with CRC-32C as it is
-  written), and the commit, until the decode acknowledges it. The decode verifies each
-  checksum, copies the chunk into its paged cache and answers once the commit is verified.
-  Cutting the pieces (views of the cache) is timed apart.
+* the three transports: a `pdserve-decode` process (launched as by `pdserve up`) leases the
+  blocks with AllocateBlocks, then receives what this process sends with the prefill's own
+  sender (`pdserve.prefill.kv_sender.KvSender` on the channel a prefill would open,
+  `kv_transports.channels_for` with that one transport forced): the pieces are cut as the
+  prefill's engine thread cuts them (`pdserve.serving.kv_transfer`, at most
+  ``--max-chunk-bytes`` of K+V each) and queued, then the clock runs while the sender ships
+  them and the commit, until the decode acknowledges it. ``grpc``: SyncCache with the chunks in
+  the stream (each copied and checksummed as it is written; the decode verifies and copies it
+  into its cache). ``tcp``: the decode's data port (checksummed, sent from the cache; the
+  decode reads each chunk straight into its cache and checksums it there). ``shm``: written
+  into the decode's shared-memory cache (checksummed, copied once), then the commit's chunk
+  list verified in the decode's cache. Cutting the pieces (views of the cache) is timed apart.
 * raw TCP: the same chunk bytes (K then V of every chunk, copied out beforehand) written with
   ``sendall`` to a receiver process that reads them into one preallocated buffer with
   ``recv_into`` and acknowledges the last byte: the floor for any transport over loopback TCP
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import select
 import socket
 import statistics
@@ -56,7 +60,9 @@ from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
+from pdserve.prefill.kv_channels import SharedPools
 from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv_transports import channels_for
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.kv_transfer import sequence_pieces
@@ -67,6 +73,7 @@ BLOCK_SIZE = 16
 DEFAULT_SIZES_MIB = (16, 32, 64, 128, 256, 512)
 MODEL_SHAPE = {"num_layers": 16, "num_kv_heads": 8, "head_dim": 128}
 VOCAB_SIZE = 512
+TRANSPORTS = ("grpc", "tcp", "shm")
 
 # The receiver of the raw TCP baseline: a separate process, like the decode. It prints its port,
 # then per connection reads an 8-byte length and that many bytes into one buffer, and acks.
@@ -145,6 +152,8 @@ class Decode:
         self.channel = sender.channel(self.address, instance_dns_name("decode", name))
         self.status_channel = operator.channel(self.address, MEMBER_DNS_NAME)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype="float32", **MODEL_SHAPE)
+        self.pools = SharedPools(layout)
         self.status = instance_pb2_grpc.InstanceServiceStub(self.status_channel)
 
     async def wait_idle(self, timeout_s: float = 30.0) -> None:
@@ -168,9 +177,15 @@ class Decode:
 
 
 async def sync_cache_once(
-    decode: Decode, kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int, request_id: str
+    decode: Decode,
+    kv_cache: KVCache,
+    num_tokens: int,
+    max_chunk_bytes: int,
+    request_id: str,
+    transport: str = "grpc",
 ) -> tuple[float, float, int]:
-    """One lease + SyncCache of `num_tokens` tokens' KV, sent by the prefill's `KvSender`.
+    """One lease + transfer of `num_tokens` tokens' KV on `transport`, sent by the prefill's
+    `KvSender`.
 
     Returns:
         (transfer seconds, piece cutting seconds, K+V bytes sent).
@@ -190,7 +205,8 @@ async def sync_cache_once(
     )
     response = await decode.stub.AllocateBlocks(allocate, timeout=30)
     request.lease = convert.lease_from_proto(response.lease)
-    sender = KvSender(decode.stub, request)
+    channels = channels_for(request, decode.stub, decode.pools, [transport])
+    sender = KvSender(request, channels)
     began = time.perf_counter()
     for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):
         sender.put(piece)
@@ -199,6 +215,8 @@ async def sync_cache_once(
     began = time.perf_counter()
     result = await sender.run()
     transfer_s = time.perf_counter() - began
+    if result.transport != transport:
+        raise RuntimeError(f"asked for {transport}, the transfer used {result.transport}")
     await decode.wait_idle()
     return transfer_s, cut_s, result.num_bytes
 
@@ -256,54 +274,61 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await sync_cache_once(decode, kv_cache, 64, args.max_chunk_bytes, "warmup")
         await sync_cache_once(decode_tls, kv_cache, 64, args.max_chunk_bytes, "warmup-tls")
         tcp_once(port, chunk_payloads(kv_cache, 64, args.max_chunk_bytes))
+        for transport in TRANSPORTS:
+            await sync_cache_once(
+                decode, kv_cache, 64, args.max_chunk_bytes, f"warmup-{transport}", transport
+            )
         for size_mib in args.sizes_mib:
             num_tokens = size_mib * MIB // bytes_per_token()
             payloads = chunk_payloads(kv_cache, num_tokens, args.max_chunk_bytes)
-            grpc_s, tls_s, tcp_s, cut_s = [], [], [], []
+            seconds: dict[str, list[float]] = {
+                name: [] for name in (*TRANSPORTS, "grpc_tls", "raw_tcp")
+            }
+            cut_s = []
             num_bytes = 0
             for repeat in range(args.repeats):
-                request_id = f"kv-{size_mib}-{repeat}"
-                if repeat % 2:
-                    tcp_s.append(tcp_once(port, payloads))
-                seconds, cut, num_bytes = await sync_cache_once(
-                    decode, kv_cache, num_tokens, args.max_chunk_bytes, request_id
-                )
-                grpc_s.append(seconds)
-                cut_s.append(cut)
-                seconds, _, _ = await sync_cache_once(
-                    decode_tls, kv_cache, num_tokens, args.max_chunk_bytes, f"{request_id}-tls"
-                )
-                tls_s.append(seconds)
-                if not repeat % 2:
-                    tcp_s.append(tcp_once(port, payloads))
+                # NOTE: the order rotates per repeat, so no way always runs first or last.
+                ways = [*TRANSPORTS, "grpc_tls", "raw_tcp"]
+                ways = ways[repeat % len(ways) :] + ways[: repeat % len(ways)]
+                for way in ways:
+                    request_id = f"kv-{size_mib}-{repeat}-{way}"
+                    if way == "raw_tcp":
+                        seconds[way].append(tcp_once(port, payloads))
+                        continue
+                    target, transport = (decode_tls, "grpc") if way == "grpc_tls" else (decode, way)
+                    took, cut, num_bytes = await sync_cache_once(
+                        target, kv_cache, num_tokens, args.max_chunk_bytes, request_id, transport
+                    )
+                    seconds[way].append(took)
+                    cut_s.append(cut)
             assert num_bytes == sum(len(p) for p in payloads)
+            mib_s = {
+                way: round(num_bytes / MIB / statistics.median(times), 1)
+                for way, times in seconds.items()
+            }
             row = {
                 "size_mib": size_mib,
                 "num_tokens": num_tokens,
                 "num_bytes": num_bytes,
                 "num_chunks": len(payloads) // 2,
-                "sync_cache_s": grpc_s,
-                "sync_cache_tls_s": tls_s,
-                "tcp_s": tcp_s,
+                "seconds": seconds,
                 "cut_s": cut_s,
-                "sync_cache_mib_per_s": round(num_bytes / MIB / statistics.median(grpc_s), 1),
-                "sync_cache_tls_mib_per_s": round(num_bytes / MIB / statistics.median(tls_s), 1),
-                "tcp_mib_per_s": round(num_bytes / MIB / statistics.median(tcp_s), 1),
+                "mib_per_s": mib_s,
+                "ratio_over_raw_tcp": {
+                    way: round(mib_s[way] / mib_s["raw_tcp"], 3)
+                    for way in (*TRANSPORTS, "grpc_tls")
+                },
+                "ratio_tls_over_plain": round(mib_s["grpc_tls"] / mib_s["grpc"], 3),
             }
-            row["ratio_tls_over_plain"] = round(
-                row["sync_cache_tls_mib_per_s"] / row["sync_cache_mib_per_s"], 3
-            )
-            row["ratio_sync_cache_over_tcp"] = round(
-                row["sync_cache_mib_per_s"] / row["tcp_mib_per_s"], 3
-            )
             rows.append(row)
+            ratios = row["ratio_over_raw_tcp"]
             print(
-                f"{size_mib:>6} MiB  SyncCache {row['sync_cache_mib_per_s']:>8.1f} MiB/s  "
-                f"mTLS {row['sync_cache_tls_mib_per_s']:>8.1f} MiB/s  "
-                f"TCP {row['tcp_mib_per_s']:>8.1f} MiB/s  ratio "
-                f"{row['ratio_sync_cache_over_tcp']:.3f}  mTLS/plain "
-                f"{row['ratio_tls_over_plain']:.3f}  cut "
-                f"{statistics.median(cut_s):.2f} s",
+                f"{size_mib:>6} MiB  raw TCP {mib_s['raw_tcp']:>8.1f} MiB/s  "
+                + "  ".join(
+                    f"{way} {mib_s[way]:>8.1f} ({ratios[way]:.2f}x)"
+                    for way in (*TRANSPORTS, "grpc_tls")
+                )
+                + f"  cut {statistics.median(cut_s):.2f} s",
                 flush=True,
             )
     finally:
@@ -317,8 +342,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "bytes_per_token": bytes_per_token(),
         "rows": rows,
-        "median_ratio": statistics.median(r["ratio_sync_cache_over_tcp"] for r in rows),
         "median_ratio_tls_over_plain": statistics.median(r["ratio_tls_over_plain"] for r in rows),
+    }
+
+
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The one-object summary `--json` prints: MiB/s and ratio over raw TCP per transport,
+    medians over the sizes run (each size's figure is the median of its repeats)."""
+    rows = results["rows"]
+    return {
+        "raw_tcp_mib_s": statistics.median(r["mib_per_s"]["raw_tcp"] for r in rows),
+        "transports": {
+            way: {
+                "mib_s": statistics.median(r["mib_per_s"][way] for r in rows),
+                "ratio": statistics.median(r["ratio_over_raw_tcp"][way] for r in rows),
+            }
+            for way in TRANSPORTS
+        },
+        "sizes_mib": [r["size_mib"] for r in rows],
     }
 
 
@@ -329,10 +370,17 @@ def main() -> None:
     parser.add_argument(
         "--max-chunk-bytes", type=int, default=1 << 20, help="as the prefill's flag (1 MiB)"
     )
+    parser.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON object, last"
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
-    print(f"median SyncCache / TCP throughput ratio: {results['median_ratio']:.3f}")
+    results["summary"] = summary(results)
+    for way, figures in results["summary"]["transports"].items():
+        print(f"{way}: {figures['mib_s']:.1f} MiB/s, {figures['ratio']:.2f}x raw TCP")
     print(f"results: {write_results('kv_transfer', results)}")
+    if args.json:
+        print(json.dumps(results["summary"]))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
 """Receives one KV transfer into a request's leased blocks and verifies it completely.
 
 The chunks arrive three ways: as bytes in the SyncCache stream (`receive`), read from the TCP
-data port straight into the leased blocks (`receive_into`), or already written into the blocks
-by a sender sharing the cache's memory (`receive_written`). Whatever the way, a transfer is
-accepted only if every chunk lies inside the lease, the CRC-32C of what is in the cache matches
-the sender's, the commit's chunk count and byte total equal what arrived, and every (layer,
-block) the prompt needs was written. Anything else is CACHE_SYNC_FAILED; the caller then frees
-the lease.
+data port straight into the leased blocks (`fill`), or already written into the blocks by a
+sender sharing the cache's memory; the last two are accepted by `receive_written` with their
+checksum in the cache (`crc_in_cache`, which `CHECKSUM_WORKERS` may compute in parallel).
+Whatever the way, a transfer is accepted only if every chunk lies inside the lease, the CRC-32C
+of what is in the cache matches the sender's, the commit's chunk count and byte total equal
+what arrived, and every (layer, block) the prompt needs was written. Anything else is
+CACHE_SYNC_FAILED; the caller then frees the lease.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import grpc
@@ -21,6 +24,11 @@ from pdserve.common.generation import num_blocks_for
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.kv_cache import KVCache
 from pdserve.serving.kv_transfer import blocks_crc32c, chunk_crc32c, id_runs
+
+# Checksums over the cache are independent reads that release the GIL: a few threads share them.
+CHECKSUM_WORKERS = ThreadPoolExecutor(
+    max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="kv-checksum"
+)
 
 # Fills a view of the cache with the next bytes of a transfer (the TCP port's recv_into loop).
 Filler = Callable[[memoryview], None]
@@ -105,28 +113,36 @@ class KvReceiver:
             raise self.failure(str(error)) from None
         self._count(meta)
 
-    def receive_into(self, meta: KvChunkMeta, fill: Filler) -> None:
+    def fill(self, meta: KvChunkMeta, fill: Filler) -> None:
         """Reads one chunk straight into its leased blocks with `fill` (K of every block, then
-        V), then verifies the checksum of what landed.
+        V); `receive_written` accepts it once its checksum in the cache is known.
 
         Raises:
-            PdserveError: CACHE_SYNC_FAILED for a bad range or checksum.
+            PdserveError: CACHE_SYNC_FAILED for a chunk outside the lease.
         """
         block_ids = self._leased_blocks(meta)
         k_cache, v_cache = self.kv_cache.layer(meta.layer_index)
         for cache in (k_cache, v_cache):
             for start, stop in id_runs(block_ids):
                 fill(self.kv_cache.block_bytes(cache, start, stop))
-        self._verify_in_cache(meta, block_ids)
 
-    def receive_written(self, meta: KvChunkMeta) -> None:
-        """Accepts one chunk the sender wrote into the leased blocks itself (shared memory),
-        once the checksum of what is in the cache matches.
+    def crc_in_cache(self, meta: KvChunkMeta) -> int:
+        """The CRC-32C of chunk `meta`'s blocks as they are in the cache now (read only: safe
+        to run for several chunks at once on worker threads).
 
         Raises:
-            PdserveError: CACHE_SYNC_FAILED for a bad range or checksum.
+            PdserveError: CACHE_SYNC_FAILED for a chunk outside the lease.
         """
-        self._verify_in_cache(meta, self._leased_blocks(meta))
+        return blocks_crc32c(self.kv_cache, meta.layer_index, self._leased_blocks(meta))
+
+    def receive_written(self, meta: KvChunkMeta, crc_in_cache: int) -> None:
+        """Accepts one chunk already in the leased blocks (written by a sender sharing the
+        cache, or by `fill`) if `crc_in_cache` (`crc_in_cache(meta)`) is the sender's checksum.
+
+        Raises:
+            PdserveError: CACHE_SYNC_FAILED for a bad checksum.
+        """
+        self._check_crc(meta, crc_in_cache)
 
     def _leased_blocks(self, meta: KvChunkMeta) -> list[int]:
         status = self.request.status
@@ -147,8 +163,8 @@ class KvReceiver:
             )
         return self.request.block_ids[meta.first_block : end]
 
-    def _verify_in_cache(self, meta: KvChunkMeta, block_ids: list[int]) -> None:
-        if blocks_crc32c(self.kv_cache, meta.layer_index, block_ids) != meta.crc32c:
+    def _check_crc(self, meta: KvChunkMeta, crc_in_cache: int) -> None:
+        if crc_in_cache != meta.crc32c:
             raise self.failure(
                 f"checksum mismatch in chunk {self.num_chunks} (layer {meta.layer_index})"
             )

@@ -17,13 +17,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TypeVar
 
 import structlog
 from google.protobuf.message import DecodeError
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.decode.kv_receiver import KvChunkMeta, KvReceiver
+from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkMeta, KvReceiver
 from pdserve.decode.request import DecodeRequest
 from pdserve.decode.transfers import Transfers
 from pdserve.serving.kv_wire import frame, recv_exactly_into, recv_frame
@@ -155,21 +156,24 @@ class KvTcpServer:
     def _receive(
         self, connection: socket.socket, receiver: KvReceiver
     ) -> decode_pb2.SyncCacheCommit:
-        """Reads chunks into the cache until the commit, and returns the commit."""
+        """Reads chunks into the cache until the commit; returns the commit once every chunk's
+        checksum (computed on a worker while the next chunk arrives) matched."""
+        checks: list[tuple[KvChunkMeta, Future[int]]] = []
         while True:
             message = decode_pb2.SyncCacheRequest.FromString(
                 recv_frame(connection, MAX_CHUNK_MESSAGE_BYTES)
             )
             part = message.WhichOneof("part")
             if part == "commit":
+                for meta, crc in checks:
+                    receiver.receive_written(meta, crc.result())
                 return message.commit
             if part != "chunk" or message.chunk.key or message.chunk.value:
                 raise receiver.failure(f"unexpected {part or 'empty'} message on the data port")
             c = message.chunk
-            receiver.receive_into(
-                KvChunkMeta(c.layer_index, c.first_block, c.num_blocks, c.crc32c),
-                lambda view: recv_exactly_into(connection, view),
-            )
+            meta = KvChunkMeta(c.layer_index, c.first_block, c.num_blocks, c.crc32c)
+            receiver.fill(meta, lambda view: recv_exactly_into(connection, view))
+            checks.append((meta, CHECKSUM_WORKERS.submit(receiver.crc_in_cache, meta)))
 
     def _fail(self, lease: DecodeRequest, error: PdserveError) -> None:
         self._on_loop(lambda: self.transfers.fail(lease, error))

@@ -20,7 +20,7 @@ from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
 from pdserve.decode.decode_loop import DecodeLoop
-from pdserve.decode.kv_receiver import KvChunkData, KvChunkMeta, KvReceiver
+from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkData, KvChunkMeta, KvReceiver
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest, RequestStatus
@@ -288,5 +288,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
 
 def _verify_written(receiver: KvReceiver, refs: list[KvChunkMeta]) -> None:
-    for ref in refs:
-        receiver.receive_written(ref)
+    crcs = list(CHECKSUM_WORKERS.map(receiver.crc_in_cache, refs))
+    for ref, crc in zip(refs, crcs, strict=True):
+        receiver.receive_written(ref, crc)

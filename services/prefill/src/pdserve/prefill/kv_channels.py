@@ -2,7 +2,9 @@
 
 A channel is one transfer on one transport (`KvChannel`): `open` it (a `TransportUnavailable`
 from `open` means nothing touched the lease, so the sender may try the next transport), `send`
-each piece, `finish` with the commit, or `close` it when the transfer is abandoned.
+the pieces in order (in batches of what is ready), `finish` with the commit, or `close` it when
+the transfer is abandoned. `corrupt_first` flips a byte of a batch's first piece after its
+checksum (fault injection).
 
 * `GrpcChannel`: header, chunks with their bytes, commit, all in the SyncCache stream.
 * `SharedMemoryChannel`: the decode's KV cache is a segment on this host; the header goes out
@@ -15,7 +17,7 @@ each piece, `finish` with the commit, or `close` it when the transfer is abandon
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 import grpc
@@ -47,7 +49,7 @@ class KvChannel(Protocol):
 
     async def open(self) -> None: ...
 
-    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None: ...
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None: ...
 
     async def finish(
         self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
@@ -79,8 +81,9 @@ class GrpcChannel:
         self.call = self.stub.SyncCache(metadata=telemetry.outgoing_metadata())
         await self._write(convert.sync_header(self.request, self.name))
 
-    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None:
-        await self._write(convert.kv_chunk(piece, corrupt=corrupt))
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+        for i, piece in enumerate(pieces):
+            await self._write(convert.kv_chunk(piece, corrupt=corrupt_first and i == 0))
 
     async def finish(
         self,
@@ -166,7 +169,6 @@ class SharedMemoryChannel(GrpcChannel):
         self.segment_name = segment_name
         self.window: LeaseWindow | None = None
         self.refs: list[decode_pb2.KvChunkRef] = []
-        self._copy: asyncio.Future[int] | None = None
 
     async def open(self) -> None:
         assert self.request.lease is not None
@@ -181,17 +183,21 @@ class SharedMemoryChannel(GrpcChannel):
         if SYNC_ACCEPTED_KEY not in dict(metadata or ()):
             raise await self._final_error()
 
-    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None:
-        assert self.window is not None
-        self._copy = asyncio.ensure_future(
-            asyncio.to_thread(self.window.write, piece, corrupt=corrupt)
-        )
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+        copy = asyncio.ensure_future(asyncio.to_thread(self._write_all, pieces, corrupt_first))
         try:
-            crc = await asyncio.shield(self._copy)
+            crcs = await asyncio.shield(copy)
         except asyncio.CancelledError:
-            await asyncio.wait([self._copy])  # NOTE: never leave a copy running (module doc)
+            await asyncio.wait([copy])  # NOTE: never leave a copy running (module doc)
             raise
-        self.refs.append(convert.kv_chunk_ref(piece, crc))
+        self.refs.extend(map(convert.kv_chunk_ref, pieces, crcs))
+
+    def _write_all(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> list[int]:
+        assert self.window is not None
+        return [
+            self.window.write(piece, corrupt=corrupt_first and i == 0)
+            for i, piece in enumerate(pieces)
+        ]
 
     async def finish(
         self,

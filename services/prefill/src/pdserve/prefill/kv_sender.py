@@ -142,15 +142,25 @@ class KvSender:
         try:
             while True:
                 item = await self._queue.get()
+                # NOTE: everything already queued goes in one call (one worker hop for the
+                # socket and shared-memory channels).
+                pieces: list[KvPiece] = []
+                while isinstance(item, KvPiece):
+                    pieces.append(item)
+                    if self._queue.empty():
+                        break
+                    item = self._queue.get_nowait()
+                if pieces:
+                    await channel.send(
+                        pieces, corrupt_first=self.corrupt_first_chunk and not self.num_chunks
+                    )
+                    self.num_chunks += len(pieces)
+                    self.num_bytes += sum(len(p.key) + len(p.value) for p in pieces)
                 if isinstance(item, _Commit):
                     await channel.finish(
                         item.first_token_id, item.first_token_index, self.num_chunks, self.num_bytes
                     )
                     return TransferResult(self.num_chunks, self.num_bytes, channel.name)
-                corrupt = self.corrupt_first_chunk and self.num_chunks == 0
-                await channel.send(item, corrupt=corrupt)
-                self.num_chunks += 1
-                self.num_bytes += len(item.key) + len(item.value)
         finally:
             channel.close()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -61,8 +61,8 @@ class TcpChannel:
         header = convert.sync_header(self.request, self.name)
         await self._run(self._send_all, [frame(header.SerializeToString())])
 
-    async def send(self, piece: KvPiece, *, corrupt: bool = False) -> None:
-        await self._run(self._send_piece, piece, corrupt)
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+        await self._run(self._send_pieces, pieces, corrupt_first)
 
     async def finish(
         self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
@@ -113,13 +113,14 @@ class TcpChannel:
             )
             raise await ask_lease_state(self.stub, self.request, local) from None
 
-    def _send_piece(self, piece: KvPiece, corrupt: bool) -> None:
-        crc = chunk_crc32c(piece.key, piece.value)
-        key: bytes | memoryview = piece.key
-        if corrupt:
-            key = bytes([piece.key[0] ^ 0xFF]) + bytes(piece.key[1:])
-        message = convert.kv_chunk_meta(piece, crc)
-        self._send_all([frame(message.SerializeToString()), key, piece.value])
+    def _send_pieces(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> None:
+        for i, piece in enumerate(pieces):
+            crc = chunk_crc32c(piece.key, piece.value)
+            key: bytes | memoryview = piece.key
+            if corrupt_first and i == 0:
+                key = bytes([piece.key[0] ^ 0xFF]) + bytes(piece.key[1:])
+            message = convert.kv_chunk_meta(piece, crc)
+            self._send_all([frame(message.SerializeToString()), key, piece.value])
 
     def _send_all(self, buffers: list[bytes | memoryview]) -> None:
         assert self.sock is not None
