@@ -82,6 +82,13 @@ test: system-deps venv model lint typecheck node-deps  ## lint, type-check, then
 test-fast: system-deps venv  ## pytest without lint
 	$(BIN)/pytest -x -q
 
+# NOTE: `make test` runs the clusters on the default transport (shared memory: one host).
+TRANSPORT_SUITES = tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py tests/unit/prefill
+test-transports: system-deps venv model  ## the e2e, chaos and prefill suites once per forced KV transport (tcp, grpc)
+	for transport in tcp grpc; do \
+		PDSERVE_TEST_KV_TRANSPORT=$$transport $(BIN)/pytest -q $(TRANSPORT_SUITES) || exit 1; \
+	done
+
 lock:  ## re-pin constraints.txt from the current venv (review the diff)
 	{ head -2 constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -vE '^(pdserve|pip|setuptools|wheel)' \
 		| sed 's/^torch==\(.*\)+cpu/torch==\1/'; } > constraints.txt.new && mv constraints.txt.new constraints.txt

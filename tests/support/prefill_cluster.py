@@ -33,6 +33,7 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 from support.eventually import eventually
+from support.process_cluster import forced_kv_transport
 
 BLOCK_SIZE = 4
 
@@ -119,6 +120,9 @@ async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance
         "max_chunk_bytes": 2048,
         "insecure": True,
     }
+    forced = forced_kv_transport()
+    if forced is not None:
+        settings["kv_transports"] = forced
     settings.update(overrides)
     config = PrefillConfig(**settings)  # type: ignore[arg-type]
     return await create_prefill(config, load_host(model_dir, config.num_blocks or 64))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,15 @@ class ProcessCluster(Cluster):
             await asyncio.sleep(0.1)
 
 
+ENV_TEST_KV_TRANSPORT = "PDSERVE_TEST_KV_TRANSPORT"
+
+
+def forced_kv_transport() -> str | None:
+    """The KV transport every prefill of the test clusters must use (``make test-transports``
+    runs the suites once per transport), or None for the default choice."""
+    return os.environ.get(ENV_TEST_KV_TRANSPORT) or None
+
+
 @contextlib.contextmanager
 def running_cluster(
     model_dir: Path,
@@ -140,6 +150,9 @@ def running_cluster(
         stop_timeout_s: How long the processes may drain when the block ends.
         settings: Further `ClusterConfig` fields (prefills, decodes, *_args).
     """
+    forced = forced_kv_transport()
+    if forced is not None:
+        settings["prefill_args"] = f"{settings.get('prefill_args', '')} --kv-transports {forced}"
     config = ClusterConfig(
         model=str(model_dir),
         host="127.0.0.1",

@@ -7,10 +7,12 @@ import asyncio
 import socket
 from pathlib import Path
 
+import grpc
 import pytest
 from support.eventually import eventually
 from support.prefill_cluster import Cluster, cluster
 
+from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.kv_cache import KVCacheLayout
@@ -213,3 +215,59 @@ def test_a_segment_other_users_may_open_is_refused(tmp_path: Path) -> None:
     layout = KVCacheLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32")
     with pytest.raises(PermissionError):
         SharedKvPool(path.name, layout, directory=tmp_path)
+
+
+# ---- a lease that ends while a writer holds it ----------------------------------------------
+
+
+async def test_a_lease_expiring_mid_tcp_transfer_keeps_its_blocks_until_the_writer_stops(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(tiny_model_dir, decode_overrides={"lease_ttl_ms": 300}) as pd:
+        decode = pd.decodes[0]
+        lease = await _lease(pd, "r", 8)
+        token = lease.transports[0].token
+        with socket.create_connection(_tcp_address(lease)) as sock:
+            sock.sendall(_header(lease, "r", 8, token))
+            (held,) = decode.leases.open_leases()
+            await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+            # Ended, yet its blocks are still out of the pool: the writer may still be writing.
+            assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+            commit = decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit())
+            sock.sendall(frame(commit.SerializeToString()))
+            sock.settimeout(5)
+            answer = decode_pb2.KvTcpResult.FromString(
+                await asyncio.to_thread(recv_frame, sock, 1 << 16)
+            )
+        assert answer.error_reason == errors_pb2.ERROR_REASON_LEASE_EXPIRED
+        await pd.eventually_whole()
+
+
+async def test_a_lease_expiring_mid_shared_memory_transfer_is_held_until_the_stream_ends(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(tiny_model_dir, decode_overrides={"lease_ttl_ms": 300}) as pd:
+        decode = pd.decodes[0]
+        lease = await _lease(pd, "r", 8)
+        header = decode_pb2.SyncCacheRequest(
+            header=decode_pb2.SyncCacheHeader(
+                lease_id=lease.lease_id,
+                request_id="r",
+                token_ids=list(range(1, 9)),
+                transport_token=lease.transports[0].token,
+                transport=decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
+            )
+        )
+        call = pd.decode_stubs[0].SyncCache()
+        await call.write(header)
+        metadata = dict(await call.initial_metadata())
+        assert metadata.get("pdserve-sync-accepted") == "1"  # the sender may write now
+        (held,) = decode.leases.open_leases()
+        await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+        assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call
+        assert errors.from_rpc_error(raised.value).reason is ErrorReason.LEASE_EXPIRED
+        await pd.eventually_whole()

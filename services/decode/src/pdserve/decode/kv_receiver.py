@@ -144,7 +144,9 @@ class KvReceiver:
         """
         self._check_crc(meta, crc_in_cache)
 
-    def _leased_blocks(self, meta: KvChunkMeta) -> list[int]:
+    def check_open(self) -> None:
+        """Raises unless the lease is still SYNCING: LEASE_EXPIRED if it expired meanwhile,
+        else CACHE_SYNC_FAILED."""
         status = self.request.status
         if status is RequestStatus.EXPIRED:
             raise PdserveError(
@@ -154,6 +156,9 @@ class KvReceiver:
             )
         if status is not RequestStatus.SYNCING:
             raise self.failure(f"the lease ended during the transfer ({status.name})")
+
+    def _leased_blocks(self, meta: KvChunkMeta) -> list[int]:
+        self.check_open()
         if not 0 <= meta.layer_index < self.num_layers:
             raise self.failure(f"layer {meta.layer_index} out of range 0..{self.num_layers - 1}")
         end = meta.first_block + meta.num_blocks

@@ -32,6 +32,9 @@ from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 log = structlog.get_logger(__name__)
 
 NOTICE_WAIT_S = 0.2
+# NOTE: a TCP transfer may stay silent this long past the lease TTL before it fails (an
+# expired lease keeps its blocks until its writer stops; this bounds that).
+TCP_DATA_GRACE_S = 5.0
 
 
 class DecodeInstance(InstanceServer):
@@ -108,7 +111,7 @@ class DecodeInstance(InstanceServer):
                     config.host,
                     config.kv_tcp_port,
                     host.max_model_len,
-                    data_timeout_s=config.lease_ttl_ms / 1000,
+                    data_timeout_s=config.lease_ttl_ms / 1000 + TCP_DATA_GRACE_S,
                 )
                 advertised_host = self.address.rsplit(":", 1)[0]
                 yield TransportOffer("tcp", f"{advertised_host}:{self.kv_tcp.port}")

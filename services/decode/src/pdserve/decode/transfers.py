@@ -100,6 +100,7 @@ class Transfers:
             PdserveError: CACHE_SYNC_FAILED for a short or inconsistent transfer;
                 LEASE_EXPIRED when the lease ended meanwhile.
         """
+        receiver.check_open()
         num_prompt = header.num_prompt_tokens or len(header.token_ids)
         receiver.commit(
             commit.num_chunks,
