@@ -10,7 +10,7 @@ NODE_CLIENT := clients/node
 # NOTE: apt-get needs root; elsewhere it goes through sudo.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: help venv install model up proto proto-check lint format typecheck test test-fast demo-model \
+.PHONY: help venv install model up proto proto-check lint format typecheck test test-fast test-transports demo-model \
 	contract-baseline lock clean node-deps system-deps
 
 help:  ## list the targets
