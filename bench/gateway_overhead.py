@@ -13,8 +13,10 @@ plaintext: ``--insecure``) on a small model, so the model's own time is small, a
 Both paths send the same token ids with the same sampling (greedy, ``ignore_eos``, a fixed
 ``max_tokens``), so every request produces exactly ``--output-len`` tokens. Per request: TTFT
 (send to the first token) and ITL (gap between token-carrying messages, split evenly over the
-tokens a message carries). Per round and path: p50/p99 of each; the added latency is gateway
-minus direct, per round; the table quotes medians over rounds (other processes share this
+tokens a message carries). Per round and path: p50/p99 of each, and the gateway process's CPU
+time per request (read from /proc: steadier than latencies on a busy machine, and on a small
+machine the gateway's CPU is taken from the engines). The added latency is gateway minus direct,
+per round; the table quotes medians over rounds (other processes share this
 machine's cores: a single round is noise).
 
     .venv/bin/python bench/gateway_overhead.py [--streams 64] [--rounds 5] [--json]
@@ -151,6 +153,12 @@ async def direct(target: Target, text: str, token_ids: list[int], max_tokens: in
 Send = Callable[[Target, str, list[int], int], Awaitable[Sample]]
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_round(
     send: Send, target: Target, prompts: list[tuple[str, list[int]]], streams: int, out_len: int
 ) -> tuple[list[Sample], float]:
@@ -168,7 +176,9 @@ async def run_round(
     return samples, time.perf_counter() - started
 
 
-def summarize(samples: list[Sample], duration_s: float, out_len: int) -> dict[str, float]:
+def summarize(
+    samples: list[Sample], duration_s: float, out_len: int, gateway_cpu_s: float
+) -> dict[str, float]:
     values = {
         "ttft": [s.ttft_s for s in samples],
         "itl": [v for s in samples for v in s.itl_s],
@@ -180,6 +190,7 @@ def summarize(samples: list[Sample], duration_s: float, out_len: int) -> dict[st
         for q in QUANTILES
     }
     summary["output_tokens_per_s"] = round(sum(s.num_tokens for s in samples) / duration_s, 1)
+    summary["gateway_cpu_ms_per_request"] = round(1000 * gateway_cpu_s / len(samples), 3)
     summary["num_short"] = sum(s.num_tokens != out_len for s in samples)
     return summary
 
@@ -216,6 +227,8 @@ def event_of(cluster: Cluster, name: str) -> dict[str, Any]:
 
 async def measure(args: argparse.Namespace, cluster: Cluster, model_dir: Path) -> dict[str, Any]:
     tokenizer = Tokenizer.from_pretrained(model_dir)
+    assert cluster.gateway is not None
+    gateway_pid = cluster.gateway.pid
     prefill, decode = event_of(cluster, "prefill_started"), event_of(cluster, "decode_started")
     channels = [grpc.aio.insecure_channel(a) for a in (cluster.grpc_address, prefill["address"])]
     channels.append(grpc.aio.insecure_channel(decode["address"]))
@@ -236,10 +249,12 @@ async def measure(args: argparse.Namespace, cluster: Cluster, model_dir: Path) -
         prompts = make_prompts(tokenizer, args.requests, args.prompt_len)
         # NOTE: alternate which path goes first, so drift on a shared machine hits both.
         for name in PATHS if index % 2 == 0 else tuple(reversed(PATHS)):
+            cpu_before = cpu_s(gateway_pid)
             samples, duration_s = await run_round(
                 sends[name], target, prompts, args.streams, args.output_len
             )
-            rounds[name].append(summarize(samples, duration_s, args.output_len))
+            gateway_cpu_s = cpu_s(gateway_pid) - cpu_before
+            rounds[name].append(summarize(samples, duration_s, args.output_len, gateway_cpu_s))
         added = {
             key: round(rounds["gateway"][-1][key] - rounds["direct"][-1][key], 3)
             for key in rounds["gateway"][-1]
@@ -279,6 +294,9 @@ def print_table(results: dict[str, Any], streams: int) -> None:
     gateway, direct_tps = medians["gateway"][key], medians["direct"][key]
     ratio = gateway / direct_tps
     print(f"{'output tok/s':<22}{gateway:>12.1f}{direct_tps:>12.1f}{'':>12}{ratio:>8.2f}")
+    key = "gateway_cpu_ms_per_request"
+    gateway, direct_cpu = medians["gateway"][key], medians["direct"][key]
+    print(f"{'gateway CPU/req (ms)':<22}{gateway:>12.3f}{direct_cpu:>12.3f}")
     goal_p50 = added["ttft_p50_ms"] <= 1 and added["itl_p50_ms"] <= 1
     goal_p99 = added["ttft_p99_ms"] <= 5 and added["itl_p99_ms"] <= 5
     print(
