@@ -147,3 +147,25 @@ async def test_next_or_lost_cancelled_caller_unwinds_the_stream() -> None:
             async with asyncio.timeout(0.05):
                 await next_or_lost(stream, lost)
     assert closed == [True]
+
+
+async def test_a_loss_right_after_a_step_leaves_the_caller_running() -> None:
+    gate: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def gated() -> AsyncIterator[int]:
+        yield await gate
+
+    watch, stream = LossWatch(), gated()
+    with watch.watching(("d1",)) as lost:
+
+        async def caller() -> int:
+            value = await next_or_lost(stream, lost)
+            await asyncio.sleep(0.01)  # the caller's own work after the step
+            return value
+
+        pending = asyncio.create_task(caller())
+        await asyncio.sleep(0)
+        # NOTE: both in one turn: the step returns first, the loss callback runs after it.
+        gate.set_result(1)
+        watch.notify("d1")
+        assert await asyncio.wait_for(pending, 1.0) == 1

@@ -326,6 +326,24 @@ async def test_preparation_past_its_budget_is_504(cluster: Cluster) -> None:
     assert prefill.requests == []
 
 
+async def test_short_prompts_tokenize_without_the_workers_budget(cluster: Cluster) -> None:
+    # NOTE: a short prompt tokenizes on the event loop, so even a budget no worker can meet
+    # leaves it alone; a long one still goes to the workers and gets the 504.
+    await cluster.start_gateway(prepare_timeout_s=0.000_001)
+    await cluster.add_prefill()
+    await cluster.add_decode()
+    async with cluster.http() as http:
+        short = await http.post(
+            COMPLETIONS, json={"model": MODEL_NAME, "prompt": "x" * 64, "max_tokens": 2}
+        )
+        long = await http.post(
+            COMPLETIONS, json={"model": MODEL_NAME, "prompt": "x" * 200_000, "max_tokens": 2}
+        )
+    assert short.status_code == 200
+    assert short.json()["usage"]["completion_tokens"] == 2
+    assert long.status_code == 504
+
+
 @pytest.mark.parametrize(
     "setting",
     [

@@ -28,6 +28,7 @@ from pdserve.gateway.params import (
     OutputDelta,
     PreparedRequest,
     PromptKind,
+    is_short_prompt,
     tokenize_prompt,
 )
 from pdserve.gateway.registry import Registry
@@ -165,6 +166,8 @@ class Frontend:
             # NOTE: checked before anything walks the ids (the vocabulary check below).
             self._check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
             prompt_token_ids = list(params.token_ids)
+        elif is_short_prompt(params):
+            prompt_token_ids = tokenize_prompt(params, tokenizer)
         else:
             prompt_token_ids = await self._workers.run(tokenize_prompt, params, tokenizer)
         num_prompt_tokens = len(prompt_token_ids)

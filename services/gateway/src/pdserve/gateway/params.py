@@ -1,8 +1,8 @@
 """What a client asks for, in the gateway's own terms, and its tokenization.
 
 Front ends (REST, gRPC) turn their requests into `GenerationParams`;
-`pdserve.gateway.validation` checks them, and `tokenize_prompt` (run on a worker thread) turns
-the prompt into token ids.
+`pdserve.gateway.validation` checks them, and `tokenize_prompt` turns the prompt into token ids
+(on a worker thread, unless `is_short_prompt`).
 """
 
 from __future__ import annotations
@@ -128,10 +128,27 @@ class ModelSummary:
     num_decode_instances: int
 
 
+# NOTE: tokenizing 1024 characters takes a fraction of a millisecond; a hop to a worker thread
+# and back costs more than that under load (the loop waits to get the GIL back), all of it time
+# to first token.
+INLINE_TOKENIZE_CHARS = 1024
+INLINE_TOKENIZE_MESSAGES = 16
+
+
+def is_short_prompt(params: GenerationParams) -> bool:
+    """Whether the prompt is short enough to tokenize on the event loop."""
+    if params.messages is not None:
+        return (
+            len(params.messages) <= INLINE_TOKENIZE_MESSAGES
+            and sum(len(m.content) for m in params.messages) <= INLINE_TOKENIZE_CHARS
+        )
+    return len(params.text or "") <= INLINE_TOKENIZE_CHARS
+
+
 def tokenize_prompt(params: GenerationParams, tokenizer: Tokenizer) -> list[int]:
     """The prompt's token ids: chat messages through the template, text through the tokenizer.
 
-    Heavy for long prompts: the front end runs it on a worker thread.
+    Heavy for long prompts: the front end runs those on a worker thread.
 
     Raises:
         PdserveError: INVALID_REQUEST for a chat the template refuses, or an empty prompt.

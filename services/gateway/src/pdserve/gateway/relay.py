@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -117,30 +117,41 @@ async def next_or_lost(events: AsyncIterator[T], lost: asyncio.Future[str]) -> T
     """
     if lost.done():
         raise InstanceLost(lost.result())
-
-    async def step() -> tuple[bool, T | None]:
-        try:
-            return True, await anext(events)
-        except StopAsyncIteration:
-            return False, None
-
-    task = asyncio.ensure_future(step())
+    # NOTE: the step runs in the caller's task, which `lost` cancels if it resolves while the
+    # step waits. A task per step raced against `lost` (asyncio.wait) costs a task and three
+    # more turns of the event loop per message: that is per token, for every stream.
+    task = asyncio.current_task()
+    assert task is not None
+    interrupt = _Interrupt(task)
+    lost.add_done_callback(interrupt)
     try:
-        await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        return await anext(events)
+    except asyncio.CancelledError:
+        # NOTE: a cancellation from elsewhere (too, or only) goes on as one.
+        if not interrupt.has_cancelled or task.uncancel() > 0:
+            raise
+        raise InstanceLost(lost.result()) from None
     finally:
-        if not task.done():
-            task.cancel()
-            # NOTE: let the stream unwind (its call is cancelled in its `finally`) before the
-            # caller closes or abandons it.
-            await asyncio.wait((task,))
-    if task.cancelled():
-        if lost.done():
-            raise InstanceLost(lost.result())
-        raise asyncio.CancelledError  # the stream was cancelled from elsewhere
-    has_event, event = task.result()
-    if not has_event:
-        raise StopAsyncIteration
-    return event  # type: ignore[return-value]
+        interrupt.is_waiting = False
+        lost.remove_done_callback(interrupt)
+
+
+class _Interrupt:
+    """`lost`'s callback: cancels the task while it waits in `next_or_lost`, and no later.
+
+    A future's callbacks run in a later turn of the loop: by then the step may have returned,
+    and the task must not be cancelled elsewhere.
+    """
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.is_waiting = True
+        self.has_cancelled = False
+
+    def __call__(self, lost: asyncio.Future[str]) -> None:
+        if self.is_waiting:
+            self.has_cancelled = True
+            self.task.cancel()
 
 
 async def relay(
