@@ -46,8 +46,8 @@ class DecodeConfig(InstanceConfig):
         metadata={
             "help": "KV transports offered to prefills besides gRPC SyncCache (always offered), "
             "comma-separated in order of preference: shm (the KV cache in a shared-memory "
-            "segment that a prefill on this host writes into; CPU caches only) and tcp (a raw "
-            "TCP data port); empty offers gRPC only"
+            "segment that a prefill on this host writes into) and tcp (a raw TCP data port); "
+            "both need a CPU KV cache; empty offers gRPC only"
         },
     )
     kv_tcp_port: int = field(

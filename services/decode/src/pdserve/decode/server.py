@@ -98,7 +98,12 @@ class DecodeInstance(InstanceServer):
         out with a warning (prefills then use the next)."""
         config, host = self.config, self.host
         for kind in config.kv_transport_kinds:
-            if kind == "shm":
+            if host.runner.kv_cache.device.type != "cpu":
+                # NOTE: both read or write the cache's memory from the host (no CUDA IPC yet).
+                log.warning(
+                    "kv_transport_unavailable", transport=kind, detail="the KV cache is not on CPU"
+                )
+            elif kind == "shm":
                 try:
                     self.kv_segment = KvSegment.create(host.runner.kv_cache)
                 except (OSError, ValueError) as error:
