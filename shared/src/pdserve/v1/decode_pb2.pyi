@@ -138,31 +138,17 @@ class KvChunk(_message.Message):
     crc32c: int
     def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., key: _Optional[bytes] = ..., value: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
-class KvChunkRef(_message.Message):
-    __slots__ = ("layer_index", "first_block", "num_blocks", "crc32c")
-    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
-    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
-    layer_index: int
-    first_block: int
-    num_blocks: int
-    crc32c: int
-    def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., num_blocks: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
-
 class SyncCacheCommit(_message.Message):
-    __slots__ = ("num_chunks", "num_bytes", "first_token_id", "first_token_index", "chunks")
+    __slots__ = ("num_chunks", "num_bytes", "first_token_id", "first_token_index")
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_INDEX_FIELD_NUMBER: _ClassVar[int]
-    CHUNKS_FIELD_NUMBER: _ClassVar[int]
     num_chunks: int
     num_bytes: int
     first_token_id: int
     first_token_index: int
-    chunks: _containers.RepeatedCompositeFieldContainer[KvChunkRef]
-    def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_index: _Optional[int] = ..., chunks: _Optional[_Iterable[_Union[KvChunkRef, _Mapping]]] = ...) -> None: ...
+    def __init__(self, num_chunks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., first_token_id: _Optional[int] = ..., first_token_index: _Optional[int] = ...) -> None: ...
 
 class SyncCacheRequest(_message.Message):
     __slots__ = ("header", "chunk", "commit")

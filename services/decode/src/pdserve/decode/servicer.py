@@ -164,27 +164,32 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         receiver: KvReceiver,
         transport: decode_pb2.TransportKind,
     ) -> decode_pb2.SyncCacheCommit:
-        """Takes chunks until the commit; returns it once the chunks it lists (shared memory)
-        are verified in the cache."""
+        """Takes chunks until the commit and returns it. Shared memory: a chunk without bytes
+        names blocks the sender wrote; their checksum is computed in the cache on a worker
+        while the next ones come, and all must match before the commit is returned."""
         is_shared = transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
+        checks: list[tuple[KvChunkMeta, asyncio.Future[int]]] = []
         async for message in request_iterator:
             part = message.WhichOneof("part")
-            if part == "chunk" and not is_shared:
+            if part == "chunk":
                 c = message.chunk
-                receiver.receive(
-                    KvChunkData(
-                        c.layer_index, c.first_block, c.num_blocks, c.key, c.value, c.crc32c
+                if not is_shared:
+                    receiver.receive(
+                        KvChunkData(
+                            c.layer_index, c.first_block, c.num_blocks, c.key, c.value, c.crc32c
+                        )
                     )
+                    continue
+                if c.key or c.value:
+                    raise receiver.failure("a shared-memory chunk carries bytes in the stream")
+                meta = KvChunkMeta(c.layer_index, c.first_block, c.num_blocks, c.crc32c)
+                loop = asyncio.get_running_loop()
+                checks.append(
+                    (meta, loop.run_in_executor(CHECKSUM_WORKERS, receiver.crc_in_cache, meta))
                 )
             elif part == "commit":
-                refs = [
-                    KvChunkMeta(r.layer_index, r.first_block, r.num_blocks, r.crc32c)
-                    for r in message.commit.chunks
-                ]
-                if refs and not is_shared:
-                    raise receiver.failure("a chunk list in the commit of an in-stream transfer")
-                # NOTE: checksums over the cache, off the event loop.
-                await asyncio.to_thread(_verify_written, receiver, refs)
+                for meta, crc in checks:
+                    receiver.receive_written(meta, await crc)
                 return message.commit
             else:
                 raise receiver.failure(f"unexpected {part or 'empty'} message after the header")
@@ -285,9 +290,3 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             if lease.ended_at < forget_before:
                 del self.requests[lease_id]  # ended and never attached: nobody will read it
         return len(expired)
-
-
-def _verify_written(receiver: KvReceiver, refs: list[KvChunkMeta]) -> None:
-    crcs = list(CHECKSUM_WORKERS.map(receiver.crc_in_cache, refs))
-    for ref, crc in zip(refs, crcs, strict=True):
-        receiver.receive_written(ref, crc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -168,7 +167,8 @@ def kv_chunk(piece: KvPiece, *, corrupt: bool = False) -> decode_pb2.SyncCacheRe
 
 
 def kv_chunk_meta(piece: KvPiece, crc: int) -> decode_pb2.SyncCacheRequest:
-    """A chunk message without its bytes (they follow it raw on the TCP data port)."""
+    """A chunk message without its bytes (they follow it raw on the TCP data port, or are
+    already in the decode's shared memory)."""
     return decode_pb2.SyncCacheRequest(
         chunk=decode_pb2.KvChunk(
             layer_index=piece.layer_index,
@@ -179,30 +179,18 @@ def kv_chunk_meta(piece: KvPiece, crc: int) -> decode_pb2.SyncCacheRequest:
     )
 
 
-def kv_chunk_ref(piece: KvPiece, crc: int) -> decode_pb2.KvChunkRef:
-    """Where a chunk written into the decode's shared memory lies, and its checksum."""
-    return decode_pb2.KvChunkRef(
-        layer_index=piece.layer_index,
-        first_block=piece.first_block,
-        num_blocks=piece.num_blocks,
-        crc32c=crc,
-    )
-
-
 def sync_commit(
     num_chunks: int,
     num_bytes: int,
     first_token_id: int,
     first_token_index: int,
-    chunks: Sequence[decode_pb2.KvChunkRef] = (),
 ) -> decode_pb2.SyncCacheRequest:
-    """The commit message that closes a transfer (`chunks`: those written to shared memory)."""
+    """The commit message that closes a transfer."""
     return decode_pb2.SyncCacheRequest(
         commit=decode_pb2.SyncCacheCommit(
             num_chunks=num_chunks,
             num_bytes=num_bytes,
             first_token_id=first_token_id,
             first_token_index=first_token_index,
-            chunks=chunks,
         )
     )

@@ -9,7 +9,8 @@ checksum (fault injection).
 * `GrpcChannel`: header, chunks with their bytes, commit, all in the SyncCache stream.
 * `SharedMemoryChannel`: the decode's KV cache is a segment on this host; the header goes out
   first and the pieces are written into the lease's blocks only after the decode accepted it
-  (its initial metadata), then the commit lists them with their checksums. An abandoned
+  (its initial metadata), each announced by a chunk message without bytes (its checksum, which
+  the decode verifies in its cache while later layers compute). An abandoned
   transfer waits for a copy under way before the stream is cancelled: until the stream ends the
   decode keeps the blocks reserved, so no late write can reach another lease.
 """
@@ -86,17 +87,10 @@ class GrpcChannel:
             await self._write(convert.kv_chunk(piece, corrupt=corrupt_first and i == 0))
 
     async def finish(
-        self,
-        first_token_id: int,
-        first_token_index: int,
-        num_chunks: int,
-        num_bytes: int,
-        chunks: list[decode_pb2.KvChunkRef] | None = None,
+        self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
     ) -> None:
         await self._write(
-            convert.sync_commit(
-                num_chunks, num_bytes, first_token_id, first_token_index, chunks or ()
-            )
+            convert.sync_commit(num_chunks, num_bytes, first_token_id, first_token_index)
         )
         assert self.call is not None
         try:
@@ -168,7 +162,6 @@ class SharedMemoryChannel(GrpcChannel):
         self.open_pool = open_pool
         self.segment_name = segment_name
         self.window: LeaseWindow | None = None
-        self.refs: list[decode_pb2.KvChunkRef] = []
 
     async def open(self) -> None:
         assert self.request.lease is not None
@@ -190,7 +183,8 @@ class SharedMemoryChannel(GrpcChannel):
         except asyncio.CancelledError:
             await asyncio.wait([copy])  # NOTE: never leave a copy running (module doc)
             raise
-        self.refs.extend(map(convert.kv_chunk_ref, pieces, crcs))
+        for piece, crc in zip(pieces, crcs, strict=True):
+            await self._write(convert.kv_chunk_meta(piece, crc))
 
     def _write_all(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> list[int]:
         assert self.window is not None
@@ -198,16 +192,6 @@ class SharedMemoryChannel(GrpcChannel):
             self.window.write(piece, corrupt=corrupt_first and i == 0)
             for i, piece in enumerate(pieces)
         ]
-
-    async def finish(
-        self,
-        first_token_id: int,
-        first_token_index: int,
-        num_chunks: int,
-        num_bytes: int,
-        chunks: list[decode_pb2.KvChunkRef] | None = None,
-    ) -> None:
-        await super().finish(first_token_id, first_token_index, num_chunks, num_bytes, self.refs)
 
 
 async def ask_lease_state(

@@ -1,0 +1,189 @@
+"""How much of the KV transfer the prefill's computation hides (layer-wise push), per transport.
+
+    .venv/bin/python bench/kv_overlap.py                       # real model, 2,048 tokens
+    .venv/bin/python bench/kv_overlap.py --prompt-tokens 1024 --repeats 5 --json
+
+One `pdserve-decode` and one `pdserve-prefill` per transport (forced with `--kv-transports`)
+run as processes on the default real model (SmolLM2-135M-Instruct), as `pdserve up` starts them.
+This process calls `PrefillService.Prefill` straight, with the decode as target, and times the
+stream's messages: `first_token` arrives when the last layer of the prompt is computed and the
+first token sampled; `handed_off` when the decode acknowledged the KV commit. Their gap is the
+**transfer tail**: the part of the transfer that computation did not hide.
+
+The transfer's whole length, for the same bytes on the same transport, is taken from the same
+prompt sent again right after: the prefill's prefix cache then holds every block but the last
+token's, so the pass computes one token and ships the whole prompt's KV after it (layer by layer
+as that short pass goes, i.e. essentially unhidden). Hidden fraction = 1 - cold tail / cached
+tail (medians over repeats, each repeat a fresh random prompt). Also printed: the cold prompt's
+compute time (send to first token) and the KV bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from common import write_results
+
+from pdserve.common.generation import SamplingParams
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.launcher.child import ChildProcess
+from pdserve.serving.convert import local_protocol, sampling_to_proto
+from pdserve.v1 import prefill_pb2, prefill_pb2_grpc
+
+TRANSPORTS = ("grpc", "tcp", "shm")
+SAMPLING = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+def spawn(name: str, module: str, args: list[str], log_dir: Path) -> tuple[ChildProcess, str, str]:
+    """Starts an instance; returns it with its address and instance id."""
+    argv = [sys.executable, "-m", module, "--port", "0", "--insecure", "--log-level", "info",
+            *args]  # fmt: skip
+    child = ChildProcess(name, argv, log_dir / f"{name}.log")
+    started = child.wait_for_event(f"{module.rsplit('.', 1)[-1]}_started", 300)
+    return child, str(started["address"]), str(started["instance_id"])
+
+
+async def prefill_once(
+    stub: prefill_pb2_grpc.PrefillServiceStub,
+    request_id: str,
+    prompt: list[int],
+    decode_address: str,
+    decode_id: str,
+) -> dict[str, Any]:
+    """One Prefill stream: seconds to the first token, the transfer tail, bytes, transport."""
+    message = prefill_pb2.PrefillRequest(
+        request_id=request_id,
+        token_ids=prompt,
+        sampling=sampling_to_proto(SAMPLING),
+        decode=prefill_pb2.DecodeTarget(address=decode_address, instance_id=decode_id),
+        protocol=local_protocol(),
+    )
+    began = time.perf_counter()
+    first_token_at = handed_off_at = 0.0
+    handed_off = None
+    async for response in stub.Prefill(message):
+        kind = response.WhichOneof("event")
+        if kind == "first_token":
+            first_token_at = time.perf_counter()
+        elif kind == "handed_off":
+            handed_off_at = time.perf_counter()
+            handed_off = response.handed_off
+    assert handed_off is not None, "the prefill did not hand off"
+    return {
+        "compute_s": first_token_at - began,
+        "tail_s": handed_off_at - first_token_at,
+        "num_bytes": handed_off.num_bytes,
+        "transport": handed_off.transport,
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    resolved = resolve_model(args.model, show_progress=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-overlap-"))
+    common = ["--model", str(resolved.path), "--max-model-len", str(args.prompt_tokens + 64)]
+    children: list[ChildProcess] = []
+    channels: list[grpc.aio.Channel] = []
+    try:
+        decode, decode_address, decode_id = spawn(
+            "decode", "pdserve.decode", [*common, "--num-blocks", "1024"], log_dir
+        )
+        children.append(decode)
+        stubs = {}
+        for transport in TRANSPORTS:
+            prefill, address, _ = spawn(
+                f"prefill-{transport}",
+                "pdserve.prefill",
+                [*common, "--kv-transports", transport,
+                 "--max-num-batched-tokens", str(args.prompt_tokens + 64)],
+                log_dir,
+            )  # fmt: skip
+            children.append(prefill)
+            channels.append(insecure_channel(address))
+            stubs[transport] = prefill_pb2_grpc.PrefillServiceStub(channels[-1])
+        rng = random.Random(0)
+        vocab = 40_000
+        samples: dict[str, list[dict[str, Any]]] = {t: [] for t in TRANSPORTS}
+        for repeat in range(-1, args.repeats):  # repeat -1 warms every path up
+            order = TRANSPORTS[repeat % 3 :] + TRANSPORTS[: repeat % 3]
+            for transport in order:
+                prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
+                cold = await prefill_once(
+                    stubs[transport],
+                    f"cold-{transport}-{repeat}",
+                    prompt,
+                    decode_address,
+                    decode_id,
+                )
+                cached = await prefill_once(
+                    stubs[transport], f"cached-{transport}-{repeat}", prompt, decode_address,
+                    decode_id,
+                )  # fmt: skip
+                if repeat >= 0:
+                    samples[transport].append({"cold": cold, "cached": cached})
+                # NOTE: the leases are never attached by a Generate; their TTL reclaims them.
+        rows = {}
+        for transport, runs in samples.items():
+            cold_tail = statistics.median(r["cold"]["tail_s"] for r in runs)
+            cached_tail = statistics.median(r["cached"]["tail_s"] for r in runs)
+            rows[transport] = {
+                "compute_ms": round(
+                    1000 * statistics.median(r["cold"]["compute_s"] for r in runs), 1
+                ),
+                "cold_tail_ms": round(1000 * cold_tail, 2),
+                "cached_tail_ms": round(1000 * cached_tail, 2),
+                "hidden": round(1 - cold_tail / cached_tail, 3) if cached_tail else None,
+                "num_bytes": runs[0]["cold"]["num_bytes"],
+                "transport": runs[0]["cold"]["transport"],
+                "runs": runs,
+            }
+            row = rows[transport]
+            print(
+                f"{transport:>5}: compute {row['compute_ms']:>7.1f} ms  tail after compute "
+                f"{row['cold_tail_ms']:>6.2f} ms  whole transfer {row['cached_tail_ms']:>6.2f} ms"
+                f"  hidden {row['hidden']:.0%}  ({row['num_bytes'] / 2**20:.1f} MiB)",
+                flush=True,
+            )
+    finally:
+        for channel in channels:
+            await channel.close()
+        for child in reversed(children):
+            child.signal(15)
+            child.wait(30)
+            child.close()
+    return {
+        "command": " ".join(sys.argv[1:]),
+        "model": resolved.name,
+        "prompt_tokens": args.prompt_tokens,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print a summary object last")
+    args = parser.parse_args()
+    results = asyncio.run(run(args))
+    print(f"results: {write_results('kv_overlap', results)}")
+    if args.json:
+        summary = {t: {k: r[k] for k in ("hidden", "cold_tail_ms", "cached_tail_ms", "compute_ms")}
+                   for t, r in results["rows"].items()}  # fmt: skip
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
