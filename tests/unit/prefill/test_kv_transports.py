@@ -17,6 +17,7 @@ from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.kv_cache import KVCacheLayout
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.prefill.config import PrefillConfig
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.kv_shm import LeaseWindow, SharedKvPool
 from pdserve.serving.kv_transfer import KvPiece, TransportOffer, chunk_crc32c
@@ -58,7 +59,7 @@ async def test_a_forced_transport_carries_the_kv_and_the_output_is_the_engines(
 
 
 async def test_the_default_prefers_shared_memory_on_one_host(tiny_model_dir: Path) -> None:
-    async with cluster(tiny_model_dir) as pd:
+    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
         handed_off = await _handed_off(pd, "r", SHORT)
         assert handed_off.transport == "TRANSPORT_KIND_SHARED_MEMORY"
 
@@ -66,7 +67,7 @@ async def test_the_default_prefers_shared_memory_on_one_host(tiny_model_dir: Pat
 async def test_a_segment_this_host_lacks_falls_back_to_tcp_without_failing(
     tiny_model_dir: Path, engine: LLMEngine
 ) -> None:
-    async with cluster(tiny_model_dir) as pd:
+    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
         # The decode "on another host": its segment name resolves to nothing here.
         decode = pd.decodes[0]
         tcp = next(o for o in decode.servicer.transport_offers if o.kind == "tcp")

@@ -163,8 +163,10 @@ async def test_abort_while_prefilling_releases_everything(tiny_model_dir: Path) 
 
 
 async def test_abort_while_transferring_releases_everything(tiny_model_dir: Path) -> None:
-    slow_commit = Delay("SyncCache", 1.0)
-    async with cluster(tiny_model_dir, decode_interceptors=[[slow_commit]]) as pd:
+    slow_commit = Delay("SyncCache", 1.0)  # NOTE: a gRPC interceptor: SyncCache transports only
+    async with cluster(
+        tiny_model_dir, decode_interceptors=[[slow_commit]], kv_transports="shm,grpc"
+    ) as pd:
         stream = asyncio.create_task(pd.run_prefill(pd.request("xfer", PROMPT, GREEDY)))
         await _wait_status(pd, "xfer", RequestStatus.TRANSFERRING)
         await _abort(pd, "xfer")
@@ -234,10 +236,14 @@ async def test_a_decode_other_than_the_one_named_gets_no_kv(tiny_model_dir: Path
         await pd.eventually_whole()
 
 
-async def test_a_refused_transfer_releases_its_lease_with_the_token(tiny_model_dir: Path) -> None:
-    async with cluster(tiny_model_dir) as pd:
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+async def test_a_refused_transfer_releases_its_lease_with_the_token(
+    tiny_model_dir: Path, transport: str
+) -> None:
+    async with cluster(tiny_model_dir, kv_transports=transport) as pd:
         # A decode on an mTLS plane refuses SyncCache from a caller without a certificate, and
-        # lets it release the lease only with the lease's token.
+        # lets it release the lease only with the lease's token. (The TCP data port takes the
+        # token alone, by design: test_kv_transports.)
         pd.decodes[0].leases.is_insecure = False
         events = await pd.run_prefill(pd.request("refused", PROMPT, GREEDY))
         assert events.error is not None

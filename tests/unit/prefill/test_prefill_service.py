@@ -69,8 +69,10 @@ async def test_rescheduled_request_continues_where_it_stopped(
 async def test_first_token_arrives_before_the_transfer_is_acknowledged(
     tiny_model_dir: Path, engine: LLMEngine
 ) -> None:
-    slow_commit = Delay("SyncCache", 1.0)
-    async with cluster(tiny_model_dir, decode_interceptors=[[slow_commit]]) as pd:
+    slow_commit = Delay("SyncCache", 1.0)  # NOTE: a gRPC interceptor: SyncCache transports only
+    async with cluster(
+        tiny_model_dir, decode_interceptors=[[slow_commit]], kv_transports="shm,grpc"
+    ) as pd:
         events = await pd.run_prefill(pd.request("r", SHORT, GREEDY))
         assert events.error is None
         assert events.kinds == ["first_token", "handed_off"]
