@@ -133,10 +133,15 @@ def test_the_request_and_prefill_spans_say_where_the_first_token_time_went(
     for phase in gateway_phases:
         assert request[f"pdserve.phase.{phase}_ms"] >= 0, phase
     assert request["pdserve.phase.compute_ms"] > 0
-    assert request["pdserve.phase.transport"] == "grpc"
     prefill = _one(spans, "/pdserve.v1.PrefillService/Prefill", "SERVER")["attributes"]
     for phase in ("lease", "queue", "compute", "transfer_tail"):
         assert prefill[f"pdserve.phase.{phase}_ms"] >= 0, phase
+    transfer = _one(spans, "prefill.kv_transfer")["attributes"]
+    assert (
+        request["pdserve.phase.transport"]
+        == prefill["pdserve.phase.transport"]
+        == transfer["pdserve.transport"]
+    )
     # The gateway's prefill phases are the ones the prefill reported (rounded to 1 us).
     assert request["pdserve.phase.compute_ms"] == pytest.approx(
         prefill["pdserve.phase.compute_ms"], abs=0.002
