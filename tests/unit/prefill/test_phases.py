@@ -86,7 +86,12 @@ def test_phases_to_proto_in_microseconds() -> None:
 async def test_a_real_prefill_reports_its_phases(tiny_model_dir: Path) -> None:
     slow_lease = Delay("AllocateBlocks", 0.3)
     slow_commit = Delay("SyncCache", 1.0)
-    async with cluster(tiny_model_dir, decode_interceptors=[[slow_lease, slow_commit]]) as pd:
+    # NOTE: over gRPC the decode's acknowledgement is the SyncCache call that `slow_commit`
+    # holds (the other transports acknowledge over their own channel).
+    interceptors = [[slow_lease, slow_commit]]
+    async with cluster(
+        tiny_model_dir, decode_interceptors=interceptors, kv_transports="grpc"
+    ) as pd:
         sent = time.monotonic()
         events = await pd.run_prefill(pd.request("r", SHORT, GREEDY))
         assert events.error is None
@@ -102,8 +107,8 @@ async def test_a_real_prefill_reports_its_phases(tiny_model_dir: Path) -> None:
         for name in ("lease_us", "queue_us", "compute_us"):
             assert getattr(handed_off.phases, name) == getattr(first.phases, name)
         assert handed_off.phases.transfer_tail_us >= 300_000
-        # The short name of the transport the HandedOff message names.
-        kind = decode_pb2.TransportKind.Value(handed_off.transport)
+        assert handed_off.phases.transport == "grpc"
+        kind = decode_pb2.TransportKind.Value(handed_off.transport)  # the same, as an enum name
         assert TRANSPORT_KINDS[handed_off.phases.transport] == kind
         # The phases fit in what the caller waited for each message.
         to_first_s = (first.phases.lease_us + first.phases.queue_us + first.phases.compute_us) / 1e6
