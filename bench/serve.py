@@ -21,7 +21,10 @@ Per request, from the streamed chunks: TTFT (send to first token), TPOT ((last t
 token) / (tokens - 1)), ITL (gap between consecutive token-carrying chunks, split evenly over
 the tokens a chunk carries), end-to-end latency. Per run: p50/p90/p99 of each, output tokens/s,
 requests/s, errors. ``--compare`` alternates the endpoints round by round (both stay up; the
-idle one sleeps) and reports medians over rounds and ratios pdserve / colocated. Results go to
+idle one sleeps) and reports medians over rounds and ratios pdserve / colocated. Against
+pdserve (``--compare``, or a ``--url`` that is a pdserve gateway) it also prints where the time
+to first token went: the mean per phase from the gateway's ``/metrics``, scraped around each
+round (bench/ttft_breakdown.py), next to the measured TTFT. Results go to
 bench/results/serve-<time>.json and .png (CDFs and throughput per round).
 
 Threads: pdserve's prefill and decode get ``--pd-threads`` torch threads each (OMP_NUM_THREADS),
@@ -58,6 +61,7 @@ from loadgen import (
     run_load,
     summarize,
 )
+from ttft_breakdown import PhaseRound, difference, report, scrape
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -266,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_one_endpoint(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str, Any]:
     model = args.model or served_model(args.url)
+    before = scrape(args.url)  # None unless the endpoint is a pdserve gateway
     results, duration_s = asyncio.run(
         run_load(
             args.url,
@@ -278,10 +283,15 @@ def run_one_endpoint(args: argparse.Namespace, specs: list[RequestSpec]) -> dict
     )
     summary = summarize(results, duration_s)
     print_table({args.url: summary})
+    after = scrape(args.url) if before is not None else None
+    breakdown = None
+    if before is not None and after is not None:
+        breakdown = report([PhaseRound(difference(before, after), results)])
     return {
         "url": args.url,
         "model": model,
         "summary": summary,
+        "ttft_breakdown": breakdown,
         "_runs": {args.url: [results]},
         "_throughput": {args.url: [summary["output_tokens_per_s"]]},
     }
@@ -297,6 +307,7 @@ def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
     warmup = make_workload(4, args.prompt_len, (8, 8), None, args.seed + 1)
     runs: dict[str, list[list[RequestResult]]] = {"pdserve": [], "colocated": []}
     summaries: dict[str, list[dict[str, Any]]] = {"pdserve": [], "colocated": []}
+    phase_rounds: list[PhaseRound] = []  # what pdserve's gateway observed in each round
     with (
         pdserve_cluster(model_dir, args.pd_threads, log_dir) as pd_url,
         colocated_server(model_dir, args.colocated_threads, log_dir) as colocated_url,
@@ -309,6 +320,7 @@ def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
             # NOTE: alternate which endpoint goes first, so drift on a noisy machine is shared.
             order = list(urls) if round_index % 2 == 0 else list(reversed(urls))
             for name in order:
+                before = scrape(urls[name]) if name == "pdserve" else None
                 results, duration_s = asyncio.run(
                     run_load(
                         urls[name],
@@ -322,6 +334,8 @@ def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
                 )
                 runs[name].append(results)
                 summaries[name].append(summarize(results, duration_s))
+                if before is not None and (after := scrape(urls[name])) is not None:
+                    phase_rounds.append(PhaseRound(difference(before, after), results))
                 print(
                     f"round {round_index + 1} {name}: "
                     f"{summaries[name][-1]['output_tokens_per_s']} output tok/s, "
@@ -342,12 +356,14 @@ def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
         for name in runs
     }
     print_table(merged)
+    breakdown = report(phase_rounds, runs["colocated"], "colocated") if phase_rounds else None
     return {
         "model_dir": model_dir.name,
         "pd_threads": args.pd_threads,
         "colocated_threads": args.colocated_threads,
         "merged": merged,
         "rounds": summaries,
+        "ttft_breakdown": breakdown,
         "ratios_pdserve_over_colocated": {
             key: round(merged["pdserve"][key] / merged["colocated"][key], 3)
             for key in merged["pdserve"]

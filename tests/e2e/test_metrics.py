@@ -64,3 +64,40 @@ async def test_metrics_after_n_requests(cluster: RealCluster) -> None:
     assert decode["pdserve_decode_free_blocks"] == decode["pdserve_decode_total_blocks"] > 0
     assert decode["pdserve_decode_preemptions_total"] == 0
     assert prefill["pdserve_prefill_free_blocks"] == prefill["pdserve_prefill_total_blocks"]
+
+
+TTFT_PHASES = (
+    "gateway_queue",
+    "network",
+    "lease",
+    "prefill_queue",
+    "compute",
+    "first_token_to_client",
+    "transfer_tail",
+)
+
+
+async def test_one_request_shows_where_its_time_to_first_token_went(cluster: RealCluster) -> None:
+    async with cluster.http() as http:
+        body = {"model": MODEL_NAME, "prompt": "where did the time go", "max_tokens": 4}
+        (await http.post("/v1/completions", json={**body, "stream": True})).raise_for_status()
+        families = text_string_to_metric_families((await http.get("/metrics")).text)
+    phases = {
+        sample.labels["phase"]: sample.value
+        for family in families
+        if family.name == "pdserve_gateway_ttft_phase_seconds"
+        for sample in family.samples
+        if sample.name.endswith("_count")
+    }
+    assert phases == dict.fromkeys(TTFT_PHASES, 1.0)
+    prefill_address = cluster.prefills[0].status.instance.metrics_address
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"http://{prefill_address}/metrics")).text
+    prefill = {
+        (sample.name, sample.labels.get("phase")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    for phase in ("lease", "queue", "compute", "transfer_tail"):
+        assert prefill[("pdserve_prefill_phase_seconds_count", phase)] == 1
+    assert prefill[("pdserve_prefill_phase_seconds_sum", "compute")] > 0

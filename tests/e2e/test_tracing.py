@@ -123,6 +123,31 @@ def test_every_span_names_the_request_and_genai_attributes(chat: dict[str, Any])
     assert attributes["gen_ai.response.finish_reasons"] == ["length"]
 
 
+def test_the_request_and_prefill_spans_say_where_the_first_token_time_went(
+    chat: dict[str, Any],
+) -> None:
+    spans = _request_spans(chat)
+    request = _one(spans, "gateway.request")["attributes"]
+    gateway_phases = ("gateway_queue", "network", "lease", "prefill_queue", "compute",
+                      "first_token_to_client", "transfer_tail")  # fmt: skip
+    for phase in gateway_phases:
+        assert request[f"pdserve.phase.{phase}_ms"] >= 0, phase
+    assert request["pdserve.phase.compute_ms"] > 0
+    prefill = _one(spans, "/pdserve.v1.PrefillService/Prefill", "SERVER")["attributes"]
+    for phase in ("lease", "queue", "compute", "transfer_tail"):
+        assert prefill[f"pdserve.phase.{phase}_ms"] >= 0, phase
+    transfer = _one(spans, "prefill.kv_transfer")["attributes"]
+    assert (
+        request["pdserve.phase.transport"]
+        == prefill["pdserve.phase.transport"]
+        == transfer["pdserve.transport"]
+    )
+    # The gateway's prefill phases are the ones the prefill reported (rounded to 1 us).
+    assert request["pdserve.phase.compute_ms"] == pytest.approx(
+        prefill["pdserve.phase.compute_ms"], abs=0.002
+    )
+
+
 def test_polls_are_traced_only_with_the_flag(chat: dict[str, Any]) -> None:
     # NOTE: this gateway runs with trace_polls; without it (the default) polls make no trace,
     # which the process test checks.

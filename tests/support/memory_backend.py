@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -30,6 +30,7 @@ from pdserve.gateway.backend import (
     PreemptionEvent,
     PrefillCall,
     PrefillEvent,
+    PrefillPhases,
     TokenBatchEvent,
 )
 from pdserve.gateway.instance import InstanceInfo, LoadReport
@@ -107,6 +108,7 @@ class MemoryInstance:
     # prefill
     calls: list[PrefillCall] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    phases: PrefillPhases | None = None  # reported on FirstToken and (as is) on HandedOff
     # decode
     refusals: list[PdserveError | None] = field(default_factory=list)  # None: granted
     leases: dict[str, Lease] = field(default_factory=dict)
@@ -204,7 +206,11 @@ class MemoryBackend:
         decode.leases[lease.lease_id] = lease
         is_handed_off = False
         try:
-            yield FirstTokenEvent(first, index)
+            phases = prefill.phases
+            first_phases = (
+                None if phases is None else replace(phases, transfer_tail_s=None, transport="")
+            )
+            yield FirstTokenEvent(first, index, first_phases)
             reason = _finish(first, index, call.sampling)
             if reason is not None:
                 yield FinishedEvent(reason, index + 1)
@@ -214,7 +220,7 @@ class MemoryBackend:
                 if fault.kind == "end":
                     return
             is_handed_off = True
-            yield HandedOffEvent(lease.lease_id, decode.instance_id)
+            yield HandedOffEvent(lease.lease_id, decode.instance_id, phases)
         finally:
             if not is_handed_off:
                 lease.is_open = False  # contract: a failed or aborted prefill releases its lease

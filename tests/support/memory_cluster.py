@@ -17,6 +17,7 @@ from pdserve.gateway.decisions import RetryPolicy
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator, OrchestratorEvent
+from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
 from pdserve.gateway.router import Router
@@ -119,18 +120,26 @@ class MemoryCluster:
         )
 
     def stream(
-        self, request: GenerationRequest, timeout_s: float = 5.0
+        self,
+        request: GenerationRequest,
+        timeout_s: float = 5.0,
+        timeline: TtftTimeline | None = None,
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         """`Orchestrator.run` with a deadline `timeout_s` from now."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        return self.orchestrator.run(request, deadline)
+        return self.orchestrator.run(request, deadline, timeline=timeline)
 
-    async def run(self, request: GenerationRequest, timeout_s: float = 5.0) -> Completion:
+    async def run(
+        self,
+        request: GenerationRequest,
+        timeout_s: float = 5.0,
+        timeline: TtftTimeline | None = None,
+    ) -> Completion:
         """Runs `request` to its end; returns once its cleanup calls are done too."""
         chunks: list[TokenChunk] = []
         ends: list[GenerationEnd] = []
         try:
-            async for event in self.stream(request, timeout_s):
+            async for event in self.stream(request, timeout_s, timeline):
                 (chunks if isinstance(event, TokenChunk) else ends).append(event)  # type: ignore[arg-type]
         finally:
             await self.orchestrator.wait_for_cleanups()

@@ -7,7 +7,7 @@ paths do not touch Prometheus objects. Histograms are observed where the work ha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -72,10 +72,20 @@ class InstanceMetrics:
         self.service = service
         self.registry = CollectorRegistry()
 
-    def histogram(self, name: str, text: str) -> Histogram:
-        """A duration histogram ``pdserve_<service>_<name>`` on this registry."""
+    def histogram(self, name: str, text: str, labelnames: Sequence[str] = ()) -> Histogram:
+        """A duration histogram ``pdserve_<service>_<name>`` on this registry.
+
+        Args:
+            name: Name after the service prefix, e.g. ``pass_seconds``.
+            text: The help text.
+            labelnames: Its labels, if any (then observe through ``.labels(...)``).
+        """
         return Histogram(
-            f"pdserve_{self.service}_{name}", text, buckets=DURATION_BUCKETS, registry=self.registry
+            f"pdserve_{self.service}_{name}",
+            text,
+            labelnames,
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
         )
 
     def watch(

@@ -28,6 +28,7 @@ from pdserve.gateway.backend import (
     BackendError,
     DecodeEvent,
     FinishedEvent,
+    FirstTokenEvent,
     HandedOffEvent,
     PreemptionEvent,
     PrefillCall,
@@ -35,6 +36,7 @@ from pdserve.gateway.backend import (
 )
 from pdserve.gateway.decisions import Preempted, RequestState, RetryPolicy, Setback
 from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
@@ -89,6 +91,7 @@ class Attempts:
         state: RequestState,
         deadline: float,
         span: trace.Span,
+        timeline: TtftTimeline | None = None,
     ) -> AsyncGenerator[TokenChunk | GenerationEnd | Setback, None]:
         """One attempt on `pair`.
 
@@ -99,6 +102,8 @@ class Attempts:
             state: The request's bookkeeping (this attempt counted).
             deadline: ``loop.time()`` by which the request must be done.
             span: The attempt's span (first token and preemption become its events).
+            timeline: Where the request's time to first token went (this attempt's Prefill
+                call, and its phases if it delivers the first token).
 
         Yields:
             `TokenChunk`s new to the consumer, then one `GenerationEnd` or setback.
@@ -127,9 +132,12 @@ class Attempts:
         # NOTE: what the attempt holds on the instances, given back if it is left early.
         owes_abort, lease_id = True, None
         outcome: GenerationEnd | Setback
+        timeline = timeline or TtftTimeline()
+        is_first_token_attempt = False
         try:
             handed_off: HandedOffEvent | None = None
             finished: FinishedEvent | None = None
+            timeline.on_prefill_call()
             prefill = self._backend.prefill(
                 pair.prefill.address, call, remaining_s(request, deadline)
             )
@@ -142,8 +150,12 @@ class Attempts:
                             index = {"pdserve.completion_index": event.first_index}
                             span.add_event("first_token", index)
                             yield event
+                        elif isinstance(event, FirstTokenEvent):
+                            is_first_token_attempt = timeline.on_first_token(event.phases)
                         elif isinstance(event, HandedOffEvent):
                             handed_off, lease_id = event, event.lease_id
+                            if is_first_token_attempt:
+                                timeline.on_handed_off(event.phases)
                         elif isinstance(event, FinishedEvent):
                             finished = event
                             break

@@ -37,11 +37,26 @@ class PrefillCall:
 
 
 @dataclass(frozen=True)
+class PrefillPhases:
+    """Where the prefill spent the attempt's time, in seconds (see PrefillPhases in
+    prefill.proto): lease, queue and compute up to the first token; the transfer tail and its
+    transport once handed off (None and "" before)."""
+
+    lease_s: float
+    queue_s: float
+    compute_s: float
+    transfer_tail_s: float | None = None
+    transport: str = ""
+
+
+@dataclass(frozen=True)
 class FirstTokenEvent:
-    """Prefill sampled the first token of this attempt."""
+    """Prefill sampled the first token of this attempt (`phases`: None from a prefill that
+    reports none)."""
 
     token_id: int
     index: int
+    phases: PrefillPhases | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class HandedOffEvent:
 
     lease_id: str
     decode_instance_id: str
+    phases: PrefillPhases | None = None
 
 
 @dataclass(frozen=True)

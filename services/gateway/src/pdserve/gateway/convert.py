@@ -18,6 +18,7 @@ from pdserve.gateway.backend import (
     PreemptionEvent,
     PrefillCall,
     PrefillEvent,
+    PrefillPhases,
     TokenBatchEvent,
 )
 from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
@@ -150,13 +151,31 @@ def _finished_from_pb(message: common_pb2.Finished) -> FinishedEvent:
     )
 
 
+def _phases_from_pb(
+    message: prefill_pb2.PrefillPhases, *, has_transfer_tail: bool = False
+) -> PrefillPhases:
+    return PrefillPhases(
+        lease_s=message.lease_us / 1e6,
+        queue_s=message.queue_us / 1e6,
+        compute_s=message.compute_us / 1e6,
+        transfer_tail_s=message.transfer_tail_us / 1e6 if has_transfer_tail else None,
+        transport=message.transport,
+    )
+
+
 def prefill_event_from_pb(message: prefill_pb2.PrefillResponse) -> PrefillEvent | None:
     """PrefillResponse -> event; None for an empty message (no event set)."""
     kind = message.WhichOneof("event")
     if kind == "first_token":
-        return FirstTokenEvent(message.first_token.token_id, message.first_token.index)
+        first = message.first_token
+        phases = _phases_from_pb(first.phases) if first.HasField("phases") else None
+        return FirstTokenEvent(first.token_id, first.index, phases)
     if kind == "handed_off":
-        return HandedOffEvent(message.handed_off.lease_id, message.handed_off.decode_instance_id)
+        handed_off = message.handed_off
+        phases = None
+        if handed_off.HasField("phases"):
+            phases = _phases_from_pb(handed_off.phases, has_transfer_tail=True)
+        return HandedOffEvent(handed_off.lease_id, handed_off.decode_instance_id, phases)
     if kind == "finished":
         return _finished_from_pb(message.finished)
     return None

@@ -10,8 +10,10 @@ max_tokens defaults, the seed) is here; running and recording a request is `stre
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 
 from opentelemetry.context import Context
 
@@ -138,10 +140,11 @@ class Frontend:
                 INSTANCE_DRAINING while the gateway shuts down (503), DEADLINE_EXCEEDED when
                 tokenization does not finish within its budget (504).
         """
+        arrival_time = time.monotonic()
         with _tracer.start_as_current_span("gateway.prepare") as span:
             prepared = await self._prepare(params, request_id or uuid.uuid4().hex, api_key_name)
             span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
-        return prepared
+        return replace(prepared, arrival_time=arrival_time)
 
     async def _prepare(
         self, params: GenerationParams, request_id: str, api_key_name: str | None

@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 # Seconds; from interactive (tens of ms) to a slow CPU-only cluster (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Phases of the time to first token go down to a fraction of a millisecond.
+PHASE_BUCKETS = (0.0005, 0.001, *LATENCY_BUCKETS)
 
 _LABELS = {
     "requests": "outcome",
@@ -67,6 +69,15 @@ class GatewayMetrics:
             "pdserve_gateway_inter_token_latency_seconds",
             "Gap between consecutive tokens delivered to a client (a batch shares its gap).",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft_phase_seconds = Histogram(
+            "pdserve_gateway_ttft_phase_seconds",
+            "Where the time to first token went, by phase: gateway_queue, network, lease, "
+            "prefill_queue, compute, first_token_to_client; and transfer_tail (first token to "
+            "the decode's KV commit, which delays the second token). See docs/observability.md.",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
             registry=self.registry,
         )
         self.e2e_latency = Histogram(

@@ -35,6 +35,7 @@ from pdserve.gateway.decisions import (
     decide,
 )
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.relay import LossWatch
@@ -84,6 +85,7 @@ class Orchestrator:
         request: GenerationRequest,
         deadline: float,
         parent_span: trace.Span = trace.INVALID_SPAN,
+        timeline: TtftTimeline | None = None,
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         """Generates the completion.
 
@@ -92,6 +94,8 @@ class Orchestrator:
             deadline: ``loop.time()`` by which the request must be done.
             parent_span: The request's span; routing and each attempt become its children,
                 retries and reschedules its events.
+            timeline: Filled with where the time to first token went (Prefill calls, the
+                prefill's phases).
 
         Yields:
             `TokenChunk`s with strictly consecutive indices, then one `GenerationEnd`.
@@ -119,7 +123,9 @@ class Orchestrator:
             )
             setback: Setback | None = None
             try:
-                attempt = self._attempts.run(request, pair, progress, state, deadline, span)
+                attempt = self._attempts.run(
+                    request, pair, progress, state, deadline, span, timeline
+                )
                 async with contextlib.aclosing(attempt) as items:
                     async for item in items:
                         if isinstance(item, TokenChunk | GenerationEnd):

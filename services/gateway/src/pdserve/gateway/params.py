@@ -8,7 +8,8 @@ Front ends (REST, gRPC) turn their requests into `GenerationParams`;
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams
@@ -80,7 +81,8 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated, tokenized request, ready to stream."""
+    """A validated, tokenized request, ready to stream (``arrival_time``: when the gateway
+    started preparing it, ``time.monotonic()``)."""
 
     request: GenerationRequest
     stop: tuple[str, ...]
@@ -89,6 +91,7 @@ class PreparedRequest:
     user: str | None = None
     kind: PromptKind = PromptKind.COMPLETION
     api_key_name: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def request_id(self) -> str:

@@ -164,6 +164,9 @@ async def relay(
 ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
     """Relays a stream: tokens go through `progress`, errors become `AttemptFailed`.
 
+    A prefill's `FirstTokenEvent` is passed on as it arrives (for the phases it reports),
+    followed by its token as a `TokenChunk`; every other event is passed on as is.
+
     Args:
         role: Whose stream this is.
         stream: The backend's event stream (closed when the relay ends).
@@ -197,6 +200,7 @@ async def relay(
                     raise connection_lost(lost_role, message) from gone
                 if isinstance(event, FirstTokenEvent | TokenBatchEvent):
                     if isinstance(event, FirstTokenEvent):
+                        yield event
                         accepted = progress.accept((event.token_id,), event.index)
                     else:
                         accepted = progress.accept(event.token_ids, event.first_index)

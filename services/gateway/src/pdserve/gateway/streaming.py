@@ -2,9 +2,10 @@
 
 `Streamer.stream` runs one `PreparedRequest` through the orchestrator and turns its tokens into
 `OutputDelta`s (text through `CompletionText`, with the stop strings). It owns what the gateway
-records of a request: the ``gateway.request`` span, the latency metrics, the outcome counter
-and one log line per outcome (``request_finished``, ``request_failed``, ``request_cancelled``).
-It also counts the requests streaming, so a draining gateway can wait for them.
+records of a request: the ``gateway.request`` span, the latency metrics (with where the time
+to first token went, `TtftTimeline`), the outcome counter and one log line per outcome
+(``request_finished``, ``request_failed``, ``request_cancelled``). It also counts the requests
+streaming, so a draining gateway can wait for them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdserve.common.generation import FinishReason, resolve_seed
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.params import OutputDelta, PreparedRequest, PromptKind
+from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.request import GenerationEnd, Usage
 from pdserve.gateway.text import CompletionText
 
@@ -95,8 +97,10 @@ class Streamer:
             api_key_name=prepared.api_key_name,
         )
         last_token_at: float | None = None
+        timeline = TtftTimeline(arrival=prepared.arrival_time)
         try:
-            events = self._orchestrator.run(request, started + self._request_timeout_s, span)
+            deadline = started + self._request_timeout_s
+            events = self._orchestrator.run(request, deadline, span, timeline)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, GenerationEnd):
@@ -113,6 +117,7 @@ class Streamer:
                     step = text.add(event.token_ids)
                     if step.text or step.token_ids:
                         yield OutputDelta(step.text, step.token_ids, event.first_index)
+                        timeline.on_first_token_written()
                     if step.is_stopped:
                         break
             finish_reason = (
@@ -168,6 +173,8 @@ class Streamer:
                     duration_s=round(loop.time() - started, 4),
                 )
             self._metrics.requests.labels(outcome=outcome).inc()
+            if timeline.first_token_written is not None:
+                timeline.record(self._metrics.ttft_phase_seconds, span)
             span.end()
             self._num_active -= 1
             if self._num_active == 0:

@@ -8,6 +8,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for, resolve_seed
 from pdserve.common.protocol import check_compatible
 from pdserve.prefill.events import LeaseGrant
+from pdserve.prefill.phases import PhaseDurations
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
 from pdserve.serving.kv_transfer import KvPiece, TransportOffer, chunk_crc32c
@@ -194,3 +195,18 @@ def sync_commit(
             first_token_index=first_token_index,
         )
     )
+
+
+def phases_to_proto(phases: PhaseDurations) -> prefill_pb2.PrefillPhases:
+    """The PrefillPhases message (whole microseconds; a phase not reached is left at 0)."""
+    return prefill_pb2.PrefillPhases(
+        lease_us=_micros(phases.lease_s),
+        queue_us=_micros(phases.queue_s),
+        compute_us=_micros(phases.compute_s),
+        transfer_tail_us=_micros(phases.transfer_tail_s),
+        transport=phases.transport,
+    )
+
+
+def _micros(seconds: float | None) -> int:
+    return 0 if seconds is None else round(seconds * 1_000_000)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import structlog
 
@@ -61,6 +62,7 @@ async def open_lease(
         allocate_span.set_attribute("pdserve.num_blocks", len(lease.block_ids))
     request.lease = lease
     request.is_lease_open = True
+    request.phases.lease_granted = time.monotonic()
     log.info(
         "lease_granted",
         request_id=request.request_id,

@@ -11,6 +11,8 @@ class PrefillMetrics(InstanceMetrics):
     Attributes:
         pass_seconds: Duration of one prefill forward pass (all chunks of the batch).
         transfer_seconds: Duration of one request's KV push, first chunk to the decode's ack.
+        phase_seconds: Where requests' time went, by ``phase`` (lease, queue, compute,
+            transfer_tail; see `pdserve.prefill.phases`).
     """
 
     def __init__(self) -> None:
@@ -21,4 +23,10 @@ class PrefillMetrics(InstanceMetrics):
         self.transfer_seconds = self.histogram(
             "kv_transfer_seconds",
             "Duration of one request's KV push over SyncCache, open to acknowledged commit.",
+        )
+        self.phase_seconds = self.histogram(
+            "phase_seconds",
+            "Phases of a prefill request: lease (arrival to lease granted), queue (to its first "
+            "scheduled chunk), compute (to its first token), transfer_tail (to the decode's ack).",
+            ["phase"],
         )

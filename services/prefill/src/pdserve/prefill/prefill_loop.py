@@ -169,6 +169,9 @@ class PrefillLoop(EngineThread):
             ForwardChunk(c.token_ids, c.num_computed_tokens, c.request.block_ids) for c in scheduled
         ]
         spans = _chunk_spans(scheduled) if telemetry.is_enabled() else []
+        now = time.monotonic()
+        for chunk in scheduled:
+            chunk.request.phases.mark_scheduled(now)
         started = time.perf_counter()
         try:
             self._import_stored_blocks(scheduled)

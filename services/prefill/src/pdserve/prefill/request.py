@@ -33,6 +33,7 @@ from pdserve.prefill.events import (
     LeaseGrant,
     Outcome,
 )
+from pdserve.prefill.phases import PhaseClock
 from pdserve.serving.kv_transfer import KvPiece
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class Request:
         pending_imports: Blocks admission gave stored payloads to, ``(block_id, payload)``;
             written into the cache before the request's first pass.
         num_sent_blocks: Leading logical blocks already exported to the sender.
+        phases: When it arrived and reached each phase boundary (the engine thread sets the
+            first scheduled pass).
         trace_context: Parent of the engine thread's spans for this request (None: untraced).
         submitted_ns: Wall-clock time it was handed to the engine thread (for queue spans).
         outbox: What its caller reads: `Outcome`s (the first token, then a handoff, a finish
@@ -139,7 +142,7 @@ class Request:
     stored_payloads: list[bytes] = field(default_factory=list, repr=False)
     pending_imports: list[tuple[int, bytes]] = field(default_factory=list, repr=False)
     num_sent_blocks: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
+    phases: PhaseClock = field(default_factory=PhaseClock)
     trace_context: Context | None = None
     submitted_ns: int = 0
     outbox: asyncio.Queue[Outcome] = field(default_factory=asyncio.Queue)
@@ -188,6 +191,8 @@ class Request:
         if not self.can_move_to(status):
             raise IllegalTransition(f"{self.status.name} -> {status.name}")
         self.status = status
+        if status is RequestStatus.HANDED_OFF:
+            self.phases.handed_off = time.monotonic()
 
     def end(self, status: RequestStatus) -> bool:
         """Ends it as FAILED or ABORTED; False if it had ended already (its caller then knows
@@ -225,6 +230,7 @@ class Request:
         elif self.first_token.done() or self.status.is_terminal:
             return
         elif isinstance(event, FirstTokenSampled):
+            self.phases.first_token = time.monotonic()
             self.first_token.set_result(event.token_id)
         elif isinstance(event, EngineFailed):
             self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))

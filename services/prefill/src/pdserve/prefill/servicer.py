@@ -10,9 +10,11 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError, abort_with_error
-from pdserve.prefill import convert
+from pdserve.prefill import convert, phases
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut, Outcome
 from pdserve.prefill.handoff import Handoffs
+from pdserve.prefill.phases import PhaseDurations
+from pdserve.prefill.request import Request
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
@@ -20,11 +22,16 @@ from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 log = structlog.get_logger(__name__)
 
 
-def outcome_to_proto(outcome: Outcome) -> prefill_pb2.PrefillResponse:
-    """The stream message of a non-error outcome."""
+def outcome_to_proto(
+    outcome: Outcome, phases: PhaseDurations | None = None
+) -> prefill_pb2.PrefillResponse:
+    """The stream message of a non-error outcome; `phases` go on FirstToken and HandedOff."""
+    phases_pb = None if phases is None else convert.phases_to_proto(phases)
     if isinstance(outcome, FirstTokenOut):
         return prefill_pb2.PrefillResponse(
-            first_token=prefill_pb2.FirstToken(token_id=outcome.token_id, index=outcome.index)
+            first_token=prefill_pb2.FirstToken(
+                token_id=outcome.token_id, index=outcome.index, phases=phases_pb
+            )
         )
     if isinstance(outcome, HandedOffOut):
         return prefill_pb2.PrefillResponse(
@@ -34,6 +41,7 @@ def outcome_to_proto(outcome: Outcome) -> prefill_pb2.PrefillResponse:
                 num_bytes=outcome.num_bytes,
                 num_chunks=outcome.num_chunks,
                 transport=decode_pb2.TransportKind.Name(convert.TRANSPORT_KINDS[outcome.transport]),
+                phases=phases_pb,
             )
         )
     assert isinstance(outcome, FinishedOut)
@@ -74,7 +82,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[prefill_pb2.PrefillResponse]:
         """Runs a prompt for its decode: `first_token`, then `handed_off` or `finished`."""
-        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
+        span = trace.get_current_span()
+        span.set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
             started = self.handoffs.start(convert.request_from_proto(request, self.limits))
         except PdserveError as error:
@@ -88,11 +97,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     is_done = True
                     await abort_with_error(context, outcome)
                 is_done = not isinstance(outcome, FirstTokenOut)
-                yield outcome_to_proto(outcome)
+                durations = self._record_phases(started, outcome, span)
+                yield outcome_to_proto(outcome, durations)
         finally:
             if not is_done:
                 # NOTE: the caller hung up: abort, which releases the decode lease.
                 self.handoffs.cancel(started)
+
+    def _record_phases(
+        self, request: Request, outcome: Outcome, span: trace.Span
+    ) -> PhaseDurations | None:
+        """The phases `outcome` reports, recorded once each: those up to the first token with
+        it, the transfer tail with the handoff."""
+        if isinstance(outcome, FirstTokenOut):
+            durations = request.phases.durations()
+            phases.record(durations, span, self.handoffs.metrics)
+            return durations
+        if isinstance(outcome, HandedOffOut):
+            durations = request.phases.durations(outcome.transport)
+            phases.record(durations.after_first_token(), span, self.handoffs.metrics)
+            return durations
+        return None
 
     async def AbortRequest(
         self, request: prefill_pb2.AbortRequestRequest, context: grpc.aio.ServicerContext
