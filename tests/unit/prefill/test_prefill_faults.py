@@ -185,7 +185,10 @@ async def test_a_caller_that_hangs_up_releases_everything(
     tiny_model_dir: Path, stage: RequestStatus
 ) -> None:
     slow = Delay("AllocateBlocks" if stage is RequestStatus.PREPARING else "SyncCache", 0.5)
-    async with cluster(tiny_model_dir, decode_interceptors=[[slow]]) as pd:
+    # NOTE: a gRPC interceptor: the SyncCache transports only
+    async with cluster(
+        tiny_model_dir, decode_interceptors=[[slow]], kv_transports="shm,grpc"
+    ) as pd:
         call = pd.stub.Prefill(pd.request("gone", PROMPT, GREEDY))
         reader = asyncio.create_task(call.read())
         await _wait_status(pd, "gone", stage)
