@@ -5,10 +5,10 @@
 
 One `pdserve-decode` and one `pdserve-prefill` per transport (forced with `--kv-transports`)
 run as processes on the default real model (SmolLM2-135M-Instruct), as `pdserve up` starts them.
-This process calls `PrefillService.Prefill` straight, with the decode as target, and times the
-stream's messages: `first_token` arrives when the last layer of the prompt is computed and the
-first token sampled; `handed_off` when the decode acknowledged the KV commit. Their gap is the
-**transfer tail**: the part of the transfer that computation did not hide.
+This process calls `PrefillService.Prefill` straight, with the decode as target, and reads the
+phases the prefill reports with `handed_off` (`PrefillPhases`, timed inside the prefill):
+`compute_us` up to the first token, and `transfer_tail_us` from the first token to the decode's
+acknowledgement of the KV commit: the part of the transfer that computation did not hide.
 
 The transfer's whole length, for the same bytes on the same transport, is taken from the same
 prompt sent again right after: the prefill's prefix cache then holds every block but the last
@@ -27,7 +27,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -69,20 +68,15 @@ async def prefill_once(
         decode=prefill_pb2.DecodeTarget(address=decode_address, instance_id=decode_id),
         protocol=local_protocol(),
     )
-    began = time.perf_counter()
-    first_token_at = handed_off_at = 0.0
     handed_off = None
     async for response in stub.Prefill(message):
-        kind = response.WhichOneof("event")
-        if kind == "first_token":
-            first_token_at = time.perf_counter()
-        elif kind == "handed_off":
-            handed_off_at = time.perf_counter()
+        if response.WhichOneof("event") == "handed_off":
             handed_off = response.handed_off
     assert handed_off is not None, "the prefill did not hand off"
+    assert handed_off.HasField("phases"), "the prefill reports no phases"
     return {
-        "compute_s": first_token_at - began,
-        "tail_s": handed_off_at - first_token_at,
+        "compute_s": handed_off.phases.compute_us / 1e6,
+        "tail_s": handed_off.phases.transfer_tail_us / 1e6,
         "num_bytes": handed_off.num_bytes,
         "transport": handed_off.transport,
     }
