@@ -29,9 +29,11 @@ class LeaseGrant:
 
 @dataclass(frozen=True)
 class FirstTokenSampled:
-    """The last prompt position was computed and the first token sampled."""
+    """The last prompt position was computed and the first token sampled (at `sampled_at`,
+    ``time.monotonic()`` on the engine thread)."""
 
     token_id: int
+    sampled_at: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ span carries as ``pdserve.phase.<name>_ms``:
 
 A request that ships no KV takes no lease: its lease phase is 0 and its queue starts at arrival.
 The lease phase includes the AllocateBlocks retries; the queue phase includes the KV-store load
-and the wait for the engine's token budget. The compute phase ends when the first token reaches
-the event loop. The transfer tail is the part of the KV transfer the computation did not hide:
-it delays the decode's first token (the completion's second), not the first.
+and the wait for the engine's token budget. The compute phase ends when the engine thread
+sampled the first token (not when the event loop, perhaps busy sending KV, saw it). The
+transfer tail is the part of the KV transfer the computation did not hide: it delays the
+decode's first token (the completion's second), not the first.
 """
 
 from __future__ import annotations

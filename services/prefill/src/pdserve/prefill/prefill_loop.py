@@ -217,7 +217,7 @@ class PrefillLoop(EngineThread):
                 end_block = chunk.request.num_computed_tokens // self.block_size
                 self.store_loader.write_through(chunk.request, first_block, end_block)
         for i, token in zip(completed, tokens, strict=True):
-            scheduled[i].request.sink(FirstTokenSampled(token))
+            scheduled[i].request.sink(FirstTokenSampled(token, time.monotonic()))
         log.debug(
             "prefill_pass",
             num_requests=len(scheduled),

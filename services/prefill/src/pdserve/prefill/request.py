@@ -230,7 +230,8 @@ class Request:
         elif self.first_token.done() or self.status.is_terminal:
             return
         elif isinstance(event, FirstTokenSampled):
-            self.phases.first_token = time.monotonic()
+            # NOTE: when it was sampled, not when the (possibly busy) event loop saw it.
+            self.phases.first_token = event.sampled_at or time.monotonic()
             self.first_token.set_result(event.token_id)
         elif isinstance(event, EngineFailed):
             self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))
