@@ -85,15 +85,17 @@ def _banner(cluster: Cluster) -> str:
     counts = f"{len(cluster.prefills)} prefill, {len(cluster.decodes)} decode"
     if len(cluster.gateways) > 1:
         counts += f", {len(cluster.gateways)} gateways"
-    registry = cluster.config.registry or (
-        f"embedded in the gateway, internal gRPC {cluster.config.host}:{cluster.internal_port}"
+    registry = (
+        f"Registry (internal gRPC): {cluster.config.host}:{cluster.internal_port}"
+        if cluster.config.registry is None
+        else f"Registry (etcd, every gateway watches it): {cluster.config.registry}"
     )
     return f"""
 pdserve is up: {counts} (logs: {cluster.log_dir})
   REST (OpenAI API): {" ".join(f"{u}/v1" for u in cluster.rest_urls)}
   gRPC (pdserve.v1.GenerationService): {" ".join(cluster.grpc_addresses)}
   Prometheus: {" ".join(cluster.metrics_urls())}
-  Registry: {registry}
+  {registry}
   Internal plane: {_plane(cluster)}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{
