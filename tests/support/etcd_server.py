@@ -1,10 +1,12 @@
 """A real single-member etcd on 127.0.0.1 for tests: its own data dir, free client and peer
-ports; `stop` and `start` again (same ports, same data) simulate an etcd restart."""
+ports; `stop` and `start` again (same ports, same data) simulate an etcd restart, `freeze` a
+hung one."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -77,10 +79,16 @@ class EtcdServer:
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def freeze(self, is_frozen: bool = True) -> None:
+        """SIGSTOPs etcd (connections stay open but nothing answers), or SIGCONTs it."""
+        assert self._process is not None
+        self._process.send_signal(signal.SIGSTOP if is_frozen else signal.SIGCONT)
+
     def stop(self) -> None:
         """Stops etcd and waits until it has exited (its data stays for a restart)."""
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)
             process.terminate()
             try:
                 process.wait(timeout=10)

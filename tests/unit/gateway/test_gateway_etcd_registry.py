@@ -130,3 +130,24 @@ async def test_the_view_survives_an_etcd_restart_and_refreshes_after(
         await eventually(lambda: _free_blocks(gateway, "d3") == 7, 10, "load after restart")
         assert client.num_registrations == 1, "the lease should have survived the restart"
         assert watcher.is_synced
+
+
+async def test_a_frozen_etcd_is_noticed_and_the_view_held(etcd: EtcdServer) -> None:
+    target = EtcdTarget.parse(etcd.spec)
+    client = EtcdRegistrationClient(target, _instance("d4"), _Load(), TTL_S, INTERVAL_S)
+    gateway = Registry(ttl_s=2.0)
+    watcher = EtcdWatcher(gateway, target, INTERVAL_S)
+    async with _running(watcher), _running(client):
+        await eventually(lambda: gateway.get("d4") is not None, 5, "d4 registered")
+        etcd.freeze()
+        try:
+            # NOTE: a hung etcd closes nothing; only the watcher's probe can tell.
+            await eventually(lambda: not watcher.is_synced, 3, "the watcher noticed")
+            for _ in range(25):  # 2.5 s, longer than the registry's TTL
+                await asyncio.sleep(0.1)
+                gateway.drop_expired()
+                assert gateway.alive(), "the last view was dropped while etcd hung"
+        finally:
+            etcd.freeze(False)
+        await eventually(lambda: watcher.is_synced, 10, "the watcher back on etcd")
+        assert gateway.get("d4") is not None

@@ -29,6 +29,7 @@ from pdserve.gateway.registry import Registry
 log = structlog.get_logger("pdserve.gateway.etcd_watcher")
 
 MAX_BACKOFF_S = 2.0
+PROBE_TIMEOUT_S = 1.0
 
 
 class EtcdWatcher:
@@ -99,9 +100,12 @@ class EtcdWatcher:
         raise aetcd.ConnectionFailedError("the watch stream ended")
 
     async def _probe(self, client: aetcd.Client) -> None:
+        # NOTE: bounded well below the RPC timeout, so a partition (no reset, just silence)
+        # is noticed before the registry's TTL runs out on the instances it holds.
         while True:
             await asyncio.sleep(self._interval_s)
-            await client.status()
+            async with asyncio.timeout(max(self._interval_s, PROBE_TIMEOUT_S)):
+                await client.status()
 
     async def _hold_while_away(self) -> None:
         while True:
