@@ -114,6 +114,8 @@ class EtcdRegistrationClient:
         ).SerializeToString()
 
     async def _register(self) -> None:
+        if self._stopping.is_set():
+            return  # NOTE: stop() may have revoked the lease a refresh was just renewing.
         etcd = self._etcd()
         lease = await etcd.lease(self.ttl_s)
         self._lease_id = lease.id
