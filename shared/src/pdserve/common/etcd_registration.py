@@ -66,6 +66,7 @@ class EtcdRegistrationClient:
     async def run(self) -> None:
         """Registers and refreshes until `stop()`; never raises for etcd trouble."""
         backoff_s = self.interval_s
+        is_failing = False
         while not self._stopping.is_set():
             try:
                 if self._lease_id is None:
@@ -73,9 +74,11 @@ class EtcdRegistrationClient:
                 else:
                     await self._refresh()
                 backoff_s = self.interval_s
+                is_failing = False
                 await self._sleep(self.interval_s)
             except (aetcd.ClientError, TimeoutError) as error:
-                if self.is_registered.is_set():
+                if not is_failing:  # NOTE: once per outage, not once per retry
+                    is_failing = True
                     log.warning(
                         "registration_failed",
                         registry=self.target.describe(),

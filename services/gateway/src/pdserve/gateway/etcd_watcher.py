@@ -54,6 +54,7 @@ class EtcdWatcher:
         """Lists, watches and reconnects until cancelled."""
         holding = asyncio.create_task(self._hold_while_away())
         backoff_s = self._interval_s
+        is_failing = False
         try:
             while True:
                 client = self._target.client()
@@ -61,11 +62,13 @@ class EtcdWatcher:
                     revision = await self._list(client)
                     watch = await client.watch_prefix(self._prefix, start_revision=revision + 1)
                     self.is_synced = True
+                    is_failing = False
                     backoff_s = self._interval_s
                     log.info("registry_watching", registry=self._target.describe())
                     await _first_failure(self._consume(watch), self._probe(client))
                 except (aetcd.ClientError, TimeoutError) as error:
-                    if self.is_synced:
+                    if not is_failing:  # NOTE: once per outage, not once per retry
+                        is_failing = True
                         log.warning(
                             "registry_unreachable",
                             registry=self._target.describe(),
@@ -73,6 +76,9 @@ class EtcdWatcher:
                             detail=str(error),
                             num_instances_held=len(self.instance_ids),
                         )
+                except Exception:
+                    # NOTE: whatever went wrong, the gateway must not stop following etcd.
+                    log.exception("registry_watch_failed", registry=self._target.describe())
                 finally:
                     self.is_synced = False
                     with contextlib.suppress(Exception):
@@ -96,7 +102,7 @@ class EtcdWatcher:
             if event.kind == aetcd.EventKind.PUT:
                 self._put(event.kv.key, event.kv.value)
             else:
-                self._remove(event.kv.key.decode().rsplit("/", 1)[-1])
+                self._remove(event.kv.key.decode(errors="replace").rsplit("/", 1)[-1])
         raise aetcd.ConnectionFailedError("the watch stream ended")
 
     async def _probe(self, client: aetcd.Client) -> None:
@@ -116,11 +122,15 @@ class EtcdWatcher:
     def _put(self, key: bytes, value: bytes) -> str | None:
         """Registers (or heartbeats) the instance of one key; returns its id, None if the
         value is refused (logged)."""
-        role, _, instance_id = key[len(self._prefix) :].decode().partition("/")
+        role, _, instance_id = key[len(self._prefix) :].decode(errors="replace").partition("/")
         try:
             info, load = convert.registration_from_bytes(value)
             if info.role.value != role or info.instance_id != instance_id:
-                log.warning("registry_key_mismatch", key=key.decode(), instance_id=info.instance_id)
+                log.warning(
+                    "registry_key_mismatch",
+                    key=key.decode(errors="replace"),
+                    instance_id=info.instance_id,
+                )
                 return None
             entry = self._registry.get(instance_id)
             if entry is not None and entry.info == info and instance_id in self.instance_ids:
@@ -130,7 +140,7 @@ class EtcdWatcher:
         except PdserveError as error:
             log.warning(
                 "registry_entry_refused",
-                key=key.decode(),
+                key=key.decode(errors="replace"),
                 reason=error.reason.name,
                 detail=error.message,
             )
