@@ -27,6 +27,8 @@ EPILOG = """examples:
   pdserve up --model ~/models/qwen2.5-0.5b-instruct-q8_0.gguf
   pdserve up --model /models/Llama-3.2-1B-Instruct --port 9000
   pdserve up --model demo               # the tiny random-weight test model
+  # two gateways (REST on 8000 and 8001) sharing the instances through etcd
+  pdserve up --gateways 2 --registry etcd://127.0.0.1:2379
 """
 
 
@@ -39,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Starts a gateway, N prefill and M decode instances as separate processes that "
             "register with the gateway, waits until they are ready, prints the URLs, and "
-            "stops them all (draining first) on Ctrl-C."
+            "stops them all (draining first) on Ctrl-C. With --registry etcd://HOST:PORT the "
+            "instances register in that etcd instead, and --gateways N starts N gateways that "
+            "all watch it; a client whose gateway fails (gRPC UNAVAILABLE, a reset "
+            "connection) may retry on another."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -78,12 +83,19 @@ def pull(model: str, is_list: bool) -> int:
 def _banner(cluster: Cluster) -> str:
     url = cluster.rest_url
     counts = f"{len(cluster.prefills)} prefill, {len(cluster.decodes)} decode"
+    if len(cluster.gateways) > 1:
+        counts += f", {len(cluster.gateways)} gateways"
+    registry = (
+        f"Registry (internal gRPC): {cluster.config.host}:{cluster.internal_port}"
+        if cluster.config.registry is None
+        else f"Registry (etcd, every gateway watches it): {cluster.config.registry}"
+    )
     return f"""
 pdserve is up: {counts} (logs: {cluster.log_dir})
-  REST (OpenAI API): {url}/v1
-  gRPC (pdserve.v1.GenerationService): {cluster.grpc_address}
+  REST (OpenAI API): {" ".join(f"{u}/v1" for u in cluster.rest_urls)}
+  gRPC (pdserve.v1.GenerationService): {" ".join(cluster.grpc_addresses)}
   Prometheus: {" ".join(cluster.metrics_urls())}
-  Registry (internal gRPC): {cluster.config.host}:{cluster.internal_port}
+  {registry}
   Internal plane: {_plane(cluster)}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{
@@ -133,7 +145,7 @@ def up(config: ClusterConfig) -> int:
             status = 1
             break
         time.sleep(0.5)
-    print("stopping: draining prefills and decodes, then the gateway ...", flush=True)
+    print("stopping: draining prefills and decodes, then the gateways ...", flush=True)
     cluster.stop()
     print("stopped.", flush=True)
     return status

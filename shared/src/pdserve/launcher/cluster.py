@@ -1,5 +1,9 @@
-"""Starts a gateway, N prefills and M decodes as processes, waits until they are ready, and
-stops them in order (backends drain first, then the gateway).
+"""Starts gateways, N prefills and M decodes as processes, waits until they are ready, and
+stops them in order (backends drain first, then the gateways).
+
+One gateway embeds the registry the instances register with. Several (``--gateways N``) need
+the shared registry in etcd (``--registry etcd://HOST:PORT``): every instance registers
+there and every gateway watches it; gateway i listens on each of the gateway ports plus i.
 
 Unless ``--insecure``, the cluster's internal plane is mutual TLS under a throwaway CA made at
 start: one certificate per service (and a ``client`` one for operators' tools) in a private
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.common.pki import Identity, TlsFiles
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
 from pdserve.launcher import certs
@@ -34,6 +39,17 @@ class ClusterConfig:
     )
     prefills: int = field(default=1, metadata={"help": "number of prefill instances"})
     decodes: int = field(default=1, metadata={"help": "number of decode instances"})
+    gateways: int = field(
+        default=1,
+        metadata={
+            "help": "number of gateways; more than one needs --registry (gateway i listens on "
+            "--port + i, --grpc-port + i and --internal-port + i)"
+        },
+    )
+    registry: str | None = field(
+        default=None,
+        metadata={"help": REGISTRY_HELP + "; the etcd must already run"},
+    )
     host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
     port: int = field(default=8000, metadata={"help": "gateway REST port (OpenAI API)"})
     grpc_port: int = field(
@@ -56,7 +72,7 @@ class ClusterConfig:
     decode_args: str = field(
         default="", metadata={"help": 'extra flags for every decode, e.g. "--num-blocks 32"'}
     )
-    gateway_args: str = field(default="", metadata={"help": "extra flags for the gateway"})
+    gateway_args: str = field(default="", metadata={"help": "extra flags for every gateway"})
     kv_store: str | None = field(
         default=None,
         metadata={
@@ -81,6 +97,17 @@ class ClusterConfig:
             raise ValueError("log_level must be debug or info (readiness is read from the logs)")
         if self.prefills < 1 or self.decodes < 1:
             raise ValueError("a cluster needs at least one prefill and one decode")
+        if self.gateways < 1:
+            raise ValueError("a cluster needs at least one gateway")
+        try:
+            check_registry_spec(self.registry)
+        except ValueError as error:
+            raise ValueError(f"--registry: {error}") from None
+        if self.gateways > 1 and self.registry is None:
+            raise ValueError(
+                f"--gateways {self.gateways} needs --registry etcd://HOST:PORT: without a shared "
+                "registry each gateway would only know the instances registered with it"
+            )
         for name in ("prefill_args", "decode_args", "gateway_args"):
             shlex.split(getattr(self, name))  # raises ValueError for unbalanced quotes
         if self.kv_store is not None:
@@ -105,33 +132,61 @@ class Cluster:
         self.env = dict(os.environ if env is None else env)
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.gateway: ChildProcess | None = None
+        self.gateways: list[ChildProcess] = []
         self.prefills: list[ChildProcess] = []
         self.decodes: list[ChildProcess] = []
-        self.http_port = 0
-        self.grpc_port = 0
-        self.internal_port = 0
+        self.http_ports: list[int] = []
+        self.grpc_ports: list[int] = []
+        self.internal_ports: list[int] = []
         self.tls_dir: Path | None = None
         self.tls: dict[str, TlsFiles] = {}
 
     @property
+    def gateway(self) -> ChildProcess | None:
+        """The first gateway (the only one without ``--gateways``), once started."""
+        return self.gateways[0] if self.gateways else None
+
+    @property
+    def http_port(self) -> int:
+        return self.http_ports[0] if self.http_ports else 0
+
+    @property
+    def grpc_port(self) -> int:
+        return self.grpc_ports[0] if self.grpc_ports else 0
+
+    @property
+    def internal_port(self) -> int:
+        return self.internal_ports[0] if self.internal_ports else 0
+
+    @property
     def children(self) -> list[ChildProcess]:
-        return [c for c in (self.gateway, *self.prefills, *self.decodes) if c is not None]
+        return [*self.gateways, *self.prefills, *self.decodes]
 
     @property
     def rest_url(self) -> str:
-        return f"http://{self.config.host}:{self.http_port}"
+        return self.rest_urls[0] if self.rest_urls else f"http://{self.config.host}:0"
+
+    @property
+    def rest_urls(self) -> list[str]:
+        """The REST base URL of every gateway."""
+        return [f"http://{self.config.host}:{port}" for port in self.http_ports]
 
     @property
     def grpc_address(self) -> str:
         return f"{self.config.host}:{self.grpc_port}"
+
+    @property
+    def grpc_addresses(self) -> list[str]:
+        """The public gRPC address of every gateway."""
+        return [f"{self.config.host}:{port}" for port in self.grpc_ports]
 
     def _make_certs(self) -> None:
         """The throwaway CA and a certificate per service, named like the processes."""
         if self.config.insecure:
             return
         self.tls_dir = Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
-        identities = [Identity("gateway", "gateway"), Identity("client", "client")]
+        identities = [Identity("gateway", gateway_name(i)) for i in range(self.config.gateways)]
+        identities += [Identity("client", "client")]
         identities += [Identity("prefill", f"prefill-{i}") for i in range(self.config.prefills)]
         identities += [Identity("decode", f"decode-{i}") for i in range(self.config.decodes)]
         self.tls = certs.throwaway(self.tls_dir, identities)
@@ -166,23 +221,17 @@ class Cluster:
             # the prepared directory and load it.
             model = resolve_model(config.model, show_progress=True)
             self._make_certs()
-            self.gateway = self._spawn(
-                "gateway",
-                "pdserve.gateway",
-                ["--host", config.host, "--port", str(config.port),
-                 "--grpc-port", str(config.grpc_port), "--internal-port", str(config.internal_port),
-                 *shlex.split(config.gateway_args)],
-            )  # fmt: skip
-            started = self.gateway.wait_for_event("gateway_started", config.startup_timeout_s)
-            self.http_port, self.grpc_port = started["http_port"], started["grpc_port"]
-            self.internal_port = started["internal_port"]
+            self._start_gateways()
             # NOTE: one machine, several engines: each gets its share of the cores, since
             # oversubscribed torch threads make small kernels far slower.
             threads = max(1, (os.cpu_count() or 1) // (config.prefills + config.decodes))
             common = ["--model", str(model.path), "--served-model-name", model.name,
                       "--host", config.host, "--port", "0",
-                      "--metrics-port", "0", "--num-threads", str(threads),
-                      "--gateway", f"{config.host}:{self.internal_port}"]  # fmt: skip
+                      "--metrics-port", "0", "--num-threads", str(threads)]  # fmt: skip
+            if config.registry is not None:
+                common += ["--registry", config.registry]
+            else:
+                common += ["--gateway", f"{config.host}:{self.internal_port}"]
             if config.kv_store is not None:
                 common += ["--kv-store", config.kv_store]
             for i in range(config.prefills):
@@ -198,9 +247,30 @@ class Cluster:
             self.stop(timeout_s=5)
             raise
 
+    def _start_gateways(self) -> None:
+        """Starts every gateway, then waits for each to serve (ports from its start-up log)."""
+        config = self.config
+        registry = [] if config.registry is None else ["--registry", config.registry]
+        for i in range(config.gateways):
+            ports = [
+                port + i if port else 0
+                for port in (config.port, config.grpc_port, config.internal_port)
+            ]
+            self.gateways.append(self._spawn(
+                gateway_name(i),
+                "pdserve.gateway",
+                ["--host", config.host, "--port", str(ports[0]), "--grpc-port", str(ports[1]),
+                 "--internal-port", str(ports[2]), *registry, *shlex.split(config.gateway_args)],
+            ))  # fmt: skip
+        for gateway in self.gateways:
+            started = gateway.wait_for_event("gateway_started", config.startup_timeout_s)
+            self.http_ports.append(started["http_port"])
+            self.grpc_ports.append(started["grpc_port"])
+            self.internal_ports.append(started["internal_port"])
+
     def metrics_urls(self) -> list[str]:
-        """``/metrics`` URLs of the gateway and every backend (from their start-up logs)."""
-        urls = [f"{self.rest_url}/metrics"]
+        """``/metrics`` URLs of every gateway and every backend (from their start-up logs)."""
+        urls = [f"{url}/metrics" for url in self.rest_urls]
         for child in [*self.prefills, *self.decodes]:
             for record in child.events:
                 if record.get("event") == "metrics_started":
@@ -212,9 +282,8 @@ class Cluster:
         return next((c for c in self.children if c.returncode is not None), None)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the backends (they drain), then to the gateway; SIGKILL what remains."""
-        for group in ([*self.prefills, *self.decodes], [self.gateway]):
-            members = [c for c in group if c is not None]
+        """SIGTERM to the backends (they drain), then to the gateways; SIGKILL what remains."""
+        for members in ([*self.prefills, *self.decodes], self.gateways):
             for child in members:
                 child.signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
@@ -224,3 +293,9 @@ class Cluster:
             child.close()
         if self.tls_dir is not None:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
+
+
+def gateway_name(index: int) -> str:
+    """The name (process, log file, certificate) of gateway `index`: ``gateway``, then
+    ``gateway-1``, ``gateway-2``, ..."""
+    return "gateway" if index == 0 else f"gateway-{index}"

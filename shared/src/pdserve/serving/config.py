@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
+from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 
 DEFAULT_KV_STORE_QUEUE_LEN = 64
@@ -29,7 +30,26 @@ class InstanceConfig(ServiceConfig):
         metadata={"help": "host:port peers use to reach this instance; host:port when unset"},
     )
     gateway: str | None = field(
-        default=None, metadata={"help": "gateway host:port to register with and heartbeat to"}
+        default=None,
+        metadata={
+            "help": "gateway internal host:port to register with and heartbeat to (the "
+            "embedded registry; see --registry for several gateways)"
+        },
+    )
+    registry: str | None = field(default=None, metadata={"help": REGISTRY_HELP})
+    registry_ttl_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "with --registry etcd://...: TTL of the etcd lease that keeps this "
+            "instance registered (whole seconds); a lapsed lease removes it from every gateway"
+        },
+    )
+    heartbeat_interval_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "with --registry etcd://...: seconds between lease keep-alives, each with a "
+            "fresh load report"
+        },
     )
     instance_id: str | None = field(
         default=None, metadata={"help": "stable instance id; a random one when unset"}
@@ -88,6 +108,17 @@ class InstanceConfig(ServiceConfig):
                 check_store_spec(self.kv_store)
             except ValueError as error:
                 raise ValueError(f"kv_store: {error}") from None
+        try:
+            check_registry_spec(self.registry)
+        except ValueError as error:
+            raise ValueError(f"--registry: {error}") from None
+        if self.registry is not None and self.gateway is not None:
+            raise ValueError("--gateway and --registry exclude each other: register in one place")
+        if not 0 < self.heartbeat_interval_s < self.registry_ttl_s:
+            raise ValueError(
+                "heartbeat_interval_s must be > 0 and below registry_ttl_s "
+                f"({self.heartbeat_interval_s}, {self.registry_ttl_s})"
+            )
         if self.kv_store_queue_len <= 0:
             raise ValueError(f"kv_store_queue_len must be positive, got {self.kv_store_queue_len}")
         for name in ("kv_cache_memory_mb", "block_size"):

@@ -24,6 +24,8 @@ import structlog
 from grpc_health.v1 import health
 
 from pdserve.common.authz import AuthorizationInterceptor
+from pdserve.common.etcd_registration import EtcdRegistrationClient
+from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
@@ -70,7 +72,8 @@ class InstanceServer(abc.ABC):
         port: The bound port (useful with port 0).
         instance: The InstanceInfo this server registers and reports.
         health: The health servicer, once started.
-        registration: Keeps the instance registered with ``--gateway``; None without one.
+        registration: Keeps the instance registered with ``--gateway`` or in ``--registry``;
+            None without either.
         metrics_server: The ``/metrics`` endpoint with ``--metrics-port``; None without it.
         kv_store: The KV storage tier with ``--kv-store`` (None without one, or when it
             could not be opened at start: then every store operation is skipped).
@@ -101,7 +104,7 @@ class InstanceServer(abc.ABC):
             raise OSError(f"cannot bind {config.host}:{config.port}")
         self.instance = instance_info(config, self.role, self.port, self.host, instance_id)
         self.health: health.aio.HealthServicer | None = None
-        self.registration: RegistrationClient | None = None
+        self.registration: RegistrationClient | EtcdRegistrationClient | None = None
         self.metrics_server: WSGIServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.kv_store, self.kv_writer = open_kv_tier(config, self.host.kv_layout.fingerprint)
@@ -282,8 +285,17 @@ def registration_client(
     security: Security,
     instance: common_pb2.InstanceInfo,
     load_report: Callable[[], common_pb2.LoadReport],
-) -> RegistrationClient | None:
-    """A client that keeps `instance` registered with ``--gateway``, or None without one."""
+) -> RegistrationClient | EtcdRegistrationClient | None:
+    """A client that keeps `instance` registered with ``--gateway`` or in ``--registry``,
+    or None without either."""
+    if config.registry is not None:
+        return EtcdRegistrationClient(
+            EtcdTarget.parse(config.registry),
+            instance,
+            load_report,
+            config.registry_ttl_s,
+            config.heartbeat_interval_s,
+        )
     if not config.gateway:
         return None
     return RegistrationClient(config.gateway, instance, load_report, security)

@@ -20,17 +20,20 @@ DESCRIPTION = """\
 Serves the OpenAI-compatible REST API (GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions with SSE streaming, GET /health, GET /metrics) and the public gRPC
 GenerationService, and runs the registry that prefill and decode instances join over
-RegistryService (on the gRPC port). Each request is prefilled on one instance and decoded on
-another; capacity refusals, lost instances and preemptions are retried or rescheduled so the
-client sees one seamless stream, or a typed OpenAI-style error.
+RegistryService (on the internal port), or, with --registry etcd://HOST:PORT, watches the
+registry in etcd that several gateways share. Each request is prefilled on one instance and
+decoded on another; capacity refusals, lost instances and preemptions are retried or
+rescheduled so the client sees one seamless stream, or a typed OpenAI-style error.
 """
 
 EPILOG = """\
 examples:
-  # instances register themselves at this gateway's gRPC port (50050)
+  # instances register themselves at this gateway's internal port (50051)
   pdserve-gateway --port 8000 --grpc-port 50050
   # or name them statically; they are polled for health and load
   pdserve-gateway --prefill 10.0.0.5:50061 --decode 10.0.0.6:50071 --decode 10.0.0.7:50071
+  # or share the instances registered in etcd with other gateways (instances: --registry too)
+  pdserve-gateway --registry etcd://10.0.0.2:2379
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "demo", "prompt": "Hello", "max_tokens": 16}'
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
+from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.gateway.config_fields import limit_field, routing_field
 from pdserve.gateway.routing_policy import CacheRouting
 from pdserve.gateway.validation import RequestLimits
@@ -60,6 +61,7 @@ class GatewayConfig(ServiceConfig):
             "help": "HOST:PORT of a static decode instance (repeatable); polled like --prefill"
         },
     )
+    registry: str | None = field(default=None, metadata={"help": REGISTRY_HELP})
     tokenizer: str | None = field(
         default=None,
         metadata={
@@ -219,6 +221,10 @@ class GatewayConfig(ServiceConfig):
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        try:
+            check_registry_spec(self.registry)
+        except ValueError as error:
+            raise ValueError(f"--registry: {error}") from None
         for address in self.prefill:
             _check_address("--prefill", address)
         for address in self.decode:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+from google.protobuf.message import DecodeError
+
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.backend import (
     DecodeEvent,
@@ -37,6 +39,7 @@ from pdserve.v1 import (
     generation_pb2,
     instance_pb2,
     prefill_pb2,
+    registry_pb2,
 )
 
 _ROLES = {
@@ -104,6 +107,23 @@ def instance_status_from_pb(
     message: instance_pb2.GetInstanceStatusResponse,
 ) -> tuple[InstanceInfo, LoadReport]:
     """GetInstanceStatusResponse -> (`InstanceInfo`, `LoadReport`)."""
+    return instance_info_from_pb(message.instance), load_from_pb(message.load)
+
+
+def registration_from_bytes(data: bytes) -> tuple[InstanceInfo, LoadReport]:
+    """A serialized RegisterRequest (the value of an instance's etcd key) -> (`InstanceInfo`,
+    `LoadReport`).
+
+    Raises:
+        PdserveError: INVALID_REQUEST when the bytes do not parse or the role is unset.
+    """
+    message = registry_pb2.RegisterRequest()
+    try:
+        message.ParseFromString(data)
+    except DecodeError:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST, "not a serialized pdserve.v1.RegisterRequest"
+        ) from None
     return instance_info_from_pb(message.instance), load_from_pb(message.load)
 
 

@@ -221,6 +221,15 @@ class Registry:
             log.info("instance_reachable", instance_id=instance_id)
         return entry
 
+    def touch(self, instance_ids: Iterable[str]) -> None:
+        """Counts the known ones of `instance_ids` as heard from now, keeping their load and
+        reachability (the etcd watcher holds its last view this way while etcd is away)."""
+        now = self._clock()
+        for instance_id in instance_ids:
+            entry = self._entries.get(instance_id)
+            if entry is not None:
+                entry.last_seen = now
+
     def deregister(self, instance_id: str) -> bool:
         """Removes an instance; returns whether it was known. Idempotent."""
         entry = self._entries.pop(instance_id, None)

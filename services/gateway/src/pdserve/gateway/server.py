@@ -3,9 +3,9 @@
 `create_server(config)` builds everything without binding; `GatewayServer.start()` binds the
 REST port (`rest_server`), the public gRPC port (GenerationService) and the internal one
 (RegistryService, mutual TLS unless ``--insecure``), 0 picking free ones, and starts the
-background loops (TTL sweep, static instance polling); `stop()` drains: health NOT_SERVING,
-new requests refused, running ones given ``shutdown_grace_s`` to finish. `serve(config)` runs
-one until SIGTERM.
+background loops (TTL sweep, static instance polling, the etcd watcher with ``--registry``);
+`stop()` drains: health NOT_SERVING, new requests refused, running ones given
+``shutdown_grace_s`` to finish. `serve(config)` runs one until SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2
 
 from pdserve.common import env
 from pdserve.common.authz import AuthorizationInterceptor
+from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.security import Security
 from pdserve.gateway import generation_servicer
@@ -30,6 +31,7 @@ from pdserve.gateway.api_keys import ApiKeyStore
 from pdserve.gateway.clients import GrpcBackend
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.decisions import RetryPolicy
+from pdserve.gateway.etcd_watcher import EtcdWatcher
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
@@ -126,6 +128,17 @@ class GatewayServer:
             self.backend.is_serving,
             config.poll_interval_s,
         )
+        # NOTE: with --registry etcd://... instances join through etcd; RegistryService stays
+        # on the internal port for instances that register with this gateway alone.
+        self.etcd_watcher = (
+            EtcdWatcher(
+                self.registry,
+                EtcdTarget.parse(config.registry),
+                min(config.heartbeat_interval_s, config.instance_ttl_s / 4),
+            )
+            if config.registry is not None
+            else None
+        )
         self.registry.add_listener(self._on_instance_joined)
         self.registry.add_listener(lambda _: self._spawn_readiness_update())
         self.registry.add_lost_listener(
@@ -206,6 +219,8 @@ class GatewayServer:
         if config.prefill or config.decode:
             await self.poller.poll_once()
             self._spawn(self.poller.run())
+        if self.etcd_watcher is not None:
+            self._spawn(self.etcd_watcher.run())
         self._spawn(self._sweep())
         log.info(
             "gateway_started",
@@ -216,6 +231,7 @@ class GatewayServer:
             internal_plane=self.security.describe(),
             static_prefill=list(config.prefill),
             static_decode=list(config.decode),
+            registry=config.registry or "embedded",
             tokenizer=config.tokenizer,
         )
 
