@@ -33,6 +33,7 @@ from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c, id_runs
 log = structlog.get_logger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 NAME_PREFIX = "pdserve-kv-"
 
 
@@ -138,7 +139,9 @@ class SharedKvPool:
             if info.st_size == 0 or info.st_size % per_block:
                 raise ValueError(f"{name} holds {info.st_size} bytes, not whole KV blocks")
             self.num_blocks = info.st_size // per_block
-            self.mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED)
+            # NOTE: populated once here, so that transfers never take page faults (they would
+            # otherwise cost about as much as the copy itself on first touch of each block).
+            self.mapping = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED | _MAP_POPULATE)
         finally:
             os.close(fd)
         # blocks: [num_layers, 2, num_blocks, block_nbytes] bytes of the decode's cache

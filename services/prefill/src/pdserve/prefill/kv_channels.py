@@ -35,6 +35,9 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 T = TypeVar("T")
 
+# Most K+V bytes the shared-memory channel copies before it announces them.
+GROUP_BYTES = 8 << 20
+
 # Initial metadata a decode sends once it accepted a SyncCache header (see its servicer).
 SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
 
@@ -177,14 +180,18 @@ class SharedMemoryChannel(GrpcChannel):
             raise await self._final_error()
 
     async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
-        copy = asyncio.ensure_future(asyncio.to_thread(self._write_all, pieces, corrupt_first))
-        try:
-            crcs = await asyncio.shield(copy)
-        except asyncio.CancelledError:
-            await asyncio.wait([copy])  # NOTE: never leave a copy running (module doc)
-            raise
-        for piece, crc in zip(pieces, crcs, strict=True):
-            await self._write(convert.kv_chunk_meta(piece, crc))
+        # NOTE: in groups of a few MiB, so that the decode checksums one group while the next
+        # one is copied.
+        for group in _groups(pieces, GROUP_BYTES):
+            copy = asyncio.ensure_future(asyncio.to_thread(self._write_all, group, corrupt_first))
+            corrupt_first = False
+            try:
+                crcs = await asyncio.shield(copy)
+            except asyncio.CancelledError:
+                await asyncio.wait([copy])  # NOTE: never leave a copy running (module doc)
+                raise
+            for piece, crc in zip(group, crcs, strict=True):
+                await self._write(convert.kv_chunk_meta(piece, crc))
 
     def _write_all(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> list[int]:
         assert self.window is not None
@@ -192,6 +199,20 @@ class SharedMemoryChannel(GrpcChannel):
             self.window.write(piece, corrupt=corrupt_first and i == 0)
             for i, piece in enumerate(pieces)
         ]
+
+
+def _groups(pieces: Sequence[KvPiece], max_bytes: int) -> list[list[KvPiece]]:
+    """`pieces` in order, in runs of at most `max_bytes` of K+V (at least one piece each)."""
+    groups: list[list[KvPiece]] = []
+    size = max_bytes
+    for piece in pieces:
+        nbytes = len(piece.key) + len(piece.value)
+        if size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += nbytes
+    return groups
 
 
 async def ask_lease_state(
