@@ -22,6 +22,16 @@ def _samples(text: str) -> dict[str, float]:
     }
 
 
+def _by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """The samples named `name`, by the value of their `label`."""
+    return {
+        sample.labels[label]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and label in sample.labels
+    }
+
+
 @pytest.fixture
 async def cluster(demo_model_dir: Path) -> AsyncIterator[RealCluster]:
     real = RealCluster(demo_model_dir)
@@ -50,11 +60,14 @@ async def test_metrics_after_n_requests(cluster: RealCluster) -> None:
     prefill_address = cluster.prefills[0].status.instance.metrics_address
     decode_address = cluster.decodes[0].status.instance.metrics_address
     async with httpx.AsyncClient(timeout=10) as client:
-        prefill = _samples((await client.get(f"http://{prefill_address}/metrics")).text)
+        prefill_text = (await client.get(f"http://{prefill_address}/metrics")).text
+        prefill = _samples(prefill_text)
         decode = _samples((await client.get(f"http://{decode_address}/metrics")).text)
     assert prefill["pdserve_prefill_handed_off_total"] == NUM_REQUESTS
     assert prefill["pdserve_prefill_prompt_tokens_total"] > 0
-    assert prefill["pdserve_prefill_kv_transfer_seconds_count"] == NUM_REQUESTS
+    transfers = _by_label(prefill_text, "pdserve_prefill_kv_transfer_seconds_count", "transport")
+    assert sum(transfers.values()) == NUM_REQUESTS
+    assert set(transfers) <= {"shm", "tcp", "grpc"}
     assert (
         prefill["pdserve_prefill_kv_sent_bytes_total"]
         == decode["pdserve_decode_kv_received_bytes_total"]

@@ -10,7 +10,8 @@ class PrefillMetrics(InstanceMetrics):
 
     Attributes:
         pass_seconds: Duration of one prefill forward pass (all chunks of the batch).
-        transfer_seconds: Duration of one request's KV push, first chunk to the decode's ack.
+        transfer_seconds: Duration of one request's KV push, first chunk to the decode's ack,
+            by ``transport`` (shm, tcp, grpc).
         phase_seconds: Where requests' time went, by ``phase`` (lease, queue, compute,
             transfer_tail; see `pdserve.prefill.phases`).
     """
@@ -22,7 +23,8 @@ class PrefillMetrics(InstanceMetrics):
         )
         self.transfer_seconds = self.histogram(
             "kv_transfer_seconds",
-            "Duration of one request's KV push over SyncCache, open to acknowledged commit.",
+            "Duration of one request's KV push, open to acknowledged commit, by transport.",
+            ["transport"],
         )
         self.phase_seconds = self.histogram(
             "phase_seconds",
