@@ -257,9 +257,8 @@ class Handoffs:
             self.num_kv_bytes_sent += sender.num_bytes
             self.num_handed_off += 1
             if self.metrics is not None:
-                self.metrics.transfer_seconds.labels(sender.transport).observe(
-                    time.perf_counter() - started
-                )
+                seconds = time.perf_counter() - started
+                self.metrics.transfer_seconds.labels(sender.transport).observe(seconds)
         span.end()
 
     async def _cleanup(self, request: Request, error: PdserveError | None) -> None:
