@@ -46,6 +46,10 @@ class KvPiece:
 
 _Buffer = bytes | bytearray | memoryview
 
+# The initial metadata a decode sends on SyncCache once it accepted the header's token; a
+# shared-memory sender writes into the segment only after it.
+SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
+
 
 def chunk_crc32c(key: _Buffer, value: _Buffer) -> int:
     """CRC-32C of `key` followed by `value`, as KvChunk.crc32c defines it (any buffer, no

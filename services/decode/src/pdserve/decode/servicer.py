@@ -26,14 +26,11 @@ from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.decode.transfers import TRANSPORT_NAMES, Transfers
 from pdserve.serving.convert import local_protocol
-from pdserve.serving.kv_transfer import TransportOffer
+from pdserve.serving.kv_transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
-
-# Initial metadata a decode sends once it accepted a SyncCache header.
-SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import grpc
 
@@ -30,16 +30,11 @@ from pdserve.prefill import convert
 from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
 from pdserve.prefill.request import Request
 from pdserve.serving.kv_shm import LeaseWindow, SharedKvPool
-from pdserve.serving.kv_transfer import KvPiece
+from pdserve.serving.kv_transfer import SYNC_ACCEPTED_KEY, KvPiece
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
-
-T = TypeVar("T")
 
 # Most K+V bytes the shared-memory channel copies before it announces them.
 GROUP_BYTES = 8 << 20
-
-# Initial metadata a decode sends once it accepted a SyncCache header (see its servicer).
-SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
 
 
 class TransportUnavailable(Exception):
@@ -60,10 +55,6 @@ class KvChannel(Protocol):
     ) -> None: ...
 
     def close(self) -> None: ...
-
-
-class _StreamEnded(Exception):
-    """A write found the stream already ended by the decode."""
 
 
 class GrpcChannel:
