@@ -73,28 +73,22 @@ class TcpChannel:
         if answer.error_reason != errors_pb2.ERROR_REASON_UNSPECIFIED:
             name = errors_pb2.ErrorReason.Name(answer.error_reason).removeprefix("ERROR_REASON_")
             raise PdserveError(
-                ErrorReason[name],
+                ErrorReason.__members__.get(name, ErrorReason.CACHE_SYNC_FAILED),
                 answer.error_message,
-                {
-                    "requestId": self.request.request_id,
-                    "decodeAddress": self.request.decode_address,
-                },
+                self._metadata(),
             )
         self.close()
         if answer.response.state != decode_pb2.LEASE_STATE_COMMITTED:
             raise PdserveError(
                 ErrorReason.CACHE_SYNC_FAILED,
                 "the data port answered without a commit",
-                {
-                    "requestId": self.request.request_id,
-                    "decodeAddress": self.request.decode_address,
-                },
+                self._metadata(),
             )
 
     def close(self) -> None:
         if self.sock is not None:
-            # NOTE: shutdown (not close) so that a send under way on a worker fails at once
-            # and its file descriptor cannot be reused meanwhile.
+            # NOTE: shut down first, so that a send under way on a worker fails at once
+            # instead of writing on.
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
@@ -106,12 +100,12 @@ class TcpChannel:
             local = PdserveError(
                 ErrorReason.CACHE_SYNC_FAILED,
                 f"TCP transfer to {self.address} broken: {error}",
-                {
-                    "requestId": self.request.request_id,
-                    "decodeAddress": self.request.decode_address,
-                },
+                self._metadata(),
             )
             raise await ask_lease_state(self.stub, self.request, local) from None
+
+    def _metadata(self) -> dict[str, str]:
+        return {"requestId": self.request.request_id, "decodeAddress": self.request.decode_address}
 
     def _send_pieces(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> None:
         for i, piece in enumerate(pieces):
