@@ -13,6 +13,7 @@ instance. Ties are broken at random.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -44,8 +45,14 @@ class Pair:
 
 def is_compatible(entry: InstanceEntry) -> bool:
     """Same protocol major as the gateway (any minor)."""
+    return _is_compatible_version(entry.info.protocol_version)
+
+
+@functools.lru_cache(maxsize=64)
+def _is_compatible_version(version: str) -> bool:
+    # NOTE: cached: every pick asks this of every instance, and a cluster has few versions.
     try:
-        check_compatible(entry.info.protocol_version)
+        check_compatible(version)
     except PdserveError:
         return False
     return True
@@ -184,8 +191,11 @@ class Router:
     def _best(
         self, entries: list[InstanceEntry], score: Callable[[InstanceEntry], int]
     ) -> InstanceEntry:
-        best_score = max(score(e) for e in entries)
-        return self._rng.choice([e for e in entries if score(e) == best_score])
+        scores = [score(e) for e in entries]
+        best_score = max(scores)
+        return self._rng.choice(
+            [e for e, s in zip(entries, scores, strict=True) if s == best_score]
+        )
 
     def _pending_for(self, entry: InstanceEntry) -> int:
         seq, amount = self._pending.get(entry.instance_id, (entry.load_seq, 0))
@@ -207,6 +217,7 @@ class _PromptKeys:
     def __init__(self, token_ids: Sequence[int]) -> None:
         self._token_ids = token_ids
         self._keys: dict[tuple[str, int], list[BlockHash]] = {}
+        self._reusable: dict[tuple[str, int], list[BlockHash]] = {}
 
     def of(self, entry: InstanceEntry) -> list[BlockHash]:
         """The keys of every full block under `entry`'s layout."""
@@ -221,5 +232,10 @@ class _PromptKeys:
     def reusable(self, entry: InstanceEntry) -> list[BlockHash]:
         """The keys of the blocks `entry` may take from its cache for this prompt."""
         # NOTE: a prefill always computes the last token: its logits give the first token.
-        block_size = max(1, entry.info.kv_layout.block_size)
-        return self.of(entry)[: (len(self._token_ids) - 1) // block_size]
+        layout = entry.info.kv_layout
+        block_size = max(1, layout.block_size)
+        reusable = self._reusable.get((layout.fingerprint, block_size))
+        if reusable is None:
+            reusable = self.of(entry)[: (len(self._token_ids) - 1) // block_size]
+            self._reusable[layout.fingerprint, block_size] = reusable
+        return reusable
