@@ -159,7 +159,9 @@ async def test_abort_while_prefilling_releases_everything(tiny_model_dir: Path) 
         events = await stream
         _expect(events, ErrorReason.CANCELLED)
         assert events.kinds == []
-        await pd.assert_whole()
+        # NOTE: the decode frees the lease's blocks once its transfer stream has ended, which
+        # it learns shortly after the abort returned.
+        await pd.eventually_whole()
 
 
 async def test_abort_while_transferring_releases_everything(tiny_model_dir: Path) -> None:

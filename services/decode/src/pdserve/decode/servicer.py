@@ -32,6 +32,10 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
+# How long a shared-memory transfer the decode ended keeps its blocks: a sender's copy of one
+# group of pieces takes milliseconds, and it writes nothing after its next message fails.
+SHARED_WRITER_GRACE_S = 1.0
+
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
     """Implements pdserve.v1.DecodeService.
@@ -129,14 +133,31 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 {telemetry.REQUEST_ID: lease.request_id, "pdserve.lease_id": lease.lease_id,
                  "pdserve.transport": TRANSPORT_NAMES.get(header.transport, "grpc")}
             )  # fmt: skip
+            is_shared = header.transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
+            commit: decode_pb2.SyncCacheCommit | None = None
+            is_end_deferred = False
             try:
-                if header.transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY:
+                if is_shared:
                     # NOTE: the sender writes into the segment only after this answer.
                     await context.send_initial_metadata(((SYNC_ACCEPTED_KEY, "1"),))
-                commit = await self._receive(request_iterator, receiver, header.transport)
+                commit, checks = await self._receive(request_iterator, receiver, header.transport)
+                for meta, crc in checks:
+                    receiver.receive_written(meta, await crc)
                 response = self.transfers.commit(lease, receiver, header, commit, started)
+            except PdserveError:
+                if is_shared and commit is None:
+                    # NOTE: the decode ends the stream before the sender's commit: a copy may
+                    # still be under way there (it stops at its next write), so the blocks
+                    # stay held a little longer. A sender that hangs up, or commits, has
+                    # stopped writing.
+                    asyncio.get_running_loop().call_later(
+                        SHARED_WRITER_GRACE_S, self.transfers.end, lease
+                    )
+                    is_end_deferred = True
+                raise
             finally:
-                self.transfers.end(lease)
+                if not is_end_deferred:
+                    self.transfers.end(lease)
             trace.get_current_span().set_attributes(
                 {"pdserve.kv.num_bytes": receiver.num_bytes,
                  "pdserve.kv.num_chunks": receiver.num_chunks}
@@ -160,10 +181,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest],
         receiver: KvReceiver,
         transport: decode_pb2.TransportKind,
-    ) -> decode_pb2.SyncCacheCommit:
-        """Takes chunks until the commit and returns it. Shared memory: a chunk without bytes
-        names blocks the sender wrote; their checksum is computed in the cache on a worker
-        while the next ones come, and all must match before the commit is returned."""
+    ) -> tuple[decode_pb2.SyncCacheCommit, list[tuple[KvChunkMeta, asyncio.Future[int]]]]:
+        """Takes chunks until the commit; returns it with the checksums still to compare.
+        Shared memory: a chunk without bytes names blocks the sender wrote; their checksum is
+        computed in the cache on a worker while the next ones come."""
         is_shared = transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
         checks: list[tuple[KvChunkMeta, asyncio.Future[int]]] = []
         async for message in request_iterator:
@@ -185,9 +206,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     (meta, loop.run_in_executor(CHECKSUM_WORKERS, receiver.crc_in_cache, meta))
                 )
             elif part == "commit":
-                for meta, crc in checks:
-                    receiver.receive_written(meta, await crc)
-                return message.commit
+                return message.commit, checks
             else:
                 raise receiver.failure(f"unexpected {part or 'empty'} message after the header")
         raise receiver.failure("stream ended without a commit", grpc.StatusCode.ABORTED)
