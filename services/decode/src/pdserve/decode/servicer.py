@@ -121,8 +121,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest],
         context: grpc.aio.ServicerContext,
     ) -> decode_pb2.SyncCacheResponse:
-        """Receives header, chunks (or the shared-memory chunk list) and commit; on any
-        failure frees the lease."""
+        """Receives header, chunks (with their bytes, or naming bytes in shared memory) and
+        commit; on any failure frees the lease."""
         lease: DecodeRequest | None = None
         started = time.perf_counter()
         try:
