@@ -17,17 +17,12 @@ from common import percentile
 from loadgen import RequestResult
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.gateway.phases import PHASES
+
 FAMILY = "pdserve_gateway_ttft_phase_seconds"
-# The phases up to the first token, in the order they happen.
-TTFT_PHASES = (
-    "gateway_queue",
-    "network",
-    "lease",
-    "prefill_queue",
-    "compute",
-    "first_token_to_client",
-)
 AFTER_FIRST_TOKEN = "transfer_tail"
+# The phases up to the first token, in the order they happen.
+TTFT_PHASES = tuple(phase for phase in PHASES if phase != AFTER_FIRST_TOKEN)
 
 # phase -> (sum of seconds, count)
 PhaseTotals = dict[str, tuple[float, float]]
