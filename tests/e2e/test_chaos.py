@@ -134,18 +134,24 @@ def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[
     return on_tokens
 
 
-def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
+async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
     """The decode with the most streams still running, and that count: requests whose lease
     it committed and the gateway has not finished."""
     # NOTE: read from the logs, not asked of the pools: two mTLS calls on a loaded machine
-    # take long enough for a few hundred tiny-model tokens to end before the fault lands.
+    # take long enough for a few hundred tiny-model tokens to end before the fault lands. The
+    # logs are read as the children write them, so a commit may show a moment after its
+    # first tokens: wait (briefly) until one shows.
     assert cluster.gateway is not None
-    finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
-    running = [
-        len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
-        for d in cluster.decodes
-    ]
-    return cluster.decodes[running.index(max(running))], max(running)
+    deadline = time.monotonic() + 5.0
+    while True:
+        finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
+        running = [
+            len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
+            for d in cluster.decodes
+        ]
+        if max(running) > 0 or time.monotonic() > deadline:
+            return cluster.decodes[running.index(max(running))], max(running)
+        await asyncio.sleep(0.02)
 
 
 # ---- SIGKILL a decode mid-stream -------------------------------------------------------------
@@ -189,7 +195,7 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
             for (prompt, sampling), event in zip(requests, streaming, strict=True)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
-        victim, num_running = busiest_decode(cluster)
+        victim, num_running = await busiest_decode(cluster)
         victim.signal(signal.SIGKILL)
         assert num_running > 0, "no decode held a running stream"
         assert not all(task.done() for task in tasks), "the streams ended before the kill"
@@ -326,7 +332,7 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
             )
         )
         await asyncio.wait_for(is_streaming.wait(), 30)
-        victim, num_running = busiest_decode(cluster)
+        victim, num_running = await busiest_decode(cluster)
         victim.signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         assert num_running > 0 and not long_task.done()
