@@ -136,22 +136,35 @@ def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[
 
 async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
     """The decode with the most streams still running, and that count: requests whose lease
-    it committed and the gateway has not finished."""
+    it committed and the gateway has not finished. It comes back frozen (SIGSTOP), so none of
+    those streams can end before the caller's fault lands; the other decodes run on."""
     # NOTE: read from the logs, not asked of the pools: two mTLS calls on a loaded machine
     # take long enough for a few hundred tiny-model tokens to end before the fault lands. The
-    # logs are read as the children write them, so a commit may show a moment after its
-    # first tokens: wait (briefly) until one shows.
+    # logs are read as the children write them, a moment late: every decode is frozen while
+    # they catch up, so a stream counted as running cannot finish between the count and the
+    # fault (a short freeze, far below the gateway's stall timeout).
     assert cluster.gateway is not None
-    deadline = time.monotonic() + 5.0
-    while True:
-        finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
-        running = [
-            len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
-            for d in cluster.decodes
-        ]
-        if max(running) > 0 or time.monotonic() > deadline:
-            return cluster.decodes[running.index(max(running))], max(running)
-        await asyncio.sleep(0.02)
+    victim: ChildProcess | None = None
+    for decode in cluster.decodes:
+        decode.signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5.0
+        await asyncio.sleep(0.3)
+        while True:
+            finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
+            running = [
+                len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
+                for d in cluster.decodes
+            ]
+            if max(running) > 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        victim = cluster.decodes[running.index(max(running))]
+    finally:
+        for decode in cluster.decodes:
+            if decode is not victim:
+                decode.signal(signal.SIGCONT)
+    return victim, max(running)
 
 
 # ---- SIGKILL a decode mid-stream -------------------------------------------------------------
@@ -195,7 +208,7 @@ async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference:
             for (prompt, sampling), event in zip(requests, streaming, strict=True)
         ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
-        victim, num_running = await busiest_decode(cluster)
+        victim, num_running = await busiest_decode(cluster)  # frozen: none of its streams end
         victim.signal(signal.SIGKILL)
         assert num_running > 0, "no decode held a running stream"
         assert not all(task.done() for task in tasks), "the streams ended before the kill"
@@ -332,9 +345,8 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
             )
         )
         await asyncio.wait_for(is_streaming.wait(), 30)
-        victim, num_running = await busiest_decode(cluster)
-        victim.signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
+        victim, num_running = await busiest_decode(cluster)  # left frozen
         assert num_running > 0 and not long_task.done()
 
         # New requests move to the other decode, well within the request timeout.
