@@ -1,0 +1,274 @@
+"""A cluster over several hosts, one decode cut off by a network partition and joined again.
+
+Gateway, prefill and two decodes each run on a test host of their own (a network namespace with
+its own address, `support.netns`): they reach each other only over the network, with mutual
+TLS, and KV moves from prefill to decode over the TCP data plane (shared memory is not offered:
+the decodes serve ``--kv-transports tcp``). The test process is a client on the same network.
+
+Then one decode's link goes down while it streams. Nothing is refused, packets are dropped, as
+in a real partition: the gateway stops hearing its heartbeats, drops it after 2 s and moves its
+streams to the other decode; new requests go to the other decode only. When the link comes up
+the decode learns it was dropped, registers again and takes requests; neither side keeps a
+block of what the partition cut.
+
+Needs root (``ip netns``): it fails, never skips, where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support.netns import TestNetwork
+from support.process_cluster import (
+    ProcessCluster,
+    events_named,
+    metrics_url,
+    stream_token_ids,
+)
+from support.real_cluster import Reference
+
+from pdserve.launcher.child import ChildProcess
+from pdserve.launcher.cluster import ClusterConfig
+
+HOSTS = ("gateway", "prefill-0", "decode-0", "decode-1")
+REQUEST_TIMEOUT_S = 15.0
+INSTANCE_TTL_S = 2.0
+LONG_TOKENS = 500  # long enough to still stream when the partition comes
+GREEDY: dict[str, Any] = {"temperature": 0.0}
+SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
+
+
+class MultiHostCluster(ProcessCluster):
+    """A `ProcessCluster` whose every process runs on the test host named like it, bound to
+    that host's address (the gateway's address is the cluster's ``host``)."""
+
+    def __init__(self, config: ClusterConfig, network: TestNetwork) -> None:
+        super().__init__(config)
+        self.network = network
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
+        host = self.network.hosts[name]
+        args = [host.address if previous == "--host" else arg for previous, arg in pairs(args)]
+        argv = [sys.executable, "-m", module, *args, *self._security_args(name)]
+        argv += ["--log-level", self.config.log_level]
+        return ChildProcess(name, host.command(argv), self.log_dir / f"{name}.log", self.env)
+
+
+def pairs(args: list[str]) -> Iterator[tuple[str, str]]:
+    """Each argument with the one before it (``""`` for the first)."""
+    return zip(["", *args[:-1]], args, strict=True)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path) -> Reference:
+    return Reference(demo_model_dir)
+
+
+@pytest.fixture
+def network() -> Iterator[TestNetwork]:
+    with TestNetwork(HOSTS) as made:
+        yield made
+
+
+@pytest.fixture
+def cluster(demo_model_dir: Path, tmp_path: Path, network: TestNetwork) -> Iterator[ProcessCluster]:
+    # NOTE: as in the frozen-decode chaos test: a silent decode is dropped after 2 s, and a
+    # prefill gives up on a silent decode's AllocateBlocks after 1.5 s (then another is tried).
+    config = ClusterConfig(
+        model=str(demo_model_dir),
+        decodes=2,
+        host=network.hosts["gateway"].address,
+        port=0,
+        grpc_port=0,
+        internal_port=0,
+        log_dir=str(tmp_path),
+        startup_timeout_s=120,
+        prefill_args="--num-blocks 512 --kv-transports tcp,grpc --allocate-timeout-ms 1500",
+        decode_args="--num-blocks 1024 --kv-transports tcp --lease-ttl-ms 3000",
+        gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S} --heartbeat-interval-s 0.5 "
+        f"--instance-ttl-s {INSTANCE_TTL_S}",
+    )
+    started = MultiHostCluster(config, network)
+    started.start()
+    try:
+        yield started
+    finally:
+        for name in HOSTS:
+            network.heal(name)
+        started.stop(timeout_s=10)
+
+
+def cases(num: int, prefix: str) -> list[tuple[str, dict[str, Any]]]:
+    """`num` distinct prompts, alternately greedy and seeded."""
+    return [
+        (f"{prefix} number {i}", GREEDY if i % 2 == 0 else {**SEEDED, "seed": 2000 + i})
+        for i in range(num)
+    ]
+
+
+async def expected_ids(
+    reference: Reference, requests: list[tuple[str, dict[str, Any]]], max_tokens: int
+) -> list[list[int]]:
+    """What the undisturbed single-process engine produces (run off the event loop)."""
+
+    def run() -> list[list[int]]:
+        return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
+
+    return await asyncio.to_thread(run)
+
+
+async def run_all(
+    cluster: ProcessCluster, requests: list[tuple[str, dict[str, Any]]], max_tokens: int
+) -> list[list[int]]:
+    """Streams every request at once through the gateway; their token ids."""
+    async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 10) as client:
+        return await asyncio.gather(
+            *(
+                stream_token_ids(
+                    client,
+                    cluster.model_name,
+                    prompt,
+                    max_tokens=max_tokens,
+                    timeout_s=REQUEST_TIMEOUT_S + 10,
+                    **sampling,
+                )
+                for prompt, sampling in requests
+            )
+        )
+
+
+def committed(decode: ChildProcess) -> set[str]:
+    """Request ids whose lease `decode` committed (it decodes them)."""
+    return {e["request_id"] for e in events_named(decode, "lease_committed")}
+
+
+def finished(cluster: ProcessCluster) -> set[str]:
+    """Request ids the gateway finished."""
+    assert cluster.gateway is not None
+    return {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
+
+
+def instance_id(child: ChildProcess) -> str:
+    return str(child.wait_for_event("registered", 1.0)["instance_id"])
+
+
+async def kv_transfers(child: ChildProcess, transport: str) -> float:
+    """How many KV pushes a prefill completed over `transport`."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        text = (await http.get(metrics_url(child))).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pdserve_prefill_kv_transfer_seconds_count"
+        and sample.labels.get("transport") == transport
+    )
+
+
+async def wait_for(condition: Any, timeout_s: float, what: str) -> None:
+    """Polls `condition()` until true; fails the test naming `what` when time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_partitioned_decode_moves_its_streams_and_rejoins(
+    cluster: MultiHostCluster, network: TestNetwork, reference: Reference
+) -> None:
+    assert cluster.gateway is not None
+    long_requests = cases(4, "A long story told across hosts")
+    during = cases(6, "Requests while a decode is cut off")
+    after = cases(8, "Requests once the partition healed")
+    long_expected = await expected_ids(reference, long_requests, LONG_TOKENS)
+    during_expected = await expected_ids(reference, during, 16)
+    after_expected = await expected_ids(reference, after, 16)
+
+    # Streams on both decodes, past their first tokens.
+    streaming = [asyncio.Event() for _ in long_requests]
+    async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 10) as client:
+
+        def on_tokens(event: asyncio.Event) -> Any:
+            return lambda ids: event.set() if len(ids) >= 5 else None
+
+        long_tasks = [
+            asyncio.create_task(
+                stream_token_ids(
+                    client,
+                    cluster.model_name,
+                    prompt,
+                    max_tokens=LONG_TOKENS,
+                    on_tokens=on_tokens(event),
+                    timeout_s=REQUEST_TIMEOUT_S + 10,
+                    **sampling,
+                )
+            )
+            for (prompt, sampling), event in zip(long_requests, streaming, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
+
+        # Cut off the decode with the most running streams. Both links go down while the
+        # logs (read as the processes write them) catch up, so no counted stream can end
+        # before its decode is cut off; the other decode's link is up again at once.
+        for decode in cluster.decodes:
+            network.partition(decode.name)
+        cut_at = time.monotonic()
+        await asyncio.sleep(0.3)
+        while True:  # NOTE: at most 1 s: both decodes stay well within the 2 s TTL
+            running = [len(committed(d) - finished(cluster)) for d in cluster.decodes]
+            if max(running) > 0 or time.monotonic() - cut_at > 1.0:
+                break
+            await asyncio.sleep(0.05)
+        victim = cluster.decodes[running.index(max(running))]
+        for decode in cluster.decodes:
+            if decode is not victim:
+                network.heal(decode.name)
+        assert max(running) > 0, "no decode held a running stream"
+        victim_id = instance_id(victim)
+        print(f"cut off {victim.name} with {max(running)} running streams")
+
+        # Its streams move to the other decode once it misses its heartbeats, and end exactly
+        # as an undisturbed run.
+        assert await asyncio.gather(*long_tasks) == long_expected
+        assert time.monotonic() - cut_at < REQUEST_TIMEOUT_S
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
+    assert any(
+        e["instance_id"] == victim_id for e in events_named(cluster.gateway, "instance_expired")
+    )
+
+    # New requests go to the reachable decode only: nothing is tried on the lost one.
+    reschedules = await cluster.counter("pdserve_gateway_reschedules")
+    survivor = next(decode for decode in cluster.decodes if decode is not victim)
+    before = committed(survivor)
+    assert await run_all(cluster, during, 16) == during_expected
+    assert len(committed(survivor) - before) == len(during), "a request went elsewhere"
+    rescheduled = await cluster.counter("pdserve_gateway_reschedules") - reschedules
+    assert rescheduled == 0, f"{rescheduled} new requests were tried on the cut-off decode"
+
+    # The partition heals: the decode finds it was dropped, registers again and takes work.
+    registrations = len(events_named(victim, "registered"))
+    network.heal(victim.name)
+    await wait_for(
+        lambda: len(events_named(victim, "registered")) > registrations,
+        15,
+        f"{victim.name} registered again",
+    )
+    # NOTE: both decodes idle, so the router spreads a burst over both.
+    before = committed(victim)
+    assert await run_all(cluster, after, 16) == after_expected
+    assert committed(victim) - before, f"{victim.name} took no request after it rejoined"
+
+    # No blocks leak on either side of the cut, and every KV push went over TCP.
+    await cluster.wait_whole(timeout_s=15)
+    prefill = cluster.prefills[0]
+    assert await kv_transfers(prefill, "tcp") >= len(long_requests) + len(during) + len(after)
+    assert await kv_transfers(prefill, "shm") == 0
