@@ -17,6 +17,7 @@ Needs root (``ip netns``): it fails, never skips, where namespaces cannot be mad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.etcd_server import running_etcd
 from support.netns import TestNetwork
 from support.process_cluster import (
     ProcessCluster,
@@ -78,24 +80,48 @@ def network() -> Iterator[TestNetwork]:
         yield made
 
 
-@pytest.fixture
-def cluster(demo_model_dir: Path, tmp_path: Path, network: TestNetwork) -> Iterator[ProcessCluster]:
+@pytest.fixture(params=["gateway", "etcd"])
+def cluster(
+    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path: Path, network: TestNetwork
+) -> Iterator[ProcessCluster]:
+    """The cluster over the test hosts, its registry in the gateway or in an etcd on the
+    network (at the test client's address)."""
     # NOTE: as in the frozen-decode chaos test: a silent decode is dropped after 2 s, and a
     # prefill gives up on a silent decode's AllocateBlocks after 1.5 s (then another is tried).
-    config = ClusterConfig(
-        model=str(demo_model_dir),
-        decodes=2,
-        host=network.hosts["gateway"].address,
-        port=0,
-        grpc_port=0,
-        internal_port=0,
-        log_dir=str(tmp_path),
-        startup_timeout_s=120,
-        prefill_args="--num-blocks 512 --kv-transports tcp,grpc --allocate-timeout-ms 1500",
-        decode_args="--num-blocks 1024 --kv-transports tcp --lease-ttl-ms 3000",
-        gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S} --heartbeat-interval-s 0.5 "
-        f"--instance-ttl-s {INSTANCE_TTL_S}",
-    )
+    # With etcd, the instance's 2 s etcd lease lapses first (the gateway's own TTL is longer):
+    # the gateway learns of the loss from etcd.
+    registry = None
+    instance_args = ""
+    gateway_args = f"--request-timeout {REQUEST_TIMEOUT_S} --heartbeat-interval-s 0.5 "
+    gateway_args += f"--instance-ttl-s {INSTANCE_TTL_S}"
+    with contextlib.ExitStack() as stack:
+        if request.param == "etcd":
+            etcd = stack.enter_context(running_etcd(tmp_path, network.address))
+            registry = etcd.spec
+            instance_args = f"--registry-ttl-s {INSTANCE_TTL_S:.0f} --heartbeat-interval-s 0.3"
+            gateway_args = f"--request-timeout {REQUEST_TIMEOUT_S} --instance-ttl-s 4"
+        config = ClusterConfig(
+            model=str(demo_model_dir),
+            decodes=2,
+            registry=registry,
+            host=network.hosts["gateway"].address,
+            port=0,
+            grpc_port=0,
+            internal_port=0,
+            log_dir=str(tmp_path),
+            startup_timeout_s=120,
+            prefill_args="--num-blocks 512 --kv-transports tcp,grpc --allocate-timeout-ms 1500 "
+            + instance_args,
+            decode_args="--num-blocks 1024 --kv-transports tcp --lease-ttl-ms 3000 "
+            + instance_args,
+            gateway_args=gateway_args,
+        )
+        yield stack.enter_context(started_across(config, network))
+
+
+@contextlib.contextmanager
+def started_across(config: ClusterConfig, network: TestNetwork) -> Iterator[ProcessCluster]:
+    """Starts a `MultiHostCluster`; on exit heals every host and stops it."""
     started = MultiHostCluster(config, network)
     started.start()
     try:

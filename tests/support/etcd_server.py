@@ -1,6 +1,6 @@
-"""A real single-member etcd on 127.0.0.1 for tests: its own data dir, free client and peer
-ports; `stop` and `start` again (same ports, same data) simulate an etcd restart, `freeze` a
-hung one."""
+"""A real single-member etcd for tests, on 127.0.0.1 or another local address: its own data
+dir, free client and peer ports; `stop` and `start` again (same ports, same data) simulate an
+etcd restart, `freeze` a hung one."""
 
 from __future__ import annotations
 
@@ -20,24 +20,24 @@ import pytest
 _START_TIMEOUT_S = 20.0
 
 
-def _free_port() -> int:
+def _free_port(host: str) -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _is_healthy(port: int) -> bool:
+def _is_healthy(host: str, port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as response:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=0.5) as response:
             return bool(json.loads(response.read()).get("health") == "true")
     except (OSError, ValueError):
         return False
 
 
 class EtcdServer:
-    """One etcd process; `spec` is what ``--registry`` takes."""
+    """One etcd process listening on `host`; `spec` is what ``--registry`` takes."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1") -> None:
         binary = shutil.which("etcd")
         if binary is None:
             pytest.fail(
@@ -47,16 +47,17 @@ class EtcdServer:
             )
         self._binary = binary
         self._workdir = workdir
-        self.port = _free_port()
-        self.peer_port = _free_port()
-        self.spec = f"etcd://127.0.0.1:{self.port}"
+        self.host = host
+        self.port = _free_port(host)
+        self.peer_port = _free_port(host)
+        self.spec = f"etcd://{host}:{self.port}"
         self._process: subprocess.Popen[bytes] | None = None
         self.start()
 
     def start(self) -> None:
         """Starts etcd (again) and waits until it reports healthy."""
-        client = f"http://127.0.0.1:{self.port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://{self.host}:{self.port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         log = open(self._workdir / "etcd.log", "ab")  # noqa: SIM115
         self._process = subprocess.Popen(
             [self._binary, "--name", "test", "--data-dir", str(self._workdir / "etcd-data"),
@@ -68,7 +69,7 @@ class EtcdServer:
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + _START_TIMEOUT_S
-        while not _is_healthy(self.port):
+        while not _is_healthy(self.host, self.port):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 text = (self._workdir / "etcd.log").read_text(errors="replace")
@@ -98,9 +99,10 @@ class EtcdServer:
 
 
 @contextmanager
-def running_etcd(workdir: Path) -> Iterator[EtcdServer]:
-    """An etcd for the duration of the block (stopped at the end even if it failed)."""
-    server = EtcdServer(workdir)
+def running_etcd(workdir: Path, host: str = "127.0.0.1") -> Iterator[EtcdServer]:
+    """An etcd on `host` for the duration of the block (stopped at the end even if it
+    failed)."""
+    server = EtcdServer(workdir, host)
     try:
         yield server
     finally:

@@ -51,13 +51,23 @@ def _instance(instance_id: str) -> common_pb2.InstanceInfo:
 
 
 class _Load:
-    """A load report whose free-block count the test changes."""
+    """A load report whose free-block count and draining flag the test changes."""
 
     def __init__(self) -> None:
         self.num_free_blocks = 1
+        self.is_draining = False
 
     def __call__(self) -> common_pb2.LoadReport:
-        return common_pb2.LoadReport(num_free_blocks=self.num_free_blocks, num_total_blocks=99)
+        return common_pb2.LoadReport(
+            num_free_blocks=self.num_free_blocks, num_total_blocks=99, is_draining=self.is_draining
+        )
+
+
+def _lost_ids(registry: Registry) -> list[str]:
+    """The ids `registry` announces as lost from now on (its lost-listeners hear them)."""
+    lost: list[str] = []
+    registry.add_lost_listener(lambda entry: lost.append(entry.instance_id))
+    return lost
 
 
 @contextlib.asynccontextmanager
@@ -81,6 +91,7 @@ async def test_two_gateways_see_registration_load_and_deregistration(etcd: EtcdS
     load = _Load()
     client = EtcdRegistrationClient(target, _instance("d1"), load, TTL_S, INTERVAL_S)
     gateways = [Registry(ttl_s=3.0), Registry(ttl_s=3.0)]
+    lost = [_lost_ids(gateway) for gateway in gateways]
     watchers = [EtcdWatcher(gateway, target, INTERVAL_S) for gateway in gateways]
     async with _running(watchers[0]), _running(watchers[1]):
         task = asyncio.create_task(client.run())
@@ -89,9 +100,11 @@ async def test_two_gateways_see_registration_load_and_deregistration(etcd: EtcdS
         )
         load.num_free_blocks = 42
         await eventually(lambda: all(_free_blocks(g, "d1") == 42 for g in gateways), 5, "new load")
+        load.is_draining = True  # NOTE: as an instance's stop: it drains, then leaves
         await client.stop()
         await asyncio.wait_for(task, 2)
         await eventually(lambda: all(g.get("d1") is None for g in gateways), 5, "d1 gone from both")
+    assert lost == [[], []], "a leave was taken for a loss"
 
 
 async def test_an_instance_that_stops_refreshing_leaves_after_its_lease(
@@ -101,12 +114,15 @@ async def test_an_instance_that_stops_refreshing_leaves_after_its_lease(
     client = EtcdRegistrationClient(target, _instance("d2"), _Load(), TTL_S, INTERVAL_S)
     # NOTE: a registry TTL far above the lease's: only etcd's delete can remove d2 in time.
     gateway = Registry(ttl_s=60.0)
+    lost = _lost_ids(gateway)
     async with _running(EtcdWatcher(gateway, target, INTERVAL_S)):
         async with _running(client):  # cancelled without stop(): the instance "died"
             await eventually(lambda: gateway.get("d2") is not None, 5, "d2 registered")
         await asyncio.sleep(TTL_S / 2)
         assert gateway.get("d2") is not None, "removed before its lease lapsed"
         await eventually(lambda: gateway.get("d2") is None, TTL_S + 3, "d2 expired")
+    # A lapsed lease is a loss: the streams that depend on d2 move at once.
+    assert lost == ["d2"]
 
 
 async def test_the_view_survives_an_etcd_restart_and_refreshes_after(
@@ -129,7 +145,8 @@ async def test_the_view_survives_an_etcd_restart_and_refreshes_after(
         await asyncio.to_thread(etcd.start)
         await eventually(lambda: _free_blocks(gateway, "d3") == 7, 10, "load after restart")
         assert client.num_registrations == 1, "the lease should have survived the restart"
-        assert watcher.is_synced
+        # NOTE: the listing (which brings the new load) comes before the watch is set up.
+        await eventually(lambda: watcher.is_synced, 5, "watching again")
 
 
 async def test_a_frozen_etcd_is_noticed_and_the_view_held(etcd: EtcdServer) -> None:

@@ -93,11 +93,17 @@ class EtcdRegistrationClient:
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)
 
     async def stop(self) -> None:
-        """Revokes the lease (deleting the key: deregistration, best effort); ends `run()`."""
+        """Announces the leave, then revokes the lease (deleting the key: deregistration, best
+        effort); ends `run()`.
+
+        The last value written says draining: gateways tell a leave from a lapsed lease (a
+        loss, whose streams they move at once) by it.
+        """
         self._stopping.set()
         if self._lease_id is not None:
             try:
                 async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await self._etcd().put(self.key, self._value(), lease=self._lease_id)
                     await self._etcd().revoke_lease(self._lease_id)
                 log.info("deregistered", instance_id=self.instance.instance_id)
             except (aetcd.ClientError, TimeoutError) as error:

@@ -149,9 +149,18 @@ class EtcdWatcher:
         return instance_id
 
     def _remove(self, instance_id: str) -> None:
-        if instance_id in self.instance_ids:
-            self.instance_ids.discard(instance_id)
+        """An instance's key went: a leave if it said it was draining, else a loss."""
+        if instance_id not in self.instance_ids:
+            return
+        self.instance_ids.discard(instance_id)
+        entry = self._registry.get(instance_id)
+        if entry is None or entry.load.is_draining:
             self._registry.deregister(instance_id)
+        else:
+            # NOTE: an instance announces its drain before it revokes its lease, so a key that
+            # goes without it lapsed (a crash, a partition): streams that depend on the
+            # instance must move now, not at the request timeout.
+            self._registry.expire(instance_id)
 
 
 async def _first_failure(*coros: Any) -> None:

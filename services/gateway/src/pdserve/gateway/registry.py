@@ -259,14 +259,29 @@ class Registry:
         for instance_id in dropped:
             del self._entries[instance_id]
             log.warning("instance_expired", instance_id=instance_id, ttl_s=self._ttl_s)
-        newly_lost = [entry for entry in silent if not entry.is_lost]
-        for entry in newly_lost:
+        self._announce_lost(silent)
+        return dropped
+
+    def expire(self, instance_id: str) -> bool:
+        """Removes an instance whose registration lapsed in a shared registry (its etcd lease):
+        a loss, as on a TTL expiry, so the lost-listeners hear of it. Returns whether it was
+        known."""
+        entry = self._entries.pop(instance_id, None)
+        if entry is not None:
+            log.warning("instance_expired", instance_id=instance_id, registry="lease lapsed")
+            self._announce_lost([entry])
+        return entry is not None
+
+    def _announce_lost(self, entries: list[InstanceEntry]) -> None:
+        """Tells the lost-listeners of each entry, once per silence."""
+        for entry in entries:
+            if entry.is_lost:
+                continue
             entry.is_lost = True
             if entry.is_static:
                 log.warning("instance_lost", instance_id=entry.instance_id, ttl_s=self._ttl_s)
             for listener in self._lost_listeners:
                 listener(entry)
-        return dropped
 
     def is_alive(self, entry: InstanceEntry) -> bool:
         """Reachable and heard from within the TTL."""
