@@ -9,11 +9,19 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.pki import cluster_pki
 
 from pdserve.common.grpc_server import new_aio_server
 from pdserve.decode.__main__ import build_parser
-from pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
+from pdserve.v1 import (
+    common_pb2,
+    instance_pb2,
+    instance_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
 
 
 class _Registry(registry_pb2_grpc.RegistryServiceServicer):
@@ -101,6 +109,45 @@ async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) 
             process.kill()
             await process.wait()
         await server.stop(grace=None)
+
+
+async def test_the_health_port_answers_probes_without_a_certificate(tiny_model_dir: Path) -> None:
+    """Under mutual TLS, --health-port serves grpc.health.v1 in plaintext and nothing else;
+    it says NOT_SERVING once the instance drains."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pdserve.decode", "--model", str(tiny_model_dir),
+        "--port", "0", "--health-port", "0", "--num-blocks", "32", *cluster_pki().args("decode"),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stderr is not None
+        health_port = (await _log_event(process.stderr, "health_port_started", 60))["port"]
+        started = await _log_event(process.stderr, "decode_started", 60)
+        assert started["internal_plane"] != "insecure"
+        probe = grpc.aio.insecure_channel(f"127.0.0.1:{health_port}")
+        health = health_pb2_grpc.HealthStub(probe)
+        check = health_pb2.HealthCheckRequest(service="pdserve.v1.DecodeService")
+        assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+        # Nothing but health on the plaintext port; the service port still wants a certificate.
+        status = instance_pb2_grpc.InstanceServiceStub(probe).GetInstanceStatus
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await status(instance_pb2.GetInstanceStatusRequest())
+        assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        async with grpc.aio.insecure_channel(started["address"]) as plaintext:
+            with pytest.raises(grpc.aio.AioRpcError) as no_handshake:
+                await health_pb2_grpc.HealthStub(plaintext).Check(check, timeout=5)
+            assert no_handshake.value.code() is grpc.StatusCode.UNAVAILABLE
+
+        watch = health.Watch(check)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        process.send_signal(signal.SIGTERM)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await probe.close()
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 def test_a_bad_kv_store_spec_is_refused_at_start(capsys) -> None:

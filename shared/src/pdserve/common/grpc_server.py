@@ -58,6 +58,24 @@ async def add_standard_services(
     return health_servicer
 
 
+async def start_health_server(
+    health_servicer: health.aio.HealthServicer, address: str
+) -> tuple[grpc.aio.Server, int]:
+    """Serves `health_servicer` alone, in plaintext, on `address` (host:port, port 0 picks
+    one); returns the started server and its bound port.
+
+    Kubernetes' gRPC probes present no client certificate, so they cannot reach a port that
+    demands mutual TLS; this port answers grpc.health.v1 and nothing else.
+    """
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the health port {address}")
+    await server.start()
+    return server, port
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
     """An aio client channel with pdserve's message limits.
 

@@ -84,6 +84,14 @@ class InstanceConfig(ServiceConfig):
             "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
         },
     )
+    health_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "port of a plaintext gRPC server that answers grpc.health.v1 only (for "
+            "probes that cannot present a client certificate, such as Kubernetes'); 0 picks a "
+            "free one; off if unset"
+        },
+    )
     kv_store: str | None = field(
         default=None,
         metadata={
@@ -130,7 +138,7 @@ class InstanceConfig(ServiceConfig):
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "health_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")

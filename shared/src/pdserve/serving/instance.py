@@ -26,7 +26,11 @@ from grpc_health.v1 import health
 from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.etcd_registration import EtcdRegistrationClient
 from pdserve.common.etcd_registry import EtcdTarget
-from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.common.grpc_server import (
+    add_standard_services,
+    new_aio_server,
+    start_health_server,
+)
 from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
@@ -75,6 +79,9 @@ class InstanceServer(abc.ABC):
         registration: Keeps the instance registered with ``--gateway`` or in ``--registry``;
             None without either.
         metrics_server: The ``/metrics`` endpoint with ``--metrics-port``; None without it.
+        health_server: The plaintext health-only gRPC server with ``--health-port``; None
+            without it.
+        health_port: Its bound port; None without it.
         kv_store: The KV storage tier with ``--kv-store`` (None without one, or when it
             could not be opened at start: then every store operation is skipped).
         kv_writer: The worker thread that writes to `kv_store`; None without a store.
@@ -106,6 +113,8 @@ class InstanceServer(abc.ABC):
         self.health: health.aio.HealthServicer | None = None
         self.registration: RegistrationClient | EtcdRegistrationClient | None = None
         self.metrics_server: WSGIServer | None = None
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.kv_store, self.kv_writer = open_kv_tier(config, self.host.kv_layout.fingerprint)
         self.build()
@@ -182,6 +191,10 @@ class InstanceServer(abc.ABC):
         self.health = await add_standard_services(
             self.server, (self.service_name, INSTANCE_SERVICE)
         )
+        if self.config.health_port is not None:
+            address = f"{self.config.host}:{self.config.health_port}"
+            self.health_server, self.health_port = await start_health_server(self.health, address)
+            log.info("health_port_started", port=self.health_port)
         self.loop.start()
         if self.kv_writer is not None:
             self.kv_writer.start()
@@ -222,6 +235,8 @@ class InstanceServer(abc.ABC):
             await self.registration.stop()
         await self.abort_in_flight()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
         await self.close()
         self.loop.stop()
         if self.kv_writer is not None:
