@@ -1,0 +1,227 @@
+"""The Helm chart's pods, run as local processes: what the chart renders is what runs.
+
+With no container runtime at hand, this is the closest check that the chart works: helm
+renders it (external etcd, default values otherwise), and each pod of each Deployment runs as
+the kubelet would run it, with ``$(POD_NAME)`` and ``$(POD_IP)`` expanded, its init container
+first (issuing the pod's certificate from a CA directory that stands in for the Secret), then
+its main container, on loopback ports. The probes the chart declares are asked as the kubelet
+asks them (gRPC health on the health port, HTTP GETs on the gateway), and the chart's
+``helm test`` pod runs its request against the gateway. The default model comes from the
+pdserve cache by name, as in the image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.etcd_server import running_etcd
+
+from pdserve.common.env import ENV_CACHE_DIR, cache_dir
+from pdserve.engine.model_store import ResolvedModel
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
+BIN = Path(sys.executable).parent
+RELEASE = "t"
+POD_IP = "127.0.0.1"
+START_TIMEOUT_S = 120.0
+# The containers' paths, and where each pod's stand-in lives under the test's directory.
+CA_MOUNT, TLS_MOUNT = "/ca", "/tls"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((POD_IP, 0))
+        return int(s.getsockname()[1])
+
+
+def render(values: dict[str, str]) -> list[dict[str, Any]]:
+    sets = [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+    done = subprocess.run(
+        [str(BIN / "helm"), "template", RELEASE, str(CHART), *sets],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+class Pod:
+    """One pod of a rendered Deployment, its containers run as processes.
+
+    Args:
+        spec: The Deployment's pod template spec.
+        name: The pod's name (its instance id).
+        directory: Where its volumes and logs go.
+        ca_dir: The CA directory that stands in for the CA Secret.
+    """
+
+    def __init__(self, spec: dict[str, Any], name: str, directory: Path, ca_dir: Path) -> None:
+        self.spec = spec
+        self.name = name
+        self.directory = directory
+        self.ca_dir = ca_dir
+        self.tls_dir = directory / "tls"
+        self.process: subprocess.Popen[bytes] | None = None
+        (self.main,) = spec["containers"]
+
+    def argv(self, container: dict[str, Any]) -> list[str]:
+        """The container's command and args as the kubelet expands them, its mounts mapped
+        to this pod's directories and its bind address to loopback."""
+        env = {"POD_NAME": self.name, "POD_IP": POD_IP}
+        argv = [*container["command"], *container.get("args", [])]
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in argv]
+        argv = [self._local_path(arg) for arg in argv]
+        argv = [POD_IP if arg == "0.0.0.0" else arg for arg in argv]
+        return [str(BIN / argv[0]), *argv[1:]]
+
+    def _local_path(self, arg: str) -> str:
+        if arg == CA_MOUNT:
+            return str(self.ca_dir)
+        if arg == TLS_MOUNT or arg.startswith(TLS_MOUNT + "/"):
+            return str(self.tls_dir) + arg.removeprefix(TLS_MOUNT)
+        return arg
+
+    def start(self, env: dict[str, str]) -> None:
+        for init in self.spec.get("initContainers", []):
+            done = subprocess.run(self.argv(init), capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{self.name} {init['name']}: {done.stderr}"
+        log = (self.directory / "main.log").open("wb")
+        self.process = subprocess.Popen(
+            self.argv(self.main), stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}
+        )
+
+    def log(self) -> str:
+        return (self.directory / "main.log").read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        """SIGTERM (as on a pod's deletion), then the exit code within the grace period."""
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(self.spec["terminationGracePeriodSeconds"])
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None
+
+
+def grpc_probe(probe: dict[str, Any]) -> bool:
+    """A kubelet gRPC probe: SERVING for the probe's service ("" when none)."""
+    request = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
+    with grpc.insecure_channel(f"{POD_IP}:{probe['grpc']['port']}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=2)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_probe(probe: dict[str, Any], ports: dict[str, int]) -> bool:
+    """A kubelet HTTP probe: a 2xx or 3xx answer."""
+    get = probe["httpGet"]
+    port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
+    try:
+        return httpx.get(f"http://{POD_IP}:{port}{get['path']}", timeout=2).status_code < 400
+    except httpx.HTTPError:
+        return False
+
+
+def log_records(pod: Pod) -> list[dict[str, Any]]:
+    records = []
+    for line in pod.log().splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
+def until(check: Any, timeout_s: float, what: str, pods: list[Pod]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        dead = [pod.name for pod in pods if pod.process and pod.process.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            logs = "\n".join(f"--- {pod.name}\n{pod.log()[-3000:]}" for pod in pods)
+            pytest.fail(f"{what}: not within {timeout_s} s (exited: {dead})\n{logs}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def pods(tmp_path: Path, smollm2: ResolvedModel) -> Iterator[tuple[list[Pod], list[dict]]]:
+    """The rendered chart's pods started in order (prefill, decode, gateway), and the docs."""
+    ca_dir = tmp_path / "ca-secret"
+    done = subprocess.run([str(BIN / "pdserve"), "certs", "init", "--dir", str(ca_dir)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with running_etcd(tmp_path) as etcd, contextlib.ExitStack() as stack:
+        ports = ["gateway.restPort", "gateway.grpcPort", "gateway.internalPort", "prefill.port",
+                 "prefill.healthPort", "prefill.metricsPort", "decode.port", "decode.kvTcpPort",
+                 "decode.healthPort", "decode.metricsPort"]  # fmt: skip
+        values = {key: str(free_port()) for key in ports}
+        values |= {
+            "etcd.enabled": "false",
+            "etcd.endpoint": etcd.spec.removeprefix("etcd://"),
+            "decode.replicas": "1",
+            "prefill.numThreads": "1",
+            "decode.numThreads": "1",
+        }
+        docs = render(values)
+        started: list[Pod] = []
+        stack.callback(lambda: [pod.stop() for pod in reversed(started)])
+        for component in ("prefill", "decode", "gateway"):
+            (deployment,) = [
+                doc for doc in docs if doc["kind"] == "Deployment"
+                and doc["metadata"]["labels"]["app.kubernetes.io/component"] == component
+            ]  # fmt: skip
+            name = f"{deployment['metadata']['name']}-0"
+            (tmp_path / name).mkdir()
+            pod = Pod(deployment["spec"]["template"]["spec"], name, tmp_path / name, ca_dir)
+            pod.start({ENV_CACHE_DIR: str(cache_dir())})
+            started.append(pod)
+        yield started, docs
+
+
+def test_the_charts_pods_start_pass_their_probes_and_answer(pods) -> None:
+    started, docs = pods
+    prefill, decode, gateway = started
+    for pod in (prefill, decode):
+        until(lambda pod=pod: grpc_probe(pod.main["startupProbe"]), START_TIMEOUT_S,
+              f"{pod.name} startup probe", started)  # fmt: skip
+        assert grpc_probe(pod.main["readinessProbe"]) and grpc_probe(pod.main["livenessProbe"])
+    ports = {port["name"]: port["containerPort"] for port in gateway.main["ports"]}
+    until(lambda: http_probe(gateway.main["readinessProbe"], ports), 30,
+          "gateway readiness (/health: a registered pair)", started)  # fmt: skip
+    assert http_probe(gateway.main["livenessProbe"], ports)
+
+    # Each instance runs under its pod's certificate: the instance id is the pod name.
+    for pod, event in ((prefill, "prefill_started"), (decode, "decode_started")):
+        (record,) = [line for line in log_records(pod) if line.get("event") == event]
+        assert record["instance_id"] == pod.name
+        assert record["internal_plane"] != "insecure"
+
+    # The chart's `helm test` pod, its Service name pointed at the gateway's loopback port.
+    (test_pod,) = [doc for doc in docs if doc["kind"] == "Pod"]
+    (tester,) = test_pod["spec"]["containers"]
+    script = tester["args"][0].replace(f"{RELEASE}-pdserve-gateway:", f"{POD_IP}:")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip(), "the first answer was empty"
+
+    # Deleting the pods drains them: SIGTERM, a clean exit within the grace period.
+    for pod in reversed(started):
+        assert pod.stop() == 0, f"{pod.name} did not stop cleanly\n{pod.log()[-3000:]}"
