@@ -1,13 +1,14 @@
 """The Helm chart's pods, run as local processes: what the chart renders is what runs.
 
-With no container runtime at hand, this is the closest check that the chart works: helm
-renders it (external etcd, default values otherwise), and each pod of each Deployment runs as
-the kubelet would run it, with ``$(POD_NAME)`` and ``$(POD_IP)`` expanded, its init container
-first (issuing the pod's certificate from a CA directory that stands in for the Secret), then
-its main container, on loopback ports. The probes the chart declares are asked as the kubelet
-asks them (gRPC health on the health port, HTTP GETs on the gateway), and the chart's
-``helm test`` pod runs its request against the gateway. The default model comes from the
-pdserve cache by name, as in the image.
+With no container runtime at hand, this is the closest check that the chart works: helm renders
+it (default values but ports), and each pod runs as the kubelet would run it, with
+``$(POD_NAME)`` and ``$(POD_IP)`` expanded, its init container first (issuing the pod's
+certificate from a CA directory that stands in for the Secret), then its main container, on
+loopback ports: the chart's etcd first (its fixed ports and the Service name mapped to free
+loopback ports), then prefill, decode and gateway. The probes the chart declares are asked as
+the kubelet asks them (gRPC health on the health port, HTTP GETs on the gateway), and the
+chart's ``helm test`` pod runs its request against the gateway. The default model comes from
+the pdserve cache by name, as in the image.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +32,6 @@ import httpx
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support.etcd_server import running_etcd
 
 from pdserve.common.env import ENV_CACHE_DIR, cache_dir
 from pdserve.engine.model_store import ResolvedModel
@@ -64,17 +65,26 @@ class Pod:
     """One pod of a rendered Deployment, its containers run as processes.
 
     Args:
-        spec: The Deployment's pod template spec.
+        spec: The workload's pod template spec.
         name: The pod's name (its instance id).
         directory: Where its volumes and logs go.
         ca_dir: The CA directory that stands in for the CA Secret.
+        renames: Substrings of arguments replaced (cluster names and fixed ports made local).
     """
 
-    def __init__(self, spec: dict[str, Any], name: str, directory: Path, ca_dir: Path) -> None:
+    def __init__(
+        self,
+        spec: dict[str, Any],
+        name: str,
+        directory: Path,
+        ca_dir: Path,
+        renames: dict[str, str],
+    ) -> None:
         self.spec = spec
         self.name = name
         self.directory = directory
         self.ca_dir = ca_dir
+        self.renames = renames
         self.tls_dir = directory / "tls"
         self.process: subprocess.Popen[bytes] | None = None
         (self.main,) = spec["containers"]
@@ -85,11 +95,16 @@ class Pod:
         env = {"POD_NAME": self.name, "POD_IP": POD_IP}
         argv = [*container["command"], *container.get("args", [])]
         argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in argv]
-        argv = [self._local_path(arg) for arg in argv]
-        argv = [POD_IP if arg == "0.0.0.0" else arg for arg in argv]
-        return [str(BIN / argv[0]), *argv[1:]]
+        argv = [self._local(arg) for arg in argv]
+        program = BIN / argv[0] if (BIN / argv[0]).exists() else shutil.which(argv[0])
+        assert program is not None, f"{argv[0]} is not installed (make system-deps)"
+        return [str(program), *argv[1:]]
 
-    def _local_path(self, arg: str) -> str:
+    def _local(self, arg: str) -> str:
+        for name, local in self.renames.items():
+            arg = arg.replace(name, local)
+        if arg == "0.0.0.0":
+            return POD_IP
         if arg == CA_MOUNT:
             return str(self.ca_dir)
         if arg == TLS_MOUNT or arg.startswith(TLS_MOUNT + "/"):
@@ -114,7 +129,7 @@ class Pod:
             return None if self.process is None else self.process.returncode
         self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(self.spec["terminationGracePeriodSeconds"])
+            return self.process.wait(self.spec.get("terminationGracePeriodSeconds", 30))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -162,37 +177,43 @@ def until(check: Any, timeout_s: float, what: str, pods: list[Pod]) -> None:
 
 @pytest.fixture
 def pods(tmp_path: Path, smollm2: ResolvedModel) -> Iterator[tuple[list[Pod], list[dict]]]:
-    """The rendered chart's pods started in order (prefill, decode, gateway), and the docs."""
+    """The rendered chart's pods started in order (etcd, prefill, decode, gateway), and the
+    rendered objects."""
     ca_dir = tmp_path / "ca-secret"
     done = subprocess.run([str(BIN / "pdserve"), "certs", "init", "--dir", str(ca_dir)],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    with running_etcd(tmp_path) as etcd, contextlib.ExitStack() as stack:
-        ports = ["gateway.restPort", "gateway.grpcPort", "gateway.internalPort", "prefill.port",
-                 "prefill.healthPort", "prefill.metricsPort", "decode.port", "decode.kvTcpPort",
-                 "decode.healthPort", "decode.metricsPort"]  # fmt: skip
-        values = {key: str(free_port()) for key in ports}
-        values |= {
-            "etcd.enabled": "false",
-            "etcd.endpoint": etcd.spec.removeprefix("etcd://"),
-            "decode.replicas": "1",
-            "prefill.numThreads": "1",
-            "decode.numThreads": "1",
-        }
-        docs = render(values)
-        started: list[Pod] = []
+    ports = ["gateway.restPort", "gateway.grpcPort", "gateway.internalPort", "prefill.port",
+             "prefill.healthPort", "prefill.metricsPort", "decode.port", "decode.kvTcpPort",
+             "decode.healthPort", "decode.metricsPort"]  # fmt: skip
+    values = {key: str(free_port()) for key in ports}
+    values |= {"decode.replicas": "1", "prefill.numThreads": "1", "decode.numThreads": "1"}
+    docs = render(values)
+    etcd_port, etcd_peer_port = free_port(), free_port()
+    renames = {
+        f"{RELEASE}-pdserve-etcd:2379": f"{POD_IP}:{etcd_port}",
+        "0.0.0.0:2379": f"{POD_IP}:{etcd_port}",
+        "127.0.0.1:2380": f"{POD_IP}:{etcd_peer_port}",
+        "/var/lib/etcd": str(tmp_path / "etcd-data"),
+    }
+    started: list[Pod] = []
+    with contextlib.ExitStack() as stack:
         stack.callback(lambda: [pod.stop() for pod in reversed(started)])
-        for component in ("prefill", "decode", "gateway"):
-            (deployment,) = [
-                doc for doc in docs if doc["kind"] == "Deployment"
+        for component in ("etcd", "prefill", "decode", "gateway"):
+            (workload,) = [
+                doc for doc in docs if doc["kind"] in ("Deployment", "StatefulSet")
                 and doc["metadata"]["labels"]["app.kubernetes.io/component"] == component
             ]  # fmt: skip
-            name = f"{deployment['metadata']['name']}-0"
+            name = f"{workload['metadata']['name']}-0"
             (tmp_path / name).mkdir()
-            pod = Pod(deployment["spec"]["template"]["spec"], name, tmp_path / name, ca_dir)
+            spec = workload["spec"]["template"]["spec"]
+            pod = Pod(spec, name, tmp_path / name, ca_dir, renames)
             pod.start({ENV_CACHE_DIR: str(cache_dir())})
             started.append(pod)
-        yield started, docs
+            if component == "etcd":
+                until(lambda pod=pod: http_probe(pod.main["readinessProbe"], {"client": etcd_port}),
+                      30, "etcd readiness", started)  # fmt: skip
+        yield started[1:], docs
 
 
 def test_the_charts_pods_start_pass_their_probes_and_answer(pods) -> None:
