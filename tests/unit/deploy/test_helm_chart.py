@@ -299,3 +299,15 @@ def test_bad_values_are_refused_with_a_reason(values: dict[str, str], message: s
     done = helm("template", RELEASE, str(CHART), *sets)
     assert done.returncode != 0
     assert message in done.stderr
+
+
+def test_a_staged_upgrade_changes_one_role_and_replaces_one_pod_at_a_time() -> None:
+    docs = render({"decode.imageTag": "0.2.0"})
+    for component in ("gateway", "prefill", "decode"):
+        workload = deployment(docs, component)
+        assert workload["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+        pod = workload["spec"]["template"]["spec"]
+        tags = {
+            each["image"].rsplit(":", 1)[1] for each in [*pod["initContainers"], *pod["containers"]]
+        }
+        assert tags == ({"0.2.0"} if component == "decode" else {"0.1.0"}), component

@@ -25,6 +25,15 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
+{{/* A role's image: its own imageTag during a staged upgrade, else the release's. */}}
+{{- define "pdserve.roleImage" -}}
+{{- if .values.imageTag -}}
+{{ .root.Values.image.repository }}:{{ .values.imageTag }}
+{{- else -}}
+{{ include "pdserve.image" .root }}
+{{- end -}}
+{{- end -}}
+
 {{/* --registry: the release's etcd, or the one named in etcd.endpoint. */}}
 {{- define "pdserve.registry" -}}
 {{- $endpoint := .Values.etcd.endpoint -}}
@@ -70,7 +79,7 @@ etcd://{{ $endpoint }}{{ .Values.etcd.namespace }}
 {{/* Init container: issues this pod's certificate (instance id = pod name) from the CA. */}}
 {{- define "pdserve.issueCertificate" -}}
 - name: issue-certificate
-  image: {{ include "pdserve.image" .root }}
+  image: {{ include "pdserve.roleImage" . }}
   imagePullPolicy: {{ .root.Values.image.pullPolicy }}
   command: [pdserve, certs, issue, --dir, /ca, --out, /tls, --role, {{ .role }},
             --instance-id, $(POD_NAME), --host, $(POD_IP),
