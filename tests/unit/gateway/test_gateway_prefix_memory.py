@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.common.prefix_keys import prefix_block_keys
 from pdserve.gateway.prefix_memory import PrefixMemory
@@ -56,3 +58,37 @@ def test_forgets_departed_instances() -> None:
 def test_refuses_a_bound_below_one() -> None:
     with pytest.raises(ValueError):
         PrefixMemory(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["record", "record", "record", "forget"]),
+            st.sampled_from(["p1", "p2", "p3"]),
+            st.lists(st.integers(0, 3), min_size=0, max_size=12),
+        ),
+        max_size=30,
+    ),
+    st.lists(st.integers(0, 3), min_size=0, max_size=12),
+)
+def test_matches_agree_with_what_each_instance_holds(operations, prompt) -> None:
+    # NOTE: few distinct tokens, a small bound: prefixes are shared, evicted and forgotten.
+    memory = PrefixMemory(5)
+    for operation, instance_id, token_ids in operations:
+        if operation == "record":
+            memory.record(instance_id, _keys(*token_ids))
+        else:
+            memory.forget(instance_id)
+    keys = _keys(*prompt)
+    expected = {i: _leading_held(memory, i, keys) for i in ("p1", "p2", "p3")}
+    assert {i: memory.num_matched_blocks(i, keys) for i in expected} == expected
+    assert memory.matches(keys) == {i: n for i, n in expected.items() if n > 0}
+
+
+def _leading_held(memory: PrefixMemory, instance_id: str, keys: list[bytes]) -> int:
+    """The definition, walked key by key (the memory searches, relying on prefixes)."""
+    held = 0
+    while held < len(keys) and memory.holds(instance_id, keys[held]):
+        held += 1
+    return held

@@ -9,6 +9,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.gateway_cluster import instance_info
 from support.gateway_fakes import MODEL_NAME
 from support.memory_cluster import MemoryCluster, expected
@@ -16,8 +18,8 @@ from support.memory_cluster import MemoryCluster, expected
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.registry import Registry
-from pdserve.gateway.router import Router
-from pdserve.gateway.routing_policy import CacheRouting, RouteReason
+from pdserve.gateway.router import PromptKeys, Router
+from pdserve.gateway.routing_policy import CacheRouting, PrefillLoad, RouteReason, choose_prefill
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 _first_tokens = itertools.count(1000)
@@ -206,3 +208,80 @@ async def test_the_orchestrator_counts_routes_by_reason() -> None:
     assert cluster.metrics.count("routes", "load") == 1
     assert cluster.metrics.count("routes", "prefix") == 3
     assert b'pdserve_gateway_routes_total{reason="prefix"} 3.0' in cluster.metrics.render()
+
+
+def test_the_candidate_lists_follow_the_registry() -> None:
+    now = [0.0]
+    registry = Registry(ttl_s=5.0, clock=lambda: now[0])
+    registry.register(instance_info("p1", P), LoadReport())
+    registry.register(instance_info("d1", D), LoadReport(num_free_blocks=10))
+    router = Router(registry)
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d1"
+    registry.register(instance_info("d2", D), LoadReport(num_free_blocks=500))  # joins
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d2"
+    registry.heartbeat("d2", LoadReport(num_free_blocks=500, is_draining=True))  # drains
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d1"
+    registry.heartbeat("d2", LoadReport(num_free_blocks=500))  # back
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d2"
+    now[0] = 4.0
+    registry.heartbeat("p1", LoadReport())
+    registry.heartbeat("d1", LoadReport(num_free_blocks=10))
+    now[0] = 6.0  # d2 is silent past the TTL, though nothing dropped it yet
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d1"
+    registry.heartbeat("d2", LoadReport(num_free_blocks=500))  # heard from again
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d2"
+    registry.mark_unreachable("d2")
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d1"
+    registry.deregister("d1")
+    with pytest.raises(PdserveError):
+        router.pick(MODEL_NAME, _tokens(4), 4)
+
+
+def test_an_exclusion_lasts_one_pick_and_keeps_the_booked_work() -> None:
+    registry = _registry(
+        ("p1", P, LoadReport()),
+        ("d1", D, LoadReport(num_free_blocks=100)),
+        ("d2", D, LoadReport(num_free_blocks=95)),
+    )
+    router = Router(registry)
+    assert router.pick(MODEL_NAME, _tokens(40), 40).decode.instance_id == "d1"  # books 20
+    pair = router.pick(MODEL_NAME, _tokens(4), 4, exclude_decode_ids={"d2"})
+    assert pair.decode.instance_id == "d1"  # books 2 more: d1 at 78, d2 at 95
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d2"
+    assert router.pick(MODEL_NAME, _tokens(4), 4).decode.instance_id == "d2"  # 93 > 78
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    queued=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    held=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 6)), max_size=8),
+    prompt_blocks=st.integers(1, 6),
+    balance_tokens=st.sampled_from([0, 500, 2048]),
+)
+def test_the_router_applies_the_routing_policy(queued, held, prompt_blocks, balance_tokens):
+    # NOTE: the router applies `choose_prefill` over its indexes; here both see one state.
+    registry = Registry(ttl_s=60.0)
+    prefill_ids = [f"p{i}" for i in range(len(queued))]
+    for instance_id, tokens in zip(prefill_ids, queued, strict=True):
+        load = LoadReport(num_queued_prompt_tokens=tokens, num_total_blocks=1000)
+        registry.register(instance_info(instance_id, P), load)
+    registry.register(instance_info("d1", D), LoadReport(num_free_blocks=10_000))
+    settings_ = CacheRouting(balance_tokens=balance_tokens)
+    router = Router(registry, cache_routing=settings_)
+    prompt = [*SHARED[: 4 * prompt_blocks], 1]
+    keys = PromptKeys(prompt)
+    layout = registry.alive(P)[0].info.kv_layout
+    for index, num_blocks in held:
+        if index < len(prefill_ids):
+            router.prefix_memory.record(prefill_ids[index], keys.of(layout)[:num_blocks])
+    loads = [
+        PrefillLoad(i, t, router.prefix_memory.num_matched_blocks(i, keys.reusable(layout)))
+        for i, t in zip(prefill_ids, queued, strict=True)
+    ]
+    expected = choose_prefill(loads, settings_)
+    pair = router.pick(MODEL_NAME, prompt, 4, prompt_keys=keys)
+    assert pair.prefill.instance_id in expected.instance_ids
+    assert (pair.prefill_reason, pair.num_matched_blocks) == (
+        expected.reason,
+        expected.num_matched_blocks,
+    )

@@ -70,9 +70,16 @@ def prefix_block_keys(
     Returns:
         One 32-byte key per full block, in order; key ``i`` names blocks ``0..i``.
     """
+    # NOTE: the same chain as `hash_block_tokens`, with the tokens packed once and one hash
+    # call per block: a 2,048-token prompt takes about half the time (the gateway does this
+    # for every routing decision).
+    num_full = len(token_ids) // block_size * block_size
+    packed = _token_bytes(token_ids[:num_full])
+    stride = 8 * block_size
+    sha256 = hashlib.sha256
     keys: list[BlockHash] = []
     parent = layout_root(fingerprint)
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+    for start in range(0, len(packed), stride):
+        parent = sha256(parent + packed[start : start + stride]).digest()
         keys.append(parent)
     return keys

@@ -40,7 +40,7 @@ from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.relay import LossWatch
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
-from pdserve.gateway.router import Pair, Router
+from pdserve.gateway.router import Pair, PromptKeys, Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -209,13 +209,16 @@ class Orchestrator:
         ) as span:
             remaining_s(request, deadline)
             *preferred, required = state.exclusions()
+            # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
+            # decision, and an attempt may try several sets of exclusions.
+            keys = PromptKeys(progress.continuation_token_ids())
             pair = None
             for prefill_ids, decode_ids in preferred:
                 with contextlib.suppress(PdserveError):
-                    pair = self._pick(request, progress, prefill_ids, decode_ids)
+                    pair = self._pick(request, progress, keys, prefill_ids, decode_ids)
                     break
             try:
-                pair = pair or self._pick(request, progress, *required)
+                pair = pair or self._pick(request, progress, keys, *required)
             except PdserveError as error:
                 # NOTE: when earlier attempts excluded every instance, their error explains
                 # more (and carries its retry delay, e.g. DECODE_CAPACITY_EXHAUSTED -> 429).
@@ -233,6 +236,7 @@ class Orchestrator:
         self,
         request: GenerationRequest,
         progress: CompletionProgress,
+        keys: PromptKeys,
         prefill_ids: frozenset[str],
         decode_ids: frozenset[str],
     ) -> Pair:
@@ -242,4 +246,5 @@ class Orchestrator:
             progress.num_remaining_tokens,
             exclude_prefill_ids=prefill_ids,
             exclude_decode_ids=decode_ids,
+            prompt_keys=keys,
         )

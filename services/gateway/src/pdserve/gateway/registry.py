@@ -146,6 +146,13 @@ class Registry:
     Args:
         ttl_s: Seconds without a heartbeat after which an instance is no longer alive.
         clock: Monotonic clock (injectable for tests).
+
+    Attributes:
+        version: Changes whenever the set of routable instances may have changed (one joins,
+            leaves, is lost, turns unreachable or draining, or is heard from again after a
+            silence); the router rebuilds its candidate lists only then. An instance going
+            silent changes nothing here until `drop_expired` sees it: until then callers check
+            `is_alive` on what they pick.
     """
 
     def __init__(self, ttl_s: float, clock: Clock = time.monotonic) -> None:
@@ -154,6 +161,8 @@ class Registry:
         self._entries: dict[str, InstanceEntry] = {}
         self._listeners: list[Callable[[InstanceEntry], None]] = []
         self._lost_listeners: list[Callable[[InstanceEntry], None]] = []
+        self._load_listeners: list[Callable[[InstanceEntry], None]] = []
+        self.version = 0
 
     @property
     def ttl_s(self) -> float:
@@ -166,6 +175,10 @@ class Registry:
     def add_lost_listener(self, listener: Callable[[InstanceEntry], None]) -> None:
         """Calls `listener(entry)` once when an instance goes silent past the TTL."""
         self._lost_listeners.append(listener)
+
+    def add_load_listener(self, listener: Callable[[InstanceEntry], None]) -> None:
+        """Calls `listener(entry)` after every heartbeat (a new load report)."""
+        self._load_listeners.append(listener)
 
     def register(
         self, info: InstanceInfo, load: LoadReport, *, is_static: bool = False
@@ -185,6 +198,7 @@ class Registry:
             load_seq=previous.load_seq + 1 if previous else 0,
         )
         self._entries[info.instance_id] = entry
+        self.version += 1
         if previous is None or previous.info != info or not previous.is_reachable:
             log.info(
                 "instance_registered",
@@ -213,12 +227,16 @@ class Registry:
                 f"instance {instance_id!r} is not registered",
                 {"instanceId": instance_id},
             )
+        if not self.is_alive(entry) or entry.load.is_draining != load.is_draining:
+            self.version += 1
         entry.load = load
         entry.load_seq += 1
         entry.last_seen = self._clock()
         if not entry.is_reachable:
             entry.is_reachable = True
             log.info("instance_reachable", instance_id=instance_id)
+        for listener in self._load_listeners:
+            listener(entry)
         return entry
 
     def touch(self, instance_ids: Iterable[str]) -> None:
@@ -228,12 +246,15 @@ class Registry:
         for instance_id in instance_ids:
             entry = self._entries.get(instance_id)
             if entry is not None:
+                if not self.is_alive(entry):
+                    self.version += 1
                 entry.last_seen = now
 
     def deregister(self, instance_id: str) -> bool:
         """Removes an instance; returns whether it was known. Idempotent."""
         entry = self._entries.pop(instance_id, None)
         if entry is not None:
+            self.version += 1
             log.info("instance_deregistered", instance_id=instance_id)
         return entry is not None
 
@@ -242,6 +263,7 @@ class Registry:
         entry = self._entries.get(instance_id)
         if entry is not None and entry.is_reachable:
             entry.is_reachable = False
+            self.version += 1
             log.warning("instance_unreachable", instance_id=instance_id)
 
     def drop_expired(self) -> list[str]:
@@ -256,6 +278,8 @@ class Registry:
         now = self._clock()
         silent = [entry for entry in self._entries.values() if now - entry.last_seen > self._ttl_s]
         dropped = [entry.instance_id for entry in silent if not entry.is_static]
+        if any(not entry.is_lost for entry in silent) or dropped:
+            self.version += 1
         for instance_id in dropped:
             del self._entries[instance_id]
             log.warning("instance_expired", instance_id=instance_id, ttl_s=self._ttl_s)
@@ -268,6 +292,7 @@ class Registry:
         known."""
         entry = self._entries.pop(instance_id, None)
         if entry is not None:
+            self.version += 1
             log.warning("instance_expired", instance_id=instance_id, registry="lease lapsed")
             self._announce_lost([entry])
         return entry is not None
@@ -314,4 +339,5 @@ class Registry:
     def remove_all(self, instance_ids: Iterable[str]) -> None:
         """Removes several instances at once (static instances whose id changed)."""
         for instance_id in instance_ids:
-            self._entries.pop(instance_id, None)
+            if self._entries.pop(instance_id, None) is not None:
+                self.version += 1

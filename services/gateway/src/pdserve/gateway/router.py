@@ -2,30 +2,41 @@
 
 Candidates are alive, not draining, speak our protocol major, serve the model, and are not
 excluded by the caller (instances that already failed this request). A pair must share the KV
-layout fingerprint. The prefill is chosen by `pdserve.gateway.routing_policy.choose_prefill`:
-the one believed to hold the longest prefix of the prompt in its prefix cache
+layout fingerprint. The prefill is chosen by the rule of `pdserve.gateway.routing_policy`: the
+one believed to hold the longest prefix of the prompt in its prefix cache
 (`pdserve.gateway.prefix_memory`) unless it is much busier than the least-loaded one, else the
 one with the fewest queued prompt tokens. The decode with the most admissible blocks (free minus
 reserved headroom) follows. Both loads include what this gateway sent since the instance's last
 report, so a burst of requests between two heartbeats spreads out instead of piling onto one
 instance. Ties are broken at random.
+
+A decision does not scan the registry: the candidates of each role, model and KV layout are
+kept with their scores in flat lists (rebuilt only when the registry's `version` changes,
+rescored on each load report and booking), so the least-loaded one is a `min` in C, and only
+the prefills that hold the prompt's first block are asked how much of it they hold. The
+prompt's block keys (a SHA-256 chain) are computed once per attempt (`PromptKeys`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
 from pdserve.common.prefix_keys import BlockHash, prefix_block_keys
 from pdserve.common.protocol import check_compatible
-from pdserve.gateway.instance import InstanceInfo, InstanceRole
+from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout
 from pdserve.gateway.prefix_memory import PrefixMemory
 from pdserve.gateway.registry import InstanceEntry, Registry
-from pdserve.gateway.routing_policy import CacheRouting, PrefillLoad, RouteReason, choose_prefill
+from pdserve.gateway.routing_policy import CacheRouting, RouteReason
+
+# NOTE: a score no instance reaches: what a pick excludes is set to it for that pick.
+_EXCLUDED = sys.maxsize
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,49 @@ def _is_compatible_version(version: str) -> bool:
     return True
 
 
+@dataclass
+class _Pool:
+    """The routable instances of one role, model and KV layout, and their scores side by side
+    (lower is better: queued prompt tokens of a prefill, minus the admissible blocks of a
+    decode; both with what this gateway booked since the instance's last report)."""
+
+    layout: KvLayout
+    entries: list[InstanceEntry] = field(default_factory=list)
+    scores: list[int] = field(default_factory=list)
+    positions: dict[str, int] = field(default_factory=dict)
+
+    def least(self) -> int:
+        return min(self.scores)
+
+    def positions_scoring(self, score: int) -> list[int]:
+        """Where `score` stands in `scores`, found in C (`list.index`)."""
+        found: list[int] = []
+        with contextlib.suppress(ValueError):
+            while True:
+                found.append(self.scores.index(score, found[-1] + 1 if found else 0))
+        return found
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A pick before it is booked: each instance as its pool and position there."""
+
+    prefill_pool: _Pool
+    prefill_at: int
+    decode_pool: _Pool
+    decode_at: int
+    reason: RouteReason
+    num_matched_blocks: int
+
+    @property
+    def prefill(self) -> InstanceEntry:
+        return self.prefill_pool.entries[self.prefill_at]
+
+    @property
+    def decode(self) -> InstanceEntry:
+        return self.decode_pool.entries[self.decode_at]
+
+
 class Router:
     """Cache- and load-aware pair selection over a `Registry`.
 
@@ -82,9 +136,13 @@ class Router:
         self.prefix_memory = PrefixMemory(self._cache_routing.memory_blocks)
         # NOTE: an instance that (re)joins may have restarted with an empty cache.
         registry.add_listener(lambda entry: self.prefix_memory.forget(entry.instance_id))
+        registry.add_load_listener(self._rescore)
         # NOTE: work this gateway routed to an instance since its last load report, keyed by
         # instance id: (load_seq it applies to, prompt tokens for prefill / blocks for decode).
         self._pending: dict[str, tuple[int, int]] = {}
+        # NOTE: {(role, model): {KV layout fingerprint: pool}}, valid for one registry version.
+        self._pools: dict[tuple[InstanceRole, str], dict[str, _Pool]] = {}
+        self._pools_version = -1
 
     def candidates(self, role: InstanceRole, model_name: str) -> list[InstanceEntry]:
         """Alive, non-draining, compatible instances of `role` serving `model_name`."""
@@ -112,6 +170,7 @@ class Router:
         *,
         exclude_prefill_ids: Collection[str] = (),
         exclude_decode_ids: Collection[str] = (),
+        prompt_keys: PromptKeys | None = None,
     ) -> Pair:
         """Chooses a pair and books the work on both instances' estimated load.
 
@@ -122,106 +181,176 @@ class Router:
             max_new_tokens: Tokens the decode may still generate (sizes its block estimate).
             exclude_prefill_ids: Prefills not to use.
             exclude_decode_ids: Decodes not to use.
+            prompt_keys: The block keys of `token_ids`, when the caller keeps them across
+                attempts (computed here when None).
 
         Raises:
             PdserveError: NO_HEALTHY_INSTANCES (with a retry delay) when no pair qualifies.
         """
-        prefills = [
-            e
-            for e in self.candidates(InstanceRole.PREFILL, model_name)
-            if e.instance_id not in exclude_prefill_ids
-        ]
-        decodes = [
-            e
-            for e in self.candidates(InstanceRole.DECODE, model_name)
-            if e.instance_id not in exclude_decode_ids
-        ]
-        decode_prints = {e.info.kv_layout.fingerprint for e in decodes}
-        prefills = [e for e in prefills if e.info.kv_layout.fingerprint in decode_prints]
-        if not prefills:
-            raise PdserveError(
-                ErrorReason.NO_HEALTHY_INSTANCES,
-                f"no healthy, compatible prefill/decode pair serves model {model_name!r}",
-                {"model": model_name},
-                retry_delay_s=self._retry_after_s,
-            )
-        prefill, reason, num_matched_blocks = self._choose_prefill(prefills, token_ids)
-        fingerprint = prefill.info.kv_layout.fingerprint
-        decode = self._best(
-            [e for e in decodes if e.info.kv_layout.fingerprint == fingerprint],
-            self._admissible_blocks,
+        keys = prompt_keys or PromptKeys(token_ids)
+        for _ in range(2):
+            prefills = self._pools_for(InstanceRole.PREFILL, model_name)
+            decodes = self._pools_for(InstanceRole.DECODE, model_name)
+            with _excluding(prefills, exclude_prefill_ids), _excluding(decodes, exclude_decode_ids):
+                choice = self._choose(prefills, decodes, keys)
+            if choice is None:
+                break
+            if self._is_routable(choice.prefill) and self._is_routable(choice.decode):
+                return self._commit(choice, keys, len(token_ids), max_new_tokens)
+            # NOTE: one of them went silent since the registry last changed: rebuild, which
+            # leaves out whatever is not alive now.
+            self._pools_version = -1
+        raise PdserveError(
+            ErrorReason.NO_HEALTHY_INSTANCES,
+            f"no healthy, compatible prefill/decode pair serves model {model_name!r}",
+            {"model": model_name},
+            retry_delay_s=self._retry_after_s,
         )
-        num_tokens = len(token_ids)
-        num_cached_tokens = num_matched_blocks * prefill.info.kv_layout.block_size
-        self._book(prefill, num_tokens - num_cached_tokens)
-        block_size = max(1, decode.info.kv_layout.block_size)
-        self._book(decode, num_blocks_for(num_tokens + max_new_tokens, block_size))
-        return Pair(prefill.info, decode.info, reason, num_matched_blocks)
+
+    def _choose(
+        self, prefills: dict[str, _Pool], decodes: dict[str, _Pool], keys: PromptKeys
+    ) -> _Choice | None:
+        """The pair among what is not excluded; None when no pair is left."""
+        usable = [
+            pool
+            for fingerprint, pool in prefills.items()
+            if pool.least() < _EXCLUDED
+            and fingerprint in decodes
+            and decodes[fingerprint].least() < _EXCLUDED
+        ]
+        if not usable:
+            return None
+        prefill_pool, prefill_at, reason, num_matched_blocks = self._choose_prefill(usable, keys)
+        decode_pool = decodes[prefill_pool.layout.fingerprint]
+        decode_at = self._rng.choice(decode_pool.positions_scoring(decode_pool.least()))
+        return _Choice(prefill_pool, prefill_at, decode_pool, decode_at, reason, num_matched_blocks)
 
     def _choose_prefill(
-        self, prefills: list[InstanceEntry], token_ids: Sequence[int]
-    ) -> tuple[InstanceEntry, RouteReason, int]:
-        """The prefill by `choose_prefill`; remembers the prompt's blocks there."""
-        is_enabled = self._cache_routing.is_enabled
-        keys = _PromptKeys(token_ids)
-        if is_enabled:
-            self.prefix_memory.retain({e.instance_id for e in self._registry.entries()})
-        loads = [
-            PrefillLoad(
-                e.instance_id,
-                self._queued_tokens(e),
-                self.prefix_memory.num_matched_blocks(e.instance_id, keys.reusable(e))
-                if is_enabled
-                else 0,
-            )
-            for e in prefills
-        ]
-        choice = choose_prefill(loads, self._cache_routing)
-        prefill = self._by_id(prefills, choice.instance_ids)
-        if is_enabled:
+        self, pools: list[_Pool], keys: PromptKeys
+    ) -> tuple[_Pool, int, RouteReason, int]:
+        """The rule of `pdserve.gateway.routing_policy`: among prefills within the balance
+        of the least loaded, the longest cached prefix (then the fewest queued tokens); else
+        the fewest queued tokens. Equally good ones at random."""
+        least = min(pool.least() for pool in pools)
+        if self._cache_routing.is_enabled:
+            within = least + self._cache_routing.balance_tokens
+            best: tuple[int, int] = (1, -_EXCLUDED)  # (matched blocks, -score): higher wins
+            ties: list[tuple[_Pool, int]] = []
+            for pool in pools:
+                matched = self.prefix_memory.matches(keys.reusable(pool.layout))
+                for instance_id, num_matched in matched.items():
+                    at = pool.positions.get(instance_id)
+                    if at is None or pool.scores[at] > within:
+                        continue
+                    rank = (num_matched, -pool.scores[at])
+                    if rank > best:
+                        best, ties = rank, [(pool, at)]
+                    elif rank == best:
+                        ties.append((pool, at))
+            if ties:
+                pool, at = self._rng.choice(ties)
+                return pool, at, RouteReason.PREFIX, best[0]
+        least_loaded = [(pool, at) for pool in pools for at in pool.positions_scoring(least)]
+        pool, at = self._rng.choice(least_loaded)
+        return pool, at, RouteReason.LOAD, 0
+
+    def _commit(
+        self, choice: _Choice, keys: PromptKeys, num_tokens: int, max_new_tokens: int
+    ) -> Pair:
+        """Books the work on both, remembers the prompt's blocks on the prefill."""
+        prefill, layout = choice.prefill, choice.prefill_pool.layout
+        if self._cache_routing.is_enabled:
             max_blocks = prefill.load.num_total_blocks or None
-            self.prefix_memory.record(prefill.instance_id, keys.of(prefill), max_blocks)
-        return prefill, choice.reason, choice.num_matched_blocks
+            self.prefix_memory.record(prefill.instance_id, keys.of(layout), max_blocks)
+        num_cached_tokens = choice.num_matched_blocks * layout.block_size
+        self._book(choice.prefill_pool, choice.prefill_at, num_tokens - num_cached_tokens)
+        block_size = max(1, choice.decode_pool.layout.block_size)
+        num_blocks = num_blocks_for(num_tokens + max_new_tokens, block_size)
+        self._book(choice.decode_pool, choice.decode_at, num_blocks)
+        return Pair(prefill.info, choice.decode.info, choice.reason, choice.num_matched_blocks)
 
-    def _by_id(self, entries: list[InstanceEntry], instance_ids: Sequence[str]) -> InstanceEntry:
-        """One of `instance_ids` (at random: fair ties), as its entry."""
-        chosen = self._rng.choice(instance_ids)
-        return next(e for e in entries if e.instance_id == chosen)
+    # ---- the candidate pools ---------------------------------------------------------------
 
-    def _best(
-        self, entries: list[InstanceEntry], score: Callable[[InstanceEntry], int]
-    ) -> InstanceEntry:
-        scores = [score(e) for e in entries]
-        best_score = max(scores)
-        return self._rng.choice(
-            [e for e, s in zip(entries, scores, strict=True) if s == best_score]
-        )
+    def _pools_for(self, role: InstanceRole, model_name: str) -> dict[str, _Pool]:
+        """The pools of `role` and `model_name` by KV fingerprint, rebuilt after the
+        registry changed."""
+        if self._pools_version != self._registry.version:
+            self._pools.clear()
+            self._pools_version = self._registry.version
+            if self._cache_routing.is_enabled:
+                self.prefix_memory.retain({e.instance_id for e in self._registry.entries()})
+        pools = self._pools.get((role, model_name))
+        if pools is None:
+            pools = {}
+            for entry in self.candidates(role, model_name):
+                layout = entry.info.kv_layout
+                pool = pools.setdefault(layout.fingerprint, _Pool(layout))
+                pool.positions[entry.instance_id] = len(pool.entries)
+                pool.entries.append(entry)
+                pool.scores.append(self._score(entry))
+            self._pools[role, model_name] = pools
+        return pools
+
+    def _is_routable(self, entry: InstanceEntry) -> bool:
+        return self._registry.is_alive(entry) and not entry.load.is_draining
+
+    def _score(self, entry: InstanceEntry) -> int:
+        if entry.info.role is InstanceRole.PREFILL:
+            return entry.load.num_queued_prompt_tokens + self._pending_for(entry)
+        return self._pending_for(entry) - entry.load.num_admissible_blocks
+
+    def _rescore(self, entry: InstanceEntry) -> None:
+        """A load report arrived: the instance's score is its report again."""
+        if self._pools_version != self._registry.version:
+            return
+        pools = self._pools.get((entry.info.role, entry.info.model_name), {})
+        pool = pools.get(entry.info.kv_layout.fingerprint)
+        at = pool.positions.get(entry.instance_id) if pool else None
+        if pool is not None and at is not None and pool.entries[at] is entry:
+            pool.scores[at] = self._score(entry)
 
     def _pending_for(self, entry: InstanceEntry) -> int:
         seq, amount = self._pending.get(entry.instance_id, (entry.load_seq, 0))
         return amount if seq == entry.load_seq else 0
 
-    def _book(self, entry: InstanceEntry, amount: int) -> None:
+    def _book(self, pool: _Pool, at: int, amount: int) -> None:
+        entry = pool.entries[at]
         self._pending[entry.instance_id] = (entry.load_seq, self._pending_for(entry) + amount)
-
-    def _queued_tokens(self, entry: InstanceEntry) -> int:
-        return entry.load.num_queued_prompt_tokens + self._pending_for(entry)
-
-    def _admissible_blocks(self, entry: InstanceEntry) -> int:
-        return entry.load.num_admissible_blocks - self._pending_for(entry)
+        pool.scores[at] += amount
 
 
-class _PromptKeys:
-    """A prompt's block keys per KV layout, computed once per pick."""
+@contextlib.contextmanager
+def _excluding(pools: dict[str, _Pool], instance_ids: Collection[str]) -> Iterator[None]:
+    """Scores the instances of `instance_ids` out of reach for one pick."""
+    saved = []
+    for instance_id in instance_ids:
+        for pool in pools.values():
+            at = pool.positions.get(instance_id)
+            if at is not None:
+                saved.append((pool, at, pool.scores[at]))
+                pool.scores[at] = _EXCLUDED
+    try:
+        yield
+    finally:
+        for pool, at, score in saved:
+            pool.scores[at] = score
+
+
+class PromptKeys:
+    """A prompt's block keys per KV layout, computed once (a request keeps them across its
+    attempts: hashing a long prompt costs more than a decision)."""
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self._token_ids = token_ids
         self._keys: dict[tuple[str, int], list[BlockHash]] = {}
         self._reusable: dict[tuple[str, int], list[BlockHash]] = {}
 
-    def of(self, entry: InstanceEntry) -> list[BlockHash]:
-        """The keys of every full block under `entry`'s layout."""
-        layout = entry.info.kv_layout
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    def of(self, layout: KvLayout) -> list[BlockHash]:
+        """The keys of every full block under `layout`."""
         block_size = max(1, layout.block_size)
         cached = self._keys.get((layout.fingerprint, block_size))
         if cached is None:
@@ -229,13 +358,12 @@ class _PromptKeys:
             self._keys[layout.fingerprint, block_size] = cached
         return cached
 
-    def reusable(self, entry: InstanceEntry) -> list[BlockHash]:
-        """The keys of the blocks `entry` may take from its cache for this prompt."""
+    def reusable(self, layout: KvLayout) -> list[BlockHash]:
+        """The keys of the blocks a prefill may take from its cache for this prompt."""
         # NOTE: a prefill always computes the last token: its logits give the first token.
-        layout = entry.info.kv_layout
         block_size = max(1, layout.block_size)
         reusable = self._reusable.get((layout.fingerprint, block_size))
         if reusable is None:
-            reusable = self.of(entry)[: (len(self._token_ids) - 1) // block_size]
+            reusable = self.of(layout)[: (len(self._token_ids) - 1) // block_size]
             self._reusable[layout.fingerprint, block_size] = reusable
         return reusable

@@ -14,6 +14,11 @@ and match here. The rule, in the spirit of sgl-router's cache-aware policy:
    ``load``), as without a cache.
 
 Equally good candidates are all returned; the router picks one at random (fair ties).
+
+`choose_prefill` states the rule over a plain list of candidates. The router applies the same
+rule over its indexes (it never builds that list: at 500 instances it would cost more than
+the whole decision), and `tests/unit/gateway/test_gateway_router.py` checks that the two
+agree on random states.
 """
 
 from __future__ import annotations
