@@ -49,13 +49,17 @@ class ThreadedCluster:
         self._heartbeats = asyncio.create_task(self._heartbeat())
 
     async def _heartbeat(self) -> None:
+        # NOTE: on the internal port: the public one serves no RegistryService, and a failed
+        # heartbeat would end this task and let the instances expire mid-module.
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             for instance in [*self.cluster.prefills, *self.cluster.decodes]:
-                await heartbeat(self.cluster.grpc_address, instance)
+                await heartbeat(self.cluster.internal_address, instance)
 
     async def _stop(self) -> None:
         if self._heartbeats is not None:
+            if self._heartbeats.done():
+                self._heartbeats.result()  # raises what ended the heartbeats early
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
         await self.cluster.close()
