@@ -8,17 +8,23 @@ Half the instances are prefills, half decodes, all serving one model and one KV 
 routing on, as by default). Time is simulated: requests arrive as a Poisson process at
 ``--rate`` per second, each with a random prompt (64-2,048 tokens; a quarter share one of 50
 system prompts, so the prefix preference has something to do) and 16-256 new tokens. Each
-occupies its prefill for a time proportional to its prompt and its decode for a time
-proportional to its new tokens; departures release that load. Instances report their load as
-heartbeats would, every ``--heartbeat-ms`` of simulated time, staggered; between reports the
-router counts what it sent itself (as it does in the gateway).
+occupies its prefill for a time proportional to the prompt tokens that prefill's own prefix
+cache does not hold (each prefill keeps an LRU of its pool's worth of blocks, which the router
+only estimates) and its decode for a time proportional to its new tokens; departures release
+that load. Instances report their load as heartbeats would, every ``--heartbeat-ms`` of
+simulated time, staggered; between reports the router counts what it sent itself and, as the
+gateway's attempts do, is told when a prefill computed a prompt and when a decode finished a
+request (`Router.settle`; ``--no-settle`` leaves that out, for comparison).
 
 Measured: the wall-clock time of each `Router.pick` call (p50, p99, max), given the
 request's block keys (`PromptKeys`, computed once per attempt; their own time is reported
 beside it, and the two together), and the load imbalance per role, max /
 mean outstanding requests over instances, sampled every 10 ms of simulated time after the
 first quarter, averaged over samples. For prefills, which the router balances by queued prompt
-tokens, max / mean queued tokens is reported too. Goals: p99 at most 100 µs per decision at
+tokens (their outstanding work), max / mean queued tokens is reported too. The simulated
+prefills are offered about twice the prompt tokens they can compute (a saturated cluster, whose
+queues hold tens of requests each): at lower load max / mean over hundreds of instances measures
+how few requests each holds, not the router. Goals: p99 at most 100 µs per decision at
 500 instances, imbalance at most 1.2.
 """
 
@@ -36,8 +42,10 @@ from typing import Any
 
 from common import write_results
 
+from pdserve.common.logging import configure_logging
 from pdserve.common.protocol import PROTOCOL_VERSION, kv_layout_fingerprint
 from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
+from pdserve.gateway.prefix_memory import PrefixMemory
 from pdserve.gateway.registry import Registry
 from pdserve.gateway.router import PromptKeys, Router
 
@@ -45,6 +53,7 @@ MODEL = "sim-model"
 BLOCK_SIZE = 16
 PREFILL_TOKENS_PER_S = 20_000  # one prefill instance's compute rate
 DECODE_TOKENS_PER_S = 40  # one request's decode rate
+PREFILL_CACHE_BLOCKS = 20_000  # blocks one prefill's prefix cache holds
 
 
 def layout() -> KvLayout:
@@ -81,7 +90,12 @@ class Event:
 
 
 def simulate(
-    num_instances: int, rate: float, seconds: float, heartbeat_s: float, seed: int
+    num_instances: int,
+    rate: float,
+    seconds: float,
+    heartbeat_s: float,
+    seed: int,
+    settle: bool = True,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     clock = [0.0]
@@ -98,6 +112,9 @@ def simulate(
         instances[instance_id] = Instance(info)
         registry.register(info, instances[instance_id].report())
     system_prompts = [[rng.randrange(1000, 30000) for _ in range(512)] for _ in range(50)]
+    # NOTE: what each prefill's prefix cache holds (its pool's worth of blocks, least recently
+    # used forgotten first), which the router only estimates.
+    prefill_caches = PrefixMemory(PREFILL_CACHE_BLOCKS)
     events: list[Event] = []
     seq = 0
 
@@ -137,22 +154,32 @@ def simulate(
             pick_ns.append(time.perf_counter_ns() - began)
             prefill = instances[pair.prefill.instance_id]
             decode = instances[pair.decode.instance_id]
+            # NOTE: the prefill computes what its own cache does not hold.
+            num_cached = BLOCK_SIZE * prefill_caches.num_matched_blocks(
+                prefill.info.instance_id, keys.reusable(layout())
+            )
+            prefill_caches.record(prefill.info.instance_id, keys.of(layout()))
+            num_computed = len(prompt) - num_cached
             prefill.outstanding += 1
-            prefill.queued_tokens += len(prompt)
+            prefill.queued_tokens += num_computed
             blocks = -(-(len(prompt) + new_tokens) // BLOCK_SIZE)
             decode.outstanding += 1
             decode.used_blocks += blocks
             prefill_done = event.at + prefill.queued_tokens / PREFILL_TOKENS_PER_S
-            push(prefill_done, "prefilled", (prefill, len(prompt)))
-            push(prefill_done + new_tokens / DECODE_TOKENS_PER_S, "decoded", (decode, blocks))
+            push(prefill_done, "prefilled", (prefill, num_computed, pair))
+            push(prefill_done + new_tokens / DECODE_TOKENS_PER_S, "decoded", (decode, blocks, pair))
         elif event.kind == "prefilled":
-            prefill, num_tokens = event.data
+            prefill, num_tokens, pair = event.data
             prefill.outstanding -= 1
             prefill.queued_tokens -= num_tokens
+            if settle:
+                router.settle(pair, InstanceRole.PREFILL)
         elif event.kind == "decoded":
-            decode, blocks = event.data
+            decode, blocks, pair = event.data
             decode.outstanding -= 1
             decode.used_blocks -= blocks
+            if settle:
+                router.settle(pair, InstanceRole.DECODE)
         elif event.kind == "heartbeat":
             registry.heartbeat(event.data, instances[event.data].report())
             push(event.at + heartbeat_s, "heartbeat", event.data)
@@ -196,14 +223,23 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="simulated seconds")
     parser.add_argument("--heartbeat-ms", type=float, default=500.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-settle",
+        action="store_true",
+        help="do not tell the router when work ends (it knows only reports and its own sends)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON, last")
     args = parser.parse_args()
+    configure_logging("route-sim", "warning", json=False)  # not a line per registration
     rows = []
     print(f"{'instances':>9} {'decisions':>9} {'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} "
           f"{'keys p99':>8} {'both p50':>8} {'both p99':>8} {'imbalance P':>11} "
           f"{'imbalance D':>11} {'P tokens':>8}")  # fmt: skip
     for num_instances in args.instances:
-        row = simulate(num_instances, args.rate, args.seconds, args.heartbeat_ms / 1000, args.seed)
+        heartbeat_s = args.heartbeat_ms / 1000
+        row = simulate(
+            num_instances, args.rate, args.seconds, heartbeat_s, args.seed, not args.no_settle
+        )
         rows.append(row)
         print(
             f"{row['instances']:>9} {row['decisions']:>9} {row['pick_us_p50']:>8.1f} "

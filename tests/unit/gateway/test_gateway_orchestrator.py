@@ -380,3 +380,19 @@ async def test_a_draining_decode_that_deregisters_keeps_its_streams(
     assert (await running).token_ids == expected(request)
     assert cluster.metrics.count("reschedules", "decode_lost") == 0
     await eventually(lambda: cluster.orchestrator.loss_watch.num_watchers == 0)
+
+
+async def test_every_attempt_gives_its_booked_work_back_to_the_router(
+    cluster: MemoryCluster,
+) -> None:
+    prefill, decode = _pd(cluster)
+    decode.script = [preempt(after=3)]
+    request = cluster.request(seed=5)
+    before = cluster.router.unreported_work(prefill.instance_id)
+    assert (await cluster.run(request)).token_ids == expected(request)
+    # Two attempts booked prompt tokens on the prefill and blocks on the decode; no report
+    # arrived since, and both ended: the router counts nothing of them any more.
+    assert len(prefill.calls) == 2
+    assert before == 0
+    assert cluster.router.unreported_work(prefill.instance_id) == 0
+    assert cluster.router.unreported_work(decode.instance_id) == 0

@@ -14,7 +14,7 @@ happens inside a cancelled task.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
 from typing import Any
 
@@ -70,12 +70,22 @@ class Attempts:
         backend: Calls to prefill and decode instances.
         loss_watch: Interrupts the streams of instances the registry lost.
         policy: Cleanup deadline and end grace.
+        settle: Told when an attempt is done with one of its instances (`Router.settle`):
+            the prefill once it computed the prompt (or the attempt left it), the decode once
+            the attempt ended.
     """
 
-    def __init__(self, backend: Backend, loss_watch: LossWatch, policy: RetryPolicy) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        loss_watch: LossWatch,
+        policy: RetryPolicy,
+        settle: Callable[[Pair, InstanceRole], None] = lambda pair, role: None,
+    ) -> None:
         self._backend = backend
         self._loss_watch = loss_watch
         self._policy = policy
+        self._settle = settle
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
 
     async def wait_for_cleanups(self) -> None:
@@ -151,6 +161,7 @@ class Attempts:
                             span.add_event("first_token", index)
                             yield event
                         elif isinstance(event, FirstTokenEvent):
+                            self._settle(pair, PREFILL)  # computed: off the prefill's queue
                             is_first_token_attempt = timeline.on_first_token(event.phases)
                         elif isinstance(event, HandedOffEvent):
                             handed_off, lease_id = event, event.lease_id
@@ -165,6 +176,8 @@ class Attempts:
                 # could cancel the retry, which reuses the request id on the same prefill.
                 owes_abort = not failed.failure.is_from_server
                 raise
+            finally:
+                self._settle(pair, PREFILL)
             if finished is None and handed_off is None:
                 raise connection_lost(PREFILL, "the prefill stream ended without a terminal event")
             owes_abort = False
@@ -213,6 +226,7 @@ class Attempts:
         except AttemptFailed as failed:
             outcome = failed.setback(pair, progress.num_tokens)
         finally:
+            self._settle(pair, DECODE)
             timeout_s = self._policy.cleanup_timeout_s
             if owes_abort:
                 address = pair.prefill.address

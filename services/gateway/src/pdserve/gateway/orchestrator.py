@@ -74,7 +74,7 @@ class Orchestrator:
         self._metrics = metrics
         self.loss_watch = LossWatch()
         registry.add_lost_listener(lambda entry: self.loss_watch.notify(entry.instance_id))
-        self._attempts = Attempts(backend, self.loss_watch, policy)
+        self._attempts = Attempts(backend, self.loss_watch, policy, router.settle)
 
     async def wait_for_cleanups(self) -> None:
         """Waits until every background AbortRequest / ReleaseLease has finished."""

@@ -6,9 +6,11 @@ layout fingerprint. The prefill is chosen by the rule of `pdserve.gateway.routin
 one believed to hold the longest prefix of the prompt in its prefix cache
 (`pdserve.gateway.prefix_memory`) unless it is much busier than the least-loaded one, else the
 one with the fewest queued prompt tokens. The decode with the most admissible blocks (free minus
-reserved headroom) follows. Both loads include what this gateway sent since the instance's last
-report, so a burst of requests between two heartbeats spreads out instead of piling onto one
-instance. Ties are broken at random.
+reserved headroom) follows. Both loads are the instance's last report corrected by what this
+gateway saw since: work it sent there is added (a burst of requests between two heartbeats
+spreads out instead of piling onto one instance), work it saw end there is taken off again
+(`Router.settle`: a prefill that finished its prompts since its report is not taken for as
+busy as it reported). Ties are broken at random.
 
 A decision does not scan the registry: the candidates of each role, model and KV layout are
 kept with their scores in flat lists (rebuilt only when the registry's `version` changes,
@@ -46,12 +48,19 @@ class Pair:
     Attributes:
         prefill_reason: Why this prefill (its cached prefix, or its load).
         num_matched_blocks: Leading full blocks of the prompt the prefill is believed to hold.
+        booked: The work the pick booked on each instance's estimated load and has not yet
+            settled (`Router.settle`), by role: prompt tokens on the prefill, blocks on the
+            decode.
     """
 
     prefill: InstanceInfo
     decode: InstanceInfo
     prefill_reason: RouteReason = RouteReason.LOAD
     num_matched_blocks: int = 0
+    booked: dict[InstanceRole, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def instance(self, role: InstanceRole) -> InstanceInfo:
+        return self.prefill if role is InstanceRole.PREFILL else self.decode
 
 
 def is_compatible(entry: InstanceEntry) -> bool:
@@ -236,13 +245,15 @@ class Router:
             within = least + self._cache_routing.balance_tokens
             best: tuple[int, int] = (1, -_EXCLUDED)  # (matched blocks, -score): higher wins
             ties: list[tuple[_Pool, int]] = []
+            memory = self.prefix_memory
             for pool in pools:
-                matched = self.prefix_memory.matches(keys.reusable(pool.layout))
-                for instance_id, num_matched in matched.items():
+                reusable = keys.reusable(pool.layout)
+                # NOTE: the load first: a hot prefix has many holders, most of them too busy.
+                for instance_id in memory.holders(reusable):
                     at = pool.positions.get(instance_id)
                     if at is None or pool.scores[at] > within:
                         continue
-                    rank = (num_matched, -pool.scores[at])
+                    rank = (memory.num_matched_blocks(instance_id, reusable), -pool.scores[at])
                     if rank > best:
                         best, ties = rank, [(pool, at)]
                     elif rank == best:
@@ -262,12 +273,27 @@ class Router:
         if self._cache_routing.is_enabled:
             max_blocks = prefill.load.num_total_blocks or None
             self.prefix_memory.record(prefill.instance_id, keys.of(layout), max_blocks)
-        num_cached_tokens = choice.num_matched_blocks * layout.block_size
-        self._book(choice.prefill_pool, choice.prefill_at, num_tokens - num_cached_tokens)
+        num_uncached_tokens = num_tokens - choice.num_matched_blocks * layout.block_size
+        self._book(choice.prefill_pool, choice.prefill_at, num_uncached_tokens)
         block_size = max(1, choice.decode_pool.layout.block_size)
         num_blocks = num_blocks_for(num_tokens + max_new_tokens, block_size)
         self._book(choice.decode_pool, choice.decode_at, num_blocks)
-        return Pair(prefill.info, choice.decode.info, choice.reason, choice.num_matched_blocks)
+        booked = {InstanceRole.PREFILL: num_uncached_tokens, InstanceRole.DECODE: num_blocks}
+        return Pair(
+            prefill.info, choice.decode.info, choice.reason, choice.num_matched_blocks, booked
+        )
+
+    def settle(self, pair: Pair, role: InstanceRole) -> None:
+        """The attempt on `pair` is done with its `role` instance (the prefill computed the
+        prompt, or the attempt ended there): the work its pick booked there leaves that
+        instance's estimated load, until the next report (which no longer counts it).
+        Settling a role twice, or an unbooked pair, does nothing."""
+        amount = pair.booked.pop(role, None)
+        entry = self._registry.get(pair.instance(role).instance_id)
+        if amount is None or entry is None:
+            return
+        self._pending[entry.instance_id] = (entry.load_seq, self._pending_for(entry) - amount)
+        self._rescore(entry)
 
     # ---- the candidate pools ---------------------------------------------------------------
 
@@ -296,11 +322,13 @@ class Router:
 
     def _score(self, entry: InstanceEntry) -> int:
         if entry.info.role is InstanceRole.PREFILL:
-            return entry.load.num_queued_prompt_tokens + self._pending_for(entry)
+            # NOTE: work settled since the report may include some the report already left
+            # out (it ended just before the report): never below an idle prefill.
+            return max(0, entry.load.num_queued_prompt_tokens + self._pending_for(entry))
         return self._pending_for(entry) - entry.load.num_admissible_blocks
 
     def _rescore(self, entry: InstanceEntry) -> None:
-        """A load report arrived: the instance's score is its report again."""
+        """A load report arrived, or booked work settled: the instance's score again."""
         if self._pools_version != self._registry.version:
             return
         pools = self._pools.get((entry.info.role, entry.info.model_name), {})
@@ -309,6 +337,12 @@ class Router:
         if pool is not None and at is not None and pool.entries[at] is entry:
             pool.scores[at] = self._score(entry)
 
+    def unreported_work(self, instance_id: str) -> int:
+        """What this gateway adds to the instance's last report: work it booked there since,
+        minus work it saw end there since (prompt tokens of a prefill, blocks of a decode)."""
+        entry = self._registry.get(instance_id)
+        return self._pending_for(entry) if entry is not None else 0
+
     def _pending_for(self, entry: InstanceEntry) -> int:
         seq, amount = self._pending.get(entry.instance_id, (entry.load_seq, 0))
         return amount if seq == entry.load_seq else 0
@@ -316,7 +350,7 @@ class Router:
     def _book(self, pool: _Pool, at: int, amount: int) -> None:
         entry = pool.entries[at]
         self._pending[entry.instance_id] = (entry.load_seq, self._pending_for(entry) + amount)
-        pool.scores[at] += amount
+        pool.scores[at] = self._score(entry)
 
 
 @contextlib.contextmanager
