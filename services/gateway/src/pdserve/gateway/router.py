@@ -200,7 +200,13 @@ class Router:
         for _ in range(2):
             prefills = self._pools_for(InstanceRole.PREFILL, model_name)
             decodes = self._pools_for(InstanceRole.DECODE, model_name)
-            with _excluding(prefills, exclude_prefill_ids), _excluding(decodes, exclude_decode_ids):
+            if exclude_prefill_ids or exclude_decode_ids:
+                with (
+                    _excluding(prefills, exclude_prefill_ids),
+                    _excluding(decodes, exclude_decode_ids),
+                ):
+                    choice = self._choose(prefills, decodes, keys)
+            else:
                 choice = self._choose(prefills, decodes, keys)
             if choice is None:
                 break
@@ -220,33 +226,39 @@ class Router:
         self, prefills: dict[str, _Pool], decodes: dict[str, _Pool], keys: PromptKeys
     ) -> _Choice | None:
         """The pair among what is not excluded; None when no pair is left."""
-        usable = [
-            pool
-            for fingerprint, pool in prefills.items()
-            if pool.least() < _EXCLUDED
-            and fingerprint in decodes
-            and decodes[fingerprint].least() < _EXCLUDED
-        ]
+        # NOTE: each pool's least score once per pick: a `min` over hundreds of scores is
+        # most of a decision's time.
+        usable: list[tuple[_Pool, int]] = []
+        decode_least: dict[str, int] = {}
+        for fingerprint, pool in prefills.items():
+            decode_pool = decodes.get(fingerprint)
+            if decode_pool is None:
+                continue
+            least, decode_least[fingerprint] = pool.least(), decode_pool.least()
+            if least < _EXCLUDED and decode_least[fingerprint] < _EXCLUDED:
+                usable.append((pool, least))
         if not usable:
             return None
         prefill_pool, prefill_at, reason, num_matched_blocks = self._choose_prefill(usable, keys)
-        decode_pool = decodes[prefill_pool.layout.fingerprint]
-        decode_at = self._rng.choice(decode_pool.positions_scoring(decode_pool.least()))
+        fingerprint = prefill_pool.layout.fingerprint
+        decode_pool = decodes[fingerprint]
+        decode_at = self._rng.choice(decode_pool.positions_scoring(decode_least[fingerprint]))
         return _Choice(prefill_pool, prefill_at, decode_pool, decode_at, reason, num_matched_blocks)
 
     def _choose_prefill(
-        self, pools: list[_Pool], keys: PromptKeys
+        self, usable: list[tuple[_Pool, int]], keys: PromptKeys
     ) -> tuple[_Pool, int, RouteReason, int]:
         """The rule of `pdserve.gateway.routing_policy`: among prefills within the balance
         of the least loaded, the longest cached prefix (then the fewest queued tokens); else
-        the fewest queued tokens. Equally good ones at random."""
-        least = min(pool.least() for pool in pools)
+        the fewest queued tokens. Equally good ones at random. `usable` pairs each pool
+        with its least score."""
+        least = min(pool_least for _, pool_least in usable)
         if self._cache_routing.is_enabled:
             within = least + self._cache_routing.balance_tokens
             best: tuple[int, int] = (1, -_EXCLUDED)  # (matched blocks, -score): higher wins
             ties: list[tuple[_Pool, int]] = []
             memory = self.prefix_memory
-            for pool in pools:
+            for pool, _ in usable:
                 reusable = keys.reusable(pool.layout)
                 # NOTE: the load first: a hot prefix has many holders, most of them too busy.
                 for instance_id in memory.holders(reusable):
@@ -261,7 +273,12 @@ class Router:
             if ties:
                 pool, at = self._rng.choice(ties)
                 return pool, at, RouteReason.PREFIX, best[0]
-        least_loaded = [(pool, at) for pool in pools for at in pool.positions_scoring(least)]
+        least_loaded = [
+            (pool, at)
+            for pool, pool_least in usable
+            if pool_least == least
+            for at in pool.positions_scoring(least)
+        ]
         pool, at = self._rng.choice(least_loaded)
         return pool, at, RouteReason.LOAD, 0
 
