@@ -13,7 +13,7 @@ wrong answer.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence, Set
 
 from pdserve.common.prefix_keys import BlockHash
@@ -89,19 +89,15 @@ class PrefixMemory:
             return
         remembered = self._keys.setdefault(instance_id, OrderedDict())
         self._first_holders.setdefault(keys[0], set()).add(instance_id)
-        # NOTE: the keys end up tail first, so the head is the most recent and is forgotten
-        # last. What the instance holds of the chain is a prefix of it: the rest is new and is
-        # appended (tail first), then the held head is moved behind it (tail first). Both are
-        # loops in C: a long prompt's keys cost a few microseconds, not one Python step each.
-        num_held = self.num_matched_blocks(instance_id, keys)
-        remembered.update(dict.fromkeys(reversed(keys[num_held:])))
-        deque(map(remembered.move_to_end, reversed(keys[:num_held])), maxlen=0)
+        # NOTE: tail first, so the head is the most recent and is forgotten last. (A plain
+        # loop: `update` plus a mapped `move_to_end` measured slower.)
+        for key in reversed(keys):
+            remembered[key] = None
+            remembered.move_to_end(key)
         limit = min(self.max_blocks_per_instance, max_blocks or self.max_blocks_per_instance)
-        num_over = len(remembered) - max(1, limit)
-        if num_over > 0:
-            forgotten = [remembered.popitem(last=False)[0] for _ in range(num_over)]
-            for key in self._first_holders.keys() & forgotten:
-                self._unhold(key, instance_id)
+        while len(remembered) > max(1, limit):
+            key, _ = remembered.popitem(last=False)
+            self._unhold(key, instance_id)
 
     def forget(self, instance_id: str) -> None:
         """Drops everything remembered for `instance_id` (it left, or restarted empty)."""
