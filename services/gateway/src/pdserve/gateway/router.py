@@ -226,8 +226,8 @@ class Router:
         self, prefills: dict[str, _Pool], decodes: dict[str, _Pool], keys: PromptKeys
     ) -> _Choice | None:
         """The pair among what is not excluded; None when no pair is left."""
-        # NOTE: each pool's least score once per pick: a `min` over hundreds of scores is
-        # most of a decision's time.
+        # NOTE: each pool's least score once per pick: a `min` over hundreds of scores costs
+        # microseconds.
         usable: list[tuple[_Pool, int]] = []
         decode_least: dict[str, int] = {}
         for fingerprint, pool in prefills.items():
