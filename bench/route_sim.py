@@ -101,13 +101,14 @@ def simulate(
     clock = [0.0]
     registry = Registry(ttl_s=1e9, clock=lambda: clock[0])
     router = Router(registry, rng=random.Random(seed))
+    kv_layout = layout()  # one fingerprint, not one per request
     instances: dict[str, Instance] = {}
     for i in range(num_instances):
         role = InstanceRole.PREFILL if i % 2 == 0 else InstanceRole.DECODE
         instance_id = f"{role.value}-{i}"
         info = InstanceInfo(
             instance_id, role, f"10.0.{i // 250}.{i % 250}:5000", PROTOCOL_VERSION, (),
-            layout(), MODEL, 8192,
+            kv_layout, MODEL, 8192,
         )  # fmt: skip
         instances[instance_id] = Instance(info)
         registry.register(info, instances[instance_id].report())
@@ -147,7 +148,7 @@ def simulate(
             new_tokens = rng.randrange(16, 257)
             began = time.perf_counter_ns()
             keys = PromptKeys(prompt)
-            keys.of(layout())
+            keys.of(kv_layout)
             keys_ns.append(time.perf_counter_ns() - began)
             began = time.perf_counter_ns()
             pair = router.pick(MODEL, prompt, new_tokens, prompt_keys=keys)
@@ -156,9 +157,9 @@ def simulate(
             decode = instances[pair.decode.instance_id]
             # NOTE: the prefill computes what its own cache does not hold.
             num_cached = BLOCK_SIZE * prefill_caches.num_matched_blocks(
-                prefill.info.instance_id, keys.reusable(layout())
+                prefill.info.instance_id, keys.reusable(kv_layout)
             )
-            prefill_caches.record(prefill.info.instance_id, keys.of(layout()))
+            prefill_caches.record(prefill.info.instance_id, keys.of(kv_layout))
             num_computed = len(prompt) - num_cached
             prefill.outstanding += 1
             prefill.queued_tokens += num_computed
@@ -235,8 +236,8 @@ def main() -> None:
     print(f"{'instances':>9} {'decisions':>9} {'p50 µs':>8} {'p99 µs':>8} {'max µs':>9} "
           f"{'keys p99':>8} {'both p50':>8} {'both p99':>8} {'imbalance P':>11} "
           f"{'imbalance D':>11} {'P tokens':>8}")  # fmt: skip
+    heartbeat_s = args.heartbeat_ms / 1000
     for num_instances in args.instances:
-        heartbeat_s = args.heartbeat_ms / 1000
         row = simulate(
             num_instances, args.rate, args.seconds, heartbeat_s, args.seed, not args.no_settle
         )

@@ -89,8 +89,7 @@ class PrefixMemory:
             return
         remembered = self._keys.setdefault(instance_id, OrderedDict())
         self._first_holders.setdefault(keys[0], set()).add(instance_id)
-        # NOTE: tail first, so the head is the most recent and is forgotten last. (A plain
-        # loop: `update` plus a mapped `move_to_end` measured slower.)
+        # NOTE: tail first, so the head is the most recent and is forgotten last.
         for key in reversed(keys):
             remembered[key] = None
             remembered.move_to_end(key)
