@@ -80,6 +80,7 @@ async def test_metrics_after_n_requests(cluster: RealCluster) -> None:
 
 
 TTFT_PHASES = (
+    "admission_queue",
     "gateway_queue",
     "network",
     "lease",

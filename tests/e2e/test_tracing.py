@@ -128,8 +128,8 @@ def test_the_request_and_prefill_spans_say_where_the_first_token_time_went(
 ) -> None:
     spans = _request_spans(chat)
     request = _one(spans, "gateway.request")["attributes"]
-    gateway_phases = ("gateway_queue", "network", "lease", "prefill_queue", "compute",
-                      "first_token_to_client", "transfer_tail")  # fmt: skip
+    gateway_phases = ("admission_queue", "gateway_queue", "network", "lease", "prefill_queue",
+                      "compute", "first_token_to_client", "transfer_tail")  # fmt: skip
     for phase in gateway_phases:
         assert request[f"pdserve.phase.{phase}_ms"] >= 0, phase
     assert request["pdserve.phase.compute_ms"] > 0

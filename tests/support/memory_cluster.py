@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.generation import SamplingParams, resolve_seed
+from pdserve.gateway.capacity_queue import QueueLimits
 from pdserve.gateway.decisions import RetryPolicy
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.metrics import GatewayMetrics
@@ -60,17 +61,23 @@ class MemoryCluster:
     """A real registry, router and orchestrator over a `MemoryBackend`: no servers, no ports.
 
     Args:
+        queue_limits: The admission queue's bounds (its defaults when None).
         policy: `RetryPolicy` settings.
     """
 
-    def __init__(self, **policy: Any) -> None:
+    def __init__(self, queue_limits: QueueLimits | None = None, **policy: Any) -> None:
         self.clock = ManualClock()
         self.registry = Registry(TTL_S, clock=self.clock)
         self.router = Router(self.registry, rng=random.Random(0))
         self.metrics = GatewayMetrics()
         self.backend = MemoryBackend()
         self.orchestrator = Orchestrator(
-            self.backend, self.router, self.registry, RetryPolicy(**policy), self.metrics
+            self.backend,
+            self.router,
+            self.registry,
+            RetryPolicy(**policy),
+            self.metrics,
+            queue_limits=queue_limits,
         )
         self._request_ids = itertools.count()
 
@@ -93,6 +100,11 @@ class MemoryCluster:
         """A decode (more free blocks: preferred by the router)."""
         load = LoadReport(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
         return self._add(instance_id, InstanceRole.DECODE, load)
+
+    def report(self) -> None:
+        """Every instance sends a load report (the same load as before)."""
+        for entry in self.registry.entries():
+            self.registry.heartbeat(entry.instance_id, entry.load)
 
     def lose(self, instance: MemoryInstance) -> None:
         """`instance` stops heartbeating; the registry's sweep announces it lost."""

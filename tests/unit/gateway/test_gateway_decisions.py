@@ -59,7 +59,7 @@ class Case:
 
     name: str
     setback: Setback
-    decision: str  # "retry", "reschedule <cause>", "wait <s>", "give up [<limit>]"
+    decision: str  # "retry", "reschedule <cause>", "wait <full id>", "give up [<limit>]"
     excluded: str = ""  # instance ids excluded for the rest of the request
     avoided: str = ""  # instance ids avoided when another is available
     state: RequestState = FRESH
@@ -69,8 +69,6 @@ class Case:
 CASES = [
     # ANOTHER_PAIR / ANOTHER_DECODE / ANOTHER_PREFILL: the scope names what to leave out.
     Case("incompatible peer", failed(R.INCOMPATIBLE_PEER), "retry", "p d"),
-    Case("decode full", failed(R.DECODE_CAPACITY_EXHAUSTED, instanceId="d"), "retry", "d"),
-    Case("prefill overloaded", failed(R.PREFILL_OVERLOADED), "retry", "p"),
     # ANOTHER_INSTANCE: the instance the error names, else the one whose stream failed.
     Case("draining, unnamed, on the prefill", failed(R.INSTANCE_DRAINING), "retry", "p"),
     Case("draining decode named", failed(R.INSTANCE_DRAINING, instanceId="d"), "retry", "d"),
@@ -105,12 +103,14 @@ CASES = [
          policy=replace(POLICY, preempt_retry_exclude_decode=True)),
     Case("lost decode", lost(DECODE), "reschedule decode_lost", "d"),
     Case("lost prefill", lost(PREFILL), "retry", "p"),
-    # A started completion waits for a full decode, whatever max_attempts says.
+    # No room: wait for it (that instance marked full), whatever max_attempts says; nothing
+    # is excluded (it has room again once work there ends).
+    Case("decode full", failed(R.DECODE_CAPACITY_EXHAUSTED, instanceId="d"), "wait d",
+         state=replace(FRESH, num_failures=2)),
     Case("decode full after the first token",
          failed(R.DECODE_CAPACITY_EXHAUSTED, num_delivered_tokens=3, retry_delay_s=2.0),
-         "wait 2.0", state=replace(FRESH, num_failures=2)),
-    Case("decode full after the first token, no delay given",
-         failed(R.DECODE_CAPACITY_EXHAUSTED, num_delivered_tokens=3), "wait 0.2"),
+         "wait d", state=replace(FRESH, num_failures=2)),
+    Case("prefill overloaded", failed(R.PREFILL_OVERLOADED), "wait p"),
     # The limits
     Case("max_attempts reached", failed(R.LEASE_NOT_FOUND), "give up max_attempts",
          state=replace(FRESH, num_failures=2)),
@@ -120,7 +120,7 @@ CASES = [
          state=replace(FRESH, num_reschedules=2)),
     Case("reschedules used up by a lost decode", lost(DECODE), "give up preempt_retry_count",
          state=replace(FRESH, num_reschedules=2)),
-    Case("exclusions add up", failed(R.PREFILL_OVERLOADED), "retry", "p q d",
+    Case("exclusions add up", failed(R.INCOMPATIBLE_PEER), "retry", "p q d",
          state=replace(FRESH, excluded_prefill_ids=frozenset({"q"}),
                        excluded_decode_ids=frozenset({"d"}))),
 ]  # fmt: skip
@@ -134,7 +134,7 @@ def _summary(decision: Decision) -> tuple[str, str, str]:
     if isinstance(decision, Reschedule):
         kind = f"reschedule {decision.cause.value}"
     elif isinstance(decision, WaitForCapacity):
-        kind = f"wait {decision.wait_s}"
+        kind = f"wait {decision.instance_id}"
     else:
         kind = "retry"
     state = decision.state

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 from support.eventually import eventually
+from support.gateway_fakes import BLOCK_SIZE
 from support.memory_backend import (
     Fault,
     MemoryInstance,
@@ -23,9 +24,14 @@ from support.memory_cluster import PROMPT_IDS, MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
+from pdserve.gateway.capacity_queue import QueueLimits
 from pdserve.gateway.request import GenerationRequest, TokenChunk
+from pdserve.gateway.router import lease_blocks
 
 R = ErrorReason
+# NOTE: the decode's admissible blocks a default request's lease takes (its prompt and 24 new
+# tokens, all within the headroom), in the fakes' blocks of 4 tokens.
+LEASE_BLOCKS = lease_blocks(len(PROMPT_IDS), 24, BLOCK_SIZE)
 
 
 @pytest.fixture
@@ -134,15 +140,40 @@ async def test_a_decode_refusal_routes_to_the_other_decode(cluster: MemoryCluste
     assert cluster.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 1
 
 
-async def test_all_decodes_full_fails_fast_with_their_error(cluster: MemoryCluster) -> None:
+async def test_all_decodes_full_waits_for_room_then_refuses_at_the_queue_bound() -> None:
+    cluster = MemoryCluster(QueueLimits(max_queue_wait_s=0.3))
     prefill = cluster.add_prefill()
     for index in range(2):
         cluster.add_decode(f"decode-{index}").refuse(retry_delay_s=2.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     with pytest.raises(PdserveError) as raised:
         await cluster.run(cluster.request())
-    assert raised.value.reason is R.DECODE_CAPACITY_EXHAUSTED
-    assert raised.value.retry_delay_s == 2.0  # -> 429 with Retry-After
+    # NOTE: both refused once; marked full, neither is asked again before it reports.
+    assert 0.3 <= loop.time() - started < 2.0
+    assert raised.value.reason is R.DECODE_CAPACITY_EXHAUSTED  # -> 429 with Retry-After
+    assert raised.value.metadata["limit"] == "max_queue_wait_s"
+    assert raised.value.retry_delay_s == 0.3  # nothing drained lately: the wait bound
     assert len(prefill.calls) == 2
+    assert cluster.metrics.count("queue_refusals", "max_queue_wait_s") == 1
+    assert cluster.orchestrator.queue.num_waiting == 0
+
+
+async def test_a_refused_request_waits_for_the_next_load_report() -> None:
+    cluster = MemoryCluster(max_attempts=1)
+    prefill, decode = _pd(cluster)
+    decode.refuse(times=2)  # more refusals than max_attempts allows failures
+    request = cluster.request()
+    running = asyncio.ensure_future(cluster.run(request))
+    await eventually(lambda: cluster.orchestrator.queue.num_waiting == 1)
+    assert len(prefill.calls) == 1
+    cluster.report()  # the decode reports: tried again, refused again
+    await eventually(lambda: len(prefill.calls) == 2 and cluster.orchestrator.queue.num_waiting)
+    cluster.report()
+    completion = await running
+    assert completion.token_ids == expected(request)
+    assert completion.end.num_attempts == 3
+    assert cluster.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 2
 
 
 async def test_a_started_completion_waits_for_decode_capacity() -> None:
@@ -150,11 +181,67 @@ async def test_a_started_completion_waits_for_decode_capacity() -> None:
     _, decode = _pd(cluster)
     decode.script = [preempt(after=3)]
     decode.refuse(times=2, retry_delay_s=0.01, after=1)  # the continuation finds it full, twice
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(0.01)
+            cluster.report()
+
+    reporting = asyncio.ensure_future(report())
     request = cluster.request()
-    completion = await cluster.run(request)
+    try:
+        completion = await cluster.run(request)
+    finally:
+        reporting.cancel()
     assert completion.token_ids == expected(request)
     assert (completion.end.num_attempts, completion.end.num_reschedules) == (4, 1)
     assert cluster.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 2
+
+
+async def test_more_requests_than_the_decode_holds_queue_and_all_complete() -> None:
+    cluster = MemoryCluster()
+    prefill = cluster.add_prefill()
+    cluster.add_decode(num_blocks=2 * LEASE_BLOCKS + 1)  # two at once
+    requests = [cluster.request(seed=seed) for seed in range(8)]
+    completions = await asyncio.gather(*(cluster.run(request) for request in requests))
+    assert [c.token_ids for c in completions] == [expected(r) for r in requests]
+    assert cluster.metrics.count("retries", "DECODE_CAPACITY_EXHAUSTED") == 0
+    # NOTE: in order of arrival; never more than two at once on the decode.
+    assert [call.request_id for call in prefill.calls] == [r.request_id for r in requests]
+    assert cluster.orchestrator.queue.num_waiting == 0
+    assert cluster.router.unreported_work("decode-0") == 0
+
+
+async def test_a_request_cancelled_in_the_queue_leaves_nothing_behind() -> None:
+    cluster = MemoryCluster()
+    prefill = cluster.add_prefill()
+    decode = cluster.add_decode(num_blocks=LEASE_BLOCKS)  # one request at a time
+    decode.script = [stall()]
+    first, second, third = (cluster.request(seed=seed) for seed in range(3))
+    running = asyncio.ensure_future(cluster.run(first))
+    await eventually(lambda: len(decode.generate_calls) == 1)
+    queued = [asyncio.ensure_future(cluster.run(r)) for r in (second, third)]
+    await eventually(lambda: cluster.orchestrator.queue.num_waiting == 2)
+    queued[0].cancel()  # the client of the head goes away
+    await eventually(lambda: cluster.orchestrator.queue.num_waiting == 1)
+    assert cluster.orchestrator.queue.num_waiting_tokens == len(PROMPT_IDS)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert (await queued[1]).token_ids == expected(third)
+    assert [call.request_id for call in prefill.calls] == [first.request_id, third.request_id]
+    assert cluster.orchestrator.queue.num_waiting == 0
+    assert cluster.router.unreported_work("decode-0") == 0
+
+
+async def test_a_request_the_decodes_can_never_hold_fails_at_once() -> None:
+    cluster = MemoryCluster()
+    prefill = cluster.add_prefill()
+    cluster.add_decode(num_blocks=LEASE_BLOCKS - 1)
+    with pytest.raises(PdserveError) as raised:
+        await cluster.run(cluster.request())
+    assert raised.value.reason is R.PROMPT_TOO_LONG
+    assert prefill.calls == []
 
 
 async def test_the_draining_decode_named_by_the_prefill_is_avoided(

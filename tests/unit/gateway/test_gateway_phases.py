@@ -30,6 +30,7 @@ CASES = [
             transport="grpc",
         ),
         {
+            "admission_queue": 0.0,
             "gateway_queue": 0.5,
             "network": 0.25,  # 2.0 s round trip, 1.75 s of it inside the prefill
             "lease": 0.25,
@@ -47,15 +48,29 @@ CASES = [
             first_token_received=12.5,
             first_token_written=12.75,
         ),
-        {"gateway_queue": 0.5, "first_token_to_client": 0.25},
+        {"admission_queue": 0.0, "gateway_queue": 0.5, "first_token_to_client": 0.25},
         id="older-prefill-reports-no-phases",
     ),
     pytest.param(
         TtftTimeline(
             arrival=10.0, prefill_dispatched=10.5, first_token_received=11.0, prefill=REPORTED
         ),
-        {"gateway_queue": 0.5, "network": 0.0, "lease": 0.25, "prefill_queue": 0.5, "compute": 1.0},
+        {
+            "admission_queue": 0.0,
+            "gateway_queue": 0.5,
+            "network": 0.0,
+            "lease": 0.25,
+            "prefill_queue": 0.5,
+            "compute": 1.0,
+        },
         id="network-is-never-negative",
+    ),
+    pytest.param(
+        TtftTimeline(
+            arrival=10.0, prefill_dispatched=12.5, first_token_received=13.0, queue_wait_s=2.0
+        ),
+        {"admission_queue": 2.0, "gateway_queue": 0.5},
+        id="time-in-the-admission-queue-is-its-own-phase",
     ),
 ]
 
@@ -81,7 +96,10 @@ def test_record_observes_each_phase_once() -> None:
     timeline.record(histogram, span)  # type: ignore[arg-type]
     assert registry.get_sample_value("phase_seconds_count", {"phase": "gateway_queue"}) == 1
     assert registry.get_sample_value("phase_seconds_count", {"phase": "compute"}) is None
-    assert span.attributes == {"pdserve.phase.gateway_queue_ms": 500.0}
+    assert span.attributes == {
+        "pdserve.phase.admission_queue_ms": 0.0,
+        "pdserve.phase.gateway_queue_ms": 500.0,
+    }
 
 
 def test_phases_from_the_wire() -> None:
@@ -114,7 +132,8 @@ async def test_the_attempt_that_delivered_the_first_token_reports_the_phases() -
     phases = timeline.durations()
     assert timeline.prefill == REPORTED
     assert set(phases) == {
-        "gateway_queue", "network", "lease", "prefill_queue", "compute", "transfer_tail"
+        "admission_queue", "gateway_queue", "network", "lease", "prefill_queue", "compute",
+        "transfer_tail",
     }  # fmt: skip
     assert phases["transfer_tail"] == 0.125 and timeline.transport == "grpc"
 

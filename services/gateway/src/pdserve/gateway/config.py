@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
+from pdserve.gateway.capacity_queue import QueueLimits
 from pdserve.gateway.config_fields import limit_field, routing_field
 from pdserve.gateway.routing_policy import CacheRouting
 from pdserve.gateway.validation import RequestLimits
@@ -158,6 +159,27 @@ class GatewayConfig(ServiceConfig):
             "share a count); more get 429"
         },
     )
+    max_queued_requests: int = field(
+        default=256,
+        metadata={
+            "help": "requests that may wait at once in the admission queue for a decode (and "
+            "prefill) with room; one more gets 429 with Retry-After at once"
+        },
+    )
+    max_queued_tokens: int = field(
+        default=262_144,
+        metadata={
+            "help": "prompt tokens that may wait at once in the admission queue; a request "
+            "that would pass it gets 429 with Retry-After at once"
+        },
+    )
+    max_queue_wait_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a new request may wait in the admission queue for room; then "
+            "429 with Retry-After (a request already streaming waits up to --request-timeout)"
+        },
+    )
     prepare_workers: int = field(
         default=4,
         metadata={
@@ -240,6 +262,8 @@ class GatewayConfig(ServiceConfig):
             "grpc_max_receive_bytes",
             "max_concurrent_requests",
             "max_concurrent_requests_per_key",
+            "max_queued_requests",
+            "max_queued_tokens",
             "prepare_workers",
             "parse_processes",
         ):
@@ -253,6 +277,7 @@ class GatewayConfig(ServiceConfig):
             "instance_ttl_s",
             "poll_interval_s",
             "prepare_timeout_s",
+            "max_queue_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -284,6 +309,14 @@ class GatewayConfig(ServiceConfig):
             max_stop_chars=self.max_stop_chars,
             max_stop_token_ids=self.max_stop_token_ids,
             max_tokens_limit=self.max_tokens_limit,
+        )
+
+    def queue_limits(self) -> QueueLimits:
+        """The admission queue's bounds these settings name."""
+        return QueueLimits(
+            max_queued_requests=self.max_queued_requests,
+            max_queued_tokens=self.max_queued_tokens,
+            max_queue_wait_s=self.max_queue_wait_s,
         )
 
     def cache_routing(self) -> CacheRouting:

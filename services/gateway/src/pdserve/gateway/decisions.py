@@ -17,8 +17,10 @@ classified by their reason's retry scope, never by message text:
 * a lost prefill: retry without it; ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
   without the instance(s) the scope blames; WHOLE_REQUEST: retry as is (CACHE_SYNC_FAILED
   avoids both ends); ONCE: retry as is, once. All count against ``max_attempts``.
-* DECODE_CAPACITY_EXHAUSTED once the consumer has tokens: wait for capacity (the retry
-  delay), then retry; only the request timeout bounds the waiting.
+* DECODE_CAPACITY_EXHAUSTED, PREFILL_OVERLOADED (an instance had no room after all): wait for
+  room in the admission queue (`pdserve.gateway.capacity_queue`), that instance marked full
+  until it reports again or work there ends. Not counted against ``max_attempts``: the queue's
+  bounds (a request with no token yet) or the request timeout (one already streaming) bound it.
 * DEADLINE_EXCEEDED, NEVER, REGISTER_AGAIN: give up with the error.
 """
 
@@ -32,7 +34,6 @@ from pdserve.common.errors import ErrorReason, PdserveError, RetryScope
 from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.router import Pair
 
-DEFAULT_CAPACITY_WAIT_S = 0.2
 _NO_IDS: frozenset[str] = frozenset()
 
 
@@ -163,10 +164,17 @@ class Retry:
 
 @dataclass(frozen=True)
 class WaitForCapacity:
-    """Wait `wait_s` (or until the deadline) for a decode to free blocks, then retry."""
+    """The `role` instance of `pair` had no room: mark it full and wait in the admission
+    queue for a pair with room."""
 
     state: RequestState
-    wait_s: float
+    role: InstanceRole
+    pair: Pair
+
+    @property
+    def instance_id(self) -> str:
+        """The instance that had no room."""
+        return self.pair.instance(self.role).instance_id
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,11 @@ class GiveUp:
     error: PdserveError
     limit: Limit | None = None
 
+
+_NO_ROOM = {
+    ErrorReason.DECODE_CAPACITY_EXHAUSTED: InstanceRole.DECODE,
+    ErrorReason.PREFILL_OVERLOADED: InstanceRole.PREFILL,
+}
 
 Decision: TypeAlias = Retry | WaitForCapacity | Reschedule | GiveUp
 
@@ -215,12 +228,11 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
         return _reschedule(setback.pair, error, RescheduleCause.PREEMPTED, state, policy)
     if scope in (RetryScope.NEVER, RetryScope.REGISTER_AGAIN):
         return GiveUp(error)
-    if error.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED and setback.num_delivered_tokens:
-        # NOTE: a completion the client already receives must not fail because decodes are
-        # momentarily full (e.g. after a preemption): wait the suggested delay and try again,
-        # bounded by the request timeout rather than by max_attempts.
-        wait_s = error.retry_delay_s or DEFAULT_CAPACITY_WAIT_S
-        return WaitForCapacity(replace(state, last_error=error), wait_s)
+    if error.reason in _NO_ROOM:
+        # NOTE: room frees within seconds under a burst: a request waits for it in the
+        # admission queue instead of failing (its bounds, or the request timeout, bound that).
+        role = _NO_ROOM[error.reason]
+        return WaitForCapacity(replace(state, last_error=error), role, setback.pair)
     if scope is RetryScope.ONCE:
         if state.has_used_once_retry:
             return GiveUp(error)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Seconds; from interactive (tens of ms) to a slow CPU-only cluster (a minute).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -15,6 +15,7 @@ _LABELS = {
     "reschedules": "cause",
     "instances_lost": "role",
     "routes": "reason",
+    "queue_refusals": "bound",
 }
 
 
@@ -56,6 +57,31 @@ class GatewayMetrics:
             "Attempts routed, by why their prefill was chosen: prefix (it holds the longest "
             "cached prefix of the prompt within the load balance) or load (fewest queued tokens).",
             ["reason"],
+            registry=self.registry,
+        )
+
+        self.queued_requests = Gauge(
+            "pdserve_gateway_queued_requests",
+            "Requests waiting in the admission queue for a pair with room.",
+            registry=self.registry,
+        )
+        self.queued_tokens = Gauge(
+            "pdserve_gateway_queued_prompt_tokens",
+            "Prompt tokens of the requests waiting in the admission queue.",
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "pdserve_gateway_queue_wait_seconds",
+            "Time a request spent in the admission queue (each wait; requests routed at once "
+            "are not observed).",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_refusals = Counter(
+            "pdserve_gateway_queue_refusals",
+            "Requests refused by the admission queue, by the bound they met: "
+            "max_queued_requests, max_queued_tokens or max_queue_wait_s.",
+            ["bound"],
             registry=self.registry,
         )
 

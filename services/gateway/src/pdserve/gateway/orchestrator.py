@@ -1,16 +1,18 @@
 """Runs one client request across prefill and decode, hiding every recoverable failure.
 
-The request loop: route a pair, run an attempt (`pdserve.gateway.attempt`), pass its tokens on
-(`CompletionProgress` keeps each completion index exactly once across attempts), and when the
-attempt ends in a setback, carry out what `pdserve.gateway.decisions.decide` returns: route
-again under new exclusions, wait for decode capacity, reschedule (prefill prompt + delivered
-tokens with the same sampling and seed, then decode on), or end the request with its error.
+The request loop: route a pair through the admission queue (`pdserve.gateway.capacity_queue`:
+at once when one has room, else in order of arrival once one has), run an attempt
+(`pdserve.gateway.attempt`), pass its tokens on (`CompletionProgress` keeps each completion
+index exactly once across attempts), and when the attempt ends in a setback, carry out what
+`pdserve.gateway.decisions.decide` returns: route again under new exclusions, wait for room
+(the instance that had none marked full), reschedule (prefill prompt + delivered tokens with
+the same sampling and seed, then decode on), or end the request with its error.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import TypeAlias
@@ -23,6 +25,7 @@ from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.attempt import Attempts, remaining_s
 from pdserve.gateway.backend import Backend
+from pdserve.gateway.capacity_queue import CapacityQueue, QueueLimits, is_wait
 from pdserve.gateway.decisions import (
     GiveUp,
     Lost,
@@ -34,6 +37,7 @@ from pdserve.gateway.decisions import (
     WaitForCapacity,
     decide,
 )
+from pdserve.gateway.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress
@@ -58,6 +62,7 @@ class Orchestrator:
             stopped heartbeating (their streams are interrupted and the requests move).
         policy: Retry limits.
         metrics: Retry and reschedule counters.
+        queue_limits: Bounds of the admission queue.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Orchestrator:
         registry: Registry,
         policy: RetryPolicy,
         metrics: GatewayMetrics,
+        queue_limits: QueueLimits | None = None,
     ) -> None:
         self._router = router
         self._registry = registry
@@ -74,7 +80,15 @@ class Orchestrator:
         self._metrics = metrics
         self.loss_watch = LossWatch()
         registry.add_lost_listener(lambda entry: self.loss_watch.notify(entry.instance_id))
-        self._attempts = Attempts(backend, self.loss_watch, policy, router.settle)
+        self.queue = CapacityQueue(queue_limits or QueueLimits(), metrics, router.settle)
+        # NOTE: room may appear with a load report, an instance joining, or work ending.
+        registry.add_load_listener(lambda entry: self.queue.kick())
+        registry.add_listener(lambda entry: self.queue.kick())
+        self._attempts = Attempts(backend, self.loss_watch, policy, self._settle)
+
+    def _settle(self, pair: Pair, role: InstanceRole) -> None:
+        self._router.settle(pair, role)
+        self.queue.kick()
 
     async def wait_for_cleanups(self) -> None:
         """Waits until every background AbortRequest / ReleaseLease has finished."""
@@ -107,8 +121,29 @@ class Orchestrator:
         progress = CompletionProgress(request)
         state = RequestState()
         parent = trace.set_span_in_context(parent_span)
+        arrival = self.queue.arrival()
+        queued_s = 0.0  # NOTE: before the first token, all waits count against the bound
         while True:
-            pair = self._route(request, progress, state, deadline, parent)
+            is_new = progress.num_tokens == 0
+            # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
+            # decision, and a waiting request may be tried many times.
+            keys = PromptKeys(progress.continuation_token_ids())
+            pair, waited_s = await self.queue.admit(
+                model=request.model,
+                seq=arrival,
+                num_tokens=len(progress.continuation_token_ids()),
+                route=functools.partial(
+                    self._route, request, progress, keys, state, deadline, parent
+                ),
+                timeout_s=remaining_s(request, deadline),
+                bounded=is_new,
+                waited_s=queued_s if is_new else 0.0,
+            )
+            if waited_s:
+                queued_s += waited_s
+                parent_span.set_attribute("pdserve.queue_wait_ms", round(queued_s * 1000, 3))
+                if timeline is not None:
+                    timeline.on_queue_wait(waited_s)
             state = replace(state, num_attempts=state.num_attempts + 1)
             span = _tracer.start_span(
                 "gateway.attempt",
@@ -176,7 +211,8 @@ class Orchestrator:
             log.info("request_rescheduled", **fields, cause=cause, num_reschedules=num_reschedules)
         elif isinstance(decision, WaitForCapacity):
             self._metrics.retries.labels(reason=error.reason.name).inc()
-            log.info("waiting_for_decode_capacity", **fields, wait_s=decision.wait_s)
+            self._router.mark_full(decision.instance_id)
+            log.info("waiting_for_room", **fields, full_id=decision.instance_id)
         else:
             self._metrics.retries.labels(reason=error.reason.name).inc()
             log.warning(
@@ -191,14 +227,13 @@ class Orchestrator:
         else:
             attributes = {"pdserve.reason": error.reason.name, "pdserve.stage": setback.role.value}
         parent_span.add_event("retry", attributes)
-        if isinstance(decision, WaitForCapacity):
-            await asyncio.sleep(min(decision.wait_s, remaining_s(request, deadline)))
         return decision.state
 
     def _route(
         self,
         request: GenerationRequest,
         progress: CompletionProgress,
+        keys: PromptKeys,
         state: RequestState,
         deadline: float,
         parent: otel_context.Context,
@@ -209,9 +244,6 @@ class Orchestrator:
         ) as span:
             remaining_s(request, deadline)
             *preferred, required = state.exclusions()
-            # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
-            # decision, and an attempt may try several sets of exclusions.
-            keys = PromptKeys(progress.continuation_token_ids())
             pair = None
             for prefill_ids, decode_ids in preferred:
                 with contextlib.suppress(PdserveError):
@@ -221,8 +253,8 @@ class Orchestrator:
                 pair = pair or self._pick(request, progress, keys, *required)
             except PdserveError as error:
                 # NOTE: when earlier attempts excluded every instance, their error explains
-                # more (and carries its retry delay, e.g. DECODE_CAPACITY_EXHAUSTED -> 429).
-                if state.last_error is not None:
+                # more (and carries its retry delay); no room is not a failure: it waits.
+                if state.last_error is not None and not is_wait(error):
                     raise state.last_error from error
                 raise
             span.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)
@@ -247,4 +279,5 @@ class Orchestrator:
             exclude_prefill_ids=prefill_ids,
             exclude_decode_ids=decode_ids,
             prompt_keys=keys,
+            require_room=True,
         )

@@ -4,8 +4,9 @@ A `TtftTimeline` follows one client request. The gateway measures its own phases
 reports its phases on FirstToken and HandedOff (`PrefillPhases`); what is left of the Prefill
 call's round trip is the network (and both sides' RPC handling):
 
-    arrival --gateway_queue--> Prefill call dispatched --network + lease + prefill_queue +
-        compute--> FirstToken received --first_token_to_client--> first token written
+    arrival --admission_queue + gateway_queue--> Prefill call dispatched --network + lease +
+        prefill_queue + compute--> FirstToken received --first_token_to_client--> first token
+        written
 
 ``transfer_tail`` (first token until the decode acknowledged the KV commit) runs in parallel
 with ``first_token_to_client``: it delays the second token, not the first. The gateway queue
@@ -26,6 +27,7 @@ from pdserve.gateway.backend import PrefillPhases
 
 # The gateway's phases in the order they happen (transfer_tail overlaps first_token_to_client).
 PHASES = (
+    "admission_queue",
     "gateway_queue",
     "network",
     "lease",
@@ -48,10 +50,17 @@ class TtftTimeline:
     prefill: PrefillPhases | None = None
     transfer_tail_s: float | None = None
     transport: str = ""
+    queue_wait_s: float = 0.0
 
     @property
     def has_first_token(self) -> bool:
         return self.first_token_received is not None
+
+    def on_queue_wait(self, seconds: float) -> None:
+        """The request waited `seconds` in the admission queue (counted before the first
+        token only)."""
+        if not self.has_first_token:
+            self.queue_wait_s += seconds
 
     def on_prefill_call(self) -> None:
         """A Prefill call is dispatched (the last one before the first token counts)."""
@@ -83,7 +92,10 @@ class TtftTimeline:
         phases: dict[str, float] = {}
         dispatched, received = self.prefill_dispatched, self.first_token_received
         if dispatched is not None:
-            phases["gateway_queue"] = _elapsed(self.arrival, dispatched)
+            phases["admission_queue"] = self.queue_wait_s
+            phases["gateway_queue"] = max(
+                0.0, _elapsed(self.arrival, dispatched) - self.queue_wait_s
+            )
         if self.prefill is not None:
             prefill = self.prefill
             if dispatched is not None and received is not None:

@@ -39,6 +39,20 @@ from pdserve.gateway.routing_policy import CacheRouting, RouteReason
 
 # NOTE: a score no instance reaches: what a pick excludes is set to it for that pick.
 _EXCLUDED = sys.maxsize
+# NOTE: the score of an instance that refused work for want of room (`Router.mark_full`),
+# until its next load report or until work this gateway sent there ends.
+_FULL = sys.maxsize - 1
+
+RESERVE_TOKENS = 32
+"""Growth headroom (tokens) a decode keeps for a new lease beyond its prompt: the decode's
+default ``--reserve-tokens``. A lease of n KV tokens takes ``ceil((n + min(RESERVE_TOKENS,
+max_new_tokens)) / block_size)`` of the decode's admissible blocks."""
+
+
+def lease_blocks(num_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """The admissible blocks a decode gives a new lease of `num_tokens` KV tokens that may
+    generate `max_new_tokens` more: its blocks now and its headroom (the decode's rule)."""
+    return num_blocks_for(num_tokens + min(RESERVE_TOKENS, max_new_tokens), max(1, block_size))
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,8 @@ class Router:
         # NOTE: work this gateway routed to an instance since its last load report, keyed by
         # instance id: (load_seq it applies to, prompt tokens for prefill / blocks for decode).
         self._pending: dict[str, tuple[int, int]] = {}
+        # NOTE: instances that refused work for want of room: id -> the load_seq it applies to.
+        self._full: dict[str, int] = {}
         # NOTE: {(role, model): {KV layout fingerprint: pool}}, valid for one registry version.
         self._pools: dict[tuple[InstanceRole, str], dict[str, _Pool]] = {}
         self._pools_version = -1
@@ -180,6 +196,7 @@ class Router:
         exclude_prefill_ids: Collection[str] = (),
         exclude_decode_ids: Collection[str] = (),
         prompt_keys: PromptKeys | None = None,
+        require_room: bool = False,
     ) -> Pair:
         """Chooses a pair and books the work on both instances' estimated load.
 
@@ -192,12 +209,21 @@ class Router:
             exclude_decode_ids: Decodes not to use.
             prompt_keys: The block keys of `token_ids`, when the caller keeps them across
                 attempts (computed here when None).
+            require_room: Pick only a decode whose estimated admissible blocks hold the
+                request's lease (`lease_blocks`) and instances not marked full; a decode that
+                reports no pool (``num_total_blocks`` 0) is taken at its word.
 
         Raises:
-            PdserveError: NO_HEALTHY_INSTANCES (with a retry delay) when no pair qualifies.
+            PdserveError: NO_HEALTHY_INSTANCES (with a retry delay) when no pair qualifies;
+                with `require_room`, DECODE_CAPACITY_EXHAUSTED or PREFILL_OVERLOADED when
+                pairs exist but none has room now (the caller waits for room: see
+                `pdserve.gateway.capacity_queue`).
         """
         keys = prompt_keys or PromptKeys(token_ids)
+        num_tokens = len(token_ids)
+        short: ErrorReason | None = None
         for _ in range(2):
+            room = (num_tokens, max_new_tokens) if require_room else None
             prefills = self._pools_for(InstanceRole.PREFILL, model_name)
             decodes = self._pools_for(InstanceRole.DECODE, model_name)
             if exclude_prefill_ids or exclude_decode_ids:
@@ -205,16 +231,34 @@ class Router:
                     _excluding(prefills, exclude_prefill_ids),
                     _excluding(decodes, exclude_decode_ids),
                 ):
-                    choice = self._choose(prefills, decodes, keys)
+                    choice = self._choose(prefills, decodes, keys, room)
             else:
-                choice = self._choose(prefills, decodes, keys)
+                choice = self._choose(prefills, decodes, keys, room)
+            if isinstance(choice, ErrorReason):
+                short = choice
+                break
             if choice is None:
                 break
             if self._is_routable(choice.prefill) and self._is_routable(choice.decode):
-                return self._commit(choice, keys, len(token_ids), max_new_tokens)
+                return self._commit(choice, keys, num_tokens, max_new_tokens)
             # NOTE: one of them went silent since the registry last changed: rebuild, which
             # leaves out whatever is not alive now.
             self._pools_version = -1
+        if short is ErrorReason.PROMPT_TOO_LONG:
+            raise PdserveError(
+                short,
+                f"the request needs more KV blocks ({len(token_ids)} tokens + headroom) than "
+                f"any decode of model {model_name!r} has in all",
+                {"model": model_name},
+            )
+        if short is not None:
+            what = "prefill has" if short is ErrorReason.PREFILL_OVERLOADED else "decode has"
+            raise PdserveError(
+                short,
+                f"no {what} room for this request now (model {model_name!r})",
+                {"model": model_name},
+                retry_delay_s=self._retry_after_s,
+            )
         raise PdserveError(
             ErrorReason.NO_HEALTHY_INSTANCES,
             f"no healthy, compatible prefill/decode pair serves model {model_name!r}",
@@ -223,22 +267,38 @@ class Router:
         )
 
     def _choose(
-        self, prefills: dict[str, _Pool], decodes: dict[str, _Pool], keys: PromptKeys
-    ) -> _Choice | None:
-        """The pair among what is not excluded; None when no pair is left."""
+        self,
+        prefills: dict[str, _Pool],
+        decodes: dict[str, _Pool],
+        keys: PromptKeys,
+        room: tuple[int, int] | None = None,
+    ) -> _Choice | ErrorReason | None:
+        """The pair among what is not excluded; None when no pair is left. With `room`
+        (tokens, max new tokens): only pairs with room for it, else the reason of the role
+        that has none (DECODE_CAPACITY_EXHAUSTED or PREFILL_OVERLOADED)."""
         # NOTE: each pool's least score once per pick: a `min` over hundreds of scores costs
         # microseconds.
         usable: list[tuple[_Pool, int]] = []
         decode_least: dict[str, int] = {}
+        short: ErrorReason | None = None
         for fingerprint, pool in prefills.items():
             decode_pool = decodes.get(fingerprint)
             if decode_pool is None:
                 continue
             least, decode_least[fingerprint] = pool.least(), decode_pool.least()
-            if least < _EXCLUDED and decode_least[fingerprint] < _EXCLUDED:
+            if least >= _EXCLUDED or decode_least[fingerprint] >= _EXCLUDED:
+                continue
+            if room is not None and least == _FULL:
+                short = ErrorReason.PREFILL_OVERLOADED
+            elif room is not None and not _has_room(decode_pool, decode_least[fingerprint], room):
+                if _could_ever_hold(decode_pool, room):
+                    short = ErrorReason.DECODE_CAPACITY_EXHAUSTED
+                elif short is None:
+                    short = ErrorReason.PROMPT_TOO_LONG
+            else:
                 usable.append((pool, least))
         if not usable:
-            return None
+            return short
         prefill_pool, prefill_at, reason, num_matched_blocks = self._choose_prefill(usable, keys)
         fingerprint = prefill_pool.layout.fingerprint
         decode_pool = decodes[fingerprint]
@@ -254,7 +314,7 @@ class Router:
         with its least score."""
         least = min(pool_least for _, pool_least in usable)
         if self._cache_routing.is_enabled:
-            within = least + self._cache_routing.balance_tokens
+            within = min(least + self._cache_routing.balance_tokens, _FULL - 1)
             best: tuple[int, int] = (1, -_EXCLUDED)  # (matched blocks, -score): higher wins
             ties: list[tuple[_Pool, int]] = []
             memory = self.prefix_memory
@@ -292,8 +352,7 @@ class Router:
             self.prefix_memory.record(prefill.instance_id, keys.of(layout), max_blocks)
         num_uncached_tokens = num_tokens - choice.num_matched_blocks * layout.block_size
         self._book(choice.prefill_pool, choice.prefill_at, num_uncached_tokens)
-        block_size = max(1, choice.decode_pool.layout.block_size)
-        num_blocks = num_blocks_for(num_tokens + max_new_tokens, block_size)
+        num_blocks = lease_blocks(num_tokens, max_new_tokens, choice.decode_pool.layout.block_size)
         self._book(choice.decode_pool, choice.decode_at, num_blocks)
         booked = {InstanceRole.PREFILL: num_uncached_tokens, InstanceRole.DECODE: num_blocks}
         return Pair(
@@ -310,7 +369,18 @@ class Router:
         if amount is None or entry is None:
             return
         self._pending[entry.instance_id] = (entry.load_seq, self._pending_for(entry) - amount)
+        # NOTE: work ended there: room it refused before may be there now.
+        self._full.pop(entry.instance_id, None)
         self._rescore(entry)
+
+    def mark_full(self, instance_id: str) -> None:
+        """The instance refused a request for want of room (a decode's blocks, a prefill's
+        queue) although its estimate showed some: it takes no work under `require_room`
+        until its next load report, or until work this gateway sent there ends."""
+        entry = self._registry.get(instance_id)
+        if entry is not None:
+            self._full[instance_id] = entry.load_seq
+            self._rescore(entry)
 
     # ---- the candidate pools ---------------------------------------------------------------
 
@@ -338,6 +408,8 @@ class Router:
         return self._registry.is_alive(entry) and not entry.load.is_draining
 
     def _score(self, entry: InstanceEntry) -> int:
+        if self._full.get(entry.instance_id, -1) == entry.load_seq:
+            return _FULL
         if entry.info.role is InstanceRole.PREFILL:
             # NOTE: work settled since the report may include some the report already left
             # out (it ended just before the report): never below an idle prefill.
@@ -368,6 +440,26 @@ class Router:
         entry = pool.entries[at]
         self._pending[entry.instance_id] = (entry.load_seq, self._pending_for(entry) + amount)
         pool.scores[at] = self._score(entry)
+
+
+def _has_room(pool: _Pool, least: int, room: tuple[int, int]) -> bool:
+    """Whether the best decode of `pool` (score `least`) has room for a lease of `room`
+    (tokens, max new tokens); a decode that reports no pool is taken at its word."""
+    num_tokens, max_new_tokens = room
+    if least == _FULL:
+        return False
+    if -least >= lease_blocks(num_tokens, max_new_tokens, pool.layout.block_size):
+        return True
+    return any(pool.entries[at].load.num_total_blocks == 0 for at in pool.positions_scoring(least))
+
+
+def _could_ever_hold(pool: _Pool, room: tuple[int, int]) -> bool:
+    """Whether some decode of `pool` could hold a lease of `room` once it is idle."""
+    num_blocks = lease_blocks(*room, pool.layout.block_size)
+    return any(
+        entry.load.num_total_blocks == 0 or entry.load.num_total_blocks >= num_blocks
+        for entry in pool.entries
+    )
 
 
 @contextlib.contextmanager

@@ -86,7 +86,12 @@ class GatewayServer:
             preempt_retry_exclude_decode=config.preempt_retry_exclude_decode,
         )
         self.orchestrator = Orchestrator(
-            self.backend, self.router, self.registry, policy, self.metrics
+            self.backend,
+            self.router,
+            self.registry,
+            policy,
+            self.metrics,
+            queue_limits=config.queue_limits(),
         )
         self.workers = WorkerPool(config.prepare_workers, config.prepare_timeout_s)
         self.parser = ParserPool(config.parse_processes, config.prepare_timeout_s)
