@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,6 +67,18 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
+def _zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in an anonymous mapping: its pages read as zeros and take memory only
+    once written, so a large cache costs neither time nor memory until its blocks are used."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # NOTE: the tensor holds a reference to the mapping; it is unmapped with the tensor.
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    return flat.view(dtype).view(shape)
+
+
 def _contiguous_run(block_ids: Sequence[int]) -> bool:
     first = block_ids[0]
     return all(b == first + i for i, b in enumerate(block_ids))
@@ -87,16 +101,19 @@ class KVCache:
         self.block_size = layout.block_size
         self.device = device
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
-        # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv = torch.zeros(
+        shape = (
             layout.num_layers,
             2,
             num_blocks,
             layout.block_size,
             layout.num_kv_heads,
             layout.head_dim,
-            dtype=self.dtype,
-            device=device,
+        )
+        # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv = (
+            _zeros_on_demand(shape, self.dtype)
+            if device.type == "cpu"
+            else torch.zeros(shape, dtype=self.dtype, device=device)
         )
 
     def place_in(self, buffer: memoryview) -> None:
