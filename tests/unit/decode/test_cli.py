@@ -15,6 +15,7 @@ from support.pki import cluster_pki
 
 from pdserve.common.grpc_server import new_aio_server
 from pdserve.decode.__main__ import build_parser
+from pdserve.decode.config import DecodeConfig
 from pdserve.v1 import (
     common_pb2,
     instance_pb2,
@@ -59,6 +60,18 @@ def test_help_explains_the_flags() -> None:
     text = build_parser().format_help()
     for flag in ("--num-blocks", "--reserve-tokens", "--lease-ttl-ms", "--gateway", "--model"):
         assert flag in text
+
+
+def test_the_kv_cache_is_sized_from_free_memory_unless_told() -> None:
+    config = DecodeConfig(insecure=True)
+    assert config.num_blocks is None and config.kv_cache_memory_mb is None
+    assert config.kv_cache_max_seqs == config.max_num_seqs
+    assert config.kv_cache_in_shm
+    assert not DecodeConfig(insecure=True, kv_transports="tcp").kv_cache_in_shm
+    assert not DecodeConfig(insecure=True, device="cuda:0").kv_cache_in_shm
+    for bad in ({"kv_cache_memory_fraction": 0.0}, {"kv_cache_memory_mb": 0}):
+        with pytest.raises(ValueError):
+            DecodeConfig(insecure=True, **bad)  # type: ignore[arg-type]
 
 
 async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) -> None:

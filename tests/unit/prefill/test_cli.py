@@ -15,6 +15,7 @@ from support.pki import cluster_pki
 from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.grpc_server import new_aio_server
 from pdserve.prefill.__main__ import build_parser, main
+from pdserve.prefill.config import PrefillConfig
 from pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -72,6 +73,18 @@ def test_help_explains_the_flags() -> None:
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--insecure", "--max-num-batched-tokens", "0"]) == 2
     assert "max_num_batched_tokens must be positive" in capsys.readouterr().err
+
+
+def test_the_kv_cache_is_sized_from_free_memory_unless_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = PrefillConfig(insecure=True)
+    assert config.num_blocks is None and config.kv_cache_memory_mb is None
+    assert config.kv_cache_memory_fraction is None
+    assert config.kv_cache_max_seqs == config.max_queue_len
+    assert not config.kv_cache_in_shm
+    assert main(["--insecure", "--kv-cache-memory-fraction", "1.5"]) == 2
+    assert "kv_cache_memory_fraction must be in (0, 1]" in capsys.readouterr().err
 
 
 async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) -> None:

@@ -40,7 +40,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="warning", choices=LEVELS, help="logs go to stderr")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
     parser.add_argument("--num-blocks", type=int, default=cache.num_blocks)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=cache.memory_bytes)
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=cache.memory_bytes,
+        help="KV cache budget; sized from free memory when unset (and --num-blocks too)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=cache.memory_fraction,
+        help="share of free memory an automatic KV cache size takes (0.1 of RAM on CPU, 0.9 "
+        "of free GPU memory when unset)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=scheduler.max_num_batched_tokens
@@ -84,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,
                 memory_bytes=args.kv_cache_memory_bytes,
+                memory_fraction=args.kv_cache_memory_fraction,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

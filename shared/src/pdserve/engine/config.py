@@ -13,7 +13,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-DEFAULT_KV_CACHE_MEMORY_BYTES = 256 * 2**20
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -32,24 +31,37 @@ class CacheConfig:
     Attributes:
         block_size: Tokens per KV block.
         num_blocks: Number of blocks; when ``None`` the cache is sized by ``memory_bytes``.
-        memory_bytes: KV cache budget in bytes (all layers, K and V) when ``num_blocks`` is unset.
+        memory_bytes: KV cache budget in bytes (all layers, K and V) when ``num_blocks`` is
+            unset; when both are ``None`` the cache is sized from free memory
+            (`pdserve.engine.kv_budget`).
+        memory_fraction: Share of the free memory an automatic size takes; ``None`` uses the
+            device's default (0.1 of available RAM on CPU, 0.9 of free GPU memory).
+        max_seqs: Most sequences holding blocks at once, which bounds an automatic size;
+            ``None`` uses the scheduler's ``max_num_seqs``.
+        shm_dir: A shared-memory file system the cache will be placed in (a decode's KV
+            segment): an automatic size on CPU also takes at most half of its free space.
         dtype: Cache dtype name; ``None`` uses the model dtype.
         enable_prefix_caching: Reuse full blocks whose chained token hash is already cached.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    memory_bytes: int | None = None
+    memory_fraction: float | None = None
+    max_seqs: int | None = None
+    shm_dir: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.memory_bytes <= 0:
-            raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        for name in ("num_blocks", "memory_bytes", "max_seqs"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.dtype is not None:
             resolve_dtype(self.dtype)
 

@@ -40,6 +40,11 @@ class KVCacheLayout:
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
         return self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
+    @property
+    def total_block_nbytes(self) -> int:
+        """Bytes of one block of the cache: K and V in every layer."""
+        return 2 * self.num_layers * self.block_nbytes
+
 
 class KVBlockData(NamedTuple):
     """K and V bytes of a run of blocks in one layer (see ``KVCache.export_blocks``)."""
@@ -50,8 +55,7 @@ class KVBlockData(NamedTuple):
 
 def num_blocks_for_budget(layout: KVCacheLayout, memory_bytes: int) -> int:
     """How many blocks fit in ``memory_bytes`` (all layers, K and V)."""
-    per_block = 2 * layout.num_layers * layout.block_nbytes
-    return memory_bytes // per_block
+    return memory_bytes // layout.total_block_nbytes
 
 
 def logical_blocks_touched(num_computed_tokens: int, num_new_tokens: int, block_size: int) -> range:

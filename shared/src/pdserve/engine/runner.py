@@ -13,7 +13,8 @@ from pdserve.engine.attention_buffer import KVGatherBuffer
 from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import flash_attn_unusable_reason
-from pdserve.engine.kv_cache import KVCache, KVCacheLayout, num_blocks_for_budget
+from pdserve.engine.kv_budget import size_kv_cache
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.loader import load_model
 from pdserve.engine.model import LayerCallback, LlamaForCausalLM
 from pdserve.engine.model_config import ModelConfig
@@ -99,15 +100,25 @@ class ModelRunner:
             block_size=config.cache.block_size,
             dtype=str(config.cache_dtype).removeprefix("torch."),
         )
-        num_blocks = config.cache.num_blocks or num_blocks_for_budget(
-            layout, config.cache.memory_bytes
+        limit = model_config.max_position_embeddings
+        size = size_kv_cache(
+            config.cache,
+            layout,
+            device,
+            max_model_len=min(config.max_model_len or limit, limit),
+            max_seqs=config.cache.max_seqs or config.scheduler.max_num_seqs,
         )
-        kv_cache = KVCache(layout, num_blocks, device)
+        kv_cache = KVCache(layout, size.num_blocks, device)
         log.info(
-            "kv_cache_allocated",
-            num_blocks=num_blocks,
+            "kv_cache_sized",
+            source=size.source,
+            num_blocks=size.num_blocks,
             block_size=layout.block_size,
-            num_bytes=kv_cache.nbytes,
+            num_tokens=size.num_blocks * layout.block_size,
+            bytes=kv_cache.nbytes,
+            available_bytes=size.available_bytes,
+            fraction=size.fraction,
+            device=str(device),
             attention_backend=backend,
         )
         return cls(model, kv_cache)

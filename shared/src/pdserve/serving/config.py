@@ -55,10 +55,31 @@ class InstanceConfig(ServiceConfig):
         default=None, metadata={"help": "stable instance id; a random one when unset"}
     )
     num_blocks: int | None = field(
-        default=None, metadata={"help": "KV cache blocks; sized by --kv-cache-memory-mb if unset"}
+        default=None,
+        metadata={
+            "help": "KV cache blocks; when unset, what --kv-cache-memory-mb holds, or sized from "
+            "free memory without it"
+        },
     )
-    kv_cache_memory_mb: int = field(
-        default=256, metadata={"help": "KV cache budget in MiB when --num-blocks is unset"}
+    kv_cache_memory_mb: int | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache budget in MiB when --num-blocks is unset; when both are unset the "
+            "cache is sized from free memory (see --kv-cache-memory-fraction)"
+        },
+    )
+    kv_cache_memory_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "with neither --num-blocks nor --kv-cache-memory-mb, the share of free "
+            "memory the KV cache takes at start: on CPU of available RAM (MemAvailable, or the "
+            "cgroup's limit less its usage when less), default 0.1, at most 4 GiB, and for a "
+            "decode offering shm at most half of /dev/shm's free space; on a GPU of its free "
+            "memory once the weights are loaded, default 0.9, less 512 MiB for activations. "
+            "Never more than room for one --max-model-len sequence per request held at once "
+            "(a decode's --max-num-seqs, a prefill's --max-queue-len) plus one; at least one "
+            "such sequence when it fits in half the available memory"
+        },
     )
     block_size: int = field(
         default=16, metadata={"help": "tokens per KV block (prefills and decodes must agree)"}
@@ -129,9 +150,13 @@ class InstanceConfig(ServiceConfig):
             )
         if self.kv_store_queue_len <= 0:
             raise ValueError(f"kv_store_queue_len must be positive, got {self.kv_store_queue_len}")
-        for name in ("kv_cache_memory_mb", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
+            raise ValueError(f"kv_cache_memory_mb must be positive, got {self.kv_cache_memory_mb}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ValueError(f"num_threads must be positive, got {self.num_threads}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -144,3 +169,14 @@ class InstanceConfig(ServiceConfig):
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def kv_cache_max_seqs(self) -> int | None:
+        """Most requests holding KV blocks at once (bounds an automatic cache size); None when
+        the role sets no such limit."""
+        return None
+
+    @property
+    def kv_cache_in_shm(self) -> bool:
+        """Whether the KV cache will be placed in a /dev/shm segment (a decode offering shm)."""
+        return False

@@ -12,6 +12,7 @@ from pdserve.engine.model_store import resolve_model
 from pdserve.engine.runner import ModelRunner
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import kv_layout_to_proto
+from pdserve.serving.kv_shm import SHM_DIR
 from pdserve.v1 import common_pb2
 
 
@@ -42,18 +43,28 @@ class ModelHost:
         served_model_name: str | None,
         *,
         num_blocks: int | None,
-        kv_cache_memory_mb: int,
+        kv_cache_memory_mb: int | None,
         block_size: int,
         dtype: str,
         device: str,
         max_model_len: int | None,
         num_threads: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        max_seqs: int | None = None,
+        kv_cache_in_shm: bool = False,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
         Args:
             model: What ``--model`` names (see `resolve_model`); the default model when None.
             served_model_name: The name clients use; the model's own name when None.
+            num_blocks: KV blocks; when None, what `kv_cache_memory_mb` holds, or sized from
+                free memory when that is None too (`pdserve.engine.kv_budget`).
+            kv_cache_memory_fraction: Share of free memory an automatic size takes; the
+                device's default when None.
+            max_seqs: Most requests holding blocks at once (bounds an automatic size).
+            kv_cache_in_shm: The cache will be placed in a /dev/shm segment (an automatic size
+                then also fits in half its free space).
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
@@ -61,7 +72,12 @@ class ModelHost:
         resolved = resolve_model(model)
         model_dir = resolved.path
         cache = CacheConfig(
-            block_size=block_size, num_blocks=num_blocks, memory_bytes=kv_cache_memory_mb << 20
+            block_size=block_size,
+            num_blocks=num_blocks,
+            memory_bytes=None if kv_cache_memory_mb is None else kv_cache_memory_mb << 20,
+            memory_fraction=kv_cache_memory_fraction,
+            max_seqs=max_seqs,
+            shm_dir=str(SHM_DIR) if kv_cache_in_shm else None,
         )
         engine_config = EngineConfig(
             model=str(model_dir),
@@ -97,6 +113,9 @@ class ModelHost:
             device=config.device,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            kv_cache_memory_fraction=config.kv_cache_memory_fraction,
+            max_seqs=config.kv_cache_max_seqs,
+            kv_cache_in_shm=config.kv_cache_in_shm,
         )
 
     @property

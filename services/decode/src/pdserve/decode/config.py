@@ -89,3 +89,11 @@ class DecodeConfig(InstanceConfig):
     def kv_transport_kinds(self) -> tuple[str, ...]:
         """The offered transports besides gRPC, in order of preference."""
         return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())
+
+    @property
+    def kv_cache_max_seqs(self) -> int | None:
+        return self.max_num_seqs
+
+    @property
+    def kv_cache_in_shm(self) -> bool:
+        return "shm" in self.kv_transport_kinds and self.device.split(":")[0] == "cpu"

@@ -19,8 +19,9 @@ class PrefillConfig(InstanceConfig):
     num_blocks: int | None = field(
         default=None,
         metadata={
-            "help": "KV cache blocks of this prefill (prompts being computed or shipped); "
-            "sized by --kv-cache-memory-mb if unset"
+            "help": "KV cache blocks of this prefill (prompts being computed or shipped, and "
+            "the prefix cache); when unset, what --kv-cache-memory-mb holds, or sized from "
+            "free memory without it"
         },
     )
     max_num_batched_tokens: int = field(
@@ -103,3 +104,8 @@ class PrefillConfig(InstanceConfig):
     def kv_transport_kinds(self) -> tuple[str, ...]:
         """The transports this prefill may use, in order of preference."""
         return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())
+
+    @property
+    def kv_cache_max_seqs(self) -> int | None:
+        # NOTE: every request held keeps its whole prompt's blocks until its KV is shipped.
+        return self.max_queue_len
