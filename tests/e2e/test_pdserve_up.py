@@ -18,6 +18,7 @@ from support.real_cluster import Reference
 
 from pdserve.common.pki import MEMBER_DNS_NAME
 from pdserve.common.security import Security
+from pdserve.launcher.__main__ import _banner
 from pdserve.launcher.cluster import Cluster, ClusterConfig
 from pdserve.v1 import instance_pb2, instance_pb2_grpc, registry_pb2, registry_pb2_grpc
 
@@ -90,6 +91,34 @@ def test_every_internal_port_refuses_a_caller_without_a_certificate(cluster: Clu
             return str(reply.instance.instance_id)
 
     assert asyncio.run(status_as_operator()) == "decode-0"
+
+
+def test_the_banner_tells_each_instance_kv_capacity(cluster: Cluster) -> None:
+    sizes = cluster.kv_cache_sizes()
+    assert set(sizes) == {"decode-0", "prefill-0"}
+    decode, prefill = sizes["decode-0"], sizes["prefill-0"]
+    assert decode["source"] == prefill["source"] == "auto"
+    # The demo model serves 2048 tokens: one such sequence per decode slot (64) plus one at
+    # most, and at least one; its KV takes 32 KiB per block of 16.
+    assert 128 <= decode["num_blocks"] <= 65 * 128
+    assert decode["bytes"] == decode["num_blocks"] * 32 * 1024
+    assert decode["num_tokens"] == decode["num_blocks"] * 16
+    files = cluster.tls["client"]
+    operator = Security.from_files(files.ca, files.cert, files.key)
+    started = next(r for r in cluster.decodes[0].events if r.get("event") == "decode_started")
+
+    async def total_blocks() -> int:
+        async with operator.channel(started["address"], MEMBER_DNS_NAME) as channel:
+            stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            reply = await stub.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())
+            return int(reply.load.num_total_blocks)
+
+    assert asyncio.run(total_blocks()) == decode["num_blocks"]
+    line = next(line for line in _banner(cluster).splitlines() if "KV cache:" in line)
+    assert (
+        f"decode-0 {decode['num_tokens']:,} tokens ({decode['num_blocks']:,} blocks of 16, "
+    ) in line
+    assert f"prefill-0 {prefill['num_tokens']:,} tokens" in line
 
 
 def test_cli_reports_a_crashed_child(demo_model_dir: Path, tmp_path: Path) -> None:

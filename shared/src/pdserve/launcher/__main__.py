@@ -95,6 +95,7 @@ pdserve is up: {counts} (logs: {cluster.log_dir})
   REST (OpenAI API): {" ".join(f"{u}/v1" for u in cluster.rest_urls)}
   gRPC (pdserve.v1.GenerationService): {" ".join(cluster.grpc_addresses)}
   Prometheus: {" ".join(cluster.metrics_urls())}
+  KV cache: {_kv_capacity(cluster)}
   {registry}
   Internal plane: {_plane(cluster)}
 
@@ -104,6 +105,29 @@ pdserve is up: {counts} (logs: {cluster.log_dir})
 
 Press Ctrl-C to stop.
 """
+
+
+def _kv_capacity(cluster: Cluster) -> str:
+    """Each decode's and prefill's KV capacity, e.g. ``decode-0 50,176 tokens (3,136 blocks of
+    16, 2.2 GiB)``, from what it logged when it sized its cache."""
+    parts = []
+    for name, record in cluster.kv_cache_sizes().items():
+        try:
+            num_tokens, num_blocks = int(record["num_tokens"]), int(record["num_blocks"])
+            block_size, num_bytes = int(record["block_size"]), int(record["bytes"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        parts.append(
+            f"{name} {num_tokens:,} tokens ({num_blocks:,} blocks of {block_size}, "
+            f"{_size(num_bytes)})"
+        )
+    return "; ".join(parts) or "unknown (see the logs)"
+
+
+def _size(num_bytes: int) -> str:
+    if num_bytes >= 1 << 30:
+        return f"{num_bytes / (1 << 30):.1f} GiB"
+    return f"{num_bytes / (1 << 20):.0f} MiB"
 
 
 def _plane(cluster: Cluster) -> str:

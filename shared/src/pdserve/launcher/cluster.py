@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.common.pki import Identity, TlsFiles
@@ -276,6 +277,17 @@ class Cluster:
                 if record.get("event") == "metrics_started":
                     urls.append(f"http://{record['address']}/metrics")
         return urls
+
+    def kv_cache_sizes(self) -> dict[str, dict[str, Any]]:
+        """The ``kv_cache_sized`` record (blocks, tokens, bytes, how they were chosen) each
+        decode and prefill logged at start, by name."""
+        sizes: dict[str, dict[str, Any]] = {}
+        for child in [*self.decodes, *self.prefills]:
+            for record in list(child.events):
+                if record.get("event") == "kv_cache_sized":
+                    sizes[child.name] = record
+                    break
+        return sizes
 
     def first_exited(self) -> ChildProcess | None:
         """A child that has exited, if any."""
