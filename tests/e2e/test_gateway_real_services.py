@@ -179,16 +179,52 @@ async def test_stream_survives_a_decode_stopped_mid_stream(
 @pytest.mark.parametrize(
     "cluster", [{"decode_overrides": [{"num_blocks": 4}], "max_attempts": 2}], indirect=True
 )
-async def test_no_capacity_anywhere_is_a_429_with_retry_hint(cluster: RealCluster) -> None:
-    long_prompt = "word " * 100  # > 4 blocks of 16 tokens
+async def test_a_request_no_decode_could_ever_hold_is_refused_at_once(
+    cluster: RealCluster,
+) -> None:
+    long_prompt = "word " * 100  # > 4 blocks of 16 tokens: waiting would never end
     async with cluster.http() as http:
         response = await http.post(
             "/v1/completions",
             json={"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 8},
         )
-    assert response.status_code in (429, 503)
-    assert "retry-after" in response.headers
-    assert response.json()["error"]["message"]
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "prompt_too_long"
+    assert "KV blocks" in error["message"]
+    await cluster.assert_whole()
+
+
+@pytest.mark.parametrize("cluster", [{"decode_overrides": [{"num_blocks": 24}]}], indirect=True)
+async def test_more_streams_than_the_decode_holds_queue_and_equal_the_engine(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    # NOTE: 24 blocks of 16 tokens; each stream needs 4 of them to start (its prompt and the
+    # decode's headroom) and 5 by its end: 16 of them at once would need 80.
+    client = cluster.openai()
+    prompts = [f"{PROMPT} number {i}" for i in range(16)]
+    expected = [
+        await asyncio.to_thread(reference.completion, p, temperature=0.0, max_tokens=40)
+        for p in prompts
+    ]
+
+    async def one(prompt: str) -> list[int]:
+        ids: list[int] = []
+        chunks = await client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0, stream=True,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids.extend(_ids(choice))
+        return ids
+
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    assert results == expected
+    metrics = (await cluster.http().get("/metrics")).text
+    assert _counter(metrics, "pdserve_gateway_queue_wait_seconds_count") > 0  # some waited
+    assert _counter(metrics, "pdserve_gateway_queue_refusals") == 0
+    assert 'pdserve_gateway_requests_total{outcome="finished"} 16.0' in metrics
     await cluster.assert_whole()
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -85,6 +85,8 @@ def http_telemetry(trace_polls: bool = False) -> TelemetryConfig:
         "exclude": None if trace_polls else _is_poll,
     }
 
+
+T = TypeVar("T")
 
 NOT_READY_REASON = "no compatible prefill/decode pair is registered for any model yet"
 
@@ -212,11 +214,17 @@ def create_app(
         headers = {"X-Request-Id": prepared.request_id}
         deltas = frontend.stream(prepared)
         if body.stream:
+            # NOTE: the status waits for the first token (a request that cannot be served is
+            # a 429 or 503, not an SSE error), which may wait in the admission queue: a
+            # client that goes away meanwhile leaves the queue at once.
             try:
-                first = await anext(deltas)
+                first = await _first_unless_disconnected(request, deltas)
             except PdserveError as error:
                 await deltas.aclose()
                 return error_response(error)
+            if first is None:
+                await deltas.aclose()
+                return Response(status_code=499)
             return EventStreamResponse(responder.events(first, deltas), headers, admission)
         collected = await _collect_unless_disconnected(request, deltas)
         if collected is None:
@@ -234,6 +242,29 @@ def create_app(
     return app
 
 
+async def _first_unless_disconnected(
+    request: Request, deltas: AsyncGenerator[OutputDelta, None]
+) -> OutputDelta | None:
+    """The first delta of a streamed request, or None if the client went away first."""
+    return await _unless_disconnected(request, anext(deltas))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (`work` cancelled) if the client went away first."""
+    working = asyncio.ensure_future(work)
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({working, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not working.done():
+            working.cancel()
+            await asyncio.gather(working, return_exceptions=True)
+    if working.cancelled():
+        return None
+    return working.result()
+
+
 async def _collect_unless_disconnected(
     request: Request, deltas: AsyncGenerator[OutputDelta, None]
 ) -> list[OutputDelta] | None:
@@ -243,15 +274,4 @@ async def _collect_unless_disconnected(
         async with contextlib.aclosing(deltas):
             return [delta async for delta in deltas]
 
-    collecting = asyncio.ensure_future(collect())
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not collecting.done():
-            collecting.cancel()
-            await asyncio.gather(collecting, return_exceptions=True)
-    if collecting.cancelled():
-        return None
-    return collecting.result()
+    return await _unless_disconnected(request, collect())
