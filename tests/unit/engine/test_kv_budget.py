@@ -120,6 +120,16 @@ def test_a_cgroup_limit_above_mem_available_does_not_count(tmp_path: Path) -> No
     assert host_available_bytes(_meminfo(tmp_path, 8 * MIB), root, proc_self) == 8 * GIB
 
 
+def test_the_reclaimable_file_cache_counts_as_available(tmp_path: Path) -> None:
+    files = {
+        "memory.max": str(6 * GIB),
+        "memory.current": str(3 * GIB),
+        "memory.stat": f"anon {GIB}\nfile {2 * GIB}\nactive_file {GIB}\ninactive_file {GIB}",
+    }
+    root, proc_self = _cgroup(tmp_path, files)
+    assert cgroup_available_bytes(root, proc_self) == 4 * GIB
+
+
 def test_the_process_own_cgroup_is_read_first(tmp_path: Path) -> None:
     files = {
         "memory.max": "max",
@@ -142,9 +152,13 @@ def test_no_cgroup_limit(tmp_path: Path) -> None:
 
 
 def test_a_cgroup_v1_limit(tmp_path: Path) -> None:
-    files = {"memory/memory.limit_in_bytes": str(2 * GIB), "memory/memory.usage_in_bytes": "0"}
+    files = {
+        "memory/memory.limit_in_bytes": str(2 * GIB),
+        "memory/memory.usage_in_bytes": str(GIB),
+        "memory/memory.stat": f"cache 0\ninactive_file 7\ntotal_inactive_file {GIB // 2}",
+    }
     root, proc_self = _cgroup(tmp_path, files)
-    assert cgroup_available_bytes(root, proc_self) == 2 * GIB
+    assert cgroup_available_bytes(root, proc_self) == GIB + GIB // 2
 
 
 def _auto(max_seqs: int = 64, **cache: object) -> kv_budget.KvCacheSize:

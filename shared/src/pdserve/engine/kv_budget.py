@@ -189,10 +189,12 @@ def _meminfo_available(meminfo: Path) -> int | None:
 def cgroup_available_bytes(
     cgroup_root: Path = CGROUP_ROOT, proc_self_cgroup: Path = PROC_SELF_CGROUP
 ) -> int | None:
-    """The memory limit of this process's cgroup less its usage, or None without a limit.
+    """The memory limit of this process's cgroup less its working set (usage less the
+    inactive file cache, which the kernel reclaims first), or None without a limit.
 
-    cgroup v2 (``memory.max`` and ``memory.current`` in the process's own cgroup, else at the
-    root, which is the container's own inside one) or v1 (``memory/memory.limit_in_bytes``).
+    cgroup v2 (``memory.max``, ``memory.current`` and ``memory.stat`` in the process's own
+    cgroup, else at the root, which is the container's own inside one) or v1 (the ``memory/``
+    controller's ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and ``memory.stat``).
     """
     directories = []
     with contextlib.suppress(OSError):
@@ -201,14 +203,18 @@ def cgroup_available_bytes(
                 directories.append(cgroup_root / line[4:].strip())
     directories.append(cgroup_root)
     for directory in directories:
-        available = _limit_less_usage(directory / "memory.max", directory / "memory.current")
+        available = _limit_less_usage(
+            directory / "memory.max", directory / "memory.current", directory / "memory.stat"
+        )
         if available is not None:
             return available
     v1 = cgroup_root / "memory"
-    return _limit_less_usage(v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes")
+    return _limit_less_usage(
+        v1 / "memory.limit_in_bytes", v1 / "memory.usage_in_bytes", v1 / "memory.stat"
+    )
 
 
-def _limit_less_usage(limit_path: Path, usage_path: Path) -> int | None:
+def _limit_less_usage(limit_path: Path, usage_path: Path, stat_path: Path) -> int | None:
     try:
         limit_text = limit_path.read_text().strip()
         if limit_text == "max":
@@ -220,7 +226,15 @@ def _limit_less_usage(limit_path: Path, usage_path: Path) -> int | None:
         usage = int(usage_path.read_text().strip())
     except (OSError, ValueError):
         return None
-    return max(limit - usage, 0)
+    stat: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        stat = dict(line.partition(" ")[::2] for line in stat_path.read_text().splitlines())
+    # NOTE: v1's inactive_file is the cgroup's own, total_inactive_file its subtree's.
+    try:
+        inactive_file = int(stat.get("total_inactive_file", stat.get("inactive_file", "0")))
+    except ValueError:
+        inactive_file = 0
+    return max(limit - max(usage - inactive_file, 0), 0)
 
 
 def free_space_bytes(directory: Path) -> int | None:
