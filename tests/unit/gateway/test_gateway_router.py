@@ -18,7 +18,7 @@ from support.memory_cluster import MemoryCluster, expected
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.instance import InstanceRole, LoadReport
 from pdserve.gateway.registry import Registry
-from pdserve.gateway.router import PromptKeys, Router
+from pdserve.gateway.router import PromptKeys, Router, lease_blocks
 from pdserve.gateway.routing_policy import CacheRouting, PrefillLoad, RouteReason, choose_prefill
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
@@ -285,3 +285,57 @@ def test_the_router_applies_the_routing_policy(queued, held, prompt_blocks, bala
         expected.reason,
         expected.num_matched_blocks,
     )
+
+
+# ---- room (the admission queue's question) ----------------------------------------------------
+
+
+def _room_router(num_blocks: int) -> tuple[Registry, Router]:
+    load = LoadReport(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
+    registry = _registry(("p1", P, LoadReport()), ("d1", D, load))
+    return registry, Router(registry, rng=random.Random(0))
+
+
+def test_room_counts_the_leases_booked_since_the_report() -> None:
+    need = lease_blocks(40, 8, 4)  # the fakes' blocks of 4 tokens
+    registry, router = _room_router(2 * need)
+    pairs = [router.pick(MODEL_NAME, _tokens(40), 8, require_room=True) for _ in range(2)]
+    with pytest.raises(PdserveError) as no_room:
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    assert no_room.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
+    router.pick(MODEL_NAME, _tokens(40), 8)  # NOTE: without require_room it routes anyway
+    router.settle(pairs[0], D)
+    router.settle(pairs[1], D)  # their streams ended: room for one more (the third holds some)
+    router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    with pytest.raises(PdserveError):
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    registry.heartbeat("d1", LoadReport(num_free_blocks=2 * need, num_total_blocks=2 * need))
+    router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)  # the report is the truth
+
+
+def test_an_instance_marked_full_takes_work_again_once_work_ran_there_or_it_reports() -> None:
+    registry, router = _room_router(1000)
+    refused = router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    ran = router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    router.mark_full("d1")
+    with pytest.raises(PdserveError) as no_room:
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    assert no_room.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
+    router.settle(refused, D, has_run=False)  # a refused attempt freed nothing
+    with pytest.raises(PdserveError):
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    router.settle(ran, D)  # a stream there ended
+    router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    router.mark_full("p1")
+    with pytest.raises(PdserveError) as full_prefill:
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    assert full_prefill.value.reason is ErrorReason.PREFILL_OVERLOADED
+    registry.heartbeat("p1", LoadReport())
+    router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+
+
+def test_a_request_no_decode_could_ever_hold_is_too_long_not_a_wait() -> None:
+    _, router = _room_router(lease_blocks(40, 8, 4) - 1)
+    with pytest.raises(PdserveError) as raised:
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    assert raised.value.reason is ErrorReason.PROMPT_TOO_LONG

@@ -72,7 +72,8 @@ class Attempts:
         policy: Cleanup deadline and end grace.
         settle: Told when an attempt is done with one of its instances (`Router.settle`):
             the prefill once it computed the prompt (or the attempt left it), the decode once
-            the attempt ended.
+            the attempt ended; with whether the work ran there (the prompt was computed: the
+            decode held a lease), rather than being refused or failing before.
     """
 
     def __init__(
@@ -80,7 +81,7 @@ class Attempts:
         backend: Backend,
         loss_watch: LossWatch,
         policy: RetryPolicy,
-        settle: Callable[[Pair, InstanceRole], None] = lambda pair, role: None,
+        settle: Callable[[Pair, InstanceRole, bool], None] = lambda pair, role, has_run: None,
     ) -> None:
         self._backend = backend
         self._loss_watch = loss_watch
@@ -144,6 +145,7 @@ class Attempts:
         outcome: GenerationEnd | Setback
         timeline = timeline or TtftTimeline()
         is_first_token_attempt = False
+        has_run = False
         try:
             handed_off: HandedOffEvent | None = None
             finished: FinishedEvent | None = None
@@ -161,7 +163,8 @@ class Attempts:
                             span.add_event("first_token", index)
                             yield event
                         elif isinstance(event, FirstTokenEvent):
-                            self._settle(pair, PREFILL)  # computed: off the prefill's queue
+                            has_run = True  # computed, with a lease: off the prefill's queue
+                            self._settle(pair, PREFILL, True)
                             is_first_token_attempt = timeline.on_first_token(event.phases)
                         elif isinstance(event, HandedOffEvent):
                             handed_off, lease_id = event, event.lease_id
@@ -177,7 +180,7 @@ class Attempts:
                 owes_abort = not failed.failure.is_from_server
                 raise
             finally:
-                self._settle(pair, PREFILL)
+                self._settle(pair, PREFILL, has_run)
             if finished is None and handed_off is None:
                 raise connection_lost(PREFILL, "the prefill stream ended without a terminal event")
             owes_abort = False
@@ -226,7 +229,7 @@ class Attempts:
         except AttemptFailed as failed:
             outcome = failed.setback(pair, progress.num_tokens)
         finally:
-            self._settle(pair, DECODE)
+            self._settle(pair, DECODE, has_run)
             timeout_s = self._policy.cleanup_timeout_s
             if owes_abort:
                 address = pair.prefill.address

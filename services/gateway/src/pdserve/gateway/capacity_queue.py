@@ -95,7 +95,7 @@ class CapacityQueue:
         limits: The queue's bounds.
         metrics: Depth, queued tokens, time in queue and refusals by bound.
         settle: Gives back work routed for a request that left before it could use it
-            (`Router.settle`).
+            (`Router.settle`, which ran nothing).
         clock: Monotonic seconds (for the drain rate).
     """
 

@@ -80,14 +80,18 @@ class Orchestrator:
         self._metrics = metrics
         self.loss_watch = LossWatch()
         registry.add_lost_listener(lambda entry: self.loss_watch.notify(entry.instance_id))
-        self.queue = CapacityQueue(queue_limits or QueueLimits(), metrics, router.settle)
+        self.queue = CapacityQueue(
+            queue_limits or QueueLimits(),
+            metrics,
+            lambda pair, role: router.settle(pair, role, has_run=False),
+        )
         # NOTE: room may appear with a load report, an instance joining, or work ending.
         registry.add_load_listener(lambda entry: self.queue.kick())
         registry.add_listener(lambda entry: self.queue.kick())
         self._attempts = Attempts(backend, self.loss_watch, policy, self._settle)
 
-    def _settle(self, pair: Pair, role: InstanceRole) -> None:
-        self._router.settle(pair, role)
+    def _settle(self, pair: Pair, role: InstanceRole, has_run: bool) -> None:
+        self._router.settle(pair, role, has_run=has_run)
         self.queue.kick()
 
     async def wait_for_cleanups(self) -> None:

@@ -359,18 +359,22 @@ class Router:
             prefill.info, choice.decode.info, choice.reason, choice.num_matched_blocks, booked
         )
 
-    def settle(self, pair: Pair, role: InstanceRole) -> None:
+    def settle(self, pair: Pair, role: InstanceRole, *, has_run: bool = True) -> None:
         """The attempt on `pair` is done with its `role` instance (the prefill computed the
         prompt, or the attempt ended there): the work its pick booked there leaves that
         instance's estimated load, until the next report (which no longer counts it).
-        Settling a role twice, or an unbooked pair, does nothing."""
+        Settling a role twice, or an unbooked pair, does nothing.
+
+        `has_run`: the work ran there (the prefill computed it, the decode held its lease),
+        so its end freed room: an instance marked full (`mark_full`) takes work again. An
+        attempt refused there frees none."""
         amount = pair.booked.pop(role, None)
         entry = self._registry.get(pair.instance(role).instance_id)
         if amount is None or entry is None:
             return
         self._pending[entry.instance_id] = (entry.load_seq, self._pending_for(entry) - amount)
-        # NOTE: work ended there: room it refused before may be there now.
-        self._full.pop(entry.instance_id, None)
+        if has_run:
+            self._full.pop(entry.instance_id, None)
         self._rescore(entry)
 
     def mark_full(self, instance_id: str) -> None:
