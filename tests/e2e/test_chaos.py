@@ -45,7 +45,7 @@ from pdserve.launcher.child import ChildProcess
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
-# NOTE: the default pool (256 MiB per instance) is far more than these tests touch.
+# NOTE: the default pool (sized from free memory) is far more than these tests touch.
 DECODE_ARGS = "--num-blocks 1024"
 PREFILL_ARGS = "--num-blocks 512"
 GREEDY: dict[str, Any] = {"temperature": 0.0}
