@@ -1,6 +1,7 @@
 """The admission queue through REST, in front of fake instances: a request no decode has room
 for waits and completes; a client that goes away while queued leaves the queue at once; the
-queue's bounds give 429 with Retry-After exactly past them. (The queue alone:
+queue's bounds give 429 with Retry-After exactly past them; a gRPC call cancelled while queued
+leaves it too. (The queue alone:
 test_gateway_capacity_queue; over the orchestrator: test_gateway_orchestrator.)"""
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from support.eventually import eventually
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import BLOCK_SIZE, MODEL_NAME, FakeDecode, expected_tokens
 
+from pdserve.common.grpc_server import insecure_channel
 from pdserve.gateway.capacity_queue import CapacityQueue
 from pdserve.gateway.router import lease_blocks
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PROMPT = "the quick brown fox"
 MAX_TOKENS = 12
@@ -119,3 +122,27 @@ async def test_the_queue_bounds_give_429_with_retry_after_exactly_past_them(
         decode.resume.set()
         await asyncio.gather(holder, *queued)
     assert len(decode.allocations) == 3
+
+
+async def test_a_grpc_call_cancelled_while_queued_leaves_the_queue_at_once(
+    cluster: Cluster,
+) -> None:
+    decode = await _one_at_a_time(cluster)
+    request = generation_pb2.GenerateRequest(
+        model=MODEL_NAME, text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS)
+    )
+    async with cluster.http() as http, insecure_channel(cluster.grpc_address) as channel:
+        holder = await _hold(cluster, decode, http)
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        call = stub.Generate(request)
+        waiting = asyncio.ensure_future(anext(aiter(call)))
+        await eventually(lambda: _queue(cluster).num_waiting == 1)
+        call.cancel()
+        await eventually(lambda: _queue(cluster).num_waiting == 0)
+        waiting.cancel()
+        decode.resume.set()
+        await holder
+        # NOTE: the gateway serves the next call at once.
+        responses = [r async for r in stub.Generate(request)]
+    assert responses[-1].usage.num_completion_tokens == MAX_TOKENS
+    assert len(decode.allocations) == 2
