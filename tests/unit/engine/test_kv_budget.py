@@ -184,6 +184,18 @@ def test_automatic_size_is_a_tenth_of_ram_at_most_4_gib(monkeypatch: pytest.Monk
     assert _auto(memory_fraction=0.9, max_seqs=10**6).num_blocks == 4 * GIB // (32 * 1024)
 
 
+def test_on_a_gpu_nine_tenths_of_its_free_memory_less_an_activation_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 1 * GIB)
+    monkeypatch.setattr(kv_budget, "device_free_bytes", lambda device: 10 * GIB)
+    size = size_kv_cache(
+        CacheConfig(), DEMO_LAYOUT, torch.device("cuda:0"), max_model_len=2048, max_seqs=10**6
+    )
+    # No 4 GiB cap on a GPU.
+    assert size == ((9 * GIB - 512 * MIB) // (32 * 1024), "auto", 10 * GIB, 0.9)
+
+
 def test_the_demo_model_takes_no_more_than_its_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 500 * GIB)
     # 64 sequences (plus one) of 2048 tokens: 128 blocks each, 260 MiB.
