@@ -10,7 +10,7 @@ process on the same host, several ways, alternating:
   blocks with AllocateBlocks, then receives what this process sends with the prefill's own
   sender (`pdserve.prefill.kv_sender.KvSender` on the channel a prefill would open,
   `kv_transports.channels_for` with that one transport forced): the pieces are cut as the
-  prefill's engine thread cuts them (`pdserve.serving.kv_transfer`, at most
+  prefill's engine thread cuts them (`pdserve.kv.transfer`, at most
   ``--max-chunk-bytes`` of K+V each) and queued, then the clock runs while the sender ships
   them and the commit, until the decode acknowledges it. ``grpc``: SyncCache with the chunks in
   the stream (each copied and checksummed as it is written; the decode verifies and copies it
@@ -57,6 +57,7 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.pki import MEMBER_DNS_NAME, Identity, instance_dns_name
 from pdserve.common.security import Security
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.kv.transfer import sequence_pieces
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
@@ -65,7 +66,6 @@ from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.kv_transports import channels_for
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
-from pdserve.serving.kv_transfer import sequence_pieces
 from pdserve.v1 import decode_pb2_grpc, instance_pb2, instance_pb2_grpc
 
 MIB = 1 << 20

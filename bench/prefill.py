@@ -52,13 +52,13 @@ from pdserve.decode import server as decode_server
 from pdserve.decode.config import DecodeConfig
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.transfer import sequence_pieces
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.request import Request
 from pdserve.prefill.server import PrefillInstance, create_server
 from pdserve.serving.convert import local_protocol, sampling_to_proto
-from pdserve.serving.kv_transfer import sequence_pieces
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 

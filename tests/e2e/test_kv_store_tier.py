@@ -18,7 +18,7 @@ from support.real_cluster import BLOCK_SIZE, MODEL_NAME, RealCluster, Reference
 from support.redis_server import RedisServer, running_redis
 
 from pdserve.decode.events import PreemptionReason
-from pdserve.serving.kv_block_codec import HEADER_NBYTES
+from pdserve.kv.codec import HEADER_NBYTES
 
 PROMPT = "The storage tier keeps the KV cache of preempted requests for the next prefill."
 MAX_TOKENS = 120

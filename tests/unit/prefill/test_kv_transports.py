@@ -17,11 +17,11 @@ from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.kv_cache import KVCacheLayout
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.shm import LeaseWindow, SharedKvPool
+from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
+from pdserve.kv.wire import frame, recv_frame
 from pdserve.prefill.config import PrefillConfig
 from pdserve.serving.convert import local_protocol
-from pdserve.serving.kv_shm import LeaseWindow, SharedKvPool
-from pdserve.serving.kv_transfer import KvPiece, TransportOffer, chunk_crc32c
-from pdserve.serving.kv_wire import frame, recv_frame
 from pdserve.v1 import common_pb2, decode_pb2, errors_pb2
 
 LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]

@@ -14,12 +14,12 @@ from support.prefill_cluster import BLOCK_SIZE, load_host
 
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.runner import ForwardChunk
+from pdserve.kv.transfer import KvPiece
 from pdserve.prefill.events import EngineEvent, FirstTokenSampled, LeaseGrant
 from pdserve.prefill.kv_channels import GrpcChannel
 from pdserve.prefill.kv_sender import KvSender, sync_cache_messages
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import Request
-from pdserve.serving.kv_transfer import KvPiece
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2
 

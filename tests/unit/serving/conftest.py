@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from support.redis_server import RedisServer, running_redis
 
-from pdserve.serving.kv_store import KvStore, open_store
+from pdserve.kv.store import KvStore
+from pdserve.kv.stores import open_store
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 from support.kv_blocks import FINGERPRINT, LAYOUT, OTHER_FINGERPRINT, block_keys, filled_cache
 
 from pdserve.engine.kv_cache import KVCacheLayout
-from pdserve.serving.kv_block_codec import (
+from pdserve.kv.codec import (
     HEADER_NBYTES,
     BlockMiss,
     MissCause,

@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from pdserve.serving.kv_offload import KvStoreWriter, WriteDropped
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
-from pdserve.serving.kv_tier import kv_store_counters
+from pdserve.kv.offload import KvStoreWriter, WriteDropped
+from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.tier import kv_store_counters
 
 FINGERPRINT = "ab" * 32
 KEY = bytes(32)

@@ -7,14 +7,14 @@ import threading
 import torch
 from support.kv_blocks import FINGERPRINT, LAYOUT, OTHER_FINGERPRINT, block_keys, filled_cache
 
-from pdserve.serving.kv_block_codec import (
+from pdserve.kv.codec import (
     MissCause,
     block_payload_nbytes,
     encode_block,
     export_block_payloads,
     import_block_payloads,
 )
-from pdserve.serving.kv_store import KvStore
+from pdserve.kv.store import KvStore
 
 PAYLOAD_NBYTES = block_payload_nbytes(LAYOUT)
 

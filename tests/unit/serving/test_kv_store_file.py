@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from support.kv_blocks import FINGERPRINT, LAYOUT, block_keys, filled_cache
 
-from pdserve.serving.kv_block_codec import (
+from pdserve.kv.codec import (
     HEADER_NBYTES,
     MissCause,
     block_payload_nbytes,
     encode_block,
     export_block_payloads,
 )
-from pdserve.serving.kv_store import KvStoreUnavailable
-from pdserve.serving.kv_store_file import FileKvStore
+from pdserve.kv.file_store import FileKvStore
+from pdserve.kv.store import KvStoreUnavailable
 
 PAYLOAD_NBYTES = block_payload_nbytes(LAYOUT)
 ENTRY_NBYTES = HEADER_NBYTES + PAYLOAD_NBYTES
@@ -102,8 +102,8 @@ def test_a_store_over_an_unwritable_directory_raises_unavailable(tmp_path: Path)
 
 _WRITER = """
 import os, sys, time
-from pdserve.serving.kv_block_codec import BlockMiss, decode_block
-from pdserve.serving.kv_store_file import FileKvStore
+from pdserve.kv.codec import BlockMiss, decode_block
+from pdserve.kv.file_store import FileKvStore
 
 root, go, fingerprint, key_hex, payload_nbytes, *blob_paths = sys.argv[1:]
 key = bytes.fromhex(key_hex)

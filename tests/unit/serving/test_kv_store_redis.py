@@ -12,8 +12,9 @@ import redis
 from support.kv_blocks import FINGERPRINT, LAYOUT, block_keys, filled_cache
 from support.redis_server import RedisServer, running_redis
 
-from pdserve.serving.kv_block_codec import block_payload_nbytes, export_block_payloads
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable, open_store
+from pdserve.kv.codec import block_payload_nbytes, export_block_payloads
+from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.stores import open_store
 
 PAYLOAD_NBYTES = block_payload_nbytes(LAYOUT)
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.serving.kv_store import DEFAULT_FILE_MAX_BYTES, open_store
-from pdserve.serving.kv_store_file import FileKvStore
-from pdserve.serving.kv_store_redis import RedisKvStore
+from pdserve.kv.file_store import FileKvStore
+from pdserve.kv.redis_store import RedisKvStore
+from pdserve.kv.stores import DEFAULT_FILE_MAX_BYTES, open_store
 
 
 def test_file_specs_open_a_directory_store(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ class ClusterConfig:
         for name in ("prefill_args", "decode_args", "gateway_args"):
             shlex.split(getattr(self, name))  # raises ValueError for unbalanced quotes
         if self.kv_store is not None:
-            from pdserve.serving.kv_store import check_store_spec  # NOTE: loads torch
+            from pdserve.kv.stores import check_store_spec  # NOTE: loads torch
 
             try:
                 check_store_spec(self.kv_store)

@@ -131,7 +131,7 @@ class InstanceConfig(ServiceConfig):
         super().__post_init__()
         if self.kv_store is not None:
             # NOTE: imported here so that --help and other refused flags never load torch.
-            from pdserve.serving.kv_store import check_store_spec
+            from pdserve.kv.stores import check_store_spec
 
             try:
                 check_store_spec(self.kv_store)

@@ -10,9 +10,9 @@ from pdserve.common.model_identity import model_id as compute_model_id
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.runner import ModelRunner
+from pdserve.kv.shm import SHM_DIR
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import kv_layout_to_proto
-from pdserve.serving.kv_shm import SHM_DIR
 from pdserve.v1 import common_pb2
 
 

@@ -16,8 +16,8 @@ from pdserve.decode.events import (
     TokensEvent,
 )
 from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.convert import finish_reason_to_proto
-from pdserve.serving.kv_transfer import TransportOffer
 from pdserve.v1 import common_pb2, decode_pb2
 
 _PREEMPTION_REASONS = {

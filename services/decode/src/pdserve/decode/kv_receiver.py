@@ -23,7 +23,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.engine.kv_cache import KVCache
-from pdserve.serving.kv_transfer import blocks_crc32c, chunk_crc32c, id_runs
+from pdserve.kv.transfer import blocks_crc32c, chunk_crc32c, id_runs
 
 # Checksums over the cache are independent reads that release the GIL: a few threads share them.
 CHECKSUM_WORKERS = ThreadPoolExecutor(

@@ -23,8 +23,8 @@ from pdserve.decode.events import PreemptedEvent
 from pdserve.decode.request import DecodeRequest
 from pdserve.engine.block_pool import prefix_block_keys
 from pdserve.engine.kv_cache import KVCache
-from pdserve.serving.kv_block_codec import export_block_payloads
-from pdserve.serving.kv_offload import KvStoreWriter, WriteDropped
+from pdserve.kv.codec import export_block_payloads
+from pdserve.kv.offload import KvStoreWriter, WriteDropped
 
 log = structlog.get_logger(__name__)
 

@@ -23,9 +23,9 @@ from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
+from pdserve.kv.shm import KvSegment
+from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.instance import InstanceServer
-from pdserve.serving.kv_shm import KvSegment
-from pdserve.serving.kv_transfer import TransportOffer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 

@@ -25,8 +25,8 @@ from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest, RequestStatus
 from pdserve.decode.transfers import TRANSPORT_NAMES, Transfers
+from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.convert import local_protocol
-from pdserve.serving.kv_transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 

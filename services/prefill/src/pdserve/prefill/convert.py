@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for, resolve_seed
 from pdserve.common.protocol import check_compatible
+from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.prefill.events import LeaseGrant
 from pdserve.prefill.phases import PhaseDurations
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
-from pdserve.serving.kv_transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 

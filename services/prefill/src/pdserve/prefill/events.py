@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason
-from pdserve.serving.kv_transfer import KvPiece, TransportOffer
+from pdserve.kv.transfer import KvPiece, TransportOffer
 
 
 @dataclass(frozen=True)

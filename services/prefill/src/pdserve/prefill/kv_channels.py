@@ -26,11 +26,11 @@ import grpc
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, has_error_info
 from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.kv.shm import LeaseWindow, SharedKvPool
+from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, KvPiece
 from pdserve.prefill import convert
 from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
 from pdserve.prefill.request import Request
-from pdserve.serving.kv_shm import LeaseWindow, SharedKvPool
-from pdserve.serving.kv_transfer import SYNC_ACCEPTED_KEY, KvPiece
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 # Most K+V bytes the shared-memory channel copies before it announces them.

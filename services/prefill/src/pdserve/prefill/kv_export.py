@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 from pdserve.common.generation import num_blocks_for
 from pdserve.engine.kv_cache import KVCache
+from pdserve.kv.transfer import layer_pieces
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import ScheduledChunk
-from pdserve.serving.kv_transfer import layer_pieces
 
 
 class Export(NamedTuple):

@@ -22,10 +22,10 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
+from pdserve.kv.transfer import KvPiece, sequence_pieces
 from pdserve.prefill import convert
 from pdserve.prefill.kv_channels import KvChannel, TransportUnavailable
 from pdserve.prefill.request import Request
-from pdserve.serving.kv_transfer import KvPiece, sequence_pieces
 from pdserve.v1 import decode_pb2
 
 log = structlog.get_logger(__name__)

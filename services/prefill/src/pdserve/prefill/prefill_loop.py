@@ -33,6 +33,8 @@ from pdserve.common import telemetry
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.kv.codec import import_block_payloads
+from pdserve.kv.transfer import blocks_per_piece
 from pdserve.prefill.events import EngineFailed, FirstTokenSampled
 from pdserve.prefill.kv_export import export_layer, plan_export
 from pdserve.prefill.metrics import PrefillMetrics
@@ -40,8 +42,6 @@ from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
 from pdserve.prefill.store_loader import StoreLoader
 from pdserve.serving.engine_thread import EngineThread
-from pdserve.serving.kv_block_codec import import_block_payloads
-from pdserve.serving.kv_transfer import blocks_per_piece
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")

@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
+from pdserve.kv.transfer import KvPiece
 from pdserve.prefill.events import (
     EngineEvent,
     EngineFailed,
@@ -34,7 +35,6 @@ from pdserve.prefill.events import (
     Outcome,
 )
 from pdserve.prefill.phases import PhaseClock
-from pdserve.serving.kv_transfer import KvPiece
 
 if TYPE_CHECKING:
     from pdserve.prefill.decode_client import DecodePeers

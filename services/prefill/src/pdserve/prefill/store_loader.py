@@ -28,10 +28,10 @@ import structlog
 from pdserve.common import telemetry
 from pdserve.engine.block_pool import prefix_block_keys
 from pdserve.engine.kv_cache import KVCache
+from pdserve.kv.codec import MissCause, block_payload_nbytes, export_block_payloads
+from pdserve.kv.offload import KvStoreWriter
+from pdserve.kv.store import KvStore, KvStoreUnavailable
 from pdserve.prefill.request import Request
-from pdserve.serving.kv_block_codec import MissCause, block_payload_nbytes, export_block_payloads
-from pdserve.serving.kv_offload import KvStoreWriter
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")

@@ -15,7 +15,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreUnavailable
 
 KEY_PREFIX = b"pdserve:kv:"
 

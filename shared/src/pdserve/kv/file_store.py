@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import structlog
 
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 

@@ -12,10 +12,11 @@ from typing import NamedTuple
 
 import structlog
 
+from pdserve.kv.codec import MissCause
+from pdserve.kv.offload import KvStoreWriter
+from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.stores import open_store
 from pdserve.serving.config import InstanceConfig
-from pdserve.serving.kv_block_codec import MissCause
-from pdserve.serving.kv_offload import KvStoreWriter
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable, open_store
 
 log = structlog.get_logger(__name__)
 

@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.serving.kv_transfer import KvPiece, chunk_crc32c, id_runs
+from pdserve.kv.transfer import KvPiece, chunk_crc32c, id_runs
 
 log = structlog.get_logger(__name__)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.serving.kv_transfer import chunk_crc32c
+from pdserve.kv.transfer import chunk_crc32c
 
 MAGIC = b"PDKV"
 FORMAT_VERSION = 1

@@ -20,9 +20,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from pdserve.common import telemetry
+from pdserve.kv.store import KvStore, KvStoreUnavailable
 from pdserve.serving.config import DEFAULT_KV_STORE_QUEUE_LEN
 from pdserve.serving.engine_thread import EngineThread
-from pdserve.serving.kv_store import KvStore, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.serving")
