@@ -4,7 +4,7 @@
     .venv/bin/python bench/route_sim.py --instances 500 --rate 10000 --seconds 2 --json
 
 Half the instances are prefills, half decodes, all serving one model and one KV layout, in one
-`pdserve.gateway.registry.Registry`; every decision is a real `Router.pick` (cache-aware
+`pdserve.gateway.fleet.registry.Registry`; every decision is a real `Router.pick` (cache-aware
 routing on, as by default). Time is simulated: requests arrive as a Poisson process at
 ``--rate`` per second, each with a random prompt (64-2,048 tokens; a quarter share one of 50
 system prompts, so the prefix preference has something to do) and 16-256 new tokens. Each
@@ -44,10 +44,11 @@ from common import write_results
 
 from pdserve.common.logging import configure_logging
 from pdserve.common.protocol import PROTOCOL_VERSION, kv_layout_fingerprint
-from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
-from pdserve.gateway.prefix_memory import PrefixMemory
-from pdserve.gateway.registry import Registry
-from pdserve.gateway.router import PromptKeys, Router
+from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
+from pdserve.gateway.fleet.registry import Registry
+from pdserve.gateway.routing.prefix_memory import PrefixMemory
+from pdserve.gateway.routing.prompt_keys import PromptKeys
+from pdserve.gateway.routing.router import Router
 
 MODEL = "sim-model"
 BLOCK_SIZE = 16

@@ -8,9 +8,9 @@ import httpx
 import openai
 
 from pdserve.common.protocol import PROTOCOL_VERSION
-from pdserve.gateway import convert
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.instance import InstanceInfo, InstanceRole
+from pdserve.gateway.fleet import convert
+from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole
 from pdserve.gateway.server import GatewayServer
 from pdserve.v1 import common_pb2
 from support.gateway_fakes import (

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams, check_stop, resolve_seed
-from pdserve.gateway.backend import (
+from pdserve.gateway.fleet.backend import (
     BackendError,
     DecodeEvent,
     FinishedEvent,
@@ -33,7 +33,7 @@ from pdserve.gateway.backend import (
     PrefillPhases,
     TokenBatchEvent,
 )
-from pdserve.gateway.instance import InstanceInfo, LoadReport
+from pdserve.gateway.fleet.instance import InstanceInfo, LoadReport
 from support.gateway_fakes import EOS_TOKEN_ID, fake_token
 
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.generation import SamplingParams, resolve_seed
-from pdserve.gateway.capacity_queue import QueueLimits
 from pdserve.gateway.decisions import RetryPolicy
-from pdserve.gateway.instance import InstanceRole, LoadReport
+from pdserve.gateway.fleet.instance import InstanceRole, LoadReport
+from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator, OrchestratorEvent
 from pdserve.gateway.phases import TtftTimeline
-from pdserve.gateway.registry import Registry
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
-from pdserve.gateway.router import Router
+from pdserve.gateway.routing.queue import QueueLimits
+from pdserve.gateway.routing.router import Router
 from support.gateway_cluster import instance_info
 from support.gateway_fakes import EOS_TOKEN_ID, MODEL_NAME, expected_tokens
 from support.memory_backend import MemoryBackend, MemoryInstance

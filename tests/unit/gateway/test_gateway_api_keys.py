@@ -24,9 +24,9 @@ from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.common.logging import configure_logging
 from pdserve.gateway import streaming
-from pdserve.gateway.admission import RateLimiter
-from pdserve.gateway.api_keys import ApiKey, ApiKeyStore, key_digest, parse_api_keys
-from pdserve.gateway.auth import Caller
+from pdserve.gateway.access.admission import RateLimiter
+from pdserve.gateway.access.api_keys import ApiKey, ApiKeyStore, key_digest, parse_api_keys
+from pdserve.gateway.access.auth import Caller
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 COMPLETIONS = "/v1/completions"

@@ -10,10 +10,10 @@ import pytest
 from support.eventually import eventually
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.capacity_queue import CapacityQueue, QueueLimits
-from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.router import Pair
+from pdserve.gateway.routing.pair import Pair
+from pdserve.gateway.routing.queue import CapacityQueue, QueueLimits
 
 NO_ROOM = PdserveError(ErrorReason.DECODE_CAPACITY_EXHAUSTED, "no room")
 

@@ -24,8 +24,8 @@ from pdserve.gateway.decisions import (
     WaitForCapacity,
     decide,
 )
-from pdserve.gateway.instance import InstanceRole
-from pdserve.gateway.router import Pair
+from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.routing.pair import Pair
 
 PREFILL, DECODE = InstanceRole.PREFILL, InstanceRole.DECODE
 PAIR = Pair(instance_info("p", PREFILL), instance_info("d", DECODE))

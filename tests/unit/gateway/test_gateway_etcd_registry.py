@@ -15,8 +15,8 @@ from support.eventually import eventually
 from pdserve.common.etcd_registration import EtcdRegistrationClient
 from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.common.protocol import kv_layout_fingerprint
-from pdserve.gateway.etcd_watcher import EtcdWatcher
-from pdserve.gateway.registry import Registry
+from pdserve.gateway.fleet.etcd_watcher import EtcdWatcher
+from pdserve.gateway.fleet.registry import Registry
 from pdserve.v1 import common_pb2
 
 TTL_S = 2.0  # etcd's smallest lease TTL with its default settings

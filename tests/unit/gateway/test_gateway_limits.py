@@ -17,7 +17,7 @@ from support.gateway_fakes import MAX_MODEL_LEN, MODEL_NAME, heartbeat
 from pdserve.common.errors import ErrorReason, from_rpc_error, has_error_info
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.registry import LivenessClock
+from pdserve.gateway.fleet.registry import LivenessClock
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 COMPLETIONS = "/v1/completions"
@@ -444,4 +444,4 @@ async def test_16_clients_get_no_errors_and_leave_nothing_in_flight(pd: Cluster)
     await asyncio.gather(*(client(index) for index in range(16)))
     assert num_finished == 16 * 8 - 32
     await eventually(lambda: gateway.limiter.num_in_flight == 0)
-    await eventually(lambda: gateway.frontend.num_active_requests == 0)
+    await eventually(lambda: gateway.streamer.num_active_requests == 0)

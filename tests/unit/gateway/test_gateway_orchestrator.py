@@ -24,9 +24,9 @@ from support.memory_cluster import PROMPT_IDS, MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
-from pdserve.gateway.capacity_queue import QueueLimits
 from pdserve.gateway.request import GenerationRequest, TokenChunk
-from pdserve.gateway.router import lease_blocks
+from pdserve.gateway.routing.pools import lease_blocks
+from pdserve.gateway.routing.queue import QueueLimits
 
 R = ErrorReason
 # NOTE: the decode's admissible blocks a default request's lease takes (its prompt and 24 new
@@ -209,7 +209,7 @@ async def test_more_requests_than_the_decode_holds_queue_and_all_complete() -> N
     # NOTE: in order of arrival; never more than two at once on the decode.
     assert [call.request_id for call in prefill.calls] == [r.request_id for r in requests]
     assert cluster.orchestrator.queue.num_waiting == 0
-    assert cluster.router.unreported_work("decode-0") == 0
+    assert cluster.router.loads.unreported_work("decode-0") == 0
 
 
 async def test_a_request_cancelled_in_the_queue_leaves_nothing_behind() -> None:
@@ -231,7 +231,7 @@ async def test_a_request_cancelled_in_the_queue_leaves_nothing_behind() -> None:
     assert (await queued[1]).token_ids == expected(third)
     assert [call.request_id for call in prefill.calls] == [first.request_id, third.request_id]
     assert cluster.orchestrator.queue.num_waiting == 0
-    assert cluster.router.unreported_work("decode-0") == 0
+    assert cluster.router.loads.unreported_work("decode-0") == 0
 
 
 async def test_a_request_the_decodes_can_never_hold_fails_at_once() -> None:
@@ -475,11 +475,11 @@ async def test_every_attempt_gives_its_booked_work_back_to_the_router(
     prefill, decode = _pd(cluster)
     decode.script = [preempt(after=3)]
     request = cluster.request(seed=5)
-    before = cluster.router.unreported_work(prefill.instance_id)
+    before = cluster.router.loads.unreported_work(prefill.instance_id)
     assert (await cluster.run(request)).token_ids == expected(request)
     # Two attempts booked prompt tokens on the prefill and blocks on the decode; no report
     # arrived since, and both ended: the router counts nothing of them any more.
     assert len(prefill.calls) == 2
     assert before == 0
-    assert cluster.router.unreported_work(prefill.instance_id) == 0
-    assert cluster.router.unreported_work(decode.instance_id) == 0
+    assert cluster.router.loads.unreported_work(prefill.instance_id) == 0
+    assert cluster.router.loads.unreported_work(decode.instance_id) == 0

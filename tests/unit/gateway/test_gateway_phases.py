@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from support.memory_backend import lose
 from support.memory_cluster import MemoryCluster, expected
 
-from pdserve.gateway.backend import FirstTokenEvent, HandedOffEvent, PrefillPhases
-from pdserve.gateway.convert import prefill_event_from_pb
+from pdserve.gateway.fleet.backend import FirstTokenEvent, HandedOffEvent, PrefillPhases
+from pdserve.gateway.fleet.convert import prefill_event_from_pb
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.v1 import prefill_pb2
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.common.prefix_keys import prefix_block_keys
-from pdserve.gateway.prefix_memory import PrefixMemory
+from pdserve.gateway.routing.prefix_memory import PrefixMemory
 
 
 def _keys(*token_ids: int, block_size: int = 2) -> list[bytes]:

@@ -17,8 +17,8 @@ from support.gateway_cluster import Cluster
 from support.gateway_fakes import BLOCK_SIZE, MODEL_NAME, FakeDecode, expected_tokens
 
 from pdserve.common.grpc_server import insecure_channel
-from pdserve.gateway.capacity_queue import CapacityQueue
-from pdserve.gateway.router import lease_blocks
+from pdserve.gateway.routing.pools import lease_blocks
+from pdserve.gateway.routing.queue import CapacityQueue
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PROMPT = "the quick brown fox"

@@ -157,7 +157,7 @@ async def test_disconnect_while_decoding_releases_the_lease(pd: Cluster) -> None
     lease_id = decode.generate_calls[0]
     await eventually(lambda: lease_id in decode.released and decode.num_open_leases == 0)
     assert pd.gateway is not None
-    await eventually(lambda: pd.gateway.frontend.num_active_requests == 0)  # type: ignore[union-attr]
+    await eventually(lambda: pd.gateway.streamer.num_active_requests == 0)  # type: ignore[union-attr]
     assert pd.gateway.metrics.count("requests", "cancelled") == 1
 
 

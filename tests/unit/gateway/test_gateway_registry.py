@@ -12,8 +12,8 @@ from support.gateway_fakes import MODEL_NAME, heartbeat, register
 
 from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
 from pdserve.common.grpc_server import insecure_channel
-from pdserve.gateway.instance import InstanceRole, LoadReport
-from pdserve.gateway.registry import Registry
+from pdserve.gateway.fleet.instance import InstanceRole, LoadReport
+from pdserve.gateway.fleet.registry import Registry
 from pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 

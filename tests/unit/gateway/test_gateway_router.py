@@ -16,10 +16,12 @@ from support.gateway_fakes import MODEL_NAME
 from support.memory_cluster import MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.instance import InstanceRole, LoadReport
-from pdserve.gateway.registry import Registry
-from pdserve.gateway.router import PromptKeys, Router, lease_blocks
-from pdserve.gateway.routing_policy import CacheRouting, PrefillLoad, RouteReason, choose_prefill
+from pdserve.gateway.fleet.instance import InstanceRole, LoadReport
+from pdserve.gateway.fleet.registry import Registry
+from pdserve.gateway.routing.policy import CacheRouting, PrefillLoad, RouteReason, choose_prefill
+from pdserve.gateway.routing.pools import lease_blocks
+from pdserve.gateway.routing.prompt_keys import PromptKeys
+from pdserve.gateway.routing.router import Router
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 _first_tokens = itertools.count(1000)
@@ -317,7 +319,7 @@ def test_an_instance_marked_full_takes_work_again_once_work_ran_there_or_it_repo
     registry, router = _room_router(1000)
     refused = router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
     ran = router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
-    router.mark_full("d1")
+    router.loads.mark_full("d1")
     with pytest.raises(PdserveError) as no_room:
         router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
     assert no_room.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
@@ -326,7 +328,7 @@ def test_an_instance_marked_full_takes_work_again_once_work_ran_there_or_it_repo
         router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
     router.settle(ran, D)  # a stream there ended
     router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
-    router.mark_full("p1")
+    router.loads.mark_full("p1")
     with pytest.raises(PdserveError) as full_prefill:
         router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
     assert full_prefill.value.reason is ErrorReason.PREFILL_OVERLOADED

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 from pdserve.common.protocol import PROTOCOL_VERSION, kv_layout_fingerprint
-from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
-from pdserve.gateway.registry import Registry
-from pdserve.gateway.router import Router
+from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
+from pdserve.gateway.fleet.registry import Registry
+from pdserve.gateway.routing.router import Router
 
 MODEL = "m"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.gateway.routing_policy import (
+from pdserve.gateway.routing.policy import (
     CacheRouting,
     PrefillChoice,
     PrefillLoad,

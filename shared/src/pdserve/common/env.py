@@ -70,7 +70,7 @@ def fault_corrupt_kv() -> str | None:
 
 
 ENV_API_KEYS = "PDSERVE_API_KEYS"
-"""API keys the gateway accepts, as ``name:key`` entries (see `pdserve.gateway.api_keys`)."""
+"""API keys the gateway accepts, as ``name:key`` entries (see `pdserve.gateway.access.api_keys`)."""
 
 
 def api_keys() -> str | None:

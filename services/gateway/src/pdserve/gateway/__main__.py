@@ -12,7 +12,7 @@ from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
 from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
-from pdserve.gateway.api_keys import ApiKeyStore
+from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import serve
 

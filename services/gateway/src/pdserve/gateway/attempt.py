@@ -23,7 +23,8 @@ from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
-from pdserve.gateway.backend import (
+from pdserve.gateway.decisions import Preempted, RequestState, RetryPolicy, Setback
+from pdserve.gateway.fleet.backend import (
     Backend,
     BackendError,
     DecodeEvent,
@@ -34,33 +35,16 @@ from pdserve.gateway.backend import (
     PrefillCall,
     PrefillEvent,
 )
-from pdserve.gateway.decisions import Preempted, RequestState, RetryPolicy, Setback
-from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
-from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
-from pdserve.gateway.router import Pair
+from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk, remaining_s
+from pdserve.gateway.routing.pair import Pair
 
 log = structlog.get_logger("pdserve.gateway.attempt")
 
 PREFILL, DECODE = InstanceRole.PREFILL, InstanceRole.DECODE
-
-
-def remaining_s(request: GenerationRequest, deadline: float) -> float:
-    """Seconds left until `deadline` (``loop.time()``).
-
-    Raises:
-        PdserveError: DEADLINE_EXCEEDED once none are left.
-    """
-    remaining = deadline - asyncio.get_running_loop().time()
-    if remaining <= 0:
-        raise PdserveError(
-            ErrorReason.DEADLINE_EXCEEDED,
-            "the request did not finish within the gateway's request timeout",
-            {"requestId": request.request_id},
-        )
-    return remaining
 
 
 class Attempts:

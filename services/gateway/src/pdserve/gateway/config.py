@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
-from pdserve.gateway.capacity_queue import QueueLimits
 from pdserve.gateway.config_fields import limit_field, routing_field
-from pdserve.gateway.routing_policy import CacheRouting
-from pdserve.gateway.validation import RequestLimits
+from pdserve.gateway.prepare.validation import RequestLimits
+from pdserve.gateway.routing.policy import CacheRouting
+from pdserve.gateway.routing.queue import QueueLimits
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024

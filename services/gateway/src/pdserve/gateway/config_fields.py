@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
-from pdserve.gateway.routing_policy import CacheRouting
-from pdserve.gateway.validation import RequestLimits
+from pdserve.gateway.prepare.validation import RequestLimits
+from pdserve.gateway.routing.policy import CacheRouting
 
 _LIMITS = RequestLimits()  # the defaults of the per-request limits live there once
 _ROUTING = CacheRouting()  # and those of cache-aware routing there

@@ -18,7 +18,7 @@ classified by their reason's retry scope, never by message text:
   without the instance(s) the scope blames; WHOLE_REQUEST: retry as is (CACHE_SYNC_FAILED
   avoids both ends); ONCE: retry as is, once. All count against ``max_attempts``.
 * DECODE_CAPACITY_EXHAUSTED, PREFILL_OVERLOADED (an instance had no room after all): wait for
-  room in the admission queue (`pdserve.gateway.capacity_queue`), that instance marked full
+  room in the admission queue (`pdserve.gateway.routing.queue`), that instance marked full
   until it reports again or work there ends. Not counted against ``max_attempts``: the queue's
   bounds (a request with no token yet) or the request timeout (one already streaming) bound it.
 * DEADLINE_EXCEEDED, NEVER, REGISTER_AGAIN: give up with the error.
@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import TypeAlias
 
 from pdserve.common.errors import ErrorReason, PdserveError, RetryScope
-from pdserve.gateway.instance import InstanceRole
-from pdserve.gateway.router import Pair
+from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.routing.pair import Pair
 
 _NO_IDS: frozenset[str] = frozenset()
 

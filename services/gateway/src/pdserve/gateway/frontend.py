@@ -2,9 +2,10 @@
 
 A front end turns its request into `GenerationParams`, calls `Frontend.prepare` (which raises
 a typed `PdserveError` for anything wrong, before any instance is asked to work) and then
-iterates `Frontend.stream`, which yields `OutputDelta`s: text and token ids as they arrive, and
-a last delta with the finish reason and exact usage. Preparing (validation, tokenization,
-max_tokens defaults, the seed) is here; running and recording a request is `streaming.Streamer`.
+iterates `Streamer.stream` (`pdserve.gateway.streaming`), which yields `OutputDelta`s: text and
+token ids as they arrive, and a last delta with the finish reason and exact usage. Preparing
+(validation, tokenization, max_tokens defaults, the seed) is here; running and recording a
+request is the streamer's.
 """
 
 from __future__ import annotations
@@ -12,33 +13,26 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator
 from dataclasses import replace
-
-from opentelemetry.context import Context
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import resolve_seed
-from pdserve.gateway.instance import InstanceRole
-from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.model_info import ModelInfo, ModelInfoStore
-from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.params import (
+from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.fleet.model_info import ModelInfo, ModelInfoStore
+from pdserve.gateway.fleet.registry import Registry
+from pdserve.gateway.prepare.params import (
     GenerationParams,
     ModelSummary,
-    OutputDelta,
     PreparedRequest,
     PromptKind,
     is_short_prompt,
     tokenize_prompt,
 )
-from pdserve.gateway.registry import Registry
+from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
+from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.request import GenerationRequest
-from pdserve.gateway.router import Router
-from pdserve.gateway.streaming import Streamer
-from pdserve.gateway.validation import RequestLimits, invalid, validate_request
-from pdserve.gateway.workers import WorkerPool
+from pdserve.gateway.routing.router import Router
 
 _tracer = telemetry.tracer("pdserve.gateway")
 
@@ -50,14 +44,11 @@ class Frontend:
         registry: Known instances (for model names and limits).
         router: Pair availability.
         model_infos: Tokenizers per model.
-        orchestrator: Runs requests.
-        metrics: Latency histograms and outcome counters.
         workers: Threads for tokenization and chat templates, off the event loop.
         limits: What one request may ask for.
         default_max_tokens: max_tokens of a completion request that sets none.
         default_chat_max_tokens: max_tokens of a chat request that sets none (lowered to what
             fits in the model's length after the prompt).
-        request_timeout_s: Bound of one request, retries included.
         rng: Source of seeds for requests without one.
     """
 
@@ -66,14 +57,11 @@ class Frontend:
         registry: Registry,
         router: Router,
         model_infos: ModelInfoStore,
-        orchestrator: Orchestrator,
-        metrics: GatewayMetrics,
         *,
         workers: WorkerPool,
         limits: RequestLimits,
         default_max_tokens: int = 16,
         default_chat_max_tokens: int = 1024,
-        request_timeout_s: float = 600.0,
         rng: random.Random | None = None,
     ) -> None:
         self._registry = registry
@@ -84,7 +72,6 @@ class Frontend:
         self._default_max_tokens = default_max_tokens
         self._default_chat_max_tokens = default_chat_max_tokens
         self._rng = rng or random.SystemRandom()
-        self._streamer = Streamer(orchestrator, metrics, request_timeout_s)
         self.is_draining = False
 
     @property
@@ -92,23 +79,14 @@ class Frontend:
         """What one request may ask for."""
         return self._limits
 
-    @property
-    def num_active_requests(self) -> int:
-        """Requests streaming right now."""
-        return self._streamer.num_active_requests
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Waits until no request is streaming; returns False on timeout."""
-        return await self._streamer.wait_idle(timeout_s)
-
     def list_models(self) -> list[ModelSummary]:
         """Models that have at least one compatible prefill/decode pair now."""
         models = []
         for name in sorted(self._registry.model_names()):
             if not self._router.has_pair(name):
                 continue
-            prefills = self._router.candidates(InstanceRole.PREFILL, name)
-            decodes = self._router.candidates(InstanceRole.DECODE, name)
+            prefills = self._router.loads.candidates(InstanceRole.PREFILL, name)
+            decodes = self._router.loads.candidates(InstanceRole.DECODE, name)
             models.append(
                 ModelSummary(name, self._max_model_len(name), len(prefills), len(decodes))
             )
@@ -159,7 +137,8 @@ class Frontend:
                 {"param": "model", "model": params.model},
             )
         prefill_addresses = [
-            e.info.address for e in self._router.candidates(InstanceRole.PREFILL, params.model)
+            e.info.address
+            for e in self._router.loads.candidates(InstanceRole.PREFILL, params.model)
         ]
         info = await self._model_infos.get(params.model, prefill_addresses)
         tokenizer = info.tokenizer
@@ -244,19 +223,3 @@ class Frontend:
         if self._limits.max_tokens_limit:
             max_tokens = min(max_tokens, self._limits.max_tokens_limit)
         return max_tokens
-
-    def stream(
-        self, prepared: PreparedRequest, trace_context: Context | None = None
-    ) -> AsyncGenerator[OutputDelta, None]:
-        """Runs a prepared request (span ``gateway.request``); see `Streamer.stream`.
-
-        Args:
-            prepared: From `prepare`.
-            trace_context: Parent of the request's span (default: the current context, i.e.
-                the front end's server span: HTTP or gRPC).
-
-        Returns:
-            An async generator of deltas of text and tokens; the last one has finish_reason
-            and usage. It raises `PdserveError`, the error that ended the request.
-        """
-        return self._streamer.stream(prepared, trace_context)

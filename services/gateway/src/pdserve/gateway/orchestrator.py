@@ -1,6 +1,6 @@
 """Runs one client request across prefill and decode, hiding every recoverable failure.
 
-The request loop: route a pair through the admission queue (`pdserve.gateway.capacity_queue`:
+The request loop: route a pair through the admission queue (`pdserve.gateway.routing.queue`:
 at once when one has room, else in order of arrival once one has), run an attempt
 (`pdserve.gateway.attempt`), pass its tokens on (`CompletionProgress` keeps each completion
 index exactly once across attempts), and when the attempt ends in a setback, carry out what
@@ -23,9 +23,7 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
-from pdserve.gateway.attempt import Attempts, remaining_s
-from pdserve.gateway.backend import Backend
-from pdserve.gateway.capacity_queue import CapacityQueue, QueueLimits, is_wait
+from pdserve.gateway.attempt import Attempts
 from pdserve.gateway.decisions import (
     GiveUp,
     Lost,
@@ -37,14 +35,18 @@ from pdserve.gateway.decisions import (
     WaitForCapacity,
     decide,
 )
-from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.fleet.backend import Backend
+from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress
-from pdserve.gateway.registry import Registry
 from pdserve.gateway.relay import LossWatch
-from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
-from pdserve.gateway.router import Pair, PromptKeys, Router
+from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk, remaining_s
+from pdserve.gateway.routing.pair import Pair
+from pdserve.gateway.routing.prompt_keys import PromptKeys
+from pdserve.gateway.routing.queue import CapacityQueue, QueueLimits, is_wait
+from pdserve.gateway.routing.router import Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -215,7 +217,7 @@ class Orchestrator:
             log.info("request_rescheduled", **fields, cause=cause, num_reschedules=num_reschedules)
         elif isinstance(decision, WaitForCapacity):
             self._metrics.retries.labels(reason=error.reason.name).inc()
-            self._router.mark_full(decision.instance_id)
+            self._router.loads.mark_full(decision.instance_id)
             log.info("waiting_for_room", **fields, full_id=decision.instance_id)
         else:
             self._metrics.retries.labels(reason=error.reason.name).inc()

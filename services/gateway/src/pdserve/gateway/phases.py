@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from prometheus_client import Histogram
 
-from pdserve.gateway.backend import PrefillPhases
+from pdserve.gateway.fleet.backend import PrefillPhases
 
 # The gateway's phases in the order they happen (transfer_tail overlaps first_token_to_client).
 PHASES = (

@@ -17,18 +17,18 @@ from typing import Any, TypeVar
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.backend import (
+from pdserve.gateway.decisions import Failed, Lost
+from pdserve.gateway.fleet.backend import (
     BackendError,
     DecodeEvent,
     FirstTokenEvent,
     PrefillEvent,
     TokenBatchEvent,
 )
-from pdserve.gateway.decisions import Failed, Lost
-from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.progress import CompletionProgress
 from pdserve.gateway.request import TokenChunk
-from pdserve.gateway.router import Pair
+from pdserve.gateway.routing.pair import Pair
 
 log = structlog.get_logger("pdserve.gateway.relay")
 

@@ -1,14 +1,17 @@
-"""Plain data the gateway's core works on: a prepared request and its output.
+"""Plain data the gateway's core works on: a prepared request, its output and its deadline.
 
 The REST and gRPC front ends build a `GenerationRequest`; the orchestrator runs it and yields
-`TokenChunk`s and one `GenerationEnd`. Nothing here knows about protobuf or HTTP; sampling
-settings and finish reasons are the services' shared ones (`pdserve.common.generation`).
+`TokenChunk`s and one `GenerationEnd`; the streamer turns them into `OutputDelta`s. Nothing
+here knows about protobuf or HTTP; sampling settings and finish reasons are the services'
+shared ones (`pdserve.common.generation`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams
 
 
@@ -77,3 +80,38 @@ class GenerationEnd:
     num_cached_prompt_tokens: int = 0
     num_attempts: int = 1
     num_reschedules: int = 0
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """One step of a completion stream.
+
+    Attributes:
+        text: New text (may lag `token_ids`).
+        token_ids: New completion tokens.
+        first_index: Completion index of ``token_ids[0]`` (or the token count so far).
+        finish_reason: Set on the last delta only.
+        usage: Set on the last delta only.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    first_index: int
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+
+def remaining_s(request: GenerationRequest, deadline: float) -> float:
+    """Seconds left until `deadline` (``loop.time()``).
+
+    Raises:
+        PdserveError: DEADLINE_EXCEEDED once none are left.
+    """
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0:
+        raise PdserveError(
+            ErrorReason.DEADLINE_EXCEEDED,
+            "the request did not finish within the gateway's request timeout",
+            {"requestId": request.request_id},
+        )
+    return remaining

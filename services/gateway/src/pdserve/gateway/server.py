@@ -25,25 +25,26 @@ from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.security import Security
-from pdserve.gateway import generation_servicer
-from pdserve.gateway.admission import ConcurrencyLimiter, RateLimiter
-from pdserve.gateway.api_keys import ApiKeyStore
-from pdserve.gateway.clients import GrpcBackend
+from pdserve.gateway.access.admission import ConcurrencyLimiter, RateLimiter
+from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.decisions import RetryPolicy
-from pdserve.gateway.etcd_watcher import EtcdWatcher
+from pdserve.gateway.fleet.clients import GrpcBackend
+from pdserve.gateway.fleet.etcd_watcher import EtcdWatcher
+from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.fleet.model_info import ModelInfoStore
+from pdserve.gateway.fleet.poller import StaticPoller
+from pdserve.gateway.fleet.registry import InstanceEntry, LivenessClock, Registry
+from pdserve.gateway.fleet.registry_servicer import RegistryServicer
 from pdserve.gateway.frontend import Frontend
-from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.grpc_api import servicer
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.model_info import ModelInfoStore
-from pdserve.gateway.openai_api import create_app as create_rest_app
+from pdserve.gateway.openai.api import create_app as create_rest_app
+from pdserve.gateway.openai.server import RestServer
 from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.poller import StaticPoller
-from pdserve.gateway.registry import InstanceEntry, LivenessClock, Registry
-from pdserve.gateway.registry_servicer import RegistryServicer
-from pdserve.gateway.rest_server import RestServer
-from pdserve.gateway.router import Router
-from pdserve.gateway.workers import ParserPool, WorkerPool
+from pdserve.gateway.prepare.workers import ParserPool, WorkerPool
+from pdserve.gateway.routing.router import Router
+from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("pdserve.gateway.server")
@@ -103,20 +104,19 @@ class GatewayServer:
             config.max_concurrent_requests_per_key,
             rate=RateLimiter(config.requests_per_minute_per_key),
         )
+        self.streamer = Streamer(self.orchestrator, self.metrics, config.request_timeout)
         self.frontend = Frontend(
             self.registry,
             self.router,
             self.model_infos,
-            self.orchestrator,
-            self.metrics,
             workers=self.workers,
             limits=config.request_limits(),
             default_max_tokens=config.default_max_tokens,
             default_chat_max_tokens=config.default_chat_max_tokens,
-            request_timeout_s=config.request_timeout,
         )
         self.app: FastAPI = create_rest_app(
             self.frontend,
+            self.streamer,
             self.metrics,
             limiter=self.limiter,
             parser=self.parser,
@@ -205,9 +205,9 @@ class GatewayServer:
         # NOTE: heartbeats must not look late because the loop was busy: start the clock first.
         self._spawn(self.liveness_clock.run())
         server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
-        generation_servicer.add_to_server(
-            generation_servicer.GenerationServicer(
-                self.frontend, self.limiter, self.parser, self.api_keys
+        servicer.add_to_server(
+            servicer.GenerationServicer(
+                self.frontend, self.streamer, self.limiter, self.parser, self.api_keys
             ),
             server,
         )
@@ -265,10 +265,10 @@ class GatewayServer:
         self.frontend.is_draining = True
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
-        log.info("gateway_draining", num_active_requests=self.frontend.num_active_requests)
-        if not await self.frontend.wait_idle(grace_s):
+        log.info("gateway_draining", num_active_requests=self.streamer.num_active_requests)
+        if not await self.streamer.wait_idle(grace_s):
             log.warning(
-                "gateway_drain_timeout", num_active_requests=self.frontend.num_active_requests
+                "gateway_drain_timeout", num_active_requests=self.streamer.num_active_requests
             )
         await self._rest.stop(5.0)
         for grpc_server in (self._grpc_server, self._internal_server):

@@ -23,9 +23,9 @@ from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason, resolve_seed
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator
-from pdserve.gateway.params import OutputDelta, PreparedRequest, PromptKind
 from pdserve.gateway.phases import TtftTimeline
-from pdserve.gateway.request import GenerationEnd, Usage
+from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
+from pdserve.gateway.request import GenerationEnd, OutputDelta, Usage
 from pdserve.gateway.text import CompletionText
 
 log = structlog.get_logger("pdserve.gateway.streaming")

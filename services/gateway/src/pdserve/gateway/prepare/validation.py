@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED
-from pdserve.gateway.params import ChatMessage, GenerationParams
+from pdserve.gateway.prepare.params import ChatMessage, GenerationParams
 
 MAX_UINT32 = 2**32 - 1
 MAX_FLOAT32 = 3.4028234663852886e38

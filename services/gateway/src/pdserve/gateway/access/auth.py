@@ -6,7 +6,7 @@ import hashlib
 from typing import NamedTuple
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.api_keys import ApiKey, ApiKeyStore
+from pdserve.gateway.access.api_keys import ApiKey, ApiKeyStore
 
 BEARER_PREFIX = "bearer "
 ANONYMOUS = ""

@@ -8,7 +8,7 @@ refused. Every OpenAI parameter pdserve does not implement is accepted only at i
 Extensions (as in vLLM): ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
 
 Ranges, limits, Unicode and roles are checked after the translation, by the validator both
-front ends share (`pdserve.gateway.validation`).
+front ends share (`pdserve.gateway.prepare.validation`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.params import ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 

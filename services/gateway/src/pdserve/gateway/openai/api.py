@@ -7,8 +7,8 @@ some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. 
 OpenAI error bodies
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status of their reason
 (``code`` is the lower-case pdserve.v1 reason) and ``Retry-After`` where a delay helps (see
-`pdserve.gateway.openai_http`); bodies and SSE events are shaped in
-`pdserve.gateway.openai_responses`. Paths are exact: a trailing slash is a 404, not a redirect.
+`pdserve.gateway.openai.http`); bodies and SSE events are shaped in
+`pdserve.gateway.openai.responses`. Paths are exact: a trailing slash is a 404, not a redirect.
 
 A generation request passes, in order: the API key (401), admission (429, per key and in
 total), ``Content-Type: application/json`` (415), the body size (413, before the body is read
@@ -40,12 +40,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
-from pdserve.gateway.admission import Admission, ConcurrencyLimiter
-from pdserve.gateway.api_keys import ApiKeyStore
-from pdserve.gateway.auth import Caller, authenticate
+from pdserve.gateway.access.admission import Admission, ConcurrencyLimiter
+from pdserve.gateway.access.api_keys import ApiKeyStore
+from pdserve.gateway.access.auth import Caller, authenticate
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.openai_http import (
+from pdserve.gateway.openai.http import (
     RequestIdMiddleware,
     check_json_content_type,
     error_response,
@@ -53,10 +53,11 @@ from pdserve.gateway.openai_http import (
     read_body,
     request_id_of,
 )
-from pdserve.gateway.openai_responses import EventStreamResponse, Responder
-from pdserve.gateway.params import OutputDelta
-from pdserve.gateway.parsing import parse_openai_body
-from pdserve.gateway.workers import ParserPool
+from pdserve.gateway.openai.parsing import parse_openai_body
+from pdserve.gateway.openai.responses import EventStreamResponse, Responder
+from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.streaming import Streamer
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
@@ -100,6 +101,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 def create_app(
     frontend: Frontend,
+    streamer: Streamer,
     metrics: GatewayMetrics,
     *,
     limiter: ConcurrencyLimiter,
@@ -113,7 +115,8 @@ def create_app(
     """Builds the REST application around a `Frontend`.
 
     Args:
-        frontend: Validation, tokenization and streaming (and the request limits).
+        frontend: Validation and tokenization (and the request limits).
+        streamer: Runs prepared requests.
         metrics: Served at /metrics.
         limiter: Admission of generation requests (per API key and in total).
         parser: Parses large bodies in worker processes.
@@ -149,7 +152,7 @@ def create_app(
         body: dict[str, Any] = {
             "status": "ok",
             "models": models,
-            "num_active_requests": frontend.num_active_requests,
+            "num_active_requests": streamer.num_active_requests,
             "internal_plane": internal_plane,
         }
         if frontend.is_draining:
@@ -212,7 +215,7 @@ def create_app(
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
         responder = Responder(is_chat, prepared, body)
         headers = {"X-Request-Id": prepared.request_id}
-        deltas = frontend.stream(prepared)
+        deltas = streamer.stream(prepared)
         if body.stream:
             # NOTE: the status waits for the first token (a request that cannot be served is
             # a 429 or 503, not an SSE error), which may wait in the admission queue: a

@@ -27,14 +27,14 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 
-log = structlog.get_logger("pdserve.gateway.workers")
+log = structlog.get_logger("pdserve.gateway.prepare.workers")
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
 # NOTE: the slowest body of this size to parse (a thousand empty chat messages) takes about 6 ms.
 INLINE_PARSE_BYTES = 16 * 1024
-PRELOADED_MODULES = ["pdserve.gateway.parsing"]
+PRELOADED_MODULES = ["pdserve.gateway.openai.parsing", "pdserve.gateway.grpc_api.parsing"]
 
 
 def _deadline_exceeded(budget_s: float) -> PdserveError:

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.instance import InstanceRole
+from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.router import Pair
+from pdserve.gateway.routing.pair import Pair
 
-log = structlog.get_logger("pdserve.gateway.capacity_queue")
+log = structlog.get_logger("pdserve.gateway.routing.queue")
 
 WAIT_REASONS = frozenset({ErrorReason.DECODE_CAPACITY_EXHAUSTED, ErrorReason.PREFILL_OVERLOADED})
 """Reasons a routing (or an instance's refusal) means: no room now, wait for it."""

@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.common.errors import ErrorReason, PdserveError
 
-log = structlog.get_logger("pdserve.gateway.openai_http")
+log = structlog.get_logger("pdserve.gateway.openai.http")
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

@@ -18,7 +18,7 @@ import structlog
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.tokenizer import Tokenizer
 
-log = structlog.get_logger("pdserve.gateway.model_info")
+log = structlog.get_logger("pdserve.gateway.fleet.model_info")
 
 
 @dataclass(frozen=True)

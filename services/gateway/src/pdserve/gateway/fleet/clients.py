@@ -20,10 +20,10 @@ from pdserve.common import telemetry
 from pdserve.common.errors import from_rpc_error, has_error_info
 from pdserve.common.pki import MEMBER_DNS_NAME, role_dns_name
 from pdserve.common.security import Security
-from pdserve.gateway import convert
-from pdserve.gateway.backend import BackendError, DecodeEvent, PrefillCall, PrefillEvent
-from pdserve.gateway.instance import InstanceInfo, LoadReport
-from pdserve.gateway.model_info import ModelFiles
+from pdserve.gateway.fleet import convert
+from pdserve.gateway.fleet.backend import BackendError, DecodeEvent, PrefillCall, PrefillEvent
+from pdserve.gateway.fleet.instance import InstanceInfo, LoadReport
+from pdserve.gateway.fleet.model_info import ModelFiles
 from pdserve.v1 import (
     decode_pb2,
     decode_pb2_grpc,

@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from pdserve.common.errors import PdserveError
-from pdserve.gateway.backend import BackendError
-from pdserve.gateway.instance import InstanceInfo, InstanceRole, LoadReport
-from pdserve.gateway.registry import Registry
+from pdserve.gateway.fleet.backend import BackendError
+from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole, LoadReport
+from pdserve.gateway.fleet.registry import Registry
 
-log = structlog.get_logger("pdserve.gateway.poller")
+log = structlog.get_logger("pdserve.gateway.fleet.poller")
 
 GetStatus = Callable[[str, float], Awaitable[tuple[InstanceInfo, LoadReport]]]
 IsServing = Callable[[str, float], Awaitable[bool]]

@@ -2,8 +2,8 @@
 
 A prefill keeps the full KV blocks of recent prompts (its prefix cache) and skips computing a
 prompt's leading blocks it already holds. The router estimates, per prefill, how many leading
-blocks of a prompt it holds (`pdserve.gateway.prefix_memory`) and passes each candidate's load
-and match here. The rule, in the spirit of sgl-router's cache-aware policy:
+blocks of a prompt it holds (`pdserve.gateway.routing.prefix_memory`) and passes each
+candidate's load and match here. The rule, in the spirit of sgl-router's cache-aware policy:
 
 1. Candidates whose queued prompt tokens exceed the least-loaded one's by more than
    ``balance_tokens`` are not eligible for a cache preference (a hot prefix must not pile up

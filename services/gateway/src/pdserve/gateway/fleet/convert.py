@@ -1,8 +1,11 @@
-"""The gateway's only translation between pdserve.v1 messages and its plain dataclasses.
+"""The gateway's translation between the instances' pdserve.v1 messages (registration, status,
+model info, Prefill and Generate streams) and its plain dataclasses.
 
-Servicers and gRPC clients call these functions at the edge; the registry, router,
-orchestrator and text handling never see a protobuf message. Sampling settings, finish reasons
-and the Protocol message convert with the services' shared functions (`pdserve.serving.convert`).
+The registry's servicer and watcher and the gRPC clients call these functions at the edge; the
+registry, router, orchestrator and text handling never see a protobuf message (the public
+GenerationService's messages convert in `pdserve.gateway.grpc_api.convert`). Sampling
+settings, finish reasons and the Protocol message convert with the services' shared functions
+(`pdserve.serving.convert`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 from google.protobuf.message import DecodeError
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.backend import (
+from pdserve.gateway.fleet.backend import (
     DecodeEvent,
     FinishedEvent,
     FirstTokenEvent,
@@ -23,20 +26,16 @@ from pdserve.gateway.backend import (
     PrefillPhases,
     TokenBatchEvent,
 )
-from pdserve.gateway.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
-from pdserve.gateway.model_info import ModelFiles
-from pdserve.gateway.params import ChatMessage, GenerationParams, OutputDelta, PromptKind
-from pdserve.gateway.request import Usage
+from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole, KvLayout, LoadReport
+from pdserve.gateway.fleet.model_info import ModelFiles
 from pdserve.serving.convert import (
     finish_reason_from_proto,
-    finish_reason_to_proto,
     local_protocol,
     sampling_to_proto,
 )
 from pdserve.v1 import (
     common_pb2,
     decode_pb2,
-    generation_pb2,
     instance_pb2,
     prefill_pb2,
     registry_pb2,
@@ -216,73 +215,3 @@ def decode_event_from_pb(message: decode_pb2.DecodeServiceGenerateResponse) -> D
     if kind == "finished":
         return _finished_from_pb(message.finished)
     return None
-
-
-# Public GenerationService ----------------------------------------------------------------------
-
-
-def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> GenerationParams:
-    """GenerateRequest -> `GenerationParams` (validated later, like a REST request).
-
-    Raises:
-        PdserveError: INVALID_REQUEST when no input or no sampling is given.
-    """
-    kind = message.WhichOneof("input")
-    if kind is None:
-        raise PdserveError(
-            ErrorReason.INVALID_REQUEST,
-            "one of text, token_ids or chat is required",
-            {"param": "input"},
-        )
-    if not message.HasField("sampling"):
-        raise PdserveError(
-            ErrorReason.INVALID_REQUEST, "sampling.max_tokens is required", {"param": "sampling"}
-        )
-    sampling = message.sampling
-    params = GenerationParams(
-        model=message.model,
-        kind=PromptKind.CHAT if kind == "chat" else PromptKind.COMPLETION,
-        text=message.text if kind == "text" else None,
-        token_ids=tuple(message.token_ids.token_ids) if kind == "token_ids" else None,
-        messages=tuple(ChatMessage(m.role, m.content) for m in message.chat.messages)
-        if kind == "chat"
-        else None,
-        max_tokens=sampling.max_tokens,
-        temperature=sampling.temperature if sampling.HasField("temperature") else None,
-        top_p=sampling.top_p if sampling.HasField("top_p") else None,
-        top_k=sampling.top_k if sampling.HasField("top_k") else None,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=tuple(message.stop),
-        stop_token_ids=tuple(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos,
-        client_request_id=message.request_id or None,
-        user=message.user or None,
-    )
-    return params
-
-
-def usage_to_pb(usage: Usage) -> common_pb2.Usage:
-    """`Usage` -> Usage message."""
-    return common_pb2.Usage(
-        num_prompt_tokens=usage.num_prompt_tokens,
-        num_completion_tokens=usage.num_completion_tokens,
-        num_cached_prompt_tokens=usage.num_cached_prompt_tokens,
-    )
-
-
-def generate_response_to_pb(
-    request_id: str, delta: OutputDelta, prompt_token_ids: tuple[int, ...] = ()
-) -> generation_pb2.GenerateResponse:
-    """`OutputDelta` -> GenerateResponse (finish reason and usage only on the last one)."""
-    message = generation_pb2.GenerateResponse(
-        request_id=request_id,
-        token_ids=list(delta.token_ids),
-        first_index=delta.first_index,
-        text=delta.text,
-        prompt_token_ids=list(prompt_token_ids),
-    )
-    if delta.finish_reason is not None:
-        message.finish_reason = finish_reason_to_proto(delta.finish_reason)
-    if delta.usage is not None:
-        message.usage.CopyFrom(usage_to_pb(delta.usage))
-    return message

@@ -18,10 +18,11 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.common.errors import PdserveError
-from pdserve.gateway.admission import Admission
-from pdserve.gateway.openai_http import error_body
-from pdserve.gateway.params import OutputDelta, PreparedRequest
-from pdserve.gateway.parsing import OpenAIBody
+from pdserve.gateway.access.admission import Admission
+from pdserve.gateway.openai.http import error_body
+from pdserve.gateway.openai.parsing import OpenAIBody
+from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.request import OutputDelta
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

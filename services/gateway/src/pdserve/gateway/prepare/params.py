@@ -1,8 +1,8 @@
 """What a client asks for, in the gateway's own terms, and its tokenization.
 
 Front ends (REST, gRPC) turn their requests into `GenerationParams`;
-`pdserve.gateway.validation` checks them, and `tokenize_prompt` turns the prompt into token ids
-(on a worker thread, unless `is_short_prompt`).
+`pdserve.gateway.prepare.validation` checks them, and `tokenize_prompt` turns the prompt into
+token ids (on a worker thread, unless `is_short_prompt`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import FinishReason, SamplingParams
-from pdserve.gateway.request import GenerationRequest, Usage
+from pdserve.common.generation import SamplingParams
+from pdserve.gateway.request import GenerationRequest
 from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -100,25 +100,6 @@ class PreparedRequest:
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids
-
-
-@dataclass(frozen=True)
-class OutputDelta:
-    """One step of a completion stream.
-
-    Attributes:
-        text: New text (may lag `token_ids`).
-        token_ids: New completion tokens.
-        first_index: Completion index of ``token_ids[0]`` (or the token count so far).
-        finish_reason: Set on the last delta only.
-        usage: Set on the last delta only.
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    first_index: int
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What the orchestrator needs from prefill and decode instances, in plain data.
 
-`Backend` is the seam between the orchestrator's logic and the wire: `pdserve.gateway.clients`
+`Backend` is the seam between the orchestrator's logic and the wire: `pdserve.gateway.fleet.clients`
 implements it over gRPC, and a test may implement it in memory. Every failure surfaces as a
 `BackendError` that wraps the typed `PdserveError` and says who sent it.
 """

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import structlog
 
-log = structlog.get_logger("pdserve.gateway.api_keys")
+log = structlog.get_logger("pdserve.gateway.access.api_keys")
 
 DEFAULT_KEY_NAME = "default"
 ENTRY_FORMAT = "NAME:KEY[:rpm=N][:concurrency=N]"

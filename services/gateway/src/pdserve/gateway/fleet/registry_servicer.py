@@ -11,8 +11,8 @@ import grpc
 
 from pdserve.common.authz import peer_identity
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
-from pdserve.gateway import convert
-from pdserve.gateway.registry import Registry
+from pdserve.gateway.fleet import convert
+from pdserve.gateway.fleet.registry import Registry
 from pdserve.v1 import registry_pb2, registry_pb2_grpc
 
 

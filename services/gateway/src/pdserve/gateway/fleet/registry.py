@@ -1,7 +1,7 @@
 """The registry: every known prefill and decode instance, its load and whether it is alive.
 
 Instances either register over RegistryService and heartbeat, or are configured statically and
-polled (`pdserve.gateway.poller`). An instance counts as *alive* while its last heartbeat (or
+polled (`pdserve.gateway.fleet.poller`). An instance counts as *alive* while its last heartbeat (or
 successful poll) is younger than the TTL and no call to it has failed since; expired instances
 are dropped by `drop_expired`, which the server runs periodically.
 
@@ -26,9 +26,9 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.protocol import check_compatible
-from pdserve.gateway.instance import InstanceInfo, InstanceRole, LoadReport
+from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole, LoadReport
 
-log = structlog.get_logger("pdserve.gateway.registry")
+log = structlog.get_logger("pdserve.gateway.fleet.registry")
 
 Clock = Callable[[], float]
 

@@ -16,7 +16,7 @@ from types import TracebackType
 from typing import NamedTuple
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.auth import Caller
+from pdserve.gateway.access.auth import Caller
 
 
 class Admission:

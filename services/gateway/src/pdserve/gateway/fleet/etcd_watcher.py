@@ -23,10 +23,10 @@ import structlog
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.etcd_registry import EtcdTarget
-from pdserve.gateway import convert
-from pdserve.gateway.registry import Registry
+from pdserve.gateway.fleet import convert
+from pdserve.gateway.fleet.registry import Registry
 
-log = structlog.get_logger("pdserve.gateway.etcd_watcher")
+log = structlog.get_logger("pdserve.gateway.fleet.etcd_watcher")
 
 MAX_BACKOFF_S = 2.0
 PROBE_TIMEOUT_S = 1.0

@@ -3,7 +3,8 @@
 The servicer receives each request as bytes and parses it itself (`add_to_server` registers it
 without gRPC's deserializer): a message that does not parse is then INVALID_ARGUMENT with
 ErrorInfo like any other bad request, where gRPC's own parser would fail the call as UNKNOWN
-without one. Large messages parse in a worker process (`pdserve.gateway.workers.ParserPool`).
+without one. Large messages parse in a worker process
+(`pdserve.gateway.prepare.workers.ParserPool`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
-from pdserve.gateway import convert
-from pdserve.gateway.admission import ConcurrencyLimiter
-from pdserve.gateway.api_keys import ApiKeyStore
-from pdserve.gateway.auth import authenticate
+from pdserve.gateway.access.admission import ConcurrencyLimiter
+from pdserve.gateway.access.api_keys import ApiKeyStore
+from pdserve.gateway.access.auth import authenticate
 from pdserve.gateway.frontend import Frontend
-from pdserve.gateway.parsing import parse_generate_request, parse_message
-from pdserve.gateway.workers import ParserPool
+from pdserve.gateway.grpc_api import convert
+from pdserve.gateway.grpc_api.parsing import parse_generate_request, parse_message
+from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2
 
-log = structlog.get_logger("pdserve.gateway.generation_servicer")
+log = structlog.get_logger("pdserve.gateway.grpc_api.servicer")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
@@ -54,7 +56,8 @@ class GenerationServicer:
     """Serves GenerationService on top of the shared `Frontend`.
 
     Args:
-        frontend: Validation, tokenization and streaming (and the request limits).
+        frontend: Validation and tokenization (and the request limits).
+        streamer: Runs prepared requests.
         limiter: Admission of Generate calls (per API key and in total).
         parser: Parses large requests in worker processes.
         api_keys: Keys accepted as ``authorization: Bearer <key>`` metadata; None or an open
@@ -64,11 +67,13 @@ class GenerationServicer:
     def __init__(
         self,
         frontend: Frontend,
+        streamer: Streamer,
         limiter: ConcurrencyLimiter,
         parser: ParserPool,
         api_keys: ApiKeyStore | None = None,
     ) -> None:
         self._frontend = frontend
+        self._streamer = streamer
         self._limiter = limiter
         self._parser = parser
         self._api_keys = api_keys or ApiKeyStore()
@@ -97,7 +102,7 @@ class GenerationServicer:
                 span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
                 request_id = prepared.client_request_id or prepared.request_id
                 prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
-                deltas = self._frontend.stream(prepared)
+                deltas = self._streamer.stream(prepared)
                 async with contextlib.aclosing(deltas):
                     async for delta in deltas:
                         yield convert.generate_response_to_pb(request_id, delta, prompt_ids)

@@ -1,0 +1,80 @@
+"""The public GenerationService's messages to and from the gateway's plain dataclasses.
+
+The servicer (`pdserve.gateway.grpc_api.servicer`) and the parser of its requests call these
+at the edge; nothing behind them sees a protobuf message.
+"""
+
+from __future__ import annotations
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.request import OutputDelta, Usage
+from pdserve.serving.convert import finish_reason_to_proto
+from pdserve.v1 import common_pb2, generation_pb2
+
+
+def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> GenerationParams:
+    """GenerateRequest -> `GenerationParams` (validated later, like a REST request).
+
+    Raises:
+        PdserveError: INVALID_REQUEST when no input or no sampling is given.
+    """
+    kind = message.WhichOneof("input")
+    if kind is None:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST,
+            "one of text, token_ids or chat is required",
+            {"param": "input"},
+        )
+    if not message.HasField("sampling"):
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST, "sampling.max_tokens is required", {"param": "sampling"}
+        )
+    sampling = message.sampling
+    params = GenerationParams(
+        model=message.model,
+        kind=PromptKind.CHAT if kind == "chat" else PromptKind.COMPLETION,
+        text=message.text if kind == "text" else None,
+        token_ids=tuple(message.token_ids.token_ids) if kind == "token_ids" else None,
+        messages=tuple(ChatMessage(m.role, m.content) for m in message.chat.messages)
+        if kind == "chat"
+        else None,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else None,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
+        top_k=sampling.top_k if sampling.HasField("top_k") else None,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(message.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        client_request_id=message.request_id or None,
+        user=message.user or None,
+    )
+    return params
+
+
+def usage_to_pb(usage: Usage) -> common_pb2.Usage:
+    """`Usage` -> Usage message."""
+    return common_pb2.Usage(
+        num_prompt_tokens=usage.num_prompt_tokens,
+        num_completion_tokens=usage.num_completion_tokens,
+        num_cached_prompt_tokens=usage.num_cached_prompt_tokens,
+    )
+
+
+def generate_response_to_pb(
+    request_id: str, delta: OutputDelta, prompt_token_ids: tuple[int, ...] = ()
+) -> generation_pb2.GenerateResponse:
+    """`OutputDelta` -> GenerateResponse (finish reason and usage only on the last one)."""
+    message = generation_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=list(delta.token_ids),
+        first_index=delta.first_index,
+        text=delta.text,
+        prompt_token_ids=list(prompt_token_ids),
+    )
+    if delta.finish_reason is not None:
+        message.finish_reason = finish_reason_to_proto(delta.finish_reason)
+    if delta.usage is not None:
+        message.usage.CopyFrom(usage_to_pb(delta.usage))
+    return message
