@@ -21,7 +21,7 @@ from pdserve.common.generation import SamplingParams
 from pdserve.common.pki import Identity
 from pdserve.decode import servicer as servicer_module
 from pdserve.decode.config import DecodeConfig
-from pdserve.decode.request import RequestStatus
+from pdserve.decode.lease_state import RequestStatus
 from pdserve.prefill.convert import lease_from_proto
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import decode_pb2

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
-from pdserve.decode.request import RequestStatus
 from pdserve.engine.block_pool import BlockPool
 
 BLOCK_SIZE = 4

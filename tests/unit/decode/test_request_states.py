@@ -6,7 +6,9 @@ import itertools
 
 import pytest
 
-from pdserve.decode.request import DecodeRequest, IllegalTransition, RequestStatus
+from pdserve.common.transitions import IllegalTransition
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.block_pool import BlockPool
 
 S = RequestStatus

@@ -15,7 +15,8 @@ from pdserve.decode.events import (
     PreemptionReason,
     TokensEvent,
 )
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.convert import finish_reason_to_proto
 from pdserve.v1 import common_pb2, decode_pb2

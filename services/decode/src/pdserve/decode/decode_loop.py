@@ -24,10 +24,11 @@ from pdserve.decode.events import (
     PreemptionReason,
     TokensEvent,
 )
+from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.serving.engine_thread import EngineThread

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import FinishReason
-
-if TYPE_CHECKING:  # NOTE: for an annotation only; `request` imports this module
-    from pdserve.decode.request import RequestStatus
+from pdserve.decode.lease_state import RequestStatus
 
 
 class PreemptionReason(enum.Enum):

@@ -21,7 +21,8 @@ import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kv.transfer import blocks_crc32c, chunk_crc32c, id_runs
 

@@ -28,7 +28,8 @@ import structlog
 from pdserve.common.authz import GATEWAY
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.pki import Identity
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.request import DecodeRequest
 
 log = structlog.get_logger(__name__)
 

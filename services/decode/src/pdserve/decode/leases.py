@@ -28,7 +28,8 @@ from pdserve.decode.lease_admission import (
     num_owed_blocks,
     share_refusal,
 )
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.block_pool import BlockPool
 
 NUM_REMEMBERED_ENDED = 4096

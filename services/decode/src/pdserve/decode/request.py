@@ -2,17 +2,16 @@
 
 A `DecodeRequest` is created by AllocateBlocks and lives until its Generate stream has read its
 terminal event. Its status walks ALLOCATED -> SYNCING -> COMMITTED -> RUNNING -> one terminal
-state; `can_move_to`/`move_to` allow only the transitions `TRANSITIONS` lists, and `end()` is the
-one place its blocks go back to the pool, once. The lease table, the servicer, the KV receiver
-and the decode thread hold references to it. Transitions run under the lease table's lock
-(`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`.
+state; `can_move_to`/`move_to` allow only the transitions `lease_state.TRANSITIONS` lists, and
+`end()` is the one place its blocks go back to the pool, once. The lease table, the servicer,
+the KV receiver and the decode thread hold references to it. Transitions run under the lease
+table's lock (`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,44 +23,13 @@ from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.common.pki import Identity
+from pdserve.common.transitions import IllegalTransition, check_transition
 from pdserve.decode.events import DecodeEvent
+from pdserve.decode.lease_state import TRANSITIONS, RequestStatus
 from pdserve.engine.block_pool import BlockPool
 
 _tracer = telemetry.tracer("pdserve.decode")
 _PENDING: set[asyncio.Future[None]] = set()  # notices waiting for their offload (keep a ref)
-
-
-class RequestStatus(enum.IntEnum):
-    """Life cycle of a decode request (the lease states); values from FINISHED on are terminal."""
-
-    ALLOCATED = 1
-    SYNCING = 2
-    COMMITTED = 3
-    RUNNING = 4
-    FINISHED = 5
-    PREEMPTED = 6
-    ABORTED = 7
-    EXPIRED = 8
-    FAILED = 9
-
-    @property
-    def is_terminal(self) -> bool:
-        return self >= RequestStatus.FINISHED
-
-
-_S = RequestStatus
-_ENDINGS = frozenset({_S.ABORTED, _S.EXPIRED, _S.FAILED})  # possible in every open state
-TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    _S.ALLOCATED: _ENDINGS | {_S.SYNCING},
-    _S.SYNCING: _ENDINGS | {_S.COMMITTED},
-    _S.COMMITTED: _ENDINGS | {_S.RUNNING},
-    _S.RUNNING: _ENDINGS | {_S.FINISHED, _S.PREEMPTED},
-    **{status: frozenset() for status in RequestStatus if status.is_terminal},
-}
-
-
-class IllegalTransition(AssertionError):
-    """A transition the state machine does not allow (a bug, never a client error)."""
 
 
 @dataclass(eq=False)
@@ -138,8 +106,9 @@ class DecodeRequest:
         Raises:
             IllegalTransition: If the state machine does not allow it.
         """
-        if status.is_terminal or not self.can_move_to(status):
-            raise IllegalTransition(f"{self.status.name} -> {status.name}")
+        if status.is_terminal:
+            raise IllegalTransition(self.status, status)
+        check_transition(TRANSITIONS, self.status, status)
         self.status = status
 
     def end(self, status: RequestStatus, pool: BlockPool | None) -> bool:
@@ -154,8 +123,9 @@ class DecodeRequest:
         """
         if self.status.is_terminal:
             return False
-        if not status.is_terminal or not self.can_move_to(status):
-            raise IllegalTransition(f"{self.status.name} -> {status.name}")
+        if not status.is_terminal:
+            raise IllegalTransition(self.status, status)
+        check_transition(TRANSITIONS, self.status, status)
         self.status = status
         self.ended_at = time.monotonic()
         if pool is not None:

@@ -21,9 +21,10 @@ from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkData, KvChunkMeta, KvReceiver
+from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.decode.transfers import TRANSPORT_NAMES, Transfers
 from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.convert import local_protocol

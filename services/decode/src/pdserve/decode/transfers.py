@@ -19,9 +19,10 @@ from pdserve.common.pki import Identity
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.events import EndedEvent
 from pdserve.decode.kv_receiver import KvReceiver
+from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
-from pdserve.decode.request import DecodeRequest, RequestStatus
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.kv_cache import KVCache
 from pdserve.serving.convert import sampling_from_proto
 from pdserve.v1 import decode_pb2
