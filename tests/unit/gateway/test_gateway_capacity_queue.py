@@ -13,7 +13,8 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.routing.pair import Pair
-from pdserve.gateway.routing.queue import CapacityQueue, QueueLimits
+from pdserve.gateway.routing.queue import CapacityQueue
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 
 NO_ROOM = PdserveError(ErrorReason.DECODE_CAPACITY_EXHAUSTED, "no room")
 

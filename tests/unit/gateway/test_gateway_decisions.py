@@ -15,7 +15,6 @@ from pdserve.gateway.decisions import (
     Limit,
     Lost,
     Preempted,
-    RequestState,
     Reschedule,
     RescheduleCause,
     Retry,
@@ -25,6 +24,7 @@ from pdserve.gateway.decisions import (
     decide,
 )
 from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.progress import RequestState
 from pdserve.gateway.routing.pair import Pair
 
 PREFILL, DECODE = InstanceRole.PREFILL, InstanceRole.DECODE

@@ -17,7 +17,7 @@ from support.gateway_fakes import MAX_MODEL_LEN, MODEL_NAME, heartbeat
 from pdserve.common.errors import ErrorReason, from_rpc_error, has_error_info
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.fleet.registry import LivenessClock
+from pdserve.gateway.fleet.liveness import LivenessClock
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 COMPLETIONS = "/v1/completions"

@@ -26,7 +26,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.request import GenerationRequest, TokenChunk
 from pdserve.gateway.routing.pools import lease_blocks
-from pdserve.gateway.routing.queue import QueueLimits
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 
 R = ErrorReason
 # NOTE: the decode's admissible blocks a default request's lease takes (its prompt and 24 new

@@ -1,16 +1,19 @@
 """The configuration pattern: frozen dataclasses that validate themselves and drive the CLI.
 
 A service declares its settings once, as a frozen dataclass whose fields carry their help
-text in ``metadata={"help": ...}`` and whose ``__post_init__`` raises `ValueError` for bad
-values. `add_arguments` turns the fields into ``--kebab-case`` flags with the dataclass
-defaults, and `from_args` builds the config back from parsed arguments, so defaults and
-validation live in one place.
+text in ``metadata={"help": ...}``, their choices in ``"choices"`` and their range in
+``"min"`` (inclusive), ``"gt"`` (exclusive) and ``"max"`` (inclusive). `check_ranges` checks
+every range at once (`ServiceConfig` does in its ``__post_init__``, which also holds the checks
+that span several fields and raises `ValueError` for bad values). `add_arguments` turns the
+fields into ``--kebab-case`` flags with the dataclass defaults, and `from_args` builds the
+config back from parsed arguments, so defaults and validation live in one place.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable
@@ -20,6 +23,51 @@ from typing import Any, TypeVar
 from pdserve.common.logging import LEVELS
 
 T = TypeVar("T")
+
+
+RANGE_KEYS = ("min", "gt", "max")
+PORT_RANGE = {"min": 0, "max": 65535}
+"""The range of a port field (0 picks a free port)."""
+
+
+def describe_range(metadata: typing.Mapping[str, Any]) -> str:
+    """A field's range in words: ``positive``, ``>= 1``, ``in (0, 1]``, ``in [0, 65535]``."""
+    low, above, high = (metadata.get(key) for key in RANGE_KEYS)
+    if high is not None:
+        left = f"[{low:g}" if low is not None else f"({above:g}"
+        return f"in {left}, {high:g}]"
+    if above == 0:
+        return "positive"
+    return f"> {above:g}" if above is not None else f">= {low:g}"
+
+
+def check_ranges(config: Any) -> None:
+    """Checks each field of the dataclass `config` against its metadata: its ``choices``, and
+    its range (a number in range, and finite). Unset fields (None) are not checked.
+
+    Raises:
+        ValueError: ``"<field> must be <range>, got <value>"`` (or ``one of ...``) for the
+            first field that is not.
+    """
+    for field in dataclasses.fields(config):
+        metadata = field.metadata
+        value = getattr(config, field.name)
+        if value is None:
+            continue
+        choices = metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ValueError(f"{field.name} must be one of {', '.join(choices)}, got {value!r}")
+        if not any(key in metadata for key in RANGE_KEYS):
+            continue
+        low, above, high = (metadata.get(key) for key in RANGE_KEYS)
+        if not math.isfinite(value):
+            raise ValueError(f"{field.name} must be a finite number, got {value}")
+        if (
+            (low is not None and value < low)
+            or (above is not None and value <= above)
+            or (high is not None and value > high)
+        ):
+            raise ValueError(f"{field.name} must be {describe_range(metadata)}, got {value}")
 
 
 def flag_name(field_name: str) -> str:
@@ -113,7 +161,11 @@ class ServiceConfig:
     )
     trace_sample_ratio: float | None = dataclasses.field(
         default=None,
-        metadata={"help": "fraction of new traces kept (parent-based); all when unset"},
+        metadata={
+            "help": "fraction of new traces kept (parent-based); all when unset",
+            "min": 0,
+            "max": 1,
+        },
     )
     tls_ca: str | None = dataclasses.field(
         default=None,
@@ -138,10 +190,7 @@ class ServiceConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.log_level not in LEVELS:
-            raise ValueError(f"log_level must be one of {LEVELS}, got {self.log_level!r}")
-        if self.trace_sample_ratio is not None and not 0.0 <= self.trace_sample_ratio <= 1.0:
-            raise ValueError(f"trace_sample_ratio must be in [0, 1], got {self.trace_sample_ratio}")
+        check_ranges(self)
         tls = (self.tls_ca, self.tls_cert, self.tls_key)
         if self.insecure and any(tls):
             raise ValueError("--insecure and --tls-ca/--tls-cert/--tls-key exclude each other")

@@ -1,10 +1,13 @@
-"""Engine, cache and scheduler settings: frozen dataclasses validated on construction."""
+"""Engine, cache and scheduler settings: frozen dataclasses validated on construction (their
+ranges in field metadata, checked by `pdserve.common.config.check_ranges`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.common.config import check_ranges
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -13,6 +16,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+POSITIVE = {"gt": 0}
+"""The range metadata of a positive count (`pdserve.common.config.check_ranges`)."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -44,24 +49,17 @@ class CacheConfig:
         enable_prefix_caching: Reuse full blocks whose chained token hash is already cached.
     """
 
-    block_size: int = 16
-    num_blocks: int | None = None
-    memory_bytes: int | None = None
-    memory_fraction: float | None = None
-    max_seqs: int | None = None
+    block_size: int = field(default=16, metadata=POSITIVE)
+    num_blocks: int | None = field(default=None, metadata=POSITIVE)
+    memory_bytes: int | None = field(default=None, metadata=POSITIVE)
+    memory_fraction: float | None = field(default=None, metadata={"gt": 0, "max": 1})
+    max_seqs: int | None = field(default=None, metadata=POSITIVE)
     shm_dir: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        for name in ("num_blocks", "memory_bytes", "max_seqs"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        check_ranges(self)
         if self.dtype is not None:
             resolve_dtype(self.dtype)
 
@@ -76,17 +74,12 @@ class SchedulerConfig:
         enable_chunked_prefill: Split prompts longer than the remaining budget across steps.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = field(default=64, metadata=POSITIVE)
+    max_num_batched_tokens: int = field(default=2048, metadata=POSITIVE)
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
-            )
+        check_ranges(self)
 
 
 @dataclass(frozen=True)
@@ -110,11 +103,11 @@ class EngineConfig:
     model: str
     dtype: str = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    linear_backend: str = "auto"
+    max_model_len: int | None = field(default=None, metadata=POSITIVE)
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
+    linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
     seed: int | None = None
-    num_threads: int | None = None
+    num_threads: int | None = field(default=None, metadata=POSITIVE)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -122,19 +115,7 @@ class EngineConfig:
         if not self.model:
             raise ValueError("model (a Hugging Face model directory) is required")
         resolve_dtype(self.dtype)
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
-            )
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(
-                f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}"
-            )
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
+        check_ranges(self)
         try:
             torch.device(self.device)
         except RuntimeError as exc:

@@ -24,7 +24,9 @@ class InstanceConfig(ServiceConfig):
         metadata={"help": "model name clients use; the known name, file stem or directory name"},
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC server binds"})
-    port: int = field(default=0, metadata={"help": "gRPC port; 0 picks a free port"})
+    port: int = field(
+        default=0, metadata={"help": "gRPC port; 0 picks a free port", "min": 0, "max": 65535}
+    )
     advertise_address: str | None = field(
         default=None,
         metadata={"help": "host:port peers use to reach this instance; host:port when unset"},
@@ -48,7 +50,8 @@ class InstanceConfig(ServiceConfig):
         default=2.0,
         metadata={
             "help": "with --registry etcd://...: seconds between lease keep-alives, each with a "
-            "fresh load report"
+            "fresh load report",
+            "gt": 0,
         },
     )
     instance_id: str | None = field(
@@ -58,14 +61,16 @@ class InstanceConfig(ServiceConfig):
         default=None,
         metadata={
             "help": "KV cache blocks; when unset, what --kv-cache-memory-mb holds, or sized from "
-            "free memory without it"
+            "free memory without it",
+            "gt": 0,
         },
     )
     kv_cache_memory_mb: int | None = field(
         default=None,
         metadata={
             "help": "KV cache budget in MiB when --num-blocks is unset; when both are unset the "
-            "cache is sized from free memory (see --kv-cache-memory-fraction)"
+            "cache is sized from free memory (see --kv-cache-memory-fraction)",
+            "gt": 0,
         },
     )
     kv_cache_memory_fraction: float | None = field(
@@ -78,11 +83,14 @@ class InstanceConfig(ServiceConfig):
             "memory once the weights are loaded, default 0.9, less 512 MiB for activations. "
             "Never more than room for one --max-model-len sequence per request held at once "
             "(a decode's --max-num-seqs, a prefill's --max-queue-len) plus one; at least one "
-            "such sequence when it fits in half the available memory"
+            "such sequence when it fits in half the available memory",
+            "gt": 0,
+            "max": 1,
         },
     )
     block_size: int = field(
-        default=16, metadata={"help": "tokens per KV block (prefills and decodes must agree)"}
+        default=16,
+        metadata={"help": "tokens per KV block (prefills and decodes must agree)", "gt": 0},
     )
     dtype: str = field(default="float32", metadata={"help": "weights and KV dtype"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
@@ -90,19 +98,23 @@ class InstanceConfig(ServiceConfig):
         default=None,
         metadata={
             "help": "torch intra-op threads; torch's default (all cores) when unset. Give each "
-            "process its share when several run on one machine (pdserve up does)"
+            "process its share when several run on one machine (pdserve up does)",
+            "gt": 0,
         },
     )
     max_model_len: int | None = field(
-        default=None, metadata={"help": "longest sequence served; the model's limit when unset"}
+        default=None,
+        metadata={"help": "longest sequence served; the model's limit when unset", "gt": 1},
     )
     drain_timeout_s: float = field(
-        default=30.0, metadata={"help": "on SIGTERM, how long work in flight may finish"}
+        default=30.0, metadata={"help": "on SIGTERM, how long work in flight may finish", "min": 0}
     )
     metrics_port: int | None = field(
         default=None,
         metadata={
-            "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
+            "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset",
+            "min": 0,
+            "max": 65535,
         },
     )
     health_port: int | None = field(
@@ -110,7 +122,9 @@ class InstanceConfig(ServiceConfig):
         metadata={
             "help": "port of a plaintext gRPC server that answers grpc.health.v1 only (for "
             "probes that cannot present a client certificate, such as Kubernetes'); 0 picks a "
-            "free one; off if unset"
+            "free one; off if unset",
+            "min": 0,
+            "max": 65535,
         },
     )
     kv_store: str | None = field(
@@ -124,7 +138,10 @@ class InstanceConfig(ServiceConfig):
     )
     kv_store_queue_len: int = field(
         default=DEFAULT_KV_STORE_QUEUE_LEN,
-        metadata={"help": "most KV store writes waiting at once; beyond it the oldest is dropped"},
+        metadata={
+            "help": "most KV store writes waiting at once; beyond it the oldest is dropped",
+            "gt": 0,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -148,27 +165,6 @@ class InstanceConfig(ServiceConfig):
                 "heartbeat_interval_s must be > 0 and below registry_ttl_s "
                 f"({self.heartbeat_interval_s}, {self.registry_ttl_s})"
             )
-        if self.kv_store_queue_len <= 0:
-            raise ValueError(f"kv_store_queue_len must be positive, got {self.kv_store_queue_len}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
-            raise ValueError(f"kv_cache_memory_mb must be positive, got {self.kv_cache_memory_mb}")
-        fraction = self.kv_cache_memory_fraction
-        if fraction is not None and not 0 < fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ValueError(f"num_threads must be positive, got {self.num_threads}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        for name in ("port", "metrics_port", "health_port"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 65536:
-                raise ValueError(f"{name} must be in 0..65535, got {value}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     @property
     def kv_cache_max_seqs(self) -> int | None:

@@ -14,23 +14,31 @@ KV_TRANSPORTS = ("shm", "tcp")
 class DecodeConfig(InstanceConfig):
     """Configuration of `pdserve-decode`. Field help texts are the CLI's ``--help``."""
 
-    port: int = field(default=DEFAULT_PORT, metadata={"help": "gRPC port; 0 picks a free port"})
+    port: int = field(
+        default=DEFAULT_PORT,
+        metadata={"help": "gRPC port; 0 picks a free port", "min": 0, "max": 65535},
+    )
     max_num_seqs: int = field(
-        default=64, metadata={"help": "most requests decoded together in one step"}
+        default=64, metadata={"help": "most requests decoded together in one step", "gt": 0}
     )
     reserve_tokens: int = field(
         default=32,
         metadata={
             "help": "growth headroom (tokens) kept free per running request; new leases are "
-            "admitted only from blocks beyond it"
+            "admitted only from blocks beyond it",
+            "min": 0,
         },
     )
     lease_ttl_ms: int = field(
         default=30_000,
-        metadata={"help": "a lease not committed and attached within this time is reclaimed"},
+        metadata={
+            "help": "a lease not committed and attached within this time is reclaimed",
+            "gt": 0,
+        },
     )
     capacity_retry_ms: int = field(
-        default=200, metadata={"help": "retry delay suggested with DECODE_CAPACITY_EXHAUSTED"}
+        default=200,
+        metadata={"help": "retry delay suggested with DECODE_CAPACITY_EXHAUSTED", "min": 0},
     )
     max_lease_share: float = field(
         default=0.5,
@@ -38,7 +46,9 @@ class DecodeConfig(InstanceConfig):
             "help": "fraction of the KV pool one prefill may hold in leases not yet committed "
             "while other prefills ask for blocks too; more is refused with "
             "DECODE_CAPACITY_EXHAUSTED (the prefill waits and asks again), except a prefill's "
-            "only uncommitted lease"
+            "only uncommitted lease",
+            "gt": 0,
+            "max": 1,
         },
     )
     kv_transports: str = field(
@@ -52,38 +62,30 @@ class DecodeConfig(InstanceConfig):
     )
     kv_tcp_port: int = field(
         default=0,
-        metadata={"help": "port of the TCP KV data port (bound on --host); 0 picks a free port"},
+        metadata={
+            "help": "port of the TCP KV data port (bound on --host); 0 picks a free port",
+            "min": 0,
+            "max": 65535,
+        },
     )
     kv_offload_wait_ms: int = field(
         default=1000,
         metadata={
             "help": "with --kv-store, how long a preemption notice waits for the offload of "
             "the request's blocks; a notice sent before the write landed carries no key (the "
-            "reschedule recomputes those blocks)"
+            "reschedule recomputes those blocks)",
+            "min": 0,
         },
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.kv_offload_wait_ms < 0:
-            raise ValueError(f"kv_offload_wait_ms must be >= 0, got {self.kv_offload_wait_ms}")
-        for name in ("max_num_seqs", "lease_ttl_ms"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.reserve_tokens < 0:
-            raise ValueError(f"reserve_tokens must be >= 0, got {self.reserve_tokens}")
-        if not 0 < self.max_lease_share <= 1:
-            raise ValueError(f"max_lease_share must be in (0, 1], got {self.max_lease_share}")
         unknown = set(self.kv_transport_kinds) - set(KV_TRANSPORTS)
         if unknown:
             raise ValueError(
                 f"kv_transports: unknown {', '.join(sorted(unknown))} (choose from "
                 f"{', '.join(KV_TRANSPORTS)}; gRPC is always offered)"
             )
-        if not 0 <= self.kv_tcp_port < 65536:
-            raise ValueError(f"kv_tcp_port must be in 0..65535, got {self.kv_tcp_port}")
-        if self.capacity_retry_ms < 0:
-            raise ValueError(f"capacity_retry_ms must be >= 0, got {self.capacity_retry_ms}")
 
     @property
     def kv_transport_kinds(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -14,7 +15,7 @@ from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.config import GatewayConfig
-from pdserve.gateway.server import serve
+from pdserve.gateway.server import create_server
 
 DESCRIPTION = """\
 Serves the OpenAI-compatible REST API (GET /v1/models, POST /v1/completions,
@@ -37,6 +38,20 @@ examples:
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "demo", "prompt": "Hello", "max_tokens": 16}'
 """
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Runs a gateway until SIGTERM or SIGINT, then drains and stops it."""
+    server = create_server(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
-from pdserve.gateway.decisions import Preempted, RequestState, RetryPolicy, Setback
+from pdserve.gateway.decisions import Preempted, RetryPolicy, Setback
 from pdserve.gateway.fleet.backend import (
     Backend,
     BackendError,
@@ -37,7 +37,7 @@ from pdserve.gateway.fleet.backend import (
 )
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.phases import TtftTimeline
-from pdserve.gateway.progress import CompletionProgress
+from pdserve.gateway.progress import CompletionProgress, RequestState
 from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk, remaining_s
 from pdserve.gateway.routing.pair import Pair

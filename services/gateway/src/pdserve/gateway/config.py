@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
-from pdserve.gateway.config_fields import limit_field, routing_field
+from pdserve.gateway.config_fields import limit_field, queue_field, routing_field
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.routing.policy import CacheRouting
-from pdserve.gateway.routing.queue import QueueLimits
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
@@ -32,13 +32,19 @@ class GatewayConfig(ServiceConfig):
     )
     port: int = field(
         default=8000,
-        metadata={"help": "REST (OpenAI-compatible) port; 0 picks a free one"},
+        metadata={
+            "help": "REST (OpenAI-compatible) port; 0 picks a free one",
+            "min": 0,
+            "max": 65535,
+        },
     )
     grpc_port: int = field(
         default=50050,
         metadata={
             "help": "public gRPC port: GenerationService (API keys, no client certificates); 0 "
-            "picks a free one"
+            "picks a free one",
+            "min": 0,
+            "max": 65535,
         },
     )
     internal_port: int = field(
@@ -46,7 +52,9 @@ class GatewayConfig(ServiceConfig):
         metadata={
             "help": "internal gRPC port: RegistryService, where prefills and decodes register "
             "(mutual TLS with --tls-*; each instance may only speak for its own certificate); "
-            "0 picks a free one"
+            "0 picks a free one",
+            "min": 0,
+            "max": 65535,
         },
     )
     prefill: tuple[str, ...] = field(
@@ -91,21 +99,24 @@ class GatewayConfig(ServiceConfig):
         metadata={
             "help": "generation requests one API key may start a minute (token bucket, bursts "
             "of a minute's worth); more get 429 with Retry-After; a key's rpm= replaces it; "
-            "off when unset"
+            "off when unset",
+            "gt": 0,
         },
     )
     max_attempts: int = field(
         default=3,
         metadata={
             "help": "attempts per request for retryable errors (capacity, draining, lease or "
-            "KV transfer failures), each on another instance where the error says so"
+            "KV transfer failures), each on another instance where the error says so",
+            "min": 1,
         },
     )
     preempt_retry_count: int = field(
         default=4,
         metadata={
             "help": "how often one request may be rescheduled (prompt + generated tokens) after "
-            "a decode preempted it or was lost mid-stream"
+            "a decode preempted it or was lost mid-stream",
+            "min": 0,
         },
     )
     preempt_retry_exclude_decode: bool = field(
@@ -114,31 +125,34 @@ class GatewayConfig(ServiceConfig):
     )
     request_timeout: float = field(
         default=600.0,
-        metadata={"help": "seconds one request may take in all, retries included"},
+        metadata={"help": "seconds one request may take in all, retries included", "gt": 0},
     )
     default_max_tokens: int = field(
         default=16,
-        metadata={"help": "max_tokens of a /v1/completions request that does not set it"},
+        metadata={"help": "max_tokens of a /v1/completions request that does not set it", "min": 1},
     )
     default_chat_max_tokens: int = field(
         default=1024,
         metadata={
             "help": "max_tokens of a chat request that sets none (GenerationService always sets "
-            "it), lowered to what fits in the model's length after the prompt"
+            "it), lowered to what fits in the model's length after the prompt",
+            "min": 1,
         },
     )
     max_body_bytes: int = field(
         default=4 * MIB,
         metadata={
             "help": "largest REST request body in bytes; a larger one is refused with 413 "
-            "before it is read (by its Content-Length) or as soon as it grows past this"
+            "before it is read (by its Content-Length) or as soon as it grows past this",
+            "min": 1,
         },
     )
     grpc_max_receive_bytes: int = field(
         default=4 * MIB,
         metadata={
             "help": "largest gRPC message the gateway receives (GenerationService, "
-            "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED"
+            "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED",
+            "min": 1,
         },
     )
     max_prompt_chars: int = limit_field("max_prompt_chars")
@@ -150,81 +164,74 @@ class GatewayConfig(ServiceConfig):
     max_tokens_limit: int = limit_field("max_tokens_limit")
     max_concurrent_requests: int = field(
         default=512,
-        metadata={"help": "generation requests in flight on the gateway; more get 429"},
+        metadata={"help": "generation requests in flight on the gateway; more get 429", "min": 1},
     )
     max_concurrent_requests_per_key: int = field(
         default=256,
         metadata={
             "help": "generation requests in flight per API key presented (requests without one "
-            "share a count); more get 429"
+            "share a count); more get 429",
+            "min": 1,
         },
     )
-    max_queued_requests: int = field(
-        default=256,
-        metadata={
-            "help": "requests that may wait at once in the admission queue for a decode (and "
-            "prefill) with room; one more gets 429 with Retry-After at once"
-        },
-    )
-    max_queued_tokens: int = field(
-        default=262_144,
-        metadata={
-            "help": "prompt tokens that may wait at once in the admission queue; a request "
-            "that would pass it gets 429 with Retry-After at once"
-        },
-    )
-    max_queue_wait_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "seconds a new request may wait in the admission queue for room; then "
-            "429 with Retry-After (a request already streaming waits up to --request-timeout)"
-        },
-    )
+    max_queued_requests: int = queue_field("max_queued_requests")
+    max_queued_tokens: int = queue_field("max_queued_tokens")
+    max_queue_wait_s: float = queue_field("max_queue_wait_s")
     prepare_workers: int = field(
         default=4,
         metadata={
-            "help": "threads that tokenize prompts and render chat templates, off the event loop"
+            "help": "threads that tokenize prompts and render chat templates, off the event loop",
+            "min": 1,
         },
     )
     parse_processes: int = field(
         default=2,
         metadata={
             "help": "worker processes that parse request bodies and messages over 16 KiB, off "
-            "the gateway's process (started on the first such request)"
+            "the gateway's process (started on the first such request)",
+            "min": 1,
         },
     )
     prepare_timeout_s: float = field(
         default=10.0,
         metadata={
             "help": "seconds a request may wait for and use a parser process, then a tokenizer "
-            "thread (each); then it fails with DEADLINE_EXCEEDED (504)"
+            "thread (each); then it fails with DEADLINE_EXCEEDED (504)",
+            "gt": 0,
         },
     )
     heartbeat_interval_s: float = field(
         default=2.0,
-        metadata={"help": "heartbeat interval the registry asks instances for, in seconds"},
+        metadata={
+            "help": "heartbeat interval the registry asks instances for, in seconds",
+            "gt": 0,
+        },
     )
     instance_ttl_s: float = field(
         default=10.0,
         metadata={
             "help": "seconds without a heartbeat after which an instance is lost: "
-            "dropped, and its streams move to other instances"
+            "dropped, and its streams move to other instances",
+            "gt": 0,
         },
     )
     poll_interval_s: float = field(
         default=2.0,
-        metadata={"help": "seconds between status polls of --prefill/--decode instances"},
+        metadata={"help": "seconds between status polls of --prefill/--decode instances", "gt": 0},
     )
     cache_aware_routing: bool = routing_field("is_enabled")
     cache_balance_tokens: int = routing_field("balance_tokens")
     cache_memory_blocks: int = routing_field("memory_blocks")
     unavailable_retry_after_s: float = field(
         default=1.0,
-        metadata={"help": "retry delay (Retry-After) suggested when no healthy pair exists"},
+        metadata={
+            "help": "retry delay (Retry-After) suggested when no healthy pair exists",
+            "min": 0,
+        },
     )
     shutdown_grace_s: float = field(
         default=10.0,
-        metadata={"help": "seconds a stopping gateway lets running requests finish"},
+        metadata={"help": "seconds a stopping gateway lets running requests finish", "min": 0},
     )
     trace_polls: bool = field(
         default=False,
@@ -239,10 +246,6 @@ class GatewayConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("port", "grpc_port", "internal_port"):
-            value = getattr(self, name)
-            if not 0 <= value < 65536:
-                raise ValueError(f"{name} must be in [0, 65535], got {value}")
         try:
             check_registry_spec(self.registry)
         except ValueError as error:
@@ -251,39 +254,8 @@ class GatewayConfig(ServiceConfig):
             _check_address("--prefill", address)
         for address in self.decode:
             _check_address("--decode", address)
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.preempt_retry_count < 0:
-            raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
-        for name in (
-            "default_max_tokens",
-            "default_chat_max_tokens",
-            "max_body_bytes",
-            "grpc_max_receive_bytes",
-            "max_concurrent_requests",
-            "max_concurrent_requests_per_key",
-            "max_queued_requests",
-            "max_queued_tokens",
-            "prepare_workers",
-            "parse_processes",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self.request_limits()  # raises ValueError for a bad per-request limit
         self.cache_routing()  # raises ValueError for a bad routing setting
-        for name in (
-            "request_timeout",
-            "heartbeat_interval_s",
-            "instance_ttl_s",
-            "poll_interval_s",
-            "prepare_timeout_s",
-            "max_queue_wait_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("unavailable_retry_after_s", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.instance_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(
                 "instance_ttl_s must exceed heartbeat_interval_s "
@@ -293,11 +265,6 @@ class GatewayConfig(ServiceConfig):
             raise ValueError("api_key must not be empty")
         if self.api_key_file is not None and not self.api_key_file.strip():
             raise ValueError("api_key_file must not be empty")
-        rpm = self.requests_per_minute_per_key
-        if rpm is not None and not 0 < rpm < float("inf"):
-            raise ValueError(f"requests_per_minute_per_key must be > 0, got {rpm}")
-        if self.log_format not in LOG_FORMATS:
-            raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
 
     def request_limits(self) -> RequestLimits:
         """The per-request limits these settings name."""

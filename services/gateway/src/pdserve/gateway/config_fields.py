@@ -1,8 +1,10 @@
 """`GatewayConfig` fields that mirror a settings class of their own: the per-request limits
-(`RequestLimits`) and cache-aware routing (`CacheRouting`).
+(`RequestLimits`), cache-aware routing (`CacheRouting`) and the admission queue's bounds
+(`QueueLimits`).
 
-Each such flag takes its default from that class (so it is written once) and its help text
-from here; `GatewayConfig.request_limits()` and `cache_routing()` build the classes back.
+Each such flag takes its default from that class (so it is written once) and its help text and
+range from here; `GatewayConfig.request_limits()`, `cache_routing()` and `queue_limits()` build
+the classes back.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from typing import Any
 
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.routing.policy import CacheRouting
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 
 _LIMITS = RequestLimits()  # the defaults of the per-request limits live there once
 _ROUTING = CacheRouting()  # and those of cache-aware routing there
+_QUEUE = QueueLimits()  # and those of the admission queue there
 
 LIMIT_HELP = {
     "max_prompt_chars": "characters of a text prompt, or of all chat messages together",
@@ -49,3 +53,26 @@ def limit_field(name: str) -> Any:
 def routing_field(name: str) -> Any:
     """The config field of the `CacheRouting` field `name`: its default and help."""
     return field(default=getattr(_ROUTING, name), metadata={"help": ROUTING_HELP[name]})
+
+
+QUEUE_HELP = {
+    "max_queued_requests": "requests that may wait at once in the admission queue for a "
+    "decode (and prefill) with room; one more gets 429 with Retry-After at once",
+    "max_queued_tokens": "prompt tokens that may wait at once in the admission queue; a "
+    "request that would pass it gets 429 with Retry-After at once",
+    "max_queue_wait_s": "seconds a new request may wait in the admission queue for room; then "
+    "429 with Retry-After (a request already streaming waits up to --request-timeout)",
+}
+"""Help of the flags of `QueueLimits`' fields (same names)."""
+
+QUEUE_RANGES: dict[str, dict[str, float]] = {
+    "max_queued_requests": {"min": 1},
+    "max_queued_tokens": {"min": 1},
+    "max_queue_wait_s": {"gt": 0},
+}
+
+
+def queue_field(name: str) -> Any:
+    """The config field of the `QueueLimits` field `name`: its default, help and range."""
+    metadata = {"help": QUEUE_HELP[name], **QUEUE_RANGES[name]}
+    return field(default=getattr(_QUEUE, name), metadata=metadata)

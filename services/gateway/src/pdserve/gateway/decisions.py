@@ -32,9 +32,8 @@ from typing import TypeAlias
 
 from pdserve.common.errors import ErrorReason, PdserveError, RetryScope
 from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.progress import RequestState
 from pdserve.gateway.routing.pair import Pair
-
-_NO_IDS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -61,44 +60,6 @@ class RetryPolicy:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.preempt_retry_count < 0:
             raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
-
-
-@dataclass(frozen=True)
-class RequestState:
-    """Bookkeeping of one request across its attempts.
-
-    Excluded instances are a requirement: routing never picks them again for this request.
-    Avoided ones are a preference, relaxed when no other instance is available.
-    """
-
-    excluded_prefill_ids: frozenset[str] = _NO_IDS
-    excluded_decode_ids: frozenset[str] = _NO_IDS
-    avoided_prefill_ids: frozenset[str] = _NO_IDS
-    avoided_decode_ids: frozenset[str] = _NO_IDS
-    num_attempts: int = 0
-    num_failures: int = 0
-    num_reschedules: int = 0
-    has_used_once_retry: bool = False
-    last_error: PdserveError | None = None
-
-    def exclusions(self) -> list[tuple[frozenset[str], frozenset[str]]]:
-        """(prefill ids, decode ids) to exclude from routing, strictest first.
-
-        The excluded instances are always left out; the avoided ones first together, then
-        only the avoided decodes, then only the avoided prefills, then none of them.
-        """
-        avoided = [
-            (self.avoided_prefill_ids, self.avoided_decode_ids),
-            (_NO_IDS, self.avoided_decode_ids),
-            (self.avoided_prefill_ids, _NO_IDS),
-            (_NO_IDS, _NO_IDS),
-        ]
-        result: list[tuple[frozenset[str], frozenset[str]]] = []
-        for prefill_ids, decode_ids in avoided:
-            pair = (self.excluded_prefill_ids | prefill_ids, self.excluded_decode_ids | decode_ids)
-            if pair not in result:
-                result.append(pair)
-        return result
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from pdserve.gateway.decisions import (
     GiveUp,
     Lost,
     Preempted,
-    RequestState,
     Reschedule,
     RetryPolicy,
     Setback,
@@ -40,12 +39,13 @@ from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.phases import TtftTimeline
-from pdserve.gateway.progress import CompletionProgress
+from pdserve.gateway.progress import CompletionProgress, RequestState
 from pdserve.gateway.relay import LossWatch
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk, remaining_s
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
-from pdserve.gateway.routing.queue import CapacityQueue, QueueLimits, is_wait
+from pdserve.gateway.routing.queue import CapacityQueue
+from pdserve.gateway.routing.queue_bounds import QueueLimits, is_wait
 from pdserve.gateway.routing.router import Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")

@@ -1,4 +1,6 @@
-"""The tokens a request has delivered, kept exact across retries by completion index.
+"""A request's progress across its attempts: the tokens it delivered, kept exact by completion
+index (`CompletionProgress`), and its bookkeeping of attempts, exclusions and reschedules
+(`RequestState`).
 
 Every token from a prefill or decode carries its completion index. `CompletionProgress`
 appends a token only at the next index, drops tokens it already delivered (a retried attempt
@@ -9,10 +11,12 @@ completion is over: a stop token or end-of-sequence id, or ``max_tokens``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import structlog
 
+from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason, check_stop
 from pdserve.gateway.request import GenerationRequest, TokenChunk
 
@@ -107,3 +111,44 @@ class CompletionProgress:
                 token_id, len(self._token_ids), self._request.sampling, self._request.eos_token_ids
             )
         return Accepted(TokenChunk(tuple(new), start) if new else None)
+
+
+_NO_IDS: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """Bookkeeping of one request across its attempts.
+
+    Excluded instances are a requirement: routing never picks them again for this request.
+    Avoided ones are a preference, relaxed when no other instance is available.
+    """
+
+    excluded_prefill_ids: frozenset[str] = _NO_IDS
+    excluded_decode_ids: frozenset[str] = _NO_IDS
+    avoided_prefill_ids: frozenset[str] = _NO_IDS
+    avoided_decode_ids: frozenset[str] = _NO_IDS
+    num_attempts: int = 0
+    num_failures: int = 0
+    num_reschedules: int = 0
+    has_used_once_retry: bool = False
+    last_error: PdserveError | None = None
+
+    def exclusions(self) -> list[tuple[frozenset[str], frozenset[str]]]:
+        """(prefill ids, decode ids) to exclude from routing, strictest first.
+
+        The excluded instances are always left out; the avoided ones first together, then
+        only the avoided decodes, then only the avoided prefills, then none of them.
+        """
+        avoided = [
+            (self.avoided_prefill_ids, self.avoided_decode_ids),
+            (_NO_IDS, self.avoided_decode_ids),
+            (self.avoided_prefill_ids, _NO_IDS),
+            (_NO_IDS, _NO_IDS),
+        ]
+        result: list[tuple[frozenset[str], frozenset[str]]] = []
+        for prefill_ids, decode_ids in avoided:
+            pair = (self.excluded_prefill_ids | prefill_ids, self.excluded_decode_ids | decode_ids)
+            if pair not in result:
+                result.append(pair)
+        return result

@@ -1,18 +1,17 @@
 """Assembles a gateway: registry, router, orchestrator, REST app and gRPC servers.
 
 `create_server(config)` builds everything without binding; `GatewayServer.start()` binds the
-REST port (`rest_server`), the public gRPC port (GenerationService) and the internal one
-(RegistryService, mutual TLS unless ``--insecure``), 0 picking free ones, and starts the
-background loops (TTL sweep, static instance polling, the etcd watcher with ``--registry``);
-`stop()` drains: health NOT_SERVING, new requests refused, running ones given
-``shutdown_grace_s`` to finish. `serve(config)` runs one until SIGTERM.
+REST port (`pdserve.gateway.openai.server`), the public gRPC port (GenerationService) and the
+internal one (RegistryService, mutual TLS unless ``--insecure``), 0 picking free ones, and
+starts the background loops (TTL sweep, static instance polling, the etcd watcher with
+``--registry``); `stop()` drains: health NOT_SERVING, new requests refused, running ones given
+``shutdown_grace_s`` to finish (``pdserve-gateway`` runs one until SIGTERM).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Coroutine
 from typing import Any
 
@@ -32,9 +31,10 @@ from pdserve.gateway.decisions import RetryPolicy
 from pdserve.gateway.fleet.clients import GrpcBackend
 from pdserve.gateway.fleet.etcd_watcher import EtcdWatcher
 from pdserve.gateway.fleet.instance import InstanceRole
+from pdserve.gateway.fleet.liveness import LivenessClock
 from pdserve.gateway.fleet.model_info import ModelInfoStore
 from pdserve.gateway.fleet.poller import StaticPoller
-from pdserve.gateway.fleet.registry import InstanceEntry, LivenessClock, Registry
+from pdserve.gateway.fleet.registry import InstanceEntry, Registry
 from pdserve.gateway.fleet.registry_servicer import RegistryServicer
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.grpc_api import servicer
@@ -293,17 +293,3 @@ def create_server(config: GatewayConfig) -> GatewayServer:
 def create_app(config: GatewayConfig) -> FastAPI:
     """The REST application of a new, unstarted gateway (for ASGI servers and tests)."""
     return create_server(config).app
-
-
-async def serve(config: GatewayConfig) -> None:
-    """Runs a gateway until SIGTERM or SIGINT, then drains and stops it."""
-    server = create_server(config)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()

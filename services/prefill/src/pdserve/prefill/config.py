@@ -15,7 +15,10 @@ KV_TRANSPORTS = ("shm", "tcp", "grpc")
 class PrefillConfig(InstanceConfig):
     """Configuration of `pdserve-prefill`. Field help texts are the CLI's ``--help``."""
 
-    port: int = field(default=DEFAULT_PORT, metadata={"help": "gRPC port; 0 picks a free port"})
+    port: int = field(
+        default=DEFAULT_PORT,
+        metadata={"help": "gRPC port; 0 picks a free port", "min": 0, "max": 65535},
+    )
     num_blocks: int | None = field(
         default=None,
         metadata={
@@ -28,28 +31,32 @@ class PrefillConfig(InstanceConfig):
         default=2048,
         metadata={
             "help": "token budget of one forward pass: several prompts share a pass, longer "
-            "prompts are chunked across passes"
+            "prompts are chunked across passes",
+            "gt": 0,
         },
     )
     max_queue_len: int = field(
         default=256,
         metadata={
             "help": "most requests held at once (preparing, queued, computing or shipping); "
-            "beyond it Prefill answers PREFILL_OVERLOADED"
+            "beyond it Prefill answers PREFILL_OVERLOADED",
+            "gt": 0,
         },
     )
     prepare_concurrency: int = field(
         default=8,
         metadata={
             "help": "most AllocateBlocks calls in flight to one decode instance; requests for "
-            "other decodes never wait for these slots"
+            "other decodes never wait for these slots",
+            "gt": 0,
         },
     )
     allocate_timeout_ms: int = field(
         default=5000,
         metadata={
             "help": "how long a request may wait for its decode's lease (slot wait included) "
-            "before it fails with PEER_UNAVAILABLE"
+            "before it fails with PEER_UNAVAILABLE",
+            "gt": 0,
         },
     )
     prefix_cache: bool = field(
@@ -70,21 +77,14 @@ class PrefillConfig(InstanceConfig):
     )
     max_chunk_bytes: int = field(
         default=1 << 20,
-        metadata={"help": "most K+V bytes per SyncCache chunk (one layer's run of blocks)"},
+        metadata={
+            "help": "most K+V bytes per SyncCache chunk (one layer's run of blocks)",
+            "gt": 0,
+        },
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive = {
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_queue_len": self.max_queue_len,
-            "prepare_concurrency": self.prepare_concurrency,
-            "allocate_timeout_ms": self.allocate_timeout_ms,
-            "max_chunk_bytes": self.max_chunk_bytes,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
         kinds = self.kv_transport_kinds
         unknown = set(kinds) - set(KV_TRANSPORTS)
         if not kinds or unknown or len(set(kinds)) != len(kinds):

@@ -26,7 +26,6 @@ import asyncio
 import bisect
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,40 +35,16 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.routing.pair import Pair
+from pdserve.gateway.routing.queue_bounds import (
+    MAX_QUEUE_WAIT_S,
+    MAX_QUEUED_REQUESTS,
+    MAX_QUEUED_TOKENS,
+    DrainRate,
+    QueueLimits,
+    is_wait,
+)
 
 log = structlog.get_logger("pdserve.gateway.routing.queue")
-
-WAIT_REASONS = frozenset({ErrorReason.DECODE_CAPACITY_EXHAUSTED, ErrorReason.PREFILL_OVERLOADED})
-"""Reasons a routing (or an instance's refusal) means: no room now, wait for it."""
-
-MAX_QUEUED_REQUESTS = "max_queued_requests"
-MAX_QUEUED_TOKENS = "max_queued_tokens"
-MAX_QUEUE_WAIT_S = "max_queue_wait_s"
-BOUNDS = (MAX_QUEUED_REQUESTS, MAX_QUEUED_TOKENS, MAX_QUEUE_WAIT_S)
-
-# NOTE: the drain rate is measured over the last admissions out of the queue within this window.
-_RATE_WINDOW_S = 60.0
-_RATE_SAMPLES = 64
-
-
-@dataclass(frozen=True)
-class QueueLimits:
-    """Bounds of the admission queue (each is a gateway flag; see docs/limits.md).
-
-    Attributes:
-        max_queued_requests: Requests waiting at once, all models together.
-        max_queued_tokens: Prompt tokens of the requests waiting at once.
-        max_queue_wait_s: Seconds a request may wait before its first attempt starts.
-    """
-
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262_144
-    max_queue_wait_s: float = 60.0
-
-
-def is_wait(error: PdserveError) -> bool:
-    """Whether `error` says: no room now (wait), rather than: this request failed."""
-    return error.reason in WAIT_REASONS and error.metadata.get("limit") not in BOUNDS
 
 
 @dataclass
@@ -109,12 +84,11 @@ class CapacityQueue:
         self.limits = limits
         self._metrics = metrics
         self._settle = settle
-        self._clock = clock
         self._arrivals = itertools.count()
         self._queues: dict[str, list[_Waiter]] = {}
         self._num_waiting = 0
         self._num_tokens = 0
-        self._admitted_at: deque[float] = deque(maxlen=_RATE_SAMPLES)
+        self._drained = DrainRate(clock)
         self._is_drain_scheduled = False
         self._is_draining = False
 
@@ -223,14 +197,8 @@ class CapacityQueue:
         return waiter.future.result(), waited_s
 
     def retry_after_s(self) -> float:
-        """Seconds until the queue has likely drained what waits now, from the rate at which
-        it admitted requests lately; the wait bound when it admitted none lately."""
-        now = self._clock()
-        recent = [t for t in self._admitted_at if now - t <= _RATE_WINDOW_S]
-        if len(recent) < 2 or recent[-1] <= recent[0]:
-            return self.limits.max_queue_wait_s
-        rate = (len(recent) - 1) / (recent[-1] - recent[0])
-        return max(1.0, min(self.limits.max_queue_wait_s, (self._num_waiting + 1) / rate))
+        """Seconds until the queue has likely drained what waits now (`DrainRate`)."""
+        return self._drained.retry_after_s(self._num_waiting, self.limits.max_queue_wait_s)
 
     # ---- inside ----------------------------------------------------------------------------
 
@@ -310,7 +278,7 @@ class CapacityQueue:
                     head.future.set_exception(error)
                 else:
                     head.future.set_result(pair)
-                    self._admitted_at.append(self._clock())
+                    self._drained.record()
                 self._leave(head)
                 queue = self._queues.get(model, [])
 
