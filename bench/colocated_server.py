@@ -37,8 +37,8 @@ from pydantic import BaseModel, ConfigDict
 
 from pdserve.common.generation import FinishReason, SamplingParams
 from pdserve.common.logging import configure_logging
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.tokenizer import TextStream, Tokenizer
 
 

@@ -25,8 +25,8 @@ from pdserve.common.grpc_server import insecure_channel
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import create_server
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig

@@ -50,8 +50,8 @@ from pdserve.common.grpc_server import insecure_channel
 from pdserve.common.logging import configure_logging
 from pdserve.decode import server as decode_server
 from pdserve.decode.config import DecodeConfig
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import sequence_pieces
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig

@@ -12,8 +12,8 @@ import grpc
 from pdserve.common.generation import SamplingParams, num_blocks_for, resolve_seed
 from pdserve.decode.server import DecodeInstance
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.prefill.convert import lease_from_proto

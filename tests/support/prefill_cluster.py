@@ -17,8 +17,8 @@ from pdserve.common.grpc_server import insecure_channel
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import DecodeInstance
 from pdserve.decode.server import create_server as create_decode
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.server import PrefillInstance
 from pdserve.prefill.server import create_server as create_prefill

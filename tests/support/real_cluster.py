@@ -19,8 +19,8 @@ from pdserve.common.generation import SamplingParams
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import DecodeInstance
 from pdserve.decode.server import create_server as create_decode
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.server import GatewayServer
 from pdserve.prefill.config import PrefillConfig

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from support.prefill_cluster import Cluster, cluster, reference_engine
 
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.colocated import LLMEngine
 
 
 @pytest.fixture(scope="module")

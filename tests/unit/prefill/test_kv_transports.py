@@ -15,8 +15,8 @@ from support.prefill_cluster import Cluster, cluster
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.kv_cache import KVCacheLayout
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.shm import LeaseWindow, SharedKvPool
 from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.kv.wire import frame, recv_frame

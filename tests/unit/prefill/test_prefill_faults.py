@@ -17,7 +17,7 @@ from support.prefill_cluster import Cluster, Delay, Events, cluster
 from pdserve.common import env
 from pdserve.common.errors import ErrorReason, RetryScope
 from pdserve.common.generation import SamplingParams
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.runner import ForwardChunk
 from pdserve.prefill.request import RequestStatus
 from pdserve.v1 import prefill_pb2

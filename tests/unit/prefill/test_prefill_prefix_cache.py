@@ -16,7 +16,7 @@ from support.prefill_cluster import BLOCK_SIZE, Cluster, cluster
 
 from pdserve.common import telemetry
 from pdserve.common.generation import SamplingParams, num_blocks_for
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.colocated import LLMEngine
 from pdserve.prefill import handoff, prefill_loop
 
 PREFIX = [(11 * i + 7) % 290 + 3 for i in range(3 * BLOCK_SIZE)]  # 3 full blocks

@@ -12,7 +12,7 @@ from support.prefill_cluster import BLOCK_SIZE, Cluster, Delay, cluster
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams, num_blocks_for
-from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.colocated import LLMEngine
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]

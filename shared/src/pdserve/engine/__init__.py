@@ -10,11 +10,12 @@ Layers, from the bottom up:
   for the batch is in the cache (layer-wise KV push from a prefill instance).
 * ``KVCache.export_blocks(layer_index, block_ids)`` / ``import_blocks(layer_index, block_ids,
   k, v)`` move the bytes of blocks between processes.
-* ``BlockPool`` (ids and reference counts), ``KVCacheManager`` (a request's blocks),
-  ``Scheduler`` (continuous batching), ``Sampler`` (tokens from logits, reproducible per seed
-  and completion index).
-* ``LLMEngine`` puts them together in one process: ``add_request``, ``step``, ``abort``,
-  ``generate``.
+* ``BlockPool`` (ids and reference counts), ``Sampler`` (tokens from logits, reproducible
+  per seed and completion index).
+* The colocated reference engine (``pdserve.engine.colocated``, run by no service):
+  ``LLMEngine`` puts them together in one process (``add_request``, ``step``, ``abort``,
+  ``generate``) with its own ``Scheduler`` (continuous batching), ``KVCacheManager`` (a
+  request's blocks) and ``Request``.
 
 ``SamplingParams`` and ``FinishReason`` are the services' own (``pdserve.common.generation``),
 re-exported here.
@@ -31,6 +32,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pdserve.common.generation import FinishReason, SamplingParams
     from pdserve.engine.block_pool import BlockPool, hash_block_tokens
+    from pdserve.engine.colocated.engine import LLMEngine
+    from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
+    from pdserve.engine.colocated.request import Request, RequestStatus
+    from pdserve.engine.colocated.scheduler import (
+        RequestOutput,
+        ScheduledRequest,
+        Scheduler,
+        SchedulerOutput,
+    )
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.kv_cache import (
         KVBlockData,
@@ -38,18 +48,9 @@ if TYPE_CHECKING:
         KVCacheLayout,
         logical_blocks_touched,
     )
-    from pdserve.engine.kv_cache_manager import KVCacheManager
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.request import Request, RequestStatus
     from pdserve.engine.runner import ForwardChunk, ModelRunner
     from pdserve.engine.sampler import Sampler, SamplingRow, position_seed
-    from pdserve.engine.scheduler import (
-        RequestOutput,
-        ScheduledRequest,
-        Scheduler,
-        SchedulerOutput,
-    )
 
 _EXPORTS = {
     "BlockPool": "block_pool",
@@ -61,22 +62,22 @@ _EXPORTS = {
     "KVCache": "kv_cache",
     "KVCacheLayout": "kv_cache",
     "logical_blocks_touched": "kv_cache",
-    "KVCacheManager": "kv_cache_manager",
-    "LLMEngine": "llm_engine",
+    "KVCacheManager": "colocated.kv_cache_manager",
+    "LLMEngine": "colocated.engine",
     "ModelConfig": "model_config",
     "FinishReason": "pdserve.common.generation",
-    "Request": "request",
-    "RequestStatus": "request",
+    "Request": "colocated.request",
+    "RequestStatus": "colocated.request",
     "ForwardChunk": "runner",
     "ModelRunner": "runner",
     "Sampler": "sampler",
     "SamplingRow": "sampler",
     "position_seed": "sampler",
     "SamplingParams": "pdserve.common.generation",
-    "RequestOutput": "scheduler",
-    "ScheduledRequest": "scheduler",
-    "Scheduler": "scheduler",
-    "SchedulerOutput": "scheduler",
+    "RequestOutput": "colocated.scheduler",
+    "ScheduledRequest": "colocated.scheduler",
+    "Scheduler": "colocated.scheduler",
+    "SchedulerOutput": "colocated.scheduler",
 }
 
 __all__ = [
@@ -112,6 +113,6 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if "." not in module:
+    if not module.startswith("pdserve."):
         module = f"pdserve.engine.{module}"
     return getattr(importlib.import_module(module), name)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from pdserve.common.generation import SamplingParams
 from pdserve.common.logging import LEVELS, configure_logging
+from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool, hash_block_tokens
-from pdserve.engine.request import Request
+from pdserve.engine.colocated.request import Request
 
 
 class KVCacheManager:

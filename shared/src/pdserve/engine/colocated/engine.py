@@ -9,13 +9,13 @@ import structlog
 
 from pdserve.common.generation import SamplingParams, num_blocks_for, resolve_seed
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
+from pdserve.engine.colocated.request import Request, RequestStatus
+from pdserve.engine.colocated.scheduler import RequestOutput, Scheduler, SchedulerOutput
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model import LayerCallback
-from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.runner import ForwardChunk, ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.scheduler import RequestOutput, Scheduler, SchedulerOutput
 
 log = structlog.get_logger(__name__)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from pdserve.common.generation import FinishReason
+from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
+from pdserve.engine.colocated.request import Request, RequestStatus
 from pdserve.engine.config import SchedulerConfig
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
 
 log = structlog.get_logger(__name__)
 
