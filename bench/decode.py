@@ -24,10 +24,10 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.server import create_server
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.runner import ForwardChunk
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.kv_sender import sync_cache_messages
@@ -65,7 +65,7 @@ async def service_tokens_per_s(model_dir: Path, n: int, sampling: SamplingParams
     leases = []
     for i, prompt in enumerate(_prompts(n)):
         block_ids = pool.allocate(num_blocks_for(PROMPT_LEN, BLOCK_SIZE))
-        logits = sender.runner.execute([ForwardChunk(prompt, 0, block_ids)])
+        logits = sender.runner.execute([ScheduledChunk(prompt, 0, block_ids)])
         first = int(logits[0].argmax())
         request = Request(
             request_id=f"r{i}", token_ids=prompt, num_prompt_tokens=PROMPT_LEN,

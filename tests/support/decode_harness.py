@@ -11,10 +11,10 @@ import grpc
 
 from pdserve.common.generation import SamplingParams, num_blocks_for, resolve_seed
 from pdserve.decode.server import DecodeInstance
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
-from pdserve.engine.runner import ForwardChunk
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.prefill.convert import lease_from_proto
 from pdserve.prefill.kv_sender import sync_cache_messages
@@ -73,7 +73,7 @@ class LocalPrefill:
     ) -> Prefilled:
         tokens = [*prompt, *generated]
         block_ids = self.pool.allocate(num_blocks_for(len(tokens), BLOCK_SIZE))
-        logits = self.host.runner.execute([ForwardChunk(tokens, 0, block_ids)])
+        logits = self.host.runner.execute([ScheduledChunk(tokens, 0, block_ids)])
         first = self.sampler(
             logits, [SamplingRow(sampling, resolve_seed(sampling.seed), len(generated))]
         )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.common.generation import num_blocks_for
-from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
+from pdserve.engine import LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.attention_metadata import DecodeGroup, split_decode_groups
 
 EngineFactory = Callable[..., LLMEngine]
@@ -36,10 +36,10 @@ def test_chunked_prefill_logits_equal_one_shot(
 ) -> None:
     engine = make_engine("llama3")
     prompt = prompts(1, seed=2, min_len=45, max_len=45)[0]
-    whole = engine.runner.execute([ForwardChunk(prompt, 0, engine.block_pool.allocate(3))])[0]
+    whole = engine.runner.execute([ScheduledChunk(prompt, 0, engine.block_pool.allocate(3))])[0]
     block_ids = engine.block_pool.allocate(3)
     for start in range(0, len(prompt), chunk_size):
-        chunk = ForwardChunk(prompt[start : start + chunk_size], start, block_ids)
+        chunk = ScheduledChunk(prompt[start : start + chunk_size], start, block_ids)
         logits = engine.runner.execute([chunk])[0]
     torch.testing.assert_close(logits, whole, atol=1e-5, rtol=0)
 
@@ -87,12 +87,12 @@ def test_shuffled_noncontiguous_blocks_give_identical_logits(
     results = []
     for tables in (contiguous, shuffled):
         prefill = engine.runner.execute(
-            [ForwardChunk(first[:-1], 0, tables[0]), ForwardChunk(second[:-1], 0, tables[1])]
+            [ScheduledChunk(first[:-1], 0, tables[0]), ScheduledChunk(second[:-1], 0, tables[1])]
         )
         decode = engine.runner.execute(
             [
-                ForwardChunk(first[-1:], len(first) - 1, tables[0]),
-                ForwardChunk(second[-1:], len(second) - 1, tables[1]),
+                ScheduledChunk(first[-1:], len(first) - 1, tables[0]),
+                ScheduledChunk(second[-1:], len(second) - 1, tables[1]),
             ]
         )
         results.append(torch.cat([prefill, decode]))
@@ -130,8 +130,10 @@ def test_decodes_of_very_different_lengths_equal_each_alone(
     sequences = [prompts(1, seed=80 + i, min_len=n, max_len=n)[0] for i, n in enumerate(lengths)]
     tables = [engine.block_pool.allocate(num_blocks_for(n, 16)) for n in lengths]
     for sequence, table in zip(sequences, tables, strict=True):
-        engine.runner.execute([ForwardChunk(sequence[:-1], 0, table)])
-    decodes = [ForwardChunk(s[-1:], len(s) - 1, t) for s, t in zip(sequences, tables, strict=True)]
+        engine.runner.execute([ScheduledChunk(sequence[:-1], 0, table)])
+    decodes = [
+        ScheduledChunk(s[-1:], len(s) - 1, t) for s, t in zip(sequences, tables, strict=True)
+    ]
     together = engine.runner.execute(decodes)
     alone = torch.cat([engine.runner.execute([chunk]) for chunk in decodes])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)

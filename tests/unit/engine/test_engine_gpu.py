@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.engine import ForwardChunk, LLMEngine, ModelRunner
+from pdserve.engine import LLMEngine, ModelRunner, ScheduledChunk
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,12 +27,12 @@ def mixed_batch_logits(runner: ModelRunner, sequences: list[list[int]]) -> torch
     tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(sequences))]
     half = [len(s) // 2 for s in sequences]
     runner.execute(
-        [ForwardChunk(s[:h], 0, t) for s, h, t in zip(sequences, half, tables, strict=True)]
+        [ScheduledChunk(s[:h], 0, t) for s, h, t in zip(sequences, half, tables, strict=True)]
     )
     chunks = []
     for index, (sequence, start, table) in enumerate(zip(sequences, half, tables, strict=True)):
         end = start + 1 if index % 2 else len(sequence)  # odd rows decode, even rows prefill
-        chunks.append(ForwardChunk(sequence[start:end], start, table))
+        chunks.append(ScheduledChunk(sequence[start:end], start, table))
     assert max(len(s) for s in sequences) <= 4 * block_size
     return runner.execute(chunks)
 

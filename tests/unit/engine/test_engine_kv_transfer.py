@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pdserve.engine import (
-    ForwardChunk,
     LLMEngine,
     SamplingParams,
+    ScheduledChunk,
     logical_blocks_touched,
 )
 
@@ -133,7 +133,7 @@ def test_layer_callback_runs_after_each_layers_kv_is_written(
         written = [bool(cache[i, :, block_ids[0]].abs().sum() > 0) for i in range(cache.shape[0])]
         seen.append((layer, written))
 
-    engine.runner.execute([ForwardChunk(prompt, 0, block_ids)], on_layer_done)
+    engine.runner.execute([ScheduledChunk(prompt, 0, block_ids)], on_layer_done)
     num_layers = cache.shape[0]
     assert [layer for layer, _ in seen] == list(range(num_layers))
     for layer, written in seen:

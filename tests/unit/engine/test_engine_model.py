@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from support.hf_reference import hf_greedy
 
-from pdserve.engine import ForwardChunk, LLMEngine, SamplingParams
+from pdserve.engine import LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.model import Linear
 
 # fp32 on CPU: both sides use the same kernels up to fused projections and summation order.
@@ -41,9 +41,9 @@ def test_logits_match_transformers_at_every_position(
         reference = hf_model(arch)(torch.tensor([sequence])).logits[0]
     num_prompt = 20
     block_ids = engine.block_pool.allocate(4)
-    ours = [engine.runner.execute([ForwardChunk(sequence[:num_prompt], 0, block_ids)])[0]]
+    ours = [engine.runner.execute([ScheduledChunk(sequence[:num_prompt], 0, block_ids)])[0]]
     for position in range(num_prompt, len(sequence)):
-        chunk = ForwardChunk([sequence[position]], position, block_ids)
+        chunk = ScheduledChunk([sequence[position]], position, block_ids)
         ours.append(engine.runner.execute([chunk])[0])
     torch.testing.assert_close(
         torch.stack(ours), reference[num_prompt - 1 :], atol=LOGITS_ATOL, rtol=0
@@ -56,7 +56,7 @@ def test_mistral_sliding_window_changes_attention(
     """The window (24) is shorter than the sequence, so ignoring it would change the logits."""
     engine = make_engine("mistral")
     sequence = prompts(1, seed=9, min_len=50, max_len=50)[0]
-    logits = engine.runner.execute([ForwardChunk(sequence, 0, engine.block_pool.allocate(4))])[0]
+    logits = engine.runner.execute([ScheduledChunk(sequence, 0, engine.block_pool.allocate(4))])[0]
     model = hf_model("mistral")
     with torch.no_grad():
         windowed = model(torch.tensor([sequence])).logits[0, -1]
@@ -76,7 +76,7 @@ def test_bfloat16_runs_close_to_float32(make_engine: EngineFactory, prompts: Pro
     for dtype in ("float32", "bfloat16"):
         engine = make_engine("llama3", dtype=dtype)
         assert engine.kv_cache.kv.dtype == getattr(torch, dtype)
-        chunk = ForwardChunk(sequence, 0, engine.block_pool.allocate(2))
+        chunk = ScheduledChunk(sequence, 0, engine.block_pool.allocate(2))
         logits[dtype] = engine.runner.execute([chunk])[0]
     assert logits["bfloat16"].dtype == torch.float32
     error = (logits["bfloat16"] - logits["float32"]).abs().max()
@@ -95,7 +95,7 @@ def test_onednn_packed_projections_equal_torch_gemm(
     batch = prompts(3, seed=21, min_len=5, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     assert packed.generate(batch, params) == plain.generate(batch, params)
-    chunk = [ForwardChunk(batch[0], 0, packed.block_pool.allocate(4))]
+    chunk = [ScheduledChunk(batch[0], 0, packed.block_pool.allocate(4))]
     torch.testing.assert_close(
         packed.runner.execute(chunk), plain.runner.execute(chunk), atol=LOGITS_ATOL, rtol=0
     )

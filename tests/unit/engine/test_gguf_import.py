@@ -16,7 +16,7 @@ from support.gguf_files import TinyGgufSpec, write_tiny_gguf
 from support.hf_reference import hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pdserve.engine import CacheConfig, EngineConfig, ForwardChunk, LLMEngine, SamplingParams
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.gguf_import import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_TENSOR_TYPES,
@@ -72,7 +72,7 @@ def assert_matches_transformers(gguf_path: Path) -> None:
     reference = load_transformers(gguf_path)
     prompt = Tokenizer.from_pretrained(model_dir).encode_chat(CHAT)
 
-    chunk = ForwardChunk(prompt, 0, engine.block_pool.allocate(2))
+    chunk = ScheduledChunk(prompt, 0, engine.block_pool.allocate(2))
     logits = engine.runner.execute([chunk])[0]
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0, -1]

@@ -17,8 +17,8 @@ from support.prefill_cluster import Cluster, Delay, Events, cluster
 from pdserve.common import env
 from pdserve.common.errors import ErrorReason, RetryScope
 from pdserve.common.generation import SamplingParams
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.colocated import LLMEngine
-from pdserve.engine.runner import ForwardChunk
 from pdserve.prefill.request import RequestStatus
 from pdserve.v1 import prefill_pb2
 
@@ -142,7 +142,7 @@ class _SlowRunner:
     def __getattr__(self, name: str) -> object:
         return getattr(self._runner, name)
 
-    def execute(self, chunks: Sequence[ForwardChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def execute(self, chunks: Sequence[ScheduledChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
         time.sleep(self.delay_s)
         return self._runner.execute(chunks, on_layer_done)  # type: ignore[attr-defined]
 

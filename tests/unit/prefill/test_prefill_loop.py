@@ -13,7 +13,7 @@ import torch
 from support.prefill_cluster import BLOCK_SIZE, load_host
 
 from pdserve.common.generation import SamplingParams, num_blocks_for
-from pdserve.engine.runner import ForwardChunk
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.kv.transfer import KvPiece
 from pdserve.prefill.events import EngineEvent, FirstTokenSampled, LeaseGrant
 from pdserve.prefill.kv_channels import GrpcChannel
@@ -61,7 +61,7 @@ def _loop(
     )
     execute = host.runner.execute
 
-    def marked_execute(chunks: Sequence[ForwardChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def marked_execute(chunks: Sequence[ScheduledChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
         logits = execute(chunks, on_layer_done)
         recorder.events.append("pass_returned")
         return logits

@@ -4,10 +4,12 @@ Layers, from the bottom up:
 
 * ``ModelRunner.load(EngineConfig)`` loads the model and allocates ``runner.kv_cache``
   (``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``).
-  ``runner.execute([ForwardChunk(token_ids, num_computed_tokens, block_ids), ...],
+  ``runner.execute([ScheduledChunk(token_ids, num_computed_tokens, block_ids), ...],
   on_layer_done=callback)`` runs prefill chunks and decodes in one batch and returns the
-  last-position logits of each chunk; ``callback(layer_index)`` fires as soon as a layer's KV
-  for the batch is in the cache (layer-wise KV push from a prefill instance).
+  last-position logits of each chunk (``ScheduledChunk`` and ``SchedulerOutput``, in
+  ``batch``, are what every scheduler hands the runner); ``callback(layer_index)`` fires as
+  soon as a layer's KV for the batch is in the cache (layer-wise KV push from a prefill
+  instance).
 * ``KVCache.export_blocks(layer_index, block_ids)`` / ``import_blocks(layer_index, block_ids,
   k, v)`` move the bytes of blocks between processes.
 * ``BlockPool`` (ids and reference counts), ``Sampler`` (tokens from logits, reproducible
@@ -31,16 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdserve.common.generation import FinishReason, SamplingParams
+    from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
     from pdserve.engine.block_pool import BlockPool, hash_block_tokens
     from pdserve.engine.colocated.engine import LLMEngine
     from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
     from pdserve.engine.colocated.request import Request, RequestStatus
-    from pdserve.engine.colocated.scheduler import (
-        RequestOutput,
-        ScheduledRequest,
-        Scheduler,
-        SchedulerOutput,
-    )
+    from pdserve.engine.colocated.scheduler import RequestOutput, Scheduler
     from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.engine.kv_cache import (
         KVBlockData,
@@ -49,10 +47,12 @@ if TYPE_CHECKING:
         logical_blocks_touched,
     )
     from pdserve.engine.model_config import ModelConfig
-    from pdserve.engine.runner import ForwardChunk, ModelRunner
+    from pdserve.engine.runner import ModelRunner
     from pdserve.engine.sampler import Sampler, SamplingRow, position_seed
 
 _EXPORTS = {
+    "ScheduledChunk": "batch",
+    "SchedulerOutput": "batch",
     "BlockPool": "block_pool",
     "hash_block_tokens": "block_pool",
     "CacheConfig": "config",
@@ -68,16 +68,13 @@ _EXPORTS = {
     "FinishReason": "pdserve.common.generation",
     "Request": "colocated.request",
     "RequestStatus": "colocated.request",
-    "ForwardChunk": "runner",
     "ModelRunner": "runner",
     "Sampler": "sampler",
     "SamplingRow": "sampler",
     "position_seed": "sampler",
     "SamplingParams": "pdserve.common.generation",
     "RequestOutput": "colocated.scheduler",
-    "ScheduledRequest": "colocated.scheduler",
     "Scheduler": "colocated.scheduler",
-    "SchedulerOutput": "colocated.scheduler",
 }
 
 __all__ = [
@@ -85,7 +82,6 @@ __all__ = [
     "CacheConfig",
     "EngineConfig",
     "FinishReason",
-    "ForwardChunk",
     "KVBlockData",
     "KVCache",
     "KVCacheLayout",
@@ -99,7 +95,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SamplingRow",
-    "ScheduledRequest",
+    "ScheduledChunk",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any
 
 import structlog
 import torch
@@ -11,6 +11,7 @@ import torch
 from pdserve.common.generation import num_blocks_for
 from pdserve.engine.attention_buffer import KVGatherBuffer
 from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import flash_attn_unusable_reason
 from pdserve.engine.kv_budget import size_kv_cache
@@ -22,23 +23,7 @@ from pdserve.engine.model_config import ModelConfig
 log = structlog.get_logger(__name__)
 
 
-class ForwardChunk(NamedTuple):
-    """One sequence's share of a batch.
-
-    Attributes:
-        token_ids: The new tokens to run (a prefill chunk, or the one last token of a decode).
-        num_computed_tokens: Tokens of this sequence already in the cache; the first new token
-            sits at this position.
-        block_ids: The sequence's block table; it must cover
-            ``num_computed_tokens + len(token_ids)`` tokens (extra trailing blocks are ignored).
-    """
-
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_ids: Sequence[int]
-
-
-def _batch_position(chunk: ForwardChunk) -> tuple[bool, int]:
+def _batch_position(chunk: ScheduledChunk[Any]) -> tuple[bool, int]:
     is_decode = len(chunk.token_ids) == 1
     return (not is_decode, chunk.num_computed_tokens if is_decode else 0)
 
@@ -125,7 +110,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, chunks: Sequence[ForwardChunk], on_layer_done: LayerCallback | None = None
+        self, chunks: Sequence[ScheduledChunk[Any]], on_layer_done: LayerCallback | None = None
     ) -> torch.Tensor:
         """Runs one batch: writes every chunk's KV into its blocks and returns next-token logits.
 
@@ -154,7 +139,7 @@ class ModelRunner:
         return logits_sorted[inverse.to(self.device)]
 
     def _prepare(
-        self, chunks: Sequence[ForwardChunk]
+        self, chunks: Sequence[ScheduledChunk[Any]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
         input_ids: list[int] = []

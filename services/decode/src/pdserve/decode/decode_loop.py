@@ -29,7 +29,8 @@ from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.request import DecodeRequest
-from pdserve.engine.runner import ForwardChunk, ModelRunner
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.serving.engine_thread import EngineThread
 
@@ -185,7 +186,7 @@ class DecodeLoop(EngineThread):
         started = time.perf_counter()
         batch = list(self._running)
         chunks = [
-            ForwardChunk([r.token_ids[-1]], r.num_computed_tokens, r.block_ids) for r in batch
+            ScheduledChunk([r.token_ids[-1]], r.num_computed_tokens, r.block_ids, r) for r in batch
         ]
         logits = self.runner.execute(chunks)
         rows = [SamplingRow(r.sampling, r.seed, r.num_generated_tokens) for r in batch]

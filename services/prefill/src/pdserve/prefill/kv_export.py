@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from pdserve.common.generation import num_blocks_for
+from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kv.transfer import layer_pieces
 from pdserve.prefill.request import Request
-from pdserve.prefill.scheduler import ScheduledChunk
 
 
 class Export(NamedTuple):
@@ -28,7 +28,7 @@ class Export(NamedTuple):
     end_block: int
 
 
-def plan_export(chunk: ScheduledChunk, block_size: int) -> Export | None:
+def plan_export(chunk: ScheduledChunk[Request], block_size: int) -> Export | None:
     """The blocks `chunk`'s pass completes for its request's sender; None when the request
     ships no KV or the pass completes no unsent block."""
     request = chunk.request

@@ -30,8 +30,9 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
+from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.runner import ForwardChunk, ModelRunner
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.kv.codec import import_block_payloads
 from pdserve.kv.transfer import blocks_per_piece
@@ -39,7 +40,7 @@ from pdserve.prefill.events import EngineFailed, FirstTokenSampled
 from pdserve.prefill.kv_export import export_layer, plan_export
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import Request
-from pdserve.prefill.scheduler import PrefillScheduler, ScheduledChunk, SchedulerOutput
+from pdserve.prefill.scheduler import PrefillScheduler
 from pdserve.prefill.store_loader import StoreLoader
 from pdserve.serving.engine_thread import EngineThread
 
@@ -162,12 +163,9 @@ class PrefillLoop(EngineThread):
             if not output.is_empty:
                 self._execute(output)
 
-    def _execute(self, output: SchedulerOutput) -> None:
+    def _execute(self, output: SchedulerOutput[Request]) -> None:
         scheduled = output.scheduled
         exports = [export for chunk in scheduled if (export := plan_export(chunk, self.block_size))]
-        chunks = [
-            ForwardChunk(c.token_ids, c.num_computed_tokens, c.request.block_ids) for c in scheduled
-        ]
         spans = _chunk_spans(scheduled) if telemetry.is_enabled() else []
         now = time.monotonic()
         for chunk in scheduled:
@@ -176,7 +174,7 @@ class PrefillLoop(EngineThread):
         try:
             self._import_stored_blocks(scheduled)
             logits = self.runner.execute(
-                chunks,
+                scheduled,
                 lambda layer: export_layer(
                     self.runner.kv_cache, exports, layer, self.blocks_per_piece
                 ),
@@ -225,7 +223,7 @@ class PrefillLoop(EngineThread):
             num_first_tokens=len(completed),
         )
 
-    def _import_stored_blocks(self, scheduled: list[ScheduledChunk]) -> None:
+    def _import_stored_blocks(self, scheduled: list[ScheduledChunk[Request]]) -> None:
         """Copies the payloads admission took from the store into their blocks."""
         for chunk in scheduled:
             request = chunk.request
@@ -236,7 +234,7 @@ class PrefillLoop(EngineThread):
                 import_block_payloads(self.runner.kv_cache, block_ids, payloads)
 
 
-def _chunk_spans(scheduled: list[ScheduledChunk]) -> list[trace.Span]:
+def _chunk_spans(scheduled: list[ScheduledChunk[Request]]) -> list[trace.Span]:
     """Starts a ``prefill.chunk`` span per scheduled chunk (and, for a request's first chunk,
     records its ``prefill.queue_wait``), each under its request's trace context."""
     now_ns = time.time_ns()

@@ -20,48 +20,11 @@ copies into the cache before the pass).
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from pdserve.common.generation import num_blocks_for
+from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool, prefix_block_keys
 from pdserve.prefill.request import Request
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """A request's share of one forward pass.
-
-    Attributes:
-        request: The request (its ``block_ids`` cover its whole prompt).
-        num_computed_tokens: Tokens cached before this pass (the chunk's start position).
-        num_new_tokens: Tokens computed in this pass.
-    """
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-
-    @property
-    def token_ids(self) -> list[int]:
-        start = self.num_computed_tokens
-        return self.request.token_ids[start : start + self.num_new_tokens]
-
-    @property
-    def completes_prompt(self) -> bool:
-        """Whether the pass reaches the last position, whose logits give the first token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one pass runs, oldest request first."""
-
-    scheduled: list[ScheduledChunk] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class PrefillScheduler:
@@ -103,19 +66,19 @@ class PrefillScheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Request]:
         """Picks the next pass: running requests first, then waiting ones in arrival order.
 
         Admission stops at the first waiting request whose prompt does not fit in the free
         blocks (strict FCFS: a long prompt is never starved by shorter ones behind it).
         """
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledChunk] = []
+        scheduled: list[ScheduledChunk[Request]] = []
         for request in self.running:
             if budget == 0:
                 break
             num_new = min(request.num_uncomputed_tokens, budget)
-            scheduled.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            scheduled.append(ScheduledChunk.cut(request, num_new))
             budget -= num_new
         while self.waiting and budget > 0:
             request = self.waiting[0]
@@ -124,11 +87,11 @@ class PrefillScheduler:
             self.waiting.popleft()
             self.running.append(request)
             num_new = min(request.num_uncomputed_tokens, budget)
-            scheduled.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+            scheduled.append(ScheduledChunk.cut(request, num_new))
             budget -= num_new
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget)
 
-    def update_from_output(self, output: SchedulerOutput) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput[Request]) -> list[Request]:
         """Advances the scheduled requests past their chunks.
 
         Returns:

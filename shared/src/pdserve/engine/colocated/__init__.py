@@ -2,8 +2,8 @@
 
 No service runs it. ``python -m pdserve.engine`` generates with it, tests hold the
 disaggregated output equal to it, and benchmarks measure the services against it. It sits on
-the engine's lower layers (``ModelRunner`` with its ``KVCache``, ``BlockPool``, ``Sampler``)
-and keeps its own request, block bookkeeping and scheduler:
+the engine's lower layers (``ModelRunner`` with its ``KVCache``, ``BlockPool``, ``Sampler``,
+the ``ScheduledChunk`` batch) and keeps its own request, block bookkeeping and scheduler:
 
 * ``engine``: ``LLMEngine`` (``add_request``, ``step``, ``abort``, ``generate``).
 * ``scheduler``: ``Scheduler`` (continuous batching with preemption by recompute).

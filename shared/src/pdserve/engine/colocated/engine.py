@@ -8,13 +8,14 @@ from collections.abc import Sequence
 import structlog
 
 from pdserve.common.generation import SamplingParams, num_blocks_for, resolve_seed
+from pdserve.engine.batch import SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
 from pdserve.engine.colocated.request import Request, RequestStatus
-from pdserve.engine.colocated.scheduler import RequestOutput, Scheduler, SchedulerOutput
+from pdserve.engine.colocated.scheduler import RequestOutput, Scheduler
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model import LayerCallback
-from pdserve.engine.runner import ForwardChunk, ModelRunner
+from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 
 log = structlog.get_logger(__name__)
@@ -139,7 +140,9 @@ class LLMEngine:
         return self.execute(self.scheduler.schedule(), on_layer_done)
 
     def execute(
-        self, scheduler_output: SchedulerOutput, on_layer_done: LayerCallback | None = None
+        self,
+        scheduler_output: SchedulerOutput[Request],
+        on_layer_done: LayerCallback | None = None,
     ) -> list[RequestOutput]:
         """Runs a step that was already scheduled (lets a caller inspect it first).
 
@@ -150,11 +153,7 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         scheduled = scheduler_output.scheduled
-        chunks = [
-            ForwardChunk(item.token_ids, item.num_computed_tokens, item.request.block_ids)
-            for item in scheduled
-        ]
-        logits = self.runner.execute(chunks, on_layer_done)
+        logits = self.runner.execute(scheduled, on_layer_done)
         sample_rows = [i for i, item in enumerate(scheduled) if item.completes_prompt]
         sampled: dict[str, int] = {}
         if sample_rows:

@@ -43,9 +43,7 @@ class KVCacheManager:
         parent = None
         for index in range(max_blocks):
             start = index * self.block_size
-            parent = hash_block_tokens(
-                parent, request.all_token_ids[start : start + self.block_size]
-            )
+            parent = hash_block_tokens(parent, request.token_ids[start : start + self.block_size])
             block_id = self.block_pool.get_cached_block(parent)
             if block_id is None:
                 break
@@ -97,7 +95,7 @@ class KVCacheManager:
             start = index * self.block_size
             parent = request.block_hashes[-1] if request.block_hashes else None
             block_hash = hash_block_tokens(
-                parent, request.all_token_ids[start : start + self.block_size]
+                parent, request.token_ids[start : start + self.block_size]
             )
             request.block_hashes.append(block_hash)
             self.block_pool.cache_block(request.block_ids[index], block_hash)

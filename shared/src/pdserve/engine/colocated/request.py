@@ -72,7 +72,7 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids = list(output_token_ids)
-        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
         self.sampling_params = sampling_params
         self.seed = seed
         self.block_ids = list(block_ids)
@@ -89,7 +89,7 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
-        return len(self.all_token_ids)
+        return len(self.token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,12 +114,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         """Records a sampled token; its KV is computed by the next step."""
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        self.token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The terminal status reached after the latest token, or ``None`` to keep going."""
         reason = check_stop(
-            self.all_token_ids[-1],
+            self.token_ids[-1],
             self.num_output_tokens,
             self.sampling_params,
             self.eos_token_ids,

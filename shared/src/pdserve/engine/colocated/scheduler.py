@@ -8,62 +8,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
 from pdserve.common.generation import FinishReason
+from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
 from pdserve.engine.colocated.request import Request, RequestStatus
 from pdserve.engine.config import SchedulerConfig
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """A request's share of one step.
-
-    Attributes:
-        request: The request (its ``block_ids`` already cover the new tokens).
-        num_computed_tokens: Tokens already cached before this step (the chunk's start position).
-        num_new_tokens: Tokens to compute this step.
-    """
-
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens to compute this step."""
-        start = self.num_computed_tokens
-        return self.request.all_token_ids[start : start + self.num_new_tokens]
-
-    @property
-    def completes_prompt(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so its logits are sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one step runs.
-
-    Attributes:
-        scheduled: Requests in batch order (running ones first, then newly admitted).
-        preempted_request_ids: Requests preempted (blocks freed, back to waiting) in this step.
-        num_batched_tokens: Total new tokens of the step.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        """Whether nothing runs in this step."""
-        return not self.scheduled
 
 
 @dataclass(frozen=True)
@@ -136,10 +91,10 @@ class Scheduler:
             finished.append(request)
         return finished
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput[Request]:
         """Builds the next step: running requests first, then waiting ones while room is left."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[ScheduledChunk[Request]] = []
         preempted: list[str] = []
         index = 0
         while index < len(self.running) and budget > 0:
@@ -152,7 +107,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+                scheduled.append(ScheduledChunk.cut(request, num_new))
                 budget -= num_new
                 index += 1
         # NOTE: admitting new work right after a preemption would only thrash; wait a step.
@@ -172,7 +127,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled.append(ScheduledChunk.cut(request, num_new))
             budget -= num_new
         return SchedulerOutput(
             scheduled=scheduled,
@@ -181,14 +136,14 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+        self, scheduler_output: SchedulerOutput[Request], sampled_token_ids: Mapping[str, int]
     ) -> list[RequestOutput]:
         """Advances the scheduled requests after the forward pass and applies stop rules.
 
         Args:
             scheduler_output: The step that ran.
             sampled_token_ids: The sampled token of each request whose chunk completed its
-                known tokens (``ScheduledRequest.completes_prompt``).
+                known tokens (``ScheduledChunk.completes_prompt``).
 
         Returns:
             One output per scheduled request that is still tracked.
