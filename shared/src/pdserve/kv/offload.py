@@ -20,9 +20,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from pdserve.common import telemetry
+from pdserve.engine.thread import EngineThread
 from pdserve.kv.store import KvStore, KvStoreUnavailable
 from pdserve.serving.config import DEFAULT_KV_STORE_QUEUE_LEN
-from pdserve.serving.engine_thread import EngineThread
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.serving")

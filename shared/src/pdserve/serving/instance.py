@@ -16,7 +16,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 from wsgiref.simple_server import WSGIServer
 
 import grpc
@@ -34,6 +34,7 @@ from pdserve.common.grpc_server import (
 from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
+from pdserve.engine.thread import EngineThread
 from pdserve.kv.tier import kv_store_counters, open_kv_tier
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import local_protocol
@@ -45,14 +46,6 @@ log = structlog.get_logger(__name__)
 
 INSTANCE_SERVICE = instance_pb2.DESCRIPTOR.services_by_name["InstanceService"].full_name
 DRAIN_POLL_S = 0.05
-
-
-class EngineThread(Protocol):
-    """The role's engine thread (model work never runs on the event loop)."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
 
 
 class InstanceServer(abc.ABC):

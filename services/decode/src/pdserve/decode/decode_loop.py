@@ -32,7 +32,7 @@ from pdserve.decode.request import DecodeRequest
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.serving.engine_thread import EngineThread
+from pdserve.engine.thread import EngineThread
 
 log = structlog.get_logger(__name__)
 

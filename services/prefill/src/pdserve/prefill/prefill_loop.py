@@ -34,6 +34,7 @@ from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.thread import EngineThread
 from pdserve.kv.codec import import_block_payloads
 from pdserve.kv.transfer import blocks_per_piece
 from pdserve.prefill.events import EngineFailed, FirstTokenSampled
@@ -42,7 +43,6 @@ from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler
 from pdserve.prefill.store_loader import StoreLoader
-from pdserve.serving.engine_thread import EngineThread
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")

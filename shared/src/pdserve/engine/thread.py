@@ -1,4 +1,8 @@
-"""The thread a prefill or decode engine steps on, with its wake-up condition and its stop."""
+"""The thread an engine steps on, with its wake-up condition and its stop.
+
+The prefill's and the decode's engine loops run on it, and so does the KV store's writer
+(`pdserve.kv.offload`): model work and store I/O never run on the event loop.
+"""
 
 from __future__ import annotations
 
