@@ -29,8 +29,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 async def _wait_status(pd: Cluster, request_id: str, status: RequestStatus) -> None:
     deadline = time.monotonic() + 10
     while True:
-        request = pd.prefill.handoffs.live.get(request_id)
-        if request is not None and request.status is status:
+        flight = pd.prefill.handoffs.live.get(request_id)
+        if flight is not None and flight.request.status is status:
             return
         assert time.monotonic() < deadline, f"{request_id} never reached {status.name}"
         await asyncio.sleep(0.005)

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from pdserve.common.generation import SamplingParams
-from pdserve.prefill.request import IllegalTransition, Request, RequestStatus
+from pdserve.common.transitions import IllegalTransition
+from pdserve.prefill.request import Request, RequestStatus
 
 S = RequestStatus
 

@@ -2,9 +2,9 @@
 
 `open_lease` asks the target decode for blocks (`DecodePeers.allocate`) in a
 ``prefill.allocate`` span, records the grant on the request (so the request's cleanup
-releases it), and refuses a grant from a decode other than the one the gateway named. A grant
-that arrives after the request was aborted is released at once instead of being left to the
-lease TTL.
+releases it, `release_lease`), and refuses a grant from a decode other than the one the
+gateway named. A grant that arrives after the request was aborted is released at once instead
+of being left to the lease TTL.
 """
 
 from __future__ import annotations
@@ -79,6 +79,14 @@ async def open_lease(
             {"requestId": request.request_id, "decodeAddress": request.decode_address},
         )
     return lease
+
+
+async def release_lease(peers: DecodePeers, request: Request) -> None:
+    """Releases `request`'s decode lease unless it was handed off or released already."""
+    if not request.is_lease_open or request.lease is None:
+        return
+    request.is_lease_open = False
+    await peers.release_lease(request.decode_address, request.lease, request.request_id)
 
 
 def _release_late_grant(

@@ -88,13 +88,13 @@ class PrefillInstance(InstanceServer):
         self.servicer = PrefillServicer(host, self.handoffs, self.instance, limits)
         self.status = PrefillStatus(self.instance, self.handoffs, self.loop)
         self.metrics = PrefillMetrics()
-        self.loop.metrics = self.handoffs.metrics = self.metrics
+        self.loop.metrics = self.handoffs.metrics = self.handoffs.transfers.metrics = self.metrics
 
     def add_service(self, server: grpc.aio.Server) -> None:
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(self.servicer, server)
 
     def counters(self) -> Mapping[str, tuple[str, float]]:
-        loop, handoffs, scheduler = self.loop, self.handoffs, self.loop.scheduler
+        loop, transfers, scheduler = self.loop, self.handoffs.transfers, self.loop.scheduler
         return {
             "prompt_tokens": (
                 "Prompt tokens computed by forward passes (rate() gives tokens/s).",
@@ -113,8 +113,8 @@ class PrefillInstance(InstanceServer):
                 scheduler.num_loaded_prompt_tokens,
             ),
             "passes": ("Prefill forward passes run.", loop.num_passes),
-            "handed_off": ("Requests whose KV the decode acknowledged.", handoffs.num_handed_off),
-            "kv_sent_bytes": ("KV bytes in acknowledged transfers.", handoffs.num_kv_bytes_sent),
+            "handed_off": ("Requests whose KV the decode acknowledged.", transfers.num_handed_off),
+            "kv_sent_bytes": ("KV bytes in acknowledged transfers.", transfers.num_kv_bytes_sent),
             **self._store_counters(),
         }
 
@@ -164,7 +164,7 @@ async def create_server(
     """Builds a prefill instance and starts serving it (`InstanceServer` explains the arguments)."""
     instance = PrefillInstance(config, host, interceptors)
     await instance.start()
-    fault = instance.handoffs.fault_corrupt_kv
+    fault = instance.handoffs.transfers.fault_corrupt_kv
     if fault is not None:
         log.warning("fault_injection_enabled", fault="corrupt_kv", request_id_pattern=fault)
     log.info(

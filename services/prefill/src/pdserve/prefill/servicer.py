@@ -97,7 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                     is_done = True
                     await abort_with_error(context, outcome)
                 is_done = not isinstance(outcome, FirstTokenOut)
-                durations = self._record_phases(started, outcome, span)
+                durations = self._record_phases(started.request, outcome, span)
                 yield outcome_to_proto(outcome, durations)
         finally:
             if not is_done:

@@ -30,7 +30,7 @@ class PrefillStatus(InstanceStatus):
         those computing or shipping their KV. Queued prompt tokens count every token not yet
         computed.
         """
-        requests = list(self.handoffs.live.values())
+        requests = [flight.request for flight in self.handoffs.live.values()]
         num_preparing = sum(1 for r in requests if r.status <= RequestStatus.PREPARING)
         num_waiting = self.loop.num_waiting
         with self.loop.lock:
@@ -59,7 +59,9 @@ class PrefillStatus(InstanceStatus):
             num_total_blocks=num_total,
             num_free_blocks=num_free,
             num_cached_blocks=num_cached,
-            num_open_leases=sum(1 for t in self.handoffs.live.values() if t.is_lease_open),
+            num_open_leases=sum(
+                1 for flight in self.handoffs.live.values() if flight.request.is_lease_open
+            ),
             is_consistent=not detail,
             detail=detail,
         )
