@@ -11,7 +11,8 @@ import pytest
 
 from pdserve.kv.offload import KvStoreWriter, WriteDropped
 from pdserve.kv.store import KvStore, KvStoreUnavailable
-from pdserve.kv.tier import kv_store_counters
+from pdserve.serving.config import DEFAULT_KV_STORE_QUEUE_LEN
+from pdserve.serving.kv_tier import kv_store_counters
 
 FINGERPRINT = "ab" * 32
 KEY = bytes(32)
@@ -70,7 +71,7 @@ def test_a_store_that_is_down_fails_the_write_and_counts_it() -> None:
     store = _GatedStore()
     store.is_down = True
     store.gate.set()
-    writer = KvStoreWriter(store, FINGERPRINT)
+    writer = KvStoreWriter(store, FINGERPRINT, DEFAULT_KV_STORE_QUEUE_LEN)
     writer.start()
     try:
         with pytest.raises(KvStoreUnavailable):
@@ -83,7 +84,7 @@ def test_a_store_that_is_down_fails_the_write_and_counts_it() -> None:
 
 def test_writes_left_at_stop_are_dropped() -> None:
     store = _GatedStore()
-    writer = KvStoreWriter(store, FINGERPRINT)
+    writer = KvStoreWriter(store, FINGERPRINT, DEFAULT_KV_STORE_QUEUE_LEN)
     writer.stop()
     with pytest.raises(WriteDropped):
         writer.submit("r", {_key(1): b"x"}).result(1)

@@ -22,7 +22,6 @@ from opentelemetry.context import Context
 from pdserve.common import telemetry
 from pdserve.engine.thread import EngineThread
 from pdserve.kv.store import KvStore, KvStoreUnavailable
-from pdserve.serving.config import DEFAULT_KV_STORE_QUEUE_LEN
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.serving")
@@ -56,9 +55,7 @@ class KvStoreWriter(EngineThread):
         num_blocks_written: Blocks in the writes that reached the store.
     """
 
-    def __init__(
-        self, store: KvStore, fingerprint: str, max_queue_len: int = DEFAULT_KV_STORE_QUEUE_LEN
-    ) -> None:
+    def __init__(self, store: KvStore, fingerprint: str, max_queue_len: int) -> None:
         if max_queue_len <= 0:
             raise ValueError(f"max_queue_len must be positive, got {max_queue_len}")
         self.store = store

@@ -35,9 +35,9 @@ from pdserve.common.metrics import InstanceMetrics, start_metrics_server
 from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
 from pdserve.engine.thread import EngineThread
-from pdserve.kv.tier import kv_store_counters, open_kv_tier
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import local_protocol
+from pdserve.serving.kv_tier import kv_store_counters, open_kv_tier
 from pdserve.serving.model_host import ModelHost
 from pdserve.serving.status import InstanceStatus
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
