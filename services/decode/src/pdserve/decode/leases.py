@@ -1,23 +1,18 @@
-"""The lease table: admission with headroom, and the lock every request transition runs under.
+"""Who gets a lease and who may write into it or release it, over the lease table.
 
-A lease is a `DecodeRequest` in one of its open states; the table holds a reference to each open
-one. It is shared by the event loop (AllocateBlocks, SyncCache, ReleaseLease, the expiry sweep)
-and the decode thread (admitting committed requests, growing and preempting running ones), so
-every method takes one lock. Ownership rule: once a request is RUNNING only the decode thread
-ends it, because its blocks may be in use by the forward pass of the current step. The
-admission arithmetic (headroom, capacity, per-peer share) is pure, in `lease_admission`.
+`LeaseManager` is the `LeaseTable` (the open leases, their transitions and the one lock, in
+`lease_table`) with its rules: admission with headroom for AllocateBlocks (the arithmetic of
+headroom, capacity and per-peer share is pure, in `lease_admission`) and the access checks of
+SyncCache and ReleaseLease (the rules are pure, in `lease_access`), each under the table's lock.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import num_blocks_for
 from pdserve.common.pki import Identity
 from pdserve.decode import lease_access
 from pdserve.decode.lease_admission import (
@@ -29,13 +24,12 @@ from pdserve.decode.lease_admission import (
     share_refusal,
 )
 from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.lease_table import LeaseTable
 from pdserve.decode.request import DecodeRequest
 from pdserve.engine.block_pool import BlockPool
 
-NUM_REMEMBERED_ENDED = 4096
 
-
-class LeaseManager:
+class LeaseManager(LeaseTable):
     """Grants leases (new `DecodeRequest`s) from a `BlockPool`; runs their transitions.
 
     Args:
@@ -66,26 +60,18 @@ class LeaseManager:
         max_lease_share: float = 1.0,
         is_insecure: bool = False,
     ) -> None:
-        self.pool = pool
-        self.block_size = block_size
+        super().__init__(pool, block_size, clock)
         self.reserve_tokens = reserve_tokens
         self.ttl_s = ttl_s
         self.capacity_retry_s = capacity_retry_s
-        self.clock = clock
         self._asks = RecentAsks()
         self.max_model_len = max_model_len
         self.max_lease_share = max_lease_share
         self.is_insecure = is_insecure
-        self.lock = threading.RLock()
         self.is_draining = False
-        self.num_expired = 0
         self.num_granted = 0
         self.num_refused = 0
         self.num_access_refused = 0
-        self._leases: dict[str, DecodeRequest] = {}
-        self._ended: OrderedDict[str, RequestStatus] = OrderedDict()
-        # NOTE: ended while a transfer was writing into them; freed when the transfer ends.
-        self._held_for_writer: dict[str, DecodeRequest] = {}
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -168,37 +154,6 @@ class LeaseManager:
             self.num_granted += 1
             return lease
 
-    # ---- lookups and transitions -----------------------------------------------------------
-
-    def get(self, lease_id: str) -> DecodeRequest:
-        """The open request holding lease `lease_id`.
-
-        Raises:
-            PdserveError: LEASE_EXPIRED if it expired, LEASE_NOT_FOUND if unknown or ended.
-        """
-        with self.lock:
-            lease = self._leases.get(lease_id)
-            if lease is not None:
-                return lease
-            if self._ended.get(lease_id) is RequestStatus.EXPIRED:
-                raise PdserveError(
-                    ErrorReason.LEASE_EXPIRED, "lease expired", {"leaseId": lease_id}
-                )
-            raise PdserveError(ErrorReason.LEASE_NOT_FOUND, "no such lease", {"leaseId": lease_id})
-
-    def ended_status(self, lease_id: str) -> RequestStatus | None:
-        """The terminal state of a recently ended lease, or None."""
-        with self.lock:
-            return self._ended.get(lease_id)
-
-    def advance(self, request: DecodeRequest, status: RequestStatus) -> bool:
-        """Moves `request` to non-terminal `status` if its state machine allows it now."""
-        with self.lock:
-            if not request.can_move_to(status):
-                return False
-            request.move_to(status)
-            return True
-
     # ---- who may write or release (rules in `lease_access`) -------------------------------
 
     def begin_sync(
@@ -230,14 +185,6 @@ class LeaseManager:
             lease.is_being_written = True
             return lease
 
-    def end_sync(self, lease: DecodeRequest) -> None:
-        """The transfer into `lease` stopped writing: frees its blocks if it ended meanwhile."""
-        with self.lock:
-            lease.is_being_written = False
-            if self._held_for_writer.pop(lease.lease_id, None) is not None:
-                self.pool.free(lease.block_ids)
-                lease.block_ids = []
-
     def check_release(
         self, lease: DecodeRequest, request_id: str, token: bytes, caller: Identity | None
     ) -> None:
@@ -254,73 +201,3 @@ class LeaseManager:
         with self.lock:
             self.num_access_refused += 1
             return lease_access.denied(rpc, lease, caller, refusal, self.num_access_refused)
-
-    def extend(self, lease: DecodeRequest, num_tokens: int) -> bool:
-        """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
-        with self.lock:
-            missing = num_blocks_for(num_tokens, self.block_size) - len(lease.block_ids)
-            if missing <= 0:
-                return True
-            if not self.pool.can_allocate(missing):
-                return False
-            lease.block_ids.extend(self.pool.allocate(missing))
-            return True
-
-    def end(self, request: DecodeRequest, status: RequestStatus) -> bool:
-        """Ends `request` in terminal `status` (`DecodeRequest.end` frees its blocks, once) and
-        forgets it, remembering how it ended.
-
-        Returns:
-            True if this call ended it; False if it had already ended.
-        """
-        with self.lock:
-            is_held = request.is_being_written
-            if not request.end(status, None if is_held else self.pool):
-                return False
-            if is_held:
-                self._held_for_writer[request.lease_id] = request
-            self._leases.pop(request.lease_id, None)
-            self._ended[request.lease_id] = status
-            while len(self._ended) > NUM_REMEMBERED_ENDED:
-                self._ended.popitem(last=False)
-            if status is RequestStatus.EXPIRED:
-                self.num_expired += 1
-            return True
-
-    def due_for_expiry(self) -> list[DecodeRequest]:
-        """Open leases past their deadline that were never committed and attached."""
-        now = self.clock()
-        with self.lock:
-            return [
-                lease
-                for lease in self._leases.values()
-                if lease.expires_at < now
-                and (lease.status < RequestStatus.COMMITTED or not lease.is_attached)
-            ]
-
-    # ---- introspection ---------------------------------------------------------------------
-
-    def open_leases(self) -> list[DecodeRequest]:
-        with self.lock:
-            return list(self._leases.values())
-
-    def num_leased_blocks(self) -> int:
-        """Blocks held by leases that are not running yet."""
-        with self.lock:
-            return sum(
-                len(lease.block_ids)
-                for lease in self._leases.values()
-                if lease.status < RequestStatus.RUNNING
-            )
-
-    def check_integrity(self) -> None:
-        """Raises AssertionError unless the pool is consistent and leases own disjoint blocks
-        that are exactly the pool's used blocks."""
-        with self.lock:
-            self.pool.check_integrity()
-            holders = [*self._leases.values(), *self._held_for_writer.values()]
-            owned = [b for lease in holders for b in lease.block_ids]
-            assert len(owned) == len(set(owned)), "a block is owned by two leases"
-            assert len(owned) == self.pool.num_used_blocks, (
-                f"leases own {len(owned)} blocks but the pool has {self.pool.num_used_blocks} used"
-            )

@@ -1,0 +1,158 @@
+"""The lease table: the open leases, how recent ones ended, and the lock every request
+transition runs under.
+
+A lease is a `DecodeRequest` in one of its open states; the table holds a reference to each open
+one. It is shared by the event loop (AllocateBlocks, SyncCache, ReleaseLease, the expiry sweep)
+and the decode thread (admitting committed requests, growing and preempting running ones), so
+every method takes one lock. Ownership rule: once a request is RUNNING only the decode thread
+ends it, because its blocks may be in use by the forward pass of the current step. A lease that
+ends while a transfer still writes into its blocks keeps them until that writer stops
+(`end_sync`). Who gets a lease and who may write into it or release it is `leases.LeaseManager`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import num_blocks_for
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.request import DecodeRequest
+from pdserve.engine.block_pool import BlockPool
+
+NUM_REMEMBERED_ENDED = 4096
+
+
+class LeaseTable:
+    """The open leases on a `BlockPool`, their transitions, and the block accounting.
+
+    Args:
+        pool: The decode's block pool.
+        block_size: Tokens per block.
+        clock: Monotonic clock (injectable for tests).
+    """
+
+    def __init__(
+        self, pool: BlockPool, block_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.clock = clock
+        self.lock = threading.RLock()
+        self.num_expired = 0
+        self._leases: dict[str, DecodeRequest] = {}
+        self._ended: OrderedDict[str, RequestStatus] = OrderedDict()
+        # NOTE: ended while a transfer was writing into them; freed when the transfer ends.
+        self._held_for_writer: dict[str, DecodeRequest] = {}
+
+    # ---- lookups and transitions -----------------------------------------------------------
+
+    def get(self, lease_id: str) -> DecodeRequest:
+        """The open request holding lease `lease_id`.
+
+        Raises:
+            PdserveError: LEASE_EXPIRED if it expired, LEASE_NOT_FOUND if unknown or ended.
+        """
+        with self.lock:
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                return lease
+            if self._ended.get(lease_id) is RequestStatus.EXPIRED:
+                raise PdserveError(
+                    ErrorReason.LEASE_EXPIRED, "lease expired", {"leaseId": lease_id}
+                )
+            raise PdserveError(ErrorReason.LEASE_NOT_FOUND, "no such lease", {"leaseId": lease_id})
+
+    def ended_status(self, lease_id: str) -> RequestStatus | None:
+        """The terminal state of a recently ended lease, or None."""
+        with self.lock:
+            return self._ended.get(lease_id)
+
+    def advance(self, request: DecodeRequest, status: RequestStatus) -> bool:
+        """Moves `request` to non-terminal `status` if its state machine allows it now."""
+        with self.lock:
+            if not request.can_move_to(status):
+                return False
+            request.move_to(status)
+            return True
+
+    def end_sync(self, lease: DecodeRequest) -> None:
+        """The transfer into `lease` stopped writing: frees its blocks if it ended meanwhile."""
+        with self.lock:
+            lease.is_being_written = False
+            if self._held_for_writer.pop(lease.lease_id, None) is not None:
+                self.pool.free(lease.block_ids)
+                lease.block_ids = []
+
+    def extend(self, lease: DecodeRequest, num_tokens: int) -> bool:
+        """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
+        with self.lock:
+            missing = num_blocks_for(num_tokens, self.block_size) - len(lease.block_ids)
+            if missing <= 0:
+                return True
+            if not self.pool.can_allocate(missing):
+                return False
+            lease.block_ids.extend(self.pool.allocate(missing))
+            return True
+
+    def end(self, request: DecodeRequest, status: RequestStatus) -> bool:
+        """Ends `request` in terminal `status` (`DecodeRequest.end` frees its blocks, once) and
+        forgets it, remembering how it ended.
+
+        Returns:
+            True if this call ended it; False if it had already ended.
+        """
+        with self.lock:
+            is_held = request.is_being_written
+            if not request.end(status, None if is_held else self.pool):
+                return False
+            if is_held:
+                self._held_for_writer[request.lease_id] = request
+            self._leases.pop(request.lease_id, None)
+            self._ended[request.lease_id] = status
+            while len(self._ended) > NUM_REMEMBERED_ENDED:
+                self._ended.popitem(last=False)
+            if status is RequestStatus.EXPIRED:
+                self.num_expired += 1
+            return True
+
+    def due_for_expiry(self) -> list[DecodeRequest]:
+        """Open leases past their deadline that were never committed and attached."""
+        now = self.clock()
+        with self.lock:
+            return [
+                lease
+                for lease in self._leases.values()
+                if lease.expires_at < now
+                and (lease.status < RequestStatus.COMMITTED or not lease.is_attached)
+            ]
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def open_leases(self) -> list[DecodeRequest]:
+        with self.lock:
+            return list(self._leases.values())
+
+    def num_leased_blocks(self) -> int:
+        """Blocks held by leases that are not running yet."""
+        with self.lock:
+            return sum(
+                len(lease.block_ids)
+                for lease in self._leases.values()
+                if lease.status < RequestStatus.RUNNING
+            )
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless the pool is consistent and leases own disjoint blocks
+        that are exactly the pool's used blocks."""
+        with self.lock:
+            self.pool.check_integrity()
+            holders = [*self._leases.values(), *self._held_for_writer.values()]
+            owned = [b for lease in holders for b in lease.block_ids]
+            assert len(owned) == len(set(owned)), "a block is owned by two leases"
+            assert len(owned) == self.pool.num_used_blocks, (
+                f"leases own {len(owned)} blocks but the pool has {self.pool.num_used_blocks} used"
+            )
