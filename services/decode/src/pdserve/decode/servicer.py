@@ -18,9 +18,8 @@ from pdserve.common import telemetry
 from pdserve.common.authz import peer_identity
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.protocol import check_compatible
-from pdserve.decode import convert
+from pdserve.decode import convert, sync_stream
 from pdserve.decode.decode_loop import DecodeLoop
-from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkData, KvChunkMeta, KvReceiver
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
@@ -127,7 +126,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         lease: DecodeRequest | None = None
         started = time.perf_counter()
         try:
-            header = await self._header(request_iterator)
+            header = await sync_stream.read_header(request_iterator)
             # NOTE: a refused token leaves the lease as it was (`lease` stays None).
             lease, receiver = self.transfers.begin(header, peer_identity(context))
             trace.get_current_span().set_attributes(
@@ -141,7 +140,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if is_shared:
                     # NOTE: the sender writes into the segment only after this answer.
                     await context.send_initial_metadata(((SYNC_ACCEPTED_KEY, "1"),))
-                commit, checks = await self._receive(request_iterator, receiver, header.transport)
+                commit, checks = await sync_stream.receive_chunks(
+                    request_iterator, receiver, header.transport
+                )
                 for meta, crc in checks:
                     receiver.receive_written(meta, await crc)
                 response = self.transfers.commit(lease, receiver, header, commit, started)
@@ -176,59 +177,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 ),
             )
             raise
-
-    @staticmethod
-    async def _receive(
-        request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest],
-        receiver: KvReceiver,
-        transport: decode_pb2.TransportKind,
-    ) -> tuple[decode_pb2.SyncCacheCommit, list[tuple[KvChunkMeta, asyncio.Future[int]]]]:
-        """Takes chunks until the commit; returns it with the checksums still to compare.
-        Shared memory: a chunk without bytes names blocks the sender wrote; their checksum is
-        computed in the cache on a worker while the next ones come."""
-        is_shared = transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
-        checks: list[tuple[KvChunkMeta, asyncio.Future[int]]] = []
-        async for message in request_iterator:
-            part = message.WhichOneof("part")
-            if part == "chunk":
-                c = message.chunk
-                if not is_shared:
-                    receiver.receive(
-                        KvChunkData(
-                            c.layer_index, c.first_block, c.num_blocks, c.key, c.value, c.crc32c
-                        )
-                    )
-                    continue
-                if c.key or c.value:
-                    raise receiver.failure("a shared-memory chunk carries bytes in the stream")
-                meta = KvChunkMeta(c.layer_index, c.first_block, c.num_blocks, c.crc32c)
-                loop = asyncio.get_running_loop()
-                checks.append(
-                    (meta, loop.run_in_executor(CHECKSUM_WORKERS, receiver.crc_in_cache, meta))
-                )
-            elif part == "commit":
-                return message.commit, checks
-            else:
-                raise receiver.failure(f"unexpected {part or 'empty'} message after the header")
-        raise receiver.failure("stream ended without a commit", grpc.StatusCode.ABORTED)
-
-    async def _header(
-        self, request_iterator: AsyncIterator[decode_pb2.SyncCacheRequest]
-    ) -> decode_pb2.SyncCacheHeader:
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("part") != "header":
-            raise PdserveError(
-                ErrorReason.CACHE_SYNC_FAILED,
-                "a SyncCache stream must start with a header",
-                code=grpc.StatusCode.ABORTED,
-            )
-        if first.header.transport == decode_pb2.TRANSPORT_KIND_TCP:
-            raise PdserveError(
-                ErrorReason.CACHE_SYNC_FAILED,
-                "a TCP transfer goes to the data port, not to SyncCache",
-                code=grpc.StatusCode.INVALID_ARGUMENT,
-            )
-        return first.header
 
     # ---- Generate --------------------------------------------------------------------------
 
