@@ -43,7 +43,8 @@ import grpc
 from common import percentile, write_results
 
 from pdserve.common.generation import SamplingParams
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 from pdserve.serving.convert import local_protocol, sampling_to_proto
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import (

@@ -34,7 +34,8 @@ from typing import Any
 import openai
 from common import write_results
 
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 
 WORDS = [
     "river",

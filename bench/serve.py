@@ -107,7 +107,8 @@ def mid_model_dir() -> Path:
 @contextlib.contextmanager
 def pdserve_cluster(model: Path, threads: int, log_dir: Path) -> Iterator[str]:
     """gateway + 1 prefill + 1 decode as processes (the launcher); yields the REST URL."""
-    from pdserve.launcher.cluster import Cluster, ClusterConfig
+    from pdserve.launcher.cluster import Cluster
+    from pdserve.launcher.config import ClusterConfig
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     config = ClusterConfig(

@@ -23,7 +23,8 @@ from common import write_results
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from pdserve.engine.demo import ensure_demo_model
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):

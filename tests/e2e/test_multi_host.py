@@ -38,7 +38,7 @@ from support.process_cluster import (
 from support.real_cluster import Reference
 
 from pdserve.launcher.child import ChildProcess
-from pdserve.launcher.cluster import ClusterConfig
+from pdserve.launcher.config import ClusterConfig
 
 HOSTS = ("gateway", "prefill-0", "decode-0", "decode-1")
 REQUEST_TIMEOUT_S = 15.0

@@ -19,7 +19,8 @@ from support.real_cluster import Reference
 from pdserve.common.pki import MEMBER_DNS_NAME
 from pdserve.common.security import Security
 from pdserve.launcher.__main__ import _banner
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 from pdserve.v1 import instance_pb2, instance_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 

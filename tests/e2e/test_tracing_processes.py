@@ -14,7 +14,8 @@ import httpx
 import pytest
 from support.otlp_receiver import ReceivedSpan, otlp_receiver
 
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 
 SERVICES = {"pdserve-gateway", "pdserve-prefill", "pdserve-decode"}
 CLIENT_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.common.pki import MEMBER_DNS_NAME
 from pdserve.common.security import Security
 from pdserve.launcher.child import ChildProcess
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 
 STARTED_EVENTS = ("prefill_started", "decode_started")

@@ -19,7 +19,8 @@ from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
 from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, MODEL_HELP, resolve_model
 from pdserve.launcher import certs
-from pdserve.launcher.cluster import Cluster, ClusterConfig
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
 
 EPILOG = """examples:
   pdserve up                            # SmolLM2-135M-Instruct, 1 prefill + 1 decode, REST on 8000

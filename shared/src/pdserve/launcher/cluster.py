@@ -19,105 +19,14 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.common.pki import Identity, TlsFiles
-from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
+from pdserve.engine.model_store import resolve_model
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """Settings of `pdserve up`; field help texts are its ``--help``."""
-
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": MODEL_HELP},
-    )
-    prefills: int = field(default=1, metadata={"help": "number of prefill instances"})
-    decodes: int = field(default=1, metadata={"help": "number of decode instances"})
-    gateways: int = field(
-        default=1,
-        metadata={
-            "help": "number of gateways; more than one needs --registry (gateway i listens on "
-            "--port + i, --grpc-port + i and --internal-port + i)"
-        },
-    )
-    registry: str | None = field(
-        default=None,
-        metadata={"help": REGISTRY_HELP + "; the etcd must already run"},
-    )
-    host: str = field(default="127.0.0.1", metadata={"help": "address every service binds"})
-    port: int = field(default=8000, metadata={"help": "gateway REST port (OpenAI API)"})
-    grpc_port: int = field(
-        default=50050, metadata={"help": "gateway public gRPC port (GenerationService)"}
-    )
-    internal_port: int = field(
-        default=50051,
-        metadata={"help": "gateway internal gRPC port (RegistryService; mutual TLS)"},
-    )
-    insecure: bool = field(
-        default=False,
-        metadata={
-            "help": "run the internal plane in plaintext instead of mutual TLS under a "
-            "throwaway CA (every service logs a warning)"
-        },
-    )
-    prefill_args: str = field(
-        default="", metadata={"help": 'extra flags for every prefill, e.g. "--num-blocks 512"'}
-    )
-    decode_args: str = field(
-        default="", metadata={"help": 'extra flags for every decode, e.g. "--num-blocks 32"'}
-    )
-    gateway_args: str = field(default="", metadata={"help": "extra flags for every gateway"})
-    kv_store: str | None = field(
-        default=None,
-        metadata={
-            "help": "KV storage tier for every prefill and decode (their --kv-store): "
-            "file:DIR[?max_bytes=N] or redis://HOST:PORT[/DB]; off if unset"
-        },
-    )
-    log_dir: str | None = field(
-        default=None, metadata={"help": "where each service's log goes; a temp dir when unset"}
-    )
-    startup_timeout_s: float = field(
-        default=120.0, metadata={"help": "how long services may take to become ready"}
-    )
-    log_level: str = field(
-        default="info",
-        # NOTE: readiness is read from the services' info-level start-up events.
-        metadata={"help": "log level of the services", "choices": ("debug", "info")},
-    )
-
-    def __post_init__(self) -> None:
-        if self.log_level not in ("debug", "info"):
-            raise ValueError("log_level must be debug or info (readiness is read from the logs)")
-        if self.prefills < 1 or self.decodes < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode")
-        if self.gateways < 1:
-            raise ValueError("a cluster needs at least one gateway")
-        try:
-            check_registry_spec(self.registry)
-        except ValueError as error:
-            raise ValueError(f"--registry: {error}") from None
-        if self.gateways > 1 and self.registry is None:
-            raise ValueError(
-                f"--gateways {self.gateways} needs --registry etcd://HOST:PORT: without a shared "
-                "registry each gateway would only know the instances registered with it"
-            )
-        for name in ("prefill_args", "decode_args", "gateway_args"):
-            shlex.split(getattr(self, name))  # raises ValueError for unbalanced quotes
-        if self.kv_store is not None:
-            from pdserve.kv.stores import check_store_spec  # NOTE: loads torch
-
-            try:
-                check_store_spec(self.kv_store)
-            except ValueError as error:
-                raise ValueError(f"kv_store: {error}") from None
+from pdserve.launcher.config import ClusterConfig
 
 
 class Cluster:
