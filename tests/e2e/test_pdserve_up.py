@@ -16,9 +16,10 @@ import openai
 import pytest
 from support.real_cluster import Reference
 
+from pdserve.common.config import from_args
 from pdserve.common.pki import MEMBER_DNS_NAME
 from pdserve.common.security import Security
-from pdserve.launcher.__main__ import _banner
+from pdserve.launcher.__main__ import _banner, parse_args
 from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
 from pdserve.v1 import instance_pb2, instance_pb2_grpc, registry_pb2, registry_pb2_grpc
@@ -147,3 +148,19 @@ def test_cli_reports_a_crashed_child(demo_model_dir: Path, tmp_path: Path) -> No
     assert process.returncode == 1
     assert "decode-0" in stderr and "status -9" in stderr
     assert (tmp_path / "decode-0.log").is_file()
+
+
+def test_pass_through_flags_take_their_value_as_written() -> None:
+    args = parse_args(
+        ["up", "--prefill-args", "--no-prefix-cache", "--decode-args", "--num-blocks 64",
+         "--gateway-args", "--max-queue-len 8", "--prefills", "2"]
+    )  # fmt: skip
+    config = from_args(ClusterConfig, args)
+    assert config.prefill_args == "--no-prefix-cache"
+    assert config.decode_args == "--num-blocks 64"
+    assert config.gateway_args == "--max-queue-len 8"
+    assert config.prefills == 2
+    joined = from_args(ClusterConfig, parse_args(["up", "--prefill-args=--no-prefix-cache"]))
+    assert joined.prefill_args == "--no-prefix-cache"
+    with pytest.raises(SystemExit):
+        parse_args(["up", "--prefill-args"])

@@ -8,6 +8,7 @@ makes a cluster CA and per-service certificates for clusters spread over several
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from pdserve.common import env
-from pdserve.common.config import add_arguments, from_args
+from pdserve.common.config import add_arguments, flag_name, from_args
 from pdserve.common.logging import configure_logging
 from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, MODEL_HELP, resolve_model
 from pdserve.launcher import certs
@@ -31,6 +32,34 @@ EPILOG = """examples:
   # two gateways (REST on 8000 and 8001) sharing the instances through etcd
   pdserve up --gateways 2 --registry etcd://127.0.0.1:2379
 """
+
+
+PASS_THROUGH_FLAGS = tuple(
+    flag_name(f.name) for f in dataclasses.fields(ClusterConfig) if f.name.endswith("_args")
+)
+"""The flags whose value is a command line of its own (``--prefill-args``, ``--decode-args``,
+``--gateway-args``): the word after one is always its value, even one that starts with ``--``."""
+
+
+def join_pass_through(argv: Sequence[str]) -> list[str]:
+    """`argv` with ``--prefill-args X`` written ``--prefill-args=X`` (every `PASS_THROUGH_FLAGS`):
+    argparse would read an ``X`` that starts with ``--`` as a flag and stop with "expected one
+    argument". Words after a bare ``--`` are left as they are."""
+    joined: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            joined += [word, *words]
+            break
+        value = next(words, None) if word in PASS_THROUGH_FLAGS else None
+        joined.append(word if value is None else f"{word}={value}")
+    return joined
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The parsed command line (``sys.argv`` when `argv` is None)."""
+    words = sys.argv[1:] if argv is None else argv
+    return build_parser().parse_args(join_pass_through(words))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,7 +206,7 @@ def up(config: ClusterConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     # NOTE: stdout is for what the command prints (e.g. the prepared path); logs go to stderr.
     configure_logging("pdserve", "info", json=False)
     if args.command == "pull":
