@@ -20,7 +20,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator, OrchestratorEvent
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
-from pdserve.gateway.routing.queue import QueueLimits
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 from pdserve.gateway.routing.router import Router
 from support.gateway_cluster import instance_info
 from support.gateway_fakes import EOS_TOKEN_ID, MODEL_NAME, expected_tokens
