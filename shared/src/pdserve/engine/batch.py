@@ -56,8 +56,8 @@ class ScheduledChunk(Generic[R]):
     block_ids: Sequence[int]
     request: R = None  # type: ignore[assignment]
 
-    @classmethod
-    def cut(cls, request: C, num_new_tokens: int) -> ScheduledChunk[C]:
+    @staticmethod
+    def cut(request: C, num_new_tokens: int) -> ScheduledChunk[C]:
         """The next `num_new_tokens` of `request`, from its first uncomputed token."""
         start = request.num_computed_tokens
         token_ids = request.token_ids[start : start + num_new_tokens]
