@@ -93,7 +93,8 @@ def pdserve_cluster(
     model: Path, threads: int, log_dir: Path, num_blocks: int, block_size: int
 ) -> Iterator[PdserveHandle]:
     """gateway + 1 prefill + 1 decode (the launcher), the decode with `num_blocks` KV blocks."""
-    from pdserve.launcher.cluster import Cluster, ClusterConfig
+    from pdserve.launcher.cluster import Cluster
+    from pdserve.launcher.config import ClusterConfig
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     config = ClusterConfig(
