@@ -16,7 +16,7 @@ from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 
 @dataclass(frozen=True)
-class RequestLimits:
+class PrefillRequestBounds:
     """What a request must fit: the model's vocabulary and length, and this prefill's pool."""
 
     vocab_size: int
@@ -25,7 +25,9 @@ class RequestLimits:
     block_size: int
 
 
-def request_from_proto(message: prefill_pb2.PrefillRequest, limits: RequestLimits) -> Request:
+def request_from_proto(
+    message: prefill_pb2.PrefillRequest, limits: PrefillRequestBounds
+) -> Request:
     """Validates a PrefillRequest and returns the plain request.
 
     Raises:

@@ -13,7 +13,7 @@ import structlog
 
 from pdserve.common import env
 from pdserve.prefill.config import PrefillConfig
-from pdserve.prefill.convert import RequestLimits
+from pdserve.prefill.convert import PrefillRequestBounds
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.handoff import Handoffs
 from pdserve.prefill.metrics import PrefillMetrics
@@ -79,7 +79,7 @@ class PrefillInstance(InstanceServer):
             config.kv_transport_kinds,
             env.fault_corrupt_kv(),
         )
-        limits = RequestLimits(
+        limits = PrefillRequestBounds(
             vocab_size=host.runner.model_config.vocab_size,
             max_model_len=host.max_model_len,
             max_prompt_blocks=host.num_blocks,

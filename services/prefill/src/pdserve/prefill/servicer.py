@@ -71,7 +71,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         host: ModelHost,
         handoffs: Handoffs,
         instance: common_pb2.InstanceInfo,
-        limits: convert.RequestLimits,
+        limits: convert.PrefillRequestBounds,
     ) -> None:
         self.host = host
         self.handoffs = handoffs
