@@ -94,11 +94,9 @@ def make_workload(
     return specs
 
 
-async def send(
-    http: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float
-) -> RequestResult:
-    """Streams one completion and times its chunks."""
-    body = {
+def completion_body(model: str, spec: RequestSpec) -> dict[str, Any]:
+    """The streamed, greedy ``/v1/completions`` body of `spec` (exactly its tokens)."""
+    return {
         "model": model,
         "prompt": spec.prompt,
         "max_tokens": spec.max_tokens,
@@ -108,6 +106,13 @@ async def send(
         "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
+
+
+async def send(
+    http: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float
+) -> RequestResult:
+    """Streams one completion and times its chunks."""
+    body = completion_body(model, spec)
     start = time.perf_counter()
     token_times: list[tuple[float, int]] = []
     usage: dict[str, Any] = {}

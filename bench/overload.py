@@ -49,8 +49,6 @@ import json
 import math
 import os
 import random
-import select
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,12 +60,18 @@ from typing import Any
 
 import httpx
 from common import write_results
-from loadgen import RequestResult, RequestSpec, make_workload, send, summarize
+from loadgen import (
+    RequestResult,
+    RequestSpec,
+    completion_body,
+    make_workload,
+    send,
+    summarize,
+)
 from prometheus_client.parser import text_string_to_metric_families
-from serve import served_model, smollm2_model_dir
+from serve import colocated_server, served_model, smollm2_model_dir
 from tqdm import tqdm
 
-BENCH_DIR = Path(__file__).resolve().parent
 
 # (sample name, sorted label items) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -124,35 +128,6 @@ def pdserve_cluster(
         )
     finally:
         cluster.stop(timeout_s=20)
-
-
-@contextlib.contextmanager
-def colocated_server(
-    model: Path, threads: int, log_dir: Path, num_blocks: int, block_size: int
-) -> Iterator[str]:
-    """bench/colocated_server.py with `num_blocks` KV blocks; yields its URL."""
-    log = (log_dir / "colocated.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, str(BENCH_DIR / "colocated_server.py"), "--model", str(model),
-         "--num-threads", str(threads), "--num-blocks", str(num_blocks),
-         "--block-size", str(block_size)],
-        stdout=subprocess.PIPE, stderr=log, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        ready, _, _ = select.select([process.stdout], [], [], 120)
-        line = process.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"the colocated server did not start; see {log.name}")
-        yield f"http://127.0.0.1:{json.loads(line)['port']}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 # ---- metrics ---------------------------------------------------------------------------------
@@ -293,16 +268,7 @@ async def send_and_cancel(
     http: httpx.AsyncClient, model: str, spec: RequestSpec, timeout_s: float, cancel: Cancel
 ) -> Outcome:
     """Streams one completion and drops it as `cancel` says (closing the connection)."""
-    body = {
-        "model": model,
-        "prompt": spec.prompt,
-        "max_tokens": spec.max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
+    body = completion_body(model, spec)
     start = time.perf_counter()
     num_tokens = 0
     first_token_s = math.nan
@@ -753,7 +719,8 @@ def main() -> None:
         decode_events = log_events(log_dir / "decode-0.log")
         prefill_events = log_events(log_dir / "prefill-0.log")
     if co_levels or args.cancel_level:
-        with colocated_server(model_dir, args.threads, log_dir, num_blocks, args.block_size) as url:
+        extra = ["--num-blocks", str(num_blocks), "--block-size", str(args.block_size)]
+        with colocated_server(model_dir, args.threads, log_dir, extra) as url:
             model = served_model(url)
             warm_up(url, model, prompt_chars, args.seed + 500)
             rounds = [Round("colocated", names[lv], lv * c, workloads[lv]) for lv in co_levels]

@@ -46,7 +46,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,12 +123,14 @@ def pdserve_cluster(model: Path, threads: int, log_dir: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def colocated_server(model: Path, threads: int, log_dir: Path) -> Iterator[str]:
-    """bench/colocated_server.py as a process; yields its URL."""
+def colocated_server(
+    model: Path, threads: int, log_dir: Path, extra_args: Sequence[str] = ()
+) -> Iterator[str]:
+    """bench/colocated_server.py as a process (with `extra_args`); yields its URL."""
     log = (log_dir / "colocated.log").open("w")
     process = subprocess.Popen(
         [sys.executable, str(BENCH_DIR / "colocated_server.py"), "--model", str(model),
-         "--num-threads", str(threads)],
+         "--num-threads", str(threads), *extra_args],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )  # fmt: skip
     try:
