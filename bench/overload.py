@@ -72,7 +72,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve import colocated_server, served_model, smollm2_model_dir
 from tqdm import tqdm
 
-
 # (sample name, sorted label items) -> value
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
