@@ -43,6 +43,7 @@ from pdserve.launcher.config import ClusterConfig
 HOSTS = ("gateway", "prefill-0", "decode-0", "decode-1")
 REQUEST_TIMEOUT_S = 15.0
 INSTANCE_TTL_S = 2.0
+HEARTBEAT_S = 0.5  # NOTE: the longest load-report interval of either registry (etcd: 0.3 s)
 LONG_TOKENS = 500  # long enough to still stream when the partition comes
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
@@ -92,7 +93,7 @@ def cluster(
     # the gateway learns of the loss from etcd.
     registry = None
     instance_args = ""
-    gateway_args = f"--request-timeout {REQUEST_TIMEOUT_S} --heartbeat-interval-s 0.5 "
+    gateway_args = f"--request-timeout {REQUEST_TIMEOUT_S} --heartbeat-interval-s {HEARTBEAT_S} "
     gateway_args += f"--instance-ttl-s {INSTANCE_TTL_S}"
     with contextlib.ExitStack() as stack:
         if request.param == "etcd":
@@ -288,7 +289,13 @@ async def test_partitioned_decode_moves_its_streams_and_rejoins(
         15,
         f"{victim.name} registered again",
     )
-    # NOTE: both decodes idle, so the router spreads a burst over both.
+    # NOTE: both decodes idle, so the router spreads a burst over both: the rejoined decode
+    # may still hold the blocks of streams the gateway moved away while it was cut off (they
+    # end when it notices their streams are gone), and the router places a request where the
+    # most blocks are admissible, so wait until its pool is whole and two of its load reports
+    # have told the gateway.
+    await cluster.wait_whole(timeout_s=15)
+    await asyncio.sleep(2 * HEARTBEAT_S)
     before = committed(victim)
     assert await run_all(cluster, after, 16) == after_expected
     assert committed(victim) - before, f"{victim.name} took no request after it rejoined"
