@@ -46,6 +46,25 @@ def _ids(choice: Any) -> list[int]:
     return list(choice.model_extra["token_ids"])
 
 
+async def _streamed_greedy(
+    client: openai.AsyncOpenAI, prompts: list[str], max_tokens: int
+) -> list[list[int]]:
+    """The token ids of greedy completions of `prompts`, all streamed at once."""
+
+    async def one(prompt: str) -> list[int]:
+        ids: list[int] = []
+        chunks = await client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids.extend(_ids(choice))
+        return ids
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_completions_equal_the_engine(
     cluster: RealCluster, reference: Reference, stream: bool
@@ -129,18 +148,7 @@ async def test_preemption_storm_is_invisible_to_clients(
         for p in prompts
     ]
 
-    async def one(prompt: str) -> list[int]:
-        ids: list[int] = []
-        chunks = await client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=48, temperature=0, stream=True,
-            extra_body={"return_token_ids": True},
-        )  # fmt: skip
-        async for chunk in chunks:
-            for choice in chunk.choices:
-                ids.extend(_ids(choice))
-        return ids
-
-    results = await asyncio.gather(*(one(p) for p in prompts))
+    results = await _streamed_greedy(client, prompts, max_tokens=48)
     assert results == expected
     metrics = (await cluster.http().get("/metrics")).text
     assert _counter(metrics, "pdserve_gateway_reschedules") > 0
@@ -208,18 +216,7 @@ async def test_more_streams_than_the_decode_holds_queue_and_equal_the_engine(
         for p in prompts
     ]
 
-    async def one(prompt: str) -> list[int]:
-        ids: list[int] = []
-        chunks = await client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=40, temperature=0, stream=True,
-            extra_body={"return_token_ids": True},
-        )  # fmt: skip
-        async for chunk in chunks:
-            for choice in chunk.choices:
-                ids.extend(_ids(choice))
-        return ids
-
-    results = await asyncio.gather(*(one(p) for p in prompts))
+    results = await _streamed_greedy(client, prompts, max_tokens=40)
     assert results == expected
     metrics = (await cluster.http().get("/metrics")).text
     assert _counter(metrics, "pdserve_gateway_queue_wait_seconds_count") > 0  # some waited
