@@ -56,7 +56,6 @@ class _Waiter:
     num_tokens: int
     route: Callable[[], Pair]
     future: asyncio.Future[Pair]
-    bounded: bool
     enqueued_at: float = field(default_factory=time.monotonic)
 
     def __lt__(self, other: _Waiter) -> bool:
@@ -161,7 +160,6 @@ class CapacityQueue:
             num_tokens,
             route,
             asyncio.get_running_loop().create_future(),
-            bounded,
         )
         self._enter(waiter)
         bound_s = self.limits.max_queue_wait_s - waited_s
@@ -233,9 +231,9 @@ class CapacityQueue:
         bisect.insort(queue, waiter)
         self._num_waiting += 1
         self._num_tokens += waiter.num_tokens
+        # NOTE: no kick: a waiter that is the head now had `route` tried just before (the
+        # fast path of `admit`), so only a later event can give it room.
         self._publish()
-        if queue[0] is waiter:
-            self.kick()  # NOTE: room may have appeared since `route` was tried
 
     def _leave(self, waiter: _Waiter) -> None:
         queue = self._queues.get(waiter.model)

@@ -81,7 +81,6 @@ class Router:
         rng: random.Random | None = None,
         cache_routing: CacheRouting | None = None,
     ) -> None:
-        self._registry = registry
         self._retry_after_s = retry_after_s
         self._rng = rng or random.Random()
         self._cache_routing = cache_routing or CacheRouting()
