@@ -72,7 +72,7 @@ def test_removing_a_field_breaks(workspace: Path) -> None:
 
 
 def test_renumbering_a_field_breaks(workspace: Path) -> None:
-    _edit(workspace, "common.proto", "uint32 max_tokens = 5;", "uint32 max_tokens = 15;")
+    _edit(workspace, "common.proto", "uint32 max_tokens = 5;", "uint32 max_tokens = 99;")
     result = _buf("breaking", "--against", str(BASELINE), cwd=workspace)
     assert result.returncode != 0
     assert "max_tokens" in result.stdout + result.stderr

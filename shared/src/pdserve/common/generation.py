@@ -15,6 +15,23 @@ from dataclasses import dataclass
 
 MAX_SEED = 2**63  # the sampler's generator takes 63 bits
 DEFAULT_SEED = 0
+MAX_TOP_LOGPROBS = 20  # most alternatives a token's logprobs may carry
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability and the most likely tokens at its position.
+
+    Log-probabilities come from the model's distribution: a log-softmax of the raw logits,
+    before logit_bias, penalties, temperature or truncation, the same on prefill and decode.
+
+    Attributes:
+        logprob: The token's log-probability.
+        top: (token id, log-probability) of the most likely tokens, most likely first.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,17 @@ class SamplingParams:
         max_tokens: Most tokens to generate (counting tokens generated before a resume).
         stop_token_ids: Token ids that end the request (the id is included in the output).
         ignore_eos: Keep generating past the model's end-of-sequence ids.
+        presence_penalty: Subtracted once from the logit of each token in the completion so far.
+        frequency_penalty: Subtracted from a token's logit once per time it is in the completion.
+        repetition_penalty: Divides the positive logits (multiplies the negative ones) of every
+            token in the prompt or the completion so far; 1.0 disables.
+        logit_bias: (token id, bias) pairs added to the logits before anything else.
+        min_tokens: End-of-sequence and stop ids cannot be sampled before this many tokens.
+        min_p: Drop tokens below min_p times the most likely token's probability; 0 disables.
+        logprobs: Return each generated token's logprob and this many alternatives; None: no
+            logprobs.
+        prompt_logprobs: Return each prompt token's logprob (after the first) and this many
+            alternatives; None: none.
     """
 
     temperature: float = 1.0
@@ -39,6 +67,14 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -53,8 +89,38 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
-        # NOTE: accept lists from callers but keep the frozen value hashable.
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        # NOTE: accept lists and dicts from callers but keep the frozen value hashable.
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        for token_id, value in self.logit_bias:
+            if token_id < 0 or not -100.0 <= value <= 100.0:
+                raise ValueError(
+                    f"logit_bias needs ids >= 0 and values in [-100, 100], got {token_id}: {value}"
+                )
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty changes the logits."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def is_greedy(self) -> bool:

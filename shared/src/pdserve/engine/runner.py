@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import structlog
@@ -108,10 +108,20 @@ class ModelRunner:
         )
         return cls(model, kv_cache)
 
-    @torch.inference_mode()
     def execute(
         self, chunks: Sequence[ScheduledChunk[Any]], on_layer_done: LayerCallback | None = None
     ) -> torch.Tensor:
+        """Runs one batch: writes every chunk's KV into its blocks and returns next-token logits
+        (`execute_with_positions` without its every-position logits)."""
+        return self.execute_with_positions(chunks, on_layer_done)[0]
+
+    @torch.inference_mode()
+    def execute_with_positions(
+        self,
+        chunks: Sequence[ScheduledChunk[Any]],
+        on_layer_done: LayerCallback | None = None,
+        every_position: Collection[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Runs one batch: writes every chunk's KV into its blocks and returns next-token logits.
 
         Sequences may start anywhere (chunked prefill on top of cached KV); a chunk of one token
@@ -122,9 +132,13 @@ class ModelRunner:
             on_layer_done: Called with each layer index as soon as that layer's KV for the whole
                 batch is in the cache, so a sender can ship it while later layers compute. On
                 CUDA the write is enqueued, not finished: order any copy on the same stream.
+            every_position: Indices of the chunks whose every position's logits are wanted
+                (prompt logprobs), not only their last one's.
 
         Returns:
-            ``[len(chunks), vocab_size]`` float32 logits of the last token of each chunk.
+            ``[len(chunks), vocab_size]`` float32 logits of the last token of each chunk, and
+            for each chunk index in `every_position` its ``[num_new_tokens, vocab_size]``
+            logits (row j predicts the token after its j-th new token).
         """
         if not chunks:
             raise ValueError("execute needs at least one chunk")
@@ -136,7 +150,14 @@ class ModelRunner:
         logits_sorted = self.model.compute_logits(hidden[last_rows.to(self.device)])
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
-        return logits_sorted[inverse.to(self.device)]
+        every: dict[int, torch.Tensor] = {}
+        if every_position:
+            ends = torch.cumsum(metadata.query_lens, 0).tolist()
+            for index in every_position:
+                position = int(inverse[index])
+                start = ends[position] - int(metadata.query_lens[position])
+                every[index] = self.model.compute_logits(hidden[start : ends[position]])
+        return logits_sorted[inverse.to(self.device)], every
 
     def _prepare(
         self, chunks: Sequence[ScheduledChunk[Any]]

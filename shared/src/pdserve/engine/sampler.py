@@ -1,4 +1,5 @@
-"""Token selection: greedy, temperature, top-k, top-p, reproducible per (seed, position)."""
+"""Token selection: logit_bias, min_tokens, penalties, greedy or temperature with min-p, top-k
+and top-p, reproducible per (seed, position); and the logprobs of what was picked."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.generation import SamplingParams
+from pdserve.common.generation import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -28,22 +29,77 @@ def position_seed(seed: int, completion_index: int) -> int:
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What the sampler needs to know about one row of logits."""
+    """What the sampler needs to know about one row of logits.
+
+    Attributes:
+        params: The request's settings.
+        seed: The request's seed.
+        completion_index: Completion index of the token this row samples.
+        prompt_token_ids: The original prompt (the repetition penalty looks at it).
+        output_token_ids: The completion so far, earlier attempts included (penalties).
+    """
 
     params: SamplingParams
     seed: int
     completion_index: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    @classmethod
+    def of_sequence(
+        cls,
+        params: SamplingParams,
+        seed: int,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int,
+    ) -> SamplingRow:
+        """The row of a sequence whose first `num_prompt_tokens` ids are the prompt and the
+        rest its completion so far; only the histories the settings look at are kept."""
+        needs_history = params.has_penalties
+        return cls(
+            params,
+            seed,
+            len(token_ids) - num_prompt_tokens,
+            token_ids[:num_prompt_tokens] if params.repetition_penalty != 1.0 else (),
+            token_ids[num_prompt_tokens:] if needs_history else (),
+        )
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One row's pick.
+
+    Attributes:
+        token_id: The token.
+        logprobs: Its logprob and the top alternatives, when the row's params ask for them.
+    """
+
+    token_id: int
+    logprobs: TokenLogprobs | None = None
 
 
 class Sampler:
     """Picks one token per row of logits.
 
-    Random rows use the Gumbel-max trick with noise from a generator seeded by
-    ``position_seed(seed, completion_index)``; every operation is row-wise, so a row's token
-    depends only on its own (seed, completion index, logits), whatever else is in the batch.
+    Every step is vectorized over the batch, in this order: logit_bias; min_tokens (end ids
+    masked); repetition, frequency and presence penalties; then greedy argmax, or temperature,
+    min-p, top-k and top-p and a Gumbel-max draw with noise from a generator seeded by
+    ``position_seed(seed, completion_index)``. Every operation is row-wise, so a row's token
+    depends only on its own (settings, history, seed, completion index, logits), whatever else
+    is in the batch. Logprobs are a log-softmax of the raw logits (`TokenLogprobs`).
+
+    Args:
+        eos_token_ids: The model's end-of-sequence ids (``min_tokens`` masks them).
     """
 
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        """The token of each row (see `sample`)."""
+        return [picked.token_id for picked in self.sample(logits, rows)]
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[Sampled]:
         """Samples.
 
         Args:
@@ -51,23 +107,62 @@ class Sampler:
             rows: One entry per row of ``logits``.
 
         Returns:
-            One token id per row.
+            One pick per row, with logprobs where the row asks for them.
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
+        processed = self.process(logits, rows)
         # tokens: [num_rows]
-        tokens = logits.argmax(dim=-1)
+        tokens = processed.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_rows:
-            picked = self._sample([rows[i] for i in random_rows], logits[random_rows])
+            picked = self._sample([rows[i] for i in random_rows], processed[random_rows])
             tokens[random_rows] = picked
-        return [int(t) for t in tokens.tolist()]
+        token_ids = [int(t) for t in tokens.tolist()]
+        logprobs = _logprobs(logits, rows, tokens)
+        return [Sampled(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits after logit_bias, min_tokens and penalties (the input when none apply)."""
+        vocab_size = logits.shape[-1]
+        device = logits.device
+        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+        ended = [
+            (i, t)
+            for i, r in enumerate(rows)
+            if r.completion_index < r.params.min_tokens
+            for t in (
+                *r.params.stop_token_ids,
+                *(() if r.params.ignore_eos else self.eos_token_ids),
+            )
+        ]
+        penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        if not (biased or ended or penalized):
+            return logits
+        out = logits.clone()
+        if biased:
+            index = torch.tensor([(i, t) for i, t, _ in biased if t < vocab_size], device=device)
+            values = torch.tensor(
+                [b for _, t, b in biased if t < vocab_size], dtype=out.dtype, device=device
+            )
+            if len(values):
+                out.index_put_((index[:, 0], index[:, 1]), values, accumulate=True)
+        if penalized:
+            out[penalized] = _penalize(out[penalized], [rows[i] for i in penalized])
+        if ended:
+            index = torch.tensor([(i, t) for i, t in ended if t < vocab_size], device=device)
+            if len(index):
+                out[index[:, 0], index[:, 1]] = float("-inf")
+        return out
 
     def _sample(self, rows: Sequence[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)
         # scaled: [num_rows, vocab]
         scaled = logits / temperature[:, None]
+        min_p = [r.params.min_p for r in rows]
+        if any(p > 0 for p in min_p):
+            scaled = _apply_min_p(scaled, min_p)
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -76,11 +171,109 @@ class Sampler:
         return (scaled + noise).argmax(dim=-1)
 
 
+def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Applies each row's repetition, frequency and presence penalties.
+
+    The counts are rebuilt from each row's histories on every call (one scatter over the
+    batch's tokens), so they are the same wherever the request runs.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    # counts: [num_rows, vocab] of each token's occurrences in the completion
+    counts = torch.zeros(num_rows, vocab_size, dtype=logits.dtype, device=device)
+    row_index = [i for i, r in enumerate(rows) for _ in r.output_token_ids]
+    if row_index:
+        token_index = [t for r in rows for t in r.output_token_ids]
+        counts.index_put_(
+            (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
+            torch.ones(len(row_index), dtype=logits.dtype, device=device),
+            accumulate=True,
+        )
+    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
+    if bool((repetition != 1.0).any()):
+        seen = counts > 0
+        prompt_rows = [i for i, r in enumerate(rows) for _ in r.prompt_token_ids]
+        if prompt_rows:
+            prompt_tokens = [t for r in rows for t in r.prompt_token_ids]
+            seen[
+                torch.tensor(prompt_rows, device=device), torch.tensor(prompt_tokens, device=device)
+            ] = True
+        penalty = repetition[:, None].to(logits.dtype)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+    return (
+        logits
+        - frequency[:, None].to(logits.dtype) * counts
+        - presence[:, None].to(logits.dtype) * (counts > 0).to(logits.dtype)
+    )
+
+
+def _logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
+) -> list[TokenLogprobs | None]:
+    """Each asking row's token logprob and top alternatives, from the raw logits."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not asking:
+        return result
+    # log_probs: [num_asking, vocab]
+    log_probs = torch.log_softmax(logits[asking].float(), dim=-1)
+    chosen = log_probs.gather(1, tokens[asking][:, None]).squeeze(1).tolist()
+    num_top = max(rows[i].params.logprobs or 0 for i in asking)
+    top_values: list[list[float]] = [[] for _ in asking]
+    top_ids: list[list[int]] = [[] for _ in asking]
+    if num_top:
+        top = log_probs.topk(num_top, dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    for j, i in enumerate(asking):
+        k = rows[i].params.logprobs or 0
+        result[i] = TokenLogprobs(
+            chosen[j], tuple(zip(top_ids[j][:k], top_values[j][:k], strict=True))
+        )
+    return result
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], num_top: int
+) -> list[TokenLogprobs]:
+    """Logprobs of `token_ids` under ``logits[i]`` each (row i predicts token_ids[i]), with
+    `num_top` alternatives: the prompt logprobs of a prefill.
+
+    Args:
+        logits: ``[num_positions, vocab]``.
+        token_ids: One token per row of `logits`.
+        num_top: Alternatives per position (0 to 20).
+    """
+    if not token_ids:
+        return []
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.tensor(list(token_ids), device=logits.device)[:, None]
+    chosen = log_probs.gather(1, index).squeeze(1).tolist()
+    if not num_top:
+        return [TokenLogprobs(value) for value in chosen]
+    top = log_probs.topk(num_top, dim=-1)
+    return [
+        TokenLogprobs(value, tuple(zip(ids, values, strict=True)))
+        for value, ids, values in zip(
+            chosen, top.indices.tolist(), top.values.tolist(), strict=True
+        )
+    ]
+
+
 def _gumbel_noise(row: SamplingRow, vocab_size: int) -> torch.Tensor:
     generator = torch.Generator()
     generator.manual_seed(position_seed(row.seed, row.completion_index))
     uniform = torch.rand(vocab_size, generator=generator).clamp_(min=1e-20)
     return -torch.log(-torch.log(uniform))
+
+
+def _apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Sets each row's logits whose probability is below min_p times its top one's to -inf."""
+    probs = scaled.softmax(dim=-1)
+    threshold = torch.tensor(min_p, dtype=probs.dtype, device=scaled.device)[:, None]
+    return scaled.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def _apply_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

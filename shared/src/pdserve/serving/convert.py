@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import MAX_SEED, FinishReason, SamplingParams
+from pdserve.common.generation import MAX_SEED, FinishReason, SamplingParams, TokenLogprobs
 from pdserve.common.protocol import FEATURES, PROTOCOL_VERSION, kv_layout_fingerprint
 from pdserve.v1 import common_pb2
 
@@ -74,6 +74,16 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
             max_tokens=message.max_tokens,
             stop_token_ids=tuple(message.stop_token_ids),
             ignore_eos=message.ignore_eos,
+            presence_penalty=_optional(message, "presence_penalty", 0.0),
+            frequency_penalty=_optional(message, "frequency_penalty", 0.0),
+            repetition_penalty=_optional(message, "repetition_penalty", 1.0),
+            logit_bias=tuple(message.logit_bias.items()),
+            min_tokens=message.min_tokens,
+            min_p=_optional(message, "min_p", 0.0),
+            logprobs=message.logprobs if message.HasField("logprobs") else None,
+            prompt_logprobs=(
+                message.prompt_logprobs if message.HasField("prompt_logprobs") else None
+            ),
         )
     except ValueError as error:
         raise PdserveError(ErrorReason.INVALID_REQUEST, str(error)) from None
@@ -88,10 +98,47 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=params.max_tokens,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         message.seed = params.seed
+    # NOTE: neutral values stay unset, so a 1.4 peer sees the message it always saw.
+    if params.presence_penalty:
+        message.presence_penalty = params.presence_penalty
+    if params.frequency_penalty:
+        message.frequency_penalty = params.frequency_penalty
+    if params.repetition_penalty != 1.0:
+        message.repetition_penalty = params.repetition_penalty
+    if params.min_p:
+        message.min_p = params.min_p
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     return message
+
+
+def _optional(message: common_pb2.SamplingParams, name: str, default: float) -> float:
+    """An optional float field's value, or `default` when unset."""
+    return float(getattr(message, name)) if message.HasField(name) else default
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    """The contract's TokenLogprobs message of `logprobs`."""
+    return common_pb2.TokenLogprobs(
+        logprob=logprobs.logprob,
+        top_token_ids=[token_id for token_id, _ in logprobs.top],
+        top_logprobs=[value for _, value in logprobs.top],
+    )
+
+
+def logprobs_from_proto(message: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    """`TokenLogprobs` of the contract's message."""
+    return TokenLogprobs(
+        message.logprob,
+        tuple(zip(message.top_token_ids, message.top_logprobs, strict=False)),
+    )
 
 
 def finish_reason_to_proto(reason: FinishReason) -> common_pb2.FinishReason:

@@ -191,12 +191,14 @@ class DecodeServiceGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("token_ids", "first_index")
+    __slots__ = ("token_ids", "first_index", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., first_index: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., first_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PreemptionNotice(_message.Message):
     __slots__ = ("reason", "num_generated_tokens", "generated_token_ids", "stored_prefix_key")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x8e\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0c\n\x04user\x18\x08 \x01(\t\x12 \n\x18include_prompt_token_ids\x18\t \x01(\x08\x42\x07\n\x05input\"\xc9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\"\x13\n\x11ListModelsRequest\"i\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x1d\n\x15num_prefill_instances\x18\x03 \x01(\r\x12\x1c\n\x14num_decode_instances\x18\x04 \x01(\r\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\xa9\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x99\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0c\n\x04user\x18\x08 \x01(\t\x12 \n\x18include_prompt_token_ids\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05input\"\xb9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\r\"\x13\n\x11ListModelsRequest\"i\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x1d\n\x15num_prefill_instances\x18\x03 \x01(\r\x12\x1c\n\x14num_decode_instances\x18\x04 \x01(\r\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model2\xa9\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,15 +39,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=173
   _globals['_TOKENIDS']._serialized_end=202
   _globals['_GENERATEREQUEST']._serialized_start=205
-  _globals['_GENERATEREQUEST']._serialized_end=475
-  _globals['_GENERATERESPONSE']._serialized_start=478
-  _globals['_GENERATERESPONSE']._serialized_end=679
-  _globals['_LISTMODELSREQUEST']._serialized_start=681
-  _globals['_LISTMODELSREQUEST']._serialized_end=700
-  _globals['_MODEL']._serialized_start=702
-  _globals['_MODEL']._serialized_end=807
-  _globals['_LISTMODELSRESPONSE']._serialized_start=809
-  _globals['_LISTMODELSRESPONSE']._serialized_end=864
-  _globals['_GENERATIONSERVICE']._serialized_start=867
-  _globals['_GENERATIONSERVICE']._serialized_end=1036
+  _globals['_GENERATEREQUEST']._serialized_end=486
+  _globals['_GENERATERESPONSE']._serialized_start=489
+  _globals['_GENERATERESPONSE']._serialized_end=802
+  _globals['_LISTMODELSREQUEST']._serialized_start=804
+  _globals['_LISTMODELSREQUEST']._serialized_end=823
+  _globals['_MODEL']._serialized_start=825
+  _globals['_MODEL']._serialized_end=930
+  _globals['_LISTMODELSRESPONSE']._serialized_start=932
+  _globals['_LISTMODELSRESPONSE']._serialized_end=987
+  _globals['_GENERATIONSERVICE']._serialized_start=990
+  _globals['_GENERATIONSERVICE']._serialized_end=1159
 # @@protoc_insertion_point(module_scope)

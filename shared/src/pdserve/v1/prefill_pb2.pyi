@@ -46,14 +46,18 @@ class PrefillPhases(_message.Message):
     def __init__(self, lease_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., transfer_tail_us: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "index", "phases")
+    __slots__ = ("token_id", "index", "phases", "logprobs", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     index: int
     phases: PrefillPhases
-    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., phases: _Optional[_Union[PrefillPhases, _Mapping]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., phases: _Optional[_Union[PrefillPhases, _Mapping]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class HandedOff(_message.Message):
     __slots__ = ("lease_id", "decode_instance_id", "num_bytes", "num_chunks", "transport", "phases")

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import cast
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import TokenLogprobs
 from pdserve.decode.events import (
     DecodeEvent,
     EndedEvent,
@@ -18,7 +19,7 @@ from pdserve.decode.events import (
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
 from pdserve.kv.transfer import TransportOffer
-from pdserve.serving.convert import finish_reason_to_proto
+from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
 
 _PREEMPTION_REASONS = {
@@ -89,16 +90,18 @@ def events_to_messages(
     the stream reports as an error status.
     """
     pending: list[int] = []
+    pending_logprobs: list[TokenLogprobs] = []
     first_index = 0
     for event in events:
         if isinstance(event, TokensEvent):
             if not pending:
                 first_index = event.first_index
             pending.extend(event.token_ids)
+            pending_logprobs.extend(event.logprobs)
             continue
         if pending:
-            yield _tokens(pending, first_index), None
-            pending = []
+            yield _tokens(pending, first_index, pending_logprobs), None
+            pending, pending_logprobs = [], []
         if isinstance(event, FinishedEvent):
             usage = common_pb2.Usage(
                 num_prompt_tokens=event.num_prompt_tokens,
@@ -121,8 +124,14 @@ def events_to_messages(
             yield None, PdserveError(reason, event.detail or f"lease {event.status.name.lower()}")
         return  # a terminal event ends the stream
     if pending:
-        yield _tokens(pending, first_index), None
+        yield _tokens(pending, first_index, pending_logprobs), None
 
 
-def _tokens(token_ids: list[int], first_index: int) -> Response:
-    return Response(tokens=decode_pb2.TokenBatch(token_ids=token_ids, first_index=first_index))
+def _tokens(token_ids: list[int], first_index: int, logprobs: list[TokenLogprobs]) -> Response:
+    return Response(
+        tokens=decode_pb2.TokenBatch(
+            token_ids=token_ids,
+            first_index=first_index,
+            logprobs=[logprobs_to_proto(lp) for lp in logprobs],
+        )
+    )

@@ -65,7 +65,7 @@ class DecodeLoop(EngineThread):
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.metrics = metrics
         self.offload = offload
         self.num_preemptions = 0
@@ -189,19 +189,24 @@ class DecodeLoop(EngineThread):
             ScheduledChunk([r.token_ids[-1]], r.num_computed_tokens, r.block_ids, r) for r in batch
         ]
         logits = self.runner.execute(chunks)
-        rows = [SamplingRow(r.sampling, r.seed, r.num_generated_tokens) for r in batch]
-        tokens = self.sampler(logits, rows)
+        rows = [
+            SamplingRow.of_sequence(r.sampling, r.seed, r.token_ids, r.num_prompt_tokens)
+            for r in batch
+        ]
+        tokens = self.sampler.sample(logits, rows)
         self.num_steps += 1
         self.num_generated_tokens += len(tokens)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - started)
-        for request, token in zip(batch, tokens, strict=True):
+        for request, picked in zip(batch, tokens, strict=True):
+            token = picked.token_id
             index = request.num_generated_tokens
             request.num_steps += 1
             request.token_ids.append(token)
             request.num_computed_tokens += 1
             request.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
-            request.emit(TokensEvent((token,), index))
+            logprobs = () if picked.logprobs is None else (picked.logprobs,)
+            request.emit(TokensEvent((token,), index, logprobs))
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish)

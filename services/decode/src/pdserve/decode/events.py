@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason
-from pdserve.common.generation import FinishReason
+from pdserve.common.generation import FinishReason, TokenLogprobs
 from pdserve.decode.lease_state import RequestStatus
 
 
@@ -23,10 +23,12 @@ class PreemptionReason(enum.Enum):
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """New tokens; ``first_index`` is the completion index of ``token_ids[0]``."""
+    """New tokens; ``first_index`` is the completion index of ``token_ids[0]``; ``logprobs``
+    has one entry per token when the request asks for logprobs, else none."""
 
     token_ids: tuple[int, ...]
     first_index: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

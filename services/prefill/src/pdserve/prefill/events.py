@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.generation import FinishReason
+from pdserve.common.generation import FinishReason, TokenLogprobs
 from pdserve.kv.transfer import KvPiece, TransportOffer
 
 
@@ -30,10 +30,13 @@ class LeaseGrant:
 @dataclass(frozen=True)
 class FirstTokenSampled:
     """The last prompt position was computed and the first token sampled (at `sampled_at`,
-    ``time.monotonic()`` on the engine thread)."""
+    ``time.monotonic()`` on the engine thread), with its logprobs and the prompt's when the
+    request asks for them."""
 
     token_id: int
     sampled_at: float = 0.0
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class FirstTokenOut:
 
     token_id: int
     index: int
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

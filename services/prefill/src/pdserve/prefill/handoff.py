@@ -186,9 +186,11 @@ class Handoffs:
             if telemetry.is_enabled():
                 request.trace_context = otel_context.get_current()
             self.loop.submit(request)
-            token_id = await flight.wait_first_token()
-        index = request.first_token_index
-        flight.outbox.put_nowait(FirstTokenOut(token_id, index))
+            sampled = await flight.wait_first_token()
+        token_id, index = sampled.token_id, request.first_token_index
+        flight.outbox.put_nowait(
+            FirstTokenOut(token_id, index, sampled.logprobs, sampled.prompt_logprobs)
+        )
         log.info(
             "first_token",
             request_id=request.request_id,

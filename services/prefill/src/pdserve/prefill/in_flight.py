@@ -43,7 +43,7 @@ class InFlight:
 
     request: Request
     outbox: asyncio.Queue[Outcome] = field(default_factory=asyncio.Queue)
-    first_token: asyncio.Future[int] | None = None
+    first_token: asyncio.Future[FirstTokenSampled] | None = None
     sender: KvSender | None = None
     sender_task: asyncio.Task[object] | None = None
     task: asyncio.Task[None] | None = None
@@ -72,11 +72,11 @@ class InFlight:
         elif isinstance(event, FirstTokenSampled):
             # NOTE: when it was sampled, not when the (possibly busy) event loop saw it.
             request.phases.first_token = event.sampled_at or time.monotonic()
-            self.first_token.set_result(event.token_id)
+            self.first_token.set_result(event)
         elif isinstance(event, EngineFailed):
             self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))
 
-    async def wait_first_token(self) -> int:
+    async def wait_first_token(self) -> FirstTokenSampled:
         """The first token; fails early if the transfer broke before it was sampled."""
         assert self.first_token is not None
         waiters: set[asyncio.Future[object]] = {self.first_token}  # type: ignore[arg-type]

@@ -27,13 +27,14 @@ import time
 from collections.abc import Callable, Sequence
 
 import structlog
+import torch
 from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from pdserve.engine.thread import EngineThread
 from pdserve.kv.codec import import_block_payloads
 from pdserve.kv.transfer import blocks_per_piece
@@ -58,6 +59,7 @@ class PrefillLoop(EngineThread):
         enable_prefix_cache: Keep freed full blocks as an evictable prefix cache and skip
             computing the leading blocks a request finds there.
         kv_fingerprint: The KV layout fingerprint the cache's block keys are rooted in.
+        eos_token_ids: The model's end-of-sequence ids (``min_tokens`` masks them).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class PrefillLoop(EngineThread):
         *,
         enable_prefix_cache: bool = False,
         kv_fingerprint: str = "",
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.runner = runner
         self.block_size = runner.block_size
@@ -78,7 +81,7 @@ class PrefillLoop(EngineThread):
             kv_fingerprint,
         )
         self.blocks_per_piece = blocks_per_piece(runner.kv_cache.layout, max_chunk_bytes)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.num_passes = 0
         self.num_prompt_tokens = 0
         self.metrics: PrefillMetrics | None = None
@@ -173,22 +176,32 @@ class PrefillLoop(EngineThread):
         started = time.perf_counter()
         try:
             self._import_stored_blocks(scheduled)
-            logits = self.runner.execute(
-                scheduled,
-                lambda layer: export_layer(
-                    self.runner.kv_cache, exports, layer, self.blocks_per_piece
-                ),
-            )
+            scoring = [
+                i for i, c in enumerate(scheduled) if c.request.sampling.prompt_logprobs is not None
+            ]
+
+            def export(layer: int) -> None:
+                export_layer(self.runner.kv_cache, exports, layer, self.blocks_per_piece)
+
+            if scoring:
+                logits, every_position = self.runner.execute_with_positions(
+                    scheduled, export, scoring
+                )
+                for i in scoring:
+                    _score_prompt(scheduled[i], every_position[i])
+            else:
+                logits = self.runner.execute(scheduled, export)
             completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
             rows = [
-                SamplingRow(
+                SamplingRow.of_sequence(
                     scheduled[i].request.sampling,
                     scheduled[i].request.seed,
-                    scheduled[i].request.first_token_index,
+                    scheduled[i].request.token_ids,
+                    scheduled[i].request.num_prompt_tokens,
                 )
                 for i in completed
             ]
-            tokens = self.sampler(logits[completed], rows) if completed else []
+            tokens = self.sampler.sample(logits[completed], rows) if completed else []
         except Exception as error:
             for span in spans:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
@@ -214,8 +227,16 @@ class PrefillLoop(EngineThread):
                 first_block = chunk.num_computed_tokens // self.block_size
                 end_block = chunk.request.num_computed_tokens // self.block_size
                 self.store_loader.write_through(chunk.request, first_block, end_block)
-        for i, token in zip(completed, tokens, strict=True):
-            scheduled[i].request.sink(FirstTokenSampled(token, time.monotonic()))
+        for i, picked in zip(completed, tokens, strict=True):
+            request = scheduled[i].request
+            request.sink(
+                FirstTokenSampled(
+                    picked.token_id,
+                    time.monotonic(),
+                    picked.logprobs,
+                    tuple(request.prompt_logprobs),
+                )
+            )
         log.debug(
             "prefill_pass",
             num_requests=len(scheduled),
@@ -232,6 +253,16 @@ class PrefillLoop(EngineThread):
                 payloads = [payload for _, payload in request.pending_imports]
                 request.pending_imports = []
                 import_block_payloads(self.runner.kv_cache, block_ids, payloads)
+
+
+def _score_prompt(chunk: ScheduledChunk[Request], logits: torch.Tensor) -> None:
+    """Adds the logprobs of the prompt tokens this chunk's positions predict to its request's
+    prompt logprobs (the last prompt position predicts the first token: not a prompt token)."""
+    request = chunk.request
+    start = chunk.num_computed_tokens
+    targets = request.token_ids[start + 1 : start + 1 + len(chunk.token_ids)]
+    num_top = request.sampling.prompt_logprobs or 0
+    request.prompt_logprobs.extend(token_logprobs(logits[: len(targets)], targets, num_top))
 
 
 def _chunk_spans(scheduled: list[ScheduledChunk[Request]]) -> list[trace.Span]:

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from pdserve.common.generation import FinishReason, SamplingParams, check_stop, is_length_reached
+from pdserve.common.generation import (
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+    check_stop,
+    is_length_reached,
+)
 from pdserve.common.transitions import IllegalTransition, check_transition, transition_table
 from pdserve.prefill.events import EventSink, LeaseGrant
 from pdserve.prefill.phases import PhaseClock
@@ -94,6 +100,7 @@ class Request:
         submitted_ns: Wall-clock time it was handed to the engine thread (for queue spans).
         is_lease_open: Whether it holds a decode lease not yet handed off or released.
         is_submitted: Whether the engine thread knows it (so its blocks must be released).
+        prompt_logprobs: The prompt tokens' logprobs computed so far (``prompt_logprobs`` set).
     """
 
     request_id: str
@@ -121,6 +128,7 @@ class Request:
     submitted_ns: int = 0
     is_lease_open: bool = False
     is_submitted: bool = False
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:

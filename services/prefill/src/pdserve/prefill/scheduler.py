@@ -114,6 +114,8 @@ class PrefillScheduler:
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed,
         since its logits give the first token. The blocks are not referenced yet.
         """
+        if request.sampling.prompt_logprobs is not None:
+            return []  # NOTE: scoring the prompt needs every position's logits: compute it all.
         max_blocks = (request.num_tokens - 1) // self.block_size
         block_ids: list[int] = []
         for key in request.block_keys[:max_blocks]:
@@ -151,6 +153,8 @@ class PrefillScheduler:
         """The stored payloads that continue the request's `num_hit_blocks` cached blocks
         (capped so the last token is computed); the request drops its list."""
         payloads, request.stored_payloads = request.stored_payloads, []
+        if request.sampling.prompt_logprobs is not None:
+            return []  # as for cached blocks: every position is computed
         skip = num_hit_blocks - request.stored_first_block
         if skip < 0:
             return []  # NOTE: a cached block was evicted since the lookup: there is a gap.

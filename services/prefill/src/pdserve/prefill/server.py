@@ -54,6 +54,7 @@ class PrefillInstance(InstanceServer):
             config.max_chunk_bytes,
             enable_prefix_cache=config.prefix_cache,
             kv_fingerprint=host.kv_layout.fingerprint,
+            eos_token_ids=host.eos_token_ids,
         )
         if self.kv_store is not None and self.kv_writer is not None:
             self.loop.store_loader = StoreLoader(

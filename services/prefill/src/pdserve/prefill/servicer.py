@@ -15,7 +15,7 @@ from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut, Out
 from pdserve.prefill.handoff import Handoffs
 from pdserve.prefill.phases import PhaseDurations
 from pdserve.prefill.request import Request
-from pdserve.serving.convert import finish_reason_to_proto
+from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -30,7 +30,13 @@ def outcome_to_proto(
     if isinstance(outcome, FirstTokenOut):
         return prefill_pb2.PrefillResponse(
             first_token=prefill_pb2.FirstToken(
-                token_id=outcome.token_id, index=outcome.index, phases=phases_pb
+                token_id=outcome.token_id,
+                index=outcome.index,
+                phases=phases_pb,
+                logprobs=(
+                    None if outcome.logprobs is None else logprobs_to_proto(outcome.logprobs)
+                ),
+                prompt_logprobs=[logprobs_to_proto(lp) for lp in outcome.prompt_logprobs],
             )
         )
     if isinstance(outcome, HandedOffOut):

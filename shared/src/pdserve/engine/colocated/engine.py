@@ -48,7 +48,7 @@ class LLMEngine:
         self.block_pool = BlockPool(self.kv_cache.num_blocks, config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(self.block_pool, self.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
 
     def add_request(
@@ -162,6 +162,8 @@ class LLMEngine:
                     scheduled[i].request.sampling_params,
                     scheduled[i].request.seed,
                     scheduled[i].request.num_output_tokens,
+                    scheduled[i].request.prompt_token_ids,
+                    scheduled[i].request.output_token_ids,
                 )
                 for i in sample_rows
             ]
