@@ -162,6 +162,9 @@ class GatewayConfig(ServiceConfig):
     max_stop_chars: int = limit_field("max_stop_chars")
     max_stop_token_ids: int = limit_field("max_stop_token_ids")
     max_tokens_limit: int = limit_field("max_tokens_limit")
+    max_n: int = limit_field("max_n")
+    max_prompts: int = limit_field("max_prompts")
+    max_logit_bias: int = limit_field("max_logit_bias")
     max_concurrent_requests: int = field(
         default=512,
         metadata={"help": "generation requests in flight on the gateway; more get 429", "min": 1},
@@ -276,6 +279,9 @@ class GatewayConfig(ServiceConfig):
             max_stop_chars=self.max_stop_chars,
             max_stop_token_ids=self.max_stop_token_ids,
             max_tokens_limit=self.max_tokens_limit,
+            max_n=self.max_n,
+            max_prompts=self.max_prompts,
+            max_logit_bias=self.max_logit_bias,
         )
 
     def queue_limits(self) -> QueueLimits:

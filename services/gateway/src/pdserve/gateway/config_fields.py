@@ -30,6 +30,9 @@ LIMIT_HELP = {
     "max_stop_token_ids": "stop token ids of one request",
     "max_tokens_limit": "largest max_tokens a request may ask for; 0: whatever fits in the "
     "model's length after the prompt",
+    "max_n": "completions one request may ask for (n)",
+    "max_prompts": "prompts of one completions request (a list of prompts)",
+    "max_logit_bias": "logit_bias entries of one request",
 }
 """Help of each `RequestLimits` field's flag (same name)."""
 

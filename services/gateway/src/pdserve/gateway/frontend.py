@@ -161,6 +161,8 @@ class Frontend:
             raise invalid(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         if any(t >= vocab_size for t in params.stop_token_ids):
             raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+        if any(t >= vocab_size for t, _ in params.logit_bias):
+            raise invalid(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self._default_max_tokens_for(params.kind, num_prompt_tokens, max_model_len)
@@ -186,6 +188,10 @@ class Frontend:
             params.user,
             params.kind,
             api_key_name,
+            n=params.n,
+            echo=params.echo,
+            is_prompt_only=max_tokens == 0,
+            prompt_text=params.text,
         )
 
     def _check_prompt_length(self, num_tokens: int, max_model_len: int, param: str) -> None:

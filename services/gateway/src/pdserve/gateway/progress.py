@@ -17,7 +17,7 @@ from typing import NamedTuple
 import structlog
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.generation import FinishReason, check_stop
+from pdserve.common.generation import FinishReason, TokenLogprobs, check_stop
 from pdserve.gateway.request import GenerationRequest, TokenChunk
 
 log = structlog.get_logger("pdserve.gateway.progress")
@@ -78,14 +78,24 @@ class CompletionProgress:
         """Prompt plus delivered tokens: what a rescheduled attempt prefills."""
         return (*self._request.prompt_token_ids, *self._token_ids)
 
-    def accept(self, token_ids: Sequence[int], first_index: int) -> Accepted:
+    def accept(
+        self,
+        token_ids: Sequence[int],
+        first_index: int,
+        logprobs: Sequence[TokenLogprobs] = (),
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
+    ) -> Accepted:
         """Adds indexed tokens; returns those new to the consumer.
 
         Args:
             token_ids: Consecutive tokens.
             first_index: Completion index of ``token_ids[0]``.
+            logprobs: One entry per token, when the request asks for logprobs.
+            prompt_logprobs: The prompt's logprobs (a first attempt's first token only); they
+                travel with the chunk when its first token is new.
         """
         new: list[int] = []
+        new_logprobs: list[TokenLogprobs] = []
         start = len(self._token_ids)
         for offset, token_id in enumerate(token_ids):
             if self._finish_reason is not None:
@@ -107,10 +117,15 @@ class CompletionProgress:
                 return Accepted(TokenChunk(tuple(new), start) if new else None, has_gap=True)
             self._token_ids.append(token_id)
             new.append(token_id)
+            if offset < len(logprobs):
+                new_logprobs.append(logprobs[offset])
             self._finish_reason = check_stop(
                 token_id, len(self._token_ids), self._request.sampling, self._request.eos_token_ids
             )
-        return Accepted(TokenChunk(tuple(new), start) if new else None)
+        if not new:
+            return Accepted(None)
+        scored = tuple(prompt_logprobs) if start == 0 else ()
+        return Accepted(TokenChunk(tuple(new), start, tuple(new_logprobs), scored))
 
 
 _NO_IDS: frozenset[str] = frozenset()

@@ -201,9 +201,14 @@ async def relay(
                 if isinstance(event, FirstTokenEvent | TokenBatchEvent):
                     if isinstance(event, FirstTokenEvent):
                         yield event
-                        accepted = progress.accept((event.token_id,), event.index)
+                        logprobs = () if event.logprobs is None else (event.logprobs,)
+                        accepted = progress.accept(
+                            (event.token_id,), event.index, logprobs, event.prompt_logprobs
+                        )
                     else:
-                        accepted = progress.accept(event.token_ids, event.first_index)
+                        accepted = progress.accept(
+                            event.token_ids, event.first_index, event.logprobs
+                        )
                     if accepted.chunk is not None:
                         yield accepted.chunk
                     if accepted.has_gap:

@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import FinishReason, SamplingParams
+from pdserve.common.generation import FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,15 @@ class TokenChunk:
     Attributes:
         token_ids: The tokens, in order.
         first_index: Completion index of ``token_ids[0]`` (the number of tokens before it).
+        logprobs: One entry per token when the request asks for logprobs (an entry may be
+            missing only where an instance sent none).
+        prompt_logprobs: The prompt's logprobs, on the completion's first chunk, when asked.
     """
 
     token_ids: tuple[int, ...]
     first_index: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class OutputDelta:
         first_index: Completion index of ``token_ids[0]`` (or the token count so far).
         finish_reason: Set on the last delta only.
         usage: Set on the last delta only.
+        logprobs: One entry per token of `token_ids` when the request asks for logprobs.
+        prompt_logprobs: The prompt's logprobs (first delta only, when asked).
     """
 
     text: str
@@ -99,6 +106,8 @@ class OutputDelta:
     first_index: int
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 def remaining_s(request: GenerationRequest, deadline: float) -> float:

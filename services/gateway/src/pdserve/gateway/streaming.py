@@ -114,15 +114,27 @@ class Streamer:
                         for _ in event.token_ids:
                             self._metrics.inter_token_latency.observe(gap)
                     last_token_at = now
+                    if prepared.is_prompt_only:
+                        # NOTE: max_tokens 0: the sampled token only finished the prefill.
+                        yield OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs)
+                        break
                     step = text.add(event.token_ids)
-                    if step.text or step.token_ids:
-                        yield OutputDelta(step.text, step.token_ids, event.first_index)
+                    if step.text or step.token_ids or event.prompt_logprobs:
+                        yield OutputDelta(
+                            step.text,
+                            step.token_ids,
+                            event.first_index,
+                            logprobs=event.logprobs[: len(step.token_ids)],
+                            prompt_logprobs=event.prompt_logprobs,
+                        )
                         timeline.on_first_token_written()
                     if step.is_stopped:
                         break
             finish_reason = (
                 FinishReason.STOP if text.is_stopped or end is None else end.finish_reason
             )
+            if prepared.is_prompt_only:
+                finish_reason = FinishReason.LENGTH
             usage = Usage(
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_completion_tokens=text.num_tokens,
@@ -196,6 +208,20 @@ def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | floa
         "gen_ai.request.top_k": sampling.top_k,
         "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
     }
+    if prepared.n > 1:
+        attributes["gen_ai.request.choice.count"] = prepared.n
+    if sampling.presence_penalty:
+        attributes["gen_ai.request.presence_penalty"] = sampling.presence_penalty
+    if sampling.frequency_penalty:
+        attributes["gen_ai.request.frequency_penalty"] = sampling.frequency_penalty
+    if sampling.repetition_penalty != 1.0:
+        attributes["pdserve.repetition_penalty"] = sampling.repetition_penalty
+    if sampling.logit_bias:
+        attributes["pdserve.num_logit_bias"] = len(sampling.logit_bias)
+    if sampling.logprobs is not None:
+        attributes["pdserve.logprobs"] = sampling.logprobs
+    if sampling.prompt_logprobs is not None:
+        attributes["pdserve.prompt_logprobs"] = sampling.prompt_logprobs
     if prepared.stop:
         attributes["gen_ai.request.stop_sequences"] = list(prepared.stop)
     if prepared.api_key_name is not None:

@@ -14,7 +14,7 @@ from typing import Protocol, TypeAlias
 from opentelemetry.context import Context
 
 from pdserve.common.errors import PdserveError
-from pdserve.common.generation import FinishReason, SamplingParams
+from pdserve.common.generation import FinishReason, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class FirstTokenEvent:
     token_id: int
     index: int
     phases: PrefillPhases | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,12 @@ class FinishedEvent:
 
 @dataclass(frozen=True)
 class TokenBatchEvent:
-    """Tokens a decode generated, starting at completion index `first_index`."""
+    """Tokens a decode generated, starting at completion index `first_index` (with one
+    `logprobs` entry per token when the request asks for them)."""
 
     token_ids: tuple[int, ...]
     first_index: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)

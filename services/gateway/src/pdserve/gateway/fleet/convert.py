@@ -31,6 +31,7 @@ from pdserve.gateway.fleet.model_info import ModelFiles
 from pdserve.serving.convert import (
     finish_reason_from_proto,
     local_protocol,
+    logprobs_from_proto,
     sampling_to_proto,
 )
 from pdserve.v1 import (
@@ -188,7 +189,13 @@ def prefill_event_from_pb(message: prefill_pb2.PrefillResponse) -> PrefillEvent 
     if kind == "first_token":
         first = message.first_token
         phases = _phases_from_pb(first.phases) if first.HasField("phases") else None
-        return FirstTokenEvent(first.token_id, first.index, phases)
+        return FirstTokenEvent(
+            first.token_id,
+            first.index,
+            phases,
+            logprobs_from_proto(first.logprobs) if first.HasField("logprobs") else None,
+            tuple(logprobs_from_proto(lp) for lp in first.prompt_logprobs),
+        )
     if kind == "handed_off":
         handed_off = message.handed_off
         phases = None
@@ -204,7 +211,12 @@ def decode_event_from_pb(message: decode_pb2.DecodeServiceGenerateResponse) -> D
     """DecodeServiceGenerateResponse -> event; None for an empty message."""
     kind = message.WhichOneof("event")
     if kind == "tokens":
-        return TokenBatchEvent(tuple(message.tokens.token_ids), message.tokens.first_index)
+        tokens = message.tokens
+        return TokenBatchEvent(
+            tuple(tokens.token_ids),
+            tokens.first_index,
+            tuple(logprobs_from_proto(lp) for lp in tokens.logprobs),
+        )
     if kind == "preemption":
         notice = message.preemption
         return PreemptionEvent(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 from pdserve.gateway.request import OutputDelta, Usage
-from pdserve.serving.convert import finish_reason_to_proto
+from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.v1 import common_pb2, generation_pb2
 
 
@@ -49,8 +49,22 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         ignore_eos=sampling.ignore_eos,
         client_request_id=message.request_id or None,
         user=message.user or None,
+        presence_penalty=_optional(sampling, "presence_penalty"),
+        frequency_penalty=_optional(sampling, "frequency_penalty"),
+        repetition_penalty=_optional(sampling, "repetition_penalty"),
+        logit_bias=tuple(sampling.logit_bias.items()),
+        min_tokens=sampling.min_tokens,
+        min_p=_optional(sampling, "min_p"),
+        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+        prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
+        n=message.n or 1,
     )
     return params
+
+
+def _optional(sampling: common_pb2.SamplingParams, name: str) -> float | None:
+    """An optional float field's value, or None when unset."""
+    return float(getattr(sampling, name)) if sampling.HasField(name) else None
 
 
 def usage_to_pb(usage: Usage) -> common_pb2.Usage:
@@ -63,15 +77,19 @@ def usage_to_pb(usage: Usage) -> common_pb2.Usage:
 
 
 def generate_response_to_pb(
-    request_id: str, delta: OutputDelta, prompt_token_ids: tuple[int, ...] = ()
+    request_id: str, delta: OutputDelta, prompt_token_ids: tuple[int, ...] = (), index: int = 0
 ) -> generation_pb2.GenerateResponse:
-    """`OutputDelta` -> GenerateResponse (finish reason and usage only on the last one)."""
+    """`OutputDelta` of choice `index` -> GenerateResponse (finish reason and usage only on
+    the choice's last one)."""
     message = generation_pb2.GenerateResponse(
         request_id=request_id,
         token_ids=list(delta.token_ids),
         first_index=delta.first_index,
         text=delta.text,
         prompt_token_ids=list(prompt_token_ids),
+        logprobs=[logprobs_to_proto(lp) for lp in delta.logprobs],
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in delta.prompt_logprobs],
+        index=index,
     )
     if delta.finish_reason is not None:
         message.finish_reason = finish_reason_to_proto(delta.finish_reason)

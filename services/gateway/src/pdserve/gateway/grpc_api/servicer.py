@@ -22,6 +22,7 @@ from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway.access.admission import ConcurrencyLimiter
 from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.access.auth import authenticate
+from pdserve.gateway.choices import merged
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.grpc_api import convert
 from pdserve.gateway.grpc_api.parsing import parse_generate_request, parse_message
@@ -102,10 +103,10 @@ class GenerationServicer:
                 span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
                 request_id = prepared.client_request_id or prepared.request_id
                 prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
-                deltas = self._streamer.stream(prepared)
+                deltas = merged([self._streamer.stream(c) for c in prepared.choices()])
                 async with contextlib.aclosing(deltas):
-                    async for delta in deltas:
-                        yield convert.generate_response_to_pb(request_id, delta, prompt_ids)
+                    async for index, delta in deltas:
+                        yield convert.generate_response_to_pb(request_id, delta, prompt_ids, index)
                         prompt_ids = ()
         except PdserveError as error:
             await abort_with_error(context, error)

@@ -43,6 +43,7 @@ from pdserve.common.errors import PdserveError
 from pdserve.gateway.access.admission import Admission, ConcurrencyLimiter
 from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.access.auth import Caller, authenticate
+from pdserve.gateway.choices import merged
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.http import (
@@ -210,12 +211,18 @@ def create_app(
         check_json_content_type(request)
         raw = await read_body(request, max_body_bytes)
         body = await parser.run(parse_openai_body, len(raw), raw, is_chat, frontend.limits)
-        prepared = await frontend.prepare(body.params, request_id_of(request), caller.api_key_name)
+        request_id = request_id_of(request)
+        prompts = [
+            await frontend.prepare(
+                params, request_id if index == 0 else f"{request_id}-p{index}", caller.api_key_name
+            )
+            for index, params in enumerate(body.params)
+        ]
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
-        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prepared.request_id)
-        responder = Responder(is_chat, prepared, body)
-        headers = {"X-Request-Id": prepared.request_id}
-        deltas = streamer.stream(prepared)
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prompts[0].request_id)
+        responder = Responder(is_chat, prompts, body)
+        headers = {"X-Request-Id": prompts[0].request_id}
+        deltas = merged([streamer.stream(choice) for choice in responder.choices])
         if body.stream:
             # NOTE: the status waits for the first token (a request that cannot be served is
             # a 429 or 503, not an SSE error), which may wait in the admission queue: a
@@ -246,8 +253,8 @@ def create_app(
 
 
 async def _first_unless_disconnected(
-    request: Request, deltas: AsyncGenerator[OutputDelta, None]
-) -> OutputDelta | None:
+    request: Request, deltas: AsyncGenerator[tuple[int, OutputDelta], None]
+) -> tuple[int, OutputDelta] | None:
     """The first delta of a streamed request, or None if the client went away first."""
     return await _unless_disconnected(request, anext(deltas))
 
@@ -269,11 +276,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
 
 
 async def _collect_unless_disconnected(
-    request: Request, deltas: AsyncGenerator[OutputDelta, None]
-) -> list[OutputDelta] | None:
+    request: Request, deltas: AsyncGenerator[tuple[int, OutputDelta], None]
+) -> list[tuple[int, OutputDelta]] | None:
     """All deltas of a non-streamed request, or None if the client went away first."""
 
-    async def collect() -> list[OutputDelta]:
+    async def collect() -> list[tuple[int, OutputDelta]]:
         async with contextlib.aclosing(deltas):
             return [delta async for delta in deltas]
 

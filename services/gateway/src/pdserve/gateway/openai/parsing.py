@@ -29,11 +29,12 @@ MAX_ERROR_CHARS = 200  # of a parser's message quoted in an error
 class OpenAIBody(NamedTuple):
     """A parsed REST request: its params and what shapes the response."""
 
-    params: GenerationParams
+    params: list[GenerationParams]
     model: str
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    continuous_usage: bool = False
 
 
 def _invalid(message: str, param: str | None = None) -> PdserveError:
@@ -75,7 +76,15 @@ def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenA
         num_stop_strings=len(body.stop) if isinstance(body.stop, list) else 0,
         num_stop_token_ids=len(body.stop_token_ids or ()),
     )
-    params = validate_request(body.to_params(), limits)
+    prompts = body.to_params()
+    if len(prompts) > limits.max_prompts:
+        raise _invalid(f"at most {limits.max_prompts} prompts per request", "prompt")
+    params = [validate_request(one, limits) for one in prompts]
     return OpenAIBody(
-        params, body.model, body.stream, body.include_usage, bool(body.return_token_ids)
+        params,
+        body.model,
+        body.stream,
+        body.include_usage,
+        bool(body.return_token_ids),
+        body.continuous_usage,
     )

@@ -4,8 +4,10 @@ Bodies are parsed strictly: unknown fields are refused (as the OpenAI API does),
 is coerced to another type (``"stream": "yes"``, ``"temperature": true`` and ``"prompt":
 [true]`` are 400s; an integer is accepted where a number is expected). Non-finite numbers are
 refused. Every OpenAI parameter pdserve does not implement is accepted only at its neutral value
-(``n: 1``, ``logprobs: false``...): any other value is a 400, never silently ignored.
-Extensions (as in vLLM): ``top_k``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
+(``tools: []``, ``best_of: 1``...): any other value is a 400, never silently ignored.
+Extensions (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``prompt_logprobs`` and
+``stream_options.continuous_usage_stats``.
 
 Ranges, limits, Unicode and roles are checked after the translation, by the validator both
 front ends share (`pdserve.gateway.prepare.validation`).
@@ -22,6 +24,7 @@ from typing_extensions import TypedDict  # pydantic needs this one before Python
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound on logprobs (chat: 20)
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
@@ -30,9 +33,10 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    """``stream_options``: only ``include_usage`` is supported."""
+    """``stream_options``: a last usage chunk, or usage so far on every chunk."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingBody(_Body):
@@ -51,21 +55,16 @@ class _SamplingBody(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False
-    # Accepted only at their neutral values (see `unsupported_parameter`).
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    min_p: float | None = None
+    prompt_logprobs: int | None = None
 
     def _unsupported(self) -> tuple[str, str] | None:
-        if self.n not in (None, 1):
-            return "n", "only n=1 is supported"
-        if self.presence_penalty not in (None, 0):
-            return "presence_penalty", "presence_penalty is not supported"
-        if self.frequency_penalty not in (None, 0):
-            return "frequency_penalty", "frequency_penalty is not supported"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         return None
@@ -75,10 +74,27 @@ class _SamplingBody(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise unsupported("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            pairs.append((int(key), value))
+        return tuple(pairs)
+
     def _params(self, kind: PromptKind, **prompt: Any) -> GenerationParams:
         # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
         top_k = 0 if self.top_k == -1 else self.top_k
         return GenerationParams(
+            n=1 if self.n is None else self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens or 0,
+            min_p=self.min_p,
+            prompt_logprobs=self.prompt_logprobs,
             model=self.model,
             kind=kind,
             max_tokens=self.max_tokens,
@@ -98,6 +114,11 @@ class _SamplingBody(_Body):
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingBody):
     """Body of ``POST /v1/completions``."""
@@ -110,32 +131,49 @@ class CompletionRequest(_SamplingBody):
     logprobs: int | None = None
     suffix: str | None = None
 
-    def to_params(self) -> GenerationParams:
-        """The request as `GenerationParams`.
+    def to_params(self) -> list[GenerationParams]:
+        """The request as `GenerationParams`, one per prompt of a prompt list.
+
+        ``logprobs`` (0 to 5) asks for each token's logprob and that many alternatives;
+        ``echo`` with it asks for the prompt's too (``max_tokens`` 0 then scores the prompt
+        alone).
 
         Raises:
             PdserveError: INVALID_REQUEST for an unsupported parameter or prompt shape.
         """
         problem = self._unsupported()
         if problem is None:
-            if self.echo:
-                problem = "echo", "echo is not supported"
-            elif self.best_of not in (None, 1):
-                problem = "best_of", "only best_of=1 is supported"
-            elif self.logprobs is not None:
-                problem = "logprobs", "logprobs is not supported"
+            if self.best_of not in (None, 1):
+                problem = "best_of", "only best_of=1 is supported (use n)"
             elif self.suffix:
                 problem = "suffix", "suffix is not supported"
         if problem is not None:
             raise unsupported(*problem)
         prompt = self.prompt
+        prompts: list[str | list[int]]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise unsupported("prompt", "only one prompt per request is supported")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self._params(PromptKind.COMPLETION, text=prompt)
-        return self._params(PromptKind.COMPLETION, token_ids=tuple(prompt))
+            prompts = list(prompt)
+        else:
+            prompts = [prompt]  # type: ignore[list-item]
+        echo = bool(self.echo)
+        prompt_logprobs = self.prompt_logprobs
+        if echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs
+        params = []
+        for one in prompts:
+            prompt_input: dict[str, Any] = (
+                {"text": one} if isinstance(one, str) else {"token_ids": tuple(one)}
+            )
+            params.append(
+                dataclasses.replace(
+                    self._params(PromptKind.COMPLETION, **prompt_input),
+                    logprobs=self.logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    echo=echo,
+                    max_logprobs=MAX_COMPLETION_LOGPROBS,
+                )
+            )
+        return params
 
 
 # NOTE: messages and their parts are TypedDicts (plain dicts), not models: they validate about
@@ -176,8 +214,11 @@ class ChatCompletionRequest(_SamplingBody):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
 
-    def to_params(self) -> GenerationParams:
-        """The request as `GenerationParams`.
+    def to_params(self) -> list[GenerationParams]:
+        """The request as `GenerationParams` (a list of one, as for completions).
+
+        ``logprobs: true`` asks for each token's logprob, ``top_logprobs`` (0 to 20) for that
+        many alternatives.
 
         Raises:
             PdserveError: INVALID_REQUEST for an unsupported parameter or message.
@@ -193,22 +234,24 @@ class ChatCompletionRequest(_SamplingBody):
             if isinstance(content, list):
                 content = "".join(part["text"] for part in content)
             messages.append(ChatMessage(message["role"], content or ""))
-        params = self._params(PromptKind.CHAT, messages=tuple(messages))
+        params = dataclasses.replace(
+            self._params(PromptKind.CHAT, messages=tuple(messages)),
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            logprobs_name="top_logprobs",
+        )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise unsupported("max_tokens", "max_tokens and max_completion_tokens differ")
-            return dataclasses.replace(
+            params = dataclasses.replace(
                 params,
                 max_tokens=self.max_completion_tokens,
                 max_tokens_name="max_completion_tokens",
             )
-        return params
+        return [params]
 
     def _unsupported_chat(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs is not supported"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.tools:
             return "tools", "tools are not supported"
         if self.tool_choice not in (None, "none"):

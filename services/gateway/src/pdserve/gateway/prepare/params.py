@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import SamplingParams
+from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from pdserve.gateway.request import GenerationRequest
 from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
@@ -40,7 +40,9 @@ class GenerationParams:
     Exactly one of `text`, `token_ids` and `messages` is set. Unset sampling fields (None)
     take the model's defaults; `max_tokens` None takes the API's default. `max_tokens_name` is
     what the client called max_tokens (``max_completion_tokens`` in a chat request), so errors
-    name the parameter it sent.
+    name the parameter it sent; `logprobs_name` and `max_logprobs` likewise name the API's
+    logprobs count (``top_logprobs`` in chat) and its bound. `n` completions share the prompt;
+    `echo` puts the prompt (and its logprobs) before the completion.
     """
 
     model: str
@@ -59,30 +61,63 @@ class GenerationParams:
     client_request_id: str | None = None
     user: str | None = None
     max_tokens_name: str = "max_tokens"
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    echo: bool = False
+    logprobs_name: str = "logprobs"
+    max_logprobs: int = MAX_TOP_LOGPROBS
 
     def to_sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The validated request's `SamplingParams`; unset fields take their defaults.
 
         Args:
-            max_tokens: The request's own, or the API's default.
+            max_tokens: The request's own, or the API's default (0: score the prompt only,
+                which still samples one token, never shown).
             seed: The request's own, or one drawn for it.
         """
-        unset = SamplingParams(max_tokens=max_tokens)
+        unset = SamplingParams(max_tokens=max(1, max_tokens))
+
+        def chosen(value: float | None, default: float) -> float:
+            return default if value is None else value
+
         return SamplingParams(
-            temperature=unset.temperature if self.temperature is None else self.temperature,
+            temperature=chosen(self.temperature, unset.temperature),
             top_k=unset.top_k if self.top_k is None else self.top_k,
-            top_p=unset.top_p if self.top_p is None else self.top_p,
+            top_p=chosen(self.top_p, unset.top_p),
             seed=seed,
-            max_tokens=max_tokens,
+            max_tokens=max(1, max_tokens),
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            presence_penalty=chosen(self.presence_penalty, unset.presence_penalty),
+            frequency_penalty=chosen(self.frequency_penalty, unset.frequency_penalty),
+            repetition_penalty=chosen(self.repetition_penalty, unset.repetition_penalty),
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            min_p=chosen(self.min_p, unset.min_p),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    """A validated, tokenized request, ready to stream (``arrival_time``: when the gateway
-    started preparing it, ``time.monotonic()``)."""
+    """A validated, tokenized request, ready to stream.
+
+    Attributes:
+        arrival_time: When the gateway started preparing it, ``time.monotonic()``.
+        n: Completions asked for; `choices` makes one request of each.
+        echo: The response starts with the prompt.
+        is_prompt_only: max_tokens was 0: the prompt is scored (one token is sampled to
+            finish the prefill, and never shown).
+        prompt_text: The prompt as the client wrote it (a text prompt; echo shows it).
+    """
 
     request: GenerationRequest
     stop: tuple[str, ...]
@@ -92,6 +127,29 @@ class PreparedRequest:
     kind: PromptKind = PromptKind.COMPLETION
     api_key_name: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    n: int = 1
+    echo: bool = False
+    is_prompt_only: bool = False
+    prompt_text: str | None = None
+
+    def choices(self) -> list[PreparedRequest]:
+        """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)
+        and seed ``seed + i``, so each choice has its own reproducible random stream."""
+        if self.n == 1:
+            return [self]
+        request = self.request
+        seed = request.sampling.seed or 0
+        return [
+            replace(
+                self,
+                request=replace(
+                    request,
+                    request_id=f"{request.request_id}-{index}",
+                    sampling=replace(request.sampling, seed=(seed + index) % MAX_SEED),
+                ),
+            )
+            for index in range(self.n)
+        ]
 
     @property
     def request_id(self) -> str:

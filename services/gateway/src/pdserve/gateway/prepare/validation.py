@@ -40,6 +40,9 @@ class RequestLimits:
         max_stop_chars: Characters of one stop string.
         max_stop_token_ids: Stop token ids of one request.
         max_tokens_limit: Largest max_tokens; 0 means whatever fits in the model's length.
+        max_n: Completions one request may ask for (``n``).
+        max_prompts: Prompts of one completions request.
+        max_logit_bias: Entries of one request's ``logit_bias``.
     """
 
     max_prompt_chars: int = 1_000_000
@@ -49,6 +52,9 @@ class RequestLimits:
     max_stop_chars: int = 256
     max_stop_token_ids: int = 64
     max_tokens_limit: int = 0
+    max_n: int = 16
+    max_prompts: int = 64
+    max_logit_bias: int = 1024
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -125,18 +131,45 @@ def check_counts(
 
 def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
     max_tokens_limit = limits.max_tokens_limit or MAX_UINT32
-    _check_range(params.max_tokens, 1, max_tokens_limit, params.max_tokens_name)
+    # NOTE: max_tokens 0 scores the prompt only (echo with logprobs).
+    lowest = 0 if params.echo and params.prompt_logprobs is not None else 1
+    _check_range(params.max_tokens, lowest, max_tokens_limit, params.max_tokens_name)
     _check_range(params.temperature, 0.0, MAX_FLOAT32, "temperature")
     if params.top_p is not None and not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
         raise invalid("top_p must be in (0, 1]", "top_p")
     _check_range(params.top_k, 0, MAX_UINT32, "top_k")
     _check_range(params.seed, 0, MAX_SEED - 1, "seed")
+    _check_controls(params, limits)
     if any(not 0 <= token_id <= MAX_UINT32 for token_id in params.stop_token_ids):
         raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
     for stop in params.stop:
         if not 0 < len(stop) <= limits.max_stop_chars:
             raise invalid(f"stop strings must have 1 to {limits.max_stop_chars} characters", "stop")
         check_text(stop, "stop")
+
+
+def _check_controls(params: GenerationParams, limits: RequestLimits) -> None:
+    """Penalties, logit_bias, min_tokens, min_p, logprobs and n."""
+    _check_range(params.presence_penalty, -2.0, 2.0, "presence_penalty")
+    _check_range(params.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+    if params.repetition_penalty is not None and not (
+        math.isfinite(params.repetition_penalty) and 0 < params.repetition_penalty <= 2
+    ):
+        raise invalid("repetition_penalty must be in (0, 2]", "repetition_penalty")
+    _check_range(params.min_p, 0.0, 1.0, "min_p")
+    _check_range(params.min_tokens, 0, MAX_UINT32, "min_tokens")
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise invalid(f"min_tokens must be <= {params.max_tokens_name}", "min_tokens")
+    _check_range(params.logprobs, 0, params.max_logprobs, params.logprobs_name)
+    _check_range(params.prompt_logprobs, 0, params.max_logprobs, params.logprobs_name)
+    _check_range(params.n, 1, limits.max_n, "n")
+    if len(params.logit_bias) > limits.max_logit_bias:
+        raise invalid(f"at most {limits.max_logit_bias} logit_bias entries", "logit_bias")
+    for token_id, bias in params.logit_bias:
+        if not 0 <= token_id <= MAX_UINT32:
+            raise invalid("logit_bias keys must be token ids (>= 0)", "logit_bias")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise invalid("logit_bias values must be in [-100, 100]", "logit_bias")
 
 
 def _checked_messages(
