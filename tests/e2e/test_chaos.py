@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import os
 import signal
@@ -34,6 +35,7 @@ from support.process_cluster import (
     address,
     events_named,
     running_cluster,
+    stream_choices,
     stream_token_ids,
 )
 from support.real_cluster import Reference
@@ -656,4 +658,104 @@ async def test_lease_of_a_prefill_that_never_sends_expires(
         assert released.state == decode_pb2.LEASE_STATE_EXPIRED
     finally:
         await channel.close()
+    await cluster.wait_whole()
+
+
+# ---- the sampling controls through preemption and migration ----------------------------------
+
+
+# NOTE: penalties count every generated token, logprobs come from whichever instance computed
+# the position, and each of n choices is its own stream: all of it must survive a reschedule.
+CONTROLS: dict[str, Any] = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.3,
+    "logprobs": 2,
+    "logit_bias": {"101": 2.0, "32": -1.5},
+    "extra_body": {"repetition_penalty": 1.2},
+}
+NUM_CHOICES = 3
+LOGPROB_TOLERANCE = 1e-4
+
+
+def controlled_cases(num: int, prefix: str) -> list[tuple[str, dict[str, Any]]]:
+    """`num` prompts with every control on, alternately greedy and seeded."""
+    return [(prompt, {**sampling, **CONTROLS}) for prompt, sampling in cases(num, prefix)]
+
+
+async def undisturbed(
+    cluster: ProcessCluster, requests: list[tuple[str, dict[str, Any]]], max_tokens: int
+) -> list[list[tuple[list[int], list[float]]]]:
+    """Each request alone on the cluster, one after the other: nothing preempts them."""
+    before = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+    async with cluster.openai() as client:
+        results = [
+            await stream_choices(
+                client, cluster.model_name, prompt, max_tokens=max_tokens, n=NUM_CHOICES,
+                **copy.deepcopy(sampling),
+            )
+            for prompt, sampling in requests
+        ]  # fmt: skip
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") == before
+    return results
+
+
+def assert_same_choices(
+    results: list[list[tuple[list[int], list[float]]]],
+    expected: list[list[tuple[list[int], list[float]]]],
+) -> None:
+    """Token for token equal, logprobs equal to float noise (a position recomputed by a
+    prefill pass instead of a decode step)."""
+    assert [[ids for ids, _ in r] for r in results] == [[ids for ids, _ in e] for e in expected]
+    for result, reference in zip(results, expected, strict=True):
+        for (ids, logprobs), (_, expected_logprobs) in zip(result, reference, strict=True):
+            assert len(logprobs) == len(ids)
+            assert logprobs == pytest.approx(expected_logprobs, abs=LOGPROB_TOLERANCE)
+
+
+@STORE_OFF_ONLY
+async def test_preemption_storm_with_every_control(tiny_pool: ProcessCluster) -> None:
+    cluster = tiny_pool
+    requests = controlled_cases(6, prefix="Controlled storm")
+    expected = await undisturbed(cluster, requests, STORM_MAX_TOKENS)
+    async with cluster.openai() as client:
+        results = await asyncio.gather(
+            *(
+                stream_choices(
+                    client, cluster.model_name, prompt, max_tokens=STORM_MAX_TOKENS,
+                    n=NUM_CHOICES, **copy.deepcopy(sampling),
+                )
+                for prompt, sampling in requests
+            )
+        )  # fmt: skip
+    assert_same_choices(results, expected)
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") >= 1
+    await cluster.wait_whole()
+
+
+@STORE_OFF_ONLY
+async def test_sigkill_decode_mid_stream_with_every_control(two_decodes: ProcessCluster) -> None:
+    cluster, max_tokens = two_decodes, 300
+    requests = controlled_cases(2, prefix="Controlled migration")
+    expected = await undisturbed(cluster, requests, max_tokens)
+    streaming = [asyncio.Event() for _ in requests]
+    async with cluster.openai() as client:
+        tasks = [
+            asyncio.create_task(
+                stream_choices(
+                    client, cluster.model_name, prompt, max_tokens=max_tokens, n=NUM_CHOICES,
+                    on_tokens=set_when_streaming(event, 10 * NUM_CHOICES),
+                    **copy.deepcopy(sampling),
+                )
+            )
+            for (prompt, sampling), event in zip(requests, streaming, strict=True)
+        ]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
+        victim, num_running = await busiest_decode(cluster)
+        victim.signal(signal.SIGKILL)
+        assert num_running > 0, "no decode held a running stream"
+        assert not all(task.done() for task in tasks), "the streams ended before the kill"
+        assert victim.wait(10) == -signal.SIGKILL
+        results = await asyncio.gather(*tasks)
+    assert_same_choices(results, expected)
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
     await cluster.wait_whole()

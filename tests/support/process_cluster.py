@@ -261,3 +261,39 @@ async def stream_token_ids(
             if on_tokens is not None:
                 on_tokens(ids)
     return ids
+
+
+async def stream_choices(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    n: int,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    timeout_s: float = 60.0,
+    **sampling: Any,
+) -> list[tuple[list[int], list[float]]]:
+    """Streams `n` completions of one prompt with logprobs; returns each choice's token ids and
+    their logprobs, by choice index (`on_tokens` sees every choice's ids so far, joined)."""
+    ids: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list[float]] = [[] for _ in range(n)]
+    async with asyncio.timeout(timeout_s):
+        chunks = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            n=n,
+            stream=True,
+            extra_body={"return_token_ids": True, **sampling.pop("extra_body", {})},
+            **sampling,
+        )
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids[choice.index].extend((choice.model_extra or {}).get("token_ids") or ())
+                if choice.logprobs is not None:
+                    values = choice.logprobs.token_logprobs or []
+                    logprobs[choice.index].extend(v for v in values if v is not None)
+            if on_tokens is not None:
+                on_tokens([t for choice_ids in ids for t in choice_ids])
+    return list(zip(ids, logprobs, strict=True))
