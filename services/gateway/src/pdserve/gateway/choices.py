@@ -1,6 +1,12 @@
 """Several completions of one request (``n``, a list of prompts) as one stream of indexed
-deltas: each choice runs as its own request, concurrently, and `merged` interleaves their
-deltas in the order they come, each tagged with its choice index."""
+deltas: each choice runs as its own request, and `merged` interleaves their deltas in the
+order they come, each tagged with its choice index.
+
+The first choice of each prompt starts alone; that prompt's other choices start once it has
+its first token. By then its prompt's full blocks are in its prefill's prefix cache, and
+cache-aware routing sends the other choices there, so the prompt is computed once rather than
+n times (its KV still travels to the decode once per choice).
+"""
 
 from __future__ import annotations
 
@@ -14,9 +20,14 @@ _DONE = None
 
 
 async def merged(
-    streams: Sequence[AsyncGenerator[OutputDelta, None]],
+    streams: Sequence[AsyncGenerator[OutputDelta, None]], n: int = 1
 ) -> AsyncGenerator[tuple[int, OutputDelta], None]:
     """Interleaves the choices' deltas as they arrive, as ``(choice index, delta)``.
+
+    Args:
+        streams: One per choice, `n` consecutive ones per prompt.
+        n: Choices per prompt: choice ``i`` starts when choice ``i - i % n`` has delivered
+            its first delta (or ended).
 
     The first error of any choice ends the merged stream with that error; closing it (or an
     error) closes every choice's stream, so each one gives back what it holds.
@@ -28,14 +39,21 @@ async def merged(
         return
     queue: asyncio.Queue[tuple[int, OutputDelta | Exception | None]] = asyncio.Queue()
 
+    has_output = [asyncio.Event() for _ in streams]  # a first delta, or the end
+
     async def pump(index: int, stream: AsyncGenerator[OutputDelta, None]) -> None:
         try:
+            if index % n:
+                await has_output[index - index % n].wait()
             async with contextlib.aclosing(stream):
                 async for delta in stream:
                     queue.put_nowait((index, delta))
+                    has_output[index].set()
             queue.put_nowait((index, _DONE))
         except Exception as error:  # handed to the consumer, which raises it
             queue.put_nowait((index, error))
+        finally:
+            has_output[index].set()
 
     tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
     try:

@@ -103,7 +103,7 @@ class GenerationServicer:
                 span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
                 request_id = prepared.client_request_id or prepared.request_id
                 prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
-                deltas = merged([self._streamer.stream(c) for c in prepared.choices()])
+                deltas = merged([self._streamer.stream(c) for c in prepared.choices()], prepared.n)
                 async with contextlib.aclosing(deltas):
                     async for index, delta in deltas:
                         yield convert.generate_response_to_pb(request_id, delta, prompt_ids, index)

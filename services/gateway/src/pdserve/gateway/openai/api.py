@@ -222,7 +222,7 @@ def create_app(
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prompts[0].request_id)
         responder = Responder(is_chat, prompts, body)
         headers = {"X-Request-Id": prompts[0].request_id}
-        deltas = merged([streamer.stream(choice) for choice in responder.choices])
+        deltas = merged([streamer.stream(c) for c in responder.choices], responder.n)
         if body.stream:
             # NOTE: the status waits for the first token (a request that cannot be served is
             # a 429 or 503, not an SSE error), which may wait in the admission queue: a
