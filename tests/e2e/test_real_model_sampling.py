@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import torch
 from support.process_cluster import ProcessCluster, running_cluster
 
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 TOLERANCE = 1e-4
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
@@ -153,7 +155,7 @@ async def test_loglikelihood_request_of_lm_eval_harness(
 async def test_repetition_penalty_equals_transformers_generate(
     cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
 ) -> None:
-    tokenizer, model = smollm2_reference
+    _, model = smollm2_reference
     prompt = chat_prompt(smollm2_reference)
     with torch.no_grad():
         output = model.generate(
@@ -241,3 +243,73 @@ async def test_n_choices_each_equal_a_single_request_with_its_seed(
             streamed[choice.index].extend((choice.model_extra or {}).get("token_ids", []))
     assert [streamed[i] for i in range(3)] == tokens
     assert usage is not None and usage.completion_tokens == response.usage.completion_tokens
+
+
+async def test_grpc_stub_gets_n_choices_with_logprobs_and_penalties(
+    cluster: ProcessCluster,
+) -> None:
+    """A gRPC stub gets what the REST API gets: n, logprobs, penalties, logit_bias."""
+    sampling = common_pb2.SamplingParams(
+        max_tokens=NUM_TOKENS,
+        temperature=0.9,
+        seed=11,
+        presence_penalty=0.5,
+        repetition_penalty=1.1,
+        logit_bias={28: 1.0},
+        logprobs=3,
+        ignore_eos=True,
+    )
+    request = generation_pb2.GenerateRequest(
+        model=DEFAULT_MODEL, chat=generation_pb2.ChatMessages(
+            messages=[generation_pb2.ChatMessage(role="user", content=MESSAGES[0]["content"])]
+        ), sampling=sampling, n=2,
+    )  # fmt: skip
+    async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        responses = [r async for r in stub.Generate(request)]
+    by_choice: dict[int, list[Any]] = {0: [], 1: []}
+    for response in responses:
+        by_choice[response.index].append(response)
+    rest = await cluster.openai().chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=NUM_TOKENS,
+        temperature=0.9,
+        seed=11,
+        presence_penalty=0.5,
+        logit_bias={"28": 1.0},
+        logprobs=True,
+        top_logprobs=3,
+        n=2,
+        extra_body={"return_token_ids": True, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
+    for index in (0, 1):
+        tokens = [t for r in by_choice[index] for t in r.token_ids]
+        logprobs = [lp for r in by_choice[index] for lp in r.logprobs]
+        assert tokens == (rest.choices[index].model_extra or {})["token_ids"]
+        assert len(logprobs) == len(tokens) == NUM_TOKENS
+        assert all(len(lp.top_token_ids) == 3 for lp in logprobs)
+        content = rest.choices[index].logprobs.content or []  # type: ignore[union-attr]
+        assert [lp.logprob for lp in logprobs] == pytest.approx([e.logprob for e in content])
+        assert by_choice[index][-1].usage.num_completion_tokens == NUM_TOKENS
+
+
+async def test_tokenize_and_detokenize(
+    cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
+) -> None:
+    async with httpx.AsyncClient(base_url=cluster.rest_url, timeout=60) as http:
+        chat = await http.post("/tokenize", json={"model": DEFAULT_MODEL, "messages": MESSAGES})
+        text = await http.post("/tokenize", json={"model": DEFAULT_MODEL, "prompt": "Hello sea"})
+        tokens = text.json()["tokens"]
+        back = await http.post("/detokenize", json={"model": DEFAULT_MODEL, "tokens": tokens})
+        bad = await http.post("/detokenize", json={"model": DEFAULT_MODEL, "tokens": [10**6]})
+        missing = await http.post("/tokenize", json={"model": DEFAULT_MODEL})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["tokens"] == chat_prompt(smollm2_reference)
+    assert chat.json()["count"] == len(chat_prompt(smollm2_reference))
+    assert chat.json()["max_model_len"] > 0
+    tokenizer, _ = smollm2_reference
+    assert tokens == tokenizer.encode("Hello sea")
+    assert back.json() == {"prompt": "Hello sea"}
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert missing.status_code == 400

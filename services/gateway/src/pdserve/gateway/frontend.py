@@ -92,6 +92,43 @@ class Frontend:
             )
         return models
 
+    async def tokenize(self, params: GenerationParams) -> tuple[list[int], int]:
+        """The prompt's token ids as a generation request would send them (chat messages
+        through the template), and the model's maximum length.
+
+        Raises:
+            PdserveError: As `prepare` for the model and the prompt.
+        """
+        info = await self._info(params)
+        token_ids = await self._workers.run(tokenize_prompt, params, info.tokenizer)
+        return token_ids, self._max_model_len(params.model, info)
+
+    async def detokenize(self, model: str, token_ids: list[int]) -> str:
+        """The text of `token_ids` (special tokens kept).
+
+        Raises:
+            PdserveError: MODEL_NOT_FOUND, or INVALID_REQUEST for an id outside the vocabulary.
+        """
+        info = await self._info(GenerationParams(model=model, kind=PromptKind.COMPLETION))
+        vocab_size = info.tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise invalid(f"tokens must be token ids in [0, {vocab_size})", "tokens")
+        return info.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    async def _info(self, params: GenerationParams) -> ModelInfo:
+        """The model's info (tokenizer, length), after the checks every request gets."""
+        if params.model not in self._registry.model_names():
+            raise PdserveError(
+                ErrorReason.MODEL_NOT_FOUND,
+                f"the model {params.model!r} does not exist",
+                {"param": "model", "model": params.model},
+            )
+        prefill_addresses = [
+            e.info.address
+            for e in self._router.loads.candidates(InstanceRole.PREFILL, params.model)
+        ]
+        return await self._model_infos.get(params.model, prefill_addresses)
+
     def _max_model_len(self, model: str, info: ModelInfo | None = None) -> int:
         limits = [e.info.max_model_len for e in self._registry.alive(model_name=model)]
         if info is not None:
@@ -130,17 +167,7 @@ class Frontend:
         if self.is_draining:
             raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
         params = validate_request(params, self._limits)
-        if params.model not in self._registry.model_names():
-            raise PdserveError(
-                ErrorReason.MODEL_NOT_FOUND,
-                f"the model {params.model!r} does not exist",
-                {"param": "model", "model": params.model},
-            )
-        prefill_addresses = [
-            e.info.address
-            for e in self._router.loads.candidates(InstanceRole.PREFILL, params.model)
-        ]
-        info = await self._model_infos.get(params.model, prefill_addresses)
+        info = await self._info(params)
         tokenizer = info.tokenizer
         max_model_len = self._max_model_len(params.model, info)
         prompt_param = "messages" if params.messages is not None else "prompt"

@@ -2,6 +2,7 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
 streaming as server-sent events ending in ``data: [DONE]``, or a single JSON body),
+``POST /tokenize`` and ``POST /detokenize`` (as vLLM's),
 ``GET /health`` (readiness: 503 with a reason until a compatible prefill/decode pair serves
 some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. Errors are
 OpenAI error bodies
@@ -39,7 +40,7 @@ from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.common import telemetry
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.access.admission import Admission, ConcurrencyLimiter
 from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.access.auth import Caller, authenticate
@@ -54,8 +55,10 @@ from pdserve.gateway.openai.http import (
     read_body,
     request_id_of,
 )
-from pdserve.gateway.openai.parsing import parse_openai_body
+from pdserve.gateway.openai.parsing import parse_openai_body, parse_tokenizer_body
 from pdserve.gateway.openai.responses import EventStreamResponse, Responder
+from pdserve.gateway.openai.schemas import DetokenizeRequest
+from pdserve.gateway.prepare.params import GenerationParams
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.streaming import Streamer
@@ -240,6 +243,29 @@ def create_app(
         if collected is None:
             return Response(status_code=499)
         return JSONResponse(responder.full(collected), headers=headers)
+
+    async def tokenizer_body(request: Request) -> GenerationParams | DetokenizeRequest:
+        authorize(request)
+        check_json_content_type(request)
+        raw = await read_body(request, max_body_bytes)
+        return await parser.run(parse_tokenizer_body, len(raw), raw, frontend.limits)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        params = await tokenizer_body(request)
+        if not isinstance(params, GenerationParams):
+            raise PdserveError(ErrorReason.INVALID_REQUEST, "a prompt or messages is required")
+        token_ids, max_model_len = await frontend.tokenize(params)
+        return JSONResponse(
+            {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids}
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await tokenizer_body(request)
+        if not isinstance(body, DetokenizeRequest):
+            raise PdserveError(ErrorReason.INVALID_REQUEST, "tokens is required")
+        return JSONResponse({"prompt": await frontend.detokenize(body.model, body.tokens)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -19,7 +19,12 @@ from typing import Any, NamedTuple
 import pydantic
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.openai.schemas import ChatCompletionRequest, CompletionRequest
+from pdserve.gateway.openai.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pdserve.gateway.prepare.params import GenerationParams
 from pdserve.gateway.prepare.validation import RequestLimits, check_counts, validate_request
 
@@ -55,6 +60,23 @@ def _from_validation_error(exc: pydantic.ValidationError) -> PdserveError:
     if first["type"] == "extra_forbidden":
         message = f"unrecognized request argument: {where}"
     return _invalid(message, str(loc[0])[:MAX_ERROR_CHARS] if loc else None)
+
+
+def parse_tokenizer_body(raw: bytes, limits: RequestLimits) -> GenerationParams | DetokenizeRequest:
+    """Parses ``/tokenize`` (as `GenerationParams`, validated) or ``/detokenize`` bodies.
+
+    Raises:
+        PdserveError: INVALID_REQUEST (with ``param`` where one is at fault).
+    """
+    try:
+        data = pydantic.TypeAdapter(TokenizeRequest | DetokenizeRequest).validate_json(raw)
+    except pydantic.ValidationError as exc:
+        raise _from_validation_error(exc) from None
+    if isinstance(data, DetokenizeRequest):
+        check_counts(limits, num_prompt_tokens=len(data.tokens))
+        return data
+    check_counts(limits, num_messages=len(data.messages or ()))
+    return validate_request(data.to_params(), limits)
 
 
 def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenAIBody:

@@ -269,6 +269,30 @@ class ChatCompletionRequest(_SamplingBody):
         return None
 
 
+class TokenizeRequest(_Body):
+    """Body of ``POST /tokenize`` (as vLLM's): a text prompt, or chat messages rendered with
+    the model's template as a chat request would be."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+
+    def to_params(self) -> GenerationParams:
+        """The prompt as `GenerationParams` (validated like a generation request's)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise unsupported("prompt", "exactly one of prompt and messages is required")
+        if self.messages is not None:
+            return ChatCompletionRequest(model=self.model, messages=self.messages).to_params()[0]
+        return GenerationParams(model=self.model, kind=PromptKind.COMPLETION, text=self.prompt)
+
+
+class DetokenizeRequest(_Body):
+    """Body of ``POST /detokenize`` (as vLLM's)."""
+
+    model: str
+    tokens: list[int]
+
+
 def unsupported(param: str, message: str) -> PdserveError:
     """An INVALID_REQUEST error naming the offending parameter."""
     return PdserveError(ErrorReason.INVALID_REQUEST, message, {"param": param})
