@@ -3,6 +3,7 @@ and top-p, reproducible per (seed, position); and the logprobs of what was picke
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,7 +148,9 @@ class Sampler:
             )
             if len(values):
                 out.index_put_((index[:, 0], index[:, 1]), values, accumulate=True)
-        if penalized:
+        if len(penalized) == len(rows):
+            _penalize(out, rows)
+        elif penalized:
             out[penalized] = _penalize(out[penalized], [rows[i] for i in penalized])
         if ended:
             index = torch.tensor([(i, t) for i, t in ended if t < vocab_size], device=device)
@@ -172,42 +175,45 @@ class Sampler:
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Applies each row's repetition, frequency and presence penalties.
+    """Applies each row's repetition, then frequency and presence penalties, in place.
 
-    The counts are rebuilt from each row's histories on every call (one scatter over the
-    batch's tokens), so they are the same wherever the request runs.
+    The counts are rebuilt from each row's histories on every call, so they are the same
+    wherever the request runs. Only the (row, token) pairs a history holds are touched: a
+    gather and a scatter over those, never a pass over the whole vocabulary.
     """
-    num_rows, vocab_size = logits.shape
+    vocab_size = logits.shape[-1]
     device = logits.device
-    # counts: [num_rows, vocab] of each token's occurrences in the completion
-    counts = torch.zeros(num_rows, vocab_size, dtype=logits.dtype, device=device)
-    row_index = [i for i, r in enumerate(rows) for _ in r.output_token_ids]
-    if row_index:
-        token_index = [t for r in rows for t in r.output_token_ids]
-        counts.index_put_(
-            (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)),
-            torch.ones(len(row_index), dtype=logits.dtype, device=device),
-            accumulate=True,
-        )
-    repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)
-    if bool((repetition != 1.0).any()):
-        seen = counts > 0
-        prompt_rows = [i for i, r in enumerate(rows) for _ in r.prompt_token_ids]
-        if prompt_rows:
-            prompt_tokens = [t for r in rows for t in r.prompt_token_ids]
-            seen[
-                torch.tensor(prompt_rows, device=device), torch.tensor(prompt_tokens, device=device)
-            ] = True
-        penalty = repetition[:, None].to(logits.dtype)
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, scaled, logits)
-    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
-    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
-    return (
-        logits
-        - frequency[:, None].to(logits.dtype) * counts
-        - presence[:, None].to(logits.dtype) * (counts > 0).to(logits.dtype)
-    )
+    flat = logits.view(-1)
+    repetition = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in repetition):
+        seen = _flat_index(rows, vocab_size, with_prompt=True)
+        if seen:
+            index = torch.tensor(seen, device=device).unique()
+            penalty = torch.tensor(repetition, dtype=logits.dtype, device=device)[
+                index // vocab_size
+            ]
+            values = flat[index]
+            flat[index] = torch.where(values > 0, values / penalty, values * penalty)
+    output = _flat_index(rows, vocab_size, with_prompt=False)
+    if output:
+        index, counts = torch.tensor(output, device=device).unique(return_counts=True)
+        row = index // vocab_size
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)
+        presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)
+        amount = frequency[row] * counts + presence[row]
+        flat[index] -= amount.to(logits.dtype)
+    return logits
+
+
+def _flat_index(rows: Sequence[SamplingRow], vocab_size: int, *, with_prompt: bool) -> list[int]:
+    """``row * vocab_size + token`` of every token in the rows' completions (and prompts)."""
+    index: list[int] = []
+    for i, row in enumerate(rows):
+        base = i * vocab_size
+        index.extend(base + t for t in row.output_token_ids if t < vocab_size)
+        if with_prompt:
+            index.extend(base + t for t in row.prompt_token_ids if t < vocab_size)
+    return index
 
 
 def _logprobs(
@@ -218,15 +224,16 @@ def _logprobs(
     result: list[TokenLogprobs | None] = [None] * len(rows)
     if not asking:
         return result
-    # log_probs: [num_asking, vocab]
-    log_probs = torch.log_softmax(logits[asking].float(), dim=-1)
-    chosen = log_probs.gather(1, tokens[asking][:, None]).squeeze(1).tolist()
+    # NOTE: logprob = logit - logsumexp(logits): no [rows, vocab] log-softmax is written out.
+    asked = logits[asking].float()
+    normalizer = torch.logsumexp(asked, dim=-1, keepdim=True)
+    chosen = (asked.gather(1, tokens[asking][:, None]) - normalizer).squeeze(1).tolist()
     num_top = max(rows[i].params.logprobs or 0 for i in asking)
     top_values: list[list[float]] = [[] for _ in asking]
     top_ids: list[list[int]] = [[] for _ in asking]
     if num_top:
-        top = log_probs.topk(num_top, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        top = asked.topk(num_top, dim=-1)
+        top_values, top_ids = (top.values - normalizer).tolist(), top.indices.tolist()
     for j, i in enumerate(asking):
         k = rows[i].params.logprobs or 0
         result[i] = TokenLogprobs(
@@ -270,10 +277,17 @@ def _gumbel_noise(row: SamplingRow, vocab_size: int) -> torch.Tensor:
 
 
 def _apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Sets each row's logits whose probability is below min_p times its top one's to -inf."""
-    probs = scaled.softmax(dim=-1)
-    threshold = torch.tensor(min_p, dtype=probs.dtype, device=scaled.device)[:, None]
-    return scaled.masked_fill(probs < threshold * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    """Sets each row's logits whose probability is below min_p times its top one's to -inf.
+
+    In logits: p_i < min_p * p_max exactly when logit_i < logit_max + log(min_p), so no
+    softmax is needed.
+    """
+    floor = torch.tensor(
+        [math.log(p) if p > 0 else float("-inf") for p in min_p],
+        dtype=scaled.dtype,
+        device=scaled.device,
+    )[:, None]
+    return scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
 
 def _apply_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

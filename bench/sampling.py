@@ -1,0 +1,189 @@
+"""What the OpenAI sampling controls cost, on the default model (SmolLM2-135M-Instruct), as
+ratios measured in one run.
+
+``step``: the decode step (one batched forward pass over the paged cache, then sampling) with
+16 streams, every control off vs on for every stream (presence, frequency and repetition
+penalties, a 16-entry logit_bias, min_p, top-20 logprobs). The two settings alternate step by
+step on the same batch, so drift hits both alike.
+
+``n``: ``n=4`` against 4 separate requests with the same ~1,000-token prompt sent at once,
+through gateway, prefill and decode processes: prompt tokens the prefill computed, KV bytes it
+shipped, and the end-to-end time. Run:
+
+    .venv/bin/python bench/sampling.py [--steps 40] [--skip-n]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from common import write_results
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.common.generation import SamplingParams
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import Sampler, SamplingRow
+
+NUM_STREAMS = 16
+PROMPT_LEN = 256
+BLOCK_SIZE = 16
+OFF = SamplingParams(temperature=0.8, seed=1, max_tokens=1024)
+ON = SamplingParams(
+    temperature=0.8,
+    seed=1,
+    max_tokens=1024,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    repetition_penalty=1.1,
+    logit_bias=tuple((t, 1.0) for t in range(100, 116)),
+    min_p=0.05,
+    logprobs=20,
+)
+
+
+def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
+    """Median decode-step time with the controls off and on, alternating."""
+    import torch
+
+    torch.set_num_threads(1)
+    blocks_per_seq = (PROMPT_LEN + num_steps * 2 + BLOCK_SIZE) // BLOCK_SIZE + 1
+    config = EngineConfig(
+        model=str(model_dir),
+        num_threads=1,
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_STREAMS * blocks_per_seq),
+    )
+    runner = ModelRunner.load(config)
+    sampler = Sampler()
+    tables = [
+        list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(NUM_STREAMS)
+    ]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [
+        torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
+        for _ in range(NUM_STREAMS)
+    ]
+    for sequence, table in zip(sequences, tables, strict=True):
+        runner.execute([ScheduledChunk(sequence, 0, table)])
+    timings: dict[str, list[float]] = {"off": [], "on": []}
+    for step in range(num_steps * 2):
+        name, params = ("off", OFF) if step % 2 == 0 else ("on", ON)
+        chunks = [
+            ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(sequences, tables, strict=True)
+        ]
+        rows = [SamplingRow.of_sequence(params, 1, s, PROMPT_LEN) for s in sequences]
+        started = time.perf_counter()
+        logits = runner.execute(chunks)
+        picks = sampler.sample(logits, rows)
+        timings[name].append(time.perf_counter() - started)
+        for sequence, picked in zip(sequences, picks, strict=True):
+            sequence.append(picked.token_id)
+    off, on = statistics.median(timings["off"]), statistics.median(timings["on"])
+    return {
+        "streams": NUM_STREAMS,
+        "steps_each": num_steps,
+        "off_ms": round(off * 1000, 2),
+        "on_ms": round(on * 1000, 2),
+        "ratio": round(on / off, 3),
+    }
+
+
+async def _prefill_counters(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(url)).text
+    wanted = ("prompt_tokens", "cached_prompt_tokens", "kv_sent_bytes")
+    return {
+        name: sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == f"pdserve_prefill_{name}_total"
+        )
+        for name in wanted
+    }
+
+
+async def _run_n(rest_url: str, prefill_metrics: str, prompt: str, as_n: bool) -> dict[str, Any]:
+    before = await _prefill_counters(prefill_metrics)
+    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0.8}
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=rest_url, timeout=300) as http:
+        if as_n:
+            responses = [await http.post("/v1/completions", json={**body, "n": 4, "seed": 1})]
+        else:
+            responses = await asyncio.gather(
+                *(
+                    http.post("/v1/completions", json={**body, "seed": 1 + i})
+                    for i in range(4)
+                )
+            )
+    elapsed = time.perf_counter() - started
+    for response in responses:
+        response.raise_for_status()
+    after = await _prefill_counters(prefill_metrics)
+    return {
+        "seconds": round(elapsed, 3),
+        **{name: after[name] - before[name] for name in after},
+    }
+
+
+def bench_n(model_dir: Path) -> dict[str, Any]:
+    """n=4 vs 4 separate requests with one ~1,000-token prompt, each on a fresh prompt."""
+    from pdserve.launcher.cluster import Cluster
+    from pdserve.launcher.config import ClusterConfig
+
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-sampling-"))
+    config = ClusterConfig(
+        model=str(model_dir), port=0, grpc_port=0, internal_port=0, log_dir=str(log_dir)
+    )
+    cluster = Cluster(config)
+    cluster.start()
+    try:
+        prefill = cluster.prefills[0]
+        address = next(
+            r["address"] for r in prefill.events if r.get("event") == "metrics_started"
+        )
+        metrics = f"http://{address}/metrics"
+
+        def prompt(tag: str) -> str:
+            return f"{tag}. " + " ".join(f"word{i % 97} sea{i % 13}" for i in range(330))
+
+        asyncio.run(_run_n(cluster.rest_url, metrics, prompt("warm-up"), True))
+        separate = asyncio.run(_run_n(cluster.rest_url, metrics, prompt("separate"), False))
+        as_n = asyncio.run(_run_n(cluster.rest_url, metrics, prompt("as n"), True))
+    finally:
+        cluster.stop(timeout_s=20)
+    return {
+        "separate": separate,
+        "n4": as_n,
+        "computed_ratio": round(as_n["prompt_tokens"] / separate["prompt_tokens"], 3),
+        "kv_bytes_ratio": round(as_n["kv_sent_bytes"] / separate["kv_sent_bytes"], 3),
+        "time_ratio": round(as_n["seconds"] / separate["seconds"], 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="decode steps per setting")
+    parser.add_argument("--skip-n", action="store_true", help="only the decode-step bench")
+    args = parser.parse_args()
+    model_dir = resolve_model(DEFAULT_MODEL).path
+    results: dict[str, Any] = {"model": DEFAULT_MODEL, "step": bench_step(model_dir, args.steps)}
+    print("decode step:", results["step"])
+    if not args.skip_n:
+        results["n"] = bench_n(model_dir)
+        print("n=4 vs 4 requests:", results["n"])
+    print("results:", write_results("sampling", results))
+
+
+if __name__ == "__main__":
+    main()
