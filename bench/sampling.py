@@ -64,9 +64,7 @@ def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
     )
     runner = ModelRunner.load(config)
     sampler = Sampler()
-    tables = [
-        list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(NUM_STREAMS)
-    ]
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(NUM_STREAMS)]
     generator = torch.Generator().manual_seed(0)
     sequences = [
         torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
@@ -121,10 +119,7 @@ async def _run_n(rest_url: str, prefill_metrics: str, prompt: str, as_n: bool) -
             responses = [await http.post("/v1/completions", json={**body, "n": 4, "seed": 1})]
         else:
             responses = await asyncio.gather(
-                *(
-                    http.post("/v1/completions", json={**body, "seed": 1 + i})
-                    for i in range(4)
-                )
+                *(http.post("/v1/completions", json={**body, "seed": 1 + i}) for i in range(4))
             )
     elapsed = time.perf_counter() - started
     for response in responses:
@@ -149,9 +144,7 @@ def bench_n(model_dir: Path) -> dict[str, Any]:
     cluster.start()
     try:
         prefill = cluster.prefills[0]
-        address = next(
-            r["address"] for r in prefill.events if r.get("event") == "metrics_started"
-        )
+        address = next(r["address"] for r in prefill.events if r.get("event") == "metrics_started")
         metrics = f"http://{address}/metrics"
 
         def prompt(tag: str) -> str:

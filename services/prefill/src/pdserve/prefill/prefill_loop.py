@@ -180,17 +180,17 @@ class PrefillLoop(EngineThread):
                 i for i, c in enumerate(scheduled) if c.request.sampling.prompt_logprobs is not None
             ]
 
-            def export(layer: int) -> None:
+            def ship_layer(layer: int) -> None:
                 export_layer(self.runner.kv_cache, exports, layer, self.blocks_per_piece)
 
             if scoring:
                 logits, every_position = self.runner.execute_with_positions(
-                    scheduled, export, scoring
+                    scheduled, ship_layer, scoring
                 )
                 for i in scoring:
                     _score_prompt(scheduled[i], every_position[i])
             else:
-                logits = self.runner.execute(scheduled, export)
+                logits = self.runner.execute(scheduled, ship_layer)
             completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
             rows = [
                 SamplingRow.of_sequence(
