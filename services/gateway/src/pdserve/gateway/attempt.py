@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -111,7 +112,13 @@ class Attempts:
             request_id=request.request_id,
             token_ids=progress.continuation_token_ids(),
             num_prompt_tokens=len(request.prompt_token_ids),
-            sampling=request.sampling,
+            # NOTE: the prompt's logprobs went out with the first token: a continuation does
+            # not score the prompt again (and may reuse the prefix cache).
+            sampling=(
+                replace(request.sampling, prompt_logprobs=None)
+                if progress.num_tokens
+                else request.sampling
+            ),
             decode_address=pair.decode.address,
             decode_instance_id=pair.decode.instance_id,
             trace_context=context,

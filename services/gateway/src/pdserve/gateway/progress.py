@@ -114,7 +114,8 @@ class CompletionProgress:
                     )
                 continue
             if index > len(self._token_ids):
-                return Accepted(TokenChunk(tuple(new), start) if new else None, has_gap=True)
+                chunk = TokenChunk(tuple(new), start, tuple(new_logprobs)) if new else None
+                return Accepted(chunk, has_gap=True)
             self._token_ids.append(token_id)
             new.append(token_id)
             if offset < len(logprobs):
