@@ -290,7 +290,10 @@ async def test_grpc_stub_gets_n_choices_with_logprobs_and_penalties(
         assert len(logprobs) == len(tokens) == NUM_TOKENS
         assert all(len(lp.top_token_ids) == 3 for lp in logprobs)
         content = rest.choices[index].logprobs.content or []  # type: ignore[union-attr]
-        assert [lp.logprob for lp in logprobs] == pytest.approx([e.logprob for e in content])
+        # NOTE: two runs batch the choices differently: equal to float noise.
+        assert [lp.logprob for lp in logprobs] == pytest.approx(
+            [e.logprob for e in content], abs=TOLERANCE
+        )
         assert by_choice[index][-1].usage.num_completion_tokens == NUM_TOKENS
 
 
