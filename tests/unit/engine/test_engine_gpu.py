@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -10,12 +9,13 @@ import pytest
 import torch
 
 from pdserve.engine import LLMEngine, ModelRunner, ScheduledChunk
+from pdserve.engine.flash_attention import FLASH
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+HAS_FLASH_ATTN = FLASH is not None
 
 EngineFactory = Callable[..., LLMEngine]
 PromptFactory = Callable[..., list[list[int]]]
@@ -53,7 +53,9 @@ def test_cuda_sdpa_matches_cpu(make_engine: EngineFactory, prompts: PromptFactor
 @pytest.mark.skipif(not HAS_FLASH_ATTN, reason="needs flash-attn")
 def test_flash_attn_matches_sdpa(make_engine: EngineFactory, prompts: PromptFactory) -> None:
     sequences = prompts(4, seed=71, min_len=40, max_len=90)
-    flash = mixed_batch_logits(cuda_engine(make_engine, "flash").runner, sequences)
+    engine = cuda_engine(make_engine, "flash")
+    assert FLASH is not None and engine.runner.attention_backend == FLASH.name
+    flash = mixed_batch_logits(engine.runner, sequences)
     sdpa = mixed_batch_logits(cuda_engine(make_engine, "sdpa").runner, sequences)
     torch.testing.assert_close(flash, sdpa, atol=0.05, rtol=0)
 
