@@ -93,8 +93,8 @@ test-transports: system-deps venv model  ## the e2e, chaos and prefill suites on
 		PDSERVE_TEST_KV_TRANSPORT=$$transport $(BIN)/pytest -q $(TRANSPORT_SUITES) || exit 1; \
 	done
 
-gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model): docs/gpu.md says how to carry it
-	$(PY) tools/gpu_kit.py
+gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model; GPU_KIT_FLASH=1 adds flash-attn 4): see docs/gpu.md
+	$(PY) tools/gpu_kit.py $(if $(GPU_KIT_FLASH),--flash)
 
 IMAGE ?= pdserve:0.1.0
 image:  ## build the service image (deploy/Dockerfile; needs a container runtime): IMAGE=pdserve:0.1.0

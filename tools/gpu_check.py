@@ -231,6 +231,12 @@ def run_steps(check: Check) -> dict[str, Any]:
         120,
     )  # fmt: skip
     step.results = {"num_wheels": len(wheels), "missing": kit["missing"], "damaged": kit["damaged"]}
+    if list(args.target.glob("*.pth")):
+        # NOTE: a --target folder on PYTHONPATH is no site directory, so its .pth files (the
+        # CuTe DSL's puts its packages on sys.path) would not run: this makes them run.
+        (args.target / "sitecustomize.py").write_text(
+            f"import site\nsite.addsitedir({str(args.target)!r})\n"
+        )
 
     step = check.run("env", [python, "-c", f"DEVICE = {args.device!r}\n" + ENV_PROBE], 90)
     env = last_json(check.output(step))

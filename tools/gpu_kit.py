@@ -14,13 +14,16 @@ The kit holds:
   overridden;
 * the project's own wheels (``pip wheel --no-deps`` of shared and the three services);
 * the default model's GGUF, which the check prepares into its cache on the machine (the
-  prepared float32 checkpoint is five times larger).
+  prepared float32 checkpoint is five times larger);
+* with ``--flash`` (``make gpu-kit GPU_KIT_FLASH=1``), flash-attn 4 and its dependencies
+  (`FLASH_PACKAGES`).
 
 One device call carries at most 64 MiB, the working tree included, and the GGUF alone is
 larger, so the kit is cut into parts (``part1``, ``part2``, ...) that each fit beside the
 tree: files that do not fit are split into pieces. Every part holds the manifest
 (``kit.json``: each file's digest, size and pieces), and the wheels sit in the last part, so
-a check that received only the last part still installs and runs (on the demo model).
+a check that received only the last part still installs and runs (on the demo model, without
+flash-attn). The parts are carried one device call each, in order, the last with the check.
 """
 
 from __future__ import annotations
@@ -61,6 +64,18 @@ DISTRIBUTIONS = {
     "pdserve-decode": ROOT / "services" / "decode",
 }
 EXTRAS = {"pdserve-shared": ("engine",)}
+FLASH_PACKAGES = {
+    # NOTE: flash-attn 4 (the CuTe DSL kernels, compiled on first use) and what it needs beyond
+    # the image: about 96 MiB, nearly all of it the CUDA 13 build of the CuTe DSL compiler.
+    "flash-attn-4": "4.0.0b36",
+    "nvidia-cutlass-dsl": "4.8.1",
+    "nvidia-cutlass-dsl-libs-base": "4.8.1",
+    "nvidia-cutlass-dsl-libs-cu13": "4.8.1",
+    "apache-tvm-ffi": "0.1.15.post2",
+    "torch-c-dlpack-ext": "0.1.5",
+    "quack-kernels": "0.6.5",
+}
+"""With ``--flash``: flash-attn 4 for the engine's flash path (two more parts, two more calls)."""
 CHECK_REQUIREMENTS = ("pytest-asyncio",)
 """What the check itself runs that the image lacks (the test suite's asyncio plugin)."""
 
@@ -131,7 +146,11 @@ def missing_packages(pins: dict[str, str]) -> dict[str, str]:
 
 
 def download(packages: dict[str, str], dest: Path) -> None:
-    """The py3.12 manylinux (or pure) wheels of `packages`, without their dependencies."""
+    """The py3.12 manylinux (or pure) wheels of `packages`, without their dependencies; a
+    wheel of `dest` that is none of them is removed."""
+    for stale in dest.glob("*.whl"):
+        if canonicalize_name(re.split(r"-\d", stale.name, maxsplit=1)[0]) not in packages:
+            stale.unlink()
     platforms = [flag for platform in PLATFORMS for flag in ("--platform", platform)]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "--python-version", PYTHON_VERSION,
@@ -213,22 +232,24 @@ def main() -> None:
     parser.add_argument(
         "--part-mib", type=float, help="largest part (default: 64 MiB less the tree and 4 MiB)"
     )
+    parser.add_argument("--flash", action="store_true", help="add flash-attn 4 (about 96 MiB)")
     args = parser.parse_args()
     out: Path = args.out
     staging = out / "staging"
     for old in out.glob("part*"):
         shutil.rmtree(old)
     shutil.rmtree(staging / "project", ignore_errors=True)
-    (staging / "deps").mkdir(parents=True, exist_ok=True)
+    for folder in ("deps", "flash"):
+        (staging / folder).mkdir(parents=True, exist_ok=True)
     build_project_wheels(staging / "project")
     files = []
     model: dict[str, str] | None = None
+    if args.flash and not args.rehearsal:
+        download(FLASH_PACKAGES, staging / "flash")
+        files += [("wheel", p.name, p) for p in sorted((staging / "flash").glob("*.whl"))]
     if not args.rehearsal:
         packages = missing_packages(pinned_versions(ROOT / "constraints.txt"))
         print(f"carrying {len(packages)} dependencies the GPU image lacks: {', '.join(packages)}")
-        for stale in staging.glob("deps/*.whl"):
-            if canonicalize_name(re.split(r"-\d", stale.name, maxsplit=1)[0]) not in packages:
-                stale.unlink()
         download(packages, staging / "deps")
         known = KNOWN_MODELS[DEFAULT_MODEL]
         gguf = known_gguf_path(known)
@@ -260,6 +281,11 @@ def main() -> None:
     for kind in ("model", "wheel"):
         size = sum(int(e["size"]) for e in manifest["files"] if e["kind"] == kind)
         print(f"  {kind}s: {size / MIB:.1f} MiB")
+    *early, last = manifest["parts"]
+    print("on a lent GPU, one device call per part, each at once after the last (docs/gpu.md):")
+    for part in early:
+        print(f"  carry [.gpukit/{part}]  command: du -sh .gpukit/*  timeout_s: 120")
+    print(f"  carry [.gpukit/{last}]  command: bash tools/gpu_check.sh  timeout_s: 600")
 
 
 if __name__ == "__main__":
