@@ -94,6 +94,24 @@ class Step:
     results: dict[str, Any] = field(default_factory=dict)
 
 
+MARKER = "PDSERVE_GPU_CHECK_STEP"
+"""Set in each step's environment (inherited by whatever it starts) to find what it left."""
+
+
+def kill_marked(marker: str) -> None:
+    """Kills every process whose environment carries `marker`: what a step started that
+    outlived it (services start in sessions of their own, out of the step's process group)."""
+    needle = f"{MARKER}={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
 class Check:
     """Runs the steps under one deadline and keeps their records."""
 
@@ -128,12 +146,13 @@ class Check:
         log_path = self.logs / f"{name}.log"
         began = time.monotonic()
         print(f"[gpu_check] {name}: up to {step.timeout_s} s", flush=True)
+        marker = f"{name}-{os.getpid()}-{began}"
         with log_path.open("w") as log:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
             process = subprocess.Popen(
-                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
+                command, cwd=ROOT, env={**self.env, MARKER: marker}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
             try:
                 step.returncode = process.wait(step.timeout_s)
@@ -144,6 +163,7 @@ class Check:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+                kill_marked(marker)
         step.seconds = round(time.monotonic() - began, 1)
         print(f"[gpu_check] {name}: {step.status} in {step.seconds} s", flush=True)
         return step
@@ -217,9 +237,10 @@ def last_json(text: str) -> dict[str, Any]:
 def bench_results(check: Check, step: Step) -> dict[str, Any]:
     """The result file a bench names on its ``results: PATH`` line, loaded."""
     match = re.search(r"^results: (\S+)", check.output(step), re.MULTILINE)
-    if not match:
+    try:
+        return dict(json.loads(Path(match.group(1)).read_text())) if match else {}
+    except (OSError, ValueError):
         return {}
-    return dict(json.loads(Path(match.group(1)).read_text()))
 
 
 def run_steps(check: Check) -> dict[str, Any]:

@@ -3,6 +3,7 @@ every step of tools/gpu_check.sh with tiny settings, down to a well-formed summa
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -60,6 +61,24 @@ def test_a_file_split_across_parts_is_joined_and_a_damaged_piece_refused(tmp_pat
     piece = tmp_path / "part2" / f"{big.name}.piece1"
     piece.write_bytes(b"x" + piece.read_bytes()[1:])
     assert check.assemble(tmp_path, tmp_path / "again")["damaged"] == [big.name]
+
+
+def test_a_step_out_of_time_ends_with_what_it_started_and_the_next_still_runs(
+    tmp_path: Path,
+) -> None:
+    check_tool = load_tool("gpu_check")
+    args = argparse.Namespace(device="cpu", budget_s=60, target=tmp_path / "site",
+                              python=sys.executable)  # fmt: skip
+    check = check_tool.Check(args, tmp_path / "work")
+    pid_file = tmp_path / "orphan.pid"
+    # NOTE: setsid: a server a bench starts in a session of its own, out of the step's group.
+    script = f"setsid sleep 300 & echo $! > {pid_file}; sleep 300"
+    step = check.run("stuck", ["bash", "-c", script], 1.5)
+    assert step.status == "timeout" and step.seconds < 10
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(") ", 1)[1].startswith("Z")  # gone
+    assert check.run("next", ["true"], 30).status == "ok"
+    assert [s.name for s in check.steps] == ["stuck", "next"]
 
 
 @pytest.mark.slow
