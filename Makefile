@@ -11,7 +11,7 @@ NODE_CLIENT := clients/node
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: help venv install model up proto proto-check lint format typecheck test test-fast test-transports demo-model \
-	contract-baseline lock clean node-deps system-deps image
+	contract-baseline lock clean node-deps system-deps image gpu-kit
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -92,6 +92,9 @@ test-transports: system-deps venv model  ## the e2e, chaos and prefill suites on
 	for transport in tcp grpc; do \
 		PDSERVE_TEST_KV_TRANSPORT=$$transport $(BIN)/pytest -q $(TRANSPORT_SUITES) || exit 1; \
 	done
+
+gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model; GPU_KIT_FLASH=1 adds flash-attn 4): see docs/gpu.md
+	$(PY) tools/gpu_kit.py $(if $(GPU_KIT_FLASH),--flash)
 
 IMAGE ?= pdserve:0.1.0
 image:  ## build the service image (deploy/Dockerfile; needs a container runtime): IMAGE=pdserve:0.1.0

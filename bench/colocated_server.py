@@ -274,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    parser.add_argument("--dtype", default="float32", help="weights and KV dtype")
     return parser
 
 
@@ -288,6 +290,8 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
+            dtype=args.dtype,
+            device=args.device,
             cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

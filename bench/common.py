@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(
+    os.environ.get("PDSERVE_BENCH_RESULTS_DIR") or Path(__file__).resolve().parent / "results"
+)
+"""Where results go: bench/results/, or ``$PDSERVE_BENCH_RESULTS_DIR`` (tools/gpu_check.py)."""
 
 
 def build_random_llama(
@@ -38,7 +42,7 @@ def build_random_llama(
 
 def write_results(name: str, results: dict[str, Any]) -> Path:
     """Writes `results` as JSON to bench/results/<name>-<timestamp>.json."""
-    RESULTS_DIR.mkdir(exist_ok=True)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(results, indent=2))
     return path

@@ -6,6 +6,8 @@
     python bench/engine.py --quick                  # smaller smoke run
     python bench/engine.py --model smollm2-135m-instruct --threads 1 --clock cpu
                                                     # a real model (any --model value)
+    python bench/engine.py --model smollm2-135m-instruct --device cuda --dtype bfloat16
+                                                    # both on a GPU (wall clock)
 
 Workload: a random Llama (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000), or the
 model given with --model (transformers loads the same prepared checkpoint), and
@@ -18,7 +20,8 @@ all greedy with EOS ignored so every request produces exactly its length. Baseli
 * LLMEngine: all requests added at once (continuous batching, paged KV cache).
 
 Single-request latency compares `generate` and `LLMEngine.generate` on one request at a time
-(median over several). Results print as a table and are written to bench/results/.
+(median over several). The attention the engine runs (``sdpa``, ``flash-attn-4``, ...) is
+printed and recorded. Results print as a table and are written to bench/results/.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ def make_workload(num: int, seed: int, vocab_size: int) -> list[tuple[list[int],
 
 
 def hf_generate(model: Any, batch: list[tuple[list[int], int]]) -> list[list[int]]:
-    """Greedy `generate` of a left-padded static batch; each row is cut to its own length."""
+    """Greedy `generate` of a left-padded static batch; each row is cut to its own length.
+
+    The inputs go to the model's device; on CUDA the call returns once the tokens are back.
+    """
     max_prompt = max(len(p) for p, _ in batch)
     max_new = max(n for _, n in batch)
     input_ids = torch.zeros(len(batch), max_prompt, dtype=torch.long)
@@ -59,14 +65,15 @@ def hf_generate(model: Any, batch: list[tuple[list[int], int]]) -> list[list[int
         attention_mask[row, max_prompt - len(prompt) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
             max_new_tokens=max_new,
             min_new_tokens=max_new,
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
         )
+    out = out.cpu()
     return [out[row, max_prompt : max_prompt + n].tolist() for row, (_, n) in enumerate(batch)]
 
 
@@ -117,7 +124,19 @@ def main() -> None:
     parser.add_argument(
         "--skip-sequential", action="store_true", help="skip the slow HF one-at-a-time baseline"
     )
+    parser.add_argument("--device", default="cpu", help="torch device of both, e.g. cuda")
+    parser.add_argument(
+        "--dtype", default="float32", help="weights (and the engine's KV) of both, e.g. bfloat16"
+    )
+    parser.add_argument(
+        "--attention-backend",
+        choices=("auto", "sdpa", "flash"),
+        default="auto",
+        help="the engine's attention (auto: flash-attn where usable, else SDPA)",
+    )
     args = parser.parse_args()
+    if args.device != "cpu" and args.clock == "cpu":
+        parser.error("--clock cpu measures the host only: use the wall clock on a GPU")
     torch.set_num_threads(args.threads)
     num_layers = 4 if args.quick else 8
     num_requests = 8 if args.quick else args.num_requests
@@ -137,12 +156,19 @@ def main() -> None:
         )
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    ).eval()
+    hf = (
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+        )
+        .to(args.device)
+        .eval()
+    )
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
+            dtype=args.dtype,
+            device=args.device,
+            attention_backend=args.attention_backend,
             seed=0,
             linear_backend=args.linear_backend,
             cache=CacheConfig(block_size=16, num_blocks=2048),
@@ -177,7 +203,11 @@ def main() -> None:
 
         return timed(run)
 
-    print(f"{num_requests} requests, {num_tokens} output tokens, threads={args.threads}")
+    attention = engine.runner.attention_backend
+    print(
+        f"{num_requests} requests, {num_tokens} output tokens, threads={args.threads}, "
+        f"device={args.device}, dtype={args.dtype}, attention={attention}"
+    )
     # NOTE: the machine is shared and noisy: alternate the engine and its main baseline and
     # compare them round by round.
     same_batch_ratios, engine_tps = [], []
@@ -220,6 +250,7 @@ def main() -> None:
             e / h for e, h in zip(engine_latency, hf_latency, strict=True)
         ),
         "greedy_outputs_identical_to_hf": f"{matches}/{num_requests}",
+        "attention_backend": attention,
     }
     print(f"\n| metric ({clock} clock) | value |\n|---|---|")
     for key, value in summary.items():
@@ -237,6 +268,9 @@ def main() -> None:
                 "num_output_tokens": num_tokens,
                 "threads": args.threads,
                 "linear_backend": args.linear_backend,
+                "device": args.device,
+                "dtype": args.dtype,
+                "attention_backend": attention,
                 "clock": clock,
                 "latency_request": "prompt 128, output 64",
             },

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/kv_transfer.py                    # 16 .. 512 MiB, 3 repeats each
     .venv/bin/python bench/kv_transfer.py --sizes-mib 64 --repeats 3 --json
+    python bench/kv_transfer.py --device cuda --dtype bfloat16 --sizes-mib 64 256 --json
 
 For each size, one sequence's KV of that many bytes is moved from this process to another
 process on the same host, several ways, alternating:
@@ -30,8 +31,10 @@ sender presenting a prefill certificate), so the TLS cost is measured in the sam
 The model is a random Llama built for a large KV per token (16 layers, 8 KV heads of 128,
 float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s per size
 (median over repeats), the ratios SyncCache / TCP and SyncCache over mTLS / plaintext, and the
-cut time. Results go to
-bench/results/kv_transfer-<time>.json.
+cut time. With ``--device cuda`` both caches are on the GPU: the decode then offers gRPC only
+(shared memory and its TCP data port write into a CPU cache), and a raw device-to-host copy
+of the same blocks (``d2h``, what any transport pays first) is timed beside raw TCP. Results go
+to bench/results/kv_transfer-<time>.json.
 """
 
 from __future__ import annotations
@@ -119,8 +122,10 @@ def build_kv_model(path: Path) -> Path:
     return path
 
 
-def bytes_per_token() -> int:
-    return 2 * MODEL_SHAPE["num_layers"] * MODEL_SHAPE["num_kv_heads"] * MODEL_SHAPE["head_dim"] * 4
+def bytes_per_token(dtype: str = "float32") -> int:
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    shape = MODEL_SHAPE
+    return 2 * shape["num_layers"] * shape["num_kv_heads"] * shape["head_dim"] * itemsize
 
 
 class Decode:
@@ -130,11 +135,15 @@ class Decode:
         is_tls: Mutual TLS under a throwaway CA in `log_dir`; plaintext (``--insecure``) if not.
     """
 
-    def __init__(self, model: Path, num_blocks: int, log_dir: Path, is_tls: bool) -> None:
+    def __init__(
+        self, model: Path, num_blocks: int, log_dir: Path, is_tls: bool, layout: KVCacheLayout,
+        device: str,
+    ) -> None:  # fmt: skip
         name = "decode-tls" if is_tls else "decode-plain"
         argv = [sys.executable, "-m", "pdserve.decode", "--model", str(model), "--port", "0",
                 "--num-blocks", str(num_blocks), "--lease-ttl-ms", "120000",
-                "--max-model-len", "8192", "--log-level", "info"]  # fmt: skip
+                "--max-model-len", "8192", "--log-level", "info", "--device", device,
+                "--dtype", layout.dtype]  # fmt: skip
         sender, operator = Security.insecure(), Security.insecure()
         if is_tls:
             ids = [Identity("decode", name), Identity("prefill", "prefill-bench"),
@@ -149,11 +158,12 @@ class Decode:
         else:
             argv.append("--insecure")
         self.child = ChildProcess(name, argv, log_dir / f"{name}.log")
-        self.address = str(self.child.wait_for_event("decode_started", 120)["address"])
+        started = self.child.wait_for_event("decode_started", 120)
+        self.address = str(started["address"])
+        self.transports = [str(kind) for kind in started["kv_transports"]]
         self.channel = sender.channel(self.address, instance_dns_name("decode", name))
         self.status_channel = operator.channel(self.address, MEMBER_DNS_NAME)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype="float32", **MODEL_SHAPE)
         self.pools = SharedPools(layout)
         self.status = instance_pb2_grpc.InstanceServiceStub(self.status_channel)
 
@@ -231,6 +241,16 @@ def chunk_payloads(kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int) -> 
     return payloads
 
 
+def d2h_once(kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int) -> float:
+    """Seconds to copy the chunks' blocks from the GPU into host memory (no transport)."""
+    block_ids = list(range(num_blocks_for(num_tokens, BLOCK_SIZE)))
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in sequence_pieces(kv_cache, block_ids, max_chunk_bytes):
+        pass  # NOTE: each piece of a CUDA cache is copied to host memory as it is cut
+    return time.perf_counter() - began
+
+
 def tcp_once(port: int, payloads: list[bytes]) -> float:
     """Sends `payloads` to the receiver process; seconds until it acknowledged the last byte."""
     began = time.perf_counter()
@@ -260,14 +280,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from pdserve.common.env import cache_dir
 
     model = build_kv_model(cache_dir() / "bench-kv-llama-v1")
-    max_tokens = max(args.sizes_mib) * MIB // bytes_per_token()
+    per_token = bytes_per_token(args.dtype)
+    max_tokens = max(args.sizes_mib) * MIB // per_token
     num_blocks = num_blocks_for(max_tokens, BLOCK_SIZE) + 8
-    layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype="float32", **MODEL_SHAPE)
-    kv_cache = KVCache(layout, num_blocks_for(max_tokens, BLOCK_SIZE), torch.device("cpu"))
+    layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype=args.dtype, **MODEL_SHAPE)
+    kv_cache = KVCache(layout, num_blocks_for(max_tokens, BLOCK_SIZE), torch.device(args.device))
     kv_cache.kv.normal_()  # stands in for a computed prompt: what the bytes are does not matter
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-logs-"))
-    decode = Decode(model, num_blocks, log_dir, is_tls=False)
-    decode_tls = Decode(model, num_blocks, log_dir, is_tls=True)
+    decode = Decode(model, num_blocks, log_dir, False, layout, args.device)
+    decode_tls = Decode(model, num_blocks, log_dir, True, layout, args.device)
+    transports = [way for way in TRANSPORTS if way in decode.transports]
+    baselines = ["raw_tcp"] + (["d2h"] if kv_cache.device.type == "cuda" else [])
     receiver, port = start_tcp_receiver(max(args.sizes_mib) * MIB)
     rows = []
     try:
@@ -275,33 +298,33 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # paths warm). gRPC still runs the whole first size measured at about a third of its
         # later speed, whatever the size and however many warm-up transfers (1 to 4 tried):
         # run several sizes (the default) to see its steady speed.
-        warm = min(args.sizes_mib) * MIB // bytes_per_token()
+        warm = min(args.sizes_mib) * MIB // per_token
         tcp_once(port, chunk_payloads(kv_cache, warm, args.max_chunk_bytes))
         for i in range(WARMUP_TRANSFERS):
             await sync_cache_once(
                 decode_tls, kv_cache, warm, args.max_chunk_bytes, f"warmup-tls-{i}"
             )
-            for transport in TRANSPORTS:
+            for transport in transports:
                 await sync_cache_once(
                     decode, kv_cache, warm, args.max_chunk_bytes, f"warmup-{transport}-{i}",
                     transport,
                 )  # fmt: skip
         for size_mib in args.sizes_mib:
-            num_tokens = size_mib * MIB // bytes_per_token()
+            num_tokens = size_mib * MIB // per_token
             payloads = chunk_payloads(kv_cache, num_tokens, args.max_chunk_bytes)
-            seconds: dict[str, list[float]] = {
-                name: [] for name in (*TRANSPORTS, "grpc_tls", "raw_tcp")
-            }
+            ways = [*transports, "grpc_tls", *baselines]
+            seconds: dict[str, list[float]] = {name: [] for name in ways}
             cut_s = []
             num_bytes = 0
             for repeat in range(args.repeats):
                 # NOTE: the order rotates per repeat, so no way always runs first or last.
-                ways = [*TRANSPORTS, "grpc_tls", "raw_tcp"]
-                ways = ways[repeat % len(ways) :] + ways[: repeat % len(ways)]
-                for way in ways:
+                for way in ways[repeat % len(ways) :] + ways[: repeat % len(ways)]:
                     request_id = f"kv-{size_mib}-{repeat}-{way}"
                     if way == "raw_tcp":
                         seconds[way].append(tcp_once(port, payloads))
+                        continue
+                    if way == "d2h":
+                        seconds[way].append(d2h_once(kv_cache, num_tokens, args.max_chunk_bytes))
                         continue
                     target, transport = (decode_tls, "grpc") if way == "grpc_tls" else (decode, way)
                     took, cut, num_bytes = await sync_cache_once(
@@ -324,7 +347,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "mib_per_s": mib_s,
                 "ratio_over_raw_tcp": {
                     way: round(mib_s[way] / mib_s["raw_tcp"], 3)
-                    for way in (*TRANSPORTS, "grpc_tls")
+                    for way in (*transports, "grpc_tls")
                 },
                 "ratio_tls_over_plain": round(mib_s["grpc_tls"] / mib_s["grpc"], 3),
             }
@@ -334,8 +357,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{size_mib:>6} MiB  raw TCP {mib_s['raw_tcp']:>8.1f} MiB/s  "
                 + "  ".join(
                     f"{way} {mib_s[way]:>8.1f} ({ratios[way]:.2f}x)"
-                    for way in (*TRANSPORTS, "grpc_tls")
+                    for way in (*transports, "grpc_tls")
                 )
+                + (f"  d2h {mib_s['d2h']:>8.1f}" if "d2h" in mib_s else "")
                 + f"  cut {statistics.median(cut_s):.2f} s",
                 flush=True,
             )
@@ -346,9 +370,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await decode_tls.close()
     return {
         "command": " ".join(sys.argv[1:]),
+        "device": args.device,
+        "dtype": args.dtype,
+        "transports": transports,
         "max_chunk_bytes": args.max_chunk_bytes,
         "repeats": args.repeats,
-        "bytes_per_token": bytes_per_token(),
+        "bytes_per_token": per_token,
         "rows": rows,
         "median_ratio_tls_over_plain": statistics.median(r["ratio_tls_over_plain"] for r in rows),
     }
@@ -359,13 +386,18 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
     medians over the sizes run (each size's figure is the median of its repeats)."""
     rows = results["rows"]
     return {
+        "device": results["device"],
+        "dtype": results["dtype"],
         "raw_tcp_mib_s": statistics.median(r["mib_per_s"]["raw_tcp"] for r in rows),
+        "d2h_mib_s": statistics.median(r["mib_per_s"]["d2h"] for r in rows)
+        if "d2h" in rows[0]["mib_per_s"]
+        else None,
         "transports": {
             way: {
                 "mib_s": statistics.median(r["mib_per_s"][way] for r in rows),
                 "ratio": statistics.median(r["ratio_over_raw_tcp"][way] for r in rows),
             }
-            for way in TRANSPORTS
+            for way in results["transports"]
         },
         "sizes_mib": [r["size_mib"] for r in rows],
     }
@@ -381,6 +413,8 @@ def main() -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the summary as one JSON object, last"
     )
+    parser.add_argument("--device", default="cpu", help="both KV caches' device, e.g. cuda")
+    parser.add_argument("--dtype", default="float32", help="the KV dtype, e.g. bfloat16")
     args = parser.parse_args()
     results = asyncio.run(run(args))
     results["summary"] = summary(results)

@@ -11,6 +11,9 @@ starts pdserve and the colocated engine and runs the same workload on both in on
         --request-rate 4
     # pdserve (launcher: gateway + 1 prefill + 1 decode) vs bench/colocated_server.py
     .venv/bin/python bench/serve.py --compare [--model-preset mid|demo|smollm2] [--rounds 2]
+    # the same on one GPU: every engine on it, each with its own fixed KV cache
+    .venv/bin/python bench/serve.py --compare --model-preset smollm2 --device cuda \\
+        --dtype bfloat16 --num-blocks 4096
 
 Workload: prompts of random words with a length drawn uniformly from ``--prompt-len LO:HI``
 (characters: tokens for the demo tokenizer, which is byte-level), outputs drawn uniformly from
@@ -105,14 +108,24 @@ def mid_model_dir() -> Path:
 
 
 @contextlib.contextmanager
-def pdserve_cluster(model: Path, threads: int, log_dir: Path) -> Iterator[str]:
-    """gateway + 1 prefill + 1 decode as processes (the launcher); yields the REST URL."""
+def pdserve_cluster(
+    model: Path, threads: int, log_dir: Path, engine_args: Sequence[str] = ()
+) -> Iterator[str]:
+    """gateway + 1 prefill + 1 decode as processes (the launcher), each engine with
+    `engine_args` (``--device cuda``, ...); yields the REST URL."""
     from pdserve.launcher.cluster import Cluster
     from pdserve.launcher.config import ClusterConfig
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    flags = " ".join(engine_args)
     config = ClusterConfig(
-        model=str(model), port=0, grpc_port=0, internal_port=0, log_dir=str(log_dir)
+        model=str(model),
+        port=0,
+        grpc_port=0,
+        internal_port=0,
+        log_dir=str(log_dir),
+        prefill_args=flags,
+        decode_args=flags,
     )
     cluster = Cluster(config, env=env)
     cluster.start()
@@ -268,6 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="--compare: torch threads of the colocated engine (1 beat 2 on a 2-core machine)",
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    parser.add_argument(
+        "--device", default="cpu", help="--compare: torch device of every engine, e.g. cuda"
+    )
+    parser.add_argument("--dtype", default="float32", help="--compare: e.g. bfloat16 on a GPU")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        help="--compare: KV blocks of every engine (set it on a GPU the engines share)",
+    )
     return parser
 
 
@@ -311,9 +333,13 @@ def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str,
     runs: dict[str, list[list[RequestResult]]] = {"pdserve": [], "colocated": []}
     summaries: dict[str, list[dict[str, Any]]] = {"pdserve": [], "colocated": []}
     phase_rounds: list[PhaseRound] = []  # what pdserve's gateway observed in each round
+    # NOTE: on one GPU the three engines must not each size their cache from free memory.
+    engine_args = ["--device", args.device, "--dtype", args.dtype]
+    if args.num_blocks is not None:
+        engine_args += ["--num-blocks", str(args.num_blocks)]
     with (
-        pdserve_cluster(model_dir, args.pd_threads, log_dir) as pd_url,
-        colocated_server(model_dir, args.colocated_threads, log_dir) as colocated_url,
+        pdserve_cluster(model_dir, args.pd_threads, log_dir, engine_args) as pd_url,
+        colocated_server(model_dir, args.colocated_threads, log_dir, engine_args) as colocated_url,
     ):
         urls = {"pdserve": pd_url, "colocated": colocated_url}
         models = {name: args.model or served_model(url) for name, url in urls.items()}

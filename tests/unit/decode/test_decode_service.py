@@ -110,6 +110,7 @@ async def test_headroom_keeps_running_requests_from_preemption(client: DecodeCli
     stream = asyncio.create_task(client.collect(lease.lease_id))
     status = await client.pool()
     assert status.insecure  # the harness runs with --insecure, and says so
+    assert status.attention_backend == "sdpa"  # the CPU engine's attention, named to callers
     load = status.load
     assert load.num_reserved_blocks > 0
     available = load.num_free_blocks - load.num_reserved_blocks

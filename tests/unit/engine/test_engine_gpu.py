@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -10,12 +9,13 @@ import pytest
 import torch
 
 from pdserve.engine import LLMEngine, ModelRunner, ScheduledChunk
+from pdserve.engine.flash_attention import FLASH
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+HAS_FLASH_ATTN = FLASH is not None
 
 EngineFactory = Callable[..., LLMEngine]
 PromptFactory = Callable[..., list[list[int]]]
@@ -24,7 +24,8 @@ PromptFactory = Callable[..., list[list[int]]]
 def mixed_batch_logits(runner: ModelRunner, sequences: list[list[int]]) -> torch.Tensor:
     """Prefill half of each sequence, then one step mixing chunks on cached KV and decodes."""
     block_size = runner.block_size
-    tables = [list(range(i * 4, i * 4 + 4)) for i in range(len(sequences))]
+    per_seq = -(-max(len(s) for s in sequences) // block_size)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(sequences))]
     half = [len(s) // 2 for s in sequences]
     runner.execute(
         [ScheduledChunk(s[:h], 0, t) for s, h, t in zip(sequences, half, tables, strict=True)]
@@ -33,12 +34,13 @@ def mixed_batch_logits(runner: ModelRunner, sequences: list[list[int]]) -> torch
     for index, (sequence, start, table) in enumerate(zip(sequences, half, tables, strict=True)):
         end = start + 1 if index % 2 else len(sequence)  # odd rows decode, even rows prefill
         chunks.append(ScheduledChunk(sequence[start:end], start, table))
-    assert max(len(s) for s in sequences) <= 4 * block_size
     return runner.execute(chunks)
 
 
-def cuda_engine(make_engine: EngineFactory, backend: str) -> LLMEngine:
-    engine = make_engine("mistral", dtype="bfloat16", num_blocks=16, block_size=256)
+def cuda_engine(make_engine: EngineFactory, backend: str, block_size: int = 256) -> LLMEngine:
+    engine = make_engine(
+        "mistral", dtype="bfloat16", num_blocks=4096 // block_size, block_size=block_size
+    )
     return LLMEngine(replace(engine.config, device="cuda", attention_backend=backend))
 
 
@@ -51,10 +53,18 @@ def test_cuda_sdpa_matches_cpu(make_engine: EngineFactory, prompts: PromptFactor
 
 
 @pytest.mark.skipif(not HAS_FLASH_ATTN, reason="needs flash-attn")
-def test_flash_attn_matches_sdpa(make_engine: EngineFactory, prompts: PromptFactory) -> None:
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flash_attn_matches_sdpa(
+    make_engine: EngineFactory, prompts: PromptFactory, block_size: int
+) -> None:
+    assert FLASH is not None
+    if block_size % FLASH.block_size_multiple:
+        pytest.skip(f"{FLASH.name} pages are multiples of {FLASH.block_size_multiple}")
     sequences = prompts(4, seed=71, min_len=40, max_len=90)
-    flash = mixed_batch_logits(cuda_engine(make_engine, "flash").runner, sequences)
-    sdpa = mixed_batch_logits(cuda_engine(make_engine, "sdpa").runner, sequences)
+    engine = cuda_engine(make_engine, "flash", block_size)
+    assert engine.runner.attention_backend == FLASH.name
+    flash = mixed_batch_logits(engine.runner, sequences)
+    sdpa = mixed_batch_logits(cuda_engine(make_engine, "sdpa", block_size).runner, sequences)
     torch.testing.assert_close(flash, sdpa, atol=0.05, rtol=0)
 
 

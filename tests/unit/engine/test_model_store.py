@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine import model_store
-from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, known_gguf_path, resolve_model
 
 
 @pytest.fixture
@@ -33,8 +33,9 @@ def test_an_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_a_damaged_gguf_is_fetched_again_then_reused(tmp_path: Path, fetches: list[Path]) -> None:
-    known = KNOWN_MODELS[DEFAULT_MODEL]
-    gguf_path = tmp_path / "models" / DEFAULT_MODEL / Path(known.member).name
+    # NOTE: known_gguf_path is where a fetch lands and what is reused (the GPU kit places the
+    # GGUF there on a machine without a registry).
+    gguf_path = known_gguf_path(KNOWN_MODELS[DEFAULT_MODEL], tmp_path)
     gguf_path.parent.mkdir(parents=True)
     gguf_path.write_bytes(b"GGUF but not really")
     resolved = resolve_model(None, tmp_path)

@@ -1,38 +1,70 @@
-"""Optional flash-attn path (CUDA only): paged varlen attention straight on the block tables."""
+"""Optional flash-attn path (CUDA only): paged varlen attention straight on the block tables.
+
+Two implementations can serve it, whichever is importable, the newer first:
+
+* flash-attn 4 (``flash-attn-4`` on PyPI, the CuTe DSL kernels in ``flash_attn.cute``): pure
+  Python wheels that compile their kernels on first use; any page size.
+* flash-attn 2 (``flash-attn``, the ``flash_attn`` extension built with ``nvcc``): pages whose
+  size is a multiple of 256.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from pdserve.engine.attention_metadata import AttentionMetadata
 
-_flash_attn_varlen_func: Any
-try:  # pragma: no cover - exercised only where flash-attn is installed
-    import flash_attn
 
-    _flash_attn_varlen_func = flash_attn.flash_attn_varlen_func
-except ImportError:  # pragma: no cover - the CPU default
-    _flash_attn_varlen_func = None
+class FlashImplementation(NamedTuple):
+    """The importable flash-attn: its name, varlen function and page-size rule.
 
-# NOTE: upstream flash-attn 2 reads a paged KV cache only with page sizes that are multiples of 256.
-FLASH_BLOCK_SIZE_MULTIPLE = 256
+    Attributes:
+        name: ``flash-attn-4`` or ``flash-attn-2``.
+        varlen_func: ``flash_attn_varlen_func`` of that implementation.
+        block_size_multiple: Page sizes it reads must be multiples of this.
+    """
+
+    name: str
+    varlen_func: Any
+    block_size_multiple: int
+
+
+def _find_implementation() -> FlashImplementation | None:  # pragma: no cover - needs flash-attn
+    try:
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+    except Exception:
+        # NOTE: a broken install (a CuTe DSL library missing, say) must not stop SDPA.
+        pass
+    else:
+        return FlashImplementation("flash-attn-4", fa4_varlen, 1)
+    try:
+        from flash_attn import flash_attn_varlen_func as fa2_varlen
+    except Exception:
+        return None
+    # NOTE: flash-attn 2 reads a paged KV cache only with page sizes that are multiples of 256.
+    return FlashImplementation("flash-attn-2", fa2_varlen, 256)
+
+
+FLASH = _find_implementation()
+"""The flash-attn this process would use, or ``None`` when none is importable."""
 
 
 def flash_attn_unusable_reason(
     device: torch.device, dtype: torch.dtype, block_size: int
 ) -> str | None:
     """Why the flash-attn path cannot run here, or ``None`` when it can."""
-    if _flash_attn_varlen_func is None:
-        return "flash_attn is not installed"
+    if FLASH is None:
+        return "flash_attn is not installed (neither flash-attn-4 nor flash-attn 2)"
     if device.type != "cuda":
         return "flash-attn needs a CUDA device"
     if dtype not in (torch.float16, torch.bfloat16):
         return "flash-attn needs float16 or bfloat16"
-    if block_size % FLASH_BLOCK_SIZE_MULTIPLE != 0:
+    if block_size % FLASH.block_size_multiple != 0:
         return (
-            f"flash-attn paged KV needs block_size to be a multiple of {FLASH_BLOCK_SIZE_MULTIPLE}"
+            f"{FLASH.name} paged KV needs block_size to be a multiple of "
+            f"{FLASH.block_size_multiple}"
         )
     return None
 
@@ -41,7 +73,7 @@ class FlashAttention:
     """Attention for one layer with ``flash_attn_varlen_func`` over the paged cache.
 
     All sequences of the batch, decodes and prefill chunks alike, go into one call: queries are
-    packed by ``cu_seqlens_q``, keys and values are read from the cache through ``block_table``
+    packed by ``cu_seqlens_q``, keys and values are read from the cache through the block table
     up to each sequence's context length, and the causal mask is aligned bottom-right, which is
     exactly chunked prefill on top of cached KV.
     """
@@ -49,13 +81,14 @@ class FlashAttention:
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
     ) -> None:
-        if _flash_attn_varlen_func is None:
+        if FLASH is None:
             raise RuntimeError("flash_attn is not installed")
+        self.implementation = FLASH
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.window_size = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -70,8 +103,25 @@ class FlashAttention:
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
         tensors = _flash_tensors(metadata)
-        assert _flash_attn_varlen_func is not None
-        out: torch.Tensor = _flash_attn_varlen_func(
+        window = self.sliding_window
+        if self.implementation.name == "flash-attn-4":
+            result = self.implementation.varlen_func(
+                q,
+                k_cache,
+                v_cache,
+                cu_seqlens_q=tensors["cu_seqlens_q"],
+                seqused_k=tensors["seqused_k"],
+                max_seqlen_q=int(metadata.query_lens.max()),
+                max_seqlen_k=int(metadata.context_lens.max()),
+                page_table=tensors["block_table"],
+                softmax_scale=self.scale,
+                causal=True,
+                window_size=(None, None) if window is None else (window - 1, 0),
+            )
+            # NOTE: flash-attn 4 returns (out, lse).
+            out: torch.Tensor = result[0] if isinstance(result, tuple) else result
+            return out
+        out = self.implementation.varlen_func(
             q,
             k_cache,
             v_cache,
@@ -81,7 +131,7 @@ class FlashAttention:
             max_seqlen_k=int(metadata.context_lens.max()),
             softmax_scale=self.scale,
             causal=True,
-            window_size=self.window_size,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
             block_table=tensors["block_table"],
         )
         return out
@@ -100,7 +150,8 @@ def _flash_tensors(metadata: AttentionMetadata) -> dict[str, Any]:
             "cu_seqlens_k": torch.cat([zero, metadata.context_lens.cumsum(0).to(torch.int32)]).to(
                 device
             ),
-            "block_table": metadata.block_table.to(torch.int32),
+            "seqused_k": metadata.context_lens.to(torch.int32).to(device),
+            "block_table": metadata.block_table.to(torch.int32).contiguous(),
         }
         metadata.derived[key] = cached
     return cached

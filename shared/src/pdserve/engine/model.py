@@ -189,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attention_backend: str = "sdpa") -> None:
         super().__init__()
         self.config = config
+        self.attention_backend = attention_backend
         self.model = LlamaModel(config, attention_backend)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None

@@ -134,9 +134,16 @@ def resolve_model(
     )
 
 
+def known_gguf_path(known: KnownModel, cache_dir: Path | None = None) -> Path:
+    """Where the cache keeps a known model's GGUF: a file placed there with the pinned digest
+    is used as fetched (a machine without a registry gets the model this way)."""
+    cache = cache_dir or default_cache_dir()
+    return cache / "models" / known.name / Path(known.member).name
+
+
 def _prepare_known(known: KnownModel, cache: Path, show_progress: bool) -> Path:
-    root = cache / "models" / known.name
-    gguf_path = root / Path(known.member).name
+    gguf_path = known_gguf_path(known, cache)
+    root = gguf_path.parent
     with _locked(root):
         if not _has_digest(gguf_path, known.gguf_sha256):
             if gguf_path.exists():

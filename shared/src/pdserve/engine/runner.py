@@ -13,7 +13,7 @@ from pdserve.engine.attention_buffer import KVGatherBuffer
 from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.flash_attention import flash_attn_unusable_reason
+from pdserve.engine.flash_attention import FLASH, flash_attn_unusable_reason
 from pdserve.engine.kv_budget import size_kv_cache
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.loader import load_model
@@ -39,9 +39,25 @@ def resolve_attention_backend(
     reason = flash_attn_unusable_reason(device, dtype, block_size)
     if requested == "flash" and reason is not None:
         raise ValueError(f"attention_backend=flash is unusable: {reason}")
+    backend = requested
     if requested == "auto":
-        return "flash" if reason is None else "sdpa"
-    return requested
+        backend = "flash" if reason is None else "sdpa"
+    # NOTE: one line per model load says which attention runs, and on CUDA why not flash-attn.
+    log.info(
+        "attention_backend",
+        backend=attention_backend_name(backend),
+        requested=requested,
+        device=str(device),
+        flash_unusable=reason if device.type == "cuda" and backend == "sdpa" else None,
+    )
+    return backend
+
+
+def attention_backend_name(backend: str) -> str:
+    """What a resolved backend runs: ``sdpa``, ``flash-attn-4`` or ``flash-attn-2``."""
+    if backend == "flash" and FLASH is not None:
+        return FLASH.name
+    return backend
 
 
 class ModelRunner:
@@ -54,6 +70,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
         self.model = model
+        self.attention_backend = attention_backend_name(model.attention_backend)
+        """What attention runs: ``sdpa``, ``flash-attn-4`` or ``flash-attn-2``."""
         self.kv_cache = kv_cache
         self.model_config: ModelConfig = model.config
         self.block_size = kv_cache.block_size
@@ -104,7 +122,6 @@ class ModelRunner:
             available_bytes=size.available_bytes,
             fraction=size.fraction,
             device=str(device),
-            attention_backend=backend,
         )
         return cls(model, kv_cache)
 

@@ -180,6 +180,7 @@ class InstanceServer(abc.ABC):
         """Serves: metrics, the role's service with InstanceService, health and reflection,
         the engine thread, background tasks, then registration with the gateway."""
         self.status.is_insecure = self.security.is_insecure
+        self.status.attention_backend = self.host.runner.attention_backend
         self.metrics.watch(self.status.load_report, self.all_counters)
         self.metrics_server = serve_metrics(self.config, self.metrics, self.instance)
         self.add_service(self.server)

@@ -21,11 +21,13 @@ class InstanceStatus(instance_pb2_grpc.InstanceServiceServicer, abc.ABC):
 
     Attributes:
         is_insecure: Whether the internal plane runs without mTLS (reported to callers).
+        attention_backend: What attention the engine runs (``sdpa``, ``flash-attn-4``, ...).
     """
 
     def __init__(self, instance: common_pb2.InstanceInfo) -> None:
         self.instance = instance
         self.is_insecure = False
+        self.attention_backend = ""
 
     @abc.abstractmethod
     def load_report(self) -> common_pb2.LoadReport:
@@ -44,6 +46,7 @@ class InstanceStatus(instance_pb2_grpc.InstanceServiceServicer, abc.ABC):
             load=self.load_report(),
             pool=self.pool_integrity(request.check_integrity),
             insecure=self.is_insecure,
+            attention_backend=self.attention_backend,
         )
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/instance.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"3\n\x18GetInstanceStatusRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xa8\x01\n\x19GetInstanceStatusResponse\x12*\n\x08instance\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.InstanceInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.LoadReport\x12\'\n\x04pool\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PoolIntegrity\x12\x10\n\x08insecure\x18\x04 \x01(\x08\x32s\n\x0fInstanceService\x12`\n\x11GetInstanceStatus\x12$.pdserve.v1.GetInstanceStatusRequest\x1a%.pdserve.v1.GetInstanceStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/instance.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"3\n\x18GetInstanceStatusRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xc3\x01\n\x19GetInstanceStatusResponse\x12*\n\x08instance\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.InstanceInfo\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.LoadReport\x12\'\n\x04pool\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PoolIntegrity\x12\x10\n\x08insecure\x18\x04 \x01(\x08\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t2s\n\x0fInstanceService\x12`\n\x11GetInstanceStatus\x12$.pdserve.v1.GetInstanceStatusRequest\x1a%.pdserve.v1.GetInstanceStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINSTANCESTATUSREQUEST']._serialized_start=66
   _globals['_GETINSTANCESTATUSREQUEST']._serialized_end=117
   _globals['_GETINSTANCESTATUSRESPONSE']._serialized_start=120
-  _globals['_GETINSTANCESTATUSRESPONSE']._serialized_end=288
-  _globals['_INSTANCESERVICE']._serialized_start=290
-  _globals['_INSTANCESERVICE']._serialized_end=405
+  _globals['_GETINSTANCESTATUSRESPONSE']._serialized_end=315
+  _globals['_INSTANCESERVICE']._serialized_start=317
+  _globals['_INSTANCESERVICE']._serialized_end=432
 # @@protoc_insertion_point(module_scope)
