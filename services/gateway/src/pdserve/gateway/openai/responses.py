@@ -109,7 +109,7 @@ class Responder:
         return text
 
     def _chat_logprobs(
-        self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+        self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
     ) -> dict[str, Any]:
         """``choices[i].logprobs`` of chat: one entry per token, with its alternatives."""
         tokenizer = self._prompt(index).tokenizer
@@ -240,7 +240,7 @@ class Responder:
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
             if self.num_top is not None:
-                choice["logprobs"] = self._chat_logprobs(index, token_ids, logprobs)  # type: ignore[arg-type]
+                choice["logprobs"] = self._chat_logprobs(index, token_ids, logprobs)
         else:
             echoed, echoed_logprobs = ("", None)
             if self._prompt(index).echo:
@@ -278,7 +278,7 @@ class Responder:
                 content["content"] = delta.text
             choice["delta"] = content
             if self.num_top is not None and delta.token_ids:
-                logprobs = self._chat_logprobs(index, delta.token_ids, padded)  # type: ignore[arg-type]
+                logprobs = self._chat_logprobs(index, delta.token_ids, padded)
         else:
             echoed, echoed_logprobs = ("", None)
             if echo:
