@@ -153,8 +153,6 @@ class PrefillScheduler:
         """The stored payloads that continue the request's `num_hit_blocks` cached blocks
         (capped so the last token is computed); the request drops its list."""
         payloads, request.stored_payloads = request.stored_payloads, []
-        if request.sampling.prompt_logprobs is not None:
-            return []  # as for cached blocks: every position is computed
         skip = num_hit_blocks - request.stored_first_block
         if skip < 0:
             return []  # NOTE: a cached block was evicted since the lookup: there is a gap.

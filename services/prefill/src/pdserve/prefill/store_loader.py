@@ -100,6 +100,8 @@ class StoreLoader:
     def _lookup(self, request: Request) -> int:
         """Fills ``request.block_keys`` and its stored payloads; returns the blocks asked for."""
         request.block_keys = prefix_block_keys(self.fingerprint, request.token_ids, self.block_size)
+        if request.sampling.prompt_logprobs is not None:
+            return 0  # NOTE: scoring the prompt computes every position: nothing to load.
         max_blocks = (request.num_tokens - 1) // self.block_size
         first = self.num_locally_cached(request.block_keys[:max_blocks])
         wanted = request.block_keys[first:max_blocks]
