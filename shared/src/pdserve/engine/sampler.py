@@ -127,7 +127,10 @@ class Sampler:
         """The logits after logit_bias, min_tokens and penalties (the input when none apply)."""
         vocab_size = logits.shape[-1]
         device = logits.device
-        biased = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+        # NOTE: ids past the logits (a vocabulary padded differently) cannot be picked anyway.
+        biased = [
+            (i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if t < vocab_size
+        ]
         ended = [
             (i, t)
             for i, r in enumerate(rows)
@@ -136,26 +139,23 @@ class Sampler:
                 *r.params.stop_token_ids,
                 *(() if r.params.ignore_eos else self.eos_token_ids),
             )
+            if t < vocab_size
         ]
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if not (biased or ended or penalized):
             return logits
         out = logits.clone()
         if biased:
-            index = torch.tensor([(i, t) for i, t, _ in biased if t < vocab_size], device=device)
-            values = torch.tensor(
-                [b for _, t, b in biased if t < vocab_size], dtype=out.dtype, device=device
-            )
-            if len(values):
-                out.index_put_((index[:, 0], index[:, 1]), values, accumulate=True)
+            index = torch.tensor([(i, t) for i, t, _ in biased], device=device)
+            values = torch.tensor([b for _, _, b in biased], dtype=out.dtype, device=device)
+            out.index_put_((index[:, 0], index[:, 1]), values, accumulate=True)
         if len(penalized) == len(rows):
             _penalize(out, rows)
         elif penalized:
             out[penalized] = _penalize(out[penalized], [rows[i] for i in penalized])
         if ended:
-            index = torch.tensor([(i, t) for i, t in ended if t < vocab_size], device=device)
-            if len(index):
-                out[index[:, 0], index[:, 1]] = float("-inf")
+            index = torch.tensor(ended, device=device)
+            out[index[:, 0], index[:, 1]] = float("-inf")
         return out
 
     def _sample(self, rows: Sequence[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
