@@ -108,6 +108,8 @@ class MemoryInstance:
     # prefill
     calls: list[PrefillCall] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    abort_delay_s: float = 0.0  # how long an AbortRequest takes to arrive
+    history: list[str] = field(default_factory=list)  # "prefill <id>" / "abort <id>", in order
     phases: PrefillPhases | None = None  # reported on FirstToken and (as is) on HandedOff
     # decode
     refusals: list[PdserveError | None] = field(default_factory=list)  # None: granted
@@ -189,6 +191,7 @@ class MemoryBackend:
     ) -> AsyncGenerator[PrefillEvent, None]:
         prefill = self._instance(address)
         prefill.calls.append(call)
+        prefill.history.append(f"prefill {call.request_id}")
         deadline = asyncio.get_running_loop().time() + timeout_s
         fault = prefill.next_fault()
         if fault is not None and fault.after == 0:
@@ -228,7 +231,10 @@ class MemoryBackend:
     async def abort_request(
         self, address: str, request_id: str, timeout_s: float, trace_context: Any = None
     ) -> None:
-        self._instance(address).aborted.append(request_id)
+        instance = self._instance(address)
+        await asyncio.sleep(instance.abort_delay_s)
+        instance.aborted.append(request_id)
+        instance.history.append(f"abort {request_id}")
 
     async def generate(
         self,

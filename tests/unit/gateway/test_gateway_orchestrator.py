@@ -435,6 +435,26 @@ async def test_a_decode_frozen_before_the_hand_off_moves_the_request(
     assert doomed.num_open_leases == 0
 
 
+async def test_a_retry_on_the_same_prefill_waits_for_the_abort_of_the_attempt_before(
+    cluster: MemoryCluster,
+) -> None:
+    """The retry reuses the request id: an AbortRequest arriving after it started would
+    cancel it (the client saw a 499), so it starts once the abort has arrived."""
+    prefill = cluster.add_prefill()
+    doomed = cluster.add_decode("decode-doomed", num_blocks=2000)
+    cluster.add_decode("decode-survivor")
+    prefill.script = [stall(after=1)]
+    prefill.abort_delay_s = 0.2
+    request = cluster.request()
+    losing = asyncio.create_task(_lose_when_stalled(cluster, prefill, doomed))
+    completion = await cluster.run(request)
+    await losing
+    assert completion.token_ids == expected(request)
+    request_id = request.request_id
+    assert prefill.history == [f"prefill {request_id}", f"abort {request_id}",
+                               f"prefill {request_id}"]  # fmt: skip
+
+
 async def test_a_prefill_frozen_before_the_hand_off_is_retried_on_another(
     cluster: MemoryCluster,
 ) -> None:

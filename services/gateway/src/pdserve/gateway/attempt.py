@@ -73,6 +73,8 @@ class Attempts:
         self._policy = policy
         self._settle = settle
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
+        # NOTE: request id -> its AbortRequest still on the way to a prefill.
+        self._aborting: dict[str, asyncio.Task[None]] = {}
 
     async def wait_for_cleanups(self) -> None:
         """Waits until every background AbortRequest / ReleaseLease has finished."""
@@ -108,6 +110,9 @@ class Attempts:
             PdserveError: DEADLINE_EXCEEDED before a call could start.
         """
         context = trace.set_span_in_context(span)
+        # NOTE: the next attempt reuses the request id, possibly on the same prefill: an
+        # AbortRequest of the previous one that arrived after it started would cancel it.
+        await self._aborted(request.request_id)
         call = PrefillCall(
             request_id=request.request_id,
             token_ids=progress.continuation_token_ids(),
@@ -227,7 +232,9 @@ class Attempts:
                 aborting = self._backend.abort_request(
                     address, request.request_id, timeout_s, context
                 )
-                self._spawn(aborting, "abort_request", request.request_id)
+                task = self._spawn(aborting, "abort_request", request.request_id)
+                self._aborting[request.request_id] = task
+                task.add_done_callback(lambda _: self._forget_abort(request.request_id, task))
             if lease_id is not None:
                 address = pair.decode.address
                 releasing = self._backend.release_lease(
@@ -246,7 +253,19 @@ class Attempts:
         end_grace_s = self._policy.end_grace_s
         return relay(role, stream, progress, self._loss_watch, watched, end_grace_s)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], what: str, request_id: str) -> None:
+    async def _aborted(self, request_id: str) -> None:
+        """Waits (within the cleanup deadline) for the request's AbortRequest in flight."""
+        task = self._aborting.get(request_id)
+        if task is not None:
+            await asyncio.wait([task], timeout=self._policy.cleanup_timeout_s)
+
+    def _forget_abort(self, request_id: str, task: asyncio.Task[None]) -> None:
+        if self._aborting.get(request_id) is task:
+            del self._aborting[request_id]
+
+    def _spawn(
+        self, coro: Coroutine[Any, Any, None], what: str, request_id: str
+    ) -> asyncio.Task[None]:
         async def run() -> None:
             try:
                 await coro
@@ -257,6 +276,7 @@ class Attempts:
         self._cleanup_tasks.add(task)
         task.add_done_callback(self._cleanup_tasks.discard)
         log.debug("cleanup_sent", request_id=request_id, call=what)
+        return task
 
 
 def _end(
