@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.eventually import eventually
 from support.real_cluster import BLOCK_SIZE, MODEL_NAME, RealCluster, Reference
 
 PROMPT = "The quick brown fox"
@@ -269,6 +270,17 @@ async def _prefill_totals(cluster: RealCluster, name: str) -> dict[str, float]:
     return totals
 
 
+def _gateway_sees_idle_prefills(cluster: RealCluster) -> bool:
+    gateway = cluster.gateway
+    entries = [gateway.registry.get(p.instance.instance_id) for p in cluster.prefills]
+    return all(
+        entry is not None
+        and entry.load.num_queued_prompt_tokens == 0
+        and gateway.router.loads.unreported_work(entry.instance_id) <= 0
+        for entry in entries
+    )
+
+
 @pytest.mark.parametrize("cluster", [{"prefills": 2}], indirect=True)
 async def test_a_shared_prefix_stays_on_the_prefill_that_cached_it(
     cluster: RealCluster, reference: Reference
@@ -301,7 +313,10 @@ async def test_a_shared_prefix_stays_on_the_prefill_that_cached_it(
     }
     assert routes == {"load": 1, "prefix": 4}
 
-    # Unrelated prompts (no shared first block) still spread over both prefills by load.
+    # Unrelated prompts (no shared first block) still spread over both prefills by load. A
+    # report taken while the last prompt was queued may reach the gateway after that prompt
+    # settled (it looks busy until the next report): wait until the gateway sees both idle.
+    await eventually(lambda: _gateway_sees_idle_prefills(cluster), 5, "idle prefills")
     unrelated = [f"{i} {'different words ' * 12}" for i in range(8)]
     await asyncio.gather(
         *(client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=2) for p in unrelated)

@@ -43,6 +43,7 @@ from pdserve.launcher.config import ClusterConfig
 HOSTS = ("gateway", "prefill-0", "decode-0", "decode-1")
 REQUEST_TIMEOUT_S = 15.0
 INSTANCE_TTL_S = 2.0
+REJOIN_S = 20.0  # NOTE: keepalive (5 s + 10 s timeout) and the reconnect backoff (3 s)
 HEARTBEAT_S = 0.5  # NOTE: the longest load-report interval of either registry (etcd: 0.3 s)
 LONG_TOKENS = 500  # long enough to still stream when the partition comes
 GREEDY: dict[str, Any] = {"temperature": 0.0}
@@ -296,9 +297,16 @@ async def test_partitioned_decode_moves_its_streams_and_rejoins(
     # have told the gateway.
     await cluster.wait_whole(timeout_s=15)
     await asyncio.sleep(2 * HEARTBEAT_S)
-    before = committed(victim)
-    assert await run_all(cluster, after, 16) == after_expected
+    # NOTE: a connection to it that lived through the cut may still be waiting on TCP's
+    # retransmission backoff; keepalive pings close it within seconds and the channels
+    # connect again: bursts go on until one reaches it, within a bound.
+    before, rejoined_at = committed(victim), time.monotonic()
+    while True:
+        assert await run_all(cluster, after, 16) == after_expected
+        if committed(victim) - before or time.monotonic() - rejoined_at > REJOIN_S:
+            break
     assert committed(victim) - before, f"{victim.name} took no request after it rejoined"
+    print(f"{victim.name} took work {time.monotonic() - rejoined_at:.1f} s after it rejoined")
 
     # No blocks leak on either side of the cut, and every KV push went over TCP.
     await cluster.wait_whole(timeout_s=15)

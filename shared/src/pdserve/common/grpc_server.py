@@ -12,9 +12,26 @@ from pdserve.common import telemetry
 
 # NOTE: KV chunks are sized below this; 64 MiB leaves room for large prompts' token lists.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# NOTE: a connection to a peer cut off by the network stays "open" (TCP keeps retransmitting,
+# ever more rarely), and a call sent on it after the network heals can wait for many seconds.
+# Pings on every pdserve channel find such a connection dead within KEEPALIVE_S + its
+# timeout; the channel then connects again, never waiting more than the bounded backoff, so a
+# peer that comes back takes work within seconds. Servers accept such pings (below).
+KEEPALIVE_MS = 5_000
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 2 * KEEPALIVE_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 2_000),
+    ("grpc.max_reconnect_backoff_ms", 3_000),
+)
+_SERVER_PING_POLICY: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
 )
 
 
@@ -36,6 +53,7 @@ def new_aio_server(
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_message_bytes),
+        *_SERVER_PING_POLICY,
     ]
     return grpc.aio.server(interceptors=chain, options=options)
 
@@ -67,7 +85,7 @@ async def start_health_server(
     Kubernetes' gRPC probes present no client certificate, so they cannot reach a port that
     demands mutual TLS; this port answers grpc.health.v1 and nothing else.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=list(_SERVER_PING_POLICY))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(address)
     if port == 0:
