@@ -34,6 +34,49 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+class ConstraintKind(enum.Enum):
+    """What a `Constraint`'s value is."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema's text
+    JSON_OBJECT = "json_object"  # any JSON object (no value)
+    REGEX = "regex"  # a regular expression the whole completion matches
+    CHOICE = "choice"  # one of `Constraint.choices`
+    GRAMMAR = "grammar"  # a grammar in llguidance's Lark-like syntax
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A constraint on a completion's text (structured outputs).
+
+    Every sampled token must keep the completion a prefix of a string the constraint accepts;
+    once it is complete, only an end-of-sequence id may follow. Compiling and applying it is
+    `pdserve.engine.constraints`' work (checking it without a tokenizer:
+    `pdserve.common.constraints`).
+
+    Attributes:
+        kind: What `value` is.
+        value: The schema's JSON text, the regex or the grammar ("" for JSON_OBJECT, CHOICE).
+        choices: The allowed strings (CHOICE only).
+    """
+
+    kind: ConstraintKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if self.kind is ConstraintKind.CHOICE:
+            if not self.choices:
+                raise ValueError("a choice constraint needs at least one choice")
+        elif self.choices:
+            raise ValueError(f"a {self.kind.value} constraint takes no choices")
+        if self.kind in (ConstraintKind.JSON_OBJECT, ConstraintKind.CHOICE):
+            if self.value:
+                raise ValueError(f"a {self.kind.value} constraint takes no value")
+        elif not self.value:
+            raise ValueError(f"a {self.kind.value} constraint needs a value")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
@@ -58,6 +101,7 @@ class SamplingParams:
             logprobs.
         prompt_logprobs: Return each prompt token's logprob (after the first) and this many
             alternatives; None: none.
+        constraint: What the completion's text must match (structured outputs); None: free.
     """
 
     temperature: float = 1.0
@@ -75,6 +119,7 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -112,6 +157,9 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias needs ids >= 0 and values in [-100, 100], got {token_id}: {value}"
                 )
+        if self.constraint is not None and self.ignore_eos:
+            # NOTE: a complete constrained completion can only end: it would loop otherwise.
+            raise ValueError("ignore_eos cannot be combined with a constraint")
 
     @property
     def has_penalties(self) -> bool:

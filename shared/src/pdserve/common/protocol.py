@@ -15,10 +15,15 @@ from pdserve.common.errors import ErrorReason, PdserveError
 
 # NOTE: bump MINOR with every contract addition; refresh the buf baseline (make
 # contract-baseline) only together with such a bump.
-PROTOCOL_VERSION = "1.5"
+PROTOCOL_VERSION = "1.6"
 
 # Capabilities this implementation speaks (see Protocol.features in common.proto).
-FEATURES: tuple[str, ...] = ("preemption-notice", "token-index", "sync-cache-grpc")
+FEATURES: tuple[str, ...] = (
+    "preemption-notice",
+    "token-index",
+    "sync-cache-grpc",
+    "constraints",
+)
 
 _VERSION_RE = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)$")
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import MAX_SEED, FinishReason, SamplingParams, TokenLogprobs
+from pdserve.common.generation import (
+    MAX_SEED,
+    Constraint,
+    ConstraintKind,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+)
 from pdserve.common.protocol import FEATURES, PROTOCOL_VERSION, kv_layout_fingerprint
 from pdserve.v1 import common_pb2
 
@@ -84,6 +91,11 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
             prompt_logprobs=(
                 message.prompt_logprobs if message.HasField("prompt_logprobs") else None
             ),
+            constraint=(
+                constraint_from_proto(message.constraint)
+                if message.HasField("constraint")
+                else None
+            ),
         )
     except ValueError as error:
         raise PdserveError(ErrorReason.INVALID_REQUEST, str(error)) from None
@@ -116,7 +128,37 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         message.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         message.prompt_logprobs = params.prompt_logprobs
+    if params.constraint is not None:
+        message.constraint.CopyFrom(constraint_to_proto(params.constraint))
     return message
+
+
+def constraint_to_proto(constraint: Constraint) -> common_pb2.Constraint:
+    """The contract's Constraint message of `constraint`."""
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return common_pb2.Constraint(json_object=True)
+    if kind is ConstraintKind.CHOICE:
+        return common_pb2.Constraint(choice=common_pb2.ChoiceList(values=constraint.choices))
+    return common_pb2.Constraint(**{kind.value: constraint.value})
+
+
+def constraint_from_proto(message: common_pb2.Constraint) -> Constraint:
+    """`Constraint` of the contract's message.
+
+    Raises:
+        ValueError: If no kind is set, or the value does not suit it.
+    """
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(
+            "a constraint needs one of json_schema, json_object, regex, choice, grammar"
+        )
+    if kind == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "choice":
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(message.choice.values))
+    return Constraint(ConstraintKind(kind), getattr(message, kind))
 
 
 def _optional(message: common_pb2.SamplingParams, name: str, default: float) -> float:
