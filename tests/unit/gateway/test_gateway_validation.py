@@ -61,7 +61,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
      "max_tokens"),
     ("tools", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
     ("unknown_field", COMPLETIONS, _completion(best_guess=1), 400, "best_guess"),
-    ("tool_role", CHAT, _chat(messages=TOOL), 400, "messages[0].role"),
+    ("tool_without_call_id", CHAT, _chat(messages=TOOL), 400, "messages[0].tool_call_id"),
     ("image_part", CHAT, _chat(messages=IMAGE), 400, "messages"),
     ("empty_prompt", COMPLETIONS, _completion(prompt=""), 400, "prompt"),
     ("token_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 99999]), 400, "prompt"),

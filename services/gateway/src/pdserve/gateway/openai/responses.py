@@ -22,6 +22,7 @@ from pdserve.common.generation import TokenLogprobs
 from pdserve.gateway.access.admission import Admission
 from pdserve.gateway.openai.http import error_body
 from pdserve.gateway.openai.parsing import OpenAIBody
+from pdserve.gateway.openai.tool_calls import chat_message, tool_call_chunk
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta
 from pdserve.tokenizer import Tokenizer
@@ -238,7 +239,7 @@ class Responder:
         last = deltas[-1] if deltas else None
         choice: dict[str, Any] = {"index": index, "logprobs": None}
         if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = chat_message(text, [c for d in deltas for c in d.tool_calls])
             if self.num_top is not None:
                 choice["logprobs"] = self._chat_logprobs(index, token_ids, logprobs)
         else:
@@ -263,6 +264,7 @@ class Responder:
         if not (
             delta.text
             or delta.token_ids
+            or delta.tool_calls
             or delta.finish_reason
             or (is_first and self.is_chat)
             or echo
@@ -276,6 +278,8 @@ class Responder:
             content: dict[str, Any] = {"role": "assistant"} if is_first else {}
             if delta.text or is_first:
                 content["content"] = delta.text
+            if delta.tool_calls:
+                content["tool_calls"] = [tool_call_chunk(call) for call in delta.tool_calls]
             choice["delta"] = content
             if self.num_top is not None and delta.token_ids:
                 logprobs = self._chat_logprobs(index, delta.token_ids, padded)

@@ -1,0 +1,137 @@
+"""What a request's tools mean for its generation: `plan_tools` decides, from the tools, the
+tool_choice and the model's call format, which constraint the completion gets and which parser
+reads it back.
+
+* ``auto``: no constraint; the model's format parser (``--tool-call-parser``) reads calls from
+  its free text.
+* ``required``: a JSON Schema constraint makes the completion a list of calls,
+  ``[{"name": <an offered function>, "arguments": <that function's parameters schema>}, ...]``
+  (exactly one with ``parallel_tool_calls: false``).
+* a named function: a JSON Schema constraint makes the completion that function's arguments
+  (its parameters schema); the call's name is known up front.
+* ``none``: no constraint and no parser: the completion is content.
+
+A constrained completion is read as the constraint shapes it, and otherwise by the model's
+format parser (an engine that did not apply the constraint).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.common.generation import Constraint, ConstraintKind
+from pdserve.gateway.tools.formats import LLAMA3_JSON, ToolCallFormat
+from pdserve.gateway.tools.parsers import (
+    ArgumentsParser,
+    HermesParser,
+    JsonCallsParser,
+    ToolCallParser,
+)
+from pdserve.gateway.tools.spec import FunctionTool, ToolChoice, ToolChoiceMode
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request's tool calls are made and read.
+
+    Attributes:
+        format: The model's call format.
+        mode: The resolved tool_choice (never NONE: such a request has no plan).
+        names: The functions offered.
+        function_name: The function a named tool_choice forces.
+        constraint: What the completion must match (REQUIRED and named); None for AUTO.
+    """
+
+    format: ToolCallFormat
+    mode: ToolChoiceMode
+    names: frozenset[str]
+    function_name: str | None = None
+    constraint: Constraint | None = None
+
+    @property
+    def is_named(self) -> bool:
+        """Whether tool_choice names the function (its completion ends with ``stop``)."""
+        return self.mode is ToolChoiceMode.FUNCTION
+
+    def new_parser(self) -> ToolCallParser:
+        """A parser for one completion of the request."""
+        own = self._format_parser()
+        if self.mode is ToolChoiceMode.REQUIRED:
+            return JsonCallsParser(("arguments",), self.names, fallback=own)
+        if self.mode is ToolChoiceMode.FUNCTION:
+            assert self.function_name is not None
+            return ArgumentsParser(self.function_name, fallback=own)
+        return own
+
+    def _format_parser(self) -> ToolCallParser:
+        if self.format.name == LLAMA3_JSON:
+            return JsonCallsParser(self.format.arguments_keys, self.names)
+        return HermesParser(self.names)
+
+
+def resolved_choice(tools: tuple[FunctionTool, ...], choice: ToolChoice | None) -> ToolChoice:
+    """The tool_choice in effect: as given, else ``auto`` with tools and ``none`` without."""
+    if choice is not None:
+        return choice
+    return ToolChoice(ToolChoiceMode.AUTO if tools else ToolChoiceMode.NONE)
+
+
+def plan_tools(
+    tools: tuple[FunctionTool, ...],
+    choice: ToolChoice | None,
+    is_parallel: bool,
+    call_format: ToolCallFormat,
+) -> ToolPlan | None:
+    """The plan of a validated request; None when its completion is not read for calls.
+
+    Args:
+        tools: The functions offered.
+        choice: The request's tool_choice (None: the default).
+        is_parallel: Whether a completion may make several calls (``parallel_tool_calls``).
+        call_format: The model's call format.
+    """
+    choice = resolved_choice(tools, choice)
+    if choice.mode is ToolChoiceMode.NONE or not tools:
+        return None
+    names = frozenset(tool.name for tool in tools)
+    if choice.mode is ToolChoiceMode.AUTO:
+        return ToolPlan(call_format, choice.mode, names)
+    if choice.mode is ToolChoiceMode.FUNCTION:
+        tool = next(t for t in tools if t.name == choice.function_name)
+        schema = tool.parameters_schema()
+        return ToolPlan(call_format, choice.mode, names, tool.name, _json_schema(schema))
+    return ToolPlan(
+        call_format, choice.mode, names, constraint=_json_schema(calls_schema(tools, is_parallel))
+    )
+
+
+def calls_schema(tools: tuple[FunctionTool, ...], is_parallel: bool) -> dict[str, Any]:
+    """The JSON Schema of a list of calls of `tools` (at least one; one if not parallel)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "const": tool.name},
+                "arguments": tool.parameters_schema(),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
+    if not is_parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _json_schema(schema: dict[str, Any]) -> Constraint:
+    return Constraint(
+        ConstraintKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    )
