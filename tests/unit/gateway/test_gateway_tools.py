@@ -14,7 +14,7 @@ from support.gateway_fakes import MODEL_NAME
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.grpc_server import insecure_channel
-from pdserve.gateway.tools.plan import calls_schema
+from pdserve.gateway.tools.plan import LAYOUT, calls_schema
 from pdserve.gateway.tools.spec import FunctionTool
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -154,8 +154,10 @@ async def test_required_sends_the_calls_schema_and_reads_its_list(
         FunctionTool("get_weather", parameters=json.dumps(WEATHER_PARAMETERS)),
         FunctionTool("get_time", parameters=json.dumps({"type": "object"})),
     )
-    assert json.loads(constraint.json_schema) == calls_schema(offered, is_parallel)
-    assert ("maxItems" in json.loads(constraint.json_schema)) is not is_parallel
+    schema = json.loads(constraint.json_schema)
+    assert schema.pop("x-guidance") == LAYOUT
+    assert schema == calls_schema(offered, is_parallel)
+    assert ("maxItems" in schema) is not is_parallel
     choice = response.choices[0]
     [call] = choice.message.tool_calls or []
     assert (call.function.name, call.function.arguments) == ("get_weather", ARGUMENTS)
@@ -170,7 +172,7 @@ async def test_a_named_function_sends_its_parameters_schema(tools: Cluster) -> N
     )
     constraint = _constraint(tools)
     assert constraint is not None
-    assert json.loads(constraint.json_schema) == WEATHER_PARAMETERS
+    assert json.loads(constraint.json_schema) == {"x-guidance": LAYOUT, **WEATHER_PARAMETERS}
     choice = response.choices[0]
     [call] = choice.message.tool_calls or []
     assert (call.function.name, call.function.arguments) == ("get_weather", ARGUMENTS)

@@ -11,6 +11,9 @@ reads it back.
   (its parameters schema); the call's name is known up front.
 * ``none``: no constraint and no parser: the completion is content.
 
+Both schemas carry llguidance's ``x-guidance`` layout (compact JSON with a space after ``,``
+and ``:``), unless the function's own schema sets one.
+
 A constrained completion is read as the constraint shapes it, and otherwise by the model's
 format parser (an engine that did not apply the constraint).
 """
@@ -131,7 +134,13 @@ def calls_schema(tools: tuple[FunctionTool, ...], is_parallel: bool) -> dict[str
     return schema
 
 
+# NOTE: llguidance's JSON settings (other JSON Schema readers ignore the unknown keyword): one
+# space after "," and ":" as models write JSON, and no other whitespace, so a weak model cannot
+# spend its tokens on newlines.
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 def _json_schema(schema: dict[str, Any]) -> Constraint:
-    return Constraint(
-        ConstraintKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
-    )
+    laid_out = {"x-guidance": LAYOUT, **schema}
+    text = json.dumps(laid_out, ensure_ascii=False, separators=(",", ":"))
+    return Constraint(ConstraintKind.JSON_SCHEMA, text)
