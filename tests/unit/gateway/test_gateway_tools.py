@@ -101,6 +101,46 @@ async def test_streamed_calls_are_shaped_as_openai_streams_them(tools: Cluster) 
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+async def test_a_stream_sends_no_empty_chunks_yet_every_token_id(tools: Cluster) -> None:
+    _script(tools, HERMES_CALL)
+    for return_token_ids in (False, True):
+        stream = await tools.openai().chat.completions.create(
+            model=MODEL_NAME,
+            messages=QUESTION,
+            tools=TOOLS,
+            max_tokens=200,
+            stream=True,
+            extra_body={"return_token_ids": return_token_ids},
+        )
+        chunks = [chunk async for chunk in stream]
+        if return_token_ids:
+            token_ids = [t for c in chunks for t in (c.choices[0].model_extra or {})["token_ids"]]
+            assert bytes(t for t in token_ids if t < 256) == HERMES_CALL.encode()
+        else:
+            # NOTE: the tokens of the call's markup are not sent as empty deltas.
+            choices = [c.choices[0] for c in chunks[1:-1]]
+            assert all(c.delta.tool_calls for c in choices)
+
+
+async def test_tokenize_renders_tools_as_a_chat_request(tools: Cluster) -> None:
+    _script(tools, "ok")
+    async with tools.http() as http:
+        tokenized = await http.post(
+            "/tokenize", json={"model": MODEL_NAME, "messages": QUESTION, "tools": TOOLS}
+        )
+    response = await tools.openai().chat.completions.create(
+        model=MODEL_NAME,
+        messages=QUESTION,
+        tools=TOOLS,
+        max_tokens=4,
+        extra_body={"return_token_ids": True},
+    )
+    prompt_ids = (response.choices[0].model_extra or {})["prompt_token_ids"]
+    assert tokenized.status_code == 200
+    assert tokenized.json()["tokens"] == prompt_ids
+    assert b"<tools>" in bytes(t for t in prompt_ids if t < 256)
+
+
 async def test_the_sdk_stream_helper_assembles_the_calls(tools: Cluster) -> None:
     _script(tools, HERMES_CALL)
     async with tools.openai().chat.completions.stream(

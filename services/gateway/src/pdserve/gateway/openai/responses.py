@@ -259,18 +259,21 @@ class Responder:
         return choice
 
     def chunk(self, index: int, delta: OutputDelta, is_first: bool) -> dict[str, Any] | None:
-        """One streamed chunk of choice `index`, or None when the delta carries nothing."""
+        """One streamed chunk of choice `index`, or None when the delta carries nothing the
+        client sees (tokens whose text is held back, in a call's markup for instance, show
+        only with token ids, logprobs or usage on every chunk)."""
         echo = is_first and self._prompt(index).echo and not self.is_chat
+        self._num_tokens[index] += len(delta.token_ids)
+        shows_tokens = self.return_token_ids or self.num_top is not None or self.continuous_usage
         if not (
             delta.text
-            or delta.token_ids
+            or (delta.token_ids and shows_tokens)
             or delta.tool_calls
             or delta.finish_reason
             or (is_first and self.is_chat)
             or echo
         ):
             return None
-        self._num_tokens[index] += len(delta.token_ids)
         choice: dict[str, Any] = {"index": index}
         logprobs: Any = None
         padded = _padded(delta.logprobs, len(delta.token_ids))

@@ -133,8 +133,6 @@ def check_tools(params: GenerationParams, max_tools: int) -> None:
     tools = params.tools
     if len(tools) > max_tools:
         raise invalid(f"at most {max_tools} tools", "tools")
-    if tools and params.messages is None:
-        raise invalid("tools need chat messages", "tools")
     names: set[str] = set()
     for index, tool in enumerate(tools):
         where = f"tools[{index}].function"
