@@ -388,3 +388,27 @@ async def test_a_user_message_without_content_is_refused(tools: Cluster) -> None
         )
     assert caught.value.param == "messages[0].content"  # type: ignore[attr-defined]
     assert tools.prefills[0].requests == []
+
+
+async def test_a_client_sends_the_answer_back_with_the_result(tools: Cluster) -> None:
+    _script(tools, HERMES_CALL)
+    client = tools.openai()
+    first = await client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=200
+    )
+    message = first.choices[0].message
+    [call] = message.tool_calls or []
+    _script(tools, "Cloudy.")
+    answer = await client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[
+            *QUESTION,
+            message,  # type: ignore[list-item]  # the SDK's own object, as clients send it
+            {"role": "tool", "tool_call_id": call.id, "content": "cloudy"},
+        ],
+        tools=TOOLS,
+        max_tokens=20,
+    )
+    assert answer.choices[0].message.content == "Cloudy."
+    prompt = bytes(t for t in tools.prefills[0].requests[-1].token_ids if t < 256).decode()
+    assert f'"arguments": {ARGUMENTS}}}\n</tool_call><|tool|>cloudy' in prompt
