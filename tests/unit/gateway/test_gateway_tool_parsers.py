@@ -88,6 +88,13 @@ CASES = [
         finish_reason="tool_calls",
     ),
     Case(
+        "hermes_first_arguments_key_wins",
+        '<tool_call>{"name": "get_time", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>',
+        None,
+        [("get_time", '{"a": 1}')],
+        finish_reason="tool_calls",
+    ),
+    Case(
         "hermes_text_after_call",
         f"<tool_call>{TIME}</tool_call>\n\nDone, see above.",
         "Done, see above.",

@@ -157,7 +157,7 @@ class CallObject:
             self._start_value(char)
         elif state is _State.CONTAINER_VALUE:
             self._token.append(char)
-            if self._key == self._arguments_key:
+            if self._is_reading_arguments:
                 self._pending.append(char)
             if self._value_end.push(char):
                 self._end_value()
@@ -200,7 +200,7 @@ class CallObject:
             self._state = _State.CONTAINER_VALUE
             self._value_end = ValueEnd()
             self._token.append(char)
-            if self._key == self._arguments_key:
+            if self._is_reading_arguments:
                 self._pending.append(char)
             self._value_end.push(char)
         else:
@@ -214,7 +214,7 @@ class CallObject:
             value = self._decoded(text)
             self.name = value if isinstance(value, str) else ""
             self.is_rejected = not isinstance(value, str) or value not in self._names
-        elif self._key == self._arguments_key:
+        elif self._is_reading_arguments:
             self._has_arguments = True
             if text.startswith('"'):
                 # NOTE: some models quote the arguments' JSON; the call carries the JSON.
@@ -222,6 +222,11 @@ class CallObject:
             elif not text.startswith(("{", "[")):
                 self._pending = ["{}" if text == "null" else text]
         # NOTE: the object's other keys (and a second arguments key) are read past, unused.
+
+    @property
+    def _is_reading_arguments(self) -> bool:
+        """Whether the value being read is the arguments (the first arguments key's)."""
+        return self._key == self._arguments_key and not self._has_arguments
 
     def _after_value(self, char: str) -> None:
         if char == ",":
