@@ -4,8 +4,9 @@ A front end turns its request into `GenerationParams`, calls `Frontend.prepare` 
 a typed `PdserveError` for anything wrong, before any instance is asked to work) and then
 iterates `Streamer.stream` (`pdserve.gateway.streaming`), which yields `OutputDelta`s: text and
 token ids as they arrive, and a last delta with the finish reason and exact usage. Preparing
-(validation, tokenization, max_tokens defaults, the seed) is here; running and recording a
-request is the streamer's.
+(validation, tokenization, max_tokens defaults, the seed, and for tools the model's call format,
+the constraint of a forced call and how the completion is read: `pdserve.gateway.tools`) is
+here; running and recording a request is the streamer's.
 """
 
 from __future__ import annotations

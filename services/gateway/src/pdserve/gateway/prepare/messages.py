@@ -124,15 +124,14 @@ def _check_role_fields(message: ChatMessage, role: str, where: str, call_ids: se
         )
 
 
-def check_tools(params: GenerationParams, max_tools: int) -> None:
-    """Checks a request's tools, tool_choice and the settings a forced call rules out.
+def check_tools(params: GenerationParams) -> None:
+    """Checks a request's tools (their number is `check_counts`' to check), tool_choice and the
+    settings a forced call rules out.
 
     Raises:
         PdserveError: INVALID_REQUEST naming the field at fault.
     """
     tools = params.tools
-    if len(tools) > max_tools:
-        raise invalid(f"at most {max_tools} tools", "tools")
     names: set[str] = set()
     for index, tool in enumerate(tools):
         where = f"tools[{index}].function"

@@ -90,6 +90,7 @@ def check_counts(
     num_prompt_tokens: int = 0,
     num_stop_strings: int = 0,
     num_stop_token_ids: int = 0,
+    num_tools: int = 0,
 ) -> None:
     """Checks how many items a request's lists hold, before anything walks them.
 
@@ -112,6 +113,8 @@ def check_counts(
         raise invalid(f"at most {limits.max_stop_strings} stop strings", "stop")
     if num_stop_token_ids > limits.max_stop_token_ids:
         raise invalid(f"at most {limits.max_stop_token_ids} stop_token_ids", "stop_token_ids")
+    if num_tools > limits.max_tools:
+        raise invalid(f"at most {limits.max_tools} tools", "tools")
 
 
 def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
@@ -161,7 +164,7 @@ def _check_chat(params: GenerationParams, limits: RequestLimits) -> GenerationPa
     """The messages and tools' rules (`pdserve.gateway.prepare.messages`) and their size."""
     assert params.messages is not None
     messages = checked_messages(params.messages)
-    check_tools(params, limits.max_tools)
+    check_tools(params)
     num_chars = sum(m.num_chars for m in messages) + params.num_tool_chars
     if num_chars > limits.max_prompt_chars:
         raise invalid(
@@ -192,6 +195,7 @@ def validate_request(params: GenerationParams, limits: RequestLimits) -> Generat
         num_prompt_tokens=len(params.token_ids or ()),
         num_stop_strings=len(params.stop),
         num_stop_token_ids=len(params.stop_token_ids),
+        num_tools=len(params.tools),
     )
     _check_sampling(params, limits)
     num_inputs = sum(x is not None for x in (params.text, params.token_ids, params.messages))
