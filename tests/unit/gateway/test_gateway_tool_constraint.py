@@ -144,3 +144,36 @@ def test_whatever_the_constraint_allows_reads_as_valid_calls(
             assert len(calls) == 1
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_references_inside_a_schema_still_resolve_in_the_list_of_calls(
+    tokenizer: llguidance.LLTokenizer,
+) -> None:
+    # NOTE: as pydantic writes schemas: definitions in $defs, references to them, recursion.
+    place = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "near": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+        },
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    trip = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$defs": {"Place": place, "Unit": {"enum": ["C", "F"]}},
+        "type": "object",
+        "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}},
+        "required": ["place", "unit"],
+        "additionalProperties": False,
+    }
+    tools = (FunctionTool("plan_trip", parameters=json.dumps(trip)), *TOOLS)
+    plan = plan_tools(tools, REQUIRED, True, FORMATS[HERMES])
+    assert plan is not None and plan.constraint is not None
+    arguments = '{"place": {"city": "Paris", "near": {"city": "Lyon", "near": null}}, "unit": "C"}'
+    good = f'[{{"name": "plan_trip", "arguments": {arguments}}}]'
+    assert _accepts(tokenizer, plan, good)
+    assert not _accepts(tokenizer, plan, good.replace('"C"', '"K"'))
+    assert not _accepts(tokenizer, plan, good.replace('"near": null', '"near": 3'))
+    jsonschema.validate(json.loads(good), json.loads(plan.constraint.value))
+    assert _read(plan, good) == [("plan_trip", arguments)]

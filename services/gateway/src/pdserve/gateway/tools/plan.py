@@ -111,20 +111,31 @@ def plan_tools(
 
 
 def calls_schema(tools: tuple[FunctionTool, ...], is_parallel: bool) -> dict[str, Any]:
-    """The JSON Schema of a list of calls of `tools` (at least one; one if not parallel)."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "const": tool.name},
-                "arguments": tool.parameters_schema(),
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
+    """The JSON Schema of a list of calls of `tools` (at least one; one if not parallel).
+
+    Each function's parameters schema sits under ``$defs`` (``tool_<name>``), its local
+    references (``#/$defs/...``, ``#``) rewritten to point inside it, as they resolved when it
+    was the root.
+    """
+    definitions = {}
+    calls = []
+    for tool in tools:
+        key = f"tool_{tool.name}"
+        parameters = {k: v for k, v in tool.parameters_schema().items() if k != "$schema"}
+        definitions[key] = _rerooted(parameters, f"#/$defs/{key}")
+        calls.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "const": tool.name},
+                    "arguments": {"$ref": f"#/$defs/{key}"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {
+        "$defs": definitions,
         "type": "array",
         "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
         "minItems": 1,
@@ -132,6 +143,21 @@ def calls_schema(tools: tuple[FunctionTool, ...], is_parallel: bool) -> dict[str
     if not is_parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _rerooted(value: Any, root: str) -> Any:
+    """`value` with its local ``$ref``s (``#...``) made relative to `root` (a JSON pointer
+    fragment, ``#/$defs/tool_f``)."""
+    if isinstance(value, dict):
+        return {
+            key: root + item[1:]
+            if key == "$ref" and isinstance(item, str) and item.startswith("#")
+            else _rerooted(item, root)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_rerooted(item, root) for item in value]
+    return value
 
 
 # NOTE: llguidance's JSON settings (other JSON Schema readers ignore the unknown keyword): one
