@@ -165,6 +165,7 @@ class GatewayConfig(ServiceConfig):
     max_n: int = limit_field("max_n")
     max_prompts: int = limit_field("max_prompts")
     max_logit_bias: int = limit_field("max_logit_bias")
+    max_constraint_chars: int = limit_field("max_constraint_chars")
     max_concurrent_requests: int = field(
         default=512,
         metadata={"help": "generation requests in flight on the gateway; more get 429", "min": 1},
@@ -282,6 +283,7 @@ class GatewayConfig(ServiceConfig):
             max_n=self.max_n,
             max_prompts=self.max_prompts,
             max_logit_bias=self.max_logit_bias,
+            max_constraint_chars=self.max_constraint_chars,
         )
 
     def queue_limits(self) -> QueueLimits:

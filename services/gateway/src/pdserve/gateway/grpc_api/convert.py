@@ -7,9 +7,14 @@ at the edge; nothing behind them sees a protobuf message.
 from __future__ import annotations
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import Constraint
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 from pdserve.gateway.request import OutputDelta, Usage
-from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.serving.convert import (
+    constraint_from_proto,
+    finish_reason_to_proto,
+    logprobs_to_proto,
+)
 from pdserve.v1 import common_pb2, generation_pb2
 
 
@@ -58,8 +63,26 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
         n=message.n or 1,
+        constraint=_constraint(sampling),
+        constraint_name="sampling.constraint",
     )
     return params
+
+
+def _constraint(sampling: common_pb2.SamplingParams) -> Constraint | None:
+    """The sampling's constraint, if set.
+
+    Raises:
+        PdserveError: INVALID_REQUEST for a constraint with no kind or an empty value.
+    """
+    if not sampling.HasField("constraint"):
+        return None
+    try:
+        return constraint_from_proto(sampling.constraint)
+    except ValueError as error:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST, str(error), {"param": "sampling.constraint"}
+        ) from None
 
 
 def _optional(sampling: common_pb2.SamplingParams, name: str) -> float | None:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
 from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
@@ -42,7 +42,9 @@ class GenerationParams:
     what the client called max_tokens (``max_completion_tokens`` in a chat request), so errors
     name the parameter it sent; `logprobs_name` and `max_logprobs` likewise name the API's
     logprobs count (``top_logprobs`` in chat) and its bound. `n` completions share the prompt;
-    `echo` puts the prompt (and its logprobs) before the completion.
+    `echo` puts the prompt (and its logprobs) before the completion. `constraint` is what
+    the completion's text must match (structured outputs), `constraint_name` the parameter
+    the client set it with.
     """
 
     model: str
@@ -73,6 +75,8 @@ class GenerationParams:
     echo: bool = False
     logprobs_name: str = "logprobs"
     max_logprobs: int = MAX_TOP_LOGPROBS
+    constraint: Constraint | None = None
+    constraint_name: str = "response_format"
 
     def to_sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The validated request's `SamplingParams`; unset fields take their defaults.
@@ -103,6 +107,7 @@ class GenerationParams:
             min_p=chosen(self.min_p, unset.min_p),
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            constraint=self.constraint,
         )
 
 

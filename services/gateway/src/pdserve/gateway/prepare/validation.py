@@ -16,6 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from pdserve.common import constraints
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams
@@ -43,6 +44,8 @@ class RequestLimits:
         max_n: Completions one request may ask for (``n``).
         max_prompts: Prompts of one completions request.
         max_logit_bias: Entries of one request's ``logit_bias``.
+        max_constraint_chars: Characters of one request's constraint (its schema, regex or
+            grammar, or its choices together).
     """
 
     max_prompt_chars: int = 1_000_000
@@ -55,6 +58,7 @@ class RequestLimits:
     max_n: int = 16
     max_prompts: int = 64
     max_logit_bias: int = 1024
+    max_constraint_chars: int = 100_000
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -140,6 +144,7 @@ def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
     _check_range(params.top_k, 0, MAX_UINT32, "top_k")
     _check_range(params.seed, 0, MAX_SEED - 1, "seed")
     _check_controls(params, limits)
+    _check_constraint(params, limits)
     if any(not 0 <= token_id <= MAX_UINT32 for token_id in params.stop_token_ids):
         raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
     for stop in params.stop:
@@ -170,6 +175,32 @@ def _check_controls(params: GenerationParams, limits: RequestLimits) -> None:
             raise invalid("logit_bias keys must be token ids (>= 0)", "logit_bias")
         if not (math.isfinite(bias) and -100 <= bias <= 100):
             raise invalid("logit_bias values must be in [-100, 100]", "logit_bias")
+
+
+def _check_constraint(params: GenerationParams, limits: RequestLimits) -> None:
+    """The constraint fits the limits and compiles (llguidance checks its grammar)."""
+    constraint = params.constraint
+    if constraint is None:
+        return
+    name = params.constraint_name
+    if params.ignore_eos:
+        raise invalid(f"ignore_eos cannot be combined with {name}", "ignore_eos")
+    num_chars = len(constraint.value) + sum(len(choice) for choice in constraint.choices)
+    if num_chars > limits.max_constraint_chars:
+        raise invalid(
+            f"the {name} constraint has {num_chars} characters; at most "
+            f"{limits.max_constraint_chars} are accepted",
+            name,
+        )
+    check_text(constraint.value, name)
+    for choice in constraint.choices:
+        if not choice:
+            raise invalid("choices must not be empty strings", name)
+        check_text(choice, name)
+    try:
+        constraints.check(constraint)
+    except PdserveError as error:
+        raise invalid(error.message, name) from None
 
 
 def _checked_messages(
