@@ -8,7 +8,9 @@ import json
 from typing import Any
 
 import openai
+import pydantic
 import pytest
+from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME, expected_tokens
 
@@ -235,6 +237,46 @@ async def test_text_format_is_the_constraint_the_prefill_receives(
     else:
         assert sampling.constraint == constraint
     assert response.json()["text"] == (text or {"format": {"type": "text"}})
+
+
+SDK_EVENTS: dict[str, type[pydantic.BaseModel]] = {
+    "response.created": sdk.ResponseCreatedEvent,
+    "response.in_progress": sdk.ResponseInProgressEvent,
+    "response.output_item.added": sdk.ResponseOutputItemAddedEvent,
+    "response.content_part.added": sdk.ResponseContentPartAddedEvent,
+    "response.output_text.delta": sdk.ResponseTextDeltaEvent,
+    "response.output_text.done": sdk.ResponseTextDoneEvent,
+    "response.content_part.done": sdk.ResponseContentPartDoneEvent,
+    "response.output_item.done": sdk.ResponseOutputItemDoneEvent,
+    "response.completed": sdk.ResponseCompletedEvent,
+    "response.incomplete": sdk.ResponseIncompleteEvent,
+}
+
+
+@pytest.mark.parametrize("eos_index", [None, 3], ids=["incomplete", "completed"])
+async def test_bodies_and_events_validate_against_the_sdk_models(
+    pd: Cluster, eos_index: int | None
+) -> None:
+    # NOTE: the SDK builds its objects without validating them; here every field is checked.
+    pd.decodes[0].knobs.eos_index = eos_index
+    text_format = {"type": "json_schema", "name": "city", "schema": SCHEMA}
+    body = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 6,
+            "text": {"format": text_format}}  # fmt: skip
+    async with pd.http() as http:
+        whole = (await http.post("/v1/responses", json=body)).json()
+        request = http.stream("POST", "/v1/responses", json={**body, "stream": True})
+        async with request as response:
+            assert response.headers["content-type"].startswith("text/event-stream")
+            raw = "".join([part async for part in response.aiter_text()])
+    sdk.Response.model_validate(whole)
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    for event in events[:-1]:
+        name, data = event.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {payload['type']}"
+        SDK_EVENTS[payload["type"]].model_validate(payload)
+    assert json.loads(events[-2].split("data: ")[1])["response"]["status"] == whole["status"]
 
 
 REFUSED = [

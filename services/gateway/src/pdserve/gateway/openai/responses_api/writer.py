@@ -108,7 +108,7 @@ class ResponseWriter:
         num_cached_tokens = 0 if usage is None else usage.num_cached_prompt_tokens
         return {
             "input_tokens": num_input_tokens,
-            "input_tokens_details": {"cached_tokens": num_cached_tokens},
+            "input_tokens_details": {"cached_tokens": num_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": num_output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": num_input_tokens + num_output_tokens,
