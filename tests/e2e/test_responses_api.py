@@ -143,7 +143,7 @@ async def test_refused_parameters_are_400s_before_any_work(cluster: RealCluster)
         await client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="r_1")
     tool = {"type": "function", "name": "f", "parameters": {}, "strict": True}
     with pytest.raises(openai.BadRequestError, match="function tools are not supported yet"):
-        await client.responses.create(model=MODEL_NAME, input="hi", tools=[tool])  # type: ignore[list-item]
+        await client.responses.create(model=MODEL_NAME, input="hi", tools=[tool])
     status = await cluster.pool_status(cluster.decodes[0].address)
     assert status.pool.num_free_blocks == status.pool.num_total_blocks
 
@@ -169,7 +169,7 @@ async def test_structured_output_is_json_that_matches_the_format(
         input="Which stage of LLM serving comes first, and how many stages are there?",
         max_output_tokens=96,
         temperature=0,
-        text={"format": text_format},  # type: ignore[typeddict-item]
+        text={"format": text_format},
     )
     assert response.status == "completed"
     value = json.loads(response.output_text)
