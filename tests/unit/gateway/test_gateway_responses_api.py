@@ -217,7 +217,7 @@ async def test_a_stream_that_fails_after_its_start_ends_with_error_and_failed(
         ({"format": {"type": "json_object"}}, common_pb2.Constraint(json_object=True)),
         (
             {"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}},
-            common_pb2.Constraint(json_schema=json.dumps(SCHEMA, separators=(",", ":"))),
+            common_pb2.Constraint(json_schema=json.dumps(SCHEMA)),
         ),
     ],
     ids=["absent", "text", "json_object", "json_schema"],

@@ -111,19 +111,20 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         min_tokens=request.min_tokens or 0,
         min_p=request.min_p,
         constraint=constraint_of(request.text),
+        constraint_name="text.format",
     )
 
 
 def constraint_of(text: TextConfig | None) -> Constraint | None:
     """The `Constraint` of ``text.format``: None for free text, any JSON object for
-    ``json_object``, the schema's JSON text for ``json_schema`` (its key order kept)."""
+    ``json_object``, the schema's JSON text for ``json_schema`` (its key order kept, written as
+    chat's ``response_format`` writes it, so both share the instances' compiled grammar)."""
     format_ = text.get("format") if text else None
     if format_ is None or format_["type"] == "text":
         return None
     if format_["type"] == "json_object":
         return Constraint(ConstraintKind.JSON_OBJECT)
-    schema = json.dumps(format_["schema"], ensure_ascii=False, separators=(",", ":"))
-    return Constraint(ConstraintKind.JSON_SCHEMA, schema)
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(format_["schema"]))
 
 
 def _messages(request: ResponsesRequest, limits: RequestLimits) -> tuple[ChatMessage, ...]:
