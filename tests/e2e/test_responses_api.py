@@ -2,8 +2,9 @@
 
 A response holds the tokens the chat path and the single-process engine give the same
 conversation (same seed), streamed or not; its events add up; ``max_output_tokens`` makes it
-incomplete; refused parameters cost no work. The reference engine runs in a worker thread: the
-services share this event loop.
+incomplete; refused parameters cost no work; ``text.format`` gives JSON of the format (on the
+default model, an instruct model), which the SDK's ``parse`` and ``stream`` read into a pydantic
+model. The reference engine runs in a worker thread: the services share this event loop.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 from support.real_cluster import MODEL_NAME, RealCluster, Reference
 
@@ -46,6 +48,14 @@ SCHEMA = {
     "required": ["first_stage", "num_stages"],
     "additionalProperties": False,
 }
+QUESTION = "Which stage of LLM serving comes first, and how many stages are there?"
+
+
+class Pipeline(pydantic.BaseModel):
+    """What the SDK's helpers parse the output into (it sends the model's strict schema)."""
+
+    first_stage: Literal["prefill", "decode"]
+    num_stages: int
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +159,6 @@ async def test_refused_parameters_are_400s_before_any_work(cluster: RealCluster)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the prefill and decode apply SamplingParams.constraint once constrained decoding "
-    "is in the engine; until then the gateway sends it (tests/unit/gateway) and it is ignored",
-)
 @pytest.mark.parametrize(
     "text_format",
     [{"type": "json_schema", "name": "pipeline", "schema": SCHEMA, "strict": True},
@@ -166,7 +171,7 @@ async def test_structured_output_is_json_that_matches_the_format(
     response = await smollm2_cluster.openai().responses.create(
         model=MODEL_NAME,
         instructions="Answer with JSON only.",
-        input="Which stage of LLM serving comes first, and how many stages are there?",
+        input=QUESTION,
         max_output_tokens=96,
         temperature=0,
         text={"format": text_format},
@@ -176,3 +181,18 @@ async def test_structured_output_is_json_that_matches_the_format(
     assert isinstance(value, dict)
     if text_format["type"] == "json_schema":
         jsonschema.validate(value, SCHEMA)
+
+
+@pytest.mark.slow
+async def test_the_sdk_parses_structured_output_into_a_model(smollm2_cluster: RealCluster) -> None:
+    client = smollm2_cluster.openai()
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "input": QUESTION, "text_format": Pipeline,
+                              "temperature": 0, "max_output_tokens": 64}  # fmt: skip
+    parsed = await client.responses.parse(**kwargs)
+    assert parsed.status == "completed"
+    assert isinstance(parsed.output_parsed, Pipeline)
+    async with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed
+    assert "".join(deltas) == final.output_text == parsed.output_text
