@@ -14,6 +14,7 @@ from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME, expected_tokens
 
+from pdserve.gateway.prepare.workers import INLINE_PARSE_BYTES
 from pdserve.v1 import common_pb2
 
 SEED = 7
@@ -148,6 +149,17 @@ async def test_input_items_are_the_chat_messages_they_name(pd: Cluster) -> None:
     )
     assert response.usage is not None and response.usage.input_tokens == len(prompt_ids)
     assert response.output_text == _text(expected_tokens(prompt_ids, SEED, 8))
+
+
+async def test_a_large_body_parses_in_a_worker_process(pd: Cluster) -> None:
+    body = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 5, "seed": SEED}
+    raw = json.dumps(body) + " " * (INLINE_PARSE_BYTES + 1)  # whitespace: same request
+    headers = {"Content-Type": "application/json"}
+    async with pd.http() as http:
+        response = await http.post("/v1/responses", content=raw, headers=headers)
+    assert response.status_code == 200, response.text
+    text = response.json()["output"][0]["content"][0]["text"]
+    assert text == _text(expected_tokens(_chat_prompt_ids(("user", "hi")), SEED, 5))
 
 
 async def test_streamed_events_are_numbered_and_add_up_to_the_response(pd: Cluster) -> None:
