@@ -35,7 +35,7 @@ import contextlib
 import enum
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -101,6 +101,14 @@ class Writer(Protocol):
         first: tuple[int, OutputDelta],
         deltas: AsyncGenerator[tuple[int, OutputDelta], None],
     ) -> AsyncGenerator[str, None]: ...
+
+
+class Prepared(NamedTuple):
+    """A generation request parsed and prepared: its writer, whether it streams, its id."""
+
+    writer: Writer
+    is_stream: bool
+    request_id: str
 
 
 def _is_poll(scope: Any) -> bool:
@@ -245,10 +253,7 @@ def create_app(
             if not isinstance(response, EventStreamResponse):
                 admission.release()
 
-    async def _prepare(
-        request: Request, endpoint: Endpoint, caller: Caller
-    ) -> tuple[Writer, bool, str]:
-        """The request parsed and prepared: its writer, whether it streams, its id."""
+    async def _prepare(request: Request, endpoint: Endpoint, caller: Caller) -> Prepared:
         check_json_content_type(request)
         raw = await read_body(request, max_body_bytes)
         limits = frontend.limits
@@ -256,7 +261,7 @@ def create_app(
         if endpoint is Endpoint.RESPONSES:
             parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
             prompt = await frontend.prepare(parsed.params, request_id, caller.api_key_name)
-            return ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id
+            return Prepared(ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id)
         is_chat = endpoint is Endpoint.CHAT
         body = await parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
         prompts = [
@@ -265,7 +270,7 @@ def create_app(
             )
             for index, params in enumerate(body.params)
         ]
-        return Responder(is_chat, prompts, body), body.stream, prompts[0].request_id
+        return Prepared(Responder(is_chat, prompts, body), body.stream, prompts[0].request_id)
 
     async def _generate(
         request: Request, endpoint: Endpoint, admission: Admission, caller: Caller
