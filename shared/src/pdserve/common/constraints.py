@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stubs' type only
+
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 ANY_JSON_OBJECT = '{"type": "object"}'
 MAX_PROBLEM_CHARS = 500
 _SOURCE_LINE = re.compile(r"^\d+ \|")

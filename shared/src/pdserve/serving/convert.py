@@ -140,7 +140,9 @@ def constraint_to_proto(constraint: Constraint) -> common_pb2.Constraint:
         return common_pb2.Constraint(json_object=True)
     if kind is ConstraintKind.CHOICE:
         return common_pb2.Constraint(choice=common_pb2.ChoiceList(values=constraint.choices))
-    return common_pb2.Constraint(**{kind.value: constraint.value})
+    message = common_pb2.Constraint()
+    setattr(message, kind.value, constraint.value)  # json_schema, regex or grammar
+    return message
 
 
 def constraint_from_proto(message: common_pb2.Constraint) -> Constraint:
