@@ -20,6 +20,7 @@ import contextlib
 import copy
 import itertools
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,7 @@ from pdserve.common.errors import ErrorReason, from_rpc_error
 from pdserve.common.pki import role_dns_name
 from pdserve.launcher.child import ChildProcess
 from pdserve.serving.convert import local_protocol
+from pdserve.tokenizer.tokenizer import Tokenizer
 from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 # NOTE: the default pool (sized from free memory) is far more than these tests touch.
@@ -676,7 +678,8 @@ CONTROLS: dict[str, Any] = {
     "frequency_penalty": 0.3,
     "logprobs": 2,
     "logit_bias": {"101": 2.0, "32": -1.5},
-    "extra_body": {"repetition_penalty": 1.2},
+    # NOTE: the demo model's vocabulary is bytes: the constraint keeps 29 of them.
+    "extra_body": {"repetition_penalty": 1.2, "structured_outputs": {"regex": "[a-z ,.]+"}},
 }
 NUM_CHOICES = 3
 LOGPROB_TOLERANCE = 1e-4
@@ -717,8 +720,20 @@ def assert_same_choices(
             assert logprobs == pytest.approx(expected_logprobs, abs=LOGPROB_TOLERANCE)
 
 
+def assert_constrained(results: list[list[tuple[list[int], list[float]]]], model_dir: Path) -> None:
+    """Every choice's text is what CONTROLS' constraint allows."""
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    allowed = re.compile(CONTROLS["extra_body"]["structured_outputs"]["regex"])
+    for result in results:
+        for ids, _ in result:
+            text = tokenizer.decode([t for t in ids if t not in tokenizer.eos_token_ids])
+            assert allowed.fullmatch(text), text
+
+
 @STORE_OFF_ONLY
-async def test_preemption_storm_with_every_control(tiny_pool: ProcessCluster) -> None:
+async def test_preemption_storm_with_every_control(
+    tiny_pool: ProcessCluster, demo_model_dir: Path
+) -> None:
     cluster = tiny_pool
     requests = controlled_cases(6, prefix="Controlled storm")
     expected = await undisturbed(cluster, requests, STORM_MAX_TOKENS)
@@ -733,12 +748,15 @@ async def test_preemption_storm_with_every_control(tiny_pool: ProcessCluster) ->
             )
         )  # fmt: skip
     assert_same_choices(results, expected)
+    assert_constrained(results, demo_model_dir)
     assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") >= 1
     await cluster.wait_whole()
 
 
 @STORE_OFF_ONLY
-async def test_sigkill_decode_mid_stream_with_every_control(two_decodes: ProcessCluster) -> None:
+async def test_sigkill_decode_mid_stream_with_every_control(
+    two_decodes: ProcessCluster, demo_model_dir: Path
+) -> None:
     cluster, max_tokens = two_decodes, 300
     requests = controlled_cases(2, prefix="Controlled migration")
     expected = await undisturbed(cluster, requests, max_tokens)
@@ -762,5 +780,6 @@ async def test_sigkill_decode_mid_stream_with_every_control(two_decodes: Process
         assert victim.wait(10) == -signal.SIGKILL
         results = await asyncio.gather(*tasks)
     assert_same_choices(results, expected)
+    assert_constrained(results, demo_model_dir)
     assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
     await cluster.wait_whole()

@@ -7,36 +7,30 @@ same messages with the same template and generating greedily from the same GGUF.
 history with a call and its result, the model writes a call again, in ``<tool_call>`` tags:
 the gateway reads it out of the text.
 
-A forced tool_choice (``required``, a named function) needs the engine to apply
-``SamplingParams.constraint``: its test through the services runs once
-``pdserve.engine.constraints`` exists. Until then, the same prompt and constraint are applied as
-an llguidance token mask on transformers' SmolLM2 (what the engine will do), which shows the
-constraint makes even this small model write a valid call the gateway reads.
+A forced tool_choice (``required``, a named function) is a constraint the engine applies: a
+request that asks for no tool still gets a valid call, token for token what the engine's mask
+makes of transformers' logits.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
-import llguidance
-import llguidance.hf
-import llguidance.torch
 import pytest
 import torch
 from support.process_cluster import ProcessCluster, running_cluster
 
-from pdserve.common.generation import FinishReason
+from pdserve.common.generation import Constraint, SamplingParams
 from pdserve.common.grpc_server import insecure_channel
+from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
+from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.gateway.prepare.params import ChatMessage
-from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.tools.formats import FORMATS, HERMES
-from pdserve.gateway.tools.output import ToolCallStream
-from pdserve.gateway.tools.plan import plan_tools
+from pdserve.gateway.tools.plan import forced_call_constraint
 from pdserve.gateway.tools.prompt import template_inputs
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
 from pdserve.tokenizer import Tokenizer
@@ -68,12 +62,6 @@ HISTORY: list[Any] = [
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
 ]
-# NOTE: the engine applies SamplingParams.constraint once pdserve.engine.constraints exists;
-# until then a forced tool_choice reaches the model as a constraint it does not apply.
-HAS_ENGINE_CONSTRAINTS = importlib.util.find_spec("pdserve.engine.constraints") is not None
-needs_engine_constraints = pytest.mark.skipif(
-    not HAS_ENGINE_CONSTRAINTS, reason="the engine does not apply constraints yet"
-)
 
 
 @pytest.fixture(scope="module")
@@ -204,78 +192,65 @@ async def test_grpc_carries_tools_and_the_call(cluster: ProcessCluster) -> None:
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
 
 
-@pytest.mark.parametrize(
-    "choice",
-    [ToolChoice(ToolChoiceMode.REQUIRED), ToolChoice(ToolChoiceMode.FUNCTION, "get_weather")],
-    ids=["required", "named"],
-)
-def test_the_constraint_makes_the_reference_model_call(
-    smollm2: ResolvedModel, smollm2_reference: tuple[Any, Any], choice: ToolChoice
-) -> None:
-    """The gateway's prompt and constraint, applied as a token mask the way the engine applies
-    constraints (llguidance), on transformers' SmolLM2: a request that asks for no tool still
-    gets a call the gateway reads, with arguments valid against the schema."""
+def _masked_reference(
+    smollm2_reference: tuple[Any, Any], prompt: list[int], constraint: Constraint, max_tokens: int
+) -> list[int]:
+    """Greedy tokens of transformers' model, masked by the engine's compiled constraint."""
     hf_tokenizer, model = smollm2_reference
-    weather = FunctionTool(
-        "get_weather", "Get the current weather in a city.", json.dumps(WEATHER_PARAMETERS)
-    )
-    plan = plan_tools((weather,), choice, True, FORMATS[HERMES])
-    assert plan is not None and plan.constraint is not None
-    tokenizer = Tokenizer.from_pretrained(smollm2.path)
-    messages, tools = template_inputs(
-        (ChatMessage("user", "Tell me a joke."),),
-        (weather,),
-        FORMATS[HERMES],
-        tokenizer.tool_support,
-    )
-    prompt_ids = tokenizer.encode_chat(messages, tools=tools)
-    guidance = llguidance.hf.from_tokenizer(hf_tokenizer)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(plan.constraint.value)
-    matcher = llguidance.LLMatcher(guidance, grammar)
-    bitmask = llguidance.torch.allocate_token_bitmask(1, guidance.vocab_size)
-    generated: list[int] = []
+    eos = [hf_tokenizer.eos_token_id]
+    compiler = ConstraintCompiler(hf_tokenizer.backend_tokenizer.to_str(), eos)
+    state = compiler.start(constraint)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
+    sampler = Sampler(eos)
+    completion: list[int] = []
     with torch.no_grad():
-        past, step_ids = None, torch.tensor([prompt_ids])
-        while not matcher.is_stopped() and len(generated) < 64:
-            output = model(step_ids, past_key_values=past, use_cache=True)
-            past, logits = output.past_key_values, output.logits[:, -1, :]
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-            llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
-            token = int(logits.argmax(-1))
-            if token == hf_tokenizer.eos_token_id and matcher.is_accepting():
+        while len(completion) < max_tokens:
+            logits = model(torch.tensor([prompt + completion])).logits[0, -1:].float()
+            token = sampler(logits, [SamplingRow.of_sequence(params, 0, completion, 0, state)])[0]
+            completion.append(token)
+            if token in eos:
                 break
-            assert matcher.consume_token(token), matcher.get_error()
-            generated.append(token)
-            step_ids = torch.tensor([[token]])
-    assert matcher.is_accepting()
-    text = hf_tokenizer.decode(generated)
-    delta = ToolCallStream(plan).step(OutputDelta(text, (), 0, FinishReason.STOP))
-    [call] = delta.tool_calls
-    assert call.name == "get_weather"
-    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
-    expected = FinishReason.STOP if plan.is_named else FinishReason.TOOL_CALLS
-    assert delta.finish_reason is expected
+    compiler.close()
+    return completion
 
 
-@needs_engine_constraints
 @pytest.mark.parametrize(
     "tool_choice",
     ["required", {"type": "function", "function": {"name": "get_weather"}}],
     ids=["required", "named"],
 )
 async def test_a_forced_tool_choice_makes_even_a_small_model_call(
-    cluster: ProcessCluster, tool_choice: Any
+    cluster: ProcessCluster, smollm2_reference: tuple[Any, Any], tool_choice: Any
 ) -> None:
+    max_tokens = 64
     response = await cluster.openai().chat.completions.create(
         model=DEFAULT_MODEL,
         messages=[{"role": "user", "content": "Tell me a joke."}],
         tools=TOOLS,
         tool_choice=tool_choice,
-        max_tokens=64,
+        max_tokens=max_tokens,
         temperature=0,
+        extra_body={"return_token_ids": True},
     )
     choice = response.choices[0]
     [call] = choice.message.tool_calls or []
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMETERS)
     assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
+    # NOTE: token for token what the engine's mask makes of transformers' logits.
+    weather = FunctionTool(
+        "get_weather", TOOLS[0]["function"]["description"], json.dumps(WEATHER_PARAMETERS)
+    )
+    named = isinstance(tool_choice, dict)
+    forced = ToolChoice(ToolChoiceMode.FUNCTION, "get_weather") if named else None
+    constraint = forced_call_constraint(
+        (weather,), forced or ToolChoice(ToolChoiceMode.REQUIRED), True
+    )
+    assert constraint is not None
+    extra = choice.model_extra or {}
+    expected = _masked_reference(
+        smollm2_reference, extra["prompt_token_ids"], constraint, max_tokens
+    )
+    generated = extra["token_ids"]
+    assert generated == expected[: len(generated)]
+    assert len(generated) >= len(expected) - 1  # the reference keeps its end id

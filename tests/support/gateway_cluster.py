@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import openai
 
-from pdserve.common.protocol import PROTOCOL_VERSION
+from pdserve.common.protocol import FEATURES, PROTOCOL_VERSION
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.fleet import convert
 from pdserve.gateway.fleet.instance import InstanceInfo, InstanceRole
@@ -120,8 +120,10 @@ def instance_info(
     model_id: str = "tiny-model-v1",
     protocol_version: str = PROTOCOL_VERSION,
     max_model_len: int = MAX_MODEL_LEN,
+    features: tuple[str, ...] = FEATURES,
 ) -> InstanceInfo:
-    """A valid gateway-side `InstanceInfo` for registry and router tests."""
+    """A valid gateway-side `InstanceInfo` for registry and router tests (advertising
+    `features`: this implementation's by default)."""
     return convert.instance_info_from_pb(
         common_pb2.InstanceInfo(
             instance_id=instance_id,
@@ -129,7 +131,7 @@ def instance_info(
             if role is InstanceRole.PREFILL
             else common_pb2.INSTANCE_ROLE_DECODE,
             address=f"{instance_id}.invalid:1",
-            protocol=common_pb2.Protocol(version=protocol_version),
+            protocol=common_pb2.Protocol(version=protocol_version, features=list(features)),
             kv_layout=kv_layout(model_id),
             model_name=MODEL_NAME,
             max_model_len=max_model_len,

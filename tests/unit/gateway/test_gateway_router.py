@@ -341,3 +341,26 @@ def test_a_request_no_decode_could_ever_hold_is_too_long_not_a_wait() -> None:
     with pytest.raises(PdserveError) as raised:
         router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
     assert raised.value.reason is ErrorReason.PROMPT_TOO_LONG
+
+
+def test_a_constrained_request_goes_only_where_both_ends_apply_constraints() -> None:
+    """An instance of an older minor ignores a constraint it does not know: it is left out."""
+    registry = Registry(ttl_s=60.0)
+    older = ("preemption-notice", "token-index", "sync-cache-grpc")
+    registry.register(instance_info("p-old", P, protocol_version="1.5", features=older),
+                      LoadReport())  # fmt: skip
+    registry.register(instance_info("p-new", P), LoadReport(num_queued_prompt_tokens=500))
+    registry.register(instance_info("d-old", D, protocol_version="1.5", features=older),
+                      LoadReport(num_free_blocks=900))  # fmt: skip
+    registry.register(instance_info("d-new", D), LoadReport(num_free_blocks=10))
+    router, needs = Router(registry, rng=random.Random(0)), frozenset({"constraints"})
+    for _ in range(5):
+        pair = router.pick(MODEL_NAME, _tokens(8), 8, required_features=needs)
+        assert (pair.prefill.instance_id, pair.decode.instance_id) == ("p-new", "d-new")
+    free = router.pick(MODEL_NAME, _tokens(8), 8)  # the least loaded, as ever
+    assert (free.prefill.instance_id, free.decode.instance_id) == ("p-old", "d-old")
+    registry.deregister("p-new")
+    with pytest.raises(PdserveError) as raised:
+        router.pick(MODEL_NAME, _tokens(8), 8, required_features=needs)
+    assert raised.value.reason is ErrorReason.NO_HEALTHY_INSTANCES
+    assert "with constraints" in raised.value.message

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import NamedTuple
 
 import jsonschema
 import llguidance
@@ -15,11 +16,11 @@ import tokenizers
 from support.gateway_fakes import EOS_TOKEN, EOS_TOKEN_ID, tokenizer_json
 from transformers import PreTrainedTokenizerFast
 
-from pdserve.common.generation import FinishReason
+from pdserve.common.generation import Constraint, FinishReason
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.tools.formats import FORMATS, HERMES
 from pdserve.gateway.tools.output import ToolCallStream
-from pdserve.gateway.tools.plan import ToolPlan, plan_tools
+from pdserve.gateway.tools.plan import ToolPlan, forced_call_constraint, plan_tools
 from pdserve.gateway.tools.spec import FunctionTool, ToolChoice, ToolChoiceMode
 
 WEATHER = {
@@ -49,21 +50,30 @@ def tokenizer() -> llguidance.LLTokenizer:
     )
 
 
-def _plan(choice: ToolChoice, is_parallel: bool = True) -> ToolPlan:
-    plan = plan_tools(TOOLS, choice, is_parallel, FORMATS[HERMES])
-    assert plan is not None and plan.constraint is not None
-    return plan
+class Forced(NamedTuple):
+    """A forced tool_choice's parser plan and constraint."""
+
+    plan: ToolPlan
+    constraint: Constraint
 
 
-def _matcher(tokenizer: llguidance.LLTokenizer, plan: ToolPlan) -> llguidance.LLMatcher:
-    assert plan.constraint is not None
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(plan.constraint.value)
+def _forced(
+    choice: ToolChoice, is_parallel: bool = True, tools: tuple[FunctionTool, ...] = TOOLS
+) -> Forced:
+    plan = plan_tools(tools, choice, FORMATS[HERMES])
+    constraint = forced_call_constraint(tools, choice, is_parallel)
+    assert plan is not None and constraint is not None
+    return Forced(plan, constraint)
+
+
+def _matcher(tokenizer: llguidance.LLTokenizer, forced: Forced) -> llguidance.LLMatcher:
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(forced.constraint.value)
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""  # no error
     return llguidance.LLMatcher(tokenizer, grammar)
 
 
-def _accepts(tokenizer: llguidance.LLTokenizer, plan: ToolPlan, text: str) -> bool:
-    matcher = _matcher(tokenizer, plan)
+def _accepts(tokenizer: llguidance.LLTokenizer, forced: Forced, text: str) -> bool:
+    matcher = _matcher(tokenizer, forced)
     return bool(matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting())
 
 
@@ -115,7 +125,7 @@ def test_the_constraint_accepts_valid_calls_only(
     text: str,
     is_valid: bool,
 ) -> None:
-    assert _accepts(tokenizer, _plan(choice, is_parallel), text) is is_valid
+    assert _accepts(tokenizer, _forced(choice, is_parallel), text) is is_valid
 
 
 @pytest.mark.parametrize("choice", [REQUIRED, NAMED], ids=["required", "named"])
@@ -123,10 +133,10 @@ def test_the_constraint_accepts_valid_calls_only(
 def test_whatever_the_constraint_allows_reads_as_valid_calls(
     tokenizer: llguidance.LLTokenizer, choice: ToolChoice, is_parallel: bool
 ) -> None:
-    plan = _plan(choice, is_parallel)
+    forced = _forced(choice, is_parallel)
     rng = random.Random(7)
     for _ in range(20):
-        matcher = _matcher(tokenizer, plan)
+        matcher = _matcher(tokenizer, forced)
         text = b""
         for _ in range(600):
             mask = matcher.compute_logit_bias()  # one byte per token: 200 allowed, 0 not
@@ -138,7 +148,7 @@ def test_whatever_the_constraint_allows_reads_as_valid_calls(
             assert matcher.consume_token(token)
             text += bytes([token])
         assert matcher.is_accepting(), text
-        calls = _read(plan, text.decode())
+        calls = _read(forced.plan, text.decode())
         assert calls
         if not is_parallel or choice is NAMED:
             assert len(calls) == 1
@@ -167,13 +177,13 @@ def test_references_inside_a_schema_still_resolve_in_the_list_of_calls(
         "required": ["place", "unit"],
         "additionalProperties": False,
     }
-    tools = (FunctionTool("plan_trip", parameters=json.dumps(trip)), *TOOLS)
-    plan = plan_tools(tools, REQUIRED, True, FORMATS[HERMES])
-    assert plan is not None and plan.constraint is not None
+    forced = _forced(
+        REQUIRED, tools=(FunctionTool("plan_trip", parameters=json.dumps(trip)), *TOOLS)
+    )
     arguments = '{"place": {"city": "Paris", "near": {"city": "Lyon", "near": null}}, "unit": "C"}'
     good = f'[{{"name": "plan_trip", "arguments": {arguments}}}]'
-    assert _accepts(tokenizer, plan, good)
-    assert not _accepts(tokenizer, plan, good.replace('"C"', '"K"'))
-    assert not _accepts(tokenizer, plan, good.replace('"near": null', '"near": 3'))
-    jsonschema.validate(json.loads(good), json.loads(plan.constraint.value))
-    assert _read(plan, good) == [("plan_trip", arguments)]
+    assert _accepts(tokenizer, forced, good)
+    assert not _accepts(tokenizer, forced, good.replace('"C"', '"K"'))
+    assert not _accepts(tokenizer, forced, good.replace('"near": null', '"near": 3'))
+    jsonschema.validate(json.loads(good), json.loads(forced.constraint.value))
+    assert _read(forced.plan, good) == [("plan_trip", arguments)]

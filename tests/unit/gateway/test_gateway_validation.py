@@ -105,6 +105,8 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("forced_call_ignoring_eos", CHAT, _chat(tools=[FUNCTION], tool_choice="required",
      ignore_eos=True), 400, "ignore_eos"),
     ("functions", CHAT, _chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("forced_call_and_response_format", CHAT, _chat(tools=[FUNCTION], tool_choice="required",
+     response_format={"type": "json_object"}), 400, "tool_choice"),
     ("empty_prompt", COMPLETIONS, _completion(prompt=""), 400, "prompt"),
     ("token_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 99999]), 400, "prompt"),
     ("empty_stop", COMPLETIONS, _completion(stop=[""]), 400, "stop"),

@@ -1,15 +1,20 @@
-"""Token selection: logit_bias, min_tokens, penalties, greedy or temperature with min-p, top-k
-and top-p, reproducible per (seed, position); and the logprobs of what was picked."""
+"""Token selection: logit_bias, min_tokens, penalties, a constraint's mask, greedy or
+temperature with min-p, top-k and top-p, reproducible per (seed, position); and the logprobs
+of what was picked."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.common.generation import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from pdserve.engine.constraints import ConstraintState
 
 _MASK64 = (1 << 64) - 1
 
@@ -38,6 +43,8 @@ class SamplingRow:
         completion_index: Completion index of the token this row samples.
         prompt_token_ids: The original prompt (the repetition penalty looks at it).
         output_token_ids: The completion so far, earlier attempts included (penalties).
+        token_mask: The tokens the row's constraint allows next (`ConstraintState.mask`'s
+            bitmask); None: any.
     """
 
     params: SamplingParams
@@ -45,6 +52,7 @@ class SamplingRow:
     completion_index: int
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    token_mask: bytes | None = None
 
     @classmethod
     def of_sequence(
@@ -53,16 +61,25 @@ class SamplingRow:
         seed: int,
         token_ids: Sequence[int],
         num_prompt_tokens: int,
+        constraint: ConstraintState | None = None,
     ) -> SamplingRow:
         """The row of a sequence whose first `num_prompt_tokens` ids are the prompt and the
-        rest its completion so far; only the histories the settings look at are kept."""
+        rest its completion so far; only the histories the settings look at are kept.
+        `constraint` (the request's state, when it has a constraint) is advanced over the
+        completion and gives the row's mask.
+
+        Raises:
+            PdserveError: INVALID_REQUEST when the completion breaks its constraint.
+        """
         needs_history = params.has_penalties
+        completion = token_ids[num_prompt_tokens:]
         return cls(
             params,
             seed,
             len(token_ids) - num_prompt_tokens,
             token_ids[:num_prompt_tokens] if params.repetition_penalty != 1.0 else (),
-            token_ids[num_prompt_tokens:] if needs_history else (),
+            completion if needs_history else (),
+            None if constraint is None else constraint.mask(completion),
         )
 
 
@@ -83,11 +100,13 @@ class Sampler:
     """Picks one token per row of logits.
 
     Every step is vectorized over the batch, in this order: logit_bias; min_tokens (end ids
-    masked); repetition, frequency and presence penalties; then greedy argmax, or temperature,
-    min-p, top-k and top-p and a Gumbel-max draw with noise from a generator seeded by
-    ``position_seed(seed, completion_index)``. Every operation is row-wise, so a row's token
-    depends only on its own (settings, history, seed, completion index, logits), whatever else
-    is in the batch. Logprobs are a log-softmax of the raw logits (`TokenLogprobs`).
+    masked, except in a constrained row: its constraint says when it may end); repetition,
+    frequency and presence penalties; the constraint's mask (tokens it does not allow next get
+    -inf); then greedy argmax, or temperature, min-p, top-k and top-p and a Gumbel-max draw
+    with noise from a generator seeded by ``position_seed(seed, completion_index)``. Every
+    operation is row-wise, so a row's token depends only on its own (settings, history, seed,
+    completion index, mask, logits), whatever else is in the batch. Logprobs are a
+    log-softmax of the raw logits (`TokenLogprobs`).
 
     Args:
         eos_token_ids: The model's end-of-sequence ids (``min_tokens`` masks them).
@@ -134,7 +153,7 @@ class Sampler:
         ended = [
             (i, t)
             for i, r in enumerate(rows)
-            if r.completion_index < r.params.min_tokens
+            if r.completion_index < r.params.min_tokens and r.token_mask is None
             for t in (
                 *r.params.stop_token_ids,
                 *(() if r.params.ignore_eos else self.eos_token_ids),
@@ -142,7 +161,8 @@ class Sampler:
             if t < vocab_size
         ]
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        if not (biased or ended or penalized):
+        constrained = [i for i, r in enumerate(rows) if r.token_mask is not None]
+        if not (biased or ended or penalized or constrained):
             return logits
         out = logits.clone()
         if biased:
@@ -156,6 +176,10 @@ class Sampler:
         if ended:
             index = torch.tensor(ended, device=device)
             out[index[:, 0], index[:, 1]] = float("-inf")
+        if constrained:
+            masks = [rows[i].token_mask for i in constrained]
+            allowed = _unpack_masks(masks, vocab_size).to(device)  # type: ignore[arg-type]
+            out[constrained] = out[constrained].masked_fill(~allowed, float("-inf"))
         return out
 
     def _sample(self, rows: Sequence[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
@@ -172,6 +196,20 @@ class Sampler:
             scaled = _apply_top_k_top_p(scaled, top_k, top_p)
         noise = torch.stack([_gumbel_noise(r, logits.shape[-1]) for r in rows]).to(device)
         return (scaled + noise).argmax(dim=-1)
+
+
+def _unpack_masks(masks: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """``[len(masks), vocab_size]`` bool of llguidance bitmasks (bit i % 32 of 32-bit word
+    i // 32 set: token i allowed); ids past a mask are not allowed."""
+    # words: [rows, num_words] int32
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(len(masks), -1)
+    shifts = torch.arange(32, dtype=torch.int32)
+    # bits: [rows, num_words * 32]
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).view(len(masks), -1).bool()
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    padding = torch.zeros(len(masks), vocab_size - bits.shape[1], dtype=torch.bool)
+    return torch.cat([bits, padding], dim=1)
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

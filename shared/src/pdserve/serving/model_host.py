@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pdserve.common.model_identity import model_id as compute_model_id
 from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.runner import ModelRunner
 from pdserve.kv.shm import SHM_DIR
@@ -121,6 +122,14 @@ class ModelHost:
     @property
     def num_blocks(self) -> int:
         return self.runner.kv_cache.num_blocks
+
+    def constraint_compiler(self) -> ConstraintCompiler | None:
+        """A compiler of constraints for this model's tokenizer; None without tokenizer.json
+        (the instance then refuses constrained requests)."""
+        tokenizer_json = _read_text(self.model_dir / "tokenizer.json")
+        if not tokenizer_json:
+            return None
+        return ConstraintCompiler(tokenizer_json, self.eos_token_ids)
 
     def tokenizer_files(self) -> tuple[str, str, str]:
         """(tokenizer.json text, tokenizer_config.json text, chat template), '' where absent."""

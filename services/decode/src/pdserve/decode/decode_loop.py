@@ -16,6 +16,7 @@ from collections import deque
 import structlog
 from opentelemetry import trace
 
+from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason, check_stop
 from pdserve.decode.events import (
     EndedEvent,
@@ -189,10 +190,10 @@ class DecodeLoop(EngineThread):
             ScheduledChunk([r.token_ids[-1]], r.num_computed_tokens, r.block_ids, r) for r in batch
         ]
         logits = self.runner.execute(chunks)
-        rows = [
-            SamplingRow.of_sequence(r.sampling, r.seed, r.token_ids, r.num_prompt_tokens)
-            for r in batch
-        ]
+        rows = self._sampling_rows(batch)
+        if len(rows) < len(batch):  # a constraint refused a completion: that request ended
+            kept = [i for i, r in enumerate(batch) if r in self._running]
+            batch, logits = [batch[i] for i in kept], logits[kept]
         tokens = self.sampler.sample(logits, rows)
         self.num_steps += 1
         self.num_generated_tokens += len(tokens)
@@ -210,6 +211,21 @@ class DecodeLoop(EngineThread):
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish)
+
+    def _sampling_rows(self, batch: list[DecodeRequest]) -> list[SamplingRow]:
+        """The rows of `batch`; a request whose completion its constraint refuses ends
+        (FAILED) and has no row."""
+        rows = []
+        for r in batch:
+            try:
+                rows.append(
+                    SamplingRow.of_sequence(
+                        r.sampling, r.seed, r.token_ids, r.num_prompt_tokens, r.constraint_state
+                    )
+                )
+            except PdserveError as error:
+                self._end(r, RequestStatus.FAILED, error.message)
+        return rows
 
     def _check_stop(self, request: DecodeRequest) -> FinishReason | None:
         return check_stop(

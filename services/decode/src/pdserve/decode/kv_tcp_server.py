@@ -136,6 +136,7 @@ class KvTcpServer:
         connection.settimeout(self.data_timeout_s)
         try:
             commit = self._receive(connection, receiver)
+            self.transfers.wait_constraint_compiled(lease, self.data_timeout_s)
             response = self._on_loop(
                 lambda: self.transfers.commit(lease, receiver, header, commit, started)
             )

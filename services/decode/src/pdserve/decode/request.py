@@ -27,6 +27,7 @@ from pdserve.common.transitions import IllegalTransition, check_transition
 from pdserve.decode.events import DecodeEvent
 from pdserve.decode.lease_state import TRANSITIONS, RequestStatus
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.constraints import ConstraintState
 
 _tracer = telemetry.tracer("pdserve.decode")
 _PENDING: set[asyncio.Future[None]] = set()  # notices waiting for their offload (keep a ref)
@@ -63,6 +64,8 @@ class DecodeRequest:
         num_steps: Decode steps it took part in (one token each).
         is_being_written: A KV transfer may be writing into its blocks (from `begin_sync`
             until the transfer ends); ending it meanwhile keeps the blocks until then.
+        constraint_state: Its constraint's matcher (``sampling.constraint`` set), compiled
+            and advanced over the completion it arrived with before the commit.
     """
 
     lease_id: str
@@ -88,6 +91,7 @@ class DecodeRequest:
     span: trace.Span = trace.INVALID_SPAN
     num_steps: int = 0
     is_being_written: bool = False
+    constraint_state: ConstraintState | None = field(default=None, repr=False)
     _aio_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -141,6 +145,7 @@ class DecodeRequest:
         num_prompt_tokens: int,
         sampling: SamplingParams,
         seed: int,
+        constraint_state: ConstraintState | None = None,
     ) -> None:
         """Sets what the decode thread generates from and starts the ``decode.generation``
         span (called on the event loop at commit)."""
@@ -148,6 +153,7 @@ class DecodeRequest:
         self.num_prompt_tokens = num_prompt_tokens
         self.sampling = sampling
         self.seed = seed
+        self.constraint_state = constraint_state
         self._aio_loop = asyncio.get_running_loop()
         # NOTE: a child of the SyncCache call whose commit starts the generation; it runs
         # until the request ends, well past the call (and past the gateway's Generate start).

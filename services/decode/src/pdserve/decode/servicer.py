@@ -58,7 +58,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.leases = leases
         self.loop = loop
         self.metrics = metrics
-        self.transfers = Transfers(host.runner.kv_cache, leases, loop, metrics)
+        self.transfers = Transfers(
+            host.runner.kv_cache, leases, loop, metrics, host.constraint_compiler()
+        )
         self.requests: dict[str, DecodeRequest] = {}  # by lease id, until their stream ends
         self.instance_id = ""
         self.transport_offers: tuple[TransportOffer, ...] = ()  # besides gRPC, set by the server
@@ -145,6 +147,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 )
                 for meta, crc in checks:
                     receiver.receive_written(meta, await crc)
+                await self.transfers.constraint_compiled(lease)
                 response = self.transfers.commit(lease, receiver, header, commit, started)
             except PdserveError:
                 if is_shared and commit is None:

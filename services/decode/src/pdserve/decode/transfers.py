@@ -9,6 +9,8 @@ them, and they must not go to another lease before it stopped.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 
 import structlog
@@ -23,8 +25,9 @@ from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest
+from pdserve.engine.constraints import ConstraintCompiler, ConstraintState
 from pdserve.engine.kv_cache import KVCache
-from pdserve.serving.convert import sampling_from_proto
+from pdserve.serving.convert import constraint_from_proto, sampling_from_proto
 from pdserve.v1 import decode_pb2
 
 log = structlog.get_logger(__name__)
@@ -45,6 +48,8 @@ class Transfers:
         leases: The lease table.
         loop: The decode thread (committed requests are submitted to it).
         metrics: Where transfer durations are observed, if anywhere.
+        constraints: Compiles the constraints of constrained requests (None: the model has no
+            tokenizer.json and such a transfer fails with INVALID_REQUEST).
     """
 
     def __init__(
@@ -53,12 +58,16 @@ class Transfers:
         leases: LeaseManager,
         loop: DecodeLoop,
         metrics: DecodeMetrics | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.leases = leases
         self.loop = loop
         self.metrics = metrics
+        self.constraints = constraints
         self.num_kv_bytes_received = 0
+        # NOTE: lease id -> its constraint, compiled while the KV arrives (from `begin`).
+        self._constraints: dict[str, concurrent.futures.Future[ConstraintState]] = {}
 
     def begin(
         self,
@@ -81,11 +90,58 @@ class Transfers:
         receiver = KvReceiver(self.kv_cache, lease)
         try:
             receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
+            self._prepare_constraint(lease, header)
         except PdserveError as error:
             self.fail(lease, error)
             self.end(lease)
             raise
         return lease, receiver
+
+    def _prepare_constraint(self, lease: DecodeRequest, header: decode_pb2.SyncCacheHeader) -> None:
+        if not header.sampling.HasField("constraint"):
+            return
+        if self.constraints is None:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST,
+                "this decode's model has no tokenizer.json: it cannot apply a constraint",
+                {"leaseId": lease.lease_id},
+            )
+        try:
+            constraint = constraint_from_proto(header.sampling.constraint)
+        except ValueError as error:
+            raise PdserveError(ErrorReason.INVALID_REQUEST, str(error)) from None
+        num_prompt = header.num_prompt_tokens or len(header.token_ids)
+        completion = list(header.token_ids[num_prompt:])
+        self._constraints[lease.lease_id] = self.constraints.prepare(constraint, completion)
+
+    async def constraint_compiled(self, lease: DecodeRequest) -> None:
+        """Waits until the lease's constraint (if any) is compiled; `commit` may follow."""
+        future = self._constraints.get(lease.lease_id)
+        if future is not None:
+            await asyncio.wait([asyncio.wrap_future(future)])
+
+    def wait_constraint_compiled(self, lease: DecodeRequest, timeout_s: float) -> None:
+        """`constraint_compiled` for a thread that may block (the TCP data port's)."""
+        future = self._constraints.get(lease.lease_id)
+        if future is not None:
+            concurrent.futures.wait([future], timeout_s)
+
+    def _constraint_state(self, lease: DecodeRequest) -> ConstraintState | None:
+        """The lease's compiled constraint (`constraint_compiled` was awaited).
+
+        Raises:
+            PdserveError: INVALID_REQUEST when it did not compile (or replay) here, or
+                CACHE_SYNC_FAILED when the commit came before its compilation ended.
+        """
+        future = self._constraints.pop(lease.lease_id, None)
+        if future is None:
+            return None
+        if not future.done():
+            future.cancel()
+            raise PdserveError(
+                ErrorReason.CACHE_SYNC_FAILED, "committed before its constraint compiled"
+            )
+        return future.result()
 
     def commit(
         self,
@@ -109,6 +165,7 @@ class Transfers:
             commit.first_token_index,
             expected_index=len(header.token_ids) - num_prompt,
         )
+        constraint_state = self._constraint_state(lease)
         if not self.leases.advance(lease, RequestStatus.COMMITTED):
             raise PdserveError(
                 ErrorReason.LEASE_EXPIRED,
@@ -123,6 +180,7 @@ class Transfers:
             num_prompt,
             sampling,
             resolve_seed(sampling.seed),
+            constraint_state,
         )
         self.loop.submit(lease)
         lease.ready.set()
@@ -157,4 +215,7 @@ class Transfers:
 
     def end(self, lease: DecodeRequest) -> None:
         """The transfer stopped writing into `lease` (frees its blocks if it ended meanwhile)."""
+        future = self._constraints.pop(lease.lease_id, None)
+        if future is not None:
+            future.cancel()
         self.leases.end_sync(lease)

@@ -178,6 +178,7 @@ class GatewayConfig(ServiceConfig):
             "choices": TOOL_CALL_PARSERS,
         },
     )
+    max_constraint_chars: int = limit_field("max_constraint_chars")
     max_concurrent_requests: int = field(
         default=512,
         metadata={"help": "generation requests in flight on the gateway; more get 429", "min": 1},
@@ -296,6 +297,7 @@ class GatewayConfig(ServiceConfig):
             max_prompts=self.max_prompts,
             max_logit_bias=self.max_logit_bias,
             max_tools=self.max_tools,
+            max_constraint_chars=self.max_constraint_chars,
         )
 
     def queue_limits(self) -> QueueLimits:

@@ -185,9 +185,7 @@ class Frontend:
         max_model_len = self._max_model_len(params.model, info)
         prompt_param = "messages" if params.messages is not None else "prompt"
         call_format = self._call_format(tokenizer)
-        tool_plan = plan_tools(
-            params.tools, params.tool_choice, params.parallel_tool_calls, call_format
-        )
+        tool_plan = plan_tools(params.tools, params.tool_choice, call_format)
         if params.token_ids is not None:
             # NOTE: checked before anything walks the ids (the vocabulary check below).
             self._check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
@@ -219,14 +217,11 @@ class Frontend:
                 f"exceeds the model's maximum length of {max_model_len} tokens",
                 {"param": params.max_tokens_name if params.max_tokens else prompt_param},
             )
-        sampling = params.to_sampling_params(max_tokens, resolve_seed(params.seed, self._rng))
-        if tool_plan is not None and tool_plan.constraint is not None:
-            sampling = replace(sampling, constraint=tool_plan.constraint)
         request = GenerationRequest(
             request_id=request_id,
             model=params.model,
             prompt_token_ids=tuple(prompt_token_ids),
-            sampling=sampling,
+            sampling=params.to_sampling_params(max_tokens, resolve_seed(params.seed, self._rng)),
             eos_token_ids=info.eos_token_ids,
         )
         return PreparedRequest(

@@ -48,6 +48,8 @@ from pdserve.gateway.routing.queue import CapacityQueue
 from pdserve.gateway.routing.queue_bounds import QueueLimits, is_wait
 from pdserve.gateway.routing.router import Router
 
+CONSTRAINED = frozenset({"constraints"})  # what a constrained request needs of both instances
+
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 _tracer = telemetry.tracer("pdserve.gateway")
 
@@ -286,4 +288,7 @@ class Orchestrator:
             exclude_decode_ids=decode_ids,
             prompt_keys=keys,
             require_room=True,
+            required_features=(
+                CONSTRAINED if request.sampling.constraint is not None else frozenset()
+            ),
         )

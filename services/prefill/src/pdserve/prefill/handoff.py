@@ -14,6 +14,7 @@ prefill's blocks are freed on the engine thread. Errors reach the caller only af
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import Sequence
 
@@ -22,6 +23,7 @@ from opentelemetry import context as otel_context
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.engine.constraints import ConstraintCompiler, ConstraintState
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
 from pdserve.prefill.in_flight import InFlight
@@ -62,8 +64,10 @@ class Handoffs:
         max_queue_len: int,
         kv_transports: Sequence[str] = ("grpc",),
         fault_corrupt_kv: str | None = None,
+        constraints: ConstraintCompiler | None = None,
     ) -> None:
         self.loop = loop
+        self.constraints = constraints
         self.peers = peers
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -166,6 +170,9 @@ class Handoffs:
 
     async def _prefill(self, flight: InFlight) -> None:
         request = flight.request
+        # NOTE: compiled (and the completion replayed) on the compiler's thread while the
+        # lease opens; the engine thread only asks the matcher for masks.
+        constraint_state = self._prepare_constraint(request)
         if request.is_sending_kv:
             request.move_to(RequestStatus.PREPARING)
             await open_lease(self.peers, request, self._background)
@@ -174,6 +181,8 @@ class Handoffs:
         if self.loop.store_loader is not None:
             # NOTE: store I/O on a worker thread, before the engine thread sees the request.
             await self.loop.store_loader.load(request)
+        if constraint_state is not None:
+            request.constraint_state = await asyncio.wrap_future(constraint_state)
         request.move_to(RequestStatus.PREFILLING)
         request.is_submitted = True
         with _tracer.start_as_current_span(
@@ -224,6 +233,21 @@ class Handoffs:
             num_bytes=sender.num_bytes,
             transport=sender.transport,
         )
+
+    def _prepare_constraint(
+        self, request: Request
+    ) -> concurrent.futures.Future[ConstraintState] | None:
+        constraint = request.sampling.constraint
+        if constraint is None:
+            return None
+        if self.constraints is None:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST,
+                "this prefill's model has no tokenizer.json: it cannot apply a constraint",
+                {"requestId": request.request_id},
+            )
+        completion = request.token_ids[request.num_prompt_tokens :]
+        return self.constraints.prepare(constraint, completion)
 
     async def _cleanup(self, flight: InFlight, error: PdserveError | None) -> None:
         request = flight.request

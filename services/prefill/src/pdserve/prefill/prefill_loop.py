@@ -198,6 +198,7 @@ class PrefillLoop(EngineThread):
                     scheduled[i].request.seed,
                     scheduled[i].request.token_ids,
                     scheduled[i].request.num_prompt_tokens,
+                    scheduled[i].request.constraint_state,
                 )
                 for i in completed
             ]

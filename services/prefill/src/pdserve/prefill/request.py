@@ -28,6 +28,7 @@ from pdserve.common.generation import (
     is_length_reached,
 )
 from pdserve.common.transitions import IllegalTransition, check_transition, transition_table
+from pdserve.engine.constraints import ConstraintState
 from pdserve.prefill.events import EventSink, LeaseGrant
 from pdserve.prefill.phases import PhaseClock
 
@@ -101,6 +102,8 @@ class Request:
         is_lease_open: Whether it holds a decode lease not yet handed off or released.
         is_submitted: Whether the engine thread knows it (so its blocks must be released).
         prompt_logprobs: The prompt tokens' logprobs computed so far (``prompt_logprobs`` set).
+        constraint_state: Its constraint's matcher (``sampling.constraint`` set), advanced
+            over the completion it carries before the engine thread sees it.
     """
 
     request_id: str
@@ -129,6 +132,7 @@ class Request:
     is_lease_open: bool = False
     is_submitted: bool = False
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
+    constraint_state: ConstraintState | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

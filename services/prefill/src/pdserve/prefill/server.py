@@ -79,6 +79,7 @@ class PrefillInstance(InstanceServer):
             config.max_queue_len,
             config.kv_transport_kinds,
             env.fault_corrupt_kv(),
+            host.constraint_compiler(),
         )
         limits = PrefillRequestBounds(
             vocab_size=host.runner.model_config.vocab_size,

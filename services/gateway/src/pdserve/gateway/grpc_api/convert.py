@@ -7,10 +7,15 @@ at the edge; nothing behind them sees a protobuf message.
 from __future__ import annotations
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import Constraint
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 from pdserve.gateway.request import OutputDelta, Usage
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
-from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.serving.convert import (
+    constraint_from_proto,
+    finish_reason_to_proto,
+    logprobs_to_proto,
+)
 from pdserve.v1 import common_pb2, generation_pb2
 
 
@@ -64,6 +69,8 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         parallel_tool_calls=(
             message.parallel_tool_calls if message.HasField("parallel_tool_calls") else True
         ),
+        constraint=_constraint(sampling),
+        constraint_name="sampling.constraint",
     )
     return params
 
@@ -108,6 +115,22 @@ def _tool_choice_from_pb(message: generation_pb2.GenerateRequest) -> ToolChoice 
         return ToolChoice(ToolChoiceMode.FUNCTION, choice.function_name)
     mode = _TOOL_CHOICE_MODES.get(choice.mode) if which == "mode" else None
     return None if mode is None else ToolChoice(mode)
+
+
+def _constraint(sampling: common_pb2.SamplingParams) -> Constraint | None:
+    """The sampling's constraint, if set.
+
+    Raises:
+        PdserveError: INVALID_REQUEST for a constraint with no kind or an empty value.
+    """
+    if not sampling.HasField("constraint"):
+        return None
+    try:
+        return constraint_from_proto(sampling.constraint)
+    except ValueError as error:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST, str(error), {"param": "sampling.constraint"}
+        ) from None
 
 
 def _optional(sampling: common_pb2.SamplingParams, name: str) -> float | None:

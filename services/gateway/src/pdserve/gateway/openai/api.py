@@ -2,6 +2,9 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
 streaming as server-sent events ending in ``data: [DONE]``, or a single JSON body),
+``POST /v1/responses`` (the stateless Responses API on the chat path, its events typed; see
+`pdserve.gateway.openai.responses_api`; other ``/v1/responses/...`` paths are 404s that say
+responses are not stored),
 ``POST /tokenize`` and ``POST /detokenize`` (as vLLM's),
 ``GET /health`` (readiness: 503 with a reason until a compatible prefill/decode pair serves
 some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. Errors are
@@ -29,9 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -57,13 +61,54 @@ from pdserve.gateway.openai.http import (
 )
 from pdserve.gateway.openai.parsing import parse_openai_body, parse_tokenizer_body
 from pdserve.gateway.openai.responses import EventStreamResponse, Responder
+from pdserve.gateway.openai.responses_api.convert import parse_responses_body
+from pdserve.gateway.openai.responses_api.writer import ResponseWriter
 from pdserve.gateway.openai.schemas import DetokenizeRequest
-from pdserve.gateway.prepare.params import GenerationParams
+from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.streaming import Streamer
 
-TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+NOT_STORED = (
+    "not found: responses are not stored (the Responses API is stateless here), so they cannot "
+    "be retrieved, cancelled or deleted; only POST /v1/responses is served"
+)
+
+
+class Endpoint(enum.Enum):
+    """The generation endpoints."""
+
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+    RESPONSES = "responses"
+
+
+class Writer(Protocol):
+    """Shapes a request's deltas as its endpoint's body or events (`Responder`,
+    `ResponseWriter`)."""
+
+    @property
+    def choices(self) -> Sequence[PreparedRequest]: ...
+
+    @property
+    def n(self) -> int: ...
+
+    def full(self, deltas: list[tuple[int, OutputDelta]]) -> dict[str, Any]: ...
+
+    def events(
+        self,
+        first: tuple[int, OutputDelta],
+        deltas: AsyncGenerator[tuple[int, OutputDelta], None],
+    ) -> AsyncGenerator[str, None]: ...
+
+
+class Prepared(NamedTuple):
+    """A generation request parsed and prepared: its writer, whether it streams, its id."""
+
+    writer: Writer
+    is_stream: bool
+    request_id: str
 
 
 def _is_poll(scope: Any) -> bool:
@@ -193,7 +238,7 @@ def create_app(
     def authorize(request: Request) -> Caller:
         return authenticate(request.headers.get("authorization"), keys)
 
-    async def generate(request: Request, is_chat: bool) -> Response:
+    async def generate(request: Request, endpoint: Endpoint) -> Response:
         caller = authorize(request)
         if caller.api_key_name is not None:
             # NOTE: the current span is FastAPI's HTTP server span (gateway.request has it too).
@@ -201,32 +246,41 @@ def create_app(
         admission = limiter.admit(caller)
         response: Response | None = None
         try:
-            response = await _generate(request, is_chat, admission, caller)
+            response = await _generate(request, endpoint, admission, caller)
             return response
         finally:
             # NOTE: a stream gives its admission back when it ends (EventStreamResponse).
             if not isinstance(response, EventStreamResponse):
                 admission.release()
 
-    async def _generate(
-        request: Request, is_chat: bool, admission: Admission, caller: Caller
-    ) -> Response:
+    async def _prepare(request: Request, endpoint: Endpoint, caller: Caller) -> Prepared:
         check_json_content_type(request)
         raw = await read_body(request, max_body_bytes)
-        body = await parser.run(parse_openai_body, len(raw), raw, is_chat, frontend.limits)
+        limits = frontend.limits
         request_id = request_id_of(request)
+        if endpoint is Endpoint.RESPONSES:
+            parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
+            prompt = await frontend.prepare(parsed.params, request_id, caller.api_key_name)
+            return Prepared(ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id)
+        is_chat = endpoint is Endpoint.CHAT
+        body = await parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
         prompts = [
             await frontend.prepare(
                 params, request_id if index == 0 else f"{request_id}-p{index}", caller.api_key_name
             )
             for index, params in enumerate(body.params)
         ]
+        return Prepared(Responder(is_chat, prompts, body), body.stream, prompts[0].request_id)
+
+    async def _generate(
+        request: Request, endpoint: Endpoint, admission: Admission, caller: Caller
+    ) -> Response:
+        writer, is_stream, request_id = await _prepare(request, endpoint, caller)
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
-        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, prompts[0].request_id)
-        responder = Responder(is_chat, prompts, body)
-        headers = {"X-Request-Id": prompts[0].request_id}
-        deltas = merged([streamer.stream(c) for c in responder.choices], responder.n)
-        if body.stream:
+        trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request_id)
+        headers = {"X-Request-Id": request_id}
+        deltas = merged([streamer.stream(c) for c in writer.choices], writer.n)
+        if is_stream:
             # NOTE: the status waits for the first token (a request that cannot be served is
             # a 429 or 503, not an SSE error), which may wait in the admission queue: a
             # client that goes away meanwhile leaves the queue at once.
@@ -238,11 +292,11 @@ def create_app(
             if first is None:
                 await deltas.aclose()
                 return Response(status_code=499)
-            return EventStreamResponse(responder.events(first, deltas), headers, admission)
+            return EventStreamResponse(writer.events(first, deltas), headers, admission)
         collected = await _collect_unless_disconnected(request, deltas)
         if collected is None:
             return Response(status_code=499)
-        return JSONResponse(responder.full(collected), headers=headers)
+        return JSONResponse(writer.full(collected), headers=headers)
 
     async def tokenizer_body(request: Request) -> GenerationParams | DetokenizeRequest:
         authorize(request)
@@ -269,11 +323,20 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await generate(request, is_chat=False)
+        return await generate(request, Endpoint.COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate(request, is_chat=True)
+        return await generate(request, Endpoint.CHAT)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await generate(request, Endpoint.RESPONSES)
+
+    @app.api_route("/v1/responses/{path:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_responses(request: Request) -> Response:
+        authorize(request)
+        raise StarletteHTTPException(404, NOT_STORED)
 
     return app
 

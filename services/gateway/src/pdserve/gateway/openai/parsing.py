@@ -46,9 +46,14 @@ def _invalid(message: str, param: str | None = None) -> PdserveError:
     return PdserveError(ErrorReason.INVALID_REQUEST, message, {"param": param} if param else {})
 
 
-def _from_validation_error(exc: pydantic.ValidationError) -> PdserveError:
+def from_validation_error(exc: pydantic.ValidationError) -> PdserveError:
+    """The INVALID_REQUEST of a body's first schema error, naming its top-level parameter.
+
+    Union tags in angle brackets (``<list>``, see `responses_api.schemas`) are left out of the
+    location it quotes.
+    """
     first = exc.errors(include_url=False, include_input=False)[0]
-    loc = first["loc"]
+    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p[:1] + p[-1:] == "<>"))
     msg = first["msg"][:MAX_ERROR_CHARS]
     if first["type"] == "json_invalid":
         return _invalid(f"the request body is not valid JSON: {msg}")
@@ -71,7 +76,7 @@ def parse_tokenizer_body(raw: bytes, limits: RequestLimits) -> GenerationParams 
     try:
         data = pydantic.TypeAdapter(TokenizeRequest | DetokenizeRequest).validate_json(raw)
     except pydantic.ValidationError as exc:
-        raise _from_validation_error(exc) from None
+        raise from_validation_error(exc) from None
     if isinstance(data, DetokenizeRequest):
         check_counts(limits, num_prompt_tokens=len(data.tokens))
         return data
@@ -91,7 +96,7 @@ def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenA
     try:
         body: Any = body_cls.model_validate_json(raw)
     except pydantic.ValidationError as exc:
-        raise _from_validation_error(exc) from None
+        raise from_validation_error(exc) from None
     check_counts(
         limits,
         num_messages=len(getattr(body, "messages", ())),

@@ -4,13 +4,16 @@ Bodies are parsed strictly: unknown fields are refused (as the OpenAI API does),
 is coerced to another type (``"stream": "yes"``, ``"temperature": true`` and ``"prompt":
 [true]`` are 400s; an integer is accepted where a number is expected). Non-finite numbers are
 refused. Every OpenAI parameter pdserve does not implement is accepted only at its neutral value
-(``best_of: 1``, ``response_format: {"type": "text"}``...): any other value is a 400, never
+(``best_of: 1``, ``store: false``...): any other value is a 400, never
 silently ignored. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
 ``tool_calls`` and ``tool`` messages) are OpenAI's; the deprecated ``functions`` and
 ``function_call`` are refused.
 Extensions (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``prompt_logprobs`` and
-``stream_options.continuous_usage_stats``.
+``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``prompt_logprobs``,
+``stream_options.continuous_usage_stats``, and the constraints ``structured_outputs`` (one of
+``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and the older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``; ``response_format`` is accepted on
+completions too.
 
 Ranges, limits, Unicode and roles are checked after the translation, by the validator both
 front ends share (`pdserve.gateway.prepare.validation`).
@@ -19,11 +22,13 @@ front ends share (`pdserve.gateway.prepare.validation`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.chat_bodies import (
     ChatMessageBody,
     NamedToolChoiceBody,
@@ -47,6 +52,57 @@ class StreamOptions(_Body):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputs(_Body):
+    """``structured_outputs`` (vLLM's extension): exactly one constraint."""
+
+    # NOTE: "json" would shadow BaseModel.json.
+    json_value: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _schema_text(schema: str | dict[str, Any], param: str) -> str:
+    """A JSON Schema given as an object or as its JSON text, as JSON text."""
+    if isinstance(schema, dict):
+        return json.dumps(schema)
+    try:
+        parsed = json.loads(schema)
+    except ValueError:
+        raise unsupported(param, f"{param} is not valid JSON") from None
+    if not isinstance(parsed, dict | bool):
+        raise unsupported(param, f"{param} must be a JSON Schema (an object)")
+    return schema
+
+
+def _response_format(value: dict[str, Any]) -> Constraint | None:
+    """The constraint of an OpenAI ``response_format`` (None for ``text``)."""
+    kind = value.get("type")
+    if kind == "text" and len(value) == 1:
+        return None
+    if kind == "json_object" and len(value) == 1:
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if set(value) != {"type", "json_schema"} or not isinstance(spec, dict):
+            raise unsupported("response_format", "json_schema needs a json_schema object")
+        unknown = set(spec) - {"name", "schema", "strict", "description"}
+        if unknown:
+            raise unsupported(
+                "response_format", f"unknown json_schema fields: {', '.join(sorted(unknown))}"
+            )
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise unsupported("response_format", "json_schema.schema must be a JSON Schema object")
+        return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    raise unsupported(
+        "response_format",
+        "response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+        "{'type': 'json_schema', 'json_schema': {...}}",
+    )
 
 
 class _SamplingBody(_Body):
@@ -73,11 +129,57 @@ class _SamplingBody(_Body):
     min_tokens: int | None = None
     min_p: float | None = None
     prompt_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def _unsupported(self) -> tuple[str, str] | None:
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         return None
+
+    def _constraint(self) -> tuple[Constraint | None, str]:
+        """The request's constraint and the parameter that set it; at most one may be set."""
+        found: list[tuple[Constraint | None, str]] = []
+        if self.response_format is not None:
+            found.append((_response_format(self.response_format), "response_format"))
+        outputs = self.structured_outputs
+        if outputs is not None:
+            name = "structured_outputs"
+            kinds = [
+                k for k, v in outputs.model_dump(by_alias=True).items() if v not in (None, False)
+            ]
+            if len(kinds) != 1:
+                raise unsupported(name, "structured_outputs needs exactly one of json, regex, "
+                                        "choice, grammar, json_object")  # fmt: skip
+            value = outputs.model_dump(by_alias=True)[kinds[0]]
+            found.append((self._constraint_of(kinds[0], value, name), name))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                name = f"guided_{kind}"
+                found.append((self._constraint_of(kind, value, name), name))
+        found = [(constraint, name) for constraint, name in found if constraint is not None]
+        if len(found) > 1:
+            names = " and ".join(name for _, name in found)
+            raise unsupported(found[1][1], f"only one constraint may be set, got {names}")
+        return found[0] if found else (None, "response_format")
+
+    @staticmethod
+    def _constraint_of(kind: str, value: Any, name: str) -> Constraint:
+        try:
+            if kind == "json":
+                return Constraint(ConstraintKind.JSON_SCHEMA, _schema_text(value, name))
+            if kind == "json_object":
+                return Constraint(ConstraintKind.JSON_OBJECT)
+            if kind == "choice":
+                return Constraint(ConstraintKind.CHOICE, choices=tuple(value))
+            return Constraint(ConstraintKind(kind), value)
+        except ValueError as error:
+            raise unsupported(name, str(error)) from None
 
     def _stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -96,7 +198,10 @@ class _SamplingBody(_Body):
     def _params(self, kind: PromptKind, **prompt: Any) -> GenerationParams:
         # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
         top_k = 0 if self.top_k == -1 else self.top_k
+        constraint, constraint_name = self._constraint()
         return GenerationParams(
+            constraint=constraint,
+            constraint_name=constraint_name,
             n=1 if self.n is None else self.n,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -198,7 +303,6 @@ class ChatCompletionRequest(_SamplingBody):
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
@@ -245,8 +349,6 @@ class ChatCompletionRequest(_SamplingBody):
             return "functions", "functions are not supported (use tools)"
         if self.function_call not in (None, "none"):
             return "function_call", "function_call is not supported (use tool_choice)"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "only response_format {'type': 'text'} is supported"
         if self.store:
             return "store", "store is not supported"
         if self.service_tier not in (None, "auto", "default"):

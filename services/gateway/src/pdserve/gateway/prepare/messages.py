@@ -9,8 +9,9 @@
 
 Tools: at most ``--max-tools``, each named as OpenAI allows (``[A-Za-z0-9_-]{1,64}``, unique),
 its ``parameters`` a JSON object; ``tool_choice`` needs tools (``none`` aside) and names one of
-them; a forced call (``required``, a named function) cannot be combined with ``ignore_eos``
-(the constraint's completion can only end).
+them; a forced call (``required``, a named function) is a constraint
+(`pdserve.gateway.tools.plan`), so it cannot be combined with ``ignore_eos`` (the constraint's
+completion can only end) or with a constraint of the client's (``response_format``...).
 
 Every failure is an INVALID_REQUEST naming the field (``messages[2].tool_call_id``).
 """
@@ -21,6 +22,7 @@ from dataclasses import replace
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams
+from pdserve.gateway.tools.plan import forced_call_constraint
 from pdserve.gateway.tools.spec import TOOL_NAME_PATTERN, ToolChoiceMode
 
 MAX_NAME_CHARS = 256  # model, user, client request ids, message names and call ids
@@ -122,6 +124,28 @@ def _check_role_fields(message: ChatMessage, role: str, where: str, call_ids: se
             "assistant message",
             f"{where}.tool_call_id",
         )
+
+
+def with_tool_constraint(params: GenerationParams) -> GenerationParams:
+    """Checks the tools (`check_tools`); a request whose tool_choice forces a call gets its
+    constraint (`pdserve.gateway.tools.plan.forced_call_constraint`), checked and compiled
+    then like any other.
+
+    Raises:
+        PdserveError: INVALID_REQUEST naming the field at fault, and for a forced call with a
+            constraint of the client's own (``response_format``...).
+    """
+    check_tools(params)
+    choice = params.tool_choice
+    constraint = forced_call_constraint(params.tools, choice, params.parallel_tool_calls)
+    if constraint is None or params.constraint == constraint:  # (validated once already)
+        return params
+    if params.constraint is not None:
+        mode = "a named function" if choice and choice.function_name else "required"
+        raise invalid(
+            f"tool_choice {mode} cannot be combined with {params.constraint_name}", "tool_choice"
+        )
+    return replace(params, constraint=constraint, constraint_name="tools")
 
 
 def check_tools(params: GenerationParams) -> None:

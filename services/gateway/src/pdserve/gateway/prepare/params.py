@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.tools.formats import ToolCallFormat
 from pdserve.gateway.tools.plan import ToolPlan
@@ -67,7 +67,9 @@ class GenerationParams:
     logprobs count (``top_logprobs`` in chat) and its bound. `n` completions share the prompt;
     `echo` puts the prompt (and its logprobs) before the completion. `tools` are the
     functions a chat may call, `tool_choice` how (None: the default, ``auto`` with tools),
-    `parallel_tool_calls` whether a completion may make several calls.
+    `parallel_tool_calls` whether a completion may make several calls. `constraint` is what
+    the completion's text must match (structured outputs, or a forced tool call),
+    `constraint_name` the parameter the client set it with.
     """
 
     model: str
@@ -101,6 +103,8 @@ class GenerationParams:
     tools: tuple[FunctionTool, ...] = ()
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    constraint: Constraint | None = None
+    constraint_name: str = "response_format"
 
     @property
     def num_tool_chars(self) -> int:
@@ -138,6 +142,7 @@ class GenerationParams:
             min_p=chosen(self.min_p, unset.min_p),
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            constraint=self.constraint,
         )
 
 

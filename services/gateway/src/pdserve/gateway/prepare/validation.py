@@ -17,14 +17,15 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from pdserve.common import constraints
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED
 from pdserve.gateway.prepare.messages import (
     check_name,
     check_text,
-    check_tools,
     checked_messages,
     invalid,
+    with_tool_constraint,
 )
 from pdserve.gateway.prepare.params import GenerationParams
 
@@ -52,6 +53,8 @@ class RequestLimits:
         max_prompts: Prompts of one completions request.
         max_logit_bias: Entries of one request's ``logit_bias``.
         max_tools: Tools (functions) of one chat request.
+        max_constraint_chars: Characters of one request's constraint (its schema, regex or
+            grammar, or its choices together).
     """
 
     max_prompt_chars: int = 1_000_000
@@ -65,6 +68,7 @@ class RequestLimits:
     max_prompts: int = 64
     max_logit_bias: int = 1024
     max_tools: int = 128
+    max_constraint_chars: int = 100_000
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -128,6 +132,7 @@ def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
     _check_range(params.top_k, 0, MAX_UINT32, "top_k")
     _check_range(params.seed, 0, MAX_SEED - 1, "seed")
     _check_controls(params, limits)
+    _check_constraint(params, limits)
     if any(not 0 <= token_id <= MAX_UINT32 for token_id in params.stop_token_ids):
         raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
     for stop in params.stop:
@@ -160,11 +165,36 @@ def _check_controls(params: GenerationParams, limits: RequestLimits) -> None:
             raise invalid("logit_bias values must be in [-100, 100]", "logit_bias")
 
 
+def _check_constraint(params: GenerationParams, limits: RequestLimits) -> None:
+    """The constraint fits the limits and compiles (llguidance checks its grammar)."""
+    constraint = params.constraint
+    if constraint is None:
+        return
+    name = params.constraint_name
+    if params.ignore_eos:
+        raise invalid(f"ignore_eos cannot be combined with {name}", "ignore_eos")
+    num_chars = len(constraint.value) + sum(len(choice) for choice in constraint.choices)
+    if num_chars > limits.max_constraint_chars:
+        raise invalid(
+            f"the {name} constraint has {num_chars} characters; at most "
+            f"{limits.max_constraint_chars} are accepted",
+            name,
+        )
+    check_text(constraint.value, name)
+    for choice in constraint.choices:
+        if not choice:
+            raise invalid("choices must not be empty strings", name)
+        check_text(choice, name)
+    try:
+        constraints.check(constraint)
+    except PdserveError as error:
+        raise invalid(error.message, name) from None
+
+
 def _check_chat(params: GenerationParams, limits: RequestLimits) -> GenerationParams:
     """The messages and tools' rules (`pdserve.gateway.prepare.messages`) and their size."""
     assert params.messages is not None
     messages = checked_messages(params.messages)
-    check_tools(params)
     num_chars = sum(m.num_chars for m in messages) + params.num_tool_chars
     if num_chars > limits.max_prompt_chars:
         raise invalid(
@@ -197,6 +227,8 @@ def validate_request(params: GenerationParams, limits: RequestLimits) -> Generat
         num_stop_token_ids=len(params.stop_token_ids),
         num_tools=len(params.tools),
     )
+    if params.messages is not None:
+        params = with_tool_constraint(params)
     _check_sampling(params, limits)
     num_inputs = sum(x is not None for x in (params.text, params.token_ids, params.messages))
     if num_inputs != 1:

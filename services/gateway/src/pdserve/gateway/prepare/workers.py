@@ -34,7 +34,11 @@ T = TypeVar("T")
 
 # NOTE: the slowest body of this size to parse (a thousand empty chat messages) takes about 6 ms.
 INLINE_PARSE_BYTES = 16 * 1024
-PRELOADED_MODULES = ["pdserve.gateway.openai.parsing", "pdserve.gateway.grpc_api.parsing"]
+PRELOADED_MODULES = [
+    "pdserve.gateway.openai.parsing",
+    "pdserve.gateway.openai.responses_api.convert",
+    "pdserve.gateway.grpc_api.parsing",
+]
 
 
 def _deadline_exceeded(budget_s: float) -> PdserveError:

@@ -113,6 +113,7 @@ class Router:
         exclude_decode_ids: Collection[str] = (),
         prompt_keys: PromptKeys | None = None,
         require_room: bool = False,
+        required_features: frozenset[str] = frozenset(),
     ) -> Pair:
         """Chooses a pair and books the work on both instances' estimated load.
 
@@ -128,6 +129,8 @@ class Router:
             require_room: Pick only a decode whose estimated admissible blocks hold the
                 request's lease (`lease_blocks`) and instances not marked full; a decode that
                 reports no pool (``num_total_blocks`` 0) is taken at its word.
+            required_features: Contract features both instances must advertise (e.g.
+                ``constraints`` for a constrained request: an older instance would ignore it).
 
         Raises:
             PdserveError: NO_HEALTHY_INSTANCES (with a retry delay) when no pair qualifies;
@@ -142,6 +145,9 @@ class Router:
             room = (num_tokens, max_new_tokens) if require_room else None
             prefills = self.loads.pools(InstanceRole.PREFILL, model_name)
             decodes = self.loads.pools(InstanceRole.DECODE, model_name)
+            if required_features:
+                exclude_prefill_ids = {*exclude_prefill_ids, *_lacking(prefills, required_features)}
+                exclude_decode_ids = {*exclude_decode_ids, *_lacking(decodes, required_features)}
             if exclude_prefill_ids or exclude_decode_ids:
                 with (
                     excluding(prefills, exclude_prefill_ids),
@@ -175,9 +181,10 @@ class Router:
                 {"model": model_name},
                 retry_delay_s=self._retry_after_s,
             )
+        needs = f" with {', '.join(sorted(required_features))}" if required_features else ""
         raise PdserveError(
             ErrorReason.NO_HEALTHY_INSTANCES,
-            f"no healthy, compatible prefill/decode pair serves model {model_name!r}",
+            f"no healthy, compatible prefill/decode pair{needs} serves model {model_name!r}",
             {"model": model_name},
             retry_delay_s=self._retry_after_s,
         )
@@ -288,3 +295,13 @@ class Router:
         amount = pair.booked.pop(role, None)
         if amount is not None:
             self.loads.settle(pair.instance(role).instance_id, amount, has_run=has_run)
+
+
+def _lacking(pools: dict[str, Pool], features: frozenset[str]) -> list[str]:
+    """The instances of `pools` that do not advertise every one of `features`."""
+    return [
+        entry.instance_id
+        for pool in pools.values()
+        for entry in pool.entries
+        if not features <= set(entry.info.features)
+    ]

@@ -1,6 +1,7 @@
-"""What a request's tools mean for its generation: `plan_tools` decides, from the tools, the
-tool_choice and the model's call format, which constraint the completion gets and which parser
-reads it back.
+"""What a request's tools mean for its generation: `forced_call_constraint` is the constraint
+a forced tool_choice puts on the completion (the validator sets it, as for any constraint), and
+`plan_tools` decides, from the tools, the tool_choice and the model's call format, which parser
+reads the completion back.
 
 * ``auto``: no constraint; the model's format parser (``--tool-call-parser``) reads calls from
   its free text.
@@ -44,14 +45,12 @@ class ToolPlan:
         mode: The resolved tool_choice (never NONE: such a request has no plan).
         names: The functions offered.
         function_name: The function a named tool_choice forces.
-        constraint: What the completion must match (REQUIRED and named); None for AUTO.
     """
 
     format: ToolCallFormat
     mode: ToolChoiceMode
     names: frozenset[str]
     function_name: str | None = None
-    constraint: Constraint | None = None
 
     @property
     def is_named(self) -> bool:
@@ -82,32 +81,40 @@ def resolved_choice(tools: tuple[FunctionTool, ...], choice: ToolChoice | None) 
 
 
 def plan_tools(
-    tools: tuple[FunctionTool, ...],
-    choice: ToolChoice | None,
-    is_parallel: bool,
-    call_format: ToolCallFormat,
+    tools: tuple[FunctionTool, ...], choice: ToolChoice | None, call_format: ToolCallFormat
 ) -> ToolPlan | None:
     """The plan of a validated request; None when its completion is not read for calls.
 
     Args:
         tools: The functions offered.
         choice: The request's tool_choice (None: the default).
-        is_parallel: Whether a completion may make several calls (``parallel_tool_calls``).
         call_format: The model's call format.
     """
     choice = resolved_choice(tools, choice)
     if choice.mode is ToolChoiceMode.NONE or not tools:
         return None
     names = frozenset(tool.name for tool in tools)
-    if choice.mode is ToolChoiceMode.AUTO:
-        return ToolPlan(call_format, choice.mode, names)
+    return ToolPlan(call_format, choice.mode, names, choice.function_name)
+
+
+def forced_call_constraint(
+    tools: tuple[FunctionTool, ...], choice: ToolChoice | None, is_parallel: bool
+) -> Constraint | None:
+    """The constraint of a checked request whose tool_choice forces a call (REQUIRED or a
+    named function); None for any other.
+
+    Args:
+        tools: The functions offered.
+        choice: The request's tool_choice (None: the default).
+        is_parallel: Whether a completion may make several calls (``parallel_tool_calls``).
+    """
+    choice = resolved_choice(tools, choice)
     if choice.mode is ToolChoiceMode.FUNCTION:
         tool = next(t for t in tools if t.name == choice.function_name)
-        schema = tool.parameters_schema()
-        return ToolPlan(call_format, choice.mode, names, tool.name, _json_schema(schema))
-    return ToolPlan(
-        call_format, choice.mode, names, constraint=_json_schema(calls_schema(tools, is_parallel))
-    )
+        return _json_schema(tool.parameters_schema())
+    if choice.mode is ToolChoiceMode.REQUIRED and tools:
+        return _json_schema(calls_schema(tools, is_parallel))
+    return None
 
 
 def calls_schema(tools: tuple[FunctionTool, ...], is_parallel: bool) -> dict[str, Any]:

@@ -1,0 +1,203 @@
+"""A Responses API body to a chat request's `GenerationParams`.
+
+The request becomes the chat request a client would have sent for the same conversation:
+``instructions`` is a first system message, each input message one chat message (its text
+parts joined; ``developer`` is ``system``, as in chat), ``max_output_tokens`` is max_tokens and
+``text.format`` the `Constraint` the engine decodes under. So the same conversation and seed
+give the same tokens on ``/v1/responses`` as on ``/v1/chat/completions``.
+
+`parse_responses_body` is a pure function of bytes and limits, like
+`pdserve.gateway.openai.parsing.parse_openai_body`, so large bodies parse in a worker process.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple, cast
+
+import pydantic
+
+from pdserve.common.generation import Constraint, ConstraintKind
+from pdserve.gateway.openai.parsing import from_validation_error
+from pdserve.gateway.openai.responses_api.schemas import (
+    ContentPart,
+    InputItem,
+    InputTextPart,
+    MessageItem,
+    OutputTextPart,
+    RefusalPart,
+    ResponsesRequest,
+    TextConfig,
+)
+from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
+
+ASSISTANT_PARTS = ("input_text", "output_text", "refusal")
+FUNCTION_TOOLS_REFUSAL = "function tools are not supported yet"
+
+
+class ResponsesBody(NamedTuple):
+    """A parsed ``POST /v1/responses``: its params and what the `Response` object repeats.
+
+    Attributes:
+        params: The validated chat request.
+        model: The model as the client named it.
+        stream: Stream the response's events.
+        echoed: The request's settings as a `Response` object states them (``instructions``,
+            ``max_output_tokens``, ``text``, ``tools``, ...), JSON-ready.
+    """
+
+    params: GenerationParams
+    model: str
+    stream: bool
+    echoed: dict[str, Any]
+
+
+def parse_responses_body(raw: bytes, limits: RequestLimits) -> ResponsesBody:
+    """Parses and validates the JSON body of a Responses API request.
+
+    Raises:
+        PdserveError: INVALID_REQUEST (with ``param``), also for every parameter set to
+            something pdserve does not implement.
+    """
+    try:
+        request = ResponsesRequest.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        raise from_validation_error(exc) from None
+    refusal = request.refusal()
+    if refusal is not None:
+        param, message = refusal
+        raise invalid(message, param)
+    if request.tools:
+        kind = request.tools[0]["type"]
+        # NOTE: function tools map onto chat's `tools` (name, description, parameters,
+        # strict) once chat completions call tools; built-in tools never will.
+        message = (
+            FUNCTION_TOOLS_REFUSAL
+            if kind == "function"
+            else f"built-in tool {kind[:64]!r} is not supported (only function tools are)"
+        )
+        raise invalid(message, "tools")
+    params = validate_request(to_params(request, limits), limits)
+    return ResponsesBody(params, request.model, request.stream, _echoed(request))
+
+
+def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationParams:
+    """The request as chat `GenerationParams` (not yet validated).
+
+    Raises:
+        PdserveError: INVALID_REQUEST for an input item, content part or size pdserve refuses.
+    """
+    # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
+    top_k = 0 if request.top_k == -1 else request.top_k
+    stop = request.stop
+    return GenerationParams(
+        model=request.model,
+        kind=PromptKind.CHAT,
+        messages=_messages(request, limits),
+        max_tokens=request.max_output_tokens,
+        max_tokens_name="max_output_tokens",
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=top_k,
+        seed=request.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        user=request.user,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        min_tokens=request.min_tokens or 0,
+        min_p=request.min_p,
+        constraint=constraint_of(request.text),
+        constraint_name="text.format",
+    )
+
+
+def constraint_of(text: TextConfig | None) -> Constraint | None:
+    """The `Constraint` of ``text.format``: None for free text, any JSON object for
+    ``json_object``, the schema's JSON text for ``json_schema`` (its key order kept, written as
+    chat's ``response_format`` writes it, so both share the instances' compiled grammar)."""
+    format_ = text.get("format") if text else None
+    if format_ is None or format_["type"] == "text":
+        return None
+    if format_["type"] == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT)
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(format_["schema"]))
+
+
+def _messages(request: ResponsesRequest, limits: RequestLimits) -> tuple[ChatMessage, ...]:
+    """``instructions`` and ``input`` as chat messages, within the request limits."""
+    messages = [ChatMessage("system", request.instructions)] if request.instructions else []
+    items = request.input
+    if isinstance(items, str):
+        messages.append(ChatMessage("user", items))
+    elif not items:
+        raise invalid("input must not be empty", "input")
+    elif len(items) + len(messages) > limits.max_messages:
+        raise invalid(f"at most {limits.max_messages} input items", "input")
+    else:
+        messages.extend(_message(item, f"input[{index}]") for index, item in enumerate(items))
+    num_chars = sum(m.num_chars for m in messages)
+    if num_chars > limits.max_prompt_chars:
+        raise invalid(
+            f"the input has {num_chars} characters; at most {limits.max_prompt_chars} are accepted",
+            "input",
+        )
+    return tuple(messages)
+
+
+def _message(item: InputItem, param: str) -> ChatMessage:
+    """One input item as a chat message.
+
+    Raises:
+        PdserveError: INVALID_REQUEST naming the item (or part) for anything but a message of
+            text.
+    """
+    kind = item.get("type", "message")
+    if kind in ("function_call", "function_call_output"):
+        # NOTE: a function_call item becomes an assistant message's tool call, its output a
+        # tool message (call_id is the tool_call_id), once chat completions call tools.
+        raise invalid(f"{FUNCTION_TOOLS_REFUSAL} ({kind} items)", param)
+    if kind != "message":
+        raise invalid(f"input items of type {kind[:64]!r} are not supported", param)
+    message = cast(MessageItem, item)
+    content = message["content"]
+    if isinstance(content, str):
+        return ChatMessage(message["role"], content)
+    allowed = ASSISTANT_PARTS if message["role"] == "assistant" else ("input_text",)
+    texts = []
+    for index, part in enumerate(content):
+        texts.append(_part_text(part, allowed, f"{param}.content[{index}]"))
+    return ChatMessage(message["role"], "".join(texts))
+
+
+def _part_text(part: ContentPart, allowed: tuple[str, ...], param: str) -> str:
+    kind = part["type"]
+    if kind not in allowed:
+        if kind in ASSISTANT_PARTS:
+            raise invalid(f"{kind} parts belong to assistant messages", param)
+        raise invalid(f"content parts of type {kind[:64]!r} are not supported (text only)", param)
+    if kind == "refusal":
+        return cast(RefusalPart, part)["refusal"]
+    return cast(InputTextPart | OutputTextPart, part)["text"]
+
+
+def _echoed(request: ResponsesRequest) -> dict[str, Any]:
+    """What a `Response` object repeats of its request (sampling values are the prepared
+    request's, added by the writer)."""
+    format_ = (request.text.get("format") if request.text else None) or {"type": "text"}
+    return {
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "metadata": dict(request.metadata or {}),
+        "parallel_tool_calls": (
+            True if request.parallel_tool_calls is None else request.parallel_tool_calls
+        ),
+        "text": {"format": dict(format_)},
+        "tool_choice": request.tool_choice or "auto",
+        "tools": [],
+        "truncation": "disabled",
+        "user": request.user,
+    }

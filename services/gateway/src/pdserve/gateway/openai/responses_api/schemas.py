@@ -1,0 +1,293 @@
+"""The request body of ``POST /v1/responses``, parsed strictly as the other endpoints' bodies are.
+
+Unknown fields are refused, no value is coerced, and every OpenAI parameter pdserve does not
+implement is accepted only at its neutral value (``background: false``, ``tools: []``...): any
+other value is a 400 naming it (`ResponsesRequest.refusal`). Input items and content parts are
+told apart by their ``type``; an item or part of a type pdserve does not read parses as
+`UnsupportedItem` / `UnsupportedPart`, so the refusal can name it (``input[2]``) instead of
+listing why it matched none of the known shapes. Extensions (as on the other endpoints):
+``seed``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``, ``stop``, ``stop_token_ids``, ``ignore_eos`` and ``min_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, NotRequired
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+# NOTE: items, parts, tools and formats are TypedDicts (plain dicts), as chat messages are in
+# `pdserve.gateway.openai.schemas`: they validate several times faster than models.
+
+
+def _tag(known: frozenset[str], default: str | None = None) -> Any:
+    """A discriminator on ``type``: a known type's own shape, anything else ``<other>``.
+
+    Tags are in angle brackets so that error locations can leave them out."""
+
+    def tag(value: Any) -> str:
+        kind = value.get("type", default) if isinstance(value, dict) else None
+        return f"<{kind}>" if kind in known else "<other>"
+
+    return Discriminator(tag)
+
+
+def _text_or_list(value: Any) -> str:
+    return "<text>" if isinstance(value, str) else "<list>"
+
+
+# NOTE: a string or a list, told apart before validation, so an error in a list's item is
+# reported alone rather than after "not a valid string".
+TEXT_OR_LIST = Discriminator(_text_or_list)
+
+
+class InputTextPart(TypedDict):
+    """``{"type": "input_text", "text"}``: text the user (or system) wrote."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputTextPart(TypedDict):
+    """``{"type": "output_text", "text"}``: text of an earlier response, sent back as input
+    (its annotations and logprobs are accepted and not read)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["output_text"]
+    text: str
+    annotations: NotRequired[list[Any]]
+    logprobs: NotRequired[list[Any] | None]
+
+
+class RefusalPart(TypedDict):
+    """``{"type": "refusal", "refusal"}``: an earlier response's refusal, sent back as input."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["refusal"]
+    refusal: str
+
+
+class UnsupportedPart(TypedDict):
+    """A content part of any other type (images, files, audio): refused by name."""
+
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    type: str
+
+
+ContentPart = Annotated[
+    Annotated[InputTextPart, Tag("<input_text>")]
+    | Annotated[OutputTextPart, Tag("<output_text>")]
+    | Annotated[RefusalPart, Tag("<refusal>")]
+    | Annotated[UnsupportedPart, Tag("<other>")],
+    _tag(frozenset({"input_text", "output_text", "refusal"})),
+]
+Content = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[ContentPart], Tag("<list>")], TEXT_OR_LIST
+]
+
+
+class MessageItem(TypedDict):
+    """A message: ``{"role", "content"}`` (``type: "message"`` optional), content a string or
+    a list of parts. An earlier response's output message (with ``id`` and ``status``) is one
+    too."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: NotRequired[Literal["message"]]
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Content
+    id: NotRequired[str]
+    status: NotRequired[Literal["in_progress", "completed", "incomplete"]]
+    phase: NotRequired[str | None]
+
+
+class FunctionCallItem(TypedDict):
+    """A function call the model made earlier (``type: "function_call"``)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: NotRequired[str]
+    status: NotRequired[Literal["in_progress", "completed", "incomplete"]]
+
+
+class FunctionCallOutputItem(TypedDict):
+    """What a function call returned (``type: "function_call_output"``)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Content
+    id: NotRequired[str | None]
+    status: NotRequired[Literal["in_progress", "completed", "incomplete"] | None]
+
+
+class UnsupportedItem(TypedDict):
+    """An input item of any other type (reasoning, item references, built-in tool calls):
+    refused by name."""
+
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    type: str
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("<message>")]
+    | Annotated[FunctionCallItem, Tag("<function_call>")]
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[UnsupportedItem, Tag("<other>")],
+    _tag(frozenset({"message", "function_call", "function_call_output"}), default="message"),
+]
+
+
+class FunctionTool(TypedDict):
+    """``{"type": "function", "name", "parameters", "strict", "description"}``."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None
+    strict: bool | None
+    description: NotRequired[str | None]
+
+
+class UnsupportedTool(TypedDict):
+    """A built-in tool (web search, file search, ...): refused by name."""
+
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    type: str
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("<function>")] | Annotated[UnsupportedTool, Tag("<other>")],
+    _tag(frozenset({"function"})),
+]
+
+
+class TextFormat(TypedDict):
+    """``{"type": "text"}``: free text (the default)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["text"]
+
+
+class JsonObjectFormat(TypedDict):
+    """``{"type": "json_object"}``: any JSON object."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(TypedDict):
+    """``{"type": "json_schema", "name", "schema", "strict", "description"}``: JSON that
+    matches ``schema``."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["json_schema"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    schema: dict[str, Any]
+    strict: NotRequired[bool | None]
+    description: NotRequired[str | None]
+
+
+class TextConfig(TypedDict):
+    """``text``: the output's format."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    format: NotRequired[
+        Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+    ]
+
+
+class ResponsesRequest(BaseModel):
+    """Body of ``POST /v1/responses``."""
+
+    model_config = _STRICT
+
+    model: str
+    input: Annotated[
+        Annotated[str, Tag("<text>")] | Annotated[list[InputItem], Tag("<list>")], TEXT_OR_LIST
+    ]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    service_tier: str | None = None
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    reasoning: dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    # extensions
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+
+    def refusal(self) -> tuple[str, str] | None:
+        """The first parameter set to something pdserve does not implement, with why; None when
+        there is none. Function tools and calls are `convert`'s to refuse (items too)."""
+        if self.previous_response_id is not None:
+            return "previous_response_id", (
+                "previous_response_id is not supported: pdserve stores no responses; send the "
+                "whole conversation as input items"
+            )
+        if self.conversation is not None:
+            return "conversation", "conversation is not supported: pdserve stores no responses"
+        if self.background:
+            return "background", "background responses are not supported"
+        if self.prompt is not None:
+            return "prompt", "prompt templates are not supported"
+        if self.include:
+            return "include", f"include is not supported (got {self.include[0][:64]!r})"
+        if self.reasoning is not None:
+            return "reasoning", "reasoning is not supported"
+        if self.top_logprobs:
+            return "top_logprobs", "top_logprobs is not supported"
+        if self.max_tool_calls is not None:
+            return "max_tool_calls", "max_tool_calls is not supported"
+        if self.truncation not in (None, "disabled"):
+            return "truncation", "only truncation 'disabled' is supported"
+        if self.service_tier not in (None, "auto", "default"):
+            return "service_tier", "service_tier is not supported"
+        if self.tool_choice not in (None, "auto", "none") and not self.tools:
+            return "tool_choice", "tool_choice needs tools"
+        return self._metadata_refusal()
+
+    def _metadata_refusal(self) -> tuple[str, str] | None:
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_PAIRS:
+            return "metadata", f"metadata has at most {MAX_METADATA_PAIRS} pairs"
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                return "metadata", (
+                    f"metadata keys have at most {MAX_METADATA_KEY_CHARS} characters and values "
+                    f"at most {MAX_METADATA_VALUE_CHARS}"
+                )
+        return None

@@ -1,0 +1,81 @@
+"""A `Constraint` as llguidance's grammar, and its check before any instance sees it.
+
+llguidance (a Rust library with a dependency-free wheel) turns each kind into one grammar
+text: a JSON Schema, a regex or a Lark-like grammar. The gateway, which has no torch and no
+model, checks a constraint with `check` (the grammar is parsed, no tokenizer needed) and
+answers 400 for one that cannot compile; the prefill and decode compile the same text against
+the model's tokenizer (`pdserve.engine.constraints`).
+
+JSON is generated compactly but readably: ``", "`` between items, ``": "`` after keys, and no
+other whitespace (flexible whitespace lets a small model pad forever).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+import llguidance
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import Constraint, ConstraintKind
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # the stubs' type only
+
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+ANY_JSON_OBJECT = '{"type": "object"}'
+MAX_PROBLEM_CHARS = 500
+_SOURCE_LINE = re.compile(r"^\d+ \|")
+
+
+def grammar_of(constraint: Constraint) -> str:
+    """llguidance's grammar text for `constraint` (not yet checked)."""
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_SCHEMA:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            constraint.value, defaults=JSON_OPTIONS
+        )
+    if kind is ConstraintKind.JSON_OBJECT:
+        return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)
+    if kind is ConstraintKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(constraint.value)
+    if kind is ConstraintKind.CHOICE:
+        # NOTE: Lark string literals take JSON's escapes.
+        alternatives = " | ".join(json.dumps(choice) for choice in constraint.choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    return llguidance.LLMatcher.grammar_from_lark(constraint.value)
+
+
+def check(constraint: Constraint) -> str:
+    """The grammar of `constraint`, checked.
+
+    Raises:
+        PdserveError: INVALID_REQUEST naming what does not compile.
+    """
+    try:
+        grammar = grammar_of(constraint)
+    except (ValueError, TypeError) as error:
+        raise invalid(constraint, str(error)) from None
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem:
+        raise invalid(constraint, problem)
+    return grammar
+
+
+def invalid(constraint: Constraint, problem: str) -> PdserveError:
+    """The INVALID_REQUEST error of a constraint that does not compile."""
+    # NOTE: llguidance echoes the grammar's source line and a caret under it: left out.
+    lines = [line.strip() for line in problem.splitlines()]
+    said = [line for line in lines if line and line != "^" and not _SOURCE_LINE.match(line)]
+    summary = "; ".join(said)[:MAX_PROBLEM_CHARS] or "unknown error"
+    return PdserveError(
+        ErrorReason.INVALID_REQUEST,
+        f"the {constraint.kind.value} constraint does not compile: {summary}",
+        {"constraint": constraint.kind.value},
+    )

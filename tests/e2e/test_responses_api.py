@@ -1,0 +1,198 @@
+"""The Responses API in front of real prefill and decode services, through the openai SDK.
+
+A response holds the tokens the chat path and the single-process engine give the same
+conversation (same seed), streamed or not; its events add up; ``max_output_tokens`` makes it
+incomplete; refused parameters cost no work; ``text.format`` gives JSON of the format (on the
+default model, an instruct model), which the SDK's ``parse`` and ``stream`` read into a pydantic
+model. The reference engine runs in a worker thread: the services share this event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+from support.real_cluster import MODEL_NAME, RealCluster, Reference
+
+from pdserve.engine.model_store import ResolvedModel
+
+INSTRUCTIONS = "You explain serving systems."
+ITEMS: list[Any] = [
+    {"role": "user", "content": [{"type": "input_text", "text": "What is PD disaggregation?"}]},
+    {"type": "message", "role": "assistant", "status": "completed", "id": "msg_1",
+     "content": [{"type": "output_text", "text": "Prefill and decode apart.", "annotations": []}]},
+    {"role": "developer", "content": "Answer in one sentence."},
+    {"role": "user", "content": "Why?"},
+]  # fmt: skip
+MESSAGES = [
+    {"role": "system", "content": INSTRUCTIONS},
+    {"role": "user", "content": "What is PD disaggregation?"},
+    {"role": "assistant", "content": "Prefill and decode apart."},
+    {"role": "system", "content": "Answer in one sentence."},
+    {"role": "user", "content": "Why?"},
+]
+SAMPLING = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "first_stage": {"enum": ["prefill", "decode"]},
+        "num_stages": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["first_stage", "num_stages"],
+    "additionalProperties": False,
+}
+QUESTION = "Which stage of LLM serving comes first, and how many stages are there?"
+
+
+class Pipeline(pydantic.BaseModel):
+    """What the SDK's helpers parse the output into (it sends the model's strict schema)."""
+
+    first_stage: Literal["prefill", "decode"]
+    num_stages: int
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path) -> Reference:
+    return Reference(demo_model_dir)
+
+
+@pytest.fixture
+async def cluster(demo_model_dir: Path) -> AsyncIterator[RealCluster]:
+    real = RealCluster(demo_model_dir)
+    try:
+        yield await real.start()
+    finally:
+        await real.close()
+
+
+@pytest.fixture
+async def smollm2_cluster(smollm2: ResolvedModel) -> AsyncIterator[RealCluster]:
+    """The default model (an instruct model, unlike the demo model) served in one process."""
+    real = RealCluster(smollm2.path)
+    try:
+        yield await real.start()
+    finally:
+        await real.close()
+
+
+def _request(max_output_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A Responses request of the conversation; the seed and the stop ids are extensions."""
+    sampling = {"temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"]}
+    return {"model": MODEL_NAME, "instructions": INSTRUCTIONS, "input": ITEMS,
+            "max_output_tokens": max_output_tokens, **sampling,
+            "extra_body": {"seed": SAMPLING["seed"], **extra}}  # fmt: skip
+
+
+async def test_a_seeded_response_equals_the_chat_path_and_the_engine(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    expected = await asyncio.to_thread(reference.chat, MESSAGES, **SAMPLING, max_tokens=24)
+    client = cluster.openai()
+    response = await client.responses.create(**_request(24))
+    chat = await client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=24, **SAMPLING
+    )
+    assert response.output_text == chat.choices[0].message.content == reference.text(expected)
+    assert response.usage is not None and chat.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.input_tokens == len(reference.tokenizer.encode_chat(MESSAGES))
+    assert response.usage.output_tokens == len(expected)
+    await cluster.assert_whole()
+
+
+async def test_streamed_events_add_up_to_the_engines_text(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    expected = await asyncio.to_thread(reference.chat, MESSAGES, **SAMPLING, max_tokens=24)
+    stream = await cluster.openai().responses.create(**_request(24), stream=True)
+    events = [event async for event in stream]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert "".join(deltas) == last.response.output_text == reference.text(expected)
+    await cluster.assert_whole()
+
+
+async def test_the_stream_helper_completes_on_a_stop_and_is_incomplete_on_max_output_tokens(
+    cluster: RealCluster, reference: Reference
+) -> None:
+    free = await asyncio.to_thread(reference.chat, MESSAGES, **SAMPLING, max_tokens=24)
+    # NOTE: a token first generated at index 5 or later, as a stop id, ends the completion.
+    stop_id = next(t for i, t in enumerate(free) if i >= 5 and t not in free[:i])
+    expected = free[: free.index(stop_id) + 1]
+    client = cluster.openai()
+    async with client.responses.stream(**_request(24, stop_token_ids=[stop_id])) as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert final.status == "completed" and final.incomplete_details is None
+    assert "".join(deltas) == final.output_text == reference.text(expected)
+    assert final.usage is not None and final.usage.output_tokens == len(expected)
+
+    async with client.responses.stream(**_request(4)) as stream:
+        events = [event async for event in stream]
+    last = events[-1]
+    assert last.type == "response.incomplete"
+    assert last.response.incomplete_details is not None
+    assert last.response.incomplete_details.reason == "max_output_tokens"
+    assert last.response.usage is not None and last.response.usage.output_tokens == 4
+    assert last.response.output_text == reference.text(free[:4])
+    await cluster.assert_whole()
+
+
+async def test_refused_parameters_are_400s_before_any_work(cluster: RealCluster) -> None:
+    client = cluster.openai()
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        await client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="r_1")
+    tool = {"type": "function", "name": "f", "parameters": {}, "strict": True}
+    with pytest.raises(openai.BadRequestError, match="function tools are not supported yet"):
+        await client.responses.create(model=MODEL_NAME, input="hi", tools=[tool])
+    status = await cluster.pool_status(cluster.decodes[0].address)
+    assert status.pool.num_free_blocks == status.pool.num_total_blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "text_format",
+    [{"type": "json_schema", "name": "pipeline", "schema": SCHEMA, "strict": True},
+     {"type": "json_object"}],
+    ids=["json_schema", "json_object"],
+)  # fmt: skip
+async def test_structured_output_is_json_that_matches_the_format(
+    smollm2_cluster: RealCluster, text_format: dict[str, Any]
+) -> None:
+    response = await smollm2_cluster.openai().responses.create(
+        model=MODEL_NAME,
+        instructions="Answer with JSON only.",
+        input=QUESTION,
+        max_output_tokens=96,
+        temperature=0,
+        text={"format": text_format},
+    )
+    assert response.status == "completed"
+    value = json.loads(response.output_text)
+    assert isinstance(value, dict)
+    if text_format["type"] == "json_schema":
+        jsonschema.validate(value, SCHEMA)
+
+
+@pytest.mark.slow
+async def test_the_sdk_parses_structured_output_into_a_model(smollm2_cluster: RealCluster) -> None:
+    client = smollm2_cluster.openai()
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "input": QUESTION, "text_format": Pipeline,
+                              "temperature": 0, "max_output_tokens": 64}  # fmt: skip
+    parsed = await client.responses.parse(**kwargs)
+    assert parsed.status == "completed"
+    assert isinstance(parsed.output_parsed, Pipeline)
+    async with client.responses.stream(**kwargs) as stream:
+        deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed
+    assert "".join(deltas) == final.output_text == parsed.output_text
