@@ -69,10 +69,12 @@ class Cluster:
         *,
         num_queued_prompt_tokens: int = 0,
         is_registered: bool = True,
+        max_model_len: int = MAX_MODEL_LEN,
     ) -> FakePrefill:
         """Starts a fake prefill and registers it (reporting the given queue length)."""
         prefill = await start_instance(FakePrefill(instance_id))
         assert isinstance(prefill, FakePrefill)
+        prefill.max_model_len = max_model_len
         prefill.queued_prompt_tokens = num_queued_prompt_tokens
         self.prefills.append(prefill)
         if is_registered:
@@ -85,10 +87,12 @@ class Cluster:
         *,
         num_total_blocks: int = 1000,
         is_registered: bool = True,
+        max_model_len: int = MAX_MODEL_LEN,
     ) -> FakeDecode:
         """Starts a fake decode and registers it (more blocks: preferred by the router)."""
         decode = await start_instance(FakeDecode(instance_id, num_total_blocks))
         assert isinstance(decode, FakeDecode)
+        decode.max_model_len = max_model_len
         self.decodes.append(decode)
         if is_registered:
             await register(self.internal_address, decode)

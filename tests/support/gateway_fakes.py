@@ -165,6 +165,15 @@ class InstanceKnobs:
     pause_after: int | None = None
     hold_before_handoff: bool = False
     eos_index: int | None = None
+    script: bytes | None = None  # the completion's bytes (token id == byte), then EOS
+
+    def token(self, prompt_token_ids: Sequence[int], seed: int, index: int) -> int:
+        """The token at completion `index`: the script's, else `fake_token`'s (or EOS)."""
+        if self.script is not None:
+            return self.script[index] if index < len(self.script) else EOS_TOKEN_ID
+        if index == self.eos_index:
+            return EOS_TOKEN_ID
+        return fake_token(prompt_token_ids, seed, index)
 
 
 class FakeInstance:
@@ -175,6 +184,7 @@ class FakeInstance:
         self.instance_id = instance_id
         self.knobs = InstanceKnobs()
         self.num_total_blocks = num_total_blocks
+        self.max_model_len = MAX_MODEL_LEN
         self.address = ""
         self.protocol_version = PROTOCOL_VERSION
         self.layout = kv_layout()
@@ -190,7 +200,7 @@ class FakeInstance:
             protocol=common_pb2.Protocol(version=self.protocol_version, features=list(FEATURES)),
             kv_layout=self.layout,
             model_name=MODEL_NAME,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.max_model_len,
         )
 
     def load(self) -> common_pb2.LoadReport:
@@ -329,11 +339,7 @@ class FakeDecode(FakeInstance, decode_pb2_grpc.DecodeServiceServicer):
                         batch = []
                     self.paused.set()
                     await self.resume.wait()
-                token = (
-                    EOS_TOKEN_ID
-                    if index == knobs.eos_index
-                    else fake_token(prompt, sampling.seed, index)
-                )
+                token = knobs.token(prompt, sampling.seed, index)
                 generated.append(token)
                 batch.append(token)
                 if len(batch) >= BATCH_SIZE:
@@ -397,9 +403,7 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
         num_prompt = request.num_prompt_tokens or len(request.token_ids)
         index = len(request.token_ids) - num_prompt
         sampling = request.sampling
-        first = fake_token(request.token_ids[:num_prompt], sampling.seed, index)
-        if index == self.knobs.eos_index:
-            first = EOS_TOKEN_ID
+        first = self.knobs.token(request.token_ids[:num_prompt], sampling.seed, index)
         channel = insecure_channel(request.decode.address)
         decode = decode_pb2_grpc.DecodeServiceStub(channel)
         lease_id = ""
@@ -489,7 +493,7 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
             tokenizer_config_json=json.dumps(TOKENIZER_CONFIG),
             chat_template=CHAT_TEMPLATE,
             eos_token_ids=[EOS_TOKEN_ID],
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.max_model_len,
             kv_layout=self.layout,
             instance=self.info(),
         )

@@ -44,6 +44,9 @@ def test_defaults_and_flags() -> None:
         "--no-cache-aware-routing", "--cache-balance-tokens", "0", "--cache-memory-blocks", "9"
     ).cache_routing()
     assert routing == CacheRouting(is_enabled=False, balance_tokens=0, memory_blocks=9)
+    assert (defaults.tool_call_parser, defaults.request_limits().max_tools) == ("auto", 128)
+    tools = _parse("--tool-call-parser", "llama3_json", "--max-tools", "4")
+    assert (tools.tool_call_parser, tools.request_limits().max_tools) == ("llama3_json", 4)
 
 
 @pytest.mark.parametrize(
@@ -60,6 +63,7 @@ def test_defaults_and_flags() -> None:
         (["--api-key-file", " "], "api_key_file"),
         (["--cache-balance-tokens", "-1"], "cache_balance_tokens"),
         (["--cache-memory-blocks", "0"], "cache_memory_blocks"),
+        (["--max-tools", "0"], "max_tools"),
     ],
 )
 def test_bad_settings_are_refused(argv: list[str], message: str) -> None:
@@ -94,6 +98,8 @@ def test_help_explains_the_flags() -> None:
     assert bad.returncode == 2 and "max_attempts must be >= 1" in bad.stderr
     for flag in ("--api-key-file", "--requests-per-minute-per-key", "NAME:KEY"):
         assert flag in result.stdout
+    for text in ("--tool-call-parser {auto,hermes,llama3_json}", "<tool_call>", "--max-tools"):
+        assert text in result.stdout
 
 
 def test_a_malformed_key_file_is_a_usage_error(tmp_path: Path) -> None:

@@ -159,9 +159,12 @@ LIMIT_CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str, str]] = [
      {"text": "x", "max_tokens": 21}, "invalid_request", "max_tokens"),
     ("top_k_2_32", COMPLETIONS, {"prompt": "x", "top_k": 2**32}, {"text": "x"},
      "invalid_request", "top_k"),
-    ("developer_ok_tool_not", CHAT,
+    ("developer_ok_tool_needs_its_call", CHAT,
      {"messages": [{"role": "developer", "content": "be brief"}, {"role": "tool", "content": "x"}]},
-     {"chat": [("developer", "be brief"), ("tool", "x")]}, "invalid_request", "messages[1].role"),
+     {"chat": [("developer", "be brief"), ("tool", "x")]}, "invalid_request",
+     "messages[1].tool_call_id"),
+    ("unknown_role", CHAT, {"messages": [{"role": "robot", "content": "x"}]},
+     {"chat": [("robot", "x")]}, "invalid_request", "messages[0].role"),
 ]  # fmt: skip
 
 

@@ -28,6 +28,9 @@ def _chat(**fields: Any) -> dict[str, Any]:
 
 
 TOOL = [{"role": "tool", "content": "x"}]
+FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+CALLED = [*MESSAGES, {"role": "assistant", "tool_calls": [CALL]}]
 TOO_MANY_TOKENS = _completion(prompt="y" * 100, max_tokens=MAX_MODEL_LEN)
 IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]
 BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
@@ -59,10 +62,51 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("too_many_prompts", COMPLETIONS, _completion(prompt=["a"] * 65), 400, "prompt"),
     ("max_tokens_zero_without_echo", COMPLETIONS, _completion(max_tokens=0, logprobs=1), 400,
      "max_tokens"),
-    ("tools", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("tool_without_function", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
     ("unknown_field", COMPLETIONS, _completion(best_guess=1), 400, "best_guess"),
-    ("tool_role", CHAT, _chat(messages=TOOL), 400, "messages[0].role"),
+    ("tool_without_call_id", CHAT, _chat(messages=TOOL), 400, "messages[0].tool_call_id"),
     ("image_part", CHAT, _chat(messages=IMAGE), 400, "messages"),
+    # per role, as the OpenAI API checks messages
+    ("user_without_content", CHAT, _chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    ("user_content_null", CHAT, _chat(messages=[{"role": "user", "content": None}]), 400,
+     "messages[0].content"),
+    ("system_without_content", CHAT, _chat(messages=[{"role": "system"}, *MESSAGES]), 400,
+     "messages[0].content"),
+    ("assistant_without_content_or_calls", CHAT, _chat(messages=[*MESSAGES,
+     {"role": "assistant"}, *MESSAGES]), 400, "messages[1].content"),
+    ("tool_answering_no_call", CHAT, _chat(messages=[*CALLED, {"role": "tool",
+     "tool_call_id": "call_2", "content": "x"}]), 400, "messages[2].tool_call_id"),
+    ("tool_before_its_call", CHAT, _chat(messages=[*MESSAGES, {"role": "tool",
+     "tool_call_id": "call_1", "content": "x"}, *CALLED[1:]]), 400, "messages[1].tool_call_id"),
+    ("tool_without_content", CHAT, _chat(messages=[*CALLED, {"role": "tool",
+     "tool_call_id": "call_1"}]), 400, "messages[2].content"),
+    ("user_with_tool_calls", CHAT, _chat(messages=[{"role": "user", "content": "x",
+     "tool_calls": [CALL]}]), 400, "messages[0].tool_calls"),
+    ("user_with_tool_call_id", CHAT, _chat(messages=[{"role": "user", "content": "x",
+     "tool_call_id": "call_1"}]), 400, "messages[0].tool_call_id"),
+    ("call_with_empty_id", CHAT, _chat(messages=[*MESSAGES, {"role": "assistant",
+     "tool_calls": [{**CALL, "id": ""}]}]), 400, "messages[1].tool_calls[0].id"),
+    ("call_without_function", CHAT, _chat(messages=[*MESSAGES, {"role": "assistant",
+     "tool_calls": [{"id": "c", "type": "function"}]}]), 400, "messages"),
+    ("unknown_role", CHAT, _chat(messages=[{"role": "robot", "content": "x"}]), 400,
+     "messages[0].role"),
+    # tools and tool_choice
+    ("tool_bad_name", CHAT, _chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+     400, "tools[0].function.name"),
+    ("tool_name_twice", CHAT, _chat(tools=[FUNCTION, FUNCTION]), 400, "tools[1].function.name"),
+    ("tool_not_a_function", CHAT, _chat(tools=[{"type": "retrieval"}]), 400, "tools"),
+    ("too_many_tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": f"f{i}"}}
+     for i in range(129)]), 400, "tools"),
+    ("tool_choice_without_tools", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    ("tool_choice_unknown_mode", CHAT, _chat(tools=[FUNCTION], tool_choice="always"), 400,
+     "tool_choice"),
+    ("tool_choice_names_no_tool", CHAT, _chat(tools=[FUNCTION], tool_choice={"type": "function",
+     "function": {"name": "g"}}), 400, "tool_choice"),
+    ("forced_call_ignoring_eos", CHAT, _chat(tools=[FUNCTION], tool_choice="required",
+     ignore_eos=True), 400, "ignore_eos"),
+    ("functions", CHAT, _chat(functions=[{"name": "f"}]), 400, "functions"),
+    ("forced_call_and_response_format", CHAT, _chat(tools=[FUNCTION], tool_choice="required",
+     response_format={"type": "json_object"}), 400, "tool_choice"),
     ("empty_prompt", COMPLETIONS, _completion(prompt=""), 400, "prompt"),
     ("token_out_of_vocab", COMPLETIONS, _completion(prompt=[1, 99999]), 400, "prompt"),
     ("empty_stop", COMPLETIONS, _completion(stop=[""]), 400, "stop"),

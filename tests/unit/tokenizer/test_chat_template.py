@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pdserve.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
+from pdserve.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer, ToolSupport
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hi"}],
@@ -129,3 +129,30 @@ def test_no_chat_template(demo_tokenizer: Tokenizer) -> None:
     assert tokenizer.chat_template is None
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tokenizer.encode_chat([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("source", "support"),
+    [
+        # renders every message's text and nothing else (SmolLM2's kind)
+        ("{% for m in messages %}{{ m.role }}: {{ m['content'] }}\n{% endfor %}",
+         ToolSupport(system=True, tools=False, tool_calls=False, tool_responses=True)),
+        # adds text to content: a message without content fails, so calls are not rendered
+        ("{% for m in messages %}{{ m.role + ': ' + m['content'] }}{% endfor %}",
+         ToolSupport(system=True, tools=False, tool_calls=False, tool_responses=True)),
+        # refuses roles it does not know
+        ("{% for m in messages %}{% if m.role not in ('user', 'assistant') %}"
+         "{{ raise_exception('bad role') }}{% endif %}{{ m.content }}{% endfor %}",
+         ToolSupport(system=False, tools=False, tool_calls=False, tool_responses=False)),
+        # renders tools and calls
+        ("{{ tools | tojson }}{% for m in messages %}{{ m.content }}"
+         "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{% endfor %}",
+         ToolSupport(system=True, tools=True, tool_calls=True, tool_responses=True)),
+    ],
+)  # fmt: skip
+def test_tool_support_is_probed_by_rendering(source: str, support: ToolSupport) -> None:
+    assert ChatTemplate(source).tool_support == support
+
+
+def test_a_model_without_a_template_renders_no_tool_parts(byte_level_bpe: Tokenizer) -> None:
+    assert not any(byte_level_bpe.tool_support)

@@ -194,12 +194,15 @@ def resolve_seed(seed: int | None, rng: random.Random | None = None) -> int:
 class FinishReason(enum.Enum):
     """Why a request ended, in OpenAI's vocabulary.
 
-    Only STOP and LENGTH travel in the contract; ABORT is the colocated engine's own ending of a
-    request it was told to abort (a service reports that as an error status instead).
+    STOP and LENGTH travel between the services; TOOL_CALLS only from the gateway to its clients
+    (a completion of a request with tools that ended with tool calls); ABORT is the colocated
+    engine's own ending of a request it was told to abort (a service reports that as an error
+    status instead).
     """
 
     STOP = "stop"  # an end-of-sequence id or a stop token id
     LENGTH = "length"  # max_tokens or the model's maximum length
+    TOOL_CALLS = "tool_calls"  # the completion ended with tool calls (the gateway's reading)
     ABORT = "abort"
 
 

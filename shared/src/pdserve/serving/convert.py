@@ -33,6 +33,7 @@ _KV_DTYPES = {
 _FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.TOOL_CALLS: common_pb2.FINISH_REASON_TOOL_CALLS,
 }
 _FINISH_REASONS_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in _FINISH_REASONS.items()}
 

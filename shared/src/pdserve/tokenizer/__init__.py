@@ -5,7 +5,7 @@ This package must not import torch: the gateway uses it and does not install tor
 
 from __future__ import annotations
 
-from pdserve.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.tokenizer.chat_template import ChatTemplate, ChatTemplateError, ToolSupport
 from pdserve.tokenizer.config import TokenizerConfig
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer, SupportsDecode
 from pdserve.tokenizer.stop import StopMatch, StopStringMatcher
@@ -23,4 +23,5 @@ __all__ = [
     "TextStream",
     "Tokenizer",
     "TokenizerConfig",
+    "ToolSupport",
 ]

@@ -10,10 +10,11 @@ HTML, the ``raise_exception`` and ``strftime_now`` globals, and ``{% generation 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import jinja2
 import jinja2.ext
@@ -91,6 +92,35 @@ def _plain(value: Any) -> Any:
     raise ChatTemplateError(f"chat inputs must be JSON-like data, got {type(value).__name__}")
 
 
+class ToolSupport(NamedTuple):
+    """What of a tool conversation a chat template renders (found by rendering probes, as
+    llama.cpp's minja does: a template that ignores a part leaves the probe's marker out).
+
+    Attributes:
+        system: ``system`` messages.
+        tools: The ``tools`` variable (the functions offered).
+        tool_calls: Assistant messages' ``tool_calls``.
+        tool_responses: ``tool`` messages.
+    """
+
+    system: bool
+    tools: bool
+    tool_calls: bool
+    tool_responses: bool
+
+
+_PROBE_TOOL = "pdserve_probe_tool"
+_PROBE_ARGUMENT = "pdserve_probe_argument"
+_PROBE_RESULT = "pdserve_probe_result"
+_PROBE_SYSTEM = "pdserve_probe_system"
+_PROBE_USER = {"role": "user", "content": "Hi"}
+_PROBE_CALL = {
+    "id": "call_probe",
+    "type": "function",
+    "function": {"name": _PROBE_TOOL, "arguments": {_PROBE_ARGUMENT: 1}},
+}
+
+
 class ChatTemplate:
     """A compiled chat template.
 
@@ -113,6 +143,39 @@ class ChatTemplate:
     def source(self) -> str:
         """The Jinja source of the template."""
         return self._source
+
+    @functools.cached_property
+    def tool_support(self) -> ToolSupport:
+        """What of a tool conversation the template renders (probed once per template)."""
+        tool = {
+            "type": "function",
+            "function": {
+                "name": _PROBE_TOOL,
+                "description": "A probe.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {_PROBE_ARGUMENT: {"type": "integer"}},
+                },
+            },
+        }
+        system = {"role": "system", "content": _PROBE_SYSTEM}
+        calling = {"role": "assistant", "tool_calls": [_PROBE_CALL]}
+        has_calls = self._shows(_PROBE_TOOL, [_PROBE_USER, calling])
+        answered = calling if has_calls else {"role": "assistant", "content": "Let me see."}
+        result = {"role": "tool", "tool_call_id": "call_probe", "content": _PROBE_RESULT}
+        return ToolSupport(
+            system=self._shows(_PROBE_SYSTEM, [system, _PROBE_USER]),
+            tools=self._shows(_PROBE_TOOL, [_PROBE_USER], tools=[tool]),
+            tool_calls=has_calls,
+            tool_responses=self._shows(_PROBE_RESULT, [_PROBE_USER, answered, result]),
+        )
+
+    def _shows(self, marker: str, messages: list[dict[str, Any]], **variables: Any) -> bool:
+        """Whether rendering `messages` succeeds and writes `marker`."""
+        try:
+            return marker in self.render(messages, **variables)
+        except ChatTemplateError:
+            return False
 
     def render(
         self,

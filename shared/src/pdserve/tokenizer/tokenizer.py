@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 import tokenizers
 
-from pdserve.tokenizer.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.tokenizer.chat_template import ChatTemplate, ChatTemplateError, ToolSupport
 from pdserve.tokenizer.config import TokenizerConfig
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -204,6 +204,14 @@ class Tokenizer:
         end) decode to U+FFFD. Ids outside the vocabulary are ignored.
         """
         return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def tool_support(self) -> ToolSupport:
+        """What of a tool conversation the model's chat template renders (nothing without
+        one)."""
+        if self._chat_template is None:
+            return ToolSupport(system=False, tools=False, tool_calls=False, tool_responses=False)
+        return self._chat_template.tool_support
 
     def apply_chat_template(
         self,

@@ -35,6 +35,8 @@ examples:
   pdserve-gateway --prefill 10.0.0.5:50061 --decode 10.0.0.6:50071 --decode 10.0.0.7:50071
   # or share the instances registered in etcd with other gateways (instances: --registry too)
   pdserve-gateway --registry etcd://10.0.0.2:2379
+  # read tool calls as Llama 3 writes them, whatever the model's chat template says
+  pdserve-gateway --tool-call-parser llama3_json
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "demo", "prompt": "Hello", "max_tokens": 16}'
 """

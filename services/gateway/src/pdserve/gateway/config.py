@@ -10,6 +10,7 @@ from pdserve.gateway.config_fields import limit_field, queue_field, routing_fiel
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.routing.policy import CacheRouting
 from pdserve.gateway.routing.queue_bounds import QueueLimits
+from pdserve.gateway.tools.formats import AUTO, TOOL_CALL_PARSERS
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
@@ -165,6 +166,18 @@ class GatewayConfig(ServiceConfig):
     max_n: int = limit_field("max_n")
     max_prompts: int = limit_field("max_prompts")
     max_logit_bias: int = limit_field("max_logit_bias")
+    max_tools: int = limit_field("max_tools")
+    tool_call_parser: str = field(
+        default=AUTO,
+        metadata={
+            "help": "how tool calls are read from a model's output (tool_choice auto) and "
+            "shown to a model whose chat template does not render tools: hermes "
+            "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3, SmolLM), llama3_json "
+            '({"name": ..., "parameters": ...}: Llama 3.1-3.3); auto picks llama3_json for a '
+            "Llama 3 chat template and hermes otherwise",
+            "choices": TOOL_CALL_PARSERS,
+        },
+    )
     max_constraint_chars: int = limit_field("max_constraint_chars")
     max_concurrent_requests: int = field(
         default=512,
@@ -283,6 +296,7 @@ class GatewayConfig(ServiceConfig):
             max_n=self.max_n,
             max_prompts=self.max_prompts,
             max_logit_bias=self.max_logit_bias,
+            max_tools=self.max_tools,
             max_constraint_chars=self.max_constraint_chars,
         )
 

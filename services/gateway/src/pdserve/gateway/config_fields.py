@@ -33,6 +33,7 @@ LIMIT_HELP = {
     "max_n": "completions one request may ask for (n)",
     "max_prompts": "prompts of one completions request (a list of prompts)",
     "max_logit_bias": "logit_bias entries of one request",
+    "max_tools": "tools (functions) of one chat request",
     "max_constraint_chars": "characters of one request's constraint (schema, regex, grammar or "
     "choices together)",
 }

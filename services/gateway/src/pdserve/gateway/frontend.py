@@ -4,8 +4,9 @@ A front end turns its request into `GenerationParams`, calls `Frontend.prepare` 
 a typed `PdserveError` for anything wrong, before any instance is asked to work) and then
 iterates `Streamer.stream` (`pdserve.gateway.streaming`), which yields `OutputDelta`s: text and
 token ids as they arrive, and a last delta with the finish reason and exact usage. Preparing
-(validation, tokenization, max_tokens defaults, the seed) is here; running and recording a
-request is the streamer's.
+(validation, tokenization, max_tokens defaults, the seed, and for tools the model's call format,
+the constraint of a forced call and how the completion is read: `pdserve.gateway.tools`) is
+here; running and recording a request is the streamer's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_
 from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.routing.router import Router
+from pdserve.gateway.tools.formats import AUTO, ToolCallFormat, resolve_format
+from pdserve.gateway.tools.plan import plan_tools
+from pdserve.tokenizer import Tokenizer
 
 _tracer = telemetry.tracer("pdserve.gateway")
 
@@ -50,6 +54,8 @@ class Frontend:
         default_chat_max_tokens: max_tokens of a chat request that sets none (lowered to what
             fits in the model's length after the prompt).
         rng: Source of seeds for requests without one.
+        tool_call_parser: ``--tool-call-parser``: the tool-call format of every model
+            (``auto``: each model's, from its chat template).
     """
 
     def __init__(
@@ -63,6 +69,7 @@ class Frontend:
         default_max_tokens: int = 16,
         default_chat_max_tokens: int = 1024,
         rng: random.Random | None = None,
+        tool_call_parser: str = AUTO,
     ) -> None:
         self._registry = registry
         self._router = router
@@ -72,6 +79,7 @@ class Frontend:
         self._default_max_tokens = default_max_tokens
         self._default_chat_max_tokens = default_chat_max_tokens
         self._rng = rng or random.SystemRandom()
+        self._tool_call_parser = tool_call_parser
         self.is_draining = False
 
     @property
@@ -100,8 +108,13 @@ class Frontend:
             PdserveError: As `prepare` for the model and the prompt.
         """
         info = await self._info(params)
-        token_ids = await self._workers.run(tokenize_prompt, params, info.tokenizer)
+        call_format = self._call_format(info.tokenizer)
+        token_ids = await self._workers.run(tokenize_prompt, params, info.tokenizer, call_format)
         return token_ids, self._max_model_len(params.model, info)
+
+    def _call_format(self, tokenizer: Tokenizer) -> ToolCallFormat:
+        """The model's tool-call format (``--tool-call-parser``, or its template's)."""
+        return resolve_format(self._tool_call_parser, tokenizer.chat_template)
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         """The text of `token_ids` (special tokens kept).
@@ -171,14 +184,18 @@ class Frontend:
         tokenizer = info.tokenizer
         max_model_len = self._max_model_len(params.model, info)
         prompt_param = "messages" if params.messages is not None else "prompt"
+        call_format = self._call_format(tokenizer)
+        tool_plan = plan_tools(params.tools, params.tool_choice, call_format)
         if params.token_ids is not None:
             # NOTE: checked before anything walks the ids (the vocabulary check below).
             self._check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
             prompt_token_ids = list(params.token_ids)
         elif is_short_prompt(params):
-            prompt_token_ids = tokenize_prompt(params, tokenizer)
+            prompt_token_ids = tokenize_prompt(params, tokenizer, call_format)
         else:
-            prompt_token_ids = await self._workers.run(tokenize_prompt, params, tokenizer)
+            prompt_token_ids = await self._workers.run(
+                tokenize_prompt, params, tokenizer, call_format
+            )
         num_prompt_tokens = len(prompt_token_ids)
         self._check_prompt_length(num_prompt_tokens, max_model_len, prompt_param)
         if not prompt_token_ids:
@@ -219,6 +236,7 @@ class Frontend:
             echo=params.echo,
             is_prompt_only=max_tokens == 0,
             prompt_text=params.text,
+            tool_plan=tool_plan,
         )
 
     def _check_prompt_length(self, num_tokens: int, max_model_len: int, param: str) -> None:

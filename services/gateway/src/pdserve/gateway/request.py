@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams, TokenLogprobs
+from pdserve.gateway.tools.spec import ToolCallDelta
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class OutputDelta:
         usage: Set on the last delta only.
         logprobs: One entry per token of `token_ids` when the request asks for logprobs.
         prompt_logprobs: The prompt's logprobs (first delta only, when asked).
+        tool_calls: Steps of the tool calls read from the completion (a request with tools);
+            `text` is then the text outside them.
     """
 
     text: str
@@ -108,6 +111,7 @@ class OutputDelta:
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 def remaining_s(request: GenerationRequest, deadline: float) -> float:

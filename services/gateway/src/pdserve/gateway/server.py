@@ -113,6 +113,7 @@ class GatewayServer:
             limits=config.request_limits(),
             default_max_tokens=config.default_max_tokens,
             default_chat_max_tokens=config.default_chat_max_tokens,
+            tool_call_parser=config.tool_call_parser,
         )
         self.app: FastAPI = create_rest_app(
             self.frontend,

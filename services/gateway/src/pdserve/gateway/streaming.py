@@ -27,6 +27,7 @@ from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
 from pdserve.gateway.request import GenerationEnd, OutputDelta, Usage
 from pdserve.gateway.text import CompletionText
+from pdserve.gateway.tools.output import with_tool_calls
 
 log = structlog.get_logger("pdserve.gateway.streaming")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -64,7 +65,7 @@ class Streamer:
             return False
         return True
 
-    async def stream(
+    def stream(
         self, prepared: PreparedRequest, trace_context: Context | None = None
     ) -> AsyncGenerator[OutputDelta, None]:
         """Runs a prepared request under its span ``gateway.request``.
@@ -73,12 +74,19 @@ class Streamer:
             prepared: From `Frontend.prepare`.
             trace_context: Parent of the request's span (default: the current context).
 
-        Yields:
-            Deltas of text and tokens; the last one has finish_reason and usage.
-
-        Raises:
-            PdserveError: The error that ended the request.
+        Returns:
+            Deltas of text and tokens (with the tool calls read out, for a request with a
+            tool plan: `pdserve.gateway.tools.output`); the last one has finish_reason and
+            usage. Iterating raises the `PdserveError` that ended the request.
         """
+        deltas = self._stream(prepared, trace_context)
+        if prepared.tool_plan is None:
+            return deltas
+        return with_tool_calls(deltas, prepared.tool_plan)
+
+    async def _stream(
+        self, prepared: PreparedRequest, trace_context: Context | None
+    ) -> AsyncGenerator[OutputDelta, None]:
         request = prepared.request
         loop = asyncio.get_running_loop()
         started = loop.time()

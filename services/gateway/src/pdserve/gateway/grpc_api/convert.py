@@ -10,6 +10,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 from pdserve.gateway.request import OutputDelta, Usage
+from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
 from pdserve.serving.convert import (
     constraint_from_proto,
     finish_reason_to_proto,
@@ -41,7 +42,7 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         kind=PromptKind.CHAT if kind == "chat" else PromptKind.COMPLETION,
         text=message.text if kind == "text" else None,
         token_ids=tuple(message.token_ids.token_ids) if kind == "token_ids" else None,
-        messages=tuple(ChatMessage(m.role, m.content) for m in message.chat.messages)
+        messages=tuple(_message_from_pb(m) for m in message.chat.messages)
         if kind == "chat"
         else None,
         max_tokens=sampling.max_tokens,
@@ -63,10 +64,57 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
         n=message.n or 1,
+        tools=tuple(_tool_from_pb(tool) for tool in message.tools),
+        tool_choice=_tool_choice_from_pb(message),
+        parallel_tool_calls=(
+            message.parallel_tool_calls if message.HasField("parallel_tool_calls") else True
+        ),
         constraint=_constraint(sampling),
         constraint_name="sampling.constraint",
     )
     return params
+
+
+def _message_from_pb(message: generation_pb2.ChatMessage) -> ChatMessage:
+    """A chat message (proto3 has no absent text: an assistant message with calls and empty
+    text has none)."""
+    calls = tuple(
+        ToolCall(call.id, call.function.name, call.function.arguments)
+        for call in message.tool_calls
+    )
+    content = None if calls and not message.content else message.content
+    return ChatMessage(
+        message.role, content, message.name or None, calls, message.tool_call_id or None
+    )
+
+
+def _tool_from_pb(tool: generation_pb2.Tool) -> FunctionTool:
+    function = tool.function
+    return FunctionTool(
+        function.name,
+        function.description or None,
+        function.parameters or None,
+        function.strict if function.HasField("strict") else None,
+    )
+
+
+_TOOL_CHOICE_MODES = {
+    generation_pb2.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
+    generation_pb2.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO,
+    generation_pb2.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED,
+}
+
+
+def _tool_choice_from_pb(message: generation_pb2.GenerateRequest) -> ToolChoice | None:
+    """The request's tool_choice (None: unset, the default)."""
+    if not message.HasField("tool_choice"):
+        return None
+    choice = message.tool_choice
+    which = choice.WhichOneof("choice")
+    if which == "function_name":
+        return ToolChoice(ToolChoiceMode.FUNCTION, choice.function_name)
+    mode = _TOOL_CHOICE_MODES.get(choice.mode) if which == "mode" else None
+    return None if mode is None else ToolChoice(mode)
 
 
 def _constraint(sampling: common_pb2.SamplingParams) -> Constraint | None:
@@ -114,6 +162,10 @@ def generate_response_to_pb(
         prompt_logprobs=[logprobs_to_proto(lp) for lp in delta.prompt_logprobs],
         index=index,
     )
+    for call in delta.tool_calls:
+        message.tool_calls.add(
+            index=call.index, id=call.id or "", name=call.name or "", arguments=call.arguments
+        )
     if delta.finish_reason is not None:
         message.finish_reason = finish_reason_to_proto(delta.finish_reason)
     if delta.usage is not None:

@@ -47,6 +47,7 @@ def parse_generate_request(raw: bytes, limits: RequestLimits) -> GenerateBody:
         num_prompt_tokens=len(request.token_ids.token_ids),
         num_stop_strings=len(request.stop),
         num_stop_token_ids=len(request.sampling.stop_token_ids),
+        num_tools=len(request.tools),
     )
     params = validate_request(convert.generation_params_from_pb(request), limits)
     return GenerateBody(params, request.include_prompt_token_ids)

@@ -102,6 +102,7 @@ def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenA
         num_messages=len(getattr(body, "messages", ())),
         num_stop_strings=len(body.stop) if isinstance(body.stop, list) else 0,
         num_stop_token_ids=len(body.stop_token_ids or ()),
+        num_tools=len(getattr(body, "tools", None) or ()),
     )
     prompts = body.to_params()
     if len(prompts) > limits.max_prompts:

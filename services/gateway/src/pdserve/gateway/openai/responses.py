@@ -22,6 +22,7 @@ from pdserve.common.generation import TokenLogprobs
 from pdserve.gateway.access.admission import Admission
 from pdserve.gateway.openai.http import error_body
 from pdserve.gateway.openai.parsing import OpenAIBody
+from pdserve.gateway.openai.tool_calls import chat_message, tool_call_chunk
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta
 from pdserve.tokenizer import Tokenizer
@@ -238,7 +239,7 @@ class Responder:
         last = deltas[-1] if deltas else None
         choice: dict[str, Any] = {"index": index, "logprobs": None}
         if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = chat_message(text, [c for d in deltas for c in d.tool_calls])
             if self.num_top is not None:
                 choice["logprobs"] = self._chat_logprobs(index, token_ids, logprobs)
         else:
@@ -258,17 +259,21 @@ class Responder:
         return choice
 
     def chunk(self, index: int, delta: OutputDelta, is_first: bool) -> dict[str, Any] | None:
-        """One streamed chunk of choice `index`, or None when the delta carries nothing."""
+        """One streamed chunk of choice `index`, or None when the delta carries nothing the
+        client sees (tokens whose text is held back, in a call's markup for instance, show
+        only with token ids, logprobs or usage on every chunk)."""
         echo = is_first and self._prompt(index).echo and not self.is_chat
+        self._num_tokens[index] += len(delta.token_ids)
+        shows_tokens = self.return_token_ids or self.num_top is not None or self.continuous_usage
         if not (
             delta.text
-            or delta.token_ids
+            or (delta.token_ids and shows_tokens)
+            or delta.tool_calls
             or delta.finish_reason
             or (is_first and self.is_chat)
             or echo
         ):
             return None
-        self._num_tokens[index] += len(delta.token_ids)
         choice: dict[str, Any] = {"index": index}
         logprobs: Any = None
         padded = _padded(delta.logprobs, len(delta.token_ids))
@@ -276,6 +281,8 @@ class Responder:
             content: dict[str, Any] = {"role": "assistant"} if is_first else {}
             if delta.text or is_first:
                 content["content"] = delta.text
+            if delta.tool_calls:
+                content["tool_calls"] = [tool_call_chunk(call) for call in delta.tool_calls]
             choice["delta"] = content
             if self.num_top is not None and delta.token_ids:
                 logprobs = self._chat_logprobs(index, delta.token_ids, padded)

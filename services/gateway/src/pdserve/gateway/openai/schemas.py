@@ -4,7 +4,10 @@ Bodies are parsed strictly: unknown fields are refused (as the OpenAI API does),
 is coerced to another type (``"stream": "yes"``, ``"temperature": true`` and ``"prompt":
 [true]`` are 400s; an integer is accepted where a number is expected). Non-finite numbers are
 refused. Every OpenAI parameter pdserve does not implement is accepted only at its neutral value
-(``tools: []``, ``best_of: 1``...): any other value is a 400, never silently ignored.
+(``best_of: 1``, ``store: false``...): any other value is a 400, never
+silently ignored. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant
+``tool_calls`` and ``tool`` messages) are OpenAI's; the deprecated ``functions`` and
+``function_call`` are refused.
 Extensions (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``prompt_logprobs``,
 ``stream_options.continuous_usage_stats``, and the constraints ``structured_outputs`` (one of
@@ -20,14 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal, NotRequired
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind
-from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.openai.chat_bodies import (
+    ChatMessageBody,
+    NamedToolChoiceBody,
+    ToolBody,
+    message_from_body,
+    tool_choice_from_body,
+    tool_from_body,
+)
+from pdserve.gateway.prepare.params import GenerationParams, PromptKind
 
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound on logprobs (chat: 20)
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -281,27 +291,6 @@ class CompletionRequest(_SamplingBody):
         return params
 
 
-# NOTE: messages and their parts are TypedDicts (plain dicts), not models: they validate about
-# five times faster, which matters for a body of many thousands of messages.
-
-
-class TextContentPart(TypedDict):
-    """A text part of a message's content (other part types are not supported)."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessageBody(TypedDict):
-    """One message of ``messages``."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    role: str
-    content: NotRequired[str | list[TextContentPart] | None]
-    name: NotRequired[str | None]
-
-
 class ChatCompletionRequest(_SamplingBody):
     """Body of ``POST /v1/chat/completions``."""
 
@@ -309,8 +298,8 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -322,7 +311,8 @@ class ChatCompletionRequest(_SamplingBody):
         """The request as `GenerationParams` (a list of one, as for completions).
 
         ``logprobs: true`` asks for each token's logprob, ``top_logprobs`` (0 to 20) for that
-        many alternatives.
+        many alternatives. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are
+        OpenAI's (`pdserve.gateway.tools`).
 
         Raises:
             PdserveError: INVALID_REQUEST for an unsupported parameter or message.
@@ -332,16 +322,15 @@ class ChatCompletionRequest(_SamplingBody):
             problem = self._unsupported_chat()
         if problem is not None:
             raise unsupported(*problem)
-        messages = []
-        for message in self.messages:
-            content = message.get("content")
-            if isinstance(content, list):
-                content = "".join(part["text"] for part in content)
-            messages.append(ChatMessage(message["role"], content or ""))
         params = dataclasses.replace(
-            self._params(PromptKind.CHAT, messages=tuple(messages)),
+            self._params(
+                PromptKind.CHAT, messages=tuple(message_from_body(m) for m in self.messages)
+            ),
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             logprobs_name="top_logprobs",
+            tools=tuple(tool_from_body(tool) for tool in self.tools or ()),
+            tool_choice=tool_choice_from_body(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls is not False,
         )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -356,14 +345,10 @@ class ChatCompletionRequest(_SamplingBody):
     def _unsupported_chat(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.tools:
-            return "tools", "tools are not supported"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool_choice is not supported"
         if self.functions:
-            return "functions", "functions are not supported"
+            return "functions", "functions are not supported (use tools)"
         if self.function_call not in (None, "none"):
-            return "function_call", "function_call is not supported"
+            return "function_call", "function_call is not supported (use tool_choice)"
         if self.store:
             return "store", "store is not supported"
         if self.service_tier not in (None, "auto", "default"):
@@ -378,13 +363,17 @@ class TokenizeRequest(_Body):
     model: str
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
+    tools: list[ToolBody] | None = None
 
     def to_params(self) -> GenerationParams:
         """The prompt as `GenerationParams` (validated like a generation request's)."""
         if (self.prompt is None) == (self.messages is None):
             raise unsupported("prompt", "exactly one of prompt and messages is required")
         if self.messages is not None:
-            return ChatCompletionRequest(model=self.model, messages=self.messages).to_params()[0]
+            chat = ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
+            return chat.to_params()[0]
+        if self.tools:
+            raise unsupported("tools", "tools need messages")
         return GenerationParams(model=self.model, kind=PromptKind.COMPLETION, text=self.prompt)
 
 

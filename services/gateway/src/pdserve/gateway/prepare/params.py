@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, replace
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
+from pdserve.gateway.tools.formats import ToolCallFormat
+from pdserve.gateway.tools.plan import ToolPlan
+from pdserve.gateway.tools.prompt import template_inputs
+from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice
 from pdserve.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -27,10 +31,29 @@ class PromptKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ChatMessage:
-    """One chat message."""
+    """One chat message.
+
+    Attributes:
+        role: ``system``, ``user``, ``assistant`` or ``tool`` (others are refused).
+        content: Its text; None: not given (allowed for an assistant message with calls).
+        name: The author's name, if given.
+        tool_calls: The calls an assistant message made.
+        tool_call_id: The call a tool message answers.
+    """
 
     role: str
-    content: str
+    content: str | None
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of its text and calls (what the prompt-size limit counts)."""
+        num_chars = len(self.content or "") + len(self.name or "")
+        for call in self.tool_calls:
+            num_chars += len(call.id) + len(call.name) + len(call.arguments)
+        return num_chars
 
 
 @dataclass(frozen=True)
@@ -42,9 +65,11 @@ class GenerationParams:
     what the client called max_tokens (``max_completion_tokens`` in a chat request), so errors
     name the parameter it sent; `logprobs_name` and `max_logprobs` likewise name the API's
     logprobs count (``top_logprobs`` in chat) and its bound. `n` completions share the prompt;
-    `echo` puts the prompt (and its logprobs) before the completion. `constraint` is what
-    the completion's text must match (structured outputs), `constraint_name` the parameter
-    the client set it with.
+    `echo` puts the prompt (and its logprobs) before the completion. `tools` are the
+    functions a chat may call, `tool_choice` how (None: the default, ``auto`` with tools),
+    `parallel_tool_calls` whether a completion may make several calls. `constraint` is what
+    the completion's text must match (structured outputs, or a forced tool call),
+    `constraint_name` the parameter the client set it with.
     """
 
     model: str
@@ -75,8 +100,18 @@ class GenerationParams:
     echo: bool = False
     logprobs_name: str = "logprobs"
     max_logprobs: int = MAX_TOP_LOGPROBS
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     constraint: Constraint | None = None
     constraint_name: str = "response_format"
+
+    @property
+    def num_tool_chars(self) -> int:
+        """Characters of the tools' names, descriptions and schemas."""
+        return sum(
+            len(t.name) + len(t.description or "") + len(t.parameters or "") for t in self.tools
+        )
 
     def to_sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
         """The validated request's `SamplingParams`; unset fields take their defaults.
@@ -122,6 +157,7 @@ class PreparedRequest:
         is_prompt_only: max_tokens was 0: the prompt is scored (one token is sampled to
             finish the prefill, and never shown).
         prompt_text: The prompt as the client wrote it (a text prompt; echo shows it).
+        tool_plan: How tool calls are read from each completion; None: they are not.
     """
 
     request: GenerationRequest
@@ -136,6 +172,7 @@ class PreparedRequest:
     echo: bool = False
     is_prompt_only: bool = False
     prompt_text: str | None = None
+    tool_plan: ToolPlan | None = None
 
     def choices(self) -> list[PreparedRequest]:
         """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)
@@ -187,23 +224,35 @@ def is_short_prompt(params: GenerationParams) -> bool:
     if params.messages is not None:
         return (
             len(params.messages) <= INLINE_TOKENIZE_MESSAGES
-            and sum(len(m.content) for m in params.messages) <= INLINE_TOKENIZE_CHARS
+            and sum(m.num_chars for m in params.messages) + params.num_tool_chars
+            <= INLINE_TOKENIZE_CHARS
         )
     return len(params.text or "") <= INLINE_TOKENIZE_CHARS
 
 
-def tokenize_prompt(params: GenerationParams, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids: chat messages through the template, text through the tokenizer.
+def tokenize_prompt(
+    params: GenerationParams, tokenizer: Tokenizer, call_format: ToolCallFormat
+) -> list[int]:
+    """The prompt's token ids: chat messages (and tools) through the template, text through the
+    tokenizer.
 
     Heavy for long prompts: the front end runs those on a worker thread.
+
+    Args:
+        params: The validated request.
+        tokenizer: The model's.
+        call_format: The model's tool-call format, for what its template does not render
+            (`pdserve.gateway.tools.prompt`).
 
     Raises:
         PdserveError: INVALID_REQUEST for a chat the template refuses, or an empty prompt.
     """
     if params.messages is not None:
-        messages = [{"role": m.role, "content": m.content} for m in params.messages]
         try:
-            token_ids = tokenizer.encode_chat(messages)
+            messages, tools = template_inputs(
+                params.messages, params.tools, call_format, tokenizer.tool_support
+            )
+            token_ids = tokenizer.encode_chat(messages, tools=tools)
         except ChatTemplateError as exc:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST,

@@ -2,9 +2,10 @@
 
 `validate_request` checks a `GenerationParams` before any tokenization or instance work: the
 ranges the contract's wire types allow (checked here, before any conversion could fail), the
-gateway's `RequestLimits`, valid Unicode in every string, and the chat roles. It returns the
-params with roles normalized (``developer`` is ``system``, as in the OpenAI API). Every failure
-is an INVALID_REQUEST naming the offending parameter.
+gateway's `RequestLimits`, valid Unicode in every string, and the chat messages and tools, per
+role (`pdserve.gateway.prepare.messages`). It returns the params with roles normalized
+(``developer`` is ``system``, as in the OpenAI API). Every failure is an INVALID_REQUEST naming
+the offending parameter.
 
 What needs the model (its vocabulary, its maximum length) is checked by the front end once it
 knows the model.
@@ -19,13 +20,19 @@ from dataclasses import dataclass
 from pdserve.common import constraints
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED
-from pdserve.gateway.prepare.params import ChatMessage, GenerationParams
+from pdserve.gateway.prepare.messages import (
+    check_name,
+    check_text,
+    checked_messages,
+    invalid,
+    with_tool_constraint,
+)
+from pdserve.gateway.prepare.params import GenerationParams
+
+__all__ = ["RequestLimits", "check_counts", "check_text", "invalid", "validate_request"]
 
 MAX_UINT32 = 2**32 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
-MAX_NAME_CHARS = 256  # model, user and client request ids
-CHAT_ROLES = ("system", "user", "assistant")
-ROLE_ALIASES = {"developer": "system"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ class RequestLimits:
     """What one request may ask for; each is a gateway flag of the same name.
 
     Attributes:
-        max_prompt_chars: Characters of a text prompt, or of all chat message contents.
+        max_prompt_chars: Characters of a text prompt, or of all chat messages (contents,
+            tool calls) and tools together.
         max_prompt_tokens: Tokens of a prompt (and never more than the model's length leaves
             room for).
         max_messages: Messages of one chat request.
@@ -44,6 +52,7 @@ class RequestLimits:
         max_n: Completions one request may ask for (``n``).
         max_prompts: Prompts of one completions request.
         max_logit_bias: Entries of one request's ``logit_bias``.
+        max_tools: Tools (functions) of one chat request.
         max_constraint_chars: Characters of one request's constraint (its schema, regex or
             grammar, or its choices together).
     """
@@ -58,6 +67,7 @@ class RequestLimits:
     max_n: int = 16
     max_prompts: int = 64
     max_logit_bias: int = 1024
+    max_tools: int = 128
     max_constraint_chars: int = 100_000
 
     def __post_init__(self) -> None:
@@ -68,31 +78,6 @@ class RequestLimits:
                 raise ValueError(f"{field.name} must be >= {lowest}, got {value}")
         if self.max_tokens_limit > MAX_UINT32:
             raise ValueError(f"max_tokens_limit must be <= {MAX_UINT32}")
-
-
-def invalid(message: str, param: str) -> PdserveError:
-    """An INVALID_REQUEST naming the offending parameter."""
-    return PdserveError(ErrorReason.INVALID_REQUEST, message, {"param": param})
-
-
-def check_text(value: str, param: str) -> None:
-    """Refuses a string that is not valid Unicode (a lone surrogate such as ``"\\ud800"``)."""
-    if value.isascii():
-        return
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid(
-            f"{param} is not valid Unicode (a lone surrogate at character {exc.start})", param
-        ) from exc
-
-
-def _check_name(value: str | None, param: str) -> None:
-    if value is None:
-        return
-    if len(value) > MAX_NAME_CHARS:
-        raise invalid(f"{param} is longer than {MAX_NAME_CHARS} characters", param)
-    check_text(value, param)
 
 
 def _check_range(value: float | None, lowest: float, highest: float, param: str) -> None:
@@ -109,6 +94,7 @@ def check_counts(
     num_prompt_tokens: int = 0,
     num_stop_strings: int = 0,
     num_stop_token_ids: int = 0,
+    num_tools: int = 0,
 ) -> None:
     """Checks how many items a request's lists hold, before anything walks them.
 
@@ -131,6 +117,8 @@ def check_counts(
         raise invalid(f"at most {limits.max_stop_strings} stop strings", "stop")
     if num_stop_token_ids > limits.max_stop_token_ids:
         raise invalid(f"at most {limits.max_stop_token_ids} stop_token_ids", "stop_token_ids")
+    if num_tools > limits.max_tools:
+        raise invalid(f"at most {limits.max_tools} tools", "tools")
 
 
 def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
@@ -203,31 +191,20 @@ def _check_constraint(params: GenerationParams, limits: RequestLimits) -> None:
         raise invalid(error.message, name) from None
 
 
-def _checked_messages(
-    messages: tuple[ChatMessage, ...], limits: RequestLimits
-) -> tuple[ChatMessage, ...]:
-    if not messages:
-        raise invalid("messages must not be empty", "messages")
-    checked: list[ChatMessage] = []
-    num_chars = 0
-    for index, message in enumerate(messages):
-        role = ROLE_ALIASES.get(message.role, message.role)
-        if role not in CHAT_ROLES:
-            raise invalid(
-                f"role {message.role[:MAX_NAME_CHARS]!r} is not supported "
-                "(system, developer, user, assistant)",
-                f"messages[{index}].role",
-            )
-        check_text(message.content, f"messages[{index}].content")
-        num_chars += len(message.content)
-        checked.append(message if role == message.role else ChatMessage(role, message.content))
+def _check_chat(params: GenerationParams, limits: RequestLimits) -> GenerationParams:
+    """The messages and tools' rules (`pdserve.gateway.prepare.messages`) and their size."""
+    assert params.messages is not None
+    messages = checked_messages(params.messages)
+    num_chars = sum(m.num_chars for m in messages) + params.num_tool_chars
     if num_chars > limits.max_prompt_chars:
         raise invalid(
             f"the messages have {num_chars} characters; at most {limits.max_prompt_chars} "
             "are accepted",
             "messages",
         )
-    return tuple(checked)
+    if any(a is not b for a, b in zip(messages, params.messages, strict=True)):
+        return dataclasses.replace(params, messages=messages)
+    return params
 
 
 def validate_request(params: GenerationParams, limits: RequestLimits) -> GenerationParams:
@@ -239,16 +216,19 @@ def validate_request(params: GenerationParams, limits: RequestLimits) -> Generat
     """
     if not params.model:
         raise invalid("model is required", "model")
-    _check_name(params.model, "model")
-    _check_name(params.user, "user")
-    _check_name(params.client_request_id, "request_id")
+    check_name(params.model, "model")
+    check_name(params.user, "user")
+    check_name(params.client_request_id, "request_id")
     check_counts(
         limits,
         num_messages=len(params.messages or ()),
         num_prompt_tokens=len(params.token_ids or ()),
         num_stop_strings=len(params.stop),
         num_stop_token_ids=len(params.stop_token_ids),
+        num_tools=len(params.tools),
     )
+    if params.messages is not None:
+        params = with_tool_constraint(params)
     _check_sampling(params, limits)
     num_inputs = sum(x is not None for x in (params.text, params.token_ids, params.messages))
     if num_inputs != 1:
@@ -266,7 +246,7 @@ def validate_request(params: GenerationParams, limits: RequestLimits) -> Generat
     ):
         raise invalid("prompt token ids must be token ids (>= 0)", "prompt")
     if params.messages is not None:
-        messages = _checked_messages(params.messages, limits)
-        if any(a is not b for a, b in zip(messages, params.messages, strict=True)):
-            return dataclasses.replace(params, messages=messages)
+        return _check_chat(params, limits)
+    if params.tools or params.tool_choice is not None:
+        raise invalid("tools need chat messages", "tools")
     return params

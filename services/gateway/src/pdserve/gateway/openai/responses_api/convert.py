@@ -139,7 +139,7 @@ def _messages(request: ResponsesRequest, limits: RequestLimits) -> tuple[ChatMes
         raise invalid(f"at most {limits.max_messages} input items", "input")
     else:
         messages.extend(_message(item, f"input[{index}]") for index, item in enumerate(items))
-    num_chars = sum(len(m.content) for m in messages)
+    num_chars = sum(m.num_chars for m in messages)
     if num_chars > limits.max_prompt_chars:
         raise invalid(
             f"the input has {num_chars} characters; at most {limits.max_prompt_chars} are accepted",

@@ -1,0 +1,123 @@
+"""The chat parts of request bodies: messages (with tool calls), tools and a named tool_choice,
+parsed as strictly as the rest of a body (`pdserve.gateway.openai.schemas`), and their
+translation to the gateway's `ChatMessage` and `pdserve.gateway.tools.spec` types.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, NotRequired
+
+from pydantic import ConfigDict
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
+
+from pdserve.gateway.prepare.params import ChatMessage
+from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+# NOTE: messages and their parts are TypedDicts (plain dicts), not models: they validate about
+# five times faster, which matters for a body of many thousands of messages.
+
+
+class TextContentPart(TypedDict):
+    """A text part of a message's content (other part types are not supported)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCallBody(TypedDict):
+    """The function and arguments of a tool call in the history."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    name: str
+    arguments: str
+
+
+class ToolCallBody(TypedDict):
+    """One of an assistant message's ``tool_calls``."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    id: str
+    type: Literal["function"]
+    function: FunctionCallBody
+
+
+class ChatMessageBody(TypedDict):
+    """One message of ``messages`` (which fields each role needs is checked later, in
+    `pdserve.gateway.prepare.messages`)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    role: str
+    content: NotRequired[str | list[TextContentPart] | None]
+    name: NotRequired[str | None]
+    tool_calls: NotRequired[list[ToolCallBody] | None]
+    tool_call_id: NotRequired[str | None]
+
+
+class FunctionBody(TypedDict):
+    """A function tool's definition."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    name: str
+    description: NotRequired[str | None]
+    parameters: NotRequired[dict[str, Any] | None]
+    strict: NotRequired[bool | None]
+
+
+class ToolBody(TypedDict):
+    """One of ``tools`` (function tools only, as in the chat completions API)."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class FunctionNameBody(TypedDict):
+    """The function of a named ``tool_choice``."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    name: str
+
+
+class NamedToolChoiceBody(TypedDict):
+    """``tool_choice`` naming the function to call."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["function"]
+    function: FunctionNameBody
+
+
+def message_from_body(body: ChatMessageBody) -> ChatMessage:
+    """A message body as a `ChatMessage` (its text parts joined)."""
+    content = body.get("content")
+    if isinstance(content, list):
+        content = "".join(part["text"] for part in content)
+    calls = tuple(
+        ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
+        for call in body.get("tool_calls") or ()
+    )
+    return ChatMessage(body["role"], content, body.get("name"), calls, body.get("tool_call_id"))
+
+
+def tool_from_body(body: ToolBody) -> FunctionTool:
+    """A tool body as a `FunctionTool` (its parameters schema as JSON text)."""
+    function = body["function"]
+    parameters = function.get("parameters")
+    return FunctionTool(
+        function["name"],
+        function.get("description"),
+        None if parameters is None else json.dumps(parameters, ensure_ascii=False),
+        function.get("strict"),
+    )
+
+
+def tool_choice_from_body(body: str | NamedToolChoiceBody | None) -> ToolChoice | None:
+    """A ``tool_choice`` body as a `ToolChoice` (None when not given)."""
+    if body is None:
+        return None
+    if isinstance(body, str):
+        return ToolChoice(ToolChoiceMode(body))
+    return ToolChoice(ToolChoiceMode.FUNCTION, body["function"]["name"])
