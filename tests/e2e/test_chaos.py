@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import copy
 import itertools
+import json
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import openai
 import pytest
 from support.eventually import eventually
@@ -781,5 +783,148 @@ async def test_sigkill_decode_mid_stream_with_every_control(
         results = await asyncio.gather(*tasks)
     assert_same_choices(results, expected)
     assert_constrained(results, demo_model_dir)
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
+    await cluster.wait_whole()
+
+
+# ---- forced tool calls through preemption and migration ----------------------------------------
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Looks a word up.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "maxLength": 24},
+                "limit": {"type": "integer", "minimum": 0, "maximum": 999},
+            },
+            "required": ["query", "limit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+async def stream_tool_calls(
+    client: openai.AsyncOpenAI,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    **sampling: Any,
+) -> tuple[list[int], str | None, list[tuple[str, str]]]:
+    """Streams one chat completion forced to call LOOKUP: (token ids, finish reason, the
+    calls as (name, arguments) assembled from the deltas)."""
+    ids: list[int] = []
+    calls: dict[int, list[str]] = {}
+    finish = None
+    async with asyncio.timeout(60):
+        chunks = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            tools=[LOOKUP],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,  # NOTE: one call: a random model never ends a list
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"return_token_ids": True},
+            **sampling,
+        )
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids.extend((choice.model_extra or {}).get("token_ids") or ())
+                for call in choice.delta.tool_calls or ():
+                    name, arguments = calls.setdefault(call.index, ["", ""])
+                    function = call.function
+                    calls[call.index] = [
+                        name + ((function.name or "") if function else ""),
+                        arguments + ((function.arguments or "") if function else ""),
+                    ]
+                finish = choice.finish_reason or finish
+            if on_tokens is not None:
+                on_tokens(ids)
+    return ids, finish, [(name, arguments) for name, arguments in calls.values()]
+
+
+def assert_valid_calls(
+    results: list[tuple[list[int], str | None, list[tuple[str, str]]]], min_ended: int = 0
+) -> None:
+    """A call that ended (not cut by max_tokens) names LOOKUP with arguments that fit it; at
+    least `min_ended` did."""
+    ended = [r for r in results if r[1] == "tool_calls"]
+    assert len(ended) >= min_ended, [r[1] for r in results]
+    for _, _, calls in ended:
+        assert calls and all(name == "lookup" for name, _ in calls)
+        for _, arguments in calls:
+            jsonschema.validate(json.loads(arguments), LOOKUP["function"]["parameters"])
+
+
+@pytest.fixture
+def tool_pool(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    # NOTE: a forced call's prompt (the tool listed in the system message) is ~710 byte
+    # tokens, 45 blocks: two fit in 96 blocks, their growth to 49 blocks each does not.
+    with chaos_cluster(
+        demo_model_dir, tmp_path, store, tmp_path_factory,
+        **{**TINY_POOL, "decode_args": "--num-blocks 96 --reserve-tokens 0"},
+    ) as cluster:  # fmt: skip
+        yield cluster
+
+
+@STORE_OFF_ONLY
+async def test_preemption_storm_with_forced_tool_calls(tool_pool: ProcessCluster) -> None:
+    cluster = tool_pool
+    requests = cases(8, prefix="Look something up")
+    async with cluster.openai() as client:
+        expected = [
+            await stream_tool_calls(client, cluster.model_name, p, max_tokens=STORM_MAX_TOKENS, **s)
+            for p, s in requests
+        ]
+        before = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+        results = await asyncio.gather(
+            *(
+                stream_tool_calls(client, cluster.model_name, p, max_tokens=STORM_MAX_TOKENS, **s)
+                for p, s in requests
+            )
+        )
+    assert results == expected
+    assert_valid_calls(results)
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > before
+    await cluster.wait_whole()
+
+
+@STORE_OFF_ONLY
+async def test_sigkill_decode_mid_stream_with_forced_tool_calls(
+    two_decodes: ProcessCluster,
+) -> None:
+    cluster, max_tokens = two_decodes, 200
+    requests = cases(4, prefix="Look it up")
+    async with cluster.openai() as client:
+        expected = [
+            await stream_tool_calls(client, cluster.model_name, p, max_tokens=max_tokens, **s)
+            for p, s in requests
+        ]
+        streaming = [asyncio.Event() for _ in requests]
+        tasks = [
+            asyncio.create_task(
+                stream_tool_calls(
+                    client, cluster.model_name, prompt, max_tokens=max_tokens,
+                    on_tokens=set_when_streaming(event, 5), **sampling,
+                )
+            )
+            for (prompt, sampling), event in zip(requests, streaming, strict=True)
+        ]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
+        victim, num_running = await busiest_decode(cluster)
+        victim.signal(signal.SIGKILL)
+        assert num_running > 0, "no decode held a running stream"
+        assert victim.wait(10) == -signal.SIGKILL
+        results = await asyncio.gather(*tasks)
+    assert results == expected
+    assert_valid_calls(results, min_ended=len(results))
     assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
     await cluster.wait_whole()
