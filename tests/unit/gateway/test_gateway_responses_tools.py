@@ -333,7 +333,7 @@ async def test_a_client_sends_the_call_back_with_its_output(tools: Cluster) -> N
         model=MODEL_NAME,
         input=[
             {"role": "user", "content": QUESTION},
-            *[item.model_dump(exclude_none=True) for item in first.output],  # type: ignore[misc]
+            *first.output,  # the SDK's own objects, as clients send them
             {"type": "function_call_output", "call_id": call.call_id, "output": "cloudy"},
         ],
         tools=TOOLS,
@@ -342,3 +342,16 @@ async def test_a_client_sends_the_call_back_with_its_output(tools: Cluster) -> N
     assert answer.output_text == "Cloudy."
     prompt = bytes(t for t in tools.prefills[0].requests[-1].token_ids if t < 256).decode()
     assert f'"arguments": {ARGUMENTS}}}\n</tool_call><|tool|>cloudy' in prompt
+
+
+async def test_text_after_a_call_is_a_message_of_its_own(tools: Cluster) -> None:
+    _script(tools, f"{HERMES_CALL}\nDone.")
+    body = {"input": QUESTION, "tools": TOOLS, "max_output_tokens": 200}
+    whole = await _post(tools, body)
+    events = await _events(tools, body)
+    for output in (whole["output"], events[-1]["response"]["output"]):
+        assert [item["type"] for item in output] == ["function_call", "message"]
+        assert output[1]["content"][0]["text"] == "Done."
+        assert output[1]["id"].startswith("msg_")
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == [0, 1]
