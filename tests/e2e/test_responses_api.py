@@ -4,7 +4,9 @@ A response holds the tokens the chat path and the single-process engine give the
 conversation (same seed), streamed or not; its events add up; ``max_output_tokens`` makes it
 incomplete; refused parameters cost no work; ``text.format`` gives JSON of the format (on the
 default model, an instruct model), which the SDK's ``parse`` and ``stream`` read into a pydantic
-model. The reference engine runs in a worker thread: the services share this event loop.
+model; a forced ``tool_choice`` gives a ``function_call`` item whose arguments match the
+function's parameters, and the turn with its output continues as the chat path's. The
+reference engine runs in a worker thread: the services share this event loop.
 """
 
 from __future__ import annotations
@@ -48,6 +50,15 @@ SCHEMA = {
     "required": ["first_stage", "num_stages"],
     "additionalProperties": False,
 }
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "description": "The city name"}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "strict": True,
+                "description": "Get the current weather in a city.",
+                "parameters": WEATHER_PARAMETERS}  # fmt: skip
 QUESTION = "Which stage of LLM serving comes first, and how many stages are there?"
 
 
@@ -151,9 +162,8 @@ async def test_refused_parameters_are_400s_before_any_work(cluster: RealCluster)
     client = cluster.openai()
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         await client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="r_1")
-    tool = {"type": "function", "name": "f", "parameters": {}, "strict": True}
-    with pytest.raises(openai.BadRequestError, match="function tools are not supported yet"):
-        await client.responses.create(model=MODEL_NAME, input="hi", tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="'web_search'"):
+        await client.responses.create(model=MODEL_NAME, input="hi", tools=[{"type": "web_search"}])
     status = await cluster.pool_status(cluster.decodes[0].address)
     assert status.pool.num_free_blocks == status.pool.num_total_blocks
 
@@ -196,3 +206,59 @@ async def test_the_sdk_parses_structured_output_into_a_model(smollm2_cluster: Re
         final = await stream.get_final_response()
     assert final.output_parsed == parsed.output_parsed
     assert "".join(deltas) == final.output_text == parsed.output_text
+
+
+@pytest.mark.slow
+async def test_a_forced_call_is_a_function_call_item_and_its_output_continues(
+    smollm2_cluster: RealCluster,
+) -> None:
+    client = smollm2_cluster.openai()
+    question = "What is the weather in Paris?"
+    first = await client.responses.create(
+        model=MODEL_NAME,
+        input=question,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=48,
+        temperature=0,
+    )
+    assert first.status == "completed", first.output
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
+    result = "18 degrees and sunny"
+    items: list[Any] = [
+        {"role": "user", "content": question},
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": result},
+    ]
+    answer = await client.responses.create(
+        model=MODEL_NAME,
+        input=items,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        max_output_tokens=32,
+        temperature=0,
+    )
+    # NOTE: the turn continues as the chat path continues the same conversation.
+    chat_call = {"id": call.call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip
+    messages: list[Any] = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": result},
+    ]
+    function = {k: v for k, v in WEATHER_TOOL.items() if k != "type"}
+    chat = await client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=[{"type": "function", "function": function}],  # type: ignore[list-item, typeddict-item]
+        max_tokens=32,
+        temperature=0,
+    )
+    assert answer.usage is not None and chat.usage is not None
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.usage.output_tokens == chat.usage.completion_tokens > 0
+    message = chat.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]  # type: ignore[union-attr]
+    made = [(i.name, i.arguments) for i in answer.output if i.type == "function_call"]
+    assert (answer.output_text, made) == (message.content or "", calls)

@@ -2,9 +2,12 @@
 
 The request becomes the chat request a client would have sent for the same conversation:
 ``instructions`` is a first system message, each input message one chat message (its text
-parts joined; ``developer`` is ``system``, as in chat), ``max_output_tokens`` is max_tokens and
-``text.format`` the `Constraint` the engine decodes under. So the same conversation and seed
-give the same tokens on ``/v1/responses`` as on ``/v1/chat/completions``.
+parts joined; ``developer`` is ``system``, as in chat), consecutive ``function_call`` items one
+assistant message's ``tool_calls`` (the assistant message right before them, if any, is theirs),
+each ``function_call_output`` a ``tool`` message, ``max_output_tokens`` is max_tokens,
+``text.format`` the `Constraint` the engine decodes under and function ``tools`` chat's
+(`pdserve.gateway.openai.responses_api.tools`). So the same conversation and seed give the same
+tokens on ``/v1/responses`` as on ``/v1/chat/completions``.
 
 `parse_responses_body` is a pure function of bytes and limits, like
 `pdserve.gateway.openai.parsing.parse_openai_body`, so large bodies parse in a worker process.
@@ -13,6 +16,7 @@ give the same tokens on ``/v1/responses`` as on ``/v1/chat/completions``.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, NamedTuple, cast
 
 import pydantic
@@ -20,7 +24,10 @@ import pydantic
 from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.parsing import from_validation_error
 from pdserve.gateway.openai.responses_api.schemas import (
+    Content,
     ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
     InputItem,
     InputTextPart,
     MessageItem,
@@ -29,11 +36,12 @@ from pdserve.gateway.openai.responses_api.schemas import (
     ResponsesRequest,
     TextConfig,
 )
+from pdserve.gateway.openai.responses_api.tools import echoed_tools, function_tools, tool_choice
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
+from pdserve.gateway.tools.spec import ToolCall
 
 ASSISTANT_PARTS = ("input_text", "output_text", "refusal")
-FUNCTION_TOOLS_REFUSAL = "function tools are not supported yet"
 
 
 class ResponsesBody(NamedTuple):
@@ -68,16 +76,6 @@ def parse_responses_body(raw: bytes, limits: RequestLimits) -> ResponsesBody:
     if refusal is not None:
         param, message = refusal
         raise invalid(message, param)
-    if request.tools:
-        kind = request.tools[0]["type"]
-        # NOTE: function tools map onto chat's `tools` (name, description, parameters,
-        # strict) once chat completions call tools; built-in tools never will.
-        message = (
-            FUNCTION_TOOLS_REFUSAL
-            if kind == "function"
-            else f"built-in tool {kind[:64]!r} is not supported (only function tools are)"
-        )
-        raise invalid(message, "tools")
     params = validate_request(to_params(request, limits), limits)
     return ResponsesBody(params, request.model, request.stream, _echoed(request))
 
@@ -86,7 +84,8 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
     """The request as chat `GenerationParams` (not yet validated).
 
     Raises:
-        PdserveError: INVALID_REQUEST for an input item, content part or size pdserve refuses.
+        PdserveError: INVALID_REQUEST for an input item, content part, tool or size pdserve
+            refuses.
     """
     # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
     top_k = 0 if request.top_k == -1 else request.top_k
@@ -110,6 +109,9 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         repetition_penalty=request.repetition_penalty,
         min_tokens=request.min_tokens or 0,
         min_p=request.min_p,
+        tools=function_tools(request),
+        tool_choice=tool_choice(request),
+        parallel_tool_calls=request.parallel_tool_calls is not False,
         constraint=constraint_of(request.text),
         constraint_name="text.format",
     )
@@ -138,7 +140,7 @@ def _messages(request: ResponsesRequest, limits: RequestLimits) -> tuple[ChatMes
     elif len(items) + len(messages) > limits.max_messages:
         raise invalid(f"at most {limits.max_messages} input items", "input")
     else:
-        messages.extend(_message(item, f"input[{index}]") for index, item in enumerate(items))
+        messages.extend(_item_messages(items))
     num_chars = sum(m.num_chars for m in messages)
     if num_chars > limits.max_prompt_chars:
         raise invalid(
@@ -148,29 +150,57 @@ def _messages(request: ResponsesRequest, limits: RequestLimits) -> tuple[ChatMes
     return tuple(messages)
 
 
-def _message(item: InputItem, param: str) -> ChatMessage:
-    """One input item as a chat message.
+def _item_messages(items: list[InputItem]) -> list[ChatMessage]:
+    """Input items as chat messages: consecutive function calls are one assistant message's
+    calls (joining the assistant message right before them), each call output a tool message.
 
     Raises:
-        PdserveError: INVALID_REQUEST naming the item (or part) for anything but a message of
-            text.
+        PdserveError: INVALID_REQUEST naming the item (or part) pdserve refuses, and a
+            function_call_output that answers no earlier function_call.
     """
-    kind = item.get("type", "message")
-    if kind in ("function_call", "function_call_output"):
-        # NOTE: a function_call item becomes an assistant message's tool call, its output a
-        # tool message (call_id is the tool_call_id), once chat completions call tools.
-        raise invalid(f"{FUNCTION_TOOLS_REFUSAL} ({kind} items)", param)
-    if kind != "message":
-        raise invalid(f"input items of type {kind[:64]!r} are not supported", param)
-    message = cast(MessageItem, item)
-    content = message["content"]
-    if isinstance(content, str):
-        return ChatMessage(message["role"], content)
+    messages: list[ChatMessage] = []
+    call_ids: set[str] = set()
+    for index, item in enumerate(items):
+        param = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call_item = cast(FunctionCallItem, item)
+            call = ToolCall(call_item["call_id"], call_item["name"], call_item["arguments"])
+            call_ids.add(call.id)
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":
+                messages[-1] = replace(last, tool_calls=(*last.tool_calls, call))
+            else:
+                messages.append(ChatMessage("assistant", None, tool_calls=(call,)))
+        elif kind == "function_call_output":
+            output = cast(FunctionCallOutputItem, item)
+            if output["call_id"] not in call_ids:
+                raise invalid(
+                    f"{param}.call_id {output['call_id'][:64]!r} answers no function_call item "
+                    "before it",
+                    f"{param}.call_id",
+                )
+            text = _text(output["output"], ("input_text",), f"{param}.output")
+            messages.append(ChatMessage("tool", text, tool_call_id=output["call_id"]))
+        elif kind == "message":
+            messages.append(_message(cast(MessageItem, item), param))
+        else:
+            raise invalid(f"input items of type {kind[:64]!r} are not supported", param)
+    return messages
+
+
+def _message(message: MessageItem, param: str) -> ChatMessage:
+    """One message item as a chat message (its text parts joined)."""
     allowed = ASSISTANT_PARTS if message["role"] == "assistant" else ("input_text",)
-    texts = []
-    for index, part in enumerate(content):
-        texts.append(_part_text(part, allowed, f"{param}.content[{index}]"))
-    return ChatMessage(message["role"], "".join(texts))
+    return ChatMessage(message["role"], _text(message["content"], allowed, f"{param}.content"))
+
+
+def _text(content: Content, allowed: tuple[str, ...], param: str) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(
+        _part_text(part, allowed, f"{param}[{index}]") for index, part in enumerate(content)
+    )
 
 
 def _part_text(part: ContentPart, allowed: tuple[str, ...], param: str) -> str:
@@ -192,12 +222,8 @@ def _echoed(request: ResponsesRequest) -> dict[str, Any]:
         "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens,
         "metadata": dict(request.metadata or {}),
-        "parallel_tool_calls": (
-            True if request.parallel_tool_calls is None else request.parallel_tool_calls
-        ),
         "text": {"format": dict(format_)},
-        "tool_choice": request.tool_choice or "auto",
-        "tools": [],
         "truncation": "disabled",
+        **echoed_tools(request),
         "user": request.user,
     }

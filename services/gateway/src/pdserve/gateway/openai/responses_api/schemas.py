@@ -1,7 +1,7 @@
 """The request body of ``POST /v1/responses``, parsed strictly as the other endpoints' bodies are.
 
 Unknown fields are refused, no value is coerced, and every OpenAI parameter pdserve does not
-implement is accepted only at its neutral value (``background: false``, ``tools: []``...): any
+implement is accepted only at its neutral value (``background: false``, ``include: []``...): any
 other value is a 400 naming it (`ResponsesRequest.refusal`). Input items and content parts are
 told apart by their ``type``; an item or part of a type pdserve does not read parses as
 `UnsupportedItem` / `UnsupportedPart`, so the refusal can name it (``input[2]``) instead of
@@ -149,13 +149,14 @@ InputItem = Annotated[
 
 
 class FunctionTool(TypedDict):
-    """``{"type": "function", "name", "parameters", "strict", "description"}``."""
+    """``{"type": "function", "name", "parameters", "strict", "description"}``: Responses' flat
+    shape of chat's ``{"type": "function", "function": {...}}``."""
 
     __pydantic_config__ = _STRICT  # type: ignore[misc]
     type: Literal["function"]
     name: str
-    parameters: dict[str, Any] | None
-    strict: bool | None
+    parameters: NotRequired[dict[str, Any] | None]
+    strict: NotRequired[bool | None]
     description: NotRequired[str | None]
 
 
@@ -165,6 +166,27 @@ class UnsupportedTool(TypedDict):
     __pydantic_config__ = _OPEN  # type: ignore[misc]
     type: str
 
+
+class FunctionToolChoice(TypedDict):
+    """``{"type": "function", "name"}``: call this function."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    type: Literal["function"]
+    name: str
+
+
+class UnsupportedToolChoice(TypedDict):
+    """A tool_choice of any other type (a built-in tool, ``allowed_tools``): refused by name."""
+
+    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    type: str
+
+
+ToolChoiceValue = Annotated[
+    Annotated[FunctionToolChoice, Tag("<function>")]
+    | Annotated[UnsupportedToolChoice, Tag("<other>")],
+    _tag(frozenset({"function"})),
+]
 
 Tool = Annotated[
     Annotated[FunctionTool, Tag("<function>")] | Annotated[UnsupportedTool, Tag("<other>")],
@@ -223,7 +245,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: TextConfig | None = None
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceValue | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -252,7 +274,7 @@ class ResponsesRequest(BaseModel):
 
     def refusal(self) -> tuple[str, str] | None:
         """The first parameter set to something pdserve does not implement, with why; None when
-        there is none. Function tools and calls are `convert`'s to refuse (items too)."""
+        there is none. Built-in tools, tool choices and input items are `convert`'s to refuse."""
         if self.previous_response_id is not None:
             return "previous_response_id", (
                 "previous_response_id is not supported: pdserve stores no responses; send the "

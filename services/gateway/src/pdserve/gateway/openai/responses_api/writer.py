@@ -1,13 +1,17 @@
 """The Responses API's output: one ``Response`` object, or its stream of typed events.
 
-A response holds one output item, an assistant ``message`` (id ``msg_<request id>``) with one
-``output_text`` part. It is ``completed``, or ``incomplete`` with ``incomplete_details.reason``
-``max_output_tokens`` when the completion ran out of tokens. A stream sends, as server-sent
-events ``event: <type>`` / ``data: <json>`` with a ``sequence_number`` counted from 0:
+A response's output items are an assistant ``message`` (id ``msg_<request id>``) with one
+``output_text`` part for the text, and a ``function_call`` item for each tool call
+(`pdserve.gateway.openai.responses_api.items`). It is ``completed`` (also when it ended by
+calls), or ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the
+completion ran out of tokens. A stream sends, as server-sent events ``event: <type>`` /
+``data: <json>`` with a ``sequence_number`` counted from 0:
 
-    response.created, response.in_progress, response.output_item.added,
-    response.content_part.added, response.output_text.delta (one per piece of new text),
-    response.output_text.done, response.content_part.done, response.output_item.done,
+    response.created, response.in_progress, then for each item in turn
+    response.output_item.added, its content (a message: response.content_part.added,
+    response.output_text.delta per piece of new text, response.output_text.done,
+    response.content_part.done; a call: response.function_call_arguments.delta per piece of
+    its arguments, response.function_call_arguments.done), response.output_item.done; and
     response.completed (or response.incomplete)
 
 and nothing after it (no ``[DONE]``). A request that fails once the events have started ends
@@ -24,11 +28,9 @@ from typing import Any
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody
+from pdserve.gateway.openai.responses_api.items import Event, OutputItems
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta
-
-OUTPUT_INDEX = 0  # the message is the one output item
-CONTENT_INDEX = 0  # its text is the one content part
 
 
 class ResponseWriter:
@@ -47,7 +49,6 @@ class ResponseWriter:
         self.choices = [prompt]
         self.n = 1
         self.response_id = f"resp_{prompt.request_id}"
-        self.item_id = f"msg_{prompt.request_id}"
         self._body = body
         self._now = now
         self._created_at = int(now())
@@ -58,11 +59,11 @@ class ResponseWriter:
     def response(
         self,
         status: str,
-        text: str | None = None,
+        items: OutputItems | None = None,
         final: OutputDelta | None = None,
         error: PdserveError | None = None,
     ) -> dict[str, Any]:
-        """The ``Response`` object: `text` None has no output yet; `final` (the last delta)
+        """The ``Response`` object: `items` None has no output yet; `final` (the last delta)
         gives the usage, `error` the failure."""
         sampling = self.prompt.request.sampling
         is_done = status != "in_progress"
@@ -78,7 +79,7 @@ class ResponseWriter:
                 {"reason": "max_output_tokens"} if status == "incomplete" else None
             ),
             "model": self._body.model,
-            "output": [] if text is None else [self.message(text, _item_status(status))],
+            "output": [] if items is None else items.output(_item_status(status)),
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "service_tier": "default",
@@ -89,17 +90,6 @@ class ResponseWriter:
             **self._body.echoed,
         }
         return body
-
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        """The output message item."""
-        content = [] if status == "in_progress" else [_output_text(text)]
-        return {
-            "id": self.item_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
 
     def _usage(self, final: OutputDelta) -> dict[str, Any]:
         num_input_tokens = len(self.prompt.prompt_token_ids)
@@ -116,9 +106,13 @@ class ResponseWriter:
 
     def full(self, deltas: list[tuple[int, OutputDelta]]) -> dict[str, Any]:
         """The non-streamed ``Response`` object of all of a request's deltas."""
-        text = "".join(delta.text for _, delta in deltas)
+        items = OutputItems(self.prompt.request_id)
+        for _, delta in deltas:
+            items.step(delta)
         final = deltas[-1][1] if deltas else None
-        return self.response(_status(final), text, final)
+        status = _status(final)
+        items.finish(_item_status(status))
+        return self.response(status, items, final)
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -129,14 +123,8 @@ class ResponseWriter:
         payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
         return f"event: {event_type}\ndata: {payload}\n\n"
 
-    def _text_event(self, event_type: str, **fields: Any) -> str:
-        return self._event(
-            event_type,
-            item_id=self.item_id,
-            output_index=OUTPUT_INDEX,
-            content_index=CONTENT_INDEX,
-            **fields,
-        )
+    def _events(self, events: list[Event]) -> list[str]:
+        return [self._event(event.type, **event.fields) for event in events]
 
     async def events(
         self,
@@ -147,36 +135,27 @@ class ResponseWriter:
         in_progress = self.response("in_progress")
         yield self._event("response.created", response=in_progress)
         yield self._event("response.in_progress", response=in_progress)
-        item = self.message("", "in_progress")
-        yield self._event("response.output_item.added", output_index=OUTPUT_INDEX, item=item)
-        yield self._text_event("response.content_part.added", part=_output_text(""))
-        pieces: list[str] = []
+        items = OutputItems(self.prompt.request_id)
         final: OutputDelta | None = None
         try:
             async for _, delta in _prepend(first, deltas):
-                if delta.text:
-                    pieces.append(delta.text)
-                    yield self._text_event(
-                        "response.output_text.delta", delta=delta.text, logprobs=[]
-                    )
+                for event in self._events(items.step(delta)):
+                    yield event
                 final = delta
         except PdserveError as error:
             # NOTE: the headers are sent already; the failure is reported in-band.
             code = error.reason.name.lower()
             message = error.message or error.reason.name
             yield self._event("error", code=code, message=message, param=None)
-            failed = self.response("failed", "".join(pieces), error=error)
+            failed = self.response("failed", items, error=error)
             yield self._event("response.failed", response=failed)
             return
         finally:
             await deltas.aclose()
-        text = "".join(pieces)
         status = _status(final)
-        yield self._text_event("response.output_text.done", text=text, logprobs=[])
-        yield self._text_event("response.content_part.done", part=_output_text(text))
-        item = self.message(text, _item_status(status))
-        yield self._event("response.output_item.done", output_index=OUTPUT_INDEX, item=item)
-        yield self._event(f"response.{status}", response=self.response(status, text, final))
+        for event in self._events(items.finish(_item_status(status))):
+            yield event
+        yield self._event(f"response.{status}", response=self.response(status, items, final))
 
 
 async def _prepend(
@@ -188,19 +167,16 @@ async def _prepend(
 
 
 def _status(final: OutputDelta | None) -> str:
-    """``incomplete`` for a completion that ran out of tokens, else ``completed``."""
+    """``incomplete`` for a completion that ran out of tokens, else ``completed`` (also after
+    tool calls)."""
     if final is not None and final.finish_reason is FinishReason.LENGTH:
         return "incomplete"
     return "completed"
 
 
 def _item_status(status: str) -> str:
-    """The message item's status in a response of `status`."""
+    """The status of the last output item in a response of `status`."""
     return "incomplete" if status in ("incomplete", "failed") else status
-
-
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
 def _error(error: PdserveError) -> dict[str, str]:

@@ -1,0 +1,174 @@
+"""A completion's deltas as a `Response`'s output items, and the events that build them.
+
+Text is an assistant ``message`` item with one ``output_text`` part; each tool call a
+``function_call`` item (``id`` ``fc_`` and the call id's hex, ``call_id``, ``name``,
+``arguments``). Items follow each other in the order the completion writes them, one open at a
+time, as OpenAI streams them: a call closes the message before it, text after calls opens a
+new message. A completion with neither text nor calls is one empty message.
+
+`OutputItems` is pure: `step` and `finish` return the events as ``(type, fields)`` values, and
+the writer numbers and sends them (a non-streamed response only reads `items`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.tools.spec import ToolCallDelta
+
+CONTENT_INDEX = 0  # a message's text is its one content part
+
+
+class Event(NamedTuple):
+    """A stream event before it is numbered: its type and fields."""
+
+    type: str
+    fields: dict[str, Any]
+
+
+class OutputItems:
+    """The output items of one completion, built delta by delta.
+
+    Args:
+        request_id: The request's id (the first message item is ``msg_<request id>``).
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self.items: list[dict[str, Any]] = []
+        self._is_open = False  # whether the last item is still being written
+        self._num_messages = 0
+
+    def step(self, delta: OutputDelta) -> list[Event]:
+        """The events of one delta: its text, then its calls' steps."""
+        events: list[Event] = []
+        if delta.text:
+            if not self._is_open_as("message"):
+                events += self._close("completed")
+                events += self._open_message()
+            item = self.items[-1]
+            item["content"][CONTENT_INDEX]["text"] += delta.text
+            events.append(
+                self._text_event("response.output_text.delta", delta=delta.text, logprobs=[])
+            )
+        for call in delta.tool_calls:
+            events += self._call_step(call)
+        return events
+
+    def finish(self, status: str) -> list[Event]:
+        """The events that close the last item with `status` (an empty message when there
+        were no items)."""
+        events = [] if self.items else self._open_message()
+        return events + self._close(status)
+
+    def output(self, status: str) -> list[dict[str, Any]]:
+        """The items as a `Response` of item status `status` lists them, without events: an
+        open item gets `status`, an in-progress message no content yet."""
+        items = [dict(item) for item in self.items]
+        if self._is_open:
+            last = items[-1]
+            last["status"] = status
+            if last["type"] == "message" and status == "in_progress":
+                last["content"] = []
+        return items
+
+    # ---- items ------------------------------------------------------------------------------
+
+    def _is_open_as(self, kind: str) -> bool:
+        return self._is_open and self.items[-1]["type"] == kind
+
+    def _open_message(self) -> list[Event]:
+        suffix = f"_{self._num_messages}" if self._num_messages else ""
+        self._num_messages += 1
+        item = {
+            "id": f"msg_{self._request_id}{suffix}",
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [output_text("")],
+        }
+        self.items.append(item)
+        self._is_open = True
+        return [
+            self._added({**item, "content": []}),
+            self._text_event("response.content_part.added", part=output_text("")),
+        ]
+
+    def _call_step(self, call: ToolCallDelta) -> list[Event]:
+        events: list[Event] = []
+        if call.id is not None:
+            events += self._close("completed")
+            item = {
+                "id": "fc_" + call.id.removeprefix("call_"),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": call.id,
+                "name": call.name or "",
+                "arguments": "",
+            }
+            self.items.append(item)
+            self._is_open = True
+            events.append(self._added(dict(item)))
+        if call.arguments and self._is_open_as("function_call"):
+            item = self.items[-1]
+            item["arguments"] += call.arguments
+            events.append(
+                Event(
+                    "response.function_call_arguments.delta",
+                    {"item_id": item["id"], "output_index": self._index, "delta": call.arguments},
+                )
+            )
+        return events
+
+    def _close(self, status: str) -> list[Event]:
+        """The events that close the open item (none when no item is open)."""
+        if not self._is_open:
+            return []
+        self._is_open = False
+        item = self.items[-1]
+        item["status"] = status
+        where = {"item_id": item["id"], "output_index": self._index}
+        events = []
+        if item["type"] == "message":
+            part = item["content"][CONTENT_INDEX]
+            events += [
+                self._text_event("response.output_text.done", text=part["text"], logprobs=[]),
+                self._text_event("response.content_part.done", part=dict(part)),
+            ]
+        else:
+            events.append(
+                Event(
+                    "response.function_call_arguments.done",
+                    {**where, "name": item["name"], "arguments": item["arguments"]},
+                )
+            )
+        done = {"output_index": self._index, "item": dict(item)}
+        events.append(Event("response.output_item.done", done))
+        return events
+
+    # ---- events -----------------------------------------------------------------------------
+
+    @property
+    def _index(self) -> int:
+        """The output index of the last item."""
+        return len(self.items) - 1
+
+    def _added(self, item: dict[str, Any]) -> Event:
+        return Event("response.output_item.added", {"output_index": self._index, "item": item})
+
+    def _text_event(self, event_type: str, **fields: Any) -> Event:
+        return Event(
+            event_type,
+            {
+                "item_id": self.items[-1]["id"],
+                "output_index": self._index,
+                "content_index": CONTENT_INDEX,
+                **fields,
+            },
+        )
+
+
+def output_text(text: str) -> dict[str, Any]:
+    """An ``output_text`` content part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
