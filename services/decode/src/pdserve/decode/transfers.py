@@ -80,7 +80,7 @@ class Transfers:
         )
         receiver = KvReceiver(self.kv_cache, lease)
         try:
-            receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
+            receiver.check_header(header.token_ids, header.num_prompt_tokens)
         except PdserveError as error:
             self.fail(lease, error)
             self.end(lease)
