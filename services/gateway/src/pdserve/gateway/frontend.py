@@ -33,6 +33,7 @@ from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_
 from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.routing.router import Router
+from pdserve.gateway.routing.share_affinity import choices_blocks
 
 _tracer = telemetry.tracer("pdserve.gateway")
 
@@ -200,6 +201,8 @@ class Frontend:
                 f"exceeds the model's maximum length of {max_model_len} tokens",
                 {"param": params.max_tokens_name if params.max_tokens else prompt_param},
             )
+        if params.n > 1:
+            self._check_choices_fit(params.model, num_prompt_tokens, max_tokens, params.n)
         request = GenerationRequest(
             request_id=request_id,
             model=params.model,
@@ -237,6 +240,29 @@ class Frontend:
                 f"model's maximum length of {max_model_len} tokens",
                 {"param": param},
             )
+
+    def _check_choices_fit(
+        self, model: str, num_prompt_tokens: int, max_tokens: int, n: int
+    ) -> None:
+        """INVALID_REQUEST naming ``n`` when no decode could hold the `n` completions together
+        (`choices_blocks`: the prompt once, `max_tokens` each), even idle; decodes that report
+        no pool are taken at their word."""
+        decodes = self._router.loads.candidates(InstanceRole.DECODE, model)
+        sizes = [
+            (entry.load.num_total_blocks, entry.info.kv_layout.block_size) for entry in decodes
+        ]
+        if not sizes or any(total == 0 for total, _ in sizes):
+            return
+        needs = [choices_blocks(num_prompt_tokens, max_tokens, n, bs) for _, bs in sizes]
+        if any(need <= total for need, (total, _) in zip(needs, sizes, strict=True)):
+            return
+        at = max(range(len(sizes)), key=lambda i: sizes[i][0])
+        raise invalid(
+            f"n ({n}) completions of up to {max_tokens} tokens each need {needs[at]} KV blocks "
+            f"on one decode (the prompt's full blocks held once); the largest decode of model "
+            f"{model!r} has {sizes[at][0]}",
+            "n",
+        )
 
     def _default_max_tokens_for(
         self, kind: PromptKind, num_prompt_tokens: int, max_model_len: int

@@ -286,4 +286,6 @@ class Orchestrator:
             exclude_decode_ids=decode_ids,
             prompt_keys=keys,
             require_room=True,
+            share_key=request.share_key,
+            num_shared_tokens=len(request.prompt_token_ids),
         )
