@@ -315,6 +315,20 @@ async def test_chat_without_max_tokens_gets_the_capped_default(
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (4, expected)
 
 
+async def test_chat_n_without_max_tokens_gets_what_lets_the_choices_fit_together(
+    cluster: Cluster,
+) -> None:
+    await cluster.start_gateway(default_chat_max_tokens=1024)
+    await cluster.add_prefill()
+    await cluster.add_decode(num_total_blocks=40)
+    result = await cluster.openai().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=4
+    )
+    # 4 prompt tokens (no full block) and 10 blocks of 4 tokens per choice: 36 tokens each
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (4, 4 * 36)
+
+
 async def test_preparation_past_its_budget_is_504(cluster: Cluster) -> None:
     await cluster.start_gateway(prepare_timeout_s=0.001)
     prefill = await cluster.add_prefill()

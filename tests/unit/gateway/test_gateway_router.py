@@ -22,7 +22,11 @@ from pdserve.gateway.routing.policy import CacheRouting, PrefillLoad, RouteReaso
 from pdserve.gateway.routing.pools import lease_blocks
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.router import Router
-from pdserve.gateway.routing.share_affinity import ShareAffinity, choices_blocks
+from pdserve.gateway.routing.share_affinity import (
+    ShareAffinity,
+    choices_blocks,
+    max_choice_tokens,
+)
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 _first_tokens = itertools.count(1000)
@@ -432,3 +436,18 @@ def test_choices_blocks_hold_the_prompt_once_and_each_completion_apart(
     num_prompt_tokens: int, max_tokens: int, n: int, blocks: int
 ) -> None:
     assert choices_blocks(num_prompt_tokens, max_tokens, n, 4) == blocks
+
+
+@given(
+    num_prompt_tokens=st.integers(1, 400),
+    n=st.integers(2, 16),
+    num_total_blocks=st.integers(1, 300),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_max_choice_tokens_is_the_most_that_fits(
+    num_prompt_tokens: int, n: int, num_total_blocks: int, block_size: int
+) -> None:
+    fits = max_choice_tokens(num_prompt_tokens, n, num_total_blocks, block_size)
+    if fits:
+        assert choices_blocks(num_prompt_tokens, fits, n, block_size) <= num_total_blocks
+    assert choices_blocks(num_prompt_tokens, fits + 1, n, block_size) > num_total_blocks

@@ -72,6 +72,17 @@ def choices_blocks(num_prompt_tokens: int, max_tokens: int, n: int, block_size: 
     return num_shared + n * num_own
 
 
+def max_choice_tokens(
+    num_prompt_tokens: int, n: int, num_total_blocks: int, block_size: int
+) -> int:
+    """The most tokens each of `n` completions of one prompt may generate so that all of them
+    fit on a decode of `num_total_blocks` together (`choices_blocks`); 0 when none fit."""
+    block_size = max(1, block_size)
+    num_shared = num_prompt_tokens // block_size
+    num_own = (num_total_blocks - num_shared) // max(1, n)
+    return max(0, (num_shared + num_own) * block_size - num_prompt_tokens)
+
+
 def affine_decode(
     pool: Pool, affine: Affine | None, num_tokens: int, room: tuple[int, int] | None
 ) -> tuple[int, int] | None:
