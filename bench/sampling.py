@@ -8,7 +8,8 @@ step on the same batch, so drift hits both alike.
 
 ``n``: ``n=4`` against 4 separate requests with the same ~1,000-token prompt sent at once,
 through gateway, prefill and decode processes: prompt tokens the prefill computed, KV bytes it
-shipped, and the end-to-end time. Run:
+shipped (what the decode received), the prompt blocks the decode shared between choices
+instead of receiving them, and the end-to-end time. Run:
 
     .venv/bin/python bench/sampling.py [--steps 40] [--skip-n]
 """
@@ -95,23 +96,36 @@ def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
     }
 
 
-async def _prefill_counters(url: str) -> dict[str, float]:
+COUNTERS = {
+    "prefill": ("prompt_tokens", "cached_prompt_tokens", "kv_sent_bytes"),
+    "decode": ("kv_received_bytes", "shared_blocks"),
+}
+
+
+def _metrics_url(events: list[dict[str, Any]]) -> str:
+    """An instance's ``/metrics`` URL, from its start-up log."""
+    address = next(r["address"] for r in events if r.get("event") == "metrics_started")
+    return f"http://{address}/metrics"
+
+
+async def _counters(urls: dict[str, str]) -> dict[str, float]:
+    """The `COUNTERS` of each role, from its instance's ``/metrics`` page."""
+    counters: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=10) as http:
-        text = (await http.get(url)).text
-    wanted = ("prompt_tokens", "cached_prompt_tokens", "kv_sent_bytes")
-    return {
-        name: sum(
-            s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if s.name == f"pdserve_prefill_{name}_total"
-        )
-        for name in wanted
-    }
+        for role, url in urls.items():
+            text = (await http.get(url)).text
+            for name in COUNTERS[role]:
+                counters[name] = sum(
+                    s.value
+                    for f in text_string_to_metric_families(text)
+                    for s in f.samples
+                    if s.name == f"pdserve_{role}_{name}_total"
+                )
+    return counters
 
 
-async def _run_n(rest_url: str, prefill_metrics: str, prompt: str, as_n: bool) -> dict[str, Any]:
-    before = await _prefill_counters(prefill_metrics)
+async def _run_n(rest_url: str, metrics: dict[str, str], prompt: str, as_n: bool) -> dict[str, Any]:
+    before = await _counters(metrics)
     body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 32, "temperature": 0.8}
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=rest_url, timeout=300) as http:
@@ -124,7 +138,7 @@ async def _run_n(rest_url: str, prefill_metrics: str, prompt: str, as_n: bool) -
     elapsed = time.perf_counter() - started
     for response in responses:
         response.raise_for_status()
-    after = await _prefill_counters(prefill_metrics)
+    after = await _counters(metrics)
     return {
         "seconds": round(elapsed, 3),
         **{name: after[name] - before[name] for name in after},
@@ -143,9 +157,10 @@ def bench_n(model_dir: Path) -> dict[str, Any]:
     cluster = Cluster(config)
     cluster.start()
     try:
-        prefill = cluster.prefills[0]
-        address = next(r["address"] for r in prefill.events if r.get("event") == "metrics_started")
-        metrics = f"http://{address}/metrics"
+        metrics = {
+            "prefill": _metrics_url(cluster.prefills[0].events),
+            "decode": _metrics_url(cluster.decodes[0].events),
+        }
 
         def prompt(tag: str) -> str:
             return f"{tag}. " + " ".join(f"word{i % 97} sea{i % 13}" for i in range(330))
@@ -160,6 +175,7 @@ def bench_n(model_dir: Path) -> dict[str, Any]:
         "n4": as_n,
         "computed_ratio": round(as_n["prompt_tokens"] / separate["prompt_tokens"], 3),
         "kv_bytes_ratio": round(as_n["kv_sent_bytes"] / separate["kv_sent_bytes"], 3),
+        "kv_received_ratio": round(as_n["kv_received_bytes"] / separate["kv_received_bytes"], 3),
         "time_ratio": round(as_n["seconds"] / separate["seconds"], 3),
     }
 

@@ -56,7 +56,7 @@ def test_adding_a_field_is_compatible(workspace: Path) -> None:
         workspace,
         "decode.proto",
         "  string prefill_instance_id = 6;\n",
-        "  string prefill_instance_id = 6;\n  // A new optional field.\n  uint32 priority = 7;\n",
+        "  string prefill_instance_id = 6;\n  // A new optional field.\n  uint32 priority = 99;\n",
     )
     result = _buf("breaking", "--against", str(BASELINE), cwd=workspace)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -928,3 +928,75 @@ async def test_sigkill_decode_mid_stream_with_forced_tool_calls(
     assert_valid_calls(results, min_ended=len(results))
     assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
     await cluster.wait_whole()
+
+
+# ---- one choice of n preempted: that choice alone is rescheduled ------------------------------
+
+
+# NOTE: 30 blocks of 16 tokens and no growth headroom. A long greedy request (a 13-block
+# prompt) grows to 21 blocks; a request of n=4 completions of a 44-token prompt needs up to 22
+# (its 2 full prompt blocks once, 5 of its own per choice), so it fits alone (no 400 for n),
+# but not beside the long one. The decode preempts the newest running request first: a later
+# choice of the n, never their first one nor the long request (21 + 7 blocks always fit).
+ONE_CHOICE_POOL: dict[str, Any] = {
+    "prefill_args": PREFILL_ARGS,
+    "decode_args": "--num-blocks 30 --reserve-tokens 0",
+    "gateway_args": "--preempt-retry-count 100",
+}
+CHOICE_PROMPT = "Choices share this prompt: tide shell kelp."  # 2 full blocks and a partial one
+
+
+@pytest.fixture
+def one_choice_pool(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with chaos_cluster(
+        demo_model_dir, tmp_path, store, tmp_path_factory, **ONE_CHOICE_POOL
+    ) as cluster:
+        yield cluster
+
+
+@STORE_OFF_ONLY
+async def test_preempting_one_choice_reschedules_that_choice_alone(
+    one_choice_pool: ProcessCluster, reference: Reference
+) -> None:
+    cluster, n, choice_tokens, long_tokens = one_choice_pool, 4, 64, 120
+    long_prompt, seeded = "A long story begins." + " once upon a time" * 11, {**SEEDED, "seed": 77}
+    assert len(reference.tokenizer.encode(CHOICE_PROMPT)) // BLOCK_SIZE == 2
+    assert len(reference.tokenizer.encode(long_prompt)) // BLOCK_SIZE == 13
+    expected_long = reference.completion(long_prompt, max_tokens=long_tokens, **GREEDY)
+    expected_choices = [
+        reference.completion(CHOICE_PROMPT, max_tokens=choice_tokens, **{**seeded, "seed": 77 + i})
+        for i in range(n)
+    ]
+    streaming = asyncio.Event()
+    async with cluster.openai() as client:
+        long_task = asyncio.create_task(
+            stream_token_ids(
+                client, cluster.model_name, long_prompt, max_tokens=long_tokens,
+                on_tokens=set_when_streaming(streaming, 8), **GREEDY,
+            )
+        )  # fmt: skip
+        await asyncio.wait_for(streaming.wait(), 30)
+        choices = await stream_choices(
+            client, cluster.model_name, CHOICE_PROMPT, max_tokens=choice_tokens, n=n,
+            timeout_s=120, **copy.deepcopy(seeded),
+        )  # fmt: skip
+        long_ids = await long_task
+    assert long_ids == expected_long
+    assert [ids for ids, _ in choices] == expected_choices
+
+    assert cluster.gateway is not None
+    finished = {e["request_id"]: e for e in events_named(cluster.gateway, "request_finished")}
+    (choice_base,) = {i.rsplit("-", 1)[0] for i in finished if i.rsplit("-", 1)[-1] == "3"}
+    choice_ids = [f"{choice_base}-{i}" for i in range(n)]
+    preempted = {e["request_id"] for e in events_named(cluster.decodes[0], "request_preempted")}
+    rescheduled = {i for i, e in finished.items() if e["num_reschedules"]}
+    # Some later choice was preempted; each preempted choice, and nothing else, was rescheduled.
+    assert preempted and preempted <= set(choice_ids[1:]), preempted
+    assert rescheduled == preempted
+    assert finished[choice_ids[0]]["num_reschedules"] == 0
+    # The later choices (and a rescheduled one, beside a sibling) shared the prompt's blocks.
+    shared = await cluster.instance_counter(cluster.decodes[0], "pdserve_decode_leases_shared")
+    assert shared >= n - 1
+    await cluster.wait_whole()

@@ -130,7 +130,7 @@ class DecodeClient:
         return decode_pb2_grpc.DecodeServiceStub(self.channel)
 
     async def allocate(
-        self, prefilled: Prefilled, max_new_tokens: int | None = None
+        self, prefilled: Prefilled, max_new_tokens: int | None = None, share_key: str = ""
     ) -> decode_pb2.Lease:
         response = await self.decode.AllocateBlocks(
             decode_pb2.AllocateBlocksRequest(
@@ -139,6 +139,7 @@ class DecodeClient:
                 max_new_tokens=max_new_tokens or prefilled.sampling.max_tokens,
                 kv_layout=self.local.host.kv_layout,
                 protocol=local_protocol(),
+                share_key=share_key,
             )
         )
         return response.lease

@@ -184,6 +184,7 @@ class Cluster:
         *,
         decode: int = 0,
         num_prompt_tokens: int = 0,
+        share_key: str = "",
     ) -> prefill_pb2.PrefillRequest:
         return prefill_pb2.PrefillRequest(
             request_id=request_id,
@@ -195,6 +196,7 @@ class Cluster:
                 instance_id=self.decodes[decode].status.instance.instance_id,
             ),
             protocol=local_protocol(),
+            share_key=share_key,
         )
 
     async def run_prefill(self, message: prefill_pb2.PrefillRequest) -> Events:

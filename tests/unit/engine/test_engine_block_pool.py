@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from pdserve.engine import BlockPool, hash_block_tokens
@@ -98,3 +100,38 @@ def test_prefix_block_keys_chain_over_tokens_and_are_scoped_by_layout() -> None:
     assert prefix_block_keys("layout-b", tokens, 16)[0] != keys[0]
     changed = prefix_block_keys("layout-a", [99, *tokens[1:]], 16)
     assert changed[0] != keys[0] and changed[1] != keys[1]  # a key covers every earlier token
+
+
+def test_holders_check_counts_a_shared_block_once_per_holder() -> None:
+    pool = BlockPool(6)
+    first = pool.allocate(3)
+    second = [*first[:2], *pool.allocate(1)]  # shares the first two blocks
+    pool.touch(first[:2])
+    holders = Counter([*first, *second])
+    pool.check_integrity(holders)
+    pool.free(first)  # the first holder ends: the shared blocks stay in use
+    assert pool.num_used_blocks == 3
+    pool.check_integrity(Counter(second))
+    pool.free(second)
+    assert pool.num_free_blocks == 6
+    pool.check_integrity(Counter())
+
+
+def test_holders_check_catches_a_leaked_reference() -> None:
+    pool = BlockPool(4)
+    held = pool.allocate(2)
+    pool.touch(held[:1])  # a reference nobody holds
+    pool.check_integrity()  # the pool alone cannot tell
+    with pytest.raises(AssertionError, match=f"block {held[0]} has 2 references but 1 holders"):
+        pool.check_integrity(Counter(held))
+
+
+def test_holders_check_catches_a_holder_without_a_reference() -> None:
+    pool = BlockPool(4)
+    first = pool.allocate(2)
+    second = [first[0]]  # holds a block it never took a reference to
+    with pytest.raises(AssertionError, match="held without a reference"):
+        pool.check_integrity(Counter([*first, *second]))
+    free_block = next(b for b in range(4) if b not in first)
+    with pytest.raises(AssertionError, match="held without a reference"):
+        pool.check_integrity(Counter([*first, free_block]))

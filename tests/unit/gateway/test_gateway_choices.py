@@ -8,8 +8,10 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import SamplingParams
 from pdserve.gateway.choices import merged
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.request import GenerationRequest, OutputDelta
 
 
 class Choice:
@@ -75,3 +77,18 @@ async def test_closing_early_closes_every_choice() -> None:
     await anext(stream)
     await stream.aclose()
     assert all(c.closed for c in choices)
+
+
+def test_the_choices_of_one_prompt_share_a_key_that_names_the_prompt() -> None:
+    def prepared(request_id: str, prompt: tuple[int, ...], n: int) -> PreparedRequest:
+        request = GenerationRequest(request_id, "m", prompt, SamplingParams(seed=5))
+        return PreparedRequest(request, (), tokenizer=None, n=n)  # type: ignore[arg-type]
+
+    choices = prepared("r", (1, 2, 3), 3).choices()
+    assert [c.request_id for c in choices] == ["r-0", "r-1", "r-2"]
+    assert [c.request.sampling.seed for c in choices] == [5, 6, 7]
+    keys = {c.request.share_key for c in choices}
+    assert len(keys) == 1 and keys.pop().startswith("r:")
+    assert prepared("r", (1, 2, 3), 1).choices()[0].request.share_key == ""  # nothing to share
+    other_prompt = prepared("r", (1, 2, 4), 2).choices()[0].request.share_key
+    assert other_prompt != choices[0].request.share_key

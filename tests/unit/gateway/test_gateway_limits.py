@@ -318,6 +318,20 @@ async def test_chat_without_max_tokens_gets_the_capped_default(
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (4, expected)
 
 
+async def test_chat_n_without_max_tokens_gets_what_lets_the_choices_fit_together(
+    cluster: Cluster,
+) -> None:
+    await cluster.start_gateway(default_chat_max_tokens=1024)
+    await cluster.add_prefill()
+    await cluster.add_decode(num_total_blocks=40)
+    result = await cluster.openai().chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=4
+    )
+    # 4 prompt tokens (no full block) and 10 blocks of 4 tokens per choice: 36 tokens each
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (4, 4 * 36)
+
+
 async def test_preparation_past_its_budget_is_504(cluster: Cluster) -> None:
     await cluster.start_gateway(prepare_timeout_s=0.001)
     prefill = await cluster.add_prefill()
@@ -448,3 +462,41 @@ async def test_16_clients_get_no_errors_and_leave_nothing_in_flight(pd: Cluster)
     assert num_finished == 16 * 8 - 32
     await eventually(lambda: gateway.limiter.num_in_flight == 0)
     await eventually(lambda: gateway.streamer.num_active_requests == 0)
+
+
+async def test_n_choices_that_no_decode_holds_together_are_a_400_naming_n(
+    cluster: Cluster,
+) -> None:
+    # 40 blocks of 4 tokens: one completion of 60 tokens fits (16 blocks with the prompt),
+    # two fit with the prompt's blocks held once, four do not.
+    await cluster.start_gateway()
+    prefill = await cluster.add_prefill()
+    await cluster.add_decode(num_total_blocks=40)
+    body = {"model": MODEL_NAME, "prompt": "hello there", "max_tokens": 60, "ignore_eos": True}
+    async with cluster.http() as http:
+        for n in (1, 2):
+            ok = await http.post(COMPLETIONS, json={**body, "n": n})
+            assert ok.status_code == 200, ok.text
+            assert len(ok.json()["choices"]) == n
+        num_prefills = len(prefill.requests)
+        refused = await http.post(COMPLETIONS, json={**body, "n": 4})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", "n")
+    assert "the largest decode" in error["message"] and "has 40" in error["message"]
+    request = generation_pb2.GenerateRequest(
+        model=MODEL_NAME,
+        text="hello there",
+        n=4,
+        sampling=common_pb2.SamplingParams(max_tokens=60, ignore_eos=True),
+    )
+    async with insecure_channel(cluster.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            [r async for r in stub.Generate(request)]
+    rpc_error = from_rpc_error(raised.value)
+    assert (rpc_error.reason, rpc_error.metadata.get("param")) == (
+        ErrorReason.INVALID_REQUEST,
+        "n",
+    )
+    assert len(prefill.requests) == num_prefills  # refused before any instance worked

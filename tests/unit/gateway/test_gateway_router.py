@@ -22,6 +22,11 @@ from pdserve.gateway.routing.policy import CacheRouting, PrefillLoad, RouteReaso
 from pdserve.gateway.routing.pools import lease_blocks
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.router import Router
+from pdserve.gateway.routing.share_affinity import (
+    ShareAffinity,
+    choices_blocks,
+    max_choice_tokens,
+)
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 _first_tokens = itertools.count(1000)
@@ -364,3 +369,108 @@ def test_a_constrained_request_goes_only_where_both_ends_apply_constraints() -> 
         router.pick(MODEL_NAME, _tokens(8), 8, required_features=needs)
     assert raised.value.reason is ErrorReason.NO_HEALTHY_INSTANCES
     assert "with constraints" in raised.value.message
+
+
+# ---- completions of one prompt (share keys) -----------------------------------------------------
+
+
+def _two_decodes(d1_blocks: int = 100, d2_blocks: int = 100) -> tuple[Registry, Router]:
+    registry = _registry(
+        ("p1", P, LoadReport()),
+        ("d1", D, LoadReport(num_free_blocks=d1_blocks, num_total_blocks=d1_blocks)),
+        ("d2", D, LoadReport(num_free_blocks=d2_blocks, num_total_blocks=d2_blocks)),
+    )
+    return registry, Router(registry, rng=random.Random(3))
+
+
+def test_completions_of_one_prompt_follow_the_first_to_its_decode() -> None:
+    _, router = _two_decodes()
+    prompt = _tokens(40)
+    share = {"share_key": "r:abc", "num_shared_tokens": 40}
+    first = router.pick(MODEL_NAME, prompt, 8, require_room=True, **share)
+    # The first booked blocks there: the other decode is now the less loaded one, yet the
+    # siblings go where the prompt's blocks are, and book only their own blocks.
+    others = [router.pick(MODEL_NAME, prompt, 8, require_room=True, **share) for _ in range(3)]
+    assert {p.decode.instance_id for p in others} == {first.decode.instance_id}
+    assert first.booked[D] == lease_blocks(40, 8, 4)
+    assert [p.booked[D] for p in others] == [lease_blocks(40, 8, 4) - 40 // 4] * 3
+    # Without a share key the same requests spread by load.
+    spread = [router.pick(MODEL_NAME, _tokens(40), 8, require_room=True) for _ in range(4)]
+    assert {p.decode.instance_id for p in spread} == {"d1", "d2"}
+
+
+def test_a_sibling_goes_elsewhere_when_the_decode_is_excluded_full_or_gone() -> None:
+    registry, router = _two_decodes()
+    prompt = _tokens(40)
+    share = {"share_key": "r:abc", "num_shared_tokens": 40}
+    held = router.pick(MODEL_NAME, prompt, 8, **share).decode.instance_id
+    other = "d2" if held == "d1" else "d1"
+    pick = router.pick(MODEL_NAME, prompt, 8, exclude_decode_ids={held}, **share)
+    assert pick.decode.instance_id == other and pick.booked[D] == lease_blocks(40, 8, 4)
+    # The key now points at `other`; marking it full sends the next sibling back.
+    router.loads.mark_full(other)
+    assert router.pick(MODEL_NAME, prompt, 8, require_room=True, **share).decode.instance_id == (
+        held
+    )
+    registry.deregister(held)
+    router.loads.invalidate()
+    registry.heartbeat(other, LoadReport(num_free_blocks=100, num_total_blocks=100))
+    assert router.pick(MODEL_NAME, prompt, 8, **share).decode.instance_id == other
+
+
+def test_a_sibling_fits_where_only_its_own_blocks_have_room() -> None:
+    need = lease_blocks(40, 8, 4)
+    own = need - 40 // 4
+    registry, router = _two_decodes(d1_blocks=need + own, d2_blocks=0)
+    registry.heartbeat("d2", LoadReport(num_free_blocks=0, num_total_blocks=need + own))
+    share = {"share_key": "r:abc", "num_shared_tokens": 40}
+    prompt = _tokens(40)
+    assert router.pick(MODEL_NAME, prompt, 8, require_room=True, **share).decode.instance_id == (
+        "d1"
+    )
+    # A separate request of the same size no longer fits anywhere; the sibling does.
+    with pytest.raises(PdserveError) as no_room:
+        router.pick(MODEL_NAME, _tokens(40), 8, require_room=True)
+    assert no_room.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
+    pick = router.pick(MODEL_NAME, prompt, 8, require_room=True, **share)
+    assert pick.decode.instance_id == "d1" and pick.booked[D] == own
+
+
+def test_the_share_memory_forgets_the_least_recently_routed_key_first() -> None:
+    affinity = ShareAffinity(max_keys=2)
+    affinity.record("a", "d1")
+    affinity.record("b", "d2")
+    affinity.record("a", "d3")  # routed again: most recent, and moved
+    affinity.record("c", "d1")
+    assert (affinity.decode_of("a"), affinity.decode_of("b"), affinity.decode_of("c")) == (
+        "d3",
+        None,
+        "d1",
+    )
+    affinity.record("", "d1")  # no key: nothing to remember
+    assert len(affinity) == 2 and affinity.decode_of("") is None
+
+
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "max_tokens", "n", "blocks"),
+    [(10, 6, 1, 4), (10, 6, 4, 2 + 4 * 2), (8, 8, 3, 2 + 3 * 2), (3, 1, 16, 16)],
+)
+def test_choices_blocks_hold_the_prompt_once_and_each_completion_apart(
+    num_prompt_tokens: int, max_tokens: int, n: int, blocks: int
+) -> None:
+    assert choices_blocks(num_prompt_tokens, max_tokens, n, 4) == blocks
+
+
+@given(
+    num_prompt_tokens=st.integers(1, 400),
+    n=st.integers(2, 16),
+    num_total_blocks=st.integers(1, 300),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_max_choice_tokens_is_the_most_that_fits(
+    num_prompt_tokens: int, n: int, num_total_blocks: int, block_size: int
+) -> None:
+    fits = max_choice_tokens(num_prompt_tokens, n, num_total_blocks, block_size)
+    if fits:
+        assert choices_blocks(num_prompt_tokens, fits, n, block_size) <= num_total_blocks
+    assert choices_blocks(num_prompt_tokens, fits + 1, n, block_size) > num_total_blocks

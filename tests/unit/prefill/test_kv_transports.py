@@ -207,6 +207,11 @@ async def test_a_window_cannot_address_blocks_outside_its_lease(tiny_model_dir: 
             window.write(outside)
         inside = KvPiece(0, 0, 1, data, data)
         assert window.write(inside) == chunk_crc32c(data, data)
+        # The first block shared with another lease: read-only through this window.
+        sharing = SharedKvPool(decode.kv_segment.name, layout).window(lease.block_ids, 1)
+        with pytest.raises(IndexError, match="shared"):
+            sharing.write(inside)
+        assert sharing.write(KvPiece(0, 1, 1, data, data)) == chunk_crc32c(data, data)
 
 
 def test_a_segment_other_users_may_open_is_refused(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 # NOTE: the block keys live in `pdserve.common.prefix_keys` (no numpy, so the gateway shares
 # them); they are re-exported here for the engine and the services.
@@ -123,13 +123,21 @@ class BlockPool:
         if block_hash is not None:
             del self._block_of_hash[block_hash]
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, holders: Mapping[int, int] | None = None) -> None:
         """Verifies the pool's invariants.
+
+        Args:
+            holders: When the owner knows who holds what: how many holders (block tables)
+                reference each block. Every used block must then be held, by exactly as
+                many holders as its reference count: a block shared by several requests
+                counts once per holder, and a reference nobody holds (a leak) or a holder
+                the count misses (a block that could be freed under it) is caught.
 
         Raises:
             AssertionError: If free + used != total, a reference count is negative, a free block
-                has references or a used block is in the free queue, an id is out of range, or
-                the two hash maps disagree (or hold blocks while caching is off).
+                has references or a used block is in the free queue, an id is out of range,
+                the two hash maps disagree (or hold blocks while caching is off), or a
+                reference count differs from `holders`.
         """
         free_ids = list(self._free)
         if len(set(free_ids)) != len(free_ids):
@@ -156,3 +164,16 @@ class BlockPool:
         for block_id, block_hash in self._hash_of_block.items():
             if self._block_of_hash.get(block_hash) != block_id:
                 raise AssertionError(f"prefix cache maps disagree on block {block_id}")
+        if holders is not None:
+            self._check_holders(holders)
+
+    def _check_holders(self, holders: Mapping[int, int]) -> None:
+        if any(not 0 <= b < self.num_blocks for b in holders):
+            raise AssertionError("a holder references a block id out of range")
+        for block_id, count in enumerate(self.ref_counts):
+            held = holders.get(block_id, 0)
+            if count != held:
+                what = "leaked" if held < count else "held without a reference"
+                raise AssertionError(
+                    f"block {block_id} has {count} references but {held} holders ({what})"
+                )

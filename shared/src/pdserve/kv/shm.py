@@ -153,15 +153,16 @@ class SharedKvPool:
         """Whether the segment's file is still there (its decode still runs)."""
         return self.path.exists()
 
-    def window(self, block_ids: Sequence[int]) -> LeaseWindow:
-        """The writer of one lease's blocks.
+    def window(self, block_ids: Sequence[int], num_shared_blocks: int = 0) -> LeaseWindow:
+        """The writer of one lease's blocks (the first `num_shared_blocks` of them, which the
+        lease shares with another, read-only).
 
         Raises:
             ValueError: A block id outside the segment.
         """
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"lease blocks outside the {self.num_blocks} blocks of {self.name}")
-        return LeaseWindow(self, tuple(block_ids))
+        return LeaseWindow(self, tuple(block_ids), num_shared_blocks)
 
 
 class LeaseWindow:
@@ -170,12 +171,16 @@ class LeaseWindow:
     Args:
         pool: The mapped segment.
         block_ids: The lease's physical blocks, in the sequence's logical order.
+        num_shared_blocks: Leading blocks the lease shares with another lease: never written.
     """
 
-    def __init__(self, pool: SharedKvPool, block_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, pool: SharedKvPool, block_ids: tuple[int, ...], num_shared_blocks: int = 0
+    ) -> None:
         self._blocks = pool.blocks
         self._block_nbytes = pool.block_nbytes
         self._block_ids = block_ids
+        self._num_shared_blocks = num_shared_blocks
 
     def write(self, piece: KvPiece, *, corrupt: bool = False) -> int:
         """Copies `piece` into the lease's blocks; returns the CRC-32C of what it meant to write.
@@ -183,12 +188,18 @@ class LeaseWindow:
         `corrupt` flips one written byte after the checksum (fault injection).
 
         Raises:
-            IndexError: The piece's logical blocks are not all within the lease.
+            IndexError: The piece's logical blocks are not all within the lease's writable
+                blocks.
         """
         end = piece.first_block + piece.num_blocks
         if piece.first_block < 0 or end > len(self._block_ids) or piece.num_blocks <= 0:
             raise IndexError(
                 f"blocks {piece.first_block}..{end - 1} outside the lease's {len(self._block_ids)}"
+            )
+        if piece.first_block < self._num_shared_blocks:
+            raise IndexError(
+                f"blocks {piece.first_block}..{end - 1} include the lease's "
+                f"{self._num_shared_blocks} shared blocks"
             )
         crc = chunk_crc32c(piece.key, piece.value)
         block_ids = self._block_ids[piece.first_block : end]

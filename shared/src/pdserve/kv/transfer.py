@@ -109,10 +109,11 @@ def layer_pieces(
 
 
 def sequence_pieces(
-    kv_cache: KVCache, block_ids: Sequence[int], max_chunk_bytes: int
+    kv_cache: KVCache, block_ids: Sequence[int], max_chunk_bytes: int, first_block: int = 0
 ) -> Iterator[KvPiece]:
-    """Every layer's pieces of a whole computed sequence, layer by layer: what the prefill
-    exports for a prompt computed in one pass."""
+    """Every layer's pieces of a whole computed sequence from logical block `first_block` on
+    (the receiver holds those before it), layer by layer: what the prefill exports for a
+    prompt computed in one pass."""
     num_blocks_per_piece = blocks_per_piece(kv_cache.layout, max_chunk_bytes)
     for layer_index in range(kv_cache.layout.num_layers):
-        yield from layer_pieces(kv_cache, layer_index, block_ids, num_blocks_per_piece)
+        yield from layer_pieces(kv_cache, layer_index, block_ids, num_blocks_per_piece, first_block)

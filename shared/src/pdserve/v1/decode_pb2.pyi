@@ -63,7 +63,7 @@ class Transport(_message.Message):
     def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id")
+    __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id", "num_shared_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class Lease(_message.Message):
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
@@ -78,23 +79,26 @@ class Lease(_message.Message):
     ttl_ms: int
     transports: _containers.RepeatedCompositeFieldContainer[Transport]
     decode_instance_id: str
-    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ...) -> None: ...
+    num_shared_blocks: int
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ..., num_shared_blocks: _Optional[int] = ...) -> None: ...
 
 class AllocateBlocksRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "kv_layout", "protocol", "prefill_instance_id")
+    __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "kv_layout", "protocol", "prefill_instance_id", "share_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARE_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
     max_new_tokens: int
     kv_layout: _common_pb2.KvLayout
     protocol: _common_pb2.Protocol
     prefill_instance_id: str
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., protocol: _Optional[_Union[_common_pb2.Protocol, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ...) -> None: ...
+    share_key: str
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., kv_layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., protocol: _Optional[_Union[_common_pb2.Protocol, _Mapping]] = ..., prefill_instance_id: _Optional[str] = ..., share_key: _Optional[str] = ...) -> None: ...
 
 class AllocateBlocksResponse(_message.Message):
     __slots__ = ("lease", "protocol")

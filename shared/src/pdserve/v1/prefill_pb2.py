@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"4\n\x0c\x44\x65\x63odeTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\xd2\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12(\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.DecodeTarget\x12&\n\x08protocol\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.Protocol\"t\n\rPrefillPhases\x12\x10\n\x08lease_us\x18\x01 \x01(\x04\x12\x10\n\x08queue_us\x18\x02 \x01(\x04\x12\x12\n\ncompute_us\x18\x03 \x01(\x04\x12\x18\n\x10transfer_tail_us\x18\x04 \x01(\x04\x12\x11\n\ttransport\x18\x05 \x01(\t\"\xb9\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12)\n\x06phases\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PrefillPhases\x12+\n\x08logprobs\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x9e\x01\n\tHandedOff\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12)\n\x06phases\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.PrefillPhases\"\xa0\x01\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12+\n\nhanded_off\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.HandedOffH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x42\x07\n\x05\x65vent\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x14\x41\x62ortRequestResponse\x12\x11\n\twas_known\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\'\n\tkv_layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12*\n\x08instance\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.InstanceInfo2\xfc\x01\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12Q\n\x0c\x41\x62ortRequest\x12\x1f.pdserve.v1.AbortRequestRequest\x1a .pdserve.v1.AbortRequestResponse\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"4\n\x0c\x44\x65\x63odeTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"\xe5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12(\n\x06\x64\x65\x63ode\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.DecodeTarget\x12&\n\x08protocol\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.Protocol\x12\x11\n\tshare_key\x18\x07 \x01(\t\"t\n\rPrefillPhases\x12\x10\n\x08lease_us\x18\x01 \x01(\x04\x12\x10\n\x08queue_us\x18\x02 \x01(\x04\x12\x12\n\ncompute_us\x18\x03 \x01(\x04\x12\x18\n\x10transfer_tail_us\x18\x04 \x01(\x04\x12\x11\n\ttransport\x18\x05 \x01(\t\"\xb9\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12)\n\x06phases\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.PrefillPhases\x12+\n\x08logprobs\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x9e\x01\n\tHandedOff\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12)\n\x06phases\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.PrefillPhases\"\xa0\x01\n\x0fPrefillResponse\x12-\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12+\n\nhanded_off\x18\x02 \x01(\x0b\x32\x15.pdserve.v1.HandedOffH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x42\x07\n\x05\x65vent\")\n\x13\x41\x62ortRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\")\n\x14\x41\x62ortRequestResponse\x12\x11\n\twas_known\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\'\n\tkv_layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12*\n\x08instance\x18\x08 \x01(\x0b\x32\x18.pdserve.v1.InstanceInfo2\xfc\x01\n\x0ePrefillService\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x12Q\n\x0c\x41\x62ortRequest\x12\x1f.pdserve.v1.AbortRequestRequest\x1a .pdserve.v1.AbortRequestResponse\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODETARGET']._serialized_start=65
   _globals['_DECODETARGET']._serialized_end=117
   _globals['_PREFILLREQUEST']._serialized_start=120
-  _globals['_PREFILLREQUEST']._serialized_end=330
-  _globals['_PREFILLPHASES']._serialized_start=332
-  _globals['_PREFILLPHASES']._serialized_end=448
-  _globals['_FIRSTTOKEN']._serialized_start=451
-  _globals['_FIRSTTOKEN']._serialized_end=636
-  _globals['_HANDEDOFF']._serialized_start=639
-  _globals['_HANDEDOFF']._serialized_end=797
-  _globals['_PREFILLRESPONSE']._serialized_start=800
-  _globals['_PREFILLRESPONSE']._serialized_end=960
-  _globals['_ABORTREQUESTREQUEST']._serialized_start=962
-  _globals['_ABORTREQUESTREQUEST']._serialized_end=1003
-  _globals['_ABORTREQUESTRESPONSE']._serialized_start=1005
-  _globals['_ABORTREQUESTRESPONSE']._serialized_end=1046
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1048
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1069
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1072
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1323
-  _globals['_PREFILLSERVICE']._serialized_start=1326
-  _globals['_PREFILLSERVICE']._serialized_end=1578
+  _globals['_PREFILLREQUEST']._serialized_end=349
+  _globals['_PREFILLPHASES']._serialized_start=351
+  _globals['_PREFILLPHASES']._serialized_end=467
+  _globals['_FIRSTTOKEN']._serialized_start=470
+  _globals['_FIRSTTOKEN']._serialized_end=655
+  _globals['_HANDEDOFF']._serialized_start=658
+  _globals['_HANDEDOFF']._serialized_end=816
+  _globals['_PREFILLRESPONSE']._serialized_start=819
+  _globals['_PREFILLRESPONSE']._serialized_end=979
+  _globals['_ABORTREQUESTREQUEST']._serialized_start=981
+  _globals['_ABORTREQUESTREQUEST']._serialized_end=1022
+  _globals['_ABORTREQUESTRESPONSE']._serialized_start=1024
+  _globals['_ABORTREQUESTRESPONSE']._serialized_end=1065
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1067
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1088
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1091
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1342
+  _globals['_PREFILLSERVICE']._serialized_start=1345
+  _globals['_PREFILLSERVICE']._serialized_end=1597
 # @@protoc_insertion_point(module_scope)

@@ -51,6 +51,15 @@ class DecodeConfig(InstanceConfig):
             "max": 1,
         },
     )
+    share_wait_ms: int = field(
+        default=500,
+        metadata={
+            "help": "how long AllocateBlocks for a completion of a prompt (a share key) waits "
+            "for the KV of another completion of it that is still on its way, to share its "
+            "full prompt blocks instead of receiving them again; 0 never waits (fresh blocks)",
+            "min": 0,
+        },
+    )
     kv_transports: str = field(
         default="shm,tcp",
         metadata={

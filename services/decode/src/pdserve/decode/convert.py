@@ -78,6 +78,7 @@ def lease_to_proto(
             ),
         ],
         decode_instance_id=instance_id,
+        num_shared_blocks=request.num_shared_blocks,
     )
 
 

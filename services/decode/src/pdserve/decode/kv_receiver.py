@@ -6,14 +6,16 @@ sender sharing the cache's memory; the last two are accepted by `receive_written
 checksum in the cache (`crc_in_cache`, which `CHECKSUM_WORKERS` may compute in parallel).
 Whatever the way, a transfer is accepted only if every chunk lies inside the lease, the CRC-32C
 of what is in the cache matches the sender's, the commit's chunk count and byte total equal
-what arrived, and every (layer, block) the prompt needs was written. Anything else is
-CACHE_SYNC_FAILED; the caller then frees the lease.
+what arrived, and every (layer, block) the prompt needs was written. A lease that shares its
+leading blocks with another lease (`block_sharing`) has them already: they count as written,
+a chunk into them is refused (another lease reads them), and the header's tokens must be the
+ones they hold. Anything else is CACHE_SYNC_FAILED; the caller then frees the lease.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -21,6 +23,7 @@ import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
+from pdserve.decode.block_sharing import prefix_mismatch
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
 from pdserve.engine.kv_cache import KVCache
@@ -70,8 +73,11 @@ class KvReceiver:
         self.num_blocks = num_blocks_for(request.num_kv_tokens, kv_cache.block_size)
         self.num_chunks = 0
         self.num_bytes = 0
-        # NOTE: one flag per (layer, logical block) proves the cache is complete at commit.
-        self._written = bytearray(self.num_layers * self.num_blocks)
+        self.num_shared_blocks = request.num_shared_blocks
+        # NOTE: one flag per (layer, logical block) proves the cache is complete at commit;
+        # the shared blocks are complete already.
+        row = b"\x01" * self.num_shared_blocks + bytes(self.num_blocks - self.num_shared_blocks)
+        self._written = bytearray(row * self.num_layers)
 
     def failure(
         self, message: str, code: grpc.StatusCode = grpc.StatusCode.DATA_LOSS
@@ -84,17 +90,22 @@ class KvReceiver:
             code=code,
         )
 
-    def check_header(self, num_tokens: int, num_prompt_tokens: int) -> None:
-        """Checks that the header's tokens are the ones the lease was granted for.
+    def check_header(self, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """Checks that the header's tokens are the ones the lease was granted for (and, over
+        its shared blocks, the ones those blocks hold).
 
         Raises:
             PdserveError: CACHE_SYNC_FAILED if they are not.
         """
+        num_tokens = len(token_ids)
         if num_tokens != self.request.num_kv_tokens or num_prompt_tokens > num_tokens:
             raise self.failure(
                 f"header carries {num_tokens} tokens (prompt {num_prompt_tokens}), "
                 f"the lease was granted for {self.request.num_kv_tokens}"
             )
+        mismatch = prefix_mismatch(self.request.shared_token_ids, token_ids)
+        if mismatch is not None:
+            raise self.failure(mismatch)
 
     def receive(self, chunk: KvChunkData) -> None:
         """Verifies and writes one chunk of the SyncCache stream.
@@ -166,6 +177,12 @@ class KvReceiver:
         if meta.num_blocks <= 0 or meta.first_block < 0 or end > self.num_blocks:
             raise self.failure(
                 f"blocks {meta.first_block}..{end - 1} outside the lease's {self.num_blocks}"
+            )
+        if meta.first_block < self.num_shared_blocks:
+            # NOTE: another lease reads these blocks: nothing may write into them.
+            raise self.failure(
+                f"blocks {meta.first_block}..{end - 1} include the lease's "
+                f"{self.num_shared_blocks} shared blocks"
             )
         return self.request.block_ids[meta.first_block : end]
 

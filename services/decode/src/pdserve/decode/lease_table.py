@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -84,8 +84,7 @@ class LeaseTable:
         with self.lock:
             lease.is_being_written = False
             if self._held_for_writer.pop(lease.lease_id, None) is not None:
-                self.pool.free(lease.block_ids)
-                lease.block_ids = []
+                lease.free_blocks(self.pool)
 
     def extend(self, lease: DecodeRequest, num_tokens: int) -> bool:
         """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
@@ -137,22 +136,32 @@ class LeaseTable:
             return list(self._leases.values())
 
     def num_leased_blocks(self) -> int:
-        """Blocks held by leases that are not running yet."""
+        """Blocks taken by leases that are not running yet (blocks they share with another
+        lease are counted there)."""
         with self.lock:
             return sum(
-                len(lease.block_ids)
+                len(lease.block_ids) - lease.num_shared_blocks
                 for lease in self._leases.values()
                 if lease.status < RequestStatus.RUNNING
             )
 
     def check_integrity(self) -> None:
-        """Raises AssertionError unless the pool is consistent and leases own disjoint blocks
-        that are exactly the pool's used blocks."""
+        """Raises AssertionError unless the pool is consistent, every used block is held by
+        exactly as many leases as its reference count (a shared prompt block once per lease
+        that shares it; a block no lease holds is a leak), and no two leases write into one
+        block (a block several leases hold is a shared prompt block of all of them but one)."""
         with self.lock:
-            self.pool.check_integrity()
             holders = [*self._leases.values(), *self._held_for_writer.values()]
-            owned = [b for lease in holders for b in lease.block_ids]
-            assert len(owned) == len(set(owned)), "a block is owned by two leases"
-            assert len(owned) == self.pool.num_used_blocks, (
-                f"leases own {len(owned)} blocks but the pool has {self.pool.num_used_blocks} used"
+            for lease in holders:
+                assert len(set(lease.block_ids)) == len(lease.block_ids), (
+                    f"lease {lease.lease_id} holds a block twice"
+                )
+                assert 0 <= lease.num_shared_blocks <= len(lease.block_ids), (
+                    f"lease {lease.lease_id} shares more blocks than it holds"
+                )
+            writers = Counter(
+                b for lease in holders for b in lease.block_ids[lease.num_shared_blocks :]
             )
+            twice = [b for b, count in writers.items() if count > 1]
+            assert not twice, f"blocks {sorted(twice)} are written by two leases"
+            self.pool.check_integrity(Counter(b for lease in holders for b in lease.block_ids))

@@ -2,8 +2,10 @@
 
 `LeaseManager` is the `LeaseTable` (the open leases, their transitions and the one lock, in
 `lease_table`) with its rules: admission with headroom for AllocateBlocks (the arithmetic of
-headroom, capacity and per-peer share is pure, in `lease_admission`) and the access checks of
-SyncCache and ReleaseLease (the rules are pure, in `lease_access`), each under the table's lock.
+headroom, capacity and per-peer share is pure, in `lease_admission`), the prompt blocks a
+completion shares with a live lease of the same prompt (pure, in `block_sharing`), and the
+access checks of SyncCache and ReleaseLease (the rules are pure, in `lease_access`), each under
+the table's lock.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from collections.abc import Callable
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.pki import Identity
 from pdserve.decode import lease_access
+from pdserve.decode.block_sharing import pending_source, share_grant, share_source
 from pdserve.decode.lease_admission import (
+    LeaseSize,
     RecentAsks,
     capacity_refusal,
     lease_size,
@@ -72,6 +76,8 @@ class LeaseManager(LeaseTable):
         self.num_granted = 0
         self.num_refused = 0
         self.num_access_refused = 0
+        self.num_shared_leases = 0
+        self.num_shared_blocks = 0
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -88,10 +94,18 @@ class LeaseManager(LeaseTable):
         """Blocks that `peer_key`'s leases hold before their commit (ALLOCATED, SYNCING)."""
         with self.lock:
             return sum(
-                len(lease.block_ids)
+                len(lease.block_ids) - lease.num_shared_blocks
                 for lease in self._leases.values()
                 if lease.peer_key == peer_key and lease.status < RequestStatus.COMMITTED
             )
+
+    def pending_share_source(self, share_key: str) -> DecodeRequest | None:
+        """An open lease of `share_key` whose KV has not been committed yet (whose `ready`
+        a sibling's allocation may wait for, to share its blocks), unless one is committed."""
+        with self.lock:
+            if share_source(self._leases.values(), share_key) is not None:
+                return None
+            return pending_source(self._leases.values(), share_key)
 
     def allocate(
         self,
@@ -101,10 +115,14 @@ class LeaseManager(LeaseTable):
         *,
         caller: Identity | None = None,
         prefill_instance_id: str = "",
+        share_key: str = "",
     ) -> DecodeRequest:
         """Grants a lease (with a fresh token) for `num_kv_tokens` of KV, keeping headroom for
         running requests and within the share of the pool the calling peer may hold
         uncommitted (`caller`: its certified identity; `prefill_instance_id`: the id it states).
+        With a `share_key` that an open, committed lease holds, the new lease references that
+        lease's full prompt blocks instead of new ones (`block_sharing`; its
+        ``num_shared_blocks``), and only the rest counts against the pool.
 
         Raises:
             PdserveError: INSTANCE_DRAINING; INVALID_REQUEST; PROMPT_TOO_LONG past
@@ -122,6 +140,10 @@ class LeaseManager(LeaseTable):
                 raise PdserveError(
                     ErrorReason.INSTANCE_DRAINING, "decode is draining", {"requestId": request_id}
                 )
+            share = share_grant(
+                share_source(self._leases.values(), share_key), num_kv_tokens, self.block_size
+            )
+            size = LeaseSize(size.num_blocks - len(share.block_ids), size.num_headroom_blocks)
             available = self.pool.num_free_blocks - self.num_reserved_blocks()
             refusal = capacity_refusal(request_id, size, available, self.capacity_retry_s)
             if refusal is None:
@@ -137,10 +159,11 @@ class LeaseManager(LeaseTable):
             if refusal is not None:
                 self.num_refused += 1
                 raise refusal
+            self.pool.touch(share.block_ids)
             lease = DecodeRequest(
                 lease_id=uuid.uuid4().hex,
                 request_id=request_id,
-                block_ids=self.pool.allocate(size.num_blocks),
+                block_ids=[*share.block_ids, *self.pool.allocate(size.num_blocks)],
                 num_kv_tokens=num_kv_tokens,
                 max_new_tokens=max_new_tokens,
                 expires_at=self.clock() + self.ttl_s,
@@ -149,9 +172,15 @@ class LeaseManager(LeaseTable):
                 peer_key=peer_key,
                 num_computed_tokens=num_kv_tokens,
                 num_remaining_tokens=max_new_tokens,
+                share_key=share_key,
+                num_shared_blocks=len(share.block_ids),
+                shared_token_ids=share.token_ids,
             )
             self._leases[lease.lease_id] = lease
             self.num_granted += 1
+            if share.block_ids:
+                self.num_shared_leases += 1
+                self.num_shared_blocks += len(share.block_ids)
             return lease
 
     # ---- who may write or release (rules in `lease_access`) -------------------------------

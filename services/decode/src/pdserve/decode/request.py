@@ -66,6 +66,10 @@ class DecodeRequest:
             until the transfer ends); ending it meanwhile keeps the blocks until then.
         constraint_state: Its constraint's matcher (``sampling.constraint`` set), compiled
             and advanced over the completion it arrived with before the commit.
+        share_key: Requests with the same key are completions of one prompt ('' for none).
+        num_shared_blocks: Leading blocks of ``block_ids`` it references in another lease
+            of its share key (full prompt blocks, never written by either).
+        shared_token_ids: The tokens whose KV those blocks hold (its header must agree).
     """
 
     lease_id: str
@@ -92,6 +96,9 @@ class DecodeRequest:
     num_steps: int = 0
     is_being_written: bool = False
     constraint_state: ConstraintState | None = field(default=None, repr=False)
+    share_key: str = ""
+    num_shared_blocks: int = 0
+    shared_token_ids: tuple[int, ...] = field(default=(), repr=False)
     _aio_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -133,9 +140,15 @@ class DecodeRequest:
         self.status = status
         self.ended_at = time.monotonic()
         if pool is not None:
-            pool.free(self.block_ids)
-            self.block_ids = []
+            self.free_blocks(pool)
         return True
+
+    def free_blocks(self, pool: BlockPool) -> None:
+        """Drops its reference to each of its blocks (a block shared with another lease stays
+        in use there)."""
+        pool.free(self.block_ids)
+        self.block_ids = []
+        self.num_shared_blocks = 0
 
     # ---- its generation and its stream -----------------------------------------------------
 

@@ -86,7 +86,9 @@ class DecodeInstance(InstanceServer):
             self.metrics,
             self.offload,
         )
-        self.servicer = DecodeServicer(host, self.leases, self.loop, self.metrics)
+        self.servicer = DecodeServicer(
+            host, self.leases, self.loop, self.metrics, config.share_wait_ms / 1000
+        )
         self.servicer.instance_id = self.instance.instance_id
         self.kv_segment: KvSegment | None = None
         self.kv_tcp: KvTcpServer | None = None
@@ -141,6 +143,15 @@ class DecodeInstance(InstanceServer):
                 leases.num_access_refused,
             ),
             "lease_expiries": ("Leases reclaimed after their TTL.", leases.num_expired),
+            "leases_shared": (
+                "Leases granted with prompt blocks shared from another completion's lease.",
+                leases.num_shared_leases,
+            ),
+            "shared_blocks": (
+                "Prompt blocks leases shared with another completion's lease instead of "
+                "receiving them.",
+                leases.num_shared_blocks,
+            ),
             "kv_received_bytes": (
                 "KV bytes received in committed transfers.",
                 self.servicer.num_kv_bytes_received,

@@ -7,6 +7,7 @@ table; the servicer keeps a reference to every request whose stream may still be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
@@ -45,6 +46,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         leases: The lease table.
         loop: The decode thread.
         metrics: Where transfer durations are observed, if anywhere.
+        share_wait_s: How long an allocation with a share key waits for a sibling's KV on its
+            way, to share its prompt blocks.
     """
 
     def __init__(
@@ -53,8 +56,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         leases: LeaseManager,
         loop: DecodeLoop,
         metrics: DecodeMetrics | None = None,
+        share_wait_s: float = 0.0,
     ) -> None:
         self.host = host
+        self.share_wait_s = share_wait_s
         self.leases = leases
         self.loop = loop
         self.metrics = metrics
@@ -84,12 +89,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     "KV layout fingerprint differs from this decode's",
                     {"requestId": request.request_id, "expected": self.host.kv_layout.fingerprint},
                 )
+            await self._wait_for_sibling(request.share_key)
             lease = self.leases.allocate(
                 request.request_id,
                 request.num_prompt_tokens,
                 request.max_new_tokens,
                 caller=peer_identity(context),
                 prefill_instance_id=request.prefill_instance_id,
+                share_key=request.share_key,
             )
         except PdserveError as error:
             log.info("lease_refused", request_id=request.request_id, reason=error.reason.name)
@@ -104,6 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             request_id=lease.request_id,
             lease_id=lease.lease_id,
             num_blocks=len(lease.block_ids),
+            num_shared_blocks=lease.num_shared_blocks,
         )
         return decode_pb2.AllocateBlocksResponse(
             lease=convert.lease_to_proto(
@@ -115,6 +123,21 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             ),
             protocol=local_protocol(),
         )
+
+    async def _wait_for_sibling(self, share_key: str) -> None:
+        """Waits (at most `share_wait_s`) for the commit of another completion of the same
+        prompt whose KV is on its way, so that this one can share its prompt blocks.
+
+        NOTE: the gateway starts a prompt's other completions once the first has its first
+        token, which the prefill samples just before it commits the KV: the wait is the tail
+        of that one transfer.
+        """
+        if not share_key or self.share_wait_s <= 0:
+            return
+        sibling = self.leases.pending_share_source(share_key)
+        if sibling is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(sibling.ready.wait(), self.share_wait_s)
 
     # ---- SyncCache -------------------------------------------------------------------------
 

@@ -89,7 +89,7 @@ class Transfers:
         )
         receiver = KvReceiver(self.kv_cache, lease)
         try:
-            receiver.check_header(len(header.token_ids), header.num_prompt_tokens)
+            receiver.check_header(header.token_ids, header.num_prompt_tokens)
             self._prepare_constraint(lease, header)
         except PdserveError as error:
             self.fail(lease, error)

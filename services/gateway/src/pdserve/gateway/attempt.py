@@ -127,6 +127,7 @@ class Attempts:
             decode_address=pair.decode.address,
             decode_instance_id=pair.decode.instance_id,
             trace_context=context,
+            share_key=request.share_key,
         )
         log.debug(
             "attempt_started",

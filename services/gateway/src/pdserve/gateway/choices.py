@@ -5,7 +5,9 @@ order they come, each tagged with its choice index.
 The first choice of each prompt starts alone; that prompt's other choices start once it has
 its first token. By then its prompt's full blocks are in its prefill's prefix cache, and
 cache-aware routing sends the other choices there, so the prompt is computed once rather than
-n times (its KV still travels to the decode once per choice).
+n times. The choices of a prompt share a key (`PreparedRequest.choices`): the router sends
+them to the first one's decode where it can, and that decode holds the prompt's full KV
+blocks once for all of them, so only each choice's partial last block travels again.
 """
 
 from __future__ import annotations

@@ -291,4 +291,6 @@ class Orchestrator:
             required_features=(
                 CONSTRAINED if request.sampling.constraint is not None else frozenset()
             ),
+            share_key=request.share_key,
+            num_shared_tokens=len(request.prompt_token_ids),
         )

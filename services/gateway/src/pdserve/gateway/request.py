@@ -28,6 +28,9 @@ class GenerationRequest:
             client gives none), so a rescheduled request continues with the same tokens.
         eos_token_ids: The model's end-of-sequence ids (they end the completion unless
             ``sampling.ignore_eos``).
+        share_key: The same for every completion of one prompt of a request with ``n`` > 1
+            ('' otherwise): they are routed to one decode where they can, which then holds
+            the prompt's full KV blocks once for all of them.
     """
 
     request_id: str
@@ -35,6 +38,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    share_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ def request_from_proto(
         seed=resolve_seed(sampling.seed),
         decode_address=message.decode.address,
         decode_instance_id=message.decode.instance_id,
+        share_key=message.share_key,
     )
 
 
@@ -116,7 +117,12 @@ def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
         if t.kind in _TRANSPORT_NAMES
     )
     return LeaseGrant(
-        lease.lease_id, tuple(lease.block_ids), lease.decode_instance_id, token, offers
+        lease.lease_id,
+        tuple(lease.block_ids),
+        lease.decode_instance_id,
+        token,
+        offers,
+        lease.num_shared_blocks,
     )
 
 
@@ -131,6 +137,7 @@ def allocate_request(
         kv_layout=kv_layout,
         protocol=protocol,
         prefill_instance_id=sender,
+        share_key=request.share_key,
     )
 
 

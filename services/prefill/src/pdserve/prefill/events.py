@@ -17,7 +17,9 @@ class LeaseGrant:
 
     ``transport_token`` is the lease's credential (every transport, ReleaseLease): never
     logged, and left out of ``repr``. ``transports`` are the decode's offers besides gRPC
-    SyncCache, in its order of preference.
+    SyncCache, in its order of preference. ``num_shared_blocks`` leading blocks already hold
+    the request's KV on the decode (shared with another completion of the prompt): the sender
+    ships the blocks after them.
     """
 
     lease_id: str
@@ -25,6 +27,7 @@ class LeaseGrant:
     decode_instance_id: str
     transport_token: bytes = field(default=b"", repr=False)
     transports: tuple[TransportOffer, ...] = ()
+    num_shared_blocks: int = 0
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,10 @@ class Handoffs:
         constraint_state = self._prepare_constraint(request)
         if request.is_sending_kv:
             request.move_to(RequestStatus.PREPARING)
-            await open_lease(self.peers, request, self._background)
+            lease = await open_lease(self.peers, request, self._background)
+            # NOTE: the decode holds the blocks it shares with another completion of the
+            # prompt already: the exports start after them.
+            request.num_sent_blocks = lease.num_shared_blocks
             stub = self.peers.stub(request.decode_address, request.decode_instance_id)
             self.transfers.start(flight, stub)
         if self.loop.store_loader is not None:

@@ -161,7 +161,8 @@ class SharedMemoryChannel(GrpcChannel):
         assert self.request.lease is not None
         try:
             pool = self.open_pool(self.segment_name)
-            self.window = pool.window(self.request.lease.block_ids)
+            lease = self.request.lease
+            self.window = pool.window(lease.block_ids, lease.num_shared_blocks)
         except (OSError, ValueError) as error:
             raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
         await super().open()

@@ -83,14 +83,16 @@ def sync_cache_messages(
     """The whole SyncCache stream for `request` when its KV was computed in one pass.
 
     Args:
-        request: The request (holding its lease); ``block_ids`` hold its KV in `kv_cache`.
+        request: The request (holding its lease); ``block_ids`` hold its KV in `kv_cache`
+            (the blocks the lease shares on the decode are left out).
         kv_cache: The sender's cache.
         first_token_id: The sampled first token (the commit's).
         max_chunk_bytes: Most K+V bytes per chunk, as the prefill's flag.
     """
     messages = SyncCacheMessages(request)
     yield messages.header()
-    for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):
+    num_shared = 0 if request.lease is None else request.lease.num_shared_blocks
+    for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes, num_shared):
         yield messages.chunk(piece)
     yield messages.commit(first_token_id, request.first_token_index)
 

@@ -78,6 +78,8 @@ class Request:
         seed: Seed of every sampled position (``resolve_seed`` of the request's).
         decode_address: "host:port" of the target decode.
         decode_instance_id: The instance id the caller expects there ('' if not given).
+        share_key: The completions of one prompt share it ('' for none); the decode may
+            then hold the prompt's full blocks already (``LeaseGrant.num_shared_blocks``).
         is_sending_kv: Whether the engine exports KV for the decode (False when the first
             token is known to end the request, so no lease is taken).
         sink: Receives the engine thread's events (must be thread-safe).
@@ -94,7 +96,8 @@ class Request:
             copies those it uses into the request's blocks and drops the list).
         pending_imports: Blocks admission gave stored payloads to, ``(block_id, payload)``;
             written into the cache before the request's first pass.
-        num_sent_blocks: Leading logical blocks already exported to the sender.
+        num_sent_blocks: Leading logical blocks already exported to the sender (or held by the
+            decode already: the blocks its lease shares with another completion).
         phases: When it arrived and reached each phase boundary (the engine thread sets the
             first scheduled pass).
         trace_context: Parent of the engine thread's spans for this request (None: untraced).
@@ -113,6 +116,7 @@ class Request:
     seed: int
     decode_address: str
     decode_instance_id: str = ""
+    share_key: str = ""
     is_sending_kv: bool = True
     sink: EventSink = field(default=lambda event: None)
     status: RequestStatus = RequestStatus.QUEUED

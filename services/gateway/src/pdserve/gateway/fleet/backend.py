@@ -25,6 +25,7 @@ class PrefillCall:
         token_ids: The prompt, followed on a reschedule by the completion tokens so far.
         num_prompt_tokens: Length of the original prompt within `token_ids`.
         trace_context: The attempt's trace context; the call's span becomes its child.
+        share_key: The request's share key ('' for none; see `GenerationRequest`).
     """
 
     request_id: str
@@ -34,6 +35,7 @@ class PrefillCall:
     decode_address: str
     decode_instance_id: str
     trace_context: Context | None = None
+    share_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,7 @@ def prefill_request_to_pb(call: PrefillCall) -> prefill_pb2.PrefillRequest:
             address=call.decode_address, instance_id=call.decode_instance_id
         ),
         protocol=local_protocol(),
+        share_key=call.share_key,
     )
 
 

@@ -8,7 +8,10 @@ token ids (on a worker thread, unless `is_short_prompt`).
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -176,11 +179,13 @@ class PreparedRequest:
 
     def choices(self) -> list[PreparedRequest]:
         """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)
-        and seed ``seed + i``, so each choice has its own reproducible random stream."""
+        and seed ``seed + i``, so each choice has its own reproducible random stream; all of
+        them one share key (`share_key`), so a decode holds their prompt's KV once."""
         if self.n == 1:
             return [self]
         request = self.request
         seed = request.sampling.seed or 0
+        key = share_key(request.request_id, request.prompt_token_ids)
         return [
             replace(
                 self,
@@ -188,6 +193,7 @@ class PreparedRequest:
                     request,
                     request_id=f"{request.request_id}-{index}",
                     sampling=replace(request.sampling, seed=(seed + index) % MAX_SEED),
+                    share_key=key,
                 ),
             )
             for index in range(self.n)
@@ -200,6 +206,13 @@ class PreparedRequest:
     @property
     def prompt_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids
+
+
+def share_key(request_id: str, prompt_token_ids: Sequence[int]) -> str:
+    """The share key of the completions of one prompt: the request's id and a digest of the
+    prompt (a client may reuse a request id; the decode checks the tokens in any case)."""
+    digest = hashlib.sha256(array("I", prompt_token_ids).tobytes()).hexdigest()
+    return f"{request_id}:{digest[:16]}"
 
 
 @dataclass(frozen=True)

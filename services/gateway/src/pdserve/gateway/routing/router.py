@@ -6,7 +6,10 @@ layout fingerprint. The prefill is chosen by the rule of `pdserve.gateway.routin
 one believed to hold the longest prefix of the prompt in its prefix cache
 (`pdserve.gateway.routing.prefix_memory`) unless it is much busier than the least-loaded one,
 else the one with the fewest queued prompt tokens. The decode with the most admissible blocks
-(free minus reserved headroom) follows. Both loads are the instance's last report corrected by
+(free minus reserved headroom) follows, unless the request is a completion of a prompt whose
+other completions went to a decode that has room for what it does not share with them
+(`pdserve.gateway.routing.share_affinity`): then that one, which holds the prompt's KV once
+for all of them. Both loads are the instance's last report corrected by
 what this gateway saw since: work it sent there is added (a burst of requests between two
 heartbeats spreads out instead of piling onto one instance), work it saw end there is taken off
 again (`Router.settle`: a prefill that finished its prompts since its report is not taken for
@@ -42,6 +45,7 @@ from pdserve.gateway.routing.pools import (
 )
 from pdserve.gateway.routing.prefix_memory import PrefixMemory
 from pdserve.gateway.routing.prompt_keys import PromptKeys
+from pdserve.gateway.routing.share_affinity import Affine, ShareAffinity, affine_decode
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class _Choice:
     decode_at: int
     reason: RouteReason
     num_matched_blocks: int
+    num_shared_blocks: int = 0
 
     @property
     def prefill(self) -> InstanceEntry:
@@ -85,6 +90,7 @@ class Router:
         self._rng = rng or random.Random()
         self._cache_routing = cache_routing or CacheRouting()
         self.prefix_memory = PrefixMemory(self._cache_routing.memory_blocks)
+        self.share_affinity = ShareAffinity()
         # NOTE: an instance that (re)joins may have restarted with an empty cache.
         registry.add_listener(lambda entry: self.prefix_memory.forget(entry.instance_id))
         self.loads = EstimatedLoads(
@@ -114,6 +120,8 @@ class Router:
         prompt_keys: PromptKeys | None = None,
         require_room: bool = False,
         required_features: frozenset[str] = frozenset(),
+        share_key: str = "",
+        num_shared_tokens: int = 0,
     ) -> Pair:
         """Chooses a pair and books the work on both instances' estimated load.
 
@@ -131,6 +139,10 @@ class Router:
                 reports no pool (``num_total_blocks`` 0) is taken at its word.
             required_features: Contract features both instances must advertise (e.g.
                 ``constraints`` for a constrained request: an older instance would ignore it).
+            share_key: The request's share key: the decode its other completions went to is
+                preferred while it has room for the blocks they do not share.
+            num_shared_tokens: The prompt's length (tokens whose full blocks the completions
+                share on one decode).
 
         Raises:
             PdserveError: NO_HEALTHY_INSTANCES (with a retry delay) when no pair qualifies;
@@ -141,6 +153,7 @@ class Router:
         keys = prompt_keys or PromptKeys(token_ids)
         num_tokens = len(token_ids)
         short: ErrorReason | None = None
+        affine = Affine(self.share_affinity.decode_of(share_key), num_shared_tokens)
         for _ in range(2):
             room = (num_tokens, max_new_tokens) if require_room else None
             prefills = self.loads.pools(InstanceRole.PREFILL, model_name)
@@ -153,15 +166,16 @@ class Router:
                     excluding(prefills, exclude_prefill_ids),
                     excluding(decodes, exclude_decode_ids),
                 ):
-                    choice = self._choose(prefills, decodes, keys, room)
+                    choice = self._choose(prefills, decodes, keys, num_tokens, room, affine)
             else:
-                choice = self._choose(prefills, decodes, keys, room)
+                choice = self._choose(prefills, decodes, keys, num_tokens, room, affine)
             if isinstance(choice, ErrorReason):
                 short = choice
                 break
             if choice is None:
                 break
             if self.loads.is_routable(choice.prefill) and self.loads.is_routable(choice.decode):
+                self.share_affinity.record(share_key, choice.decode.instance_id)
                 return self._commit(choice, keys, num_tokens, max_new_tokens)
             # NOTE: one of them went silent since the registry last changed: rebuild, which
             # leaves out whatever is not alive now.
@@ -194,15 +208,19 @@ class Router:
         prefills: dict[str, Pool],
         decodes: dict[str, Pool],
         keys: PromptKeys,
+        num_tokens: int = 0,
         room: tuple[int, int] | None = None,
+        affine: Affine | None = None,
     ) -> _Choice | ErrorReason | None:
         """The pair among what is not excluded; None when no pair is left. With `room`
         (tokens, max new tokens): only pairs with room for it, else the reason of the role
-        that has none (DECODE_CAPACITY_EXHAUSTED or PREFILL_OVERLOADED)."""
+        that has none (DECODE_CAPACITY_EXHAUSTED or PREFILL_OVERLOADED). The `affine` decode
+        (where the request's other completions went) is taken where it qualifies."""
         # NOTE: each pool's least score once per pick: a `min` over hundreds of scores costs
         # microseconds.
         usable: list[tuple[Pool, int]] = []
         decode_least: dict[str, int] = {}
+        affine_at: dict[str, tuple[int, int]] = {}
         short: ErrorReason | None = None
         for fingerprint, pool in prefills.items():
             decode_pool = decodes.get(fingerprint)
@@ -211,8 +229,13 @@ class Router:
             least, decode_least[fingerprint] = pool.least(), decode_pool.least()
             if least >= EXCLUDED or decode_least[fingerprint] >= EXCLUDED:
                 continue
+            at_shared = affine_decode(decode_pool, affine, num_tokens, room)
+            if at_shared is not None:
+                affine_at[fingerprint] = at_shared
             if room is not None and least == FULL:
                 short = ErrorReason.PREFILL_OVERLOADED
+            elif at_shared is not None:
+                usable.append((pool, least))
             elif room is not None and not has_room(decode_pool, decode_least[fingerprint], room):
                 if could_ever_hold(decode_pool, room):
                     short = ErrorReason.DECODE_CAPACITY_EXHAUSTED
@@ -225,8 +248,18 @@ class Router:
         prefill_pool, prefill_at, reason, num_matched_blocks = self._choose_prefill(usable, keys)
         fingerprint = prefill_pool.layout.fingerprint
         decode_pool = decodes[fingerprint]
-        decode_at = self._rng.choice(decode_pool.positions_scoring(decode_least[fingerprint]))
-        return _Choice(prefill_pool, prefill_at, decode_pool, decode_at, reason, num_matched_blocks)
+        decode_at, num_shared_blocks = affine_at.get(fingerprint, (-1, 0))
+        if decode_at < 0:
+            decode_at = self._rng.choice(decode_pool.positions_scoring(decode_least[fingerprint]))
+        return _Choice(
+            prefill_pool,
+            prefill_at,
+            decode_pool,
+            decode_at,
+            reason,
+            num_matched_blocks,
+            num_shared_blocks,
+        )
 
     def _choose_prefill(
         self, usable: list[tuple[Pool, int]], keys: PromptKeys
@@ -276,6 +309,7 @@ class Router:
         num_uncached_tokens = num_tokens - choice.num_matched_blocks * layout.block_size
         self.loads.book(choice.prefill_pool, choice.prefill_at, num_uncached_tokens)
         num_blocks = lease_blocks(num_tokens, max_new_tokens, choice.decode_pool.layout.block_size)
+        num_blocks -= choice.num_shared_blocks
         self.loads.book(choice.decode_pool, choice.decode_at, num_blocks)
         booked = {InstanceRole.PREFILL: num_uncached_tokens, InstanceRole.DECODE: num_blocks}
         return Pair(
