@@ -102,14 +102,30 @@ def kill_marked(marker: str) -> None:
     """Kills every process whose environment carries `marker`: what a step started that
     outlived it (services start in sessions of their own, out of the step's process group)."""
     needle = f"{MARKER}={marker}".encode()
+    killed = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if needle in (entry / "environ").read_bytes().split(b"\0"):
                 os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(entry)
         except (OSError, ValueError):
             continue
+    # NOTE: the next step starts once they are gone (their ports and files free), within 5 s.
+    deadline = time.monotonic() + 5.0
+    while killed and time.monotonic() < deadline:
+        killed = [entry for entry in killed if _is_alive(entry)]
+        if killed:
+            time.sleep(0.02)
+
+
+def _is_alive(entry: Path) -> bool:
+    """Whether the process of /proc/<pid> `entry` still runs (not gone, not a zombie)."""
+    try:
+        return not (entry / "stat").read_text().rsplit(") ", 1)[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
 
 
 class Check:
