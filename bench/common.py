@@ -53,3 +53,34 @@ def percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q) - 1))]
+
+
+def prefilled_streams(
+    model_dir: Path, num_streams: int, prompt_len: int, num_steps: int, block_size: int
+) -> tuple[Any, list[list[int]], list[list[int]]]:
+    """A one-thread runner on `model_dir` with `num_streams` random prompts of `prompt_len`
+    tokens prefilled into the paged cache, room left for `num_steps` tokens more each:
+    (runner, token ids of each stream, block table of each stream)."""
+    import torch
+
+    from pdserve.engine.batch import ScheduledChunk
+    from pdserve.engine.config import CacheConfig, EngineConfig
+    from pdserve.engine.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    blocks_per_seq = (prompt_len + num_steps + block_size) // block_size + 1
+    config = EngineConfig(
+        model=str(model_dir),
+        num_threads=1,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_streams * blocks_per_seq),
+    )
+    runner = ModelRunner.load(config)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_streams)]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [
+        torch.randint(100, 40000, (prompt_len,), generator=generator).tolist()
+        for _ in range(num_streams)
+    ]
+    for sequence, table in zip(sequences, tables, strict=True):
+        runner.execute([ScheduledChunk(sequence, 0, table)])
+    return runner, sequences, tables

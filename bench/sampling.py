@@ -25,14 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import write_results
+from common import prefilled_streams, write_results
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.batch import ScheduledChunk
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 
 NUM_STREAMS = 16
@@ -54,25 +52,10 @@ ON = SamplingParams(
 
 def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
     """Median decode-step time with the controls off and on, alternating."""
-    import torch
-
-    torch.set_num_threads(1)
-    blocks_per_seq = (PROMPT_LEN + num_steps * 2 + BLOCK_SIZE) // BLOCK_SIZE + 1
-    config = EngineConfig(
-        model=str(model_dir),
-        num_threads=1,
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_STREAMS * blocks_per_seq),
+    runner, sequences, tables = prefilled_streams(
+        model_dir, NUM_STREAMS, PROMPT_LEN, num_steps * 2, BLOCK_SIZE
     )
-    runner = ModelRunner.load(config)
     sampler = Sampler()
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(NUM_STREAMS)]
-    generator = torch.Generator().manual_seed(0)
-    sequences = [
-        torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
-        for _ in range(NUM_STREAMS)
-    ]
-    for sequence, table in zip(sequences, tables, strict=True):
-        runner.execute([ScheduledChunk(sequence, 0, table)])
     timings: dict[str, list[float]] = {"off": [], "on": []}
     for step in range(num_steps * 2):
         name, params = ("off", OFF) if step % 2 == 0 else ("on", ON)

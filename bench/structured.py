@@ -30,14 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import write_results
+from common import prefilled_streams, write_results
 
 from pdserve.common.generation import Constraint, ConstraintKind, SamplingParams
 from pdserve.engine.batch import ScheduledChunk
-from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.constraints import ConstraintCompiler, ConstraintState
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.tokenizer.tokenizer import Tokenizer
 
@@ -86,31 +84,16 @@ def large_schema(tag: str) -> dict[str, Any]:
 
 def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
     """Median decode-step time (forward, masks, sampling) unconstrained vs constrained."""
-    import torch
-
-    torch.set_num_threads(1)
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    blocks_per_seq = (PROMPT_LEN + num_steps * 2 + BLOCK_SIZE) // BLOCK_SIZE + 1
-    config = EngineConfig(
-        model=str(model_dir),
-        num_threads=1,
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_STREAMS * blocks_per_seq),
+    runner, sequences, tables = prefilled_streams(
+        model_dir, NUM_STREAMS, PROMPT_LEN, num_steps * 2, BLOCK_SIZE
     )
-    runner = ModelRunner.load(config)
     eos = tokenizer.eos_token_ids
     sampler = Sampler(eos)
     compiler = ConstraintCompiler(tokenizer.tokenizer_json, eos)
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
     off = SamplingParams(temperature=0.8, seed=1, max_tokens=4096)
     on = SamplingParams(temperature=0.8, seed=1, max_tokens=4096, constraint=constraint)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(NUM_STREAMS)]
-    generator = torch.Generator().manual_seed(0)
-    sequences = [
-        torch.randint(100, 40000, (PROMPT_LEN,), generator=generator).tolist()
-        for _ in range(NUM_STREAMS)
-    ]
-    for sequence, table in zip(sequences, tables, strict=True):
-        runner.execute([ScheduledChunk(sequence, 0, table)])
     states: list[ConstraintState] = [compiler.start(constraint) for _ in sequences]
     completions: list[list[int]] = [[] for _ in sequences]
     num_restarts = 0

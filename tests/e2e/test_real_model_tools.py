@@ -21,13 +21,11 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from support.masked_reference import masked_greedy
 from support.process_cluster import ProcessCluster, running_cluster
 
-from pdserve.common.generation import Constraint, SamplingParams
 from pdserve.common.grpc_server import insecure_channel
-from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
-from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.gateway.prepare.params import ChatMessage
 from pdserve.gateway.tools.formats import FORMATS, HERMES
 from pdserve.gateway.tools.plan import forced_call_constraint
@@ -192,28 +190,6 @@ async def test_grpc_carries_tools_and_the_call(cluster: ProcessCluster) -> None:
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
 
 
-def _masked_reference(
-    smollm2_reference: tuple[Any, Any], prompt: list[int], constraint: Constraint, max_tokens: int
-) -> list[int]:
-    """Greedy tokens of transformers' model, masked by the engine's compiled constraint."""
-    hf_tokenizer, model = smollm2_reference
-    eos = [hf_tokenizer.eos_token_id]
-    compiler = ConstraintCompiler(hf_tokenizer.backend_tokenizer.to_str(), eos)
-    state = compiler.start(constraint)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
-    sampler = Sampler(eos)
-    completion: list[int] = []
-    with torch.no_grad():
-        while len(completion) < max_tokens:
-            logits = model(torch.tensor([prompt + completion])).logits[0, -1:].float()
-            token = sampler(logits, [SamplingRow.of_sequence(params, 0, completion, 0, state)])[0]
-            completion.append(token)
-            if token in eos:
-                break
-    compiler.close()
-    return completion
-
-
 @pytest.mark.parametrize(
     "tool_choice",
     ["required", {"type": "function", "function": {"name": "get_weather"}}],
@@ -248,9 +224,7 @@ async def test_a_forced_tool_choice_makes_even_a_small_model_call(
     )
     assert constraint is not None
     extra = choice.model_extra or {}
-    expected = _masked_reference(
-        smollm2_reference, extra["prompt_token_ids"], constraint, max_tokens
-    )
+    expected = masked_greedy(smollm2_reference, extra["prompt_token_ids"], constraint, max_tokens)
     generated = extra["token_ids"]
     assert generated == expected[: len(generated)]
     assert len(generated) >= len(expected) - 1  # the reference keeps its end id

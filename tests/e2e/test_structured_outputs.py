@@ -18,14 +18,12 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-import torch
+from support.masked_reference import masked_greedy
 from support.process_cluster import ProcessCluster, running_cluster
 
 from pdserve.common.errors import ErrorReason, from_rpc_error
-from pdserve.common.generation import Constraint, ConstraintKind, SamplingParams
-from pdserve.engine.constraints import ConstraintCompiler
+from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
-from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PERSON = {
@@ -54,30 +52,6 @@ def person_format() -> dict[str, Any]:
     }
 
 
-def reference_greedy(
-    reference: tuple[Any, Any], prompt: list[int], constraint: Constraint, max_tokens: int
-) -> list[int]:
-    """Greedy tokens of transformers' model, masked by the same compiled constraint."""
-    hf_tokenizer, model = reference
-    tokenizer_json = hf_tokenizer.backend_tokenizer.to_str()
-    eos = [hf_tokenizer.eos_token_id]
-    compiler = ConstraintCompiler(tokenizer_json, eos)
-    state = compiler.start(constraint)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
-    sampler = Sampler(eos)
-    completion: list[int] = []
-    with torch.no_grad():
-        while len(completion) < max_tokens:
-            logits = model(torch.tensor([prompt + completion])).logits[0, -1:].float()
-            row = SamplingRow.of_sequence(params, 0, completion, 0, state)
-            token = sampler(logits, [row])[0]
-            completion.append(token)
-            if token in eos:
-                break
-    compiler.close()
-    return completion
-
-
 async def test_a_strict_json_schema_gives_valid_json_equal_to_the_masked_reference(
     cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
 ) -> None:
@@ -99,7 +73,7 @@ async def test_a_strict_json_schema_gives_valid_json_equal_to_the_masked_referen
         ]
     )
     constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(PERSON))
-    expected = reference_greedy(smollm2_reference, prompt, constraint, 80)
+    expected = masked_greedy(smollm2_reference, prompt, constraint, 80)
     generated = (choice.model_extra or {})["token_ids"]
     assert generated == expected[: len(generated)]
     assert len(generated) >= len(expected) - 1  # the reference keeps its end id
