@@ -67,6 +67,17 @@ class Pool:
     entries: list[InstanceEntry] = field(default_factory=list)
     scores: list[int] = field(default_factory=list)
     positions: dict[str, int] = field(default_factory=dict)
+    _lacking: dict[frozenset[str], tuple[str, ...]] = field(default_factory=dict)
+
+    def lacking(self, features: frozenset[str]) -> tuple[str, ...]:
+        """The instances that do not advertise every one of `features` (found once per pool:
+        a pool is rebuilt whenever the registry changes)."""
+        found = self._lacking.get(features)
+        if found is None:
+            found = self._lacking[features] = tuple(
+                e.instance_id for e in self.entries if not features <= set(e.info.features)
+            )
+        return found
 
     def least(self) -> int:
         return min(self.scores)

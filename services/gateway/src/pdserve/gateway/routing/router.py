@@ -159,8 +159,14 @@ class Router:
             prefills = self.loads.pools(InstanceRole.PREFILL, model_name)
             decodes = self.loads.pools(InstanceRole.DECODE, model_name)
             if required_features:
-                exclude_prefill_ids = {*exclude_prefill_ids, *_lacking(prefills, required_features)}
-                exclude_decode_ids = {*exclude_decode_ids, *_lacking(decodes, required_features)}
+                exclude_prefill_ids = {
+                    *exclude_prefill_ids,
+                    *(i for pool in prefills.values() for i in pool.lacking(required_features)),
+                }
+                exclude_decode_ids = {
+                    *exclude_decode_ids,
+                    *(i for pool in decodes.values() for i in pool.lacking(required_features)),
+                }
             if exclude_prefill_ids or exclude_decode_ids:
                 with (
                     excluding(prefills, exclude_prefill_ids),
@@ -329,13 +335,3 @@ class Router:
         amount = pair.booked.pop(role, None)
         if amount is not None:
             self.loads.settle(pair.instance(role).instance_id, amount, has_run=has_run)
-
-
-def _lacking(pools: dict[str, Pool], features: frozenset[str]) -> list[str]:
-    """The instances of `pools` that do not advertise every one of `features`."""
-    return [
-        entry.instance_id
-        for pool in pools.values()
-        for entry in pool.entries
-        if not features <= set(entry.info.features)
-    ]
