@@ -32,6 +32,16 @@ class Cluster:
         self.prefills: list[FakePrefill] = []
         self.decodes: list[FakeDecode] = []
 
+    def script(self, text: str) -> None:
+        """Makes every completion `text` (then the end-of-sequence token)."""
+        for instance in [*self.prefills, *self.decodes]:
+            instance.knobs.script = text.encode()
+
+    def sent_constraint(self) -> common_pb2.Constraint | None:
+        """The constraint the first prefill's last request carried, if any."""
+        sampling = self.prefills[0].requests[-1].sampling
+        return sampling.constraint if sampling.HasField("constraint") else None
+
     async def start_gateway(self, **overrides: Any) -> GatewayServer:
         settings: dict[str, Any] = {
             "host": "127.0.0.1",

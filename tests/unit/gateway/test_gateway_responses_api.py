@@ -8,11 +8,11 @@ import json
 from typing import Any
 
 import openai
-import pydantic
 import pytest
 from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME, expected_tokens
+from support.responses_events import SDK_EVENTS
 
 from pdserve.gateway.prepare.workers import INLINE_PARSE_BYTES
 from pdserve.v1 import common_pb2
@@ -249,20 +249,6 @@ async def test_text_format_is_the_constraint_the_prefill_receives(
     else:
         assert sampling.constraint == constraint
     assert response.json()["text"] == (text or {"format": {"type": "text"}})
-
-
-SDK_EVENTS: dict[str, type[pydantic.BaseModel]] = {
-    "response.created": sdk.ResponseCreatedEvent,
-    "response.in_progress": sdk.ResponseInProgressEvent,
-    "response.output_item.added": sdk.ResponseOutputItemAddedEvent,
-    "response.content_part.added": sdk.ResponseContentPartAddedEvent,
-    "response.output_text.delta": sdk.ResponseTextDeltaEvent,
-    "response.output_text.done": sdk.ResponseTextDoneEvent,
-    "response.content_part.done": sdk.ResponseContentPartDoneEvent,
-    "response.output_item.done": sdk.ResponseOutputItemDoneEvent,
-    "response.completed": sdk.ResponseCompletedEvent,
-    "response.incomplete": sdk.ResponseIncompleteEvent,
-}
 
 
 @pytest.mark.parametrize("eos_index", [None, 3], ids=["incomplete", "completed"])

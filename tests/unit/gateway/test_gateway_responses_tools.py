@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import pydantic
 import pytest
 from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME
-
-from pdserve.v1 import common_pb2
+from support.responses_events import SDK_EVENTS
 
 MAX_MODEL_LEN = 2048  # the fallback's tool instruction is long in a byte-level tokenizer
 WEATHER_PARAMETERS = {
@@ -51,20 +49,6 @@ QUESTION = "Weather in Zürich?"
 ARGUMENTS = '{"city": "Zürich", "days": 2}'
 HERMES_CALL = f'<tool_call>\n{{"name": "get_weather", "arguments": {ARGUMENTS}}}\n</tool_call>'
 TIME_CALL = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-SDK_EVENTS: dict[str, type[pydantic.BaseModel]] = {
-    "response.created": sdk.ResponseCreatedEvent,
-    "response.in_progress": sdk.ResponseInProgressEvent,
-    "response.output_item.added": sdk.ResponseOutputItemAddedEvent,
-    "response.content_part.added": sdk.ResponseContentPartAddedEvent,
-    "response.output_text.delta": sdk.ResponseTextDeltaEvent,
-    "response.output_text.done": sdk.ResponseTextDoneEvent,
-    "response.content_part.done": sdk.ResponseContentPartDoneEvent,
-    "response.function_call_arguments.delta": sdk.ResponseFunctionCallArgumentsDeltaEvent,
-    "response.function_call_arguments.done": sdk.ResponseFunctionCallArgumentsDoneEvent,
-    "response.output_item.done": sdk.ResponseOutputItemDoneEvent,
-    "response.completed": sdk.ResponseCompletedEvent,
-    "response.incomplete": sdk.ResponseIncompleteEvent,
-}
 
 
 @pytest.fixture
@@ -74,17 +58,6 @@ async def tools(cluster: Cluster) -> Cluster:
     await cluster.add_prefill(max_model_len=MAX_MODEL_LEN)
     await cluster.add_decode(max_model_len=MAX_MODEL_LEN)
     return cluster
-
-
-def _script(cluster: Cluster, text: str) -> None:
-    """Makes every completion `text` (then the end-of-sequence token)."""
-    for instance in [*cluster.prefills, *cluster.decodes]:
-        instance.knobs.script = text.encode()
-
-
-def _constraint(cluster: Cluster) -> common_pb2.Constraint | None:
-    sampling = cluster.prefills[0].requests[-1].sampling
-    return sampling.constraint if sampling.HasField("constraint") else None
 
 
 def _collapsed(types: list[str]) -> list[str]:
@@ -122,7 +95,7 @@ async def _events(cluster: Cluster, body: dict[str, Any]) -> list[dict[str, Any]
 
 
 async def test_text_then_a_call_are_a_message_and_a_function_call(tools: Cluster) -> None:
-    _script(tools, f"Let me check.\n{HERMES_CALL}")
+    tools.script(f"Let me check.\n{HERMES_CALL}")
     whole = await _post(tools, {"input": QUESTION, "tools": TOOLS, "max_output_tokens": 200})
     assert whole["status"] == "completed" and whole["incomplete_details"] is None
     message, call = whole["output"]
@@ -134,11 +107,11 @@ async def test_text_then_a_call_are_a_message_and_a_function_call(tools: Cluster
     assert (call["name"], call["arguments"]) == ("get_weather", ARGUMENTS)
     assert whole["tools"] == [{"description": None, **tool} for tool in TOOLS]
     assert (whole["tool_choice"], whole["parallel_tool_calls"]) == ("auto", True)
-    assert _constraint(tools) is None
+    assert tools.sent_constraint() is None
 
 
 async def test_streamed_calls_are_items_whose_arguments_arrive_in_pieces(tools: Cluster) -> None:
-    _script(tools, f"Checking.\n{HERMES_CALL}\n{TIME_CALL}")
+    tools.script(f"Checking.\n{HERMES_CALL}\n{TIME_CALL}")
     body = {"input": QUESTION, "tools": TOOLS, "max_output_tokens": 300}
     whole = await _post(tools, body)
     events = await _events(tools, body)
@@ -198,7 +171,7 @@ async def test_streamed_calls_are_items_whose_arguments_arrive_in_pieces(tools: 
 
 
 async def test_the_stream_helper_assembles_the_call(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     async with tools.openai().responses.stream(
         model=MODEL_NAME, input=QUESTION, tools=TOOLS, max_output_tokens=200
     ) as stream:
@@ -213,17 +186,17 @@ async def test_the_stream_helper_assembles_the_call(tools: Cluster) -> None:
 
 
 async def test_tool_choice_none_leaves_the_text_a_message(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     whole = await _post(
         tools, {"input": QUESTION, "tools": TOOLS, "tool_choice": "none", "max_output_tokens": 200}
     )
     [message] = whole["output"]
     assert message["type"] == "message" and message["content"][0]["text"] == HERMES_CALL
-    assert _constraint(tools) is None
+    assert tools.sent_constraint() is None
 
 
 async def test_a_call_cut_by_max_output_tokens_is_incomplete(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     whole = await _post(tools, {"input": QUESTION, "tools": TOOLS, "max_output_tokens": 50})
     assert whole["status"] == "incomplete"
     [call] = whole["output"]
@@ -247,7 +220,7 @@ async def test_a_call_cut_by_max_output_tokens_is_incomplete(tools: Cluster) -> 
 async def test_a_forced_call_sends_the_chat_paths_constraint(
     tools: Cluster, tool_choice: Any, chat_choice: Any, script: str, is_parallel: bool
 ) -> None:
-    _script(tools, script)
+    tools.script(script)
     whole = await _post(
         tools,
         {
@@ -258,7 +231,7 @@ async def test_a_forced_call_sends_the_chat_paths_constraint(
             "max_output_tokens": 200,
         },
     )
-    constraint = _constraint(tools)
+    constraint = tools.sent_constraint()
     await tools.openai().chat.completions.create(
         model=MODEL_NAME,
         messages=[{"role": "user", "content": QUESTION}],
@@ -267,7 +240,7 @@ async def test_a_forced_call_sends_the_chat_paths_constraint(
         parallel_tool_calls=is_parallel,
         max_tokens=200,
     )
-    assert constraint is not None and constraint == _constraint(tools)
+    assert constraint is not None and constraint == tools.sent_constraint()
     assert whole["status"] == "completed"
     [call] = whole["output"]
     assert (call["type"], call["name"], call["arguments"]) == (
@@ -279,7 +252,7 @@ async def test_a_forced_call_sends_the_chat_paths_constraint(
 
 
 async def test_call_items_render_as_the_same_chat_history(tools: Cluster) -> None:
-    _script(tools, "It is sunny.")
+    tools.script("It is sunny.")
     items: list[Any] = [
         {"role": "user", "content": "Weather and time in Zürich?"},
         {"type": "message", "role": "assistant", "content": [
@@ -321,14 +294,14 @@ async def test_call_items_render_as_the_same_chat_history(tools: Cluster) -> Non
 
 
 async def test_a_client_sends_the_call_back_with_its_output(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     client = tools.openai()
     first = await client.responses.create(
         model=MODEL_NAME, input=QUESTION, tools=TOOLS, max_output_tokens=200
     )
     [call] = first.output
     assert call.type == "function_call"
-    _script(tools, "Cloudy.")
+    tools.script("Cloudy.")
     answer = await client.responses.create(
         model=MODEL_NAME,
         input=[
@@ -345,7 +318,7 @@ async def test_a_client_sends_the_call_back_with_its_output(tools: Cluster) -> N
 
 
 async def test_text_after_a_call_is_a_message_of_its_own(tools: Cluster) -> None:
-    _script(tools, f"{HERMES_CALL}\nDone.")
+    tools.script(f"{HERMES_CALL}\nDone.")
     body = {"input": QUESTION, "tools": TOOLS, "max_output_tokens": 200}
     whole = await _post(tools, body)
     events = await _events(tools, body)

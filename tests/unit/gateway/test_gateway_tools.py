@@ -49,19 +49,8 @@ async def tools(cluster: Cluster) -> Cluster:
     return cluster
 
 
-def _script(cluster: Cluster, text: str) -> None:
-    """Makes every completion `text` (then the end-of-sequence token)."""
-    for instance in [*cluster.prefills, *cluster.decodes]:
-        instance.knobs.script = text.encode()
-
-
-def _constraint(cluster: Cluster) -> common_pb2.Constraint | None:
-    sampling = cluster.prefills[0].requests[-1].sampling
-    return sampling.constraint if sampling.HasField("constraint") else None
-
-
 async def test_auto_reads_a_hermes_call_out_of_the_text(tools: Cluster) -> None:
-    _script(tools, f"Let me check.\n{HERMES_CALL}")
+    tools.script(f"Let me check.\n{HERMES_CALL}")
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=200
     )
@@ -73,12 +62,12 @@ async def test_auto_reads_a_hermes_call_out_of_the_text(tools: Cluster) -> None:
     assert call.id.startswith("call_") and len(call.id) == 29
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Zürich", "days": 2}
-    assert _constraint(tools) is None
+    assert tools.sent_constraint() is None
 
 
 async def test_streamed_calls_are_shaped_as_openai_streams_them(tools: Cluster) -> None:
     second = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
-    _script(tools, f"{HERMES_CALL}\n{second}")
+    tools.script(f"{HERMES_CALL}\n{second}")
     stream = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=300, stream=True
     )
@@ -102,7 +91,7 @@ async def test_streamed_calls_are_shaped_as_openai_streams_them(tools: Cluster) 
 
 
 async def test_a_stream_sends_no_empty_chunks_yet_every_token_id(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     for return_token_ids in (False, True):
         stream = await tools.openai().chat.completions.create(
             model=MODEL_NAME,
@@ -123,7 +112,7 @@ async def test_a_stream_sends_no_empty_chunks_yet_every_token_id(tools: Cluster)
 
 
 async def test_tokenize_renders_tools_as_a_chat_request(tools: Cluster) -> None:
-    _script(tools, "ok")
+    tools.script("ok")
     async with tools.http() as http:
         tokenized = await http.post(
             "/tokenize", json={"model": MODEL_NAME, "messages": QUESTION, "tools": TOOLS}
@@ -142,7 +131,7 @@ async def test_tokenize_renders_tools_as_a_chat_request(tools: Cluster) -> None:
 
 
 async def test_the_sdk_stream_helper_assembles_the_calls(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     async with tools.openai().chat.completions.stream(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=200
     ) as stream:
@@ -154,7 +143,7 @@ async def test_the_sdk_stream_helper_assembles_the_calls(tools: Cluster) -> None
 
 async def test_a_call_of_a_function_not_offered_stays_text(tools: Cluster) -> None:
     text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
-    _script(tools, text)
+    tools.script(text)
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=100
     )
@@ -164,14 +153,14 @@ async def test_a_call_of_a_function_not_offered_stays_text(tools: Cluster) -> No
 
 
 async def test_tool_choice_none_leaves_the_text_alone(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice="none", max_tokens=200
     )
     choice = response.choices[0]
     assert (choice.message.content, choice.message.tool_calls) == (HERMES_CALL, None)
     assert choice.finish_reason == "stop"
-    assert _constraint(tools) is None
+    assert tools.sent_constraint() is None
 
 
 @pytest.mark.parametrize("is_parallel", [True, False])
@@ -179,7 +168,7 @@ async def test_required_sends_the_calls_schema_and_reads_its_list(
     tools: Cluster, is_parallel: bool
 ) -> None:
     calls = f'[{{"name": "get_weather", "arguments": {ARGUMENTS}}}]'
-    _script(tools, calls)
+    tools.script(calls)
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME,
         messages=QUESTION,
@@ -188,7 +177,7 @@ async def test_required_sends_the_calls_schema_and_reads_its_list(
         parallel_tool_calls=is_parallel,
         max_tokens=200,
     )
-    constraint = _constraint(tools)
+    constraint = tools.sent_constraint()
     assert constraint is not None and constraint.WhichOneof("kind") == "json_schema"
     offered = (
         FunctionTool("get_weather", parameters=json.dumps(WEATHER_PARAMETERS)),
@@ -205,12 +194,12 @@ async def test_required_sends_the_calls_schema_and_reads_its_list(
 
 
 async def test_a_named_function_sends_its_parameters_schema(tools: Cluster) -> None:
-    _script(tools, ARGUMENTS)
+    tools.script(ARGUMENTS)
     named: Any = {"type": "function", "function": {"name": "get_weather"}}
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=named, max_tokens=200
     )
-    constraint = _constraint(tools)
+    constraint = tools.sent_constraint()
     assert constraint is not None
     assert json.loads(constraint.json_schema) == {"x-guidance": LAYOUT, **WEATHER_PARAMETERS}
     choice = response.choices[0]
@@ -221,7 +210,7 @@ async def test_a_named_function_sends_its_parameters_schema(tools: Cluster) -> N
 
 
 async def test_history_with_calls_and_results_reaches_the_prompt(tools: Cluster) -> None:
-    _script(tools, "It is sunny.")
+    tools.script("It is sunny.")
     history: list[Any] = [
         *QUESTION,
         {
@@ -255,7 +244,7 @@ async def test_history_with_calls_and_results_reaches_the_prompt(tools: Cluster)
 
 
 async def test_n_choices_read_their_calls_each(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, n=2, max_tokens=200
     )
@@ -265,7 +254,7 @@ async def test_n_choices_read_their_calls_each(tools: Cluster) -> None:
 
 
 async def test_length_cut_keeps_the_partial_call_and_says_length(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     response = await tools.openai().chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=50
     )
@@ -290,7 +279,7 @@ def _grpc_tools() -> list[generation_pb2.Tool]:
 
 
 async def test_grpc_carries_tools_history_and_calls(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     call = generation_pb2.ToolCall(
         id="call_1", function=generation_pb2.FunctionCall(name="get_time", arguments="{}")
     )
@@ -318,7 +307,7 @@ async def test_grpc_carries_tools_history_and_calls(tools: Cluster) -> None:
     assert "".join(s.arguments for s in steps) == ARGUMENTS
     assert "".join(r.text for r in responses) == ""
     assert responses[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
-    constraint = _constraint(tools)
+    constraint = tools.sent_constraint()
     assert constraint is not None
     assert json.loads(constraint.json_schema)["maxItems"] == 1
     prompt = bytes(t for t in responses[0].prompt_token_ids if t < 256).decode()
@@ -361,7 +350,7 @@ async def test_grpc_refuses_messages_by_role(
 
 
 async def test_an_assistant_message_with_calls_needs_no_content(tools: Cluster) -> None:
-    _script(tools, "ok")
+    tools.script("ok")
     history: list[Any] = [
         *QUESTION,
         {
@@ -391,14 +380,14 @@ async def test_a_user_message_without_content_is_refused(tools: Cluster) -> None
 
 
 async def test_a_client_sends_the_answer_back_with_the_result(tools: Cluster) -> None:
-    _script(tools, HERMES_CALL)
+    tools.script(HERMES_CALL)
     client = tools.openai()
     first = await client.chat.completions.create(
         model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=200
     )
     message = first.choices[0].message
     [call] = message.tool_calls or []
-    _script(tools, "Cloudy.")
+    tools.script("Cloudy.")
     answer = await client.chat.completions.create(
         model=MODEL_NAME,
         messages=[
