@@ -56,6 +56,8 @@ PYTHON_VERSION = "3.12"
 PLATFORMS = (
     "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
     "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64",
+    # last, so that a wheel for an older glibc wins; llguidance ships only these
+    "manylinux_2_31_x86_64", "manylinux_2_34_x86_64",
 )  # fmt: skip
 DISTRIBUTIONS = {
     "pdserve-shared": ROOT / "shared",
