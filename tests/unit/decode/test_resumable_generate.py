@@ -23,6 +23,13 @@ from pdserve.common.generation import SamplingParams
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
+from pdserve.gateway.fleet.backend import (
+    BackendError,
+    DecodeSnapshot,
+    FinishedEvent,
+    TokenBatchEvent,
+)
+from pdserve.gateway.fleet.clients import GrpcBackend
 from pdserve.v1 import common_pb2, decode_pb2
 
 PROMPT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
@@ -244,3 +251,33 @@ async def test_past_the_detached_limit_a_broken_stream_releases_at_once(
     await eventually(lambda: lease.lease_id not in client.instance.servicer.requests)
     await eventually(client.is_whole, what="every block free again")
     await _expect_error(_collect(_call(client, lease, resume=True)), ErrorReason.LEASE_NOT_FOUND)
+
+
+async def test_the_gateways_grpc_client_resumes_and_takes_snapshots(client: DecodeClient) -> None:
+    lease, reference = await _running(client, "r")
+    backend = GrpcBackend()
+    address = f"127.0.0.1:{client.instance.port}"
+    try:
+        stream = backend.generate(address, "r", lease.lease_id, 30.0, resumable=True)
+        assert isinstance(await anext(stream), TokenBatchEvent)
+        await stream.aclose()  # the gateway went away
+        await eventually(lambda: _request(client, lease).is_detached)
+        peek = await backend.snapshot(address, "r", lease.lease_id, 5.0)
+        assert peek.end is None
+        assert list(peek.token_ids) == reference[: len(peek.token_ids)]
+        events = [
+            event
+            async for event in backend.generate(address, "r", lease.lease_id, 30.0, resume=True)
+        ]
+        batches = [e for e in events if isinstance(e, TokenBatchEvent)]
+        assert batches[0].first_index == 0
+        assert [t for batch in batches for t in batch.token_ids] == reference
+        assert isinstance(events[-1], FinishedEvent)
+        after = await backend.snapshot(address, "r", lease.lease_id, 5.0)
+        assert after == DecodeSnapshot(tuple(reference), events[-1])
+        with pytest.raises(BackendError) as caught:
+            await backend.snapshot(address, "r", "no-such-lease", 5.0)
+        assert caught.value.error.reason is ErrorReason.LEASE_NOT_FOUND
+    finally:
+        await backend.close()
+    await client.assert_whole()
