@@ -169,6 +169,16 @@ class DecodeClient:
             instance_pb2.GetInstanceStatusRequest(check_integrity=True)
         )
 
+    async def is_whole(self) -> bool:
+        """Whether `assert_whole` would pass now (for waiting on it)."""
+        status = await self.pool()
+        pool = status.pool
+        return (
+            pool.is_consistent
+            and pool.num_open_leases == 0
+            and pool.num_free_blocks == pool.num_total_blocks
+        )
+
     async def assert_whole(self) -> None:
         """Invariant 3: the pool is consistent and every block is free again."""
         status = await self.pool()

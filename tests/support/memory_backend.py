@@ -24,6 +24,7 @@ from pdserve.common.generation import FinishReason, SamplingParams, check_stop, 
 from pdserve.gateway.fleet.backend import (
     BackendError,
     DecodeEvent,
+    DecodeSnapshot,
     FinishedEvent,
     FirstTokenEvent,
     HandedOffEvent,
@@ -243,7 +244,14 @@ class MemoryBackend:
         lease_id: str,
         timeout_s: float,
         trace_context: Any = None,
+        *,
+        resumable: bool = False,
+        resume: bool = False,
     ) -> AsyncGenerator[DecodeEvent, None]:
+        # NOTE: `resumable` is accepted and changes nothing here (a closed stream still
+        # releases the lease); no test of this fake resumes yet.
+        if resume:
+            raise NotImplementedError("the in-memory decode does not resume streams")
         decode = self._instance(address)
         decode.generate_calls.append(lease_id)
         lease = decode.leases.get(lease_id)
@@ -289,6 +297,11 @@ class MemoryBackend:
             yield FinishedEvent(reason, len(generated))
         finally:
             lease.is_open = False  # contract: closing the stream releases the lease
+
+    async def snapshot(
+        self, address: str, request_id: str, lease_id: str, timeout_s: float
+    ) -> DecodeSnapshot:
+        raise NotImplementedError("the in-memory decode does not answer snapshots")
 
     async def release_lease(
         self,

@@ -99,7 +99,7 @@ REASON_SPECS: Mapping[ErrorReason, ReasonSpec] = {
     ErrorReason.PREEMPTED: ReasonSpec((_S.ABORTED,), RetryScope.RESCHEDULE, 503),
     ErrorReason.INSTANCE_DRAINING: ReasonSpec((_S.UNAVAILABLE,), RetryScope.ANOTHER_INSTANCE, 503),
     ErrorReason.PEER_UNAVAILABLE: ReasonSpec((_S.UNAVAILABLE,), RetryScope.ANOTHER_INSTANCE, 503),
-    ErrorReason.CANCELLED: ReasonSpec((_S.CANCELLED,), RetryScope.NEVER, 499),
+    ErrorReason.CANCELLED: ReasonSpec((_S.CANCELLED, _S.ABORTED), RetryScope.NEVER, 499),
     ErrorReason.DEADLINE_EXCEEDED: ReasonSpec((_S.DEADLINE_EXCEEDED,), RetryScope.NEVER, 504),
     ErrorReason.INTERNAL: ReasonSpec((_S.INTERNAL,), RetryScope.ONCE, 500),
     ErrorReason.UNAUTHENTICATED: ReasonSpec((_S.UNAUTHENTICATED,), RetryScope.NEVER, 401),

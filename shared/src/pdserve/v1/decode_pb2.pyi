@@ -187,12 +187,18 @@ class KvTcpResult(_message.Message):
     def __init__(self, response: _Optional[_Union[SyncCacheResponse, _Mapping]] = ..., error_reason: _Optional[_Union[_errors_pb2.ErrorReason, str]] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class DecodeServiceGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "lease_id")
+    __slots__ = ("request_id", "lease_id", "resumable", "resume", "snapshot")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease_id: str
-    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    resumable: bool
+    resume: bool
+    snapshot: bool
+    def __init__(self, request_id: _Optional[str] = ..., lease_id: _Optional[str] = ..., resumable: _Optional[bool] = ..., resume: _Optional[bool] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("token_ids", "first_index", "logprobs")

@@ -92,8 +92,10 @@ class DecodeServiceServicer:
         May be called before the commit arrives: it waits, bounded by the lease TTL. The stream
         carries token batches in order, then exactly one terminal event: `finished`, or
         `preemption` (sent after every token already generated for the request). Cancelling the
-        call releases the lease. Unknown lease: ERROR_REASON_LEASE_NOT_FOUND; expired lease:
-        ERROR_REASON_LEASE_EXPIRED.
+        call releases the lease, unless the request is `resumable` (it then runs on, detached,
+        until a `resume` call attaches or the decode's keep time runs out); `snapshot` reads a
+        request's tokens without attaching (since 1.9). Unknown lease:
+        ERROR_REASON_LEASE_NOT_FOUND; expired lease: ERROR_REASON_LEASE_EXPIRED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -86,6 +86,26 @@ class DecodeConfig(InstanceConfig):
             "min": 0,
         },
     )
+    detached_keep_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "how long (seconds) a resumable request is kept without a Generate stream: "
+            "one whose gateway went away runs on (detached) and is released unless a resume "
+            "attaches within this time; one that ended is kept this long after its end so "
+            "that its tokens can be replayed, then forgotten",
+            "gt": 0,
+        },
+    )
+    max_detached_requests: int = field(
+        default=256,
+        metadata={
+            "help": "most detached resumable requests kept at once; a resumable stream that "
+            "breaks while this many are detached releases its request at once, like a "
+            "non-resumable one (each kept request holds its blocks and at most the model's "
+            "length in token ids)",
+            "min": 0,
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -119,14 +119,18 @@ class LeaseTable:
             return True
 
     def due_for_expiry(self) -> list[DecodeRequest]:
-        """Open leases past their deadline that were never committed and attached."""
+        """Open leases past their deadline that were never committed and attached (a
+        detached request was attached: its keep time applies instead)."""
         now = self.clock()
         with self.lock:
             return [
                 lease
                 for lease in self._leases.values()
                 if lease.expires_at < now
-                and (lease.status < RequestStatus.COMMITTED or not lease.is_attached)
+                and (
+                    lease.status < RequestStatus.COMMITTED
+                    or not (lease.is_attached or lease.is_detached)
+                )
             ]
 
     # ---- introspection ---------------------------------------------------------------------

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from prometheus_client import Gauge
+
 from pdserve.common.metrics import InstanceMetrics
 
 
@@ -11,6 +15,7 @@ class DecodeMetrics(InstanceMetrics):
     Attributes:
         step_seconds: Duration of one batched decode step (forward + sampling).
         sync_seconds: Duration of one SyncCache transfer, header to commit.
+        detached_requests: Resumable requests running on with no stream attached.
     """
 
     def __init__(self) -> None:
@@ -22,3 +27,12 @@ class DecodeMetrics(InstanceMetrics):
             "kv_transfer_seconds",
             "Duration of one SyncCache transfer as received, header to verified commit.",
         )
+        self.detached_requests = Gauge(
+            "pdserve_decode_detached_requests",
+            "Resumable requests running on with no Generate stream attached, kept for a resume.",
+            registry=self.registry,
+        )
+
+    def count_detached_with(self, count: Callable[[], float]) -> None:
+        """Reads the detached-requests gauge from `count` at each scrape."""
+        self.detached_requests.set_function(count)

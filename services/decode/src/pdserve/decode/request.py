@@ -6,6 +6,11 @@ state; `can_move_to`/`move_to` allow only the transitions `lease_state.TRANSITIO
 `end()` is the one place its blocks go back to the pool, once. The lease table, the servicer,
 the KV receiver and the decode thread hold references to it. Transitions run under the lease
 table's lock (`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`.
+
+A resumable request (contract 1.9) outlives its stream: it runs on detached when the stream
+breaks, and a resuming stream attaches with a new `attach_epoch`, taking it over from a stream
+still attached. Such a stream reads ``token_ids`` and the recorded ``terminal`` event, since
+the stream it took over may still take events off the queue.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.common.pki import Identity
 from pdserve.common.transitions import IllegalTransition, check_transition
-from pdserve.decode.events import DecodeEvent
+from pdserve.decode.events import DecodeEvent, TokensEvent
 from pdserve.decode.lease_state import TRANSITIONS, RequestStatus
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.constraints import ConstraintState
@@ -52,6 +57,14 @@ class DecodeRequest:
         num_computed_tokens: Tokens with KV in the cache (grows while decoding).
         num_remaining_tokens: Tokens still to generate (shrinks while decoding).
         is_attached: Whether a Generate stream is attached.
+        is_resumable: Its first Generate stream asked for a request that outlives it (it
+            then runs on, detached, when that stream breaks).
+        attach_epoch: How many streams attached so far (resumes included); the stream
+            attached with the current number owns it, an older one was taken over.
+        detached_at: Monotonic time its last stream broke before its end (None while a
+            stream is attached, before one is, or once it ended with none).
+        terminal: Its terminal event once delivered (kept so that a resumed stream can
+            replay it after another stream consumed it from ``events``).
         events: Its events, waiting for (or read by) the Generate stream.
         ready: Set once committed or ended: a Generate stream may start reading.
         ended_at: Monotonic time it reached a terminal status.
@@ -85,6 +98,10 @@ class DecodeRequest:
     num_computed_tokens: int = 0
     num_remaining_tokens: int = 0
     is_attached: bool = False
+    is_resumable: bool = False
+    attach_epoch: int = 0
+    detached_at: float | None = None
+    terminal: DecodeEvent | None = None
     events: asyncio.Queue[DecodeEvent] = field(default_factory=asyncio.Queue)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     ended_at: float | None = None
@@ -100,10 +117,16 @@ class DecodeRequest:
     num_shared_blocks: int = 0
     shared_token_ids: tuple[int, ...] = field(default=(), repr=False)
     _aio_loop: asyncio.AbstractEventLoop | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_detached(self) -> bool:
+        """Its stream broke before its end and none has resumed it yet."""
+        return self.detached_at is not None
 
     # ---- transitions (callers hold the lease table's lock) ---------------------------------
 
@@ -180,20 +203,79 @@ class DecodeRequest:
             },
         )
 
-    async def attach(self) -> None:
-        """Attaches the one Generate stream; waits for the commit, bounded by the lease TTL.
+    async def attach(self, *, is_resumable: bool = False) -> int:
+        """Attaches the first Generate stream; waits for the commit, bounded by the lease TTL.
+
+        Returns:
+            The stream's attach epoch.
 
         Raises:
-            PdserveError: INVALID_REQUEST if a stream is attached already, LEASE_EXPIRED if
-                neither the commit nor an ending came within the TTL.
+            PdserveError: INVALID_REQUEST if a stream is or was attached already,
+                LEASE_EXPIRED if neither the commit nor an ending came within the TTL.
         """
-        if self.is_attached:
+        if self.is_attached or self.attach_epoch > 0:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST,
-                "another Generate stream is attached to this lease",
+                "another Generate stream is attached to this lease"
+                if self.is_attached
+                else "this lease had a Generate stream; resume it instead",
                 {"leaseId": self.lease_id},
             )
         self.is_attached = True
+        self.is_resumable = is_resumable
+        self.attach_epoch = 1
+        await self._wait_ready()
+        return self.attach_epoch
+
+    async def resume(self) -> tuple[int, bool]:
+        """Attaches a resuming stream to a resumable request, taking it over from a stream
+        still attached (that one sees `is_current` turn False); waits for the commit like
+        `attach`.
+
+        Returns:
+            The new stream's attach epoch, and whether it took over an attached stream.
+
+        Raises:
+            PdserveError: INVALID_REQUEST if the request is not resumable, LEASE_EXPIRED as
+                `attach`.
+        """
+        if not self.is_resumable:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST,
+                "the request is not resumable (its first Generate did not ask for it)",
+                {"leaseId": self.lease_id},
+            )
+        is_taken_over = self.is_attached
+        self.is_attached = True
+        self.detached_at = None
+        self.attach_epoch += 1
+        self._wake()  # NOTE: the stream taken over is waiting for events: let it see it lost.
+        epoch = self.attach_epoch
+        await self._wait_ready()
+        return epoch, is_taken_over
+
+    def is_current(self, epoch: int) -> bool:
+        """Whether the stream attached with `epoch` still owns the request."""
+        return self.attach_epoch == epoch
+
+    def detach(self) -> None:
+        """Its stream went away before its end: it runs on, kept for a resume."""
+        self.is_attached = False
+        self.detached_at = time.monotonic()
+
+    def completion_token_ids(self, start: int = 0) -> list[int]:
+        """Completion tokens from completion index `start` on (earlier attempts' tokens and
+        the prefill's first token included)."""
+        # NOTE: the decode thread appends to token_ids before it emits each token's event;
+        # slicing a list is atomic under the GIL, so a reader sees a prefix of what comes.
+        return self.token_ids[self.num_prompt_tokens + start :]
+
+    def change_waiter(self) -> asyncio.Event:
+        """An event set at the next delivery or takeover (take it before reading the state
+        it guards, wait on it after)."""
+        return self._changed
+
+    async def _wait_ready(self) -> None:
         timeout = max(0.0, self.expires_at - time.monotonic())
         try:
             await asyncio.wait_for(self.ready.wait(), timeout)
@@ -205,17 +287,39 @@ class DecodeRequest:
                     {"leaseId": self.lease_id},
                 ) from None
 
-    async def next_events(self) -> list[DecodeEvent]:
-        """Every queued event, waiting for at least one."""
-        events = [await self.events.get()]
+    async def next_events(self, epoch: int | None = None) -> list[DecodeEvent]:
+        """Every queued event, waiting for at least one; none once the stream attached with
+        `epoch` was taken over (None: the caller cannot be taken over)."""
+        while self.events.empty():
+            if epoch is not None and not self.is_current(epoch):
+                return []
+            await self._changed.wait()
+        if epoch is not None and not self.is_current(epoch):
+            return []
+        return self.take_events()
+
+    def take_events(self) -> list[DecodeEvent]:
+        """Every queued event, without waiting (a resumed stream drops them: it reads
+        ``token_ids`` and ``terminal`` instead)."""
+        events = []
         while not self.events.empty():
             events.append(self.events.get_nowait())
         return events
 
     def deliver(self, event: DecodeEvent) -> None:
-        """Queues an event for the Generate stream (on the event loop)."""
+        """Queues an event for the Generate stream (on the event loop); records a terminal
+        one in ``terminal``."""
+        if not isinstance(event, TokensEvent) and self.terminal is None:
+            self.terminal = event
         self.events.put_nowait(event)
         self.ready.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        # NOTE: a broadcast: every waiter of the current event wakes, later waiters wait on
+        # a fresh one (asyncio.Event has no pulse).
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def emit(self, event: DecodeEvent) -> None:
         """Queues an event from the decode thread (it hops to the event loop)."""

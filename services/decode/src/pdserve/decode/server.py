@@ -87,7 +87,13 @@ class DecodeInstance(InstanceServer):
             self.offload,
         )
         self.servicer = DecodeServicer(
-            host, self.leases, self.loop, self.metrics, config.share_wait_ms / 1000
+            host,
+            self.leases,
+            self.loop,
+            self.metrics,
+            config.share_wait_ms / 1000,
+            detached_keep_s=config.detached_keep_s,
+            max_detached_requests=config.max_detached_requests,
         )
         self.servicer.instance_id = self.instance.instance_id
         self.kv_segment: KvSegment | None = None
@@ -210,7 +216,9 @@ class DecodeInstance(InstanceServer):
             await asyncio.sleep(NOTICE_WAIT_S)
 
     async def abort_in_flight(self) -> None:
-        pass  # NOTE: a cancelled Generate stream releases its lease itself.
+        # NOTE: a cancelled Generate stream releases its lease itself (a resumable one's
+        # request runs on detached; the drain deadline preempted it, or stopping ends it).
+        pass
 
     async def close(self) -> None:
         if self.kv_tcp is not None:

@@ -104,6 +104,20 @@ PrefillEvent: TypeAlias = FirstTokenEvent | HandedOffEvent | FinishedEvent
 DecodeEvent: TypeAlias = TokenBatchEvent | PreemptionEvent | FinishedEvent
 
 
+@dataclass(frozen=True)
+class DecodeSnapshot:
+    """What a decode holds of a request now (a Generate `snapshot`, contract 1.9).
+
+    Attributes:
+        token_ids: Every completion token so far, from completion index 0 (tokens generated
+            before this decode, the prefill's first one included).
+        end: The request's terminal event if it has ended, else None.
+    """
+
+    token_ids: tuple[int, ...]
+    end: FinishedEvent | PreemptionEvent | None = None
+
+
 class BackendError(Exception):
     """A failed call to an instance.
 
@@ -150,8 +164,26 @@ class Backend(Protocol):
         lease_id: str,
         timeout_s: float,
         trace_context: Context | None = None,
+        *,
+        resumable: bool = False,
+        resume: bool = False,
     ) -> AsyncGenerator[DecodeEvent, None]:
-        """Streams a decode's events for a lease; closing the iterator cancels the call."""
+        """Streams a decode's events for a lease; closing the iterator cancels the call.
+
+        Args:
+            resumable: The request outlives this stream: if the stream breaks, the decode
+                keeps it running (detached) for a later `resume` (contract 1.9).
+            resume: Attach to a resumable request instead (taking it over from a stream
+                still attached): the first batch holds every completion token from index 0,
+                then the live ones follow, then the terminal event.
+        """
+        ...
+
+    async def snapshot(
+        self, address: str, request_id: str, lease_id: str, timeout_s: float
+    ) -> DecodeSnapshot:
+        """A decode's tokens and terminal event for a lease, without attaching (contract
+        1.9; a request that ended with an error raises that error)."""
         ...
 
     async def release_lease(

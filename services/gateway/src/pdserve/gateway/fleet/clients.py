@@ -21,7 +21,16 @@ from pdserve.common.errors import from_rpc_error, has_error_info
 from pdserve.common.pki import MEMBER_DNS_NAME, role_dns_name
 from pdserve.common.security import Security
 from pdserve.gateway.fleet import convert
-from pdserve.gateway.fleet.backend import BackendError, DecodeEvent, PrefillCall, PrefillEvent
+from pdserve.gateway.fleet.backend import (
+    BackendError,
+    DecodeEvent,
+    DecodeSnapshot,
+    FinishedEvent,
+    PreemptionEvent,
+    PrefillCall,
+    PrefillEvent,
+    TokenBatchEvent,
+)
 from pdserve.gateway.fleet.instance import InstanceInfo, LoadReport
 from pdserve.gateway.fleet.model_info import ModelFiles
 from pdserve.v1 import (
@@ -129,10 +138,16 @@ class GrpcBackend:
         lease_id: str,
         timeout_s: float,
         trace_context: Context | None = None,
+        *,
+        resumable: bool = False,
+        resume: bool = False,
     ) -> AsyncGenerator[DecodeEvent, None]:
-        """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
+        """Streams DecodeService.Generate's events; closing the iterator cancels the call
+        (`resumable` and `resume` as `Backend.generate`)."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address, DECODE_NAME))
-        request = decode_pb2.DecodeServiceGenerateRequest(request_id=request_id, lease_id=lease_id)
+        request = decode_pb2.DecodeServiceGenerateRequest(
+            request_id=request_id, lease_id=lease_id, resumable=resumable, resume=resume
+        )
         return _server_stream(
             GENERATE,
             address,
@@ -141,6 +156,27 @@ class GrpcBackend:
             lambda metadata: stub.Generate(request, timeout=timeout_s, metadata=metadata),
             convert.decode_event_from_pb,
         )
+
+    async def snapshot(
+        self, address: str, request_id: str, lease_id: str, timeout_s: float
+    ) -> DecodeSnapshot:
+        """DecodeService.Generate with `snapshot`: the tokens so far and the end, if any."""
+        stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address, DECODE_NAME))
+        request = decode_pb2.DecodeServiceGenerateRequest(
+            request_id=request_id, lease_id=lease_id, snapshot=True
+        )
+        token_ids: list[int] = []
+        end: FinishedEvent | PreemptionEvent | None = None
+        try:
+            async for message in stub.Generate(request, timeout=timeout_s):
+                event = convert.decode_event_from_pb(message)
+                if isinstance(event, TokenBatchEvent):
+                    token_ids.extend(event.token_ids)
+                elif event is not None:
+                    end = event
+        except grpc.aio.AioRpcError as error:
+            raise backend_error(error) from error
+        return DecodeSnapshot(tuple(token_ids), end)
 
     async def release_lease(
         self,
