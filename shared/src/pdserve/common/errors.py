@@ -61,6 +61,7 @@ class ErrorReason(enum.Enum):
     REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
     RATE_LIMITED = "RATE_LIMITED"
     PERMISSION_DENIED = "PERMISSION_DENIED"
+    REQUEST_NOT_FOUND = "REQUEST_NOT_FOUND"
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ REASON_SPECS: Mapping[ErrorReason, ReasonSpec] = {
     ErrorReason.REQUEST_TOO_LARGE: ReasonSpec((_S.RESOURCE_EXHAUSTED,), RetryScope.NEVER, 413),
     ErrorReason.RATE_LIMITED: ReasonSpec((_S.RESOURCE_EXHAUSTED,), RetryScope.WHOLE_REQUEST, 429),
     ErrorReason.PERMISSION_DENIED: ReasonSpec((_S.PERMISSION_DENIED,), RetryScope.NEVER, 403),
+    ErrorReason.REQUEST_NOT_FOUND: ReasonSpec((_S.NOT_FOUND,), RetryScope.NEVER, 404),
 }
 
 

@@ -28,6 +28,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_REQUEST_TOO_LARGE: _ClassVar[ErrorReason]
     ERROR_REASON_RATE_LIMITED: _ClassVar[ErrorReason]
     ERROR_REASON_PERMISSION_DENIED: _ClassVar[ErrorReason]
+    ERROR_REASON_REQUEST_NOT_FOUND: _ClassVar[ErrorReason]
 
 class RetryScope(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -63,6 +64,7 @@ ERROR_REASON_NO_HEALTHY_INSTANCES: ErrorReason
 ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason
 ERROR_REASON_RATE_LIMITED: ErrorReason
 ERROR_REASON_PERMISSION_DENIED: ErrorReason
+ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason
 RETRY_SCOPE_UNSPECIFIED: RetryScope
 RETRY_SCOPE_NEVER: RetryScope
 RETRY_SCOPE_ONCE: RetryScope

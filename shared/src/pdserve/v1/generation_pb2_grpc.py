@@ -46,6 +46,11 @@ class GenerationServiceStub:
                 request_serializer=pdserve_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/pdserve.v1.GenerationService/Resume',
+                request_serializer=pdserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generation__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -69,6 +74,18 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Streams a resumable request (a Generate call with `resumable`) again, on any gateway that
+        shares the store of resumable requests: its messages from completion index `from_index`
+        on (one message per token), live until the end, then the last message (finish_reason and
+        usage); past the end, the last message. The messages equal those of the call it resumes.
+        A request that is unknown, expired, or another API key's: ERROR_REASON_REQUEST_NOT_FOUND.
+        Since 1.9.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +98,11 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pdserve_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=pdserve_dot_v1_dot_generation__pb2.ResumeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generation__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -139,6 +161,33 @@ class GenerationService:
             '/pdserve.v1.GenerationService/ListModels',
             pdserve_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
             pdserve_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.GenerationService/Resume',
+            pdserve_dot_v1_dot_generation__pb2.ResumeRequest.SerializeToString,
+            pdserve_dot_v1_dot_generation__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
