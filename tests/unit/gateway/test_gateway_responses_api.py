@@ -280,7 +280,6 @@ async def test_bodies_and_events_validate_against_the_sdk_models(
 REFUSED = [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"conversation": "conv_1"}, "conversation", "stores no responses"),
-    ({"background": True}, "background", "background"),
     ({"tools": [{"type": "function", "name": "f"}, {"type": "web_search"}]},
      "tools[1]", "'web_search'"),
     ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name", "a-z"),
@@ -346,12 +345,19 @@ async def test_the_sdk_sees_a_refusal_as_a_bad_request(pd: Cluster) -> None:
 @pytest.mark.parametrize(
     ("method", "path"),
     [("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
-     ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items")],
+     ("POST", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1?stream=true")],
 )  # fmt: skip
-async def test_stored_responses_are_404s_that_say_why(pd: Cluster, method: str, path: str) -> None:
+async def test_unknown_responses_are_404s(pd: Cluster, method: str, path: str) -> None:
     async with pd.http() as http:
         response = await http.request(method, path)
     assert response.status_code == 404
-    assert "not stored" in response.json()["error"]["message"]
-    with pytest.raises(openai.NotFoundError, match="not stored"):
+    assert response.json()["error"]["code"] == "request_not_found"
+    with pytest.raises(openai.NotFoundError, match="no response with id"):
         await pd.openai().responses.retrieve("resp_1")
+
+
+async def test_input_items_are_not_stored(pd: Cluster) -> None:
+    async with pd.http() as http:
+        response = await http.get("/v1/responses/resp_1/input_items")
+    assert response.status_code == 404
+    assert "only background responses are stored" in response.json()["error"]["message"]

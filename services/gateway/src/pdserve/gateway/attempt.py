@@ -40,7 +40,14 @@ from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress, RequestState
 from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
-from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk, remaining_s
+from pdserve.gateway.request import (
+    GenerationEnd,
+    GenerationRequest,
+    Placement,
+    Resumable,
+    TokenChunk,
+    remaining_s,
+)
 from pdserve.gateway.routing.pair import Pair
 
 log = structlog.get_logger("pdserve.gateway.attempt")
@@ -90,6 +97,7 @@ class Attempts:
         deadline: float,
         span: trace.Span,
         timeline: TtftTimeline | None = None,
+        resumable: Resumable | None = None,
     ) -> AsyncGenerator[TokenChunk | GenerationEnd | Setback, None]:
         """One attempt on `pair`.
 
@@ -102,6 +110,8 @@ class Attempts:
             span: The attempt's span (first token and preemption become its events).
             timeline: Where the request's time to first token went (this attempt's Prefill
                 call, and its phases if it delivers the first token).
+            resumable: Set for a resumable request: its decode stream is resumable, and the
+                decode that takes it is announced.
 
         Yields:
             `TokenChunk`s new to the consumer, then one `GenerationEnd` or setback.
@@ -165,6 +175,10 @@ class Attempts:
                             is_first_token_attempt = timeline.on_first_token(event.phases)
                         elif isinstance(event, HandedOffEvent):
                             handed_off, lease_id = event, event.lease_id
+                            if resumable is not None:
+                                target = pair.decode
+                                placed = Placement(target.instance_id, target.address, lease_id)
+                                resumable.on_placed(placed)
                             if is_first_token_attempt:
                                 timeline.on_handed_off(event.phases)
                         elif isinstance(event, FinishedEvent):
@@ -189,6 +203,7 @@ class Attempts:
                     handed_off.lease_id,
                     remaining_s(request, deadline),
                     context,
+                    resumable=resumable is not None,
                 )
                 watched = {pair.decode.instance_id: DECODE}
                 async with aclosing(self._relay(DECODE, decode, progress, watched)) as events:
@@ -236,13 +251,92 @@ class Attempts:
                 task = self._spawn(aborting, "abort_request", request.request_id)
                 self._aborting[request.request_id] = task
                 task.add_done_callback(lambda _: self._forget_abort(request.request_id, task))
-            if lease_id is not None:
+            if lease_id is not None and (resumable is None or not resumable.is_left):
                 address = pair.decode.address
                 releasing = self._backend.release_lease(
                     address, lease_id, request.request_id, timeout_s, context
                 )
                 self._spawn(releasing, "release_lease", request.request_id)
         yield outcome
+
+    async def attach(
+        self,
+        request: GenerationRequest,
+        resumable: Resumable,
+        placement: Placement,
+        progress: CompletionProgress,
+        state: RequestState,
+        deadline: float,
+        span: trace.Span,
+    ) -> AsyncGenerator[TokenChunk | GenerationEnd | None, None]:
+        """Attaches to a resumable request another gateway left on a decode.
+
+        The decode replays every completion token so far, then the live ones and the end.
+
+        Args:
+            request: The request (re-prepared: the same prompt and seed).
+            resumable: The request's resumability (left: the lease is kept on leaving).
+            placement: The decode and lease it runs on.
+            progress: The tokens delivered so far (the replay fills it).
+            state: The request's bookkeeping.
+            deadline: ``loop.time()`` by which the request must be done.
+            span: The request's span.
+
+        Yields:
+            `TokenChunk`s new to the consumer, then the `GenerationEnd`, or None when the
+            request must go on through a prefill from `progress` (the decode preempted it,
+            forgot it, or cannot be reached).
+        """
+        context = trace.set_span_in_context(span)
+        lease_id: str | None = placement.lease_id
+        finished: FinishedEvent | None = None
+        preempted: PreemptionEvent | None = None
+        fields = {"request_id": request.request_id, "decode_id": placement.decode_instance_id}
+        try:
+            decode = self._backend.generate(
+                placement.decode_address,
+                request.request_id,
+                placement.lease_id,
+                remaining_s(request, deadline),
+                context,
+                resumable=True,
+                resume=True,
+            )
+            watched = {placement.decode_instance_id: DECODE}
+            try:
+                async with aclosing(self._relay(DECODE, decode, progress, watched)) as events:
+                    async for event in events:
+                        if isinstance(event, TokenChunk):
+                            yield event
+                        elif isinstance(event, FinishedEvent):
+                            finished, lease_id = event, None
+                            break
+                        elif isinstance(event, PreemptionEvent):
+                            preempted, lease_id = event, None
+                            break
+            except AttemptFailed as failed:
+                lease_id = None  # NOTE: gone, forgotten or unreachable: nothing to give back
+                log.info("resume_attach_failed", **fields, reason=failed.failure.error.reason.name)
+            if preempted is not None:
+                accepted = progress.accept(preempted.generated_token_ids, 0)
+                if accepted.chunk is not None:
+                    yield accepted.chunk
+            if finished is not None or progress.finish_reason is not None:
+                yield _end(progress, state, finished)
+                return
+            num_tokens = progress.num_tokens
+            log.info("resume_continues_elsewhere", **fields, num_generated_tokens=num_tokens)
+            yield None
+        finally:
+            if lease_id is not None and not resumable.is_left:
+                releasing = self._backend.release_lease(
+                    placement.decode_address,
+                    lease_id,
+                    request.request_id,
+                    self._policy.cleanup_timeout_s,
+                    context,
+                )
+                self._spawn(releasing, "release_lease", request.request_id)
 
     def _relay(
         self,

@@ -191,6 +191,22 @@ class GatewayConfig(ServiceConfig):
             "min": 1,
         },
     )
+    max_stored_responses: int = field(
+        default=1024,
+        metadata={
+            "help": "resumable requests (background responses, resumable streams) this gateway "
+            "keeps running or ended at once; a new one past it gets 429",
+            "min": 1,
+        },
+    )
+    response_keep_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds an ended background response or resumable stream stays readable "
+            "and resumable (then: 404)",
+            "gt": 0,
+        },
+    )
     max_queued_requests: int = queue_field("max_queued_requests")
     max_queued_tokens: int = queue_field("max_queued_tokens")
     max_queue_wait_s: float = queue_field("max_queue_wait_s")

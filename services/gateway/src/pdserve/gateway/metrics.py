@@ -60,6 +60,21 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        self.resume_store_writes = Counter(
+            "pdserve_gateway_resume_store_writes",
+            "Records of resumable requests written to the shared store (a bounded number per "
+            "request: its start, each decode that took it, its end).",
+            registry=self.registry,
+        )
+        self.resumes = Counter(
+            "pdserve_gateway_resumes",
+            "Resumable requests read or streamed again, by how: local (this gateway holds "
+            "it), stored (it ended; made again from its stored tokens) or takeover (attached "
+            "to where another gateway left it).",
+            ["how"],
+            registry=self.registry,
+        )
+
         self.queued_requests = Gauge(
             "pdserve_gateway_queued_requests",
             "Requests waiting in the admission queue for a pair with room.",

@@ -41,7 +41,13 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress, RequestState
 from pdserve.gateway.relay import LossWatch
-from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk, remaining_s
+from pdserve.gateway.request import (
+    GenerationEnd,
+    GenerationRequest,
+    Resumable,
+    TokenChunk,
+    remaining_s,
+)
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.queue import CapacityQueue
@@ -108,6 +114,7 @@ class Orchestrator:
         deadline: float,
         parent_span: trace.Span = trace.INVALID_SPAN,
         timeline: TtftTimeline | None = None,
+        resumable: Resumable | None = None,
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         """Generates the completion.
 
@@ -118,6 +125,9 @@ class Orchestrator:
                 retries and reschedules its events.
             timeline: Filled with where the time to first token went (Prefill calls, the
                 prefill's phases).
+            resumable: For a resumable request: its decode keeps it when the gateway goes
+                away, and with ``attach_to`` the run first attaches to where another gateway
+                left it.
 
         Yields:
             `TokenChunk`s with strictly consecutive indices, then one `GenerationEnd`.
@@ -131,6 +141,17 @@ class Orchestrator:
         parent = trace.set_span_in_context(parent_span)
         arrival = self.queue.arrival()
         queued_s = 0.0  # NOTE: before the first token, all waits count against the bound
+        if resumable is not None and resumable.attach_to is not None:
+            attached = self._attempts.attach(
+                request, resumable, resumable.attach_to, progress, state, deadline, parent_span
+            )
+            async with contextlib.aclosing(attached) as attach_items:
+                async for attach_item in attach_items:
+                    if attach_item is None:
+                        break
+                    yield attach_item
+                    if isinstance(attach_item, GenerationEnd):
+                        return
         while True:
             is_new = progress.num_tokens == 0
             # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
@@ -167,7 +188,7 @@ class Orchestrator:
             setback: Setback | None = None
             try:
                 attempt = self._attempts.run(
-                    request, pair, progress, state, deadline, span, timeline
+                    request, pair, progress, state, deadline, span, timeline, resumable
                 )
                 async with contextlib.aclosing(attempt) as items:
                     async for item in items:

@@ -9,6 +9,7 @@ shared ones (`pdserve.common.generation`).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -39,6 +40,33 @@ class GenerationRequest:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     share_key: str = ""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request's tokens are generated: a decode's lease."""
+
+    decode_instance_id: str
+    decode_address: str
+    lease_id: str
+
+
+@dataclass
+class Resumable:
+    """How a resumable request runs: its decode keeps generating when the gateway's stream to
+    it breaks (the gateway died, or left it), so that another gateway can attach.
+
+    Attributes:
+        on_placed: Told each time a decode takes the request (for the shared record).
+        attach_to: Where a previous gateway left it running: the run attaches there first,
+            and continues through a prefill (from the tokens it got) where that fails.
+        is_left: The gateway leaves it to others (it stops): closing the run keeps its decode
+            lease (the decode holds the request for the next gateway) instead of releasing it.
+    """
+
+    on_placed: Callable[[Placement], None]
+    attach_to: Placement | None = None
+    is_left: bool = False
 
 
 @dataclass(frozen=True)

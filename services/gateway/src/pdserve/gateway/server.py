@@ -40,9 +40,13 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.grpc_api import servicer
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.api import create_app as create_rest_app
+from pdserve.gateway.openai.responses_api.background import BackgroundResponses
+from pdserve.gateway.openai.resumable import ResumableStreams
 from pdserve.gateway.openai.server import RestServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prepare.workers import ParserPool, WorkerPool
+from pdserve.gateway.resume.runs import Runs
+from pdserve.gateway.resume.store import EtcdResumeStore, MemoryResumeStore, ResumeStore
 from pdserve.gateway.routing.router import Router
 from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc
@@ -115,6 +119,20 @@ class GatewayServer:
             default_chat_max_tokens=config.default_chat_max_tokens,
             tool_call_parser=config.tool_call_parser,
         )
+        self.resume_store: ResumeStore = (
+            EtcdResumeStore(EtcdTarget.parse(config.registry), config.max_stored_responses)
+            if config.registry is not None
+            else MemoryResumeStore(config.max_stored_responses)
+        )
+        self.runs = Runs(
+            self.resume_store,
+            self.streamer,
+            self.metrics,
+            config.request_timeout,
+            config.response_keep_s,
+        )
+        background = BackgroundResponses(self.runs, self.frontend, self.parser, self.backend)
+        resumable = ResumableStreams(self.runs, self.frontend, self.parser)
         self.app: FastAPI = create_rest_app(
             self.frontend,
             self.streamer,
@@ -125,6 +143,8 @@ class GatewayServer:
             api_keys=self.api_keys,
             trace_polls=config.trace_polls,
             internal_plane="insecure" if self.security.is_insecure else "mtls",
+            background=background,
+            resumable=resumable,
         )
         self.poller = StaticPoller(
             self.registry,
@@ -208,7 +228,7 @@ class GatewayServer:
         server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
         servicer.add_to_server(
             servicer.GenerationServicer(
-                self.frontend, self.streamer, self.limiter, self.parser, self.api_keys
+                self.frontend, self.streamer, self.limiter, self.parser, self.api_keys, self.runs
             ),
             server,
         )
@@ -267,11 +287,14 @@ class GatewayServer:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         log.info("gateway_draining", num_active_requests=self.streamer.num_active_requests)
+        # NOTE: resumable requests are not waited for: the other gateways resume them.
+        await self.runs.leave(hand_over=self.config.registry is not None)
         if not await self.streamer.wait_idle(grace_s):
             log.warning(
                 "gateway_drain_timeout", num_active_requests=self.streamer.num_active_requests
             )
         await self._rest.stop(5.0)
+        await self.resume_store.close()
         for grpc_server in (self._grpc_server, self._internal_server):
             if grpc_server is not None:
                 await grpc_server.stop(0.5)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import structlog
 from opentelemetry import trace
@@ -25,7 +25,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
-from pdserve.gateway.request import GenerationEnd, OutputDelta, Usage
+from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable, TokenChunk, Usage
 from pdserve.gateway.text import CompletionText
 from pdserve.gateway.tools.output import with_tool_calls
 
@@ -66,26 +66,36 @@ class Streamer:
         return True
 
     def stream(
-        self, prepared: PreparedRequest, trace_context: Context | None = None
+        self,
+        prepared: PreparedRequest,
+        trace_context: Context | None = None,
+        resumable: Resumable | None = None,
     ) -> AsyncGenerator[OutputDelta, None]:
         """Runs a prepared request under its span ``gateway.request``.
 
         Args:
             prepared: From `Frontend.prepare`.
             trace_context: Parent of the request's span (default: the current context).
+            resumable: For a resumable request (`pdserve.gateway.resume`): its decode keeps it
+                if this gateway goes away, and each delta holds exactly one token, so its
+                deltas (and the events made of them) are a function of its tokens alone,
+                however they were batched, whichever gateway runs it.
 
         Returns:
             Deltas of text and tokens (with the tool calls read out, for a request with a
             tool plan: `pdserve.gateway.tools.output`); the last one has finish_reason and
             usage. Iterating raises the `PdserveError` that ended the request.
         """
-        deltas = self._stream(prepared, trace_context)
+        deltas = self._stream(prepared, trace_context, resumable)
         if prepared.tool_plan is None:
             return deltas
         return with_tool_calls(deltas, prepared.tool_plan)
 
     async def _stream(
-        self, prepared: PreparedRequest, trace_context: Context | None
+        self,
+        prepared: PreparedRequest,
+        trace_context: Context | None,
+        resumable: Resumable | None,
     ) -> AsyncGenerator[OutputDelta, None]:
         request = prepared.request
         loop = asyncio.get_running_loop()
@@ -108,7 +118,7 @@ class Streamer:
         timeline = TtftTimeline(arrival=prepared.arrival_time)
         try:
             deadline = started + self._request_timeout_s
-            events = self._orchestrator.run(request, deadline, span, timeline)
+            events = self._orchestrator.run(request, deadline, span, timeline, resumable)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, GenerationEnd):
@@ -126,29 +136,14 @@ class Streamer:
                         # NOTE: max_tokens 0: the sampled token only finished the prefill.
                         yield OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs)
                         break
-                    step = text.add(event.token_ids)
-                    if step.text or step.token_ids or event.prompt_logprobs:
-                        yield OutputDelta(
-                            step.text,
-                            step.token_ids,
-                            event.first_index,
-                            logprobs=event.logprobs[: len(step.token_ids)],
-                            prompt_logprobs=event.prompt_logprobs,
-                        )
+                    for delta in _text_deltas(text, event, one_by_one=resumable is not None):
+                        yield delta
                         timeline.on_first_token_written()
-                    if step.is_stopped:
+                    if text.is_stopped:
                         break
-            finish_reason = (
-                FinishReason.STOP if text.is_stopped or end is None else end.finish_reason
-            )
-            if prepared.is_prompt_only:
-                finish_reason = FinishReason.LENGTH
-            usage = Usage(
-                num_prompt_tokens=len(request.prompt_token_ids),
-                num_completion_tokens=text.num_tokens,
-                num_cached_prompt_tokens=end.num_cached_prompt_tokens if end else 0,
-            )
-            final = OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
+            final = _final_delta(prepared, text, end)
+            finish_reason, usage = final.finish_reason, final.usage
+            assert finish_reason is not None and usage is not None
             outcome = "finished"
             span.set_attributes(
                 {
@@ -199,6 +194,76 @@ class Streamer:
             self._num_active -= 1
             if self._num_active == 0:
                 self._idle.set()
+
+
+def replay(
+    prepared: PreparedRequest, token_ids: Sequence[int], end: GenerationEnd
+) -> AsyncGenerator[OutputDelta, None]:
+    """The deltas a resumable request's stream had, made again from its tokens and its end
+    (as `Streamer.stream` makes them: one token each, then the final delta)."""
+    deltas = _replayed(prepared, token_ids, end)
+    if prepared.tool_plan is None:
+        return deltas
+    return with_tool_calls(deltas, prepared.tool_plan)
+
+
+async def _replayed(
+    prepared: PreparedRequest, token_ids: Sequence[int], end: GenerationEnd
+) -> AsyncGenerator[OutputDelta, None]:
+    request = prepared.request
+    text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
+    if token_ids:
+        for delta in _text_deltas(text, TokenChunk(tuple(token_ids), 0), one_by_one=True):
+            yield delta
+    yield _final_delta(prepared, text, end)
+
+
+def _text_deltas(text: CompletionText, chunk: TokenChunk, one_by_one: bool) -> list[OutputDelta]:
+    """The deltas of `chunk`'s tokens (one per token with `one_by_one`), up to a stop string."""
+    deltas = []
+    for piece in _one_by_one(chunk) if one_by_one else (chunk,):
+        step = text.add(piece.token_ids)
+        if step.text or step.token_ids or piece.prompt_logprobs:
+            deltas.append(
+                OutputDelta(
+                    step.text,
+                    step.token_ids,
+                    piece.first_index,
+                    logprobs=piece.logprobs[: len(step.token_ids)],
+                    prompt_logprobs=piece.prompt_logprobs,
+                )
+            )
+        if step.is_stopped:
+            break
+    return deltas
+
+
+def _final_delta(
+    prepared: PreparedRequest, text: CompletionText, end: GenerationEnd | None
+) -> OutputDelta:
+    """The last delta: the text held back, the finish reason and the usage."""
+    finish_reason = FinishReason.STOP if text.is_stopped or end is None else end.finish_reason
+    if prepared.is_prompt_only:
+        finish_reason = FinishReason.LENGTH
+    usage = Usage(
+        num_prompt_tokens=len(prepared.request.prompt_token_ids),
+        num_completion_tokens=text.num_tokens,
+        num_cached_prompt_tokens=end.num_cached_prompt_tokens if end else 0,
+    )
+    return OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
+
+
+def _one_by_one(chunk: TokenChunk) -> list[TokenChunk]:
+    """`chunk` as chunks of one token each (the prompt's logprobs on the first)."""
+    return [
+        TokenChunk(
+            (token_id,),
+            chunk.first_index + offset,
+            chunk.logprobs[offset : offset + 1],
+            chunk.prompt_logprobs if offset == 0 else (),
+        )
+        for offset, token_id in enumerate(chunk.token_ids)
+    ]
 
 
 def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | float | list[str]]:

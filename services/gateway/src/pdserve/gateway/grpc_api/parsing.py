@@ -27,6 +27,7 @@ class GenerateBody(NamedTuple):
 
     params: GenerationParams
     include_prompt_token_ids: bool
+    resumable: bool = False
 
 
 def _invalid(message: str, param: str | None = None) -> PdserveError:
@@ -50,7 +51,12 @@ def parse_generate_request(raw: bytes, limits: RequestLimits) -> GenerateBody:
         num_tools=len(request.tools),
     )
     params = validate_request(convert.generation_params_from_pb(request), limits)
-    return GenerateBody(params, request.include_prompt_token_ids)
+    if request.resumable:
+        if params.n != 1:
+            raise _invalid("a resumable request needs n = 1", "resumable")
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            raise _invalid("a resumable request cannot return logprobs", "resumable")
+    return GenerateBody(params, request.include_prompt_token_ids, request.resumable)
 
 
 def parse_message(message_cls: Any, raw: bytes) -> Any:

@@ -9,9 +9,11 @@ without one. Large messages parse in a worker process
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import structlog
@@ -21,18 +23,24 @@ from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway.access.admission import ConcurrencyLimiter
 from pdserve.gateway.access.api_keys import ApiKeyStore
-from pdserve.gateway.access.auth import authenticate
+from pdserve.gateway.access.auth import Caller, authenticate
 from pdserve.gateway.choices import merged
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.grpc_api import convert
-from pdserve.gateway.grpc_api.parsing import parse_generate_request, parse_message
+from pdserve.gateway.grpc_api.parsing import GenerateBody, parse_generate_request, parse_message
+from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.resume.access import find, prepare_again, replay_end
+from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.resume.store import ResumeRecord
 from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2
 
 log = structlog.get_logger("pdserve.gateway.grpc_api.servicer")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+KIND = "grpc"
 
 
 def _internal(exc: Exception) -> PdserveError:
@@ -63,6 +71,7 @@ class GenerationServicer:
         parser: Parses large requests in worker processes.
         api_keys: Keys accepted as ``authorization: Bearer <key>`` metadata; None or an open
             store: any.
+        runs: Resumable requests (``resumable``, ``Resume``); None: refused.
     """
 
     def __init__(
@@ -72,7 +81,9 @@ class GenerationServicer:
         limiter: ConcurrencyLimiter,
         parser: ParserPool,
         api_keys: ApiKeyStore | None = None,
+        runs: Runs | None = None,
     ) -> None:
+        self._runs = runs
         self._frontend = frontend
         self._streamer = streamer
         self._limiter = limiter
@@ -101,6 +112,13 @@ class GenerationServicer:
                 )
                 prepared = await self._frontend.prepare(body.params, None, caller.api_key_name)
                 span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
+                if body.resumable:
+                    run = await self._start_resumable(raw, prepared, caller)
+                    messages = _messages(run.follow(), prepared, body, 0)
+                    async with contextlib.aclosing(messages):
+                        async for message in messages:
+                            yield message
+                    return
                 request_id = prepared.client_request_id or prepared.request_id
                 prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
                 deltas = merged([self._streamer.stream(c) for c in prepared.choices()], prepared.n)
@@ -108,6 +126,69 @@ class GenerationServicer:
                     async for index, delta in deltas:
                         yield convert.generate_response_to_pb(request_id, delta, prompt_ids, index)
                         prompt_ids = ()
+        except PdserveError as error:
+            await abort_with_error(context, error)
+        except Exception as exc:
+            await abort_with_error(context, _internal(exc))
+
+    async def _start_resumable(self, raw: bytes, prepared: PreparedRequest, caller: Caller) -> Run:
+        if self._runs is None:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST,
+                "resumable requests are not enabled on this gateway",
+                {"param": "resumable"},
+            )
+        seed = prepared.request.sampling.seed
+        assert seed is not None, "the frontend gives every request a seed"
+        record = ResumeRecord(
+            request_id=prepared.request_id,
+            kind=KIND,
+            owner=caller.api_key_name,
+            body=base64.b64encode(raw).decode(),
+            seed=seed,
+            created_at=time.time(),
+        )
+        return await self._runs.start(record, prepared)
+
+    async def Resume(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.ResumeResponse]:
+        """Streams a resumable request again from a completion index (see the contract)."""
+        try:
+            caller = authenticate(_authorization(context), self._api_keys)
+            request = parse_message(generation_pb2.ResumeRequest, raw)
+            found = None
+            if self._runs is not None:
+                found = await find(self._runs, request.request_id, (KIND,), caller)
+            if found is None:
+                raise PdserveError(
+                    ErrorReason.REQUEST_NOT_FOUND,
+                    "no resumable request with that id (unknown, expired or another key's)",
+                    {"requestId": request.request_id[:200]},
+                )
+            assert self._runs is not None
+            with self._limiter.admit(caller):
+                record = found.record if isinstance(found, Run) else found
+                stored = base64.b64decode(record.body)
+                limits = self._frontend.limits
+                body = await self._parser.run(parse_generate_request, len(stored), stored, limits)
+                resumes = self._runs.metrics.resumes
+                deltas: AsyncGenerator[OutputDelta, None]
+                if isinstance(found, Run):
+                    resumes.labels(how="local").inc()
+                    prepared, deltas = found.prepared, found.follow()
+                else:
+                    prepared = await prepare_again(self._frontend, body.params, record, caller)
+                    if record.end is not None:
+                        resumes.labels(how="stored").inc()
+                        deltas = replay_end(prepared, record.end)
+                    else:
+                        resumes.labels(how="takeover").inc()
+                        deltas = (await self._runs.take_over(record, prepared)).follow()
+                messages = _messages(deltas, prepared, body, request.from_index)
+                async with contextlib.aclosing(messages):
+                    async for message in messages:
+                        yield generation_pb2.ResumeResponse(response=message)
         except PdserveError as error:
             await abort_with_error(context, error)
         except Exception as exc:
@@ -135,12 +216,39 @@ class GenerationServicer:
         )
 
 
+async def _messages(
+    deltas: AsyncGenerator[OutputDelta, None],
+    prepared: PreparedRequest,
+    body: GenerateBody,
+    from_index: int,
+) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+    """The messages of a resumable request's deltas from completion index `from_index` on
+    (the last one always); a stream another gateway took over just ends (the client resumes
+    there)."""
+    prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
+    try:
+        async for delta in deltas:
+            if delta.finish_reason is None and delta.first_index < from_index:
+                continue
+            message = convert.generate_response_to_pb(prepared.request_id, delta, prompt_ids)
+            prompt_ids = ()
+            yield message
+    except RunMoved:
+        return
+    finally:
+        await deltas.aclose()
+
+
 def add_to_server(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
     """Registers `servicer` as GenerationService; requests reach it as bytes (see module doc)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate,
             response_serializer=generation_pb2.GenerateResponse.SerializeToString,
+        ),
+        "Resume": grpc.unary_stream_rpc_method_handler(
+            servicer.Resume,
+            response_serializer=generation_pb2.ResumeResponse.SerializeToString,
         ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels,

@@ -2,9 +2,11 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
 streaming as server-sent events ending in ``data: [DONE]``, or a single JSON body),
-``POST /v1/responses`` (the stateless Responses API on the chat path, its events typed; see
-`pdserve.gateway.openai.responses_api`; other ``/v1/responses/...`` paths are 404s that say
-responses are not stored),
+``POST /v1/responses`` (the Responses API on the chat path, its events typed; see
+`pdserve.gateway.openai.responses_api`), and for background responses ``GET``, ``DELETE``
+``/v1/responses/{id}`` (``?stream=true&starting_after=N``) and ``POST .../cancel``
+(`pdserve.gateway.openai.responses_api.background`; other ``/v1/responses/...`` paths are
+404s),
 ``POST /tokenize`` and ``POST /detokenize`` (as vLLM's),
 ``GET /health`` (readiness: 503 with a reason until a compatible prefill/decode pair serves
 some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. Errors are
@@ -59,20 +61,28 @@ from pdserve.gateway.openai.http import (
     read_body,
     request_id_of,
 )
-from pdserve.gateway.openai.parsing import parse_openai_body, parse_tokenizer_body
+from pdserve.gateway.openai.parsing import OpenAIBody, parse_openai_body, parse_tokenizer_body
 from pdserve.gateway.openai.responses import EventStreamResponse, Responder
-from pdserve.gateway.openai.responses_api.convert import parse_responses_body
+from pdserve.gateway.openai.responses_api.background import BackgroundResponses
+from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_responses_body
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter
+from pdserve.gateway.openai.resumable import (
+    ResumableStreams,
+    check_token_range,
+    responder_for,
+)
+from pdserve.gateway.openai.resumable import events as resumable_events
 from pdserve.gateway.openai.schemas import DetokenizeRequest
 from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
+from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.streaming import Streamer
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 NOT_STORED = (
-    "not found: responses are not stored (the Responses API is stateless here), so they cannot "
-    "be retrieved, cancelled or deleted; only POST /v1/responses is served"
+    "not found: only background responses are stored (POST /v1/responses with background: "
+    "true), and they are retrieved, cancelled or deleted at /v1/responses/{id}[/cancel]"
 )
 
 
@@ -104,11 +114,13 @@ class Writer(Protocol):
 
 
 class Prepared(NamedTuple):
-    """A generation request parsed and prepared: its writer, whether it streams, its id."""
+    """A generation request parsed and prepared: its writer, whether it streams, its id (and
+    for a background response or a resumable stream, its body as sent and as parsed)."""
 
     writer: Writer
     is_stream: bool
     request_id: str
+    kept: tuple[bytes, ResponsesBody | OpenAIBody] | None = None
 
 
 def _is_poll(scope: Any) -> bool:
@@ -160,6 +172,8 @@ def create_app(
     trace_polls: bool = False,
     now: Callable[[], float] = time.time,
     internal_plane: str = "mtls",
+    background: BackgroundResponses | None = None,
+    resumable: ResumableStreams | None = None,
 ) -> FastAPI:
     """Builds the REST application around a `Frontend`.
 
@@ -174,6 +188,10 @@ def create_app(
         trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
         internal_plane: ``mtls`` or ``insecure``, reported by /health.
+        background: Background responses (``background: true``, ``GET``, ``cancel``,
+            ``DELETE`` on ``/v1/responses/{id}``); None: refused (400) and 404s.
+        resumable: Resumable chat and completions streams (``stream_options.resumable``);
+            None: refused (400) and 404s.
     """
     app = FastAPI(
         title="pdserve gateway",
@@ -260,8 +278,13 @@ def create_app(
         request_id = request_id_of(request)
         if endpoint is Endpoint.RESPONSES:
             parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
+            if parsed.background and background is None:
+                raise invalid("background responses are not enabled on this gateway", "background")
             prompt = await frontend.prepare(parsed.params, request_id, caller.api_key_name)
-            return Prepared(ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id)
+            background_kept = (raw, parsed) if parsed.background else None
+            return Prepared(
+                ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id, background_kept
+            )
         is_chat = endpoint is Endpoint.CHAT
         body = await parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
         prompts = [
@@ -270,15 +293,21 @@ def create_app(
             )
             for index, params in enumerate(body.params)
         ]
-        return Prepared(Responder(is_chat, prompts, body), body.stream, prompts[0].request_id)
+        if body.resumable and resumable is None:
+            raise invalid("resumable streams are not enabled", "stream_options.resumable")
+        kept = (raw, body) if body.resumable else None
+        writer = Responder(is_chat, prompts, body)
+        return Prepared(writer, body.stream, prompts[0].request_id, kept)
 
     async def _generate(
         request: Request, endpoint: Endpoint, admission: Admission, caller: Caller
     ) -> Response:
-        writer, is_stream, request_id = await _prepare(request, endpoint, caller)
+        writer, is_stream, request_id, kept = await _prepare(request, endpoint, caller)
         # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request_id)
         headers = {"X-Request-Id": request_id}
+        if kept is not None:
+            return await _start_kept(kept, endpoint, writer, is_stream, headers, admission, caller)
         deltas = merged([streamer.stream(c) for c in writer.choices], writer.n)
         if is_stream:
             # NOTE: the status waits for the first token (a request that cannot be served is
@@ -297,6 +326,48 @@ def create_app(
         if collected is None:
             return Response(status_code=499)
         return JSONResponse(writer.full(collected), headers=headers)
+
+    async def _start_kept(
+        kept: tuple[bytes, ResponsesBody | OpenAIBody],
+        endpoint: Endpoint,
+        writer: Writer,
+        is_stream: bool,
+        headers: dict[str, str],
+        admission: Admission,
+        caller: Caller,
+    ) -> Response:
+        """Starts a background response or a resumable stream; the client only follows it
+        (leaving does not stop it)."""
+        raw, parsed = kept
+        prompt = writer.choices[0]
+        if isinstance(parsed, ResponsesBody):
+            assert background is not None
+            run = await background.create(raw, parsed, prompt, caller)
+            if is_stream:
+                return EventStreamResponse(background.events(run, parsed), headers, admission)
+            return JSONResponse(background.queued(run, parsed), headers=headers)
+        assert resumable is not None
+        is_chat = endpoint is Endpoint.CHAT
+        run = await resumable.start(raw, is_chat, prompt, caller)
+        events = resumable_events(responder_for(is_chat, prompt, parsed, run), run.follow(), None)
+        return EventStreamResponse(events, headers, admission)
+
+    async def _resume(request: Request, stream_id: str, is_chat: bool) -> Response:
+        caller = authorize(request)
+        if resumable is None:
+            raise StarletteHTTPException(404, "resumable streams are not enabled")
+        query = request.query_params
+        values = (query.get("starting_after"), request.headers.get("last-event-id"))
+        events = await resumable.resume(stream_id, is_chat, caller, check_token_range(values))
+        return EventStreamResponse(events, {"X-Request-Id": stream_id}, limiter.admit(caller))
+
+    @app.get("/v1/chat/completions/{stream_id}/stream")
+    async def resume_chat_completions(request: Request, stream_id: str) -> Response:
+        return await _resume(request, stream_id, is_chat=True)
+
+    @app.get("/v1/completions/{stream_id}/stream")
+    async def resume_completions(request: Request, stream_id: str) -> Response:
+        return await _resume(request, stream_id, is_chat=False)
 
     async def tokenizer_body(request: Request) -> GenerationParams | DetokenizeRequest:
         authorize(request)
@@ -333,12 +404,51 @@ def create_app(
     async def responses(request: Request) -> Response:
         return await generate(request, Endpoint.RESPONSES)
 
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        caller = authorize(request)
+        if background is None:
+            raise StarletteHTTPException(404, NOT_STORED)
+        query = request.query_params
+        if query.get("stream", "false").lower() not in ("true", "1"):
+            return JSONResponse(await background.retrieve(response_id, caller))
+        starting_after = _starting_after(query.get("starting_after"))
+        events = await background.stream(response_id, caller, starting_after)
+        return EventStreamResponse(events, {"X-Request-Id": response_id}, limiter.admit(caller))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        caller = authorize(request)
+        if background is None:
+            raise StarletteHTTPException(404, NOT_STORED)
+        return JSONResponse(await background.cancel(response_id, caller))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        caller = authorize(request)
+        if background is None:
+            raise StarletteHTTPException(404, NOT_STORED)
+        return JSONResponse(await background.delete(response_id, caller))
+
     @app.api_route("/v1/responses/{path:path}", methods=["GET", "POST", "DELETE"])
     async def stored_responses(request: Request) -> Response:
         authorize(request)
         raise StarletteHTTPException(404, NOT_STORED)
 
     return app
+
+
+def _starting_after(value: str | None) -> int | None:
+    """The ``starting_after`` query parameter: a sequence number, or None."""
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise invalid("starting_after must be a non-negative integer", "starting_after")
+    return number
 
 
 async def _first_unless_disconnected(

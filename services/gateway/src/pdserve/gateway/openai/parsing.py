@@ -40,6 +40,7 @@ class OpenAIBody(NamedTuple):
     include_usage: bool
     return_token_ids: bool
     continuous_usage: bool = False
+    resumable: bool = False
 
 
 def _invalid(message: str, param: str | None = None) -> PdserveError:
@@ -108,6 +109,8 @@ def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenA
     if len(prompts) > limits.max_prompts:
         raise _invalid(f"at most {limits.max_prompts} prompts per request", "prompt")
     params = [validate_request(one, limits) for one in prompts]
+    if body.resumable:
+        _check_resumable(params)
     return OpenAIBody(
         params,
         body.model,
@@ -115,4 +118,15 @@ def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenA
         body.include_usage,
         bool(body.return_token_ids),
         body.continuous_usage,
+        body.resumable,
     )
+
+
+def _check_resumable(params: list[GenerationParams]) -> None:
+    """A resumable stream is one completion of one prompt, without logprobs (a resumed stream
+    replays tokens, not their logprobs)."""
+    param = "stream_options.resumable"
+    if len(params) != 1 or params[0].n != 1:
+        raise _invalid("a resumable stream needs one prompt and n = 1", param)
+    if params[0].logprobs is not None or params[0].prompt_logprobs is not None:
+        raise _invalid("a resumable stream cannot return logprobs", param)

@@ -30,7 +30,7 @@ from pdserve.tokenizer import Tokenizer
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _sse(data: dict[str, Any] | str) -> str:
+def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event: ``data: <compact JSON or the string>`` and a blank line."""
     payload = (
         data
@@ -328,11 +328,11 @@ class Responder:
         events = []
         chunk = self.chunk(index, delta, is_first)
         if chunk is not None:
-            events.append(_sse(chunk))
+            events.append(sse(chunk))
         if delta.finish_reason is not None:
             self._finished[index] = delta
             if self.include_usage and len(self._finished) == len(self.choices):
-                events.append(_sse(self.usage_chunk()))
+                events.append(sse(self.usage_chunk()))
         return events
 
     async def events(
@@ -352,10 +352,10 @@ class Responder:
         except PdserveError as error:
             # NOTE: the headers are sent already; report the error in-band, as vLLM does.
             message = error.message or error.reason.name
-            yield _sse(error_body(message, error.http_status, error.reason.name.lower()))
+            yield sse(error_body(message, error.http_status, error.reason.name.lower()))
         finally:
             await deltas.aclose()
-        yield _sse("[DONE]")
+        yield sse("[DONE]")
 
 
 async def _prepend(

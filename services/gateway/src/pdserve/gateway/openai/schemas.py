@@ -48,10 +48,13 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    """``stream_options``: a last usage chunk, or usage so far on every chunk."""
+    """``stream_options``: a last usage chunk, or usage so far on every chunk; ``resumable``
+    (pdserve's extension): the stream can be resumed, on any gateway, from a completion index
+    (`pdserve.gateway.openai.resumable`)."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    resumable: bool = False
 
 
 class StructuredOutputs(_Body):
@@ -233,6 +236,11 @@ class _SamplingBody(_Body):
     def continuous_usage(self) -> bool:
         """Whether every streamed chunk carries the usage so far."""
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether the stream can be resumed (``stream_options.resumable``)."""
+        return bool(self.stream_options and self.stream_options.resumable)
 
 
 class CompletionRequest(_SamplingBody):

@@ -51,6 +51,7 @@ class ResponsesBody(NamedTuple):
         params: The validated chat request.
         model: The model as the client named it.
         stream: Stream the response's events.
+        background: Run it in the background (`pdserve.gateway.openai.responses_api.background`).
         echoed: The request's settings as a `Response` object states them (``instructions``,
             ``max_output_tokens``, ``text``, ``tools``, ...), JSON-ready.
     """
@@ -59,6 +60,7 @@ class ResponsesBody(NamedTuple):
     model: str
     stream: bool
     echoed: dict[str, Any]
+    background: bool = False
 
 
 def parse_responses_body(raw: bytes, limits: RequestLimits) -> ResponsesBody:
@@ -77,7 +79,8 @@ def parse_responses_body(raw: bytes, limits: RequestLimits) -> ResponsesBody:
         param, message = refusal
         raise invalid(message, param)
     params = validate_request(to_params(request, limits), limits)
-    return ResponsesBody(params, request.model, request.stream, _echoed(request))
+    background = bool(request.background)
+    return ResponsesBody(params, request.model, request.stream, _echoed(request), background)
 
 
 def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationParams:

@@ -62,14 +62,15 @@ class OutputItems:
         events = [] if self.items else self._open_message()
         return events + self._close(status)
 
-    def output(self, status: str) -> list[dict[str, Any]]:
+    def output(self, status: str, with_text: bool = False) -> list[dict[str, Any]]:
         """The items as a `Response` of item status `status` lists them, without events: an
-        open item gets `status`, an in-progress message no content yet."""
+        open item gets `status`, an in-progress message no content yet (its text so far with
+        `with_text`: a polled background response)."""
         items = [dict(item) for item in self.items]
         if self._is_open:
             last = items[-1]
             last["status"] = status
-            if last["type"] == "message" and status == "in_progress":
+            if last["type"] == "message" and status == "in_progress" and not with_text:
                 last["content"] = []
         return items
 

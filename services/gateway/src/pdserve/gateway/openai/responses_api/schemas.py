@@ -282,8 +282,6 @@ class ResponsesRequest(BaseModel):
             )
         if self.conversation is not None:
             return "conversation", "conversation is not supported: pdserve stores no responses"
-        if self.background:
-            return "background", "background responses are not supported"
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         if self.include:

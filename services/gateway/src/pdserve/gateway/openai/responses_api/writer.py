@@ -32,6 +32,8 @@ from pdserve.gateway.openai.responses_api.items import Event, OutputItems
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta
 
+RESPONSE_ID_PREFIX = "resp_"
+
 
 class ResponseWriter:
     """Shapes one request's deltas as a ``Response`` object or its events.
@@ -40,18 +42,26 @@ class ResponseWriter:
         prompt: The prepared request.
         body: The parsed body (model name, the settings the response repeats).
         now: Wall clock for ``created_at`` and ``completed_at``.
+        created_at: When the response was created (a stored one's); None: now.
+        completed_at: When it ended (a stored one's); None: when the writer sees the end.
     """
 
     def __init__(
-        self, prompt: PreparedRequest, body: ResponsesBody, now: Callable[[], float] = time.time
+        self,
+        prompt: PreparedRequest,
+        body: ResponsesBody,
+        now: Callable[[], float] = time.time,
+        created_at: float | None = None,
+        completed_at: float | None = None,
     ) -> None:
         self.prompt = prompt
         self.choices = [prompt]
         self.n = 1
-        self.response_id = f"resp_{prompt.request_id}"
+        self.response_id = response_id(prompt.request_id)
         self._body = body
         self._now = now
-        self._created_at = int(now())
+        self._created_at = int(now() if created_at is None else created_at)
+        self._completed_at = completed_at
         self._sequence_number = 0
 
     # ---- objects ----------------------------------------------------------------------------
@@ -62,28 +72,32 @@ class ResponseWriter:
         items: OutputItems | None = None,
         final: OutputDelta | None = None,
         error: PdserveError | None = None,
+        with_text: bool = False,
     ) -> dict[str, Any]:
         """The ``Response`` object: `items` None has no output yet; `final` (the last delta)
-        gives the usage, `error` the failure."""
+        gives the usage, `error` the failure; `with_text` shows an in-progress message's text
+        so far (a polled response; in events it comes as deltas)."""
         sampling = self.prompt.request.sampling
-        is_done = status != "in_progress"
+        is_done = status not in ("in_progress", "queued")
+        completed_at = self._now() if self._completed_at is None else self._completed_at
+        is_background = self._body.background
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "response",
             "created_at": self._created_at,
-            "completed_at": int(self._now()) if is_done and error is None else None,
+            "completed_at": int(completed_at) if is_done and error is None else None,
             "status": status,
-            "background": False,
+            "background": is_background,
             "error": None if error is None else _error(error),
             "incomplete_details": (
                 {"reason": "max_output_tokens"} if status == "incomplete" else None
             ),
             "model": self._body.model,
-            "output": [] if items is None else items.output(_item_status(status)),
+            "output": [] if items is None else items.output(_item_status(status), with_text),
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "service_tier": "default",
-            "store": False,
+            "store": is_background,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "usage": None if final is None else self._usage(final),
@@ -128,17 +142,18 @@ class ResponseWriter:
 
     async def events(
         self,
-        first: tuple[int, OutputDelta],
+        first: tuple[int, OutputDelta] | None,
         deltas: AsyncGenerator[tuple[int, OutputDelta], None],
     ) -> AsyncGenerator[str, None]:
-        """The events of a stream whose first delta was already received."""
+        """The events of a stream whose first delta was already received (`first` None: of
+        a stream none of whose deltas was read yet)."""
         in_progress = self.response("in_progress")
         yield self._event("response.created", response=in_progress)
         yield self._event("response.in_progress", response=in_progress)
         items = OutputItems(self.prompt.request_id)
         final: OutputDelta | None = None
         try:
-            async for _, delta in _prepend(first, deltas):
+            async for _, delta in deltas if first is None else _prepend(first, deltas):
                 for event in self._events(items.step(delta)):
                     yield event
                 final = delta
@@ -156,6 +171,18 @@ class ResponseWriter:
         for event in self._events(items.finish(_item_status(status))):
             yield event
         yield self._event(f"response.{status}", response=self.response(status, items, final))
+
+
+def response_id(request_id: str) -> str:
+    """The id of the response to request `request_id`."""
+    return f"{RESPONSE_ID_PREFIX}{request_id}"
+
+
+def request_id_of(response_id: str) -> str | None:
+    """The request id inside a response id; None for an id pdserve never gives."""
+    if not response_id.startswith(RESPONSE_ID_PREFIX) or len(response_id) > 200:
+        return None
+    return response_id.removeprefix(RESPONSE_ID_PREFIX) or None
 
 
 async def _prepend(

@@ -1,0 +1,317 @@
+"""Background responses: created, polled, streamed from any point, cancelled and deleted, on
+any gateway that shares the store of resumable requests.
+
+``POST /v1/responses`` with ``background: true`` answers at once (``queued``; streamed: its
+events as they come) while the response runs in this gateway (`pdserve.gateway.resume.runs`).
+``GET /v1/responses/{id}`` answers the response as it stands; with ``stream=true`` its events
+from ``starting_after`` + 1 on, live until the end. Every event is a function of the
+response's tokens (one delta per token), so a gateway that never saw the response makes the
+same events again and sends only the ones after ``starting_after``:
+
+* a response this gateway holds: its deltas so far;
+* one that ended: its tokens from the store;
+* one still running that another gateway holds or held: a stream is taken over (the decode
+  replays its tokens to this gateway, which holds it from then on); a plain ``GET`` reads the
+  tokens so far from the decode without taking anything over.
+
+Only the API key that created a response reads, streams, cancels or deletes it; to any other
+key (and for unknown or expired ids) it does not exist (404).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.gateway.access.auth import Caller
+from pdserve.gateway.fleet.backend import Backend, BackendError
+from pdserve.gateway.frontend import Frontend
+from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_responses_body
+from pdserve.gateway.openai.responses_api.items import OutputItems
+from pdserve.gateway.openai.responses_api.writer import ResponseWriter, request_id_of
+from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.request import GenerationEnd, OutputDelta
+from pdserve.gateway.resume.access import find, prepare_again, replay_end, stored_error
+from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
+from pdserve.gateway.streaming import replay
+
+log = structlog.get_logger("pdserve.gateway.openai.background")
+
+KIND = "responses"
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+def not_found(response_id: str) -> PdserveError:
+    """The 404 of an unknown, expired or someone else's response."""
+    return PdserveError(
+        ErrorReason.REQUEST_NOT_FOUND,
+        f"no response with id {response_id[:200]!r} (unknown, expired or another key's)",
+    )
+
+
+class BackgroundResponses:
+    """Background responses over this gateway's runs and the shared store.
+
+    Args:
+        runs: This gateway's resumable requests (and the store).
+        frontend: Prepares a stored request again (same prompt, same seed).
+        parser: Parses a stored body.
+        backend: Reads a running response's tokens from its decode; releases a cancelled
+            response's lease.
+        now: Wall clock.
+    """
+
+    def __init__(
+        self,
+        runs: Runs,
+        frontend: Frontend,
+        parser: ParserPool,
+        backend: Backend,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self._runs = runs
+        self._frontend = frontend
+        self._parser = parser
+        self._backend = backend
+        self._now = now
+
+    # ---- create -----------------------------------------------------------------------------
+
+    async def create(
+        self, raw: bytes, body: ResponsesBody, prompt: PreparedRequest, caller: Caller
+    ) -> Run:
+        """Starts a background response (its record written first).
+
+        Raises:
+            PdserveError: RATE_LIMITED when the store holds its most responses,
+                PEER_UNAVAILABLE when it cannot be reached.
+        """
+        seed = prompt.request.sampling.seed
+        assert seed is not None, "the frontend gives every request a seed"
+        record = ResumeRecord(
+            request_id=prompt.request_id,
+            kind=KIND,
+            owner=caller.api_key_name,
+            body=raw.decode(),
+            seed=seed,
+            created_at=self._now(),
+        )
+        return await self._runs.start(record, prompt)
+
+    def writer(self, run: Run, body: ResponsesBody) -> ResponseWriter:
+        """The writer of a run's response."""
+        return _writer(run.prepared, body, run.record)
+
+    def queued(self, run: Run, body: ResponsesBody) -> dict[str, Any]:
+        """The answer to a non-streamed create: the response, queued."""
+        return self.writer(run, body).response("queued")
+
+    # ---- read ---------------------------------------------------------------------------------
+
+    async def retrieve(self, response_id: str, caller: Caller) -> dict[str, Any]:
+        """The response as it stands (its output so far while it runs)."""
+        found = await self._find(response_id, caller)
+        if isinstance(found, Run):
+            body = await self._parse(found.record)
+            return _snapshot(self.writer(found, body), found.deltas, found.status, found.error)
+        record = found
+        body, prompt = await self._prepare(record, caller)
+        writer = _writer(prompt, body, record)
+        if record.end is not None:
+            deltas = await _collect(replay_end(prompt, record.end))
+            return _snapshot(writer, deltas, record.end.status, stored_error(record.end))
+        token_ids = await self._tokens_so_far(record)
+        end = GenerationEnd(FinishReason.STOP, len(token_ids))
+        deltas = (await _collect(replay(prompt, token_ids, end)))[:-1]
+        return _snapshot(writer, deltas, "in_progress", None)
+
+    async def stream(
+        self, response_id: str, caller: Caller, starting_after: int | None
+    ) -> AsyncGenerator[str, None]:
+        """The response's events after sequence number `starting_after` (all: None), live
+        until it ends; a running response another gateway held is taken over."""
+        found = await self._find(response_id, caller)
+        resumes = self._runs.metrics.resumes
+        if isinstance(found, Run):
+            run = found
+            resumes.labels(how="local").inc()
+        else:
+            record = found
+            body, prompt = await self._prepare(record, caller)
+            if record.end is not None:
+                resumes.labels(how="stored").inc()
+                writer = _writer(prompt, body, record)
+                deltas = _indexed(replay_end(prompt, record.end))
+                return _after(writer.events(None, deltas), starting_after)
+            resumes.labels(how="takeover").inc()
+            run = await self._runs.take_over(record, prompt)
+        body = await self._parse(run.record)
+        return self.events(run, body, starting_after)
+
+    def events(
+        self, run: Run, body: ResponsesBody, starting_after: int | None = None
+    ) -> AsyncGenerator[str, None]:
+        """A run's events after sequence number `starting_after`, live."""
+        writer = self.writer(run, body)
+        return _after(writer.events(None, _run_deltas(run)), starting_after)
+
+    # ---- cancel, delete ----------------------------------------------------------------------
+
+    async def cancel(self, response_id: str, caller: Caller) -> dict[str, Any]:
+        """Cancels a running response (its lease is released); an ended one stays as it is."""
+        found = await self._find(response_id, caller)
+        if isinstance(found, Run):
+            await self._runs.cancel(found)
+            return await self.retrieve(response_id, caller)
+        record = found
+        if record.end is None:
+            end = StoredEnd(
+                status="cancelled",
+                completed_at=self._now(),
+                error_code=ErrorReason.CANCELLED.name.lower(),
+                error_message="the response was cancelled",
+            )
+            await self._runs.put(_with_end(record, end), self._runs.keep_s)
+            placement = record.placement
+            if placement is not None:
+                try:
+                    await self._backend.release_lease(
+                        placement.decode_address,
+                        placement.lease_id,
+                        record.request_id,
+                        SNAPSHOT_TIMEOUT_S,
+                    )
+                except BackendError as failure:
+                    log.info(
+                        "cancel_release_failed", request_id=record.request_id, error=str(failure)
+                    )
+            log.info("response_cancelled", request_id=record.request_id, is_held_here=False)
+        return await self.retrieve(response_id, caller)
+
+    async def delete(self, response_id: str, caller: Caller) -> dict[str, Any]:
+        """Forgets a response (cancelling it first if it runs here)."""
+        found = await self._find(response_id, caller)
+        request_id = found.request_id
+        if isinstance(found, Run):
+            await self._runs.cancel(found)
+            self._runs.forget(found)
+        await self._runs.store.delete(request_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    async def _find(self, response_id: str, caller: Caller) -> Run | ResumeRecord:
+        """This gateway's run of the response, else its stored record; 404 for an unknown,
+        expired or other key's response."""
+        request_id = request_id_of(response_id)
+        found = None if request_id is None else await find(self._runs, request_id, (KIND,), caller)
+        if found is None:
+            raise not_found(response_id)
+        return found
+
+    async def _parse(self, record: ResumeRecord) -> ResponsesBody:
+        raw = record.body.encode()
+        limits = self._frontend.limits
+        return await self._parser.run(parse_responses_body, len(raw), raw, limits)
+
+    async def _prepare(
+        self, record: ResumeRecord, caller: Caller
+    ) -> tuple[ResponsesBody, PreparedRequest]:
+        """The stored request prepared again: the same prompt, the same seed, the same id."""
+        body = await self._parse(record)
+        return body, await prepare_again(self._frontend, body.params, record, caller)
+
+    async def _tokens_so_far(self, record: ResumeRecord) -> tuple[int, ...]:
+        """A running response's tokens, read from its decode (none when it cannot be read)."""
+        placement = record.placement
+        if placement is None:
+            return ()
+        try:
+            snapshot = await self._backend.snapshot(
+                placement.decode_address,
+                record.request_id,
+                placement.lease_id,
+                SNAPSHOT_TIMEOUT_S,
+            )
+        except BackendError as failure:
+            log.info("snapshot_failed", request_id=record.request_id, error=str(failure))
+            return ()
+        return snapshot.token_ids
+
+
+def _with_end(record: ResumeRecord, end: StoredEnd) -> ResumeRecord:
+    return replace(record, end=end)
+
+
+def _writer(prompt: PreparedRequest, body: ResponsesBody, record: ResumeRecord) -> ResponseWriter:
+    completed_at = record.end.completed_at if record.end is not None else None
+    return ResponseWriter(prompt, body, created_at=record.created_at, completed_at=completed_at)
+
+
+async def _collect(deltas: AsyncGenerator[OutputDelta, None]) -> list[OutputDelta]:
+    collected = []
+    try:
+        async for delta in deltas:
+            collected.append(delta)
+    except PdserveError:
+        pass  # NOTE: the caller reports the stored error with the deltas before it
+    return collected
+
+
+async def _indexed(
+    deltas: AsyncGenerator[OutputDelta, None],
+) -> AsyncGenerator[tuple[int, OutputDelta], None]:
+    async for delta in deltas:
+        yield 0, delta
+
+
+async def _run_deltas(run: Run) -> AsyncGenerator[tuple[int, OutputDelta], None]:
+    async for delta in run.follow():
+        yield 0, delta
+
+
+async def _after(
+    events: AsyncGenerator[str, None], starting_after: int | None
+) -> AsyncGenerator[str, None]:
+    """`events` (numbered from 0) after `starting_after`: past the end, the last one (the
+    response's end); ends quietly where the run moved to another gateway (the client resumes
+    there)."""
+    first = 0 if starting_after is None else starting_after + 1
+    index = 0
+    last: str | None = None
+    try:
+        async for event in events:
+            if index >= first:
+                yield event
+            last = event
+            index += 1
+    except RunMoved:
+        return
+    finally:
+        await events.aclose()
+    if index <= first and last is not None:
+        yield last
+
+
+def _snapshot(
+    writer: ResponseWriter, deltas: list[OutputDelta], status: str, error: PdserveError | None
+) -> dict[str, Any]:
+    """The response object of `deltas` in `status`."""
+    if status in ("completed", "incomplete") and deltas:
+        return writer.full([(0, delta) for delta in deltas])
+    items = OutputItems(writer.prompt.request_id)
+    for delta in deltas:
+        items.step(delta)
+    if status == "in_progress":
+        return writer.response(status, items if deltas else None, with_text=True)
+    items.finish("incomplete")
+    shown = error if status == "failed" else None
+    return writer.response(status, items, error=shown)

@@ -1,0 +1,311 @@
+"""The resumable requests this gateway holds, each running in a task of its own.
+
+A `Run` drives one request through the streamer and keeps every delta it made, so any number
+of clients can follow it from the start or from where they left off; a client that goes away
+only stops following. The run writes the request's record at its start, when a decode takes it
+and at its end (`pdserve.gateway.resume.store`), so another gateway can take it over where
+this one died. A run that another gateway took over (the decode says so) ends here without a
+word in the store: the other gateway writes it from now on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.request import OutputDelta, Placement, Resumable
+from pdserve.gateway.resume.store import ResumeRecord, ResumeStore, StoredEnd
+from pdserve.gateway.streaming import Streamer
+
+log = structlog.get_logger("pdserve.gateway.resume")
+
+TAKEN_OVER = "takenOver"
+"""ErrorInfo metadata key a decode sets when another stream took its request over."""
+
+
+class RunMoved(Exception):
+    """Another gateway took the run over: its followers here should reconnect."""
+
+
+def is_taken_over(error: PdserveError) -> bool:
+    """Whether `error` says another gateway's stream took the request over."""
+    return error.metadata.get(TAKEN_OVER) == "true"
+
+
+class Run:
+    """One resumable request held by this gateway.
+
+    Attributes:
+        record: Its record (as last written by this gateway).
+        prepared: The prepared request.
+        deltas: Every delta so far (one token each, then the final delta).
+        error: How it failed (or was cancelled); None while it runs or once it finished.
+        is_done: It ended here (finished, failed, cancelled or moved).
+        is_moved: Another gateway took it over.
+    """
+
+    def __init__(self, record: ResumeRecord, prepared: PreparedRequest) -> None:
+        self.record = record
+        self.prepared = prepared
+        self.deltas: list[OutputDelta] = []
+        self.error: PdserveError | None = None
+        self.is_done = False
+        self.is_moved = False
+        self.task: asyncio.Task[None] | None = None
+        self.resumable: Resumable | None = None
+        self._changed = asyncio.Event()
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def status(self) -> str:
+        """``in_progress``, or how it ended (``completed``, ``incomplete``, ``failed``,
+        ``cancelled``)."""
+        if self.record.end is not None:
+            return self.record.end.status
+        return "in_progress"
+
+    def add(self, delta: OutputDelta) -> None:
+        """Keeps `delta` and wakes the followers."""
+        self.deltas.append(delta)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def done(self) -> None:
+        """Marks it ended and wakes the followers."""
+        self.is_done = True
+        self._wake()
+
+    async def follow(self, start: int = 0) -> AsyncGenerator[OutputDelta, None]:
+        """Its deltas from index `start` on, live until it ends.
+
+        Raises:
+            PdserveError: How it failed (after the deltas it made).
+            RunMoved: Another gateway took it over (the client should resume there).
+        """
+        index = start
+        while True:
+            changed = self._changed
+            while index < len(self.deltas):
+                yield self.deltas[index]
+                index += 1
+            if self.is_done:
+                if self.is_moved:
+                    raise RunMoved(self.request_id)
+                if self.error is not None:
+                    raise self.error
+                return
+            await changed.wait()
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Every completion token of its deltas so far."""
+        return tuple(t for delta in self.deltas for t in delta.token_ids)
+
+
+class Runs:
+    """Starts, finds and cancels this gateway's resumable requests.
+
+    Args:
+        store: Where their records live.
+        streamer: Runs requests.
+        metrics: Counts the store writes.
+        request_timeout_s: Longest a request runs (its record lives that long, plus
+            `keep_s`, until it ends).
+        keep_s: How long an ended request stays readable.
+        now: Wall clock.
+    """
+
+    def __init__(
+        self,
+        store: ResumeStore,
+        streamer: Streamer,
+        metrics: GatewayMetrics,
+        request_timeout_s: float,
+        keep_s: float,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self._streamer = streamer
+        self.metrics = metrics
+        self._running_ttl_s = request_timeout_s + keep_s
+        self.keep_s = keep_s
+        self._now = now
+        self._runs: dict[str, Run] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def get(self, request_id: str) -> Run | None:
+        """The run of `request_id` this gateway holds (also for `keep_s` after its end)."""
+        return self._runs.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        """Runs not yet ended."""
+        return sum(1 for run in self._runs.values() if not run.is_done)
+
+    async def start(
+        self, record: ResumeRecord, prepared: PreparedRequest, attach_to: Placement | None = None
+    ) -> Run:
+        """Writes a new request's record (unless `attach_to`: taking one over) and starts it.
+
+        Raises:
+            PdserveError: From the store (full: RATE_LIMITED; unreachable: PEER_UNAVAILABLE).
+        """
+        if attach_to is None and record.placement is None and record.end is None:
+            await self.put(record, self._running_ttl_s)
+        run = Run(record, prepared)
+        self._runs[record.request_id] = run
+        resumable = Resumable(lambda placement: self._placed(run, placement), attach_to)
+        run.resumable = resumable
+        run.task = asyncio.get_running_loop().create_task(self._drive(run, resumable))
+        log.info(
+            "resumable_request_started",
+            request_id=record.request_id,
+            kind=record.kind,
+            is_takeover=attach_to is not None or record.placement is not None,
+        )
+        return run
+
+    async def take_over(self, record: ResumeRecord, prompt: PreparedRequest) -> Run:
+        """The live run of a request another gateway held: this gateway's own if it has one
+        (not moved away), else a new one attached to where the record says it runs."""
+        run = self._runs.get(record.request_id)
+        if run is not None and not run.is_moved:
+            return run
+        return await self.start(record, prompt, attach_to=record.placement)
+
+    async def cancel(self, run: Run) -> None:
+        """Cancels a running request (its lease is released) and waits for its end."""
+        if run.task is not None and not run.task.done():
+            run.task.cancel()
+            await asyncio.gather(run.task, return_exceptions=True)
+
+    async def leave(self, hand_over: bool) -> None:
+        """Ends every running request here (this gateway stops) and waits for the writes in
+        flight.
+
+        Args:
+            hand_over: Leave them to the other gateways (a shared store): each decode keeps
+                its request for the next gateway that resumes it, and clients following it
+                here see their stream end without its end event (they resume elsewhere).
+                False (no other gateway can read the store): cancel them.
+        """
+        running = [run for run in self._runs.values() if not run.is_done]
+        for run in running:
+            assert run.resumable is not None
+            run.resumable.is_left = run.is_moved = hand_over
+            await self.cancel(run)
+        if running:
+            log.info("resumable_requests_left", num_requests=len(running), hand_over=hand_over)
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def put(self, record: ResumeRecord, ttl_s: float) -> None:
+        """Writes `record` to the store (counted)."""
+        await self.store.put(record, ttl_s)
+        self.metrics.resume_store_writes.inc()
+
+    def _placed(self, run: Run, placement: Placement) -> None:
+        run.record = run.record.with_placement(placement)
+        self._write(run.record, self._running_ttl_s)
+
+    def _write(self, record: ResumeRecord, ttl_s: float) -> None:
+        async def write() -> None:
+            try:
+                await self.put(record, ttl_s)
+            except PdserveError as error:
+                log.warning(
+                    "resume_record_not_written", request_id=record.request_id, reason=error.message
+                )
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drive(self, run: Run, resumable: Resumable) -> None:
+        end: StoredEnd | None = None
+        try:
+            deltas = self._streamer.stream(run.prepared, resumable=resumable)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    run.add(delta)
+            final = run.deltas[-1] if run.deltas else None
+            reason = final.finish_reason if final is not None else None
+            is_cut = reason is FinishReason.LENGTH
+            end = StoredEnd(
+                status="incomplete" if is_cut else "completed",
+                token_ids=run.token_ids(),
+                finish_reason=None if reason is None else reason.value,
+                num_cached_prompt_tokens=(
+                    final.usage.num_cached_prompt_tokens if final and final.usage else 0
+                ),
+                completed_at=self._now(),
+            )
+        except PdserveError as error:
+            if is_taken_over(error):
+                run.is_moved = True
+                log.info("resumable_request_moved", request_id=run.request_id)
+            else:
+                run.error = error
+                end = _failed(run, "failed", error, self._now())
+        except asyncio.CancelledError:
+            if not resumable.is_left:
+                cancelled = PdserveError(ErrorReason.CANCELLED, "the response was cancelled")
+                run.error = cancelled
+                end = _failed(run, "cancelled", cancelled, self._now())
+            raise
+        finally:
+            if end is not None:
+                run.record = replace(run.record, end=end)
+                self._write_end(run)
+            run.done()
+            asyncio.get_running_loop().call_later(self.keep_s, self.forget, run)
+
+    def _write_end(self, run: Run) -> None:
+        """Writes the run's end unless the stored record already ended (cancelled through
+        another gateway), whose end the run then takes."""
+        record = run.record
+
+        async def write() -> None:
+            try:
+                stored = await self.store.get(record.request_id)
+                if stored is not None and stored.end is not None:
+                    run.record = stored
+                    return
+                await self.put(record, self.keep_s)
+            except PdserveError as error:
+                log.warning(
+                    "resume_record_not_written", request_id=record.request_id, reason=error.message
+                )
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def forget(self, run: Run) -> None:
+        """Drops an ended run from this gateway (kept `keep_s` after its end, or deleted)."""
+        if self._runs.get(run.request_id) is run:
+            del self._runs[run.request_id]
+
+
+def _failed(run: Run, status: str, error: PdserveError, now: float) -> StoredEnd:
+    return StoredEnd(
+        status=status,
+        token_ids=run.token_ids(),
+        completed_at=now,
+        error_code=error.reason.name.lower(),
+        error_message=error.message or error.reason.name,
+    )

@@ -1,0 +1,258 @@
+"""Background responses and streams that outlive their gateway: two gateway processes on one
+etcd, real prefill and decode processes, the openai SDK as the client.
+
+A background response created on one gateway is read, streamed from a sequence number and
+cancelled through the other; only the key that created it sees it. Then the gateway holding 8
+live streams is killed (SIGKILL): each client resumes through the other gateway from the last
+event it got, receives every remaining event exactly once, and ends with the text an
+undisturbed run of the same request gives; no block or lease is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from support.etcd_server import running_etcd
+from support.eventually import eventually
+from support.process_cluster import ProcessCluster, events_named, running_cluster
+
+INSTANCE_ARGS = "--num-blocks 512 --registry-ttl-s 2 --heartbeat-interval-s 0.3"
+KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
+PROMPT = "Tell me about serving systems"
+
+
+@pytest.fixture
+def cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+    key_file = tmp_path / "keys"
+    key_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
+    gateway_args = f"--instance-ttl-s 3 --heartbeat-interval-s 0.3 --api-key-file {key_file}"
+    with (
+        running_etcd(tmp_path) as etcd,
+        running_cluster(
+            demo_model_dir,
+            tmp_path / "logs",
+            gateways=2,
+            registry=etcd.spec,
+            prefill_args=INSTANCE_ARGS,
+            decode_args=INSTANCE_ARGS,
+            gateway_args=gateway_args,
+        ) as started,
+    ):
+        yield started
+
+
+def _client(cluster: ProcessCluster, gateway: int, key: str = "alice") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{cluster.rest_urls[gateway]}/v1", api_key=KEYS[key], max_retries=0, timeout=60
+    )
+
+
+def _body(cluster: ProcessCluster, seed: int, max_output_tokens: int) -> dict[str, Any]:
+    return {
+        "model": cluster.model_name,
+        "input": PROMPT,
+        "max_output_tokens": max_output_tokens,
+        "temperature": 0.8,
+        "extra_body": {"seed": seed, "ignore_eos": True},
+    }
+
+
+async def _ready(cluster: ProcessCluster) -> None:
+    async def both_serve() -> bool:
+        for gateway in range(2):
+            try:
+                models = await _client(cluster, gateway).models.list()
+            except openai.APIError:
+                return False
+            if not models.data:
+                return False
+        return True
+
+    await eventually(both_serve, 20, "both gateways serve the model")
+
+
+async def test_background_responses_through_either_gateway(cluster: ProcessCluster) -> None:
+    await _ready(cluster)
+    first, other = _client(cluster, 0), _client(cluster, 1)
+    body = _body(cluster, seed=7, max_output_tokens=24)
+    undisturbed = await first.responses.create(**body)
+
+    created = await first.responses.create(**body, background=True)
+    assert created.status in ("queued", "in_progress")
+    assert created.background is True
+
+    async def done() -> bool:
+        got = await other.responses.retrieve(created.id)
+        return got.status == undisturbed.status
+
+    # NOTE: it ends by max_output_tokens (ignore_eos): "incomplete", as OpenAI says it.
+    assert undisturbed.status == "incomplete"
+    await eventually(done, 30, "the background response ended")
+    retrieved = await other.responses.retrieve(created.id)
+    assert retrieved.output_text == undisturbed.output_text
+    assert retrieved.usage is not None and retrieved.usage.output_tokens == 24
+
+    # NOTE: the whole stream again from the other gateway, then from sequence number 3 on.
+    whole = [event async for event in await other.responses.retrieve(created.id, stream=True)]
+    numbers = [event.sequence_number for event in whole]
+    assert numbers == list(range(len(whole)))
+    assert whole[-1].type == "response.incomplete"
+    deltas = "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    assert deltas == undisturbed.output_text
+    tail = await first.responses.retrieve(created.id, stream=True, starting_after=3)
+    resumed = [event async for event in tail]
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in whole[4:]]
+    # NOTE: past the end: the end.
+    past = await other.responses.retrieve(created.id, stream=True, starting_after=10_000)
+    assert [event.type async for event in past] == ["response.incomplete"]
+
+    # NOTE: to another key, and for ids nobody made, there is no such response.
+    stranger = _client(cluster, 1, "bob")
+    for call in (
+        stranger.responses.retrieve(created.id),
+        stranger.responses.cancel(created.id),
+        stranger.responses.delete(created.id),
+        other.responses.retrieve("resp_0123456789abcdef"),
+        other.responses.retrieve("not-a-response"),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            await call
+
+    # NOTE: a long response cancelled through the gateway that does not hold it.
+    long = await first.responses.create(**_body(cluster, 8, 2000), background=True)
+    await eventually(
+        lambda: _has_output(other, long.id), 30, "the long response produced some output"
+    )
+    cancelled = await other.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert (await first.responses.retrieve(long.id)).status == "cancelled"
+    await cluster.wait_whole(15)
+
+    await other.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        await first.responses.retrieve(created.id)
+
+
+async def _has_output(client: openai.AsyncOpenAI, response_id: str) -> bool:
+    got = await client.responses.retrieve(response_id)
+    return bool(got.output_text)
+
+
+NUM_STREAMS = 8
+NUM_TOKENS = 160
+
+
+async def test_streams_outlive_a_killed_gateway(cluster: ProcessCluster) -> None:
+    await _ready(cluster)
+    holder, other = _client(cluster, 0), _client(cluster, 1)
+    bodies = [
+        _body(cluster, seed=100 + i, max_output_tokens=NUM_TOKENS) for i in range(NUM_STREAMS)
+    ]
+    streams = [await holder.responses.create(**b, background=True, stream=True) for b in bodies]
+    before: list[list[Any]] = [[] for _ in streams]
+
+    async def read_some(index: int) -> None:
+        async for event in streams[index]:
+            before[index].append(event)
+            deltas = [e for e in before[index] if e.type == "response.output_text.delta"]
+            if len(deltas) >= 4:
+                return
+
+    await asyncio.wait_for(asyncio.gather(*(read_some(i) for i in range(NUM_STREAMS))), 60)
+    gateway = cluster.gateways[0]
+    gateway.signal(signal.SIGKILL)
+    assert gateway.wait(10) == -signal.SIGKILL
+
+    async def resume(index: int) -> list[Any]:
+        response_id = before[index][0].response.id
+        last = before[index][-1].sequence_number
+        resumed = await other.responses.retrieve(response_id, stream=True, starting_after=last)
+        return [event async for event in resumed]
+
+    after = await asyncio.wait_for(asyncio.gather(*(resume(i) for i in range(NUM_STREAMS))), 120)
+    undisturbed = [await other.responses.create(**b) for b in bodies]
+    for index in range(NUM_STREAMS):
+        events = before[index] + after[index]
+        assert [e.sequence_number for e in events] == list(range(len(events))), index
+        assert events[-1].type == "response.incomplete", index
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == events[-1].response.output_text == undisturbed[index].output_text, index
+        assert events[-1].response.usage.output_tokens == NUM_TOKENS
+    taken_over = events_named(cluster.gateways[1], "resumable_request_started")
+    assert sum(1 for e in taken_over if e.get("is_takeover")) == NUM_STREAMS
+    await cluster.wait_whole(15)
+
+
+def _sse_events(lines: list[str]) -> list[tuple[int, dict[str, Any] | str]]:
+    """(id, data) of each server-sent event in `lines`."""
+    events: list[tuple[int, dict[str, Any] | str]] = []
+    event_id = -1
+    for line in lines:
+        if line.startswith("id: "):
+            event_id = int(line.removeprefix("id: "))
+        elif line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append((event_id, data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+def _text(events: list[tuple[int, dict[str, Any] | str]]) -> str:
+    return "".join(
+        data["choices"][0]["delta"].get("content") or ""
+        for _, data in events
+        if isinstance(data, dict) and data["choices"]
+    )
+
+
+async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
+    cluster: ProcessCluster,
+) -> None:
+    await _ready(cluster)
+    body = {
+        "model": cluster.model_name,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 40,
+        "temperature": 0.8,
+        "seed": 11,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    async with httpx.AsyncClient(timeout=60, headers=headers) as http:
+        first, other = cluster.rest_urls
+        whole = await http.post(f"{other}/v1/chat/completions", json=body)
+        undisturbed = _text(_sse_events(whole.text.splitlines()))
+        resumable = {**body, "stream_options": {"resumable": True, "include_usage": True}}
+        lines: list[str] = []
+        async with http.stream("POST", f"{first}/v1/chat/completions", json=resumable) as got:
+            assert got.status_code == 200
+            stream_id = got.headers["x-request-id"]
+            async for line in got.aiter_lines():
+                lines.append(line)
+                if len(_sse_events(lines)) >= 6:
+                    break  # NOTE: the client goes away mid-stream
+        before = _sse_events(lines)
+        last_id = before[-1][0]
+        assert 0 < last_id < 40
+        url = f"{other}/v1/chat/completions/chatcmpl-{stream_id}/stream"
+        resumed = await http.get(url, params={"starting_after": last_id})
+        assert resumed.status_code == 200, resumed.text
+        after = _sse_events(resumed.text.splitlines())
+        assert all(event_id > last_id for event_id, _ in after[:1])
+        assert after[-1][1] == "[DONE]"
+        usage = [d["usage"] for _, d in after if isinstance(d, dict) and d.get("usage")]
+        assert usage[-1]["completion_tokens"] == 40
+        assert _text(before) + _text(after) == undisturbed
+        # NOTE: by the Last-Event-ID header too, and not for another key.
+        again = await http.get(url, headers={"Last-Event-ID": str(last_id)})
+        assert _sse_events(again.text.splitlines()) == after
+        stranger = await http.get(url, headers={"Authorization": f"Bearer {KEYS['bob']}"})
+        assert stranger.status_code == 404

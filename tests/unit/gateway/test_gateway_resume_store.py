@@ -1,0 +1,123 @@
+"""The store of resumable requests: records round-trip as JSON, expire after their time to
+live, are bounded in number; in etcd (a real one) they are shared and etcd deletes them when
+their lease lapses. And the chat stream's resume rule: which events a client that has N tokens
+still needs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.etcd_server import EtcdServer, running_etcd
+from support.eventually import eventually
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.etcd_registry import EtcdTarget
+from pdserve.gateway.openai.resumable import _is_new
+from pdserve.gateway.request import Placement
+from pdserve.gateway.resume.store import (
+    EtcdResumeStore,
+    MemoryResumeStore,
+    ResumeRecord,
+    StoredEnd,
+)
+
+RECORD = ResumeRecord(
+    request_id="r1",
+    kind="responses",
+    owner="alice",
+    body='{"model": "m", "input": "hi"}',
+    seed=42,
+    created_at=1700000000.5,
+)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_record_round_trips_as_json() -> None:
+    placed = RECORD.with_placement(Placement("decode-1", "127.0.0.1:5", "lease-9"))
+    ended = StoredEnd("completed", (5, 6, 7), "length", 3, 1700000001.0)
+    for record in (RECORD, placed, ResumeRecord(**{**RECORD.__dict__, "end": ended})):
+        assert ResumeRecord.from_json(record.to_json()) == record
+
+
+async def test_the_memory_store_expires_records_and_bounds_their_number() -> None:
+    clock = _Clock()
+    store = MemoryResumeStore(max_records=2, clock=clock)
+    await store.put(RECORD, ttl_s=10)
+    await store.put(RECORD, ttl_s=10)  # NOTE: a rewrite is not a new record
+    await store.put(ResumeRecord(**{**RECORD.__dict__, "request_id": "r2"}), ttl_s=5)
+    with pytest.raises(PdserveError) as refused:
+        await store.put(ResumeRecord(**{**RECORD.__dict__, "request_id": "r3"}), ttl_s=5)
+    assert refused.value.reason is ErrorReason.RATE_LIMITED
+    assert refused.value.metadata["limit"] == "max_stored_responses"
+    clock.now = 6
+    assert await store.get("r2") is None
+    assert await store.get("r1") == RECORD
+    await store.put(ResumeRecord(**{**RECORD.__dict__, "request_id": "r3"}), ttl_s=5)
+    clock.now = 11
+    assert await store.get("r1") is None
+    assert store.num_writes == 4
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    with running_etcd(tmp_path) as server:
+        yield server
+
+
+async def test_etcd_stores_share_records_and_etcd_expires_them(etcd: EtcdServer) -> None:
+    target = EtcdTarget.parse(f"{etcd.spec}/ns")
+    writer, reader = EtcdResumeStore(target, 8), EtcdResumeStore(target, 8)
+    try:
+        await writer.put(RECORD, ttl_s=2)
+        assert await reader.get("r1") == RECORD
+        assert await reader.get("unknown") is None
+
+        async def expired() -> bool:
+            return await reader.get("r1") is None
+
+        await eventually(expired, 6, "etcd deleted the record when its lease lapsed")
+        await writer.put(RECORD, ttl_s=30)
+        await reader.delete("r1")
+        assert await writer.get("r1") is None
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_an_unreachable_etcd_is_a_typed_error(etcd: EtcdServer) -> None:
+    store = EtcdResumeStore(EtcdTarget.parse(etcd.spec), 8)
+    etcd.stop()
+    try:
+        with pytest.raises(PdserveError) as failed:
+            await store.get("r1")
+        assert failed.value.reason is ErrorReason.PEER_UNAVAILABLE
+    finally:
+        await store.close()
+        etcd.start()
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "starting_after", "is_new"),
+    [
+        (0, 1, None, True),  # no place given: everything
+        (0, 0, None, True),
+        (2, 3, 2, True),  # the token after the client's last
+        (1, 2, 2, False),  # a token it has
+        (2, 2, 2, True),  # the end, after its last token
+        (0, 0, 0, False),  # an event before any token, to a client that has seen the start
+        (3, 3, 5, False),  # past the end: not by this rule (the end is sent anyway)
+    ],
+)
+def test_which_chat_events_a_resuming_client_needs(
+    before: int, after: int, starting_after: int | None, is_new: bool
+) -> None:
+    assert _is_new(before, after, starting_after) is is_new
