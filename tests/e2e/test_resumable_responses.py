@@ -17,12 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
 from support.etcd_server import running_etcd
 from support.eventually import eventually
 from support.process_cluster import ProcessCluster, events_named, running_cluster
+
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 INSTANCE_ARGS = "--num-blocks 512 --registry-ttl-s 2 --heartbeat-interval-s 0.3"
 KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
@@ -256,3 +260,45 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
         assert _sse_events(again.text.splitlines()) == after
         stranger = await http.get(url, headers={"Authorization": f"Bearer {KEYS['bob']}"})
         assert stranger.status_code == 404
+
+
+async def test_a_resumable_grpc_call_resumes_on_the_other_gateway(cluster: ProcessCluster) -> None:
+    await _ready(cluster)
+    metadata = (("authorization", f"Bearer {KEYS['alice']}"),)
+    sampling = common_pb2.SamplingParams(temperature=0.8, seed=5, max_tokens=40, ignore_eos=True)
+    request = generation_pb2.GenerateRequest(
+        model=cluster.model_name, text=PROMPT, sampling=sampling, resumable=True
+    )
+    first, other = cluster.grpc_addresses
+    async with insecure_channel(first) as channel, insecure_channel(other) as other_channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        other_stub = generation_pb2_grpc.GenerationServiceStub(other_channel)
+        plain = generation_pb2.GenerateRequest()
+        plain.CopyFrom(request)
+        plain.resumable = False
+        undisturbed = [m async for m in other_stub.Generate(plain, metadata=metadata)]
+        before = []
+        call = stub.Generate(request, metadata=metadata)
+        async for message in call:
+            before.append(message)
+            if len(before) == 5:
+                call.cancel()  # NOTE: the client goes away; the request runs on
+                break
+        request_id = before[0].request_id
+        num_tokens = sum(len(m.token_ids) for m in before)
+        resume = generation_pb2.ResumeRequest(request_id=request_id, from_index=num_tokens)
+        after = [m.response async for m in other_stub.Resume(resume, metadata=metadata)]
+        tokens = [t for m in before + after for t in m.token_ids]
+        assert tokens == [t for m in undisturbed for t in m.token_ids]
+        assert "".join(m.text for m in before + after) == "".join(m.text for m in undisturbed)
+        assert after[0].first_index == num_tokens
+        assert after[-1].usage.num_completion_tokens == 40
+        # NOTE: past the end, the end; another key's request does not exist.
+        past = generation_pb2.ResumeRequest(request_id=request_id, from_index=1000)
+        ends = [m.response async for m in other_stub.Resume(past, metadata=metadata)]
+        assert len(ends) == 1 and ends[0].usage.num_completion_tokens == 40
+        bob = (("authorization", f"Bearer {KEYS['bob']}"),)
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            async for _ in other_stub.Resume(resume, metadata=bob):
+                pass
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
