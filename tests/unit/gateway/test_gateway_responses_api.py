@@ -278,8 +278,8 @@ async def test_bodies_and_events_validate_against_the_sdk_models(
 
 
 REFUSED = [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
-    ({"conversation": "conv_1"}, "conversation", "stores no responses"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "no conversation state"),
+    ({"conversation": "conv_1"}, "conversation", "no conversation state"),
     ({"tools": [{"type": "function", "name": "f"}, {"type": "web_search"}]},
      "tools[1]", "'web_search'"),
     ({"tools": [{"type": "function", "name": "has space"}]}, "tools[0].name", "a-z"),

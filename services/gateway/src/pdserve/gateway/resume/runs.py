@@ -51,6 +51,8 @@ class Run:
         error: How it failed (or was cancelled); None while it runs or once it finished.
         is_done: It ended here (finished, failed, cancelled or moved).
         is_moved: Another gateway took it over.
+        parsed: The body as its front end parsed it (kept by the front end, so a client that
+            follows it here does not parse it again); None until set.
     """
 
     def __init__(self, record: ResumeRecord, prepared: PreparedRequest) -> None:
@@ -62,6 +64,7 @@ class Run:
         self.is_moved = False
         self.task: asyncio.Task[None] | None = None
         self.resumable: Resumable | None = None
+        self.parsed: object | None = None
         self._changed = asyncio.Event()
 
     @property

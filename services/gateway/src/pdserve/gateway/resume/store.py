@@ -197,6 +197,9 @@ class EtcdResumeStore:
         self._prefix = target.namespace + RESUME_PREFIX
         self._client: aetcd.Client | None = None
         self._limit = MemoryResumeStore(max_records, clock)
+        # NOTE: request id -> (TTL, lease) of its last write: a rewrite with the same TTL (its
+        # placement) reuses the lease instead of granting another.
+        self._leases: dict[str, tuple[float, int]] = {}
         self.num_writes = 0
 
     def _key(self, request_id: str) -> bytes:
@@ -213,10 +216,16 @@ class EtcdResumeStore:
         await self._limit.put(replace(record, body=""), ttl_s)
         try:
             etcd = self._etcd()
-            lease = await etcd.lease(max(1, round(ttl_s)))
-            await etcd.put(self._key(record.request_id), record.to_json(), lease=lease.id)
+            held = self._leases.pop(record.request_id, None)
+            if held is not None and held[0] == ttl_s:
+                lease_id = held[1]
+            else:
+                lease_id = (await etcd.lease(max(1, round(ttl_s)))).id
+            await etcd.put(self._key(record.request_id), record.to_json(), lease=lease_id)
         except aetcd.ClientError as error:
             raise _unreachable(error) from error
+        if record.end is None:
+            self._leases[record.request_id] = (ttl_s, lease_id)
         self.num_writes += 1
 
     async def get(self, request_id: str) -> ResumeRecord | None:
@@ -228,6 +237,7 @@ class EtcdResumeStore:
 
     async def delete(self, request_id: str) -> None:
         await self._limit.delete(request_id)
+        self._leases.pop(request_id, None)
         try:
             await self._etcd().delete(self._key(request_id))
         except aetcd.ClientError as error:

@@ -104,7 +104,9 @@ class BackgroundResponses:
             seed=seed,
             created_at=self._now(),
         )
-        return await self._runs.start(record, prompt)
+        run = await self._runs.start(record, prompt)
+        run.parsed = body
+        return run
 
     def writer(self, run: Run, body: ResponsesBody) -> ResponseWriter:
         """The writer of a run's response."""
@@ -120,7 +122,7 @@ class BackgroundResponses:
         """The response as it stands (its output so far while it runs)."""
         found = await self._find(response_id, caller)
         if isinstance(found, Run):
-            body = await self._parse(found.record)
+            body = await self._body_of(found)
             return _snapshot(self.writer(found, body), found.deltas, found.status, found.error)
         record = found
         body, prompt = await self._prepare(record, caller)
@@ -153,8 +155,8 @@ class BackgroundResponses:
                 return _after(writer.events(None, deltas), starting_after)
             resumes.labels(how="takeover").inc()
             run = await self._runs.take_over(record, prompt)
-        body = await self._parse(run.record)
-        return self.events(run, body, starting_after)
+            run.parsed = run.parsed or body
+        return self.events(run, await self._body_of(run), starting_after)
 
     def events(
         self, run: Run, body: ResponsesBody, starting_after: int | None = None
@@ -216,6 +218,14 @@ class BackgroundResponses:
         if found is None:
             raise not_found(response_id)
         return found
+
+    async def _body_of(self, run: Run) -> ResponsesBody:
+        """A run's parsed body (parsed again only where the run did not keep it)."""
+        if isinstance(run.parsed, ResponsesBody):
+            return run.parsed
+        body = await self._parse(run.record)
+        run.parsed = body
+        return body
 
     async def _parse(self, record: ResumeRecord) -> ResponsesBody:
         raw = record.body.encode()

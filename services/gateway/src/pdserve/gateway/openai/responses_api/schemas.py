@@ -1,7 +1,7 @@
 """The request body of ``POST /v1/responses``, parsed strictly as the other endpoints' bodies are.
 
 Unknown fields are refused, no value is coerced, and every OpenAI parameter pdserve does not
-implement is accepted only at its neutral value (``background: false``, ``include: []``...): any
+implement is accepted only at its neutral value (``include: []``...): any
 other value is a 400 naming it (`ResponsesRequest.refusal`). Input items and content parts are
 told apart by their ``type``; an item or part of a type pdserve does not read parses as
 `UnsupportedItem` / `UnsupportedPart`, so the refusal can name it (``input[2]``) instead of
@@ -277,11 +277,14 @@ class ResponsesRequest(BaseModel):
         there is none. Built-in tools, tool choices and input items are `convert`'s to refuse."""
         if self.previous_response_id is not None:
             return "previous_response_id", (
-                "previous_response_id is not supported: pdserve stores no responses; send the "
-                "whole conversation as input items"
+                "previous_response_id is not supported: pdserve keeps no conversation state; "
+                "send the whole conversation as input items"
             )
         if self.conversation is not None:
-            return "conversation", "conversation is not supported: pdserve stores no responses"
+            return (
+                "conversation",
+                "conversation is not supported: pdserve keeps no conversation state",
+            )
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         if self.include:
