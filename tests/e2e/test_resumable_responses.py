@@ -216,14 +216,20 @@ def _text(events: list[tuple[int, dict[str, Any] | str]]) -> str:
     )
 
 
+NUM_CHAT_TOKENS = 400
+
+
 async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
     cluster: ProcessCluster,
 ) -> None:
+    """The client leaves gateway 0 mid-stream (gateway 0 runs on) and resumes through gateway
+    1, which takes the stream over from the decode: gateway 0 lets go without releasing the
+    lease, and nothing runs twice."""
     await _ready(cluster)
     body = {
         "model": cluster.model_name,
         "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": 40,
+        "max_tokens": NUM_CHAT_TOKENS,
         "temperature": 0.8,
         "seed": 11,
         "ignore_eos": True,
@@ -245,7 +251,7 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
                     break  # NOTE: the client goes away mid-stream
         before = _sse_events(lines)
         last_id = before[-1][0]
-        assert 0 < last_id < 40
+        assert 0 < last_id < NUM_CHAT_TOKENS
         url = f"{other}/v1/chat/completions/chatcmpl-{stream_id}/stream"
         resumed = await http.get(url, params={"starting_after": last_id})
         assert resumed.status_code == 200, resumed.text
@@ -253,8 +259,14 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
         assert all(event_id > last_id for event_id, _ in after[:1])
         assert after[-1][1] == "[DONE]"
         usage = [d["usage"] for _, d in after if isinstance(d, dict) and d.get("usage")]
-        assert usage[-1]["completion_tokens"] == 40
+        assert usage[-1]["completion_tokens"] == NUM_CHAT_TOKENS
         assert _text(before) + _text(after) == undisturbed
+        holder, taker = cluster.gateways
+        moved = [e["request_id"] for e in events_named(holder, "resumable_request_moved")]
+        assert moved == [stream_id], "gateway 0 was still running it when it was taken over"
+        assert not events_named(taker, "resume_continues_elsewhere")
+        released = events_named(cluster.decodes[0], "lease_released")
+        assert not [e for e in released if e["request_id"] == stream_id]
         # NOTE: by the Last-Event-ID header too, and not for another key.
         again = await http.get(url, headers={"Last-Event-ID": str(last_id)})
         assert _sse_events(again.text.splitlines()) == after

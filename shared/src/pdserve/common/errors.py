@@ -21,6 +21,9 @@ from grpc_status import rpc_status
 
 ERROR_DOMAIN = "pdserve.v1"
 RETRY_SCOPE_KEY = "retryScope"
+TAKEN_OVER_KEY = "takenOver"
+"""Metadata a decode sets ("true") on the CANCELLED that ends a Generate stream another
+(``resume``) stream took over (contract 1.9)."""
 
 
 class RetryScope(enum.Enum):
@@ -259,3 +262,9 @@ def _parse_status(status: status_pb2.Status) -> PdserveError | None:
         code = None  # a peer used a non-contract code: keep the reason, use its default code
     message = status.message.removeprefix(f"{reason.name}: ")
     return PdserveError(reason, message, metadata, retry_delay_s, code)
+
+
+def is_taken_over(error: PdserveError) -> bool:
+    """Whether `error` ended a decode Generate stream because another stream took its request
+    over (`TAKEN_OVER_KEY`)."""
+    return error.reason is ErrorReason.CANCELLED and error.metadata.get(TAKEN_OVER_KEY) == "true"

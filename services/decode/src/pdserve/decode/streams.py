@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 from opentelemetry import trace
 
-from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.errors import TAKEN_OVER_KEY, ErrorReason, PdserveError
 from pdserve.decode import convert
 from pdserve.decode.events import DecodeEvent
 from pdserve.decode.request import DecodeRequest
@@ -30,7 +30,7 @@ def takeover_error(request: DecodeRequest) -> PdserveError:
     return PdserveError(
         ErrorReason.CANCELLED,
         "another Generate stream resumed this request",
-        {"leaseId": request.lease_id, "takenOver": "true"},
+        {"leaseId": request.lease_id, TAKEN_OVER_KEY: "true"},
         code=grpc.StatusCode.ABORTED,
     )
 

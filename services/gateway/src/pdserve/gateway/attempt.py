@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.errors import ErrorReason, PdserveError, is_taken_over
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.decisions import Preempted, RetryPolicy, Setback
 from pdserve.gateway.fleet.backend import (
@@ -239,6 +239,8 @@ class Attempts:
                 # does: a lease handed off in the meantime is released below.
                 outcome = _end(progress, state, finished)
         except AttemptFailed as failed:
+            if is_taken_over(failed.failure.error):
+                lease_id = None  # NOTE: another gateway's stream holds the lease now
             outcome = failed.setback(pair, progress.num_tokens)
         finally:
             self._settle(pair, DECODE, has_run)
@@ -316,6 +318,8 @@ class Attempts:
                             break
             except AttemptFailed as failed:
                 lease_id = None  # NOTE: gone, forgotten or unreachable: nothing to give back
+                if is_taken_over(failed.failure.error):
+                    raise failed.failure.error from failed  # NOTE: another gateway holds it now
                 log.info("resume_attach_failed", **fields, reason=failed.failure.error.reason.name)
             if preempted is not None:
                 accepted = progress.accept(preempted.generated_token_ids, 0)

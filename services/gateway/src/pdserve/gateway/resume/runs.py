@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import structlog
 
-from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.errors import ErrorReason, PdserveError, is_taken_over
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
@@ -28,17 +28,9 @@ from pdserve.gateway.streaming import Streamer
 
 log = structlog.get_logger("pdserve.gateway.resume")
 
-TAKEN_OVER = "takenOver"
-"""ErrorInfo metadata key a decode sets when another stream took its request over."""
-
 
 class RunMoved(Exception):
     """Another gateway took the run over: its followers here should reconnect."""
-
-
-def is_taken_over(error: PdserveError) -> bool:
-    """Whether `error` says another gateway's stream took the request over."""
-    return error.metadata.get(TAKEN_OVER) == "true"
 
 
 class Run:
