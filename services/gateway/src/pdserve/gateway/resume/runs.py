@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import replace
 
 import structlog
@@ -57,6 +57,7 @@ class Run:
         self.task: asyncio.Task[None] | None = None
         self.resumable: Resumable | None = None
         self.parsed: object | None = None
+        self.last_write: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
 
     @property
@@ -146,11 +147,6 @@ class Runs:
         """The run of `request_id` this gateway holds (also for `keep_s` after its end)."""
         return self._runs.get(request_id)
 
-    @property
-    def num_running(self) -> int:
-        """Runs not yet ended."""
-        return sum(1 for run in self._runs.values() if not run.is_done)
-
     async def start(
         self, record: ResumeRecord, prepared: PreparedRequest, attach_to: Placement | None = None
     ) -> Run:
@@ -215,18 +211,30 @@ class Runs:
 
     def _placed(self, run: Run, placement: Placement) -> None:
         run.record = run.record.with_placement(placement)
-        self._write(run.record, self._running_ttl_s)
+        record = run.record
 
-    def _write(self, record: ResumeRecord, ttl_s: float) -> None:
         async def write() -> None:
+            await self.put(record, self._running_ttl_s)
+
+        self._after_last_write(run, write)
+
+    def _after_last_write(self, run: Run, write: Callable[[], Awaitable[None]]) -> None:
+        """Runs `write` once the run's previous write is done, so that its writes land in
+        order (an end written before a slower placement would be overwritten)."""
+        previous = run.last_write
+
+        async def in_order() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)
             try:
-                await self.put(record, ttl_s)
+                await write()
             except PdserveError as error:
                 log.warning(
-                    "resume_record_not_written", request_id=record.request_id, reason=error.message
+                    "resume_record_not_written", request_id=run.request_id, reason=error.message
                 )
 
-        task = asyncio.get_running_loop().create_task(write())
+        task = asyncio.get_running_loop().create_task(in_order())
+        run.last_write = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -275,20 +283,13 @@ class Runs:
         record = run.record
 
         async def write() -> None:
-            try:
-                stored = await self.store.get(record.request_id)
-                if stored is not None and stored.end is not None:
-                    run.record = stored
-                    return
-                await self.put(record, self.keep_s)
-            except PdserveError as error:
-                log.warning(
-                    "resume_record_not_written", request_id=record.request_id, reason=error.message
-                )
+            stored = await self.store.get(record.request_id)
+            if stored is not None and stored.end is not None:
+                run.record = stored
+                return
+            await self.put(record, self.keep_s)
 
-        task = asyncio.get_running_loop().create_task(write())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._after_last_write(run, write)
 
     def forget(self, run: Run) -> None:
         """Drops an ended run from this gateway (kept `keep_s` after its end, or deleted)."""
