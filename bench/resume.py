@@ -187,6 +187,7 @@ async def measure_cost(
             for start in range(0, args.requests, args.concurrency):
                 batch = range(start, min(start + args.concurrency, args.requests))
                 await asyncio.gather(*(one(name == "resumable", seed) for seed in batch))
+            await asyncio.sleep(0.5)  # NOTE: the round's last end records land in it
             cpu = cpu_s(pid) - cpu_before
             writes = await _store_writes(http, url) - writes_before
             rounds[name].append(

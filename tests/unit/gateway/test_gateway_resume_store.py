@@ -93,6 +93,32 @@ async def test_etcd_stores_share_records_and_etcd_expires_them(etcd: EtcdServer)
         await reader.close()
 
 
+async def test_an_end_written_through_another_gateway_stays(etcd: EtcdServer) -> None:
+    target = EtcdTarget.parse(etcd.spec)
+    holder, other = EtcdResumeStore(target, 8), EtcdResumeStore(target, 8)
+    finished = StoredEnd("completed", (1, 2), "stop", 0, 2.0)
+    cancelled = StoredEnd("cancelled", (), None, 0, 1.0, "cancelled", "the response was cancelled")
+    try:
+        # NOTE: the holder's own end lands (one transaction on its last write's revision).
+        await holder.put(RECORD, ttl_s=30)
+        await holder.put(RECORD.with_placement(Placement("d", "a", "l")), ttl_s=30)
+        ended = ResumeRecord(**{**RECORD.__dict__, "end": finished})
+        assert await holder.put_end(ended, ttl_s=30) is None
+        assert await other.get("r1") == ended
+
+        # NOTE: a cancel through another gateway comes first: the holder's end does not land.
+        second = ResumeRecord(**{**RECORD.__dict__, "request_id": "r2"})
+        await holder.put(second, ttl_s=30)
+        with_cancel = ResumeRecord(**{**second.__dict__, "end": cancelled})
+        assert await other.put_end(with_cancel, ttl_s=30) is None
+        late = ResumeRecord(**{**second.__dict__, "end": finished})
+        assert await holder.put_end(late, ttl_s=30) == with_cancel
+        assert await other.get("r2") == with_cancel
+    finally:
+        await holder.close()
+        await other.close()
+
+
 async def test_an_unreachable_etcd_is_a_typed_error(etcd: EtcdServer) -> None:
     store = EtcdResumeStore(EtcdTarget.parse(etcd.spec), 8)
     etcd.stop()

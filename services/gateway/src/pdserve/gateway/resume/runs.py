@@ -283,11 +283,11 @@ class Runs:
         record = run.record
 
         async def write() -> None:
-            stored = await self.store.get(record.request_id)
-            if stored is not None and stored.end is not None:
+            stored = await self.store.put_end(record, self.keep_s)
+            if stored is not None:
                 run.record = stored
                 return
-            await self.put(record, self.keep_s)
+            self.metrics.resume_store_writes.inc()
 
         self._after_last_write(run, write)
 

@@ -107,11 +107,24 @@ class ResumeStore(Protocol):
         ...
 
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
-        """Writes `record`; it is deleted after `ttl_s` unless written again.
+        """Writes `record`; it is deleted at least `ttl_s` later (at most an eighth of that
+        more) unless written again.
 
         Raises:
             PdserveError: RATE_LIMITED when the store holds its most records (a new record),
                 PEER_UNAVAILABLE when the store cannot be reached.
+        """
+        ...
+
+    async def put_end(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+        """Writes an ended `record` unless the stored one ended already (cancelled through
+        another gateway).
+
+        Returns:
+            None when it was written; else the stored record, which stays.
+
+        Raises:
+            PdserveError: PEER_UNAVAILABLE when the store cannot be reached.
         """
         ...
 
@@ -168,6 +181,13 @@ class MemoryResumeStore:
         self._records[record.request_id] = (record, self.clock() + ttl_s)
         self.num_writes += 1
 
+    async def put_end(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+        stored = await self.get(record.request_id)
+        if stored is not None and stored.end is not None:
+            return stored
+        await self.put(record, ttl_s)
+        return None
+
     async def get(self, request_id: str) -> ResumeRecord | None:
         self._expire()
         held = self._records.get(request_id)
@@ -181,7 +201,14 @@ class MemoryResumeStore:
 
 
 class EtcdResumeStore:
-    """Records in the registry's etcd, each under a lease of its time to live.
+    """Records in the registry's etcd, under leases this gateway shares between its records.
+
+    A record lives at least its TTL: it is put under a lease granted for that TTL plus an
+    eighth of it, and a new lease is granted once an eighth of the TTL has passed since the
+    last grant, so the records of a request cost one put each (no grant per record). An
+    ended record is put only if the stored one is still the one this gateway wrote last (an
+    etcd transaction on the key's modification revision), so a cancel written through
+    another gateway stays.
 
     Args:
         target: The registry's etcd (its namespace prefixes the keys).
@@ -197,9 +224,11 @@ class EtcdResumeStore:
         self._prefix = target.namespace + RESUME_PREFIX
         self._client: aetcd.Client | None = None
         self._limit = MemoryResumeStore(max_records, clock)
-        # NOTE: request id -> (TTL, lease) of its last write: a rewrite with the same TTL (its
-        # placement) reuses the lease instead of granting another.
-        self._leases: dict[str, tuple[float, int]] = {}
+        self._clock = clock
+        # NOTE: TTL -> (lease, when it was granted): the lease records of that TTL go under.
+        self._leases: dict[float, tuple[int, float]] = {}
+        # NOTE: request id -> the key's modification revision of this gateway's last write.
+        self._revisions: dict[str, int] = {}
         self.num_writes = 0
 
     def _key(self, request_id: str) -> bytes:
@@ -210,23 +239,66 @@ class EtcdResumeStore:
             self._client = self._target.client()
         return self._client
 
+    async def _lease(self, ttl_s: float) -> int:
+        """A lease that outlives `ttl_s` from now (granted again an eighth of it later)."""
+        now = self._clock()
+        held = self._leases.get(ttl_s)
+        if held is not None and now - held[1] < ttl_s / 8:
+            return held[0]
+        lease = await self._etcd().lease(max(1, round(ttl_s * 9 / 8)))
+        self._leases[ttl_s] = (lease.id, now)
+        return int(lease.id)
+
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
         # NOTE: the count of this gateway's live records is kept locally (an etcd count per
         # write would cost a range request each time).
         await self._limit.put(replace(record, body=""), ttl_s)
         try:
-            etcd = self._etcd()
-            held = self._leases.pop(record.request_id, None)
-            if held is not None and held[0] == ttl_s:
-                lease_id = held[1]
-            else:
-                lease_id = (await etcd.lease(max(1, round(ttl_s)))).id
-            await etcd.put(self._key(record.request_id), record.to_json(), lease=lease_id)
+            lease = await self._lease(ttl_s)
+            put = await self._etcd().put(self._key(record.request_id), record.to_json(), lease)
         except aetcd.ClientError as error:
             raise _unreachable(error) from error
+        self._written(record, put.header.revision)
+
+    def _written(self, record: ResumeRecord, revision: int) -> None:
         if record.end is None:
-            self._leases[record.request_id] = (ttl_s, lease_id)
+            self._revisions[record.request_id] = revision
+        else:
+            self._revisions.pop(record.request_id, None)
         self.num_writes += 1
+
+    async def put_end(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+        revision = self._revisions.get(record.request_id)
+        if revision is None:
+            stored = await self.get(record.request_id)
+            if stored is not None and stored.end is not None:
+                return stored
+            await self.put(record, ttl_s)
+            return None
+        await self._limit.put(replace(record, body=""), ttl_s)
+        etcd = self._etcd()
+        key = self._key(record.request_id)
+        try:
+            lease = await self._lease(ttl_s)
+            is_written, answers = await etcd.transaction(
+                compare=[etcd.transactions.mod(key) == revision],
+                success=[etcd.transactions.put(key, record.to_json(), lease)],
+                failure=[etcd.transactions.get(key)],
+            )
+        except aetcd.ClientError as error:
+            raise _unreachable(error) from error
+        if is_written:
+            self._written(record, 0)
+            return None
+        self._revisions.pop(record.request_id, None)
+        found = answers[0] if answers else None
+        if not found:
+            return None  # NOTE: deleted meanwhile: nothing to keep
+        stored = ResumeRecord.from_json(found[0][0])
+        if stored.end is not None:
+            return stored
+        await self.put(record, ttl_s)  # NOTE: taken over and placed elsewhere, not ended
+        return None
 
     async def get(self, request_id: str) -> ResumeRecord | None:
         try:
@@ -237,7 +309,7 @@ class EtcdResumeStore:
 
     async def delete(self, request_id: str) -> None:
         await self._limit.delete(request_id)
-        self._leases.pop(request_id, None)
+        self._revisions.pop(request_id, None)
         try:
             await self._etcd().delete(self._key(request_id))
         except aetcd.ClientError as error:
