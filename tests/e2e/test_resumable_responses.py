@@ -11,7 +11,6 @@ undisturbed run of the same request gives; no block or lease is left behind.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 from support.etcd_server import running_etcd
 from support.eventually import eventually
 from support.process_cluster import ProcessCluster, events_named, running_cluster
+from support.resumable_sse import chat_content, sse_events
 
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -195,27 +195,6 @@ async def test_streams_outlive_a_killed_gateway(cluster: ProcessCluster) -> None
     await cluster.wait_whole(15)
 
 
-def _sse_events(lines: list[str]) -> list[tuple[int, dict[str, Any] | str]]:
-    """(id, data) of each server-sent event in `lines`."""
-    events: list[tuple[int, dict[str, Any] | str]] = []
-    event_id = -1
-    for line in lines:
-        if line.startswith("id: "):
-            event_id = int(line.removeprefix("id: "))
-        elif line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append((event_id, data if data == "[DONE]" else json.loads(data)))
-    return events
-
-
-def _text(events: list[tuple[int, dict[str, Any] | str]]) -> str:
-    return "".join(
-        data["choices"][0]["delta"].get("content") or ""
-        for _, data in events
-        if isinstance(data, dict) and data["choices"]
-    )
-
-
 NUM_CHAT_TOKENS = 400
 
 
@@ -239,7 +218,7 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
     async with httpx.AsyncClient(timeout=60, headers=headers) as http:
         first, other = cluster.rest_urls
         whole = await http.post(f"{other}/v1/chat/completions", json=body)
-        undisturbed = _text(_sse_events(whole.text.splitlines()))
+        undisturbed = chat_content(sse_events(whole.text))
         resumable = {**body, "stream_options": {"resumable": True, "include_usage": True}}
         lines: list[str] = []
         async with http.stream("POST", f"{first}/v1/chat/completions", json=resumable) as got:
@@ -247,20 +226,20 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
             stream_id = got.headers["x-request-id"]
             async for line in got.aiter_lines():
                 lines.append(line)
-                if len(_sse_events(lines)) >= 6:
+                if len(sse_events("\n".join(lines))) >= 6:
                     break  # NOTE: the client goes away mid-stream
-        before = _sse_events(lines)
+        before = sse_events("\n".join(lines))
         last_id = before[-1][0]
         assert 0 < last_id < NUM_CHAT_TOKENS
         url = f"{other}/v1/chat/completions/chatcmpl-{stream_id}/stream"
         resumed = await http.get(url, params={"starting_after": last_id})
         assert resumed.status_code == 200, resumed.text
-        after = _sse_events(resumed.text.splitlines())
+        after = sse_events(resumed.text)
         assert all(event_id > last_id for event_id, _ in after[:1])
         assert after[-1][1] == "[DONE]"
         usage = [d["usage"] for _, d in after if isinstance(d, dict) and d.get("usage")]
         assert usage[-1]["completion_tokens"] == NUM_CHAT_TOKENS
-        assert _text(before) + _text(after) == undisturbed
+        assert chat_content(before) + chat_content(after) == undisturbed
         holder, taker = cluster.gateways
         moved = [e["request_id"] for e in events_named(holder, "resumable_request_moved")]
         assert moved == [stream_id], "gateway 0 was still running it when it was taken over"
@@ -269,7 +248,7 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
         assert not [e for e in released if e["request_id"] == stream_id]
         # NOTE: by the Last-Event-ID header too, and not for another key.
         again = await http.get(url, headers={"Last-Event-ID": str(last_id)})
-        assert _sse_events(again.text.splitlines()) == after
+        assert sse_events(again.text) == after
         stranger = await http.get(url, headers={"Authorization": f"Bearer {KEYS['bob']}"})
         assert stranger.status_code == 404
 

@@ -6,7 +6,6 @@ bounded by ``--max-stored-responses``, and visible only to the key that created 
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from support.eventually import eventually
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME
+from support.resumable_sse import chat_content, sse_events
 
 BODY: dict[str, Any] = {
     "model": MODEL_NAME,
@@ -133,27 +133,6 @@ async def test_only_the_creating_key_sees_a_response(cluster: Cluster, tmp_path:
     await eventually(lambda: _ended(alice, created.id), 10, "alice's response ended")
 
 
-def _events(text: str) -> list[tuple[int, Any]]:
-    """(id, data) of each server-sent event."""
-    events: list[tuple[int, Any]] = []
-    event_id = -1
-    for line in text.splitlines():
-        if line.startswith("id: "):
-            event_id = int(line.removeprefix("id: "))
-        elif line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            events.append((event_id, data if data == "[DONE]" else json.loads(data)))
-    return events
-
-
-def _content(events: list[tuple[int, Any]]) -> str:
-    return "".join(
-        data["choices"][0]["delta"].get("content") or ""
-        for _, data in events
-        if isinstance(data, dict) and data.get("choices")
-    )
-
-
 async def test_a_resumable_chat_stream_is_resumed_from_a_token_count(pd: Cluster) -> None:
     body = {
         "model": MODEL_NAME,
@@ -163,17 +142,17 @@ async def test_a_resumable_chat_stream_is_resumed_from_a_token_count(pd: Cluster
         "stream": True,
     }
     async with pd.http() as http:
-        plain = _events((await http.post("/v1/chat/completions", json=body)).text)
+        plain = sse_events((await http.post("/v1/chat/completions", json=body)).text)
         resumable = {**body, "stream_options": {"resumable": True}}
         whole = await http.post("/v1/chat/completions", json=resumable)
         stream_id = whole.headers["x-request-id"]
-        events = _events(whole.text)
-        assert _content(events) == _content(plain)
+        events = sse_events(whole.text)
+        assert chat_content(events) == chat_content(plain)
         assert [event_id for event_id, _ in events][-1] == 10
         url = f"/v1/chat/completions/chatcmpl-{stream_id}/stream"
         for count in (0, 4, 10, 50):
-            resumed = _events((await http.get(url, params={"starting_after": count})).text)
-            assert _content(resumed) == _content([e for e in events if e[0] > count]), count
+            resumed = sse_events((await http.get(url, params={"starting_after": count})).text)
+            assert chat_content(resumed) == chat_content([e for e in events if e[0] > count]), count
             assert resumed[-1][1] == "[DONE]"
             usage_chunks = [d for _, d in resumed if isinstance(d, dict) and d["choices"]]
             assert usage_chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -33,7 +32,6 @@ from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end
 from pdserve.gateway.resume.runs import Run, RunMoved, Runs
-from pdserve.gateway.resume.store import ResumeRecord
 from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2
 
@@ -138,17 +136,8 @@ class GenerationServicer:
                 "resumable requests are not enabled on this gateway",
                 {"param": "resumable"},
             )
-        seed = prepared.request.sampling.seed
-        assert seed is not None, "the frontend gives every request a seed"
-        record = ResumeRecord(
-            request_id=prepared.request_id,
-            kind=KIND,
-            owner=caller.api_key_name,
-            body=base64.b64encode(raw).decode(),
-            seed=seed,
-            created_at=time.time(),
-        )
-        return await self._runs.start(record, prepared)
+        body = base64.b64encode(raw).decode()
+        return await self._runs.begin(KIND, body, prepared, caller.api_key_name)
 
     async def Resume(
         self, raw: bytes, context: grpc.aio.ServicerContext

@@ -68,7 +68,7 @@ from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_re
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter
 from pdserve.gateway.openai.resumable import (
     ResumableStreams,
-    check_token_range,
+    position_of,
     responder_for,
 )
 from pdserve.gateway.openai.resumable import events as resumable_events
@@ -358,7 +358,7 @@ def create_app(
             raise StarletteHTTPException(404, "resumable streams are not enabled")
         query = request.query_params
         values = (query.get("starting_after"), request.headers.get("last-event-id"))
-        events = await resumable.resume(stream_id, is_chat, caller, check_token_range(values))
+        events = await resumable.resume(stream_id, is_chat, caller, position_of(values))
         return EventStreamResponse(events, {"X-Request-Id": stream_id}, limiter.admit(caller))
 
     @app.get("/v1/chat/completions/{stream_id}/stream")
@@ -412,7 +412,7 @@ def create_app(
         query = request.query_params
         if query.get("stream", "false").lower() not in ("true", "1"):
             return JSONResponse(await background.retrieve(response_id, caller))
-        starting_after = _starting_after(query.get("starting_after"))
+        starting_after = position_of((query.get("starting_after"),))
         events = await background.stream(response_id, caller, starting_after)
         return EventStreamResponse(events, {"X-Request-Id": response_id}, limiter.admit(caller))
 
@@ -436,19 +436,6 @@ def create_app(
         raise StarletteHTTPException(404, NOT_STORED)
 
     return app
-
-
-def _starting_after(value: str | None) -> int | None:
-    """The ``starting_after`` query parameter: a sequence number, or None."""
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise invalid("starting_after must be a non-negative integer", "starting_after")
-    return number
 
 
 async def _first_unless_disconnected(

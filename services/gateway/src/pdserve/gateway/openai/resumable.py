@@ -17,8 +17,7 @@ exist (404).
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 import structlog
 
@@ -53,20 +52,12 @@ class ResumableStreams:
         runs: This gateway's resumable requests (and the store).
         frontend: Prepares a stored request again (same prompt, same seed).
         parser: Parses a stored body.
-        now: Wall clock.
     """
 
-    def __init__(
-        self,
-        runs: Runs,
-        frontend: Frontend,
-        parser: ParserPool,
-        now: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, runs: Runs, frontend: Frontend, parser: ParserPool) -> None:
         self._runs = runs
         self._frontend = frontend
         self._parser = parser
-        self._now = now
 
     async def start(
         self, raw: bytes, is_chat: bool, prompt: PreparedRequest, caller: Caller
@@ -77,17 +68,7 @@ class ResumableStreams:
             PdserveError: RATE_LIMITED when the store holds its most requests,
                 PEER_UNAVAILABLE when it cannot be reached.
         """
-        seed = prompt.request.sampling.seed
-        assert seed is not None, "the frontend gives every request a seed"
-        record = ResumeRecord(
-            request_id=prompt.request_id,
-            kind=kind_of(is_chat),
-            owner=caller.api_key_name,
-            body=raw.decode(),
-            seed=seed,
-            created_at=self._now(),
-        )
-        return await self._runs.start(record, prompt)
+        return await self._runs.begin(kind_of(is_chat), raw.decode(), prompt, caller.api_key_name)
 
     async def resume(
         self, stream_id: str, is_chat: bool, caller: Caller, starting_after: int | None
@@ -194,12 +175,12 @@ def _is_new(num_before: int, num_after: int, starting_after: int | None) -> bool
     return num_before > starting_after or (num_before == starting_after and num_before > 0)
 
 
-def check_token_range(values: Sequence[str | None]) -> int | None:
-    """The first of `values` given (``starting_after``, then ``Last-Event-ID``), as a token
-    count; None when neither is.
+def position_of(values: Sequence[str | None]) -> int | None:
+    """The first of `values` given (e.g. ``starting_after``, then ``Last-Event-ID``) as a
+    non-negative integer (a token count or a sequence number); None when none is.
 
     Raises:
-        PdserveError: INVALID_REQUEST for something other than a non-negative integer.
+        PdserveError: INVALID_REQUEST (``starting_after``) for anything else.
     """
     for value in values:
         if value is None:

@@ -170,6 +170,25 @@ class Runs:
         )
         return run
 
+    async def begin(
+        self, kind: str, body: str, prepared: PreparedRequest, owner: str | None
+    ) -> Run:
+        """Starts a new resumable request (its record written first).
+
+        Args:
+            kind: The API that took it (``responses``, ``chat``, ``completions``, ``grpc``).
+            body: The request as the client sent it (text; a gRPC request's bytes in base64).
+            prepared: The prepared request (its seed is set).
+            owner: Name of the API key that sent it (None on an open gateway).
+
+        Raises:
+            PdserveError: From the store (full: RATE_LIMITED; unreachable: PEER_UNAVAILABLE).
+        """
+        seed = prepared.request.sampling.seed
+        assert seed is not None, "the frontend gives every request a seed"
+        record = ResumeRecord(prepared.request_id, kind, owner, body, seed, self._now())
+        return await self.start(record, prepared)
+
     async def take_over(self, record: ResumeRecord, prompt: PreparedRequest) -> Run:
         """The live run of a request another gateway held: this gateway's own if it has one
         (not moved away), else a new one attached to where the record says it runs."""

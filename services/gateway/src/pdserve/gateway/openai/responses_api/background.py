@@ -94,17 +94,7 @@ class BackgroundResponses:
             PdserveError: RATE_LIMITED when the store holds its most responses,
                 PEER_UNAVAILABLE when it cannot be reached.
         """
-        seed = prompt.request.sampling.seed
-        assert seed is not None, "the frontend gives every request a seed"
-        record = ResumeRecord(
-            request_id=prompt.request_id,
-            kind=KIND,
-            owner=caller.api_key_name,
-            body=raw.decode(),
-            seed=seed,
-            created_at=self._now(),
-        )
-        run = await self._runs.start(record, prompt)
+        run = await self._runs.begin(KIND, raw.decode(), prompt, caller.api_key_name)
         run.parsed = body
         return run
 
