@@ -996,7 +996,15 @@ async def test_preempting_one_choice_reschedules_that_choice_alone(
     assert [ids for ids, _ in choices] == expected_choices
 
     assert cluster.gateway is not None
-    finished = {e["request_id"]: e for e in events_named(cluster.gateway, "request_finished")}
+    gateway = cluster.gateway
+
+    def choices_logged() -> bool:
+        # NOTE: the gateway's log is read as it writes it, a moment after the streams end.
+        ended = [e["request_id"] for e in events_named(gateway, "request_finished")]
+        return sum(1 for i in ended if i.rsplit("-", 1)[-1].isdigit()) >= n
+
+    await eventually(choices_logged, 10, "the choices' request_finished lines")
+    finished = {e["request_id"]: e for e in events_named(gateway, "request_finished")}
     (choice_base,) = {i.rsplit("-", 1)[0] for i in finished if i.rsplit("-", 1)[-1] == "3"}
     choice_ids = [f"{choice_base}-{i}" for i in range(n)]
     preempted = {e["request_id"] for e in events_named(cluster.decodes[0], "request_preempted")}
