@@ -42,9 +42,12 @@ class Run:
         deltas: Every delta so far (one token each, then the final delta).
         error: How it failed (or was cancelled); None while it runs or once it finished.
         is_done: It ended here (finished, failed, cancelled or moved).
-        is_moved: Another gateway took it over.
+        is_moved: Another gateway took it over (or this one left it to the others).
+        task: The task that drives it.
+        resumable: How it runs (its placements announced; left to others on a stop).
         parsed: The body as its front end parsed it (kept by the front end, so a client that
             follows it here does not parse it again); None until set.
+        last_write: Its latest record write, which the next one waits for.
     """
 
     def __init__(self, record: ResumeRecord, prepared: PreparedRequest) -> None:
