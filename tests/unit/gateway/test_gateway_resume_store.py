@@ -93,7 +93,7 @@ async def test_etcd_stores_share_records_and_etcd_expires_them(etcd: EtcdServer)
         await reader.close()
 
 
-async def test_an_end_written_through_another_gateway_stays(etcd: EtcdServer) -> None:
+async def test_a_cancel_written_through_another_gateway_stays(etcd: EtcdServer) -> None:
     target = EtcdTarget.parse(etcd.spec)
     holder, other = EtcdResumeStore(target, 8), EtcdResumeStore(target, 8)
     finished = StoredEnd("completed", (1, 2), "stop", 0, 2.0)
@@ -103,16 +103,19 @@ async def test_an_end_written_through_another_gateway_stays(etcd: EtcdServer) ->
         await holder.put(RECORD, ttl_s=30)
         await holder.put(RECORD.with_placement(Placement("d", "a", "l")), ttl_s=30)
         ended = ResumeRecord(**{**RECORD.__dict__, "end": finished})
-        assert await holder.put_end(ended, ttl_s=30) is None
+        assert await holder.put_unless_ended(ended, ttl_s=30) is None
         assert await other.get("r1") == ended
 
         # NOTE: a cancel through another gateway comes first: the holder's end does not land.
         second = ResumeRecord(**{**RECORD.__dict__, "request_id": "r2"})
         await holder.put(second, ttl_s=30)
         with_cancel = ResumeRecord(**{**second.__dict__, "end": cancelled})
-        assert await other.put_end(with_cancel, ttl_s=30) is None
+        assert await other.put_unless_ended(with_cancel, ttl_s=30) is None
         late = ResumeRecord(**{**second.__dict__, "end": finished})
-        assert await holder.put_end(late, ttl_s=30) == with_cancel
+        assert await holder.put_unless_ended(late, ttl_s=30) == with_cancel
+        # NOTE: nor does a placement the holder's retry wrote after it (it would reopen it).
+        placed = second.with_placement(Placement("d", "a", "l2"))
+        assert await holder.put_unless_ended(placed, ttl_s=30) == with_cancel
         assert await other.get("r2") == with_cancel
     finally:
         await holder.close()

@@ -26,8 +26,12 @@ async def find(
     found: Run | ResumeRecord | None = runs.get(request_id)
     if isinstance(found, Run) and found.is_moved:
         found = None  # NOTE: another gateway took it over: what the store says is current
-    if isinstance(found, Run) and found.is_done and await runs.store.get(request_id) is None:
-        return None  # NOTE: deleted (through any gateway) or expired
+    if isinstance(found, Run) and found.is_done:
+        stored = await runs.store.get(request_id)
+        if stored is None:
+            return None  # NOTE: deleted (through any gateway) or expired
+        if stored.end is not None:
+            found.record = stored  # NOTE: an end written through another gateway (a cancel) wins
     if found is None:
         found = await runs.store.get(request_id)
     if found is None:

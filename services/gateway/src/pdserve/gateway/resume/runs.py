@@ -236,7 +236,16 @@ class Runs:
         record = run.record
 
         async def write() -> None:
-            await self.put(record, self._running_ttl_s)
+            stored = await self.store.put_unless_ended(record, self._running_ttl_s)
+            if stored is None:
+                self.metrics.resume_store_writes.inc()
+                return
+            # NOTE: cancelled through another gateway (which released the lease it knew of,
+            # not this one): stop, and keep that end.
+            run.record = stored
+            log.info("resumable_request_ended_elsewhere", request_id=run.request_id)
+            if run.task is not None and run.task is not asyncio.current_task():
+                run.task.cancel()
 
         self._after_last_write(run, write)
 
@@ -305,7 +314,7 @@ class Runs:
         record = run.record
 
         async def write() -> None:
-            stored = await self.store.put_end(record, self.keep_s)
+            stored = await self.store.put_unless_ended(record, self.keep_s)
             if stored is not None:
                 run.record = stored
                 return

@@ -116,9 +116,9 @@ class ResumeStore(Protocol):
         """
         ...
 
-    async def put_end(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
-        """Writes an ended `record` unless the stored one ended already (cancelled through
-        another gateway).
+    async def put_unless_ended(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+        """Writes `record` (a placement or an end) unless the stored one ended already
+        (cancelled through another gateway).
 
         Returns:
             None when it was written; else the stored record, which stays.
@@ -181,7 +181,7 @@ class MemoryResumeStore:
         self._records[record.request_id] = (record, self.clock() + ttl_s)
         self.num_writes += 1
 
-    async def put_end(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+    async def put_unless_ended(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
         stored = await self.get(record.request_id)
         if stored is not None and stored.end is not None:
             return stored
@@ -205,10 +205,11 @@ class EtcdResumeStore:
 
     A record lives at least its TTL: it is put under a lease granted for that TTL plus an
     eighth of it, and a new lease is granted once an eighth of the TTL has passed since the
-    last grant, so the records of a request cost one put each (no grant per record). An
-    ended record is put only if the stored one is still the one this gateway wrote last (an
+    last grant, so the records of a request cost one put each (no grant per record). A
+    record after the first is put only if the stored one is still the one this gateway wrote
+    last (an
     etcd transaction on the key's modification revision), so a cancel written through
-    another gateway stays.
+    another gateway stays; so is a placement.
 
     Args:
         target: The registry's etcd (its namespace prefixes the keys).
@@ -267,7 +268,7 @@ class EtcdResumeStore:
             self._revisions.pop(record.request_id, None)
         self.num_writes += 1
 
-    async def put_end(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+    async def put_unless_ended(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
         revision = self._revisions.get(record.request_id)
         if revision is None:
             stored = await self.get(record.request_id)
