@@ -99,10 +99,15 @@ async def test_a_cancel_written_through_another_gateway_stays(etcd: EtcdServer) 
     finished = StoredEnd("completed", (1, 2), "stop", 0, 2.0)
     cancelled = StoredEnd("cancelled", (), None, 0, 1.0, "cancelled", "the response was cancelled")
     try:
-        # NOTE: the holder's own end lands (one transaction on its last write's revision).
+        # NOTE: the holder's placement and end land, each one transaction on the revision of
+        # its last write (a stale revision would cost a read and a second put).
         await holder.put(RECORD, ttl_s=30)
-        await holder.put(RECORD.with_placement(Placement("d", "a", "l")), ttl_s=30)
-        ended = ResumeRecord(**{**RECORD.__dict__, "end": finished})
+        placed_first = RECORD.with_placement(Placement("d", "a", "l"))
+        assert await holder.put_unless_ended(placed_first, ttl_s=30) is None
+        written = await holder._etcd().get(holder._key("r1"))
+        assert written is not None
+        assert holder._revisions["r1"] == written.mod_revision
+        ended = ResumeRecord(**{**placed_first.__dict__, "end": finished})
         assert await holder.put_unless_ended(ended, ttl_s=30) is None
         assert await other.get("r1") == ended
 

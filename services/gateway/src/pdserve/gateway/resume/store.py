@@ -289,7 +289,7 @@ class EtcdResumeStore:
         except aetcd.ClientError as error:
             raise _unreachable(error) from error
         if is_written:
-            self._written(record, 0)
+            self._written(record, answers[0].response_put.header.revision)
             return None
         self._revisions.pop(record.request_id, None)
         found = answers[0] if answers else None
