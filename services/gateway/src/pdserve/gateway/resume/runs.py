@@ -231,14 +231,20 @@ class Runs:
         await self.store.put(record, ttl_s)
         self.metrics.resume_store_writes.inc()
 
+    async def _put_unless_ended(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
+        """`ResumeStore.put_unless_ended`, counted when it writes."""
+        stored = await self.store.put_unless_ended(record, ttl_s)
+        if stored is None:
+            self.metrics.resume_store_writes.inc()
+        return stored
+
     def _placed(self, run: Run, placement: Placement) -> None:
         run.record = run.record.with_placement(placement)
         record = run.record
 
         async def write() -> None:
-            stored = await self.store.put_unless_ended(record, self._running_ttl_s)
+            stored = await self._put_unless_ended(record, self._running_ttl_s)
             if stored is None:
-                self.metrics.resume_store_writes.inc()
                 return
             # NOTE: cancelled through another gateway (which released the lease it knew of,
             # not this one): stop, and keep that end.
@@ -314,11 +320,9 @@ class Runs:
         record = run.record
 
         async def write() -> None:
-            stored = await self.store.put_unless_ended(record, self.keep_s)
+            stored = await self._put_unless_ended(record, self.keep_s)
             if stored is not None:
                 run.record = stored
-                return
-            self.metrics.resume_store_writes.inc()
 
         self._after_last_write(run, write)
 

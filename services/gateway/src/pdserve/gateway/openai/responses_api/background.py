@@ -153,7 +153,7 @@ class BackgroundResponses:
     ) -> AsyncGenerator[str, None]:
         """A run's events after sequence number `starting_after`, live."""
         writer = self.writer(run, body)
-        return _after(writer.events(None, _run_deltas(run)), starting_after)
+        return _after(writer.events(None, _indexed(run.follow())), starting_after)
 
     # ---- cancel, delete ----------------------------------------------------------------------
 
@@ -270,11 +270,6 @@ async def _indexed(
     deltas: AsyncGenerator[OutputDelta, None],
 ) -> AsyncGenerator[tuple[int, OutputDelta], None]:
     async for delta in deltas:
-        yield 0, delta
-
-
-async def _run_deltas(run: Run) -> AsyncGenerator[tuple[int, OutputDelta], None]:
-    async for delta in run.follow():
         yield 0, delta
 
 
