@@ -11,79 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from support.tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
-
-VOCAB_SIZE = 300
-# NOTE: a wide initializer spreads the logits, so greedy choices are not near-ties that a
-# last-bit difference between two correct implementations could flip.
-INIT_RANGE = 0.25
-
-COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB_SIZE,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 512,
-    "initializer_range": INIT_RANGE,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
-    # GQA, untied, Llama 3.1 rope scaling with a short original context so it matters.
-    "llama3": (
-        "llama",
-        {
-            "num_key_value_heads": 2,
-            "tie_word_embeddings": False,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32,
-            },
-        },
-    ),
-    # Multi-head attention with tied embeddings.
-    "llama_tied": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
-    # q/k/v bias, GQA, tied embeddings (as the small Qwen2 checkpoints are).
-    "qwen2": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
-    # One KV head for four query heads and a sliding window shorter than the test sequences.
-    "mistral": ("mistral", {"num_key_value_heads": 1, "sliding_window": 24}),
-}
-
-
-def build_hf_model(name: str) -> torch.nn.Module:
-    """A random transformers model of one of ``ARCHITECTURES``, in eval mode."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
-
-    kind, extra = ARCHITECTURES[name]
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }[kind]
-    config = config_cls(**COMMON, **extra)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(sorted(ARCHITECTURES).index(name))
-    model = model_cls(config)
-    if kind == "qwen2":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                attn = layer.self_attn
-                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                    proj.bias.normal_(0.0, INIT_RANGE)
-    return model.eval()
 
 
 def make_prompts(num: int, seed: int = 0, min_len: int = 5, max_len: int = 40) -> list[list[int]]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
 from support.hf_reference import hf_greedy
 
-from pdserve.engine import LLMEngine, SamplingParams, ScheduledChunk
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.model import Linear
 
 # fp32 on CPU: both sides use the same kernels up to fused projections and summation order.
@@ -99,3 +102,37 @@ def test_onednn_packed_projections_equal_torch_gemm(
     torch.testing.assert_close(
         packed.runner.execute(chunk), plain.runner.execute(chunk), atol=LOGITS_ATOL, rtol=0
     )
+
+
+def test_a_sharded_checkpoint_loads_like_a_single_file(
+    tmp_path: Path, hf_model: ModelFactory, make_engine: EngineFactory, prompts: PromptFactory
+) -> None:
+    # Experts spread over many shards: a stacked expert tensor is filled from several files.
+    sharded = tmp_path / "sharded"
+    hf_model("qwen3_moe").save_pretrained(sharded, max_shard_size="40KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 4
+    assert (sharded / "model.safetensors.index.json").is_file()
+    engine = make_engine("qwen3_moe")
+    config = EngineConfig(model=str(sharded), seed=0, cache=CacheConfig(num_blocks=32))
+    from_shards = LLMEngine(config)
+    sequence = prompts(1, seed=4, min_len=30, max_len=30)[0]
+    logits = [
+        e.runner.execute([ScheduledChunk(sequence, 0, e.block_pool.allocate(2))])[0]
+        for e in (engine, from_shards)
+    ]
+    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(
+    tmp_path: Path, checkpoint: Callable[[str], Path]
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source = checkpoint("mixtral")
+    broken = tmp_path / "broken"
+    shutil.copytree(source, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks parameters: \['model.layers.1.mlp.experts"):
+        LLMEngine(EngineConfig(model=str(broken), cache=CacheConfig(num_blocks=8)))

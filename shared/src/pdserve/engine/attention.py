@@ -16,13 +16,18 @@ class SdpaAttention:
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        scale: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group_size = num_heads // num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
 
     def forward(

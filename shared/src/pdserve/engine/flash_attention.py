@@ -79,7 +79,12 @@ class FlashAttention:
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        scale: float | None = None,
     ) -> None:
         if FLASH is None:
             raise RuntimeError("flash_attn is not installed")
@@ -87,7 +92,7 @@ class FlashAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
 
     def forward(

@@ -23,13 +23,22 @@ _STACKED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _SHARD_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# Mixtral's names for the MoE block and its experts' projections.
+_MIXTRAL_NAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+)
+# One routed expert's projection, stacked into the layer's 3-D expert tensors.
+_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers >= 5 may also write the experts already stacked: [experts, out, in].
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def _shard_sizes(config: ModelConfig, fused: str) -> list[int]:
-    if fused == "qkv_proj":
-        kv = config.num_key_value_heads * config.head_dim
-        return [config.num_attention_heads * config.head_dim, kv, kv]
-    return [config.intermediate_size, config.intermediate_size]
+def _qkv_sizes(config: ModelConfig) -> list[int]:
+    kv = config.num_key_value_heads * config.head_dim
+    return [config.num_attention_heads * config.head_dim, kv, kv]
 
 
 def load_model(
@@ -40,7 +49,10 @@ def load_model(
     config: ModelConfig | None = None,
     linear_backend: str = "auto",
 ) -> LlamaForCausalLM:
-    """Loads a Llama/Qwen2/Mistral checkpoint.
+    """Loads a checkpoint of any supported family (`SUPPORTED_MODEL_TYPES`).
+
+    Tensors are read one at a time from the (possibly sharded) safetensors files straight into
+    the model's parameters, so the weights are never held twice.
 
     Args:
         model_dir: Directory with ``config.json`` and one or more ``*.safetensors`` files.
@@ -67,13 +79,14 @@ def load_model(
         model = LlamaForCausalLM(config, attention_backend).to(dtype)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
-    pending = {name: _expected_shards(name, config) for name in params}
+    pending = {name: _expected_shards(name, params[name]) for name in params}
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t")
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                _load_tensor(hf_name, reader.get_tensor(hf_name), params, pending, config)
+                tensor = reader.get_tensor(hf_name)
+                _load_tensor(_renamed(hf_name), tensor, params, pending, config)
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
@@ -98,11 +111,22 @@ def load_model(
     return model
 
 
-def _expected_shards(name: str, config: ModelConfig) -> set[int]:
-    for fused in ("qkv_proj", "gate_up_proj"):
-        if f".{fused}." in name:
-            return set(range(len(_shard_sizes(config, fused))))
+def _expected_shards(name: str, param: torch.Tensor) -> set[int]:
+    if name.endswith(".experts.gate_up_proj"):
+        return set(range(2 * param.shape[0]))
+    if name.endswith(".experts.down_proj"):
+        return set(range(param.shape[0]))
+    if ".qkv_proj." in name:
+        return {0, 1, 2}
+    if ".gate_up_proj." in name:
+        return {0, 1}
     return {0}
+
+
+def _renamed(hf_name: str) -> str:
+    for pattern, replacement in _MIXTRAL_NAMES:
+        hf_name = pattern.sub(replacement, hf_name)
+    return hf_name
 
 
 def _load_tensor(
@@ -116,13 +140,14 @@ def _load_tensor(
         return
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return
+    if _load_expert(hf_name, tensor, params, pending):
+        return
     match = _SHARD_NAME.search(hf_name)
     if match is None:
         name, shard, offset = hf_name, 0, 0
     else:
         fused, shard = _STACKED[match.group(1)]
         name = hf_name.replace(f".{match.group(1)}.", f".{fused}.")
-        offset = sum(_shard_sizes(config, fused)[:shard])
     transposed = name.endswith(".weight") and f"{name}_t" in params
     if transposed:
         # NOTE: our projections store weights as [in, out]; HF stores [out, in].
@@ -131,11 +156,57 @@ def _load_tensor(
         raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
     target = params[name].data
     if match is not None:
-        target = target.narrow(1 if transposed else 0, offset, tensor.shape[1 if transposed else 0])
+        dim = 1 if transposed else 0
+        if fused == "qkv_proj":
+            offset = sum(_qkv_sizes(config)[:shard])
+        else:
+            # NOTE: gate then up, each half of the fused projection (shared experts included).
+            offset = shard * target.shape[dim] // 2
+        target = target.narrow(dim, offset, tensor.shape[dim])
+    _copy(hf_name, target, tensor)
+    if match is None:
+        # NOTE: a checkpoint that stores the projection fused (Phi-3) fills it in one tensor.
+        pending[name].clear()
+    else:
+        pending[name].discard(shard)
+
+
+def _load_expert(
+    hf_name: str,
+    tensor: torch.Tensor,
+    params: dict[str, torch.nn.Parameter],
+    pending: dict[str, set[int]],
+) -> bool:
+    """Copies one expert's projection (or all experts' at once) into the stacked tensors."""
+    stacked = _STACKED_EXPERTS.match(hf_name)
+    if stacked is not None and hf_name in params:
+        # [experts, out, in] -> [experts, in, out]
+        _copy(hf_name, params[hf_name].data, tensor.transpose(1, 2))
+        pending[hf_name].clear()
+        return True
+    match = _EXPERT_NAME.match(hf_name)
+    if match is None:
+        return False
+    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+    name = f"{prefix}.down_proj" if part == "down_proj" else f"{prefix}.gate_up_proj"
+    if name not in params:
+        raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+    # target: [in, out] of this expert
+    target = params[name].data[expert]
+    shard = expert
+    if part != "down_proj":
+        half = target.shape[1] // 2
+        shard = 2 * expert + (part == "up_proj")
+        target = target.narrow(1, half if part == "up_proj" else 0, half)
+    _copy(hf_name, target, tensor.t())
+    pending[name].discard(shard)
+    return True
+
+
+def _copy(hf_name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
     if target.shape != tensor.shape:
         raise ValueError(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
         )
     with torch.no_grad():
         target.copy_(tensor)
-    pending[name].discard(shard)

@@ -1,37 +1,28 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache."""
+"""The decoder of every supported family over a paged KV cache.
+
+Llama, Qwen2, Mistral, Phi-3, Qwen3 (q/k norm), Mixtral and Qwen2/3-MoE (`moe`) share one layer
+shape; Gemma 3 has norms after each block too (`GemmaDecoderLayer`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import SdpaAttention
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.flash_attention import FlashAttention
 from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.layers import RMSNorm, gated_activation, make_norm
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.moe import SparseMoeBlock
 from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
+__all__ = ["LayerCallback", "Linear", "LlamaForCausalLM", "RMSNorm", "can_pack_for_onednn"]
+
 LayerCallback = Callable[[int], None]
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like the reference."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 def can_pack_for_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -85,8 +76,16 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
 class LlamaAttention(nn.Module):
-    """Self-attention with fused q/k/v projection, rotary embeddings and GQA."""
+    """Self-attention with fused q/k/v projection, rotary embeddings and GQA.
+
+    Optionally RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3), a softmax scale
+    of the family's own (Gemma 3) and RoPE over the leading dims of a head only (Phi-3's
+    ``partial_rotary_factor``).
+    """
 
     def __init__(self, config: ModelConfig, layer_index: int, backend: str) -> None:
         super().__init__()
@@ -99,16 +98,21 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         attention_cls = FlashAttention if backend == "flash" else SdpaAttention
         self.attn = attention_cls(
-            self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window(layer_index)
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            config.sliding_window(layer_index),
+            scale=config.attention_scale,
         )
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: CosSin,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -118,7 +122,11 @@ class LlamaAttention(nn.Module):
         # NOTE: q and k are rotated together in one pass.
         # qk: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rotary(qk, cos, sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
+            )
+        qk = apply_rotary(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # out: [num_tokens, num_heads, head_dim]
@@ -127,43 +135,74 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with fused gate/up projection."""
+    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) with fused gate/up projection."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * intermediate_size]
         gate_up = self.gate_up_proj(x)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gated_activation(self.hidden_act, gate, up))
+
+
+def _feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
+    if config.is_moe_layer(layer_index):
+        return SparseMoeBlock(config, Linear, LlamaMLP)
+    return LlamaMLP(config)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block followed by a pre-norm MLP block."""
+    """Pre-norm attention block followed by a pre-norm feed-forward (dense or experts)."""
 
     def __init__(self, config: ModelConfig, layer_index: int, backend: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = _feed_forward(config, layer_index)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: CosSin,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 3's layer: each block normed before and after, then added to the residual."""
+
+    def __init__(self, config: ModelConfig, layer_index: int, backend: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, backend)
+        self.mlp = _feed_forward(config, layer_index)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: CosSin,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(fed)
 
 
 class LlamaModel(nn.Module):
@@ -171,11 +210,12 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: str) -> None:
         super().__init__()
+        layer_cls = GemmaDecoderLayer if config.gemma_norms else LlamaDecoderLayer
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
+            layer_cls(config, i, backend) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config, config.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -193,6 +233,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attention_backend)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.local_rotary: RotaryEmbedding | None = None
+        # NOTE: Gemma 3's sliding layers rotate with a RoPE of their own.
+        self.is_local_rope = tuple(
+            config.local_rope is not None and config.sliding_window(i) is not None
+            for i in range(config.num_hidden_layers)
+        )
 
     def tie_weights(self) -> None:
         """Shares the embedding matrix with the LM head when the config says so (after loading).
@@ -217,7 +263,10 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rotary(self, device: torch.device) -> None:
         """Builds the rotary tables on the model's device (call after weights are placed)."""
-        self.rotary = RotaryEmbedding(self.config.rope, self.config.head_dim, device)
+        rotary_dim = self.config.rotary_dim or self.config.head_dim
+        self.rotary = RotaryEmbedding(self.config.rope, rotary_dim, device)
+        if self.config.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(self.config.local_rope, rotary_dim, device)
 
     def forward(
         self,
@@ -244,13 +293,23 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("init_rotary() must be called before forward()")
         # hidden: [num_tokens, hidden_size]
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if self.config.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        local_rope = rope
+        if self.local_rotary is not None:
+            local_rope = self.local_rotary.cos_sin(positions, hidden.dtype)
         for index, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_cache.layer(index), metadata)
+            layer_rope = local_rope if self.is_local_rope[index] else rope
+            hidden = layer(hidden, layer_rope, kv_cache.layer(index), metadata)
             if on_layer_done is not None:
                 on_layer_done(index)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` pre-norm hidden states -> ``[num_rows, vocab]`` float32."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        logits = self.lm_head(self.model.norm(hidden))
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

@@ -1,4 +1,4 @@
-"""Model architecture read from a Hugging Face ``config.json`` (Llama, Qwen2, Mistral)."""
+"""The model architecture the engine builds (read from ``config.json`` by `hf_config`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma3_text",
+)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -61,24 +72,59 @@ class RopeConfig:
         )
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+    Attributes:
+        num_experts: Routed experts per MoE layer.
+        num_experts_per_tok: Experts each token is routed to (top-k).
+        moe_intermediate_size: Hidden size of one routed expert.
+        norm_topk_prob: Renormalise the top-k routing weights to sum to one.
+        shared_expert_intermediate_size: Qwen2-MoE's always-on shared expert (0: none).
+        moe_layers: Per layer, whether its feed-forward is the MoE block (else a dense MLP of
+            ``intermediate_size``).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
+            raise ValueError("num_experts and moe_intermediate_size must be positive")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..{self.num_experts}, "
+                f"got {self.num_experts_per_tok}"
+            )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama-family decoder.
+    """The architecture of a decoder-only transformer of one of the supported families.
 
-    Qwen2 is Llama with a bias on q/k/v; Mistral is Llama with an optional sliding window.
+    Qwen2 is Llama with a bias on q/k/v; Mistral is Llama with an optional sliding window;
+    Qwen3 adds RMSNorm on q and k; Phi-3 is Llama with fused checkpoint projections; Mixtral and
+    Qwen3-MoE route each token to experts (`moe`); Gemma 3 adds scaled embeddings, GeGLU,
+    norms around both blocks, a ``1 + weight`` RMSNorm and its own RoPE on sliding layers.
 
     Attributes:
-        model_type: ``llama``, ``qwen2`` or ``mistral``.
+        model_type: One of `SUPPORTED_MODEL_TYPES`.
         sliding_windows: Per layer, the attention window in tokens or ``None`` (full attention).
         eos_token_ids: End-of-sequence ids from ``config.json`` and ``generation_config.json``.
+        hidden_act: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU).
+        qk_norm: RMSNorm over each head of q and k before RoPE.
+        gemma_norms: Gemma's ``x * (1 + weight)`` RMSNorm and a norm after each block too.
+        embed_scale: Multiplies the embeddings (Gemma: ``sqrt(hidden_size)``).
+        attention_scale: The softmax scale, ``head_dim ** -0.5`` when ``None``.
+        final_logit_softcapping: ``tanh(logits / c) * c`` when set.
+        rotary_dim: How many leading dims of a head RoPE rotates (``partial_rotary_factor``).
+        local_rope: The RoPE of sliding-window layers when it differs (Gemma 3).
+        moe: The mixture of experts, for the MoE families.
     """
 
     model_type: str
@@ -100,11 +146,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    hidden_act: str = "silu"
+    qk_norm: bool = False
+    gemma_norms: bool = False
+    embed_scale: float | None = None
+    attention_scale: float | None = None
+    final_logit_softcapping: float | None = None
+    rotary_dim: int | None = None
+    local_rope: RopeConfig | None = None
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+                f"unsupported model_type {self.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         for name in (
             "vocab_size",
@@ -127,6 +183,17 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise ValueError("sliding_windows needs one entry per layer")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; "
+                f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(f"rotary_dim must be even and in 1..{self.head_dim}")
+        if self.moe is not None and len(self.moe.moe_layers) != self.num_hidden_layers:
+            raise ValueError("moe.moe_layers needs one entry per layer")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -137,43 +204,23 @@ class ModelConfig:
         """The attention window of a layer in tokens, ``None`` for full attention."""
         return self.sliding_windows[layer_index] if self.sliding_windows else None
 
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether a layer's feed-forward is the mixture of experts."""
+        return self.moe is not None and self.moe.moe_layers[layer_index]
+
     @classmethod
     def from_hf_config(
         cls, hf: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
-        """Builds the config from the parsed ``config.json`` (and ``generation_config.json``)."""
-        model_type = str(hf.get("model_type", ""))
-        num_layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
-        hidden_act = hf.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is implemented")
-        attention_bias = bool(hf.get("attention_bias", False))
-        eos = _as_id_tuple(hf.get("eos_token_id"))
-        if generation:
-            eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation.get("eos_token_id"))))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_proj_bias=attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            rope=RopeConfig.from_hf(hf),
-            sliding_windows=_sliding_windows(hf, model_type, num_layers),
-            eos_token_ids=eos,
-            bos_token_id=hf.get("bos_token_id"),
-            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
-        )
+        """Builds the config from the parsed ``config.json`` (and ``generation_config.json``).
+
+        Raises:
+            ValueError: For an architecture or setting the engine does not implement; the
+                message names it and lists what is supported.
+        """
+        from pdserve.engine.hf_config import model_config_from_hf
+
+        return model_config_from_hf(hf, generation)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
@@ -186,21 +233,3 @@ class ModelConfig:
         generation_file = path / "generation_config.json"
         generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
         return cls.from_hf_config(hf, generation)
-
-
-def _sliding_windows(
-    hf: dict[str, Any], model_type: str, num_layers: int
-) -> tuple[int | None, ...]:
-    """Per-layer sliding windows, following each architecture's own rules in transformers."""
-    window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        window = None
-    if model_type == "llama" or window is None:
-        return ()
-    layer_types = hf.get("layer_types")
-    if model_type == "qwen2" and layer_types is None:
-        first_sliding = int(hf.get("max_window_layers", num_layers))
-        return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
-    if layer_types is not None:
-        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    return tuple(int(window) for _ in range(num_layers))

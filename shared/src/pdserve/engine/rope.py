@@ -70,7 +70,15 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` (``[num_tokens, num_heads, head_dim]``) by the half-split convention."""
+    """Rotates ``x`` (``[num_tokens, num_heads, head_dim]``) by the half-split convention.
+
+    When the tables are narrower than a head (a partial rotary factor), only the leading
+    ``cos.shape[-1]`` dims rotate and the rest pass through.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated_part = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated_part, x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

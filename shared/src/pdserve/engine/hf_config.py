@@ -1,0 +1,187 @@
+"""Reads a Hugging Face ``config.json`` into a `ModelConfig`, one rule set per family.
+
+Each family's rules follow that family's configuration and modeling code in transformers:
+which projections carry a bias, which layers slide, which feed-forwards are experts, and how
+Gemma 3 spells its two RoPEs. A setting the engine does not implement is refused here, at
+load, with a message that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.engine.model_config import (
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    MoeConfig,
+    RopeConfig,
+)
+
+_QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+_QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text")
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _refuse_unknown(model_type: str) -> None:
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    hint = ""
+    if model_type == "gemma3":
+        hint = " (the multimodal Gemma 3: serve a text-only gemma3_text checkpoint)"
+    raise ValueError(
+        f"unsupported model_type {model_type!r}{hint}; "
+        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
+
+
+def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None) -> ModelConfig:
+    """The `ModelConfig` of a parsed ``config.json`` (and ``generation_config.json``).
+
+    Raises:
+        ValueError: For an unknown ``model_type`` or a setting the engine does not implement.
+    """
+    model_type = str(hf.get("model_type", ""))
+    _refuse_unknown(model_type)
+    num_layers = int(hf["num_hidden_layers"])
+    num_heads = int(hf["num_attention_heads"])
+    hidden_size = int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+    is_gemma = model_type == "gemma3_text"
+    hidden_act = str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu")
+    attention_bias = bool(hf.get("attention_bias", False))
+    eos = _as_id_tuple(hf.get("eos_token_id"))
+    if generation:
+        eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation.get("eos_token_id"))))
+    rope, local_rope = _ropes(hf, model_type)
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden_size,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
+        qkv_bias=attention_bias
+        or (model_type in ("qwen2", "qwen2_moe") and hf.get("qkv_bias", True) is not False),
+        o_proj_bias=attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        rope=rope,
+        sliding_windows=_sliding_windows(hf, model_type, num_layers),
+        eos_token_ids=eos,
+        bos_token_id=hf.get("bos_token_id"),
+        torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        hidden_act=hidden_act,
+        qk_norm=model_type in _QK_NORM_FAMILY,
+        gemma_norms=is_gemma,
+        embed_scale=hidden_size**0.5 if is_gemma else None,
+        attention_scale=_attention_scale(hf) if is_gemma else None,
+        final_logit_softcapping=_final_softcap(hf) if is_gemma else None,
+        rotary_dim=_rotary_dim(hf, head_dim),
+        local_rope=local_rope,
+        moe=_moe(hf, model_type, num_layers),
+    )
+
+
+def _attention_scale(hf: dict[str, Any]) -> float:
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+    return float(hf.get("query_pre_attn_scalar", 256)) ** -0.5
+
+
+def _final_softcap(hf: dict[str, Any]) -> float | None:
+    value = hf.get("final_logit_softcapping")
+    return None if value is None else float(value)
+
+
+def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
+    params = hf.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    return None if factor == 1.0 else int(head_dim * factor)
+
+
+def _ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig | None]:
+    """The RoPE of full-attention layers and, for Gemma 3, that of sliding layers."""
+    if model_type != "gemma3_text":
+        return RopeConfig.from_hf(hf), None
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {"rope_theta": 1_000_000.0}
+        local = params.get("sliding_attention") or {"rope_theta": 10_000.0}
+        return RopeConfig.from_hf({"rope_parameters": full}), RopeConfig.from_hf(
+            {"rope_parameters": local}
+        )
+    # NOTE: checkpoints written before transformers 5 give the global RoPE as rope_theta +
+    # rope_scaling and the local base as rope_local_base_freq (never scaled).
+    global_rope = RopeConfig.from_hf(
+        {
+            "rope_theta": hf.get("rope_theta", 1_000_000.0),
+            "rope_scaling": hf.get("rope_scaling"),
+        }
+    )
+    return global_rope, RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+
+
+def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    if model_type == "mixtral":
+        return MoeConfig(
+            num_experts=int(hf.get("num_local_experts", 8)),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=int(hf["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=(True,) * num_layers,
+        )
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    dense_layers = set(hf.get("mlp_only_layers") or ())
+    step = int(hf.get("decoder_sparse_step", 1))
+    return MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "qwen3_moe")),
+        moe_layers=tuple(
+            i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
+            for i in range(num_layers)
+        ),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe"
+        else 0,
+    )
+
+
+def _sliding_windows(
+    hf: dict[str, Any], model_type: str, num_layers: int
+) -> tuple[int | None, ...]:
+    """Per-layer sliding windows, following each architecture's own rules in transformers."""
+    window = hf.get("sliding_window")
+    if model_type in _QWEN_FAMILY and not hf.get("use_sliding_window", False):
+        window = None
+    if model_type == "llama" or not window:
+        return ()
+    layer_types = hf.get("layer_types")
+    if model_type == "gemma3_text" and layer_types is None:
+        pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+        layer_types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ]
+    if model_type in ("qwen2", "qwen3") and layer_types is None:
+        first_sliding = int(hf.get("max_window_layers", num_layers))
+        return tuple(int(window) if i >= first_sliding else None for i in range(num_layers))
+    if layer_types is not None and model_type not in ("qwen3_moe", "mixtral", "phi3"):
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return tuple(int(window) for _ in range(num_layers))

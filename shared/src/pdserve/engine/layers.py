@@ -1,0 +1,57 @@
+"""Norms and activations the model families share (Linear lives with the model)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 like the reference."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``x * (1 + weight)``, all in float32, then cast back.
+
+    NOTE: the checkpoint stores ``weight`` centred on zero; it is not folded into ``1 + weight``
+    at load because the reference adds the one in float32 even for a bf16 model.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> nn.Module:
+    """The RMSNorm of the config's family over the last dimension of ``size``."""
+    if config.gemma_norms:
+        return GemmaRMSNorm(size, config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps)
+
+
+def gated_activation(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up``: SwiGLU for ``silu``, GeGLU for ``gelu_pytorch_tanh``."""
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up

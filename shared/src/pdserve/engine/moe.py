@@ -1,0 +1,106 @@
+"""Sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A router scores every expert per token; each token runs through its top-k experts and their
+outputs are summed with the routing weights. The experts run grouped: the tokens routed to one
+expert are gathered and go through it as one matrix product, expert after expert, so a step
+costs one GEMM pair per expert hit, not one per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.layers import gated_activation
+from pdserve.engine.model_config import ModelConfig, MoeConfig
+
+
+class Experts(nn.Module):
+    """The routed experts' weights as 3-D tensors, ``[in, out]`` per expert like `Linear`.
+
+    Attributes:
+        gate_up_proj: ``[num_experts, hidden_size, 2 * moe_intermediate_size]``, gate then up.
+        down_proj: ``[num_experts, moe_intermediate_size, hidden_size]``.
+    """
+
+    def __init__(self, moe: MoeConfig, hidden_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.intermediate_size = moe.moe_intermediate_size
+        self.hidden_act = hidden_act
+        size = moe.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, 2 * size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, size, hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Sums each token's experts' outputs, weighted.
+
+        Args:
+            x: ``[num_tokens, hidden_size]``.
+            expert_ids: ``[num_tokens, top_k]`` the experts of each token.
+            weights: ``[num_tokens, top_k]`` their routing weights.
+
+        Returns:
+            ``[num_tokens, hidden_size]``.
+        """
+        top_k = expert_ids.shape[1]
+        flat_ids = expert_ids.flatten()
+        flat_weights = weights.flatten()
+        # order: the (token, k) slots sorted by expert, each expert's slots contiguous
+        order = flat_ids.argsort(stable=True)
+        # NOTE: one host read per MoE layer for the group sizes the loop needs.
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            tokens = slots // top_k
+            # gate_up: [count, 2 * intermediate_size]
+            gate_up = torch.mm(x[tokens], self.gate_up_proj[expert])
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = torch.mm(gated_activation(self.hidden_act, gate, up), self.down_proj[expert])
+            out.index_add_(0, tokens, hidden * flat_weights[slots, None])
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) a gated shared expert.
+
+    Args:
+        config: A model config with `ModelConfig.moe` set.
+        linear: The projection class of the model (``Linear(in, out, bias)``).
+        mlp: The dense MLP class (``mlp(config, intermediate_size)``) for the shared expert.
+    """
+
+    def __init__(self, config: ModelConfig, linear: type[nn.Module], mlp: type[nn.Module]) -> None:
+        super().__init__()
+        if config.moe is None:
+            raise ValueError("SparseMoeBlock needs a config with moe set")
+        self.moe = config.moe
+        self.gate = linear(config.hidden_size, self.moe.num_experts, False)
+        self.experts = Experts(self.moe, config.hidden_size, config.hidden_act)
+        self.shared_expert: nn.Module | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        if self.moe.shared_expert_intermediate_size:
+            self.shared_expert = mlp(config, self.moe.shared_expert_intermediate_size)
+            self.shared_expert_gate = linear(config.hidden_size, 1, False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
+        # router_logits: [num_tokens, num_experts]
+        router_logits = self.gate(x)
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = self.experts(x, expert_ids, weights.to(x.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out

@@ -1,0 +1,149 @@
+"""Tiny random checkpoints of every supported family, built with transformers from a config.
+
+The engine's exactness tests compare against transformers on these; the split and chaos tests
+serve them through real prefill and decode services.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB_SIZE = 300
+# NOTE: a wide initializer spreads the logits, so greedy choices are not near-ties that a
+# last-bit difference between two correct implementations could flip.
+INIT_RANGE = 0.25
+
+COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+    "initializer_range": INIT_RANGE,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    # GQA, untied, Llama 3.1 rope scaling with a short original context so it matters.
+    "llama3": (
+        "llama",
+        {
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    # Multi-head attention with tied embeddings.
+    "llama_tied": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    # q/k/v bias, GQA, tied embeddings (as the small Qwen2 checkpoints are).
+    "qwen2": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    # One KV head for four query heads and a sliding window shorter than the test sequences.
+    "mistral": ("mistral", {"num_key_value_heads": 1, "sliding_window": 24}),
+    # RMSNorm on q and k, a head_dim of its own, tied embeddings.
+    "qwen3": ("qwen3", {"num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True}),
+    # Fused qkv and gate/up in the checkpoint, RoPE over half of each head (Phi-4-mini style).
+    "phi3": (
+        "phi3",
+        {
+            "num_key_value_heads": 2,
+            "pad_token_id": 0,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+        },
+    ),
+    # Eight experts, two per token, renormalised; a sliding window on every layer.
+    "mixtral": (
+        "mixtral",
+        {
+            "num_key_value_heads": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "sliding_window": 24,
+        },
+    ),
+    # Experts with q/k norm; the second layer dense (mlp_only_layers).
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # q/k/v bias, unnormalised top-k and a sigmoid-gated shared expert.
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_key_value_heads": 2,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+        },
+    ),
+    # A sliding layer and a global one with RoPEs of their own (the global one scaled),
+    # GeGLU, scaled embeddings, norms around both blocks, q/k norm and final soft-capping.
+    "gemma3": (
+        "gemma3_text",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "sliding_window": 24,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+            "pad_token_id": 0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
+}
+
+
+# NOTE: the first four architectures keep the seeds they were tested with.
+_SEEDS = {"llama3": 0, "llama_tied": 1, "mistral": 2, "qwen2": 3}
+
+
+def build_hf_model(name: str) -> torch.nn.Module:
+    """A random transformers model of one of ``ARCHITECTURES``, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kind, extra = ARCHITECTURES[name]
+    config = AutoConfig.for_model(kind, **COMMON, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(_SEEDS.get(name, len(_SEEDS) + list(ARCHITECTURES).index(name)))
+    model = AutoModelForCausalLM.from_config(config)
+    if kind in ("qwen2", "qwen2_moe"):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0.0, INIT_RANGE)
+    return model.eval()
+
+
+def save_tiny_model(name: str, path: Path) -> Path:
+    """Saves ``build_hf_model(name)`` as a safetensors checkpoint directory at `path`."""
+    build_hf_model(name).save_pretrained(path, safe_serialization=True)
+    return path
