@@ -51,6 +51,14 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo as a mixture of experts (a tiny Mixtral with the demo's tokenizer)."""
+    from pdserve.engine.demo import DEMO_MOE_SPEC, ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("pdserve-cache-moe"), DEMO_MOE_SPEC)
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> ResolvedModel:
     """The default real model, SmolLM2-135M-Instruct, prepared in the pdserve cache.
 

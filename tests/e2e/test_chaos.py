@@ -76,6 +76,35 @@ def store(request: pytest.FixtureRequest) -> str:
 # NOTE: the store is a module-scoped parameter, so pytest runs every test with the store off,
 # then every one with it on (the module-scoped cluster starts once per value).
 STORE_OFF_ONLY = pytest.mark.parametrize("store", ["off"], indirect=True)
+# The preemption and lost-decode cases run on the dense demo with and without the store, and
+# on the mixture-of-experts demo (a tiny Mixtral) with the store off.
+DENSE_AND_MOE = pytest.mark.parametrize(
+    ("store", "chaos_model"), [("off", "dense"), ("file", "dense"), ("off", "moe")], indirect=True
+)
+
+
+@pytest.fixture
+def chaos_model(request: pytest.FixtureRequest) -> str:
+    """The model of a test's cluster: ``dense`` (the demo Llama) unless parametrized ``moe``."""
+    return str(getattr(request, "param", "dense"))
+
+
+@pytest.fixture
+def chaos_model_dir(chaos_model: str, demo_model_dir: Path, demo_moe_model_dir: Path) -> Path:
+    return demo_moe_model_dir if chaos_model == "moe" else demo_model_dir
+
+
+_MOE_REFERENCES: dict[Path, Reference] = {}
+
+
+@pytest.fixture
+def model_reference(chaos_model_dir: Path, reference: Reference) -> Reference:
+    """The undisturbed engine on the test's model (built once per model)."""
+    if chaos_model_dir == reference.model_dir:
+        return reference
+    if chaos_model_dir not in _MOE_REFERENCES:
+        _MOE_REFERENCES[chaos_model_dir] = Reference(chaos_model_dir)
+    return _MOE_REFERENCES[chaos_model_dir]
 
 
 @contextlib.contextmanager
@@ -183,10 +212,10 @@ async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
 
 @pytest.fixture
 def two_decodes(
-    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+    chaos_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ProcessCluster]:
     with chaos_cluster(
-        demo_model_dir,
+        chaos_model_dir,
         tmp_path,
         store,
         tmp_path_factory,
@@ -197,8 +226,11 @@ def two_decodes(
         yield cluster
 
 
-async def test_sigkill_decode_mid_stream(two_decodes: ProcessCluster, reference: Reference) -> None:
-    cluster, max_tokens = two_decodes, 300
+@DENSE_AND_MOE
+async def test_sigkill_decode_mid_stream(
+    two_decodes: ProcessCluster, model_reference: Reference
+) -> None:
+    cluster, max_tokens, reference = two_decodes, 300, model_reference
     requests = cases(4)
     expected = await expected_ids(reference, requests, max_tokens)
     # NOTE: every stream past its first tokens, so the victim's streams are all decoding (a
@@ -407,9 +439,9 @@ STORM_MAX_TOKENS = 64
 
 @pytest.fixture
 def tiny_pool(
-    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+    chaos_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ProcessCluster]:
-    with chaos_cluster(demo_model_dir, tmp_path, store, tmp_path_factory, **TINY_POOL) as cluster:
+    with chaos_cluster(chaos_model_dir, tmp_path, store, tmp_path_factory, **TINY_POOL) as cluster:
         yield cluster
 
 
@@ -428,10 +460,11 @@ async def storm(
         )
 
 
+@DENSE_AND_MOE
 async def test_preemption_storm(
-    tiny_pool: ProcessCluster, reference: Reference, store: str
+    tiny_pool: ProcessCluster, model_reference: Reference, store: str
 ) -> None:
-    cluster = tiny_pool
+    cluster, reference = tiny_pool, model_reference
     requests = cases(16, prefix="Storm")
     expected = await expected_ids(reference, requests, STORM_MAX_TOKENS)
     results = await storm(cluster, requests)

@@ -163,6 +163,7 @@ class Reference:
     """The single-process engine and the tokenizer, for expected outputs."""
 
     def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         config = EngineConfig(
             model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512)

@@ -140,3 +140,26 @@ def test_tokenizer_agrees_with_transformers(model_dir: Path) -> None:
         messages, add_generation_prompt=True, return_dict=False
     )
     assert ours.eos_token_ids == (demo_tok.EOS_TOKEN_ID, demo_tok.END_TOKEN_ID)
+
+
+def test_the_moe_demo_is_a_mixtral_that_equals_transformers(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from pdserve.engine import LLMEngine, SamplingParams
+    from pdserve.engine.config import CacheConfig, EngineConfig
+
+    moe_dir = demo.ensure_demo_model(tmp_path_factory.mktemp("moe"), demo.DEMO_MOE_SPEC)
+    assert moe_dir.name == "demo-mixtral-v1"
+    manifest = json.loads((moe_dir / "manifest.json").read_text())
+    assert manifest["name"] == "demo-mixtral-v1"
+    assert manifest["weights_sha256"] == demo.weights_sha256(demo.build_weights(demo.DEMO_MOE_SPEC))
+    assert json.loads((moe_dir / "config.json").read_text())["num_local_experts"] == 4
+    prompt = Tokenizer.from_pretrained(moe_dir).encode("The quick brown fox")
+    engine = LLMEngine(EngineConfig(model=str(moe_dir), cache=CacheConfig(num_blocks=16)))
+    ours = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
+    reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+        )
+    assert ours == out[0, len(prompt) :].tolist()[: len(ours)]

@@ -34,6 +34,7 @@ from pdserve.common.env import cache_dir as default_cache_dir
 from pdserve.engine import demo_tokenizer as tok
 
 DEMO_MODEL_NAME = "demo-llama-v1"
+DEMO_MOE_MODEL_NAME = "demo-mixtral-v1"
 MANIFEST_FILE = "manifest.json"
 
 log = structlog.get_logger()
@@ -65,6 +66,9 @@ class DemoModelSpec:
     bias_channel_value: float = 16.0
     # NOTE: the reserved channel reaches lm_head as about 4 after the final RMSNorm.
     bias_channel_scale: float = 4.0
+    # NOTE: with experts the demo is a Mixtral: every feed-forward routes to 2 of them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -73,12 +77,25 @@ class DemoModelSpec:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
     @property
+    def name(self) -> str:
+        """The directory name of the model in the cache."""
+        return DEMO_MOE_MODEL_NAME if self.num_experts else DEMO_MODEL_NAME
+
+    @property
     def head_dim(self) -> int:
         """Size of one attention head."""
         return self.hidden_size // self.num_attention_heads
 
     def hf_config(self) -> dict[str, Any]:
         """The contents of ``config.json``."""
+        experts: dict[str, Any] = {}
+        if self.num_experts:
+            experts = {
+                "architectures": ["MixtralForCausalLM"],
+                "model_type": "mixtral",
+                "num_local_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok,
+            }
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -101,10 +118,13 @@ class DemoModelSpec:
             "eos_token_id": tok.EOS_TOKEN_ID,
             "pad_token_id": tok.PAD_TOKEN_ID,
             "torch_dtype": "float32",
+            **experts,
         }
 
 
 DEMO_SPEC = DemoModelSpec()
+DEMO_MOE_SPEC = DemoModelSpec(num_experts=4, seed=20261128)
+"""The demo as a mixture of experts (Mixtral, 4 experts, 2 per token): the MoE test model."""
 
 
 def _uniform(generator: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -149,13 +169,20 @@ def build_weights(spec: DemoModelSpec = DEMO_SPEC) -> dict[str, torch.Tensor]:
             "self_attn.k_proj": (kv_size, hidden),
             "self_attn.v_proj": (kv_size, hidden),
             "self_attn.o_proj": (hidden, q_size),
-            "mlp.gate_proj": (inter, hidden),
-            "mlp.up_proj": (inter, hidden),
-            "mlp.down_proj": (hidden, inter),
         }
+        if spec.num_experts:
+            shapes["block_sparse_moe.gate"] = (spec.num_experts, hidden)
+            for expert in range(spec.num_experts):
+                shapes[f"block_sparse_moe.experts.{expert}.w1"] = (inter, hidden)
+                shapes[f"block_sparse_moe.experts.{expert}.w3"] = (inter, hidden)
+                shapes[f"block_sparse_moe.experts.{expert}.w2"] = (hidden, inter)
+        else:
+            shapes["mlp.gate_proj"] = (inter, hidden)
+            shapes["mlp.up_proj"] = (inter, hidden)
+            shapes["mlp.down_proj"] = (hidden, inter)
         for name, shape in shapes.items():
             weight = _uniform(generator, shape, spec.layer_std)
-            if name in ("self_attn.o_proj", "mlp.down_proj"):
+            if name in ("self_attn.o_proj", "mlp.down_proj") or name.endswith(".w2"):
                 weight[0, :] = 0.0  # never write the reserved channel
             else:
                 weight[:, 0] = 0.0  # never read it
@@ -210,14 +237,14 @@ def write_demo_model(directory: Path, spec: DemoModelSpec = DEMO_SPEC) -> str:
         for path in sorted(directory.iterdir())
     }
     # NOTE: the manifest is written last; its presence marks a complete directory.
-    manifest = {"name": DEMO_MODEL_NAME, "weights_sha256": digest, "files": files}
+    manifest = {"name": spec.name, "weights_sha256": digest, "files": files}
     _write_json(directory / MANIFEST_FILE, manifest)
     for path in directory.iterdir():
         path.chmod(0o644)  # NOTE: readable by services running as other users
     return digest
 
 
-def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+def ensure_demo_model(cache_dir: Path | None = None, spec: DemoModelSpec = DEMO_SPEC) -> Path:
     """Returns the demo model directory, generating it on first use.
 
     The model is written to a temporary directory next to the target and renamed into place,
@@ -226,24 +253,26 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     Args:
         cache_dir: Where to keep it; defaults to `pdserve.common.env.cache_dir()`
             (``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve``).
+        spec: Which demo: `DEMO_SPEC` (Llama) or `DEMO_MOE_SPEC` (Mixtral).
 
     Returns:
-        ``<cache_dir>/demo-llama-v1``, a Hugging Face model directory.
+        ``<cache_dir>/<spec.name>`` (``demo-llama-v1``), a Hugging Face model directory.
 
     Raises:
         RuntimeError: If the target exists but is not a complete demo model.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / DEMO_MODEL_NAME
+    name = spec.name
+    target = root / name
     if (target / MANIFEST_FILE).is_file():
         return target
     if target.exists():
         raise RuntimeError(f"{target} exists but is not a complete demo model; delete it")
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
     try:
         staging.chmod(0o755)  # mkdtemp makes it private
-        digest = write_demo_model(staging)
+        digest = write_demo_model(staging, spec)
         try:
             os.rename(staging, target)
         except OSError:

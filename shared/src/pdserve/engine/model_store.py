@@ -36,6 +36,7 @@ from pdserve.common.env import cache_dir as default_cache_dir
 log = structlog.get_logger(__name__)
 
 DEMO = "demo"
+DEMO_MOE = "demo-moe"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST_FILE = "manifest.json"
 # NOTE: bump when the conversion's output changes, so caches are prepared again.
@@ -105,7 +106,8 @@ def resolve_model(
     """Resolves ``--model`` (None means the default model), fetching and preparing if needed.
 
     Args:
-        model: A known name, ``demo``, a ``.gguf`` file or a Hugging Face directory.
+        model: A known name, ``demo``, ``demo-moe``, a ``.gguf`` file or a Hugging Face
+            directory.
         cache_dir: The pdserve cache; ``$PDSERVE_CACHE_DIR`` or ``~/.cache/pdserve`` if None.
         show_progress: Draw progress bars on stderr while fetching and preparing.
 
@@ -115,10 +117,11 @@ def resolve_model(
     """
     spec = model or DEFAULT_MODEL
     cache = cache_dir or default_cache_dir()
-    if spec == DEMO:
-        from pdserve.engine.demo import DEMO_MODEL_NAME, ensure_demo_model
+    if spec in (DEMO, DEMO_MOE):
+        from pdserve.engine.demo import DEMO_MOE_SPEC, DEMO_SPEC, ensure_demo_model
 
-        return ResolvedModel(ensure_demo_model(cache), DEMO_MODEL_NAME)
+        demo = DEMO_MOE_SPEC if spec == DEMO_MOE else DEMO_SPEC
+        return ResolvedModel(ensure_demo_model(cache, demo), demo.name)
     if spec in KNOWN_MODELS:
         known = KNOWN_MODELS[spec]
         return ResolvedModel(_prepare_known(known, cache, show_progress), known.name)
@@ -127,7 +130,7 @@ def resolve_model(
         return ResolvedModel(_prepare_gguf_file(path, cache, show_progress), path.stem)
     if path.is_dir() and (path / "config.json").is_file():
         return ResolvedModel(path, _prepared_name(path) or path.name)
-    names = ", ".join([*KNOWN_MODELS, DEMO])
+    names = ", ".join([*KNOWN_MODELS, DEMO, DEMO_MOE])
     raise ValueError(
         f"--model {spec!r} is neither a known model ({names}), a .gguf file, nor a Hugging "
         "Face model directory with config.json"
