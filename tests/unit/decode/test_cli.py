@@ -169,3 +169,38 @@ def test_a_bad_kv_store_spec_is_refused_at_start(capsys) -> None:
     assert main(["--insecure", "--kv-store", "s3://bucket"]) == 2
     error = capsys.readouterr().err
     assert "kv_store" in error and "file:DIR" in error and "redis://HOST:PORT" in error
+
+
+async def test_an_unsupported_model_is_refused_by_name_and_never_registers(
+    tmp_path: Path,
+) -> None:
+    config = {
+        "model_type": "gpt_neox",
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    registry = _Registry()
+    server = new_aio_server()
+    registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
+    gateway_port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "pdserve.decode", "--model", str(tmp_path), "--port", "0"),
+            *("--gateway", f"127.0.0.1:{gateway_port}", "--insecure"),
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        await server.stop(grace=None)
+    assert process.returncode == 2
+    text = stderr.decode()
+    assert "Traceback" not in text
+    refused = [json.loads(line) for line in text.splitlines() if '"model_refused"' in line]
+    assert refused and "'gpt_neox'" in refused[0]["reason"]
+    assert "qwen3_moe" in refused[0]["reason"] and "gemma3_text" in refused[0]["reason"]
+    assert '"decode_started"' not in text and not registry.registered

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_config import ModelConfig, ModelLoadError
 
 log = structlog.get_logger(__name__)
 
@@ -67,13 +67,14 @@ def load_model(
         The model in eval mode with every parameter loaded.
 
     Raises:
-        ValueError: If files are missing, a tensor has the wrong shape, or a parameter is absent.
+        ModelLoadError: If files are missing, a tensor has the wrong shape, or a parameter is
+            absent.
     """
     path = Path(model_dir)
     config = config or ModelConfig.from_pretrained(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no *.safetensors files in {str(path)!r}")
+        raise ModelLoadError(f"no *.safetensors files in {str(path)!r}")
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend).to(dtype)
@@ -89,7 +90,7 @@ def load_model(
                 _load_tensor(_renamed(hf_name), tensor, params, pending, config)
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
-        raise ValueError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
+        raise ModelLoadError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
     model.tie_weights()
     model.init_rotary(device)
     model.eval()
@@ -153,7 +154,7 @@ def _load_tensor(
         # NOTE: our projections store weights as [in, out]; HF stores [out, in].
         name, tensor = f"{name}_t", tensor.t()
     if name not in params:
-        raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+        raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
     target = params[name].data
     if match is not None:
         dim = 1 if transposed else 0
@@ -190,7 +191,7 @@ def _load_expert(
     prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
     name = f"{prefix}.down_proj" if part == "down_proj" else f"{prefix}.gate_up_proj"
     if name not in params:
-        raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+        raise ModelLoadError(f"unexpected tensor {hf_name!r} in checkpoint")
     # target: [in, out] of this expert
     target = params[name].data[expert]
     shard = expert
@@ -205,7 +206,7 @@ def _load_expert(
 
 def _copy(hf_name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
     if target.shape != tensor.shape:
-        raise ValueError(
+        raise ModelLoadError(
             f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
         )
     with torch.no_grad():

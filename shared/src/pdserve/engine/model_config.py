@@ -22,6 +22,11 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+class ModelLoadError(ValueError):
+    """A model directory the engine refuses: an unknown family, a setting it does not
+    implement, or a checkpoint that does not match its config. The message says which."""
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary position embedding parameters.
@@ -228,8 +233,11 @@ class ModelConfig:
         path = Path(model_dir)
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise ValueError(f"no config.json in model directory {str(path)!r}")
+            raise ModelLoadError(f"no config.json in model directory {str(path)!r}")
         hf = json.loads(config_file.read_text())
         generation_file = path / "generation_config.json"
         generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None
-        return cls.from_hf_config(hf, generation)
+        try:
+            return cls.from_hf_config(hf, generation)
+        except (ValueError, KeyError) as error:
+            raise ModelLoadError(f"{path}/config.json: {error}") from error

@@ -8,10 +8,13 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import structlog
+
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging
 from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
+from pdserve.engine.model_config import ModelLoadError
 from pdserve.serving.config import InstanceConfig
 
 ConfigT = TypeVar("ConfigT", bound=InstanceConfig)
@@ -41,8 +44,8 @@ def run(
     """Parses `argv`, configures logging and tracing, and runs `serve` until it returns.
 
     Returns:
-        The exit status: 0, or 2 for settings the config refuses or unusable certificates (the
-        reason goes to stderr).
+        The exit status: 0, or 2 for settings the config refuses, unusable certificates or a
+        model the engine refuses (the reason goes to stderr).
     """
     args = parser.parse_args(argv)
     try:
@@ -57,6 +60,11 @@ def run(
     configure_tracing(parser.prog, config.otlp_endpoint, config.trace_sample_ratio)
     try:
         asyncio.run(serve(config))
+    except ModelLoadError as error:
+        # NOTE: refused before the instance starts its servers, so it never registers.
+        structlog.get_logger(__name__).error("model_refused", model=config.model, reason=str(error))
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return 2
     finally:
         shutdown_tracing()
     return 0
