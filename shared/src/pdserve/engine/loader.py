@@ -88,6 +88,7 @@ def load_model(
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = reader.get_tensor(hf_name)
                 _load_tensor(_renamed(hf_name), tensor, params, pending, config)
+                del tensor  # NOTE: before the next one is read: one tensor in flight
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ModelLoadError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
