@@ -6,6 +6,7 @@ serve them through real prefill and decode services.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -125,12 +126,17 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 _SEEDS = {"llama3": 0, "llama_tied": 1, "mistral": 2, "qwen2": 3}
 
 
-def build_hf_model(name: str) -> torch.nn.Module:
-    """A random transformers model of one of ``ARCHITECTURES``, in eval mode."""
+def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
+    """A random transformers model of one of ``ARCHITECTURES``, in eval mode.
+
+    Args:
+        name: A key of ``ARCHITECTURES``.
+        overrides: Config values that replace the common ones (e.g. ``vocab_size``).
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kind, extra = ARCHITECTURES[name]
-    config = AutoConfig.for_model(kind, **COMMON, **extra)
+    config = AutoConfig.for_model(kind, **{**COMMON, **extra, **overrides})
     config._attn_implementation = "sdpa"
     torch.manual_seed(_SEEDS.get(name, len(_SEEDS) + list(ARCHITECTURES).index(name)))
     model = AutoModelForCausalLM.from_config(config)
@@ -143,7 +149,25 @@ def build_hf_model(name: str) -> torch.nn.Module:
     return model.eval()
 
 
-def save_tiny_model(name: str, path: Path) -> Path:
-    """Saves ``build_hf_model(name)`` as a safetensors checkpoint directory at `path`."""
-    build_hf_model(name).save_pretrained(path, safe_serialization=True)
+def save_tiny_model(name: str, path: Path, **overrides: Any) -> Path:
+    """Saves ``build_hf_model(name, **overrides)`` as a safetensors checkpoint at `path`."""
+    build_hf_model(name, **overrides).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def servable_tiny_model(name: str, path: Path, demo_model_dir: Path) -> Path:
+    """A tiny model of family `name` with the demo's tokenizer and chat template, so that
+    `pdserve up --model` serves it (its vocabulary is the demo's)."""
+    from pdserve.engine import demo_tokenizer
+
+    save_tiny_model(
+        name,
+        path,
+        vocab_size=demo_tokenizer.VOCAB_SIZE,
+        bos_token_id=demo_tokenizer.BOS_TOKEN_ID,
+        eos_token_id=demo_tokenizer.EOS_TOKEN_ID,
+        pad_token_id=demo_tokenizer.PAD_TOKEN_ID,
+    )
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(demo_model_dir / file, path / file)
     return path
