@@ -55,6 +55,9 @@ class TinyHfSpec:
         config: Config values beyond the shared sizes.
         vocab: Which tiny vocabulary the file carries: ``llama``, ``gemma`` (SentencePiece) or
             ``gpt2`` (byte-level BPE).
+        is_expert_stacked: Stack the experts into one 3-D tensor per projection (as llama.cpp
+            does since 2024); otherwise one ``blk.N.ffn_gate.E`` tensor per expert, as older
+            Mixtral files have.
         seed: Seeds the weights.
     """
 
@@ -62,6 +65,7 @@ class TinyHfSpec:
     gguf_architecture: str
     config: dict[str, Any] = field(default_factory=dict)
     vocab: str = "gpt2"
+    is_expert_stacked: bool = True
     seed: int = 0
 
 
@@ -197,6 +201,10 @@ def gguf_tensors(
         if "experts" in parts:
             # model.layers.{L}.{mlp|block_sparse_moe}.experts.{E}.{proj}
             layer, expert, proj = parts[2], int(parts[-2]), parts[-1]
+            if not spec.is_expert_stacked:
+                part = _EXPERT_PARTS[proj].removesuffix("_exps")
+                tensors[f"blk.{layer}.{part}.{expert}.{suffix}"] = data.astype(np.float32)
+                continue
             experts.setdefault(f"blk.{layer}.{_EXPERT_PARTS[proj]}.{suffix}", {})[expert] = data
             continue
         gguf_name = name_map.get_name(base)

@@ -53,6 +53,14 @@ SPECS = {
         {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
         vocab="llama",
     ),
+    # NOTE: Mixtral files from before 2024 hold one tensor per expert (blk.N.ffn_gate.E).
+    "mixtral-per-expert-tensors": TinyHfSpec(
+        "mixtral",
+        "llama",
+        {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+        vocab="llama",
+        is_expert_stacked=False,
+    ),
     # NOTE: six layers make the sixth a global one; a window of 4 under a 24-token prompt, a
     # 1/sqrt(head_dim) query scale and linear RoPE scaling on the global layer all show.
     "gemma3_text": TinyHfSpec(
