@@ -25,6 +25,9 @@ NUM_LAYERS = 2
 NUM_HEADS = 4
 NUM_KV_HEADS = 2
 HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
+# NOTE: Qwen3 decouples head_dim from hidden_size / num_heads; 128 is also what transformers'
+# GGUF loader assumes for qwen3 (it does not read attention.key_length there).
+QWEN3_HEAD_DIM = 128
 CONTEXT_LENGTH = 512
 ROPE_FREQ_BASE = 50000.0
 RMS_NORM_EPS = 1e-5
@@ -82,8 +85,9 @@ class TinyGgufSpec:
     """What one tiny GGUF file holds.
 
     Attributes:
-        architecture: ``general.architecture``: ``llama`` (permuted q/k rows) or ``qwen2``
-            (q/k/v biases); anything else is written with Llama's tensors.
+        architecture: ``general.architecture``: ``llama`` (permuted q/k rows), ``qwen2``
+            (q/k/v biases) or ``qwen3`` (q/k norms, head_dim 128); anything else is written with
+            Llama's tensors.
         tensor_type: The type of every 2-D weight.
         tokenizer_model: ``tokenizer.ggml.model``.
         tokenizer_pre: ``tokenizer.ggml.pre``, which picks the pre-tokenizer split.
@@ -177,7 +181,10 @@ def write_tiny_gguf(path: Path, spec: TinyGgufSpec = TinyGgufSpec()) -> Path:
     writer.add_head_count_kv(NUM_KV_HEADS)
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
-    writer.add_rope_dimension_count(HEAD_DIM)
+    head_dim = QWEN3_HEAD_DIM if spec.architecture == "qwen3" else HEAD_DIM
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_vocab_size(len(vocab.tokens))
     writer.add_tokenizer_model(spec.tokenizer_model)
     writer.add_tokenizer_pre(spec.tokenizer_pre)
@@ -209,10 +216,11 @@ def tiny_tensors(spec: TinyGgufSpec, vocab_size: int) -> dict[str, np.ndarray]:
     def vector(size: int, mean: float) -> np.ndarray:
         return (mean + rng.normal(0.0, WEIGHT_STD, size)).astype(np.float32)
 
-    kv_size = NUM_KV_HEADS * HEAD_DIM
+    head_dim = QWEN3_HEAD_DIM if spec.architecture == "qwen3" else HEAD_DIM
+    q_size, kv_size = NUM_HEADS * head_dim, NUM_KV_HEADS * head_dim
     tensors = {"token_embd.weight": weight(vocab_size, HIDDEN_SIZE)}
     for layer in range(NUM_LAYERS):
-        q, k = weight(HIDDEN_SIZE, HIDDEN_SIZE), weight(kv_size, HIDDEN_SIZE)
+        q, k = weight(q_size, HIDDEN_SIZE), weight(kv_size, HIDDEN_SIZE)
         if spec.architecture == "llama":
             q, k = llama_permute(q, NUM_HEADS), llama_permute(k, NUM_KV_HEADS)
         block = {
@@ -220,12 +228,17 @@ def tiny_tensors(spec: TinyGgufSpec, vocab_size: int) -> dict[str, np.ndarray]:
             "attn_q.weight": q,
             "attn_k.weight": k,
             "attn_v.weight": weight(kv_size, HIDDEN_SIZE),
-            "attn_output.weight": weight(HIDDEN_SIZE, HIDDEN_SIZE),
+            "attn_output.weight": weight(HIDDEN_SIZE, q_size),
             "ffn_norm.weight": vector(HIDDEN_SIZE, 1.0),
             "ffn_gate.weight": weight(INTERMEDIATE_SIZE, HIDDEN_SIZE),
             "ffn_up.weight": weight(INTERMEDIATE_SIZE, HIDDEN_SIZE),
             "ffn_down.weight": weight(HIDDEN_SIZE, INTERMEDIATE_SIZE),
         }
+        if spec.architecture == "qwen3":
+            block |= {
+                "attn_q_norm.weight": vector(head_dim, 1.0),
+                "attn_k_norm.weight": vector(head_dim, 1.0),
+            }
         if spec.architecture == "qwen2":
             block |= {
                 "attn_q.bias": vector(HIDDEN_SIZE, 0.0),

@@ -6,8 +6,10 @@ the files a Hugging Face model directory has, built the way transformers builds 
 the same GGUF, so that the gateway tokenizes exactly as transformers does. It takes plain
 values (no `gguf`, numpy or torch import), so it stays usable from the torch-free gateway.
 
-Supported: ``tokenizer.ggml.model = gpt2`` (byte-level BPE, used by SmolLM2, Llama 3, Qwen2 and
-most BPE models), with the pre-tokenizer split that ``tokenizer.ggml.pre`` names.
+Supported: ``tokenizer.ggml.model = gpt2`` (byte-level BPE, used by SmolLM2, Llama 3, Qwen2/3,
+Phi-4 and most BPE models), with the pre-tokenizer split that ``tokenizer.ggml.pre`` names, and
+``tokenizer.ggml.model = llama`` (SentencePiece BPE with scores and byte fallback: Llama 2,
+Mistral, Mixtral, Gemma, Phi-3; see `pdserve.tokenizer.gguf_sentencepiece`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
+from pdserve.tokenizer.gguf_sentencepiece import (
+    GEMMA_ARCHITECTURES,
+    GEMMA_MASK_TOKEN,
+    build_sentencepiece_backend,
+    merge_pair,
+    sentencepiece_tokens,
+)
+
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -84,10 +94,12 @@ class GgufVocab:
     """The tokenizer metadata of a GGUF file (llama.cpp's ``tokenizer.ggml.*`` keys).
 
     Attributes:
-        model: ``tokenizer.ggml.model``, e.g. ``gpt2``.
+        model: ``tokenizer.ggml.model``: ``gpt2`` (byte-level BPE) or ``llama`` (SentencePiece).
         tokens: The vocabulary, index = token id.
         token_types: One llama.cpp token type per token (3 = control, 4 = user defined).
-        merges: BPE merges as ``"a b"`` strings.
+        merges: BPE merges as ``"a b"`` strings (a SentencePiece file usually has none).
+        scores: One score per token (SentencePiece), from which the merges are recovered.
+        architecture: ``general.architecture``; picks a SentencePiece family's text handling.
         pre: ``tokenizer.ggml.pre``, the pre-tokenizer's name.
         bos_token_id: BOS, if the file names one.
         eos_token_id: EOS, if the file names one.
@@ -102,6 +114,8 @@ class GgufVocab:
     tokens: Sequence[str]
     token_types: Sequence[int] = ()
     merges: Sequence[str] = ()
+    scores: Sequence[float] = ()
+    architecture: str = ""
     pre: str = "default"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -140,7 +154,44 @@ def byte_alphabet() -> dict[int, str]:
 
 
 def build_tokenizer(vocab: GgufVocab) -> tokenizers.Tokenizer:
-    """The byte-level BPE tokenizer that `vocab` describes, as transformers builds it."""
+    """The tokenizer that `vocab` describes, as transformers builds it for the same file."""
+    if vocab.model == "llama":
+        return _build_sentencepiece(vocab)
+    return _build_byte_level(vocab)
+
+
+def _build_sentencepiece(vocab: GgufVocab) -> tokenizers.Tokenizer:
+    backend = build_sentencepiece_backend(vocab)
+    tokens = sentencepiece_tokens(vocab)
+    types = vocab.token_types or [0] * len(tokens)
+    # NOTE: transformers makes the named special tokens (e.g. <unk>, typed "unknown") special
+    # as well as the control ones, so decoding with skip_special_tokens drops the same ids.
+    named = {vocab.bos_token_id, vocab.eos_token_id, vocab.unk_token_id, vocab.pad_token_id}
+    if vocab.architecture in GEMMA_ARCHITECTURES and GEMMA_MASK_TOKEN in tokens:
+        # NOTE: Gemma's tokenizer names a mask token too (as its published tokenizer.json does).
+        named.add(tokens.index(GEMMA_MASK_TOKEN))
+    special_ids = {
+        index for index, kind in enumerate(types) if kind == TOKEN_TYPE_CONTROL or index in named
+    }
+    special = [
+        AddedToken(tokens[index], normalized=False, special=True) for index in sorted(special_ids)
+    ]
+    backend.add_special_tokens(special)
+    # NOTE: a user-defined token counts under its own spelling only (Gemma's "\n\n");
+    # a space-only one was respelled as "▁" runs and reaches the same id through the merges.
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for index, (token, original, kind) in enumerate(
+            zip(tokens, vocab.tokens, types, strict=True)
+        )
+        if kind == TOKEN_TYPE_USER_DEFINED and token == original and index not in special_ids
+    ]
+    backend.add_tokens(user_defined)
+    backend.post_processor = _post_processor(vocab)
+    return backend
+
+
+def _build_byte_level(vocab: GgufVocab) -> tokenizers.Tokenizer:
     alphabet = byte_alphabet()
     letters = set(alphabet.values())
 
@@ -150,7 +201,7 @@ def build_tokenizer(vocab: GgufVocab) -> tokenizers.Tokenizer:
         return "".join(alphabet[byte] for byte in token.encode("utf-8"))
 
     token_ids = {spelled(token): index for index, token in enumerate(vocab.tokens)}
-    merges = [_merge_pair(merge) for merge in vocab.merges]
+    merges = [merge_pair(merge) for merge in vocab.merges]
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab=token_ids,
@@ -192,13 +243,6 @@ def build_tokenizer(vocab: GgufVocab) -> tokenizers.Tokenizer:
     backend.add_tokens(user_defined)
     backend.post_processor = _post_processor(vocab)
     return backend
-
-
-def _merge_pair(merge: str) -> tuple[str, str]:
-    left, separator, right = merge.partition(" ")
-    if not separator or not left or not right:
-        raise ValueError(f"malformed BPE merge {merge!r} in tokenizer.ggml.merges")
-    return left, right
 
 
 def _post_processor(vocab: GgufVocab) -> processors.TemplateProcessing:
