@@ -23,7 +23,7 @@ from pdserve.engine.gguf_import import (
     convert_gguf,
 )
 from pdserve.tokenizer import Tokenizer
-from pdserve.tokenizer.gguf_vocab import SUPPORTED_TOKENIZER_MODELS
+from pdserve.tokenizer.gguf_metadata import SUPPORTED_TOKENIZER_MODELS
 
 # fp32 on CPU: both sides dequantize the same blocks and differ only in summation order.
 LOGITS_ATOL = 1e-4

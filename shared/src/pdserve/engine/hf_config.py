@@ -1,4 +1,5 @@
-"""Reads a Hugging Face ``config.json`` into a `ModelConfig`, one rule set per family.
+"""Reads a Hugging Face ``config.json`` into the fields of a `ModelConfig`, one rule set per
+family.
 
 Each family's rules follow that family's configuration and modeling code in transformers:
 which projections carry a bias, which layers slide, which feed-forwards are experts, and how
@@ -10,12 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.model_config import (
-    SUPPORTED_MODEL_TYPES,
-    ModelConfig,
-    MoeConfig,
-    RopeConfig,
-)
+from pdserve.engine.arch_config import SUPPORTED_MODEL_TYPES, MoeConfig, RopeConfig
 
 _QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -41,8 +37,8 @@ def _refuse_unknown(model_type: str) -> None:
     )
 
 
-def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None) -> ModelConfig:
-    """The `ModelConfig` of a parsed ``config.json`` (and ``generation_config.json``).
+def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -> dict[str, Any]:
+    """The `ModelConfig` fields of a parsed ``config.json`` (and ``generation_config.json``).
 
     Raises:
         ValueError: For an unknown ``model_type`` or a setting the engine does not implement.
@@ -60,7 +56,7 @@ def model_config_from_hf(hf: dict[str, Any], generation: dict[str, Any] | None) 
     if generation:
         eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation.get("eos_token_id"))))
     rope, local_rope = _ropes(hf, model_type)
-    return ModelConfig(
+    return dict(
         model_type=model_type,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden_size,

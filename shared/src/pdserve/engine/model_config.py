@@ -7,105 +7,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "qwen2",
-    "mistral",
-    "qwen3",
-    "phi3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "gemma3_text",
+from pdserve.engine.arch_config import (
+    SUPPORTED_ACTIVATIONS,
+    SUPPORTED_MODEL_TYPES,
+    ModelLoadError,
+    MoeConfig,
+    RopeConfig,
 )
-SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from pdserve.engine.hf_config import model_config_fields
 
-
-class ModelLoadError(ValueError):
-    """A model directory the engine refuses: an unknown family, a setting it does not
-    implement, or a checkpoint that does not match its config. The message says which."""
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embedding parameters.
-
-    Attributes:
-        theta: Base wavelength (``rope_theta``).
-        rope_type: ``default``, ``linear`` or ``llama3``.
-        factor: Scaling factor (``linear`` and ``llama3``).
-        low_freq_factor: ``llama3`` only.
-        high_freq_factor: ``llama3`` only.
-        original_max_position_embeddings: ``llama3`` only: the pre-training context length.
-    """
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope type {self.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
-            )
-        if self.theta <= 0 or self.factor <= 0:
-            raise ValueError("rope theta and factor must be positive")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError("llama3 rope needs high_freq_factor > low_freq_factor")
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
-        """Reads ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
-        params = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        merged = {**scaling, **params}
-        theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rope_type = merged.get("rope_type", merged.get("type", "default"))
-        return cls(
-            theta=float(theta),
-            rope_type=str(rope_type),
-            factor=float(merged.get("factor", 1.0)),
-            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(
-                merged.get("original_max_position_embeddings", 8192)
-            ),
-        )
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE).
-
-    Attributes:
-        num_experts: Routed experts per MoE layer.
-        num_experts_per_tok: Experts each token is routed to (top-k).
-        moe_intermediate_size: Hidden size of one routed expert.
-        norm_topk_prob: Renormalise the top-k routing weights to sum to one.
-        shared_expert_intermediate_size: Qwen2-MoE's always-on shared expert (0: none).
-        moe_layers: Per layer, whether its feed-forward is the MoE block (else a dense MLP of
-            ``intermediate_size``).
-    """
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    norm_topk_prob: bool
-    moe_layers: tuple[bool, ...]
-    shared_expert_intermediate_size: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
-            raise ValueError("num_experts and moe_intermediate_size must be positive")
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in 1..{self.num_experts}, "
-                f"got {self.num_experts_per_tok}"
-            )
+__all__ = [
+    "SUPPORTED_ACTIVATIONS",
+    "SUPPORTED_MODEL_TYPES",
+    "ModelConfig",
+    "ModelLoadError",
+    "MoeConfig",
+    "RopeConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -223,9 +141,7 @@ class ModelConfig:
             ValueError: For an architecture or setting the engine does not implement; the
                 message names it and lists what is supported.
         """
-        from pdserve.engine.hf_config import model_config_from_hf
-
-        return model_config_from_hf(hf, generation)
+        return cls(**model_config_fields(hf, generation))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:

@@ -23,7 +23,7 @@ import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 if TYPE_CHECKING:
-    from pdserve.tokenizer.gguf_vocab import GgufVocab
+    from pdserve.tokenizer.gguf_metadata import GgufVocab
 
 SPACE = "\u2581"
 GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
