@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +12,8 @@ import grpc
 import httpx
 import openai
 import pytest
+from support.eventually import eventually
+from support.launcher_cli import running_launcher
 from support.real_cluster import Reference
 
 from pdserve.common.config import from_args
@@ -123,31 +123,54 @@ def test_the_banner_tells_each_instance_kv_capacity(cluster: Cluster) -> None:
     assert f"prefill-0 {prefill['num_tokens']:,} tokens" in line
 
 
-def test_cli_reports_a_crashed_child(demo_model_dir: Path, tmp_path: Path) -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.launcher", "up", "--model", str(demo_model_dir),
-         "--port", "0", "--grpc-port", "0", "--internal-port", "0", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert process.stdout is not None
-        registry_address = ""
-        for line in process.stdout:
-            if "Registry (internal gRPC):" in line:
-                registry_address = line.split()[-1]
-                break
-        assert registry_address, "the banner never came"
-        pattern = f"pdserve.decode .*--gateway {registry_address}"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        os.kill(int(pids.split()[0]), signal.SIGKILL)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 1
+def _up_args(model_dir: Path, log_dir: Path, *more: str) -> list[str]:
+    return ["--model", str(model_dir), "--port", "0", "--grpc-port", "0", "--internal-port", "0",
+            "--log-dir", str(log_dir), *more]  # fmt: skip
+
+
+def _num_logged(path: Path, event: str) -> int:
+    """How many times a service's log (all its runs) holds `event`."""
+    return sum(1 for line in path.read_text().splitlines() if f'"event": "{event}"' in line)
+
+
+async def test_cli_restarts_a_crashed_child_then_gives_up(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    args = _up_args(demo_model_dir, tmp_path, "--max-restarts", "1", "--restart-backoff-s", "0.1")
+    with running_launcher(args) as launcher:
+        launcher.wait_for_banner(120)
+        pids = launcher.pids
+        assert set(pids) == {"gateway", "prefill-0", "decode-0"}
+        os.kill(pids["decode-0"], signal.SIGKILL)
+
+        def restarted() -> list[dict[str, str]]:
+            return launcher.events("service_restarted")
+
+        await eventually(restarted, 20, "the launcher restarted the decode")
+        (exited,) = launcher.events("service_exited")
+        assert (exited["service"], exited["pid"]) == ("decode-0", str(pids["decode-0"]))
+        assert exited["signal"] == "SIGKILL"
+        new_pid = int(restarted()[0]["pid"])
+        assert new_pid != pids["decode-0"]
+        # NOTE: the new decode registers again with the same gateway (the embedded registry,
+        # on the port it had), and serves; its log holds both runs.
+        log = tmp_path / "decode-0.log"
+        await eventually(lambda: _num_logged(log, "registered") >= 2, 60, "registered again")
+        async with httpx.AsyncClient(timeout=30) as http:
+            base = launcher.rest_urls[0]
+            model = (await http.get(f"{base}/v1/models")).json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Hello", "max_tokens": 4}
+            response = await http.post(f"{base}/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+        assert launcher.process.poll() is None
+        os.kill(new_pid, signal.SIGKILL)
+        status = await asyncio.to_thread(launcher.process.wait, 60)
+    stderr = "\n".join(launcher.stderr)
+    assert status == 1
     assert "decode-0" in stderr and "status -9" in stderr
-    assert (tmp_path / "decode-0.log").is_file()
+    assert "no restarts left (--max-restarts 1)" in stderr
+    assert launcher.events("service_restarts_exhausted")[0]["service"] == "decode-0"
+    assert log.is_file()
 
 
 def test_pass_through_flags_take_their_value_as_written() -> None:
