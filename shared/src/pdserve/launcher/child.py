@@ -125,8 +125,9 @@ class ChildProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        # NOTE: the child leads its own process group (start_new_session): the group's id
-        # stays taken while any of its processes lives, so it cannot name another's.
+        # NOTE: the child leads its own process group (start_new_session), whose id cannot be
+        # reused while any of its processes lives; a dead service's workers may still hold its
+        # ports (inherited sockets), which a restart needs.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         self._reader.join(timeout=2)
