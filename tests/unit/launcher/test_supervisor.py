@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 import structlog
 
+from pdserve.common.config import from_args
+from pdserve.launcher.__main__ import parse_args
+from pdserve.launcher.config import ClusterConfig
 from pdserve.launcher.supervisor import RestartDecision, RestartPolicy, Supervisor, exit_fields
 
 
@@ -127,3 +130,14 @@ def test_a_dead_service_is_restarted_after_its_wait_and_the_others_are_left_alon
         "gateway", 2, 2
     )  # fmt: skip
     assert supervisor.num_restarts == {"gateway": 2}
+
+
+def test_the_flags_reach_the_config_and_negative_values_are_refused() -> None:
+    args = parse_args(["up", "--max-restarts", "0", "--restart-backoff-s", "0.5"])
+    config = from_args(ClusterConfig, args)
+    assert (config.max_restarts, config.restart_backoff_s) == (0, 0.5)
+    assert ClusterConfig().max_restarts == 5
+    with pytest.raises(ValueError, match="max_restarts"):
+        ClusterConfig(max_restarts=-1)
+    with pytest.raises(ValueError, match="restart_backoff_s"):
+        ClusterConfig(restart_backoff_s=-0.1)
