@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
 import openai
 import pytest
+from support.etcd_server import running_etcd
+from support.eventually import eventually
+from support.launcher_cli import running_launcher
 from support.real_cluster import Reference
+from support.resumable_sse import chat_content, sse_events
 
 from pdserve.common.config import from_args
 from pdserve.common.pki import MEMBER_DNS_NAME
@@ -123,31 +127,83 @@ def test_the_banner_tells_each_instance_kv_capacity(cluster: Cluster) -> None:
     assert f"prefill-0 {prefill['num_tokens']:,} tokens" in line
 
 
-def test_cli_reports_a_crashed_child(demo_model_dir: Path, tmp_path: Path) -> None:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.launcher", "up", "--model", str(demo_model_dir),
-         "--port", "0", "--grpc-port", "0", "--internal-port", "0", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+def _up_args(model_dir: Path, log_dir: Path, *more: str) -> list[str]:
+    return ["--model", str(model_dir), "--port", "0", "--grpc-port", "0", "--internal-port", "0",
+            "--log-dir", str(log_dir), *more]  # fmt: skip
+
+
+def _logged(path: Path, event: str) -> list[dict[str, Any]]:
+    """The records of `event` in a service's log."""
+    records = (json.loads(line) for line in path.read_text().splitlines() if line.startswith("{"))
+    return [record for record in records if record.get("event") == event]
+
+
+async def _completes(url: str) -> bool:
+    """Whether a short completion through the gateway at `url` succeeds."""
     try:
-        assert process.stdout is not None
-        registry_address = ""
-        for line in process.stdout:
-            if "Registry (internal gRPC):" in line:
-                registry_address = line.split()[-1]
-                break
-        assert registry_address, "the banner never came"
-        pattern = f"pdserve.decode .*--gateway {registry_address}"
-        pids = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        os.kill(int(pids.split()[0]), signal.SIGKILL)
-        _, stderr = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert process.returncode == 1
+        async with httpx.AsyncClient(timeout=30) as http:
+            models = (await http.get(f"{url}/v1/models")).json()["data"]
+            if not models:
+                return False
+            body = {"model": models[0]["id"], "prompt": "Hello", "max_tokens": 4}
+            response = await http.post(f"{url}/v1/completions", json=body)
+    except httpx.TransportError:
+        return False
+    return response.status_code == 200
+
+
+async def test_cli_restarts_crashed_children_then_gives_up(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    args = _up_args(demo_model_dir, tmp_path, "--max-restarts", "1", "--restart-backoff-s", "0.1")
+    with running_launcher(args) as launcher:
+        launcher.wait_for_banner(120)
+        pids = launcher.pids
+        assert set(pids) == {"gateway", "prefill-0", "decode-0"}
+        url = launcher.rest_urls[0]
+
+        async def kill_and_wait_for_restart(name: str, pid: int) -> int:
+            num_restarted = len(launcher.events("service_restarted"))
+            os.kill(pid, signal.SIGKILL)
+            await eventually(
+                lambda: len(launcher.events("service_restarted")) > num_restarted,
+                20,
+                f"the launcher restarted {name}",
+            )
+            exited = launcher.events("service_exited")[-1]
+            assert (exited["service"], exited["pid"], exited["signal"]) == (
+                name, str(pid), "SIGKILL"
+            )  # fmt: skip
+            restarted = launcher.events("service_restarted")[-1]
+            assert restarted["service"] == name and int(restarted["pid"]) != pid
+            return int(restarted["pid"])
+
+        # NOTE: the gateway comes back on its port (the embedded registry's too): the
+        # instances register with it again and it serves.
+        await kill_and_wait_for_restart("gateway", pids["gateway"])
+
+        def num_registered(name: str) -> int:
+            return len(_logged(tmp_path / f"{name}.log", "registered"))
+
+        await eventually(lambda: num_registered("prefill-0") >= 2, 60, "prefill-0 back")
+        await eventually(lambda: num_registered("decode-0") >= 2, 60, "decode-0 back")
+        await eventually(lambda: _completes(url), 30, "the restarted gateway serves")
+        # NOTE: a new decode registers again, on a port of its own; its log holds both runs.
+        new_pid = await kill_and_wait_for_restart("decode-0", pids["decode-0"])
+        await eventually(lambda: num_registered("decode-0") >= 3, 60, "decode-0 back")
+        await eventually(lambda: _completes(url), 30, "the gateway serves with the new decode")
+        assert launcher.process.poll() is None
+        exited = [e["service"] for e in launcher.events("service_exited")]
+        assert exited == ["gateway", "decode-0"], "another service went down"
+        # NOTE: its one restart used, the decode's next exit stops the cluster.
+        os.kill(new_pid, signal.SIGKILL)
+        status = await asyncio.to_thread(launcher.process.wait, 60)
+    stderr = "\n".join(launcher.stderr)
+    assert status == 1
     assert "decode-0" in stderr and "status -9" in stderr
-    assert (tmp_path / "decode-0.log").is_file()
+    assert "no restarts left (--max-restarts 1)" in stderr
+    (exhausted,) = launcher.events("service_restarts_exhausted")
+    assert exhausted["service"] == "decode-0"
 
 
 def test_pass_through_flags_take_their_value_as_written() -> None:
@@ -164,3 +220,107 @@ def test_pass_through_flags_take_their_value_as_written() -> None:
     assert joined.prefill_args == "--no-prefix-cache"
     with pytest.raises(SystemExit):
         parse_args(["up", "--prefill-args"])
+
+
+INSTANCE_ARGS = "--registry-ttl-s 2 --heartbeat-interval-s 0.3"
+GATEWAY_ARGS = "--instance-ttl-s 3 --heartbeat-interval-s 0.3"
+NUM_CHAT_TOKENS = 300
+
+
+async def _serves(url: str) -> bool:
+    """Whether the gateway at `url` answers and lists a model."""
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            response = await http.get(f"{url}/v1/models")
+    except httpx.TransportError:
+        return False
+    return response.status_code == 200 and bool(response.json()["data"])
+
+
+async def test_a_killed_gateway_is_restarted_and_its_resumable_stream_goes_on_elsewhere(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """`pdserve up --gateways 2 --registry etcd://...`: gateway A is SIGKILLed in the middle of
+    a resumable chat stream; the client resumes through gateway B and gets the rest of the
+    greedy completion; the launcher restarts A on its ports while B, the prefill and the decode
+    run on."""
+    with running_etcd(tmp_path) as etcd:
+        args = _up_args(
+            demo_model_dir, tmp_path / "logs", "--gateways", "2", "--registry", etcd.spec,
+            "--restart-backoff-s", "0.2", "--prefill-args", INSTANCE_ARGS,
+            "--decode-args", INSTANCE_ARGS, "--gateway-args", GATEWAY_ARGS,
+        )  # fmt: skip
+        with running_launcher(args) as launcher:
+            launcher.wait_for_banner(120)
+            first, other = launcher.rest_urls
+            pids = launcher.pids
+            assert set(pids) == {"gateway", "gateway-1", "prefill-0", "decode-0"}
+            await eventually(lambda: _serves(first), 20, "gateway A serves")
+            await eventually(lambda: _serves(other), 20, "gateway B serves")
+            async with httpx.AsyncClient(timeout=60) as http:
+                model = (await http.get(f"{other}/v1/models")).json()["data"][0]["id"]
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "Tell me a story"}],
+                    "max_tokens": NUM_CHAT_TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                whole = await http.post(f"{other}/v1/chat/completions", json=body)
+                undisturbed = chat_content(sse_events(whole.text))
+                resumable = {**body, "stream_options": {"resumable": True, "include_usage": True}}
+                lines: list[str] = []
+                async with http.stream(
+                    "POST", f"{first}/v1/chat/completions", json=resumable
+                ) as got:
+                    assert got.status_code == 200
+                    stream_id = got.headers["x-request-id"]
+                    async for line in got.aiter_lines():
+                        lines.append(line)
+                        if len(sse_events("\n".join(lines))) >= 4:
+                            os.kill(pids["gateway"], signal.SIGKILL)
+                            break
+                before = sse_events("\n".join(lines))
+                last_id = before[-1][0]
+                assert 0 < last_id < NUM_CHAT_TOKENS, "the kill did not land mid-stream"
+                url = f"{other}/v1/chat/completions/chatcmpl-{stream_id}/stream"
+                resumed = await http.get(url, params={"starting_after": last_id})
+                assert resumed.status_code == 200, resumed.text
+                after = sse_events(resumed.text)
+                assert after[-1][1] == "[DONE]"
+                assert chat_content(before) + chat_content(after) == undisturbed
+                usage = [d["usage"] for _, d in after if isinstance(d, dict) and d.get("usage")]
+                assert usage[-1]["completion_tokens"] == NUM_CHAT_TOKENS
+                taken_over = _logged(
+                    tmp_path / "logs" / "gateway-1.log", "resumable_request_started"
+                )
+                assert [e["request_id"] for e in taken_over if e.get("is_takeover")] == [stream_id]
+
+                # NOTE: the launcher saw A die, started it again on its ports, and it serves.
+                await eventually(
+                    lambda: launcher.events("service_restarted"), 20, "gateway A restarted"
+                )
+                (exited,) = launcher.events("service_exited")
+                assert exited["service"] == "gateway" and exited["signal"] == "SIGKILL"
+                assert exited["pid"] == str(pids["gateway"])
+                (restarted,) = launcher.events("service_restarted")
+                assert restarted["service"] == "gateway"
+                assert int(restarted["pid"]) != pids["gateway"]
+                await eventually(lambda: _serves(first), 30, "gateway A serves again")
+                short = {**body, "max_tokens": 8, "stream": False}
+                again = await http.post(f"{first}/v1/chat/completions", json=short)
+                assert again.status_code == 200, again.text
+                # NOTE: A, back, resumes the stream too (it reads the record from etcd).
+                replay = await http.get(
+                    f"{first}/v1/chat/completions/chatcmpl-{stream_id}/stream",
+                    headers={"Last-Event-ID": str(last_id)},
+                )
+                assert chat_content(sse_events(replay.text)) == chat_content(after)
+
+            assert launcher.process.poll() is None, "the launcher stopped"
+            for name in ("gateway-1", "prefill-0", "decode-0"):
+                os.kill(pids[name], 0)  # raises if it died
+            assert len(launcher.events("service_exited")) == 1
+            status = await asyncio.to_thread(launcher.stop, 60)
+        assert status == 0

@@ -110,6 +110,40 @@ async def test_streamed_logprobs_equal_the_whole_response(cluster: ProcessCluste
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in expected])
 
 
+async def test_logprobs_tokens_join_to_the_content_the_end_of_turn_left_out(
+    cluster: ProcessCluster,
+) -> None:
+    """A reply that ends by itself ends with ``<|im_end|>``: counted in the usage, never in the
+    content, and so never among the content's logprobs (as OpenAI's), streamed or not."""
+    settings: dict[str, Any] = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 64,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    client = cluster.openai()
+    whole = await client.chat.completions.create(**settings, extra_body={"return_token_ids": True})
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop", "the reply did not end by itself"
+    assert choice.logprobs is not None and choice.logprobs.content
+    tokens = [entry.token for entry in choice.logprobs.content]
+    assert "".join(tokens) == choice.message.content
+    assert "<|im_end|>" not in tokens
+    token_ids = (choice.model_extra or {})["token_ids"]
+    assert whole.usage is not None and whole.usage.completion_tokens == len(token_ids)
+    assert len(tokens) == len(token_ids) - 1  # every token but the end of the turn
+    stream = await client.chat.completions.create(**settings, stream=True)
+    content, streamed = "", []
+    async for chunk in stream:
+        for streamed_choice in chunk.choices:
+            content += streamed_choice.delta.content or ""
+            if streamed_choice.logprobs is not None:
+                streamed += [e.token for e in streamed_choice.logprobs.content or ()]
+    assert "".join(streamed) == content == choice.message.content
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 async def test_loglikelihood_request_of_lm_eval_harness(
     cluster: ProcessCluster, smollm2_reference: tuple[Any, Any], max_tokens: int

@@ -35,3 +35,16 @@ def test_json_lines_carry_service_and_bound_context(capsys: pytest.CaptureFixtur
 def test_unknown_level_is_refused() -> None:
     with pytest.raises(ValueError, match="log level"):
         configure_logging("gateway", "loud")
+
+
+def test_a_logger_made_before_configuration_follows_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    log = get_logger("pdserve.launcher.supervisor")  # as a module's ``log``, at import
+    configure_logging("pdserve", "info", json=False)
+    log.info("service_restarted", service="gateway", pid=12)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert "service_restarted" in line and "pid=12" in line
+    assert "\x1b[" not in line, "colour codes in a log that is not a terminal"

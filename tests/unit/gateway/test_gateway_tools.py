@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import structlog
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME
 
@@ -63,6 +64,30 @@ async def test_auto_reads_a_hermes_call_out_of_the_text(tools: Cluster) -> None:
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Zürich", "days": 2}
     assert tools.sent_constraint() is None
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+async def test_the_log_says_tool_calls_as_the_client_sees_it(
+    tools: Cluster, is_stream: bool
+) -> None:
+    client = tools.openai()
+    with structlog.testing.capture_logs() as logs:
+        tools.script(f"Let me check.\n{HERMES_CALL}")
+        called = await client.chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=200, stream=is_stream
+        )
+        reasons = (
+            [c.choices[0].finish_reason async for c in called if c.choices]
+            if is_stream
+            else [called.choices[0].finish_reason]
+        )
+        tools.script("Sunny.")
+        await client.chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, tools=TOOLS, max_tokens=200
+        )
+    assert reasons[-1] == "tool_calls"
+    finished = [record for record in logs if record["event"] == "request_finished"]
+    assert [record["finish_reason"] for record in finished] == ["tool_calls", "stop"]
 
 
 async def test_streamed_calls_are_shaped_as_openai_streams_them(tools: Cluster) -> None:

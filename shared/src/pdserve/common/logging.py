@@ -40,13 +40,19 @@ def configure_logging(service: str, level: str = "info", *, json: bool = True) -
         event.setdefault("service", service)
         return event
 
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    # NOTE: colours only on a terminal: a log read by a program or a file has no escape codes.
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             add_service,
+            _add_logger_name,
             add_trace_ids,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
@@ -60,11 +66,33 @@ def configure_logging(service: str, level: str = "info", *, json: bool = True) -
     logging.basicConfig(level=max(numeric_level, logging.WARNING), stream=sys.stderr, force=True)
 
 
-def _stderr_logger(*_: Any) -> structlog.PrintLogger:
-    return structlog.PrintLogger(sys.stderr)
+class _NamedPrintLogger(structlog.PrintLogger):
+    def __init__(self, name: str | None) -> None:
+        super().__init__(sys.stderr)
+        self.name = name
+
+
+def _stderr_logger(*args: Any) -> structlog.PrintLogger:
+    return _NamedPrintLogger(args[0] if args and isinstance(args[0], str) else None)
+
+
+def _add_logger_name(
+    logger: Any, _: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """The ``logger`` key: the name given to `get_logger`, if any."""
+    name = getattr(logger, "name", None)
+    if name:
+        event.setdefault("logger", name)
+    return event
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
-    """Returns a structlog logger; `name` becomes the ``logger`` key when given."""
-    logger = structlog.get_logger()
-    return logger.bind(logger=name) if name else logger
+    """Returns a structlog logger; `name` becomes the ``logger`` key when given.
+
+    The logger follows the configuration at each call, so one made at import time (a
+    module's ``log``) honours a `configure_logging` that runs later.
+    """
+    # NOTE: the name goes to the logger factory (`_stderr_logger`), which keeps structlog's
+    # proxy lazy; `.bind` would fix the configuration of the moment (before
+    # `configure_logging`, the default: stdout).
+    return structlog.get_logger(name) if name else structlog.get_logger()

@@ -22,6 +22,7 @@ from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, MODEL_HELP, 
 from pdserve.launcher import certs
 from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
+from pdserve.launcher.supervisor import RestartPolicy, Supervisor
 
 EPILOG = """examples:
   pdserve up                            # SmolLM2-135M-Instruct, 1 prefill + 1 decode, REST on 8000
@@ -71,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Starts a gateway, N prefill and M decode instances as separate processes that "
             "register with the gateway, waits until they are ready, prints the URLs, and "
-            "stops them all (draining first) on Ctrl-C. With --registry etcd://HOST:PORT the "
+            "stops them all (draining first) on Ctrl-C or SIGTERM. A service that exits is "
+            "started again (same flags, a gateway on the same ports) while the others keep "
+            "serving, after --restart-backoff-s, doubling with each restart in a row; after "
+            "--max-restarts in a row the whole cluster stops (status 1). With --registry "
+            "etcd://HOST:PORT the "
             "instances register in that etcd instead, and --gateways N starts N gateways that "
             "all watch it; a client whose gateway fails (gRPC UNAVAILABLE, a reset "
             "connection) may retry on another."
@@ -128,6 +133,7 @@ pdserve is up: {counts} (logs: {cluster.log_dir})
   KV cache: {_kv_capacity(cluster)}
   {registry}
   Internal plane: {_plane(cluster)}
+  Processes: {", ".join(f"{child.name} {child.pid}" for child in cluster.children)}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{{
     "model": "{_model_name(cluster)}", "temperature": 0,
@@ -191,16 +197,23 @@ def up(config: ClusterConfig) -> int:
         print(f"pdserve up failed: {error}", file=sys.stderr)
         return 1
     print(_banner(cluster), flush=True)
+    supervisor = Supervisor(cluster, RestartPolicy(config.max_restarts, config.restart_backoff_s))
     status = 0
-    while not stopping:
-        crashed = cluster.first_exited()
-        if crashed is not None:
-            print(f"\n{crashed.describe_exit()}", file=sys.stderr)
-            status = 1
-            break
-        time.sleep(0.5)
-    print("stopping: draining prefills and decodes, then the gateways ...", flush=True)
-    cluster.stop()
+    try:
+        while not stopping:
+            exhausted = supervisor.poll()
+            if exhausted is not None:
+                print(f"\n{exhausted.describe_exit()}", file=sys.stderr)
+                print(
+                    f"{exhausted.name}: no restarts left (--max-restarts {config.max_restarts})",
+                    file=sys.stderr,
+                )
+                status = 1
+                break
+            time.sleep(0.2)
+    finally:
+        print("stopping: draining prefills and decodes, then the gateways ...", flush=True)
+        cluster.stop()
     print("stopped.", flush=True)
     return status
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -24,10 +27,17 @@ class ChildProcess:
         argv: The command line.
         log_path: Where its output is written.
         env: Environment of the process.
+        is_append: Add to `log_path` instead of starting it afresh (a restart).
     """
 
     def __init__(
-        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        is_append: bool = False,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -35,7 +45,8 @@ class ChildProcess:
         self.tail: deque[str] = deque(maxlen=NUM_TAIL_LINES)
         self.events: list[dict[str, Any]] = []
         self._cond = threading.Condition()
-        self._log = log_path.open("w", buffering=1)
+        self._log = log_path.open("a" if is_append else "w", buffering=1)
+        self.started_at = time.monotonic()
         self.process = subprocess.Popen(
             argv,
             stdout=self._log,
@@ -108,8 +119,16 @@ class ChildProcess:
             return None
 
     def close(self) -> None:
+        """Kills the process if it still runs, and what it started (its session's processes,
+        e.g. the gateway's parser workers, which would outlive a killed service), then closes
+        its log."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        # NOTE: the child leads its own process group (start_new_session), whose id cannot be
+        # reused while any of its processes lives; a dead service's workers may still hold its
+        # ports (inherited sockets), which a restart needs.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
         self._reader.join(timeout=2)
         self._log.close()

@@ -5,6 +5,11 @@ One gateway embeds the registry the instances register with. Several (``--gatewa
 the shared registry in etcd (``--registry etcd://HOST:PORT``): every instance registers
 there and every gateway watches it; gateway i listens on each of the gateway ports plus i.
 
+`restart` starts a service that exited again with the command line it had: a gateway on the
+ports it got at first (clients and the instances it keeps the registry for find it there), a
+prefill or decode on a port of its own that it registers again (peers learn it from the
+registry). `pdserve.launcher.supervisor` decides when.
+
 Unless ``--insecure``, the cluster's internal plane is mutual TLS under a throwaway CA made at
 start: one certificate per service (and a ``client`` one for operators' tools) in a private
 temporary directory that is removed on stop.
@@ -50,6 +55,7 @@ class Cluster:
         self.internal_ports: list[int] = []
         self.tls_dir: Path | None = None
         self.tls: dict[str, TlsFiles] = {}
+        self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args)
 
     @property
     def gateway(self) -> ChildProcess | None:
@@ -115,9 +121,30 @@ class Cluster:
         ]
 
     def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
+        is_restart = name in self._commands
+        self._commands[name] = (module, args)
         argv = [sys.executable, "-m", module, *args, *self._security_args(name)]
         argv += ["--log-level", self.config.log_level]
-        return ChildProcess(name, argv, self.log_dir / f"{name}.log", self.env)
+        log_path = self.log_dir / f"{name}.log"
+        return ChildProcess(name, argv, log_path, self.env, is_append=is_restart)
+
+    def restart(self, child: ChildProcess) -> ChildProcess:
+        """Starts the service `child` ran again, with the same flags (a gateway on the ports it
+        got at first), in its place; returns the new process without waiting for it to serve.
+
+        Raises:
+            ValueError: If `child` is not one of this cluster's current processes.
+        """
+        for members in (self.gateways, self.prefills, self.decodes):
+            if child in members:
+                break
+        else:
+            raise ValueError(f"{child.name} (pid {child.pid}) is not a process of this cluster")
+        child.close()
+        module, args = self._commands[child.name]
+        restarted = self._spawn(child.name, module, args)
+        members[members.index(child)] = restarted
+        return restarted
 
     def start(self) -> None:
         """Starts everything and returns once every backend registered with the gateway.
@@ -160,23 +187,29 @@ class Cluster:
     def _start_gateways(self) -> None:
         """Starts every gateway, then waits for each to serve (ports from its start-up log)."""
         config = self.config
-        registry = [] if config.registry is None else ["--registry", config.registry]
         for i in range(config.gateways):
             ports = [
                 port + i if port else 0
                 for port in (config.port, config.grpc_port, config.internal_port)
             ]
-            self.gateways.append(self._spawn(
-                gateway_name(i),
-                "pdserve.gateway",
-                ["--host", config.host, "--port", str(ports[0]), "--grpc-port", str(ports[1]),
-                 "--internal-port", str(ports[2]), *registry, *shlex.split(config.gateway_args)],
-            ))  # fmt: skip
+            name = gateway_name(i)
+            self.gateways.append(self._spawn(name, "pdserve.gateway", self._gateway_args(*ports)))
         for gateway in self.gateways:
             started = gateway.wait_for_event("gateway_started", config.startup_timeout_s)
             self.http_ports.append(started["http_port"])
             self.grpc_ports.append(started["grpc_port"])
             self.internal_ports.append(started["internal_port"])
+            # NOTE: a restart binds the ports it got, not 0 again: clients and instances
+            # know it by them.
+            ports = [started["http_port"], started["grpc_port"], started["internal_port"]]
+            self._commands[gateway.name] = ("pdserve.gateway", self._gateway_args(*ports))
+
+    def _gateway_args(self, port: int, grpc_port: int, internal_port: int) -> list[str]:
+        config = self.config
+        registry = [] if config.registry is None else ["--registry", config.registry]
+        return ["--host", config.host, "--port", str(port), "--grpc-port", str(grpc_port),
+                "--internal-port", str(internal_port), *registry,
+                *shlex.split(config.gateway_args)]  # fmt: skip
 
     def metrics_urls(self) -> list[str]:
         """``/metrics`` URLs of every gateway and every backend (from their start-up logs)."""

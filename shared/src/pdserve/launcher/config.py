@@ -66,6 +66,23 @@ class ClusterConfig:
     startup_timeout_s: float = field(
         default=120.0, metadata={"help": "how long services may take to become ready"}
     )
+    max_restarts: int = field(
+        default=5,
+        metadata={
+            "help": "how many times in a row a gateway, prefill or decode that exits (crash, "
+            "kill, any status) is started again, with the same flags and, for a gateway, the "
+            "same ports, while the others keep serving; once they run out, pdserve up stops "
+            "the cluster and exits with status 1. A service that ran 60 s before it exited "
+            "starts counting again. 0: any exit stops the cluster"
+        },
+    )
+    restart_backoff_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "seconds to wait before the first restart of a service that exited; each "
+            "restart in a row waits twice as long as the one before, up to 30 s"
+        },
+    )
     log_level: str = field(
         default="info",
         # NOTE: readiness is read from the services' info-level start-up events.
@@ -79,6 +96,10 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least one prefill and one decode")
         if self.gateways < 1:
             raise ValueError("a cluster needs at least one gateway")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be 0 or more, got {self.max_restarts}")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"restart_backoff_s must be 0 or more, got {self.restart_backoff_s}")
         try:
             check_registry_spec(self.registry)
         except ValueError as error:

@@ -27,7 +27,7 @@ from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
 from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable, TokenChunk, Usage
 from pdserve.gateway.text import CompletionText
-from pdserve.gateway.tools.output import with_tool_calls
+from pdserve.gateway.tools.output import ToolCallStream, with_tool_calls
 
 log = structlog.get_logger("pdserve.gateway.streaming")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -86,10 +86,7 @@ class Streamer:
             tool plan: `pdserve.gateway.tools.output`); the last one has finish_reason and
             usage. Iterating raises the `PdserveError` that ended the request.
         """
-        deltas = self._stream(prepared, trace_context, resumable)
-        if prepared.tool_plan is None:
-            return deltas
-        return with_tool_calls(deltas, prepared.tool_plan)
+        return self._stream(prepared, trace_context, resumable)
 
     async def _stream(
         self,
@@ -101,6 +98,13 @@ class Streamer:
         loop = asyncio.get_running_loop()
         started = loop.time()
         text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
+        # NOTE: the calls are read here, not around this generator, so that what is recorded
+        # (the log line, the span) has the finish reason the client gets (``tool_calls``).
+        calls = None if prepared.tool_plan is None else ToolCallStream(prepared.tool_plan)
+
+        def as_sent(delta: OutputDelta) -> OutputDelta:
+            return delta if calls is None else calls.step(delta)
+
         end: GenerationEnd | None = None
         outcome = "cancelled"
         self._num_active += 1
@@ -134,14 +138,14 @@ class Streamer:
                     last_token_at = now
                     if prepared.is_prompt_only:
                         # NOTE: max_tokens 0: the sampled token only finished the prefill.
-                        yield OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs)
+                        yield as_sent(OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs))
                         break
                     for delta in _text_deltas(text, event, one_by_one=resumable is not None):
-                        yield delta
+                        yield as_sent(delta)
                         timeline.on_first_token_written()
                     if text.is_stopped:
                         break
-            final = _final_delta(prepared, text, end)
+            final = as_sent(_final_delta(prepared, text, end))
             finish_reason, usage = final.finish_reason, final.usage
             assert finish_reason is not None and usage is not None
             outcome = "finished"

@@ -84,6 +84,7 @@ class Responder:
         self.num_top = sampling.logprobs
         self.wants_prompt_logprobs = sampling.prompt_logprobs is not None
         self._token_texts: dict[int, str] = {}
+        self._is_special: dict[int, bool] = {}
         self._num_tokens = [0] * len(self.choices)
         self._text_offsets = [0] * len(self.choices)
         self._finished: dict[int, OutputDelta] = {}
@@ -109,10 +110,23 @@ class Responder:
             self._token_texts[token_id] = text
         return text
 
+    def _is_special_token(self, tokenizer: Tokenizer, token_id: int) -> bool:
+        """Whether the token is one the text leaves out (EOS, an end of turn such as
+        ``<|im_end|>``): it has text of its own but none among the completion's."""
+        is_special = self._is_special.get(token_id)
+        if is_special is None:
+            is_special = bool(self._text_of(tokenizer, token_id)) and not tokenizer.decode(
+                [token_id], skip_special_tokens=True
+            )
+            self._is_special[token_id] = is_special
+        return is_special
+
     def _chat_logprobs(
         self, index: int, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs | None]
     ) -> dict[str, Any]:
-        """``choices[i].logprobs`` of chat: one entry per token, with its alternatives."""
+        """``choices[i].logprobs`` of chat: one entry per token of ``message.content``, with
+        its alternatives (a special token, left out of the content, is left out here too, so
+        the entries' ``token`` strings join to the content, as OpenAI's do)."""
         tokenizer = self._prompt(index).tokenizer
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
@@ -121,7 +135,7 @@ class Responder:
 
         content = []
         for token_id, scored in zip(token_ids, _padded(logprobs, len(token_ids)), strict=True):
-            if scored is None:
+            if scored is None or self._is_special_token(tokenizer, token_id):
                 continue
             item = entry(token_id, scored.logprob)
             item["top_logprobs"] = [entry(t, value) for t, value in scored.top]
@@ -264,7 +278,17 @@ class Responder:
         only with token ids, logprobs or usage on every chunk)."""
         echo = is_first and self._prompt(index).echo and not self.is_chat
         self._num_tokens[index] += len(delta.token_ids)
-        shows_tokens = self.return_token_ids or self.num_top is not None or self.continuous_usage
+        padded = _padded(delta.logprobs, len(delta.token_ids))
+        chat_logprobs = None
+        if self.is_chat and self.num_top is not None and delta.token_ids:
+            chat_logprobs = self._chat_logprobs(index, delta.token_ids, padded)
+            if not chat_logprobs["content"]:
+                chat_logprobs = None  # NOTE: only special tokens (the end of the turn)
+        shows_tokens = (
+            self.return_token_ids
+            or self.continuous_usage
+            or (self.num_top is not None and (not self.is_chat or chat_logprobs is not None))
+        )
         if not (
             delta.text
             or (delta.token_ids and shows_tokens)
@@ -275,8 +299,7 @@ class Responder:
         ):
             return None
         choice: dict[str, Any] = {"index": index}
-        logprobs: Any = None
-        padded = _padded(delta.logprobs, len(delta.token_ids))
+        logprobs: Any = chat_logprobs
         if self.is_chat:
             content: dict[str, Any] = {"role": "assistant"} if is_first else {}
             if delta.text or is_first:
@@ -284,8 +307,6 @@ class Responder:
             if delta.tool_calls:
                 content["tool_calls"] = [tool_call_chunk(call) for call in delta.tool_calls]
             choice["delta"] = content
-            if self.num_top is not None and delta.token_ids:
-                logprobs = self._chat_logprobs(index, delta.token_ids, padded)
         else:
             echoed, echoed_logprobs = ("", None)
             if echo:
