@@ -25,9 +25,9 @@ from pdserve.engine.gguf_architectures import (
     SUPPORTED_ARCHITECTURES,
     ArchitectureRules,
     architecture_rules,
-    hf_config,
     hf_tensors,
 )
+from pdserve.engine.gguf_config import hf_config
 from pdserve.tokenizer.gguf_vocab import GgufVocab, tokenizer_files
 
 log = structlog.get_logger(__name__)
