@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import structlog
@@ -159,8 +159,17 @@ class ModelRunner:
         num_blocks = num_cache_blocks(config, model.config, layout, torch.device(config.device))
         return cls(model, KVCache(layout, num_blocks, torch.device(config.device)))
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over (one here; see `TensorParallelRunner`)."""
+        return 1
+
     def close(self) -> None:
         """Releases what the runner holds besides memory (a tensor-parallel runner's ranks)."""
+
+    def watch_ranks(self, callback: Callable[[int, int], None]) -> None:
+        """Calls ``callback(rank, exit_status)`` from another thread if a rank of the instance
+        exits unexpectedly (never for a single-process runner)."""
 
     def execute(
         self, chunks: Sequence[ScheduledChunk[Any]], on_layer_done: LayerCallback | None = None

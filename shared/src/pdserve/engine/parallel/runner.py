@@ -10,7 +10,7 @@ every layer. The colocated engine, the prefill and the decode use it unchanged.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import structlog
@@ -69,6 +69,7 @@ class TensorParallelRunner(ModelRunner):
 
     @property
     def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over."""
         return self.group.world_size
 
     @classmethod
@@ -137,6 +138,10 @@ class TensorParallelRunner(ModelRunner):
             # NOTE: a collective fails at once when a peer's connection closes.
             self.ranks.check_alive()
             raise TensorParallelError(f"a tensor-parallel step failed: {error}") from error
+
+    def watch_ranks(self, callback: Callable[[int, int], None]) -> None:
+        """See `ModelRunner.watch_ranks`."""
+        self.ranks.on_rank_lost.append(callback)
 
     def close(self) -> None:
         """Stops the other ranks and removes the shared cache file."""
