@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,13 +107,21 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--kv-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--model-dir", type=Path, default=Path("bench/.models/tp-llama"))
+    parser.add_argument("--model-dir", type=Path, help="where the random model is written")
     parser.add_argument("--json", action="store_true", help="also write bench/results/*.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model_dir = build_random_llama(
-        args.model_dir, num_layers=args.num_layers, hidden_size=args.hidden_size
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_random_llama(
+            args.model_dir or Path(tmp) / "model",
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+        )
+        run(model_dir, args)
+
+
+def run(model_dir: Path, args: argparse.Namespace) -> None:
+    """Measures both parts and prints (and with ``--json`` writes) the results."""
     rows = []
     baseline: float | None = None
     for size in args.sizes:
@@ -130,7 +139,8 @@ def main() -> None:
     print(f"  head remap 2 <-> 1:     {remapped:8.2f} ms  ({remapped / plain:.2f}x)")
     if args.json:
         results = {"decode": rows, "transfer_ms": {"whole": plain, "remapped": remapped}}
-        print("results:", write_results("tensor_parallel", {**results, "args": vars(args)}))
+        settings = {key: str(value) for key, value in vars(args).items()}
+        print("results:", write_results("tensor_parallel", {**results, "args": settings}))
 
 
 if __name__ == "__main__":
