@@ -271,6 +271,88 @@ async def test_sigkill_decode_mid_stream(
     await cluster.wait_whole()
 
 
+# ---- a decode split over two ranks: the loss of one rank, and preemption ---------------------
+
+DECODE_TP2 = "--tensor-parallel-size 2 --num-threads 1"
+
+
+@pytest.fixture
+def two_split_decodes(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with chaos_cluster(
+        demo_model_dir,
+        tmp_path,
+        store,
+        tmp_path_factory,
+        decodes=2,
+        prefill_args=PREFILL_ARGS,
+        decode_args=f"{DECODE_ARGS} {DECODE_TP2}",
+    ) as cluster:
+        yield cluster
+
+
+@STORE_OFF_ONLY
+async def test_sigkill_of_a_decode_rank_mid_stream(
+    two_split_decodes: ProcessCluster, reference: Reference
+) -> None:
+    cluster, max_tokens = two_split_decodes, 300
+    requests = cases(4)
+    expected = await expected_ids(reference, requests, max_tokens)
+    streaming = [asyncio.Event() for _ in requests]
+    async with cluster.openai() as client:
+        tasks = [
+            asyncio.create_task(
+                stream_token_ids(
+                    client,
+                    cluster.model_name,
+                    prompt,
+                    max_tokens=max_tokens,
+                    on_tokens=set_when_streaming(event),
+                    **sampling,
+                )
+            )
+            for (prompt, sampling), event in zip(requests, streaming, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
+        victim, num_running = await busiest_decode(cluster)  # frozen: none of its streams end
+        (rank_one,) = events_named(victim, "tensor_parallel_ready")[0]["pids"]
+        os.kill(rank_one, signal.SIGKILL)
+        victim.signal(signal.SIGCONT)
+        assert num_running > 0, "no decode held a running stream"
+        # NOTE: the lost rank takes its instance down as a whole: rank 0 stops and exits.
+        assert victim.wait(30) == 1
+        assert events_named(victim, "instance_down")
+
+        results = await asyncio.gather(*tasks)
+
+        assert results == expected
+        assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
+    await cluster.wait_whole()
+
+
+@pytest.fixture
+def tiny_split_pool(
+    demo_model_dir: Path, tmp_path: Path, store: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    settings = {**TINY_POOL, "decode_args": f"{TINY_POOL['decode_args']} {DECODE_TP2}"}
+    with chaos_cluster(demo_model_dir, tmp_path, store, tmp_path_factory, **settings) as cluster:
+        yield cluster
+
+
+@STORE_OFF_ONLY
+async def test_preemption_storm_on_a_split_decode(
+    tiny_split_pool: ProcessCluster, reference: Reference
+) -> None:
+    requests = cases(16, prefix="Storm")
+    expected = await expected_ids(reference, requests, STORM_MAX_TOKENS)
+    results = await storm(tiny_split_pool, requests)
+    assert results == expected
+    reschedules = await tiny_split_pool.counter("pdserve_gateway_reschedules", cause="preempted")
+    assert reschedules >= 1
+    await tiny_split_pool.wait_whole()
+
+
 # ---- SIGKILL a prefill mid-prefill -----------------------------------------------------------
 
 

@@ -38,7 +38,8 @@ from support.process_cluster import forced_kv_transport
 BLOCK_SIZE = 4
 
 
-def load_host(model_dir: Path, num_blocks: int) -> ModelHost:
+def load_host(model_dir: Path, num_blocks: int, tensor_parallel_size: int = 1) -> ModelHost:
+    """A tiny model's host; split over `tensor_parallel_size` ranks (one thread each)."""
     return ModelHost.load(
         str(model_dir),
         "tiny",
@@ -48,6 +49,8 @@ def load_host(model_dir: Path, num_blocks: int) -> ModelHost:
         dtype="float32",
         device="cpu",
         max_model_len=None,
+        num_threads=1 if tensor_parallel_size > 1 else None,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -96,6 +99,7 @@ async def start_decode(
     num_blocks: int = 128,
     lease_ttl_ms: int = 10_000,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    tensor_parallel_size: int = 1,
     **overrides: object,
 ) -> DecodeInstance:
     config = DecodeConfig(
@@ -106,11 +110,13 @@ async def start_decode(
         insecure=True,
         **overrides,  # type: ignore[arg-type]
     )
-    host = load_host(model_dir, num_blocks)
+    host = load_host(model_dir, num_blocks, tensor_parallel_size)
     return await create_decode(config, host, interceptors=interceptors)
 
 
-async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance:
+async def start_prefill(
+    model_dir: Path, tensor_parallel_size: int = 1, **overrides: object
+) -> PrefillInstance:
     settings: dict[str, object] = {
         "port": 0,
         "block_size": BLOCK_SIZE,
@@ -125,7 +131,8 @@ async def start_prefill(model_dir: Path, **overrides: object) -> PrefillInstance
         settings["kv_transports"] = forced
     settings.update(overrides)
     config = PrefillConfig(**settings)  # type: ignore[arg-type]
-    return await create_prefill(config, load_host(model_dir, config.num_blocks or 64))
+    host = load_host(model_dir, config.num_blocks or 64, tensor_parallel_size)
+    return await create_prefill(config, host)
 
 
 def reference_engine(model_dir: Path) -> LLMEngine:
@@ -290,6 +297,9 @@ class Cluster:
         await self.prefill.stop(grace=None)
         for decode in self.decodes:
             await decode.stop(grace=None)
+        # NOTE: the hosts are the cluster's, not the servers': a split model's ranks stop here.
+        for instance in (self.prefill, *self.decodes):
+            instance.host.runner.close()
 
 
 @contextlib.asynccontextmanager
@@ -300,9 +310,12 @@ async def cluster(
     decode_interceptors: Sequence[Sequence[grpc.aio.ServerInterceptor]] = (),
     decode_blocks: int = 128,
     decode_overrides: dict[str, object] | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     **prefill_overrides: object,
 ) -> AsyncIterator[Cluster]:
-    """A prefill and `num_decodes` decodes (decode i built with `decode_interceptors[i]`)."""
+    """A prefill and `num_decodes` decodes (decode i built with `decode_interceptors[i]`),
+    their models split over `prefill_tp` and `decode_tp` ranks."""
     decodes = []
     for i in range(num_decodes):
         interceptors = decode_interceptors[i] if i < len(decode_interceptors) else ()
@@ -311,10 +324,11 @@ async def cluster(
                 model_dir,
                 num_blocks=decode_blocks,
                 interceptors=interceptors,
+                tensor_parallel_size=decode_tp,
                 **(decode_overrides or {}),
             )
         )
-    prefill = await start_prefill(model_dir, **prefill_overrides)
+    prefill = await start_prefill(model_dir, prefill_tp, **prefill_overrides)
     running = Cluster(prefill, decodes)
     try:
         yield running

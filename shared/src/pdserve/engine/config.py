@@ -98,6 +98,12 @@ class EngineConfig:
         num_threads: Torch intra-op threads for this process (a process-wide setting); ``None``
             keeps torch's default. Use 1 when several engines share a few cores: threads of
             one op that wait on a busy core make small kernels orders of magnitude slower.
+            Each tensor-parallel rank takes as many.
+        tensor_parallel_size: Ranks (processes) the model is split over: this process is rank
+            0 and starts the others (`pdserve.engine.parallel`). On CUDA rank r runs on the
+            device index of ``device`` plus r.
+        tensor_parallel_timeout_s: How long the ranks may take to form their group at start-up,
+            and the longest a rank waits on the others within a step.
     """
 
     model: str
@@ -108,6 +114,8 @@ class EngineConfig:
     linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
     seed: int | None = None
     num_threads: int | None = field(default=None, metadata=POSITIVE)
+    tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
+    tensor_parallel_timeout_s: float = field(default=120.0, metadata=POSITIVE)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -7,6 +7,7 @@ import mmap
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -95,9 +96,21 @@ class KVCache:
         layout: Shape and dtype of the blocks.
         num_blocks: Blocks per layer.
         device: Where the cache lives.
+        kv: The storage to use, of the cache's shape (e.g. a shared mapping, or a view of one
+            rank's heads in it); a new zero tensor when None.
+
+    Attributes:
+        shared_path: The shared-memory file that backs the cache when other processes map it
+            too (the ranks of a tensor-parallel instance); None otherwise.
     """
 
-    def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        device: torch.device,
+        kv: torch.Tensor | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.layout = layout
@@ -113,20 +126,27 @@ class KVCache:
             layout.num_kv_heads,
             layout.head_dim,
         )
+        self.shared_path: Path | None = None
+        if kv is not None and tuple(kv.shape) != shape:
+            raise ValueError(f"storage of shape {tuple(kv.shape)} for a cache of shape {shape}")
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv = (
-            _zeros_on_demand(shape, self.dtype)
-            if device.type == "cpu"
-            else torch.zeros(shape, dtype=self.dtype, device=device)
-        )
+        if kv is not None:
+            self.kv = kv
+        elif device.type == "cpu":
+            self.kv = _zeros_on_demand(shape, self.dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
 
     def place_in(self, buffer: memoryview) -> None:
         """Moves the cache into `buffer` (e.g. a shared-memory mapping of at least `nbytes`
         bytes, on CPU), keeping its contents; the old tensor is dropped.
 
         Raises:
-            ValueError: If the cache is not on CPU or `buffer` is too small.
+            ValueError: If the cache is not on CPU, is shared with other processes, or `buffer`
+                is too small.
         """
+        if self.shared_path is not None:
+            raise ValueError("a cache shared with other processes cannot move")
         if self.kv.device.type != "cpu":
             raise ValueError("only a CPU cache can be placed in a host buffer")
         if len(buffer) < self.nbytes:

@@ -11,6 +11,8 @@ from safetensors import safe_open
 
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.sharding import shard_tensor
 
 log = structlog.get_logger(__name__)
 
@@ -36,9 +38,10 @@ _EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_
 _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def _qkv_sizes(config: ModelConfig) -> list[int]:
-    kv = config.num_key_value_heads * config.head_dim
-    return [config.num_attention_heads * config.head_dim, kv, kv]
+def _qkv_sizes(config: ModelConfig, group: TensorParallelGroup) -> list[int]:
+    shard = group.shard
+    kv = len(shard.kv_head_range(config.num_key_value_heads)) * config.head_dim
+    return [config.num_attention_heads // shard.world_size * config.head_dim, kv, kv]
 
 
 def load_model(
@@ -48,6 +51,7 @@ def load_model(
     attention_backend: str = "sdpa",
     config: ModelConfig | None = None,
     linear_backend: str = "auto",
+    group: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Loads a checkpoint of any supported family (`SUPPORTED_MODEL_TYPES`).
 
@@ -62,6 +66,8 @@ def load_model(
         config: The parsed config, if the caller already has it.
         linear_backend: ``auto`` (oneDNN-packed projections where `can_pack_for_onednn`,
             else torch's GEMM), ``onednn`` or ``torch``.
+        group: This rank's tensor-parallel group: only the rank's share of each tensor is
+            kept (`pdserve.engine.parallel.sharding`); a group of one when None.
 
     Returns:
         The model in eval mode with every parameter loaded.
@@ -77,7 +83,7 @@ def load_model(
         raise ModelLoadError(f"no *.safetensors files in {str(path)!r}")
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend).to(dtype)
+        model = LlamaForCausalLM(config, attention_backend, group).to(dtype)
     model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     pending = {name: _expected_shards(name, params[name]) for name in params}
@@ -87,7 +93,7 @@ def load_model(
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = reader.get_tensor(hf_name)
-                _load_tensor(_renamed(hf_name), tensor, params, pending, config)
+                _load_tensor(_renamed(hf_name), tensor, params, pending, model)
                 del tensor  # NOTE: before the next one is read: one tensor in flight
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
@@ -109,6 +115,8 @@ def load_model(
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         linear_backend="onednn" if is_packed else "torch",
+        tensor_parallel_rank=model.group.rank,
+        tensor_parallel_size=model.group.world_size,
     )
     return model
 
@@ -136,12 +144,14 @@ def _load_tensor(
     tensor: torch.Tensor,
     params: dict[str, torch.nn.Parameter],
     pending: dict[str, set[int]],
-    config: ModelConfig,
+    model: LlamaForCausalLM,
 ) -> None:
+    config = model.config
     if hf_name.endswith("rotary_emb.inv_freq"):
         return
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return
+    tensor = shard_tensor(hf_name, tensor, config, model.group.shard)
     if _load_expert(hf_name, tensor, params, pending):
         return
     match = _SHARD_NAME.search(hf_name)
@@ -160,7 +170,7 @@ def _load_tensor(
     if match is not None:
         dim = 1 if transposed else 0
         if fused == "qkv_proj":
-            offset = sum(_qkv_sizes(config)[:shard])
+            offset = sum(_qkv_sizes(config, model.group)[:shard])
         else:
             # NOTE: gate then up, each half of the fused projection (shared experts included).
             offset = shard * target.shape[dim] // 2

@@ -18,6 +18,8 @@ from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.layers import RMSNorm, gated_activation, make_norm
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.moe import SparseMoeBlock
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.layers import VocabParallelEmbedding, check_model_fits
 from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["LayerCallback", "Linear", "LlamaForCausalLM", "RMSNorm", "can_pack_for_onednn"]
@@ -44,13 +46,24 @@ class Linear(nn.Module):
     CPU is oneDNN's GEMM over a weight repacked into its blocked layout (`pack_for_onednn`):
     2.4-2.6x MKL's for 8 to 2048 rows on AMD EPYC (float32, one thread), where MKL does not
     take its AVX-512 paths; the engine packs every projection after loading.
+
+    With a `group` of several ranks the projection is row-parallel: each rank holds the rows
+    of its share of ``in_features``, the partial products are summed over the ranks and the
+    bias is added once, after the sum.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed_weight: torch.Tensor | None = None
+        self.group = group if group is not None and group.world_size > 1 else None
 
     def pack_for_onednn(self, keep_weight: bool = False) -> None:
         """Repacks the weight for oneDNN (see `can_pack_for_onednn`) and uses it from now on.
@@ -67,6 +80,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.group is not None:
+            return self._row_parallel(x)
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
                 x, self.packed_weight, self.bias, "none", [], ""
@@ -74,6 +89,15 @@ class Linear(nn.Module):
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
+
+    def _row_parallel(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None
+        if self.packed_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+        else:
+            y = torch.mm(x, self.weight_t)
+        y = self.group.all_reduce(y)
+        return y if self.bias is None else y + self.bias
 
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -85,19 +109,24 @@ class LlamaAttention(nn.Module):
     Optionally RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3), a softmax scale
     of the family's own (Gemma 3) and RoPE over the leading dims of a head only (Phi-3's
     ``partial_rotary_factor``).
+
+    Column-parallel over the heads: a rank holds its share of the query heads and of the KV
+    heads (or its replica of one KV head), and the output projection sums over the ranks.
     """
 
-    def __init__(self, config: ModelConfig, layer_index: int, backend: str) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_heads = config.num_attention_heads // group.world_size
+        self.num_kv_heads = len(group.shard.kv_head_range(config.num_key_value_heads))
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, group)
         self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
         attention_cls = FlashAttention if backend == "flash" else SdpaAttention
@@ -135,16 +164,28 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) with fused gate/up projection."""
+    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) with fused gate/up projection.
 
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    Column-parallel gate/up over the intermediate size, row-parallel down projection.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        intermediate_size: int | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size or config.intermediate_size
+        group = group or TensorParallelGroup.single()
+        size = intermediate_size or config.intermediate_size
+        self.intermediate_size = size // group.world_size
         self.hidden_act = config.hidden_act
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(
+            self.intermediate_size, config.hidden_size, bias=config.mlp_bias, group=group
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * intermediate_size]
@@ -153,19 +194,21 @@ class LlamaMLP(nn.Module):
         return self.down_proj(gated_activation(self.hidden_act, gate, up))
 
 
-def _feed_forward(config: ModelConfig, layer_index: int) -> nn.Module:
+def _feed_forward(config: ModelConfig, layer_index: int, group: TensorParallelGroup) -> nn.Module:
     if config.is_moe_layer(layer_index):
-        return SparseMoeBlock(config, Linear, LlamaMLP)
-    return LlamaMLP(config)
+        return SparseMoeBlock(config, Linear, LlamaMLP, group)
+    return LlamaMLP(config, group=group)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block followed by a pre-norm feed-forward (dense or experts)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, backend: str) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend)
-        self.mlp = _feed_forward(config, layer_index)
+        self.self_attn = LlamaAttention(config, layer_index, backend, group)
+        self.mlp = _feed_forward(config, layer_index, group)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
@@ -183,10 +226,12 @@ class LlamaDecoderLayer(nn.Module):
 class GemmaDecoderLayer(nn.Module):
     """Gemma 3's layer: each block normed before and after, then added to the residual."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, backend: str) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend)
-        self.mlp = _feed_forward(config, layer_index)
+        self.self_attn = LlamaAttention(config, layer_index, backend, group)
+        self.mlp = _feed_forward(config, layer_index, group)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
@@ -208,12 +253,16 @@ class GemmaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, backend: str) -> None:
+    def __init__(self, config: ModelConfig, backend: str, group: TensorParallelGroup) -> None:
         super().__init__()
         layer_cls = GemmaDecoderLayer if config.gemma_norms else LlamaDecoderLayer
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
+            if group.world_size > 1
+            else nn.Embedding(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(
-            layer_cls(config, i, backend) for i in range(config.num_hidden_layers)
+            layer_cls(config, i, backend, group) for i in range(config.num_hidden_layers)
         )
         self.norm = make_norm(config, config.hidden_size)
 
@@ -224,14 +273,28 @@ class LlamaForCausalLM(nn.Module):
     Args:
         config: The architecture.
         attention_backend: ``sdpa`` or ``flash`` (already resolved for the device).
+        group: This rank's tensor-parallel group: the model holds the rank's share (heads,
+            intermediate sizes and vocabulary rows); a group of one when None.
+
+    Raises:
+        ValueError: If the group's size cannot split the model (`check_model_fits`).
     """
 
-    def __init__(self, config: ModelConfig, attention_backend: str = "sdpa") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention_backend: str = "sdpa",
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.attention_backend = attention_backend
-        self.model = LlamaModel(config, attention_backend)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.group = group or TensorParallelGroup.single()
+        check_model_fits(config, self.group)
+        self.model = LlamaModel(config, attention_backend, self.group)
+        # NOTE: vocabulary-parallel: each rank computes the logits of its rows.
+        num_rows = self.group.shard.vocab_per_rank(config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, num_rows, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.local_rotary: RotaryEmbedding | None = None
         # NOTE: Gemma 3's sliding layers rotate with a RoPE of their own.
@@ -309,6 +372,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` pre-norm hidden states -> ``[num_rows, vocab]`` float32."""
         logits = self.lm_head(self.model.norm(hidden))
+        if self.group.world_size > 1:
+            # [num_rows, vocab_per_rank] per rank -> [num_rows, vocab]
+            logits = self.group.all_gather_last(logits)[:, : self.config.vocab_size]
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

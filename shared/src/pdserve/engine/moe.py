@@ -14,6 +14,7 @@ from torch import nn
 
 from pdserve.engine.layers import gated_activation
 from pdserve.engine.model_config import ModelConfig, MoeConfig
+from pdserve.engine.parallel.group import TensorParallelGroup
 
 
 class Experts(nn.Module):
@@ -24,12 +25,15 @@ class Experts(nn.Module):
         down_proj: ``[num_experts, moe_intermediate_size, hidden_size]``.
     """
 
-    def __init__(self, moe: MoeConfig, hidden_size: int, hidden_act: str) -> None:
+    def __init__(
+        self, moe: MoeConfig, hidden_size: int, hidden_act: str, world_size: int = 1
+    ) -> None:
         super().__init__()
         self.num_experts = moe.num_experts
-        self.intermediate_size = moe.moe_intermediate_size
+        # NOTE: tensor-parallel ranks split every expert along its intermediate size.
+        size = moe.moe_intermediate_size // world_size
+        self.intermediate_size = size
         self.hidden_act = hidden_act
-        size = moe.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, 2 * size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, size, hidden_size))
 
@@ -75,20 +79,32 @@ class SparseMoeBlock(nn.Module):
     Args:
         config: A model config with `ModelConfig.moe` set.
         linear: The projection class of the model (``Linear(in, out, bias)``).
-        mlp: The dense MLP class (``mlp(config, intermediate_size)``) for the shared expert.
+        mlp: The dense MLP class (``mlp(config, intermediate_size, group)``) for the shared
+            expert.
+        group: The rank's tensor-parallel group: the router is replicated, the experts split
+            along their intermediate size and their outputs summed over the ranks.
     """
 
-    def __init__(self, config: ModelConfig, linear: type[nn.Module], mlp: type[nn.Module]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        linear: type[nn.Module],
+        mlp: type[nn.Module],
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         if config.moe is None:
             raise ValueError("SparseMoeBlock needs a config with moe set")
         self.moe = config.moe
+        self.group = group or TensorParallelGroup.single()
         self.gate = linear(config.hidden_size, self.moe.num_experts, False)
-        self.experts = Experts(self.moe, config.hidden_size, config.hidden_act)
+        self.experts = Experts(
+            self.moe, config.hidden_size, config.hidden_act, self.group.world_size
+        )
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Module | None = None
         if self.moe.shared_expert_intermediate_size:
-            self.shared_expert = mlp(config, self.moe.shared_expert_intermediate_size)
+            self.shared_expert = mlp(config, self.moe.shared_expert_intermediate_size, self.group)
             self.shared_expert_gate = linear(config.hidden_size, 1, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +115,7 @@ class SparseMoeBlock(nn.Module):
         weights, expert_ids = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, expert_ids, weights.to(x.dtype))
+        out = self.group.all_reduce(self.experts(x, expert_ids, weights.to(x.dtype)))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

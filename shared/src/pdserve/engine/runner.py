@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import structlog
@@ -19,6 +19,7 @@ from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.loader import load_model
 from pdserve.engine.model import LayerCallback, LlamaForCausalLM
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.group import TensorParallelGroup
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,67 @@ def resolve_attention_backend(
     return backend
 
 
+def load_rank_model(
+    config: EngineConfig, device: torch.device, group: TensorParallelGroup | None = None
+) -> LlamaForCausalLM:
+    """Loads this rank's share of the model named by ``config`` onto `device` (the whole model
+    without a group)."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    model_config = ModelConfig.from_pretrained(config.model)
+    backend = resolve_attention_backend(
+        config.attention_backend, device, config.cache_dtype, config.cache.block_size
+    )
+    return load_model(
+        config.model,
+        config.torch_dtype,
+        device,
+        backend,
+        model_config,
+        linear_backend=config.linear_backend,
+        group=group,
+    )
+
+
+def cache_layout(
+    config: EngineConfig, model_config: ModelConfig, num_kv_heads: int | None = None
+) -> KVCacheLayout:
+    """The KV cache layout of the model: all its KV heads unless `num_kv_heads` says fewer."""
+    return KVCacheLayout(
+        num_layers=model_config.num_hidden_layers,
+        num_kv_heads=num_kv_heads or model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        block_size=config.cache.block_size,
+        dtype=str(config.cache_dtype).removeprefix("torch."),
+    )
+
+
+def num_cache_blocks(
+    config: EngineConfig, model_config: ModelConfig, layout: KVCacheLayout, device: torch.device
+) -> int:
+    """How many blocks of `layout` the cache gets (`size_kv_cache`), logged."""
+    limit = model_config.max_position_embeddings
+    size = size_kv_cache(
+        config.cache,
+        layout,
+        device,
+        max_model_len=min(config.max_model_len or limit, limit),
+        max_seqs=config.cache.max_seqs or config.scheduler.max_num_seqs,
+    )
+    log.info(
+        "kv_cache_sized",
+        source=size.source,
+        num_blocks=size.num_blocks,
+        block_size=layout.block_size,
+        num_tokens=size.num_blocks * layout.block_size,
+        bytes=size.num_blocks * layout.total_block_nbytes,
+        available_bytes=size.available_bytes,
+        fraction=size.fraction,
+        device=str(device),
+    )
+    return size.num_blocks
+
+
 def attention_backend_name(backend: str) -> str:
     """What a resolved backend runs: ``sdpa``, ``flash-attn-4`` or ``flash-attn-2``."""
     if backend == "flash" and FLASH is not None:
@@ -73,6 +135,9 @@ class ModelRunner:
         self.attention_backend = attention_backend_name(model.attention_backend)
         """What attention runs: ``sdpa``, ``flash-attn-4`` or ``flash-attn-2``."""
         self.kv_cache = kv_cache
+        self.rank_cache = kv_cache
+        """The cache this rank's share of the model attends over: `kv_cache`, or on a
+        tensor-parallel rank a view of its heads in it."""
         self.model_config: ModelConfig = model.config
         self.block_size = kv_cache.block_size
         self.device = kv_cache.device
@@ -80,50 +145,31 @@ class ModelRunner:
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
-        """Loads the model named by ``config`` and allocates its KV cache."""
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        model_config = ModelConfig.from_pretrained(config.model)
-        device = torch.device(config.device)
-        backend = resolve_attention_backend(
-            config.attention_backend, device, config.cache_dtype, config.cache.block_size
-        )
-        model = load_model(
-            config.model,
-            config.torch_dtype,
-            device,
-            backend,
-            model_config,
-            linear_backend=config.linear_backend,
-        )
-        layout = KVCacheLayout(
-            num_layers=model_config.num_hidden_layers,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=model_config.head_dim,
-            block_size=config.cache.block_size,
-            dtype=str(config.cache_dtype).removeprefix("torch."),
-        )
-        limit = model_config.max_position_embeddings
-        size = size_kv_cache(
-            config.cache,
-            layout,
-            device,
-            max_model_len=min(config.max_model_len or limit, limit),
-            max_seqs=config.cache.max_seqs or config.scheduler.max_num_seqs,
-        )
-        kv_cache = KVCache(layout, size.num_blocks, device)
-        log.info(
-            "kv_cache_sized",
-            source=size.source,
-            num_blocks=size.num_blocks,
-            block_size=layout.block_size,
-            num_tokens=size.num_blocks * layout.block_size,
-            bytes=kv_cache.nbytes,
-            available_bytes=size.available_bytes,
-            fraction=size.fraction,
-            device=str(device),
-        )
-        return cls(model, kv_cache)
+        """Loads the model named by ``config`` and allocates its KV cache.
+
+        With ``config.tensor_parallel_size`` above one this process becomes rank 0 of the
+        instance and the runner a `TensorParallelRunner` (same interface).
+        """
+        if config.tensor_parallel_size > 1:
+            from pdserve.engine.parallel.runner import TensorParallelRunner
+
+            return TensorParallelRunner.load(config)
+        model = load_rank_model(config, torch.device(config.device))
+        layout = cache_layout(config, model.config)
+        num_blocks = num_cache_blocks(config, model.config, layout, torch.device(config.device))
+        return cls(model, KVCache(layout, num_blocks, torch.device(config.device)))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks the model is split over (one here; see `TensorParallelRunner`)."""
+        return 1
+
+    def close(self) -> None:
+        """Releases what the runner holds besides memory (a tensor-parallel runner's ranks)."""
+
+    def watch_ranks(self, callback: Callable[[int, int], None]) -> None:
+        """Calls ``callback(rank, exit_status)`` from another thread if a rank of the instance
+        exits unexpectedly (never for a single-process runner)."""
 
     def execute(
         self, chunks: Sequence[ScheduledChunk[Any]], on_layer_done: LayerCallback | None = None
@@ -162,7 +208,7 @@ class ModelRunner:
         # NOTE: decodes first, shortest context first, so that similar lengths attend together.
         order = sorted(range(len(chunks)), key=lambda i: _batch_position(chunks[i]))
         input_ids, positions, metadata = self._prepare([chunks[i] for i in order])
-        hidden = self.model(input_ids, positions, self.kv_cache, metadata, on_layer_done)
+        hidden = self.model(input_ids, positions, self.rank_cache, metadata, on_layer_done)
         last_rows = torch.cumsum(metadata.query_lens, 0) - 1
         logits_sorted = self.model.compute_logits(hidden[last_rows.to(self.device)])
         inverse = torch.empty(len(order), dtype=torch.long)

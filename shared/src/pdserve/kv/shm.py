@@ -56,7 +56,8 @@ class KvSegment:
 
     @classmethod
     def create(cls, kv_cache: KVCache, directory: Path = SHM_DIR) -> KvSegment:
-        """Creates a segment of the cache's size and moves `kv_cache` into it.
+        """Creates a segment of the cache's size and moves `kv_cache` into it (or, for a cache
+        already in a shared file, names that file).
 
         Raises:
             OSError: The segment cannot be created or its pages allocated (e.g. /dev/shm full).
@@ -64,6 +65,8 @@ class KvSegment:
         """
         remove_stale_segments(directory)
         path = directory / f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
+        if kv_cache.shared_path is not None:
+            return cls._link(kv_cache, kv_cache.shared_path, path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, kv_cache.nbytes)
@@ -79,6 +82,23 @@ class KvSegment:
             path.unlink(missing_ok=True)
             raise
         log.info("kv_segment_created", name=path.name, num_bytes=kv_cache.nbytes)
+        return cls(path, mapping)
+
+    @classmethod
+    def _link(cls, kv_cache: KVCache, shared_path: Path, path: Path) -> KvSegment:
+        """The segment of a cache already in a shared file (a tensor-parallel instance's, whose
+        ranks map it): a second name for the same file, its pages allocated now."""
+        os.link(shared_path, path)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, kv_cache.nbytes)
+            mapping = mmap.mmap(fd, kv_cache.nbytes, mmap.MAP_SHARED)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        log.info("kv_segment_created", name=path.name, num_bytes=kv_cache.nbytes, linked=True)
         return cls(path, mapping)
 
     def remove(self) -> None:

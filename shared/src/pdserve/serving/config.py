@@ -106,6 +106,21 @@ class InstanceConfig(ServiceConfig):
         default=None,
         metadata={"help": "longest sequence served; the model's limit when unset", "gt": 1},
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks (processes) the model is split over; this process serves as rank 0 "
+            "and starts the others. CPU only; the heads must split (or replicate) evenly",
+            "gt": 0,
+        },
+    )
+    tensor_parallel_timeout_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "how long the ranks may take to form their group at start-up",
+            "gt": 0,
+        },
+    )
     drain_timeout_s: float = field(
         default=30.0, metadata={"help": "on SIGTERM, how long work in flight may finish", "min": 0}
     )

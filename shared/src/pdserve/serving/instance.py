@@ -100,6 +100,7 @@ class InstanceServer(abc.ABC):
         self.security = security or Security.from_config(config, role_name(self.role))
         instance_id = self.security.instance_id(config.instance_id)
         self.host = host or ModelHost.from_config(config)
+        self._owns_host = host is None
         guard = [] if self.security.is_insecure else [AuthorizationInterceptor()]
         self.server = new_aio_server([*guard, *interceptors])
         self.port = self.security.bind(self.server, f"{config.host}:{config.port}")
@@ -112,6 +113,8 @@ class InstanceServer(abc.ABC):
         self.health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.is_down = asyncio.Event()
+        """Set once a lost tensor-parallel rank has taken the instance down."""
         self.kv_store, self.kv_writer = open_kv_tier(config, self.host.kv_layout.fingerprint)
         self.build()
 
@@ -192,6 +195,12 @@ class InstanceServer(abc.ABC):
             address = f"{self.config.host}:{self.config.health_port}"
             self.health_server, self.health_port = await start_health_server(self.health, address)
             log.info("health_port_started", port=self.health_port)
+        aio_loop = asyncio.get_running_loop()
+
+        def on_rank_lost(rank: int, status: int) -> None:
+            aio_loop.call_soon_threadsafe(self._go_down, rank, status)
+
+        self.host.runner.watch_ranks(on_rank_lost)
         self.loop.start()
         if self.kv_writer is not None:
             self.kv_writer.start()
@@ -202,6 +211,17 @@ class InstanceServer(abc.ABC):
         )
         if self.registration is not None:
             self._tasks.append(asyncio.create_task(self.registration.run()))
+
+    def _go_down(self, rank: int, status: int) -> None:
+        """A rank is lost: the instance stops as a whole (what is in flight ends, its blocks
+        and leases released) and `is_down` is set; peers see it as a lost instance."""
+        log.error("instance_down", reason="tensor_parallel_rank_lost", rank=rank, status=status)
+
+        async def stop_and_mark() -> None:
+            await self.stop(grace=0)
+            self.is_down.set()
+
+        self._tasks.append(asyncio.create_task(stop_and_mark()))
 
     async def drain_and_stop(self, timeout_s: float | None = None) -> None:
         """Refuses new requests, lets those in flight finish (up to the timeout), then stops.
@@ -227,7 +247,8 @@ class InstanceServer(abc.ABC):
         """Stops background tasks, registration, the server, the engine thread and metrics."""
         self.stop_admitting()
         for task in self._tasks:
-            task.cancel()
+            if task is not asyncio.current_task():
+                task.cancel()
         if self.registration is not None:
             await self.registration.stop()
         await self.abort_in_flight()
@@ -243,6 +264,8 @@ class InstanceServer(abc.ABC):
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server.server_close()
+        if self._owns_host:
+            self.host.runner.close()
 
     async def run_until_signal(self) -> None:
         """Serves until SIGTERM or SIGINT, then drains and stops (the body of ``serve``)."""
@@ -250,6 +273,11 @@ class InstanceServer(abc.ABC):
         aio_loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio_loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self.is_down.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
+        if self.is_down.is_set():
+            raise SystemExit(1)
         log.info("shutdown_requested")
         await self.drain_and_stop()

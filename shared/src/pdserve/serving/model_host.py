@@ -53,6 +53,8 @@ class ModelHost:
         kv_cache_memory_fraction: float | None = None,
         max_seqs: int | None = None,
         kv_cache_in_shm: bool = False,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_timeout_s: float = 120.0,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -66,10 +68,17 @@ class ModelHost:
             max_seqs: Most requests holding blocks at once (bounds an automatic size).
             kv_cache_in_shm: The cache will be placed in a /dev/shm segment (an automatic size
                 then also fits in half its free space).
+            tensor_parallel_size: Ranks the model is split over (`pdserve.engine.parallel`);
+                CPU only: on CPU rank 0's cache holds every head, so KV moves as without it.
+            tensor_parallel_timeout_s: How long the ranks may take to form their group.
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
         """
+        if tensor_parallel_size > 1 and not device.startswith("cpu"):
+            # NOTE: on CUDA each rank's cache holds only its heads; exporting and importing
+            # whole blocks would need a gather and a scatter that are not implemented.
+            raise ValueError("tensor_parallel_size above 1 is served on CPU only")
         resolved = resolve_model(model)
         model_dir = resolved.path
         cache = CacheConfig(
@@ -86,6 +95,8 @@ class ModelHost:
             device=device,
             max_model_len=max_model_len,
             num_threads=num_threads,
+            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_timeout_s=tensor_parallel_timeout_s,
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
@@ -117,6 +128,8 @@ class ModelHost:
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             max_seqs=config.kv_cache_max_seqs,
             kv_cache_in_shm=config.kv_cache_in_shm,
+            tensor_parallel_size=config.tensor_parallel_size,
+            tensor_parallel_timeout_s=config.tensor_parallel_timeout_s,
         )
 
     @property

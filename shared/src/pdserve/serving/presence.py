@@ -46,6 +46,7 @@ def instance_info(
         kv_layout=host.kv_layout,
         model_name=host.served_model_name,
         max_model_len=host.max_model_len,
+        tensor_parallel_size=host.runner.tensor_parallel_size,
     )
 
 

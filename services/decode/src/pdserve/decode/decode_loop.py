@@ -31,6 +31,7 @@ from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.request import DecodeRequest
 from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.parallel.group import TensorParallelError
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.thread import EngineThread
@@ -76,6 +77,7 @@ class DecodeLoop(EngineThread):
         self._waiting: deque[DecodeRequest] = deque()
         self._aborts: dict[str, tuple[RequestStatus, str]] = {}
         self._preempt_all: PreemptionReason | None = None
+        self._is_broken = False
         super().__init__("decode-loop")
 
     # ---- called from other threads ---------------------------------------------------------
@@ -126,15 +128,17 @@ class DecodeLoop(EngineThread):
             with self._cond:
                 while not (
                     self._is_stopped
-                    or self._running
+                    or (self._running and not self._is_broken)
                     or self._waiting
                     or self._aborts
                     or self._preempt_all
                 ):
                     self._cond.wait()
-                if self._is_stopped:
-                    return
                 aborts, self._aborts = self._aborts, {}
+                if self._is_stopped:
+                    if self._is_broken:
+                        self._release_all()
+                    return
                 preempt_reason, self._preempt_all = self._preempt_all, None
                 if preempt_reason is not None:
                     # Draining: every queued request is admitted so that it gets its notice.
@@ -147,12 +151,25 @@ class DecodeLoop(EngineThread):
                 if preempt_reason is not None:
                     for request in reversed(self._running):
                         self._preempt(request, preempt_reason)
-                if self._running:
+                if self._running and not self._is_broken:
                     self._step()
+            except TensorParallelError as error:
+                # NOTE: a lost rank takes the instance down (`InstanceServer`): its streams end
+                # as the server stops, so that the gateway sees a lost decode (and migrates),
+                # not failed requests; their leases are released as the streams are cancelled.
+                log.error("decode_step_failed", error=str(error), reason="rank_lost")
+                self._is_broken = True
             except Exception as error:
                 log.exception("decode_step_failed", error=str(error))
                 for request in list(self._running):
                     self._end(request, RequestStatus.FAILED, f"decode step failed: {error}")
+
+    def _release_all(self) -> None:
+        """Ends every request this loop holds (the instance is down: its streams are gone)."""
+        while self._waiting:
+            self._admit(self._waiting.popleft())
+        for request in list(self._running):
+            self._end(request, RequestStatus.ABORTED, "the instance lost a tensor-parallel rank")
 
     def _admit(self, request: DecodeRequest) -> None:
         if not self.leases.advance(request, RequestStatus.RUNNING):

@@ -1,0 +1,64 @@
+"""The vocabulary-parallel embedding and the local sizes of a rank's share of the model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.group import TensorParallelGroup, check_divisible
+
+
+def split_evenly(size: int, world_size: int, what: str) -> int:
+    """``size // world_size``, refusing a size that does not divide.
+
+    Raises:
+        ValueError: If `world_size` does not divide `size`.
+    """
+    if size % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} does not divide {what} {size}")
+    return size // world_size
+
+
+def check_model_fits(config: ModelConfig, group: TensorParallelGroup) -> None:
+    """Refuses a tensor-parallel size the model's heads or intermediate sizes cannot be split
+    over (a ValueError that names the size)."""
+    size = group.world_size
+    if size == 1:
+        return
+    check_divisible(group.shard, config.num_attention_heads, config.num_key_value_heads)
+    split_evenly(config.intermediate_size, size, "intermediate_size")
+    if config.moe is not None:
+        split_evenly(config.moe.moe_intermediate_size, size, "moe_intermediate_size")
+        if config.moe.shared_expert_intermediate_size:
+            split_evenly(
+                config.moe.shared_expert_intermediate_size, size, "shared_expert_intermediate_size"
+            )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows are split over the ranks: each looks up the ids in its slice,
+    zeroes the others, and the rows are summed over the ranks.
+
+    Args:
+        vocab_size: Rows of the whole embedding.
+        hidden_size: Width of a row.
+        group: The rank's group; its share is `RankShard.vocab_range`, padded with zero rows
+            to `RankShard.vocab_per_rank`.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.group = group
+        rows = group.shard.vocab_range(vocab_size)
+        self.vocab_start, self.vocab_end = rows.start, rows.stop
+        self.weight = nn.Parameter(torch.empty(group.shard.vocab_per_rank(vocab_size), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [num_tokens] -> [num_tokens, hidden_size]
+        is_local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(is_local, input_ids - self.vocab_start, 0)
+        hidden = F.embedding(local_ids, self.weight)
+        hidden = hidden * is_local.unsqueeze(-1).to(hidden.dtype)
+        return self.group.all_reduce(hidden)

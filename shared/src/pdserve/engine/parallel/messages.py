@@ -1,0 +1,72 @@
+"""What rank 0 tells the other ranks, over each one's stdin pipe (pickled, in order).
+
+Collectives carry the model's tensors; these messages carry the control: what to load, where
+the cache is, and each step's batch. A pipe needs no timeout while the instance is idle, and
+its end of file tells a rank that rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The first message: who the rank is and what it loads.
+
+    Attributes:
+        config: The instance's engine settings.
+        rank: The receiving rank.
+        store_port: The loopback port of rank 0's TCPStore the group forms over.
+    """
+
+    config: EngineConfig
+    rank: int
+    store_port: int
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Where the KV cache is, once rank 0 has sized it.
+
+    Attributes:
+        num_blocks: Blocks of the cache.
+        shared_path: The shared file of all heads (CPU); None: each rank allocates its own
+            heads (CUDA).
+    """
+
+    num_blocks: int
+    shared_path: Path | None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward pass, as `ModelRunner.execute_with_positions` takes it.
+
+    Attributes:
+        chunks: The batch, as bare chunks (no request).
+        every_position: Indices of the chunks whose every position's logits are computed.
+    """
+
+    chunks: list[ScheduledChunk[None]]
+    every_position: tuple[int, ...]
+
+    @classmethod
+    def of(cls, chunks: Sequence[ScheduledChunk[Any]], every_position: Sequence[int]) -> Step:
+        """The step of a batch of chunks cut from requests."""
+        bare: list[ScheduledChunk[None]] = [
+            ScheduledChunk(list(c.token_ids), c.num_computed_tokens, list(c.block_ids))
+            for c in chunks
+        ]
+        return cls(bare, tuple(every_position))
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """The last message: the rank exits."""

@@ -1,0 +1,89 @@
+"""Cuts a checkpoint tensor down to one rank's share as it is loaded.
+
+Names are Hugging Face's (after Mixtral's are renamed), weights ``[out, in]``:
+
+* column-parallel (split along ``out``): q/k/v and gate/up projections and their biases, of
+  dense MLPs, shared experts and every routed expert; k/v over `RankShard.num_kv_parts`
+  parts (replicated beyond the number of KV heads);
+* row-parallel (split along ``in``): o and down projections (their biases stay whole);
+* vocabulary-parallel: the embedding and the LM head by rows, the last rank's padded with
+  zeros to an equal share;
+* fused in the checkpoint (Phi-3's qkv and gate/up, stacked experts): each part cut alike;
+* anything else (norms, routers, the shared expert's gate) is replicated.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.group import RankShard
+
+_PROJECTION = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)"
+    r"\.(weight|bias)$"
+)
+_STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _part(tensor: torch.Tensor, dim: int, num_parts: int, part: int) -> torch.Tensor:
+    size = tensor.shape[dim] // num_parts
+    return tensor.narrow(dim, part * size, size)
+
+
+def shard_tensor(
+    name: str, tensor: torch.Tensor, config: ModelConfig, shard: RankShard
+) -> torch.Tensor:
+    """The share of checkpoint tensor `name` that rank `shard.rank` holds.
+
+    Args:
+        name: The tensor's Hugging Face name.
+        tensor: The whole tensor, ``[out, in]`` for a projection's weight.
+        config: The model.
+        shard: The rank and the group's size.
+
+    Returns:
+        A view of `tensor` (or a padded copy for the vocabulary), the tensor itself for a
+        group of one or a replicated tensor.
+    """
+    size, rank = shard.world_size, shard.rank
+    if size == 1:
+        return tensor
+    if name in _VOCAB:
+        rows = shard.vocab_range(config.vocab_size)
+        local = tensor[rows.start : rows.stop]
+        padding = shard.vocab_per_rank(config.vocab_size) - local.shape[0]
+        return torch.nn.functional.pad(local, (0, 0, 0, padding)) if padding else local
+    stacked = _STACKED_EXPERTS.search(name)
+    if stacked is not None:
+        # gate_up: [experts, 2 * intermediate, hidden]; down: [experts, hidden, intermediate]
+        if stacked.group(1) == "down_proj":
+            return _part(tensor, 2, size, rank)
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat((_part(gate, 1, size, rank), _part(up, 1, size, rank)), dim=1)
+    match = _PROJECTION.search(name)
+    if match is None:
+        return tensor
+    projection, kind = match.groups()
+    kv_parts = shard.num_kv_parts(config.num_key_value_heads)
+    kv_part = rank * kv_parts // size
+    if projection in ("o_proj", "down_proj"):
+        return _part(tensor, 1, size, rank) if kind == "weight" else tensor
+    if projection in ("k_proj", "v_proj"):
+        return _part(tensor, 0, kv_parts, kv_part)
+    if projection == "qkv_proj":
+        kv_size = config.num_key_value_heads * config.head_dim
+        q, k, v = tensor.split([config.num_attention_heads * config.head_dim, kv_size, kv_size])
+        parts = (
+            _part(q, 0, size, rank),
+            _part(k, 0, kv_parts, kv_part),
+            _part(v, 0, kv_parts, kv_part),
+        )
+        return torch.cat(parts)
+    if projection == "gate_up_proj":
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat((_part(gate, 0, size, rank), _part(up, 0, size, rank)))
+    return _part(tensor, 0, size, rank)

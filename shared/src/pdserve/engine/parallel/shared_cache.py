@@ -1,0 +1,135 @@
+"""The KV cache of a tensor-parallel instance on CPU: one shared-memory file, every rank's
+heads in it.
+
+Rank 0 creates the cache in a file under /dev/shm with the layout of a single-process cache
+(all KV heads); every rank maps it and attends over a view of its own heads (or its replica of
+one head). Rank 0 therefore always sees whole blocks: exporting, importing and the decode's
+shared-memory segment work as without tensor parallelism, and a prefill and a decode of
+different tensor-parallel sizes exchange the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import warnings
+from pathlib import Path
+
+import structlog
+import torch
+
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+
+log = structlog.get_logger(__name__)
+
+NAME_PREFIX = "pdserve-tp-kv-"
+DEFAULT_DIR = Path("/dev/shm")
+
+
+def _map(path: Path, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # NOTE: the tensor holds a reference to the mapping; it is unmapped with the tensor.
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+    return flat.view(dtype)
+
+
+def _shape(layout: KVCacheLayout, num_blocks: int) -> tuple[int, ...]:
+    return (
+        layout.num_layers,
+        2,
+        num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
+
+
+def create_shared_cache(
+    layout: KVCacheLayout, num_blocks: int, directory: Path = DEFAULT_DIR
+) -> KVCache:
+    """A CPU cache of all heads in a new private file (rank 0); `KVCache.shared_path` names it.
+
+    Its pages are taken on first write, like a single-process cache's. The caller removes the
+    file (`remove_shared_cache`) when the instance ends.
+    """
+    remove_stale_files(directory)
+    path = directory / f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    nbytes = num_blocks * layout.total_block_nbytes
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    dtype = getattr(torch, layout.dtype)
+    kv = _map(path, nbytes, dtype).view(_shape(layout, num_blocks))
+    cache = KVCache(layout, num_blocks, torch.device("cpu"), kv=kv)
+    cache.shared_path = path
+    log.info("tensor_parallel_cache_created", name=path.name, num_bytes=nbytes)
+    return cache
+
+
+def attach_head_slice(path: Path, layout: KVCacheLayout, num_blocks: int, heads: range) -> KVCache:
+    """A rank's view of the shared cache file: only its `heads` (`head_slice`); `layout` is
+    the whole cache's."""
+    nbytes = num_blocks * layout.total_block_nbytes
+    full = _map(path, nbytes, getattr(torch, layout.dtype)).view(_shape(layout, num_blocks))
+    return head_slice(KVCache(layout, num_blocks, torch.device("cpu"), kv=full), heads)
+
+
+def head_slice(cache: KVCache, heads: range) -> KVCache:
+    """A view of `heads` of every block of `cache` (no copy): the cache a rank attends over.
+
+    Returns:
+        A cache whose layout has ``len(heads)`` KV heads and whose tensor is a strided view:
+        ``[num_layers, 2, num_blocks, block_size, len(heads), head_dim]``.
+    """
+    layout = cache.layout
+    local = KVCacheLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=len(heads),
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        dtype=layout.dtype,
+    )
+    kv = cache.kv.narrow(4, heads.start, len(heads))
+    return KVCache(local, cache.num_blocks, cache.device, kv=kv)
+
+
+def remove_shared_cache(cache: KVCache) -> None:
+    """Removes the cache's file (the ranks keep their mappings while they live)."""
+    if cache.shared_path is not None:
+        cache.shared_path.unlink(missing_ok=True)
+
+
+def remove_stale_files(directory: Path = DEFAULT_DIR) -> int:
+    """Removes this user's cache files left by instances that no longer run; returns how many."""
+    num_removed = 0
+    for path in directory.glob(f"{NAME_PREFIX}*"):
+        pid_text = path.name.removeprefix(NAME_PREFIX).split("-", 1)[0]
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
+                continue
+            path.unlink()
+            num_removed += 1
+    return num_removed
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,85 @@
+"""A tensor-parallel rank other than 0: ``python -m pdserve.engine.parallel.worker``.
+
+It reads its `Setup` from stdin, joins the group, loads its share of the model, attaches to
+the KV cache and then runs every `Step` rank 0 sends, discarding the logits (rank 0 samples).
+It exits on `Shutdown`, at the end of its stdin (rank 0 is gone), or when a collective fails
+(another rank is gone).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import sys
+from typing import BinaryIO
+
+import structlog
+import torch
+from torch.distributed import TCPStore
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.parallel.group import LOOPBACK, RankShard, TensorParallelGroup
+from pdserve.engine.parallel.messages import Attach, Setup, Shutdown, Step
+from pdserve.engine.parallel.shared_cache import attach_head_slice
+from pdserve.engine.runner import ModelRunner, cache_layout, load_rank_model
+
+log = structlog.get_logger(__name__)
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: the configured one on CPU, the device index plus r on CUDA."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def _read(stream: BinaryIO) -> object:
+    try:
+        return pickle.load(stream)
+    except EOFError:
+        return Shutdown()
+
+
+def run(stream: BinaryIO) -> int:
+    """Serves as the rank `Setup` names until shutdown; returns the exit status."""
+    setup = _read(stream)
+    if not isinstance(setup, Setup):
+        return 0
+    config = setup.config
+    shard = RankShard(setup.rank, config.tensor_parallel_size)
+    device = rank_device(config, setup.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout_s = config.tensor_parallel_timeout_s
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(LOOPBACK, setup.store_port, shard.world_size, False, timeout)
+    group = TensorParallelGroup.form(store, shard, device, timeout_s)
+    model = load_rank_model(config, device, group)
+    attach = _read(stream)
+    if not isinstance(attach, Attach):
+        return 0
+    heads = shard.kv_head_range(model.config.num_key_value_heads)
+    if attach.shared_path is not None:
+        layout = cache_layout(config, model.config)
+        kv_cache = attach_head_slice(attach.shared_path, layout, attach.num_blocks, heads)
+    else:
+        layout = cache_layout(config, model.config, num_kv_heads=len(heads))
+        kv_cache = KVCache(layout, attach.num_blocks, device)
+    runner = ModelRunner(model, kv_cache)
+    group.barrier()
+    log.info("tensor_parallel_rank_ready", rank=shard.rank, world_size=shard.world_size)
+    while True:
+        message = _read(stream)
+        if not isinstance(message, Step):
+            return 0
+        try:
+            runner.execute_with_positions(message.chunks, every_position=message.every_position)
+        except ValueError as error:
+            # NOTE: a batch _prepare refuses is refused on every rank before any collective.
+            log.warning("tensor_parallel_step_refused", rank=shard.rank, error=str(error))
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.stdin.buffer))

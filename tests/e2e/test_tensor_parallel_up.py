@@ -1,0 +1,63 @@
+"""`pdserve up --decode-args="--tensor-parallel-size 3"`: the default model served by a decode
+split over three ranks (SmolLM2-135M has 9 query and 3 KV heads, so 3 is its smallest size
+above one) answers exactly as transformers, i.e. as the unsplit decode does."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from support.process_cluster import ProcessCluster, events_named, running_cluster
+
+from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
+
+MAX_TOKENS = 24
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def split_cluster(
+    smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with running_cluster(
+        smollm2.path,
+        tmp_path_factory.mktemp("logs"),
+        decode_args="--tensor-parallel-size 3 --num-threads 1",
+    ) as running:
+        yield running
+
+
+def expected_ids(smollm2_reference: tuple[Any, Any]) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy ids up to and including the end token) from transformers."""
+    tokenizer, model = smollm2_reference
+    encoded = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+    prompt_ids = list(encoded["input_ids"])
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False
+        )
+    generated = output[0, len(prompt_ids) :].tolist()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if end in generated:
+        generated = generated[: generated.index(end) + 1]
+    return prompt_ids, generated
+
+
+async def test_split_decode_serves_the_default_model_exactly(
+    split_cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
+) -> None:
+    (decode,) = split_cluster.decodes
+    assert events_named(decode, "tensor_parallel_ready")[0]["world_size"] == 3
+    prompt_ids, expected = expected_ids(smollm2_reference)
+    response = await split_cluster.openai().chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    extra = response.choices[0].model_extra or {}
+    assert extra["prompt_token_ids"] == prompt_ids
+    assert extra["token_ids"] == expected

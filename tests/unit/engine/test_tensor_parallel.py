@@ -1,0 +1,171 @@
+"""Tensor parallelism on CPU (gloo): a model split over ranks computes what the whole model
+computes, and a group that cannot form or loses a rank fails with a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from support.eventually import eventually
+from support.tiny_models import save_tiny_model
+
+from pdserve.common.generation import SamplingParams
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, ModelRunner, ScheduledChunk
+from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.parallel.group import RankShard, TensorParallelError, TensorParallelGroup
+from pdserve.engine.parallel.runner import TensorParallelRunner
+
+NUM_BLOCKS = 64
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _config(model: Path, tensor_parallel_size: int, **extra: object) -> EngineConfig:
+    return EngineConfig(
+        model=str(model),
+        tensor_parallel_size=tensor_parallel_size,
+        num_threads=1,
+        seed=0,
+        cache=CacheConfig(num_blocks=NUM_BLOCKS),
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def _logits(runner: ModelRunner) -> torch.Tensor:
+    """Logits of two steps: three prefills, then a batch of a prefill from scratch, a prefill
+    on cached KV and two decodes (each sequence in blocks of its own)."""
+    prompt = list(range(3, 43))
+    first = runner.execute(
+        [
+            ScheduledChunk(list(range(50, 67)), 0, [6, 7]),
+            ScheduledChunk(list(range(60, 93)), 0, [8, 9, 10]),
+            ScheduledChunk(prompt[:20], 0, [3, 4, 5]),
+        ]
+    )
+    second = runner.execute(
+        [
+            ScheduledChunk(prompt, 0, [0, 1, 2]),
+            ScheduledChunk(prompt[20:], 20, [3, 4, 5]),
+            ScheduledChunk([7], 17, [6, 7]),
+            ScheduledChunk([9], 33, [8, 9, 10]),
+        ]
+    )
+    return torch.cat((first, second))
+
+
+def _generate(runner: ModelRunner, model: Path) -> list[list[int]]:
+    engine = LLMEngine(_config(model, 1), runner=runner)
+    prompts = [list(range(5, 45)), [30, 40, 50], list(range(100, 117))]
+    return engine.generate(prompts, GREEDY)
+
+
+@pytest.fixture
+def tp_runner() -> Iterator[Callable[..., TensorParallelRunner]]:
+    """Returns ``load(model, size) -> TensorParallelRunner``; each is closed after the test."""
+    loaded: list[ModelRunner] = []
+
+    def load(model: Path, size: int, **extra: object) -> TensorParallelRunner:
+        runner = ModelRunner.load(_config(model, size, **extra))
+        assert isinstance(runner, TensorParallelRunner)
+        loaded.append(runner)
+        return runner
+
+    yield load
+    for runner in loaded:
+        runner.close()
+
+
+@pytest.mark.parametrize(
+    ("family", "size"),
+    [
+        ("llama3", 2),  # GQA: one KV head per rank
+        ("mistral", 2),  # one KV head, replicated on both ranks; a sliding window
+        ("qwen3", 2),  # q/k norm, a head_dim of its own, tied embeddings
+        ("qwen2_moe", 2),  # q/k/v bias, experts and a gated shared expert
+        ("phi3", 2),  # q/k/v and gate/up fused in the checkpoint
+        ("gemma3", 2),  # GeGLU, scaled embeddings, soft-capped logits
+        ("llama_tied", 4),  # four KV heads, one per rank
+    ],
+)
+def test_tensor_parallel_matches_one_rank(
+    family: str,
+    size: int,
+    checkpoint: Callable[[str], Path],
+    tp_runner: Callable[..., TensorParallelRunner],
+) -> None:
+    model = checkpoint(family)
+    single = ModelRunner.load(_config(model, 1))
+    split = tp_runner(model, size)
+    assert split.tensor_parallel_size == size
+    assert split.kv_cache.layout == single.kv_cache.layout  # rank 0 sees every head
+    torch.testing.assert_close(_logits(split), _logits(single), rtol=1e-4, atol=1e-4)
+    assert _generate(split, model) == _generate(single, model)
+
+
+def test_uneven_vocabulary_and_replicated_heads(
+    tmp_path: Path, tp_runner: Callable[..., TensorParallelRunner]
+) -> None:
+    # 301 rows over 4 ranks (the last one's padded) and 2 KV heads on 4 ranks (replicated)
+    model = save_tiny_model("qwen2", tmp_path / "qwen2", vocab_size=301)
+    single = ModelRunner.load(_config(model, 1))
+    split = tp_runner(model, 4)
+    logits = _logits(split)
+    assert logits.shape[1] == 301
+    torch.testing.assert_close(logits, _logits(single), rtol=1e-4, atol=1e-4)
+
+
+def test_default_model_at_tensor_parallel_three(
+    smollm2: ResolvedModel, tp_runner: Callable[..., TensorParallelRunner]
+) -> None:
+    # NOTE: SmolLM2-135M has 9 query and 3 KV heads: 3 is its smallest size above one.
+    single = ModelRunner.load(_config(smollm2.path, 1))
+    split = tp_runner(smollm2.path, 3)
+    assert _generate(split, smollm2.path) == _generate(single, smollm2.path)
+
+
+def test_size_that_cannot_split_the_heads_is_refused(checkpoint: Callable[[str], Path]) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide 4 query heads"):
+        ModelRunner.load(_config(checkpoint("llama3"), 3))
+
+
+def test_group_that_cannot_form_times_out() -> None:
+    store = torch.distributed.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match="group of 2 ranks did not form within 1s"):
+        TensorParallelGroup.form(store, RankShard(0, 2), torch.device("cpu"), timeout_s=1.0)
+    assert time.monotonic() - started < 10
+
+
+def test_lost_rank_makes_rank_zero_raise(
+    checkpoint: Callable[[str], Path], tp_runner: Callable[..., TensorParallelRunner]
+) -> None:
+    runner = tp_runner(checkpoint("llama3"), 2)
+    lost: list[tuple[int, int]] = []
+    runner.ranks.on_rank_lost.append(lambda rank, code: lost.append((rank, code)))
+    runner.execute([ScheduledChunk([5, 6, 7], 0, [0])])
+    os.kill(runner.ranks.pids()[0], signal.SIGKILL)
+    # NOTE: whether the step meets the closed connection or the watchdog saw the exit first,
+    # rank 0 raises rather than waits.
+    with pytest.raises(TensorParallelError):
+        runner.execute([ScheduledChunk([5, 6, 7], 0, [0])])
+    asyncio.run(eventually(lambda: bool(lost), what="the lost rank reported"))
+    assert lost == [(1, -signal.SIGKILL)]
+    with pytest.raises(TensorParallelError, match="rank 1 is gone"):
+        runner.execute([ScheduledChunk([5, 6, 7], 0, [0])])
+
+
+def test_closing_stops_the_ranks_and_removes_the_cache_file(
+    checkpoint: Callable[[str], Path],
+) -> None:
+    runner = ModelRunner.load(_config(checkpoint("llama3"), 2))
+    assert isinstance(runner, TensorParallelRunner)
+    path = runner.kv_cache.shared_path
+    assert path is not None and path.exists()
+    runner.close()
+    assert not path.exists()
+    assert all(process.poll() == 0 for process in runner.ranks.processes)

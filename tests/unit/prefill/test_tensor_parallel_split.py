@@ -1,0 +1,78 @@
+"""A prefill and a decode of different tensor-parallel sizes: the prefill's rank 0 sends whole
+blocks (its cache holds every head), the decode's ranks each attend over their heads of the
+blocks that arrive, and the continuation equals the single-process engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+from support.prefill_cluster import cluster, reference_engine
+from support.tiny_models import save_tiny_model
+
+from pdserve.common.generation import SamplingParams
+from pdserve.v1 import decode_pb2
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ([(17 * i + 3) % 290 + 5 for i in range(41)], [7, 250, 31, 99, 12, 64, 180, 5])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # NOTE: GQA with two KV heads: one per rank at size 2.
+    return save_tiny_model("llama3", tmp_path_factory.mktemp("llama3"))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> list[list[int]]:
+    engine = reference_engine(model_dir)
+    return [engine.generate([prompt], GREEDY)[0] for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+async def test_prefill_and_decode_of_different_sizes_equal_the_engine(
+    model_dir: Path, expected: list[list[int]], prefill_tp: int, decode_tp: int, transport: str
+) -> None:
+    async with cluster(
+        model_dir, kv_transports=transport, prefill_tp=prefill_tp, decode_tp=decode_tp
+    ) as pd:
+        assert pd.prefill.instance.tensor_parallel_size == prefill_tp
+        assert pd.decodes[0].instance.tensor_parallel_size == decode_tp
+        results = await asyncio.gather(
+            *(pd.complete(f"tp-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
+        )
+        assert results == expected
+        await pd.eventually_whole()
+
+
+async def test_a_rank_killed_mid_stream_takes_the_decode_down_and_frees_every_block(
+    model_dir: Path,
+) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    async with cluster(model_dir, decode_tp=2) as pd:
+        decode = pd.decodes[0]
+        events = await pd.run_prefill(pd.request("killed", PROMPTS[0], long))
+        lease_id = events.last("handed_off").handed_off.lease_id
+        stream = pd.decode_stubs[0].Generate(
+            decode_pb2.DecodeServiceGenerateRequest(lease_id=lease_id)
+        )
+        num_tokens = 0
+        kinds: list[str] = []
+        with pytest.raises(grpc.aio.AioRpcError):
+            async for message in stream:
+                kinds.append(message.WhichOneof("event"))
+                num_tokens += len(message.tokens.token_ids)
+                if num_tokens >= 3 and len(kinds) == 3:
+                    os.kill(decode.host.runner.ranks.pids()[0], signal.SIGKILL)
+        assert 3 <= num_tokens < long.max_tokens and "finished" not in kinds
+        await asyncio.wait_for(decode.is_down.wait(), timeout=10)
+        decode.leases.check_integrity()
+        assert decode.leases.pool.num_free_blocks == decode.leases.pool.num_blocks
+        assert not decode.leases.open_leases()
+        prefill = await pd.prefill_pool()
+        assert prefill.pool.is_consistent and prefill.pool.num_open_leases == 0
