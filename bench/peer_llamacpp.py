@@ -68,10 +68,10 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 30
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
+            # NOTE: llama-server answers with no model while it is still loading one.
+            if served_model(url):
+                return
+        except (OSError, IndexError, KeyError, ValueError):
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} was not ready in {timeout_s} s")
