@@ -1,6 +1,7 @@
-"""`pdserve up --decode-args="--tensor-parallel-size 3"`: the default model served by a decode
-split over three ranks (SmolLM2-135M has 9 query and 3 KV heads, so 3 is its smallest size
-above one) answers exactly as transformers, i.e. as the unsplit decode does."""
+"""`pdserve up --prefill-args="--tensor-parallel-size 2" --decode-args="--tensor-parallel-size 3"`:
+the default model (9 query and 3 KV heads) with a prefill split over two ranks (unevenly: one
+KV head and its 3 query heads on one rank, two and 6 on the other) and a decode split over
+three answers exactly as transformers, i.e. as unsplit instances do."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def split_cluster(
     with running_cluster(
         smollm2.path,
         tmp_path_factory.mktemp("logs"),
+        prefill_args="--tensor-parallel-size 2 --num-threads 1",
         decode_args="--tensor-parallel-size 3 --num-threads 1",
     ) as running:
         yield running
@@ -48,7 +50,8 @@ def expected_ids(smollm2_reference: tuple[Any, Any]) -> tuple[list[int], list[in
 async def test_split_decode_serves_the_default_model_exactly(
     split_cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
 ) -> None:
-    (decode,) = split_cluster.decodes
+    (prefill,), (decode,) = split_cluster.prefills, split_cluster.decodes
+    assert events_named(prefill, "tensor_parallel_ready")[0]["world_size"] == 2
     assert events_named(decode, "tensor_parallel_ready")[0]["world_size"] == 3
     prompt_ids, expected = expected_ids(smollm2_reference)
     response = await split_cluster.openai().chat.completions.create(

@@ -41,7 +41,8 @@ _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 def _qkv_sizes(config: ModelConfig, group: TensorParallelGroup) -> list[int]:
     shard = group.shard
     kv = len(shard.kv_head_range(config.num_key_value_heads)) * config.head_dim
-    return [config.num_attention_heads // shard.world_size * config.head_dim, kv, kv]
+    heads = shard.q_head_range(config.num_attention_heads, config.num_key_value_heads)
+    return [len(heads) * config.head_dim, kv, kv]
 
 
 def load_model(

@@ -118,8 +118,11 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads // group.world_size
-        self.num_kv_heads = len(group.shard.kv_head_range(config.num_key_value_heads))
+        shard = group.shard
+        self.num_heads = len(
+            shard.q_head_range(config.num_attention_heads, config.num_key_value_heads)
+        )
+        self.num_kv_heads = len(shard.kv_head_range(config.num_key_value_heads))
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -178,7 +181,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         group = group or TensorParallelGroup.single()
         size = intermediate_size or config.intermediate_size
-        self.intermediate_size = size // group.world_size
+        self.intermediate_size = len(group.shard.span(size))
         self.hidden_act = config.hidden_act
         self.gate_up_proj = Linear(
             config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias

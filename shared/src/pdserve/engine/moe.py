@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.engine.layers import gated_activation
 from pdserve.engine.model_config import ModelConfig, MoeConfig
-from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.group import RankShard, TensorParallelGroup
 
 
 class Experts(nn.Module):
@@ -26,12 +26,12 @@ class Experts(nn.Module):
     """
 
     def __init__(
-        self, moe: MoeConfig, hidden_size: int, hidden_act: str, world_size: int = 1
+        self, moe: MoeConfig, hidden_size: int, hidden_act: str, shard: RankShard | None = None
     ) -> None:
         super().__init__()
         self.num_experts = moe.num_experts
         # NOTE: tensor-parallel ranks split every expert along its intermediate size.
-        size = moe.moe_intermediate_size // world_size
+        size = len((shard or RankShard()).span(moe.moe_intermediate_size))
         self.intermediate_size = size
         self.hidden_act = hidden_act
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, 2 * size))
@@ -98,9 +98,7 @@ class SparseMoeBlock(nn.Module):
         self.moe = config.moe
         self.group = group or TensorParallelGroup.single()
         self.gate = linear(config.hidden_size, self.moe.num_experts, False)
-        self.experts = Experts(
-            self.moe, config.hidden_size, config.hidden_act, self.group.world_size
-        )
+        self.experts = Experts(self.moe, config.hidden_size, config.hidden_act, self.group.shard)
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Module | None = None
         if self.moe.shared_expert_intermediate_size:

@@ -43,12 +43,26 @@ class RankShard:
         (beyond that the heads are replicated)."""
         return min(self.world_size, num_kv_heads)
 
+    def span(self, size: int) -> range:
+        """This rank's contiguous share of `size` units; shares differ by at most one unit."""
+        return range(self.rank * size // self.world_size, (self.rank + 1) * size // self.world_size)
+
     def kv_head_range(self, num_kv_heads: int) -> range:
-        """The KV heads this rank holds (its share, or its replica of one head)."""
-        parts = self.num_kv_parts(num_kv_heads)
-        part = self.rank * parts // self.world_size
-        per_part = num_kv_heads // parts
-        return range(part * per_part, (part + 1) * per_part)
+        """The KV heads this rank holds: its share (uneven when the size does not divide
+        them), or its replica of one head when there are more ranks than KV heads."""
+        if self.world_size > num_kv_heads:
+            part = self.rank * num_kv_heads // self.world_size
+            return range(part, part + 1)
+        return self.span(num_kv_heads)
+
+    def q_head_range(self, num_heads: int, num_kv_heads: int) -> range:
+        """The query heads this rank holds: those that read its KV heads (GQA groups stay
+        whole), or its share of one replicated KV head's group."""
+        if self.world_size > num_kv_heads:
+            return self.span(num_heads)
+        kv = self.kv_head_range(num_kv_heads)
+        group = num_heads // num_kv_heads
+        return range(kv.start * group, kv.stop * group)
 
     def vocab_range(self, vocab_size: int) -> range:
         """The rows of the embedding and LM head this rank holds (the last may be short)."""
@@ -64,18 +78,25 @@ class RankShard:
 def check_divisible(shard: RankShard, num_heads: int, num_kv_heads: int) -> None:
     """Refuses a tensor-parallel size the attention heads cannot be split over.
 
+    Up to the number of KV heads any size works: each rank takes whole KV heads with their
+    query heads, some ranks one head more than others (SmolLM2's 3 KV heads over 2 ranks:
+    2 and 1). Beyond it the KV heads are replicated, which needs whole replicas and an even
+    split of each head's query group.
+
     Raises:
-        ValueError: If the query heads do not divide by the size, or the KV heads neither
-            divide by it nor divide it (replication needs whole replicas).
+        ValueError: If the size exceeds the KV heads without being a multiple of them, or the
+            query heads do not divide by it then.
     """
     size = shard.world_size
+    if size <= num_kv_heads:
+        return
+    if size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size {size} is more than the {num_kv_heads} KV heads and not a "
+            "multiple of them"
+        )
     if num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide {num_heads} query heads")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size {size} neither divides nor is a multiple of "
-            f"{num_kv_heads} KV heads"
-        )
 
 
 class TensorParallelGroup:

@@ -10,31 +10,11 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TensorParallelGroup, check_divisible
 
 
-def split_evenly(size: int, world_size: int, what: str) -> int:
-    """``size // world_size``, refusing a size that does not divide.
-
-    Raises:
-        ValueError: If `world_size` does not divide `size`.
-    """
-    if size % world_size:
-        raise ValueError(f"tensor_parallel_size {world_size} does not divide {what} {size}")
-    return size // world_size
-
-
 def check_model_fits(config: ModelConfig, group: TensorParallelGroup) -> None:
-    """Refuses a tensor-parallel size the model's heads or intermediate sizes cannot be split
-    over (a ValueError that names the size)."""
-    size = group.world_size
-    if size == 1:
-        return
-    check_divisible(group.shard, config.num_attention_heads, config.num_key_value_heads)
-    split_evenly(config.intermediate_size, size, "intermediate_size")
-    if config.moe is not None:
-        split_evenly(config.moe.moe_intermediate_size, size, "moe_intermediate_size")
-        if config.moe.shared_expert_intermediate_size:
-            split_evenly(
-                config.moe.shared_expert_intermediate_size, size, "shared_expert_intermediate_size"
-            )
+    """Refuses a tensor-parallel size the model's heads cannot be split over (a ValueError that
+    names the size). Intermediate sizes split into shares that differ by at most one."""
+    if group.world_size > 1:
+        check_divisible(group.shard, config.num_attention_heads, config.num_key_value_heads)
 
 
 class VocabParallelEmbedding(nn.Module):

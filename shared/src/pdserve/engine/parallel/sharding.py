@@ -29,9 +29,9 @@ _STACKED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _part(tensor: torch.Tensor, dim: int, num_parts: int, part: int) -> torch.Tensor:
-    size = tensor.shape[dim] // num_parts
-    return tensor.narrow(dim, part * size, size)
+def _rows(tensor: torch.Tensor, dim: int, span: range, unit: int = 1) -> torch.Tensor:
+    """The slice `span` (in units of `unit` rows, e.g. a head's ``head_dim``) along `dim`."""
+    return tensor.narrow(dim, span.start * unit, len(span) * unit)
 
 
 def shard_tensor(
@@ -49,8 +49,7 @@ def shard_tensor(
         A view of `tensor` (or a padded copy for the vocabulary), the tensor itself for a
         group of one or a replicated tensor.
     """
-    size, rank = shard.world_size, shard.rank
-    if size == 1:
+    if shard.world_size == 1:
         return tensor
     if name in _VOCAB:
         rows = shard.vocab_range(config.vocab_size)
@@ -58,32 +57,40 @@ def shard_tensor(
         padding = shard.vocab_per_rank(config.vocab_size) - local.shape[0]
         return torch.nn.functional.pad(local, (0, 0, 0, padding)) if padding else local
     stacked = _STACKED_EXPERTS.search(name)
-    if stacked is not None:
+    if stacked is not None and config.moe is not None:
         # gate_up: [experts, 2 * intermediate, hidden]; down: [experts, hidden, intermediate]
+        span = shard.span(config.moe.moe_intermediate_size)
         if stacked.group(1) == "down_proj":
-            return _part(tensor, 2, size, rank)
+            return _rows(tensor, 2, span)
         gate, up = tensor.chunk(2, dim=1)
-        return torch.cat((_part(gate, 1, size, rank), _part(up, 1, size, rank)), dim=1)
+        return torch.cat((_rows(gate, 1, span), _rows(up, 1, span)), dim=1)
     match = _PROJECTION.search(name)
     if match is None:
         return tensor
     projection, kind = match.groups()
-    kv_parts = shard.num_kv_parts(config.num_key_value_heads)
-    kv_part = rank * kv_parts // size
-    if projection in ("o_proj", "down_proj"):
-        return _part(tensor, 1, size, rank) if kind == "weight" else tensor
-    if projection in ("k_proj", "v_proj"):
-        return _part(tensor, 0, kv_parts, kv_part)
+    head_dim = config.head_dim
+    q_heads = shard.q_head_range(config.num_attention_heads, config.num_key_value_heads)
+    kv_heads = shard.kv_head_range(config.num_key_value_heads)
+    if projection == "o_proj":
+        return _rows(tensor, 1, q_heads, head_dim) if kind == "weight" else tensor
+    if projection in ("q_proj", "k_proj", "v_proj"):
+        return _rows(tensor, 0, q_heads if projection == "q_proj" else kv_heads, head_dim)
     if projection == "qkv_proj":
-        kv_size = config.num_key_value_heads * config.head_dim
-        q, k, v = tensor.split([config.num_attention_heads * config.head_dim, kv_size, kv_size])
+        kv_size = config.num_key_value_heads * head_dim
+        q, k, v = tensor.split([config.num_attention_heads * head_dim, kv_size, kv_size])
         parts = (
-            _part(q, 0, size, rank),
-            _part(k, 0, kv_parts, kv_part),
-            _part(v, 0, kv_parts, kv_part),
+            _rows(q, 0, q_heads, head_dim),
+            _rows(k, 0, kv_heads, head_dim),
+            _rows(v, 0, kv_heads, head_dim),
         )
         return torch.cat(parts)
+    # gate/up/down of a dense MLP, a shared expert or one routed expert: over its width
+    width = tensor.shape[1 if projection == "down_proj" else 0]
     if projection == "gate_up_proj":
         gate, up = tensor.chunk(2, dim=0)
-        return torch.cat((_part(gate, 0, size, rank), _part(up, 0, size, rank)))
-    return _part(tensor, 0, size, rank)
+        span = shard.span(width // 2)
+        return torch.cat((_rows(gate, 0, span), _rows(up, 0, span)))
+    span = shard.span(width)
+    if projection == "down_proj":
+        return _rows(tensor, 1, span) if kind == "weight" else tensor
+    return _rows(tensor, 0, span)
