@@ -14,7 +14,8 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind, SamplingParams
 from pdserve.engine.constraints import ConstraintCompiler, ConstraintState
 from pdserve.engine.model_store import ResolvedModel
-from pdserve.engine.sampler import Sampler, SamplingRow, _unpack_masks
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_ops import unpack_masks
 from pdserve.tokenizer.tokenizer import Tokenizer
 
 K = ConstraintKind
@@ -156,7 +157,7 @@ def test_a_prepared_constraint_that_does_not_compile_fails_its_future(
 
 def test_a_mask_unpacks_bit_i_of_word_i_over_32() -> None:
     words = torch.tensor([0b101, -(1 << 31), 0], dtype=torch.int32)  # bit 31 of word 1
-    allowed = _unpack_masks([words.numpy().tobytes()], 70)
+    allowed = unpack_masks([words.numpy().tobytes()], 70)
     assert torch.nonzero(allowed[0]).flatten().tolist() == [0, 2, 63]
     assert allowed.shape == (1, 70)  # ids past the mask (64..69) are not allowed
 

@@ -11,7 +11,8 @@ from transformers.generation.logits_process import (
 )
 
 from pdserve.common.generation import SamplingParams, TokenLogprobs
-from pdserve.engine.sampler import Sampler, SamplingRow, token_logprobs
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_ops import token_logprobs
 
 VOCAB = 64
 EOS = 7

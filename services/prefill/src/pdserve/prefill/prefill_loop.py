@@ -34,7 +34,8 @@ from pdserve.common import telemetry
 from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, SamplingRow, token_logprobs
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_ops import token_logprobs
 from pdserve.engine.thread import EngineThread
 from pdserve.kv.codec import import_block_payloads
 from pdserve.kv.transfer import blocks_per_piece
