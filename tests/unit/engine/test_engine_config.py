@@ -36,6 +36,8 @@ HF: dict[str, Any] = {
         lambda: EngineConfig(model=""),
         lambda: EngineConfig(model="m", dtype="float64"),
         lambda: EngineConfig(model="m", attention_backend="xformers"),
+        lambda: EngineConfig(model="m", quantization="int2"),
+        lambda: EngineConfig(model="m", device="cuda", quantization="int8"),
         lambda: EngineConfig(model="m", device="nonsense"),
         lambda: EngineConfig(model="m", num_threads=0),
         lambda: ModelConfig.from_hf_config({**HF, "num_key_value_heads": 3}),

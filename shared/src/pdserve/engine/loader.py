@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.quant import quantize_linears, weight_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -39,6 +40,7 @@ def load_model(
     attention_backend: str = "sdpa",
     config: ModelConfig | None = None,
     linear_backend: str = "auto",
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Loads a Llama/Qwen2/Mistral checkpoint.
 
@@ -50,6 +52,8 @@ def load_model(
         config: The parsed config, if the caller already has it.
         linear_backend: ``auto`` (oneDNN-packed projections where `can_pack_for_onednn`,
             else torch's GEMM), ``onednn`` or ``torch``.
+        quantization: ``none``, or ``int8`` / ``int4`` weight-only quantization of every
+            projection but the LM head (CPU; `pdserve.engine.quant`).
 
     Returns:
         The model in eval mode with every parameter loaded.
@@ -83,8 +87,16 @@ def load_model(
     num_params = sum(p.numel() for p in model.parameters())
     is_packed = linear_backend != "torch" and can_pack_for_onednn(device, dtype)
     if linear_backend == "onednn" and not is_packed:
-        raise ValueError(f"linear_backend=onednn needs float32 on a CPU, not {dtype} on {device}")
+        raise ValueError(
+            f"linear_backend=onednn needs float32 or bfloat16 on a CPU, not {dtype} on {device}"
+        )
+    num_quantized = 0
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ValueError(f"quantization={quantization} runs on CPU only, not on {device}")
+        num_quantized = quantize_linears(model, quantization, skip=[model.lm_head]).num_quantized
     if is_packed:
+        # NOTE: quantized projections are no longer `Linear`s; what is left (the LM head) packs.
         model.pack_linears_for_onednn()
     log.info(
         "model_loaded",
@@ -94,6 +106,9 @@ def load_model(
         dtype=str(dtype).removeprefix("torch."),
         device=str(device),
         linear_backend="onednn" if is_packed else "torch",
+        quantization=quantization,
+        num_quantized=num_quantized,
+        weight_bytes=weight_bytes(model),
     )
     return model
 

@@ -85,6 +85,17 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         model_config = ModelConfig.from_pretrained(config.model)
         device = torch.device(config.device)
+        choice = config.dtype_choice
+        # NOTE: one line per model load says which dtype runs and why (auto depends on the CPU).
+        log.info(
+            "dtype_resolved",
+            dtype=choice.dtype,
+            requested=choice.requested,
+            reason=choice.reason,
+            cpu_bf16_flags=list(choice.cpu_bf16_flags),
+            kv_dtype=str(config.cache_dtype).removeprefix("torch."),
+            quantization=config.quantization,
+        )
         backend = resolve_attention_backend(
             config.attention_backend, device, config.cache_dtype, config.cache.block_size
         )
@@ -95,6 +106,7 @@ class ModelRunner:
             backend,
             model_config,
             linear_backend=config.linear_backend,
+            quantization=config.quantization,
         )
         layout = KVCacheLayout(
             num_layers=model_config.num_hidden_layers,
