@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.common.config import check_ranges
-from pdserve.engine.dtype_choice import AUTO, DtypeChoice, choose_dtype
+from pdserve.engine.precision import AUTO, QUANTIZATIONS, DtypeChoice, choose_dtype
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -17,7 +17,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-QUANTIZATIONS = ("none", "int8", "int4")
 POSITIVE = {"gt": 0}
 """The range metadata of a positive count (`pdserve.common.config.check_ranges`)."""
 
@@ -91,7 +90,7 @@ class EngineConfig:
     Attributes:
         model: Hugging Face model directory (``config.json`` and ``*.safetensors``).
         dtype: Weight and activation dtype: ``auto`` (bfloat16 on a CPU with native bf16, else
-            float32; see `pdserve.engine.dtype_choice`), ``float32``, ``bfloat16``, ``float16``.
+            float32; see `pdserve.engine.precision`), ``float32``, ``bfloat16``, ``float16``.
         device: Torch device string, e.g. ``cpu`` or ``cuda:0``.
         max_model_len: Longest sequence (prompt + output); ``None`` uses the model's limit.
         attention_backend: ``auto`` (flash-attn when usable, else SDPA), ``sdpa`` or ``flash``.

@@ -53,6 +53,7 @@ class ModelHost:
         kv_cache_memory_fraction: float | None = None,
         max_seqs: int | None = None,
         kv_cache_in_shm: bool = False,
+        quantization: str = "none",
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -66,6 +67,7 @@ class ModelHost:
             max_seqs: Most requests holding blocks at once (bounds an automatic size).
             kv_cache_in_shm: The cache will be placed in a /dev/shm segment (an automatic size
                 then also fits in half its free space).
+            quantization: ``none``, ``int8`` or ``int4`` (`pdserve.engine.quant`).
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
@@ -86,6 +88,7 @@ class ModelHost:
             device=device,
             max_model_len=max_model_len,
             num_threads=num_threads,
+            quantization=quantization,
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
@@ -117,6 +120,7 @@ class ModelHost:
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             max_seqs=config.kv_cache_max_seqs,
             kv_cache_in_shm=config.kv_cache_in_shm,
+            quantization=config.quantization,
         )
 
     @property

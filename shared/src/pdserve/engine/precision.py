@@ -1,8 +1,11 @@
-"""``--dtype auto``: bfloat16 weights and KV where the CPU computes bf16 natively, else float32.
+"""What the weights are stored and computed in: ``--dtype`` (``auto`` resolved here) and the
+names of ``--quantization`` (`pdserve.engine.quant`). Importing this module loads no torch.
 
+``auto`` is bfloat16 weights and KV where the CPU computes bf16 natively, else float32.
 Decode on a CPU is bound by streaming the weights from memory each step; bfloat16 halves that
 stream, and oneDNN's GEMMs run it on the CPU's bf16 instructions (AVX512-BF16 or AMX). Without
-them, bf16 is emulated and no faster than float32, which then keeps its exactness.
+them, bf16 is emulated and no faster than float32, which then keeps its exactness. On other
+devices auto is float32 (choose bfloat16 on a GPU explicitly).
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CPUINFO = Path("/proc/cpuinfo")
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 CPU flags of bf16 dot products that oneDNN uses (either suffices)."""
 AUTO = "auto"
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,8 @@ def choose_dtype(
         device: Where the model runs.
         flags: The CPU flags; those of this machine when None.
     """
+    import torch
+
     if requested != AUTO:
         return DtypeChoice(requested, requested, "requested")
     if device.type != "cpu":

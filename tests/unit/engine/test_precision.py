@@ -10,7 +10,7 @@ import torch
 
 from pdserve.engine import EngineConfig, ModelRunner
 from pdserve.engine import runner as runner_module
-from pdserve.engine.dtype_choice import choose_dtype, cpu_flags
+from pdserve.engine.precision import choose_dtype, cpu_flags
 
 CPU = torch.device("cpu")
 HAS_ONEDNN_BF16 = torch.backends.mkldnn.is_available() and bool(
