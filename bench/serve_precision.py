@@ -43,6 +43,9 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", type=Path, help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    parser.add_argument(
+        "--kv-cache-memory-mb", type=int, default=512, help="KV cache of every engine"
+    )
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=24)
     parser.add_argument("--prompt-len", type=parse_range, default=(64, 512), help="LO:HI chars")
@@ -65,7 +68,10 @@ def main() -> None:
                     model_dir,
                     args.threads,
                     log_dir / f"{key[0]}-{key[1]}",
-                    ["--dtype", key[0], "--quantization", key[1]],
+                    [
+                        *("--dtype", key[0], "--quantization", key[1]),
+                        *("--kv-cache-memory-mb", str(args.kv_cache_memory_mb)),
+                    ],
                 )
             )
             for key in settings
@@ -93,7 +99,7 @@ def main() -> None:
     }
     rows = []
     print(
-        f"\n{model_dir.name}, {args.threads} thread(s) per engine, concurrency "
+        f"\n{next(iter(models.values()))}, {args.threads} thread(s) per engine, concurrency "
         f"{args.concurrency}, {args.num_requests} requests, {args.rounds} rounds\n"
     )
     print("| setting | output tok/s | TTFT p50 ms | TPOT p50 ms | tok/s vs fp32 | tok/s vs bf16 |")

@@ -57,7 +57,7 @@ class Linear(nn.Module):
     CPU is oneDNN's GEMM over a weight repacked into its blocked layout (`pack_for_onednn`):
     2.4-2.6x MKL's for 8 to 2048 rows on AMD EPYC (float32, one thread), where MKL does not
     take its AVX-512 paths; the engine packs every projection after loading. In bfloat16 the
-    packed GEMM is 1.3-2x faster again than ``torch.mm`` (AVX512-BF16, one thread).
+    packed GEMM is 1.1-3x faster again than ``torch.mm`` (AVX512-BF16, one thread).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
