@@ -11,6 +11,7 @@ from pdserve.engine import LLMEngine, ScheduledChunk
 from pdserve.engine.model import Linear
 from pdserve.engine.quant import (
     INT4_GROUP_SIZE,
+    INT8_KERNEL_MAX_ROWS,
     Int4Linear,
     Int8Linear,
     dequantize_int4,
@@ -54,13 +55,17 @@ def test_int4_rounds_each_weight_to_within_half_a_step() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_computes_with_its_dequantized_weight(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("num_rows", [5, INT8_KERNEL_MAX_ROWS + 1])
+def test_int8_linear_computes_with_its_dequantized_weight(
+    dtype: torch.dtype, num_rows: int
+) -> None:
+    """Both paths (torch's int8 kernel for few rows, a GEMM on the converted weight for more)."""
     linear = random_linear(96, 48, dtype)
     quantized = Int8Linear(linear)
     values, scales = quantize_int8(linear.weight_t.t(), dtype)
     assert linear.bias is not None
     dequantized = values.float() * scales.float()[:, None]
-    x = torch.randn(5, 96).to(dtype)
+    x = torch.randn(num_rows, 96).to(dtype)
     expected = x.float() @ dequantized.t() + linear.bias.float()
     out = quantized(x)
     assert out.dtype == dtype
