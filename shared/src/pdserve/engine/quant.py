@@ -31,10 +31,11 @@ class Int8Linear(nn.Module):
     """`Linear` with an int8 ``[out, in]`` weight and a scale per output channel.
 
     NOTE: torch's int8 kernel dequantizes inside a GEMM that is fast for a few rows in bf16
-    (1.2x a bf16 decode step of one row) but 2.5x slower than a bf16 GEMM at 16-256 rows, and
-    slow in float32 at any size. Past `INT8_KERNEL_MAX_ROWS` rows, and in float32, the weight
-    is converted to the activation dtype (exact: int8 fits bf16's mantissa) for one GEMM and
-    the output scaled: ``x @ (values * scales).T == (x @ values.T) * scales``.
+    (a decode step of one row: 1.1-1.2x bf16's) but 2.6-3.2x slower than a bf16 GEMM at 16 to
+    256 rows, and slow in float32 at any size. Past `INT8_KERNEL_MAX_ROWS` rows, and in
+    float32, the weight is converted to the activation dtype (exact: int8 fits bf16's
+    mantissa) for one GEMM and the output scaled:
+    ``x @ (values * scales).T == (x @ values.T) * scales``.
 
     Args:
         linear: The projection to quantize (its weight is read, not kept).
