@@ -55,8 +55,37 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q) - 1))]
 
 
+def cpu_description() -> dict[str, Any]:
+    """This machine's CPU model and its SIMD / matrix flags (AVX2, AVX-512, AMX) from
+    ``/proc/cpuinfo``, and torch's CPU capability: what the CPU numbers depend on."""
+    import torch
+
+    model, flags = "unknown", []
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = sorted(f for f in value.split() if f.startswith(("avx", "amx", "fma")))
+                break
+    return {
+        "cpu": model,
+        "flags": flags,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "num_cpus": os.cpu_count(),
+    }
+
+
 def prefilled_streams(
-    model_dir: Path, num_streams: int, prompt_len: int, num_steps: int, block_size: int
+    model_dir: Path,
+    num_streams: int,
+    prompt_len: int,
+    num_steps: int,
+    block_size: int,
+    dtype: str = "auto",
+    quantization: str = "none",
 ) -> tuple[Any, list[list[int]], list[list[int]]]:
     """A one-thread runner on `model_dir` with `num_streams` random prompts of `prompt_len`
     tokens prefilled into the paged cache, room left for `num_steps` tokens more each:
@@ -71,6 +100,8 @@ def prefilled_streams(
     blocks_per_seq = (prompt_len + num_steps + block_size) // block_size + 1
     config = EngineConfig(
         model=str(model_dir),
+        dtype=dtype,
+        quantization=quantization,
         num_threads=1,
         cache=CacheConfig(block_size=block_size, num_blocks=num_streams * blocks_per_seq),
     )

@@ -8,6 +8,12 @@
                                                     # a real model (any --model value)
     python bench/engine.py --model smollm2-135m-instruct --device cuda --dtype bfloat16
                                                     # both on a GPU (wall clock)
+    python bench/engine.py --model smollm2-135m-instruct --threads 1 --clock cpu \
+        --quantization int8                         # the engine's projections in int8
+
+``--dtype auto`` (the default) is what the engine serves with: bfloat16 on a CPU with native
+bf16, else float32; transformers runs the same dtype (unquantized). The CPU model and its flags
+are printed and recorded. Per-dtype step times: bench/engine_steps.py.
 
 Workload: a random Llama (8 layers, hidden 512, 8 heads / 4 KV heads, vocab 32000), or the
 model given with --model (transformers loads the same prepared checkpoint), and
@@ -35,10 +41,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from common import build_random_llama, write_results
+from common import build_random_llama, cpu_description, write_results
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pdserve.engine.model_store import resolve_model
+from pdserve.engine.precision import QUANTIZATIONS, choose_dtype
 
 
 def make_workload(num: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -126,7 +133,10 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device of both, e.g. cuda")
     parser.add_argument(
-        "--dtype", default="float32", help="weights (and the engine's KV) of both, e.g. bfloat16"
+        "--dtype", default="auto", help="weights (and the engine's KV) of both, e.g. bfloat16"
+    )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="none", help="the engine's weights"
     )
     parser.add_argument(
         "--attention-backend",
@@ -143,6 +153,10 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     vocab_size, hidden_size = 32000, 512
     clock = args.clock
+    dtype = choose_dtype(args.dtype, torch.device(args.device)).dtype
+    cpu = cpu_description()
+    print(f"CPU: {cpu['cpu']}, torch capability {cpu['torch_cpu_capability']}")
+    print(f"flags: {' '.join(cpu['flags'])}")
 
     if args.model:
         model_dir = resolve_model(args.model).path
@@ -158,7 +172,7 @@ def main() -> None:
 
     hf = (
         AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+            model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
         )
         .to(args.device)
         .eval()
@@ -166,7 +180,8 @@ def main() -> None:
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
-            dtype=args.dtype,
+            dtype=dtype,
+            quantization=args.quantization,
             device=args.device,
             attention_backend=args.attention_backend,
             seed=0,
@@ -206,7 +221,8 @@ def main() -> None:
     attention = engine.runner.attention_backend
     print(
         f"{num_requests} requests, {num_tokens} output tokens, threads={args.threads}, "
-        f"device={args.device}, dtype={args.dtype}, attention={attention}"
+        f"device={args.device}, dtype={dtype} ({args.dtype}), quantization={args.quantization}, "
+        f"attention={attention}"
     )
     # NOTE: the machine is shared and noisy: alternate the engine and its main baseline and
     # compare them round by round.
@@ -269,7 +285,10 @@ def main() -> None:
                 "threads": args.threads,
                 "linear_backend": args.linear_backend,
                 "device": args.device,
-                "dtype": args.dtype,
+                "dtype": dtype,
+                "requested_dtype": args.dtype,
+                "quantization": args.quantization,
+                **cpu,
                 "attention_backend": attention,
                 "clock": clock,
                 "latency_request": "prompt 128, output 64",

@@ -73,6 +73,7 @@ def step_times(model_dir: Path, batch: int, steps: int, prompt_len: int = 64) ->
     per_seq = (prompt_len + steps + 256) // BLOCK_SIZE + 2
     config = EngineConfig(
         model=str(model_dir),
+        dtype="float32",
         num_threads=1,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=(batch + 1) * per_seq),
     )
@@ -116,7 +117,7 @@ def status_kib(key):
 
 before = status_kib("VmRSS")
 start = time.perf_counter()
-model = load_model(sys.argv[1], linear_backend="torch")
+model = load_model(sys.argv[1], torch.float32, linear_backend="torch")
 elapsed = time.perf_counter() - start
 peak, after = status_kib("VmHWM"), status_kib("VmRSS")
 weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -37,6 +37,9 @@ def test_pdserve_up_serves_a_family_directory_like_transformers(
         internal_port=0,
         log_dir=str(tmp_path / "logs"),
         startup_timeout_s=120,
+        # NOTE: float32, as the reference (the default picks bfloat16 on a CPU with bf16).
+        prefill_args="--dtype float32",
+        decode_args="--dtype float32",
     )
     cluster = Cluster(config)
     cluster.start()

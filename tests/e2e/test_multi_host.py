@@ -112,10 +112,11 @@ def cluster(
             internal_port=0,
             log_dir=str(tmp_path),
             startup_timeout_s=120,
-            prefill_args="--num-blocks 512 --kv-transports tcp,grpc --allocate-timeout-ms 1500 "
-            + instance_args,
-            decode_args="--num-blocks 1024 --kv-transports tcp --lease-ttl-ms 3000 "
-            + instance_args,
+            # NOTE: float32 as the reference engine: outputs are compared token for token.
+            prefill_args="--dtype float32 --num-blocks 512 --kv-transports tcp,grpc "
+            "--allocate-timeout-ms 1500 " + instance_args,
+            decode_args="--dtype float32 --num-blocks 1024 --kv-transports tcp "
+            "--lease-ttl-ms 3000 " + instance_args,
             gateway_args=gateway_args,
         )
         yield stack.enter_context(started_across(config, network))

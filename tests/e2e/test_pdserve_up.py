@@ -38,6 +38,9 @@ def cluster(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         internal_port=0,
         log_dir=str(tmp_path_factory.mktemp("logs")),
         startup_timeout_s=120,
+        # NOTE: float32 as the reference engine: outputs are compared token for token.
+        prefill_args="--dtype float32",
+        decode_args="--dtype float32",
     )
     processes = Cluster(config)
     processes.start()

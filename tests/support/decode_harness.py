@@ -84,6 +84,7 @@ class LocalPrefill:
         if self.engine is None:
             config = EngineConfig(
                 model=str(self.host.model_dir),
+                dtype="float32",
                 cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256),
             )
             self.engine = LLMEngine(config)

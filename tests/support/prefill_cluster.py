@@ -136,9 +136,12 @@ async def start_prefill(
 
 
 def reference_engine(model_dir: Path) -> LLMEngine:
-    """The single-process engine the disaggregated output must equal."""
+    """The single-process engine the disaggregated output must equal (float32, as the
+    instances' hosts)."""
     config = EngineConfig(
-        model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256)
+        model=str(model_dir),
+        dtype="float32",
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=256),
     )
     return LLMEngine(config)
 

@@ -140,6 +140,7 @@ def running_cluster(
     *,
     child_env: Mapping[str, Mapping[str, str]] | None = None,
     stop_timeout_s: float = 10.0,
+    dtype: str = "float32",
     **settings: Any,
 ) -> Iterator[ProcessCluster]:
     """Starts a `ProcessCluster` on loopback with OS-picked ports; stops it on exit.
@@ -149,8 +150,12 @@ def running_cluster(
         log_dir: Where each process's log goes.
         child_env: Extra environment per child name.
         stop_timeout_s: How long the processes may drain when the block ends.
+        dtype: ``--dtype`` of every prefill and decode: float32 by default, as the references
+            the tests compare with (transformers or the colocated engine) are float32.
         settings: Further `ClusterConfig` fields (prefills, decodes, *_args).
     """
+    for role in ("prefill_args", "decode_args"):
+        settings[role] = f"--dtype {dtype} {settings.get(role, '')}".strip()
     forced = forced_kv_transport()
     if forced is not None:
         settings["prefill_args"] = f"{settings.get('prefill_args', '')} --kv-transports {forced}"

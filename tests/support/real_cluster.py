@@ -69,7 +69,7 @@ class RealCluster:
         self.gateway = GatewayServer(GatewayConfig(**settings))
         await self.gateway.start()
         common = {"model": str(self.model_dir), "served_model_name": MODEL_NAME, "port": 0,
-                  "gateway": self.internal_address, "block_size": BLOCK_SIZE,
+                  "gateway": self.internal_address, "block_size": BLOCK_SIZE, "dtype": "float32",
                   "metrics_port": 0, **(instance_settings or {})}  # fmt: skip
         for _ in range(prefills):
             await self.add_prefill(**common, **(prefill_settings or {}))
@@ -165,8 +165,11 @@ class Reference:
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        # NOTE: float32 here and in the cluster: the outputs must be equal token for token.
         config = EngineConfig(
-            model=str(model_dir), cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512)
+            model=str(model_dir),
+            dtype="float32",
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512),
         )
         self.engine = LLMEngine(config)
 

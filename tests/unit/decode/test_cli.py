@@ -62,6 +62,17 @@ def test_help_explains_the_flags() -> None:
         assert flag in text
 
 
+def test_precision_flags_default_to_auto_and_none() -> None:
+    args = build_parser().parse_args(["--quantization", "int4"])
+    assert (args.dtype, args.quantization) == ("auto", "int4")
+    assert (DecodeConfig(insecure=True).dtype, DecodeConfig(insecure=True).quantization) == (
+        "auto",
+        "none",
+    )
+    with pytest.raises(ValueError, match="quantization"):
+        DecodeConfig(insecure=True, quantization="int2")
+
+
 def test_the_kv_cache_is_sized_from_free_memory_unless_told() -> None:
     config = DecodeConfig(insecure=True)
     assert config.num_blocks is None and config.kv_cache_memory_mb is None

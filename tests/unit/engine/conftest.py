@@ -58,25 +58,27 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 
 @pytest.fixture(scope="session")
 def hf_model(checkpoint: Callable[[str], Path]) -> Callable[[str], torch.nn.Module]:
-    """Returns ``load(name) -> transformers model`` read back from the saved checkpoint."""
-    loaded: dict[str, torch.nn.Module] = {}
+    """Returns ``load(name, dtype=torch.float32) -> transformers model`` read back from the
+    saved checkpoint."""
+    loaded: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
 
-    def load(name: str) -> torch.nn.Module:
-        if name not in loaded:
+    def load(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        if (name, dtype) not in loaded:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint(name), dtype=torch.float32, attn_implementation="sdpa"
+                checkpoint(name), dtype=dtype, attn_implementation="sdpa"
             )
-            loaded[name] = model.eval()
-        return loaded[name]
+            loaded[name, dtype] = model.eval()
+        return loaded[name, dtype]
 
     return load
 
 
 @pytest.fixture
 def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., LLMEngine]:
-    """Returns ``make(name="llama3", num_blocks=128, block_size=16, **scheduler) -> LLMEngine``."""
+    """Returns ``make(name="llama3", num_blocks=128, block_size=16, **settings) -> LLMEngine``
+    (float32 unless ``dtype`` says otherwise: the tests compare with float32 transformers)."""
 
     def make(
         name: str = "llama3",
@@ -88,12 +90,14 @@ def make_engine(checkpoint: Callable[[str], Path]) -> Callable[..., LLMEngine]:
         max_model_len: int | None = None,
         runner: ModelRunner | None = None,
         linear_backend: str = "auto",
+        quantization: str = "none",
         **scheduler: Any,
     ) -> LLMEngine:
         config = EngineConfig(
             model=str(checkpoint(name)),
             dtype=dtype,
             linear_backend=linear_backend,
+            quantization=quantization,
             max_model_len=max_model_len,
             seed=0,
             cache=CacheConfig(

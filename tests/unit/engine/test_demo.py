@@ -155,7 +155,8 @@ def test_the_moe_demo_is_a_mixtral_that_equals_transformers(
     assert manifest["weights_sha256"] == demo.weights_sha256(demo.build_weights(demo.DEMO_MOE_SPEC))
     assert json.loads((moe_dir / "config.json").read_text())["num_local_experts"] == 4
     prompt = Tokenizer.from_pretrained(moe_dir).encode("The quick brown fox")
-    engine = LLMEngine(EngineConfig(model=str(moe_dir), cache=CacheConfig(num_blocks=16)))
+    config = EngineConfig(model=str(moe_dir), dtype="float32", cache=CacheConfig(num_blocks=16))
+    engine = LLMEngine(config)
     ours = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
     reference = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     with torch.no_grad():

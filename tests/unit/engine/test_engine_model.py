@@ -113,7 +113,9 @@ def test_a_sharded_checkpoint_loads_like_a_single_file(
     assert len(list(sharded.glob("*.safetensors"))) > 4
     assert (sharded / "model.safetensors.index.json").is_file()
     engine = make_engine("qwen3_moe")
-    config = EngineConfig(model=str(sharded), seed=0, cache=CacheConfig(num_blocks=32))
+    config = EngineConfig(
+        model=str(sharded), dtype="float32", seed=0, cache=CacheConfig(num_blocks=32)
+    )
     from_shards = LLMEngine(config)
     sequence = prompts(1, seed=4, min_len=30, max_len=30)[0]
     logits = [
@@ -135,4 +137,4 @@ def test_a_checkpoint_missing_an_expert_is_refused(
     del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks parameters: \['model.layers.1.mlp.experts"):
-        LLMEngine(EngineConfig(model=str(broken), cache=CacheConfig(num_blocks=8)))
+        LLMEngine(EngineConfig(model=str(broken), dtype="float32", cache=CacheConfig(num_blocks=8)))

@@ -227,7 +227,9 @@ def test_the_engine_serves_the_converted_directory_with_the_original_logits(
 ) -> None:
     model = round_trip.model
     prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, PROMPT_LENGTH).tolist()
-    config = EngineConfig(model=str(round_trip.model_dir), cache=CacheConfig(num_blocks=8))
+    config = EngineConfig(
+        model=str(round_trip.model_dir), dtype="float32", cache=CacheConfig(num_blocks=8)
+    )
     engine = LLMEngine(config)
     block_ids = engine.block_pool.allocate(2)
     chunk = ScheduledChunk(prompt, 0, block_ids)

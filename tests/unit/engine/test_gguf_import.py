@@ -68,7 +68,10 @@ def load_transformers(gguf_path: Path) -> torch.nn.Module:
 def assert_matches_transformers(gguf_path: Path) -> None:
     """pdserve on the converted directory gives transformers' logits and greedy tokens."""
     model_dir = convert(gguf_path)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), seed=0, cache=CacheConfig(num_blocks=8)))
+    config = EngineConfig(
+        model=str(model_dir), dtype="float32", seed=0, cache=CacheConfig(num_blocks=8)
+    )
+    engine = LLMEngine(config)
     reference = load_transformers(gguf_path)
     prompt = Tokenizer.from_pretrained(model_dir).encode_chat(CHAT)
 

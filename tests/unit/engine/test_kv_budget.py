@@ -228,7 +228,8 @@ def test_the_runner_logs_the_chosen_size_once(
     # NOTE: a recorder rather than structlog's capture: another test may have configured
     # structlog to cache its loggers already.
     monkeypatch.setattr(runner_module, "log", Recorder())
-    runner = ModelRunner.load(EngineConfig(model=str(tiny_model_dir), max_model_len=256))
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256)
+    runner = ModelRunner.load(config)
     sized = [record for record in logs if record["event"] == "kv_cache_sized"]
     assert len(sized) == 1
     # The tiny model: 2 layers, 2 KV heads of 16, float32: 8 KiB per block of 16; 64 + 1

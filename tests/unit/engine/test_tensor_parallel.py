@@ -26,8 +26,10 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _config(model: Path, tensor_parallel_size: int, **extra: object) -> EngineConfig:
+    # NOTE: float32: the ranks' partial sums add up in another order than one rank's GEMM.
     return EngineConfig(
         model=str(model),
+        dtype="float32",
         tensor_parallel_size=tensor_parallel_size,
         num_threads=1,
         seed=0,

@@ -16,6 +16,7 @@ from pdserve.common.logging import LEVELS, configure_logging
 from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP, resolve_model
+from pdserve.engine.precision import AUTO, QUANTIZATIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=sampling.top_p)
     parser.add_argument("--seed", type=int, default=sampling.seed)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument(
+        "--dtype",
+        default=AUTO,
+        help="auto (bfloat16 on a CPU with native bf16, else float32), float32, bfloat16 or "
+        "float16",
+    )
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="weight-only int8 / int4 projections (CPU)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-threads", type=int, help="torch intra-op threads")
     parser.add_argument("--log-level", default="warning", choices=LEVELS, help="logs go to stderr")
@@ -90,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = EngineConfig(
             model=str(model_dir),
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             num_threads=args.num_threads,
             cache=CacheConfig(

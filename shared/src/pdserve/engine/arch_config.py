@@ -86,6 +86,9 @@ class MoeConfig:
         moe_intermediate_size: Hidden size of one routed expert.
         norm_topk_prob: Renormalise the top-k routing weights to sum to one.
         shared_expert_intermediate_size: Qwen2-MoE's always-on shared expert (0: none).
+        is_weighting_in_float32: Scale the experts' outputs by the float32 routing weights
+            and round after (Mixtral), instead of rounding the weights to the model dtype
+            first (Qwen); the two differ in bfloat16 only.
         moe_layers: Per layer, whether its feed-forward is the MoE block (else a dense MLP of
             ``intermediate_size``).
     """
@@ -96,6 +99,7 @@ class MoeConfig:
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]
     shared_expert_intermediate_size: int = 0
+    is_weighting_in_float32: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.moe_intermediate_size <= 0:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.common.config import check_ranges
+from pdserve.engine.precision import AUTO, QUANTIZATIONS, DtypeChoice, choose_dtype
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -88,12 +89,16 @@ class EngineConfig:
 
     Attributes:
         model: Hugging Face model directory (``config.json`` and ``*.safetensors``).
-        dtype: Weight and activation dtype: ``float32`` (CPU default), ``bfloat16``, ``float16``.
+        dtype: Weight and activation dtype: ``auto`` (bfloat16 on a CPU with native bf16, else
+            float32; see `pdserve.engine.precision`), ``float32``, ``bfloat16``, ``float16``.
         device: Torch device string, e.g. ``cpu`` or ``cuda:0``.
         max_model_len: Longest sequence (prompt + output); ``None`` uses the model's limit.
         attention_backend: ``auto`` (flash-attn when usable, else SDPA), ``sdpa`` or ``flash``.
-        linear_backend: ``auto`` (oneDNN-packed projections for float32 on CPU, else torch's
-            GEMM), ``onednn`` or ``torch``.
+        linear_backend: ``auto`` (oneDNN-packed projections for float32 and bfloat16 on CPU,
+            else torch's GEMM), ``onednn`` or ``torch``.
+        quantization: Weight-only quantization of the decoder layers' projections on CPU:
+            ``none``, ``int8`` (per output channel) or ``int4`` (groups of 32); see
+            `pdserve.engine.quant`.
         seed: Seeds the draw of per-request seeds for requests that carry none.
         num_threads: Torch intra-op threads for this process (a process-wide setting); ``None``
             keeps torch's default. Use 1 when several engines share a few cores: threads of
@@ -107,11 +112,12 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = "float32"
+    dtype: str = AUTO
     device: str = "cpu"
     max_model_len: int | None = field(default=None, metadata=POSITIVE)
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
+    quantization: str = field(default="none", metadata={"choices": QUANTIZATIONS})
     seed: int | None = None
     num_threads: int | None = field(default=None, metadata=POSITIVE)
     tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
@@ -122,19 +128,36 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model (a Hugging Face model directory) is required")
-        resolve_dtype(self.dtype)
+        if self.dtype != AUTO:
+            resolve_dtype(self.dtype)
         check_ranges(self)
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as exc:
             raise ValueError(f"invalid device {self.device!r}: {exc}") from None
+        if self.quantization != "none" and device.type != "cpu":
+            raise ValueError(
+                f"quantization={self.quantization} runs on CPU only (torch's CPU kernels), "
+                f"not on {self.device}"
+            )
+        if self.quantization != "none" and self.tensor_parallel_size > 1:
+            # NOTE: a quantized projection has no row-parallel form (its all-reduce) yet.
+            raise ValueError(
+                f"quantization={self.quantization} does not combine with "
+                f"tensor_parallel_size={self.tensor_parallel_size} yet"
+            )
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        """What `dtype` resolves to on `device`, and why."""
+        return choose_dtype(self.dtype, torch.device(self.device))
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The weight dtype as a ``torch.dtype``."""
-        return resolve_dtype(self.dtype)
+        """The weight dtype as a ``torch.dtype`` (``auto`` resolved)."""
+        return resolve_dtype(self.dtype_choice.dtype)
 
     @property
     def cache_dtype(self) -> torch.dtype:
-        """The KV cache dtype as a ``torch.dtype``."""
-        return resolve_dtype(self.cache.dtype or self.dtype)
+        """The KV cache dtype as a ``torch.dtype``: the cache's own, else the weights'."""
+        return resolve_dtype(self.cache.dtype) if self.cache.dtype else self.torch_dtype

@@ -138,6 +138,7 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
             moe_intermediate_size=int(hf["intermediate_size"]),
             norm_topk_prob=True,
             moe_layers=(True,) * num_layers,
+            is_weighting_in_float32=True,
         )
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return None

@@ -13,6 +13,7 @@ from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
+from pdserve.engine.quant import quantize_linears, weight_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +54,7 @@ def load_model(
     config: ModelConfig | None = None,
     linear_backend: str = "auto",
     group: TensorParallelGroup | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Loads a checkpoint of any supported family (`SUPPORTED_MODEL_TYPES`).
 
@@ -69,6 +71,8 @@ def load_model(
             else torch's GEMM), ``onednn`` or ``torch``.
         group: This rank's tensor-parallel group: only the rank's share of each tensor is
             kept (`pdserve.engine.parallel.sharding`); a group of one when None.
+        quantization: ``none``, or ``int8`` / ``int4`` weight-only quantization of every
+            projection but the LM head (CPU; `pdserve.engine.quant`).
 
     Returns:
         The model in eval mode with every parameter loaded.
@@ -105,8 +109,16 @@ def load_model(
     num_params = sum(p.numel() for p in model.parameters())
     is_packed = linear_backend != "torch" and can_pack_for_onednn(device, dtype)
     if linear_backend == "onednn" and not is_packed:
-        raise ValueError(f"linear_backend=onednn needs float32 on a CPU, not {dtype} on {device}")
+        raise ValueError(
+            f"linear_backend=onednn needs float32 or bfloat16 on a CPU, not {dtype} on {device}"
+        )
+    num_quantized = 0
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ValueError(f"quantization={quantization} runs on CPU only, not on {device}")
+        num_quantized = quantize_linears(model, quantization, skip=[model.lm_head]).num_quantized
     if is_packed:
+        # NOTE: quantized projections are no longer `Linear`s; what is left (the LM head) packs.
         model.pack_linears_for_onednn()
     log.info(
         "model_loaded",
@@ -118,6 +130,9 @@ def load_model(
         linear_backend="onednn" if is_packed else "torch",
         tensor_parallel_rank=model.group.rank,
         tensor_parallel_size=model.group.world_size,
+        quantization=quantization,
+        num_quantized=num_quantized,
+        weight_bytes=weight_bytes(model),
     )
     return model
 

@@ -28,10 +28,14 @@ LayerCallback = Callable[[int], None]
 
 
 def can_pack_for_onednn(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `Linear.pack_for_onednn` can run here: float32 on a CPU torch built with oneDNN."""
+    """Whether `Linear.pack_for_onednn` can run here: float32, or bfloat16 where oneDNN runs it,
+    on a CPU torch built with oneDNN."""
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and (
+            dtype == torch.float32
+            or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        )
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -45,7 +49,8 @@ class Linear(nn.Module):
     ``F.linear`` over the ``[out, in]`` layout, and is no slower for many rows. Faster still on
     CPU is oneDNN's GEMM over a weight repacked into its blocked layout (`pack_for_onednn`):
     2.4-2.6x MKL's for 8 to 2048 rows on AMD EPYC (float32, one thread), where MKL does not
-    take its AVX-512 paths; the engine packs every projection after loading.
+    take its AVX-512 paths; the engine packs every projection after loading. In bfloat16 the
+    packed GEMM is 1.1-3x faster again than ``torch.mm`` (AVX512-BF16, one thread).
 
     With a `group` of several ranks the projection is row-parallel: each rank holds the rows
     of its share of ``in_features``, the partial products are summed over the ranks and the

@@ -69,7 +69,7 @@ class Experts(nn.Module):
             gate_up = torch.mm(x[tokens], self.gate_up_proj[expert])
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = torch.mm(gated_activation(self.hidden_act, gate, up), self.down_proj[expert])
-            out.index_add_(0, tokens, hidden * flat_weights[slots, None])
+            out.index_add_(0, tokens, (hidden * flat_weights[slots, None]).to(out.dtype))
         return out
 
 
@@ -113,7 +113,9 @@ class SparseMoeBlock(nn.Module):
         weights, expert_ids = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.group.all_reduce(self.experts(x, expert_ids, weights.to(x.dtype)))
+        if not self.moe.is_weighting_in_float32:
+            weights = weights.to(x.dtype)
+        out = self.group.all_reduce(self.experts(x, expert_ids, weights))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -62,6 +62,17 @@ def load_rank_model(
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     model_config = ModelConfig.from_pretrained(config.model)
+    choice = config.dtype_choice
+    # NOTE: one line per model load says which dtype runs and why (auto depends on the CPU).
+    log.info(
+        "dtype_resolved",
+        dtype=choice.dtype,
+        requested=choice.requested,
+        reason=choice.reason,
+        cpu_bf16_flags=list(choice.cpu_bf16_flags),
+        kv_dtype=str(config.cache_dtype).removeprefix("torch."),
+        quantization=config.quantization,
+    )
     backend = resolve_attention_backend(
         config.attention_backend, device, config.cache_dtype, config.cache.block_size
     )
@@ -73,6 +84,7 @@ def load_rank_model(
         model_config,
         linear_backend=config.linear_backend,
         group=group,
+        quantization=config.quantization,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdserve.common.config import ServiceConfig
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
+from pdserve.engine.precision import AUTO, QUANTIZATIONS
 
 DEFAULT_KV_STORE_QUEUE_LEN = 64
 
@@ -92,7 +93,23 @@ class InstanceConfig(ServiceConfig):
         default=16,
         metadata={"help": "tokens per KV block (prefills and decodes must agree)", "gt": 0},
     )
-    dtype: str = field(default="float32", metadata={"help": "weights and KV dtype"})
+    dtype: str = field(
+        default=AUTO,
+        metadata={
+            "help": "weights and KV dtype: auto (bfloat16 on a CPU with native bf16, i.e. "
+            "AVX512-BF16 or AMX, else float32; the dtype_resolved log line says which), float32, "
+            "bfloat16 or float16. Prefills and decodes must agree: pin it where their machines "
+            "differ"
+        },
+    )
+    quantization: str = field(
+        default="none",
+        metadata={
+            "help": "weight-only quantization of every projection but the LM head, on CPU: "
+            "int8 (per output channel) or int4 (groups of 32); activations and KV keep --dtype",
+            "choices": QUANTIZATIONS,
+        },
+    )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
     num_threads: int | None = field(
         default=None,

@@ -55,6 +55,7 @@ class ModelHost:
         kv_cache_in_shm: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 120.0,
+        quantization: str = "none",
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -71,6 +72,7 @@ class ModelHost:
             tensor_parallel_size: Ranks the model is split over (`pdserve.engine.parallel`);
                 CPU only: on CPU rank 0's cache holds every head, so KV moves as without it.
             tensor_parallel_timeout_s: How long the ranks may take to form their group.
+            quantization: ``none``, ``int8`` or ``int4`` (`pdserve.engine.quant`).
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
@@ -97,6 +99,7 @@ class ModelHost:
             num_threads=num_threads,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=tensor_parallel_timeout_s,
+            quantization=quantization,
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
@@ -130,6 +133,7 @@ class ModelHost:
             kv_cache_in_shm=config.kv_cache_in_shm,
             tensor_parallel_size=config.tensor_parallel_size,
             tensor_parallel_timeout_s=config.tensor_parallel_timeout_s,
+            quantization=config.quantization,
         )
 
     @property

@@ -1,0 +1,157 @@
+"""Prefill tokens/s and decode step time per dtype and quantization, in the same run.
+
+    python bench/engine_steps.py                    # the default model, one thread
+    python bench/engine_steps.py --model smollm2-135m-instruct --rounds 5 --clock cpu
+
+One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4), each with the
+same random prompts prefilled into its paged KV cache. Every round measures, setting after
+setting (so machine noise hits all alike): a prefill of one prompt, then decode steps of 1 and
+of all streams (one new token each, the model's forward and logits; no sampling). Medians per
+setting, and ratios against float32 and bfloat16 computed from the same rounds. The CPU and
+its flags are printed and recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from common import cpu_description, prefilled_streams, write_results
+
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.engine.quant import weight_bytes
+
+SETTINGS = (
+    ("float32", "none"),
+    ("bfloat16", "none"),
+    ("bfloat16", "int8"),
+    ("bfloat16", "int4"),
+)
+BLOCK_SIZE = 16
+
+
+def clock_now(clock: str) -> float:
+    return time.process_time() if clock == "cpu" else time.perf_counter()
+
+
+def timed(fn: Callable[[], Any], clock: str) -> float:
+    start = clock_now(clock)
+    fn()
+    return clock_now(clock) - start
+
+
+class Streams:
+    """One setting's runner and its prefilled streams, advanced one token per decode step."""
+
+    def __init__(self, runner: Any, sequences: list[list[int]], tables: list[list[int]]) -> None:
+        self.runner = runner
+        self.sequences = sequences
+        self.tables = tables
+        self.lengths = [len(s) for s in sequences]
+
+    def prefill(self) -> None:
+        # NOTE: re-runs stream 0's prompt over its own blocks: the same KV is written again.
+        self.runner.execute([ScheduledChunk(self.sequences[0], 0, self.tables[0])])
+
+    def decode_step(self, num_rows: int) -> None:
+        chunks = []
+        for row in range(num_rows):
+            position = self.lengths[row]
+            chunks.append(ScheduledChunk([self.sequences[row][-1]], position, self.tables[row]))
+            self.lengths[row] += 1
+        self.runner.execute(chunks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="any --model value")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per batch and round")
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32, help="streams of the larger decode")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model_dir = resolve_model(args.model).path
+    cpu = cpu_description()
+    print(f"CPU: {cpu['cpu']}, torch capability {cpu['torch_cpu_capability']}")
+    print(f"flags: {' '.join(cpu['flags'])}")
+    num_steps = args.rounds * args.steps * 2
+    streams: dict[tuple[str, str], Streams] = {}
+    sizes: dict[tuple[str, str], float] = {}
+    for dtype, quantization in SETTINGS:
+        runner, sequences, tables = prefilled_streams(
+            model_dir, args.batch, args.prompt_len, num_steps, BLOCK_SIZE, dtype, quantization
+        )
+        streams[dtype, quantization] = Streams(runner, sequences, tables)
+        sizes[dtype, quantization] = weight_bytes(runner.model) / 1e6
+    samples: dict[str, dict[tuple[str, str], list[float]]] = {
+        "prefill_s": {key: [] for key in streams},
+        "decode_1_s": {key: [] for key in streams},
+        f"decode_{args.batch}_s": {key: [] for key in streams},
+    }
+    for _ in range(args.rounds):
+        for key, each in streams.items():
+            samples["prefill_s"][key].append(timed(each.prefill, args.clock))
+            for num_rows, metric in ((1, "decode_1_s"), (args.batch, f"decode_{args.batch}_s")):
+                step = functools.partial(each.decode_step, num_rows)
+                samples[metric][key].extend(timed(step, args.clock) for _ in range(args.steps))
+    medians = {
+        metric: {key: statistics.median(values) for key, values in by_key.items()}
+        for metric, by_key in samples.items()
+    }
+    print(
+        f"\n{args.model}, threads=1, prompt {args.prompt_len} tokens, {args.rounds} rounds, "
+        f"{args.clock} clock\n"
+    )
+    print(
+        f"| setting | weights MB | prefill tok/s | decode step, 1 row (ms) | "
+        f"decode step, {args.batch} rows (ms) | prefill vs fp32 | decode 1 vs fp32 | "
+        f"decode 1 vs bf16 | decode {args.batch} vs bf16 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    fp32, bf16 = ("float32", "none"), ("bfloat16", "none")
+    big = f"decode_{args.batch}_s"
+    for key in streams:
+        prefill = medians["prefill_s"][key]
+        row = {
+            "dtype": key[0],
+            "quantization": key[1],
+            "weight_mb": sizes[key],
+            "prefill_tokens_per_s": args.prompt_len / prefill,
+            "decode_1_ms": medians["decode_1_s"][key] * 1e3,
+            f"decode_{args.batch}_ms": medians[big][key] * 1e3,
+            # NOTE: speed-ups: > 1 is faster than the baseline.
+            "prefill_speedup_vs_float32": medians["prefill_s"][fp32] / prefill,
+            "decode_1_speedup_vs_float32": medians["decode_1_s"][fp32] / medians["decode_1_s"][key],
+            "decode_1_speedup_vs_bfloat16": medians["decode_1_s"][bf16]
+            / medians["decode_1_s"][key],
+            f"decode_{args.batch}_speedup_vs_bfloat16": medians[big][bf16] / medians[big][key],
+        }
+        rows.append(row)
+        values = list(row.values())
+        name = key[0] if key[1] == "none" else f"{key[0]} + {key[1]}"
+        print(
+            f"| {name} | {values[2]:.0f} | {values[3]:.0f} | {values[4]:.2f} | {values[5]:.2f} | "
+            f"{values[6]:.2f}x | {values[7]:.2f}x | {values[8]:.2f}x | {values[9]:.2f}x |"
+        )
+    path = write_results(
+        "engine_steps",
+        {
+            "config": {**vars(args), "threads": 1, **cpu},
+            "rows": rows,
+            "samples": {m: {f"{k[0]}+{k[1]}": v for k, v in s.items()} for m, s in samples.items()},
+        },
+    )
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()

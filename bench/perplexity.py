@@ -1,0 +1,103 @@
+"""Perplexity of the engine on a fixed text per dtype and quantization, in the same run.
+
+    python bench/perplexity.py                       # the default model, bench/data/perplexity.txt
+    python bench/perplexity.py --model smollm2-135m-instruct --threads 1
+
+The text (a few hundred tokens, committed in the repository) is run as one prompt through the
+engine's model on its paged KV cache; every position's logits score the next token. Each
+setting's perplexity is compared with bfloat16's (the quantized forms run bf16 activations) and
+with float32's. The goal for the quantized forms is within 2% of bfloat16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import write_results
+
+from pdserve.common.generation import num_blocks_for
+from pdserve.engine import CacheConfig, EngineConfig
+from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.engine.quant import weight_bytes
+from pdserve.engine.runner import ModelRunner
+from pdserve.tokenizer import Tokenizer
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+SETTINGS = (
+    ("float32", "none"),
+    ("bfloat16", "none"),
+    ("bfloat16", "int8"),
+    ("bfloat16", "int4"),
+    ("float32", "int8"),
+)
+BLOCK_SIZE = 16
+
+
+def perplexity(runner: ModelRunner, token_ids: list[int]) -> float:
+    """``exp`` of the mean negative log-likelihood of tokens 1.. given their prefixes."""
+    block_ids = list(range(num_blocks_for(len(token_ids), BLOCK_SIZE)))
+    chunk: ScheduledChunk[Any] = ScheduledChunk(token_ids, 0, block_ids)
+    _, every = runner.execute_with_positions([chunk], every_position=[0])
+    # logits: [num_tokens, vocab]; row j predicts token j + 1
+    logits = every[0][:-1].float()
+    targets = torch.tensor(token_ids[1:])
+    nll = torch.nn.functional.cross_entropy(logits, targets)
+    return math.exp(float(nll))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--text", type=Path, default=TEXT)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model).path
+    token_ids = Tokenizer.from_pretrained(model_dir).encode(args.text.read_text())
+    rows: list[dict[str, Any]] = []
+    for dtype, quantization in SETTINGS:
+        config = EngineConfig(
+            model=str(model_dir),
+            dtype=dtype,
+            quantization=quantization,
+            cache=CacheConfig(
+                block_size=BLOCK_SIZE, num_blocks=num_blocks_for(len(token_ids), BLOCK_SIZE)
+            ),
+        )
+        runner = ModelRunner.load(config)
+        value = perplexity(runner, token_ids)
+        rows.append(
+            {
+                "dtype": dtype,
+                "quantization": quantization,
+                "perplexity": value,
+                "weight_mb": weight_bytes(runner.model) / 1e6,
+            }
+        )
+        del runner
+    by_key = {(r["dtype"], r["quantization"]): r["perplexity"] for r in rows}
+    bf16, fp32 = by_key[("bfloat16", "none")], by_key[("float32", "none")]
+    print(f"{args.model}: {len(token_ids)} tokens of {args.text.name}, threads={args.threads}\n")
+    print("| dtype | quantization | weights MB | perplexity | vs bfloat16 | vs float32 |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        row["vs_bfloat16"] = row["perplexity"] / bf16 - 1
+        row["vs_float32"] = row["perplexity"] / fp32 - 1
+        print(
+            f"| {row['dtype']} | {row['quantization']} | {row['weight_mb']:.0f} | "
+            f"{row['perplexity']:.3f} | {row['vs_bfloat16']:+.2%} | {row['vs_float32']:+.2%} |"
+        )
+    path = write_results(
+        "perplexity",
+        {"model": args.model, "text": args.text.name, "num_tokens": len(token_ids), "rows": rows},
+    )
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    main()

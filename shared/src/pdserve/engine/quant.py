@@ -1,0 +1,229 @@
+"""Weight-only quantization of the projections for CPU serving (``--quantization``).
+
+The activations stay in the model dtype; each projection's weight is stored in int8 (one
+scale per output channel, symmetric) or int4 (groups of `INT4_GROUP_SIZE` input features, a
+scale and a zero each), and torch's CPU kernels (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) dequantize it on the fly inside the GEMM. The LM head (the
+tied embedding in small models) stays in the model dtype: it is the projection most sensitive
+to rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.model import Linear
+
+INT4_GROUP_SIZE = 32
+"""Input features sharing one int4 scale and zero (torch's kernel takes 32 to 256)."""
+INT8_KERNEL_MAX_ROWS = 15
+"""Most rows `Int8Linear` runs through torch's int8 kernel (bf16/fp16); more take a bf16 GEMM."""
+_INT4_INNER_K_TILES = 2
+_INT4_OUT_MULTIPLE = 16
+
+
+class Int8Linear(nn.Module):
+    """`Linear` with an int8 ``[out, in]`` weight and a scale per output channel.
+
+    NOTE: torch's int8 kernel dequantizes inside a GEMM that is fast for a few rows in bf16
+    (a decode step of one row: 1.1-1.2x bf16's) but 2.6-3.2x slower than a bf16 GEMM at 16 to
+    256 rows, and slow in float32 at any size. Past `INT8_KERNEL_MAX_ROWS` rows, and in
+    float32, the weight is converted to the activation dtype (exact: int8 fits bf16's
+    mantissa) for one GEMM and the output scaled:
+    ``x @ (values * scales).T == (x @ values.T) * scales``.
+
+    Args:
+        linear: The projection to quantize (its weight is read, not kept).
+    """
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, linear: Linear) -> None:
+        super().__init__()
+        weight_t = linear.weight_t.detach()
+        self.in_features, self.out_features = weight_t.shape
+        weight, scales = quantize_int8(weight_t.t(), weight_t.dtype)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype != torch.float32:
+            out = torch._weight_int8pack_mm(x, self.weight, self.scales)
+        else:
+            out = F.linear(x, self.weight.to(x.dtype)).mul_(self.scales)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class Int4Linear(nn.Module):
+    """`Linear` with an int4 weight in torch's CPU tile layout, a scale and zero per group.
+
+    Args:
+        linear: The projection to quantize; see `can_quantize_int4` for the shapes it takes.
+        group_size: Input features per scale and zero.
+    """
+
+    packed: torch.Tensor
+    scale_zeros: torch.Tensor
+
+    def __init__(self, linear: Linear, group_size: int = INT4_GROUP_SIZE) -> None:
+        super().__init__()
+        weight_t = linear.weight_t.detach()
+        self.in_features, self.out_features = weight_t.shape
+        self.group_size = group_size
+        values, scale_zeros = quantize_int4(weight_t.t(), group_size, weight_t.dtype)
+        # packed: [out, in / 2] uint8, two 4-bit values a byte in the kernel's tile order
+        packed = torch._convert_weight_to_int4pack_for_cpu(values, _INT4_INNER_K_TILES)
+        self.register_buffer("packed", packed)
+        # scale_zeros: [in / group_size, out, 2]
+        self.register_buffer("scale_zeros", scale_zeros)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        out = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
+        return out if self.bias is None else out.add_(self.bias)
+
+
+def quantize_int8(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: ``weight ~= values * scales[:, None]``.
+
+    Args:
+        weight: ``[out, in]`` floating point.
+        scale_dtype: The dtype the scales are stored (and the kernel runs) in.
+
+    Returns:
+        ``[out, in]`` int8 values and ``[out]`` scales in `scale_dtype`.
+    """
+    weight = weight.float().contiguous()
+    # NOTE: the values are rounded against the scale as stored: a bf16 scale rounded after
+    # the fact would shift a whole output channel by up to 0.4%.
+    scales = (weight.abs().amax(dim=1).clamp(min=1e-12) / 127).to(scale_dtype)
+    values = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return values, scales
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group_size` input features.
+
+    The kernel's dequantization is ``(value - 8) * scale + zero``; with ``zero = min + 8 *
+    scale`` that is ``value * scale + min``, so each group's range maps onto 0..15.
+
+    Args:
+        weight: ``[out, in]`` floating point, ``in`` a multiple of `group_size`.
+        group_size: Input features per scale and zero.
+        scale_dtype: The dtype the scales and zeros are stored (and the kernel runs) in.
+
+    Returns:
+        ``[out, in]`` int32 values in 0..15 and ``[in / group_size, out, 2]`` scales and zeros
+        in `scale_dtype`.
+    """
+    num_out, num_in = weight.shape
+    # groups: [out, in / group_size, group_size]
+    groups = weight.float().contiguous().view(num_out, num_in // group_size, group_size)
+    low = groups.amin(dim=-1, keepdim=True)
+    high = groups.amax(dim=-1, keepdim=True)
+    # NOTE: as in `quantize_int8`, the values are rounded against the stored scale and zero.
+    scales = ((high - low) / 15).clamp(min=1e-12).to(scale_dtype).float()
+    zeros = (low + 8 * scales).to(scale_dtype).float()
+    values = ((groups - zeros) / scales + 8).round().clamp(0, 15).to(torch.int32)
+    scale_zeros = torch.stack([scales.squeeze(-1).t(), zeros.squeeze(-1).t()], dim=-1)
+    return values.view(num_out, num_in), scale_zeros.to(scale_dtype).contiguous()
+
+
+def dequantize_int4(values: torch.Tensor, scale_zeros: torch.Tensor) -> torch.Tensor:
+    """The ``[out, in]`` float32 weight that `quantize_int4`'s output stands for."""
+    num_out, num_in = values.shape
+    num_groups = scale_zeros.shape[0]
+    scales = scale_zeros[..., 0].t().unsqueeze(-1).float()
+    zeros = scale_zeros[..., 1].t().unsqueeze(-1).float()
+    groups = values.view(num_out, num_groups, -1).float()
+    return ((groups - 8) * scales + zeros).view(num_out, num_in)
+
+
+def can_quantize_int4(in_features: int, out_features: int, group_size: int) -> bool:
+    """Whether torch's int4 CPU kernel takes this shape."""
+    return in_features % group_size == 0 and out_features % _INT4_OUT_MULTIPLE == 0
+
+
+class QuantizationReport(NamedTuple):
+    """What `quantize_linears` did.
+
+    Attributes:
+        num_quantized: Projections now quantized.
+        num_kept: Projections left in the model dtype (skipped, or a shape the kernel refuses).
+    """
+
+    num_quantized: int
+    num_kept: int
+
+
+def quantize_linears(
+    model: nn.Module, method: str, skip: Collection[nn.Module] = ()
+) -> QuantizationReport:
+    """Replaces every `Linear` of `model` (but those in `skip`) by its quantized form.
+
+    Args:
+        model: A loaded model on CPU.
+        method: ``int8`` or ``int4``.
+        skip: Projections to keep in the model dtype (the LM head).
+
+    Raises:
+        ValueError: For an unknown method.
+    """
+    if method not in ("int8", "int4"):
+        raise ValueError(f"unknown quantization {method!r}; choose int8 or int4")
+    num_quantized = num_kept = 0
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, Linear)
+    ]
+    for parent, name, linear in targets:
+        in_features, out_features = linear.weight_t.shape
+        if any(linear is s for s in skip) or (
+            method == "int4" and not can_quantize_int4(in_features, out_features, INT4_GROUP_SIZE)
+        ):
+            num_kept += 1
+            continue
+        quantized = Int8Linear(linear) if method == "int8" else Int4Linear(linear)
+        setattr(parent, name, quantized)
+        num_quantized += 1
+    return QuantizationReport(num_quantized, num_kept)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (what a decode step streams, at most)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [
+        m.packed_weight
+        for m in model.modules()
+        if isinstance(m, Linear) and m.packed_weight is not None
+    ]
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor.is_mkldnn:
+            # NOTE: a oneDNN-packed weight has no storage to look at; its blocked layout holds
+            # the same elements (padding aside).
+            total += tensor.numel() * tensor.element_size()
+            continue
+        # NOTE: the tied embedding and LM head share one storage; count it once.
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += tensor.untyped_storage().nbytes()
+    return total
