@@ -27,9 +27,8 @@ from pdserve.gateway.prepare.params import (
     ModelSummary,
     PreparedRequest,
     PromptKind,
-    is_short_prompt,
-    tokenize_prompt,
 )
+from pdserve.gateway.prepare.tokenize import is_short_prompt, tokenize_prompt
 from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
 from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.request import GenerationRequest

@@ -27,7 +27,7 @@ from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
 from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable, TokenChunk, Usage
 from pdserve.gateway.text import CompletionText
-from pdserve.gateway.tools.output import ToolCallStream, with_tool_calls
+from pdserve.gateway.tool_deltas import ToolCallStream, with_tool_calls
 
 log = structlog.get_logger("pdserve.gateway.streaming")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -83,7 +83,7 @@ class Streamer:
 
         Returns:
             Deltas of text and tokens (with the tool calls read out, for a request with a
-            tool plan: `pdserve.gateway.tools.output`); the last one has finish_reason and
+            tool plan: `pdserve.gateway.tool_deltas`); the last one has finish_reason and
             usage. Iterating raises the `PdserveError` that ended the request.
         """
         return self._stream(prepared, trace_context, resumable)
