@@ -26,7 +26,8 @@ from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.openai.http import error_body
 from pdserve.gateway.openai.parsing import OpenAIBody, parse_openai_body
-from pdserve.gateway.openai.responses import Responder, sse
+from pdserve.gateway.openai.responses import Responder
+from pdserve.gateway.openai.sse import sse
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.prepare.workers import ParserPool

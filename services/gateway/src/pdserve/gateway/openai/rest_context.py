@@ -1,0 +1,60 @@
+"""What every REST route of the gateway holds: the parts it calls and the request limits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from pdserve.gateway.access.admission import ConcurrencyLimiter
+from pdserve.gateway.access.api_keys import ApiKeyStore
+from pdserve.gateway.access.auth import Caller, authenticate
+from pdserve.gateway.frontend import Frontend
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai.http import check_json_content_type, read_body
+from pdserve.gateway.openai.responses_api.background import BackgroundResponses
+from pdserve.gateway.openai.resumable import ResumableStreams
+from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.streaming import Streamer
+
+
+@dataclass(frozen=True)
+class RestContext:
+    """The parts the REST routes share.
+
+    Attributes:
+        frontend: Validation and tokenization (and the request limits).
+        streamer: Runs prepared requests.
+        metrics: Served at /metrics.
+        limiter: Admission of generation requests (per API key and in total).
+        parser: Parses large bodies in worker processes.
+        max_body_bytes: Largest request body; larger ones are refused with 413.
+        api_keys: Keys accepted as a Bearer token on /v1/*; an open store: any.
+        now: Wall clock for ``created`` timestamps.
+        internal_plane: ``mtls`` or ``insecure``, reported by /health.
+        background: Background responses; None: refused (400) and 404s.
+        resumable: Resumable chat and completions streams; None: refused (400) and 404s.
+    """
+
+    frontend: Frontend
+    streamer: Streamer
+    metrics: GatewayMetrics
+    limiter: ConcurrencyLimiter
+    parser: ParserPool
+    max_body_bytes: int
+    api_keys: ApiKeyStore = field(default_factory=ApiKeyStore)
+    now: Callable[[], float] = time.time
+    internal_plane: str = "mtls"
+    background: BackgroundResponses | None = None
+    resumable: ResumableStreams | None = None
+
+    def authorize(self, request: Request) -> Caller:
+        """The caller of `request` by its Bearer key (401 without a valid one)."""
+        return authenticate(request.headers.get("authorization"), self.api_keys)
+
+    async def json_body(self, request: Request) -> bytes:
+        """The request's JSON body, within the size limit (415, 413)."""
+        check_json_content_type(request)
+        return await read_body(request, self.max_body_bytes)
