@@ -29,12 +29,27 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "request core",
         frozenset(
-            {"relay", "attempt", "orchestrator", "streaming", "frontend", "choices", "tool_deltas"}
+            {
+                "relay",
+                "cleanups",
+                "attempt_legs",
+                "pair_choice",
+                "attempt",
+                "orchestrator",
+                "streaming",
+                "frontend",
+                "choices",
+                "tool_deltas",
+                "output_deltas",
+            }
         ),
     ),
     ("sessions", frozenset({"resume"})),
     ("front ends", frozenset({"openai", "grpc_api"})),
-    ("process", frozenset({"config", "config_fields", "server", "__main__", "__init__"})),
+    (
+        "process",
+        frozenset({"config", "config_fields", "grpc_ports", "server", "__main__", "__init__"}),
+    ),
 )
 LAYER_OF = {unit: index for index, (_, units) in enumerate(LAYERS) for unit in units}
 

@@ -10,11 +10,11 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.frontend import Frontend
+from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
 from pdserve.gateway.request import GenerationEnd, OutputDelta
 from pdserve.gateway.resume.runs import Run, Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
-from pdserve.gateway.streaming import replay
 
 
 async def find(

@@ -35,13 +35,13 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_responses_body
 from pdserve.gateway.openai.responses_api.items import OutputItems
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter, request_id_of
+from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import GenerationEnd, OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end, stored_error
 from pdserve.gateway.resume.runs import Run, RunMoved, Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
-from pdserve.gateway.streaming import replay
 
 log = structlog.get_logger("pdserve.gateway.openai.background")
 
