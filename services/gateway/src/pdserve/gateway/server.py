@@ -45,8 +45,9 @@ from pdserve.gateway.openai.resumable import ResumableStreams
 from pdserve.gateway.openai.server import RestServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prepare.workers import ParserPool, WorkerPool
+from pdserve.gateway.resume.etcd_store import EtcdResumeStore
 from pdserve.gateway.resume.runs import Runs
-from pdserve.gateway.resume.store import EtcdResumeStore, MemoryResumeStore, ResumeStore
+from pdserve.gateway.resume.store import MemoryResumeStore, ResumeStore
 from pdserve.gateway.routing.router import Router
 from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc

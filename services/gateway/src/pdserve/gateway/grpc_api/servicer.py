@@ -31,7 +31,8 @@ from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end
-from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.resume.run import Run, RunMoved
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2
 

@@ -33,7 +33,8 @@ from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end
-from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.resume.run import Run, RunMoved
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord
 
 log = structlog.get_logger("pdserve.gateway.openai.resumable")

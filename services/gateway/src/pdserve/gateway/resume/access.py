@@ -13,7 +13,8 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
 from pdserve.gateway.request import GenerationEnd, OutputDelta
-from pdserve.gateway.resume.runs import Run, Runs
+from pdserve.gateway.resume.run import Run
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
 
 

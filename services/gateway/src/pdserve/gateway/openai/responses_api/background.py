@@ -40,7 +40,8 @@ from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import GenerationEnd, OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end, stored_error
-from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.resume.run import Run, RunMoved
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
 
 log = structlog.get_logger("pdserve.gateway.openai.background")
