@@ -29,7 +29,7 @@ from pdserve.gateway.grpc_api import convert
 from pdserve.gateway.grpc_api.parsing import GenerateBody, parse_generate_request, parse_message
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.request import ApiKind, OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end
 from pdserve.gateway.resume.run import Run, RunMoved
 from pdserve.gateway.resume.runs import Runs
@@ -39,7 +39,7 @@ from pdserve.v1 import generation_pb2
 log = structlog.get_logger("pdserve.gateway.grpc_api.servicer")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-KIND = "grpc"
+KIND = ApiKind.GRPC
 
 
 def _internal(exc: Exception) -> PdserveError:

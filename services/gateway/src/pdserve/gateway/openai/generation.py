@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -34,17 +33,9 @@ from pdserve.gateway.openai.resumable import responder_for
 from pdserve.gateway.openai.sse import EventStreamResponse
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.validation import invalid
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.request import ApiKind, OutputDelta
 
 T = TypeVar("T")
-
-
-class Endpoint(enum.Enum):
-    """The generation endpoints."""
-
-    COMPLETIONS = "completions"
-    CHAT = "chat"
-    RESPONSES = "responses"
 
 
 class Writer(Protocol):
@@ -76,7 +67,7 @@ class Prepared(NamedTuple):
     kept: tuple[bytes, ResponsesBody | OpenAIBody] | None = None
 
 
-async def generate(context: RestContext, request: Request, endpoint: Endpoint) -> Response:
+async def generate(context: RestContext, request: Request, kind: ApiKind) -> Response:
     """Answers one generation request (the API key, admission, then the body)."""
     caller = context.authorize(request)
     if caller.api_key_name is not None:
@@ -85,7 +76,7 @@ async def generate(context: RestContext, request: Request, endpoint: Endpoint) -
     admission = context.limiter.admit(caller)
     response: Response | None = None
     try:
-        response = await _generate(context, request, endpoint, admission, caller)
+        response = await _generate(context, request, kind, admission, caller)
         return response
     finally:
         # NOTE: a stream gives its admission back when it ends (EventStreamResponse).
@@ -94,13 +85,13 @@ async def generate(context: RestContext, request: Request, endpoint: Endpoint) -
 
 
 async def _prepare(
-    context: RestContext, request: Request, endpoint: Endpoint, caller: Caller
+    context: RestContext, request: Request, kind: ApiKind, caller: Caller
 ) -> Prepared:
     raw = await context.json_body(request)
     frontend, parser = context.frontend, context.parser
     limits = frontend.limits
     request_id = request_id_of(request)
-    if endpoint is Endpoint.RESPONSES:
+    if kind == ApiKind.RESPONSES:
         parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
         if parsed.background and context.background is None:
             raise invalid("background responses are not enabled on this gateway", "background")
@@ -109,7 +100,7 @@ async def _prepare(
         return Prepared(
             ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id, background_kept
         )
-    is_chat = endpoint is Endpoint.CHAT
+    is_chat = kind == ApiKind.CHAT
     body = await parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
     prompts = [
         await frontend.prepare(
@@ -127,18 +118,16 @@ async def _prepare(
 async def _generate(
     context: RestContext,
     request: Request,
-    endpoint: Endpoint,
+    kind: ApiKind,
     admission: Admission,
     caller: Caller,
 ) -> Response:
-    writer, is_stream, request_id, kept = await _prepare(context, request, endpoint, caller)
+    writer, is_stream, request_id, kept = await _prepare(context, request, kind, caller)
     # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
     trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request_id)
     headers = {"X-Request-Id": request_id}
     if kept is not None:
-        return await _start_kept(
-            context, kept, endpoint, writer, is_stream, headers, admission, caller
-        )
+        return await _start_kept(context, kept, kind, writer, is_stream, headers, admission, caller)
     deltas = merged([context.streamer.stream(c) for c in writer.choices], writer.n)
     if is_stream:
         # NOTE: the status waits for the first token (a request that cannot be served is
@@ -162,7 +151,7 @@ async def _generate(
 async def _start_kept(
     context: RestContext,
     kept: tuple[bytes, ResponsesBody | OpenAIBody],
-    endpoint: Endpoint,
+    kind: ApiKind,
     writer: Writer,
     is_stream: bool,
     headers: dict[str, str],
@@ -181,8 +170,8 @@ async def _start_kept(
             return EventStreamResponse(background.events(run, parsed), headers, admission)
         return JSONResponse(background.queued(run, parsed), headers=headers)
     assert context.resumable is not None
-    is_chat = endpoint is Endpoint.CHAT
-    stream = await context.resumable.start(raw, is_chat, prompt, caller)
+    is_chat = kind == ApiKind.CHAT
+    stream = await context.resumable.start(raw, kind, prompt, caller)
     events = resumable_events(responder_for(is_chat, prompt, parsed, stream), stream.follow(), None)
     return EventStreamResponse(events, headers, admission)
 

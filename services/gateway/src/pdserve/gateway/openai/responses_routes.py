@@ -10,11 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.gateway.openai.generation import Endpoint, generate
+from pdserve.gateway.openai.generation import generate
 from pdserve.gateway.openai.responses_api.background import BackgroundResponses
 from pdserve.gateway.openai.rest_context import RestContext
 from pdserve.gateway.openai.resumable import position_of
 from pdserve.gateway.openai.sse import EventStreamResponse
+from pdserve.gateway.request import ApiKind
 
 NOT_STORED = (
     "not found: only background responses are stored (POST /v1/responses with background: "
@@ -33,7 +34,7 @@ def responses_routes(context: RestContext) -> APIRouter:
 
     @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await generate(context, request, Endpoint.RESPONSES)
+        return await generate(context, request, ApiKind.RESPONSES)
 
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str) -> Response:

@@ -31,7 +31,7 @@ from pdserve.gateway.openai.sse import sse
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.request import ApiKind, OutputDelta
 from pdserve.gateway.resume.access import find, prepare_again, replay_end
 from pdserve.gateway.resume.run import Run, RunMoved
 from pdserve.gateway.resume.runs import Runs
@@ -40,11 +40,6 @@ from pdserve.gateway.resume.store import ResumeRecord
 log = structlog.get_logger("pdserve.gateway.openai.resumable")
 
 PREFIXES = ("chatcmpl-", "cmpl-")
-
-
-def kind_of(is_chat: bool) -> str:
-    """The record kind of a chat or completions stream."""
-    return "chat" if is_chat else "completions"
 
 
 class ResumableStreams:
@@ -62,7 +57,7 @@ class ResumableStreams:
         self._parser = parser
 
     async def start(
-        self, raw: bytes, is_chat: bool, prompt: PreparedRequest, caller: Caller
+        self, raw: bytes, kind: ApiKind, prompt: PreparedRequest, caller: Caller
     ) -> Run:
         """Starts a resumable stream (its record written first).
 
@@ -70,10 +65,10 @@ class ResumableStreams:
             PdserveError: RATE_LIMITED when the store holds its most requests,
                 PEER_UNAVAILABLE when it cannot be reached.
         """
-        return await self._runs.begin(kind_of(is_chat), raw.decode(), prompt, caller.api_key_name)
+        return await self._runs.begin(kind, raw.decode(), prompt, caller.api_key_name)
 
     async def resume(
-        self, stream_id: str, is_chat: bool, caller: Caller, starting_after: int | None
+        self, stream_id: str, kind: ApiKind, caller: Caller, starting_after: int | None
     ) -> AsyncGenerator[str, None]:
         """The events of a stream after its `starting_after`-th token (all: None), live; a
         running stream another gateway held is taken over.
@@ -83,7 +78,8 @@ class ResumableStreams:
                 stream.
         """
         request_id = _request_id(stream_id)
-        found = await find(self._runs, request_id, (kind_of(is_chat),), caller)
+        found = await find(self._runs, request_id, (kind,), caller)
+        is_chat = kind == ApiKind.CHAT
         if found is None:
             raise PdserveError(
                 ErrorReason.REQUEST_NOT_FOUND,

@@ -12,14 +12,14 @@ from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
-from pdserve.gateway.request import GenerationEnd, OutputDelta
+from pdserve.gateway.request import ApiKind, GenerationEnd, OutputDelta
 from pdserve.gateway.resume.run import Run
 from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
 
 
 async def find(
-    runs: Runs, request_id: str, kinds: tuple[str, ...], caller: Caller
+    runs: Runs, request_id: str, kinds: tuple[ApiKind, ...], caller: Caller
 ) -> Run | ResumeRecord | None:
     """This gateway's run of `request_id` (unless another gateway took it over), else its
     stored record; None when there is none of `kinds`, it expired, or `caller` is not its

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import OutputDelta, Resumable
+from pdserve.gateway.request import OutputDelta, ResponseStatus, Resumable
 from pdserve.gateway.resume.store import ResumeRecord
 
 
@@ -52,12 +52,12 @@ class Run:
         return self.record.request_id
 
     @property
-    def status(self) -> str:
+    def status(self) -> ResponseStatus:
         """``in_progress``, or how it ended (``completed``, ``incomplete``, ``failed``,
         ``cancelled``)."""
         if self.record.end is not None:
             return self.record.end.status
-        return "in_progress"
+        return ResponseStatus.IN_PROGRESS
 
     def add(self, delta: OutputDelta) -> None:
         """Keeps `delta` and wakes the followers."""

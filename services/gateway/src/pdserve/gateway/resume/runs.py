@@ -21,7 +21,7 @@ from pdserve.common.errors import ErrorReason, PdserveError, is_taken_over
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import Placement, Resumable
+from pdserve.gateway.request import ApiKind, Placement, ResponseStatus, Resumable
 from pdserve.gateway.resume.run import Run
 from pdserve.gateway.resume.store import ResumeRecord, ResumeStore, StoredEnd
 from pdserve.gateway.streaming import Streamer
@@ -88,12 +88,12 @@ class Runs:
         return run
 
     async def begin(
-        self, kind: str, body: str, prepared: PreparedRequest, owner: str | None
+        self, kind: ApiKind, body: str, prepared: PreparedRequest, owner: str | None
     ) -> Run:
         """Starts a new resumable request (its record written first).
 
         Args:
-            kind: The API that took it (``responses``, ``chat``, ``completions``, ``grpc``).
+            kind: The API that took it.
             body: The request as the client sent it (text; a gRPC request's bytes in base64).
             prepared: The prepared request (its seed is set).
             owner: Name of the API key that sent it (None on an open gateway).
@@ -200,7 +200,7 @@ class Runs:
             reason = final.finish_reason if final is not None else None
             is_cut = reason is FinishReason.LENGTH
             end = StoredEnd(
-                status="incomplete" if is_cut else "completed",
+                status=ResponseStatus.INCOMPLETE if is_cut else ResponseStatus.COMPLETED,
                 token_ids=run.token_ids(),
                 finish_reason=None if reason is None else reason.value,
                 num_cached_prompt_tokens=(
@@ -214,12 +214,12 @@ class Runs:
                 log.info("resumable_request_moved", request_id=run.request_id)
             else:
                 run.error = error
-                end = _failed(run, "failed", error, self._now())
+                end = _failed(run, ResponseStatus.FAILED, error, self._now())
         except asyncio.CancelledError:
             if not resumable.is_left:
                 cancelled = PdserveError(ErrorReason.CANCELLED, "the response was cancelled")
                 run.error = cancelled
-                end = _failed(run, "cancelled", cancelled, self._now())
+                end = _failed(run, ResponseStatus.CANCELLED, cancelled, self._now())
             raise
         finally:
             if end is not None:
@@ -246,7 +246,7 @@ class Runs:
             del self._runs[run.request_id]
 
 
-def _failed(run: Run, status: str, error: PdserveError, now: float) -> StoredEnd:
+def _failed(run: Run, status: ResponseStatus, error: PdserveError, now: float) -> StoredEnd:
     return StoredEnd(
         status=status,
         token_ids=run.token_ids(),

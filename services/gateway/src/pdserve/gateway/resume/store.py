@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.gateway.request import Placement
+from pdserve.gateway.request import ApiKind, Placement, ResponseStatus
 
 RESUME_PREFIX = "/pdserve/resume/"
 
@@ -39,7 +39,7 @@ class StoredEnd:
         error_message: Its message.
     """
 
-    status: str
+    status: ResponseStatus
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     num_cached_prompt_tokens: int = 0
@@ -54,7 +54,7 @@ class ResumeRecord:
 
     Attributes:
         request_id: The gateway's request id (a response's id is ``resp_<request_id>``).
-        kind: ``responses``, ``chat``, ``completions`` or ``grpc``: the API that took it.
+        kind: The API that took it.
         owner: Name of the API key that created it; None on an open gateway (anyone).
         body: The request as the client sent it (JSON text).
         seed: The seed it runs with.
@@ -64,7 +64,7 @@ class ResumeRecord:
     """
 
     request_id: str
-    kind: str
+    kind: ApiKind
     owner: str | None
     body: str
     seed: int
@@ -83,14 +83,19 @@ class ResumeRecord:
         placement = raw.pop("placement")
         end = raw.pop("end")
         return cls(
-            **raw,
+            **{**raw, "kind": ApiKind(raw["kind"])},
             placement=None if placement is None else Placement(**placement),
-            end=None if end is None else StoredEnd(**{**end, "token_ids": tuple(end["token_ids"])}),
+            end=None if end is None else _stored_end(end),
         )
 
     def with_placement(self, placement: Placement) -> ResumeRecord:
         """A copy placed on `placement`."""
         return replace(self, placement=placement)
+
+
+def _stored_end(end: dict[str, Any]) -> StoredEnd:
+    status = ResponseStatus(end["status"])
+    return StoredEnd(**{**end, "status": status, "token_ids": tuple(end["token_ids"])})
 
 
 class ResumeStore(Protocol):

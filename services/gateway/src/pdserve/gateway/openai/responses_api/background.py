@@ -44,7 +44,7 @@ from pdserve.gateway.openai.responses_api.writer import ResponseWriter, request_
 from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import GenerationEnd
+from pdserve.gateway.request import ApiKind, GenerationEnd, ResponseStatus
 from pdserve.gateway.resume.access import find, prepare_again, replay_end, stored_error
 from pdserve.gateway.resume.run import Run
 from pdserve.gateway.resume.runs import Runs
@@ -52,7 +52,7 @@ from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
 
 log = structlog.get_logger("pdserve.gateway.openai.background")
 
-KIND = "responses"
+KIND = ApiKind.RESPONSES
 SNAPSHOT_TIMEOUT_S = 5.0
 
 
@@ -111,7 +111,7 @@ class BackgroundResponses:
 
     def queued(self, run: Run, body: ResponsesBody) -> dict[str, Any]:
         """The answer to a non-streamed create: the response, queued."""
-        return self.writer(run, body).response("queued")
+        return self.writer(run, body).response(ResponseStatus.QUEUED)
 
     # ---- read ---------------------------------------------------------------------------------
 
@@ -132,7 +132,7 @@ class BackgroundResponses:
         token_ids = await self._tokens_so_far(record)
         end = GenerationEnd(FinishReason.STOP, len(token_ids))
         deltas = (await collected(replay(prompt, token_ids, end)))[:-1]
-        return response_snapshot(writer, deltas, "in_progress", None)
+        return response_snapshot(writer, deltas, ResponseStatus.IN_PROGRESS, None)
 
     async def stream(
         self, response_id: str, caller: Caller, starting_after: int | None
@@ -175,7 +175,7 @@ class BackgroundResponses:
         record = found
         if record.end is None:
             end = StoredEnd(
-                status="cancelled",
+                status=ResponseStatus.CANCELLED,
                 completed_at=self._now(),
                 error_code=ErrorReason.CANCELLED.name.lower(),
                 error_message="the response was cancelled",

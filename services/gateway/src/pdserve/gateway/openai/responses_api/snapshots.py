@@ -11,7 +11,7 @@ from pdserve.gateway.openai.responses_api.convert import ResponsesBody
 from pdserve.gateway.openai.responses_api.items import OutputItems
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.request import OutputDelta, ResponseStatus
 from pdserve.gateway.resume.run import RunMoved
 from pdserve.gateway.resume.store import ResumeRecord
 
@@ -62,16 +62,19 @@ async def events_after(
 
 
 def response_snapshot(
-    writer: ResponseWriter, deltas: list[OutputDelta], status: str, error: PdserveError | None
+    writer: ResponseWriter,
+    deltas: list[OutputDelta],
+    status: ResponseStatus,
+    error: PdserveError | None,
 ) -> dict[str, Any]:
     """The response object of `deltas` in `status`."""
-    if status in ("completed", "incomplete") and deltas:
+    if status in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE) and deltas:
         return writer.full([(0, delta) for delta in deltas])
     items = OutputItems(writer.prompt.request_id)
     for delta in deltas:
         items.step(delta)
-    if status == "in_progress":
+    if status == ResponseStatus.IN_PROGRESS:
         return writer.response(status, items if deltas else None, with_text=True)
     items.finish("incomplete")
-    shown = error if status == "failed" else None
+    shown = error if status == ResponseStatus.FAILED else None
     return writer.response(status, items, error=shown)
