@@ -22,21 +22,8 @@ from pdserve.gateway.streaming import Streamer
 
 @dataclass(frozen=True)
 class RestContext:
-    """The parts the REST routes share.
-
-    Attributes:
-        frontend: Validation and tokenization (and the request limits).
-        streamer: Runs prepared requests.
-        metrics: Served at /metrics.
-        limiter: Admission of generation requests (per API key and in total).
-        parser: Parses large bodies in worker processes.
-        max_body_bytes: Largest request body; larger ones are refused with 413.
-        api_keys: Keys accepted as a Bearer token on /v1/*; an open store: any.
-        now: Wall clock for ``created`` timestamps.
-        internal_plane: ``mtls`` or ``insecure``, reported by /health.
-        background: Background responses; None: refused (400) and 404s.
-        resumable: Resumable chat and completions streams; None: refused (400) and 404s.
-    """
+    """The parts the REST routes share: `pdserve.gateway.openai.api.create_app`'s arguments
+    (``api_keys`` always set: an open store accepts any key)."""
 
     frontend: Frontend
     streamer: Streamer
