@@ -100,8 +100,7 @@ async def _prepare(
         return Prepared(
             ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id, background_kept
         )
-    is_chat = kind == ApiKind.CHAT
-    body = await parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
+    body = await parser.run(parse_openai_body, len(raw), raw, kind == ApiKind.CHAT, limits)
     prompts = [
         await frontend.prepare(
             params, request_id if index == 0 else f"{request_id}-p{index}", caller.api_key_name
@@ -111,7 +110,7 @@ async def _prepare(
     if body.resumable and context.resumable is None:
         raise invalid("resumable streams are not enabled", "stream_options.resumable")
     kept = (raw, body) if body.resumable else None
-    writer = Responder(is_chat, prompts, body)
+    writer = Responder(kind, prompts, body)
     return Prepared(writer, body.stream, prompts[0].request_id, kept)
 
 
@@ -170,9 +169,8 @@ async def _start_kept(
             return EventStreamResponse(background.events(run, parsed), headers, admission)
         return JSONResponse(background.queued(run, parsed), headers=headers)
     assert context.resumable is not None
-    is_chat = kind == ApiKind.CHAT
     stream = await context.resumable.start(raw, kind, prompt, caller)
-    events = resumable_events(responder_for(is_chat, prompt, parsed, stream), stream.follow(), None)
+    events = resumable_events(responder_for(kind, prompt, parsed, stream), stream.follow(), None)
     return EventStreamResponse(events, headers, admission)
 
 

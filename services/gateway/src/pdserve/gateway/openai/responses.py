@@ -29,20 +29,20 @@ from pdserve.gateway.openai.parsing import OpenAIBody
 from pdserve.gateway.openai.sse import sse
 from pdserve.gateway.openai.tool_calls import chat_message, tool_call_chunk
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.request import ApiKind, OutputDelta
 
 
 class Responder:
     """Shapes one request's choices as a completion or chat completion (stream or not).
 
     Args:
-        is_chat: Chat completion (else completion).
+        kind: `ApiKind.CHAT` (a chat completion) or `ApiKind.COMPLETIONS`.
         prompts: The prepared request of each prompt (one, except a completions prompt list).
         body: The parsed body (model name, stream options).
     """
 
-    def __init__(self, is_chat: bool, prompts: Sequence[PreparedRequest], body: OpenAIBody) -> None:
-        self.is_chat = is_chat
+    def __init__(self, kind: ApiKind, prompts: Sequence[PreparedRequest], body: OpenAIBody) -> None:
+        self.is_chat = is_chat = kind == ApiKind.CHAT
         self.prompts = list(prompts)
         self.choices = [choice for prompt in self.prompts for choice in prompt.choices()]
         self.n = self.prompts[0].n

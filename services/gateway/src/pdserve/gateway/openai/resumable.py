@@ -79,7 +79,6 @@ class ResumableStreams:
         """
         request_id = _request_id(stream_id)
         found = await find(self._runs, request_id, (kind,), caller)
-        is_chat = kind == ApiKind.CHAT
         if found is None:
             raise PdserveError(
                 ErrorReason.REQUEST_NOT_FOUND,
@@ -87,14 +86,14 @@ class ResumableStreams:
                 "key's)",
             )
         record = found.record if isinstance(found, Run) else found
-        body = await self._parse(record, is_chat)
+        body = await self._parse(record, kind)
         resumes = self._runs.metrics.resumes
         if isinstance(found, Run):
             resumes.labels(how="local").inc()
-            responder = _responder(is_chat, found.prepared, body, record)
+            responder = _responder(kind, found.prepared, body, record)
             return events(responder, found.follow(), starting_after)
         prompt = await prepare_again(self._frontend, body.params[0], record, caller)
-        responder = _responder(is_chat, prompt, body, record)
+        responder = _responder(kind, prompt, body, record)
         if record.end is not None:
             resumes.labels(how="stored").inc()
             return events(responder, replay_end(prompt, record.end), starting_after)
@@ -102,21 +101,22 @@ class ResumableStreams:
         run = await self._runs.take_over(record, prompt)
         return events(responder, run.follow(), starting_after)
 
-    async def _parse(self, record: ResumeRecord, is_chat: bool) -> OpenAIBody:
+    async def _parse(self, record: ResumeRecord, kind: ApiKind) -> OpenAIBody:
         raw = record.body.encode()
         limits = self._frontend.limits
+        is_chat = kind == ApiKind.CHAT
         return await self._parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
 
 
-def responder_for(is_chat: bool, prompt: PreparedRequest, body: OpenAIBody, run: Run) -> Responder:
+def responder_for(kind: ApiKind, prompt: PreparedRequest, body: OpenAIBody, run: Run) -> Responder:
     """The responder of a resumable stream that starts here."""
-    return _responder(is_chat, prompt, body, run.record)
+    return _responder(kind, prompt, body, run.record)
 
 
 def _responder(
-    is_chat: bool, prompt: PreparedRequest, body: OpenAIBody, record: ResumeRecord
+    kind: ApiKind, prompt: PreparedRequest, body: OpenAIBody, record: ResumeRecord
 ) -> Responder:
-    responder = Responder(is_chat, [prompt], body)
+    responder = Responder(kind, [prompt], body)
     responder.created = int(record.created_at)
     return responder
 
