@@ -32,7 +32,7 @@ from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import ApiKind, OutputDelta
-from pdserve.gateway.resume.access import find, prepare_again, replay_end
+from pdserve.gateway.resume.access import find, prepare_again, reopen
 from pdserve.gateway.resume.run import Run, RunMoved
 from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord
@@ -87,19 +87,13 @@ class ResumableStreams:
             )
         record = found.record if isinstance(found, Run) else found
         body = await self._parse(record, kind)
-        resumes = self._runs.metrics.resumes
-        if isinstance(found, Run):
-            resumes.labels(how="local").inc()
-            responder = _responder(kind, found.prepared, body, record)
-            return events(responder, found.follow(), starting_after)
-        prompt = await prepare_again(self._frontend, body.params[0], record, caller)
-        responder = _responder(kind, prompt, body, record)
-        if record.end is not None:
-            resumes.labels(how="stored").inc()
-            return events(responder, replay_end(prompt, record.end), starting_after)
-        resumes.labels(how="takeover").inc()
-        run = await self._runs.take_over(record, prompt)
-        return events(responder, run.follow(), starting_after)
+
+        async def prepare(stored: ResumeRecord) -> PreparedRequest:
+            return await prepare_again(self._frontend, body.params[0], stored, caller)
+
+        reopened = await reopen(self._runs, found, prepare)
+        responder = _responder(kind, reopened.prepared, body, record)
+        return events(responder, reopened.deltas(), starting_after)
 
     async def _parse(self, record: ResumeRecord, kind: ApiKind) -> OpenAIBody:
         raw = record.body.encode()

@@ -45,7 +45,7 @@ from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import ApiKind, GenerationEnd, ResponseStatus
-from pdserve.gateway.resume.access import find, prepare_again, replay_end, stored_error
+from pdserve.gateway.resume.access import find, prepare_again, reopen, replay_end, stored_error
 from pdserve.gateway.resume.run import Run
 from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
@@ -140,21 +140,21 @@ class BackgroundResponses:
         """The response's events after sequence number `starting_after` (all: None), live
         until it ends; a running response another gateway held is taken over."""
         found = await self._find(response_id, caller)
-        resumes = self._runs.metrics.resumes
-        if isinstance(found, Run):
-            run = found
-            resumes.labels(how="local").inc()
-        else:
-            record = found
+        parsed: list[ResponsesBody] = []  # NOTE: the body of a stored one, parsed to prepare it
+
+        async def prepare(record: ResumeRecord) -> PreparedRequest:
             body, prompt = await self._prepare(record, caller)
-            if record.end is not None:
-                resumes.labels(how="stored").inc()
-                writer = writer_of(prompt, body, record)
-                deltas = indexed(replay_end(prompt, record.end))
-                return events_after(writer.events(None, deltas), starting_after)
-            resumes.labels(how="takeover").inc()
-            run = await self._runs.take_over(record, prompt)
-            run.parsed = run.parsed or body
+            parsed.append(body)
+            return prompt
+
+        reopened = await reopen(self._runs, found, prepare)
+        run = reopened.run
+        if run is None:
+            writer = writer_of(reopened.prepared, parsed[0], reopened.record)
+            deltas = indexed(reopened.deltas())
+            return events_after(writer.events(None, deltas), starting_after)
+        if parsed:
+            run.parsed = run.parsed or parsed[0]
         return self.events(run, await self._body_of(run), starting_after)
 
     def events(
