@@ -27,9 +27,9 @@ from support.process_cluster import ProcessCluster, running_cluster
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
 from pdserve.gateway.prepare.params import ChatMessage
+from pdserve.gateway.prepare.tool_prompt import template_inputs
 from pdserve.gateway.tools.formats import FORMATS, HERMES
 from pdserve.gateway.tools.plan import forced_call_constraint
-from pdserve.gateway.tools.prompt import template_inputs
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
 from pdserve.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc

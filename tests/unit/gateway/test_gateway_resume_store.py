@@ -16,12 +16,8 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.gateway.openai.resumable import _is_new
 from pdserve.gateway.request import Placement
-from pdserve.gateway.resume.store import (
-    EtcdResumeStore,
-    MemoryResumeStore,
-    ResumeRecord,
-    StoredEnd,
-)
+from pdserve.gateway.resume.etcd_store import EtcdResumeStore
+from pdserve.gateway.resume.store import MemoryResumeStore, ResumeRecord, StoredEnd
 
 RECORD = ResumeRecord(
     request_id="r1",

@@ -7,31 +7,27 @@ the `GenerationEnd`, or a setback (`Preempted`, `Failed`, `Lost`) for
 `pdserve.gateway.decisions.decide`.
 
 Leaving an attempt early (a setback, the consumer closing the stream, a client disconnect)
-aborts the prefill request and releases the decode lease in background tasks, so cleanup also
-happens inside a cancelled task.
+aborts the prefill request and releases the decode lease (`pdserve.gateway.cleanups`).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
 
 import structlog
 from opentelemetry import trace
 
 from pdserve.common.errors import ErrorReason, PdserveError, is_taken_over
 from pdserve.common.generation import FinishReason
+from pdserve.gateway.attempt_legs import AttemptLegs
+from pdserve.gateway.cleanups import Cleanups
 from pdserve.gateway.decisions import Preempted, RetryPolicy, Setback
 from pdserve.gateway.fleet.backend import (
     Backend,
-    BackendError,
     DecodeEvent,
     FinishedEvent,
-    FirstTokenEvent,
-    HandedOffEvent,
     PreemptionEvent,
     PrefillCall,
     PrefillEvent,
@@ -39,7 +35,7 @@ from pdserve.gateway.fleet.backend import (
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress, RequestState
-from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
+from pdserve.gateway.relay import AttemptFailed, LossWatch, relay
 from pdserve.gateway.request import (
     GenerationEnd,
     GenerationRequest,
@@ -79,14 +75,11 @@ class Attempts:
         self._loss_watch = loss_watch
         self._policy = policy
         self._settle = settle
-        self._cleanup_tasks: set[asyncio.Task[None]] = set()
-        # NOTE: request id -> its AbortRequest still on the way to a prefill.
-        self._aborting: dict[str, asyncio.Task[None]] = {}
+        self.cleanups = Cleanups(backend, policy.cleanup_timeout_s)
 
     async def wait_for_cleanups(self) -> None:
         """Waits until every background AbortRequest / ReleaseLease has finished."""
-        while self._cleanup_tasks:
-            await asyncio.gather(*self._cleanup_tasks, return_exceptions=True)
+        await self.cleanups.wait()
 
     async def run(
         self,
@@ -120,9 +113,7 @@ class Attempts:
             PdserveError: DEADLINE_EXCEEDED before a call could start.
         """
         context = trace.set_span_in_context(span)
-        # NOTE: the next attempt reuses the request id, possibly on the same prefill: an
-        # AbortRequest of the previous one that arrived after it started would cancel it.
-        await self._aborted(request.request_id)
+        await self.cleanups.wait_for_abort(request.request_id)
         call = PrefillCall(
             request_id=request.request_id,
             token_ids=progress.continuation_token_ids(),
@@ -147,89 +138,34 @@ class Attempts:
             decode_id=pair.decode.instance_id,
             num_generated_tokens=progress.num_tokens,
         )
-        # NOTE: what the attempt holds on the instances, given back if it is left early.
-        owes_abort, lease_id = True, None
+        legs = AttemptLegs(
+            request,
+            pair,
+            progress,
+            deadline,
+            span,
+            context,
+            timeline or TtftTimeline(),
+            resumable,
+        )
         outcome: GenerationEnd | Setback
-        timeline = timeline or TtftTimeline()
-        is_first_token_attempt = False
-        has_run = False
         try:
-            handed_off: HandedOffEvent | None = None
-            finished: FinishedEvent | None = None
-            timeline.on_prefill_call()
-            prefill = self._backend.prefill(
-                pair.prefill.address, call, remaining_s(request, deadline)
-            )
-            # NOTE: until the hand-off, the attempt waits on the decode too (allocation, KV).
-            watched = {pair.prefill.instance_id: PREFILL, pair.decode.instance_id: DECODE}
             try:
-                async with aclosing(self._relay(PREFILL, prefill, progress, watched)) as events:
-                    async for event in events:
-                        if isinstance(event, TokenChunk):
-                            index = {"pdserve.completion_index": event.first_index}
-                            span.add_event("first_token", index)
-                            yield event
-                        elif isinstance(event, FirstTokenEvent):
-                            has_run = True  # computed, with a lease: off the prefill's queue
-                            self._settle(pair, PREFILL, True)
-                            is_first_token_attempt = timeline.on_first_token(event.phases)
-                        elif isinstance(event, HandedOffEvent):
-                            handed_off, lease_id = event, event.lease_id
-                            if resumable is not None:
-                                target = pair.decode
-                                placed = Placement(target.instance_id, target.address, lease_id)
-                                resumable.on_placed(placed)
-                            if is_first_token_attempt:
-                                timeline.on_handed_off(event.phases)
-                        elif isinstance(event, FinishedEvent):
-                            finished = event
-                            break
+                async with aclosing(
+                    legs.prefill_leg(self._backend, call, self._relay, self._settle)
+                ) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             except AttemptFailed as failed:
                 # NOTE: a prefill that reported the failure itself has already ended the
                 # request and released its lease. An AbortRequest now would arrive late and
                 # could cancel the retry, which reuses the request id on the same prefill.
-                owes_abort = not failed.failure.is_from_server
+                legs.owes_abort = not failed.failure.is_from_server
                 raise
-            finally:
-                self._settle(pair, PREFILL, has_run)
-            if finished is None and handed_off is None:
-                raise connection_lost(PREFILL, "the prefill stream ended without a terminal event")
-            owes_abort = False
-            preempted: PreemptionEvent | None = None
-            if handed_off is not None and progress.finish_reason is None:
-                decode = self._backend.generate(
-                    pair.decode.address,
-                    request.request_id,
-                    handed_off.lease_id,
-                    remaining_s(request, deadline),
-                    context,
-                    resumable=resumable is not None,
-                )
-                watched = {pair.decode.instance_id: DECODE}
-                async with aclosing(self._relay(DECODE, decode, progress, watched)) as events:
-                    async for event in events:
-                        if isinstance(event, TokenChunk):
-                            yield event
-                        elif isinstance(event, PreemptionEvent | FinishedEvent):
-                            lease_id = None  # the decode let go of it
-                            if isinstance(event, FinishedEvent):
-                                finished = event
-                            else:
-                                preempted = event
-                            break
-                if preempted is not None:
-                    span.add_event(
-                        "preemption",
-                        {"pdserve.reason": str(preempted.reason),
-                         "pdserve.num_generated_tokens": preempted.num_generated_tokens},
-                    )  # fmt: skip
-                    accepted = progress.accept(preempted.generated_token_ids, 0)
-                    if accepted.chunk is not None:
-                        yield accepted.chunk
-                elif finished is None and progress.finish_reason is None:
-                    raise connection_lost(
-                        DECODE, "the decode stream ended without a terminal event"
-                    )
+            async with aclosing(legs.decode_leg(self._backend, self._relay)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            preempted = legs.preempted
             if preempted is not None and progress.finish_reason is None:
                 message = f"preempted ({preempted.reason}) after {preempted.num_generated_tokens}"
                 error = PdserveError(ErrorReason.PREEMPTED, f"{message} tokens")
@@ -237,28 +173,14 @@ class Attempts:
             else:
                 # NOTE: the gateway may see the end (stop id, max_tokens) before an instance
                 # does: a lease handed off in the meantime is released below.
-                outcome = _end(progress, state, finished)
+                outcome = _end(progress, state, legs.finished)
         except AttemptFailed as failed:
             if is_taken_over(failed.failure.error):
-                lease_id = None  # NOTE: another gateway's stream holds the lease now
+                legs.lease_id = None  # NOTE: another gateway's stream holds the lease now
             outcome = failed.setback(pair, progress.num_tokens)
         finally:
-            self._settle(pair, DECODE, has_run)
-            timeout_s = self._policy.cleanup_timeout_s
-            if owes_abort:
-                address = pair.prefill.address
-                aborting = self._backend.abort_request(
-                    address, request.request_id, timeout_s, context
-                )
-                task = self._spawn(aborting, "abort_request", request.request_id)
-                self._aborting[request.request_id] = task
-                task.add_done_callback(lambda _: self._forget_abort(request.request_id, task))
-            if lease_id is not None and (resumable is None or not resumable.is_left):
-                address = pair.decode.address
-                releasing = self._backend.release_lease(
-                    address, lease_id, request.request_id, timeout_s, context
-                )
-                self._spawn(releasing, "release_lease", request.request_id)
+            self._settle(pair, DECODE, legs.has_run)
+            legs.clean_up(self.cleanups)
         yield outcome
 
     async def attach(
@@ -333,14 +255,8 @@ class Attempts:
             yield None
         finally:
             if lease_id is not None and not resumable.is_left:
-                releasing = self._backend.release_lease(
-                    placement.decode_address,
-                    lease_id,
-                    request.request_id,
-                    self._policy.cleanup_timeout_s,
-                    context,
-                )
-                self._spawn(releasing, "release_lease", request.request_id)
+                address = placement.decode_address
+                self.cleanups.release(address, lease_id, request.request_id, context)
 
     def _relay(
         self,
@@ -351,31 +267,6 @@ class Attempts:
     ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
         end_grace_s = self._policy.end_grace_s
         return relay(role, stream, progress, self._loss_watch, watched, end_grace_s)
-
-    async def _aborted(self, request_id: str) -> None:
-        """Waits (within the cleanup deadline) for the request's AbortRequest in flight."""
-        task = self._aborting.get(request_id)
-        if task is not None:
-            await asyncio.wait([task], timeout=self._policy.cleanup_timeout_s)
-
-    def _forget_abort(self, request_id: str, task: asyncio.Task[None]) -> None:
-        if self._aborting.get(request_id) is task:
-            del self._aborting[request_id]
-
-    def _spawn(
-        self, coro: Coroutine[Any, Any, None], what: str, request_id: str
-    ) -> asyncio.Task[None]:
-        async def run() -> None:
-            try:
-                await coro
-            except BackendError as failure:
-                log.debug("cleanup_failed", request_id=request_id, call=what, error=str(failure))
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._cleanup_tasks.add(task)
-        task.add_done_callback(self._cleanup_tasks.discard)
-        log.debug("cleanup_sent", request_id=request_id, call=what)
-        return task
 
 
 def _end(

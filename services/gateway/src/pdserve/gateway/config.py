@@ -6,7 +6,17 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import ServiceConfig
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
-from pdserve.gateway.config_fields import limit_field, queue_field, routing_field
+from pdserve.gateway.config_fields import (
+    LIMIT_FLAGS,
+    QUEUE_FLAGS,
+    ROUTING_FLAGS,
+    check_address,
+    limit_field,
+    port_field,
+    queue_field,
+    routing_field,
+    settings_of,
+)
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.routing.policy import CacheRouting
 from pdserve.gateway.routing.queue_bounds import QueueLimits
@@ -14,12 +24,6 @@ from pdserve.gateway.tools.formats import AUTO, TOOL_CALL_PARSERS
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
-
-
-def _check_address(flag: str, address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{flag} must be HOST:PORT, got {address!r}")
 
 
 @dataclass(frozen=True)
@@ -31,32 +35,14 @@ class GatewayConfig(ServiceConfig):
         default="0.0.0.0",
         metadata={"help": "address the REST and gRPC servers bind to"},
     )
-    port: int = field(
-        default=8000,
-        metadata={
-            "help": "REST (OpenAI-compatible) port; 0 picks a free one",
-            "min": 0,
-            "max": 65535,
-        },
+    port: int = port_field(8000, "REST (OpenAI-compatible) port")
+    grpc_port: int = port_field(
+        50050, "public gRPC port: GenerationService (API keys, no client certificates)"
     )
-    grpc_port: int = field(
-        default=50050,
-        metadata={
-            "help": "public gRPC port: GenerationService (API keys, no client certificates); 0 "
-            "picks a free one",
-            "min": 0,
-            "max": 65535,
-        },
-    )
-    internal_port: int = field(
-        default=50051,
-        metadata={
-            "help": "internal gRPC port: RegistryService, where prefills and decodes register "
-            "(mutual TLS with --tls-*; each instance may only speak for its own certificate); "
-            "0 picks a free one",
-            "min": 0,
-            "max": 65535,
-        },
+    internal_port: int = port_field(
+        50051,
+        "internal gRPC port: RegistryService, where prefills and decodes register (mutual TLS "
+        "with --tls-*; each instance may only speak for its own certificate)",
     )
     prefill: tuple[str, ...] = field(
         default=(),
@@ -284,9 +270,9 @@ class GatewayConfig(ServiceConfig):
         except ValueError as error:
             raise ValueError(f"--registry: {error}") from None
         for address in self.prefill:
-            _check_address("--prefill", address)
+            check_address("--prefill", address)
         for address in self.decode:
-            _check_address("--decode", address)
+            check_address("--decode", address)
         self.request_limits()  # raises ValueError for a bad per-request limit
         self.cache_routing()  # raises ValueError for a bad routing setting
         if self.instance_ttl_s <= self.heartbeat_interval_s:
@@ -301,33 +287,12 @@ class GatewayConfig(ServiceConfig):
 
     def request_limits(self) -> RequestLimits:
         """The per-request limits these settings name."""
-        return RequestLimits(
-            max_prompt_chars=self.max_prompt_chars,
-            max_prompt_tokens=self.max_prompt_tokens,
-            max_messages=self.max_messages,
-            max_stop_strings=self.max_stop_strings,
-            max_stop_chars=self.max_stop_chars,
-            max_stop_token_ids=self.max_stop_token_ids,
-            max_tokens_limit=self.max_tokens_limit,
-            max_n=self.max_n,
-            max_prompts=self.max_prompts,
-            max_logit_bias=self.max_logit_bias,
-            max_tools=self.max_tools,
-            max_constraint_chars=self.max_constraint_chars,
-        )
+        return RequestLimits(**settings_of(self, LIMIT_FLAGS))
 
     def queue_limits(self) -> QueueLimits:
         """The admission queue's bounds these settings name."""
-        return QueueLimits(
-            max_queued_requests=self.max_queued_requests,
-            max_queued_tokens=self.max_queued_tokens,
-            max_queue_wait_s=self.max_queue_wait_s,
-        )
+        return QueueLimits(**settings_of(self, QUEUE_FLAGS))
 
     def cache_routing(self) -> CacheRouting:
         """The cache-aware routing settings these flags name."""
-        return CacheRouting(
-            is_enabled=self.cache_aware_routing,
-            balance_tokens=self.cache_balance_tokens,
-            memory_blocks=self.cache_memory_blocks,
-        )
+        return CacheRouting(**settings_of(self, ROUTING_FLAGS))

@@ -1,14 +1,15 @@
-"""`GatewayConfig` fields that mirror a settings class of their own: the per-request limits
-(`RequestLimits`), cache-aware routing (`CacheRouting`) and the admission queue's bounds
-(`QueueLimits`).
+"""`GatewayConfig`'s fields written once: those that mirror a settings class of their own (the
+per-request limits, `RequestLimits`; cache-aware routing, `CacheRouting`; the admission queue's
+bounds, `QueueLimits`), the ports, and the check of an instance address.
 
-Each such flag takes its default from that class (so it is written once) and its help text and
-range from here; `GatewayConfig.request_limits()`, `cache_routing()` and `queue_limits()` build
-the classes back.
+Each mirroring flag takes its default from that class (so it is written once) and its help text
+and range from here; `GatewayConfig.request_limits()`, `cache_routing()` and `queue_limits()`
+build the classes back (`settings_of`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import field
 from typing import Any
 
@@ -82,3 +83,35 @@ def queue_field(name: str) -> Any:
     """The config field of the `QueueLimits` field `name`: its default, help and range."""
     metadata = {"help": QUEUE_HELP[name], **QUEUE_RANGES[name]}
     return field(default=getattr(_QUEUE, name), metadata=metadata)
+
+
+LIMIT_FLAGS = {name: name for name in LIMIT_HELP}
+"""`RequestLimits`' fields and their config fields (same names)."""
+ROUTING_FLAGS = {
+    "is_enabled": "cache_aware_routing",
+    "balance_tokens": "cache_balance_tokens",
+    "memory_blocks": "cache_memory_blocks",
+}
+"""`CacheRouting`'s fields and their config fields."""
+QUEUE_FLAGS = {name: name for name in QUEUE_HELP}
+"""`QueueLimits`' fields and their config fields (same names)."""
+
+
+def settings_of(config: object, flags: Mapping[str, str]) -> dict[str, Any]:
+    """The keyword arguments of a settings class from `config`'s fields named in `flags`."""
+    return {name: getattr(config, flag) for name, flag in flags.items()}
+
+
+def port_field(default: int, help_text: str) -> Any:
+    """A port's config field: 0 to 65535, where 0 picks a free port."""
+    return field(
+        default=default,
+        metadata={"help": f"{help_text}; 0 picks a free one", "min": 0, "max": 65535},
+    )
+
+
+def check_address(flag: str, address: str) -> None:
+    """Refuses an instance address (``--prefill``, ``--decode``) that is not HOST:PORT."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag} must be HOST:PORT, got {address!r}")

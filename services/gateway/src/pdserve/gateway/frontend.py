@@ -22,19 +22,18 @@ from pdserve.common.generation import resolve_seed
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.fleet.model_info import ModelInfo, ModelInfoStore
 from pdserve.gateway.fleet.registry import Registry
+from pdserve.gateway.prepare.lengths import LengthRules
 from pdserve.gateway.prepare.params import (
     GenerationParams,
     ModelSummary,
     PreparedRequest,
     PromptKind,
-    is_short_prompt,
-    tokenize_prompt,
 )
+from pdserve.gateway.prepare.tokenize import is_short_prompt, tokenize_prompt
 from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
 from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.routing.router import Router
-from pdserve.gateway.routing.share_affinity import choices_blocks, max_choice_tokens
 from pdserve.gateway.tools.formats import AUTO, ToolCallFormat, resolve_format
 from pdserve.gateway.tools.plan import plan_tools
 from pdserve.tokenizer import Tokenizer
@@ -77,8 +76,7 @@ class Frontend:
         self._model_infos = model_infos
         self._workers = workers
         self._limits = limits
-        self._default_max_tokens = default_max_tokens
-        self._default_chat_max_tokens = default_chat_max_tokens
+        self._lengths = LengthRules(router, limits, default_max_tokens, default_chat_max_tokens)
         self._rng = rng or random.SystemRandom()
         self._tool_call_parser = tool_call_parser
         self.is_draining = False
@@ -189,7 +187,7 @@ class Frontend:
         tool_plan = plan_tools(params.tools, params.tool_choice, call_format)
         if params.token_ids is not None:
             # NOTE: checked before anything walks the ids (the vocabulary check below).
-            self._check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
+            self._lengths.check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
             prompt_token_ids = list(params.token_ids)
         elif is_short_prompt(params):
             prompt_token_ids = tokenize_prompt(params, tokenizer, call_format)
@@ -198,7 +196,7 @@ class Frontend:
                 tokenize_prompt, params, tokenizer, call_format
             )
         num_prompt_tokens = len(prompt_token_ids)
-        self._check_prompt_length(num_prompt_tokens, max_model_len, prompt_param)
+        self._lengths.check_prompt_length(num_prompt_tokens, max_model_len, prompt_param)
         if not prompt_token_ids:
             raise invalid("the prompt is empty", "prompt")
         vocab_size = tokenizer.vocab_size
@@ -210,7 +208,7 @@ class Frontend:
             raise invalid(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = self._default_max_tokens_for(params, num_prompt_tokens, max_model_len)
+            max_tokens = self._lengths.default_max_tokens(params, num_prompt_tokens, max_model_len)
         if max_model_len and num_prompt_tokens + max_tokens > max_model_len:
             raise PdserveError(
                 ErrorReason.PROMPT_TOO_LONG,
@@ -219,7 +217,7 @@ class Frontend:
                 {"param": params.max_tokens_name if params.max_tokens else prompt_param},
             )
         if params.n > 1:
-            self._check_choices_fit(params.model, num_prompt_tokens, max_tokens, params.n)
+            self._lengths.check_choices_fit(params.model, num_prompt_tokens, max_tokens, params.n)
         request = GenerationRequest(
             request_id=request_id,
             model=params.model,
@@ -241,74 +239,3 @@ class Frontend:
             prompt_text=params.text,
             tool_plan=tool_plan,
         )
-
-    def _check_prompt_length(self, num_tokens: int, max_model_len: int, param: str) -> None:
-        """PROMPT_TOO_LONG past --max-prompt-tokens, or when no token is left to generate."""
-        limit = self._limits.max_prompt_tokens
-        if num_tokens > limit:
-            raise PdserveError(
-                ErrorReason.PROMPT_TOO_LONG,
-                f"the prompt has {num_tokens} tokens; at most {limit} are accepted",
-                {"param": param},
-            )
-        if max_model_len and num_tokens >= max_model_len:
-            raise PdserveError(
-                ErrorReason.PROMPT_TOO_LONG,
-                f"the prompt ({num_tokens} tokens) leaves no room to generate within the "
-                f"model's maximum length of {max_model_len} tokens",
-                {"param": param},
-            )
-
-    def _check_choices_fit(
-        self, model: str, num_prompt_tokens: int, max_tokens: int, n: int
-    ) -> None:
-        """INVALID_REQUEST naming ``n`` when no decode could hold the `n` completions together
-        (`choices_blocks`: the prompt once, `max_tokens` each), even idle; decodes that report
-        no pool are taken at their word."""
-        sizes = self._decode_sizes(model)
-        if not sizes:
-            return
-        needs = [choices_blocks(num_prompt_tokens, max_tokens, n, bs) for _, bs in sizes]
-        if any(need <= total for need, (total, _) in zip(needs, sizes, strict=True)):
-            return
-        at = max(range(len(sizes)), key=lambda i: sizes[i][0])
-        raise invalid(
-            f"n ({n}) completions of up to {max_tokens} tokens each need {needs[at]} KV blocks "
-            f"on one decode (the prompt's full blocks held once); the largest decode of model "
-            f"{model!r} has {sizes[at][0]}",
-            "n",
-        )
-
-    def _decode_sizes(self, model: str) -> list[tuple[int, int]]:
-        """(total blocks, block size) of each decode of `model`; empty when none is known or
-        one reports no pool (taken at its word: anything may fit)."""
-        decodes = self._router.loads.candidates(InstanceRole.DECODE, model)
-        sizes = [(e.load.num_total_blocks, e.info.kv_layout.block_size) for e in decodes]
-        return [] if any(total == 0 for total, _ in sizes) else sizes
-
-    def _default_max_tokens_for(
-        self, params: GenerationParams, num_prompt_tokens: int, max_model_len: int
-    ) -> int:
-        """max_tokens of a request that sets none.
-
-        Completions take --default-max-tokens (OpenAI's 16). Chat follows the OpenAI
-        convention of "as much as fits", but capped: --default-chat-max-tokens, lowered to what
-        fits after the prompt, and with ``n`` > 1 to what lets the n completions fit on one
-        decode together. Both stay within --max-tokens-limit.
-        """
-        if params.kind is PromptKind.CHAT:
-            max_tokens = self._default_chat_max_tokens
-            if max_model_len:
-                max_tokens = min(max_tokens, max_model_len - num_prompt_tokens)
-            sizes = self._decode_sizes(params.model) if params.n > 1 else []
-            fits = max(
-                (max_choice_tokens(num_prompt_tokens, params.n, t, bs) for t, bs in sizes),
-                default=0,
-            )
-            if fits > 0:
-                max_tokens = min(max_tokens, fits)
-        else:
-            max_tokens = self._default_max_tokens
-        if self._limits.max_tokens_limit:
-            max_tokens = min(max_tokens, self._limits.max_tokens_limit)
-        return max_tokens

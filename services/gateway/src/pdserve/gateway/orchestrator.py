@@ -18,11 +18,9 @@ from dataclasses import replace
 from typing import TypeAlias
 
 import structlog
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.common import telemetry
-from pdserve.common.errors import PdserveError
 from pdserve.gateway.attempt import Attempts
 from pdserve.gateway.decisions import (
     GiveUp,
@@ -38,6 +36,7 @@ from pdserve.gateway.fleet.backend import Backend
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.pair_choice import PairChoice
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress, RequestState
 from pdserve.gateway.relay import LossWatch
@@ -51,10 +50,8 @@ from pdserve.gateway.request import (
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.queue import CapacityQueue
-from pdserve.gateway.routing.queue_bounds import QueueLimits, is_wait
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 from pdserve.gateway.routing.router import Router
-
-CONSTRAINED = frozenset({"constraints"})  # what a constrained request needs of both instances
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -85,6 +82,7 @@ class Orchestrator:
         queue_limits: QueueLimits | None = None,
     ) -> None:
         self._router = router
+        self._pairs = PairChoice(router, metrics)
         self._registry = registry
         self._policy = policy
         self._metrics = metrics
@@ -162,7 +160,7 @@ class Orchestrator:
                 seq=arrival,
                 num_tokens=len(progress.continuation_token_ids()),
                 route=functools.partial(
-                    self._route, request, progress, keys, state, deadline, parent
+                    self._pairs.route, request, progress, keys, state, deadline, parent
                 ),
                 timeout_s=remaining_s(request, deadline),
                 bounded=is_new,
@@ -257,61 +255,3 @@ class Orchestrator:
             attributes = {"pdserve.reason": error.reason.name, "pdserve.stage": setback.role.value}
         parent_span.add_event("retry", attributes)
         return decision.state
-
-    def _route(
-        self,
-        request: GenerationRequest,
-        progress: CompletionProgress,
-        keys: PromptKeys,
-        state: RequestState,
-        deadline: float,
-        parent: otel_context.Context,
-    ) -> Pair:
-        """Picks the attempt's pair, avoiding what `state` avoids when another pair exists."""
-        with _tracer.start_as_current_span(
-            "gateway.route", context=parent, attributes={telemetry.REQUEST_ID: request.request_id}
-        ) as span:
-            remaining_s(request, deadline)
-            *preferred, required = state.exclusions()
-            pair = None
-            for prefill_ids, decode_ids in preferred:
-                with contextlib.suppress(PdserveError):
-                    pair = self._pick(request, progress, keys, prefill_ids, decode_ids)
-                    break
-            try:
-                pair = pair or self._pick(request, progress, keys, *required)
-            except PdserveError as error:
-                # NOTE: when earlier attempts excluded every instance, their error explains
-                # more (and carries its retry delay); no room is not a failure: it waits.
-                if state.last_error is not None and not is_wait(error):
-                    raise state.last_error from error
-                raise
-            span.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)
-            span.set_attribute("pdserve.decode.instance_id", pair.decode.instance_id)
-            span.set_attribute("pdserve.route.prefill_reason", pair.prefill_reason.value)
-            span.set_attribute("pdserve.route.matched_blocks", pair.num_matched_blocks)
-        self._metrics.routes.labels(reason=pair.prefill_reason.value).inc()
-        return pair
-
-    def _pick(
-        self,
-        request: GenerationRequest,
-        progress: CompletionProgress,
-        keys: PromptKeys,
-        prefill_ids: frozenset[str],
-        decode_ids: frozenset[str],
-    ) -> Pair:
-        return self._router.pick(
-            request.model,
-            progress.continuation_token_ids(),
-            progress.num_remaining_tokens,
-            exclude_prefill_ids=prefill_ids,
-            exclude_decode_ids=decode_ids,
-            prompt_keys=keys,
-            require_room=True,
-            required_features=(
-                CONSTRAINED if request.sampling.constraint is not None else frozenset()
-            ),
-            share_key=request.share_key,
-            num_shared_tokens=len(request.prompt_token_ids),
-        )

@@ -9,12 +9,35 @@ shared ones (`pdserve.common.generation`).
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams, TokenLogprobs
 from pdserve.gateway.tools.spec import ToolCallDelta
+
+
+class ApiKind(enum.StrEnum):
+    """Which API a request came through. The value is what a resumable request's record
+    stores (`pdserve.gateway.resume.store.ResumeRecord.kind`)."""
+
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+    RESPONSES = "responses"
+    GRPC = "grpc"
+
+
+class ResponseStatus(enum.StrEnum):
+    """Where a response stands: the Responses API's ``status``, and how a resumable request
+    ended in its record (`pdserve.gateway.resume.store.StoredEnd.status`)."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,7 @@ from fastapi import FastAPI
 from grpc_health.v1 import health_pb2
 
 from pdserve.common import env
-from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.etcd_registry import EtcdTarget
-from pdserve.common.grpc_server import add_standard_services, new_aio_server
 from pdserve.common.security import Security
 from pdserve.gateway.access.admission import ConcurrencyLimiter, RateLimiter
 from pdserve.gateway.access.api_keys import ApiKeyStore
@@ -38,6 +36,12 @@ from pdserve.gateway.fleet.registry import InstanceEntry, Registry
 from pdserve.gateway.fleet.registry_servicer import RegistryServicer
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.grpc_api import servicer
+from pdserve.gateway.grpc_ports import (
+    GENERATION_SERVICE,
+    NOT_SERVING,
+    start_internal_grpc,
+    start_public_grpc,
+)
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.api import create_app as create_rest_app
 from pdserve.gateway.openai.responses_api.background import BackgroundResponses
@@ -45,17 +49,13 @@ from pdserve.gateway.openai.resumable import ResumableStreams
 from pdserve.gateway.openai.server import RestServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prepare.workers import ParserPool, WorkerPool
+from pdserve.gateway.resume.etcd_store import EtcdResumeStore
 from pdserve.gateway.resume.runs import Runs
-from pdserve.gateway.resume.store import EtcdResumeStore, MemoryResumeStore, ResumeStore
+from pdserve.gateway.resume.store import MemoryResumeStore, ResumeStore
 from pdserve.gateway.routing.router import Router
 from pdserve.gateway.streaming import Streamer
-from pdserve.v1 import generation_pb2, registry_pb2, registry_pb2_grpc
 
 log = structlog.get_logger("pdserve.gateway.server")
-
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-REGISTRY_SERVICE = registry_pb2.DESCRIPTOR.services_by_name["RegistryService"].full_name
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class GatewayServer:
@@ -225,20 +225,15 @@ class GatewayServer:
         config = self.config
         # NOTE: heartbeats must not look late because the loop was busy: start the clock first.
         self._spawn(self.liveness_clock.run())
-        server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
-        servicer.add_to_server(
-            servicer.GenerationServicer(
-                self.frontend, self.streamer, self.limiter, self.parser, self.api_keys, self.runs
-            ),
-            server,
+        generation = servicer.GenerationServicer(
+            self.frontend, self.streamer, self.limiter, self.parser, self.api_keys, self.runs
         )
-        self._health = await add_standard_services(server, (GENERATION_SERVICE,))
-        await self._health.set(GENERATION_SERVICE, NOT_SERVING)
-        await self._update_readiness()
-        self.grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-        await server.start()
-        self._grpc_server = server
-        await self._start_internal()
+        self._grpc_server, self._health, self.grpc_port = await start_public_grpc(
+            config, generation, self._update_readiness
+        )
+        self._internal_server, self.internal_port = await start_internal_grpc(
+            config, self.security, RegistryServicer(self.registry, config.heartbeat_interval_s)
+        )
 
         self.http_port = await self._rest.start(config.host, config.port, self._spawn)
 
@@ -260,21 +255,6 @@ class GatewayServer:
             registry=config.registry or "embedded",
             tokenizer=config.tokenizer,
         )
-
-    async def _start_internal(self) -> None:
-        """The internal port: RegistryService (and health), behind mTLS and the role table."""
-        config = self.config
-        guard = [] if self.security.is_insecure else [AuthorizationInterceptor()]
-        server = new_aio_server(guard, max_receive_message_bytes=config.grpc_max_receive_bytes)
-        registry_pb2_grpc.add_RegistryServiceServicer_to_server(
-            RegistryServicer(self.registry, config.heartbeat_interval_s), server
-        )
-        await add_standard_services(server, (REGISTRY_SERVICE,))
-        self.internal_port = self.security.bind(server, f"{config.host}:{config.internal_port}")
-        if self.internal_port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.internal_port}")
-        await server.start()
-        self._internal_server = server
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains and stops: refuses new requests, waits for running ones, closes everything.

@@ -1,7 +1,7 @@
 """Running a prepared request: orchestrate, detokenize, and record its outcome.
 
 `Streamer.stream` runs one `PreparedRequest` through the orchestrator and turns its tokens into
-`OutputDelta`s (text through `CompletionText`, with the stop strings). It owns what the gateway
+`OutputDelta`s (`pdserve.gateway.output_deltas`). It owns what the gateway
 records of a request: the ``gateway.request`` span, the latency metrics (with where the time
 to first token went, `TtftTimeline`), the outcome counter and one log line per outcome
 (``request_finished``, ``request_failed``, ``request_cancelled``). It also counts the requests
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 
 import structlog
 from opentelemetry import trace
@@ -20,14 +20,15 @@ from opentelemetry.context import Context
 
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
-from pdserve.common.generation import FinishReason, resolve_seed
+from pdserve.common.generation import resolve_seed
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.output_deltas import final_delta, text_deltas
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
-from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable, TokenChunk, Usage
+from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable
 from pdserve.gateway.text import CompletionText
-from pdserve.gateway.tools.output import ToolCallStream, with_tool_calls
+from pdserve.gateway.tool_deltas import ToolCallStream
 
 log = structlog.get_logger("pdserve.gateway.streaming")
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -83,7 +84,7 @@ class Streamer:
 
         Returns:
             Deltas of text and tokens (with the tool calls read out, for a request with a
-            tool plan: `pdserve.gateway.tools.output`); the last one has finish_reason and
+            tool plan: `pdserve.gateway.tool_deltas`); the last one has finish_reason and
             usage. Iterating raises the `PdserveError` that ended the request.
         """
         return self._stream(prepared, trace_context, resumable)
@@ -140,12 +141,12 @@ class Streamer:
                         # NOTE: max_tokens 0: the sampled token only finished the prefill.
                         yield as_sent(OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs))
                         break
-                    for delta in _text_deltas(text, event, one_by_one=resumable is not None):
+                    for delta in text_deltas(text, event, one_by_one=resumable is not None):
                         yield as_sent(delta)
                         timeline.on_first_token_written()
                     if text.is_stopped:
                         break
-            final = as_sent(_final_delta(prepared, text, end))
+            final = as_sent(final_delta(prepared, text, end))
             finish_reason, usage = final.finish_reason, final.usage
             assert finish_reason is not None and usage is not None
             outcome = "finished"
@@ -198,76 +199,6 @@ class Streamer:
             self._num_active -= 1
             if self._num_active == 0:
                 self._idle.set()
-
-
-def replay(
-    prepared: PreparedRequest, token_ids: Sequence[int], end: GenerationEnd
-) -> AsyncGenerator[OutputDelta, None]:
-    """The deltas a resumable request's stream had, made again from its tokens and its end
-    (as `Streamer.stream` makes them: one token each, then the final delta)."""
-    deltas = _replayed(prepared, token_ids, end)
-    if prepared.tool_plan is None:
-        return deltas
-    return with_tool_calls(deltas, prepared.tool_plan)
-
-
-async def _replayed(
-    prepared: PreparedRequest, token_ids: Sequence[int], end: GenerationEnd
-) -> AsyncGenerator[OutputDelta, None]:
-    request = prepared.request
-    text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
-    if token_ids:
-        for delta in _text_deltas(text, TokenChunk(tuple(token_ids), 0), one_by_one=True):
-            yield delta
-    yield _final_delta(prepared, text, end)
-
-
-def _text_deltas(text: CompletionText, chunk: TokenChunk, one_by_one: bool) -> list[OutputDelta]:
-    """The deltas of `chunk`'s tokens (one per token with `one_by_one`), up to a stop string."""
-    deltas = []
-    for piece in _one_by_one(chunk) if one_by_one else (chunk,):
-        step = text.add(piece.token_ids)
-        if step.text or step.token_ids or piece.prompt_logprobs:
-            deltas.append(
-                OutputDelta(
-                    step.text,
-                    step.token_ids,
-                    piece.first_index,
-                    logprobs=piece.logprobs[: len(step.token_ids)],
-                    prompt_logprobs=piece.prompt_logprobs,
-                )
-            )
-        if step.is_stopped:
-            break
-    return deltas
-
-
-def _final_delta(
-    prepared: PreparedRequest, text: CompletionText, end: GenerationEnd | None
-) -> OutputDelta:
-    """The last delta: the text held back, the finish reason and the usage."""
-    finish_reason = FinishReason.STOP if text.is_stopped or end is None else end.finish_reason
-    if prepared.is_prompt_only:
-        finish_reason = FinishReason.LENGTH
-    usage = Usage(
-        num_prompt_tokens=len(prepared.request.prompt_token_ids),
-        num_completion_tokens=text.num_tokens,
-        num_cached_prompt_tokens=end.num_cached_prompt_tokens if end else 0,
-    )
-    return OutputDelta(text.finish(), (), text.num_tokens, finish_reason, usage)
-
-
-def _one_by_one(chunk: TokenChunk) -> list[TokenChunk]:
-    """`chunk` as chunks of one token each (the prompt's logprobs on the first)."""
-    return [
-        TokenChunk(
-            (token_id,),
-            chunk.first_index + offset,
-            chunk.logprobs[offset : offset + 1],
-            chunk.prompt_logprobs if offset == 0 else (),
-        )
-        for offset, token_id in enumerate(chunk.token_ids)
-    ]
 
 
 def _request_attributes(prepared: PreparedRequest) -> dict[str, str | int | float | list[str]]:

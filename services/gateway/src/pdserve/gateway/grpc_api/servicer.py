@@ -29,16 +29,18 @@ from pdserve.gateway.grpc_api import convert
 from pdserve.gateway.grpc_api.parsing import GenerateBody, parse_generate_request, parse_message
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import OutputDelta
-from pdserve.gateway.resume.access import find, prepare_again, replay_end
-from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.request import ApiKind, OutputDelta
+from pdserve.gateway.resume.access import find, prepare_again, reopen
+from pdserve.gateway.resume.run import Run, RunMoved
+from pdserve.gateway.resume.runs import Runs
+from pdserve.gateway.resume.store import ResumeRecord
 from pdserve.gateway.streaming import Streamer
 from pdserve.v1 import generation_pb2
 
 log = structlog.get_logger("pdserve.gateway.grpc_api.servicer")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-KIND = "grpc"
+KIND = ApiKind.GRPC
 
 
 def _internal(exc: Exception) -> PdserveError:
@@ -161,20 +163,13 @@ class GenerationServicer:
                 stored = base64.b64decode(record.body)
                 limits = self._frontend.limits
                 body = await self._parser.run(parse_generate_request, len(stored), stored, limits)
-                resumes = self._runs.metrics.resumes
-                deltas: AsyncGenerator[OutputDelta, None]
-                if isinstance(found, Run):
-                    resumes.labels(how="local").inc()
-                    prepared, deltas = found.prepared, found.follow()
-                else:
-                    prepared = await prepare_again(self._frontend, body.params, record, caller)
-                    if record.end is not None:
-                        resumes.labels(how="stored").inc()
-                        deltas = replay_end(prepared, record.end)
-                    else:
-                        resumes.labels(how="takeover").inc()
-                        deltas = (await self._runs.take_over(record, prepared)).follow()
-                messages = _messages(deltas, prepared, body, request.from_index)
+
+                async def prepare(stored_record: ResumeRecord) -> PreparedRequest:
+                    return await prepare_again(self._frontend, body.params, stored_record, caller)
+
+                reopened = await reopen(self._runs, found, prepare)
+                prepared = reopened.prepared
+                messages = _messages(reopened.deltas(), prepared, body, request.from_index)
                 async with contextlib.aclosing(messages):
                     async for message in messages:
                         yield generation_pb2.ResumeResponse(response=message)

@@ -26,23 +26,20 @@ from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.openai.http import error_body
 from pdserve.gateway.openai.parsing import OpenAIBody, parse_openai_body
-from pdserve.gateway.openai.responses import Responder, sse
+from pdserve.gateway.openai.responses import Responder
+from pdserve.gateway.openai.sse import sse
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import OutputDelta
-from pdserve.gateway.resume.access import find, prepare_again, replay_end
-from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.request import ApiKind, OutputDelta
+from pdserve.gateway.resume.access import find, prepare_again, reopen
+from pdserve.gateway.resume.run import Run, RunMoved
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord
 
 log = structlog.get_logger("pdserve.gateway.openai.resumable")
 
 PREFIXES = ("chatcmpl-", "cmpl-")
-
-
-def kind_of(is_chat: bool) -> str:
-    """The record kind of a chat or completions stream."""
-    return "chat" if is_chat else "completions"
 
 
 class ResumableStreams:
@@ -60,7 +57,7 @@ class ResumableStreams:
         self._parser = parser
 
     async def start(
-        self, raw: bytes, is_chat: bool, prompt: PreparedRequest, caller: Caller
+        self, raw: bytes, kind: ApiKind, prompt: PreparedRequest, caller: Caller
     ) -> Run:
         """Starts a resumable stream (its record written first).
 
@@ -68,10 +65,10 @@ class ResumableStreams:
             PdserveError: RATE_LIMITED when the store holds its most requests,
                 PEER_UNAVAILABLE when it cannot be reached.
         """
-        return await self._runs.begin(kind_of(is_chat), raw.decode(), prompt, caller.api_key_name)
+        return await self._runs.begin(kind, raw.decode(), prompt, caller.api_key_name)
 
     async def resume(
-        self, stream_id: str, is_chat: bool, caller: Caller, starting_after: int | None
+        self, stream_id: str, kind: ApiKind, caller: Caller, starting_after: int | None
     ) -> AsyncGenerator[str, None]:
         """The events of a stream after its `starting_after`-th token (all: None), live; a
         running stream another gateway held is taken over.
@@ -81,7 +78,7 @@ class ResumableStreams:
                 stream.
         """
         request_id = _request_id(stream_id)
-        found = await find(self._runs, request_id, (kind_of(is_chat),), caller)
+        found = await find(self._runs, request_id, (kind,), caller)
         if found is None:
             raise PdserveError(
                 ErrorReason.REQUEST_NOT_FOUND,
@@ -89,36 +86,31 @@ class ResumableStreams:
                 "key's)",
             )
         record = found.record if isinstance(found, Run) else found
-        body = await self._parse(record, is_chat)
-        resumes = self._runs.metrics.resumes
-        if isinstance(found, Run):
-            resumes.labels(how="local").inc()
-            responder = _responder(is_chat, found.prepared, body, record)
-            return events(responder, found.follow(), starting_after)
-        prompt = await prepare_again(self._frontend, body.params[0], record, caller)
-        responder = _responder(is_chat, prompt, body, record)
-        if record.end is not None:
-            resumes.labels(how="stored").inc()
-            return events(responder, replay_end(prompt, record.end), starting_after)
-        resumes.labels(how="takeover").inc()
-        run = await self._runs.take_over(record, prompt)
-        return events(responder, run.follow(), starting_after)
+        body = await self._parse(record, kind)
 
-    async def _parse(self, record: ResumeRecord, is_chat: bool) -> OpenAIBody:
+        async def prepare(stored: ResumeRecord) -> PreparedRequest:
+            return await prepare_again(self._frontend, body.params[0], stored, caller)
+
+        reopened = await reopen(self._runs, found, prepare)
+        responder = _responder(kind, reopened.prepared, body, record)
+        return events(responder, reopened.deltas(), starting_after)
+
+    async def _parse(self, record: ResumeRecord, kind: ApiKind) -> OpenAIBody:
         raw = record.body.encode()
         limits = self._frontend.limits
+        is_chat = kind == ApiKind.CHAT
         return await self._parser.run(parse_openai_body, len(raw), raw, is_chat, limits)
 
 
-def responder_for(is_chat: bool, prompt: PreparedRequest, body: OpenAIBody, run: Run) -> Responder:
+def responder_for(kind: ApiKind, prompt: PreparedRequest, body: OpenAIBody, run: Run) -> Responder:
     """The responder of a resumable stream that starts here."""
-    return _responder(is_chat, prompt, body, run.record)
+    return _responder(kind, prompt, body, run.record)
 
 
 def _responder(
-    is_chat: bool, prompt: PreparedRequest, body: OpenAIBody, record: ResumeRecord
+    kind: ApiKind, prompt: PreparedRequest, body: OpenAIBody, record: ResumeRecord
 ) -> Responder:
-    responder = Responder(is_chat, [prompt], body)
+    responder = Responder(kind, [prompt], body)
     responder.created = int(record.created_at)
     return responder
 

@@ -1,5 +1,5 @@
 """Tool calls in OpenAI's chat shapes: a choice's ``message.tool_calls`` and a streamed chunk's
-``delta.tool_calls`` entries, from the steps `pdserve.gateway.tools.output` reads."""
+``delta.tool_calls`` entries, from the steps `pdserve.gateway.tool_deltas` reads."""
 
 from __future__ import annotations
 

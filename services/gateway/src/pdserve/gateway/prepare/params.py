@@ -1,8 +1,8 @@
-"""What a client asks for, in the gateway's own terms, and its tokenization.
+"""What a client asks for, in the gateway's own terms.
 
 Front ends (REST, gRPC) turn their requests into `GenerationParams`;
-`pdserve.gateway.prepare.validation` checks them, and `tokenize_prompt` turns the prompt into
-token ids (on a worker thread, unless `is_short_prompt`).
+`pdserve.gateway.prepare.validation` checks them, and `pdserve.gateway.prepare.tokenize` turns
+the prompt into token ids.
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
-from pdserve.gateway.tools.formats import ToolCallFormat
 from pdserve.gateway.tools.plan import ToolPlan
-from pdserve.gateway.tools.prompt import template_inputs
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice
-from pdserve.tokenizer import ChatTemplateError, Tokenizer
+from pdserve.tokenizer import Tokenizer
 
 
 class PromptKind(enum.Enum):
@@ -223,59 +220,3 @@ class ModelSummary:
     max_model_len: int
     num_prefill_instances: int
     num_decode_instances: int
-
-
-# NOTE: tokenizing 1024 characters takes a fraction of a millisecond; a hop to a worker thread
-# and back costs more than that under load (the loop waits to get the GIL back), all of it time
-# to first token.
-INLINE_TOKENIZE_CHARS = 1024
-INLINE_TOKENIZE_MESSAGES = 16
-
-
-def is_short_prompt(params: GenerationParams) -> bool:
-    """Whether the prompt is short enough to tokenize on the event loop."""
-    if params.messages is not None:
-        return (
-            len(params.messages) <= INLINE_TOKENIZE_MESSAGES
-            and sum(m.num_chars for m in params.messages) + params.num_tool_chars
-            <= INLINE_TOKENIZE_CHARS
-        )
-    return len(params.text or "") <= INLINE_TOKENIZE_CHARS
-
-
-def tokenize_prompt(
-    params: GenerationParams, tokenizer: Tokenizer, call_format: ToolCallFormat
-) -> list[int]:
-    """The prompt's token ids: chat messages (and tools) through the template, text through the
-    tokenizer.
-
-    Heavy for long prompts: the front end runs those on a worker thread.
-
-    Args:
-        params: The validated request.
-        tokenizer: The model's.
-        call_format: The model's tool-call format, for what its template does not render
-            (`pdserve.gateway.tools.prompt`).
-
-    Raises:
-        PdserveError: INVALID_REQUEST for a chat the template refuses, or an empty prompt.
-    """
-    if params.messages is not None:
-        try:
-            messages, tools = template_inputs(
-                params.messages, params.tools, call_format, tokenizer.tool_support
-            )
-            token_ids = tokenizer.encode_chat(messages, tools=tools)
-        except ChatTemplateError as exc:
-            raise PdserveError(
-                ErrorReason.INVALID_REQUEST,
-                f"messages cannot be rendered: {exc}",
-                {"param": "messages"},
-            ) from exc
-    elif params.token_ids is not None:
-        token_ids = list(params.token_ids)
-    else:
-        token_ids = tokenizer.encode(params.text or "")
-    if not token_ids:
-        raise PdserveError(ErrorReason.INVALID_REQUEST, "the prompt is empty", {"param": "prompt"})
-    return token_ids

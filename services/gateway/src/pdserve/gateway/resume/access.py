@@ -1,24 +1,26 @@
-"""What the resumable front ends share: finding a request for its owner, preparing a stored
-request again, and the deltas of one that ended, made again from its stored tokens."""
+"""What the resumable front ends share: finding a request for its owner, reopening it (follow
+this gateway's run, replay an ended one from its stored tokens, or take over one another
+gateway left running), and preparing a stored request again."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from dataclasses import replace
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.frontend import Frontend
+from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
-from pdserve.gateway.request import GenerationEnd, OutputDelta
-from pdserve.gateway.resume.runs import Run, Runs
+from pdserve.gateway.request import ApiKind, GenerationEnd, OutputDelta
+from pdserve.gateway.resume.run import Run
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
-from pdserve.gateway.streaming import replay
 
 
 async def find(
-    runs: Runs, request_id: str, kinds: tuple[str, ...], caller: Caller
+    runs: Runs, request_id: str, kinds: tuple[ApiKind, ...], caller: Caller
 ) -> Run | ResumeRecord | None:
     """This gateway's run of `request_id` (unless another gateway took it over), else its
     stored record; None when there is none of `kinds`, it expired, or `caller` is not its
@@ -40,6 +42,53 @@ async def find(
     if record.kind not in kinds or not may_access(record, caller):
         return None
     return found
+
+
+@dataclass(frozen=True)
+class Reopened:
+    """A found request, ready to be followed.
+
+    Attributes:
+        record: Its record.
+        prepared: Its prepared request.
+        run: This gateway's run of it (its own, or just taken over); None for a request that
+            ended, whose deltas come from the store.
+    """
+
+    record: ResumeRecord
+    prepared: PreparedRequest
+    run: Run | None
+
+    def deltas(self) -> AsyncGenerator[OutputDelta, None]:
+        """Every delta from the first: the run's (live), or the stored end's."""
+        if self.run is not None:
+            return self.run.follow()
+        assert self.record.end is not None
+        return replay_end(self.prepared, self.record.end)
+
+
+async def reopen(
+    runs: Runs,
+    found: Run | ResumeRecord,
+    prepare: Callable[[ResumeRecord], Awaitable[PreparedRequest]],
+) -> Reopened:
+    """Reopens what `find` found, the same way for every front end: this gateway's run is
+    followed; a stored request is prepared again (`prepare`) and replayed if it ended, else
+    taken over from its decode. Counted in ``resumes{how}``.
+
+    Raises:
+        PdserveError: As `prepare`, or the take-over.
+    """
+    resumes = runs.metrics.resumes
+    if isinstance(found, Run):
+        resumes.labels(how="local").inc()
+        return Reopened(found.record, found.prepared, found)
+    prepared = await prepare(found)
+    if found.end is not None:
+        resumes.labels(how="stored").inc()
+        return Reopened(found, prepared, None)
+    resumes.labels(how="takeover").inc()
+    return Reopened(found, prepared, await runs.take_over(found, prepared))
 
 
 def may_access(record: ResumeRecord, caller: Caller) -> bool:

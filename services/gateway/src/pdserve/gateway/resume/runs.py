@@ -1,11 +1,10 @@
 """The resumable requests this gateway holds, each running in a task of its own.
 
-A `Run` drives one request through the streamer and keeps every delta it made, so any number
-of clients can follow it from the start or from where they left off; a client that goes away
-only stops following. The run writes the request's record at its start, when a decode takes it
-and at its end (`pdserve.gateway.resume.store`), so another gateway can take it over where
-this one died. A run that another gateway took over (the decode says so) ends here without a
-word in the store: the other gateway writes it from now on.
+Each is a `pdserve.gateway.resume.run.Run`, driven through the streamer here. The run writes the
+request's record at its start, when a decode takes it and at its end
+(`pdserve.gateway.resume.store`), so another gateway can take it over where this one died. A
+run that another gateway took over (the decode says so) ends here without a word in the store:
+the other gateway writes it from now on.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import structlog
@@ -22,97 +21,12 @@ from pdserve.common.errors import ErrorReason, PdserveError, is_taken_over
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import OutputDelta, Placement, Resumable
+from pdserve.gateway.request import ApiKind, Placement, ResponseStatus, Resumable
+from pdserve.gateway.resume.run import Run
 from pdserve.gateway.resume.store import ResumeRecord, ResumeStore, StoredEnd
 from pdserve.gateway.streaming import Streamer
 
 log = structlog.get_logger("pdserve.gateway.resume")
-
-
-class RunMoved(Exception):
-    """Another gateway took the run over: its followers here should reconnect."""
-
-
-class Run:
-    """One resumable request held by this gateway.
-
-    Attributes:
-        record: Its record (as last written by this gateway).
-        prepared: The prepared request.
-        deltas: Every delta so far (one token each, then the final delta).
-        error: How it failed (or was cancelled); None while it runs or once it finished.
-        is_done: It ended here (finished, failed, cancelled or moved).
-        is_moved: Another gateway took it over (or this one left it to the others).
-        task: The task that drives it.
-        resumable: How it runs (its placements announced; left to others on a stop).
-        parsed: The body as its front end parsed it (kept by the front end, so a client that
-            follows it here does not parse it again); None until set.
-        last_write: Its latest record write, which the next one waits for.
-    """
-
-    def __init__(self, record: ResumeRecord, prepared: PreparedRequest) -> None:
-        self.record = record
-        self.prepared = prepared
-        self.deltas: list[OutputDelta] = []
-        self.error: PdserveError | None = None
-        self.is_done = False
-        self.is_moved = False
-        self.task: asyncio.Task[None] | None = None
-        self.resumable: Resumable | None = None
-        self.parsed: object | None = None
-        self.last_write: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
-
-    @property
-    def request_id(self) -> str:
-        return self.record.request_id
-
-    @property
-    def status(self) -> str:
-        """``in_progress``, or how it ended (``completed``, ``incomplete``, ``failed``,
-        ``cancelled``)."""
-        if self.record.end is not None:
-            return self.record.end.status
-        return "in_progress"
-
-    def add(self, delta: OutputDelta) -> None:
-        """Keeps `delta` and wakes the followers."""
-        self.deltas.append(delta)
-        self._wake()
-
-    def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def done(self) -> None:
-        """Marks it ended and wakes the followers."""
-        self.is_done = True
-        self._wake()
-
-    async def follow(self, start: int = 0) -> AsyncGenerator[OutputDelta, None]:
-        """Its deltas from index `start` on, live until it ends.
-
-        Raises:
-            PdserveError: How it failed (after the deltas it made).
-            RunMoved: Another gateway took it over (the client should resume there).
-        """
-        index = start
-        while True:
-            changed = self._changed
-            while index < len(self.deltas):
-                yield self.deltas[index]
-                index += 1
-            if self.is_done:
-                if self.is_moved:
-                    raise RunMoved(self.request_id)
-                if self.error is not None:
-                    raise self.error
-                return
-            await changed.wait()
-
-    def token_ids(self) -> tuple[int, ...]:
-        """Every completion token of its deltas so far."""
-        return tuple(t for delta in self.deltas for t in delta.token_ids)
 
 
 class Runs:
@@ -174,12 +88,12 @@ class Runs:
         return run
 
     async def begin(
-        self, kind: str, body: str, prepared: PreparedRequest, owner: str | None
+        self, kind: ApiKind, body: str, prepared: PreparedRequest, owner: str | None
     ) -> Run:
         """Starts a new resumable request (its record written first).
 
         Args:
-            kind: The API that took it (``responses``, ``chat``, ``completions``, ``grpc``).
+            kind: The API that took it.
             body: The request as the client sent it (text; a gRPC request's bytes in base64).
             prepared: The prepared request (its seed is set).
             owner: Name of the API key that sent it (None on an open gateway).
@@ -286,7 +200,7 @@ class Runs:
             reason = final.finish_reason if final is not None else None
             is_cut = reason is FinishReason.LENGTH
             end = StoredEnd(
-                status="incomplete" if is_cut else "completed",
+                status=ResponseStatus.INCOMPLETE if is_cut else ResponseStatus.COMPLETED,
                 token_ids=run.token_ids(),
                 finish_reason=None if reason is None else reason.value,
                 num_cached_prompt_tokens=(
@@ -300,12 +214,12 @@ class Runs:
                 log.info("resumable_request_moved", request_id=run.request_id)
             else:
                 run.error = error
-                end = _failed(run, "failed", error, self._now())
+                end = _failed(run, ResponseStatus.FAILED, error, self._now())
         except asyncio.CancelledError:
             if not resumable.is_left:
                 cancelled = PdserveError(ErrorReason.CANCELLED, "the response was cancelled")
                 run.error = cancelled
-                end = _failed(run, "cancelled", cancelled, self._now())
+                end = _failed(run, ResponseStatus.CANCELLED, cancelled, self._now())
             raise
         finally:
             if end is not None:
@@ -332,7 +246,7 @@ class Runs:
             del self._runs[run.request_id]
 
 
-def _failed(run: Run, status: str, error: PdserveError, now: float) -> StoredEnd:
+def _failed(run: Run, status: ResponseStatus, error: PdserveError, now: float) -> StoredEnd:
     return StoredEnd(
         status=status,
         token_ids=run.token_ids(),

@@ -8,9 +8,7 @@ gives the same prompt and the same tokens), its owner key, where it runs, and on
 completion tokens and how it ended.
 
 Two stores: `MemoryResumeStore` (one gateway: resumes across client reconnects to it) and
-`EtcdResumeStore` (``--registry etcd://...``: the registry's etcd, keys under
-``<namespace>/pdserve/resume/``, each under an etcd lease whose TTL is the record's time to
-live, so etcd deletes expired records by itself).
+`pdserve.gateway.resume.etcd_store.EtcdResumeStore` (``--registry etcd://...``).
 """
 
 from __future__ import annotations
@@ -21,11 +19,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
-import aetcd
-
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.etcd_registry import EtcdTarget
-from pdserve.gateway.request import Placement
+from pdserve.gateway.request import ApiKind, Placement, ResponseStatus
 
 RESUME_PREFIX = "/pdserve/resume/"
 
@@ -44,7 +39,7 @@ class StoredEnd:
         error_message: Its message.
     """
 
-    status: str
+    status: ResponseStatus
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     num_cached_prompt_tokens: int = 0
@@ -59,7 +54,7 @@ class ResumeRecord:
 
     Attributes:
         request_id: The gateway's request id (a response's id is ``resp_<request_id>``).
-        kind: ``responses``, ``chat``, ``completions`` or ``grpc``: the API that took it.
+        kind: The API that took it.
         owner: Name of the API key that created it; None on an open gateway (anyone).
         body: The request as the client sent it (JSON text).
         seed: The seed it runs with.
@@ -69,7 +64,7 @@ class ResumeRecord:
     """
 
     request_id: str
-    kind: str
+    kind: ApiKind
     owner: str | None
     body: str
     seed: int
@@ -88,14 +83,19 @@ class ResumeRecord:
         placement = raw.pop("placement")
         end = raw.pop("end")
         return cls(
-            **raw,
+            **{**raw, "kind": ApiKind(raw["kind"])},
             placement=None if placement is None else Placement(**placement),
-            end=None if end is None else StoredEnd(**{**end, "token_ids": tuple(end["token_ids"])}),
+            end=None if end is None else _stored_end(end),
         )
 
     def with_placement(self, placement: Placement) -> ResumeRecord:
         """A copy placed on `placement`."""
         return replace(self, placement=placement)
+
+
+def _stored_end(end: dict[str, Any]) -> StoredEnd:
+    status = ResponseStatus(end["status"])
+    return StoredEnd(**{**end, "status": status, "token_ids": tuple(end["token_ids"])})
 
 
 class ResumeStore(Protocol):
@@ -198,132 +198,3 @@ class MemoryResumeStore:
 
     async def close(self) -> None:
         return None
-
-
-class EtcdResumeStore:
-    """Records in the registry's etcd, under leases this gateway shares between its records.
-
-    A record lives at least its TTL: it is put under a lease granted for that TTL plus an
-    eighth of it, and a new lease is granted once an eighth of the TTL has passed since the
-    last grant, so the records of a request cost one put each (no grant per record). A
-    record after the first is put only if the stored one is still the one this gateway wrote
-    last (an
-    etcd transaction on the key's modification revision), so a cancel written through
-    another gateway stays; so is a placement.
-
-    Args:
-        target: The registry's etcd (its namespace prefixes the keys).
-        max_records: Most records this gateway creates while they live (etcd holds every
-            gateway's; each gateway bounds what it adds).
-        clock: Monotonic clock.
-    """
-
-    def __init__(
-        self, target: EtcdTarget, max_records: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._target = target
-        self._prefix = target.namespace + RESUME_PREFIX
-        self._client: aetcd.Client | None = None
-        self._limit = MemoryResumeStore(max_records, clock)
-        self._clock = clock
-        # NOTE: TTL -> (lease, when it was granted): the lease records of that TTL go under.
-        self._leases: dict[float, tuple[int, float]] = {}
-        # NOTE: request id -> the key's modification revision of this gateway's last write.
-        self._revisions: dict[str, int] = {}
-        self.num_writes = 0
-
-    def _key(self, request_id: str) -> bytes:
-        return (self._prefix + request_id).encode()
-
-    def _etcd(self) -> aetcd.Client:
-        if self._client is None:
-            self._client = self._target.client()
-        return self._client
-
-    async def _lease(self, ttl_s: float) -> int:
-        """A lease that outlives `ttl_s` from now (granted again an eighth of it later)."""
-        now = self._clock()
-        held = self._leases.get(ttl_s)
-        if held is not None and now - held[1] < ttl_s / 8:
-            return held[0]
-        lease = await self._etcd().lease(max(1, round(ttl_s * 9 / 8)))
-        self._leases[ttl_s] = (lease.id, now)
-        return int(lease.id)
-
-    async def put(self, record: ResumeRecord, ttl_s: float) -> None:
-        # NOTE: the count of this gateway's live records is kept locally (an etcd count per
-        # write would cost a range request each time).
-        await self._limit.put(replace(record, body=""), ttl_s)
-        try:
-            lease = await self._lease(ttl_s)
-            put = await self._etcd().put(self._key(record.request_id), record.to_json(), lease)
-        except aetcd.ClientError as error:
-            raise _unreachable(error) from error
-        self._written(record, put.header.revision)
-
-    def _written(self, record: ResumeRecord, revision: int) -> None:
-        if record.end is None:
-            self._revisions[record.request_id] = revision
-        else:
-            self._revisions.pop(record.request_id, None)
-        self.num_writes += 1
-
-    async def put_unless_ended(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
-        revision = self._revisions.get(record.request_id)
-        if revision is None:
-            stored = await self.get(record.request_id)
-            if stored is not None and stored.end is not None:
-                return stored
-            await self.put(record, ttl_s)
-            return None
-        await self._limit.put(replace(record, body=""), ttl_s)
-        etcd = self._etcd()
-        key = self._key(record.request_id)
-        try:
-            lease = await self._lease(ttl_s)
-            is_written, answers = await etcd.transaction(
-                compare=[etcd.transactions.mod(key) == revision],
-                success=[etcd.transactions.put(key, record.to_json(), lease)],
-                failure=[etcd.transactions.get(key)],
-            )
-        except aetcd.ClientError as error:
-            raise _unreachable(error) from error
-        if is_written:
-            self._written(record, answers[0].response_put.header.revision)
-            return None
-        self._revisions.pop(record.request_id, None)
-        found = answers[0] if answers else None
-        if not found:
-            return None  # NOTE: deleted meanwhile: nothing to keep
-        stored = ResumeRecord.from_json(found[0][0])
-        if stored.end is not None:
-            return stored
-        await self.put(record, ttl_s)  # NOTE: taken over and placed elsewhere, not ended
-        return None
-
-    async def get(self, request_id: str) -> ResumeRecord | None:
-        try:
-            found = await self._etcd().get(self._key(request_id))
-        except aetcd.ClientError as error:
-            raise _unreachable(error) from error
-        return None if found is None else ResumeRecord.from_json(found.value)
-
-    async def delete(self, request_id: str) -> None:
-        await self._limit.delete(request_id)
-        self._revisions.pop(request_id, None)
-        try:
-            await self._etcd().delete(self._key(request_id))
-        except aetcd.ClientError as error:
-            raise _unreachable(error) from error
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-
-def _unreachable(error: Exception) -> PdserveError:
-    return PdserveError(
-        ErrorReason.PEER_UNAVAILABLE,
-        f"the store of resumable requests cannot be reached: {type(error).__name__}",
-    )

@@ -17,7 +17,7 @@ Equally good candidates are all returned; the router picks one at random (fair t
 
 `choose_prefill` states the rule over a plain list of candidates. The router applies the same
 rule over its indexes (it never builds that list: at 500 instances it would cost more than
-the whole decision), and `tests/unit/gateway/test_gateway_router.py` checks that the two
+the whole decision), and `tests/unit/gateway/routing/test_gateway_router.py` checks that the two
 agree on random states.
 """
 

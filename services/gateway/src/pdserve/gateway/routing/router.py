@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.fleet.instance import InstanceRole
-from pdserve.gateway.fleet.registry import InstanceEntry, Registry
+from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.routing.pair import Pair
-from pdserve.gateway.routing.policy import CacheRouting, RouteReason
+from pdserve.gateway.routing.policy import CacheRouting
+from pdserve.gateway.routing.pool_choice import PoolChoice, choose_prefill_in_pools
 from pdserve.gateway.routing.pools import (
     EXCLUDED,
     FULL,
@@ -46,27 +46,6 @@ from pdserve.gateway.routing.pools import (
 from pdserve.gateway.routing.prefix_memory import PrefixMemory
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.share_affinity import Affine, ShareAffinity, affine_decode
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """A pick before it is booked: each instance as its pool and position there."""
-
-    prefill_pool: Pool
-    prefill_at: int
-    decode_pool: Pool
-    decode_at: int
-    reason: RouteReason
-    num_matched_blocks: int
-    num_shared_blocks: int = 0
-
-    @property
-    def prefill(self) -> InstanceEntry:
-        return self.prefill_pool.entries[self.prefill_at]
-
-    @property
-    def decode(self) -> InstanceEntry:
-        return self.decode_pool.entries[self.decode_at]
 
 
 class Router:
@@ -217,7 +196,7 @@ class Router:
         num_tokens: int = 0,
         room: tuple[int, int] | None = None,
         affine: Affine | None = None,
-    ) -> _Choice | ErrorReason | None:
+    ) -> PoolChoice | ErrorReason | None:
         """The pair among what is not excluded; None when no pair is left. With `room`
         (tokens, max new tokens): only pairs with room for it, else the reason of the role
         that has none (DECODE_CAPACITY_EXHAUSTED or PREFILL_OVERLOADED). The `affine` decode
@@ -251,13 +230,15 @@ class Router:
                 usable.append((pool, least))
         if not usable:
             return short
-        prefill_pool, prefill_at, reason, num_matched_blocks = self._choose_prefill(usable, keys)
+        prefill_pool, prefill_at, reason, num_matched_blocks = choose_prefill_in_pools(
+            usable, keys, self._cache_routing, self.prefix_memory, self._rng
+        )
         fingerprint = prefill_pool.layout.fingerprint
         decode_pool = decodes[fingerprint]
         decode_at, num_shared_blocks = affine_at.get(fingerprint, (-1, 0))
         if decode_at < 0:
             decode_at = self._rng.choice(decode_pool.positions_scoring(decode_least[fingerprint]))
-        return _Choice(
+        return PoolChoice(
             prefill_pool,
             prefill_at,
             decode_pool,
@@ -267,45 +248,8 @@ class Router:
             num_shared_blocks,
         )
 
-    def _choose_prefill(
-        self, usable: list[tuple[Pool, int]], keys: PromptKeys
-    ) -> tuple[Pool, int, RouteReason, int]:
-        """The rule of `pdserve.gateway.routing.policy`: among prefills within the balance
-        of the least loaded, the longest cached prefix (then the fewest queued tokens); else
-        the fewest queued tokens. Equally good ones at random. `usable` pairs each pool
-        with its least score."""
-        least = min(pool_least for _, pool_least in usable)
-        if self._cache_routing.is_enabled:
-            within = min(least + self._cache_routing.balance_tokens, FULL - 1)
-            best: tuple[int, int] = (1, -EXCLUDED)  # (matched blocks, -score): higher wins
-            ties: list[tuple[Pool, int]] = []
-            memory = self.prefix_memory
-            for pool, _ in usable:
-                reusable = keys.reusable(pool.layout)
-                # NOTE: the load first: a hot prefix has many holders, most of them too busy.
-                for instance_id in memory.holders(reusable):
-                    at = pool.positions.get(instance_id)
-                    if at is None or pool.scores[at] > within:
-                        continue
-                    rank = (memory.num_matched_blocks(instance_id, reusable), -pool.scores[at])
-                    if rank > best:
-                        best, ties = rank, [(pool, at)]
-                    elif rank == best:
-                        ties.append((pool, at))
-            if ties:
-                pool, at = self._rng.choice(ties)
-                return pool, at, RouteReason.PREFIX, best[0]
-        least_loaded = [
-            (pool, at)
-            for pool, pool_least in usable
-            if pool_least == least
-            for at in pool.positions_scoring(least)
-        ]
-        pool, at = self._rng.choice(least_loaded)
-        return pool, at, RouteReason.LOAD, 0
-
     def _commit(
-        self, choice: _Choice, keys: PromptKeys, num_tokens: int, max_new_tokens: int
+        self, choice: PoolChoice, keys: PromptKeys, num_tokens: int, max_new_tokens: int
     ) -> Pair:
         """Books the work on both, remembers the prompt's blocks on the prefill."""
         prefill, layout = choice.prefill, choice.prefill_pool.layout

@@ -2,7 +2,7 @@
 
 A format says how a model of its family writes a call (which `pdserve.gateway.tools.parsers`
 reads back), and how to show tools, calls and results to a model whose chat template does not
-render them itself (the fallback of `pdserve.gateway.tools.prompt`):
+render them itself (the fallback of `pdserve.gateway.prepare.tool_prompt`):
 
 * ``hermes`` (Hermes 2 Pro, Qwen 2.5 and 3, SmolLM): ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>``, one tag per call (a JSON list of calls in one tag is read too); results

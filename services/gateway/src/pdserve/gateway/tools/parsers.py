@@ -24,9 +24,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Container
 
+from pdserve.gateway.tools.call_sequence import CallSequence
 from pdserve.gateway.tools.json_calls import (
     ArgumentsAdded,
-    CallSequence,
     CallStarted,
     ContentAdded,
     ParseEvent,

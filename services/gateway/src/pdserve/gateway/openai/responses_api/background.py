@@ -33,19 +33,26 @@ from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.fleet.backend import Backend, BackendError
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_responses_body
-from pdserve.gateway.openai.responses_api.items import OutputItems
+from pdserve.gateway.openai.responses_api.snapshots import (
+    collected,
+    events_after,
+    indexed,
+    response_snapshot,
+    writer_of,
+)
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter, request_id_of
+from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import GenerationEnd, OutputDelta
-from pdserve.gateway.resume.access import find, prepare_again, replay_end, stored_error
-from pdserve.gateway.resume.runs import Run, RunMoved, Runs
+from pdserve.gateway.request import ApiKind, GenerationEnd, ResponseStatus
+from pdserve.gateway.resume.access import find, prepare_again, reopen, replay_end, stored_error
+from pdserve.gateway.resume.run import Run
+from pdserve.gateway.resume.runs import Runs
 from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
-from pdserve.gateway.streaming import replay
 
 log = structlog.get_logger("pdserve.gateway.openai.background")
 
-KIND = "responses"
+KIND = ApiKind.RESPONSES
 SNAPSHOT_TIMEOUT_S = 5.0
 
 
@@ -100,11 +107,11 @@ class BackgroundResponses:
 
     def writer(self, run: Run, body: ResponsesBody) -> ResponseWriter:
         """The writer of a run's response."""
-        return _writer(run.prepared, body, run.record)
+        return writer_of(run.prepared, body, run.record)
 
     def queued(self, run: Run, body: ResponsesBody) -> dict[str, Any]:
         """The answer to a non-streamed create: the response, queued."""
-        return self.writer(run, body).response("queued")
+        return self.writer(run, body).response(ResponseStatus.QUEUED)
 
     # ---- read ---------------------------------------------------------------------------------
 
@@ -113,17 +120,19 @@ class BackgroundResponses:
         found = await self._find(response_id, caller)
         if isinstance(found, Run):
             body = await self._body_of(found)
-            return _snapshot(self.writer(found, body), found.deltas, found.status, found.error)
+            return response_snapshot(
+                self.writer(found, body), found.deltas, found.status, found.error
+            )
         record = found
         body, prompt = await self._prepare(record, caller)
-        writer = _writer(prompt, body, record)
+        writer = writer_of(prompt, body, record)
         if record.end is not None:
-            deltas = await _collect(replay_end(prompt, record.end))
-            return _snapshot(writer, deltas, record.end.status, stored_error(record.end))
+            deltas = await collected(replay_end(prompt, record.end))
+            return response_snapshot(writer, deltas, record.end.status, stored_error(record.end))
         token_ids = await self._tokens_so_far(record)
         end = GenerationEnd(FinishReason.STOP, len(token_ids))
-        deltas = (await _collect(replay(prompt, token_ids, end)))[:-1]
-        return _snapshot(writer, deltas, "in_progress", None)
+        deltas = (await collected(replay(prompt, token_ids, end)))[:-1]
+        return response_snapshot(writer, deltas, ResponseStatus.IN_PROGRESS, None)
 
     async def stream(
         self, response_id: str, caller: Caller, starting_after: int | None
@@ -131,21 +140,21 @@ class BackgroundResponses:
         """The response's events after sequence number `starting_after` (all: None), live
         until it ends; a running response another gateway held is taken over."""
         found = await self._find(response_id, caller)
-        resumes = self._runs.metrics.resumes
-        if isinstance(found, Run):
-            run = found
-            resumes.labels(how="local").inc()
-        else:
-            record = found
+        parsed: list[ResponsesBody] = []  # NOTE: the body of a stored one, parsed to prepare it
+
+        async def prepare(record: ResumeRecord) -> PreparedRequest:
             body, prompt = await self._prepare(record, caller)
-            if record.end is not None:
-                resumes.labels(how="stored").inc()
-                writer = _writer(prompt, body, record)
-                deltas = _indexed(replay_end(prompt, record.end))
-                return _after(writer.events(None, deltas), starting_after)
-            resumes.labels(how="takeover").inc()
-            run = await self._runs.take_over(record, prompt)
-            run.parsed = run.parsed or body
+            parsed.append(body)
+            return prompt
+
+        reopened = await reopen(self._runs, found, prepare)
+        run = reopened.run
+        if run is None:
+            writer = writer_of(reopened.prepared, parsed[0], reopened.record)
+            deltas = indexed(reopened.deltas())
+            return events_after(writer.events(None, deltas), starting_after)
+        if parsed:
+            run.parsed = run.parsed or parsed[0]
         return self.events(run, await self._body_of(run), starting_after)
 
     def events(
@@ -153,7 +162,7 @@ class BackgroundResponses:
     ) -> AsyncGenerator[str, None]:
         """A run's events after sequence number `starting_after`, live."""
         writer = self.writer(run, body)
-        return _after(writer.events(None, _indexed(run.follow())), starting_after)
+        return events_after(writer.events(None, indexed(run.follow())), starting_after)
 
     # ---- cancel, delete ----------------------------------------------------------------------
 
@@ -166,7 +175,7 @@ class BackgroundResponses:
         record = found
         if record.end is None:
             end = StoredEnd(
-                status="cancelled",
+                status=ResponseStatus.CANCELLED,
                 completed_at=self._now(),
                 error_code=ErrorReason.CANCELLED.name.lower(),
                 error_message="the response was cancelled",
@@ -249,64 +258,3 @@ class BackgroundResponses:
 
 def _with_end(record: ResumeRecord, end: StoredEnd) -> ResumeRecord:
     return replace(record, end=end)
-
-
-def _writer(prompt: PreparedRequest, body: ResponsesBody, record: ResumeRecord) -> ResponseWriter:
-    completed_at = record.end.completed_at if record.end is not None else None
-    return ResponseWriter(prompt, body, created_at=record.created_at, completed_at=completed_at)
-
-
-async def _collect(deltas: AsyncGenerator[OutputDelta, None]) -> list[OutputDelta]:
-    collected = []
-    try:
-        async for delta in deltas:
-            collected.append(delta)
-    except PdserveError:
-        pass  # NOTE: the caller reports the stored error with the deltas before it
-    return collected
-
-
-async def _indexed(
-    deltas: AsyncGenerator[OutputDelta, None],
-) -> AsyncGenerator[tuple[int, OutputDelta], None]:
-    async for delta in deltas:
-        yield 0, delta
-
-
-async def _after(
-    events: AsyncGenerator[str, None], starting_after: int | None
-) -> AsyncGenerator[str, None]:
-    """`events` (numbered from 0) after `starting_after`: past the end, the last one (the
-    response's end); ends quietly where the run moved to another gateway (the client resumes
-    there)."""
-    first = 0 if starting_after is None else starting_after + 1
-    index = 0
-    last: str | None = None
-    try:
-        async for event in events:
-            if index >= first:
-                yield event
-            last = event
-            index += 1
-    except RunMoved:
-        return
-    finally:
-        await events.aclose()
-    if index <= first and last is not None:
-        yield last
-
-
-def _snapshot(
-    writer: ResponseWriter, deltas: list[OutputDelta], status: str, error: PdserveError | None
-) -> dict[str, Any]:
-    """The response object of `deltas` in `status`."""
-    if status in ("completed", "incomplete") and deltas:
-        return writer.full([(0, delta) for delta in deltas])
-    items = OutputItems(writer.prompt.request_id)
-    for delta in deltas:
-        items.step(delta)
-    if status == "in_progress":
-        return writer.response(status, items if deltas else None, with_text=True)
-    items.finish("incomplete")
-    shown = error if status == "failed" else None
-    return writer.response(status, items, error=shown)

@@ -23,7 +23,7 @@ import pydantic
 
 from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.parsing import from_validation_error
-from pdserve.gateway.openai.responses_api.schemas import (
+from pdserve.gateway.openai.responses_api.input_schemas import (
     Content,
     ContentPart,
     FunctionCallItem,
@@ -33,9 +33,8 @@ from pdserve.gateway.openai.responses_api.schemas import (
     MessageItem,
     OutputTextPart,
     RefusalPart,
-    ResponsesRequest,
-    TextConfig,
 )
+from pdserve.gateway.openai.responses_api.schemas import ResponsesRequest, TextConfig
 from pdserve.gateway.openai.responses_api.tools import echoed_tools, function_tools, tool_choice
 from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
 from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request

@@ -14,145 +14,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, Field, Tag
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-_OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+from pdserve.gateway.openai.responses_api.input_schemas import (
+    OPEN,
+    STRICT,
+    TEXT_OR_LIST,
+    InputItem,
+    type_tag,
+)
+
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
-# NOTE: items, parts, tools and formats are TypedDicts (plain dicts), as chat messages are in
-# `pdserve.gateway.openai.schemas`: they validate several times faster than models.
-
-
-def _tag(known: frozenset[str], default: str | None = None) -> Any:
-    """A discriminator on ``type``: a known type's own shape, anything else ``<other>``.
-
-    Tags are in angle brackets so that error locations can leave them out."""
-
-    def tag(value: Any) -> str:
-        kind = value.get("type", default) if isinstance(value, dict) else None
-        return f"<{kind}>" if kind in known else "<other>"
-
-    return Discriminator(tag)
-
-
-def _text_or_list(value: Any) -> str:
-    return "<text>" if isinstance(value, str) else "<list>"
-
-
-# NOTE: a string or a list, told apart before validation, so an error in a list's item is
-# reported alone rather than after "not a valid string".
-TEXT_OR_LIST = Discriminator(_text_or_list)
-
-
-class InputTextPart(TypedDict):
-    """``{"type": "input_text", "text"}``: text the user (or system) wrote."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: Literal["input_text"]
-    text: str
-
-
-class OutputTextPart(TypedDict):
-    """``{"type": "output_text", "text"}``: text of an earlier response, sent back as input
-    (its annotations and logprobs are accepted and not read)."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: Literal["output_text"]
-    text: str
-    annotations: NotRequired[list[Any]]
-    logprobs: NotRequired[list[Any] | None]
-
-
-class RefusalPart(TypedDict):
-    """``{"type": "refusal", "refusal"}``: an earlier response's refusal, sent back as input."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: Literal["refusal"]
-    refusal: str
-
-
-class UnsupportedPart(TypedDict):
-    """A content part of any other type (images, files, audio): refused by name."""
-
-    __pydantic_config__ = _OPEN  # type: ignore[misc]
-    type: str
-
-
-ContentPart = Annotated[
-    Annotated[InputTextPart, Tag("<input_text>")]
-    | Annotated[OutputTextPart, Tag("<output_text>")]
-    | Annotated[RefusalPart, Tag("<refusal>")]
-    | Annotated[UnsupportedPart, Tag("<other>")],
-    _tag(frozenset({"input_text", "output_text", "refusal"})),
-]
-Content = Annotated[
-    Annotated[str, Tag("<text>")] | Annotated[list[ContentPart], Tag("<list>")], TEXT_OR_LIST
-]
-
-
-class MessageItem(TypedDict):
-    """A message: ``{"role", "content"}`` (``type: "message"`` optional), content a string or
-    a list of parts. An earlier response's output message (with ``id`` and ``status``) is one
-    too."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: NotRequired[Literal["message"]]
-    role: Literal["user", "system", "developer", "assistant"]
-    content: Content
-    id: NotRequired[str]
-    status: NotRequired[Literal["in_progress", "completed", "incomplete"]]
-    phase: NotRequired[str | None]
-
-
-class FunctionCallItem(TypedDict):
-    """A function call the model made earlier (``type: "function_call"``)."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-    id: NotRequired[str]
-    status: NotRequired[Literal["in_progress", "completed", "incomplete"]]
-
-
-class FunctionCallOutputItem(TypedDict):
-    """What a function call returned (``type: "function_call_output"``)."""
-
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
-    type: Literal["function_call_output"]
-    call_id: str
-    output: Content
-    id: NotRequired[str | None]
-    status: NotRequired[Literal["in_progress", "completed", "incomplete"] | None]
-
-
-class UnsupportedItem(TypedDict):
-    """An input item of any other type (reasoning, item references, built-in tool calls):
-    refused by name."""
-
-    __pydantic_config__ = _OPEN  # type: ignore[misc]
-    type: str
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("<message>")]
-    | Annotated[FunctionCallItem, Tag("<function_call>")]
-    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
-    | Annotated[UnsupportedItem, Tag("<other>")],
-    _tag(frozenset({"message", "function_call", "function_call_output"}), default="message"),
-]
+# NOTE: tools and formats are TypedDicts (plain dicts), as input items are
+# (`pdserve.gateway.openai.responses_api.input_schemas`): they validate faster than models.
 
 
 class FunctionTool(TypedDict):
     """``{"type": "function", "name", "parameters", "strict", "description"}``: Responses' flat
     shape of chat's ``{"type": "function", "function": {...}}``."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     name: str
     parameters: NotRequired[dict[str, Any] | None]
@@ -163,14 +48,14 @@ class FunctionTool(TypedDict):
 class UnsupportedTool(TypedDict):
     """A built-in tool (web search, file search, ...): refused by name."""
 
-    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str
 
 
 class FunctionToolChoice(TypedDict):
     """``{"type": "function", "name"}``: call this function."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     name: str
 
@@ -178,33 +63,33 @@ class FunctionToolChoice(TypedDict):
 class UnsupportedToolChoice(TypedDict):
     """A tool_choice of any other type (a built-in tool, ``allowed_tools``): refused by name."""
 
-    __pydantic_config__ = _OPEN  # type: ignore[misc]
+    __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str
 
 
 ToolChoiceValue = Annotated[
     Annotated[FunctionToolChoice, Tag("<function>")]
     | Annotated[UnsupportedToolChoice, Tag("<other>")],
-    _tag(frozenset({"function"})),
+    type_tag(frozenset({"function"})),
 ]
 
 Tool = Annotated[
     Annotated[FunctionTool, Tag("<function>")] | Annotated[UnsupportedTool, Tag("<other>")],
-    _tag(frozenset({"function"})),
+    type_tag(frozenset({"function"})),
 ]
 
 
 class TextFormat(TypedDict):
     """``{"type": "text"}``: free text (the default)."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["text"]
 
 
 class JsonObjectFormat(TypedDict):
     """``{"type": "json_object"}``: any JSON object."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["json_object"]
 
 
@@ -212,7 +97,7 @@ class JsonSchemaFormat(TypedDict):
     """``{"type": "json_schema", "name", "schema", "strict", "description"}``: JSON that
     matches ``schema``."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["json_schema"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     schema: dict[str, Any]
@@ -223,7 +108,7 @@ class JsonSchemaFormat(TypedDict):
 class TextConfig(TypedDict):
     """``text``: the output's format."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     format: NotRequired[
         Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
     ]
@@ -232,7 +117,7 @@ class TextConfig(TypedDict):
 class ResponsesRequest(BaseModel):
     """Body of ``POST /v1/responses``."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str
     input: Annotated[

@@ -30,7 +30,7 @@ from pdserve.common.generation import FinishReason
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody
 from pdserve.gateway.openai.responses_api.items import Event, OutputItems
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.request import OutputDelta, ResponseStatus
 
 RESPONSE_ID_PREFIX = "resp_"
 
@@ -68,7 +68,7 @@ class ResponseWriter:
 
     def response(
         self,
-        status: str,
+        status: ResponseStatus,
         items: OutputItems | None = None,
         final: OutputDelta | None = None,
         error: PdserveError | None = None,
@@ -78,7 +78,7 @@ class ResponseWriter:
         gives the usage, `error` the failure; `with_text` shows an in-progress message's text
         so far (a polled response; in events it comes as deltas)."""
         sampling = self.prompt.request.sampling
-        is_done = status not in ("in_progress", "queued")
+        is_done = status not in (ResponseStatus.IN_PROGRESS, ResponseStatus.QUEUED)
         completed_at = self._now() if self._completed_at is None else self._completed_at
         is_background = self._body.background
         body: dict[str, Any] = {
@@ -90,7 +90,7 @@ class ResponseWriter:
             "background": is_background,
             "error": None if error is None else _error(error),
             "incomplete_details": (
-                {"reason": "max_output_tokens"} if status == "incomplete" else None
+                {"reason": "max_output_tokens"} if status == ResponseStatus.INCOMPLETE else None
             ),
             "model": self._body.model,
             "output": [] if items is None else items.output(_item_status(status), with_text),
@@ -147,7 +147,7 @@ class ResponseWriter:
     ) -> AsyncGenerator[str, None]:
         """The events of a stream whose first delta was already received (`first` None: of
         a stream none of whose deltas was read yet)."""
-        in_progress = self.response("in_progress")
+        in_progress = self.response(ResponseStatus.IN_PROGRESS)
         yield self._event("response.created", response=in_progress)
         yield self._event("response.in_progress", response=in_progress)
         items = OutputItems(self.prompt.request_id)
@@ -162,7 +162,7 @@ class ResponseWriter:
             code = error.reason.name.lower()
             message = error.message or error.reason.name
             yield self._event("error", code=code, message=message, param=None)
-            failed = self.response("failed", items, error=error)
+            failed = self.response(ResponseStatus.FAILED, items, error=error)
             yield self._event("response.failed", response=failed)
             return
         finally:
@@ -193,17 +193,19 @@ async def _prepend(
         yield item
 
 
-def _status(final: OutputDelta | None) -> str:
+def _status(final: OutputDelta | None) -> ResponseStatus:
     """``incomplete`` for a completion that ran out of tokens, else ``completed`` (also after
     tool calls)."""
     if final is not None and final.finish_reason is FinishReason.LENGTH:
-        return "incomplete"
-    return "completed"
+        return ResponseStatus.INCOMPLETE
+    return ResponseStatus.COMPLETED
 
 
-def _item_status(status: str) -> str:
+def _item_status(status: ResponseStatus) -> str:
     """The status of the last output item in a response of `status`."""
-    return "incomplete" if status in ("incomplete", "failed") else status
+    if status in (ResponseStatus.INCOMPLETE, ResponseStatus.FAILED):
+        return "incomplete"
+    return status.value
 
 
 def _error(error: PdserveError) -> dict[str, str]:

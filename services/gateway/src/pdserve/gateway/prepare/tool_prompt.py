@@ -16,14 +16,12 @@ in the model's call format (`pdserve.gateway.tools.formats`), so the model still
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pdserve.gateway.prepare.params import ChatMessage
 from pdserve.gateway.tools.formats import ToolCallFormat
 from pdserve.gateway.tools.spec import FunctionTool
 from pdserve.tokenizer import ToolSupport
-
-if TYPE_CHECKING:
-    from pdserve.gateway.prepare.params import ChatMessage
 
 
 def template_inputs(

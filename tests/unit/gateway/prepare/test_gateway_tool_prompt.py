@@ -13,8 +13,8 @@ from support.gateway_fakes import tokenizer_json
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.gateway.prepare.params import ChatMessage
+from pdserve.gateway.prepare.tool_prompt import template_inputs
 from pdserve.gateway.tools.formats import FORMATS, HERMES, LLAMA3_JSON
-from pdserve.gateway.tools.prompt import template_inputs
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall
 from pdserve.tokenizer import Tokenizer, ToolSupport
 

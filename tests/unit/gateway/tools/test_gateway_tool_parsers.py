@@ -11,8 +11,8 @@ import pytest
 
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.tool_deltas import ToolCallStream
 from pdserve.gateway.tools.formats import FORMATS, HERMES, LLAMA3_JSON, resolve_format
-from pdserve.gateway.tools.output import ToolCallStream
 from pdserve.gateway.tools.plan import ToolPlan
 from pdserve.gateway.tools.spec import ToolChoiceMode
 

@@ -18,8 +18,8 @@ from transformers import PreTrainedTokenizerFast
 
 from pdserve.common.generation import Constraint, FinishReason
 from pdserve.gateway.request import OutputDelta
+from pdserve.gateway.tool_deltas import ToolCallStream
 from pdserve.gateway.tools.formats import FORMATS, HERMES
-from pdserve.gateway.tools.output import ToolCallStream
 from pdserve.gateway.tools.plan import ToolPlan, forced_call_constraint, plan_tools
 from pdserve.gateway.tools.spec import FunctionTool, ToolChoice, ToolChoiceMode
 

@@ -1,0 +1,98 @@
+"""The pair an attempt runs on: the router's choice under the request's exclusions, in a
+``gateway.route`` span, counted by the prefill's reason."""
+
+from __future__ import annotations
+
+import contextlib
+
+from opentelemetry import context as otel_context
+
+from pdserve.common import telemetry
+from pdserve.common.errors import PdserveError
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.progress import CompletionProgress, RequestState
+from pdserve.gateway.request import GenerationRequest, remaining_s
+from pdserve.gateway.routing.pair import Pair
+from pdserve.gateway.routing.prompt_keys import PromptKeys
+from pdserve.gateway.routing.queue_bounds import is_wait
+from pdserve.gateway.routing.router import Router
+
+CONSTRAINED = frozenset({"constraints"})  # what a constrained request needs of both instances
+
+_tracer = telemetry.tracer("pdserve.gateway")
+
+
+class PairChoice:
+    """Chooses attempts' pairs with a `Router`.
+
+    Args:
+        router: Pair selection.
+        metrics: Counts the routes by reason.
+    """
+
+    def __init__(self, router: Router, metrics: GatewayMetrics) -> None:
+        self._router = router
+        self._metrics = metrics
+
+    def route(
+        self,
+        request: GenerationRequest,
+        progress: CompletionProgress,
+        keys: PromptKeys,
+        state: RequestState,
+        deadline: float,
+        parent: otel_context.Context,
+    ) -> Pair:
+        """Picks the attempt's pair, avoiding what `state` avoids when another pair exists.
+
+        Raises:
+            PdserveError: No pair has room (a wait) or none can serve the request; when earlier
+                attempts excluded every instance, the last of their errors.
+        """
+        with _tracer.start_as_current_span(
+            "gateway.route", context=parent, attributes={telemetry.REQUEST_ID: request.request_id}
+        ) as span:
+            remaining_s(request, deadline)
+            *preferred, required = state.exclusions()
+            pair = None
+            for prefill_ids, decode_ids in preferred:
+                with contextlib.suppress(PdserveError):
+                    pair = self._pick(request, progress, keys, prefill_ids, decode_ids)
+                    break
+            try:
+                pair = pair or self._pick(request, progress, keys, *required)
+            except PdserveError as error:
+                # NOTE: when earlier attempts excluded every instance, their error explains
+                # more (and carries its retry delay); no room is not a failure: it waits.
+                if state.last_error is not None and not is_wait(error):
+                    raise state.last_error from error
+                raise
+            span.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)
+            span.set_attribute("pdserve.decode.instance_id", pair.decode.instance_id)
+            span.set_attribute("pdserve.route.prefill_reason", pair.prefill_reason.value)
+            span.set_attribute("pdserve.route.matched_blocks", pair.num_matched_blocks)
+        self._metrics.routes.labels(reason=pair.prefill_reason.value).inc()
+        return pair
+
+    def _pick(
+        self,
+        request: GenerationRequest,
+        progress: CompletionProgress,
+        keys: PromptKeys,
+        prefill_ids: frozenset[str],
+        decode_ids: frozenset[str],
+    ) -> Pair:
+        return self._router.pick(
+            request.model,
+            progress.continuation_token_ids(),
+            progress.num_remaining_tokens,
+            exclude_prefill_ids=prefill_ids,
+            exclude_decode_ids=decode_ids,
+            prompt_keys=keys,
+            require_room=True,
+            required_features=(
+                CONSTRAINED if request.sampling.constraint is not None else frozenset()
+            ),
+            share_key=request.share_key,
+            num_shared_tokens=len(request.prompt_token_ids),
+        )
