@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.model import Linear
+from pdserve.engine.linear import Linear
 
 INT4_GROUP_SIZE = 32
 """Input features sharing one int4 scale and zero (torch's kernel takes 32 to 256)."""

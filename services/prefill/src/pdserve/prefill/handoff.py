@@ -24,6 +24,7 @@ from opentelemetry import context as otel_context
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.constraints import ConstraintCompiler, ConstraintState
+from pdserve.prefill.block_release import free_blocks
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
 from pdserve.prefill.in_flight import InFlight
@@ -284,23 +285,4 @@ class Handoffs:
             with contextlib.suppress(BaseException):
                 await flight.sender_task
         if request.is_submitted:
-            await self._free_blocks(request)
-
-    async def _free_blocks(self, request: Request) -> None:
-        aio_loop = asyncio.get_running_loop()
-        released = aio_loop.create_future()
-
-        def on_released() -> None:
-            with contextlib.suppress(RuntimeError):
-                aio_loop.call_soon_threadsafe(_resolve, released)
-
-        self.loop.release(request, on_released)
-        try:
-            await asyncio.wait_for(released, RELEASE_WAIT_S)
-        except TimeoutError:
-            log.error("prefill_blocks_not_released", request_id=request.request_id)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+            await free_blocks(self.loop, request, RELEASE_WAIT_S)

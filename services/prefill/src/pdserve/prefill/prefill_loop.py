@@ -39,6 +39,7 @@ from pdserve.engine.sampling_ops import token_logprobs
 from pdserve.engine.thread import EngineThread
 from pdserve.kv.codec import import_block_payloads
 from pdserve.kv.transfer import blocks_per_piece
+from pdserve.prefill.chunk_spans import chunk_spans
 from pdserve.prefill.events import EngineFailed, FirstTokenSampled
 from pdserve.prefill.kv_export import export_layer, plan_export
 from pdserve.prefill.metrics import PrefillMetrics
@@ -47,7 +48,6 @@ from pdserve.prefill.scheduler import PrefillScheduler
 from pdserve.prefill.store_loader import StoreLoader
 
 log = structlog.get_logger(__name__)
-_tracer = telemetry.tracer("pdserve.prefill")
 
 
 class PrefillLoop(EngineThread):
@@ -170,7 +170,7 @@ class PrefillLoop(EngineThread):
     def _execute(self, output: SchedulerOutput[Request]) -> None:
         scheduled = output.scheduled
         exports = [export for chunk in scheduled if (export := plan_export(chunk, self.block_size))]
-        spans = _chunk_spans(scheduled) if telemetry.is_enabled() else []
+        spans = chunk_spans(scheduled) if telemetry.is_enabled() else []
         now = time.monotonic()
         for chunk in scheduled:
             chunk.request.phases.mark_scheduled(now)
@@ -265,42 +265,3 @@ def _score_prompt(chunk: ScheduledChunk[Request], logits: torch.Tensor) -> None:
     targets = request.token_ids[start + 1 : start + 1 + len(chunk.token_ids)]
     num_top = request.sampling.prompt_logprobs or 0
     request.prompt_logprobs.extend(token_logprobs(logits[: len(targets)], targets, num_top))
-
-
-def _chunk_spans(scheduled: list[ScheduledChunk[Request]]) -> list[trace.Span]:
-    """Starts a ``prefill.chunk`` span per scheduled chunk (and, for a request's first chunk,
-    records its ``prefill.queue_wait``), each under its request's trace context."""
-    now_ns = time.time_ns()
-    spans = []
-    for chunk in scheduled:
-        request = chunk.request
-        if request.trace_context is None:
-            continue
-        num_reused = request.num_cached_tokens + request.num_loaded_tokens
-        if chunk.num_computed_tokens == num_reused and request.submitted_ns:
-            # NOTE: the request's first chunk: say on its compute span how much was reused.
-            trace.get_current_span(request.trace_context).set_attributes(
-                {"pdserve.cached_tokens": request.num_cached_tokens,
-                 "pdserve.loaded_tokens": request.num_loaded_tokens}
-            )  # fmt: skip
-            waited = _tracer.start_span(
-                "prefill.queue_wait",
-                context=request.trace_context,
-                start_time=request.submitted_ns,
-                attributes={telemetry.REQUEST_ID: request.request_id},
-            )
-            waited.end(end_time=now_ns)
-        spans.append(
-            _tracer.start_span(
-                "prefill.chunk",
-                context=request.trace_context,
-                start_time=now_ns,
-                attributes={
-                    telemetry.REQUEST_ID: request.request_id,
-                    "pdserve.num_tokens": chunk.num_new_tokens,
-                    "pdserve.start_position": chunk.num_computed_tokens,
-                    "pdserve.num_batched_requests": len(scheduled),
-                },
-            )
-        )
-    return spans

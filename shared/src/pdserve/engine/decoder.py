@@ -1,0 +1,170 @@
+"""One decoder layer of every supported family: attention (q/k norm, partial RoPE, a scale of
+the family's own), the dense or expert feed-forward, and the Llama or Gemma arrangement of
+norms around them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention import SdpaAttention
+from pdserve.engine.attention_metadata import AttentionMetadata
+from pdserve.engine.flash_attention import FlashAttention
+from pdserve.engine.layers import gated_activation, make_norm
+from pdserve.engine.linear import Linear
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.moe import SparseMoeBlock
+from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.rope import apply_rotary
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection, rotary embeddings and GQA.
+
+    Optionally RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3), a softmax scale
+    of the family's own (Gemma 3) and RoPE over the leading dims of a head only (Phi-3's
+    ``partial_rotary_factor``).
+
+    Column-parallel over the heads: a rank holds its share of the query heads and of the KV
+    heads (or its replica of one KV head), and the output projection sums over the ranks.
+    """
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        shard = group.shard
+        self.num_heads = len(
+            shard.q_head_range(config.num_attention_heads, config.num_key_value_heads)
+        )
+        self.num_kv_heads = len(shard.kv_head_range(config.num_key_value_heads))
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, group)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        attention_cls = FlashAttention if backend == "flash" else SdpaAttention
+        self.attn = attention_cls(
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            config.sliding_window(layer_index),
+            scale=config.attention_scale,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: CosSin,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        # qkv: [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(hidden)
+        # NOTE: q and k are rotated together in one pass.
+        # qk: [num_tokens, num_heads + num_kv_heads, head_dim]
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
+            )
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        # out: [num_tokens, num_heads, head_dim]
+        out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) with fused gate/up projection.
+
+    Column-parallel gate/up over the intermediate size, row-parallel down projection.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        intermediate_size: int | None = None,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__()
+        group = group or TensorParallelGroup.single()
+        size = intermediate_size or config.intermediate_size
+        self.intermediate_size = len(group.shard.span(size))
+        self.hidden_act = config.hidden_act
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = Linear(
+            self.intermediate_size, config.hidden_size, bias=config.mlp_bias, group=group
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # gate_up: [num_tokens, 2 * intermediate_size]
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(gated_activation(self.hidden_act, gate, up))
+
+
+def _feed_forward(config: ModelConfig, layer_index: int, group: TensorParallelGroup) -> nn.Module:
+    if config.is_moe_layer(layer_index):
+        return SparseMoeBlock(config, Linear, LlamaMLP, group)
+    return LlamaMLP(config, group=group)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block followed by a pre-norm feed-forward (dense or experts)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, backend, group)
+        self.mlp = _feed_forward(config, layer_index, group)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: CosSin,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 3's layer: each block normed before and after, then added to the residual."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, backend, group)
+        self.mlp = _feed_forward(config, layer_index, group)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: CosSin,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(fed)
