@@ -17,7 +17,7 @@ from support.prefill_cluster import BLOCK_SIZE, Cluster, cluster
 from pdserve.common import telemetry
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.colocated import LLMEngine
-from pdserve.prefill import handoff, prefill_loop
+from pdserve.prefill import chunk_spans, handoff
 
 PREFIX = [(11 * i + 7) % 290 + 3 for i in range(3 * BLOCK_SIZE)]  # 3 full blocks
 FIRST = [*PREFIX, 5, 9, 200]
@@ -34,7 +34,7 @@ def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("pdserve.prefill")
     monkeypatch.setattr(handoff, "_tracer", tracer)
-    monkeypatch.setattr(prefill_loop, "_tracer", tracer)
+    monkeypatch.setattr(chunk_spans, "_tracer", tracer)
     monkeypatch.setattr(telemetry, "_provider", provider)
     yield exporter
     provider.shutdown()
