@@ -16,7 +16,6 @@ boundary between users; the window is the boundary between leases.)
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import secrets
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from pdserve.common.stale_files import remove_orphaned_files
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.kv.transfer import KvPiece, chunk_crc32c, id_runs
 
@@ -67,15 +67,7 @@ class KvSegment:
         path = directory / f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(16)}"
         if kv_cache.shared_path is not None:
             return cls._link(kv_cache, kv_cache.shared_path, path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, kv_cache.nbytes)
-            mapping = mmap.mmap(fd, kv_cache.nbytes, mmap.MAP_SHARED)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        mapping = _allocate_and_map(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, kv_cache.nbytes)
         try:
             kv_cache.place_in(memoryview(mapping))
         except BaseException:
@@ -89,15 +81,7 @@ class KvSegment:
         """The segment of a cache already in a shared file (a tensor-parallel instance's, whose
         ranks map it): a second name for the same file, its pages allocated now."""
         os.link(shared_path, path)
-        fd = os.open(path, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, 0, kv_cache.nbytes)
-            mapping = mmap.mmap(fd, kv_cache.nbytes, mmap.MAP_SHARED)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(fd)
+        mapping = _allocate_and_map(path, os.O_RDWR, kv_cache.nbytes)
         log.info("kv_segment_created", name=path.name, num_bytes=kv_cache.nbytes, linked=True)
         return cls(path, mapping)
 
@@ -106,27 +90,24 @@ class KvSegment:
         self.path.unlink(missing_ok=True)
 
 
+def _allocate_and_map(path: Path, flags: int, num_bytes: int) -> mmap.mmap:
+    """Opens `path` with `flags`, allocates `num_bytes` of pages now (a full /dev/shm fails
+    here, not with SIGBUS later) and maps them shared; removes `path` if that fails."""
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+        return mmap.mmap(fd, num_bytes, mmap.MAP_SHARED)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+
+
 def remove_stale_segments(directory: Path = SHM_DIR) -> int:
     """Removes this user's segments left by decode processes that no longer run; returns how
     many."""
-    num_removed = 0
-    for path in directory.glob(f"{NAME_PREFIX}*"):
-        pid_text = path.name.removeprefix(NAME_PREFIX).split("-", 1)[0]
-        with contextlib.suppress(OSError, ValueError):
-            if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
-                continue
-            path.unlink()
-            num_removed += 1
-    return num_removed
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    return remove_orphaned_files(directory, NAME_PREFIX)
     return True
 
 

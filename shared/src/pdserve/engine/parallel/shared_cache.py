@@ -10,7 +10,6 @@ different tensor-parallel sizes exchange the same bytes.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import secrets
@@ -20,6 +19,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from pdserve.common.stale_files import remove_orphaned_files
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 
 log = structlog.get_logger(__name__)
@@ -114,22 +114,5 @@ def remove_shared_cache(cache: KVCache) -> None:
 
 def remove_stale_files(directory: Path = DEFAULT_DIR) -> int:
     """Removes this user's cache files left by instances that no longer run; returns how many."""
-    num_removed = 0
-    for path in directory.glob(f"{NAME_PREFIX}*"):
-        pid_text = path.name.removeprefix(NAME_PREFIX).split("-", 1)[0]
-        with contextlib.suppress(OSError, ValueError):
-            if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
-                continue
-            path.unlink()
-            num_removed += 1
-    return num_removed
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    return remove_orphaned_files(directory, NAME_PREFIX)
     return True
