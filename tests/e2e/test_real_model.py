@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from support.hf_reference import chat_greedy
 from support.process_cluster import ProcessCluster, running_cluster
 
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
@@ -39,18 +39,7 @@ def cluster(smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory) ->
 
 def reference(smollm2_reference: tuple[Any, Any], messages: list[dict[str, str]]) -> tuple:
     """(prompt ids, generated ids up to and including the end token) from transformers."""
-    tokenizer, model = smollm2_reference
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-    prompt_ids = list(encoded["input_ids"])
-    with torch.no_grad():
-        output = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False
-        )
-    generated = output[0, len(prompt_ids) :].tolist()
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if end in generated:
-        generated = generated[: generated.index(end) + 1]
-    return prompt_ids, generated
+    return chat_greedy(smollm2_reference, messages, MAX_TOKENS)
 
 
 def test_the_default_model_is_smollm2(cluster: ProcessCluster, smollm2_gguf: Path) -> None:

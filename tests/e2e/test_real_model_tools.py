@@ -20,7 +20,7 @@ from typing import Any
 
 import jsonschema
 import pytest
-import torch
+from support.hf_reference import chat_greedy
 from support.masked_reference import masked_greedy
 from support.process_cluster import ProcessCluster, running_cluster
 
@@ -90,17 +90,8 @@ def _template_messages(smollm2: ResolvedModel) -> list[dict[str, Any]]:
 
 def _reference(smollm2_reference: tuple[Any, Any], messages: list[dict[str, Any]]) -> tuple:
     """(prompt ids, greedy completion ids up to <|im_end|>, its text) from transformers."""
-    tokenizer, model = smollm2_reference
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-    prompt_ids = list(encoded["input_ids"])
-    with torch.no_grad():
-        output = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False
-        )
-    generated = output[0, len(prompt_ids) :].tolist()
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if end in generated:
-        generated = generated[: generated.index(end) + 1]
+    prompt_ids, generated = chat_greedy(smollm2_reference, messages, MAX_TOKENS)
+    tokenizer = smollm2_reference[0]
     return prompt_ids, generated, tokenizer.decode(generated, skip_special_tokens=True)
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
+from support.hf_reference import chat_greedy
 from support.process_cluster import ProcessCluster, events_named, running_cluster
 
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
@@ -33,18 +33,7 @@ def split_cluster(
 
 def expected_ids(smollm2_reference: tuple[Any, Any]) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy ids up to and including the end token) from transformers."""
-    tokenizer, model = smollm2_reference
-    encoded = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
-    prompt_ids = list(encoded["input_ids"])
-    with torch.no_grad():
-        output = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False
-        )
-    generated = output[0, len(prompt_ids) :].tolist()
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if end in generated:
-        generated = generated[: generated.index(end) + 1]
-    return prompt_ids, generated
+    return chat_greedy(smollm2_reference, MESSAGES, MAX_TOKENS)
 
 
 async def test_split_decode_serves_the_default_model_exactly(
