@@ -16,7 +16,16 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["install", "env", "model", "gpu_tests", "engine_bench", "kv_bench", "serve_compare"]
+STEPS = [
+    "install",
+    "env",
+    "model",
+    "gpu_tests",
+    "engine_bench",
+    "graphs_bench",
+    "kv_bench",
+    "serve_compare",
+]
 
 
 def load_tool(name: str) -> ModuleType:
@@ -110,6 +119,9 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
     engine = steps["engine_bench"]["results"]["summary"]
     assert engine["greedy_outputs_identical_to_hf"] == "8/8"
     assert engine["attention_backend"] == "sdpa"
+    graphs = steps["graphs_bench"]["results"]
+    assert graphs["capture"] == "StandInCapture" and graphs["buckets"] == [1, 2, 4]
+    assert [row["batch_size"] for row in graphs["rows"]] == [1, 4]
     assert set(steps["kv_bench"]["results"]["transports"]) == {"grpc", "tcp", "shm"}
     merged = steps["serve_compare"]["results"]["merged"]
     assert merged["pdserve"]["num_errors"] == merged["colocated"]["num_errors"] == 0
