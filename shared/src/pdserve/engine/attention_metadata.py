@@ -112,6 +112,8 @@ class AttentionMetadata:
         gather_buffer: Where K/V gathered for attention are copied (reused across steps).
         is_static: A graph step (`pdserve.engine.graphs`): every sequence is a decode,
             ``context_lens`` is on the device, and nothing may read a tensor on the host.
+        device_lens: ``[2, num_seqs]`` ``query_lens`` and ``context_lens`` on the device,
+            copied once before the forward (None: layers copy what they need).
         write_rows: ``[num_tokens]`` on a graph step, the row whose new K/V each row writes
             (padding rows write row 0's, into row 0's slot); None otherwise.
         derived: Memo of tensors derived from the above (masks, gathers), shared by all layers.
@@ -126,6 +128,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     gather_buffer: KVGatherBuffer = field(default_factory=KVGatherBuffer)
     is_static: bool = False
+    device_lens: torch.Tensor | None = None
     write_rows: torch.Tensor | None = None
     derived: dict[object, Any] = field(default_factory=dict)
 
@@ -180,7 +183,8 @@ class AttentionMetadata:
         key = ("decode_mask", group.start, window)
         if key not in self.derived:
             device = self.block_table.device
-            lens = self.context_lens[group.start : group.end].to(device)[:, None]
+            context_lens = self.context_lens if self.device_lens is None else self.device_lens[1]
+            lens = context_lens[group.start : group.end].to(device)[:, None]
             key_pos = torch.arange(group.num_blocks * self.block_size, device=device)[None, :]
             mask = key_pos < lens
             if window is not None:

@@ -177,15 +177,18 @@ def _flash_tensors(metadata: AttentionMetadata) -> dict[str, Any]:
     cached = metadata.derived.get(key)
     if cached is None:
         device = metadata.slot_mapping.device
-        zero = torch.zeros(1, dtype=torch.int32)
+        # lens: [2, num_seqs] query and context lengths (on the device when the step put them
+        # there before the forward: then nothing here copies from the host)
+        lens = metadata.device_lens
+        if lens is None:
+            lens = torch.stack([metadata.query_lens, metadata.context_lens]).to(device)
+        lens = lens.to(torch.int32)
+        # cu_seqlens: [2, num_seqs + 1]
+        cu_seqlens = torch.nn.functional.pad(lens.cumsum(1, dtype=torch.int32), (1, 0))
         cached = {
-            "cu_seqlens_q": torch.cat([zero, metadata.query_lens.cumsum(0).to(torch.int32)]).to(
-                device
-            ),
-            "cu_seqlens_k": torch.cat([zero, metadata.context_lens.cumsum(0).to(torch.int32)]).to(
-                device
-            ),
-            "seqused_k": metadata.context_lens.to(torch.int32).to(device),
+            "cu_seqlens_q": cu_seqlens[0],
+            "cu_seqlens_k": cu_seqlens[1],
+            "seqused_k": lens[1],
             "block_table": metadata.block_table.to(torch.int32).contiguous(),
         }
         metadata.derived[key] = cached

@@ -259,11 +259,14 @@ class ModelRunner:
         input_ids, positions, metadata = prepare_step(
             [chunks[i] for i in order], self.block_size, self.device, self.gather_buffer
         )
-        hidden = self.model(input_ids, positions, self.rank_cache, metadata, on_layer_done)
         last_rows = torch.cumsum(metadata.query_lens, 0) - 1
-        logits_sorted = self.model.compute_logits(hidden[last_rows.to(self.device)])
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
+        # NOTE: on the device before the forward is queued, so no copy waits for it.
+        # rows: [2, num_seqs]: each chunk's last token row; each chunk's place in the batch
+        rows = torch.stack([last_rows, inverse]).to(self.device)
+        hidden = self.model(input_ids, positions, self.rank_cache, metadata, on_layer_done)
+        logits_sorted = self.model.compute_logits(hidden[rows[0]])
         every: dict[int, torch.Tensor] = {}
         if every_position:
             ends = torch.cumsum(metadata.query_lens, 0).tolist()
@@ -271,4 +274,4 @@ class ModelRunner:
                 position = int(inverse[index])
                 start = ends[position] - int(metadata.query_lens[position])
                 every[index] = self.model.compute_logits(hidden[start : ends[position]])
-        return logits_sorted[inverse.to(self.device)], every
+        return logits_sorted[rows[1]], every

@@ -76,14 +76,18 @@ def prepare_step(
     slot_mapping = (
         block_table[seq_index_t, positions_t // block_size] * block_size + positions_t % block_size
     )
+    # NOTE: every tensor the layers read goes to the device here, before the forward: no layer
+    # copies from the host (a copy from pageable memory waits for the device).
+    lens = torch.tensor([query_lens, context_lens])
     metadata = AttentionMetadata(
         block_size=block_size,
         slot_mapping=slot_mapping.to(device),
         block_table=block_table.to(device),
-        context_lens=torch.tensor(context_lens),
-        query_lens=torch.tensor(query_lens),
+        context_lens=lens[1],
+        query_lens=lens[0],
         num_decodes=num_decodes,
         prefills=prefills,
         gather_buffer=gather_buffer,
+        device_lens=lens.to(device) if device.type != "cpu" else None,
     )
     return StepInputs(torch.tensor(input_ids, device=device), positions_t.to(device), metadata)
