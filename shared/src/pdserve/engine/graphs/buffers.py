@@ -92,26 +92,42 @@ class StaticDecodeBuffers:
         """
         if not 0 < len(chunks) <= num_rows <= self.max_rows:
             raise ValueError(f"{len(chunks)} decodes do not fill a bucket of {num_rows} rows")
-        block_size = self.block_size
-        # rows: [5, max_rows]: token, position, context length, slot, the row written
-        rows = self._host_rows
-        table = self._host_table
-        rows[:, :num_rows] = 0
-        rows[2, :num_rows] = 1
-        table[:num_rows] = 0
+        block_size, width = self.block_size, self.max_blocks_per_seq
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        table_index: list[int] = []  # flat indices into the table's rows
+        table_ids: list[int] = []
         for row, chunk in enumerate(chunks):
             position = chunk.num_computed_tokens
             num_blocks = num_blocks_for(position + 1, block_size)
             if not self.fits(chunk) or len(chunk.block_ids) < num_blocks or position < 0:
                 raise ValueError(f"chunk {row} is not a decode this graph step can run")
             block_ids = chunk.block_ids[:num_blocks]
-            rows[0, row] = chunk.token_ids[0]
-            rows[1, row] = position
-            rows[2, row] = position + 1
-            rows[3, row] = block_ids[-1] * block_size + position % block_size
-            rows[4, row] = row
-            table[row, :num_blocks] = torch.as_tensor(block_ids, dtype=torch.long)
-        rows[3, len(chunks) : num_rows] = rows[3, 0]
+            token_ids.append(chunk.token_ids[0])
+            positions.append(position)
+            slots.append(block_ids[-1] * block_size + position % block_size)
+            table_index.extend(range(row * width, row * width + num_blocks))
+            table_ids.extend(block_ids)
+        # NOTE: Python lists into one tensor each: per-element writes into a tensor cost
+        # microseconds apiece, which at 64 rows would eat what a graph saves.
+        num_padding = num_rows - len(chunks)
+        # rows: [5, num_rows]: token, position, context length, slot, the row written
+        rows = self._host_rows[:, :num_rows]
+        rows.copy_(
+            torch.tensor(
+                [
+                    token_ids + [0] * num_padding,
+                    positions + [0] * num_padding,
+                    [p + 1 for p in positions] + [1] * num_padding,
+                    slots + [slots[0]] * num_padding,
+                    list(range(len(chunks))) + [0] * num_padding,
+                ]
+            )
+        )
+        table = self._host_table[:num_rows]
+        table.zero_()
+        table.view(-1)[torch.tensor(table_index)] = torch.tensor(table_ids, dtype=torch.long)
         is_async = self.device.type == "cuda"
         for target, source in zip(
             (self.input_ids, self.positions, self.context_lens, self.slot_mapping, self.write_rows),
