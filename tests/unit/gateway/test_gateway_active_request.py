@@ -1,17 +1,19 @@
 """The one object a request is while the gateway runs it: its deadline, its continuation across
-attempts, and its end."""
+attempts, and its end; the orchestrator advances that same object."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from support.memory_backend import preempt
+from support.memory_cluster import PROMPT_IDS, MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams
 from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.fleet.backend import FinishedEvent
-from pdserve.gateway.request import GenerationEnd, GenerationRequest
+from pdserve.gateway.request import GenerationEnd, GenerationRequest, TokenChunk
 
 
 def _request(max_tokens: int = 4) -> GenerationRequest:
@@ -57,3 +59,22 @@ def test_queue_waits_count_in_the_time_to_first_token_only_before_it() -> None:
     active.timeline.on_first_token(None)
     active.on_queue_wait(0.25)
     assert (active.queued_s, active.timeline.queue_wait_s) == (0.75, 0.5)
+
+
+async def test_the_orchestrator_advances_the_one_request_object() -> None:
+    cluster = MemoryCluster()
+    prefill, decode = cluster.add_prefill(), cluster.add_decode()
+    decode.script = [preempt(after=3)]
+    request = cluster.request(prompt_logprobs=1)
+    deadline = asyncio.get_running_loop().time() + 5.0
+    active = ActiveRequest(request, deadline)
+    chunks = [event async for event in cluster.orchestrator.run(active)]
+    await cluster.orchestrator.wait_for_cleanups()
+    delivered = [t for chunk in chunks if isinstance(chunk, TokenChunk) for t in chunk.token_ids]
+    assert list(active.progress.token_ids) == delivered == expected(request)
+    assert (active.state.num_attempts, active.state.num_reschedules) == (2, 1)
+    # The second attempt continued from what the first delivered, without prompt logprobs.
+    first, second = prefill.calls
+    assert first.token_ids == PROMPT_IDS and first.sampling.prompt_logprobs == 1
+    assert second.token_ids == (*PROMPT_IDS, *delivered[:4])
+    assert second.sampling.prompt_logprobs is None
