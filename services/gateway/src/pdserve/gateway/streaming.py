@@ -21,6 +21,7 @@ from opentelemetry.context import Context
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import resolve_seed
+from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.output_deltas import final_delta, text_deltas
@@ -123,7 +124,8 @@ class Streamer:
         timeline = TtftTimeline(arrival=prepared.arrival_time)
         try:
             deadline = started + self._request_timeout_s
-            events = self._orchestrator.run(request, deadline, span, timeline, resumable)
+            active = ActiveRequest(request, deadline, span, timeline, resumable)
+            events = self._orchestrator.run(active)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, GenerationEnd):
