@@ -25,7 +25,7 @@ from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest
-from pdserve.decode.transfers import TRANSPORT_NAMES, Transfers
+from pdserve.decode.transfers import TRANSPORT_NAMES, WRITTEN_IN_PLACE, Transfers
 from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
@@ -170,7 +170,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 {telemetry.REQUEST_ID: lease.request_id, "pdserve.lease_id": lease.lease_id,
                  "pdserve.transport": TRANSPORT_NAMES.get(header.transport, "grpc")}
             )  # fmt: skip
-            is_shared = header.transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
+            is_shared = header.transport in WRITTEN_IN_PLACE
             commit: decode_pb2.SyncCacheCommit | None = None
             is_end_deferred = False
             try:
