@@ -92,6 +92,10 @@ class CacheWindow:
         if self._stream is None:
             self._copy(piece.layer_index, source_ids, dest_ids, corrupt)
         else:
+            # NOTE: no wait for the engine's stream: a piece exists only once its layer's blocks
+            # were exported (a host copy, which waited for that layer), and nothing writes them
+            # again while the sequence holds them; waiting would queue the copy behind the next
+            # layers' compute instead of beside it.
             with torch.cuda.stream(self._stream):
                 self._copy(piece.layer_index, source_ids, dest_ids, corrupt)
         return crc
