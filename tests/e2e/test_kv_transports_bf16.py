@@ -1,9 +1,9 @@
 """bf16 KV blocks from a prefill's cache into a decode process, through every transport the
 decode offers, with the prefill's own sender: on CPU here, and on a GPU both from a CUDA cache
 into a CPU decode (shared memory, TCP, gRPC) and from CUDA to CUDA (CUDA IPC, device to device
-into the decode's mapped cache, and gRPC: the other two need a decode cache on CPU). The decode
-checks every chunk's CRC-32C in its own cache or on arrival, so a commit it acknowledges is a
-bit-exact round trip of the sender's blocks."""
+into the decode's mapped cache; TCP, through pinned host buffers; gRPC). The decode checks
+every chunk's CRC-32C in its own cache or on arrival, so a commit it acknowledges is a bit-exact
+round trip of the sender's blocks."""
 
 from __future__ import annotations
 
@@ -134,9 +134,9 @@ async def test_bf16_kv_crosses_every_offered_transport_bit_exact(
     if "cuda" in (sender_device, decode_device) and not HAS_CUDA:
         pytest.skip("needs CUDA")
     decode = await start_decode(decode_device)
-    # NOTE: shared memory and TCP write into the decode's cache from the host: CPU caches only;
-    # CUDA IPC maps a CUDA cache.
-    expected = {"grpc"} | ({"shm", "tcp"} if decode_device == "cpu" else {"cuda_ipc"})
+    # NOTE: shared memory writes into the decode's cache from the host: CPU caches only; CUDA
+    # IPC maps a CUDA cache; TCP reads into a CUDA cache through pinned host buffers.
+    expected = {"grpc", "tcp"} | ({"shm"} if decode_device == "cpu" else {"cuda_ipc"})
     assert decode.offered == expected
     layout_message = (
         await decode.status.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())

@@ -67,8 +67,8 @@ class DecodeConfig(InstanceConfig):
             "comma-separated in order of preference: cuda_ipc (the CUDA KV cache exported "
             "through CUDA IPC, which a prefill on this host writes into device to device; "
             "offered only for a cache on CUDA), shm (the KV cache in a shared-memory segment "
-            "that a prefill on this host writes into) and tcp (a raw TCP data port); shm and "
-            "tcp need a CPU KV cache; empty offers gRPC only"
+            "that a prefill on this host writes into; needs a CPU KV cache) and tcp (a raw TCP "
+            "data port; into a CUDA cache through pinned host buffers); empty offers gRPC only"
         },
     )
     kv_tcp_port: int = field(

@@ -114,8 +114,8 @@ class DecodeInstance(InstanceServer):
                 offer = self._export_cache()
                 if offer is not None:
                     yield offer
-            elif kv_cache.device.type != "cpu":
-                # NOTE: both read or write the cache's memory from the host.
+            elif kind == "shm" and kv_cache.device.type != "cpu":
+                # NOTE: the prefill writes the segment from the host (cuda_ipc maps a CUDA cache).
                 log.warning(
                     "kv_transport_unavailable", transport=kind, detail="the KV cache is not on CPU"
                 )
