@@ -33,8 +33,9 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-# How long a shared-memory transfer the decode ended keeps its blocks: a sender's copy of one
-# group of pieces takes milliseconds, and it writes nothing after its next message fails.
+# How long an in-place transfer (shared memory, CUDA IPC) that ended before its commit keeps its
+# blocks: a sender's copy of one group of pieces takes milliseconds, and it writes nothing after
+# its next message fails; the copies a killed sender had queued on a GPU end with its context.
 SHARED_WRITER_GRACE_S = 1.0
 
 
@@ -184,12 +185,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     receiver.receive_written(meta, await crc)
                 await self.transfers.constraint_compiled(lease)
                 response = self.transfers.commit(lease, receiver, header, commit, started)
-            except PdserveError:
-                if is_shared and commit is None:
-                    # NOTE: the decode ends the stream before the sender's commit: a copy may
-                    # still be under way there (it stops at its next write), so the blocks
-                    # stay held a little longer. A sender that hangs up, or commits, has
-                    # stopped writing.
+            except (PdserveError, asyncio.CancelledError, grpc.RpcError) as error:
+                is_cuda_ipc = header.transport == decode_pb2.TRANSPORT_KIND_CUDA_IPC
+                if (
+                    is_shared
+                    and commit is None
+                    and (is_cuda_ipc or isinstance(error, PdserveError))
+                ):
+                    # NOTE: the stream ended before the sender's commit: a copy may still be
+                    # under way there (it stops at its next write), so the blocks stay held a
+                    # little longer. A shared-memory sender that hangs up has stopped writing;
+                    # a CUDA IPC sender that died may leave copies queued on the GPU.
                     asyncio.get_running_loop().call_later(
                         SHARED_WRITER_GRACE_S, self.transfers.end, lease
                     )
