@@ -1,5 +1,5 @@
-"""Chunks read through host staging buffers into a cache's blocks (the TCP port's path into a
-CUDA cache), on CPU."""
+"""KV through host staging buffers, on CPU: chunks read into a cache's blocks (the TCP port's
+path into a CUDA cache) and a layer's pieces copied out (a CUDA sender's path, pinned there)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.staging import HostStaging
+from pdserve.kv.staging import HostStaging, export_to_host
 
 LAYOUT = KVCacheLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 
@@ -53,3 +53,13 @@ def test_a_connection_that_breaks_mid_chunk_copies_nothing() -> None:
     with pytest.raises(ConnectionError):
         HostStaging(cache).fill(0, [2], broken)
     assert not cache.kv.any()
+
+
+def test_a_layer_copied_out_through_host_buffers_has_the_export_layout() -> None:
+    cache = KVCache(LAYOUT, 8, torch.device("cpu"))
+    cache.kv.normal_()
+    runs = [(5, 2, 7), (0,), (3, 4)]
+    copied = export_to_host(cache, 1, runs, pin=False)
+    for run, data in zip(runs, copied, strict=True):
+        exported = cache.export_blocks(1, run)
+        assert bytes(data.k) == bytes(exported.k) and bytes(data.v) == bytes(exported.v)

@@ -1,11 +1,16 @@
-"""Bytes read from a socket into a device cache through host staging buffers.
+"""KV between a device cache and the host through staging buffers, both ways.
 
-A KV cache in device memory cannot be the target of ``recv_into``: each chunk is read into a
-host buffer (pinned on CUDA, from torch's caching host allocator, so buffers are reused once
-their copy finished) and copied into its blocks on a side stream without waiting, so that the
-copy of one chunk overlaps the read of the next. `StagedChunk.wait` returns once a chunk's
-copy landed (before its blocks are checksummed in the cache). On a CPU cache the same steps
-run with plain buffers and an immediate copy, which is how they are tested without a GPU.
+Receiving (`HostStaging`): a KV cache in device memory cannot be the target of ``recv_into``:
+each chunk is read into a host buffer (pinned on CUDA, from torch's caching host allocator, so
+buffers are reused once their copy finished) and copied into its blocks on a side stream
+without waiting, so that the copy of one chunk overlaps the read of the next.
+`StagedChunk.wait` returns once a chunk's copy landed (before its blocks are checksummed in the
+cache). On a CPU cache the same steps run with plain buffers and an immediate copy, which is
+how they are tested without a GPU.
+
+Sending (`export_to_host`): one layer's pieces copied from a device cache into pinned host
+buffers, all queued and then waited for once, on the engine thread as the layer finishes;
+the pieces of the layers before are meanwhile being sent from worker threads.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_cache import KVBlockData, KVCache
 
 # Fills a buffer with the next bytes of a transfer (a socket's recv_into loop).
 Filler = Callable[[memoryview], None]
@@ -84,3 +89,31 @@ class HostStaging:
             source = buffer[part * num_bytes : (part + 1) * num_bytes]
             source = source.view(self.kv_cache.dtype).view(shape)
             cache.index_copy_(0, index, source.to(device, non_blocking=True))
+
+
+def export_to_host(
+    kv_cache: KVCache, layer_index: int, pieces: Sequence[Sequence[int]], *, pin: bool = True
+) -> list[KVBlockData]:
+    """The K and V bytes of each run of blocks in `pieces` of one layer of a device cache (the
+    layout of `KVCache.export_blocks`), in host buffers (pinned where `pin`), once every copy
+    landed."""
+    k_cache, v_cache = kv_cache.layer(layer_index)
+    copies = []
+    for block_ids in pieces:
+        index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+        pair = []
+        for cache in (k_cache, v_cache):
+            # blocks: [num_blocks, block_size, num_kv_heads, head_dim] gathered on the device
+            blocks = cache.index_select(0, index)
+            host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=pin)
+            host.copy_(blocks, non_blocking=pin)
+            pair.append(host)
+        copies.append(pair)
+    if kv_cache.device.type == "cuda":
+        torch.cuda.current_stream(kv_cache.device).synchronize()
+    return [KVBlockData(_host_bytes(k), _host_bytes(v)) for k, v in copies]
+
+
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    # NOTE: numpy has no bfloat16: the raw bytes through a uint8 view (it keeps the buffer).
+    return tensor.view(torch.uint8).numpy().data.cast("B")

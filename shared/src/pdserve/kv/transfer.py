@@ -12,13 +12,14 @@ cache). No protobuf here: the engine thread imports this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import crc32c
 
-from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.engine.kv_cache import KVBlockData, KVCache, KVCacheLayout
+from pdserve.kv.staging import export_to_host
 
 if TYPE_CHECKING:
     from pdserve.kv.cache_handle import CacheHandle
@@ -114,11 +115,16 @@ def layer_pieces(
         end_block: One past the last logical block (default: the whole block table).
     """
     end = len(block_ids) if end_block is None else end_block
-    for start in range(first_block, end, num_blocks_per_piece):
-        stop = min(end, start + num_blocks_per_piece)
-        source_block_ids = tuple(block_ids[start:stop])
-        data = kv_cache.export_blocks(layer_index, source_block_ids)
-        yield KvPiece(layer_index, start, stop - start, data.k, data.v, source_block_ids)
+    starts = range(first_block, end, num_blocks_per_piece)
+    runs = [tuple(block_ids[start : min(end, start + num_blocks_per_piece)]) for start in starts]
+    datas: Iterable[KVBlockData]
+    if kv_cache.device.type == "cuda":
+        # NOTE: pinned host buffers, every piece of the layer queued before one wait.
+        datas = export_to_host(kv_cache, layer_index, runs)
+    else:
+        datas = (kv_cache.export_blocks(layer_index, run) for run in runs)
+    for start, run, data in zip(starts, runs, datas, strict=True):
+        yield KvPiece(layer_index, start, len(run), data.k, data.v, run)
 
 
 def sequence_pieces(
