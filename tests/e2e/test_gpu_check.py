@@ -16,7 +16,16 @@ from types import ModuleType
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ["install", "env", "model", "gpu_tests", "engine_bench", "kv_bench", "serve_compare"]
+STEPS = [
+    "install",
+    "env",
+    "model",
+    "gpu_tests",
+    "engine_bench",
+    "kv_bench",
+    "ipc_bench",
+    "serve_compare",
+]
 
 
 def load_tool(name: str) -> ModuleType:
@@ -111,6 +120,8 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
     assert engine["greedy_outputs_identical_to_hf"] == "8/8"
     assert engine["attention_backend"] == "sdpa"
     assert set(steps["kv_bench"]["results"]["transports"]) == {"grpc", "tcp", "shm"}
+    ipc = steps["ipc_bench"]["results"]
+    assert ipc["bit_exact"] and ipc["device_kind"] == "cpu"  # the stand-in
     merged = steps["serve_compare"]["results"]["merged"]
     assert merged["pdserve"]["num_errors"] == merged["colocated"]["num_errors"] == 0
     with tarfile.open(out / "logs.tar.gz") as archive:
