@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta, ResponseStatus, Resumable
-from pdserve.gateway.resume.store import ResumeRecord
+from pdserve.gateway.session.store import ResumeRecord
 
 
 class RunMoved(Exception):
