@@ -8,8 +8,10 @@ import enum
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import NamedTuple
 
+from pdserve.common.errors import PdserveError
 from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
-from pdserve.gateway.request import ApiKind, OutputDelta
+from pdserve.gateway.request import ApiKind, OutputDelta, ResponseStatus
+from pdserve.gateway.session.access import replay_end
 from pdserve.gateway.session.positions import Step, deltas_after, steps_after
 from pdserve.gateway.session.run import Run
 from pdserve.gateway.session.store import ResumeRecord
@@ -29,6 +31,26 @@ class SessionMode(enum.StrEnum):
     PLAIN = "plain"
     RESUMABLE = "resumable"
     BACKGROUND = "background"
+
+
+class Snapshot(NamedTuple):
+    """A kept request as it stands, read without following or taking it over.
+
+    Attributes:
+        record: Its record.
+        prepared: Its prepared request.
+        body: Its body as the front end parsed it.
+        deltas: Its deltas so far (with the final one once it finished).
+        status: Where it stands.
+        error: How it failed or was cancelled; None otherwise.
+    """
+
+    record: ResumeRecord
+    prepared: PreparedRequest
+    body: object
+    deltas: list[OutputDelta]
+    status: ResponseStatus
+    error: PdserveError | None
 
 
 class Parsed(NamedTuple):
@@ -128,3 +150,30 @@ class Session:
         A plain request runs while its deltas are read: read them once.
         """
         return deltas_after(self._source(), after)
+
+
+def followed(kind: ApiKind, run: Run) -> Session:
+    """The session of a run held here: its deltas followed live."""
+
+    async def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
+        deltas = run.follow()
+        try:
+            async for delta in deltas:
+                yield 0, delta
+        finally:
+            await deltas.aclose()
+
+    return Session(kind, [run.prepared], source, run=run, body=run.parsed)
+
+
+def replayed(record: ResumeRecord, prepared: PreparedRequest, body: object) -> Session:
+    """The session of a request that ended (on any gateway): its deltas made again from its
+    stored end (a failed or cancelled one's error after them)."""
+    end = record.end
+    assert end is not None
+
+    async def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
+        async for delta in replay_end(prepared, end):
+            yield 0, delta
+
+    return Session(record.kind, [prepared], source, record=record, body=body)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import NamedTuple
 
 import structlog
 
@@ -27,7 +26,16 @@ from pdserve.gateway.request import ApiKind, GenerationEnd, OutputDelta, Respons
 from pdserve.gateway.session.access import collected, find, not_found, replay_end, stored_error
 from pdserve.gateway.session.run import Run
 from pdserve.gateway.session.runs import Runs
-from pdserve.gateway.session.session import Parsed, Session, SessionMode, raw_body, stored_body
+from pdserve.gateway.session.session import (
+    Parsed,
+    Session,
+    SessionMode,
+    Snapshot,
+    followed,
+    raw_body,
+    replayed,
+    stored_body,
+)
 from pdserve.gateway.session.store import ResumeRecord, StoredEnd
 from pdserve.gateway.streaming import Streamer
 
@@ -37,26 +45,6 @@ DECODE_TIMEOUT_S = 5.0
 
 ParseStored = Callable[[bytes], Awaitable[Parsed]]
 """Parses a stored body again (the front end's parser)."""
-
-
-class Snapshot(NamedTuple):
-    """A kept request as it stands, read without following or taking it over.
-
-    Attributes:
-        record: Its record.
-        prepared: Its prepared request.
-        body: Its body as the front end parsed it.
-        deltas: Its deltas so far (with the final one once it finished).
-        status: Where it stands.
-        error: How it failed or was cancelled; None otherwise.
-    """
-
-    record: ResumeRecord
-    prepared: PreparedRequest
-    body: object
-    deltas: list[OutputDelta]
-    status: ResponseStatus
-    error: PdserveError | None
 
 
 class Sessions:
@@ -127,7 +115,7 @@ class Sessions:
         (prompt,) = prompts
         run = await runs.begin(kind, stored_body(kind, raw), prompt, caller.api_key_name)
         run.parsed = body
-        return _of_run(kind, run)
+        return followed(kind, run)
 
     async def resume(
         self,
@@ -158,21 +146,15 @@ class Sessions:
         if isinstance(found, Run):
             resumes.labels(how="local").inc()
             await self._keep_parsed(found, parse)
-            return _of_run(found.record.kind, found)
+            return followed(found.record.kind, found)
         parsed, prepared = await self._prepare(found, parse, caller)
         if found.end is None:
             resumes.labels(how="takeover").inc()
             run = await runs.take_over(found, prepared)
             run.parsed = run.parsed or parsed.body
-            return _of_run(found.kind, run)
+            return followed(found.kind, run)
         resumes.labels(how="stored").inc()
-        end = found.end
-
-        async def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
-            async for delta in replay_end(prepared, end):
-                yield 0, delta
-
-        return Session(found.kind, [prepared], source, record=found, body=parsed.body)
+        return replayed(found, prepared, parsed.body)
 
     async def snapshot(
         self,
@@ -297,17 +279,3 @@ class Sessions:
             log.info("snapshot_failed", request_id=record.request_id, error=str(failure))
             return ()
         return snapshot.token_ids
-
-
-def _of_run(kind: ApiKind, run: Run) -> Session:
-    """The session of a run held here: its deltas followed live."""
-
-    async def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
-        deltas = run.follow()
-        try:
-            async for delta in deltas:
-                yield 0, delta
-        finally:
-            await deltas.aclose()
-
-    return Session(kind, [run.prepared], source, run=run, body=run.parsed)
