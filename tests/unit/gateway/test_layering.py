@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("sessions", frozenset({"resume"})),
+    ("sessions", frozenset({"session"})),
     ("front ends", frozenset({"openai", "grpc_api"})),
     (
         "process",

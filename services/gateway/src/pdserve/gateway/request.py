@@ -18,7 +18,7 @@ from pdserve.gateway.tools.spec import ToolCallDelta
 
 class ApiKind(enum.StrEnum):
     """Which API a request came through. The value is what a resumable request's record
-    stores (`pdserve.gateway.resume.store.ResumeRecord.kind`)."""
+    stores (`pdserve.gateway.session.store.ResumeRecord.kind`)."""
 
     COMPLETIONS = "completions"
     CHAT = "chat"
@@ -28,7 +28,7 @@ class ApiKind(enum.StrEnum):
 
 class ResponseStatus(enum.StrEnum):
     """Where a response stands: the Responses API's ``status``, and how a resumable request
-    ended in its record (`pdserve.gateway.resume.store.StoredEnd.status`)."""
+    ended in its record (`pdserve.gateway.session.store.StoredEnd.status`)."""
 
     QUEUED = "queued"
     IN_PROGRESS = "in_progress"

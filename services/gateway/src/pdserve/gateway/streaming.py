@@ -78,7 +78,7 @@ class Streamer:
         Args:
             prepared: From `Frontend.prepare`.
             trace_context: Parent of the request's span (default: the current context).
-            resumable: For a resumable request (`pdserve.gateway.resume`): its decode keeps it
+            resumable: For a resumable request (`pdserve.gateway.session`): its decode keeps it
                 if this gateway goes away, and each delta holds exactly one token, so its
                 deltas (and the events made of them) are a function of its tokens alone,
                 however they were batched, whichever gateway runs it.
