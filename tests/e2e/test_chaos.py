@@ -27,23 +27,17 @@ The variants, and what each adds:
   split over two ranks. The store that breaks mid-storm, and one choice of n preempted alone,
   share the storm pools.
 - A decode lost mid-stream (`test_sigkill_decode_mid_stream`): SIGKILL of the process with
-  every request kind at once, the same on the mixture-of-experts demo, and SIGKILL of rank 1
-  of a decode split over two ranks (the instance goes down as a whole).
+  every request kind at once on the dense demo, with plain requests on the mixture-of-experts
+  demo, and SIGKILL of rank 1 of a decode split over two ranks (the instance goes down as a
+  whole).
 - A prefill killed mid-prefill, and a corrupt KV chunk: with the store off and with a
   ``file:`` store (the survivor, or the retry's healthy prefill, may load what the other one
   wrote through).
-- A frozen decode, the silent-prefill lease and the load test: store off. A lost decode's
-  continuation meets the store exactly as a preempted one's does (the prefill reads what it
-  wrote through; a decode writes the store only when it preempts), which the storm on the
-  ``file:`` store checks with its counters.
-
-Where the cases of earlier revisions went: ``test_preemption_storm_with_every_control``,
-``..._with_forced_tool_calls``, ``..._on_a_split_decode`` and ``..._while_the_store_breaks``
-are cases of, or share the pools of, `test_preemption_storm` (the last one keeps its name);
-``test_sigkill_decode_mid_stream_with_every_control``, ``..._with_forced_tool_calls`` and
-``test_sigkill_of_a_decode_rank_mid_stream`` are cases of `test_sigkill_decode_mid_stream`;
-the lost decode with a ``file:`` store and the frozen decode with one are covered as above;
-the load test runs a fixed number of requests per client instead of 30 s.
+- A frozen decode, the silent-prefill lease and the load test (64 concurrent streaming
+  clients, `NUM_REQUESTS_PER_CLIENT` requests each): store off. A lost decode's continuation
+  meets the store exactly as a preempted one's does (the prefill reads what it wrote through;
+  a decode writes the store only when it preempts), which the storm on the ``file:`` store
+  checks with its counters.
 """
 
 from __future__ import annotations
