@@ -88,10 +88,12 @@ test-fast: system-deps venv  ## pytest without lint
 
 # NOTE: `make test` runs the clusters on the default transport (shared memory: one host).
 TRANSPORT_SUITES = tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py tests/unit/prefill
-test-transports: system-deps venv model  ## the e2e, chaos and prefill suites once per forced KV transport (tcp, grpc)
+test-transports: system-deps venv model  ## the e2e, chaos and prefill suites once per forced KV transport (tcp, grpc; cuda_ipc on its CPU stand-in: e2e and chaos)
 	for transport in tcp grpc; do \
 		PDSERVE_TEST_KV_TRANSPORT=$$transport $(BIN)/pytest -q $(TRANSPORT_SUITES) || exit 1; \
 	done
+	PDSERVE_TEST_KV_TRANSPORT=cuda_ipc PDSERVE_KV_IPC_STANDIN=1 \
+		$(BIN)/pytest -q tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py
 
 gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model; GPU_KIT_FLASH=1 adds flash-attn 4): see docs/gpu.md
 	$(PY) tools/gpu_kit.py $(if $(GPU_KIT_FLASH),--flash)

@@ -7,7 +7,7 @@
 For each size, one sequence's KV of that many bytes is moved from this process to another
 process on the same host, several ways, alternating:
 
-* the three transports: a `pdserve-decode` process (launched as by `pdserve up`) leases the
+* the transports: a `pdserve-decode` process (launched as by `pdserve up`) leases the
   blocks with AllocateBlocks, then receives what this process sends with the prefill's own
   sender (`pdserve.prefill.kv_sender.KvSender` on the channel a prefill would open,
   `kv_transports.channels_for` with that one transport forced): the pieces are cut as the
@@ -31,9 +31,11 @@ sender presenting a prefill certificate), so the TLS cost is measured in the sam
 The model is a random Llama built for a large KV per token (16 layers, 8 KV heads of 128,
 float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s per size
 (median over repeats), the ratios SyncCache / TCP and SyncCache over mTLS / plaintext, and the
-cut time. With ``--device cuda`` both caches are on the GPU: the decode then offers gRPC only
-(shared memory and its TCP data port write into a CPU cache), and a raw device-to-host copy
-of the same blocks (``d2h``, what any transport pays first) is timed beside raw TCP. Results go
+cut time. With ``--device cuda`` both caches are on the GPU: the decode then offers ``cuda_ipc``
+(its cache mapped here, the pieces copied device to device, checksummed in its cache), its TCP
+data port (read through pinned host buffers) and gRPC (shared memory needs a CPU cache), and a
+raw device-to-host copy of the same blocks (``d2h``, what any transport pays first) is timed
+beside raw TCP. Results go
 to bench/results/kv_transfer-<time>.json.
 """
 
@@ -60,6 +62,7 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.pki import MEMBER_DNS_NAME, Identity, instance_dns_name
 from pdserve.common.security import Security
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.transfer import sequence_pieces
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
@@ -76,7 +79,7 @@ BLOCK_SIZE = 16
 DEFAULT_SIZES_MIB = (16, 32, 64, 128, 256, 512)
 MODEL_SHAPE = {"num_layers": 16, "num_kv_heads": 8, "head_dim": 128}
 VOCAB_SIZE = 512
-TRANSPORTS = ("grpc", "tcp", "shm")
+TRANSPORTS = ("grpc", "tcp", "shm", "cuda_ipc")
 WARMUP_TRANSFERS = 1
 
 # The receiver of the raw TCP baseline: a separate process, like the decode. It prints its port,
@@ -165,6 +168,7 @@ class Decode:
         self.status_channel = operator.channel(self.address, MEMBER_DNS_NAME)
         self.stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
         self.pools = SharedPools(layout)
+        self.caches: dict[int, MappedCaches] = {}
         self.status = instance_pb2_grpc.InstanceServiceStub(self.status_channel)
 
     async def wait_idle(self, timeout_s: float = 30.0) -> None:
@@ -216,7 +220,9 @@ async def sync_cache_once(
     )
     response = await decode.stub.AllocateBlocks(allocate, timeout=30)
     request.lease = convert.lease_from_proto(response.lease)
-    channels = channels_for(request, decode.stub, decode.pools, [transport])
+    # NOTE: one mapping per decode and sender cache, opened in the warm-up, as a prefill keeps it.
+    caches = decode.caches.setdefault(id(kv_cache), MappedCaches(kv_cache))
+    channels = channels_for(request, decode.stub, decode.pools, [transport], caches)
     sender = KvSender(request, channels)
     began = time.perf_counter()
     for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):

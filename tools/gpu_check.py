@@ -13,12 +13,15 @@ a step that fails or runs out of time does not stop the next:
    when the kit's model part did not arrive).
 4. ``gpu_tests``: the engine on CUDA against CPU logits (SDPA and flash-attn where importable),
    the CUDA block export/import, CUDA-graph decode replay against eager on the default model,
-   bf16 KV through every transport into a decode process.
+   a CUDA cache mapped through CUDA IPC by another process, bf16 KV through every transport
+   into a decode process (CUDA IPC included).
 5. ``engine_bench``: bench/engine.py on the real model, engine vs transformers' generate.
 6. ``graphs_bench``: bench/decode_graphs.py, decode steps from CUDA graphs vs eager at batch
    1, 16 and 64.
 7. ``kv_bench``: bench/kv_transfer.py from a CUDA cache, each transport vs a raw copy.
-8. ``serve_compare``: bench/serve.py --compare, PD vs colocated on the same device.
+8. ``ipc_bench``: bench/kv_cuda_ipc.py, writes into another process's CUDA cache through CUDA
+   IPC vs the same copy within one process.
+9. ``serve_compare``: bench/serve.py --compare, PD vs colocated on the same device.
 
 Writes ``summary.json`` (each step's status, seconds, results; GPU, torch, attention backend)
 and ``logs.tar.gz`` (every step's log and the benches' result files) to ``$OUT`` (or --out).
@@ -51,7 +54,8 @@ GPU_TESTS = (
     "tests/unit/engine/test_engine_gpu.py",
     "tests/unit/engine/test_attention_backend.py",
     "tests/unit/engine/test_decode_graphs_gpu.py",
-    # NOTE: last: a rehearsal on CPU leaves it out (make test runs it on its own).
+    # NOTE: the last two: a rehearsal on CPU leaves them out (make test runs them on its own).
+    "tests/unit/kv/test_cache_ipc_processes.py",
     "tests/e2e/test_kv_transports_bf16.py",
 )
 ENV_PROBE = r"""
@@ -302,7 +306,7 @@ def run_steps(check: Check) -> dict[str, Any]:
         "gpu_tests",
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
          "--import-mode=importlib", "--junitxml", str(check.logs / "gpu_tests.xml"),
-         *(GPU_TESTS if check.is_gpu else GPU_TESTS[:-1])],
+         *(GPU_TESTS if check.is_gpu else GPU_TESTS[:-2])],
         240,
     )  # fmt: skip
     tail = check.output(step).strip().splitlines()[-1:] or [""]
@@ -330,6 +334,11 @@ def run_steps(check: Check) -> dict[str, Any]:
     kv += ["--sizes-mib", *(["64", "256"] if check.is_gpu else ["4"])]
     kv += ["--repeats", "2" if check.is_gpu else "1"]
     step = check.run("kv_bench", kv, 120)
+    step.results = last_json(check.output(step))
+
+    ipc = [python, "bench/kv_cuda_ipc.py", "--device", args.device, "--dtype", dtype, "--json"]
+    ipc += ["--sizes-mib", "64", "256", "--repeats", "3"] if check.is_gpu else ["--sizes-mib", "4"]
+    step = check.run("ipc_bench", ipc, 60)
     step.results = last_json(check.output(step))
 
     serve = [python, "bench/serve.py", "--compare", "--device", args.device, "--dtype", dtype,

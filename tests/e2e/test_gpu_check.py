@@ -24,6 +24,7 @@ STEPS = [
     "engine_bench",
     "graphs_bench",
     "kv_bench",
+    "ipc_bench",
     "serve_compare",
 ]
 
@@ -123,6 +124,8 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
     assert graphs["capture"] == "StandInCapture" and graphs["buckets"] == [1, 2, 4]
     assert [row["batch_size"] for row in graphs["rows"]] == [1, 4]
     assert set(steps["kv_bench"]["results"]["transports"]) == {"grpc", "tcp", "shm"}
+    ipc = steps["ipc_bench"]["results"]
+    assert ipc["bit_exact"] and ipc["device_kind"] == "cpu"  # the stand-in
     merged = steps["serve_compare"]["results"]["merged"]
     assert merged["pdserve"]["num_errors"] == merged["colocated"]["num_errors"] == 0
     with tarfile.open(out / "logs.tar.gz") as archive:

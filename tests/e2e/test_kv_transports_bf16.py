@@ -1,8 +1,9 @@
 """bf16 KV blocks from a prefill's cache into a decode process, through every transport the
 decode offers, with the prefill's own sender: on CPU here, and on a GPU both from a CUDA cache
-into a CPU decode (shared memory, TCP, gRPC) and from CUDA to CUDA (gRPC: the other two need a
-decode cache on CPU). The decode checks every chunk's CRC-32C in its own cache or on arrival,
-so a commit it acknowledges is a bit-exact round trip of the sender's blocks."""
+into a CPU decode (shared memory, TCP, gRPC) and from CUDA to CUDA (CUDA IPC, device to device
+into the decode's mapped cache; TCP, through pinned host buffers; gRPC). The decode checks
+every chunk's CRC-32C in its own cache or on arrival, so a commit it acknowledges is a bit-exact
+round trip of the sender's blocks."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.transfer import sequence_pieces
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
@@ -106,9 +108,10 @@ async def send(decode: Decode, kv_cache: KVCache, transport: str, request_id: st
     )
     response = await decode.stub.AllocateBlocks(allocate, timeout=30)
     request.lease = convert.lease_from_proto(response.lease)
-    sender = KvSender(
-        request, channels_for(request, decode.stub, SharedPools(kv_cache.layout), [transport])
+    channels = channels_for(
+        request, decode.stub, SharedPools(kv_cache.layout), [transport], MappedCaches(kv_cache)
     )
+    sender = KvSender(request, channels)
     for piece in sequence_pieces(kv_cache, request.block_ids, MAX_CHUNK_BYTES):
         sender.put(piece)
     sender.commit(7, request.first_token_index)
@@ -131,8 +134,9 @@ async def test_bf16_kv_crosses_every_offered_transport_bit_exact(
     if "cuda" in (sender_device, decode_device) and not HAS_CUDA:
         pytest.skip("needs CUDA")
     decode = await start_decode(decode_device)
-    # NOTE: shared memory and TCP write into the decode's cache from the host: CPU caches only.
-    expected = {"grpc"} | ({"shm", "tcp"} if decode_device == "cpu" else set())
+    # NOTE: shared memory writes into the decode's cache from the host: CPU caches only; CUDA
+    # IPC maps a CUDA cache; TCP reads into a CUDA cache through pinned host buffers.
+    expected = {"grpc", "tcp"} | ({"shm"} if decode_device == "cpu" else {"cuda_ipc"})
     assert decode.offered == expected
     layout_message = (
         await decode.status.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.generation import SamplingParams, resolve_seed
+from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.decisions import RetryPolicy
 from pdserve.gateway.fleet.instance import InstanceRole, LoadReport
 from pdserve.gateway.fleet.registry import Registry
@@ -139,7 +140,8 @@ class MemoryCluster:
     ) -> AsyncGenerator[OrchestratorEvent, None]:
         """`Orchestrator.run` with a deadline `timeout_s` from now."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        return self.orchestrator.run(request, deadline, timeline=timeline)
+        active = ActiveRequest(request, deadline, timeline=timeline or TtftTimeline())
+        return self.orchestrator.run(active)
 
     async def run(
         self,

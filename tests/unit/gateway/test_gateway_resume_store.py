@@ -1,7 +1,6 @@
 """The store of resumable requests: records round-trip as JSON, expire after their time to
 live, are bounded in number; in etcd (a real one) they are shared and etcd deletes them when
-their lease lapses. And the chat stream's resume rule: which events a client that has N tokens
-still needs."""
+their lease lapses. (Which deltas a resuming client still needs: test_gateway_sessions.)"""
 
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ from support.eventually import eventually
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.etcd_registry import EtcdTarget
-from pdserve.gateway.openai.resumable import _is_new
 from pdserve.gateway.request import Placement
-from pdserve.gateway.resume.etcd_store import EtcdResumeStore
-from pdserve.gateway.resume.store import MemoryResumeStore, ResumeRecord, StoredEnd
+from pdserve.gateway.session.etcd_store import EtcdResumeStore
+from pdserve.gateway.session.store import MemoryResumeStore, ResumeRecord, StoredEnd
 
 RECORD = ResumeRecord(
     request_id="r1",
@@ -133,21 +131,3 @@ async def test_an_unreachable_etcd_is_a_typed_error(etcd: EtcdServer) -> None:
     finally:
         await store.close()
         etcd.start()
-
-
-@pytest.mark.parametrize(
-    ("before", "after", "starting_after", "is_new"),
-    [
-        (0, 1, None, True),  # no place given: everything
-        (0, 0, None, True),
-        (2, 3, 2, True),  # the token after the client's last
-        (1, 2, 2, False),  # a token it has
-        (2, 2, 2, True),  # the end, after its last token
-        (0, 0, 0, False),  # an event before any token, to a client that has seen the start
-        (3, 3, 5, False),  # past the end: not by this rule (the end is sent anyway)
-    ],
-)
-def test_which_chat_events_a_resuming_client_needs(
-    before: int, after: int, starting_after: int | None, is_new: bool
-) -> None:
-    assert _is_new(before, after, starting_after) is is_new

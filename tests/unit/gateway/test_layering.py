@@ -24,7 +24,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("instances", frozenset({"fleet"})),
     ("placement", frozenset({"routing", "access"})),
     ("tool calling", frozenset({"tools"})),
-    ("request values", frozenset({"request", "progress", "phases", "decisions"})),
+    (
+        "request values",
+        frozenset({"request", "progress", "phases", "decisions", "active_request"}),
+    ),
     ("preparation", frozenset({"prepare"})),
     (
         "request core",
@@ -44,7 +47,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             }
         ),
     ),
-    ("sessions", frozenset({"resume"})),
+    ("sessions", frozenset({"session"})),
     ("front ends", frozenset({"openai", "grpc_api"})),
     (
         "process",

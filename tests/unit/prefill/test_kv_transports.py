@@ -15,9 +15,13 @@ from support.prefill_cluster import Cluster, cluster
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
+from pdserve.decode import transfers
+from pdserve.decode.kv_receiver import KvReceiver
+from pdserve.decode.request import DecodeRequest
 from pdserve.engine.colocated import LLMEngine
-from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.kv.shm import LeaseWindow, SharedKvPool
+from pdserve.kv.staging import HostStaging
 from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.kv.wire import frame, recv_frame
 from pdserve.prefill.config import PrefillConfig
@@ -276,4 +280,24 @@ async def test_a_lease_expiring_mid_shared_memory_transfer_is_held_until_the_str
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await call
         assert errors.from_rpc_error(raised.value).reason is ErrorReason.LEASE_EXPIRED
+        await pd.eventually_whole()
+
+
+async def test_tcp_into_a_cache_through_host_staging_as_into_a_cuda_cache(
+    tiny_model_dir: Path, engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    staged: list[int] = []
+
+    class CountingStaging(HostStaging):
+        def fill(self, layer_index, block_ids, fill):  # type: ignore[no-untyped-def]
+            staged.append(layer_index)
+            return super().fill(layer_index, block_ids, fill)
+
+    def receiver(kv_cache: KVCache, lease: DecodeRequest) -> KvReceiver:
+        return KvReceiver(kv_cache, lease, CountingStaging(kv_cache))
+
+    monkeypatch.setattr(transfers, "KvReceiver", receiver)
+    async with cluster(tiny_model_dir, kv_transports="tcp") as pd:
+        assert await pd.complete("r", LONG, GREEDY) == engine.generate([LONG], GREEDY)[0]
+        assert staged
         await pd.eventually_whole()

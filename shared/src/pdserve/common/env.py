@@ -80,3 +80,19 @@ def api_keys() -> str | None:
     """
     value = os.environ.get(ENV_API_KEYS, "")
     return value if value.strip() else None
+
+
+ENV_KV_IPC_STANDIN = "PDSERVE_KV_IPC_STANDIN"
+"""Tests only: a decode with a CPU KV cache offers the cuda_ipc transport through its CPU
+stand-in (off when unset)."""
+
+
+def kv_ipc_standin() -> bool:
+    """Whether a decode whose KV cache is on CPU offers cuda_ipc through the CPU stand-in.
+
+    ``$PDSERVE_KV_IPC_STANDIN`` set to ``1`` (or ``true``/``yes``) turns it on: the decode
+    exports its shared-memory segment as a cuda_ipc cache handle, so that the handle exchange,
+    the fallback and the commit of that transport run without a GPU. Unset (the default), only
+    a CUDA cache offers cuda_ipc.
+    """
+    return os.environ.get(ENV_KV_IPC_STANDIN, "").strip().lower() in ("1", "true", "yes")

@@ -12,21 +12,27 @@ cache). No protobuf here: the engine thread imports this module.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import crc32c
 
-from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.engine.kv_cache import KVBlockData, KVCache, KVCacheLayout
+from pdserve.kv.staging import export_to_host
+
+if TYPE_CHECKING:
+    from pdserve.kv.cache_handle import CacheHandle
 
 
 class TransportOffer(NamedTuple):
     """A way a decode accepts KV besides gRPC SyncCache (the Transport message without its
-    token): ``kind`` "shm" (address: the segment name) or "tcp" (address: host:port)."""
+    token): ``kind`` "shm" (address: the segment name), "tcp" (address: host:port) or
+    "cuda_ipc" (no address; ``handle``: the exported cache)."""
 
     kind: str
     address: str
+    handle: CacheHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,8 @@ class KvPiece:
     """One layer's K and V for a run of a sequence's logical blocks, ready to ship.
 
     ``key`` and ``value`` may alias the sender's KV cache: they stay valid while the sequence
-    holds its blocks.
+    holds its blocks. ``source_block_ids`` are those blocks in the sender's cache (what a
+    device-to-device copy reads; empty where the piece was not cut from a cache).
     """
 
     layer_index: int
@@ -42,6 +49,7 @@ class KvPiece:
     num_blocks: int
     key: memoryview
     value: memoryview
+    source_block_ids: tuple[int, ...] = ()
 
 
 _Buffer = bytes | bytearray | memoryview
@@ -59,12 +67,17 @@ def chunk_crc32c(key: _Buffer, value: _Buffer) -> int:
 
 def blocks_crc32c(kv_cache: KVCache, layer_index: int, block_ids: Sequence[int]) -> int:
     """The chunk CRC-32C of blocks already in `kv_cache`: K of `block_ids` in order, then V,
-    computed on the cache itself (runs of consecutive ids are not copied)."""
+    computed on the cache itself (runs of consecutive ids are not copied), or on a host copy
+    of each run for a cache in device memory."""
     k_cache, v_cache = kv_cache.layer(layer_index)
     crc = 0
     for cache in (k_cache, v_cache):
         for start, stop in id_runs(block_ids):
-            crc = crc32c.crc32c(kv_cache.block_bytes(cache, start, stop), crc)
+            if cache.device.type == "cpu":
+                data = kv_cache.block_bytes(cache, start, stop)
+            else:
+                data = kv_cache.block_bytes(cache[start:stop].cpu(), 0, stop - start)
+            crc = crc32c.crc32c(data, crc)
     return int(crc)
 
 
@@ -102,10 +115,16 @@ def layer_pieces(
         end_block: One past the last logical block (default: the whole block table).
     """
     end = len(block_ids) if end_block is None else end_block
-    for start in range(first_block, end, num_blocks_per_piece):
-        stop = min(end, start + num_blocks_per_piece)
-        data = kv_cache.export_blocks(layer_index, block_ids[start:stop])
-        yield KvPiece(layer_index, start, stop - start, data.k, data.v)
+    starts = range(first_block, end, num_blocks_per_piece)
+    runs = [tuple(block_ids[start : min(end, start + num_blocks_per_piece)]) for start in starts]
+    datas: Iterable[KVBlockData]
+    if kv_cache.device.type == "cuda":
+        # NOTE: pinned host buffers, every piece of the layer queued before one wait.
+        datas = export_to_host(kv_cache, layer_index, runs)
+    else:
+        datas = (kv_cache.export_blocks(layer_index, run) for run in runs)
+    for start, run, data in zip(starts, runs, datas, strict=True):
+        yield KvPiece(layer_index, start, len(run), data.k, data.v, run)
 
 
 def sequence_pieces(

@@ -15,6 +15,7 @@ class TransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_KIND_GRPC_SYNC_CACHE: _ClassVar[TransportKind]
     TRANSPORT_KIND_TCP: _ClassVar[TransportKind]
     TRANSPORT_KIND_SHARED_MEMORY: _ClassVar[TransportKind]
+    TRANSPORT_KIND_CUDA_IPC: _ClassVar[TransportKind]
 
 class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -38,6 +39,7 @@ TRANSPORT_KIND_UNSPECIFIED: TransportKind
 TRANSPORT_KIND_GRPC_SYNC_CACHE: TransportKind
 TRANSPORT_KIND_TCP: TransportKind
 TRANSPORT_KIND_SHARED_MEMORY: TransportKind
+TRANSPORT_KIND_CUDA_IPC: TransportKind
 LEASE_STATE_UNSPECIFIED: LeaseState
 LEASE_STATE_ALLOCATED: LeaseState
 LEASE_STATE_SYNCING: LeaseState
@@ -52,15 +54,39 @@ PREEMPTION_REASON_UNSPECIFIED: PreemptionReason
 PREEMPTION_REASON_OUT_OF_BLOCKS: PreemptionReason
 PREEMPTION_REASON_DRAINING: PreemptionReason
 
+class KvCacheHandle(_message.Message):
+    __slots__ = ("host_id", "process_id", "device_kind", "memory_handle", "device_index", "offset_bytes", "num_bytes", "ref_counter_handle", "ref_counter_offset")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    process_id: int
+    device_kind: str
+    memory_handle: bytes
+    device_index: int
+    offset_bytes: int
+    num_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    def __init__(self, host_id: _Optional[str] = ..., process_id: _Optional[int] = ..., device_kind: _Optional[str] = ..., memory_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., num_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ...) -> None: ...
+
 class Transport(_message.Message):
-    __slots__ = ("kind", "address", "token")
+    __slots__ = ("kind", "address", "token", "cache_handle")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HANDLE_FIELD_NUMBER: _ClassVar[int]
     kind: TransportKind
     address: str
     token: bytes
-    def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+    cache_handle: KvCacheHandle
+    def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ..., cache_handle: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id", "num_shared_blocks")

@@ -12,6 +12,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.parsing import parse_openai_body
 from pdserve.gateway.prepare.validation import RequestLimits
+from pdserve.gateway.request import ApiKind
 
 K = ConstraintKind
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -21,7 +22,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def parse(body: dict[str, Any], *, is_chat: bool = True, **limits: Any) -> Any:
     prompt = {"messages": MESSAGES} if is_chat else {"prompt": "hi"}
     raw = json.dumps({"model": "m", **prompt, **body}).encode()
-    return parse_openai_body(raw, is_chat, RequestLimits(**limits)).params[0]
+    kind = ApiKind.CHAT if is_chat else ApiKind.COMPLETIONS
+    return parse_openai_body(raw, kind, RequestLimits(**limits)).params[0]
 
 
 @pytest.mark.parametrize(

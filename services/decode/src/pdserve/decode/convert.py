@@ -18,6 +18,7 @@ from pdserve.decode.events import (
 )
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
+from pdserve.kv.cache_handle import CacheHandle
 from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
@@ -43,9 +44,25 @@ def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState:
 
 
 _TRANSPORT_KINDS = {
+    "cuda_ipc": decode_pb2.TRANSPORT_KIND_CUDA_IPC,
     "shm": decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
     "tcp": decode_pb2.TRANSPORT_KIND_TCP,
 }
+
+
+def cache_handle_to_proto(handle: CacheHandle) -> decode_pb2.KvCacheHandle:
+    """The KvCacheHandle message of an exported cache."""
+    return decode_pb2.KvCacheHandle(
+        host_id=handle.host_id,
+        process_id=handle.process_id,
+        device_kind=handle.device_kind,
+        memory_handle=handle.memory_handle,
+        device_index=handle.device_index,
+        offset_bytes=handle.offset_bytes,
+        num_bytes=handle.num_bytes,
+        ref_counter_handle=handle.ref_counter_handle,
+        ref_counter_offset=handle.ref_counter_offset,
+    )
 
 
 def lease_to_proto(
@@ -61,7 +78,10 @@ def lease_to_proto(
     ttl_ms = round(ttl_s * 1000)
     transports = [
         decode_pb2.Transport(
-            kind=_TRANSPORT_KINDS[offer.kind], address=offer.address, token=request.lease_token
+            kind=_TRANSPORT_KINDS[offer.kind],
+            address=offer.address,
+            token=request.lease_token,
+            cache_handle=None if offer.handle is None else cache_handle_to_proto(offer.handle),
         )
         for offer in offers
     ]

@@ -1,8 +1,9 @@
 """Receives one KV transfer into a request's leased blocks and verifies it completely.
 
 The chunks arrive three ways: as bytes in the SyncCache stream (`receive`), read from the TCP
-data port straight into the leased blocks (`fill`), or already written into the blocks by a
-sender sharing the cache's memory; the last two are accepted by `receive_written` with their
+data port straight into the leased blocks (`fill`; a cache in device memory through host
+staging buffers, `pdserve.kv.staging`), or already written into the blocks by a sender sharing
+the cache's memory; the last two are accepted by `receive_written` with their
 checksum in the cache (`crc_in_cache`, which `CHECKSUM_WORKERS` may compute in parallel).
 Whatever the way, a transfer is accepted only if every chunk lies inside the lease, the CRC-32C
 of what is in the cache matches the sender's, the commit's chunk count and byte total equal
@@ -27,6 +28,7 @@ from pdserve.decode.block_sharing import prefix_mismatch
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
 from pdserve.engine.kv_cache import KVCache
+from pdserve.kv.staging import HostStaging, StagedChunk
 from pdserve.kv.transfer import blocks_crc32c, chunk_crc32c, id_runs
 
 # Checksums over the cache are independent reads that release the GIL: a few threads share them.
@@ -64,11 +66,20 @@ class KvReceiver:
     Args:
         kv_cache: The decode's KV cache.
         request: The SYNCING request being filled (its block table is fixed meanwhile).
+        staging: The host staging `fill` reads through (made for a cache not on CPU).
     """
 
-    def __init__(self, kv_cache: KVCache, request: DecodeRequest) -> None:
+    def __init__(
+        self, kv_cache: KVCache, request: DecodeRequest, staging: HostStaging | None = None
+    ) -> None:
         self.kv_cache = kv_cache
         self.request = request
+        # NOTE: `fill` reads through host buffers into a cache the socket cannot reach (CUDA);
+        # tests pass one to run those steps on CPU.
+        self.staging = staging
+        if staging is None and kv_cache.device.type != "cpu":
+            self.staging = HostStaging(kv_cache)
+        self._staged: dict[KvChunkMeta, list[StagedChunk]] = {}
         self.num_layers = kv_cache.layout.num_layers
         self.num_blocks = num_blocks_for(request.num_kv_tokens, kv_cache.block_size)
         self.num_chunks = 0
@@ -133,6 +144,10 @@ class KvReceiver:
             PdserveError: CACHE_SYNC_FAILED for a chunk outside the lease.
         """
         block_ids = self._leased_blocks(meta)
+        if self.staging is not None:
+            staged = self.staging.fill(meta.layer_index, block_ids, fill)
+            self._staged.setdefault(meta, []).append(staged)
+            return
         k_cache, v_cache = self.kv_cache.layer(meta.layer_index)
         for cache in (k_cache, v_cache):
             for start, stop in id_runs(block_ids):
@@ -145,6 +160,8 @@ class KvReceiver:
         Raises:
             PdserveError: CACHE_SYNC_FAILED for a chunk outside the lease.
         """
+        for staged in self._staged.get(meta, ()):
+            staged.wait()  # NOTE: a staged chunk is checksummed once its copy landed
         return blocks_crc32c(self.kv_cache, meta.layer_index, self._leased_blocks(meta))
 
     def receive_written(self, meta: KvChunkMeta, crc_in_cache: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import structlog
 
+from pdserve.common import env
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.events import PreemptionReason
@@ -23,6 +24,7 @@ from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
+from pdserve.kv.cache_handle import CacheExport, export_cache
 from pdserve.kv.shm import KvSegment
 from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.instance import InstanceServer
@@ -97,6 +99,7 @@ class DecodeInstance(InstanceServer):
         )
         self.servicer.instance_id = self.instance.instance_id
         self.kv_segment: KvSegment | None = None
+        self.kv_export: CacheExport | None = None
         self.kv_tcp: KvTcpServer | None = None
         self.servicer.transport_offers = tuple(self._open_transports())
         self.status = DecodeStatus(self.instance, self.leases, self.loop)
@@ -105,15 +108,21 @@ class DecodeInstance(InstanceServer):
         """Sets up the offered KV transports besides gRPC; one that cannot be set up is left
         out with a warning (prefills then use the next)."""
         config, host = self.config, self.host
+        kv_cache = host.runner.kv_cache
         for kind in config.kv_transport_kinds:
-            if host.runner.kv_cache.device.type != "cpu":
-                # NOTE: both read or write the cache's memory from the host (no CUDA IPC yet).
+            if kind == "cuda_ipc":
+                offer = self._export_cache()
+                if offer is not None:
+                    yield offer
+            elif kind == "shm" and kv_cache.device.type != "cpu":
+                # NOTE: the prefill writes the segment from the host (cuda_ipc maps a CUDA cache).
                 log.warning(
                     "kv_transport_unavailable", transport=kind, detail="the KV cache is not on CPU"
                 )
             elif kind == "shm":
                 try:
-                    self.kv_segment = KvSegment.create(host.runner.kv_cache)
+                    if self.kv_segment is None:
+                        self.kv_segment = KvSegment.create(kv_cache)
                 except (OSError, ValueError) as error:
                     log.warning("kv_transport_unavailable", transport="shm", detail=str(error))
                     continue
@@ -128,6 +137,28 @@ class DecodeInstance(InstanceServer):
                 )
                 advertised_host = self.address.rsplit(":", 1)[0]
                 yield TransportOffer("tcp", f"{advertised_host}:{self.kv_tcp.port}")
+
+    def _export_cache(self) -> TransportOffer | None:
+        """The cuda_ipc offer: the cache exported once (on CUDA, or on CPU through the stand-in
+        when enabled); None where it is not offered."""
+        kv_cache = self.host.runner.kv_cache
+        if kv_cache.device.type != "cuda" and not (
+            kv_cache.device.type == "cpu" and env.kv_ipc_standin()
+        ):
+            log.info(
+                "kv_transport_unavailable",
+                transport="cuda_ipc",
+                detail="the KV cache is not on CUDA",
+            )
+            return None
+        try:
+            export = export_cache(kv_cache, self.kv_segment)
+        except (OSError, ValueError, RuntimeError) as error:
+            log.warning("kv_transport_unavailable", transport="cuda_ipc", detail=str(error))
+            return None
+        self.kv_segment = export.segment or self.kv_segment
+        self.kv_export = export
+        return TransportOffer("cuda_ipc", "", export.handle)
 
     def describe(self) -> dict[str, object]:
         offers = self.servicer.transport_offers

@@ -27,7 +27,7 @@ from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest
-from pdserve.decode.transfers import TRANSPORT_NAMES, Transfers
+from pdserve.decode.transfers import TRANSPORT_NAMES, WRITTEN_IN_PLACE, Transfers
 from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
@@ -35,8 +35,9 @@ from pdserve.v1 import decode_pb2, decode_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-# How long a shared-memory transfer the decode ended keeps its blocks: a sender's copy of one
-# group of pieces takes milliseconds, and it writes nothing after its next message fails.
+# How long an in-place transfer (shared memory, CUDA IPC) that ended before its commit keeps its
+# blocks: a sender's copy of one group of pieces takes milliseconds, and it writes nothing after
+# its next message fails; the copies a killed sender had queued on a GPU end with its context.
 SHARED_WRITER_GRACE_S = 1.0
 
 
@@ -78,11 +79,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.requests = self.kept.requests  # NOTE: the same dict: RPCs add, `kept` removes
         self.instance_id = ""
         self.transport_offers: tuple[TransportOffer, ...] = ()  # besides gRPC, set by the server
-
-    @property
-    def num_detached(self) -> int:
-        """Requests running on with no stream attached (`KeptRequests.num_detached`)."""
-        return self.kept.num_detached
 
     @property
     def num_kv_bytes_received(self) -> int:
@@ -172,7 +168,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 {telemetry.REQUEST_ID: lease.request_id, "pdserve.lease_id": lease.lease_id,
                  "pdserve.transport": TRANSPORT_NAMES.get(header.transport, "grpc")}
             )  # fmt: skip
-            is_shared = header.transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
+            is_shared = header.transport in WRITTEN_IN_PLACE
             commit: decode_pb2.SyncCacheCommit | None = None
             is_end_deferred = False
             try:
@@ -186,12 +182,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     receiver.receive_written(meta, await crc)
                 await self.transfers.constraint_compiled(lease)
                 response = self.transfers.commit(lease, receiver, header, commit, started)
-            except PdserveError:
-                if is_shared and commit is None:
-                    # NOTE: the decode ends the stream before the sender's commit: a copy may
-                    # still be under way there (it stops at its next write), so the blocks
-                    # stay held a little longer. A sender that hangs up, or commits, has
-                    # stopped writing.
+            except (PdserveError, asyncio.CancelledError, grpc.RpcError) as error:
+                is_cuda_ipc = header.transport == decode_pb2.TRANSPORT_KIND_CUDA_IPC
+                if (
+                    is_shared
+                    and commit is None
+                    and (is_cuda_ipc or isinstance(error, PdserveError))
+                ):
+                    # NOTE: the stream ended before the sender's commit: a copy may still be
+                    # under way there (it stops at its next write), so the blocks stay held a
+                    # little longer. A shared-memory sender that hangs up has stopped writing;
+                    # a CUDA IPC sender that died may leave copies queued on the GPU.
                     asyncio.get_running_loop().call_later(
                         SHARED_WRITER_GRACE_S, self.transfers.end, lease
                     )

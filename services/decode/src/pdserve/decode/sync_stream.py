@@ -2,9 +2,9 @@
 
 The header names the lease, its token, the tokens whose KV follows and how the bytes travel (a
 TCP transfer goes to the data port, never here). Each chunk carries its bytes in the stream,
-or, over shared memory, names blocks the sender already wrote into the cache; those checksums
-are computed on a worker while the next chunks come, and compared once the commit arrived
-(`transfers` commits or fails it).
+or, over shared memory or CUDA IPC, names blocks the sender already wrote into the cache;
+those checksums are computed on a worker while the next chunks come, and compared once the
+commit arrived (`transfers` commits or fails it).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkData, KvChunkMeta, KvReceiver
+from pdserve.decode.transfers import WRITTEN_IN_PLACE
 from pdserve.v1 import decode_pb2
 
 
@@ -45,9 +46,9 @@ async def receive_chunks(
     transport: decode_pb2.TransportKind,
 ) -> tuple[decode_pb2.SyncCacheCommit, list[tuple[KvChunkMeta, asyncio.Future[int]]]]:
     """Takes chunks until the commit; returns it with the checksums still to compare.
-    Shared memory: a chunk without bytes names blocks the sender wrote; their checksum is
-    computed in the cache on a worker while the next ones come."""
-    is_shared = transport == decode_pb2.TRANSPORT_KIND_SHARED_MEMORY
+    Shared memory and CUDA IPC: a chunk without bytes names blocks the sender wrote; their
+    checksum is computed in the cache on a worker while the next ones come."""
+    is_shared = transport in WRITTEN_IN_PLACE
     checks: list[tuple[KvChunkMeta, asyncio.Future[int]]] = []
     async for message in request_iterator:
         part = message.WhichOneof("part")
@@ -61,7 +62,7 @@ async def receive_chunks(
                 )
                 continue
             if c.key or c.value:
-                raise receiver.failure("a shared-memory chunk carries bytes in the stream")
+                raise receiver.failure("a chunk written in place carries bytes in the stream")
             meta = KvChunkMeta(c.layer_index, c.first_block, c.num_blocks, c.crc32c)
             loop = asyncio.get_running_loop()
             checks.append(

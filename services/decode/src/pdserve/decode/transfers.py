@@ -1,6 +1,7 @@
 """One KV transfer into a lease, whatever carries it: begin (token checked), commit, fail.
 
-The SyncCache servicer (chunks in the stream, or written to the shared-memory segment) and the
+The SyncCache servicer (chunks in the stream, or written into the cache by a sender that maps
+it: shared memory, CUDA IPC) and the
 TCP data port (`kv_tcp_server`) both open a transfer with `begin`, feed its `KvReceiver`, and
 finish with `commit` or `fail`, then `end`. From `begin` to `end` the lease's blocks stay
 reserved even if the lease ends meanwhile (expiry, release): a writer may still be filling
@@ -37,7 +38,10 @@ TRANSPORT_NAMES = {
     decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE: "grpc",
     decode_pb2.TRANSPORT_KIND_TCP: "tcp",
     decode_pb2.TRANSPORT_KIND_SHARED_MEMORY: "shm",
+    decode_pb2.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
 }
+# Transports whose sender writes into the cache itself; the stream names what it wrote.
+WRITTEN_IN_PLACE = (decode_pb2.TRANSPORT_KIND_SHARED_MEMORY, decode_pb2.TRANSPORT_KIND_CUDA_IPC)
 
 
 class Transfers:

@@ -1,20 +1,22 @@
-"""The legs of one attempt on a prefill/decode pair, and what it holds on its instances.
+"""The legs of one attempt on a prefill/decode pair, each a function of its own.
 
-`AttemptLegs` runs the prefill leg (``Prefill`` -> ``FirstToken`` -> ``HandedOff``), then the
-decode leg (``Generate(lease)`` -> token batches -> ``Finished`` or a preemption notice), and
-records on itself what each leaves held (a prefill request to abort, a lease to release), which
-`clean_up` gives back when the attempt ends.
+`prefill_leg` runs ``Prefill`` -> ``FirstToken`` -> ``HandedOff``; `decode_leg` runs
+``Generate(lease)`` -> token batches -> ``Finished`` or a preemption notice; `clean_up` gives
+back what they left held (a prefill request to abort, a lease to release). Each takes the
+request (`ActiveRequest`, whose progress the tokens advance) and the `Attempt`, on which a leg
+records what it leaves held; the legs reach the instances through `Peers`.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.cleanups import Cleanups
 from pdserve.gateway.fleet.backend import (
     Backend,
@@ -27,52 +29,63 @@ from pdserve.gateway.fleet.backend import (
     PrefillEvent,
 )
 from pdserve.gateway.fleet.instance import InstanceRole
-from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.progress import CompletionProgress
-from pdserve.gateway.relay import connection_lost
-from pdserve.gateway.request import (
-    GenerationRequest,
-    Placement,
-    Resumable,
-    TokenChunk,
-    remaining_s,
-)
+from pdserve.gateway.relay import AttemptFailed, LossWatch, connection_lost, relay
+from pdserve.gateway.request import Placement, TokenChunk
 from pdserve.gateway.routing.pair import Pair
 
 PREFILL, DECODE = InstanceRole.PREFILL, InstanceRole.DECODE
 
-Relay = Callable[
-    [
-        InstanceRole,
-        AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
-        CompletionProgress,
-        dict[str, InstanceRole],
-    ],
-    AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None],
-]
+Settle = Callable[[Pair, InstanceRole, bool], None]
+
+
+@dataclass(frozen=True)
+class Peers:
+    """How the legs reach the instances; the same for every attempt.
+
+    Attributes:
+        backend: Calls to prefill and decode instances.
+        loss_watch: Interrupts the streams of instances the registry lost.
+        end_grace_s: How long a stream may go on once the gateway saw the completion end.
+        settle: Told when an attempt is done with one of its instances (`Router.settle`),
+            with whether the work ran there.
+    """
+
+    backend: Backend
+    loss_watch: LossWatch
+    end_grace_s: float
+    settle: Settle
+
+    def relay(
+        self,
+        role: InstanceRole,
+        stream: AsyncGenerator[PrefillEvent, None] | AsyncGenerator[DecodeEvent, None],
+        progress: CompletionProgress,
+        watched: dict[str, InstanceRole],
+    ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
+        """`pdserve.gateway.relay.relay` of `stream`, watching the instances `watched`."""
+        return relay(role, stream, progress, self.loss_watch, watched, self.end_grace_s)
 
 
 @dataclass
-class AttemptLegs:
-    """One attempt's request, pair and progress, and what its legs left held.
+class Attempt:
+    """One attempt: its pair and span, and what its legs left held.
 
     Attributes:
+        pair: Where it runs.
+        span: Its span (first token and preemption become its events).
         owes_abort: The prefill may still hold the request (AbortRequest on leaving).
         lease_id: The decode lease the attempt holds (ReleaseLease on leaving), if any.
         has_run: The prompt was computed (the decode held a lease): the work ran there.
+        is_first_token_attempt: It delivered the request's first token.
         handed_off: The prefill's hand-off, once it came.
         finished: The instance's end, once it came.
         preempted: The decode's preemption notice, if one came.
+        context: The trace context under its span (its calls become its children).
     """
 
-    request: GenerationRequest
     pair: Pair
-    progress: CompletionProgress
-    deadline: float
-    span: trace.Span
-    context: Context
-    timeline: TtftTimeline
-    resumable: Resumable | None
+    span: trace.Span = trace.INVALID_SPAN
     owes_abort: bool = True
     lease_id: str | None = None
     has_run: bool = False
@@ -80,96 +93,131 @@ class AttemptLegs:
     handed_off: HandedOffEvent | None = None
     finished: FinishedEvent | None = None
     preempted: PreemptionEvent | None = None
+    context: Context = field(init=False)
 
-    async def prefill_leg(
-        self,
-        backend: Backend,
-        call: PrefillCall,
-        relay: Relay,
-        settle: Callable[[Pair, InstanceRole, bool], None],
-    ) -> AsyncGenerator[TokenChunk, None]:
-        """Prefill to the hand-off (or the end); yields the first token."""
-        pair = self.pair
-        self.timeline.on_prefill_call()
-        prefill = backend.prefill(
-            pair.prefill.address, call, remaining_s(self.request, self.deadline)
-        )
-        # NOTE: until the hand-off, the attempt waits on the decode too (allocation, KV).
-        watched = {pair.prefill.instance_id: PREFILL, pair.decode.instance_id: DECODE}
+    def __post_init__(self) -> None:
+        self.context = trace.set_span_in_context(self.span)
+
+
+def prefill_call(active: ActiveRequest, attempt: Attempt) -> PrefillCall:
+    """The attempt's Prefill call: the prompt and the tokens delivered so far."""
+    request, pair = active.request, attempt.pair
+    return PrefillCall(
+        request_id=request.request_id,
+        token_ids=active.progress.continuation_token_ids(),
+        num_prompt_tokens=len(request.prompt_token_ids),
+        sampling=active.continuation_sampling(),
+        decode_address=pair.decode.address,
+        decode_instance_id=pair.decode.instance_id,
+        trace_context=attempt.context,
+        share_key=request.share_key,
+    )
+
+
+async def prefill_leg(
+    active: ActiveRequest, attempt: Attempt, peers: Peers
+) -> AsyncGenerator[TokenChunk, None]:
+    """Prefill to the hand-off (or the end); yields the first token.
+
+    Raises:
+        AttemptFailed: The prefill stream failed or ended without its terminal event.
+    """
+    pair, timeline = attempt.pair, active.timeline
+    call = prefill_call(active, attempt)
+    timeline.on_prefill_call()
+    prefill = peers.backend.prefill(pair.prefill.address, call, active.remaining_s())
+    # NOTE: until the hand-off, the attempt waits on the decode too (allocation, KV).
+    watched = {pair.prefill.instance_id: PREFILL, pair.decode.instance_id: DECODE}
+    try:
         try:
-            async with aclosing(relay(PREFILL, prefill, self.progress, watched)) as events:
+            async with aclosing(peers.relay(PREFILL, prefill, active.progress, watched)) as events:
                 async for event in events:
                     if isinstance(event, TokenChunk):
                         index = {"pdserve.completion_index": event.first_index}
-                        self.span.add_event("first_token", index)
+                        attempt.span.add_event("first_token", index)
                         yield event
                     elif isinstance(event, FirstTokenEvent):
-                        self.has_run = True  # computed, with a lease: off the prefill's queue
-                        settle(pair, PREFILL, True)
-                        self.is_first_token_attempt = self.timeline.on_first_token(event.phases)
+                        attempt.has_run = True  # computed, with a lease: off the prefill's queue
+                        peers.settle(pair, PREFILL, True)
+                        attempt.is_first_token_attempt = timeline.on_first_token(event.phases)
                     elif isinstance(event, HandedOffEvent):
-                        self._on_handed_off(event)
+                        _on_handed_off(active, attempt, event)
                     elif isinstance(event, FinishedEvent):
-                        self.finished = event
+                        attempt.finished = event
                         break
         finally:
-            settle(pair, PREFILL, self.has_run)
-        if self.finished is None and self.handed_off is None:
+            peers.settle(pair, PREFILL, attempt.has_run)
+        if attempt.finished is None and attempt.handed_off is None:
             raise connection_lost(PREFILL, "the prefill stream ended without a terminal event")
-        self.owes_abort = False
+    except AttemptFailed as failed:
+        # NOTE: a prefill that reported the failure itself has already ended the request and
+        # released its lease. An AbortRequest now would arrive late and could cancel the
+        # retry, which reuses the request id on the same prefill.
+        attempt.owes_abort = not failed.failure.is_from_server
+        raise
+    attempt.owes_abort = False
 
-    def _on_handed_off(self, event: HandedOffEvent) -> None:
-        self.handed_off, self.lease_id = event, event.lease_id
-        if self.resumable is not None:
-            target = self.pair.decode
-            self.resumable.on_placed(Placement(target.instance_id, target.address, event.lease_id))
-        if self.is_first_token_attempt:
-            self.timeline.on_handed_off(event.phases)
 
-    async def decode_leg(self, backend: Backend, relay: Relay) -> AsyncGenerator[TokenChunk, None]:
-        """Generate on the decode from the hand-off to its end or a preemption notice."""
-        handed_off, progress = self.handed_off, self.progress
-        if handed_off is None or progress.finish_reason is not None:
-            return
-        decode = backend.generate(
-            self.pair.decode.address,
-            self.request.request_id,
-            handed_off.lease_id,
-            remaining_s(self.request, self.deadline),
-            self.context,
-            resumable=self.resumable is not None,
-        )
-        watched = {self.pair.decode.instance_id: DECODE}
-        async with aclosing(relay(DECODE, decode, progress, watched)) as events:
-            async for event in events:
-                if isinstance(event, TokenChunk):
-                    yield event
-                elif isinstance(event, PreemptionEvent | FinishedEvent):
-                    self.lease_id = None  # the decode let go of it
-                    if isinstance(event, FinishedEvent):
-                        self.finished = event
-                    else:
-                        self.preempted = event
-                    break
-        preempted = self.preempted
-        if preempted is not None:
-            self.span.add_event(
-                "preemption",
-                {"pdserve.reason": str(preempted.reason),
-                 "pdserve.num_generated_tokens": preempted.num_generated_tokens},
-            )  # fmt: skip
-            accepted = progress.accept(preempted.generated_token_ids, 0)
-            if accepted.chunk is not None:
-                yield accepted.chunk
-        elif self.finished is None and progress.finish_reason is None:
-            raise connection_lost(DECODE, "the decode stream ended without a terminal event")
+def _on_handed_off(active: ActiveRequest, attempt: Attempt, event: HandedOffEvent) -> None:
+    attempt.handed_off, attempt.lease_id = event, event.lease_id
+    if active.resumable is not None:
+        target = attempt.pair.decode
+        active.resumable.on_placed(Placement(target.instance_id, target.address, event.lease_id))
+    if attempt.is_first_token_attempt:
+        active.timeline.on_handed_off(event.phases)
 
-    def clean_up(self, cleanups: Cleanups) -> None:
-        """Gives back what the attempt still holds: the prefill request, the lease (kept for
-        a resumable request its gateway left)."""
-        request_id = self.request.request_id
-        if self.owes_abort:
-            cleanups.abort(self.pair.prefill.address, request_id, self.context)
-        resumable = self.resumable
-        if self.lease_id is not None and (resumable is None or not resumable.is_left):
-            cleanups.release(self.pair.decode.address, self.lease_id, request_id, self.context)
+
+async def decode_leg(
+    active: ActiveRequest, attempt: Attempt, peers: Peers
+) -> AsyncGenerator[TokenChunk, None]:
+    """Generate on the decode from the hand-off to its end or a preemption notice.
+
+    Raises:
+        AttemptFailed: The decode stream failed or ended without its terminal event.
+    """
+    handed_off, progress = attempt.handed_off, active.progress
+    if handed_off is None or progress.finish_reason is not None:
+        return
+    decode = peers.backend.generate(
+        attempt.pair.decode.address,
+        active.request_id,
+        handed_off.lease_id,
+        active.remaining_s(),
+        attempt.context,
+        resumable=active.resumable is not None,
+    )
+    watched = {attempt.pair.decode.instance_id: DECODE}
+    async with aclosing(peers.relay(DECODE, decode, progress, watched)) as events:
+        async for event in events:
+            if isinstance(event, TokenChunk):
+                yield event
+            elif isinstance(event, PreemptionEvent | FinishedEvent):
+                attempt.lease_id = None  # the decode let go of it
+                if isinstance(event, FinishedEvent):
+                    attempt.finished = event
+                else:
+                    attempt.preempted = event
+                break
+    preempted = attempt.preempted
+    if preempted is not None:
+        attempt.span.add_event(
+            "preemption",
+            {"pdserve.reason": str(preempted.reason),
+             "pdserve.num_generated_tokens": preempted.num_generated_tokens},
+        )  # fmt: skip
+        accepted = progress.accept(preempted.generated_token_ids, 0)
+        if accepted.chunk is not None:
+            yield accepted.chunk
+    elif attempt.finished is None and progress.finish_reason is None:
+        raise connection_lost(DECODE, "the decode stream ended without a terminal event")
+
+
+def clean_up(active: ActiveRequest, attempt: Attempt, cleanups: Cleanups) -> None:
+    """Gives back what the attempt still holds: the prefill request, the lease (kept for a
+    resumable request its gateway left)."""
+    context = attempt.context
+    if attempt.owes_abort:
+        cleanups.abort(attempt.pair.prefill.address, active.request_id, context)
+    if attempt.lease_id is not None and not active.is_left:
+        address = attempt.pair.decode.address
+        cleanups.release(address, attempt.lease_id, active.request_id, context)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncGenerator
-from dataclasses import replace
 from typing import TypeAlias
 
 import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
+from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.attempt import Attempts
 from pdserve.gateway.decisions import (
     GiveUp,
@@ -37,16 +37,8 @@ from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.pair_choice import PairChoice
-from pdserve.gateway.phases import TtftTimeline
-from pdserve.gateway.progress import CompletionProgress, RequestState
 from pdserve.gateway.relay import LossWatch
-from pdserve.gateway.request import (
-    GenerationEnd,
-    GenerationRequest,
-    Resumable,
-    TokenChunk,
-    remaining_s,
-)
+from pdserve.gateway.request import GenerationEnd, TokenChunk
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.queue import CapacityQueue
@@ -60,7 +52,7 @@ OrchestratorEvent: TypeAlias = TokenChunk | GenerationEnd
 
 
 class Orchestrator:
-    """Turns a `GenerationRequest` into one ordered, gap-free stream of tokens.
+    """Turns an `ActiveRequest` into one ordered, gap-free stream of tokens.
 
     Args:
         backend: Calls to prefill and decode instances.
@@ -106,26 +98,14 @@ class Orchestrator:
         """Waits until every background AbortRequest / ReleaseLease has finished."""
         await self._attempts.wait_for_cleanups()
 
-    async def run(
-        self,
-        request: GenerationRequest,
-        deadline: float,
-        parent_span: trace.Span = trace.INVALID_SPAN,
-        timeline: TtftTimeline | None = None,
-        resumable: Resumable | None = None,
-    ) -> AsyncGenerator[OrchestratorEvent, None]:
-        """Generates the completion.
+    async def run(self, active: ActiveRequest) -> AsyncGenerator[OrchestratorEvent, None]:
+        """Generates the completion of `active`, advancing its progress and state.
 
         Args:
-            request: The prepared request (its seed is fixed).
-            deadline: ``loop.time()`` by which the request must be done.
-            parent_span: The request's span; routing and each attempt become its children,
-                retries and reschedules its events.
-            timeline: Filled with where the time to first token went (Prefill calls, the
-                prefill's phases).
-            resumable: For a resumable request: its decode keeps it when the gateway goes
-                away, and with ``attach_to`` the run first attaches to where another gateway
-                left it.
+            active: The request. Its span is the parent of routing and each attempt, and gets
+                the retries and reschedules as events; its timeline is filled with where the
+                time to first token went; a resumable one with ``attach_to`` first attaches
+                to where another gateway left it.
 
         Yields:
             `TokenChunk`s with strictly consecutive indices, then one `GenerationEnd`.
@@ -134,16 +114,10 @@ class Orchestrator:
             PdserveError: The error that ended the request (non-retryable, or retries
                 exhausted, or DEADLINE_EXCEEDED).
         """
-        progress = CompletionProgress(request)
-        state = RequestState()
-        parent = trace.set_span_in_context(parent_span)
         arrival = self.queue.arrival()
-        queued_s = 0.0  # NOTE: before the first token, all waits count against the bound
+        resumable = active.resumable
         if resumable is not None and resumable.attach_to is not None:
-            attached = self._attempts.attach(
-                request, resumable, resumable.attach_to, progress, state, deadline, parent_span
-            )
-            async with contextlib.aclosing(attached) as attach_items:
+            async with contextlib.aclosing(self._attempts.attach(active)) as attach_items:
                 async for attach_item in attach_items:
                     if attach_item is None:
                         break
@@ -151,44 +125,22 @@ class Orchestrator:
                     if isinstance(attach_item, GenerationEnd):
                         return
         while True:
-            is_new = progress.num_tokens == 0
-            # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
-            # decision, and a waiting request may be tried many times.
-            keys = PromptKeys(progress.continuation_token_ids())
-            pair, waited_s = await self.queue.admit(
-                model=request.model,
-                seq=arrival,
-                num_tokens=len(progress.continuation_token_ids()),
-                route=functools.partial(
-                    self._pairs.route, request, progress, keys, state, deadline, parent
-                ),
-                timeout_s=remaining_s(request, deadline),
-                bounded=is_new,
-                waited_s=queued_s if is_new else 0.0,
-            )
-            if waited_s:
-                queued_s += waited_s
-                parent_span.set_attribute("pdserve.queue_wait_ms", round(queued_s * 1000, 3))
-                if timeline is not None:
-                    timeline.on_queue_wait(waited_s)
-            state = replace(state, num_attempts=state.num_attempts + 1)
+            pair = await self._admit(active, arrival)
+            num_attempts = active.start_attempt()
             span = _tracer.start_span(
                 "gateway.attempt",
-                context=parent,
+                context=active.context,
                 attributes={
-                    telemetry.REQUEST_ID: request.request_id,
-                    "pdserve.attempt": state.num_attempts,
+                    telemetry.REQUEST_ID: active.request_id,
+                    "pdserve.attempt": num_attempts,
                     "pdserve.prefill.instance_id": pair.prefill.instance_id,
                     "pdserve.decode.instance_id": pair.decode.instance_id,
-                    "pdserve.num_generated_tokens": progress.num_tokens,
+                    "pdserve.num_generated_tokens": active.progress.num_tokens,
                 },
             )
             setback: Setback | None = None
             try:
-                attempt = self._attempts.run(
-                    request, pair, progress, state, deadline, span, timeline, resumable
-                )
-                async with contextlib.aclosing(attempt) as items:
+                async with contextlib.aclosing(self._attempts.run(active, pair, span)) as items:
                     async for item in items:
                         if isinstance(item, TokenChunk | GenerationEnd):
                             yield item
@@ -200,24 +152,39 @@ class Orchestrator:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, cause))
             finally:
                 span.end()
-            state = await self._carry_out(request, progress, state, setback, deadline, parent_span)
+            self._carry_out(active, setback)
 
-    async def _carry_out(
-        self,
-        request: GenerationRequest,
-        progress: CompletionProgress,
-        state: RequestState,
-        setback: Setback,
-        deadline: float,
-        parent_span: trace.Span,
-    ) -> RequestState:
-        """Decides what follows `setback` and does it; returns the request's next state."""
-        remaining_s(request, deadline)
+    async def _admit(self, active: ActiveRequest, arrival: int) -> Pair:
+        """The next attempt's pair, once one has room (a request without tokens yet waits in
+        order of arrival, within the queue's bounds)."""
+        is_new = active.is_new
+        # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
+        # decision, and a waiting request may be tried many times.
+        keys = PromptKeys(active.progress.continuation_token_ids())
+        pair, waited_s = await self.queue.admit(
+            model=active.request.model,
+            seq=arrival,
+            num_tokens=len(active.progress.continuation_token_ids()),
+            route=functools.partial(self._pairs.route, active, keys),
+            timeout_s=active.remaining_s(),
+            bounded=is_new,
+            # NOTE: before the first token, all waits count against the bound.
+            waited_s=active.queued_s if is_new else 0.0,
+        )
+        if waited_s:
+            active.on_queue_wait(waited_s)
+            active.span.set_attribute("pdserve.queue_wait_ms", round(active.queued_s * 1000, 3))
+        return pair
+
+    def _carry_out(self, active: ActiveRequest, setback: Setback) -> None:
+        """Decides what follows `setback` and does it; sets the request's next state."""
+        active.remaining_s()
+        state, progress = active.state, active.progress
         if isinstance(setback, Lost):
             self._registry.mark_unreachable(setback.instance_id)
         decision = decide(setback, state, self._policy)
         error, pair = setback.error, setback.pair
-        fields: dict[str, object] = {"request_id": request.request_id, "reason": error.reason.name}
+        fields: dict[str, object] = {"request_id": active.request_id, "reason": error.reason.name}
         if isinstance(decision, GiveUp):
             if decision.limit is not None:
                 log.warning(
@@ -253,5 +220,5 @@ class Orchestrator:
             attributes = {"pdserve.cause": "preempted", "pdserve.reason": "PREEMPTED"}
         else:
             attributes = {"pdserve.reason": error.reason.name, "pdserve.stage": setback.role.value}
-        parent_span.add_event("retry", attributes)
-        return decision.state
+        active.span.add_event("retry", attributes)
+        active.state = decision.state

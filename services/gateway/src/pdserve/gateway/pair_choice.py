@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import contextlib
 
-from opentelemetry import context as otel_context
-
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
+from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.progress import CompletionProgress, RequestState
-from pdserve.gateway.request import GenerationRequest, remaining_s
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
 from pdserve.gateway.routing.queue_bounds import is_wait
@@ -34,33 +31,34 @@ class PairChoice:
         self._router = router
         self._metrics = metrics
 
-    def route(
-        self,
-        request: GenerationRequest,
-        progress: CompletionProgress,
-        keys: PromptKeys,
-        state: RequestState,
-        deadline: float,
-        parent: otel_context.Context,
-    ) -> Pair:
-        """Picks the attempt's pair, avoiding what `state` avoids when another pair exists.
+    def route(self, active: ActiveRequest, keys: PromptKeys) -> Pair:
+        """Picks the attempt's pair, avoiding what the request's state avoids when another
+        pair exists.
+
+        Args:
+            active: The request (its progress, state and deadline); the route's span becomes
+                a child of its span.
+            keys: The block keys of its continuation.
 
         Raises:
             PdserveError: No pair has room (a wait) or none can serve the request; when earlier
                 attempts excluded every instance, the last of their errors.
         """
         with _tracer.start_as_current_span(
-            "gateway.route", context=parent, attributes={telemetry.REQUEST_ID: request.request_id}
+            "gateway.route",
+            context=active.context,
+            attributes={telemetry.REQUEST_ID: active.request_id},
         ) as span:
-            remaining_s(request, deadline)
+            active.remaining_s()
+            state = active.state
             *preferred, required = state.exclusions()
             pair = None
             for prefill_ids, decode_ids in preferred:
                 with contextlib.suppress(PdserveError):
-                    pair = self._pick(request, progress, keys, prefill_ids, decode_ids)
+                    pair = self._pick(active, keys, prefill_ids, decode_ids)
                     break
             try:
-                pair = pair or self._pick(request, progress, keys, *required)
+                pair = pair or self._pick(active, keys, *required)
             except PdserveError as error:
                 # NOTE: when earlier attempts excluded every instance, their error explains
                 # more (and carries its retry delay); no room is not a failure: it waits.
@@ -76,12 +74,12 @@ class PairChoice:
 
     def _pick(
         self,
-        request: GenerationRequest,
-        progress: CompletionProgress,
+        active: ActiveRequest,
         keys: PromptKeys,
         prefill_ids: frozenset[str],
         decode_ids: frozenset[str],
     ) -> Pair:
+        request, progress = active.request, active.progress
         return self._router.pick(
             request.model,
             progress.continuation_token_ids(),

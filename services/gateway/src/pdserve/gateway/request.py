@@ -1,4 +1,4 @@
-"""Plain data the gateway's core works on: a prepared request, its output and its deadline.
+"""Plain data the gateway's core works on: a prepared request and its output.
 
 The REST and gRPC front ends build a `GenerationRequest`; the orchestrator runs it and yields
 `TokenChunk`s and one `GenerationEnd`; the streamer turns them into `OutputDelta`s. Nothing
@@ -8,19 +8,17 @@ shared ones (`pdserve.common.generation`).
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams, TokenLogprobs
 from pdserve.gateway.tools.spec import ToolCallDelta
 
 
 class ApiKind(enum.StrEnum):
     """Which API a request came through. The value is what a resumable request's record
-    stores (`pdserve.gateway.resume.store.ResumeRecord.kind`)."""
+    stores (`pdserve.gateway.session.store.ResumeRecord.kind`)."""
 
     COMPLETIONS = "completions"
     CHAT = "chat"
@@ -30,7 +28,7 @@ class ApiKind(enum.StrEnum):
 
 class ResponseStatus(enum.StrEnum):
     """Where a response stands: the Responses API's ``status``, and how a resumable request
-    ended in its record (`pdserve.gateway.resume.store.StoredEnd.status`)."""
+    ended in its record (`pdserve.gateway.session.store.StoredEnd.status`)."""
 
     QUEUED = "queued"
     IN_PROGRESS = "in_progress"
@@ -167,19 +165,3 @@ class OutputDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     tool_calls: tuple[ToolCallDelta, ...] = ()
-
-
-def remaining_s(request: GenerationRequest, deadline: float) -> float:
-    """Seconds left until `deadline` (``loop.time()``).
-
-    Raises:
-        PdserveError: DEADLINE_EXCEEDED once none are left.
-    """
-    remaining = deadline - asyncio.get_running_loop().time()
-    if remaining <= 0:
-        raise PdserveError(
-            ErrorReason.DEADLINE_EXCEEDED,
-            "the request did not finish within the gateway's request timeout",
-            {"requestId": request.request_id},
-        )
-    return remaining

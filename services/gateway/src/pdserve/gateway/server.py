@@ -44,15 +44,14 @@ from pdserve.gateway.grpc_ports import (
 )
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.api import create_app as create_rest_app
-from pdserve.gateway.openai.responses_api.background import BackgroundResponses
-from pdserve.gateway.openai.resumable import ResumableStreams
 from pdserve.gateway.openai.server import RestServer
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.prepare.workers import ParserPool, WorkerPool
-from pdserve.gateway.resume.etcd_store import EtcdResumeStore
-from pdserve.gateway.resume.runs import Runs
-from pdserve.gateway.resume.store import MemoryResumeStore, ResumeStore
 from pdserve.gateway.routing.router import Router
+from pdserve.gateway.session.etcd_store import EtcdResumeStore
+from pdserve.gateway.session.runs import Runs
+from pdserve.gateway.session.sessions import Sessions
+from pdserve.gateway.session.store import MemoryResumeStore, ResumeStore
 from pdserve.gateway.streaming import Streamer
 
 log = structlog.get_logger("pdserve.gateway.server")
@@ -131,8 +130,7 @@ class GatewayServer:
             config.request_timeout,
             config.response_keep_s,
         )
-        background = BackgroundResponses(self.runs, self.frontend, self.parser, self.backend)
-        resumable = ResumableStreams(self.runs, self.frontend, self.parser)
+        self.sessions = Sessions(self.streamer, self.frontend, self.runs, self.backend)
         self.app: FastAPI = create_rest_app(
             self.frontend,
             self.streamer,
@@ -143,8 +141,7 @@ class GatewayServer:
             api_keys=self.api_keys,
             trace_polls=config.trace_polls,
             internal_plane="insecure" if self.security.is_insecure else "mtls",
-            background=background,
-            resumable=resumable,
+            sessions=self.sessions,
         )
         self.poller = StaticPoller(
             self.registry,
@@ -226,7 +223,7 @@ class GatewayServer:
         # NOTE: heartbeats must not look late because the loop was busy: start the clock first.
         self._spawn(self.liveness_clock.run())
         generation = servicer.GenerationServicer(
-            self.frontend, self.streamer, self.limiter, self.parser, self.api_keys, self.runs
+            self.frontend, self.sessions, self.limiter, self.parser, self.api_keys
         )
         self._grpc_server, self._health, self.grpc_port = await start_public_grpc(
             config, generation, self._update_readiness

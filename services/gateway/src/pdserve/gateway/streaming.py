@@ -21,6 +21,7 @@ from opentelemetry.context import Context
 from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import resolve_seed
+from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.output_deltas import final_delta, text_deltas
@@ -77,7 +78,7 @@ class Streamer:
         Args:
             prepared: From `Frontend.prepare`.
             trace_context: Parent of the request's span (default: the current context).
-            resumable: For a resumable request (`pdserve.gateway.resume`): its decode keeps it
+            resumable: For a resumable request (`pdserve.gateway.session`): its decode keeps it
                 if this gateway goes away, and each delta holds exactly one token, so its
                 deltas (and the events made of them) are a function of its tokens alone,
                 however they were batched, whichever gateway runs it.
@@ -123,7 +124,8 @@ class Streamer:
         timeline = TtftTimeline(arrival=prepared.arrival_time)
         try:
             deadline = started + self._request_timeout_s
-            events = self._orchestrator.run(request, deadline, span, timeline, resumable)
+            active = ActiveRequest(request, deadline, span, timeline, resumable)
+            events = self._orchestrator.run(active)
             async with contextlib.aclosing(events):
                 async for event in events:
                     if isinstance(event, GenerationEnd):

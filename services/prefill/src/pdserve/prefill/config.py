@@ -8,7 +8,7 @@ from pdserve.common.grpc_server import MAX_MESSAGE_BYTES
 from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50060
-KV_TRANSPORTS = ("shm", "tcp", "grpc")
+KV_TRANSPORTS = ("cuda_ipc", "shm", "tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -67,12 +67,14 @@ class PrefillConfig(InstanceConfig):
         },
     )
     kv_transports: str = field(
-        default="shm,tcp,grpc",
+        default="cuda_ipc,shm,tcp,grpc",
         metadata={
             "help": "KV transports this prefill may use, comma-separated in order of "
-            "preference, among those its decode offers: shm (write into the decode's shared-"
-            "memory KV cache, same host), tcp (the decode's data port), grpc (SyncCache, always "
-            "offered). One that cannot be opened falls back to the next; listing one forces it"
+            "preference, among those its decode offers: cuda_ipc (copy device to device into "
+            "the decode's CUDA KV cache, same host and GPU kind), shm (write into the decode's "
+            "shared-memory KV cache, same host), tcp (the decode's data port), grpc (SyncCache, "
+            "always offered). One that cannot be opened falls back to the next; listing one "
+            "forces it"
         },
     )
     max_chunk_bytes: int = field(

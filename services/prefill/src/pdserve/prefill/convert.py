@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for, resolve_seed
 from pdserve.common.protocol import check_compatible
+from pdserve.kv.cache_handle import CacheHandle
 from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.prefill.events import LeaseGrant
 from pdserve.prefill.phases import PhaseDurations
@@ -95,6 +96,7 @@ def request_from_proto(
 
 
 _TRANSPORT_NAMES = {
+    decode_pb2.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
     decode_pb2.TRANSPORT_KIND_SHARED_MEMORY: "shm",
     decode_pb2.TRANSPORT_KIND_TCP: "tcp",
 }
@@ -102,6 +104,21 @@ TRANSPORT_KINDS = {
     "grpc": decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE,
     **{name: kind for kind, name in _TRANSPORT_NAMES.items()},
 }
+
+
+def cache_handle_from_proto(handle: decode_pb2.KvCacheHandle) -> CacheHandle:
+    """The decode's exported cache as a cuda_ipc offer carries it."""
+    return CacheHandle(
+        host_id=handle.host_id,
+        process_id=handle.process_id,
+        device_kind=handle.device_kind,
+        memory_handle=handle.memory_handle,
+        device_index=handle.device_index,
+        offset_bytes=handle.offset_bytes,
+        num_bytes=handle.num_bytes,
+        ref_counter_handle=handle.ref_counter_handle,
+        ref_counter_offset=handle.ref_counter_offset,
+    )
 
 
 def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
@@ -112,7 +129,11 @@ def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
         b"",
     )
     offers = tuple(
-        TransportOffer(_TRANSPORT_NAMES[t.kind], t.address)
+        TransportOffer(
+            _TRANSPORT_NAMES[t.kind],
+            t.address,
+            cache_handle_from_proto(t.cache_handle) if t.HasField("cache_handle") else None,
+        )
         for t in lease.transports
         if t.kind in _TRANSPORT_NAMES
     )

@@ -73,7 +73,7 @@ class Handoffs:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
-        self.transfers = KvTransfers(loop.runner.kv_cache.layout, kv_transports, fault_corrupt_kv)
+        self.transfers = KvTransfers(loop.runner.kv_cache, kv_transports, fault_corrupt_kv)
         self.is_draining = False
         self.live: dict[str, InFlight] = {}
         self.metrics: PrefillMetrics | None = None

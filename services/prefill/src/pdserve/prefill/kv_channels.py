@@ -7,12 +7,15 @@ the transfer is abandoned. `corrupt_first` flips a byte of a batch's first piece
 checksum (fault injection).
 
 * `GrpcChannel`: header, chunks with their bytes, commit, all in the SyncCache stream.
-* `SharedMemoryChannel`: the decode's KV cache is a segment on this host; the header goes out
+* `InPlaceChannel`: the sender writes into the decode's cache itself; the header goes out
   first and the pieces are written into the lease's blocks only after the decode accepted it
-  (its initial metadata), each announced by a chunk message without bytes (its checksum, which
-  the decode verifies in its cache while later layers compute). An abandoned
+  (its initial metadata), each announced by a chunk message without bytes once it landed (its
+  checksum, which the decode verifies in its cache while later layers compute). An abandoned
   transfer waits for a copy under way before the stream is cancelled: until the stream ends the
-  decode keeps the blocks reserved, so no late write can reach another lease.
+  decode keeps the blocks reserved, so no late write can reach another lease. Two kinds:
+  `SharedMemoryChannel` (the decode's KV cache is a segment on this host) and
+  `pdserve.prefill.kv_ipc_channel.CudaIpcChannel` (the decode's CUDA cache mapped through CUDA
+  IPC).
 """
 
 from __future__ import annotations
@@ -133,38 +136,38 @@ class GrpcChannel:
         )
 
 
-class SharedMemoryChannel(GrpcChannel):
-    """SyncCache whose chunks are written into the decode's shared-memory KV cache.
+class BlockWriter(Protocol):
+    """Writes a lease's pieces into the decode's cache (a shared-memory `LeaseWindow`, or a
+    CUDA IPC `CacheWindow`); returns each piece's CRC-32C."""
 
-    Args:
-        stub: The decode's stub.
-        request: The request (holding its lease).
-        open_pool: Maps the decode's segment (by name) or returns the mapping already open.
-        segment_name: The lease's shared-memory address.
+    def write(self, piece: KvPiece, *, corrupt: bool = False) -> int: ...
+
+
+class InPlaceChannel(GrpcChannel):
+    """SyncCache whose chunks the sender writes into the decode's cache itself, each announced
+    by a chunk message without bytes once it landed (the module docstring says the order).
+
+    Subclasses open the writer of the lease's blocks (`_open_writer`) and may wait for queued
+    copies before they are announced (`_wait_landed`).
     """
 
-    name = "shm"
-
-    def __init__(
-        self,
-        stub: decode_pb2_grpc.DecodeServiceStub,
-        request: Request,
-        open_pool: Callable[[str], SharedKvPool],
-        segment_name: str,
-    ) -> None:
+    def __init__(self, stub: decode_pb2_grpc.DecodeServiceStub, request: Request) -> None:
         super().__init__(stub, request)
-        self.open_pool = open_pool
-        self.segment_name = segment_name
-        self.window: LeaseWindow | None = None
+        self.window: BlockWriter | None = None
+
+    def _open_writer(self) -> BlockWriter:
+        """The writer of this lease's blocks.
+
+        Raises:
+            TransportUnavailable: The decode's cache cannot be reached from here.
+        """
+        raise NotImplementedError
+
+    def _wait_landed(self) -> None:
+        """Returns once every write so far is in the decode's cache."""
 
     async def open(self) -> None:
-        assert self.request.lease is not None
-        try:
-            pool = self.open_pool(self.segment_name)
-            lease = self.request.lease
-            self.window = pool.window(lease.block_ids, lease.num_shared_blocks)
-        except (OSError, ValueError) as error:
-            raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
+        self.window = self._open_writer()
         await super().open()
         assert self.call is not None
         metadata = await self.call.initial_metadata()
@@ -187,10 +190,45 @@ class SharedMemoryChannel(GrpcChannel):
 
     def _write_all(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> list[int]:
         assert self.window is not None
-        return [
+        crcs = [
             self.window.write(piece, corrupt=corrupt_first and i == 0)
             for i, piece in enumerate(pieces)
         ]
+        self._wait_landed()
+        return crcs
+
+
+class SharedMemoryChannel(InPlaceChannel):
+    """SyncCache whose chunks are written into the decode's shared-memory KV cache.
+
+    Args:
+        stub: The decode's stub.
+        request: The request (holding its lease).
+        open_pool: Maps the decode's segment (by name) or returns the mapping already open.
+        segment_name: The lease's shared-memory address.
+    """
+
+    name = "shm"
+
+    def __init__(
+        self,
+        stub: decode_pb2_grpc.DecodeServiceStub,
+        request: Request,
+        open_pool: Callable[[str], SharedKvPool],
+        segment_name: str,
+    ) -> None:
+        super().__init__(stub, request)
+        self.open_pool = open_pool
+        self.segment_name = segment_name
+
+    def _open_writer(self) -> LeaseWindow:
+        assert self.request.lease is not None
+        try:
+            pool = self.open_pool(self.segment_name)
+            lease = self.request.lease
+            return pool.window(lease.block_ids, lease.num_shared_blocks)
+        except (OSError, ValueError) as error:
+            raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
 
 
 def _groups(pieces: Sequence[KvPiece], max_bytes: int) -> list[list[KvPiece]]:

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from opentelemetry import trace
 
 from pdserve.common import telemetry
-from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.engine.kv_cache import KVCache
+from pdserve.kv.cache_window import MappedCaches
 from pdserve.prefill.in_flight import InFlight
 from pdserve.prefill.kv_channels import SharedPools
 from pdserve.prefill.kv_sender import KvSender
@@ -33,7 +34,8 @@ class KvTransfers:
     completed.
 
     Args:
-        layout: The prefill's KV layout (for the shared-memory pools).
+        kv_cache: The prefill's KV cache (the source of cuda_ipc copies; its layout for the
+            shared-memory pools).
         kv_transports: The KV transports this prefill may use, in order of preference.
         fault_corrupt_kv: Request-id pattern whose first KV chunk is corrupted on purpose
             (fault injection for chaos tests), or None.
@@ -41,13 +43,14 @@ class KvTransfers:
 
     def __init__(
         self,
-        layout: KVCacheLayout,
+        kv_cache: KVCache,
         kv_transports: Sequence[str] = ("grpc",),
         fault_corrupt_kv: str | None = None,
     ) -> None:
         self.kv_transports = tuple(kv_transports)
         self.fault_corrupt_kv = fault_corrupt_kv
-        self.shared_pools = SharedPools(layout)
+        self.shared_pools = SharedPools(kv_cache.layout)
+        self.mapped_caches = MappedCaches(kv_cache)
         self.metrics: PrefillMetrics | None = None
         self.num_kv_bytes_sent = 0
         self.num_handed_off = 0
@@ -65,7 +68,7 @@ class KvTransfers:
         )
         sender = flight.sender = KvSender(
             request,
-            channels_for(request, stub, self.shared_pools, self.kv_transports),
+            channels_for(request, stub, self.shared_pools, self.kv_transports, self.mapped_caches),
             corrupt_first_chunk=corrupt,
         )
         span = _tracer.start_span(

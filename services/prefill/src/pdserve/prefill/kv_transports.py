@@ -1,9 +1,11 @@
 """Which channels a transfer may use: the decode's offers, in this prefill's order.
 
 The decode lists what it offers besides gRPC SyncCache (always available) in the lease;
-`--kv-transports` says which of them this prefill may use and in what order. The sender opens
-the first that works (`KvSender`), so listing one transport forces it: a transfer then fails
-rather than falling back.
+`--kv-transports` says which of them this prefill may use and in what order. cuda_ipc is tried
+only when the decode's cache handle names this host and this prefill's device kind (shared
+memory needs the same host too: its segment is not found elsewhere). The sender opens the first
+that works (`KvSender`), so listing one transport forces it: a transfer then fails rather than
+falling back.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.kv.cache_window import MappedCaches
 from pdserve.prefill.kv_channels import GrpcChannel, KvChannel, SharedMemoryChannel, SharedPools
+from pdserve.prefill.kv_ipc_channel import CudaIpcChannel
 from pdserve.prefill.kv_tcp_channel import TcpChannel
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc
 
-KV_TRANSPORTS = ("shm", "tcp", "grpc")
+KV_TRANSPORTS = ("cuda_ipc", "shm", "tcp", "grpc")
 
 
 def channels_for(
@@ -24,18 +28,23 @@ def channels_for(
     stub: decode_pb2_grpc.DecodeServiceStub,
     pools: SharedPools,
     preference: Sequence[str],
+    caches: MappedCaches | None = None,
 ) -> list[KvChannel]:
     """The channels `request`'s transfer may try, in order: each transport of `preference`
-    that its lease offers (gRPC always).
+    that its lease offers (gRPC always; cuda_ipc where `caches` can map the decode's cache).
 
     Raises:
         PdserveError: INCOMPATIBLE_PEER when the decode offers none of them.
     """
     assert request.lease is not None
     offers = {offer.kind: offer.address for offer in request.lease.transports}
+    handle = next((o.handle for o in request.lease.transports if o.kind == "cuda_ipc"), None)
     channels: list[KvChannel] = []
     for kind in preference:
-        if kind == "grpc":
+        if kind == "cuda_ipc":
+            if handle is not None and caches is not None and caches.can_map(handle):
+                channels.append(CudaIpcChannel(stub, request, caches, handle))
+        elif kind == "grpc":
             channels.append(GrpcChannel(stub, request))
         elif kind == "shm" and "shm" in offers:
             channels.append(SharedMemoryChannel(stub, request, pools.open, offers["shm"]))

@@ -9,7 +9,6 @@ without one. Large messages parse in a worker process
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -22,19 +21,16 @@ from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.gateway.access.admission import ConcurrencyLimiter
 from pdserve.gateway.access.api_keys import ApiKeyStore
-from pdserve.gateway.access.auth import Caller, authenticate
-from pdserve.gateway.choices import merged
+from pdserve.gateway.access.auth import authenticate
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.grpc_api import convert
 from pdserve.gateway.grpc_api.parsing import GenerateBody, parse_generate_request, parse_message
-from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.workers import ParserPool
-from pdserve.gateway.request import ApiKind, OutputDelta
-from pdserve.gateway.resume.access import find, prepare_again, reopen
-from pdserve.gateway.resume.run import Run, RunMoved
-from pdserve.gateway.resume.runs import Runs
-from pdserve.gateway.resume.store import ResumeRecord
-from pdserve.gateway.streaming import Streamer
+from pdserve.gateway.request import ApiKind
+from pdserve.gateway.session.access import not_found
+from pdserve.gateway.session.run import RunMoved
+from pdserve.gateway.session.session import Parsed, Session, SessionMode
+from pdserve.gateway.session.sessions import Sessions
 from pdserve.v1 import generation_pb2
 
 log = structlog.get_logger("pdserve.gateway.grpc_api.servicer")
@@ -62,30 +58,28 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
 
 
 class GenerationServicer:
-    """Serves GenerationService on top of the shared `Frontend`.
+    """Serves GenerationService on top of the shared `Frontend` and the session layer.
 
     Args:
         frontend: Validation and tokenization (and the request limits).
-        streamer: Runs prepared requests.
+        sessions: Opens every request and resumes kept ones (``resumable``, ``Resume``;
+            refused where it cannot keep requests).
         limiter: Admission of Generate calls (per API key and in total).
         parser: Parses large requests in worker processes.
         api_keys: Keys accepted as ``authorization: Bearer <key>`` metadata; None or an open
             store: any.
-        runs: Resumable requests (``resumable``, ``Resume``); None: refused.
     """
 
     def __init__(
         self,
         frontend: Frontend,
-        streamer: Streamer,
+        sessions: Sessions,
         limiter: ConcurrencyLimiter,
         parser: ParserPool,
         api_keys: ApiKeyStore | None = None,
-        runs: Runs | None = None,
     ) -> None:
-        self._runs = runs
         self._frontend = frontend
-        self._streamer = streamer
+        self._sessions = sessions
         self._limiter = limiter
         self._parser = parser
         self._api_keys = api_keys or ApiKeyStore()
@@ -97,7 +91,8 @@ class GenerationServicer:
 
         Errors use the pdserve.v1 error model (INVALID_REQUEST, PROMPT_TOO_LONG,
         MODEL_NOT_FOUND, UNAUTHENTICATED, RATE_LIMITED, NO_HEALTHY_INSTANCES, ...). Cancelling
-        the call aborts the request on its prefill and releases its decode lease.
+        the call aborts the request on its prefill and releases its decode lease (a
+        ``resumable`` one keeps running: the call only stops following it).
         """
         try:
             caller = authenticate(_authorization(context), self._api_keys)
@@ -110,36 +105,28 @@ class GenerationServicer:
                 body = await self._parser.run(
                     parse_generate_request, len(raw), raw, self._frontend.limits
                 )
+                if body.resumable and not self._sessions.can_keep:
+                    raise PdserveError(
+                        ErrorReason.INVALID_REQUEST,
+                        "resumable requests are not enabled on this gateway",
+                        {"param": "resumable"},
+                    )
                 prepared = await self._frontend.prepare(body.params, None, caller.api_key_name)
                 span.set_attribute(telemetry.REQUEST_ID, prepared.request_id)
-                if body.resumable:
-                    run = await self._start_resumable(raw, prepared, caller)
-                    messages = _messages(run.follow(), prepared, body, 0)
-                    async with contextlib.aclosing(messages):
-                        async for message in messages:
-                            yield message
-                    return
-                request_id = prepared.client_request_id or prepared.request_id
-                prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
-                deltas = merged([self._streamer.stream(c) for c in prepared.choices()], prepared.n)
-                async with contextlib.aclosing(deltas):
-                    async for index, delta in deltas:
-                        yield convert.generate_response_to_pb(request_id, delta, prompt_ids, index)
-                        prompt_ids = ()
+                mode = SessionMode.RESUMABLE if body.resumable else SessionMode.PLAIN
+                session = await self._sessions.open(KIND, [prepared], caller, mode, raw, body)
+                # NOTE: a resumable request is named by the gateway's id (Resume takes it).
+                request_id = prepared.request_id
+                if not body.resumable:
+                    request_id = prepared.client_request_id or request_id
+                messages = _messages(session, request_id, body, None)
+                async with contextlib.aclosing(messages):
+                    async for message in messages:
+                        yield message
         except PdserveError as error:
             await abort_with_error(context, error)
         except Exception as exc:
             await abort_with_error(context, _internal(exc))
-
-    async def _start_resumable(self, raw: bytes, prepared: PreparedRequest, caller: Caller) -> Run:
-        if self._runs is None:
-            raise PdserveError(
-                ErrorReason.INVALID_REQUEST,
-                "resumable requests are not enabled on this gateway",
-                {"param": "resumable"},
-            )
-        body = base64.b64encode(raw).decode()
-        return await self._runs.begin(KIND, body, prepared, caller.api_key_name)
 
     async def Resume(
         self, raw: bytes, context: grpc.aio.ServicerContext
@@ -148,28 +135,14 @@ class GenerationServicer:
         try:
             caller = authenticate(_authorization(context), self._api_keys)
             request = parse_message(generation_pb2.ResumeRequest, raw)
-            found = None
-            if self._runs is not None:
-                found = await find(self._runs, request.request_id, (KIND,), caller)
-            if found is None:
-                raise PdserveError(
-                    ErrorReason.REQUEST_NOT_FOUND,
-                    "no resumable request with that id (unknown, expired or another key's)",
-                    {"requestId": request.request_id[:200]},
-                )
-            assert self._runs is not None
+            if not self._sessions.can_keep:
+                raise not_found(KIND, request.request_id)
+            session = await self._sessions.resume(request.request_id, (KIND,), caller, self._parse)
+            assert isinstance(session.body, GenerateBody)
+            # NOTE: completion index k is position k; from index 0 is from the start.
+            after = request.from_index or None
             with self._limiter.admit(caller):
-                record = found.record if isinstance(found, Run) else found
-                stored = base64.b64decode(record.body)
-                limits = self._frontend.limits
-                body = await self._parser.run(parse_generate_request, len(stored), stored, limits)
-
-                async def prepare(stored_record: ResumeRecord) -> PreparedRequest:
-                    return await prepare_again(self._frontend, body.params, stored_record, caller)
-
-                reopened = await reopen(self._runs, found, prepare)
-                prepared = reopened.prepared
-                messages = _messages(reopened.deltas(), prepared, body, request.from_index)
+                messages = _messages(session, session.request_id, session.body, after)
                 async with contextlib.aclosing(messages):
                     async for message in messages:
                         yield generation_pb2.ResumeResponse(response=message)
@@ -177,6 +150,11 @@ class GenerationServicer:
             await abort_with_error(context, error)
         except Exception as exc:
             await abort_with_error(context, _internal(exc))
+
+    async def _parse(self, stored: bytes) -> Parsed:
+        limits = self._frontend.limits
+        body = await self._parser.run(parse_generate_request, len(stored), stored, limits)
+        return Parsed(body, body.params)
 
     async def ListModels(
         self, raw: bytes, context: grpc.aio.ServicerContext
@@ -201,22 +179,17 @@ class GenerationServicer:
 
 
 async def _messages(
-    deltas: AsyncGenerator[OutputDelta, None],
-    prepared: PreparedRequest,
-    body: GenerateBody,
-    from_index: int,
+    session: Session, request_id: str, body: GenerateBody, after: int | None
 ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-    """The messages of a resumable request's deltas from completion index `from_index` on
-    (the last one always); a stream another gateway took over just ends (the client resumes
-    there)."""
-    prompt_ids = prepared.prompt_token_ids if body.include_prompt_token_ids else ()
+    """The messages of a session's deltas a client at position `after` needs (None: all),
+    the first one with the prompt's tokens when asked; a stream another gateway took over
+    just ends (the client resumes there)."""
+    prompt_ids = session.prepared.prompt_token_ids if body.include_prompt_token_ids else ()
+    deltas = session.deltas(after)
     try:
-        async for delta in deltas:
-            if delta.finish_reason is None and delta.first_index < from_index:
-                continue
-            message = convert.generate_response_to_pb(prepared.request_id, delta, prompt_ids)
+        async for index, delta in deltas:
+            yield convert.generate_response_to_pb(request_id, delta, prompt_ids, index)
             prompt_ids = ()
-            yield message
     except RunMoved:
         return
     finally:

@@ -53,9 +53,9 @@ from pdserve.gateway.openai.http import RequestIdMiddleware, error_response, htt
 from pdserve.gateway.openai.responses_api.background import BackgroundResponses
 from pdserve.gateway.openai.responses_routes import responses_routes
 from pdserve.gateway.openai.rest_context import RestContext
-from pdserve.gateway.openai.resumable import ResumableStreams
 from pdserve.gateway.openai.service_routes import service_routes
 from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.session.sessions import Sessions
 from pdserve.gateway.streaming import Streamer
 
 TRACED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -98,8 +98,7 @@ def create_app(
     trace_polls: bool = False,
     now: Callable[[], float] = time.time,
     internal_plane: str = "mtls",
-    background: BackgroundResponses | None = None,
-    resumable: ResumableStreams | None = None,
+    sessions: Sessions | None = None,
 ) -> FastAPI:
     """Builds the REST application around a `Frontend`.
 
@@ -114,10 +113,11 @@ def create_app(
         trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
         internal_plane: ``mtls`` or ``insecure``, reported by /health.
-        background: Background responses (``background: true``, ``GET``, ``cancel``,
-            ``DELETE`` on ``/v1/responses/{id}``); None: refused (400) and 404s.
-        resumable: Resumable chat and completions streams (``stream_options.resumable``);
-            None: refused (400) and 404s.
+        sessions: Opens every request; one that can keep requests serves background
+            responses (``background: true``, ``GET``, ``cancel``, ``DELETE`` on
+            ``/v1/responses/{id}``) and resumable chat and completions streams
+            (``stream_options.resumable``). None: plain requests only (the others are
+            refused with 400, their routes are 404s).
     """
     app = FastAPI(
         title="pdserve gateway",
@@ -128,9 +128,14 @@ def create_app(
         telemetry=http_telemetry(trace_polls),
     )
     app.add_middleware(RequestIdMiddleware)
+    sessions = sessions or Sessions(streamer, frontend)
+    background = (
+        BackgroundResponses(sessions, parser, frontend.limits) if sessions.can_keep else None
+    )
     context = RestContext(
         frontend,
         streamer,
+        sessions,
         metrics,
         limiter,
         parser,
@@ -139,7 +144,6 @@ def create_app(
         now=now,
         internal_plane=internal_plane,
         background=background,
-        resumable=resumable,
     )
 
     @app.exception_handler(PdserveError)

@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.gateway.openai.generation import generate
 from pdserve.gateway.openai.rest_context import RestContext
-from pdserve.gateway.openai.resumable import position_of
+from pdserve.gateway.openai.resumable import position_of, resume
 from pdserve.gateway.openai.sse import EventStreamResponse
 from pdserve.gateway.request import ApiKind
 
@@ -19,23 +19,23 @@ def chat_routes(context: RestContext) -> APIRouter:
     """The chat and completions routes over `context`."""
     router = APIRouter()
 
-    async def resume(request: Request, stream_id: str, kind: ApiKind) -> Response:
+    async def resume_stream(request: Request, stream_id: str, kind: ApiKind) -> Response:
         caller = context.authorize(request)
-        if context.resumable is None:
+        if not context.sessions.can_keep:
             raise StarletteHTTPException(404, "resumable streams are not enabled")
         query = request.query_params
         values = (query.get("starting_after"), request.headers.get("last-event-id"))
-        events = await context.resumable.resume(stream_id, kind, caller, position_of(values))
+        events = await resume(context, stream_id, kind, caller, position_of(values))
         admission = context.limiter.admit(caller)
         return EventStreamResponse(events, {"X-Request-Id": stream_id}, admission)
 
     @router.get("/v1/chat/completions/{stream_id}/stream")
     async def resume_chat_completions(request: Request, stream_id: str) -> Response:
-        return await resume(request, stream_id, ApiKind.CHAT)
+        return await resume_stream(request, stream_id, ApiKind.CHAT)
 
     @router.get("/v1/completions/{stream_id}/stream")
     async def resume_completions(request: Request, stream_id: str) -> Response:
-        return await resume(request, stream_id, ApiKind.COMPLETIONS)
+        return await resume_stream(request, stream_id, ApiKind.COMPLETIONS)
 
     @router.post("/v1/completions")
     async def completions(request: Request) -> Response:

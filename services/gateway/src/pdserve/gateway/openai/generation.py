@@ -1,6 +1,6 @@
 """One generation request over REST, whichever endpoint it came to: parse and prepare the body,
-admit it, run it (or start it as a background response or a resumable stream), and answer it as
-one JSON body or as server-sent events.
+admit it, open its session (`pdserve.gateway.session`: plain, or a background response or a
+resumable stream), and answer it as one JSON body or as server-sent events.
 
 A streaming request is answered only once its first token exists, so errors before it (no
 capacity, bad prompt) still get their own HTTP status rather than a 200 with an error event.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from fastapi import Request
@@ -21,7 +21,6 @@ from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.access.admission import Admission
 from pdserve.gateway.access.auth import Caller
-from pdserve.gateway.choices import merged
 from pdserve.gateway.openai.http import error_response, request_id_of
 from pdserve.gateway.openai.parsing import OpenAIBody, parse_openai_body
 from pdserve.gateway.openai.responses import Responder
@@ -34,19 +33,14 @@ from pdserve.gateway.openai.sse import EventStreamResponse
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.request import ApiKind, OutputDelta
+from pdserve.gateway.session.session import Session, SessionMode
 
 T = TypeVar("T")
 
 
 class Writer(Protocol):
-    """Shapes a request's deltas as its endpoint's body or events (`Responder`,
+    """Shapes a plain request's deltas as its endpoint's body or events (`Responder`,
     `ResponseWriter`)."""
-
-    @property
-    def choices(self) -> Sequence[PreparedRequest]: ...
-
-    @property
-    def n(self) -> int: ...
 
     def full(self, deltas: list[tuple[int, OutputDelta]]) -> dict[str, Any]: ...
 
@@ -58,13 +52,23 @@ class Writer(Protocol):
 
 
 class Prepared(NamedTuple):
-    """A generation request parsed and prepared: its writer, whether it streams, its id (and
-    for a background response or a resumable stream, its body as sent and as parsed)."""
+    """A generation request parsed and prepared, in the gateway's terms.
+
+    Attributes:
+        writer: Its writer (of a plain request).
+        prompts: Its prepared requests.
+        is_stream: It is answered as server-sent events.
+        mode: How it runs (a background response, a resumable stream, or plain).
+        raw: The body as sent.
+        body: The body as parsed.
+    """
 
     writer: Writer
+    prompts: list[PreparedRequest]
     is_stream: bool
-    request_id: str
-    kept: tuple[bytes, ResponsesBody | OpenAIBody] | None = None
+    mode: SessionMode
+    raw: bytes
+    body: ResponsesBody | OpenAIBody
 
 
 async def generate(context: RestContext, request: Request, kind: ApiKind) -> Response:
@@ -87,31 +91,31 @@ async def generate(context: RestContext, request: Request, kind: ApiKind) -> Res
 async def _prepare(
     context: RestContext, request: Request, kind: ApiKind, caller: Caller
 ) -> Prepared:
+    """The body parsed (`ApiKind` says which endpoint's) and prepared."""
     raw = await context.json_body(request)
     frontend, parser = context.frontend, context.parser
     limits = frontend.limits
     request_id = request_id_of(request)
-    if kind == ApiKind.RESPONSES:
+    can_keep = context.sessions.can_keep
+    if kind is ApiKind.RESPONSES:
         parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
-        if parsed.background and context.background is None:
+        if parsed.background and not can_keep:
             raise invalid("background responses are not enabled on this gateway", "background")
         prompt = await frontend.prepare(parsed.params, request_id, caller.api_key_name)
-        background_kept = (raw, parsed) if parsed.background else None
-        return Prepared(
-            ResponseWriter(prompt, parsed), parsed.stream, prompt.request_id, background_kept
-        )
-    body = await parser.run(parse_openai_body, len(raw), raw, kind == ApiKind.CHAT, limits)
+        mode = SessionMode.BACKGROUND if parsed.background else SessionMode.PLAIN
+        writer = ResponseWriter(prompt, parsed)
+        return Prepared(writer, [prompt], parsed.stream, mode, raw, parsed)
+    body = await parser.run(parse_openai_body, len(raw), raw, kind, limits)
     prompts = [
         await frontend.prepare(
             params, request_id if index == 0 else f"{request_id}-p{index}", caller.api_key_name
         )
         for index, params in enumerate(body.params)
     ]
-    if body.resumable and context.resumable is None:
+    if body.resumable and not can_keep:
         raise invalid("resumable streams are not enabled", "stream_options.resumable")
-    kept = (raw, body) if body.resumable else None
-    writer = Responder(kind, prompts, body)
-    return Prepared(writer, body.stream, prompts[0].request_id, kept)
+    mode = SessionMode.RESUMABLE if body.resumable else SessionMode.PLAIN
+    return Prepared(Responder(kind, prompts, body), prompts, body.stream, mode, raw, body)
 
 
 async def _generate(
@@ -121,14 +125,19 @@ async def _generate(
     admission: Admission,
     caller: Caller,
 ) -> Response:
-    writer, is_stream, request_id, kept = await _prepare(context, request, kind, caller)
+    prepared = await _prepare(context, request, kind, caller)
+    request_id = prepared.prompts[0].request_id
     # NOTE: the current span is FastAPI's HTTP server span; gateway.request becomes its child.
     trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request_id)
     headers = {"X-Request-Id": request_id}
-    if kept is not None:
-        return await _start_kept(context, kept, kind, writer, is_stream, headers, admission, caller)
-    deltas = merged([context.streamer.stream(c) for c in writer.choices], writer.n)
-    if is_stream:
+    session = await context.sessions.open(
+        kind, prepared.prompts, caller, prepared.mode, prepared.raw, prepared.body
+    )
+    if prepared.mode is not SessionMode.PLAIN:
+        return _follow_kept(context, session, prepared, headers, admission)
+    writer = prepared.writer
+    deltas = session.deltas()
+    if prepared.is_stream:
         # NOTE: the status waits for the first token (a request that cannot be served is
         # a 429 or 503, not an SSE error), which may wait in the admission queue: a
         # client that goes away meanwhile leaves the queue at once.
@@ -147,31 +156,23 @@ async def _generate(
     return JSONResponse(writer.full(collected), headers=headers)
 
 
-async def _start_kept(
+def _follow_kept(
     context: RestContext,
-    kept: tuple[bytes, ResponsesBody | OpenAIBody],
-    kind: ApiKind,
-    writer: Writer,
-    is_stream: bool,
+    session: Session,
+    prepared: Prepared,
     headers: dict[str, str],
     admission: Admission,
-    caller: Caller,
 ) -> Response:
-    """Starts a background response or a resumable stream; the client only follows it
-    (leaving does not stop it)."""
-    raw, parsed = kept
-    prompt = writer.choices[0]
-    if isinstance(parsed, ResponsesBody):
+    """The answer to a background response or a resumable stream just started; the client
+    only follows it (leaving does not stop it)."""
+    if isinstance(prepared.body, ResponsesBody):
         background = context.background
         assert background is not None
-        run = await background.create(raw, parsed, prompt, caller)
-        if is_stream:
-            return EventStreamResponse(background.events(run, parsed), headers, admission)
-        return JSONResponse(background.queued(run, parsed), headers=headers)
-    assert context.resumable is not None
-    stream = await context.resumable.start(raw, kind, prompt, caller)
-    events = resumable_events(responder_for(kind, prompt, parsed, stream), stream.follow(), None)
-    return EventStreamResponse(events, headers, admission)
+        if prepared.is_stream:
+            return EventStreamResponse(background.events(session), headers, admission)
+        return JSONResponse(background.queued(session), headers=headers)
+    responder = responder_for(session.kind, session, prepared.body)
+    return EventStreamResponse(resumable_events(responder, session, None), headers, admission)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

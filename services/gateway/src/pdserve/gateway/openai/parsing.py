@@ -27,6 +27,7 @@ from pdserve.gateway.openai.schemas import (
 )
 from pdserve.gateway.prepare.params import GenerationParams
 from pdserve.gateway.prepare.validation import RequestLimits, check_counts, validate_request
+from pdserve.gateway.request import ApiKind
 
 MAX_ERROR_CHARS = 200  # of a parser's message quoted in an error
 
@@ -85,14 +86,15 @@ def parse_tokenizer_body(raw: bytes, limits: RequestLimits) -> GenerationParams 
     return validate_request(data.to_params(), limits)
 
 
-def parse_openai_body(raw: bytes, is_chat: bool, limits: RequestLimits) -> OpenAIBody:
-    """Parses and validates the JSON body of a completion or chat completion request.
+def parse_openai_body(raw: bytes, kind: ApiKind, limits: RequestLimits) -> OpenAIBody:
+    """Parses and validates the JSON body of a completion (`ApiKind.COMPLETIONS`) or chat
+    completion (`ApiKind.CHAT`) request.
 
     Raises:
         PdserveError: INVALID_REQUEST (with ``param`` where one is at fault).
     """
     body_cls: type[CompletionRequest | ChatCompletionRequest] = (
-        ChatCompletionRequest if is_chat else CompletionRequest
+        ChatCompletionRequest if kind is ApiKind.CHAT else CompletionRequest
     )
     try:
         body: Any = body_cls.model_validate_json(raw)

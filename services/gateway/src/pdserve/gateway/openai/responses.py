@@ -42,7 +42,8 @@ class Responder:
     """
 
     def __init__(self, kind: ApiKind, prompts: Sequence[PreparedRequest], body: OpenAIBody) -> None:
-        self.is_chat = is_chat = kind == ApiKind.CHAT
+        self.kind = kind
+        is_chat = kind is ApiKind.CHAT
         self.prompts = list(prompts)
         self.choices = [choice for prompt in self.prompts for choice in prompt.choices()]
         self.n = self.prompts[0].n
@@ -60,6 +61,10 @@ class Responder:
         self._num_tokens = [0] * len(self.choices)
         self._text_offsets = [0] * len(self.choices)
         self._finished: dict[int, OutputDelta] = {}
+
+    @property
+    def _is_chat(self) -> bool:
+        return self.kind is ApiKind.CHAT
 
     def _prompt(self, index: int) -> PreparedRequest:
         return self.prompts[index // self.n]
@@ -132,7 +137,7 @@ class Responder:
         prompt_logprobs = [lp for d in deltas for lp in d.prompt_logprobs]
         last = deltas[-1] if deltas else None
         choice: dict[str, Any] = {"index": index, "logprobs": None}
-        if self.is_chat:
+        if self._is_chat:
             choice["message"] = chat_message(text, [c for d in deltas for c in d.tool_calls])
             if self.num_top is not None:
                 choice["logprobs"] = chat_logprobs(
@@ -160,11 +165,11 @@ class Responder:
         """One streamed chunk of choice `index`, or None when the delta carries nothing the
         client sees (tokens whose text is held back, in a call's markup for instance, show
         only with token ids, logprobs or usage on every chunk)."""
-        echo = is_first and self._prompt(index).echo and not self.is_chat
+        echo = is_first and self._prompt(index).echo and not self._is_chat
         self._num_tokens[index] += len(delta.token_ids)
         padded = padded_logprobs(delta.logprobs, len(delta.token_ids))
         content_logprobs = None
-        if self.is_chat and self.num_top is not None and delta.token_ids:
+        if self._is_chat and self.num_top is not None and delta.token_ids:
             content_logprobs = chat_logprobs(
                 self._texts, self._prompt(index).tokenizer, delta.token_ids, padded
             )
@@ -173,20 +178,20 @@ class Responder:
         shows_tokens = (
             self.return_token_ids
             or self.continuous_usage
-            or (self.num_top is not None and (not self.is_chat or content_logprobs is not None))
+            or (self.num_top is not None and (not self._is_chat or content_logprobs is not None))
         )
         if not (
             delta.text
             or (delta.token_ids and shows_tokens)
             or delta.tool_calls
             or delta.finish_reason
-            or (is_first and self.is_chat)
+            or (is_first and self._is_chat)
             or echo
         ):
             return None
         choice: dict[str, Any] = {"index": index}
         logprobs: Any = content_logprobs
-        if self.is_chat:
+        if self._is_chat:
             content: dict[str, Any] = {"role": "assistant"} if is_first else {}
             if delta.text or is_first:
                 content["content"] = delta.text
@@ -211,7 +216,7 @@ class Responder:
             if is_first:
                 choice["prompt_token_ids"] = list(self._prompt(index).prompt_token_ids)
             choice["token_ids"] = list(delta.token_ids)
-        body = self._envelope(self.object_name + (".chunk" if self.is_chat else ""), [choice])
+        body = self._envelope(self.object_name + (".chunk" if self._is_chat else ""), [choice])
         if is_first and self.wants_prompt_logprobs and not echo and delta.prompt_logprobs:
             body["prompt_logprobs"] = prompt_logprobs_entries(
                 self._texts, self._prompt(index), delta.prompt_logprobs
@@ -229,7 +234,7 @@ class Responder:
 
     def usage_chunk(self) -> dict[str, Any]:
         """The final chunk of ``stream_options.include_usage``: no choices, the usage."""
-        body = self._envelope(self.object_name + (".chunk" if self.is_chat else ""), [])
+        body = self._envelope(self.object_name + (".chunk" if self._is_chat else ""), [])
         body["usage"] = self._usage()
         return body
 

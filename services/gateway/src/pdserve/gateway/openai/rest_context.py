@@ -15,18 +15,20 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.http import check_json_content_type, read_body
 from pdserve.gateway.openai.responses_api.background import BackgroundResponses
-from pdserve.gateway.openai.resumable import ResumableStreams
 from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.session.sessions import Sessions
 from pdserve.gateway.streaming import Streamer
 
 
 @dataclass(frozen=True)
 class RestContext:
     """The parts the REST routes share: `pdserve.gateway.openai.api.create_app`'s arguments
-    (``api_keys`` always set: an open store accepts any key)."""
+    (``api_keys`` always set: an open store accepts any key; ``background`` set where
+    ``sessions`` can keep requests)."""
 
     frontend: Frontend
     streamer: Streamer
+    sessions: Sessions
     metrics: GatewayMetrics
     limiter: ConcurrencyLimiter
     parser: ParserPool
@@ -35,7 +37,6 @@ class RestContext:
     now: Callable[[], float] = time.time
     internal_plane: str = "mtls"
     background: BackgroundResponses | None = None
-    resumable: ResumableStreams | None = None
 
     def authorize(self, request: Request) -> Caller:
         """The caller of `request` by its Bearer key (401 without a valid one)."""

@@ -1,5 +1,6 @@
 """What a background response looks like from its deltas: the response object as it stands
-(`response_snapshot`), and its numbered events after a client's ``starting_after``."""
+(`response_snapshot`), and its events after a client's ``starting_after`` (`events_after`:
+the Responses API's own numbering, by sequence number)."""
 
 from __future__ import annotations
 
@@ -12,30 +13,13 @@ from pdserve.gateway.openai.responses_api.items import OutputItems
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta, ResponseStatus
-from pdserve.gateway.resume.run import RunMoved
-from pdserve.gateway.resume.store import ResumeRecord
+from pdserve.gateway.session.run import RunMoved
+from pdserve.gateway.session.store import ResumeRecord
 
 
 def writer_of(prompt: PreparedRequest, body: ResponsesBody, record: ResumeRecord) -> ResponseWriter:
     completed_at = record.end.completed_at if record.end is not None else None
     return ResponseWriter(prompt, body, created_at=record.created_at, completed_at=completed_at)
-
-
-async def collected(deltas: AsyncGenerator[OutputDelta, None]) -> list[OutputDelta]:
-    collected = []
-    try:
-        async for delta in deltas:
-            collected.append(delta)
-    except PdserveError:
-        pass  # NOTE: the caller reports the stored error with the deltas before it
-    return collected
-
-
-async def indexed(
-    deltas: AsyncGenerator[OutputDelta, None],
-) -> AsyncGenerator[tuple[int, OutputDelta], None]:
-    async for delta in deltas:
-        yield 0, delta
 
 
 async def events_after(

@@ -55,8 +55,6 @@ class ResponseWriter:
         completed_at: float | None = None,
     ) -> None:
         self.prompt = prompt
-        self.choices = [prompt]
-        self.n = 1
         self.response_id = response_id(prompt.request_id)
         self._body = body
         self._now = now

@@ -1,22 +1,41 @@
-"""What the resumable front ends share: finding a request for its owner, reopening it (follow
-this gateway's run, replay an ended one from its stored tokens, or take over one another
-gateway left running), and preparing a stored request again."""
+"""A kept request as this gateway finds it: this gateway's run of it or its stored record,
+for its owner alone; and an ended request's deltas made again from its stored end."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.access.auth import Caller
-from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.output_deltas import replay
-from pdserve.gateway.prepare.params import GenerationParams, PreparedRequest
+from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import ApiKind, GenerationEnd, OutputDelta
-from pdserve.gateway.resume.run import Run
-from pdserve.gateway.resume.runs import Runs
-from pdserve.gateway.resume.store import ResumeRecord, StoredEnd
+from pdserve.gateway.session.run import Run
+from pdserve.gateway.session.runs import Runs
+from pdserve.gateway.session.store import ResumeRecord, StoredEnd
+
+_NOUNS = {
+    ApiKind.RESPONSES: "response",
+    ApiKind.CHAT: "resumable stream",
+    ApiKind.COMPLETIONS: "resumable stream",
+    ApiKind.GRPC: "resumable request",
+}
+
+
+def not_found(kind: ApiKind, shown_id: str) -> PdserveError:
+    """The 404 (REQUEST_NOT_FOUND) of an unknown, expired or someone else's request.
+
+    Args:
+        kind: The API asked (names what was not found).
+        shown_id: The id as the client gave it.
+    """
+    shown_id = shown_id[:200]
+    return PdserveError(
+        ErrorReason.REQUEST_NOT_FOUND,
+        f"no {_NOUNS[kind]} with id {shown_id!r} (unknown, expired or another key's)",
+        {"requestId": shown_id},
+    )
 
 
 async def find(
@@ -44,64 +63,9 @@ async def find(
     return found
 
 
-@dataclass(frozen=True)
-class Reopened:
-    """A found request, ready to be followed.
-
-    Attributes:
-        record: Its record.
-        prepared: Its prepared request.
-        run: This gateway's run of it (its own, or just taken over); None for a request that
-            ended, whose deltas come from the store.
-    """
-
-    record: ResumeRecord
-    prepared: PreparedRequest
-    run: Run | None
-
-    def deltas(self) -> AsyncGenerator[OutputDelta, None]:
-        """Every delta from the first: the run's (live), or the stored end's."""
-        if self.run is not None:
-            return self.run.follow()
-        assert self.record.end is not None
-        return replay_end(self.prepared, self.record.end)
-
-
-async def reopen(
-    runs: Runs,
-    found: Run | ResumeRecord,
-    prepare: Callable[[ResumeRecord], Awaitable[PreparedRequest]],
-) -> Reopened:
-    """Reopens what `find` found, the same way for every front end: this gateway's run is
-    followed; a stored request is prepared again (`prepare`) and replayed if it ended, else
-    taken over from its decode. Counted in ``resumes{how}``.
-
-    Raises:
-        PdserveError: As `prepare`, or the take-over.
-    """
-    resumes = runs.metrics.resumes
-    if isinstance(found, Run):
-        resumes.labels(how="local").inc()
-        return Reopened(found.record, found.prepared, found)
-    prepared = await prepare(found)
-    if found.end is not None:
-        resumes.labels(how="stored").inc()
-        return Reopened(found, prepared, None)
-    resumes.labels(how="takeover").inc()
-    return Reopened(found, prepared, await runs.take_over(found, prepared))
-
-
 def may_access(record: ResumeRecord, caller: Caller) -> bool:
     """Only the creator's key (anyone, on a gateway that was open when it was created)."""
     return record.owner is None or record.owner == caller.api_key_name
-
-
-async def prepare_again(
-    frontend: Frontend, params: GenerationParams, record: ResumeRecord, caller: Caller
-) -> PreparedRequest:
-    """A stored request prepared again: the same prompt, the same seed, the same id."""
-    params = replace(params, seed=record.seed)
-    return await frontend.prepare(params, record.request_id, caller.api_key_name)
 
 
 def stored_error(end: StoredEnd) -> PdserveError | None:
@@ -124,6 +88,17 @@ def replay_end(prompt: PreparedRequest, end: StoredEnd) -> AsyncGenerator[Output
     if end.finish_reason is not None:
         return deltas
     return _without_final(deltas, stored_error(end))
+
+
+async def collected(deltas: AsyncGenerator[OutputDelta, None]) -> list[OutputDelta]:
+    """The deltas of `deltas` up to its end or its error (which the caller has already)."""
+    kept = []
+    try:
+        async for delta in deltas:
+            kept.append(delta)
+    except PdserveError:
+        pass  # NOTE: a stored end's error, which its snapshot reports with the deltas before it
+    return kept
 
 
 async def _without_final(

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import OutputDelta, ResponseStatus, Resumable
-from pdserve.gateway.resume.store import ResumeRecord
+from pdserve.gateway.session.store import ResumeRecord
 
 
 class RunMoved(Exception):
@@ -29,7 +29,7 @@ class Run:
         is_moved: Another gateway took it over (or this one left it to the others).
         task: The task that drives it.
         resumable: How it runs (its placements announced; left to others on a stop).
-        parsed: The body as its front end parsed it (kept by the front end, so a client that
+        parsed: The body as its front end parsed it (kept by its session, so a client that
             follows it here does not parse it again); None until set.
         last_write: Its latest record write, which the next one waits for.
     """

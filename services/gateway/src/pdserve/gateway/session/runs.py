@@ -1,8 +1,8 @@
 """The resumable requests this gateway holds, each running in a task of its own.
 
-Each is a `pdserve.gateway.resume.run.Run`, driven through the streamer here. The run writes the
+Each is a `pdserve.gateway.session.run.Run`, driven through the streamer here. The run writes the
 request's record at its start, when a decode takes it and at its end
-(`pdserve.gateway.resume.store`), so another gateway can take it over where this one died. A
+(`pdserve.gateway.session.store`), so another gateway can take it over where this one died. A
 run that another gateway took over (the decode says so) ends here without a word in the store:
 the other gateway writes it from now on.
 """
@@ -22,11 +22,11 @@ from pdserve.common.generation import FinishReason
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import ApiKind, Placement, ResponseStatus, Resumable
-from pdserve.gateway.resume.run import Run
-from pdserve.gateway.resume.store import ResumeRecord, ResumeStore, StoredEnd
+from pdserve.gateway.session.run import Run
+from pdserve.gateway.session.store import ResumeRecord, ResumeStore, StoredEnd
 from pdserve.gateway.streaming import Streamer
 
-log = structlog.get_logger("pdserve.gateway.resume")
+log = structlog.get_logger("pdserve.gateway.session")
 
 
 class Runs:

@@ -8,7 +8,7 @@ gives the same prompt and the same tokens), its owner key, where it runs, and on
 completion tokens and how it ended.
 
 Two stores: `MemoryResumeStore` (one gateway: resumes across client reconnects to it) and
-`pdserve.gateway.resume.etcd_store.EtcdResumeStore` (``--registry etcd://...``).
+`pdserve.gateway.session.etcd_store.EtcdResumeStore` (``--registry etcd://...``).
 """
 
 from __future__ import annotations

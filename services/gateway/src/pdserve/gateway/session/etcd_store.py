@@ -12,7 +12,7 @@ import aetcd
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.etcd_registry import EtcdTarget
-from pdserve.gateway.resume.store import RESUME_PREFIX, MemoryResumeStore, ResumeRecord
+from pdserve.gateway.session.store import RESUME_PREFIX, MemoryResumeStore, ResumeRecord
 
 
 class EtcdResumeStore:

@@ -1,0 +1,281 @@
+"""The one entry point of every request: `Sessions` opens it (plain, resumable or background,
+whichever API took it), and finds, resumes, reads, cancels and deletes a kept one.
+
+A front end parses its body into the gateway's terms, prepares it, opens a session and writes
+the session's deltas in its wire format; to resume, it names the request and says how to
+parse a stored body again, and gets the same kind of session back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import replace
+
+import structlog
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.gateway.access.auth import Caller
+from pdserve.gateway.choices import merged
+from pdserve.gateway.fleet.backend import Backend, BackendError
+from pdserve.gateway.frontend import Frontend
+from pdserve.gateway.output_deltas import replay
+from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.request import ApiKind, GenerationEnd, OutputDelta, ResponseStatus
+from pdserve.gateway.session.access import collected, find, not_found, replay_end, stored_error
+from pdserve.gateway.session.run import Run
+from pdserve.gateway.session.runs import Runs
+from pdserve.gateway.session.session import (
+    Parsed,
+    Session,
+    SessionMode,
+    Snapshot,
+    followed,
+    raw_body,
+    replayed,
+    stored_body,
+)
+from pdserve.gateway.session.store import ResumeRecord, StoredEnd
+from pdserve.gateway.streaming import Streamer
+
+log = structlog.get_logger("pdserve.gateway.session")
+
+DECODE_TIMEOUT_S = 5.0
+
+ParseStored = Callable[[bytes], Awaitable[Parsed]]
+"""Parses a stored body again (the front end's parser)."""
+
+
+class Sessions:
+    """Opens and finds the requests of every front end.
+
+    Args:
+        streamer: Runs prepared requests.
+        frontend: Prepares a stored request again (the same prompt, the same seed).
+        runs: This gateway's kept requests and the store; None: only plain requests.
+        backend: Reads a running request's tokens from its decode and releases the lease of
+            one cancelled through the store (needed with `runs`).
+        now: Wall clock.
+    """
+
+    def __init__(
+        self,
+        streamer: Streamer,
+        frontend: Frontend,
+        runs: Runs | None = None,
+        backend: Backend | None = None,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self._streamer = streamer
+        self._frontend = frontend
+        self._runs = runs
+        self._backend = backend
+        self._now = now
+
+    @property
+    def can_keep(self) -> bool:
+        """Whether requests can be resumable or run in the background here."""
+        return self._runs is not None
+
+    async def open(
+        self,
+        kind: ApiKind,
+        prompts: Sequence[PreparedRequest],
+        caller: Caller,
+        mode: SessionMode = SessionMode.PLAIN,
+        raw: bytes = b"",
+        body: object | None = None,
+    ) -> Session:
+        """Opens a new request: a plain one runs as its deltas are read (each choice through
+        the streamer, merged); a kept one starts running here at once, its record written
+        first.
+
+        Args:
+            kind: The API that took it.
+            prompts: Its prepared requests (a kept request has one, with one choice).
+            caller: Who sent it (a kept request's owner).
+            mode: How it runs.
+            raw: Its body as sent (kept in the record).
+            body: Its body as parsed (a kept request keeps it for its followers here).
+
+        Raises:
+            PdserveError: RATE_LIMITED when the store holds its most requests,
+                PEER_UNAVAILABLE when it cannot be reached.
+        """
+        if mode is SessionMode.PLAIN:
+            choices = [choice for prompt in prompts for choice in prompt.choices()]
+            n = prompts[0].n
+
+            def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
+                return merged([self._streamer.stream(choice) for choice in choices], n)
+
+            return Session(kind, prompts, source)
+        runs = self._kept()
+        (prompt,) = prompts
+        run = await runs.begin(kind, stored_body(kind, raw), prompt, caller.api_key_name)
+        run.parsed = body
+        return followed(kind, run)
+
+    async def resume(
+        self,
+        request_id: str,
+        kinds: tuple[ApiKind, ...],
+        caller: Caller,
+        parse: ParseStored,
+        shown_id: str | None = None,
+    ) -> Session:
+        """Reopens a kept request of `kinds`, the same way for every front end: this
+        gateway's run is followed; a stored one is prepared again and replayed if it ended,
+        else taken over from its decode. Counted in ``resumes{how}``.
+
+        Args:
+            request_id: The gateway's id of it.
+            kinds: The APIs it may have come through.
+            caller: Who asks (only its owner finds it).
+            parse: Parses its stored body (when this gateway does not hold it parsed).
+            shown_id: Its id as the client gave it (for the 404); default `request_id`.
+
+        Raises:
+            PdserveError: REQUEST_NOT_FOUND for an unknown, expired or other key's request;
+                as `parse`, preparing it, or the take-over.
+        """
+        runs = self._kept()
+        found = await self._find(request_id, kinds, caller, shown_id)
+        resumes = runs.metrics.resumes
+        if isinstance(found, Run):
+            resumes.labels(how="local").inc()
+            await self._keep_parsed(found, parse)
+            return followed(found.record.kind, found)
+        parsed, prepared = await self._prepare(found, parse, caller)
+        if found.end is None:
+            resumes.labels(how="takeover").inc()
+            run = await runs.take_over(found, prepared)
+            run.parsed = run.parsed or parsed.body
+            return followed(found.kind, run)
+        resumes.labels(how="stored").inc()
+        return replayed(found, prepared, parsed.body)
+
+    async def snapshot(
+        self,
+        request_id: str,
+        kinds: tuple[ApiKind, ...],
+        caller: Caller,
+        parse: ParseStored,
+        shown_id: str | None = None,
+    ) -> Snapshot:
+        """A kept request as it stands: this gateway's run's deltas so far, an ended one's
+        stored tokens, or a running one's tokens so far read from its decode (nothing is
+        taken over). Arguments and errors as `resume`."""
+        found = await self._find(request_id, kinds, caller, shown_id)
+        if isinstance(found, Run):
+            body = await self._keep_parsed(found, parse)
+            status, error = found.status, found.error
+            return Snapshot(found.record, found.prepared, body, list(found.deltas), status, error)
+        parsed, prepared = await self._prepare(found, parse, caller)
+        if found.end is not None:
+            deltas = await collected(replay_end(prepared, found.end))
+            error = stored_error(found.end)
+            return Snapshot(found, prepared, parsed.body, deltas, found.end.status, error)
+        token_ids = await self._tokens_so_far(found)
+        end = GenerationEnd(FinishReason.STOP, len(token_ids))
+        deltas = (await collected(replay(prepared, token_ids, end)))[:-1]
+        status = ResponseStatus.IN_PROGRESS
+        return Snapshot(found, prepared, parsed.body, deltas, status, None)
+
+    async def cancel(
+        self,
+        request_id: str,
+        kinds: tuple[ApiKind, ...],
+        caller: Caller,
+        shown_id: str | None = None,
+    ) -> None:
+        """Cancels a running kept request: this gateway's run is cancelled (its lease
+        released); one running elsewhere gets a cancelled end in the store, and its lease
+        is released through the decode. An ended one stays as it is. Errors as `resume`."""
+        runs = self._kept()
+        found = await self._find(request_id, kinds, caller, shown_id)
+        if isinstance(found, Run):
+            await runs.cancel(found)
+            return
+        if found.end is not None:
+            return
+        end = StoredEnd(
+            status=ResponseStatus.CANCELLED,
+            completed_at=self._now(),
+            error_code=ErrorReason.CANCELLED.name.lower(),
+            error_message="the response was cancelled",
+        )
+        await runs.put(replace(found, end=end), runs.keep_s)
+        placement = found.placement
+        if placement is not None:
+            assert self._backend is not None
+            try:
+                await self._backend.release_lease(
+                    placement.decode_address, placement.lease_id, request_id, DECODE_TIMEOUT_S
+                )
+            except BackendError as failure:
+                log.info("cancel_release_failed", request_id=request_id, error=str(failure))
+        log.info("response_cancelled", request_id=request_id, is_held_here=False)
+
+    async def delete(
+        self,
+        request_id: str,
+        kinds: tuple[ApiKind, ...],
+        caller: Caller,
+        shown_id: str | None = None,
+    ) -> None:
+        """Forgets a kept request (cancelling it first if it runs here). Errors as `resume`."""
+        runs = self._kept()
+        found = await self._find(request_id, kinds, caller, shown_id)
+        if isinstance(found, Run):
+            await runs.cancel(found)
+            runs.forget(found)
+        await runs.store.delete(request_id)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _kept(self) -> Runs:
+        if self._runs is None:
+            raise PdserveError(
+                ErrorReason.INVALID_REQUEST, "resumable requests are not enabled on this gateway"
+            )
+        return self._runs
+
+    async def _find(
+        self, request_id: str, kinds: tuple[ApiKind, ...], caller: Caller, shown_id: str | None
+    ) -> Run | ResumeRecord:
+        found = await find(self._kept(), request_id, kinds, caller)
+        if found is None:
+            raise not_found(kinds[0], request_id if shown_id is None else shown_id)
+        return found
+
+    async def _keep_parsed(self, run: Run, parse: ParseStored) -> object:
+        """A run's parsed body (parsed again only where the run did not keep it)."""
+        if run.parsed is None:
+            run.parsed = (await parse(raw_body(run.record))).body
+        return run.parsed
+
+    async def _prepare(
+        self, record: ResumeRecord, parse: ParseStored, caller: Caller
+    ) -> tuple[Parsed, PreparedRequest]:
+        """A stored request prepared again: the same prompt, the same seed, the same id."""
+        parsed = await parse(raw_body(record))
+        params = replace(parsed.params, seed=record.seed)
+        prepared = await self._frontend.prepare(params, record.request_id, caller.api_key_name)
+        return parsed, prepared
+
+    async def _tokens_so_far(self, record: ResumeRecord) -> tuple[int, ...]:
+        """A running request's tokens, read from its decode (none when it cannot be read)."""
+        placement = record.placement
+        if placement is None:
+            return ()
+        assert self._backend is not None
+        try:
+            snapshot = await self._backend.snapshot(
+                placement.decode_address, record.request_id, placement.lease_id, DECODE_TIMEOUT_S
+            )
+        except BackendError as failure:
+            log.info("snapshot_failed", request_id=record.request_id, error=str(failure))
+            return ()
+        return snapshot.token_ids

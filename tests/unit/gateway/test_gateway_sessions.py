@@ -1,0 +1,178 @@
+"""The session layer on its own: which deltas a client at a position still needs (one rule for
+REST ``starting_after`` and gRPC ``from_index``), that a kept request exists only for its
+owner's key, and that cancelling one that runs on another gateway ends it in the store and
+releases its decode lease."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any, cast
+
+import pytest
+
+from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.generation import FinishReason
+from pdserve.gateway.access.api_keys import ApiKey
+from pdserve.gateway.access.auth import Caller
+from pdserve.gateway.fleet.backend import Backend, BackendError
+from pdserve.gateway.frontend import Frontend
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.request import ApiKind, OutputDelta, Placement, ResponseStatus, Usage
+from pdserve.gateway.session.positions import is_after
+from pdserve.gateway.session.runs import Runs
+from pdserve.gateway.session.session import Parsed, Session
+from pdserve.gateway.session.sessions import Sessions
+from pdserve.gateway.session.store import MemoryResumeStore, ResumeRecord, StoredEnd
+from pdserve.gateway.streaming import Streamer
+
+USAGE = Usage(num_prompt_tokens=4, num_completion_tokens=3)
+START = OutputDelta("", (), 0)  # NOTE: before the first token (a role, the prompt's logprobs)
+TOKENS = [OutputDelta(text, (10 + i,), i) for i, text in enumerate(("a", "b", "c"))]
+HELD = OutputDelta("", (), 3)  # NOTE: text released after the last token (no token of its own)
+FINAL = OutputDelta("!", (), 3, FinishReason.STOP, USAGE)
+STREAM = [START, *TOKENS, HELD, FINAL]
+
+
+@pytest.mark.parametrize(
+    ("delta", "after", "needed"),
+    [
+        (START, None, True),  # from the start: everything
+        (TOKENS[0], None, True),
+        (START, 0, False),  # a client at 0 has the events before the first token
+        (TOKENS[0], 0, True),
+        (TOKENS[1], 1, True),  # the token after the client's last
+        (TOKENS[1], 2, False),  # a token it has
+        (TOKENS[2], 2, True),
+        (HELD, 2, True),  # a step after its last token
+        (HELD, 3, True),  # at its last token: the step may have come after the client left
+        (HELD, 4, False),  # past the end
+        (FINAL, 3, True),  # the end
+        (FINAL, 9, True),  # past the end: the end
+        (OutputDelta("", (), 0, FinishReason.LENGTH, USAGE), 0, True),  # an empty completion
+    ],
+)
+def test_which_deltas_a_client_at_a_position_needs(
+    delta: OutputDelta, after: int | None, needed: bool
+) -> None:
+    assert is_after(delta, after) is needed
+
+
+def _session(deltas: list[OutputDelta], error: PdserveError | None = None) -> Session:
+    async def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
+        for delta in deltas:
+            yield 0, delta
+        if error is not None:
+            raise error
+
+    return Session(ApiKind.CHAT, [cast(PreparedRequest, None)], source)
+
+
+@pytest.mark.parametrize(
+    ("after", "expected"),
+    [
+        (None, STREAM),
+        (0, STREAM[1:]),
+        (2, [TOKENS[2], HELD, FINAL]),
+        (3, [HELD, FINAL]),
+        (7, [FINAL]),
+    ],
+)
+async def test_a_session_gives_the_deltas_after_a_position(
+    after: int | None, expected: list[OutputDelta]
+) -> None:
+    got = [delta async for _, delta in _session(STREAM).deltas(after)]
+    assert got == expected
+    steps = [step async for step in _session(STREAM).steps(after)]
+    assert [step.delta for step in steps] == STREAM  # NOTE: a stateful writer sees them all
+    assert [step.delta for step in steps if step.is_after] == expected
+    assert [step.position for step in steps] == [0, 1, 2, 3, 3, 3]
+
+
+async def test_a_failed_session_past_its_end_gives_only_its_error() -> None:
+    failed = PdserveError(ErrorReason.CANCELLED, "the response was cancelled")
+    got: list[OutputDelta] = []
+    with pytest.raises(PdserveError) as raised:
+        async for _, delta in _session(TOKENS, failed).deltas(5):
+            got.append(delta)
+    assert got == [] and raised.value is failed
+
+
+# ---- kept requests in the store --------------------------------------------------------------
+
+ALICE = Caller(ApiKey("alice", b"a"), "key:alice")
+BOB = Caller(ApiKey("bob", b"b"), "key:bob")
+PLACEMENT = Placement("decode-1", "127.0.0.1:9", "lease-7")
+RECORD = ResumeRecord("r1", ApiKind.RESPONSES, "alice", "{}", 42, 1700000000.0, PLACEMENT)
+KINDS = (ApiKind.RESPONSES,)
+
+
+class _Backend:
+    """Records the leases released; fails them when told to."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.released: list[tuple[str, str, str]] = []
+        self.fails = fails
+
+    async def release_lease(
+        self, address: str, lease_id: str, request_id: str, timeout_s: float, *_: Any
+    ) -> None:
+        self.released.append((address, lease_id, request_id))
+        if self.fails:
+            raise BackendError(
+                PdserveError(ErrorReason.PEER_UNAVAILABLE, "gone"), is_from_server=False
+            )
+
+
+def _sessions(store: MemoryResumeStore, backend: _Backend) -> Sessions:
+    streamer = cast(Streamer, None)  # NOTE: nothing runs here: every request is in the store
+    runs = Runs(store, streamer, GatewayMetrics(), request_timeout_s=60, keep_s=60)
+    return Sessions(streamer, cast(Frontend, None), runs, cast(Backend, backend))
+
+
+async def _never_parsed(raw: bytes) -> Parsed:
+    raise AssertionError("a request its caller may not see is not parsed")
+
+
+@pytest.mark.parametrize(
+    ("caller", "kinds"),
+    [(BOB, KINDS), (ALICE, (ApiKind.CHAT,)), (Caller(None, "anonymous"), KINDS)],
+)
+async def test_another_keys_request_is_not_found(caller: Caller, kinds: tuple[ApiKind]) -> None:
+    store = MemoryResumeStore(10)
+    await store.put(RECORD, ttl_s=60)
+    sessions = _sessions(store, _Backend())
+    for look in (sessions.resume, sessions.snapshot):
+        with pytest.raises(PdserveError) as missing:
+            await look("r1", kinds, caller, _never_parsed, "resp_r1")
+        assert missing.value.reason is ErrorReason.REQUEST_NOT_FOUND
+        assert "resp_r1" in missing.value.message
+    with pytest.raises(PdserveError):
+        await sessions.cancel("r1", kinds, caller)
+    with pytest.raises(PdserveError):
+        await sessions.delete("r1", kinds, caller)
+    assert await store.get("r1") == RECORD  # NOTE: untouched
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_cancelling_a_request_running_elsewhere_releases_its_lease(fails: bool) -> None:
+    store = MemoryResumeStore(10)
+    await store.put(RECORD, ttl_s=60)
+    backend = _Backend(fails)
+    await _sessions(store, backend).cancel("r1", KINDS, ALICE)
+    assert backend.released == [("127.0.0.1:9", "lease-7", "r1")]
+    stored = await store.get("r1")
+    assert stored is not None and stored.end is not None
+    assert stored.end.status is ResponseStatus.CANCELLED  # NOTE: also when the release failed
+
+
+async def test_an_ended_request_stays_as_it_ended_and_is_deleted_by_its_owner() -> None:
+    store = MemoryResumeStore(10)
+    ended = ResumeRecord(**{**RECORD.__dict__, "end": StoredEnd(ResponseStatus.COMPLETED, (5,))})
+    await store.put(ended, ttl_s=60)
+    backend = _Backend()
+    sessions = _sessions(store, backend)
+    await sessions.cancel("r1", KINDS, ALICE)
+    assert backend.released == [] and await store.get("r1") == ended
+    await sessions.delete("r1", KINDS, ALICE)
+    assert await store.get("r1") is None
