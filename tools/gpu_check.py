@@ -12,13 +12,16 @@ a step that fails or runs out of time does not stop the next:
 3. ``model``: the default model's GGUF into a fresh cache and prepared there (the demo model
    when the kit's model part did not arrive).
 4. ``gpu_tests``: the engine on CUDA against CPU logits (SDPA and flash-attn where importable),
-   the CUDA block export/import, a CUDA cache mapped through CUDA IPC by another process, bf16
-   KV through every transport into a decode process (CUDA IPC included).
+   the CUDA block export/import, CUDA-graph decode replay against eager on the default model,
+   a CUDA cache mapped through CUDA IPC by another process, bf16 KV through every transport
+   into a decode process (CUDA IPC included).
 5. ``engine_bench``: bench/engine.py on the real model, engine vs transformers' generate.
-6. ``kv_bench``: bench/kv_transfer.py from a CUDA cache, each transport vs a raw copy.
-7. ``ipc_bench``: bench/kv_cuda_ipc.py, writes into another process's CUDA cache through CUDA
+6. ``graphs_bench``: bench/decode_graphs.py, decode steps from CUDA graphs vs eager at batch
+   1, 16 and 64.
+7. ``kv_bench``: bench/kv_transfer.py from a CUDA cache, each transport vs a raw copy.
+8. ``ipc_bench``: bench/kv_cuda_ipc.py, writes into another process's CUDA cache through CUDA
    IPC vs the same copy within one process.
-8. ``serve_compare``: bench/serve.py --compare, PD vs colocated on the same device.
+9. ``serve_compare``: bench/serve.py --compare, PD vs colocated on the same device.
 
 Writes ``summary.json`` (each step's status, seconds, results; GPU, torch, attention backend)
 and ``logs.tar.gz`` (every step's log and the benches' result files) to ``$OUT`` (or --out).
@@ -50,6 +53,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 GPU_TESTS = (
     "tests/unit/engine/test_engine_gpu.py",
     "tests/unit/engine/test_attention_backend.py",
+    "tests/unit/engine/test_decode_graphs_gpu.py",
     # NOTE: the last two: a rehearsal on CPU leaves them out (make test runs them on its own).
     "tests/unit/kv/test_cache_ipc_processes.py",
     "tests/e2e/test_kv_transports_bf16.py",
@@ -302,7 +306,7 @@ def run_steps(check: Check) -> dict[str, Any]:
         "gpu_tests",
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
          "--import-mode=importlib", "--junitxml", str(check.logs / "gpu_tests.xml"),
-         *(GPU_TESTS if check.is_gpu else GPU_TESTS[:2])],
+         *(GPU_TESTS if check.is_gpu else GPU_TESTS[:-2])],
         240,
     )  # fmt: skip
     tail = check.output(step).strip().splitlines()[-1:] or [""]
@@ -318,6 +322,12 @@ def run_steps(check: Check) -> dict[str, Any]:
     step = check.run("engine_bench", engine, 210)
     results = bench_results(check, step)
     step.results = {"summary": results.get("summary"), "config": results.get("config")}
+
+    graphs = [python, "bench/decode_graphs.py", "--model", model, "--device", args.device,
+              "--dtype", dtype]  # fmt: skip
+    graphs += [] if check.is_gpu else ["--quick"]
+    step = check.run("graphs_bench", graphs, 120)
+    step.results = bench_results(check, step).get("summary") or {}
 
     kv = [python, "bench/kv_transfer.py", "--device", args.device, "--dtype", dtype, "--json"]
     # NOTE: 4 MiB at least: smaller transfers of this bench's wide model stall on CPU.

@@ -22,6 +22,7 @@ STEPS = [
     "model",
     "gpu_tests",
     "engine_bench",
+    "graphs_bench",
     "kv_bench",
     "ipc_bench",
     "serve_compare",
@@ -119,6 +120,9 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
     engine = steps["engine_bench"]["results"]["summary"]
     assert engine["greedy_outputs_identical_to_hf"] == "8/8"
     assert engine["attention_backend"] == "sdpa"
+    graphs = steps["graphs_bench"]["results"]
+    assert graphs["capture"] == "StandInCapture" and graphs["buckets"] == [1, 2, 4]
+    assert [row["batch_size"] for row in graphs["rows"]] == [1, 4]
     assert set(steps["kv_bench"]["results"]["transports"]) == {"grpc", "tcp", "shm"}
     ipc = steps["ipc_bench"]["results"]
     assert ipc["bit_exact"] and ipc["device_kind"] == "cpu"  # the stand-in

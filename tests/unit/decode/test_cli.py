@@ -73,6 +73,13 @@ def test_precision_flags_default_to_auto_and_none() -> None:
         DecodeConfig(insecure=True, quantization="int2")
 
 
+def test_enforce_eager_turns_decode_graphs_off() -> None:
+    assert not build_parser().parse_args([]).enforce_eager
+    assert build_parser().parse_args(["--enforce-eager"]).enforce_eager
+    config = DecodeConfig(insecure=True)
+    assert config.runs_decode_steps and not config.enforce_eager
+
+
 def test_the_kv_cache_is_sized_from_free_memory_unless_told() -> None:
     config = DecodeConfig(insecure=True)
     assert config.num_blocks is None and config.kv_cache_memory_mb is None

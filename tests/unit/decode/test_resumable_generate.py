@@ -137,7 +137,7 @@ async def test_a_broken_resumable_stream_runs_on_and_resume_gets_every_token(
     request = _request(client, lease)
     await eventually(lambda: request.is_detached, what="the request detached")
     assert request.status is RequestStatus.RUNNING  # still generating, nobody attached
-    assert client.instance.servicer.num_detached == 1
+    assert client.instance.servicer.kept.num_detached == 1
     assert _detached_gauge(client) == 1
     detached_at = request.num_generated_tokens
     await eventually(lambda: request.num_generated_tokens > detached_at + 2)

@@ -17,6 +17,7 @@ def test_cli_generates_the_engines_greedy_tokens(
     model_dir = checkpoint("qwen2")
     prompt = [5, 9, 200, 17, 33]
     argv = ["--model", str(model_dir), "--prompt-token-ids", ",".join(map(str, prompt))]
+    argv += ["--enforce-eager"]  # NOTE: no graphs on CPU anyway; the flag is accepted
     assert main([*argv, "--max-tokens", "12", "--ignore-eos", "--num-blocks", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     engine = LLMEngine(EngineConfig(model=str(model_dir), cache=CacheConfig(num_blocks=32)))

@@ -70,6 +70,11 @@ def test_help_explains_the_flags() -> None:
     assert "layer by layer" in text
 
 
+def test_a_prefill_captures_no_decode_graphs() -> None:
+    assert build_parser().parse_args(["--enforce-eager"]).enforce_eager
+    assert not PrefillConfig(insecure=True).runs_decode_steps
+
+
 def test_bad_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--insecure", "--max-num-batched-tokens", "0"]) == 2
     assert "max_num_batched_tokens must be positive" in capsys.readouterr().err

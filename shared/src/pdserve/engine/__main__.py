@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only int8 / int4 projections (CPU)",
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="capture no decode graphs (CUDA)"
+    )
     parser.add_argument("--num-threads", type=int, help="torch intra-op threads")
     parser.add_argument("--log-level", default="warning", choices=LEVELS, help="logs go to stderr")
     parser.add_argument("--block-size", type=int, default=cache.block_size)
@@ -105,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             quantization=args.quantization,
             device=args.device,
             num_threads=args.num_threads,
+            enforce_eager=args.enforce_eager,
             cache=CacheConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,

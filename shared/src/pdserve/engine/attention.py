@@ -52,9 +52,9 @@ class SdpaAttention:
         Returns:
             ``[num_tokens, num_heads, head_dim]``.
         """
-        # The cache seen as token slots: [num_blocks * block_size, num_kv_heads, head_dim]
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
+        metadata.write_kv(k, v, k_cache, v_cache)
+        if metadata.is_static:
+            return self._decode_static(q, k_cache, v_cache, metadata)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if metadata.num_decodes:
             out[: metadata.num_decodes] = self._decode(
@@ -79,6 +79,34 @@ class SdpaAttention:
                 group, q[group.start : group.end], k_cache, v_cache, metadata
             )
         return out
+
+    def _decode_static(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every decode of a graph step in one call over its whole table width: fixed shapes,
+        no host reads (the mask comes from the device's context lengths)."""
+        num_decodes, width = metadata.block_table.shape
+        padded_len = width * metadata.block_size
+        blocks = metadata.block_table.reshape(-1)
+        # keys, values: [num_decodes, padded_len, num_kv_heads, head_dim]
+        keys = k_cache.index_select(0, blocks).view(num_decodes, padded_len, self.num_kv_heads, -1)
+        values = v_cache.index_select(0, blocks).view(
+            num_decodes, padded_len, self.num_kv_heads, -1
+        )
+        # q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
+        q_grouped = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q_grouped,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=metadata.static_decode_mask(self.sliding_window),
+            scale=self.scale,
+        )
+        return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     def _decode_group(
         self,

@@ -104,11 +104,18 @@ class AttentionMetadata:
         slot_mapping: ``[num_tokens]`` flat cache slot (``block_id * block_size + offset``) of each
             new token.
         block_table: ``[num_seqs, max_num_blocks]`` physical block ids, padded with 0.
-        context_lens: ``[num_seqs]`` cached plus new tokens per sequence (CPU tensor).
+        context_lens: ``[num_seqs]`` cached plus new tokens per sequence (CPU tensor; on the
+            device on a graph step).
         query_lens: ``[num_seqs]`` new tokens per sequence (CPU tensor).
         num_decodes: Leading sequences (and tokens) with one new token, sorted by context length.
         prefills: The other sequences.
         gather_buffer: Where K/V gathered for attention are copied (reused across steps).
+        is_static: A graph step (`pdserve.engine.graphs`): every sequence is a decode,
+            ``context_lens`` is on the device, and nothing may read a tensor on the host.
+        device_lens: ``[2, num_seqs]`` ``query_lens`` and ``context_lens`` on the device,
+            copied once before the forward (None: layers copy what they need).
+        write_rows: ``[num_tokens]`` on a graph step, the row whose new K/V each row writes
+            (padding rows write row 0's, into row 0's slot); None otherwise.
         derived: Memo of tensors derived from the above (masks, gathers), shared by all layers.
     """
 
@@ -120,7 +127,36 @@ class AttentionMetadata:
     num_decodes: int
     prefills: list[PrefillSpan]
     gather_buffer: KVGatherBuffer = field(default_factory=KVGatherBuffer)
+    is_static: bool = False
+    device_lens: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
     derived: dict[object, Any] = field(default_factory=dict)
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> None:
+        """Writes the step's new K/V (``[num_tokens, num_kv_heads, head_dim]``) into one layer's
+        cache (``[num_blocks, block_size, num_kv_heads, head_dim]``) at ``slot_mapping``."""
+        if self.write_rows is not None:
+            # NOTE: a padding row's slot is row 0's; giving it row 0's K/V makes the duplicate
+            # write exact, whatever its own (meaningless) K/V were.
+            k, v = k.index_select(0, self.write_rows), v.index_select(0, self.write_rows)
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
+
+    def static_decode_mask(self, window: int | None) -> torch.Tensor:
+        """``[num_seqs, 1, 1, table width * block_size]`` bool mask of the keys each decode of
+        a graph step may attend to, computed on the device from ``context_lens``."""
+        key = ("static_decode_mask", window)
+        if key not in self.derived:
+            width = self.block_table.shape[1] * self.block_size
+            lens = self.context_lens[:, None]
+            key_pos = torch.arange(width, device=self.block_table.device)[None, :]
+            mask = key_pos < lens
+            if window is not None:
+                mask &= key_pos > lens - 1 - window
+            self.derived[key] = mask[:, None, None, :]
+        return self.derived[key]
 
     def blocks_of(self, seq_index: int, num_tokens: int) -> torch.Tensor:
         """``[num_blocks]`` physical ids of the blocks holding a sequence's first ``num_tokens``."""
@@ -147,7 +183,8 @@ class AttentionMetadata:
         key = ("decode_mask", group.start, window)
         if key not in self.derived:
             device = self.block_table.device
-            lens = self.context_lens[group.start : group.end].to(device)[:, None]
+            context_lens = self.context_lens if self.device_lens is None else self.device_lens[1]
+            lens = context_lens[group.start : group.end].to(device)[:, None]
             key_pos = torch.arange(group.num_blocks * self.block_size, device=device)[None, :]
             mask = key_pos < lens
             if window is not None:

@@ -109,6 +109,8 @@ class EngineConfig:
             device index of ``device`` plus r.
         tensor_parallel_timeout_s: How long the ranks may take to form their group at start-up,
             and the longest a rank waits on the others within a step.
+        enforce_eager: Never capture decode graphs (`pdserve.engine.graphs`). Without it a
+            single-rank engine on CUDA captures them after loading; on CPU every step is eager.
     """
 
     model: str
@@ -122,6 +124,7 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata=POSITIVE)
     tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
     tensor_parallel_timeout_s: float = field(default=120.0, metadata=POSITIVE)
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -146,6 +149,12 @@ class EngineConfig:
                 f"quantization={self.quantization} does not combine with "
                 f"tensor_parallel_size={self.tensor_parallel_size} yet"
             )
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Whether loading captures decode graphs: CUDA, one rank, not `enforce_eager`."""
+        is_cuda = torch.device(self.device).type == "cuda"
+        return is_cuda and self.tensor_parallel_size == 1 and not self.enforce_eager
 
     @property
     def dtype_choice(self) -> DtypeChoice:

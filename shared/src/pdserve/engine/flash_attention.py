@@ -105,8 +105,9 @@ class FlashAttention:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Same contract as ``SdpaAttention.forward``."""
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
+        metadata.write_kv(k, v, k_cache, v_cache)
+        if metadata.is_static:
+            return self._decode_static(q, k_cache, v_cache, metadata)
         tensors = _flash_tensors(metadata)
         window = self.sliding_window
         if self.implementation.name == "flash-attn-4":
@@ -141,21 +142,53 @@ class FlashAttention:
         )
         return out
 
+    def _decode_static(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # pragma: no cover - needs flash-attn 2 on CUDA
+        """A graph step's decodes with ``flash_attn_with_kvcache``: K/V read in place through
+        the block table, lengths from the device (flash-attn 2 only, `GRAPH_CAPTURABLE`)."""
+        from flash_attn import flash_attn_with_kvcache
+
+        window = self.sliding_window
+        # out: [num_decodes, 1, num_heads, head_dim]
+        out = flash_attn_with_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=metadata.context_lens.to(torch.int32),
+            block_table=metadata.block_table.to(torch.int32),
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
+        )
+        return out.squeeze(1)
+
+
+GRAPH_CAPTURABLE = ("flash-attn-2",)
+"""The flash-attn implementations whose decode a graph step can capture."""
+
 
 def _flash_tensors(metadata: AttentionMetadata) -> dict[str, Any]:
     key = "flash_tensors"
     cached = metadata.derived.get(key)
     if cached is None:
         device = metadata.slot_mapping.device
-        zero = torch.zeros(1, dtype=torch.int32)
+        # lens: [2, num_seqs] query and context lengths (on the device when the step put them
+        # there before the forward: then nothing here copies from the host)
+        lens = metadata.device_lens
+        if lens is None:
+            lens = torch.stack([metadata.query_lens, metadata.context_lens]).to(device)
+        lens = lens.to(torch.int32)
+        # cu_seqlens: [2, num_seqs + 1]
+        cu_seqlens = torch.nn.functional.pad(lens.cumsum(1, dtype=torch.int32), (1, 0))
         cached = {
-            "cu_seqlens_q": torch.cat([zero, metadata.query_lens.cumsum(0).to(torch.int32)]).to(
-                device
-            ),
-            "cu_seqlens_k": torch.cat([zero, metadata.context_lens.cumsum(0).to(torch.int32)]).to(
-                device
-            ),
-            "seqused_k": metadata.context_lens.to(torch.int32).to(device),
+            "cu_seqlens_q": cu_seqlens[0],
+            "cu_seqlens_k": cu_seqlens[1],
+            "seqused_k": lens[1],
             "block_table": metadata.block_table.to(torch.int32).contiguous(),
         }
         metadata.derived[key] = cached

@@ -8,18 +8,19 @@ from typing import Any
 import structlog
 import torch
 
-from pdserve.common.generation import num_blocks_for
 from pdserve.engine.attention_buffer import KVGatherBuffer
-from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import FLASH, flash_attn_unusable_reason
+from pdserve.engine.graphs.capture import CaptureBackend
+from pdserve.engine.graphs.runner import GraphRunner, build_graph_runner
 from pdserve.engine.kv_budget import size_kv_cache
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.loader import load_model
 from pdserve.engine.model import LayerCallback, LlamaForCausalLM
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.step_inputs import prepare_step
 
 log = structlog.get_logger(__name__)
 
@@ -154,6 +155,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = kv_cache.device
         self.gather_buffer = KVGatherBuffer()
+        self.graphs: GraphRunner | None = None
+        """Replays decode steps once captured (`capture_graphs`); None: every step is eager."""
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
@@ -169,7 +172,36 @@ class ModelRunner:
         model = load_rank_model(config, torch.device(config.device))
         layout = cache_layout(config, model.config)
         num_blocks = num_cache_blocks(config, model.config, layout, torch.device(config.device))
-        return cls(model, KVCache(layout, num_blocks, torch.device(config.device)))
+        runner = cls(model, KVCache(layout, num_blocks, torch.device(config.device)))
+        if config.uses_graphs:
+            limit = model.config.max_position_embeddings
+            runner.capture_graphs(
+                config.cache.max_seqs or config.scheduler.max_num_seqs,
+                min(config.max_model_len or limit, limit),
+            )
+        return runner
+
+    def capture_graphs(
+        self, max_num_seqs: int, max_model_len: int, capture: CaptureBackend | None = None
+    ) -> bool:
+        """Captures the decode step per batch-size bucket (`pdserve.engine.graphs`); from then
+        on a decode-only batch that fits a bucket replays. Call before any KV is cached.
+
+        Args:
+            max_num_seqs: Most sequences of a decode step (the largest bucket).
+            max_model_len: The longest sequence served.
+            capture: How to capture; CUDA graphs on CUDA, a stand-in that reruns the step
+                on CPU (tests).
+
+        Returns:
+            Whether graphs were captured (not for an attention backend without a graph path,
+            or when the capture failed; both logged).
+        """
+        self.graphs = build_graph_runner(
+            self.model, self.rank_cache, self.attention_backend, max_num_seqs, max_model_len,
+            capture,
+        )  # fmt: skip
+        return self.graphs is not None
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -217,14 +249,24 @@ class ModelRunner:
         """
         if not chunks:
             raise ValueError("execute needs at least one chunk")
+        # NOTE: decode-only batches up to the largest bucket replay a captured step; the rest
+        # (prefill chunks, mixed steps, larger batches, long contexts) run eagerly.
+        graphs = None if on_layer_done or every_position else self.graphs
+        if graphs is not None and graphs.bucket_of(chunks) is not None:
+            return graphs.run(chunks), {}
         # NOTE: decodes first, shortest context first, so that similar lengths attend together.
         order = sorted(range(len(chunks)), key=lambda i: _batch_position(chunks[i]))
-        input_ids, positions, metadata = self._prepare([chunks[i] for i in order])
-        hidden = self.model(input_ids, positions, self.rank_cache, metadata, on_layer_done)
+        input_ids, positions, metadata = prepare_step(
+            [chunks[i] for i in order], self.block_size, self.device, self.gather_buffer
+        )
         last_rows = torch.cumsum(metadata.query_lens, 0) - 1
-        logits_sorted = self.model.compute_logits(hidden[last_rows.to(self.device)])
         inverse = torch.empty(len(order), dtype=torch.long)
         inverse[torch.tensor(order)] = torch.arange(len(order))
+        # NOTE: on the device before the forward is queued, so no copy waits for it.
+        # rows: [2, num_seqs]: each chunk's last token row; each chunk's place in the batch
+        rows = torch.stack([last_rows, inverse]).to(self.device)
+        hidden = self.model(input_ids, positions, self.rank_cache, metadata, on_layer_done)
+        logits_sorted = self.model.compute_logits(hidden[rows[0]])
         every: dict[int, torch.Tensor] = {}
         if every_position:
             ends = torch.cumsum(metadata.query_lens, 0).tolist()
@@ -232,57 +274,4 @@ class ModelRunner:
                 position = int(inverse[index])
                 start = ends[position] - int(metadata.query_lens[position])
                 every[index] = self.model.compute_logits(hidden[start : ends[position]])
-        return logits_sorted[inverse.to(self.device)], every
-
-    def _prepare(
-        self, chunks: Sequence[ScheduledChunk[Any]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_index: list[int] = []
-        tables: list[Sequence[int]] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
-        num_decodes = 0
-        for index, chunk in enumerate(chunks):
-            num_new = len(chunk.token_ids)
-            start = chunk.num_computed_tokens
-            context_len = start + num_new
-            num_blocks = num_blocks_for(context_len, block_size)
-            if num_new == 0 or start < 0 or len(chunk.block_ids) < num_blocks:
-                raise ValueError(
-                    f"chunk {index}: {num_new} new tokens at position {start} need "
-                    f"{num_blocks} blocks, got {len(chunk.block_ids)}"
-                )
-            if num_new == 1:
-                num_decodes += 1
-            else:
-                prefills.append(PrefillSpan(index, len(input_ids), len(input_ids) + num_new, start))
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(start, context_len))
-            seq_index.extend([index] * num_new)
-            tables.append(chunk.block_ids[:num_blocks])
-            query_lens.append(num_new)
-            context_lens.append(context_len)
-        max_blocks = max(len(t) for t in tables)
-        block_table = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in tables])
-        positions_t = torch.tensor(positions)
-        seq_index_t = torch.tensor(seq_index)
-        slot_mapping = (
-            block_table[seq_index_t, positions_t // block_size] * block_size
-            + positions_t % block_size
-        )
-        device = self.device
-        metadata = AttentionMetadata(
-            block_size=block_size,
-            slot_mapping=slot_mapping.to(device),
-            block_table=block_table.to(device),
-            context_lens=torch.tensor(context_lens),
-            query_lens=torch.tensor(query_lens),
-            num_decodes=num_decodes,
-            prefills=prefills,
-            gather_buffer=self.gather_buffer,
-        )
-        return torch.tensor(input_ids, device=device), positions_t.to(device), metadata
+        return logits_sorted[rows[1]], every

@@ -111,6 +111,14 @@ class InstanceConfig(ServiceConfig):
         },
     )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "never replay decode steps from CUDA graphs (a decode on CUDA captures one "
+            "per batch-size bucket up to --max-num-seqs at start; a prefill runs no decode "
+            "steps and captures none; on CPU every step is eager)"
+        },
+    )
     num_threads: int | None = field(
         default=None,
         metadata={
@@ -207,4 +215,9 @@ class InstanceConfig(ServiceConfig):
     @property
     def kv_cache_in_shm(self) -> bool:
         """Whether the KV cache will be placed in a /dev/shm segment (a decode offering shm)."""
+        return False
+
+    @property
+    def runs_decode_steps(self) -> bool:
+        """Whether the role's engine steps decodes (a decode), so graphs may pay off."""
         return False

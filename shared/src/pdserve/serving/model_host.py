@@ -56,6 +56,7 @@ class ModelHost:
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 120.0,
         quantization: str = "none",
+        enforce_eager: bool = False,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -73,6 +74,7 @@ class ModelHost:
                 CPU only: on CPU rank 0's cache holds every head, so KV moves as without it.
             tensor_parallel_timeout_s: How long the ranks may take to form their group.
             quantization: ``none``, ``int8`` or ``int4`` (`pdserve.engine.quant`).
+            enforce_eager: Capture no decode graphs on CUDA (`pdserve.engine.graphs`).
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
@@ -100,6 +102,7 @@ class ModelHost:
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=tensor_parallel_timeout_s,
             quantization=quantization,
+            enforce_eager=enforce_eager,
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
@@ -134,6 +137,7 @@ class ModelHost:
             tensor_parallel_size=config.tensor_parallel_size,
             tensor_parallel_timeout_s=config.tensor_parallel_timeout_s,
             quantization=config.quantization,
+            enforce_eager=config.enforce_eager or not config.runs_decode_steps,
         )
 
     @property

@@ -128,5 +128,9 @@ class DecodeConfig(InstanceConfig):
         return self.max_num_seqs
 
     @property
+    def runs_decode_steps(self) -> bool:
+        return True
+
+    @property
     def kv_cache_in_shm(self) -> bool:
         return "shm" in self.kv_transport_kinds and self.device.split(":")[0] == "cpu"

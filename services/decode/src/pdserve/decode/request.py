@@ -5,7 +5,8 @@ terminal event. Its status walks ALLOCATED -> SYNCING -> COMMITTED -> RUNNING ->
 state; `can_move_to`/`move_to` allow only the transitions `lease_state.TRANSITIONS` lists, and
 `end()` is the one place its blocks go back to the pool, once. The lease table, the servicer,
 the KV receiver and the decode thread hold references to it. Transitions run under the lease
-table's lock (`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`.
+table's lock (`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`,
+delivered by its base `request_events.RequestEvents`.
 
 A resumable request (contract 1.9) outlives its stream: it runs on detached when the stream
 breaks, and a resuming stream attaches with a new `attach_epoch`, taking it over from a stream
@@ -16,10 +17,7 @@ the stream it took over may still take events off the queue.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -29,17 +27,17 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.common.pki import Identity
 from pdserve.common.transitions import IllegalTransition, check_transition
-from pdserve.decode.events import DecodeEvent, TokensEvent
+from pdserve.decode.events import DecodeEvent
 from pdserve.decode.lease_state import TRANSITIONS, RequestStatus
+from pdserve.decode.request_events import RequestEvents
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.constraints import ConstraintState
 
 _tracer = telemetry.tracer("pdserve.decode")
-_PENDING: set[asyncio.Future[None]] = set()  # notices waiting for their offload (keep a ref)
 
 
 @dataclass(eq=False)
-class DecodeRequest:
+class DecodeRequest(RequestEvents):
     """One request on this decode, from its lease to its last event.
 
     Attributes:
@@ -254,10 +252,6 @@ class DecodeRequest:
         await self._wait_ready()
         return epoch, is_taken_over
 
-    def is_current(self, epoch: int) -> bool:
-        """Whether the stream attached with `epoch` still owns the request."""
-        return self.attach_epoch == epoch
-
     def detach(self) -> None:
         """Its stream went away before its end: it runs on, kept for a resume."""
         self.is_attached = False
@@ -270,11 +264,6 @@ class DecodeRequest:
         # slicing a list is atomic under the GIL, so a reader sees a prefix of what comes.
         return self.token_ids[self.num_prompt_tokens + start :]
 
-    def change_waiter(self) -> asyncio.Event:
-        """An event set at the next delivery or takeover (take it before reading the state
-        it guards, wait on it after)."""
-        return self._changed
-
     async def _wait_ready(self) -> None:
         timeout = max(0.0, self.expires_at - time.monotonic())
         try:
@@ -286,77 +275,6 @@ class DecodeRequest:
                     "no commit within the lease TTL",
                     {"leaseId": self.lease_id},
                 ) from None
-
-    async def next_events(self, epoch: int | None = None) -> list[DecodeEvent]:
-        """Every queued event, waiting for at least one; none once the stream attached with
-        `epoch` was taken over (None: the caller cannot be taken over)."""
-        while self.events.empty():
-            if epoch is not None and not self.is_current(epoch):
-                return []
-            await self._changed.wait()
-        if epoch is not None and not self.is_current(epoch):
-            return []
-        return self.take_events()
-
-    def take_events(self) -> list[DecodeEvent]:
-        """Every queued event, without waiting (a resumed stream drops them: it reads
-        ``token_ids`` and ``terminal`` instead)."""
-        events = []
-        while not self.events.empty():
-            events.append(self.events.get_nowait())
-        return events
-
-    def deliver(self, event: DecodeEvent) -> None:
-        """Queues an event for the Generate stream (on the event loop); records a terminal
-        one in ``terminal``."""
-        if not isinstance(event, TokensEvent) and self.terminal is None:
-            self.terminal = event
-        self.events.put_nowait(event)
-        self.ready.set()
-        self._wake()
-
-    def _wake(self) -> None:
-        # NOTE: a broadcast: every waiter of the current event wakes, later waiters wait on
-        # a fresh one (asyncio.Event has no pulse).
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def emit(self, event: DecodeEvent) -> None:
-        """Queues an event from the decode thread (it hops to the event loop)."""
-        assert self._aio_loop is not None, "emit() before start_generation()"
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
-            self._aio_loop.call_soon_threadsafe(self.deliver, event)
-
-    def emit_when_done(
-        self,
-        future: Future[int],
-        timeout_s: float,
-        make_event: Callable[[Future[int] | None], DecodeEvent],
-    ) -> None:
-        """Emits ``make_event(future)`` once `future` resolves, or ``make_event(None)`` after
-        `timeout_s`, whichever comes first (from any thread; events emitted before this call
-        are delivered before it)."""
-        assert self._aio_loop is not None, "emit_when_done() before start_generation()"
-
-        def schedule() -> None:
-            task = asyncio.ensure_future(self._deliver_when_done(future, timeout_s, make_event))
-            _PENDING.add(task)
-            task.add_done_callback(_PENDING.discard)
-
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
-            self._aio_loop.call_soon_threadsafe(schedule)
-
-    async def _deliver_when_done(
-        self,
-        future: Future[int],
-        timeout_s: float,
-        make_event: Callable[[Future[int] | None], DecodeEvent],
-    ) -> None:
-        waited = asyncio.wrap_future(future)
-        # NOTE: a write that lands after the wait still resolves `waited`; retrieve its error.
-        waited.add_done_callback(lambda f: f.cancelled() or f.exception())
-        done, _ = await asyncio.wait({waited}, timeout=timeout_s)
-        self.deliver(make_event(future if done else None))
 
     def end_span(self, attributes: dict[str, str] | None = None) -> None:
         """Ends its ``decode.generation`` span with what it did and how it ended.

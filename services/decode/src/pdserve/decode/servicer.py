@@ -1,7 +1,8 @@
 """DecodeService over gRPC: the edge between pdserve.v1 messages and the decode's requests.
 
 Each RPC finds its `DecodeRequest` (AllocateBlocks creates it) and moves it through the lease
-table; the servicer keeps a reference to every request whose stream may still be read.
+table; the servicer keeps a reference to every request whose stream may still be read, and
+`kept_requests.KeptRequests` decides how long.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pdserve.common.errors import ErrorReason, PdserveError, abort_with_error
 from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert, streams, sync_stream
 from pdserve.decode.decode_loop import DecodeLoop
+from pdserve.decode.kept_requests import KeptRequests
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
@@ -49,10 +51,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         metrics: Where transfer durations are observed, if anywhere.
         share_wait_s: How long an allocation with a share key waits for a sibling's KV on its
             way, to share its prompt blocks.
-        detached_keep_s: How long a resumable request is kept without a stream: detached
-            (then released) or after its end (then forgotten).
-        max_detached_requests: Most detached requests kept; a resumable stream that breaks
-            beyond them releases its request at once.
+        detached_keep_s, max_detached_requests: How long and how many resumable requests
+            are kept without a stream (`KeptRequests`).
     """
 
     def __init__(
@@ -66,20 +66,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         max_detached_requests: int = 256,
     ) -> None:
         self.host = host
+        self.kept = KeptRequests(loop, detached_keep_s, max_detached_requests)
         self.share_wait_s = share_wait_s
-        self.detached_keep_s = detached_keep_s
-        self.max_detached_requests = max_detached_requests
         self.leases = leases
         self.loop = loop
         self.metrics = metrics
         if metrics is not None:
-            metrics.count_detached_with(lambda: self.num_detached)
+            metrics.count_detached_with(lambda: self.kept.num_detached)
         self.transfers = Transfers(
             host.runner.kv_cache, leases, loop, metrics, host.constraint_compiler()
         )
-        # NOTE: by lease id, until their stream ends (a resumable one's: until it is released
-        # or forgotten after the keep time).
-        self.requests: dict[str, DecodeRequest] = {}
+        self.requests = self.kept.requests  # NOTE: the same dict: RPCs add, `kept` removes
         self.instance_id = ""
         self.transport_offers: tuple[TransportOffer, ...] = ()  # besides gRPC, set by the server
 
@@ -229,11 +226,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         request: decode_pb2.DecodeServiceGenerateRequest,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[decode_pb2.DecodeServiceGenerateResponse]:
-        """Streams a lease's tokens; waits for the commit, bounded by the lease TTL.
-
-        A `resumable` request runs on when its stream breaks (detached), for a `resume`
-        stream to attach; `snapshot` reads a request's tokens without attaching.
-        """
+        """Streams a lease's tokens; waits for the commit, bounded by the lease TTL. A
+        `resumable` request runs on when its stream breaks (detached), for a `resume` stream
+        to attach; `snapshot` reads a request's tokens without attaching."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         lease = self.requests.get(request.lease_id)
         epoch: int | None = None
@@ -269,43 +264,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await abort_with_error(context, error)
         finally:
             if epoch is not None:
-                self._stream_ended(lease, epoch, is_done)
-
-    def _stream_ended(self, lease: DecodeRequest, epoch: int, is_done: bool) -> None:
-        """After a stream attached with `epoch` ended (`is_done`: with its terminal event or
-        an error ending): releases or forgets the request, keeps it, or detaches it."""
-        if not lease.is_current(epoch):
-            return  # NOTE: a resume took it over; that stream owns it now.
-        if not lease.is_resumable:
-            if not is_done:
-                # NOTE: the client went away: release the lease (decode thread ends it).
-                self.loop.release(lease, RequestStatus.ABORTED)
-            self.requests.pop(lease.lease_id, None)
-            return
-        if is_done or lease.status.is_terminal:
-            lease.is_attached = False  # kept for the keep time after its end, for a resume
-            return
-        fields = {
-            "request_id": lease.request_id,
-            "lease_id": lease.lease_id,
-            "num_generated_tokens": max(0, lease.num_generated_tokens),
-        }
-        if self.num_detached >= self.max_detached_requests:
-            log.warning("detached_limit_reached", limit=self.max_detached_requests, **fields)
-            self.loop.release(lease, RequestStatus.ABORTED)
-            self.requests.pop(lease.lease_id, None)
-            return
-        lease.detach()
-        log.info("generate_detached", **fields)
-
-    @property
-    def num_detached(self) -> int:
-        """Requests running on with no stream attached, waiting for a resume."""
-        return sum(
-            1
-            for lease in list(self.requests.values())
-            if lease.is_detached and not lease.status.is_terminal
-        )
+                self.kept.stream_ended(lease, epoch, is_done)
 
     # ---- ReleaseLease ----------------------------------------------------------------------
 
@@ -329,39 +288,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         log.info("lease_released", request_id=lease.request_id, lease_id=lease.lease_id)
         return decode_pb2.ReleaseLeaseResponse(state=decode_pb2.LEASE_STATE_ABORTED)
 
-    # ---- shared helpers --------------------------------------------------------------------
+    # ---- upkeep (the server's idle tick) ---------------------------------------------------
 
     def expire_due(self) -> int:
-        """Reclaims leases past their TTL; forgets ended requests nobody attached to; releases
-        detached requests nobody resumed within the keep time and forgets resumable ones that
-        ended longer ago. Returns how many expired."""
+        """Reclaims leases past their TTL, sweeps `kept`; returns how many expired."""
         expired = self.leases.due_for_expiry()
         for lease in expired:
             log.info("lease_expired", request_id=lease.request_id, lease_id=lease.lease_id)
             self.loop.release(lease, RequestStatus.EXPIRED, "lease TTL ran out")
-        now = time.monotonic()
-        forget_before = now - self.leases.ttl_s
-        keep_before = now - self.detached_keep_s
-        for lease_id, lease in list(self.requests.items()):
-            if lease.is_attached:
-                continue
-            if lease.is_resumable:
-                if lease.ended_at is not None:
-                    if lease.ended_at < keep_before:
-                        del self.requests[lease_id]  # its tail was there to replay; no more
-                elif lease.detached_at is not None and lease.detached_at < keep_before:
-                    self._release_detached(lease)
-                continue
-            if lease.ended_at is not None and lease.ended_at < forget_before:
-                del self.requests[lease_id]  # ended and never attached: nobody will read it
+        self.kept.sweep(self.leases.ttl_s)
         return len(expired)
-
-    def _release_detached(self, lease: DecodeRequest) -> None:
-        log.info(
-            "detached_request_released",
-            request_id=lease.request_id,
-            lease_id=lease.lease_id,
-            num_generated_tokens=max(0, lease.num_generated_tokens),
-        )
-        self.loop.release(lease, RequestStatus.ABORTED, "detached past the keep time")
-        del self.requests[lease.lease_id]

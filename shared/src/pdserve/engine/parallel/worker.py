@@ -77,7 +77,7 @@ def run(stream: BinaryIO) -> int:
         try:
             runner.execute_with_positions(message.chunks, every_position=message.every_position)
         except ValueError as error:
-            # NOTE: a batch _prepare refuses is refused on every rank before any collective.
+            # NOTE: a batch prepare_step refuses is refused on every rank before any collective.
             log.warning("tensor_parallel_step_refused", rank=shard.rank, error=str(error))
 
 
