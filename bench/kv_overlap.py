@@ -40,7 +40,7 @@ from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
 from pdserve.launcher.child import ChildProcess
-from pdserve.prefill.kv_channels import SharedPools
+from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.serving.convert import local_protocol, sampling_to_proto
 from pdserve.v1 import (
     common_pb2,

@@ -13,7 +13,8 @@ checksum (fault injection).
   checksum, which the decode verifies in its cache while later layers compute). An abandoned
   transfer waits for a copy under way before the stream is cancelled: until the stream ends the
   decode keeps the blocks reserved, so no late write can reach another lease. Two kinds:
-  `SharedMemoryChannel` (the decode's KV cache is a segment on this host) and
+  `pdserve.prefill.kv_shm_channel.SharedMemoryChannel` (the decode's KV cache is a segment on
+  this host) and
   `pdserve.prefill.kv_ipc_channel.CudaIpcChannel` (the decode's CUDA cache mapped through CUDA
   IPC).
 """
@@ -21,15 +22,13 @@ checksum (fault injection).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, has_error_info
-from pdserve.engine.kv_cache import KVCacheLayout
-from pdserve.kv.shm import LeaseWindow, SharedKvPool
 from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, KvPiece
 from pdserve.prefill import convert
 from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
@@ -198,39 +197,6 @@ class InPlaceChannel(GrpcChannel):
         return crcs
 
 
-class SharedMemoryChannel(InPlaceChannel):
-    """SyncCache whose chunks are written into the decode's shared-memory KV cache.
-
-    Args:
-        stub: The decode's stub.
-        request: The request (holding its lease).
-        open_pool: Maps the decode's segment (by name) or returns the mapping already open.
-        segment_name: The lease's shared-memory address.
-    """
-
-    name = "shm"
-
-    def __init__(
-        self,
-        stub: decode_pb2_grpc.DecodeServiceStub,
-        request: Request,
-        open_pool: Callable[[str], SharedKvPool],
-        segment_name: str,
-    ) -> None:
-        super().__init__(stub, request)
-        self.open_pool = open_pool
-        self.segment_name = segment_name
-
-    def _open_writer(self) -> LeaseWindow:
-        assert self.request.lease is not None
-        try:
-            pool = self.open_pool(self.segment_name)
-            lease = self.request.lease
-            return pool.window(lease.block_ids, lease.num_shared_blocks)
-        except (OSError, ValueError) as error:
-            raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
-
-
 def _groups(pieces: Sequence[KvPiece], max_bytes: int) -> list[list[KvPiece]]:
     """`pieces` in order, in runs of at most `max_bytes` of K+V (at least one piece each)."""
     groups: list[list[KvPiece]] = []
@@ -275,29 +241,3 @@ async def ask_lease_state(
             ErrorReason.CACHE_SYNC_FAILED, f"the decode ended the transfer ({state})", metadata
         )
     return local
-
-
-class SharedPools:
-    """The decodes' segments this prefill mapped, by name; a mapping whose segment is gone
-    (its decode stopped) is dropped when the next one is opened.
-
-    Args:
-        layout: The KV layout (the decodes' fingerprints equal the prefill's).
-    """
-
-    def __init__(self, layout: KVCacheLayout) -> None:
-        self.layout = layout
-        self._pools: dict[str, SharedKvPool] = {}
-
-    def open(self, name: str) -> SharedKvPool:
-        """The mapping of segment `name` (mapped on first use).
-
-        Raises:
-            OSError, ValueError: As `SharedKvPool`.
-        """
-        pool = self._pools.get(name)
-        if pool is None:
-            for stale in [n for n, p in self._pools.items() if not p.exists()]:
-                del self._pools[stale]
-            pool = self._pools[name] = SharedKvPool(name, self.layout)
-        return pool

@@ -20,8 +20,8 @@ from pdserve.common import telemetry
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kv.cache_window import MappedCaches
 from pdserve.prefill.in_flight import InFlight
-from pdserve.prefill.kv_channels import SharedPools
 from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.prefill.kv_transports import channels_for
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.v1 import decode_pb2_grpc

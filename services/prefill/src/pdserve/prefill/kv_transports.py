@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.kv.cache_window import MappedCaches
-from pdserve.prefill.kv_channels import GrpcChannel, KvChannel, SharedMemoryChannel, SharedPools
+from pdserve.prefill.kv_channels import GrpcChannel, KvChannel
 from pdserve.prefill.kv_ipc_channel import CudaIpcChannel
+from pdserve.prefill.kv_shm_channel import SharedMemoryChannel, SharedPools
 from pdserve.prefill.kv_tcp_channel import TcpChannel
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc

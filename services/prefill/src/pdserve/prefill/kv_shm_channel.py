@@ -1,0 +1,73 @@
+"""The shared-memory KV channel: the decode's KV cache is a segment on this host, mapped once
+per decode (`SharedPools`); the lease's blocks are written into it in place, with the writes,
+checksums and commit of every in-place channel (`pdserve.prefill.kv_channels.InPlaceChannel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdserve.engine.kv_cache import KVCacheLayout
+from pdserve.kv.shm import LeaseWindow, SharedKvPool
+from pdserve.prefill.kv_channels import InPlaceChannel, TransportUnavailable
+from pdserve.prefill.request import Request
+from pdserve.v1 import decode_pb2_grpc
+
+
+class SharedMemoryChannel(InPlaceChannel):
+    """SyncCache whose chunks are written into the decode's shared-memory KV cache.
+
+    Args:
+        stub: The decode's stub.
+        request: The request (holding its lease).
+        open_pool: Maps the decode's segment (by name) or returns the mapping already open.
+        segment_name: The lease's shared-memory address.
+    """
+
+    name = "shm"
+
+    def __init__(
+        self,
+        stub: decode_pb2_grpc.DecodeServiceStub,
+        request: Request,
+        open_pool: Callable[[str], SharedKvPool],
+        segment_name: str,
+    ) -> None:
+        super().__init__(stub, request)
+        self.open_pool = open_pool
+        self.segment_name = segment_name
+
+    def _open_writer(self) -> LeaseWindow:
+        assert self.request.lease is not None
+        try:
+            pool = self.open_pool(self.segment_name)
+            lease = self.request.lease
+            return pool.window(lease.block_ids, lease.num_shared_blocks)
+        except (OSError, ValueError) as error:
+            raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
+
+
+class SharedPools:
+    """The decodes' segments this prefill mapped, by name; a mapping whose segment is gone
+    (its decode stopped) is dropped when the next one is opened.
+
+    Args:
+        layout: The KV layout (the decodes' fingerprints equal the prefill's).
+    """
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self._pools: dict[str, SharedKvPool] = {}
+
+    def open(self, name: str) -> SharedKvPool:
+        """The mapping of segment `name` (mapped on first use).
+
+        Raises:
+            OSError, ValueError: As `SharedKvPool`.
+        """
+        pool = self._pools.get(name)
+        if pool is None:
+            for stale in [n for n, p in self._pools.items() if not p.exists()]:
+                del self._pools[stale]
+            pool = self._pools[name] = SharedKvPool(name, self.layout)
+        return pool
