@@ -87,7 +87,7 @@ test-fast: system-deps venv  ## pytest without lint
 	$(BIN)/pytest -x -q
 
 # NOTE: `make test` runs the clusters on the default transport (shared memory: one host).
-TRANSPORT_SUITES = tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py tests/unit/prefill
+TRANSPORT_SUITES = tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py tests/integration/prefill
 test-transports: system-deps venv model  ## the e2e, chaos and prefill suites once per forced KV transport (tcp, grpc; cuda_ipc on its CPU stand-in: e2e and chaos)
 	for transport in tcp grpc; do \
 		PDSERVE_TEST_KV_TRANSPORT=$$transport $(BIN)/pytest -q $(TRANSPORT_SUITES) || exit 1; \

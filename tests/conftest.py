@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,24 @@ def build_tiny_llama(path: Path, *, num_layers: int = 2, vocab_size: int = 320) 
             parameter.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(autouse=True)
+def single_thread() -> Iterator[None]:
+    """Runs each test's model work (engines, in-process servers, references) on one intra-op
+    thread.
+
+    The tiny models gain nothing from more threads, and on a busy two-core machine OpenMP
+    barriers between two threads make every small kernel wait for the other core: a reference
+    generation of 24 tokens took about 2 s on two threads and 0.05 s on one. The setting is
+    process-wide, so the servers' engine threads use it too.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """`pdserve up --model DIR` on a checkpoint directory of a newer family: a dense one with
 Gemma 3's layers and a mixture of experts (Qwen3-MoE), each as separate gateway, prefill and
 decode processes, with greedy output equal to transformers'. (Every family goes through a
-real prefill and decode over every transport in tests/unit/prefill.)"""
+real prefill and decode over every transport in tests/integration/prefill.)"""
 
 from __future__ import annotations
 

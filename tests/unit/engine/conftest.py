@@ -5,7 +5,7 @@ Tests that take an ``arch`` argument run once per architecture in ``ARCHITECTURE
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +21,6 @@ def make_prompts(num: int, seed: int = 0, min_len: int = 5, max_len: int = 40) -
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=generator).tolist()
     return [torch.randint(3, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths]
-
-
-@pytest.fixture(autouse=True)
-def single_thread() -> Iterator[None]:
-    """Runs each engine test on one intra-op thread.
-
-    The tiny models gain nothing from more threads, and on a busy two-core machine OpenMP
-    barriers between two threads make every small kernel wait for the other core.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

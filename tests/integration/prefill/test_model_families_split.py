@@ -4,6 +4,8 @@ transport, and the continuation equals the single-process engine's, token for to
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,15 +28,29 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: save_tiny_model(name, tmp_path_factory.mktemp(name)) for name in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def engine_outputs(family_dirs: dict[str, Path]) -> Callable[[str], list[list[int]]]:
+    """Returns ``outputs(family)``: the single-process engine's tokens for `PROMPTS`, computed
+    once per family for all three transports."""
+
+    @functools.cache
+    def outputs(family: str) -> list[list[int]]:
+        engine = reference_engine(family_dirs[family])
+        return [engine.generate([prompt], GREEDY)[0] for prompt in PROMPTS]
+
+    return outputs
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
 @pytest.mark.parametrize("family", FAMILIES)
 async def test_a_family_through_the_split_equals_the_engine(
-    family_dirs: dict[str, Path], family: str, transport: str
+    family_dirs: dict[str, Path],
+    engine_outputs: Callable[[str], list[list[int]]],
+    family: str,
+    transport: str,
 ) -> None:
-    model_dir = family_dirs[family]
-    engine = reference_engine(model_dir)
-    expected = [engine.generate([prompt], GREEDY)[0] for prompt in PROMPTS]
-    async with cluster(model_dir, kv_transports=transport) as pd:
+    expected = engine_outputs(family)
+    async with cluster(family_dirs[family], kv_transports=transport) as pd:
         results = await asyncio.gather(
             *(pd.complete(f"{family}-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
         )
