@@ -55,6 +55,17 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True)
+def logging_restored() -> Iterator[None]:
+    """Puts structlog's configuration back after each test: a test that configures logging
+    (a CLI at ``--log-level error``) must not filter the events a later test captures."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama checkpoint directory shared by the whole session."""
