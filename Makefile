@@ -80,8 +80,11 @@ system-deps:  ## install the system packages the tests run (redis-server: KV sto
 	@command -v ip >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends iproute2)
 
-test: system-deps venv model lint typecheck node-deps  ## lint, type-check, then the whole pytest suite
-	$(BIN)/pytest
+# NOTE: two workers (pytest-xdist); a module's (or class's) tests stay on one worker, so the
+# clusters they share start once. PYTEST_WORKERS=0 runs in this process.
+PYTEST_WORKERS ?= 2
+test: system-deps venv model lint typecheck node-deps  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 test-fast: system-deps venv  ## pytest without lint
 	$(BIN)/pytest -x -q
