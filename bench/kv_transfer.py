@@ -67,8 +67,8 @@ from pdserve.kv.transfer import sequence_pieces
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
-from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.prefill.kv_transports import channels_for
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
