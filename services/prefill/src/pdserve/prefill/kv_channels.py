@@ -21,6 +21,7 @@ checksum (fault injection).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Sequence
 from typing import Protocol
@@ -142,7 +143,7 @@ class BlockWriter(Protocol):
     def write(self, piece: KvPiece, *, corrupt: bool = False) -> int: ...
 
 
-class InPlaceChannel(GrpcChannel):
+class InPlaceChannel(GrpcChannel, abc.ABC):
     """SyncCache whose chunks the sender writes into the decode's cache itself, each announced
     by a chunk message without bytes once it landed (the module docstring says the order).
 
@@ -154,13 +155,13 @@ class InPlaceChannel(GrpcChannel):
         super().__init__(stub, request)
         self.window: BlockWriter | None = None
 
+    @abc.abstractmethod
     def _open_writer(self) -> BlockWriter:
         """The writer of this lease's blocks.
 
         Raises:
             TransportUnavailable: The decode's cache cannot be reached from here.
         """
-        raise NotImplementedError
 
     def _wait_landed(self) -> None:
         """Returns once every write so far is in the decode's cache."""
