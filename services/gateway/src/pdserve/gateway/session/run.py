@@ -73,14 +73,15 @@ class Run:
         self.is_done = True
         self._wake()
 
-    async def follow(self, start: int = 0) -> AsyncGenerator[OutputDelta, None]:
-        """Its deltas from index `start` on, live until it ends.
+    async def follow(self) -> AsyncGenerator[OutputDelta, None]:
+        """Its deltas from the first, live until it ends (positions are the session's:
+        `pdserve.gateway.session.positions`).
 
         Raises:
             PdserveError: How it failed (after the deltas it made).
             RunMoved: Another gateway took it over (the client should resume there).
         """
-        index = start
+        index = 0
         while True:
             changed = self._changed
             while index < len(self.deltas):
