@@ -105,12 +105,26 @@ def smollm2_gguf(smollm2: ResolvedModel) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference(smollm2_gguf: Path) -> tuple[Any, Any]:
-    """(tokenizer, model) as transformers loads the same GGUF: the reference in tests."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def smollm2_reference(smollm2_gguf: Path, pytestconfig: pytest.Config) -> tuple[Any, Any]:
+    """(tokenizer, model) as transformers loads the same GGUF: the reference in tests.
 
-    directory, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return tokenizer, model.eval()
+    transformers' reading of the GGUF takes ~18 s; what it read is kept in pytest's cache
+    (`support.hf_reference.gguf_reference`), so each worker of a run, and later runs, load it
+    in ~1 s. Without the cache provider it is read from the GGUF every time.
+    """
+    from support.hf_reference import gguf_reference
+
+    cache = getattr(pytestconfig, "cache", None)
+    return gguf_reference(smollm2_gguf, None if cache is None else cache.mkdir("hf-reference"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_processes(
+    smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """Gateway, prefill and decode processes serving the default model (float32), shared by
+    the test files that only send it requests (one start per pytest worker)."""
+    from support.process_cluster import running_cluster
+
+    with running_cluster(smollm2.path, tmp_path_factory.mktemp("smollm2-logs")) as running:
+        yield running

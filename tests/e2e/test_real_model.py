@@ -6,15 +6,14 @@ gateway's chat-template rendering and its tokenization must equal it exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from support.hf_reference import chat_greedy
-from support.process_cluster import ProcessCluster, running_cluster
+from support.process_cluster import ProcessCluster
 
-from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
+from pdserve.engine.model_store import DEFAULT_MODEL
 
 MAX_TOKENS = 24
 CONVERSATIONS = {
@@ -32,9 +31,8 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_cluster(smollm2.path, tmp_path_factory.mktemp("logs")) as running:
-        yield running
+def cluster(smollm2_processes: ProcessCluster) -> ProcessCluster:
+    return smollm2_processes  # NOTE: shared with the other files that only send it requests
 
 
 def reference(smollm2_reference: tuple[Any, Any], messages: list[dict[str, str]]) -> tuple:

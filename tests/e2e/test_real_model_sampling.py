@@ -6,16 +6,15 @@ and the rest on the decode, so every check spans the split."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import httpx
 import pytest
 import torch
-from support.process_cluster import ProcessCluster, running_cluster
+from support.process_cluster import ProcessCluster
 
-from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
+from pdserve.engine.model_store import DEFAULT_MODEL
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 TOLERANCE = 1e-4
@@ -24,9 +23,8 @@ NUM_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_cluster(smollm2.path, tmp_path_factory.mktemp("logs")) as running:
-        yield running
+def cluster(smollm2_processes: ProcessCluster) -> ProcessCluster:
+    return smollm2_processes  # NOTE: shared with the other files that only send it requests
 
 
 def chat_prompt(reference: tuple[Any, Any]) -> list[int]:

@@ -15,14 +15,13 @@ makes of transformers' logits.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import pytest
 from support.hf_reference import chat_greedy
 from support.masked_reference import masked_greedy
-from support.process_cluster import ProcessCluster, running_cluster
+from support.process_cluster import ProcessCluster
 
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
@@ -63,9 +62,8 @@ HISTORY: list[Any] = [
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_cluster(smollm2.path, tmp_path_factory.mktemp("logs")) as running:
-        yield running
+def cluster(smollm2_processes: ProcessCluster) -> ProcessCluster:
+    return smollm2_processes  # NOTE: shared with the other files that only send it requests
 
 
 def _template_messages(smollm2: ResolvedModel) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -19,11 +18,11 @@ import openai
 import pydantic
 import pytest
 from support.masked_reference import masked_greedy
-from support.process_cluster import ProcessCluster, running_cluster
+from support.process_cluster import ProcessCluster
 
 from pdserve.common.errors import ErrorReason, from_rpc_error
 from pdserve.common.generation import Constraint, ConstraintKind
-from pdserve.engine.model_store import DEFAULT_MODEL, ResolvedModel
+from pdserve.engine.model_store import DEFAULT_MODEL
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PERSON = {
@@ -40,9 +39,8 @@ MESSAGES = [{"role": "user", "content": "Describe a person as JSON with name, ag
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with running_cluster(smollm2.path, tmp_path_factory.mktemp("logs")) as running:
-        yield running
+def cluster(smollm2_processes: ProcessCluster) -> ProcessCluster:
+    return smollm2_processes  # NOTE: shared with the other files that only send it requests
 
 
 def person_format() -> dict[str, Any]:

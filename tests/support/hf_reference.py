@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_model
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
@@ -38,3 +45,47 @@ def chat_greedy(
     if end in generated:
         generated = generated[: generated.index(end) + 1]
     return prompt_ids, generated
+
+
+def gguf_reference(gguf: Path, cache_root: Path | None = None) -> tuple[Any, Any]:
+    """(tokenizer, float32 model) as transformers reads `gguf`, in eval mode.
+
+    With `cache_root`, what transformers read is saved there once (``save_pretrained``, under
+    a key of the file's name, size and modification time) and loaded from there afterwards:
+    the same tensors and tokenizer, without dequantizing the GGUF again. Concurrent callers
+    (pytest workers) take a lock, so one reads the GGUF and the others load its copy.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def read_gguf() -> tuple[Any, Any]:
+        directory, name = str(gguf.parent), gguf.name
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        return tokenizer, model.eval()
+
+    if cache_root is None:
+        return read_gguf()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    saved = cache_root / key[:16]
+    with open(cache_root / "lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (saved / "complete").is_file():
+            tokenizer, model = read_gguf()
+            partial = cache_root / f"{key[:16]}.partial-{os.getpid()}"
+            shutil.rmtree(partial, ignore_errors=True)
+            tokenizer.save_pretrained(partial)
+            # NOTE: transformers refuses save_pretrained on a model read from a GGUF (its
+            # config says "quantized with gguf"); the tensors it made are float32, so they go
+            # out as they are, with the config less that mark.
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (partial / "config.json").write_text(json.dumps(config))
+            save_model(model, str(partial / "model.safetensors"))
+            (partial / "complete").write_text(gguf.name + "\n")
+            shutil.rmtree(saved, ignore_errors=True)
+            partial.rename(saved)
+            return tokenizer, model
+    tokenizer = AutoTokenizer.from_pretrained(saved)
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    return tokenizer, model.eval()

@@ -24,12 +24,19 @@ def masked_greedy(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
     sampler = Sampler(eos)
     completion: list[int] = []
+    # NOTE: transformers' own KV cache, as its `generate` uses it: the prompt once, then one
+    # token per step (recomputing a 700-token tool prompt at every step took ~20 s).
+    past: Any = None
+    step = prompt
     with torch.no_grad():
         while len(completion) < max_tokens:
-            logits = model(torch.tensor([prompt + completion])).logits[0, -1:].float()
+            out = model(torch.tensor([step]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1:].float()
             token = sampler(logits, [SamplingRow.of_sequence(params, 0, completion, 0, state)])[0]
             completion.append(token)
             if token in eos:
                 break
+            step = [token]
     compiler.close()
     return completion
