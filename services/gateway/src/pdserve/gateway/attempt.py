@@ -23,15 +23,17 @@ from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.attempt_legs import (
     DECODE,
     Attempt,
+    DecodeEnd,
     Peers,
     Settle,
     clean_up,
     decode_leg,
+    follow_decode,
     prefill_leg,
 )
 from pdserve.gateway.cleanups import Cleanups
 from pdserve.gateway.decisions import Preempted, RetryPolicy, Setback
-from pdserve.gateway.fleet.backend import Backend, FinishedEvent, PreemptionEvent
+from pdserve.gateway.fleet.backend import Backend, FinishedEvent
 from pdserve.gateway.relay import AttemptFailed, LossWatch
 from pdserve.gateway.request import GenerationEnd, TokenChunk
 from pdserve.gateway.routing.pair import Pair
@@ -128,40 +130,29 @@ class Attempts:
         assert active.resumable is not None and active.resumable.attach_to is not None
         placement, progress = active.resumable.attach_to, active.progress
         lease_id: str | None = placement.lease_id
-        finished: FinishedEvent | None = None
-        preempted: PreemptionEvent | None = None
+        ends: list[DecodeEnd] = []
+
+        def ended(event: DecodeEnd) -> None:
+            nonlocal lease_id
+            lease_id = None  # the decode let go of it
+            ends.append(event)
+
         fields = {"request_id": active.request_id, "decode_id": placement.decode_instance_id}
         try:
-            decode = self._peers.backend.generate(
-                placement.decode_address,
-                active.request_id,
-                placement.lease_id,
-                active.remaining_s(),
-                active.context,
-                resumable=True,
-                resume=True,
-            )
-            watched = {placement.decode_instance_id: DECODE}
             try:
-                async with aclosing(self._peers.relay(DECODE, decode, progress, watched)) as events:
-                    async for event in events:
-                        if isinstance(event, TokenChunk):
-                            yield event
-                        elif isinstance(event, FinishedEvent):
-                            finished, lease_id = event, None
-                            break
-                        elif isinstance(event, PreemptionEvent):
-                            preempted, lease_id = event, None
-                            break
+                async with aclosing(
+                    follow_decode(
+                        active, self._peers, placement, active.context, ended, resume=True
+                    )
+                ) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             except AttemptFailed as failed:
                 lease_id = None  # NOTE: gone, forgotten or unreachable: nothing to give back
                 if is_taken_over(failed.failure.error):
                     raise failed.failure.error from failed  # NOTE: another gateway holds it now
                 log.info("resume_attach_failed", **fields, reason=failed.failure.error.reason.name)
-            if preempted is not None:
-                accepted = progress.accept(preempted.generated_token_ids, 0)
-                if accepted.chunk is not None:
-                    yield accepted.chunk
+            finished = next((e for e in ends if isinstance(e, FinishedEvent)), None)
             if finished is not None or progress.finish_reason is not None:
                 yield active.end(finished)
                 return

@@ -1,7 +1,8 @@
 """The legs of one attempt on a prefill/decode pair, each a function of its own.
 
 `prefill_leg` runs ``Prefill`` -> ``FirstToken`` -> ``HandedOff``; `decode_leg` runs
-``Generate(lease)`` -> token batches -> ``Finished`` or a preemption notice; `clean_up` gives
+``Generate(lease)`` -> token batches -> ``Finished`` or a preemption notice (`follow_decode`,
+which also attaches to a request another gateway left on a decode); `clean_up` gives
 back what they left held (a prefill request to abort, a lease to release). Each takes the
 request (`ActiveRequest`, whose progress the tokens advance) and the `Attempt`, on which a leg
 records what it leaves held; the legs reach the instances through `Peers`.
@@ -167,6 +168,58 @@ def _on_handed_off(active: ActiveRequest, attempt: Attempt, event: HandedOffEven
         active.timeline.on_handed_off(event.phases)
 
 
+DecodeEnd = FinishedEvent | PreemptionEvent
+
+
+async def follow_decode(
+    active: ActiveRequest,
+    peers: Peers,
+    placement: Placement,
+    context: Context,
+    on_end: Callable[[DecodeEnd], None],
+    *,
+    resume: bool = False,
+) -> AsyncGenerator[TokenChunk, None]:
+    """``Generate`` on the decode `placement` names, from its lease to the end or a preemption
+    notice: the tokens new to `active`'s progress, and those a notice carries.
+
+    Args:
+        active: The request; its progress takes the tokens.
+        peers: How to reach the decode.
+        placement: The decode and the lease.
+        context: The trace context the call runs under.
+        on_end: Told the terminal event as soon as it comes (the decode let go of the lease).
+        resume: Attach to a resumable request another gateway left there (the decode replays
+            its tokens first).
+
+    Raises:
+        AttemptFailed: The stream failed.
+    """
+    decode = peers.backend.generate(
+        placement.decode_address,
+        active.request_id,
+        placement.lease_id,
+        active.remaining_s(),
+        context,
+        resumable=active.resumable is not None,
+        resume=resume,
+    )
+    end: DecodeEnd | None = None
+    watched = {placement.decode_instance_id: DECODE}
+    async with aclosing(peers.relay(DECODE, decode, active.progress, watched)) as events:
+        async for event in events:
+            if isinstance(event, TokenChunk):
+                yield event
+            elif isinstance(event, PreemptionEvent | FinishedEvent):
+                end = event
+                on_end(event)
+                break
+    if isinstance(end, PreemptionEvent):
+        accepted = active.progress.accept(end.generated_token_ids, 0)
+        if accepted.chunk is not None:
+            yield accepted.chunk
+
+
 async def decode_leg(
     active: ActiveRequest, attempt: Attempt, peers: Peers
 ) -> AsyncGenerator[TokenChunk, None]:
@@ -178,37 +231,25 @@ async def decode_leg(
     handed_off, progress = attempt.handed_off, active.progress
     if handed_off is None or progress.finish_reason is not None:
         return
-    decode = peers.backend.generate(
-        attempt.pair.decode.address,
-        active.request_id,
-        handed_off.lease_id,
-        active.remaining_s(),
-        attempt.context,
-        resumable=active.resumable is not None,
-    )
-    watched = {attempt.pair.decode.instance_id: DECODE}
-    async with aclosing(peers.relay(DECODE, decode, progress, watched)) as events:
-        async for event in events:
-            if isinstance(event, TokenChunk):
-                yield event
-            elif isinstance(event, PreemptionEvent | FinishedEvent):
-                attempt.lease_id = None  # the decode let go of it
-                if isinstance(event, FinishedEvent):
-                    attempt.finished = event
-                else:
-                    attempt.preempted = event
-                break
-    preempted = attempt.preempted
-    if preempted is not None:
+
+    def ended(event: DecodeEnd) -> None:
+        attempt.lease_id = None  # the decode let go of it
+        if isinstance(event, FinishedEvent):
+            attempt.finished = event
+            return
+        attempt.preempted = event
         attempt.span.add_event(
             "preemption",
-            {"pdserve.reason": str(preempted.reason),
-             "pdserve.num_generated_tokens": preempted.num_generated_tokens},
+            {"pdserve.reason": str(event.reason),
+             "pdserve.num_generated_tokens": event.num_generated_tokens},
         )  # fmt: skip
-        accepted = progress.accept(preempted.generated_token_ids, 0)
-        if accepted.chunk is not None:
-            yield accepted.chunk
-    elif attempt.finished is None and progress.finish_reason is None:
+
+    target = attempt.pair.decode
+    placement = Placement(target.instance_id, target.address, handed_off.lease_id)
+    async with aclosing(follow_decode(active, peers, placement, attempt.context, ended)) as chunks:
+        async for chunk in chunks:
+            yield chunk
+    if attempt.finished is None and attempt.preempted is None and progress.finish_reason is None:
         raise connection_lost(DECODE, "the decode stream ended without a terminal event")
 
 
