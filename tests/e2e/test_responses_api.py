@@ -21,9 +21,10 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from support.process_cluster import ProcessCluster
 from support.real_cluster import MODEL_NAME, RealCluster, Reference
 
-from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.model_store import DEFAULT_MODEL
 
 INSTRUCTIONS = "You explain serving systems."
 ITEMS: list[Any] = [
@@ -83,14 +84,11 @@ async def cluster(demo_model_dir: Path) -> AsyncIterator[RealCluster]:
         await real.close()
 
 
-@pytest.fixture
-async def smollm2_cluster(smollm2: ResolvedModel) -> AsyncIterator[RealCluster]:
-    """The default model (an instruct model, unlike the demo model) served in one process."""
-    real = RealCluster(smollm2.path)
-    try:
-        yield await real.start()
-    finally:
-        await real.close()
+@pytest.fixture(scope="module")
+def smollm2_cluster(smollm2_processes: ProcessCluster) -> ProcessCluster:
+    """The default model (an instruct model, unlike the demo model) in gateway, prefill and
+    decode processes, shared with the other files that only send it requests."""
+    return smollm2_processes
 
 
 def _request(max_output_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -176,10 +174,10 @@ async def test_refused_parameters_are_400s_before_any_work(cluster: RealCluster)
     ids=["json_schema", "json_object"],
 )  # fmt: skip
 async def test_structured_output_is_json_that_matches_the_format(
-    smollm2_cluster: RealCluster, text_format: dict[str, Any]
+    smollm2_cluster: ProcessCluster, text_format: dict[str, Any]
 ) -> None:
     response = await smollm2_cluster.openai().responses.create(
-        model=MODEL_NAME,
+        model=DEFAULT_MODEL,
         instructions="Answer with JSON only.",
         input=QUESTION,
         max_output_tokens=96,
@@ -194,9 +192,11 @@ async def test_structured_output_is_json_that_matches_the_format(
 
 
 @pytest.mark.slow
-async def test_the_sdk_parses_structured_output_into_a_model(smollm2_cluster: RealCluster) -> None:
+async def test_the_sdk_parses_structured_output_into_a_model(
+    smollm2_cluster: ProcessCluster,
+) -> None:
     client = smollm2_cluster.openai()
-    kwargs: dict[str, Any] = {"model": MODEL_NAME, "input": QUESTION, "text_format": Pipeline,
+    kwargs: dict[str, Any] = {"model": DEFAULT_MODEL, "input": QUESTION, "text_format": Pipeline,
                               "temperature": 0, "max_output_tokens": 64}  # fmt: skip
     parsed = await client.responses.parse(**kwargs)
     assert parsed.status == "completed"
@@ -210,12 +210,12 @@ async def test_the_sdk_parses_structured_output_into_a_model(smollm2_cluster: Re
 
 @pytest.mark.slow
 async def test_a_forced_call_is_a_function_call_item_and_its_output_continues(
-    smollm2_cluster: RealCluster,
+    smollm2_cluster: ProcessCluster,
 ) -> None:
     client = smollm2_cluster.openai()
     question = "What is the weather in Paris?"
     first = await client.responses.create(
-        model=MODEL_NAME,
+        model=DEFAULT_MODEL,
         input=question,
         tools=[WEATHER_TOOL],  # type: ignore[list-item]
         tool_choice={"type": "function", "name": "get_weather"},
@@ -233,7 +233,7 @@ async def test_a_forced_call_is_a_function_call_item_and_its_output_continues(
         {"type": "function_call_output", "call_id": call.call_id, "output": result},
     ]
     answer = await client.responses.create(
-        model=MODEL_NAME,
+        model=DEFAULT_MODEL,
         input=items,
         tools=[WEATHER_TOOL],  # type: ignore[list-item]
         max_output_tokens=32,
@@ -249,7 +249,7 @@ async def test_a_forced_call_is_a_function_call_item_and_its_output_continues(
     ]
     function = {k: v for k, v in WEATHER_TOOL.items() if k != "type"}
     chat = await client.chat.completions.create(
-        model=MODEL_NAME,
+        model=DEFAULT_MODEL,
         messages=messages,
         tools=[{"type": "function", "function": function}],  # type: ignore[list-item, typeddict-item]
         max_tokens=32,

@@ -11,6 +11,7 @@ undisturbed run of the same request gives; no block or lease is left behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +34,9 @@ KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
 PROMPT = "Tell me about serving systems"
 
 
-@pytest.fixture
-def cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+@contextlib.contextmanager
+def two_gateways(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+    """Two gateways over one prefill and one decode, shared through a real etcd."""
     key_file = tmp_path / "keys"
     key_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
     gateway_args = f"--instance-ttl-s 3 --heartbeat-interval-s 0.3 --api-key-file {key_file}"
@@ -50,6 +52,22 @@ def cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
             gateway_args=gateway_args,
         ) as started,
     ):
+        yield started
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    """Shared by the cases that leave every process running (each finds every pool whole)."""
+    with two_gateways(demo_model_dir, tmp_path_factory.mktemp("two-gateways")) as started:
+        yield started
+
+
+@pytest.fixture
+def own_cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+    """For a case that kills a gateway."""
+    with two_gateways(demo_model_dir, tmp_path) as started:
         yield started
 
 
@@ -159,7 +177,8 @@ NUM_STREAMS = 8
 NUM_TOKENS = 600  # NOTE: long enough to be mid-stream on a slow machine when the kill lands
 
 
-async def test_streams_outlive_a_killed_gateway(cluster: ProcessCluster) -> None:
+async def test_streams_outlive_a_killed_gateway(own_cluster: ProcessCluster) -> None:
+    cluster = own_cluster
     await _ready(cluster)
     holder, other = _client(cluster, 0), _client(cluster, 1)
     bodies = [
@@ -247,8 +266,9 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
         assert chat_content(before) + chat_content(after) == undisturbed
         holder, taker = cluster.gateways
         moved = [e["request_id"] for e in events_named(holder, "resumable_request_moved")]
-        assert moved == [stream_id], "gateway 0 was still running it when it was taken over"
-        assert not events_named(taker, "resume_continues_elsewhere")
+        assert moved.count(stream_id) == 1, "gateway 0 was still running it when taken over"
+        elsewhere = events_named(taker, "resume_continues_elsewhere")
+        assert not [e for e in elsewhere if e["request_id"] == stream_id]
         released = events_named(cluster.decodes[0], "lease_released")
         assert not [e for e in released if e["request_id"] == stream_id]
         # NOTE: by the Last-Event-ID header too, and not for another key.
@@ -256,6 +276,7 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
         assert sse_events(again.text) == after
         stranger = await http.get(url, headers={"Authorization": f"Bearer {KEYS['bob']}"})
         assert stranger.status_code == 404
+    await cluster.wait_whole(15)
 
 
 async def test_a_resumable_grpc_call_resumes_on_the_other_gateway(cluster: ProcessCluster) -> None:
@@ -298,3 +319,4 @@ async def test_a_resumable_grpc_call_resumes_on_the_other_gateway(cluster: Proce
             async for _ in other_stub.Resume(resume, metadata=bob):
                 pass
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    await cluster.wait_whole(15)
