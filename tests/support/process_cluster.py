@@ -125,6 +125,7 @@ class ProcessCluster(Cluster):
 
 
 ENV_TEST_KV_TRANSPORT = "PDSERVE_TEST_KV_TRANSPORT"
+DEFAULT_NUM_BLOCKS = 1024  # an instance's pool unless a test sizes it: 16k tokens
 
 
 def forced_kv_transport() -> str | None:
@@ -155,7 +156,12 @@ def running_cluster(
         settings: Further `ClusterConfig` fields (prefills, decodes, *_args).
     """
     for role in ("prefill_args", "decode_args"):
-        settings[role] = f"--dtype {dtype} {settings.get(role, '')}".strip()
+        args = settings.get(role, "")
+        if "--num-blocks" not in args and "--kv-cache-memory-fraction" not in args:
+            # NOTE: a size, not the default share of free memory (GiBs for the real model):
+            # allocating it is most of an instance's start, and no test here needs more.
+            args = f"--num-blocks {DEFAULT_NUM_BLOCKS} {args}"
+        settings[role] = f"--dtype {dtype} {args}".strip()
     forced = forced_kv_transport()
     if forced is not None:
         settings["prefill_args"] = f"{settings.get('prefill_args', '')} --kv-transports {forced}"
