@@ -858,9 +858,8 @@ class TestPreemption:
         # moved away and a regular file takes its place, so every read, write and mkdir under
         # it fails. It comes back at the end, for the cases that share the pool.
         root, gone = storm.store_dir, storm.store_dir.with_name(f"{storm.store_dir.name}-gone")
-        requests, later = cases(16, prefix="Breaking storm"), cases(16, prefix="Gone")
+        requests = cases(16, prefix="Breaking storm")
         expected = await expected_ids(storm.reference, requests, STORM_MAX_TOKENS)
-        expected_later = await expected_ids(storm.reference, later, STORM_MAX_TOKENS)
         mark = log_mark(cluster)
         skipped_before = await store_counter(cluster, "decode", "kv_offloads_skipped")
         errors_before = {
@@ -880,12 +879,17 @@ class TestPreemption:
 
             # Every preemption from now on meets the broken store: the offload fails, the
             # notice goes without a stored prefix and the reschedule computes everything again.
+            # NOTE: a wave whose streams a busy machine admits far enough apart may preempt
+            # nothing; up to three waves, each token for token, until one does.
             reschedules = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
-            assert await stream_all(cluster, later) == expected_later
-            assert (
-                await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
-                > reschedules
-            )
+            for attempt in range(3):
+                later = cases(16, prefix=f"Gone {attempt}")
+                expected_later = await expected_ids(storm.reference, later, STORM_MAX_TOKENS)
+                assert await stream_all(cluster, later) == expected_later
+                now = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+                if now > reschedules:
+                    break
+            assert now > reschedules, "three storms on the broken store preempted nothing"
             skipped = events_since(mark, decode, "kv_offload_skipped")
             assert skipped and {e["cause"] for e in skipped} == {"store_error"}
             assert await store_counter(cluster, "decode", "kv_offloads_skipped") > skipped_before
