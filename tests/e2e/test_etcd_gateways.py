@@ -8,6 +8,7 @@ settings) refreshed every 0.3 s, and gateways drop an instance silent for 3 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,24 +28,40 @@ GATEWAY_ARGS = "--instance-ttl-s 3 --heartbeat-interval-s 0.3"
 PROMPT = "The registry is shared"
 
 
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    with running_etcd(tmp_path) as server:
-        yield server
+@contextlib.contextmanager
+def gateways_over_etcd(
+    demo_model_dir: Path, tmp_path: Path
+) -> Iterator[tuple[ProcessCluster, EtcdServer]]:
+    """Two gateways, a prefill and two decodes, registered in a real etcd."""
+    with (
+        running_etcd(tmp_path) as etcd,
+        running_cluster(
+            demo_model_dir,
+            tmp_path / "logs",
+            gateways=2,
+            registry=etcd.spec,
+            decodes=2,
+            prefill_args=INSTANCE_ARGS,
+            decode_args=INSTANCE_ARGS,
+            gateway_args=GATEWAY_ARGS,
+        ) as started,
+    ):
+        yield started, etcd
+
+
+@pytest.fixture(scope="module")
+def shared(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ProcessCluster, EtcdServer]]:
+    """For the cases that kill no process (etcd restarted comes back whole)."""
+    with gateways_over_etcd(demo_model_dir, tmp_path_factory.mktemp("etcd-gateways")) as pair:
+        yield pair
 
 
 @pytest.fixture
-def cluster(demo_model_dir: Path, tmp_path: Path, etcd: EtcdServer) -> Iterator[ProcessCluster]:
-    with running_cluster(
-        demo_model_dir,
-        tmp_path / "logs",
-        gateways=2,
-        registry=etcd.spec,
-        decodes=2,
-        prefill_args=INSTANCE_ARGS,
-        decode_args=INSTANCE_ARGS,
-        gateway_args=GATEWAY_ARGS,
-    ) as started:
+def cluster(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluster]:
+    """For a case that kills a process."""
+    with gateways_over_etcd(demo_model_dir, tmp_path) as (started, _):
         yield started
 
 
@@ -78,7 +95,10 @@ async def _all_see(cluster: ProcessCluster, expected: tuple[int, int]) -> bool:
     return all(count == expected for count in counts)
 
 
-async def test_both_gateways_serve_the_same_instances(cluster: ProcessCluster) -> None:
+async def test_both_gateways_serve_the_same_instances(
+    shared: tuple[ProcessCluster, EtcdServer],
+) -> None:
+    cluster, _ = shared
     await eventually(lambda: _all_see(cluster, (1, 2)), 10, "both gateways see 1 + 2")
     outputs = [await _generate(a, cluster.model_name) for a in cluster.grpc_addresses]
     assert len(outputs[0]) == 8
@@ -104,8 +124,9 @@ async def test_a_killed_instance_leaves_both_gateways(cluster: ProcessCluster) -
 
 
 async def test_requests_keep_succeeding_while_etcd_restarts(
-    cluster: ProcessCluster, etcd: EtcdServer
+    shared: tuple[ProcessCluster, EtcdServer],
 ) -> None:
+    cluster, etcd = shared
     await eventually(lambda: _all_see(cluster, (1, 2)), 10, "both gateways see 1 + 2")
     expected = await _generate(cluster.grpc_addresses[0], cluster.model_name)
     outputs: list[list[int]] = []
