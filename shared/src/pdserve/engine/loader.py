@@ -50,7 +50,7 @@ def _qkv_sizes(config: ModelConfig, group: TensorParallelGroup) -> list[int]:
 def _materialize(model: nn.Module, device: torch.device) -> None:
     """Gives every parameter and buffer of a meta-device `model` uninitialized storage on
     `device`, as ``Module.to_empty`` does; ``torch.empty`` rather than ``empty_like``, whose
-    meta path imports torch's Python reference ops (~0.4 s of every instance's start)."""
+    meta path runs through torch's Python reference ops (~0.4 s of every instance's start)."""
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None:

@@ -36,8 +36,8 @@ class LlamaModel(nn.Module):
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
             if group.world_size > 1
             # NOTE: an empty weight, not nn.Embedding's random one: the loader builds the model
-            # on the meta device and fills every parameter, and a random init there imports
-            # torch's Python reference ops (~1.4 s of every instance's start).
+            # on the meta device and fills every parameter, and a random init there runs
+            # through torch's Python reference ops (~1.4 s of every instance's start).
             else nn.Embedding(
                 config.vocab_size,
                 config.hidden_size,
