@@ -130,12 +130,13 @@ class Attempts:
         assert active.resumable is not None and active.resumable.attach_to is not None
         placement, progress = active.resumable.attach_to, active.progress
         lease_id: str | None = placement.lease_id
-        ends: list[DecodeEnd] = []
+        finished: FinishedEvent | None = None
 
         def ended(event: DecodeEnd) -> None:
-            nonlocal lease_id
+            nonlocal lease_id, finished
             lease_id = None  # the decode let go of it
-            ends.append(event)
+            if isinstance(event, FinishedEvent):
+                finished = event
 
         fields = {"request_id": active.request_id, "decode_id": placement.decode_instance_id}
         try:
@@ -152,7 +153,6 @@ class Attempts:
                 if is_taken_over(failed.failure.error):
                     raise failed.failure.error from failed  # NOTE: another gateway holds it now
                 log.info("resume_attach_failed", **fields, reason=failed.failure.error.reason.name)
-            finished = next((e for e in ends if isinstance(e, FinishedEvent)), None)
             if finished is not None or progress.finish_reason is not None:
                 yield active.end(finished)
                 return
