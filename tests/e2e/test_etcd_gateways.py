@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from support.etcd_server import EtcdServer, running_etcd
+from support.etcd_server import EtcdServer
 from support.eventually import eventually
-from support.process_cluster import ProcessCluster, events_named, running_cluster
+from support.process_cluster import ProcessCluster, events_named, running_cluster_on_etcd
 
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -33,20 +33,16 @@ def gateways_over_etcd(
     demo_model_dir: Path, tmp_path: Path
 ) -> Iterator[tuple[ProcessCluster, EtcdServer]]:
     """Two gateways, a prefill and two decodes, registered in a real etcd."""
-    with (
-        running_etcd(tmp_path) as etcd,
-        running_cluster(
-            demo_model_dir,
-            tmp_path / "logs",
-            gateways=2,
-            registry=etcd.spec,
-            decodes=2,
-            prefill_args=INSTANCE_ARGS,
-            decode_args=INSTANCE_ARGS,
-            gateway_args=GATEWAY_ARGS,
-        ) as started,
-    ):
-        yield started, etcd
+    with running_cluster_on_etcd(
+        demo_model_dir,
+        tmp_path,
+        gateways=2,
+        decodes=2,
+        prefill_args=INSTANCE_ARGS,
+        decode_args=INSTANCE_ARGS,
+        gateway_args=GATEWAY_ARGS,
+    ) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,8 @@ import grpc
 import httpx
 import openai
 import pytest
-from support.etcd_server import running_etcd
 from support.eventually import eventually
-from support.process_cluster import ProcessCluster, events_named, running_cluster
+from support.process_cluster import ProcessCluster, events_named, running_cluster_on_etcd
 from support.resumable_sse import chat_content, sse_events
 
 from pdserve.common.grpc_server import insecure_channel
@@ -40,18 +39,14 @@ def two_gateways(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluste
     key_file = tmp_path / "keys"
     key_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
     gateway_args = f"--instance-ttl-s 3 --heartbeat-interval-s 0.3 --api-key-file {key_file}"
-    with (
-        running_etcd(tmp_path) as etcd,
-        running_cluster(
-            demo_model_dir,
-            tmp_path / "logs",
-            gateways=2,
-            registry=etcd.spec,
-            prefill_args=INSTANCE_ARGS,
-            decode_args=INSTANCE_ARGS,
-            gateway_args=gateway_args,
-        ) as started,
-    ):
+    with running_cluster_on_etcd(
+        demo_model_dir,
+        tmp_path,
+        gateways=2,
+        prefill_args=INSTANCE_ARGS,
+        decode_args=INSTANCE_ARGS,
+        gateway_args=gateway_args,
+    ) as (started, _):
         yield started
 
 

@@ -26,6 +26,7 @@ from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from support.etcd_server import EtcdServer, running_etcd
 
 STARTED_EVENTS = ("prefill_started", "decode_started")
 
@@ -181,6 +182,19 @@ def running_cluster(
         yield cluster
     finally:
         cluster.stop(timeout_s=stop_timeout_s)
+
+
+@contextlib.contextmanager
+def running_cluster_on_etcd(
+    model_dir: Path, tmp_path: Path, **settings: Any
+) -> Iterator[tuple[ProcessCluster, EtcdServer]]:
+    """A real etcd in `tmp_path` and a `running_cluster` (logs in ``tmp_path/logs``) whose
+    instances and gateways share their registry through it; `settings` as there."""
+    with (
+        running_etcd(tmp_path) as etcd,
+        running_cluster(model_dir, tmp_path / "logs", registry=etcd.spec, **settings) as started,
+    ):
+        yield started, etcd
 
 
 def started_event(child: ChildProcess) -> dict[str, Any]:
