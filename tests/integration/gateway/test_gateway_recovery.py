@@ -108,6 +108,71 @@ async def test_decode_killed_mid_stream_continues_on_the_other(cluster: Cluster)
     assert entry is not None and not entry.is_reachable
 
 
+async def test_decode_lost_while_no_other_is_up_waits_for_its_restart(cluster: Cluster) -> None:
+    await cluster.start_gateway()
+    assert cluster.gateway is not None
+    metrics = cluster.gateway.metrics
+    await cluster.add_prefill()
+    doomed = await cluster.add_decode("decode-a")
+    doomed.knobs.pause_after = 4
+    stream = await cluster.openai().completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        seed=5,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    token_ids: list[int] = []
+
+    async def restart_when_the_request_waits() -> None:
+        await doomed.paused.wait()
+        await doomed.stop()  # the only decode dies with the stream open
+        await eventually(
+            lambda: metrics.registry.get_sample_value("pdserve_gateway_peer_waiting_requests"),
+            what="the request waiting for a decode",
+        )
+        await cluster.add_decode("decode-a")  # the same id, back from a restart
+
+    restarting = asyncio.create_task(restart_when_the_request_waits())
+    async for chunk in stream:
+        token_ids += chunk.choices[0].model_extra["token_ids"]
+    await restarting
+    assert token_ids == expected_tokens(PROMPT_IDS, 5, MAX_TOKENS)
+    assert len(cluster.decodes[-1].generate_calls) == 1
+    assert metrics.count("reschedules", "decode_lost") == 1
+    assert metrics.count("peer_waits", "came_back") == 1
+    assert metrics.count("peer_waits", "timed_out") == 0
+
+
+async def test_no_pair_back_in_time_fails_with_a_message_for_a_person(cluster: Cluster) -> None:
+    await cluster.start_gateway(peer_wait_s=0.2)
+    await cluster.add_prefill()
+    decode = await cluster.add_decode("decode-a")
+    decode.knobs.pause_after = 3
+
+    async def kill_when_paused() -> None:
+        await decode.paused.wait()
+        await decode.stop()
+
+    killing = asyncio.create_task(kill_when_paused())
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
+    async with cluster.http() as http:
+        response = await http.post("/v1/completions", json=body)
+    await killing
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "peer_unavailable"
+    message = error["message"]
+    assert "the decode instance decode-a" in message and "stopped answering after" in message
+    assert "no prefill/decode pair" in message and "within 0.2" in message
+    # NOTE: the transport's own words stay in the gateway's log.
+    for transport_words in ("recvmsg", "Stream removed", "Socket closed", "failed to connect"):
+        assert transport_words not in message
+    assert cluster.gateway is not None
+    assert cluster.gateway.metrics.count("peer_waits", "timed_out") == 1
+
+
 @pytest.mark.parametrize("is_stream", [True, False], ids=["stream", "non_stream"])
 async def test_all_decodes_full_waits_then_is_429_with_retry_after_not_a_hang(
     cluster: Cluster, is_stream: bool

@@ -96,13 +96,14 @@ CASES = [
     Case("unauthenticated", failed(R.UNAUTHENTICATED), "give up"),
     Case("register again", failed(R.INSTANCE_NOT_REGISTERED), "give up"),
     Case("deadline exceeded", failed(R.DEADLINE_EXCEEDED, DECODE), "give up"),
-    # RESCHEDULE: preempted, by notice or by status; a lost decode.
+    # RESCHEDULE: preempted, by notice or by status; a lost decode (avoided, not excluded: the
+    # registry keeps a dead one out, and the same id back from a restart may serve it).
     Case("preemption notice", PREEMPTED, "reschedule preempted"),
     Case("preempted status", failed(R.PREEMPTED, DECODE), "reschedule preempted"),
     Case("preempted, avoid that decode", PREEMPTED, "reschedule preempted", avoided="d",
          policy=replace(POLICY, preempt_retry_exclude_decode=True)),
-    Case("lost decode", lost(DECODE), "reschedule decode_lost", "d"),
-    Case("lost prefill", lost(PREFILL), "retry", "p"),
+    Case("lost decode", lost(DECODE), "reschedule decode_lost", avoided="d"),
+    Case("lost prefill", lost(PREFILL), "retry", avoided="p"),
     # No room: wait for it (that instance marked full), whatever max_attempts says; nothing
     # is excluded (it has room again once work there ends).
     Case("decode full", failed(R.DECODE_CAPACITY_EXHAUSTED, instanceId="d"), "wait d",

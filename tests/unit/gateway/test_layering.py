@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "cleanups",
                 "attempt_legs",
                 "pair_choice",
+                "peer_wait",
                 "attempt",
                 "orchestrator",
                 "streaming",

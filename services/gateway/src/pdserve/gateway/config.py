@@ -110,6 +110,15 @@ class GatewayConfig(ServiceConfig):
         default=False,
         metadata={"help": "reschedule a preempted request on a different decode instance"},
     )
+    peer_wait_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "seconds a request that lost its instance (or failed an attempt) waits for "
+            "a prefill/decode pair to register again when none is alive, before it fails; the "
+            "request timeout bounds it too; 0 fails at once",
+            "min": 0,
+        },
+    )
     request_timeout: float = field(
         default=600.0,
         metadata={"help": "seconds one request may take in all, retries included", "gt": 0},

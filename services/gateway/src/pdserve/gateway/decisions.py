@@ -12,9 +12,14 @@ carrying the request's next `RequestState`, and the orchestrator carries it out.
 classified by their reason's retry scope, never by message text:
 
 * preempted, or a PREEMPTED status (RESCHEDULE): reschedule with the delivered tokens (avoiding
-  that decode with ``preempt_retry_exclude_decode``); a lost decode: reschedule without it.
-  Both count against ``preempt_retry_count``.
-* a lost prefill: retry without it; ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
+  that decode with ``preempt_retry_exclude_decode``); a lost decode: reschedule, preferring
+  another decode. Both count against ``preempt_retry_count``.
+* a lost prefill: retry, preferring another prefill. A lost instance is only *avoided*, not
+  excluded: the registry already keeps it out of routing until it answers again, and the one
+  that comes back (a restart under the same id) may take the request when nothing else can.
+  When no pair is alive at all, a request that had a setback waits for one to register
+  (`pdserve.gateway.peer_wait`), up to ``peer_wait_s``.
+* ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
   without the instance(s) the scope blames; WHOLE_REQUEST: retry as is (CACHE_SYNC_FAILED
   avoids both ends); ONCE: retry as is, once. All count against ``max_attempts``.
 * DECODE_CAPACITY_EXHAUSTED, PREFILL_OVERLOADED (an instance had no room after all): wait for
@@ -47,6 +52,9 @@ class RetryPolicy:
         cleanup_timeout_s: Deadline of each AbortRequest / ReleaseLease sent while cleaning up.
         end_grace_s: How long to wait for a stream's terminal event once the gateway has seen
             the completion end (stop token, max_tokens) before releasing the lease itself.
+        peer_wait_s: How long a request that had a setback (a lost instance, a failed attempt)
+            waits for a prefill/decode pair to register when none is alive, before it fails;
+            0 fails at once. The request's deadline bounds it too.
     """
 
     max_attempts: int = 3
@@ -54,12 +62,15 @@ class RetryPolicy:
     preempt_retry_exclude_decode: bool = False
     cleanup_timeout_s: float = 2.0
     end_grace_s: float = 1.0
+    peer_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.preempt_retry_count < 0:
             raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
+        if self.peer_wait_s < 0:
+            raise ValueError(f"peer_wait_s must be >= 0, got {self.peer_wait_s}")
 
 
 @dataclass(frozen=True)
@@ -179,11 +190,13 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
     if error.reason is ErrorReason.DEADLINE_EXCEEDED:
         return GiveUp(error)
     if isinstance(setback, Lost):
-        # NOTE: the instance we called is gone (or going).
+        # NOTE: the instance we called is gone (or going): the registry keeps it out of
+        # routing until it answers again, so it is avoided here, not excluded (the same id
+        # back from a restart may serve the request when no other can).
         if setback.role is InstanceRole.DECODE:
             cause = RescheduleCause.DECODE_LOST
             return _reschedule(setback.pair, error, cause, state, policy)
-        return _count_failure(error, _exclude(state, setback.pair, {InstanceRole.PREFILL}), policy)
+        return _count_failure(error, _avoid(state, setback.pair, InstanceRole.PREFILL), policy)
     scope = error.retry_scope
     if scope is RetryScope.RESCHEDULE:
         return _reschedule(setback.pair, error, RescheduleCause.PREEMPTED, state, policy)
@@ -219,11 +232,8 @@ def _reschedule(
 ) -> Decision:
     if state.num_reschedules >= policy.preempt_retry_count:
         return GiveUp(error, Limit.RESCHEDULES)
-    if cause is RescheduleCause.DECODE_LOST:
-        state = _exclude(state, pair, {InstanceRole.DECODE})
-    elif policy.preempt_retry_exclude_decode:
-        avoided = state.avoided_decode_ids | {pair.decode.instance_id}
-        state = replace(state, avoided_decode_ids=avoided)
+    if cause is RescheduleCause.DECODE_LOST or policy.preempt_retry_exclude_decode:
+        state = _avoid(state, pair, InstanceRole.DECODE)
     return Reschedule(
         replace(state, num_reschedules=state.num_reschedules + 1, last_error=error), cause
     )
@@ -259,6 +269,15 @@ def _blamed_roles(setback: Failed) -> set[InstanceRole]:
     if error.reason is ErrorReason.PEER_UNAVAILABLE:
         return {InstanceRole.DECODE}  # a prefill that cannot reach a peer means its decode
     return {InstanceRole.PREFILL}
+
+
+def _avoid(state: RequestState, pair: Pair, role: InstanceRole) -> RequestState:
+    """`state` preferring instances other than the `role` instance of `pair`."""
+    if role is InstanceRole.PREFILL:
+        return replace(
+            state, avoided_prefill_ids=state.avoided_prefill_ids | {pair.prefill.instance_id}
+        )
+    return replace(state, avoided_decode_ids=state.avoided_decode_ids | {pair.decode.instance_id})
 
 
 def _exclude(state: RequestState, pair: Pair, roles: set[InstanceRole]) -> RequestState:

@@ -16,6 +16,7 @@ _LABELS = {
     "instances_lost": "role",
     "routes": "reason",
     "queue_refusals": "bound",
+    "peer_waits": "outcome",
 }
 
 
@@ -97,6 +98,25 @@ class GatewayMetrics:
             "Requests refused by the admission queue, by the bound they met: "
             "max_queued_requests, max_queued_tokens or max_queue_wait_s.",
             ["bound"],
+            registry=self.registry,
+        )
+        self.peer_waits = Counter(
+            "pdserve_gateway_peer_waits",
+            "Requests that had a setback and found no prefill/decode pair alive, by how their "
+            "wait ended: came_back (a pair registered again and it went on) or timed_out "
+            "(--peer-wait-s or its deadline passed first).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.peer_waiting = Gauge(
+            "pdserve_gateway_peer_waiting_requests",
+            "Requests waiting now for a prefill/decode pair to come back.",
+            registry=self.registry,
+        )
+        self.peer_wait = Histogram(
+            "pdserve_gateway_peer_wait_seconds",
+            "Time a request waited for a prefill/decode pair to come back (each wait).",
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
 

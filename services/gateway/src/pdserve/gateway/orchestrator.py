@@ -6,7 +6,9 @@ at once when one has room, else in order of arrival once one has), run an attemp
 index exactly once across attempts), and when the attempt ends in a setback, carry out what
 `pdserve.gateway.decisions.decide` returns: route again under new exclusions, wait for room
 (the instance that had none marked full), reschedule (prefill prompt + delivered tokens with
-the same sampling and seed, then decode on), or end the request with its error.
+the same sampling and seed, then decode on), or end the request with its error. After a
+setback, a request that finds no pair alive waits for one to come back
+(`pdserve.gateway.peer_wait`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import structlog
 from opentelemetry import trace
 
 from pdserve.common import telemetry
+from pdserve.common.errors import PdserveError
 from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.attempt import Attempts
 from pdserve.gateway.decisions import (
@@ -37,6 +40,7 @@ from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.pair_choice import PairChoice
+from pdserve.gateway.peer_wait import PeerWait
 from pdserve.gateway.relay import LossWatch
 from pdserve.gateway.request import GenerationEnd, TokenChunk
 from pdserve.gateway.routing.pair import Pair
@@ -89,6 +93,7 @@ class Orchestrator:
         registry.add_load_listener(lambda entry: self.queue.kick())
         registry.add_listener(lambda entry: self.queue.kick())
         self._attempts = Attempts(backend, self.loss_watch, policy, self._settle)
+        self.peer_wait = PeerWait(registry, metrics, policy.peer_wait_s)
 
     def _settle(self, pair: Pair, role: InstanceRole, has_run: bool) -> None:
         self._router.settle(pair, role, has_run=has_run)
@@ -161,16 +166,28 @@ class Orchestrator:
         # NOTE: the block keys once per attempt: hashing a long prompt costs more than a
         # decision, and a waiting request may be tried many times.
         keys = PromptKeys(active.progress.continuation_token_ids())
-        pair, waited_s = await self.queue.admit(
-            model=active.request.model,
-            seq=arrival,
-            num_tokens=len(active.progress.continuation_token_ids()),
-            route=functools.partial(self._pairs.route, active, keys),
-            timeout_s=active.remaining_s(),
-            bounded=is_new,
-            # NOTE: before the first token, all waits count against the bound.
-            waited_s=active.queued_s if is_new else 0.0,
-        )
+        peer_waited_s = 0.0
+        while True:
+            try:
+                pair, waited_s = await self.queue.admit(
+                    model=active.request.model,
+                    seq=arrival,
+                    num_tokens=len(active.progress.continuation_token_ids()),
+                    route=functools.partial(self._pairs.route, active, keys),
+                    timeout_s=active.remaining_s(),
+                    bounded=is_new,
+                    # NOTE: before the first token, all waits count against the bound.
+                    waited_s=active.queued_s if is_new else 0.0,
+                )
+                break
+            except PdserveError as error:
+                # NOTE: no pair alive after a setback: wait for one to come back (each change
+                # of the fleet routes again) rather than fail a stream capacity may soon take.
+                if not self.peer_wait.applies(active, error):
+                    raise
+                peer_waited_s += await self.peer_wait.wait(active, error, peer_waited_s)
+        if peer_waited_s:
+            self.peer_wait.came_back(active, peer_waited_s)
         if waited_s:
             active.on_queue_wait(waited_s)
             active.span.set_attribute("pdserve.queue_wait_ms", round(active.queued_s * 1000, 3))

@@ -42,7 +42,8 @@ class PairChoice:
 
         Raises:
             PdserveError: No pair has room (a wait) or none can serve the request; when earlier
-                attempts excluded every instance, the last of their errors.
+                attempts excluded every live instance, the last of their errors; when no pair is
+                alive at all, NO_HEALTHY_INSTANCES.
         """
         with _tracer.start_as_current_span(
             "gateway.route",
@@ -61,8 +62,14 @@ class PairChoice:
                 pair = pair or self._pick(active, keys, *required)
             except PdserveError as error:
                 # NOTE: when earlier attempts excluded every instance, their error explains
-                # more (and carries its retry delay); no room is not a failure: it waits.
-                if state.last_error is not None and not is_wait(error):
+                # more (and carries its retry delay); no room is not a failure: it waits; no
+                # pair alive at all is NO_HEALTHY_INSTANCES (the orchestrator may wait for one
+                # to come back: `pdserve.gateway.peer_wait`).
+                if (
+                    state.last_error is not None
+                    and not is_wait(error)
+                    and self._router.has_pair(active.request.model)
+                ):
                     raise state.last_error from error
                 raise
             span.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)

@@ -49,11 +49,37 @@ class AttemptFailed(Exception):
         self.failure = failure
 
     def setback(self, pair: Pair, num_delivered_tokens: int) -> Failed | Lost:
-        """The attempt's outcome: `Failed` when the server reported it, else `Lost`."""
+        """The attempt's outcome: `Failed` when the server reported it, else `Lost`.
+
+        A lost connection's error says, for a person, which instance stopped answering and
+        when; the transport's own words (``recvmsg: Connection reset by peer``) go to the log
+        line ``instance_connection_lost`` only.
+        """
         error = self.failure.error
         if self.failure.is_from_server:
             return Failed(self.role, pair, error, num_delivered_tokens)
-        return Lost(self.role, pair, error)
+        instance = pair.instance(self.role)
+        log.info(
+            "instance_connection_lost",
+            role=self.role.value,
+            instance_id=instance.instance_id,
+            address=instance.address,
+            num_generated_tokens=num_delivered_tokens,
+            detail=error.message,
+        )
+        when = (
+            f"after {num_delivered_tokens} generated tokens"
+            if num_delivered_tokens
+            else "before the first token"
+        )
+        message = (
+            f"the {self.role.value} instance {instance.instance_id} ({instance.address}) "
+            f"stopped answering {when}"
+        )
+        lost = PdserveError(
+            ErrorReason.PEER_UNAVAILABLE, message, {"instanceId": instance.instance_id}
+        )
+        return Lost(self.role, pair, lost)
 
 
 def connection_lost(role: InstanceRole, message: str) -> AttemptFailed:

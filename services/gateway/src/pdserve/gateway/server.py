@@ -88,6 +88,7 @@ class GatewayServer:
             max_attempts=config.max_attempts,
             preempt_retry_count=config.preempt_retry_count,
             preempt_retry_exclude_decode=config.preempt_retry_exclude_decode,
+            peer_wait_s=config.peer_wait_s,
         )
         self.orchestrator = Orchestrator(
             self.backend,

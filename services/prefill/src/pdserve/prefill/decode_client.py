@@ -49,9 +49,17 @@ def peer_error(error: grpc.RpcError, address: str, what: str) -> PdserveError:
         ErrorReason.PEER_UNAVAILABLE,
         ErrorReason.DEADLINE_EXCEEDED,
     ):
+        # NOTE: the transport's own words (``failed to connect to all addresses ...``) are for
+        # the log; the error a client may see says what was unreachable and when.
+        log.info("decode_unreachable", address=address, call=what, detail=typed.message)
+        did = (
+            "did not answer in time"
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED
+            else "was unreachable"
+        )
         return PdserveError(
             ErrorReason.PEER_UNAVAILABLE,
-            f"decode {address} unavailable during {what}: {typed.message}",
+            f"decode {address} {did} during {what}",
             {"decodeAddress": address},
         )
     typed.metadata.setdefault("decodeAddress", address)
