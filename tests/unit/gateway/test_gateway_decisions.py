@@ -22,6 +22,7 @@ from pdserve.gateway.decisions import (
     Setback,
     WaitForCapacity,
     decide,
+    unreachable_id,
 )
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.progress import RequestState
@@ -73,10 +74,12 @@ CASES = [
     Case("draining, unnamed, on the prefill", failed(R.INSTANCE_DRAINING), "retry", "p"),
     Case("draining decode named", failed(R.INSTANCE_DRAINING, instanceId="d"), "retry", "d"),
     Case("draining on the decode's stream", failed(R.INSTANCE_DRAINING, DECODE), "retry", "d"),
-    Case("prefill names itself", failed(R.PEER_UNAVAILABLE, instanceId="p"), "retry", "p"),
+    Case("prefill names itself", failed(R.PEER_UNAVAILABLE, instanceId="p"), "retry",
+         avoided="p"),
     Case("decode address named", failed(R.INSTANCE_DRAINING, decodeAddress="d.invalid:1"),
          "retry", "d"),
-    Case("prefill cannot reach its decode", failed(R.PEER_UNAVAILABLE), "retry", "d"),
+    # PEER_UNAVAILABLE: unreachable now, maybe back from a restart soon: avoided.
+    Case("prefill cannot reach its decode", failed(R.PEER_UNAVAILABLE), "retry", avoided="d"),
     Case("no healthy instances", failed(R.NO_HEALTHY_INSTANCES), "retry", "p"),
     # WHOLE_REQUEST: the same pair may serve it again.
     Case("lease expired", failed(R.LEASE_EXPIRED, DECODE), "retry"),
@@ -227,3 +230,12 @@ def test_exclusions_always_keep_the_excluded_instances() -> None:
 def test_bad_policies_are_refused(setting: dict[str, int]) -> None:
     with pytest.raises(ValueError, match=next(iter(setting))):
         RetryPolicy(**setting)
+
+
+def test_unreachable_instances_are_the_lost_and_the_blamed_peer() -> None:
+    assert unreachable_id(lost(DECODE)) == "d"
+    assert unreachable_id(lost(PREFILL)) == "p"
+    assert unreachable_id(failed(R.PEER_UNAVAILABLE)) == "d"  # a prefill that cannot reach it
+    assert unreachable_id(failed(R.PEER_UNAVAILABLE, instanceId="p")) == "p"
+    assert unreachable_id(failed(R.INSTANCE_DRAINING, DECODE)) is None
+    assert unreachable_id(PREEMPTED) is None

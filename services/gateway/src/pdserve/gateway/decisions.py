@@ -14,9 +14,10 @@ classified by their reason's retry scope, never by message text:
 * preempted, or a PREEMPTED status (RESCHEDULE): reschedule with the delivered tokens (avoiding
   that decode with ``preempt_retry_exclude_decode``); a lost decode: reschedule, preferring
   another decode. Both count against ``preempt_retry_count``.
-* a lost prefill: retry, preferring another prefill. A lost instance is only *avoided*, not
-  excluded: the registry already keeps it out of routing until it answers again, and the one
-  that comes back (a restart under the same id) may take the request when nothing else can.
+* a lost prefill: retry, preferring another prefill. A lost instance, and one that another
+  could not reach (PEER_UNAVAILABLE), is only *avoided*, not excluded: the registry keeps it
+  out of routing until it answers again (`unreachable_id`), and the one that comes back (a
+  restart under the same id) may take the request when nothing else can.
   When no pair is alive at all, a request that had a setback waits for one to register
   (`pdserve.gateway.peer_wait`), up to ``peer_wait_s``.
 * ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
@@ -211,7 +212,14 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
         if state.has_used_once_retry:
             return GiveUp(error)
         return _count_failure(error, replace(state, has_used_once_retry=True), policy)
-    state = _exclude(state, setback.pair, _blamed_roles(setback))
+    blamed = _blamed_roles(setback)
+    if error.reason is ErrorReason.PEER_UNAVAILABLE:
+        # NOTE: an instance another could not reach is marked unreachable in the registry
+        # (`unreachable_id`) until it answers again, and avoided here like a lost one.
+        for role in blamed:
+            state = _avoid(state, setback.pair, role)
+    else:
+        state = _exclude(state, setback.pair, blamed)
     if error.reason is ErrorReason.CACHE_SYNC_FAILED:
         # NOTE: KV that failed its checksum may come from either end (memory, NIC): the retry
         # prefers another prefill and decode when there are any.
@@ -221,6 +229,18 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
             avoided_decode_ids=state.avoided_decode_ids | {setback.pair.decode.instance_id},
         )
     return _count_failure(error, state, policy)
+
+
+def unreachable_id(setback: Setback) -> str | None:
+    """The instance a setback says could not be reached (the registry takes it out of routing
+    until its next heartbeat): a lost one, or the one a PEER_UNAVAILABLE error blames."""
+    if isinstance(setback, Lost):
+        return setback.instance_id
+    if isinstance(setback, Failed) and setback.error.reason is ErrorReason.PEER_UNAVAILABLE:
+        roles = _blamed_roles(setback)
+        if len(roles) == 1:
+            return setback.pair.instance(roles.pop()).instance_id
+    return None
 
 
 def _reschedule(

@@ -27,13 +27,13 @@ from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.attempt import Attempts
 from pdserve.gateway.decisions import (
     GiveUp,
-    Lost,
     Preempted,
     Reschedule,
     RetryPolicy,
     Setback,
     WaitForCapacity,
     decide,
+    unreachable_id,
 )
 from pdserve.gateway.fleet.backend import Backend
 from pdserve.gateway.fleet.instance import InstanceRole
@@ -197,8 +197,9 @@ class Orchestrator:
         """Decides what follows `setback` and does it; sets the request's next state."""
         active.remaining_s()
         state, progress = active.state, active.progress
-        if isinstance(setback, Lost):
-            self._registry.mark_unreachable(setback.instance_id)
+        unreachable = unreachable_id(setback)
+        if unreachable is not None:
+            self._registry.mark_unreachable(unreachable)
         decision = decide(setback, state, self._policy)
         error, pair = setback.error, setback.pair
         fields: dict[str, object] = {"request_id": active.request_id, "reason": error.reason.name}
