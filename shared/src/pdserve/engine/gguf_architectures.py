@@ -10,6 +10,7 @@ transformers' ``save_pretrained`` writes for the same model:
   permuted back (llama.cpp interleaves the rotary halves).
 * ``qwen2``: q/k/v biases. ``qwen3``: q/k RMS norms. ``qwen3moe``: Qwen3's attention with
   routed experts, stored as one 3-D tensor per projection and split into one matrix per expert.
+  ``qwen2moe``: Qwen2's attention, routed experts and a gated shared expert.
 * ``gemma3``: the text model (``gemma3_text``); llama.cpp stores every norm weight plus one,
   which is subtracted again; sliding-window layers every 6th layer global.
 * ``phi3``: fused ``qkv_proj`` and ``gate_up_proj``.
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -44,6 +45,14 @@ _DENSE_LAYER_NAMES = {
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _ATTENTION_NAMES = {k: v for k, v in _DENSE_LAYER_NAMES.items() if not k.startswith("ffn_")}
+_SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# NOTE: tensors that hold settings, not weights: `gguf_config` reads them into the config.
+CONFIG_TENSORS = ("rope_freqs.weight",)
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)$")
 
 
@@ -98,6 +107,14 @@ RULES = {
         is_qk_permuted=True,
     ),
     "qwen2": ArchitectureRules("qwen2", "Qwen2ForCausalLM", _DENSE_LAYER_NAMES),
+    "qwen2moe": ArchitectureRules(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        _ATTENTION_NAMES
+        | _SHARED_EXPERT_NAMES
+        | {"ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"},
+        _QWEN3_MOE_EXPERTS,
+    ),
     "qwen3": ArchitectureRules("qwen3", "Qwen3ForCausalLM", _DENSE_LAYER_NAMES | _QK_NORM_NAMES),
     "qwen3moe": ArchitectureRules(
         "qwen3_moe",
@@ -161,12 +178,15 @@ def hf_tensors(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Yields (Hugging Face name, array) for one dequantized llama.cpp tensor.
 
-    A 3-D expert tensor yields one matrix per expert; every other tensor yields itself, renamed,
-    with llama.cpp's changes undone.
+    A 3-D expert tensor yields one matrix per expert; a tensor that holds a setting
+    (`CONFIG_TENSORS`) yields nothing; every other tensor yields itself, renamed, with
+    llama.cpp's changes undone.
 
     Raises:
         ValueError: For a tensor the architecture does not have.
     """
+    if gguf_name in CONFIG_TENSORS:
+        return
     if gguf_name in _GLOBAL_NAMES:
         yield _GLOBAL_NAMES[gguf_name], _undo_norm_offset(gguf_name, values, rules)
         return

@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from pdserve.engine.gguf_architectures import architecture_rules
+from pdserve.engine.gguf_rope import llama3_rope_scaling
 
 # NOTE: llama.cpp hardcodes Gemma 3's layer pattern (five sliding-window layers, then a global
 # one) and the sliding layers' RoPE base; newer files may state them, older ones do not.
@@ -18,8 +21,16 @@ ConfigGetter = Callable[..., Any]
 """Reads ``{arch}.<key>`` from the metadata: ``get(key, default=None)``; raises if absent."""
 
 
-def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def hf_config(
+    metadata: Mapping[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None = None
+) -> dict[str, Any]:
     """The Hugging Face ``config.json`` object the GGUF metadata describes.
+
+    Args:
+        metadata: The file's metadata as plain values.
+        tensor_names: The names of the file's tensors.
+        rope_freqs: The ``rope_freqs.weight`` tensor, if the file has one: llama.cpp's form of
+            Llama 3's RoPE scaling.
 
     Raises:
         ValueError: For an architecture or setting pdserve does not implement.
@@ -27,7 +38,6 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, 
     rules = architecture_rules(metadata)
     arch = str(metadata["general.architecture"])
     refused = {
-        "rope_freqs.weight": "GGUF per-frequency RoPE factors (rope_freqs) are not supported",
         "rope_factors_long.weight": "GGUF LongRoPE factors (rope_factors_long) are not supported",
     }
     for name, message in refused.items():
@@ -58,7 +68,7 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, 
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": arch not in ("qwen2", "qwen2moe") and "blk.0.attn_q.bias" in tensor_names,
         "torch_dtype": "float32",
     }
     scaling = metadata.get(f"{arch}.rope.scaling.type")
@@ -69,6 +79,16 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, 
             "rope_type": "linear",
             "factor": float(get("rope.scaling.factor")),
         }
+    if "rope_freqs.weight" in tensor_names:
+        if arch != "llama" or rope_freqs is None or "rope_scaling" in config:
+            raise ValueError(
+                "GGUF per-frequency RoPE factors (rope_freqs) are supported on llama files only, "
+                "as Llama 3's RoPE scaling"
+            )
+        rotary_dim = int(get("rope.dimension_count", config["head_dim"]))
+        scaling = llama3_rope_scaling(rope_freqs, config["rope_theta"], rotary_dim)
+        if scaling is not None:
+            config["rope_scaling"] = scaling
     for key, gguf_key in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -86,6 +106,18 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str]) -> dict[str, 
 def _mixtral_config(config: dict[str, Any], get: ConfigGetter) -> None:
     config["num_local_experts"] = int(get("expert_count"))
     config["num_experts_per_tok"] = int(get("expert_used_count"))
+
+
+def _qwen2_moe_config(config: dict[str, Any], get: ConfigGetter) -> None:
+    config["num_experts"] = int(get("expert_count"))
+    config["num_experts_per_tok"] = int(get("expert_used_count"))
+    config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+    # NOTE: the converter writes no expert_weights_norm for Qwen2-MoE; llama.cpp then leaves
+    # the top-k routing weights as the softmax gives them.
+    config["norm_topk_prob"] = bool(get("expert_weights_norm", False))
+    config["decoder_sparse_step"] = 1
+    config["mlp_only_layers"] = []
 
 
 def _qwen3_moe_config(config: dict[str, Any], get: ConfigGetter) -> None:
@@ -110,6 +142,8 @@ def _gemma3_config(config: dict[str, Any], get: ConfigGetter) -> None:
     if num_layers == GEMMA3_27B_NUM_LAYERS:
         scalar = config["hidden_size"] // config["num_attention_heads"]
     config["query_pre_attn_scalar"] = scalar
+    softcap = get("final_logit_softcapping", 0.0)
+    config["final_logit_softcapping"] = float(softcap) if softcap else None
     pattern = get("attention.sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
     if isinstance(pattern, list):
         # one flag per layer, true for a sliding-window layer
@@ -136,6 +170,7 @@ def _phi3_config(config: dict[str, Any], get: ConfigGetter) -> None:
 
 _FAMILY_CONFIGS = {
     "mixtral": _mixtral_config,
+    "qwen2_moe": _qwen2_moe_config,
     "qwen3_moe": _qwen3_moe_config,
     "gemma3_text": _gemma3_config,
     "phi3": _phi3_config,

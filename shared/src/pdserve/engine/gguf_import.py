@@ -134,7 +134,12 @@ def convert_gguf(
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
     metadata = read_metadata(reader)
     rules = architecture_rules(metadata)
-    config = hf_config(metadata, {t.name for t in reader.tensors})
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    config = hf_config(
+        metadata,
+        {t.name for t in reader.tensors},
+        None if rope_freqs is None else dequantize(rope_freqs.data, rope_freqs.tensor_type),
+    )
     vocab = gguf_vocab(metadata)
     progress = None
     if make_progress is not None:
