@@ -6,6 +6,8 @@ field's reader), dequantizes every tensor to float32, renames it to the Hugging 
 undoes what llama.cpp changed (`pdserve.engine.gguf_architectures`, per architecture), and writes
 ``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json`` and
 ``tokenizer_config.json``. The result equals what transformers loads from the same GGUF.
+Beside it, `pdserve.engine.gguf_int4` keeps the 4-bit tensors as the file stores them
+(``int4/model.safetensors``), for the engine's int4 kernels.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pdserve.engine.gguf_architectures import (
     hf_tensors,
 )
 from pdserve.engine.gguf_config import hf_config
+from pdserve.engine.gguf_int4 import write_int4_file
 from pdserve.tokenizer.gguf_vocab import GgufVocab, tokenizer_files
 
 log = structlog.get_logger(__name__)
@@ -150,6 +153,7 @@ def convert_gguf(
         if progress is not None:
             progress.close()
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    int4_counts = write_int4_file(reader, rules, config, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -162,4 +166,5 @@ def convert_gguf(
         architecture=config["model_type"],
         num_tensors=len(weights),
         tensor_types=sorted({t.tensor_type.name for t in reader.tensors}),
+        int4_tensor_types=int4_counts,
     )

@@ -40,8 +40,9 @@ DEMO_MOE = "demo-moe"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST_FILE = "manifest.json"
 # NOTE: bump when the conversion's output changes, so caches are prepared again.
-PREPARE_FORMAT = 1
+PREPARE_FORMAT = 2
 _HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_PREPARED_FILES = (*_HF_FILES, "int4/model.safetensors")
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def _prepare_dir(
     staging.chmod(0o755)
     try:
         convert_gguf(gguf_path, staging, _progress_bar if show_progress else None)
-        sizes = {file: (staging / file).stat().st_size for file in _HF_FILES}
+        sizes = {file: (staging / file).stat().st_size for file in _PREPARED_FILES}
         manifest = {**expected, "source": gguf_path.name, "file_sizes": sizes}
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         staging.rename(target)
@@ -209,7 +210,7 @@ def _is_prepared(target: Path, expected: dict[str, Any]) -> bool:
     sizes = manifest.get("file_sizes") or {}
     return all(
         (target / name).is_file() and (target / name).stat().st_size == sizes.get(name)
-        for name in _HF_FILES
+        for name in _PREPARED_FILES
     )
 
 
