@@ -52,6 +52,13 @@ def test_bad_settings_raise_value_error(build: Any) -> None:
         build()
 
 
+def test_auto_quantization_is_accepted_where_int4_kernels_do_not_run() -> None:
+    """``auto`` (the default) dequantizes a GGUF's int4 weights on a GPU or over several ranks
+    instead of refusing, as ``int8`` / ``int4`` do."""
+    assert EngineConfig(model="m", device="cuda").quantization == "auto"
+    assert EngineConfig(model="m", tensor_parallel_size=2).quantization == "auto"
+
+
 def test_configs_are_frozen() -> None:
     params = SamplingParams(stop_token_ids=[3, 4])  # type: ignore[arg-type]
     assert params.stop_token_ids == (3, 4)

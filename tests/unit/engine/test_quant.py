@@ -77,7 +77,7 @@ def test_int8_linear_computes_with_its_dequantized_weight(
 def test_int4_linear_computes_with_its_dequantized_weight(dtype: torch.dtype) -> None:
     """The kernel's scale and zero convention is the one `quantize_int4` writes."""
     linear = random_linear(128, 48, dtype)
-    quantized = Int4Linear(linear)
+    quantized = Int4Linear.from_linear(linear)
     values, scale_zeros = quantize_int4(linear.weight_t.t(), INT4_GROUP_SIZE, dtype)
     assert linear.bias is not None
     x = torch.randn(5, 128).to(dtype)

@@ -43,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--quantization",
-        default="none",
+        default=AUTO,
         choices=QUANTIZATIONS,
-        help="weight-only int8 / int4 projections (CPU)",
+        help="auto keeps a GGUF's Q4_0/Q4_1/Q4_K weights as int4 (bfloat16 on CPU); none "
+        "dequantizes every weight; int8 / int4 quantize the float projections (CPU)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(

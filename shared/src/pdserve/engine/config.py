@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.common.config import check_ranges
-from pdserve.engine.precision import AUTO, QUANTIZATIONS, DtypeChoice, choose_dtype
+from pdserve.engine.precision import (
+    AUTO,
+    QUANTIZATIONS,
+    REQUANTIZATIONS,
+    DtypeChoice,
+    choose_dtype,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -96,9 +102,11 @@ class EngineConfig:
         attention_backend: ``auto`` (flash-attn when usable, else SDPA), ``sdpa`` or ``flash``.
         linear_backend: ``auto`` (oneDNN-packed projections for float32 and bfloat16 on CPU,
             else torch's GEMM), ``onednn`` or ``torch``.
-        quantization: Weight-only quantization of the decoder layers' projections on CPU:
-            ``none``, ``int8`` (per output channel) or ``int4`` (groups of 32); see
-            `pdserve.engine.quant`.
+        quantization: Weight-only quantization of the projections on CPU: ``auto`` (a GGUF's
+            Q4_0 / Q4_1 / Q4_K weights kept as the file stores them where the weights are
+            bfloat16 on a CPU with one rank, else dequantized; `pdserve.engine.gguf_int4`),
+            ``none`` (every weight in `dtype`), ``int8`` (per output channel) or ``int4``
+            (groups of 32) quantized from the float weights; see `pdserve.engine.quant`.
         seed: Seeds the draw of per-request seeds for requests that carry none.
         num_threads: Torch intra-op threads for this process (a process-wide setting); ``None``
             keeps torch's default. Use 1 when several engines share a few cores: threads of
@@ -119,7 +127,7 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata=POSITIVE)
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
     linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
-    quantization: str = field(default="none", metadata={"choices": QUANTIZATIONS})
+    quantization: str = field(default=AUTO, metadata={"choices": QUANTIZATIONS})
     seed: int | None = None
     num_threads: int | None = field(default=None, metadata=POSITIVE)
     tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
@@ -138,13 +146,14 @@ class EngineConfig:
             device = torch.device(self.device)
         except RuntimeError as exc:
             raise ValueError(f"invalid device {self.device!r}: {exc}") from None
-        if self.quantization != "none" and device.type != "cpu":
+        if self.quantization in REQUANTIZATIONS and device.type != "cpu":
             raise ValueError(
                 f"quantization={self.quantization} runs on CPU only (torch's CPU kernels), "
                 f"not on {self.device}"
             )
-        if self.quantization != "none" and self.tensor_parallel_size > 1:
-            # NOTE: a quantized projection has no row-parallel form (its all-reduce) yet.
+        if self.quantization in REQUANTIZATIONS and self.tensor_parallel_size > 1:
+            # NOTE: a quantized projection has no row-parallel form (its all-reduce) yet;
+            # under auto the ranks dequantize a GGUF's int4 weights instead.
             raise ValueError(
                 f"quantization={self.quantization} does not combine with "
                 f"tensor_parallel_size={self.tensor_parallel_size} yet"

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
+from pdserve.engine.gguf_int4 import COUNTS_KEY, INT4_FILE, MINS, SCALES, TYPES_KEY, VALUES
+from pdserve.engine.model import Linear, LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
-from pdserve.engine.quant import quantize_linears, weight_bytes
+from pdserve.engine.quant import (
+    INT4_GROUP_SIZE,
+    Int4Linear,
+    can_quantize_int4,
+    quantize_linears,
+    weight_bytes,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -53,11 +62,11 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
     meta path runs through torch's Python reference ops (~0.4 s of every instance's start)."""
     for module in model.modules():
         for name, param in module._parameters.items():
-            if param is not None:
+            if param is not None and param.is_meta:
                 empty = torch.empty(param.shape, dtype=param.dtype, device=device)
                 module._parameters[name] = nn.Parameter(empty, param.requires_grad)
         for name, buffer in module._buffers.items():
-            if buffer is not None:
+            if buffer is not None and buffer.is_meta:
                 module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
 
 
@@ -69,7 +78,7 @@ def load_model(
     config: ModelConfig | None = None,
     linear_backend: str = "auto",
     group: TensorParallelGroup | None = None,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
     """Loads a checkpoint of any supported family (`SUPPORTED_MODEL_TYPES`).
 
@@ -86,8 +95,11 @@ def load_model(
             else torch's GEMM), ``onednn`` or ``torch``.
         group: This rank's tensor-parallel group: only the rank's share of each tensor is
             kept (`pdserve.engine.parallel.sharding`); a group of one when None.
-        quantization: ``none``, or ``int8`` / ``int4`` weight-only quantization of every
-            projection but the LM head (CPU; `pdserve.engine.quant`).
+        quantization: ``auto`` keeps the checkpoint's int4 weights (a GGUF's Q4_0, Q4_1 and
+            Q4_K tensors, `pdserve.engine.gguf_int4`) as they are where they run on torch's
+            int4 kernel (bfloat16 on a CPU, one rank) and dequantizes them elsewhere;
+            ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
+            projection but the LM head from the float weights (CPU; `pdserve.engine.quant`).
 
     Returns:
         The model in eval mode with every parameter loaded.
@@ -104,14 +116,27 @@ def load_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, group).to(dtype)
+    kept = KeptWeights(frozenset(), {})
+    if (path / INT4_FILE).is_file():
+        # NOTE: torch's int4 kernel is fast with bf16 activations only (float32: 16-40x
+        # slower than a float32 GEMM); an int4 projection has no row-parallel form yet.
+        is_kept = (
+            quantization == "auto"
+            and device.type == "cpu"
+            and dtype == torch.bfloat16
+            and model.group.world_size == 1
+        )
+        kept = _attach_int4(model, path / INT4_FILE, dtype, is_kept)
     _materialize(model, device)
     params = dict(model.named_parameters())
     pending = {name: _expected_shards(name, params[name]) for name in params}
     if config.tie_word_embeddings:
-        pending.pop("lm_head.weight_t")
+        pending.pop("lm_head.weight_t", None)
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if hf_name in kept.hf_names:
+                    continue
                 tensor = reader.get_tensor(hf_name)
                 _load_tensor(_renamed(hf_name), tensor, params, pending, model)
                 del tensor  # NOTE: before the next one is read: one tensor in flight
@@ -128,7 +153,7 @@ def load_model(
             f"linear_backend=onednn needs float32 or bfloat16 on a CPU, not {dtype} on {device}"
         )
     num_quantized = 0
-    if quantization != "none":
+    if quantization in ("int8", "int4"):
         if device.type != "cpu":
             raise ValueError(f"quantization={quantization} runs on CPU only, not on {device}")
         num_quantized = quantize_linears(model, quantization, skip=[model.lm_head]).num_quantized
@@ -147,6 +172,7 @@ def load_model(
         tensor_parallel_size=model.group.world_size,
         quantization=quantization,
         num_quantized=num_quantized,
+        tensor_types=kept.tensor_types or None,
         weight_bytes=weight_bytes(model),
     )
     return model
@@ -253,3 +279,101 @@ def _copy(hf_name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
         )
     with torch.no_grad():
         target.copy_(tensor)
+
+
+class KeptWeights(NamedTuple):
+    """What `_attach_int4` kept as the checkpoint stores it.
+
+    Attributes:
+        hf_names: Weights now held by `Int4Linear` projections (the loader skips their floats).
+        tensor_types: The GGUF's tensor types and what each became (``int4`` or a dtype).
+    """
+
+    hf_names: frozenset[str]
+    tensor_types: dict[str, str]
+
+
+def _int4_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, int, int] | None:
+    """(projection module name, shard, number of shards) the weight fills, or None where it
+    is no `Linear` of this model (an embedding, an expert, a tied LM head)."""
+    name = _renamed(hf_name)
+    if not name.endswith(".weight") or _EXPERT_NAME.match(name):
+        return None
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None
+    match = _SHARD_NAME.search(name)
+    shard, num_shards = 0, 1
+    if match is not None:
+        fused, shard = _STACKED[match.group(1)]
+        num_shards = 3 if fused == "qkv_proj" else 2
+        name = name.replace(f".{match.group(1)}.", f".{fused}.")
+    module_name = name.removesuffix(".weight")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return (module_name, shard, num_shards) if isinstance(module, Linear) else None
+
+
+def _attach_int4(
+    model: LlamaForCausalLM, int4_file: Path, dtype: torch.dtype, is_kept: bool
+) -> KeptWeights:
+    """Replaces every projection whose weights the checkpoint keeps as int4 (all its shards:
+    q, k and v of a fused projection) by an `Int4Linear` over those values, on the meta-device
+    `model` before its parameters are materialized; with `is_kept` false only reports that
+    every tensor type becomes `dtype`."""
+    with safe_open(str(int4_file), framework="pt") as reader:
+        metadata = reader.metadata() or {}
+        types: dict[str, str] = json.loads(metadata.get(TYPES_KEY, "{}"))
+        counts: dict[str, int] = json.loads(metadata.get(COUNTS_KEY, "{}"))
+        shards: dict[str, dict[int, str]] = {}
+        expected: dict[str, int] = {}
+        for hf_name in types if is_kept else ():
+            target = _int4_target(hf_name, model)
+            if target is not None:
+                module_name, shard, num_shards = target
+                shards.setdefault(module_name, {})[shard] = hf_name
+                expected[module_name] = num_shards
+        attached: set[str] = set()
+        for module_name, by_shard in shards.items():
+            linear = model.get_submodule(module_name)
+            assert isinstance(linear, Linear)
+            in_features, out_features = linear.weight_t.shape
+            names = [by_shard[i] for i in sorted(by_shard)]
+            if len(names) != expected[module_name] or not can_quantize_int4(
+                in_features, out_features, INT4_GROUP_SIZE
+            ):
+                continue
+            # values: [out, in / 2] uint8; scales, mins: [out, in / group], shards stacked
+            values, scales, mins = (
+                torch.cat([reader.get_tensor(name + suffix) for name in names])
+                for suffix in (VALUES, SCALES, MINS)
+            )
+            if tuple(values.shape) != (out_features, in_features // 2):
+                raise ModelLoadError(
+                    f"int4 weight {module_name!r} has shape {tuple(values.shape)}, expected "
+                    f"{(out_features, in_features // 2)}"
+                )
+            parent_name, _, child = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype))
+            attached.update(names)
+    return KeptWeights(frozenset(attached), _tensor_types(types, counts, attached, dtype))
+
+
+def _tensor_types(
+    types: dict[str, str], counts: dict[str, int], attached: set[str], dtype: torch.dtype
+) -> dict[str, str]:
+    """Each GGUF tensor type -> what its tensors became: ``int4``, the dtype, or both."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    became = {}
+    for type_name in sorted(counts):
+        num_int4 = sum(1 for name in attached if types[name] == type_name)
+        num_of_type = sum(1 for t in types.values() if t == type_name) or counts[type_name]
+        if num_int4 == 0:
+            became[type_name] = dtype_name
+        elif num_int4 == num_of_type:
+            became[type_name] = "int4"
+        else:
+            became[type_name] = f"int4 ({num_int4} of {num_of_type}), else {dtype_name}"
+    return became

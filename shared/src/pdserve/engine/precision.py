@@ -1,6 +1,11 @@
 """What the weights are stored and computed in: ``--dtype`` (``auto`` resolved here) and the
 names of ``--quantization`` (`pdserve.engine.quant`). Importing this module loads no torch.
 
+A GGUF's 4-bit tensors (Q4_0, Q4_1, Q4_K) are kept as the file stores them under ``auto``
+quantization when the weights are bfloat16 on a CPU, so ``--dtype auto`` on such a CPU serves
+the file's own weights; ``--dtype float32`` dequantizes them exactly (torch's int4 kernel with
+float32 activations is 16-40x slower than a float32 GEMM here).
+
 ``auto`` is bfloat16 weights and KV where the CPU computes bf16 natively, else float32.
 Decode on a CPU is bound by streaming the weights from memory each step; bfloat16 halves that
 stream, and oneDNN's GEMMs run it on the CPU's bf16 instructions (AVX512-BF16 or AMX). Without
@@ -23,7 +28,12 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 CPU flags of bf16 dot products that oneDNN uses (either suffices)."""
 AUTO = "auto"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+"""``auto`` keeps a GGUF's int4 weights as the file stores them where torch's int4 kernel runs
+them (bfloat16 on a CPU, one rank), and dequantizes them elsewhere; ``none`` dequantizes every
+weight; ``int8`` / ``int4`` quantize the float weights (`pdserve.engine.quant`)."""
+REQUANTIZATIONS = ("int8", "int4")
+"""The quantizations that quantize float weights: CPU only, one rank."""
 
 
 @dataclass(frozen=True)

@@ -103,10 +103,14 @@ class InstanceConfig(ServiceConfig):
         },
     )
     quantization: str = field(
-        default="none",
+        default=AUTO,
         metadata={
-            "help": "weight-only quantization of every projection but the LM head, on CPU: "
-            "int8 (per output channel) or int4 (groups of 32); activations and KV keep --dtype",
+            "help": "weight-only quantization on CPU: auto keeps a GGUF's Q4_0/Q4_1/Q4_K "
+            "weights as the file stores them (int4 groups of 32) where the weights are bfloat16 "
+            "on a CPU with one rank, else dequantizes them (the model_loaded log line says what "
+            "each tensor type became); none dequantizes every weight to --dtype; int8 (per "
+            "output channel) or int4 (groups of 32) quantize every projection but the LM head "
+            "from the float weights. Activations and KV keep --dtype",
             "choices": QUANTIZATIONS,
         },
     )

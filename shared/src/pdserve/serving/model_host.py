@@ -55,7 +55,7 @@ class ModelHost:
         kv_cache_in_shm: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 120.0,
-        quantization: str = "none",
+        quantization: str = "auto",
         enforce_eager: bool = False,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
@@ -73,7 +73,7 @@ class ModelHost:
             tensor_parallel_size: Ranks the model is split over (`pdserve.engine.parallel`);
                 CPU only: on CPU rank 0's cache holds every head, so KV moves as without it.
             tensor_parallel_timeout_s: How long the ranks may take to form their group.
-            quantization: ``none``, ``int8`` or ``int4`` (`pdserve.engine.quant`).
+            quantization: ``auto``, ``none``, ``int8`` or ``int4`` (`pdserve.engine.config`).
             enforce_eager: Capture no decode graphs on CUDA (`pdserve.engine.graphs`).
 
         Raises:

@@ -1,0 +1,131 @@
+"""SmolLM2-135M-Instruct's Q4_1 weights kept as the file stores them (``--dtype auto`` on a CPU
+with native bf16), against the same file dequantized: in float32, the file's values exactly,
+and in bfloat16, what ``--quantization none`` serves.
+
+The kept weights run on torch's int4 kernel with bf16 activations and bf16 scales, so they
+cannot equal float32; they must be as close to it as the file dequantized to bf16 is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
+from pdserve.engine.linear import Linear
+from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.quant import Int4Linear, weight_bytes
+from pdserve.tokenizer import Tokenizer
+
+MAX_TOKENS = 24
+# NOTE: SmolLM2's logits reach 16-32, where one bf16 step is 0.125.
+LOGIT_TOLERANCE = 0.25
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "Give me three tips for sleeping well.",
+)
+SETTINGS = {
+    "exact": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "kept": ("bfloat16", "auto"),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2: ResolvedModel) -> dict[str, tuple[LLMEngine, list[Any]]]:
+    """Each setting's engine and the log events of its loading."""
+    loaded = {}
+    for name, (dtype, quantization) in SETTINGS.items():
+        config = EngineConfig(
+            model=str(smollm2.path),
+            dtype=dtype,
+            quantization=quantization,
+            seed=0,
+            cache=CacheConfig(num_blocks=32),
+        )
+        with capture_logs() as logs:
+            loaded[name] = (LLMEngine(config), logs)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2: ResolvedModel) -> list[list[int]]:
+    tokenizer = Tokenizer.from_pretrained(smollm2.path)
+    return [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def served(engines: dict[str, Any], prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy completion on the kept weights."""
+    return greedy(engines["kept"][0], prompts)
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return engine.generate(prompts, params)
+
+
+def every_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), vocab] float32: row j scores token j + 1."""
+    block_ids = engine.block_pool.allocate(-(-len(token_ids) // 16))
+    try:
+        chunk: ScheduledChunk[Any] = ScheduledChunk(token_ids, 0, block_ids)
+        _, every = engine.runner.execute_with_positions([chunk], every_position=(0,))
+    finally:
+        engine.block_pool.free(block_ids)
+    return every[0].float()
+
+
+def test_every_layer_projection_runs_on_the_files_int4_values(engines: dict[str, Any]) -> None:
+    engine, logs = engines["kept"]
+    model = engine.runner.model
+    projections = [m for m in model.model.layers.modules() if isinstance(m, (Linear, Int4Linear))]
+    assert projections and all(isinstance(m, Int4Linear) for m in projections)
+    # NOTE: the tied embedding is Q8_0, which torch's int4 kernel cannot hold: bf16.
+    assert isinstance(model.lm_head, Linear)
+    [loaded] = [event for event in logs if event["event"] == "model_loaded"]
+    assert loaded["tensor_types"] == {"F32": "bfloat16", "Q4_1": "int4", "Q8_0": "bfloat16"}
+    bf16_engine, _ = engines["bf16"]
+    assert weight_bytes(model) < 0.6 * weight_bytes(bf16_engine.runner.model)
+
+
+def test_kept_logits_are_as_close_to_the_file_as_bf16(
+    engines: dict[str, Any], prompts: list[list[int]], served: list[list[int]]
+) -> None:
+    exact = engines["exact"][0]
+    sequences = [p + out for p, out in zip(prompts, served, strict=True)]
+    reference = [every_logits(exact, s) for s in sequences]
+    errors = {}
+    for name in ("bf16", "kept"):
+        logits = [every_logits(engines[name][0], s) for s in sequences]
+        difference = torch.cat([(a - b).abs() for a, b in zip(logits, reference, strict=True)])
+        agree = sum(
+            int((a.argmax(-1) == b.argmax(-1)).sum())
+            for a, b in zip(logits, reference, strict=True)
+        )
+        errors[name] = (float(difference.max()), float(difference.mean()), agree)
+    num_positions = sum(len(s) for s in sequences)
+    kept, bf16 = errors["kept"], errors["bf16"]
+    assert kept[0] <= 1.5 * bf16[0] and kept[1] <= 1.5 * bf16[1], errors
+    assert kept[2] >= 0.95 * num_positions, errors
+
+
+def test_kept_greedy_tokens_are_the_files_best_up_to_ties(
+    engines: dict[str, Any], prompts: list[list[int]], served: list[list[int]]
+) -> None:
+    exact = engines["exact"][0]
+    gaps, num_best, num_served = [], 0, 0
+    for prompt, tokens in zip(prompts, served, strict=True):
+        # steps: [len(tokens), vocab], row j scores the j-th served token
+        steps = every_logits(exact, prompt + tokens)[len(prompt) - 1 : -1]
+        picked = steps.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        best = steps.max(dim=-1).values
+        gaps.append(float((best - picked).max()))
+        num_best += int((picked == best).sum())
+        num_served += len(tokens)
+    assert max(gaps) <= LOGIT_TOLERANCE
+    assert num_best >= 0.9 * num_served

@@ -1,0 +1,143 @@
+"""A GGUF's 4-bit weights kept as the file stores them: the values, the kernel, the engine.
+
+Q4_0, Q4_1 and Q4_K map onto int4 groups of 32 with a scale and a min; read back (in numpy, and
+through torch's int4 kernel with float32 activations) they must be the values the ``gguf``
+package dequantizes. With bf16 activations the kernel's scales are bf16 (torch's CPU kernel
+takes them in the activation dtype), so there they are close, not equal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from structlog.testing import capture_logs
+from support.gguf_files import NUM_LAYERS, TinyGgufSpec, random_weight, write_tiny_gguf
+
+from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk
+from pdserve.engine.gguf_import import convert_gguf
+from pdserve.engine.gguf_int4 import INT4_TYPES, dequantize, int4_blocks
+from pdserve.engine.linear import Linear
+from pdserve.engine.quant import Int4Linear
+from pdserve.engine.runner import ModelRunner
+
+INT4_IDS = [t.name for t in INT4_TYPES]
+PROMPT = list(range(3, 35))
+
+
+def file_weight(tensor_type: GGMLQuantizationType, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw blocks, the gguf package's float32 weight) of a random [64, 256] weight."""
+    raw = random_weight(np.random.default_rng(seed), (64, 256), tensor_type)
+    return raw, gguf_dequantize(raw, tensor_type).reshape(64, 256)
+
+
+def kernel_weight(
+    raw: np.ndarray, tensor_type: GGMLQuantizationType, dtype: torch.dtype
+) -> torch.Tensor:
+    """The [out, in] weight torch's int4 kernel computes with, read out by an identity input."""
+    values, scales, mins = (torch.from_numpy(part) for part in int4_blocks(raw, tensor_type))
+    linear = Int4Linear.from_blocks(values, scales, mins, None, dtype)
+    return linear(torch.eye(256, dtype=dtype)).t().float()
+
+
+@pytest.mark.parametrize("tensor_type", INT4_TYPES, ids=INT4_IDS)
+def test_blocks_hold_the_files_values(tensor_type: GGMLQuantizationType) -> None:
+    raw, expected = file_weight(tensor_type)
+    values = dequantize(int4_blocks(raw, tensor_type))
+    # NOTE: equal as values; bit for bit but for the sign of a zero: gguf's Q4_0 computes
+    # d * (q - 8), which is -0.0 for q = 8 and a negative d, where scale * q + min is +0.0.
+    assert np.array_equal(values, expected)
+    nonzero = expected != 0
+    assert np.array_equal(values[nonzero].view(np.uint32), expected[nonzero].view(np.uint32))
+
+
+@pytest.mark.parametrize("tensor_type", INT4_TYPES, ids=INT4_IDS)
+def test_the_float32_kernel_computes_with_the_files_values(
+    tensor_type: GGMLQuantizationType,
+) -> None:
+    raw, expected = file_weight(tensor_type, seed=1)
+    assert torch.equal(kernel_weight(raw, tensor_type, torch.float32), torch.from_numpy(expected))
+
+
+@pytest.mark.parametrize("tensor_type", INT4_TYPES, ids=INT4_IDS)
+def test_the_bf16_kernel_is_within_its_scales_rounding(tensor_type: GGMLQuantizationType) -> None:
+    raw, expected = file_weight(tensor_type, seed=2)
+    blocks = int4_blocks(raw, tensor_type)
+    error = (kernel_weight(raw, tensor_type, torch.bfloat16) - torch.from_numpy(expected)).abs()
+    # bf16 rounds to within 2^-8 of a value: the scale (a weight's error is at most 15 of
+    # the scale's, the zero taking the group's mean), the zero and the output.
+    scales = torch.from_numpy(blocks.scales).abs().repeat_interleave(32, dim=1)
+    mins = torch.from_numpy(blocks.mins).abs().repeat_interleave(32, dim=1)
+    bound = 2**-8 * (15 * scales + (mins + 8 * scales) + torch.from_numpy(expected).abs())
+    assert (error <= bound).all()
+    assert error.max() > 0  # bf16 cannot hold every fp16 scale
+
+
+def converted(tmp_path: Path, tensor_type: GGMLQuantizationType) -> Path:
+    gguf_path = write_tiny_gguf(tmp_path / "model.gguf", TinyGgufSpec(tensor_type=tensor_type))
+    out_dir = tmp_path / "converted"
+    out_dir.mkdir()
+    convert_gguf(gguf_path, out_dir)
+    return out_dir
+
+
+def prompt_logits(
+    model_dir: Path, dtype: str, quantization: str
+) -> tuple[ModelRunner, torch.Tensor]:
+    config = EngineConfig(
+        model=str(model_dir),
+        dtype=dtype,
+        quantization=quantization,
+        cache=CacheConfig(num_blocks=8),
+    )
+    runner = ModelRunner.load(config)
+    _, every = runner.execute_with_positions(
+        [ScheduledChunk(PROMPT, 0, [0, 1])], every_position=(0,)
+    )
+    return runner, every[0].float()
+
+
+@pytest.mark.parametrize(
+    "tensor_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K], ids=["Q4_1", "Q4_K"]
+)
+def test_auto_serves_the_files_int4_weights_in_bf16(
+    tmp_path: Path, tensor_type: GGMLQuantizationType
+) -> None:
+    model_dir = converted(tmp_path, tensor_type)
+    with capture_logs() as logs:
+        kept, kept_logits = prompt_logits(model_dir, "bfloat16", "auto")
+    _, bf16_logits = prompt_logits(model_dir, "bfloat16", "none")
+    _, exact_logits = prompt_logits(model_dir, "float32", "auto")
+
+    # every layer's projection runs on the int4 kernel; the LM head's 314 rows are no multiple
+    # of 16, which the kernel needs, so it is dequantized (as is the embedding, a lookup)
+    layers = kept.model.model.layers
+    projections = [m for m in layers.modules() if isinstance(m, (Linear, Int4Linear))]
+    assert len(projections) == 4 * NUM_LAYERS
+    assert all(isinstance(m, Int4Linear) for m in projections)
+    assert isinstance(kept.model.lm_head, Linear)
+    [loaded] = [e for e in logs if e["event"] == "model_loaded"]
+    num_kept = 7 * NUM_LAYERS  # q, k, v, o, gate, up, down of each layer
+    assert loaded["tensor_types"] == {
+        "F32": "bfloat16",
+        tensor_type.name: f"int4 ({num_kept} of {num_kept + 2}), else bfloat16",
+    }
+    # as close to the file's exact values (float32) as the same file dequantized to bf16
+    kept_error = (kept_logits - exact_logits).abs()
+    bf16_error = (bf16_logits - exact_logits).abs()
+    assert kept_error.max() <= 2 * bf16_error.max()
+    assert kept_error.mean() <= 2 * bf16_error.mean()
+
+
+def test_float32_and_none_dequantize_the_files_int4_weights(tmp_path: Path) -> None:
+    model_dir = converted(tmp_path, GGMLQuantizationType.Q4_0)
+    for dtype, quantization in (("float32", "auto"), ("bfloat16", "none")):
+        with capture_logs() as logs:
+            runner, _ = prompt_logits(model_dir, dtype, quantization)
+        assert not any(isinstance(m, Int4Linear) for m in runner.model.modules())
+        [loaded] = [e for e in logs if e["event"] == "model_loaded"]
+        assert loaded["tensor_types"] == {"F32": dtype, "Q4_0": dtype}
