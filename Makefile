@@ -11,7 +11,7 @@ NODE_CLIENT := clients/node
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: help venv install model up proto proto-check lint format typecheck test test-fast test-transports demo-model \
-	contract-baseline lock clean node-deps system-deps image gpu-kit
+	contract-baseline lock clean node-deps system-deps image gpu-kit llama-convert
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -80,13 +80,29 @@ system-deps:  ## install the system packages the tests run (redis-server: KV sto
 	@command -v ip >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends iproute2)
 
+# NOTE: llama.cpp's converter (convert_hf_to_gguf.py, which writes the GGUF files people
+# download) from the llama.cpp sources that PyPI's llama-cpp-python sdist vendors; the GGUF tests
+# convert tiny checkpoints with it (tests/unit/engine/test_gguf_llama_convert.py).
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CONVERT := $(VENV)/llama.cpp/convert_hf_to_gguf.py
+$(LLAMA_CONVERT): | $(INSTALL_STAMP)
+	rm -rf $(VENV)/llama.cpp $(VENV)/llama-cpp-sdist
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VENV)/llama-cpp-sdist \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf $(VENV)/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(VENV)/llama-cpp-sdist \
+		$(foreach part,convert_hf_to_gguf.py conversion gguf-py,llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/$(part))
+	mv $(VENV)/llama-cpp-sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp $(VENV)/llama.cpp
+	rm -rf $(VENV)/llama-cpp-sdist
+
+llama-convert: $(LLAMA_CONVERT)  ## fetch llama.cpp's convert_hf_to_gguf.py (the llama-cpp-python sdist's) into .venv/llama.cpp
+
 # NOTE: two workers (pytest-xdist); a module's (or class's) tests stay on one worker, so the
 # clusters they share start once. PYTEST_WORKERS=0 runs in this process.
 PYTEST_WORKERS ?= 2
-test: system-deps venv model lint typecheck node-deps  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
+test: system-deps venv model llama-convert lint typecheck node-deps  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadscope
 
-test-fast: system-deps venv  ## pytest without lint
+test-fast: system-deps venv llama-convert  ## pytest without lint
 	$(BIN)/pytest -x -q
 
 # NOTE: `make test` runs the clusters on the default transport (shared memory: one host).

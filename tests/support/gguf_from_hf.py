@@ -4,8 +4,10 @@ A model is built with transformers from a small config and random weights, saved
 ``save_pretrained`` (the checkpoint names and layout a Hugging Face repo has), and that checkpoint
 is converted as llama.cpp converts it: names through the `gguf` package's own tensor map, Llama
 and Mixtral q/k rows permuted, Gemma norms stored plus one, experts stacked into one 3-D tensor
-per projection, and the ``{arch}.*`` metadata llama.cpp writes. Tests then convert the GGUF back
-with `convert_gguf` and compare with the original model.
+per projection, Llama 3's RoPE scaling as ``rope_freqs``, and the ``{arch}.*`` metadata llama.cpp
+writes (no more: a key the converter leaves out is left out here too). Tests then convert the
+GGUF back with `convert_gguf` and compare with the original model;
+``tests/unit/engine/test_gguf_llama_convert.py`` holds this writer to the converter's own output.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gguf import MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
 from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from pdserve.engine.gguf_rope import llama3_divisors
 from support.gguf_files import WEIGHT_STD, llama_permute, tiny_vocab
 from support.gguf_vocabs import (
     SentencePieceVocab,
@@ -115,7 +118,7 @@ def write_hf_as_gguf(model: PreTrainedModel, spec: TinyHfSpec, work_dir: Path) -
     path = work_dir / "model.gguf"
     writer = GGUFWriter(path, spec.gguf_architecture)
     writer.add_name(f"tiny-{spec.model_type}")
-    _add_hparams(writer, model.config, spec)
+    add_hparams(writer, model.config, spec)
     if spec.vocab == "gpt2":
         _add_byte_level_vocab(writer)
     else:
@@ -134,7 +137,9 @@ def write_hf_as_gguf(model: PreTrainedModel, spec: TinyHfSpec, work_dir: Path) -
     return path
 
 
-def _add_hparams(writer: GGUFWriter, config: Any, spec: TinyHfSpec) -> None:
+def add_hparams(writer: GGUFWriter, config: Any, spec: TinyHfSpec) -> None:
+    """The ``{arch}.*`` settings llama.cpp's converter writes for `config`, and only those."""
+    arch = spec.gguf_architecture
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -142,30 +147,38 @@ def _add_hparams(writer: GGUFWriter, config: Any, spec: TinyHfSpec) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
     rope = config.rope_parameters
     if spec.model_type == "gemma3_text":
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         rope = rope["full_attention"]
         writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
-        writer.add_string(f"{spec.gguf_architecture}.rope.scaling.type", "linear")
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_rope_scaling_factor(rope["factor"])
+    # NOTE: the converter states the head size only where the config does (Gemma: always),
+    # the vocabulary size and the rotary dimension only for llama files (and phi3's rotary one).
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if spec.model_type == "phi3":
-        rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
-        writer.add_rope_dimension_count(rotary)
-        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
-    else:
+    if config.to_dict().get("head_dim") is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
+    if spec.model_type == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-    if spec.model_type == "qwen3_moe":
+    if spec.model_type in ("qwen2_moe", "qwen3_moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if spec.model_type == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _add_byte_level_vocab(writer: GGUFWriter) -> None:
@@ -214,6 +227,12 @@ def gguf_tensors(
     for name, by_expert in experts.items():
         # stacked: [num_experts, rows, cols]
         tensors[name] = np.stack([by_expert[e] for e in sorted(by_expert)]).astype(np.float32)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        # NOTE: llama.cpp's converter stores Llama 3's RoPE scaling as per-frequency divisors.
+        head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        divisors = llama3_divisors(rope, rope["rope_theta"], head_dim)
+        tensors["rope_freqs.weight"] = divisors.astype(np.float32)
     return tensors
 
 

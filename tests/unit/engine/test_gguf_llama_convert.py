@@ -1,0 +1,228 @@
+"""GGUF files as people get them: llama.cpp's ``convert_hf_to_gguf.py`` output, served exactly.
+
+For every family pdserve serves, a tiny random transformers checkpoint (`support.tiny_models`,
+with the byte-level demo tokenizer) is converted to a float32 GGUF by llama.cpp's own converter
+(`support.llama_convert`), and that file is converted back with `convert_gguf`. The directory
+must hold the original checkpoint's tensors, tokenize as the original tokenizer does, and the
+engine on it must produce transformers' greedy tokens on the original checkpoint. Our own test
+writer (`support.gguf_from_hf`) is held to the converter's tensors and metadata on the same
+checkpoints.
+
+A checkpoint is changed only where the converter cannot represent it (the GGUF carries no such
+setting, so llama.cpp itself serves the model without it): no sliding window on Mistral and
+Mixtral (``llama`` files have none), no dense layers between Qwen3-MoE's expert layers, and
+Gemma 3 with llama.cpp's fixed layout (every sixth layer global, queries scaled by
+``1/sqrt(head_dim)``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from safetensors.numpy import load_file
+from support.gguf_from_hf import TinyHfSpec, gguf_tensors
+from support.hf_reference import hf_greedy
+from support.llama_convert import CONVERTER, ConversionJob, convert_with_llama_cpp
+from support.tiny_models import build_hf_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    ScheduledChunk,
+    demo_tokenizer,
+)
+from pdserve.engine.demo import write_demo_model
+from pdserve.engine.gguf_import import convert_gguf, read_metadata
+from pdserve.tokenizer import Tokenizer
+
+# fp32 on CPU: the same weights, differing only in summation order.
+LOGITS_ATOL = 1e-4
+# Gemma's norms come back as (w + 1) - 1 in float32.
+WEIGHT_ATOL = 1e-6
+NUM_NEW_TOKENS = 40
+PROMPT_LENGTHS = (12, 20, 29)
+TEXTS = ("hello world", " the café is naïve ", "👋 12345\n\n\tx", "<|user|>hi<|end|>\n")
+
+# tiny_models name -> config overrides the converter needs (see the module docstring)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama3": {},  # Llama 3.1 RoPE scaling: the converter writes it as rope_freqs
+    "llama_tied": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {},
+    "mixtral": {"sliding_window": None},
+    "qwen3_moe": {"mlp_only_layers": []},
+    "qwen2_moe": {},
+    "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
+}
+# tiny_models name -> how our test writer writes the family
+OUR_WRITER = {
+    "llama3": TinyHfSpec("llama", "llama"),
+    "llama_tied": TinyHfSpec("llama", "llama"),
+    "mistral": TinyHfSpec("mistral", "llama"),
+    "qwen2": TinyHfSpec("qwen2", "qwen2"),
+    "qwen2_moe": TinyHfSpec("qwen2_moe", "qwen2moe"),
+    "mixtral": TinyHfSpec("mixtral", "llama"),
+    "qwen3": TinyHfSpec("qwen3", "qwen3"),
+    "qwen3_moe": TinyHfSpec("qwen3_moe", "qwen3moe"),
+    "gemma3": TinyHfSpec("gemma3_text", "gemma3"),
+    "phi3": TinyHfSpec("phi3", "phi3"),
+}
+
+pytestmark = pytest.mark.skipif(
+    not CONVERTER.is_file(),
+    reason=f"llama.cpp's converter is not at {CONVERTER}: make llama-convert",
+)
+
+
+class Family(NamedTuple):
+    """One family's original checkpoint, the converter's GGUF of it and our directory of that."""
+
+    hf_dir: Path
+    gguf_path: Path
+    model_dir: Path
+
+
+def save_checkpoint(name: str, hf_dir: Path, demo_dir: Path) -> None:
+    """The tiny model with the demo's tokenizer; its vocabulary as transformers loads the tokenizer
+    for the family (Qwen's tokenizer class adds ``<|endoftext|>``)."""
+    settings = {
+        "vocab_size": demo_tokenizer.VOCAB_SIZE,
+        "bos_token_id": demo_tokenizer.BOS_TOKEN_ID,
+        "eos_token_id": demo_tokenizer.EOS_TOKEN_ID,
+        "pad_token_id": demo_tokenizer.PAD_TOKEN_ID,
+        **FAMILIES[name],
+    }
+    build_hf_model(name, **settings).save_pretrained(hf_dir)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(demo_dir / file, hf_dir / file)
+    if name == "phi3":
+        # NOTE: the converter reads a Phi-3 vocabulary from tokenizer.model unless the tokenizer
+        # is GPT-2's, as Phi-4-mini's is.
+        config_path = hf_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tokenizer_class"] = "GPT2Tokenizer"
+        config_path.write_text(json.dumps(config))
+    vocab_size = len(AutoTokenizer.from_pretrained(hf_dir))
+    if vocab_size != settings["vocab_size"]:
+        build_hf_model(name, **{**settings, "vocab_size": vocab_size}).save_pretrained(hf_dir)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
+    """Every family converted by llama.cpp's converter (one process) and back by pdserve."""
+    root = tmp_path_factory.mktemp("llama_convert")
+    (root / "demo").mkdir()
+    write_demo_model(root / "demo")
+    converted = {name: Family(root / name / "hf", root / name / "model.gguf", root / name / "out")
+                 for name in FAMILIES}  # fmt: skip
+    for name, family in converted.items():
+        save_checkpoint(name, family.hf_dir, root / "demo")
+    convert_with_llama_cpp([ConversionJob(f.hf_dir, f.gguf_path) for f in converted.values()])
+    for family in converted.values():
+        family.model_dir.mkdir()
+        convert_gguf(family.gguf_path, family.model_dir)
+    return converted
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, families: dict[str, Family]) -> Family:
+    return families[request.param]
+
+
+def test_checkpoint_equals_the_original(family: Family) -> None:
+    expected = load_file(str(family.hf_dir / "model.safetensors"))
+    converted = load_file(str(family.model_dir / "model.safetensors"))
+
+    assert sorted(converted) == sorted(expected)
+    for name, values in expected.items():
+        np.testing.assert_allclose(converted[name], values, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+
+
+def test_engine_is_greedy_equal_to_transformers(family: Family) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(
+        family.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    config = EngineConfig(
+        model=str(family.model_dir), dtype="float32", seed=0, cache=CacheConfig(num_blocks=32)
+    )
+    engine = LLMEngine(config)
+    generator = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(3, demo_tokenizer.NUM_BYTE_TOKENS, (n,), generator=generator).tolist()
+        for n in PROMPT_LENGTHS
+    ]
+
+    chunk = ScheduledChunk(prompts[-1], 0, engine.block_pool.allocate(2))
+    logits = engine.runner.execute([chunk])[0]
+    engine.block_pool.free(chunk.block_ids)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompts[-1]])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL, rtol=0)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == hf_greedy(reference, prompt, NUM_NEW_TOKENS)
+
+
+def test_tokenizer_encodes_as_the_original(family: Family) -> None:
+    ours = Tokenizer.from_pretrained(family.model_dir)
+    theirs = AutoTokenizer.from_pretrained(family.hf_dir)
+
+    assert ours.vocab_size == len(theirs)
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+@pytest.mark.parametrize("name", list(OUR_WRITER))
+def test_our_writer_writes_what_llama_cpp_writes(families: dict[str, Family], name: str) -> None:
+    """Tensor names, shapes and values, and the ``{arch}.*`` settings the import reads."""
+    family = families[name]
+    spec = OUR_WRITER[name]
+    reader = GGUFReader(family.gguf_path)
+    theirs = {t.name: np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist())))
+              for t in reader.tensors}  # fmt: skip
+    hf_config = AutoModelForCausalLM.from_pretrained(family.hf_dir).config
+    ours = gguf_tensors(load_file(str(family.hf_dir / "model.safetensors")), hf_config, spec)
+
+    assert sorted(ours) == sorted(theirs)
+    for tensor_name, values in ours.items():
+        # NOTE: rope_freqs is computed, in float32 by the converter and float64 by us.
+        np.testing.assert_allclose(values, theirs[tensor_name], rtol=1e-6, err_msg=tensor_name)
+    their_settings = _arch_settings(read_metadata(reader))
+    our_path = family.gguf_path.parent / "ours.gguf"
+    _write_our_settings(our_path, hf_config, spec)
+    our_settings = _arch_settings(read_metadata(GGUFReader(our_path)))
+    differing = {key: (our_settings.get(key), their_settings.get(key))
+                 for key in our_settings.keys() | their_settings.keys()
+                 if our_settings.get(key) != pytest.approx(their_settings.get(key))}  # fmt: skip
+    assert not differing
+
+
+def _arch_settings(metadata: dict[str, Any]) -> dict[str, Any]:
+    arch = metadata["general.architecture"]
+    return {key: value for key, value in metadata.items() if key.startswith(f"{arch}.")}
+
+
+def _write_our_settings(path: Path, hf_config: Any, spec: TinyHfSpec) -> None:
+    from gguf import GGUFWriter
+    from support.gguf_from_hf import add_hparams
+
+    writer = GGUFWriter(path, spec.gguf_architecture)
+    add_hparams(writer, hf_config, spec)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
