@@ -4,9 +4,10 @@ For every family pdserve serves, a tiny random transformers checkpoint (`support
 with the byte-level demo tokenizer) is converted to a float32 GGUF by llama.cpp's own converter
 (`support.llama_convert`), and that file is converted back with `convert_gguf`. The directory
 must hold the original checkpoint's tensors, tokenize as the original tokenizer does, and the
-engine on it must produce transformers' greedy tokens on the original checkpoint. Our own test
-writer (`support.gguf_from_hf`) is held to the converter's tensors and metadata on the same
-checkpoints.
+engine on it must produce transformers' greedy tokens on the original checkpoint. Llama,
+Mistral, Phi-3 and Gemma 3 are converted a second time with a SentencePiece ``tokenizer.model``,
+the converter's other vocabulary path. Our own test writer (`support.gguf_from_hf`) is held to
+the converter's tensors and metadata on the same checkpoints.
 
 A checkpoint is changed only where the converter cannot represent it (the GGUF carries no such
 setting, so llama.cpp itself serves the model without it): no sliding window on Mistral and
@@ -17,6 +18,7 @@ Gemma 3 with llama.cpp's fixed layout (every sixth layer global, queries scaled 
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -24,7 +26,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
+import sentencepiece
 import torch
+import transformers
 from gguf import GGUFReader
 from safetensors.numpy import load_file
 from support.gguf_from_hf import TinyHfSpec, gguf_tensors
@@ -52,6 +56,13 @@ WEIGHT_ATOL = 1e-6
 NUM_NEW_TOKENS = 40
 PROMPT_LENGTHS = (12, 20, 29)
 TEXTS = ("hello world", " the café is naïve ", "👋 12345\n\n\tx", "<|user|>hi<|end|>\n")
+SENTENCEPIECE_TEXTS = ("hello world", " the café is naïve ", "👋 12345\n\n\tx", "  two  spaces",
+                       "<s>hi</s>", "ünïcödé ☃")  # fmt: skip
+SENTENCEPIECE_CORPUS = (
+    "hello world the café is naïve", "the quick brown fox jumps over the lazy dog 12345",
+    "if x:\n\treturn y", "hello hello world world the the",
+)  # fmt: skip
+SENTENCEPIECE_VOCAB_SIZE = 320
 
 # tiny_models name -> config overrides the converter needs (see the module docstring)
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -65,6 +76,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"mlp_only_layers": []},
     "qwen2_moe": {},
     "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
+}
+# tiny_models name -> the tokenizer class of a SentencePiece (tokenizer.model) checkpoint
+SENTENCEPIECE = {
+    "llama_tied": "LlamaTokenizer",
+    "mistral": "LlamaTokenizer",
+    "phi3": "LlamaTokenizer",
+    "gemma3": "GemmaTokenizer",
 }
 # tiny_models name -> how our test writer writes the family
 OUR_WRITER = {
@@ -86,6 +104,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+SPM = "-sentencepiece"
+"""The suffix of a family's checkpoint with a SentencePiece tokenizer."""
+
+
 class Family(NamedTuple):
     """One family's original checkpoint, the converter's GGUF of it and our directory of that."""
 
@@ -104,7 +126,7 @@ def save_checkpoint(name: str, hf_dir: Path, demo_dir: Path) -> None:
         "pad_token_id": demo_tokenizer.PAD_TOKEN_ID,
         **FAMILIES[name],
     }
-    build_hf_model(name, **settings).save_pretrained(hf_dir)
+    hf_dir.mkdir(parents=True)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(demo_dir / file, hf_dir / file)
     if name == "phi3":
@@ -114,9 +136,32 @@ def save_checkpoint(name: str, hf_dir: Path, demo_dir: Path) -> None:
         config = json.loads(config_path.read_text())
         config["tokenizer_class"] = "GPT2Tokenizer"
         config_path.write_text(json.dumps(config))
+    # NOTE: transformers picks the tokenizer class by the config's model_type.
+    build_hf_model(name, **settings).save_pretrained(hf_dir)
     vocab_size = len(AutoTokenizer.from_pretrained(hf_dir))
     if vocab_size != settings["vocab_size"]:
         build_hf_model(name, **{**settings, "vocab_size": vocab_size}).save_pretrained(hf_dir)
+
+
+def save_sentencepiece_checkpoint(name: str, hf_dir: Path) -> None:
+    """The tiny model with a SentencePiece BPE ``tokenizer.model`` trained here, as Llama 2,
+    Mistral, Phi-3 mini and Gemma ship theirs (Gemma's adds no leading ``▁``)."""
+    hf_dir.mkdir(parents=True)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(SENTENCEPIECE_CORPUS * 20), model_writer=model, model_type="bpe",
+        vocab_size=SENTENCEPIECE_VOCAB_SIZE, byte_fallback=True, split_digits=True,
+        add_dummy_prefix=name != "gemma3", normalization_rule_name="identity",
+        remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    (hf_dir / "tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": SENTENCEPIECE[name], "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}  # fmt: skip
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    vocab_size = len(AutoTokenizer.from_pretrained(hf_dir))
+    settings = {"vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    build_hf_model(name, **{**settings, **FAMILIES[name]}).save_pretrained(hf_dir)
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +170,14 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     root = tmp_path_factory.mktemp("llama_convert")
     (root / "demo").mkdir()
     write_demo_model(root / "demo")
+    names = [*FAMILIES, *(f"{name}{SPM}" for name in SENTENCEPIECE)]
     converted = {name: Family(root / name / "hf", root / name / "model.gguf", root / name / "out")
-                 for name in FAMILIES}  # fmt: skip
+                 for name in names}  # fmt: skip
     for name, family in converted.items():
-        save_checkpoint(name, family.hf_dir, root / "demo")
+        if name.endswith(SPM):
+            save_sentencepiece_checkpoint(name.removesuffix(SPM), family.hf_dir)
+        else:
+            save_checkpoint(name, family.hf_dir, root / "demo")
     convert_with_llama_cpp([ConversionJob(f.hf_dir, f.gguf_path) for f in converted.values()])
     for family in converted.values():
         family.model_dir.mkdir()
@@ -185,6 +234,32 @@ def test_tokenizer_encodes_as_the_original(family: Family) -> None:
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+@pytest.mark.parametrize("name", list(SENTENCEPIECE))
+def test_sentencepiece_tokenizer_encodes_as_transformers(
+    families: dict[str, Family], name: str
+) -> None:
+    """The SentencePiece vocabulary as the converter writes it: our tokenizer against
+    transformers reading the same GGUF, and against the original tokenizer."""
+    family = families[f"{name}{SPM}"]
+    ours = Tokenizer.from_pretrained(family.model_dir)
+    from_gguf = AutoTokenizer.from_pretrained(
+        family.gguf_path.parent, gguf_file=family.gguf_path.name
+    )
+    # NOTE: the class the checkpoint names (AutoTokenizer goes by Mistral's model_type instead).
+    original = getattr(transformers, SENTENCEPIECE[name]).from_pretrained(family.hf_dir)
+
+    assert ours.vocab_size == len(original)
+    for text in SENTENCEPIECE_TEXTS:
+        ids = ours.encode(text)
+        assert ids == from_gguf(text)["input_ids"], text
+        # NOTE: a Phi-3 GGUF tokenizes as transformers reads it, like Phi-3's tokenizer.json
+        # (a leading space becomes a second ▁), not as transformers' LlamaTokenizer built from
+        # tokenizer.model alone.
+        if name != "phi3":
+            assert ids == original(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=False) == original.decode(ids)
 
 
 @pytest.mark.parametrize("name", list(OUR_WRITER))
