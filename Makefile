@@ -11,7 +11,7 @@ NODE_CLIENT := clients/node
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 .PHONY: help venv install model up proto proto-check lint format typecheck test test-fast test-transports demo-model \
-	contract-baseline lock clean node-deps system-deps image gpu-kit llama-convert
+	contract-baseline lock clean node-deps system-deps image gpu-kit chaos llama-convert
 
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -104,6 +104,14 @@ test: system-deps venv model llama-convert lint typecheck node-deps  ## lint, ty
 
 test-fast: system-deps venv llama-convert  ## pytest without lint
 	$(BIN)/pytest -x -q
+
+# NOTE: the whole fault matrix (make test runs its fast cells); the results file is written
+# anew, then printed as the table docs/fault-matrix.md shows.
+FAULT_MATRIX_RESULTS := .pytest_cache/d/fault-matrix/results.jsonl
+chaos: system-deps venv  ## every fault-matrix cell (fault x target x phase), then the table (docs/fault-matrix.md)
+	rm -f $(FAULT_MATRIX_RESULTS)
+	PDSERVE_FAULT_MATRIX=$(FAULT_MATRIX_RESULTS) $(BIN)/pytest -q -n 0 --chaos tests/e2e/test_fault_matrix.py; \
+		status=$$?; $(PY) tools/fault_matrix.py $(FAULT_MATRIX_RESULTS); exit $$status
 
 # NOTE: `make test` runs the clusters on the default transport (shared memory: one host).
 TRANSPORT_SUITES = tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py tests/integration/prefill

@@ -37,6 +37,24 @@ def build_tiny_llama(path: Path, *, num_layers: int = 2, vocab_size: int = 320) 
     return path
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--chaos",
+        action="store_true",
+        help="also run the fault-matrix cells marked chaos (make chaos); without it they are "
+        "deselected and make test runs the fast cells only",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--chaos"):
+        return
+    deselected = [item for item in items if item.get_closest_marker("chaos")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("chaos")]
+
+
 @pytest.fixture(autouse=True)
 def single_thread() -> Iterator[None]:
     """Runs each test's model work (engines, in-process servers, references) on one intra-op

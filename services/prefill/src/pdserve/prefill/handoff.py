@@ -38,6 +38,9 @@ log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.prefill")
 
 RELEASE_WAIT_S = 30.0
+# NOTE: a retry waits this long for its earlier attempt's abort to release the old lease (a
+# ReleaseLease to a frozen decode runs into its own deadline first).
+ABORT_WAIT_S = 5.0
 
 
 class Handoffs:
@@ -111,6 +114,32 @@ class Handoffs:
             decode_address=request.decode_address,
         )
         return flight
+
+    async def admit(self, request: Request) -> InFlight:
+        """`start`, once an earlier attempt of the same request id that is being aborted has
+        let go of what it held (up to `ABORT_WAIT_S`).
+
+        A gateway retries a request under its id after aborting the attempt before; that
+        abort may still be releasing the old lease on a decode that does not answer (frozen,
+        partitioned) when the retry arrives here.
+
+        Raises:
+            PdserveError: As `start`; PREFILL_OVERLOADED (the gateway waits for room) when
+                the earlier attempt is still being released after `ABORT_WAIT_S`.
+        """
+        previous = self.live.get(request.request_id)
+        if previous is not None and previous.is_ending:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ABORT_WAIT_S):
+                    await self._wait_done(previous)
+            if self.live.get(request.request_id) is previous:
+                raise PdserveError(
+                    ErrorReason.PREFILL_OVERLOADED,
+                    f"the request's previous attempt is still being released here after "
+                    f"{ABORT_WAIT_S:g} s",
+                    {"requestId": request.request_id},
+                )
+        return self.start(request)
 
     def cancel(self, flight: InFlight) -> None:
         """Aborts a request whose caller went away (cleanup continues in the background)."""

@@ -49,6 +49,12 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     cleanup_task: asyncio.Task[None] | None = None
 
+    @property
+    def is_ending(self) -> bool:
+        """Aborted or ended: only its cleanup (releasing its lease and blocks) may still run."""
+        task = self.task
+        return task is None or task.done() or task.cancelling() > 0
+
     def engine_sink(self) -> EventSink:
         """What the engine thread calls with its events (they hop to the running event loop)."""
         aio_loop = asyncio.get_running_loop()

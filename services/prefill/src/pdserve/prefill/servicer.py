@@ -91,7 +91,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         span = trace.get_current_span()
         span.set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
-            started = self.handoffs.start(convert.request_from_proto(request, self.limits))
+            started = await self.handoffs.admit(convert.request_from_proto(request, self.limits))
         except PdserveError as error:
             log.info("prefill_refused", request_id=request.request_id, reason=error.reason.name)
             await abort_with_error(context, error)

@@ -1,0 +1,389 @@
+"""The fault matrix on real processes: one fault, one target, one phase per case
+(`support.fault_matrix` lists the cells and renders the table).
+
+Every cell runs on one cluster the cases share (a gateway, two prefills, two decodes on the
+dense demo model, started as `pdserve up` starts them; the prefills compute 16 tokens a pass
+so a long prompt is in flight long enough to be hit). A case:
+
+1. finds every instance registered with the gateway and every pool whole;
+2. starts four streams of its phase (greedy and seeded) and waits until one is in it (a
+   prompt leased and computing; a stream 10 tokens in), then freezes the instances of the
+   phase's role so it holds while the victim is picked from the logs (the one holding the most
+   of the case's requests in that phase);
+3. lands the fault: SIGKILL, then the process is started again at once, as the launcher or
+   Kubernetes would; or SIGSTOP, kept until the outcome is in, then SIGCONT;
+4. checks each stream's outcome: equal to the undisturbed engine token for token (in every
+   built cell an instance of the victim's role is up or coming back, so a typed error, even
+   one whose message has no transport string, fails the cell); a cancelled stream is only
+   cancelled;
+5. waits until every instance is registered again and every block and lease is free.
+
+`make test` runs the cells marked fast; `make chaos` runs them all and prints the table. Each
+run appends to ``.pytest_cache/d/fault-matrix/results.jsonl`` (or $PDSERVE_FAULT_MATRIX).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from support.eventually import eventually
+from support.fault_matrix import BUILT, Cell, record
+from support.process_cluster import (
+    ProcessCluster,
+    running_cluster,
+    started_event,
+    stream_token_ids,
+)
+from support.real_cluster import Reference
+
+from pdserve.common.errors import ErrorReason
+from pdserve.launcher.child import ChildProcess
+
+GREEDY: dict[str, Any] = {"temperature": 0.0}
+SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
+REQUEST_TIMEOUT_S = 60.0
+INSTANCE_TTL_S = 2.0
+NUM_STREAMS = 4
+DECODING_MAX_TOKENS = 300
+PREFILL_MAX_TOKENS = 16
+LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
+
+# NOTE: what a transport says when a connection breaks; a client must never read it.
+TRANSPORT_WORDS = (
+    "recvmsg",
+    "Stream removed",
+    "Socket closed",
+    "failed to connect",
+    "Connection reset",
+    "GOAWAY",
+    "ipv4:",
+)
+TYPED_CODES = frozenset(reason.value.lower() for reason in ErrorReason)
+
+UP_EVENTS = frozenset({"instance_registered", "instance_reachable"})
+DOWN_EVENTS = frozenset(
+    {"instance_unreachable", "instance_expired", "instance_lost", "instance_deregistered"}
+)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir: Path) -> Reference:
+    return Reference(demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    # NOTE: a frozen instance stops heartbeating: the gateway drops it after 2 s and moves the
+    # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease.
+    with running_cluster(
+        demo_model_dir,
+        tmp_path_factory.mktemp("fault-matrix"),
+        prefills=2,
+        decodes=2,
+        prefill_args="--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500",
+        decode_args="--num-blocks 1024 --lease-ttl-ms 3000",
+        gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
+        f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+    ) as cluster:
+        try:
+            yield cluster
+        finally:
+            for child in cluster.instances:
+                child.signal(signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def results_path(pytestconfig: pytest.Config) -> Path:
+    configured = os.environ.get("PDSERVE_FAULT_MATRIX")
+    if configured:
+        return Path(configured)
+    assert pytestconfig.cache is not None
+    return pytestconfig.cache.mkdir("fault-matrix") / "results.jsonl"
+
+
+# ---- reading the processes' logs -------------------------------------------------------------
+
+
+def log_mark(cluster: ProcessCluster) -> dict[str, int]:
+    return {child.name: len(child.events) for child in cluster.children}
+
+
+def since(mark: dict[str, int], child: ChildProcess, event: str) -> list[dict[str, Any]]:
+    records = list(child.events)[mark.get(child.name, 0) :]
+    return [r for r in records if r.get("event") == event]
+
+
+def instance_id(child: ChildProcess) -> str:
+    return str(started_event(child)["instance_id"])
+
+
+def gateway_sees_every_instance(cluster: ProcessCluster) -> bool:
+    """Whether the gateway's last word on each instance is that it is up."""
+    assert cluster.gateway is not None
+    state: dict[str, bool] = {}
+    for record_ in list(cluster.gateway.events):
+        event = record_.get("event")
+        if event in UP_EVENTS or event in DOWN_EVENTS:
+            state[str(record_.get("instance_id"))] = event in UP_EVENTS
+    try:
+        ids = [instance_id(child) for child in cluster.instances]
+    except AssertionError:
+        return False  # a restarted process has not served yet
+    return all(state.get(i, False) for i in ids) and all(
+        c.returncode is None for c in cluster.instances
+    )
+
+
+# ---- holding a phase while the victim is picked ------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def frozen(children: list[ChildProcess], fault: Fault) -> AsyncIterator[None]:
+    """SIGSTOPs `children` while the block runs (so the phase they are in holds), then
+    SIGCONTs those the fault did not take (a frozen victim stays frozen)."""
+    held = list(children)
+    for child in held:
+        child.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for child in held:
+            if child not in fault.stopped and child.returncode is None:
+                child.signal(signal.SIGCONT)
+
+
+async def settled(count: Callable[[], dict[str, int]]) -> dict[str, int]:
+    """`count()` once it held for 0.3 s (the logs are read a moment after they are written),
+    or after 5 s."""
+    deadline = time.monotonic() + 5.0
+    last = count()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.3)
+        now = count()
+        if now == last and any(now.values()):
+            return now
+        last = now
+    return last
+
+
+@dataclass
+class Fault:
+    """A landed fault: which processes were killed (and started again) or frozen."""
+
+    killed: list[ChildProcess] = field(default_factory=list)
+    stopped: list[ChildProcess] = field(default_factory=list)
+
+    def land(self, cluster: ProcessCluster, kind: str, victim: ChildProcess) -> None:
+        if kind == "sigkill":
+            victim.signal(signal.SIGKILL)
+            assert victim.wait(10) == -signal.SIGKILL
+            self.killed.append(cluster.restart(victim))
+        else:
+            assert kind == "sigstop"
+            victim.signal(signal.SIGSTOP)
+            self.stopped.append(victim)
+
+    async def undo(self, cluster: ProcessCluster) -> None:
+        for child in self.stopped:
+            child.signal(signal.SIGCONT)
+        for child in self.killed:
+            await asyncio.to_thread(child.wait_for_event, "registered", 60)
+
+
+def running_decodes(cluster: ProcessCluster, mark: dict[str, int]) -> Callable[[], dict[str, int]]:
+    """Per decode: the case's streams it committed a lease for that have not finished."""
+    assert cluster.gateway is not None
+    gateway = cluster.gateway
+
+    def count() -> dict[str, int]:
+        finished = {e["request_id"] for e in since(mark, gateway, "request_finished")}
+        return {
+            d.name: len({e["request_id"] for e in since(mark, d, "lease_committed")} - finished)
+            for d in cluster.decodes
+        }
+
+    return count
+
+
+def prefilling(cluster: ProcessCluster, mark: dict[str, int]) -> Callable[[], dict[str, int]]:
+    """Per prefill: the case's prompts it leased decode blocks for and has not finished."""
+
+    def count() -> dict[str, int]:
+        return {
+            p.name: len(
+                {e["request_id"] for e in since(mark, p, "lease_granted")}
+                - {e["request_id"] for e in since(mark, p, "first_token")}
+            )
+            for p in cluster.prefills
+        }
+
+    return count
+
+
+def by_name(cluster: ProcessCluster, name: str) -> ChildProcess:
+    return next(c for c in cluster.instances if c.name == name)
+
+
+# ---- one cell ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcomes:
+    completed: int = 0
+    typed_errors: list[str] = field(default_factory=list)
+    cancelled: int = 0
+
+    def describe(self) -> str:
+        parts = [f"{self.completed} completed equal"]
+        if self.typed_errors:
+            parts.append(f"{len(self.typed_errors)} typed errors ({', '.join(self.typed_errors)})")
+        if self.cancelled:
+            parts.append(f"{self.cancelled} cancelled")
+        return ", ".join(parts)
+
+
+def judge(results: list[Any], expected: list[list[int]], cell: Cell) -> Outcomes:
+    outcomes = Outcomes()
+    for result, wanted in zip(results, expected, strict=True):
+        if isinstance(result, asyncio.CancelledError):
+            assert cell.phase == "cancelling", "a stream was cancelled that no client cancelled"
+            outcomes.cancelled += 1
+        elif isinstance(result, openai.APIError):
+            code = str(getattr(result, "code", "") or "")
+            assert code in TYPED_CODES, f"an untyped error reached the client: {result!r}"
+            for words in TRANSPORT_WORDS:
+                assert words not in str(result.message), f"a transport string: {result.message}"
+            outcomes.typed_errors.append(f"{code}: {result.message}")
+        elif isinstance(result, BaseException):
+            raise AssertionError(f"a stream ended with {result!r}") from result
+        else:
+            assert result == wanted, "a stream differs from the undisturbed run"
+            outcomes.completed += 1
+    return outcomes
+
+
+async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) -> str:
+    await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance up")
+    await cluster.wait_whole(timeout_s=20)
+    is_prefill_phase = cell.phase == "prefilling"
+    max_tokens = PREFILL_MAX_TOKENS if is_prefill_phase else DECODING_MAX_TOKENS
+    requests = [
+        (
+            f"{cell.cell_id} {i} {LONG_PROMPT if is_prefill_phase else 'once upon a time'}",
+            GREEDY if i % 2 == 0 else {**SEEDED, "seed": 100 + i},
+        )
+        for i in range(NUM_STREAMS)
+    ]
+    expected = await asyncio.to_thread(
+        lambda: [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
+    )
+    mark = log_mark(cluster)
+    before_back = await cluster.counter("pdserve_gateway_peer_waits", outcome="came_back")
+    is_streaming = asyncio.Event()
+
+    def on_tokens(ids: list[int]) -> None:
+        if len(ids) >= 10:
+            is_streaming.set()
+
+    fault = Fault()
+    async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 30) as client:
+        tasks = [
+            asyncio.create_task(
+                stream_token_ids(
+                    client, cluster.model_name, prompt, max_tokens=max_tokens,
+                    on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20, **sampling,
+                )
+            )
+            for prompt, sampling in requests
+        ]  # fmt: skip
+        try:
+            if is_prefill_phase:
+                count = prefilling(cluster, mark)
+                await eventually(lambda: any(count().values()), 60, "a prompt in prefill")
+                async with frozen(cluster.prefills, fault):
+                    held = await settled(count)
+                    computing = by_name(cluster, max(held, key=lambda n: held[n]))
+                    assert held[computing.name] > 0, "no prompt was in prefill"
+                    if cell.target == "prefill":
+                        victim = computing
+                    else:
+                        # NOTE: the decode whose lease that prefill is filling.
+                        in_flight = {
+                            e["request_id"]: e["decode_instance_id"]
+                            for e in since(mark, computing, "lease_granted")
+                        }
+                        for e in since(mark, computing, "first_token"):
+                            in_flight.pop(e["request_id"], None)
+                        decode_id = next(iter(in_flight.values()))
+                        victim = next(d for d in cluster.decodes if instance_id(d) == decode_id)
+                    fault.land(cluster, cell.fault, victim)
+            else:
+                # NOTE: the first stream 10 tokens in: on a busy machine the others may end
+                # before the slowest starts; the frozen decodes then hold what runs.
+                await asyncio.wait_for(is_streaming.wait(), REQUEST_TIMEOUT_S)
+                async with frozen(cluster.decodes, fault):
+                    held = await settled(running_decodes(cluster, mark))
+                    serving = by_name(cluster, max(held, key=lambda n: held[n]))
+                    assert held[serving.name] > 0, "no decode held a running stream"
+                    if cell.phase == "cancelling":
+                        for task in tasks:
+                            task.cancel()  # the client goes away while the decodes hold them
+                        await asyncio.wait(tasks)
+                    if cell.target == "prefill":
+                        computed = {
+                            p.name: len(since(mark, p, "first_token")) for p in cluster.prefills
+                        }
+                        victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
+                    else:
+                        victim = serving
+                    if cell.variant == "other_restarting":
+                        # NOTE: the only other decode dies first and is on its way back.
+                        other = next(d for d in cluster.decodes if d is not serving)
+                        fault.land(cluster, "sigkill", other)
+                    fault.land(cluster, cell.fault, victim)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await fault.undo(cluster)
+    outcomes = judge(list(results), expected, cell)
+    # NOTE: in every built cell an instance of the victim's role is up or coming back, so a
+    # stream the client did not cancel completes; a typed error would be a lost stream.
+    assert not outcomes.typed_errors, outcomes.describe()
+    if cell.variant == "other_restarting":
+        came_back = await cluster.counter("pdserve_gateway_peer_waits", outcome="came_back")
+        assert came_back > before_back, "no stream waited for a decode to come back"
+    await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
+    await cluster.wait_whole(timeout_s=20)
+    return outcomes.describe()
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        pytest.param(cell, id=cell.cell_id, marks=() if cell.fast else (pytest.mark.chaos,))
+        for cell in BUILT
+    ],
+)
+async def test_fault_matrix_cell(
+    cell: Cell, matrix_cluster: ProcessCluster, reference: Reference, results_path: Path
+) -> None:
+    started = time.monotonic()
+    try:
+        detail = await run_cell(cell, matrix_cluster, reference)
+    except BaseException as error:
+        record(results_path, cell, "failed", time.monotonic() - started, repr(error)[:200])
+        raise
+    record(results_path, cell, "passed", time.monotonic() - started, detail)
