@@ -119,10 +119,18 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Norms after each block (none before), q and k normed across all heads, GQA.
+    "olmo2": ("olmo2", {"num_key_value_heads": 2}),
+    # Llama without RoPE on every second layer (the interval is 4 in the released model).
+    "smollm3": (
+        "smollm3",
+        {"num_key_value_heads": 2, "no_rope_layer_interval": 2, "pad_token_id": 0},
+    ),
 }
 
 
-# NOTE: the first four architectures keep the seeds they were tested with.
+# NOTE: the first four architectures keep the seeds they were tested with; the others are
+# seeded by their place in ARCHITECTURES, so new ones go at the end.
 _SEEDS = {"llama3": 0, "llama_tied": 1, "mistral": 2, "qwen2": 3}
 
 

@@ -17,6 +17,8 @@ from support.tiny_models import save_tiny_model
 
 from pdserve.common.generation import SamplingParams
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, ModelRunner, ScheduledChunk
+from pdserve.engine.decoder import LlamaAttention
+from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.model_store import ResolvedModel
 from pdserve.engine.parallel.group import RankShard, TensorParallelError, TensorParallelGroup
 from pdserve.engine.parallel.runner import TensorParallelRunner
@@ -136,6 +138,16 @@ def test_size_that_cannot_split_the_heads_is_refused(checkpoint: Callable[[str],
     # 2 KV heads: 3 ranks would need a KV head shared by a rank and a half
     with pytest.raises(ValueError, match="3 is more than the 2 KV heads and not a multiple"):
         ModelRunner.load(_config(checkpoint("llama3"), 3))
+
+
+def test_olmo2_is_refused_with_ranks(checkpoint: Callable[[str], Path]) -> None:
+    """OLMo 2 normalizes q and k across all heads, which a rank holds only a share of."""
+    config = ModelConfig.from_pretrained(checkpoint("olmo2"))
+    group = TensorParallelGroup(RankShard(0, 2), None)
+
+    with pytest.raises(ModelLoadError, match="tensor parallelism"):
+        LlamaAttention(config, 0, "sdpa", group)
+    LlamaAttention(config, 0, "sdpa", TensorParallelGroup.single())
 
 
 def test_group_that_cannot_form_times_out() -> None:

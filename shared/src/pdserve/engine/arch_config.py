@@ -16,6 +16,8 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
     "gemma3_text",
+    "olmo2",
+    "smollm3",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

@@ -1,6 +1,6 @@
 """One decoder layer of every supported family: attention (q/k norm, partial RoPE, a scale of
-the family's own), the dense or expert feed-forward, and the Llama or Gemma arrangement of
-norms around them."""
+the family's own), the dense or expert feed-forward, and the Llama, Gemma or OLMo 2 arrangement
+of norms around them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.flash_attention import FlashAttention
 from pdserve.engine.layers import gated_activation, make_norm
 from pdserve.engine.linear import Linear
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.moe import SparseMoeBlock
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.rope import apply_rotary
@@ -23,9 +23,10 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v projection, rotary embeddings and GQA.
 
-    Optionally RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3), a softmax scale
-    of the family's own (Gemma 3) and RoPE over the leading dims of a head only (Phi-3's
-    ``partial_rotary_factor``).
+    Optionally RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3) or across all
+    heads (OLMo 2), a softmax scale of the family's own (Gemma 3), RoPE over the leading dims of
+    a head only (Phi-3's ``partial_rotary_factor``) and no RoPE at all (``rope`` None: some of
+    SmolLM3's layers).
 
     Column-parallel over the heads: a rank holds its share of the query heads and of the KV
     heads (or its replica of one KV head), and the output projection sums over the ranks.
@@ -47,8 +48,17 @@ class LlamaAttention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, group)
-        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else None
+        self.is_qk_norm_across_heads = config.is_qk_norm_across_heads
+        if self.is_qk_norm_across_heads and group.world_size > 1:
+            # NOTE: the norm's mean spans every head, which a rank holds only a share of.
+            raise ModelLoadError(
+                f"{config.model_type}'s q/k norm across all heads is not supported with "
+                "tensor parallelism"
+            )
+        q_norm_size = self.q_size if self.is_qk_norm_across_heads else self.head_dim
+        k_norm_size = self.kv_size if self.is_qk_norm_across_heads else self.head_dim
+        self.q_norm = make_norm(config, q_norm_size) if config.qk_norm else None
+        self.k_norm = make_norm(config, k_norm_size) if config.qk_norm else None
         attention_cls = FlashAttention if backend == "flash" else SdpaAttention
         self.attn = attention_cls(
             self.num_heads,
@@ -61,21 +71,26 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: CosSin,
+        rope: CosSin | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         # qkv: [num_tokens, q_size + 2 * kv_size]
         qkv = self.qkv_proj(hidden)
+        if self.is_qk_norm_across_heads and self.q_norm is not None and self.k_norm is not None:
+            q_normed = self.q_norm(qkv[:, : self.q_size])
+            k_normed = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size])
+            qkv = torch.cat((q_normed, k_normed, qkv[:, self.q_size + self.kv_size :]), 1)
         # NOTE: q and k are rotated together in one pass.
         # qk: [num_tokens, num_heads + num_kv_heads, head_dim]
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not self.is_qk_norm_across_heads:
             qk = torch.cat(
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
             )
-        qk = apply_rotary(qk, *rope)
+        if rope is not None:
+            qk = apply_rotary(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # out: [num_tokens, num_heads, head_dim]
@@ -135,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: CosSin,
+        rope: CosSin | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -160,7 +175,7 @@ class GemmaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: CosSin,
+        rope: CosSin | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -168,3 +183,27 @@ class GemmaDecoderLayer(nn.Module):
         hidden = hidden + self.post_attention_layernorm(attended)
         fed = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(fed)
+
+
+class Olmo2DecoderLayer(nn.Module):
+    """OLMo 2's layer: each block's output normed, then added to the residual (no input norm)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, backend, group)
+        self.mlp = _feed_forward(config, layer_index, group)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: CosSin | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attended = self.self_attn(hidden, rope, kv_cache, metadata)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))

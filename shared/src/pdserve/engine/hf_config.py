@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.engine.arch_config import SUPPORTED_MODEL_TYPES, MoeConfig, RopeConfig
 
 _QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-_QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text")
+_QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -79,6 +79,9 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         hidden_act=hidden_act,
         qk_norm=model_type in _QK_NORM_FAMILY,
+        is_qk_norm_across_heads=model_type == "olmo2",
+        is_post_norm=model_type == "olmo2",
+        rope_layers=_rope_layers(hf, model_type, num_layers),
         gemma_norms=is_gemma,
         embed_scale=hidden_size**0.5 if is_gemma else None,
         attention_scale=_attention_scale(hf) if is_gemma else None,
@@ -130,6 +133,18 @@ def _ropes(hf: dict[str, Any], model_type: str) -> tuple[RopeConfig, RopeConfig 
     return global_rope, RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
 
 
+def _rope_layers(hf: dict[str, Any], model_type: str, num_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's ``no_rope_layers``: 1 where a layer uses RoPE (despite the name), by default
+    every layer but each ``no_rope_layer_interval``-th."""
+    if model_type != "smollm3":
+        return ()
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = int(hf.get("no_rope_layer_interval", 4))
+        flags = [(i + 1) % interval != 0 for i in range(num_layers)]
+    return tuple(bool(flag) for flag in flags)
+
+
 def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
     if model_type == "mixtral":
         return MoeConfig(
@@ -165,7 +180,7 @@ def _sliding_windows(
 ) -> tuple[int | None, ...]:
     """Per-layer sliding windows, following each architecture's own rules in transformers."""
     window = hf.get("sliding_window")
-    if model_type in _QWEN_FAMILY and not hf.get("use_sliding_window", False):
+    if model_type in (*_QWEN_FAMILY, "smollm3") and not hf.get("use_sliding_window", False):
         window = None
     if model_type == "llama" or not window:
         return ()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention_metadata import AttentionMetadata
-from pdserve.engine.decoder import GemmaDecoderLayer, LlamaDecoderLayer
+from pdserve.engine.decoder import GemmaDecoderLayer, LlamaDecoderLayer, Olmo2DecoderLayer
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.layers import RMSNorm, make_norm
 from pdserve.engine.linear import Linear, can_pack_for_onednn
@@ -31,7 +31,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: str, group: TensorParallelGroup) -> None:
         super().__init__()
-        layer_cls = GemmaDecoderLayer if config.gemma_norms else LlamaDecoderLayer
+        layer_cls: type[nn.Module] = LlamaDecoderLayer
+        if config.gemma_norms:
+            layer_cls = GemmaDecoderLayer
+        elif config.is_post_norm:
+            layer_cls = Olmo2DecoderLayer
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
             if group.world_size > 1
@@ -146,7 +150,11 @@ class LlamaForCausalLM(nn.Module):
         if self.local_rotary is not None:
             local_rope = self.local_rotary.cos_sin(positions, hidden.dtype)
         for index, layer in enumerate(self.model.layers):
-            layer_rope = local_rope if self.is_local_rope[index] else rope
+            layer_rope: tuple[torch.Tensor, torch.Tensor] | None = (
+                local_rope if self.is_local_rope[index] else rope
+            )
+            if not self.config.is_rope_layer(index):
+                layer_rope = None
             hidden = layer(hidden, layer_rope, kv_cache.layer(index), metadata)
             if on_layer_done is not None:
                 on_layer_done(index)

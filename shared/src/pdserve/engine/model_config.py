@@ -33,7 +33,9 @@ class ModelConfig:
     Qwen2 is Llama with a bias on q/k/v; Mistral is Llama with an optional sliding window;
     Qwen3 adds RMSNorm on q and k; Phi-3 is Llama with fused checkpoint projections; Mixtral and
     Qwen3-MoE route each token to experts (`moe`); Gemma 3 adds scaled embeddings, GeGLU,
-    norms around both blocks, a ``1 + weight`` RMSNorm and its own RoPE on sliding layers.
+    norms around both blocks, a ``1 + weight`` RMSNorm and its own RoPE on sliding layers;
+    OLMo 2 norms each block's output instead of its input and q and k across all heads;
+    SmolLM3 is Llama without RoPE on every fourth layer.
 
     Attributes:
         model_type: One of `SUPPORTED_MODEL_TYPES`.
@@ -41,6 +43,12 @@ class ModelConfig:
         eos_token_ids: End-of-sequence ids from ``config.json`` and ``generation_config.json``.
         hidden_act: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU).
         qk_norm: RMSNorm over each head of q and k before RoPE.
+        is_qk_norm_across_heads: With `qk_norm`, one RMSNorm over all of q's heads and one over
+            all of k's (OLMo 2) instead of one per head.
+        is_post_norm: Each block's output is normed before the residual add, its input is not
+            (OLMo 2).
+        rope_layers: Per layer, whether RoPE applies; every layer when empty (SmolLM3 leaves it
+            out of every fourth).
         gemma_norms: Gemma's ``x * (1 + weight)`` RMSNorm and a norm after each block too.
         embed_scale: Multiplies the embeddings (Gemma: ``sqrt(hidden_size)``).
         attention_scale: The softmax scale, ``head_dim ** -0.5`` when ``None``.
@@ -71,6 +79,9 @@ class ModelConfig:
     torch_dtype: str = "float32"
     hidden_act: str = "silu"
     qk_norm: bool = False
+    is_qk_norm_across_heads: bool = False
+    is_post_norm: bool = False
+    rope_layers: tuple[bool, ...] = ()
     gemma_norms: bool = False
     embed_scale: float | None = None
     attention_scale: float | None = None
@@ -115,6 +126,8 @@ class ModelConfig:
             0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
         ):
             raise ValueError(f"rotary_dim must be even and in 1..{self.head_dim}")
+        if self.rope_layers and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError("rope_layers needs one entry per layer")
         if self.moe is not None and len(self.moe.moe_layers) != self.num_hidden_layers:
             raise ValueError("moe.moe_layers needs one entry per layer")
 
@@ -126,6 +139,10 @@ class ModelConfig:
     def sliding_window(self, layer_index: int) -> int | None:
         """The attention window of a layer in tokens, ``None`` for full attention."""
         return self.sliding_windows[layer_index] if self.sliding_windows else None
+
+    def is_rope_layer(self, layer_index: int) -> bool:
+        """Whether a layer rotates q and k (SmolLM3 leaves some out)."""
+        return not self.rope_layers or self.rope_layers[layer_index]
 
     def is_moe_layer(self, layer_index: int) -> bool:
         """Whether a layer's feed-forward is the mixture of experts."""
