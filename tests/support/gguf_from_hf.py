@@ -32,6 +32,8 @@ from support.gguf_vocabs import (
     llama_sentencepiece_vocab,
 )
 
+# GGUF architectures llama.cpp's converter writes as Llama's (q/k rows permuted, and so on).
+LLAMA_CONVERTED = ("llama", "smollm3")
 HIDDEN_SIZE = 256
 INTERMEDIATE_SIZE = 512
 NUM_HEADS = 4
@@ -159,12 +161,13 @@ def add_hparams(writer: GGUFWriter, config: Any, spec: TinyHfSpec) -> None:
         writer.add_string(f"{arch}.rope.scaling.type", "linear")
         writer.add_rope_scaling_factor(rope["factor"])
     # NOTE: the converter states the head size only where the config does (Gemma: always),
-    # the vocabulary size and the rotary dimension only for llama files (and phi3's rotary one).
+    # the vocabulary size and the rotary dimension only for Llama-converted files (and phi3's
+    # rotary one).
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if config.to_dict().get("head_dim") is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if arch == "llama":
+    if arch in LLAMA_CONVERTED:
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
     if spec.model_type == "phi3":
@@ -199,7 +202,7 @@ def gguf_tensors(
     arch = next(a for a, name in MODEL_ARCH_NAMES.items() if name == spec.gguf_architecture)
     name_map = get_tensor_name_map(arch, config.num_hidden_layers)
     transforms: list[Callable[[str, np.ndarray], np.ndarray]] = []
-    if spec.gguf_architecture == "llama":
+    if spec.gguf_architecture in LLAMA_CONVERTED:
         transforms.append(lambda name, data: _permute_qk(name, data, config))
     if spec.gguf_architecture == "gemma3":
         # llama.cpp's Gemma3Model: "only this norm has +1 applied"

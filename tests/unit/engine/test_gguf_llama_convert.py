@@ -13,7 +13,7 @@ A checkpoint is changed only where the converter cannot represent it (the GGUF c
 setting, so llama.cpp itself serves the model without it): no sliding window on Mistral and
 Mixtral (``llama`` files have none), no dense layers between Qwen3-MoE's expert layers, and
 Gemma 3 with llama.cpp's fixed layout (every sixth layer global, queries scaled by
-``1/sqrt(head_dim)``).
+``1/sqrt(head_dim)``), SmolLM3 with its released layout (RoPE left out of every fourth layer).
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"mlp_only_layers": []},
     "qwen2_moe": {},
     "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
+    "olmo2": {},
+    "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4},
 }
 # tiny_models name -> the tokenizer class of a SentencePiece (tokenizer.model) checkpoint
 SENTENCEPIECE = {
@@ -96,6 +98,8 @@ OUR_WRITER = {
     "qwen3_moe": TinyHfSpec("qwen3_moe", "qwen3moe"),
     "gemma3": TinyHfSpec("gemma3_text", "gemma3"),
     "phi3": TinyHfSpec("phi3", "phi3"),
+    "olmo2": TinyHfSpec("olmo2", "olmo2"),
+    "smollm3": TinyHfSpec("smollm3", "smollm3"),
 }
 
 pytestmark = pytest.mark.skipif(

@@ -14,6 +14,8 @@ transformers' ``save_pretrained`` writes for the same model:
 * ``gemma3``: the text model (``gemma3_text``); llama.cpp stores every norm weight plus one,
   which is subtracted again; sliding-window layers every 6th layer global.
 * ``phi3``: fused ``qkv_proj`` and ``gate_up_proj``.
+* ``olmo2``: norms after each block, q/k norms across all heads; no permutation.
+* ``smollm3``: Llama's tensors, q/k rows permuted; RoPE left out of every fourth layer.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = (
+    "llama", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma3", "phi3", "olmo2", "smollm3",
+)  # fmt: skip
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -135,6 +139,22 @@ RULES = {
             "post_ffw_norm": "post_feedforward_layernorm",
         },
         norm_offset=1.0,
+    ),
+    "olmo2": ArchitectureRules(
+        "olmo2",
+        "Olmo2ForCausalLM",
+        _ATTENTION_NAMES
+        | _QK_NORM_NAMES
+        | {
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+            "ffn_gate": "mlp.gate_proj",
+            "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj",
+        },
+    ),
+    "smollm3": ArchitectureRules(
+        "smollm3", "SmolLM3ForCausalLM", _DENSE_LAYER_NAMES, is_qk_permuted=True
     ),
     "phi3": ArchitectureRules(
         "phi3",

@@ -16,6 +16,8 @@ from pdserve.engine.gguf_rope import llama3_rope_scaling
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_NUM_LAYERS = 62
+# NOTE: llama.cpp hardcodes SmolLM3's layers without RoPE: every fourth.
+SMOLLM3_NO_ROPE_LAYER_INTERVAL = 4
 
 ConfigGetter = Callable[..., Any]
 """Reads ``{arch}.<key>`` from the metadata: ``get(key, default=None)``; raises if absent."""
@@ -156,6 +158,14 @@ def _gemma3_config(config: dict[str, Any], get: ConfigGetter) -> None:
     ]
 
 
+def _smollm3_config(config: dict[str, Any], get: ConfigGetter) -> None:
+    interval = SMOLLM3_NO_ROPE_LAYER_INTERVAL
+    config["no_rope_layer_interval"] = interval
+    config["no_rope_layers"] = [
+        int((layer + 1) % interval != 0) for layer in range(config["num_hidden_layers"])
+    ]
+
+
 def _phi3_config(config: dict[str, Any], get: ConfigGetter) -> None:
     del config["head_dim"]
     head_dim = config["hidden_size"] // config["num_attention_heads"]
@@ -174,4 +184,5 @@ _FAMILY_CONFIGS = {
     "qwen3_moe": _qwen3_moe_config,
     "gemma3_text": _gemma3_config,
     "phi3": _phi3_config,
+    "smollm3": _smollm3_config,
 }
