@@ -3,7 +3,9 @@ decode processes, against transformers in the dtype auto chose.
 
 On a CPU with native bf16 that is bfloat16, where two correct implementations can pick
 differently on a near-tie: each served token must be, by transformers' own logits of the
-served sequence, within two bf16 steps of its best token (and nearly all are its best).
+served sequence, within two bf16 steps of its best token (and nearly all are its best). There
+the instances also keep the GGUF's Q4_1 weights as the file stores them (``--quantization
+auto``, torch's int4 kernel); transformers computes with the same file dequantized to bf16.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def test_instances_log_the_dtype_auto_chose(cluster: ProcessCluster) -> None:
         [event] = events_named(child, "dtype_resolved")
         assert (event["requested"], event["dtype"]) == ("auto", choice.dtype)
         assert event["reason"] == choice.reason
+        [loaded] = events_named(child, "model_loaded")
+        kept = "int4" if choice.dtype == "bfloat16" else choice.dtype
+        assert loaded["tensor_types"] == {"F32": choice.dtype, "Q4_1": kept, "Q8_0": choice.dtype}
 
 
 @pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
