@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support.eventually import eventually
 from support.fault_matrix import BUILT, Cell, record
 from support.process_cluster import (
@@ -56,6 +58,12 @@ INSTANCE_TTL_S = 2.0
 NUM_STREAMS = 4
 DECODING_MAX_TOKENS = 300
 PREFILL_MAX_TOKENS = 16
+# NOTE: a long prompt's lease is ~80 blocks: a 200-block decode runs two of them, so of six
+# long requests two wait in the gateway's admission queue.
+NUM_QUEUED_STREAMS = 6
+NUM_RUNNING_LONG = 4
+QUEUED_MAX_TOKENS = 120
+DECODE_BLOCKS = 200
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
 
 # NOTE: what a transport says when a connection breaks; a client must never read it.
@@ -93,7 +101,7 @@ def matrix_cluster(
         prefills=2,
         decodes=2,
         prefill_args="--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500",
-        decode_args="--num-blocks 1024 --lease-ttl-ms 3000",
+        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 3000",
         gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
         f"--instance-ttl-s {INSTANCE_TTL_S:g}",
     ) as cluster:
@@ -232,6 +240,40 @@ def prefilling(cluster: ProcessCluster, mark: dict[str, int]) -> Callable[[], di
     return count
 
 
+def leased(
+    cluster: ProcessCluster, mark: dict[str, int], role: str
+) -> Callable[[], dict[str, int]]:
+    """Per instance of `role`: the case's requests it granted (decode) or asked for (prefill)
+    a lease for that have not finished there."""
+    assert cluster.gateway is not None
+    gateway = cluster.gateway
+    children = cluster.decodes if role == "decode" else cluster.prefills
+    ended = "request_finished" if role == "decode" else "first_token"
+
+    def count() -> dict[str, int]:
+        done_there = {
+            e["request_id"] for child in (gateway, *children) for e in since(mark, child, ended)
+        }
+        return {
+            c.name: len({e["request_id"] for e in since(mark, c, "lease_granted")} - done_there)
+            for c in children
+        }
+
+    return count
+
+
+async def gauge_at(cluster: ProcessCluster, name: str) -> float:
+    """A gauge of the gateway's ``/metrics`` page."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        text = (await http.get(f"{cluster.rest_url}/metrics")).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
 def by_name(cluster: ProcessCluster, name: str) -> ChildProcess:
     return next(c for c in cluster.instances if c.name == name)
 
@@ -278,13 +320,17 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance up")
     await cluster.wait_whole(timeout_s=20)
     is_prefill_phase = cell.phase == "prefilling"
-    max_tokens = PREFILL_MAX_TOKENS if is_prefill_phase else DECODING_MAX_TOKENS
+    is_long = cell.phase in ("prefilling", "queued")
+    max_tokens = {"prefilling": PREFILL_MAX_TOKENS, "queued": QUEUED_MAX_TOKENS}.get(
+        cell.phase, DECODING_MAX_TOKENS
+    )
+    num_streams = NUM_QUEUED_STREAMS if cell.phase == "queued" else NUM_STREAMS
     requests = [
         (
-            f"{cell.cell_id} {i} {LONG_PROMPT if is_prefill_phase else 'once upon a time'}",
+            f"{cell.cell_id} {i} {LONG_PROMPT if is_long else 'once upon a time'}",
             GREEDY if i % 2 == 0 else {**SEEDED, "seed": 100 + i},
         )
-        for i in range(NUM_STREAMS)
+        for i in range(num_streams)
     ]
     expected = await asyncio.to_thread(
         lambda: [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
@@ -309,7 +355,27 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
             for prompt, sampling in requests
         ]  # fmt: skip
         try:
-            if is_prefill_phase:
+            if cell.phase == "queued":
+                # NOTE: once the decodes leased all their room, they are frozen so that none
+                # ends and the rest wait in the gateway's queue until the fault (well within
+                # the 2 s the gateway gives a silent instance).
+                on_decodes = leased(cluster, mark, "decode")
+                await eventually(
+                    lambda: sum(on_decodes().values()) >= NUM_RUNNING_LONG,
+                    60,
+                    "every decode's room leased",
+                )
+                async with frozen(cluster.decodes, fault):
+                    await eventually(
+                        lambda: gauge_at(cluster, "pdserve_gateway_queued_requests"),
+                        INSTANCE_TTL_S / 2,
+                        "a request waiting in the admission queue",
+                    )
+                    held = leased(cluster, mark, cell.target)()
+                    victim = by_name(cluster, max(held, key=lambda n: held[n]))
+                    assert held[victim.name] > 0, f"no {cell.target} held a request"
+                    fault.land(cluster, cell.fault, victim)
+            elif is_prefill_phase:
                 count = prefilling(cluster, mark)
                 await eventually(lambda: any(count().values()), 60, "a prompt in prefill")
                 async with frozen(cluster.prefills, fault):

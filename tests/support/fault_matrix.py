@@ -81,6 +81,11 @@ BUILT = (
     Cell("sigstop", "decode", "cancelling"),
     Cell("sigstop", "prefill", "prefilling", fast=True),
     Cell("sigstop", "prefill", "decoding"),
+    Cell("sigstop", "prefill", "cancelling"),
+    Cell("sigkill", "decode", "queued", fast=True),
+    Cell("sigkill", "prefill", "queued"),
+    Cell("sigstop", "decode", "queued"),
+    Cell("sigstop", "prefill", "queued"),
 )
 
 
