@@ -16,6 +16,7 @@ class TransportKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_KIND_TCP: _ClassVar[TransportKind]
     TRANSPORT_KIND_SHARED_MEMORY: _ClassVar[TransportKind]
     TRANSPORT_KIND_CUDA_IPC: _ClassVar[TransportKind]
+    TRANSPORT_KIND_NIXL: _ClassVar[TransportKind]
 
 class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ TRANSPORT_KIND_GRPC_SYNC_CACHE: TransportKind
 TRANSPORT_KIND_TCP: TransportKind
 TRANSPORT_KIND_SHARED_MEMORY: TransportKind
 TRANSPORT_KIND_CUDA_IPC: TransportKind
+TRANSPORT_KIND_NIXL: TransportKind
 LEASE_STATE_UNSPECIFIED: LeaseState
 LEASE_STATE_ALLOCATED: LeaseState
 LEASE_STATE_SYNCING: LeaseState
@@ -53,6 +55,26 @@ LEASE_STATE_FAILED: LeaseState
 PREEMPTION_REASON_UNSPECIFIED: PreemptionReason
 PREEMPTION_REASON_OUT_OF_BLOCKS: PreemptionReason
 PREEMPTION_REASON_DRAINING: PreemptionReason
+
+class NixlTarget(_message.Message):
+    __slots__ = ("agent_metadata", "agent_name", "memory_kind", "device_id", "block_addresses", "layer_stride_bytes", "kv_stride_bytes", "block_nbytes")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    agent_name: str
+    memory_kind: str
+    device_id: int
+    block_addresses: _containers.RepeatedScalarFieldContainer[int]
+    layer_stride_bytes: int
+    kv_stride_bytes: int
+    block_nbytes: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., block_addresses: _Optional[_Iterable[int]] = ..., layer_stride_bytes: _Optional[int] = ..., kv_stride_bytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
 
 class KvCacheHandle(_message.Message):
     __slots__ = ("host_id", "process_id", "device_kind", "memory_handle", "device_index", "offset_bytes", "num_bytes", "ref_counter_handle", "ref_counter_offset")
@@ -77,16 +99,18 @@ class KvCacheHandle(_message.Message):
     def __init__(self, host_id: _Optional[str] = ..., process_id: _Optional[int] = ..., device_kind: _Optional[str] = ..., memory_handle: _Optional[bytes] = ..., device_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., num_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ...) -> None: ...
 
 class Transport(_message.Message):
-    __slots__ = ("kind", "address", "token", "cache_handle")
+    __slots__ = ("kind", "address", "token", "cache_handle", "nixl")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     kind: TransportKind
     address: str
     token: bytes
     cache_handle: KvCacheHandle
-    def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ..., cache_handle: _Optional[_Union[KvCacheHandle, _Mapping]] = ...) -> None: ...
+    nixl: NixlTarget
+    def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ..., cache_handle: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
     __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id", "num_shared_blocks")
