@@ -21,7 +21,7 @@ $(INSTALL_STAMP): constraints.txt shared/pyproject.toml services/*/pyproject.tom
 	$(BIN)/pip install -q --upgrade -c constraints.txt pip setuptools wheel
 	# NOTE: torch is pinned explicitly so pip never resolves an unpinned (CUDA) build.
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e 'shared[engine,dev]' \
+	$(BIN)/pip install -q -c constraints.txt -e 'shared[engine,dev,nixl]' \
 		-e services/gateway -e services/prefill -e services/decode
 	touch $@
 

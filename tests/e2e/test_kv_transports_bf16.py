@@ -1,9 +1,10 @@
 """bf16 KV blocks from a prefill's cache into a decode process, through every transport the
 decode offers, with the prefill's own sender: on CPU here, and on a GPU both from a CUDA cache
 into a CPU decode (shared memory, TCP, gRPC) and from CUDA to CUDA (CUDA IPC, device to device
-into the decode's mapped cache; TCP, through pinned host buffers; gRPC). The decode checks
-every chunk's CRC-32C in its own cache or on arrival, so a commit it acknowledges is a bit-exact
-round trip of the sender's blocks."""
+into the decode's mapped cache; TCP, through pinned host buffers; gRPC). Where NIXL is installed,
+also one-sided NIXL WRITEs from the sender's registered cache (DRAM or VRAM) into the decode's.
+The decode checks every chunk's CRC-32C in its own cache or on arrival, so a commit it
+acknowledges is a bit-exact round trip of the sender's blocks."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.kv.cache_window import MappedCaches
+from pdserve.kv.nixl import is_installed as nixl_installed
 from pdserve.kv.transfer import sequence_pieces
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
+from pdserve.prefill.kv_nixl_channel import NixlSide
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.prefill.kv_transports import channels_for
@@ -31,6 +34,7 @@ from pdserve.serving.convert import local_protocol
 from pdserve.v1 import common_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc
 
 HAS_CUDA = torch.cuda.is_available()
+HAS_NIXL = nixl_installed()
 BLOCK_SIZE = 16
 NUM_TOKENS = 500  # 32 blocks (the tiny model holds 512 tokens), 8 chunks per layer
 MAX_CHUNK_BYTES = 8 << 10
@@ -90,7 +94,9 @@ async def start_decode(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[De
         await decode.close()
 
 
-async def send(decode: Decode, kv_cache: KVCache, transport: str, request_id: str) -> int:
+async def send(
+    decode: Decode, kv_cache: KVCache, transport: str, request_id: str, nixl: NixlSide | None
+) -> int:
     """Leases `NUM_TOKENS` tokens' blocks and ships them on `transport`; the bytes acknowledged."""
     status = await decode.status.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())
     request = Request(
@@ -109,7 +115,12 @@ async def send(decode: Decode, kv_cache: KVCache, transport: str, request_id: st
     response = await decode.stub.AllocateBlocks(allocate, timeout=30)
     request.lease = convert.lease_from_proto(response.lease)
     channels = channels_for(
-        request, decode.stub, SharedPools(kv_cache.layout), [transport], MappedCaches(kv_cache)
+        request,
+        decode.stub,
+        SharedPools(kv_cache.layout),
+        [transport],
+        MappedCaches(kv_cache),
+        nixl,
     )
     sender = KvSender(request, channels)
     for piece in sequence_pieces(kv_cache, request.block_ids, MAX_CHUNK_BYTES):
@@ -136,7 +147,10 @@ async def test_bf16_kv_crosses_every_offered_transport_bit_exact(
     decode = await start_decode(decode_device)
     # NOTE: shared memory writes into the decode's cache from the host: CPU caches only; CUDA
     # IPC maps a CUDA cache; TCP reads into a CUDA cache through pinned host buffers.
+    # NIXL registers either cache (DRAM or VRAM) where its extra is installed.
     expected = {"grpc", "tcp"} | ({"shm"} if decode_device == "cpu" else {"cuda_ipc"})
+    if HAS_NIXL:
+        expected.add("nixl")
     assert decode.offered == expected
     layout_message = (
         await decode.status.GetInstanceStatus(instance_pb2.GetInstanceStatusRequest())
@@ -153,7 +167,13 @@ async def test_bf16_kv_crosses_every_offered_transport_bit_exact(
     )
     kv_cache.kv.normal_()
     num_bytes = 2 * layout.num_layers * num_blocks_for(NUM_TOKENS, BLOCK_SIZE) * layout.block_nbytes
-    for transport in sorted(expected):
-        assert await send(decode, kv_cache, transport, f"bf16-{transport}") == num_bytes
-        pool = await decode.wait_idle()
-        assert pool.is_consistent, pool.detail
+    nixl = NixlSide(kv_cache) if HAS_NIXL else None
+    try:
+        for transport in sorted(expected):
+            sent = await send(decode, kv_cache, transport, f"bf16-{transport}", nixl)
+            assert sent == num_bytes
+            pool = await decode.wait_idle()
+            assert pool.is_consistent, pool.detail
+    finally:
+        if nixl is not None:
+            nixl.close()

@@ -67,7 +67,7 @@ async def test_metrics_after_n_requests(cluster: RealCluster) -> None:
     assert prefill["pdserve_prefill_prompt_tokens_total"] > 0
     transfers = _by_label(prefill_text, "pdserve_prefill_kv_transfer_seconds_count", "transport")
     assert sum(transfers.values()) == NUM_REQUESTS
-    assert set(transfers) <= {"shm", "tcp", "grpc"}
+    assert set(transfers) <= {"nixl", "shm", "tcp", "grpc"}
     assert (
         prefill["pdserve_prefill_kv_sent_bytes_total"]
         == decode["pdserve_decode_kv_received_bytes_total"]

@@ -29,6 +29,9 @@ from pdserve.v1 import common_pb2, decode_pb2
 LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# NOTE: the decodes here do not offer NIXL, which the default prefers over all of these
+# (tests/integration/prefill/test_kv_nixl.py).
+WITHOUT_NIXL = {"kv_transports": "cuda_ipc,shm,tcp"}
 
 
 @pytest.fixture
@@ -50,7 +53,9 @@ async def _transport_of(pd: Cluster, request_id: str, prompt: list[int]) -> str:
 async def test_the_default_prefers_cuda_ipc_where_offered_and_the_output_is_the_engines(
     tiny_model_dir: Path, engine: LLMEngine
 ) -> None:
-    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+    async with cluster(
+        tiny_model_dir, kv_transports=PrefillConfig.kv_transports, decode_overrides=WITHOUT_NIXL
+    ) as pd:
         offers = [o.kind for o in pd.decodes[0].servicer.transport_offers]
         assert offers == ["cuda_ipc", "shm", "tcp"]
         prompts = (LONG, SHORT, LONG[::-1])
@@ -66,7 +71,9 @@ async def test_the_default_prefers_cuda_ipc_where_offered_and_the_output_is_the_
 async def test_a_cpu_decode_does_not_offer_cuda_ipc_without_the_standin(
     tiny_model_dir: Path,
 ) -> None:
-    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+    async with cluster(
+        tiny_model_dir, kv_transports=PrefillConfig.kv_transports, decode_overrides=WITHOUT_NIXL
+    ) as pd:
         assert [o.kind for o in pd.decodes[0].servicer.transport_offers] == ["shm", "tcp"]
         assert await _transport_of(pd, "r", SHORT) == "TRANSPORT_KIND_SHARED_MEMORY"
 
@@ -75,7 +82,9 @@ async def test_a_cpu_decode_does_not_offer_cuda_ipc_without_the_standin(
 async def test_a_handle_that_cannot_be_opened_falls_back_with_one_log_line(
     tiny_model_dir: Path, engine: LLMEngine
 ) -> None:
-    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+    async with cluster(
+        tiny_model_dir, kv_transports=PrefillConfig.kv_transports, decode_overrides=WITHOUT_NIXL
+    ) as pd:
         decode = pd.decodes[0]
         ipc, *others = decode.servicer.transport_offers
         assert ipc.handle is not None
@@ -91,7 +100,9 @@ async def test_a_handle_that_cannot_be_opened_falls_back_with_one_log_line(
 
 @pytest.mark.usefixtures("standin")
 async def test_a_handle_of_another_host_is_not_tried(tiny_model_dir: Path) -> None:
-    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+    async with cluster(
+        tiny_model_dir, kv_transports=PrefillConfig.kv_transports, decode_overrides=WITHOUT_NIXL
+    ) as pd:
         decode = pd.decodes[0]
         ipc, *others = decode.servicer.transport_offers
         assert ipc.handle is not None

@@ -62,8 +62,14 @@ async def test_a_forced_transport_carries_the_kv_and_the_output_is_the_engines(
         await pd.eventually_whole()
 
 
-async def test_the_default_prefers_shared_memory_on_one_host(tiny_model_dir: Path) -> None:
-    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+async def test_without_nixl_the_default_prefers_shared_memory_on_one_host(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(
+        tiny_model_dir,
+        kv_transports=PrefillConfig.kv_transports,
+        decode_overrides={"kv_transports": "cuda_ipc,shm,tcp"},
+    ) as pd:
         handed_off = await _handed_off(pd, "r", SHORT)
         assert handed_off.transport == "TRANSPORT_KIND_SHARED_MEMORY"
 

@@ -28,7 +28,7 @@ async def _handed_off(pd: Cluster, request_id: str, seed: int, key: str) -> pref
     return events.last("handed_off").handed_off
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["nixl", "shm", "tcp", "grpc"])
 async def test_a_sibling_completion_ships_only_its_partial_block(
     tiny_model_dir: Path, engine: LLMEngine, transport: str
 ) -> None:

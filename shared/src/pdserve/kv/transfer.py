@@ -23,16 +23,20 @@ from pdserve.kv.staging import export_to_host
 
 if TYPE_CHECKING:
     from pdserve.kv.cache_handle import CacheHandle
+    from pdserve.kv.nixl import NixlTarget
 
 
 class TransportOffer(NamedTuple):
     """A way a decode accepts KV besides gRPC SyncCache (the Transport message without its
-    token): ``kind`` "shm" (address: the segment name), "tcp" (address: host:port) or
-    "cuda_ipc" (no address; ``handle``: the exported cache)."""
+    token): ``kind`` "shm" (address: the segment name), "tcp" (address: host:port),
+    "cuda_ipc" (no address; ``handle``: the exported cache) or "nixl" (no address; ``nixl``:
+    the decode's agent and blocks: in a decode's own offer every block of its cache, in a
+    lease only the leased ones)."""
 
     kind: str
     address: str
     handle: CacheHandle | None = None
+    nixl: NixlTarget | None = None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50070
-KV_TRANSPORTS = ("cuda_ipc", "shm", "tcp")
+KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp")
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,13 @@ class DecodeConfig(InstanceConfig):
         },
     )
     kv_transports: str = field(
-        default="cuda_ipc,shm,tcp",
+        default="nixl,cuda_ipc,shm,tcp",
         metadata={
             "help": "KV transports offered to prefills besides gRPC SyncCache (always offered), "
-            "comma-separated in order of preference: cuda_ipc (the CUDA KV cache exported "
-            "through CUDA IPC, which a prefill on this host writes into device to device; "
+            "comma-separated in order of preference: nixl (the KV cache registered with a NIXL "
+            "agent, which a prefill writes into with one-sided WRITEs over UCX; offered once the "
+            "agent started, where the nixl extra is installed), cuda_ipc (the CUDA KV cache "
+            "exported through CUDA IPC, which a prefill on this host writes into device to device; "
             "offered only for a cache on CUDA), shm (the KV cache in a shared-memory segment "
             "that a prefill on this host writes into; needs a CPU KV cache) and tcp (a raw TCP "
             "data port; into a CUDA cache through pinned host buffers); empty offers gRPC only"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -25,6 +26,7 @@ from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
 from pdserve.kv.cache_handle import CacheExport, export_cache
+from pdserve.kv.nixl import CacheAgent, NixlUnavailable, start_agent
 from pdserve.kv.shm import KvSegment
 from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.instance import InstanceServer
@@ -101,7 +103,14 @@ class DecodeInstance(InstanceServer):
         self.kv_segment: KvSegment | None = None
         self.kv_export: CacheExport | None = None
         self.kv_tcp: KvTcpServer | None = None
+        self.nixl_agent: CacheAgent | None = None
+        self.is_closed = False
         self.servicer.transport_offers = tuple(self._open_transports())
+        self.nixl_started: Future[CacheAgent] | None = None
+        if "nixl" in config.kv_transport_kinds:
+            # NOTE: registered last: the cache no longer moves (a segment placed it).
+            self.nixl_started = start_agent(host.runner.kv_cache, "decode")
+            self.nixl_started.add_done_callback(self._offer_nixl)
         self.status = DecodeStatus(self.instance, self.leases, self.loop)
 
     def _open_transports(self) -> Iterator[TransportOffer]:
@@ -137,6 +146,35 @@ class DecodeInstance(InstanceServer):
                 )
                 advertised_host = self.address.rsplit(":", 1)[0]
                 yield TransportOffer("tcp", f"{advertised_host}:{self.kv_tcp.port}")
+
+    async def start(self) -> None:
+        if self.nixl_started is not None:
+            # NOTE: the first lease already offers NIXL (the agent's start is about half a
+            # second, once per process).
+            await asyncio.wait([asyncio.wrap_future(self.nixl_started)])
+        await super().start()
+
+    def _offer_nixl(self, started: Future[CacheAgent]) -> None:
+        """Once the NIXL agent started (on its thread): offers it first, or says why not."""
+        try:
+            agent = self.nixl_agent = started.result()
+        except NixlUnavailable as error:
+            log.info("kv_transport_unavailable", transport="nixl", detail=str(error))
+            return
+        if self.is_closed:
+            agent.close()
+            return
+        offer = TransportOffer("nixl", "", nixl=agent.target())
+        # NOTE: one assignment: the servicer reads the whole tuple per lease.
+        self.servicer.transport_offers = (offer, *self.servicer.transport_offers)
+        log.info(
+            "kv_transport_ready",
+            transport="nixl",
+            agent=agent.name,
+            backend="UCX",
+            memory_kind=agent.memory_kind,
+            detail="first in the offers: prefills that have NIXL prefer it",
+        )
 
     def _export_cache(self) -> TransportOffer | None:
         """The cuda_ipc offer: the cache exported once (on CUDA, or on CPU through the stand-in
@@ -252,6 +290,9 @@ class DecodeInstance(InstanceServer):
         pass
 
     async def close(self) -> None:
+        self.is_closed = True
+        if self.nixl_agent is not None:
+            self.nixl_agent.close()
         if self.kv_tcp is not None:
             self.kv_tcp.stop()
         if self.kv_segment is not None:

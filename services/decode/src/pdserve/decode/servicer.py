@@ -27,7 +27,12 @@ from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.request import DecodeRequest
-from pdserve.decode.transfers import TRANSPORT_NAMES, WRITTEN_IN_PLACE, Transfers
+from pdserve.decode.transfers import (
+    TRANSPORT_NAMES,
+    WRITTEN_FROM_AFAR,
+    WRITTEN_IN_PLACE,
+    Transfers,
+)
 from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
@@ -183,16 +188,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 await self.transfers.constraint_compiled(lease)
                 response = self.transfers.commit(lease, receiver, header, commit, started)
             except (PdserveError, asyncio.CancelledError, grpc.RpcError) as error:
-                is_cuda_ipc = header.transport == decode_pb2.TRANSPORT_KIND_CUDA_IPC
+                is_from_afar = header.transport in WRITTEN_FROM_AFAR
                 if (
                     is_shared
                     and commit is None
-                    and (is_cuda_ipc or isinstance(error, PdserveError))
+                    and (is_from_afar or isinstance(error, PdserveError))
                 ):
                     # NOTE: the stream ended before the sender's commit: a copy may still be
                     # under way there (it stops at its next write), so the blocks stay held a
                     # little longer. A shared-memory sender that hangs up has stopped writing;
-                    # a CUDA IPC sender that died may leave copies queued on the GPU.
+                    # a CUDA IPC sender that died may leave copies queued on the GPU, a NIXL
+                    # sender WRITEs on the wire.
                     asyncio.get_running_loop().call_later(
                         SHARED_WRITER_GRACE_S, self.transfers.end, lease
                     )

@@ -39,9 +39,17 @@ TRANSPORT_NAMES = {
     decode_pb2.TRANSPORT_KIND_TCP: "tcp",
     decode_pb2.TRANSPORT_KIND_SHARED_MEMORY: "shm",
     decode_pb2.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
+    decode_pb2.TRANSPORT_KIND_NIXL: "nixl",
 }
 # Transports whose sender writes into the cache itself; the stream names what it wrote.
-WRITTEN_IN_PLACE = (decode_pb2.TRANSPORT_KIND_SHARED_MEMORY, decode_pb2.TRANSPORT_KIND_CUDA_IPC)
+WRITTEN_IN_PLACE = (
+    decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
+    decode_pb2.TRANSPORT_KIND_CUDA_IPC,
+    decode_pb2.TRANSPORT_KIND_NIXL,
+)
+# Of those, the ones whose writes may still land after the sender's process died (copies queued
+# on its GPU, WRITEs on the wire): a broken stream keeps the blocks a little longer.
+WRITTEN_FROM_AFAR = (decode_pb2.TRANSPORT_KIND_CUDA_IPC, decode_pb2.TRANSPORT_KIND_NIXL)
 
 
 class Transfers:

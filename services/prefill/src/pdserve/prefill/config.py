@@ -8,7 +8,7 @@ from pdserve.common.grpc_server import MAX_MESSAGE_BYTES
 from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50060
-KV_TRANSPORTS = ("cuda_ipc", "shm", "tcp", "grpc")
+KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,16 @@ class PrefillConfig(InstanceConfig):
         },
     )
     kv_transports: str = field(
-        default="cuda_ipc,shm,tcp,grpc",
+        default="nixl,cuda_ipc,shm,tcp,grpc",
         metadata={
             "help": "KV transports this prefill may use, comma-separated in order of "
-            "preference, among those its decode offers: cuda_ipc (copy device to device into "
-            "the decode's CUDA KV cache, same host and GPU kind), shm (write into the decode's "
-            "shared-memory KV cache, same host), tcp (the decode's data port), grpc (SyncCache, "
-            "always offered). One that cannot be opened falls back to the next; listing one "
-            "forces it"
+            "preference, among those its decode offers: nixl (one-sided NIXL WRITEs into the "
+            "decode's registered KV cache over UCX: shared memory or TCP on CPU hosts, CUDA IPC, "
+            "NVLink or RDMA between GPUs; where the nixl extra is installed), cuda_ipc (copy "
+            "device to device into the decode's CUDA KV cache, same host and GPU kind), shm "
+            "(write into the decode's shared-memory KV cache, same host), tcp (the decode's "
+            "data port), grpc (SyncCache, always offered). One that cannot be opened falls back "
+            "to the next; listing one forces it"
         },
     )
     max_chunk_bytes: int = field(

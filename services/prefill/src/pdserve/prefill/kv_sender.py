@@ -119,6 +119,7 @@ class KvSender:
         self.channels = list(channels)
         self.corrupt_first_chunk = corrupt_first_chunk
         self.transport = ""  # the channel in use, once one opened
+        self.transport_reason = ""  # why that one: the first candidate, or what failed before
         self.num_chunks = 0
         self.num_bytes = 0
         self._queue: asyncio.Queue[KvPiece | _Commit] = asyncio.Queue()
@@ -167,6 +168,7 @@ class KvSender:
             channel.close()
 
     async def _open(self) -> KvChannel:
+        skipped: list[str] = []
         for channel in self.channels:
             try:
                 await channel.open()
@@ -178,11 +180,17 @@ class KvSender:
                     transport=channel.name,
                     detail=str(why),
                 )
+                skipped.append(f"{channel.name}: {why}")
                 continue
             except BaseException:
                 channel.close()
                 raise
             self.transport = channel.name
+            self.transport_reason = (
+                "fell back after " + "; ".join(skipped)
+                if skipped
+                else f"first of {', '.join(c.name for c in self.channels)} (both ends have it)"
+            )
             return channel
         raise PdserveError(
             ErrorReason.CACHE_SYNC_FAILED,

@@ -20,6 +20,7 @@ from pdserve.common import telemetry
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kv.cache_window import MappedCaches
 from pdserve.prefill.in_flight import InFlight
+from pdserve.prefill.kv_nixl_channel import NixlSide
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.prefill.kv_transports import channels_for
@@ -51,6 +52,9 @@ class KvTransfers:
         self.fault_corrupt_kv = fault_corrupt_kv
         self.shared_pools = SharedPools(kv_cache.layout)
         self.mapped_caches = MappedCaches(kv_cache)
+        # NOTE: this prefill's NIXL agent starts on a thread now; transfers that come first
+        # wait for it (and fall back if it does not start).
+        self.nixl = NixlSide(kv_cache) if "nixl" in self.kv_transports else None
         self.metrics: PrefillMetrics | None = None
         self.num_kv_bytes_sent = 0
         self.num_handed_off = 0
@@ -68,7 +72,14 @@ class KvTransfers:
         )
         sender = flight.sender = KvSender(
             request,
-            channels_for(request, stub, self.shared_pools, self.kv_transports, self.mapped_caches),
+            channels_for(
+                request,
+                stub,
+                self.shared_pools,
+                self.kv_transports,
+                self.mapped_caches,
+                self.nixl,
+            ),
             corrupt_first_chunk=corrupt,
         )
         span = _tracer.start_span(
@@ -85,6 +96,8 @@ class KvTransfers:
         self, span: trace.Span, sender: KvSender, started: float, done: asyncio.Task[object]
     ) -> None:
         span.set_attribute("pdserve.transport", sender.transport)
+        span.set_attribute("pdserve.transport.reason", sender.transport_reason)
+        span.set_attribute("pdserve.kv.seconds", time.perf_counter() - started)
         span.set_attribute("pdserve.kv.num_bytes", sender.num_bytes)
         span.set_attribute("pdserve.kv.num_chunks", sender.num_chunks)
         if done.cancelled() or done.exception() is not None:

@@ -153,6 +153,8 @@ class PrefillInstance(InstanceServer):
 
     async def close(self) -> None:
         await self.peers.close()
+        if self.handoffs.transfers.nixl is not None:
+            self.handoffs.transfers.nixl.close()
         if self.loop.store_loader is not None:
             self.loop.store_loader.close()
 

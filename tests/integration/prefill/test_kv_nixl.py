@@ -1,0 +1,197 @@
+"""The nixl transport between a real prefill and a real decode (one-sided NIXL WRITEs over UCX
+into the decode's registered cache): exact output, preference, fallback without NIXL, and the
+commit rules it shares with shared memory (a corrupt block, a lease that expires mid-write, a
+sender gone mid-write: nothing commits, every block returns)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import structlog
+from support.eventually import eventually
+from support.prefill_cluster import Cluster, cluster
+
+from pdserve.common import errors
+from pdserve.common.errors import ErrorReason
+from pdserve.common.generation import SamplingParams
+from pdserve.engine.colocated import LLMEngine
+from pdserve.kv import nixl
+from pdserve.kv.transfer import layer_pieces
+from pdserve.prefill.config import PrefillConfig
+from pdserve.prefill.convert import lease_from_proto
+from pdserve.serving.convert import local_protocol
+from pdserve.v1 import common_pb2, decode_pb2
+
+try:
+    nixl.load_api()
+except nixl.NixlUnavailable as missing:
+    pytest.skip(f"{missing}", allow_module_level=True)
+
+LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]
+SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+async def _transport_of(pd: Cluster, request_id: str, prompt: list[int]) -> str:
+    events = await pd.run_prefill(pd.request(request_id, prompt, GREEDY))
+    assert events.error is None, events.error
+    handed_off = events.last("handed_off").handed_off
+    await pd.decode_stubs[0].ReleaseLease(
+        decode_pb2.ReleaseLeaseRequest(lease_id=handed_off.lease_id, request_id=request_id)
+    )
+    return str(handed_off.transport)
+
+
+async def test_forced_nixl_carries_the_kv_and_the_output_is_the_engines(
+    tiny_model_dir: Path, engine: LLMEngine
+) -> None:
+    async with cluster(tiny_model_dir, kv_transports="nixl") as pd:
+        prompts = (LONG, SHORT, LONG[::-1])
+        references = [engine.generate([p], GREEDY)[0] for p in prompts]
+        results = await asyncio.gather(
+            *(pd.complete(f"r{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
+        assert results == references
+        assert await _transport_of(pd, "one-more", SHORT) == "TRANSPORT_KIND_NIXL"
+        await pd.eventually_whole()
+
+
+async def test_the_default_prefers_nixl_where_both_ends_have_it(tiny_model_dir: Path) -> None:
+    async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+        with structlog.testing.capture_logs() as logs:
+            assert await _transport_of(pd, "r", SHORT) == "TRANSPORT_KIND_NIXL"
+        assert not [e for e in logs if e["event"] == "kv_transport_fallback"]
+
+
+async def test_without_nixl_the_default_falls_back_to_shared_memory_with_one_line_each(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, engine: LLMEngine
+) -> None:
+    monkeypatch.setattr(nixl, "_MODULES", ("pdserve_no_such_nixl._api",))
+    with structlog.testing.capture_logs() as logs:
+        async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+            assert not [o for o in pd.decodes[0].servicer.transport_offers if o.kind == "nixl"]
+            assert await pd.complete("r", LONG, GREEDY) == engine.generate([LONG], GREEDY)[0]
+            assert await _transport_of(pd, "r2", SHORT) == "TRANSPORT_KIND_SHARED_MEMORY"
+            await eventually(
+                lambda: len([e for e in logs if e.get("transport") == "nixl"]) == 2,
+                5,
+                "the prefill's line",
+            )
+    unavailable = [e for e in logs if e.get("transport") == "nixl"]
+    assert [e["event"] for e in unavailable] == ["kv_transport_unavailable"] * 2  # one per end
+    assert "not installed" in unavailable[0]["detail"]
+
+
+async def test_corrupt_kv_over_nixl_is_refused_and_the_blocks_return(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDSERVE_FAULT_CORRUPT_KV", "bad-*")
+    async with cluster(tiny_model_dir, kv_transports="nixl") as pd:
+        events = await pd.run_prefill(pd.request("bad-1", LONG, GREEDY))
+        assert events.error is not None
+        assert events.error.reason is ErrorReason.CACHE_SYNC_FAILED
+        await pd.eventually_whole()
+        pd.decodes[0].leases.pool.check_integrity()
+
+
+# ---- a transfer that stops mid-write ---------------------------------------------------------
+
+
+async def _lease(pd: Cluster, num_tokens: int) -> decode_pb2.Lease:
+    """A lease of `num_tokens`, granted once the prefill's agent started (a short TTL runs
+    from the grant)."""
+    side = pd.prefill.handoffs.transfers.nixl
+    assert side is not None
+    await side.peers()
+    layout = pd.decodes[0].host.kv_layout
+    response = await pd.decode_stubs[0].AllocateBlocks(
+        decode_pb2.AllocateBlocksRequest(
+            request_id="r",
+            num_prompt_tokens=num_tokens,
+            max_new_tokens=4,
+            kv_layout=common_pb2.KvLayout(fingerprint=layout.fingerprint),
+            protocol=local_protocol(),
+        )
+    )
+    return response.lease
+
+
+async def _write_first_layer(pd: Cluster, lease: decode_pb2.Lease) -> grpc.aio.StreamUnaryCall:
+    """Opens a nixl SyncCache for `lease` and WRITEs its first layer into the decode's cache
+    with the prefill's agent, as a prefill does; the rest never comes."""
+    grant = lease_from_proto(lease)
+    (offer,) = [o for o in grant.transports if o.kind == "nixl"]
+    assert offer.nixl is not None and len(offer.nixl.block_addresses) == len(lease.block_ids)
+    side = pd.prefill.handoffs.transfers.nixl
+    assert side is not None
+    window = (await side.peers()).window(offer.nixl)
+    source = pd.prefill.host.runner.kv_cache
+    call = pd.decode_stubs[0].SyncCache()
+    await call.write(
+        decode_pb2.SyncCacheRequest(
+            header=decode_pb2.SyncCacheHeader(
+                lease_id=lease.lease_id,
+                request_id="r",
+                token_ids=list(range(1, 9)),
+                transport_token=grant.transport_token,
+                transport=decode_pb2.TRANSPORT_KIND_NIXL,
+            )
+        )
+    )
+    assert dict(await call.initial_metadata()).get("pdserve-sync-accepted") == "1"
+    source_ids = list(range(len(lease.block_ids)))
+    for piece in layer_pieces(source, 0, source_ids, len(source_ids)):
+        crc = window.write(piece)
+        window.wait()
+        await call.write(
+            decode_pb2.SyncCacheRequest(
+                chunk=decode_pb2.KvChunk(
+                    layer_index=piece.layer_index,
+                    first_block=piece.first_block,
+                    num_blocks=piece.num_blocks,
+                    crc32c=crc,
+                )
+            )
+        )
+    return call
+
+
+async def test_a_lease_expiring_mid_write_commits_nothing_and_returns_every_block(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(
+        tiny_model_dir, kv_transports="nixl", decode_overrides={"lease_ttl_ms": 300}
+    ) as pd:
+        decode = pd.decodes[0]
+        lease = await _lease(pd, 8)
+        call = await _write_first_layer(pd, lease)
+        (held,) = decode.leases.open_leases()
+        await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+        # Ended, yet held while its writer may still write.
+        assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call
+        assert errors.from_rpc_error(raised.value).reason is ErrorReason.LEASE_EXPIRED
+        assert held.status.name == "EXPIRED"
+        await pd.eventually_whole()
+
+
+async def test_a_sender_gone_mid_write_fails_the_lease_and_returns_every_block(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(tiny_model_dir, kv_transports="nixl") as pd:
+        decode = pd.decodes[0]
+        lease = await _lease(pd, 8)
+        call = await _write_first_layer(pd, lease)
+        (held,) = decode.leases.open_leases()
+        call.cancel()  # the sender died between two layers
+        await eventually(lambda: held.status.name == "FAILED", 5, "the lease to fail")
+        # Held a little longer: WRITEs the sender posted may still be on the wire.
+        assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        await pd.eventually_whole()
+        decode.leases.pool.check_integrity()

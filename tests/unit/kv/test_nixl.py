@@ -1,0 +1,91 @@
+"""The NIXL transport's ends in one process: a decode's registered cache, a prefill's window
+onto one lease of it, one-sided WRITEs that land exactly in the leased blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.kv.transfer import blocks_crc32c, layer_pieces, sequence_pieces
+
+nixl = pytest.importorskip("pdserve.kv.nixl")
+try:
+    nixl.load_api()
+except nixl.NixlUnavailable as missing:
+    pytest.skip(f"{missing}", allow_module_level=True)
+
+LAYOUT = KVCacheLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def ends() -> Iterator[tuple[nixl.CacheAgent, nixl.NixlPeers]]:
+    decode = nixl.CacheAgent(KVCache(LAYOUT, 16, torch.device("cpu")), "decode")
+    source = KVCache(LAYOUT, 16, torch.device("cpu"))
+    source.kv.copy_(torch.randn(source.kv.shape))
+    prefill = nixl.CacheAgent(source, "prefill")
+    yield decode, nixl.NixlPeers(prefill)
+    decode.close()
+    prefill.close()
+
+
+def test_a_lease_written_through_its_window_is_the_senders_kv_and_nothing_else(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    decode, peers = ends
+    decode.kv_cache.kv.zero_()
+    source = peers.local.kv_cache
+    sender_blocks = [3, 4, 9, 1]  # the prefill's blocks, in the sequence's order
+    leased = [7, 8, 2, 11]  # the decode's
+    window = peers.window(decode.target(leased))
+    crcs = [window.write(p) for p in sequence_pieces(source, sender_blocks, 2 * 2 * 128)]
+    window.wait()
+    for layer in range(LAYOUT.num_layers):
+        for kv in (0, 1):
+            assert torch.equal(
+                decode.kv_cache.kv[layer, kv, leased], source.kv[layer, kv, sender_blocks]
+            )
+    untouched = [b for b in range(16) if b not in leased]
+    assert not decode.kv_cache.kv[:, :, untouched].any()
+    assert crcs[0] == blocks_crc32c(decode.kv_cache, 0, leased[:1])
+
+
+def test_a_window_cannot_address_blocks_outside_its_lease_or_its_shared_blocks(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    decode, peers = ends
+    source = peers.local.kv_cache
+    window = peers.window(decode.target([5, 6]), num_shared_blocks=1)
+    (outside,) = layer_pieces(source, 0, [0, 1, 2], 1, first_block=2)
+    with pytest.raises(IndexError, match="outside"):
+        window.write(outside)
+    (shared,) = layer_pieces(source, 0, [0, 1], 1, first_block=0, end_block=1)
+    with pytest.raises(IndexError, match="shared"):
+        window.write(shared)
+
+
+def test_a_corrupting_write_lands_a_flipped_byte_after_the_checksum(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    decode, peers = ends
+    (piece,) = layer_pieces(peers.local.kv_cache, 1, [2], 1)
+    window = peers.window(decode.target([4]))
+    crc = window.write(piece, corrupt=True)
+    window.wait()
+    assert blocks_crc32c(decode.kv_cache, 1, [4]) != crc
+    window.write(piece)
+    window.wait()
+    assert blocks_crc32c(decode.kv_cache, 1, [4]) == crc
+
+
+def test_a_peer_with_another_block_size_is_refused(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    decode, peers = ends
+    target = decode.target([1])
+    with pytest.raises(nixl.NixlUnavailable, match="bytes"):
+        peers.window(
+            nixl.NixlTarget(**{**target.__dict__, "block_nbytes": target.block_nbytes * 2})
+        )
