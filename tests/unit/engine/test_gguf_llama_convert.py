@@ -35,7 +35,7 @@ from support.gguf_from_hf import TinyHfSpec, gguf_tensors
 from support.hf_reference import hf_greedy
 from support.llama_convert import CONVERTER, ConversionJob, convert_with_llama_cpp
 from support.tiny_models import build_hf_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine import (
     CacheConfig,
@@ -108,6 +108,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+OLMO3 = "olmo3"
+"""A family the converter writes and pdserve refuses: OLMo 3, an olmo2 file with windows."""
 SPM = "-sentencepiece"
 """The suffix of a family's checkpoint with a SentencePiece tokenizer."""
 
@@ -147,6 +149,20 @@ def save_checkpoint(name: str, hf_dir: Path, demo_dir: Path) -> None:
         build_hf_model(name, **{**settings, "vocab_size": vocab_size}).save_pretrained(hf_dir)
 
 
+def save_olmo3_checkpoint(hf_dir: Path, demo_dir: Path) -> None:
+    """A tiny OLMo 3 (sliding layers, every fourth global), which the converter writes as an
+    ``olmo2`` file with a sliding window."""
+    config = AutoConfig.for_model(
+        "olmo3", vocab_size=demo_tokenizer.VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
+        bos_token_id=demo_tokenizer.BOS_TOKEN_ID, eos_token_id=demo_tokenizer.EOS_TOKEN_ID,
+        pad_token_id=demo_tokenizer.PAD_TOKEN_ID,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(demo_dir / file, hf_dir / file)
+
+
 def save_sentencepiece_checkpoint(name: str, hf_dir: Path) -> None:
     """The tiny model with a SentencePiece BPE ``tokenizer.model`` trained here, as Llama 2,
     Mistral, Phi-3 mini and Gemma ship theirs (Gemma's adds no leading ``▁``)."""
@@ -174,16 +190,20 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     root = tmp_path_factory.mktemp("llama_convert")
     (root / "demo").mkdir()
     write_demo_model(root / "demo")
-    names = [*FAMILIES, *(f"{name}{SPM}" for name in SENTENCEPIECE)]
+    names = [*FAMILIES, *(f"{name}{SPM}" for name in SENTENCEPIECE), OLMO3]
     converted = {name: Family(root / name / "hf", root / name / "model.gguf", root / name / "out")
                  for name in names}  # fmt: skip
     for name, family in converted.items():
-        if name.endswith(SPM):
+        if name == OLMO3:
+            save_olmo3_checkpoint(family.hf_dir, root / "demo")
+        elif name.endswith(SPM):
             save_sentencepiece_checkpoint(name.removesuffix(SPM), family.hf_dir)
         else:
             save_checkpoint(name, family.hf_dir, root / "demo")
     convert_with_llama_cpp([ConversionJob(f.hf_dir, f.gguf_path) for f in converted.values()])
-    for family in converted.values():
+    for name, family in converted.items():
+        if name == OLMO3:
+            continue
         family.model_dir.mkdir()
         convert_gguf(family.gguf_path, family.model_dir)
     return converted
@@ -238,6 +258,11 @@ def test_tokenizer_encodes_as_the_original(family: Family) -> None:
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+
+
+def test_olmo3_is_refused(families: dict[str, Family], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="sliding window"):
+        convert_gguf(families[OLMO3].gguf_path, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(SENTENCEPIECE))

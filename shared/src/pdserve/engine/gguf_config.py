@@ -158,6 +158,15 @@ def _gemma3_config(config: dict[str, Any], get: ConfigGetter) -> None:
     ]
 
 
+def _olmo2_config(config: dict[str, Any], get: ConfigGetter) -> None:
+    # NOTE: llama.cpp's converter writes OLMo 3 as an olmo2 file with sliding-window layers.
+    if get("attention.sliding_window", 0):
+        raise ValueError(
+            "an olmo2 GGUF file with a sliding window (OLMo 3) is not supported; "
+            "OLMo 2 is (no attention.sliding_window)"
+        )
+
+
 def _smollm3_config(config: dict[str, Any], get: ConfigGetter) -> None:
     interval = SMOLLM3_NO_ROPE_LAYER_INTERVAL
     config["no_rope_layer_interval"] = interval
@@ -184,5 +193,6 @@ _FAMILY_CONFIGS = {
     "qwen3_moe": _qwen3_moe_config,
     "gemma3_text": _gemma3_config,
     "phi3": _phi3_config,
+    "olmo2": _olmo2_config,
     "smollm3": _smollm3_config,
 }
