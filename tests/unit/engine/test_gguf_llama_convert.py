@@ -56,6 +56,7 @@ WEIGHT_ATOL = 1e-6
 NUM_NEW_TOKENS = 40
 PROMPT_LENGTHS = (12, 20, 29)
 TEXTS = ("hello world", " the café is naïve ", "👋 12345\n\n\tx", "<|user|>hi<|end|>\n")
+CHAT = [{"role": "system", "content": "Sé breve"}, {"role": "user", "content": "hello 👋"}]
 SENTENCEPIECE_TEXTS = ("hello world", " the café is naïve ", "👋 12345\n\n\tx", "  two  spaces",
                        "<s>hi</s>", "ünïcödé ☃")  # fmt: skip
 SENTENCEPIECE_CORPUS = (
@@ -258,6 +259,10 @@ def test_tokenizer_encodes_as_the_original(family: Family) -> None:
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+    assert ours.encode_chat(CHAT) == theirs.apply_chat_template(
+        CHAT, add_generation_prompt=True, return_dict=False
+    )
+    assert ours.eos_token_ids == (theirs.eos_token_id,)
 
 
 def test_olmo3_is_refused(families: dict[str, Family], tmp_path: Path) -> None:
