@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
-# NOTE: Llama 3.x's own ratio; the divisors fix only high_freq_factor - low_freq_factor relative
-# to the original context, so the low factor is taken as Llama 3's where the fit leaves it free.
+# NOTE: Llama 3.x's own factors. Between the plateaus s is linear in 1 / wavelength, so the
+# divisors fix two numbers, not three: the original context is taken as the whole number that
+# puts low_freq_factor nearest Llama 3's 1 (Llama 3.1 and 3.2 come back exactly), and with a
+# single divisor between the plateaus the band is assumed as wide as Llama 3's (4 / 1).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
 # The divisors are float32: a recovered setting reproduces them to this relative error.
