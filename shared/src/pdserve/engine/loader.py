@@ -3,51 +3,29 @@
 from __future__ import annotations
 
 import ctypes
-import json
-import re
 from pathlib import Path
-from typing import NamedTuple
 
 import structlog
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from pdserve.engine.gguf_int4 import COUNTS_KEY, INT4_FILE, MINS, SCALES, TYPES_KEY, VALUES
-from pdserve.engine.model import Linear, LlamaForCausalLM, can_pack_for_onednn
+from pdserve.engine.checkpoint_names import (
+    EXPERT_NAME,
+    SHARD_NAME,
+    STACKED,
+    STACKED_EXPERTS,
+    renamed,
+)
+from pdserve.engine.gguf_int4 import INT4_FILE
+from pdserve.engine.int4_weights import KeptWeights, attach_int4
+from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
-from pdserve.engine.quant import (
-    INT4_GROUP_SIZE,
-    Int4Linear,
-    can_quantize_int4,
-    quantize_linears,
-    weight_bytes,
-)
+from pdserve.engine.quant import quantize_linears, weight_bytes
 
 log = structlog.get_logger(__name__)
-
-# NOTE: HF keeps q/k/v and gate/up as separate matrices; we stack them into one projection.
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-_SHARD_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-# Mixtral's names for the MoE block and its experts' projections.
-_MIXTRAL_NAMES = (
-    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
-    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
-    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
-    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
-)
-# One routed expert's projection, stacked into the layer's 3-D expert tensors.
-_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# transformers >= 5 may also write the experts already stacked: [experts, out, in].
-_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def _qkv_sizes(config: ModelConfig, group: TensorParallelGroup) -> list[int]:
@@ -127,7 +105,7 @@ def load_model(
             and dtype == torch.bfloat16
             and model.group.world_size == 1
         )
-        kept = _attach_int4(model, path / INT4_FILE, dtype, is_kept)
+        kept = attach_int4(model, path / INT4_FILE, dtype, is_kept)
     _materialize(model, device)
     params = dict(model.named_parameters())
     pending = {name: _expected_shards(name, params[name]) for name in params}
@@ -139,7 +117,7 @@ def load_model(
                 if hf_name in kept.hf_names:
                     continue
                 tensor = reader.get_tensor(hf_name)
-                _load_tensor(_renamed(hf_name), tensor, params, pending, model)
+                _load_tensor(renamed(hf_name), tensor, params, pending, model)
                 del tensor  # NOTE: before the next one is read: one tensor in flight
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
@@ -207,12 +185,6 @@ def _expected_shards(name: str, param: torch.Tensor) -> set[int]:
     return {0}
 
 
-def _renamed(hf_name: str) -> str:
-    for pattern, replacement in _MIXTRAL_NAMES:
-        hf_name = pattern.sub(replacement, hf_name)
-    return hf_name
-
-
 def _load_tensor(
     hf_name: str,
     tensor: torch.Tensor,
@@ -228,11 +200,11 @@ def _load_tensor(
     tensor = shard_tensor(hf_name, tensor, config, model.group.shard)
     if _load_expert(hf_name, tensor, params, pending):
         return
-    match = _SHARD_NAME.search(hf_name)
+    match = SHARD_NAME.search(hf_name)
     if match is None:
         name, shard, offset = hf_name, 0, 0
     else:
-        fused, shard = _STACKED[match.group(1)]
+        fused, shard = STACKED[match.group(1)]
         name = hf_name.replace(f".{match.group(1)}.", f".{fused}.")
     transposed = name.endswith(".weight") and f"{name}_t" in params
     if transposed:
@@ -264,13 +236,13 @@ def _load_expert(
     pending: dict[str, set[int]],
 ) -> bool:
     """Copies one expert's projection (or all experts' at once) into the stacked tensors."""
-    stacked = _STACKED_EXPERTS.match(hf_name)
+    stacked = STACKED_EXPERTS.match(hf_name)
     if stacked is not None and hf_name in params:
         # [experts, out, in] -> [experts, in, out]
         _copy(hf_name, params[hf_name].data, tensor.transpose(1, 2))
         pending[hf_name].clear()
         return True
-    match = _EXPERT_NAME.match(hf_name)
+    match = EXPERT_NAME.match(hf_name)
     if match is None:
         return False
     prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
@@ -296,101 +268,3 @@ def _copy(hf_name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
         )
     with torch.no_grad():
         target.copy_(tensor)
-
-
-class KeptWeights(NamedTuple):
-    """What `_attach_int4` kept as the checkpoint stores it.
-
-    Attributes:
-        hf_names: Weights now held by `Int4Linear` projections (the loader skips their floats).
-        tensor_types: The GGUF's tensor types and what each became (``int4`` or a dtype).
-    """
-
-    hf_names: frozenset[str]
-    tensor_types: dict[str, str]
-
-
-def _int4_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, int, int] | None:
-    """(projection module name, shard, number of shards) the weight fills, or None where it
-    is no `Linear` of this model (an embedding, an expert, a tied LM head)."""
-    name = _renamed(hf_name)
-    if not name.endswith(".weight") or _EXPERT_NAME.match(name):
-        return None
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-        return None
-    match = _SHARD_NAME.search(name)
-    shard, num_shards = 0, 1
-    if match is not None:
-        fused, shard = _STACKED[match.group(1)]
-        num_shards = 3 if fused == "qkv_proj" else 2
-        name = name.replace(f".{match.group(1)}.", f".{fused}.")
-    module_name = name.removesuffix(".weight")
-    try:
-        module = model.get_submodule(module_name)
-    except AttributeError:
-        return None
-    return (module_name, shard, num_shards) if isinstance(module, Linear) else None
-
-
-def _attach_int4(
-    model: LlamaForCausalLM, int4_file: Path, dtype: torch.dtype, is_kept: bool
-) -> KeptWeights:
-    """Replaces every projection whose weights the checkpoint keeps as int4 (all its shards:
-    q, k and v of a fused projection) by an `Int4Linear` over those values, on the meta-device
-    `model` before its parameters are materialized; with `is_kept` false only reports that
-    every tensor type becomes `dtype`."""
-    with safe_open(str(int4_file), framework="pt") as reader:
-        metadata = reader.metadata() or {}
-        types: dict[str, str] = json.loads(metadata.get(TYPES_KEY, "{}"))
-        counts: dict[str, int] = json.loads(metadata.get(COUNTS_KEY, "{}"))
-        shards: dict[str, dict[int, str]] = {}
-        expected: dict[str, int] = {}
-        for hf_name in types if is_kept else ():
-            target = _int4_target(hf_name, model)
-            if target is not None:
-                module_name, shard, num_shards = target
-                shards.setdefault(module_name, {})[shard] = hf_name
-                expected[module_name] = num_shards
-        attached: set[str] = set()
-        for module_name, by_shard in shards.items():
-            linear = model.get_submodule(module_name)
-            assert isinstance(linear, Linear)
-            in_features, out_features = linear.weight_t.shape
-            names = [by_shard[i] for i in sorted(by_shard)]
-            if len(names) != expected[module_name] or not can_quantize_int4(
-                in_features, out_features, INT4_GROUP_SIZE
-            ):
-                continue
-            # values: [out, in / 2] uint8; scales, mins: [out, in / group], shards stacked
-            values, scales, mins = (
-                torch.cat([reader.get_tensor(name + suffix) for name in names])
-                for suffix in (VALUES, SCALES, MINS)
-            )
-            if tuple(values.shape) != (out_features, in_features // 2):
-                raise ModelLoadError(
-                    f"int4 weight {module_name!r} has shape {tuple(values.shape)}, expected "
-                    f"{(out_features, in_features // 2)}"
-                )
-            parent_name, _, child = module_name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype))
-            attached.update(names)
-    return KeptWeights(frozenset(attached), _tensor_types(types, counts, attached, dtype))
-
-
-def _tensor_types(
-    types: dict[str, str], counts: dict[str, int], attached: set[str], dtype: torch.dtype
-) -> dict[str, str]:
-    """Each GGUF tensor type -> what its tensors became: ``int4``, the dtype, or both."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    became = {}
-    for type_name in sorted(counts):
-        num_int4 = sum(1 for name in attached if types[name] == type_name)
-        num_of_type = sum(1 for t in types.values() if t == type_name) or counts[type_name]
-        if num_int4 == 0:
-            became[type_name] = dtype_name
-        elif num_int4 == num_of_type:
-            became[type_name] = "int4"
-        else:
-            became[type_name] = f"int4 ({num_int4} of {num_of_type}), else {dtype_name}"
-    return became

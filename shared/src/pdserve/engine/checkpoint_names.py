@@ -1,0 +1,34 @@
+"""How a Hugging Face checkpoint's tensor names map onto the engine's parameters: the
+projections it stacks (q/k/v, gate/up), Mixtral's names, and routed experts."""
+
+from __future__ import annotations
+
+import re
+
+# NOTE: HF keeps q/k/v and gate/up as separate matrices; we stack them into one projection.
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+SHARD_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+# Mixtral's names for the MoE block and its experts' projections.
+MIXTRAL_NAMES = (
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
+    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+)
+# One routed expert's projection, stacked into the layer's 3-D expert tensors.
+EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers >= 5 may also write the experts already stacked: [experts, out, in].
+STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def renamed(hf_name: str) -> str:
+    """The name the engine loads `hf_name` under (Mixtral's names as the other families')."""
+    for pattern, replacement in MIXTRAL_NAMES:
+        hf_name = pattern.sub(replacement, hf_name)
+    return hf_name

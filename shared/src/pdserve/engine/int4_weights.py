@@ -1,0 +1,126 @@
+"""A GGUF's int4 weights (`pdserve.engine.gguf_int4`) put into the model as `Int4Linear`
+projections, before the loader fills the rest from the float checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from pdserve.engine.checkpoint_names import EXPERT_NAME, SHARD_NAME, STACKED, renamed
+from pdserve.engine.gguf_int4 import COUNTS_KEY, MINS, SCALES, TYPES_KEY, VALUES
+from pdserve.engine.linear import Linear
+from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.model_config import ModelLoadError
+from pdserve.engine.quant import INT4_GROUP_SIZE, Int4Linear, can_quantize_int4
+
+
+class KeptWeights(NamedTuple):
+    """What `attach_int4` kept as the checkpoint stores it.
+
+    Attributes:
+        hf_names: Weights now held by `Int4Linear` projections (the loader skips their floats).
+        tensor_types: The GGUF's tensor types and what each became (``int4`` or a dtype).
+    """
+
+    hf_names: frozenset[str]
+    tensor_types: dict[str, str]
+
+
+def _int4_target(hf_name: str, model: LlamaForCausalLM) -> tuple[str, int, int] | None:
+    """(projection module name, shard, number of shards) the weight fills, or None where it
+    is no `Linear` of this model (an embedding, an expert, a tied LM head)."""
+    name = renamed(hf_name)
+    if not name.endswith(".weight") or EXPERT_NAME.match(name):
+        return None
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return None
+    match = SHARD_NAME.search(name)
+    shard, num_shards = 0, 1
+    if match is not None:
+        fused, shard = STACKED[match.group(1)]
+        num_shards = 3 if fused == "qkv_proj" else 2
+        name = name.replace(f".{match.group(1)}.", f".{fused}.")
+    module_name = name.removesuffix(".weight")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return (module_name, shard, num_shards) if isinstance(module, Linear) else None
+
+
+def attach_int4(
+    model: LlamaForCausalLM, int4_file: Path, dtype: torch.dtype, is_kept: bool
+) -> KeptWeights:
+    """Replaces every projection whose weights the checkpoint keeps as int4 by an `Int4Linear`
+    over those values.
+
+    A fused projection is replaced only when all its parts (q, k and v; gate and up) are kept,
+    and only where torch's int4 kernel takes its shape; the others stay `Linear`s that the
+    loader fills from the float checkpoint.
+
+    Args:
+        model: The model on the meta device, before its parameters are materialized.
+        int4_file: The directory's `pdserve.engine.gguf_int4.INT4_FILE`.
+        dtype: The activation dtype.
+        is_kept: Whether to replace anything; when false only reports that every tensor
+            type becomes `dtype`.
+    """
+    with safe_open(str(int4_file), framework="pt") as reader:
+        metadata = reader.metadata() or {}
+        types: dict[str, str] = json.loads(metadata.get(TYPES_KEY, "{}"))
+        counts: dict[str, int] = json.loads(metadata.get(COUNTS_KEY, "{}"))
+        shards: dict[str, dict[int, str]] = {}
+        expected: dict[str, int] = {}
+        for hf_name in types if is_kept else ():
+            target = _int4_target(hf_name, model)
+            if target is not None:
+                module_name, shard, num_shards = target
+                shards.setdefault(module_name, {})[shard] = hf_name
+                expected[module_name] = num_shards
+        attached: set[str] = set()
+        for module_name, by_shard in shards.items():
+            linear = model.get_submodule(module_name)
+            assert isinstance(linear, Linear)
+            in_features, out_features = linear.weight_t.shape
+            names = [by_shard[i] for i in sorted(by_shard)]
+            if len(names) != expected[module_name] or not can_quantize_int4(
+                in_features, out_features, INT4_GROUP_SIZE
+            ):
+                continue
+            # values: [out, in / 2] uint8; scales, mins: [out, in / group], shards stacked
+            values, scales, mins = (
+                torch.cat([reader.get_tensor(name + suffix) for name in names])
+                for suffix in (VALUES, SCALES, MINS)
+            )
+            if tuple(values.shape) != (out_features, in_features // 2):
+                raise ModelLoadError(
+                    f"int4 weight {module_name!r} has shape {tuple(values.shape)}, expected "
+                    f"{(out_features, in_features // 2)}"
+                )
+            parent_name, _, child = module_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype))
+            attached.update(names)
+    return KeptWeights(frozenset(attached), _tensor_types(types, counts, attached, dtype))
+
+
+def _tensor_types(
+    types: dict[str, str], counts: dict[str, int], attached: set[str], dtype: torch.dtype
+) -> dict[str, str]:
+    """Each GGUF tensor type -> what its tensors became: ``int4``, the dtype, or both."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    became = {}
+    for type_name in sorted(counts):
+        num_int4 = sum(1 for name in attached if types[name] == type_name)
+        num_of_type = sum(1 for t in types.values() if t == type_name) or counts[type_name]
+        if num_int4 == 0:
+            became[type_name] = dtype_name
+        elif num_int4 == num_of_type:
+            became[type_name] = "int4"
+        else:
+            became[type_name] = f"int4 ({num_int4} of {num_of_type}), else {dtype_name}"
+    return became
