@@ -3,8 +3,8 @@ Hugging Face directories.
 
 The converter comes from the llama.cpp sources that PyPI's ``llama-cpp-python`` sdist vendors
 (``make llama-convert`` unpacks it into ``.venv/llama.cpp``; it imports its own ``gguf-py``,
-torch, transformers and sentencepiece). All directories of a call are converted to float32
-GGUF in one child process, so torch and transformers are imported once.
+torch, transformers and sentencepiece). All directories of a call are converted in one child
+process, so torch and transformers are imported once.
 
 One change to the converter: it names the BPE pre-tokenizer (``tokenizer.ggml.pre``) by the
 hash of a test string's tokens, and raises for a tokenizer whose hash it does not list, as any
@@ -28,14 +28,16 @@ PRE_TOKENIZER = "gpt2"
 
 
 class ConversionJob(NamedTuple):
-    """One Hugging Face directory and the GGUF file to write from it."""
+    """One Hugging Face directory, the GGUF file to write from it and the converter's
+    ``--outtype`` (``f32``, ``f16``, ``bf16``, ``q8_0``)."""
 
     hf_dir: Path
     gguf_path: Path
+    outtype: str = "f32"
 
 
 def convert_with_llama_cpp(jobs: Sequence[ConversionJob], timeout_s: float = 120.0) -> None:
-    """Writes each job's float32 GGUF with llama.cpp's converter.
+    """Writes each job's GGUF with llama.cpp's converter.
 
     Raises:
         RuntimeError: If the converter fails; the message holds the end of its output.
@@ -60,8 +62,8 @@ def _main(argv: list[str]) -> None:
 
     base.TextModel.get_vocab_base_pre = lambda self, tokenizer: PRE_TOKENIZER
     script = str(Path(converter_dir) / "convert_hf_to_gguf.py")
-    for hf_dir, gguf_path in zip(paths[::2], paths[1::2], strict=True):
-        sys.argv = [script, hf_dir, "--outtype", "f32", "--outfile", gguf_path]
+    for hf_dir, gguf_path, outtype in zip(paths[::3], paths[1::3], paths[2::3], strict=True):
+        sys.argv = [script, hf_dir, "--outtype", outtype, "--outfile", gguf_path]
         runpy.run_path(script, run_name="__main__")
 
 

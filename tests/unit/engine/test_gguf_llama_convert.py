@@ -80,6 +80,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo2": {},
     "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4},
 }
+# tiny_models name -> the converter's other output types it is also written in, and how far a
+# weight may move: bf16 and f16 round to 8 and 11 significant bits; Q8_0 stores a block of 32 as
+# int8 times a float16 step of max|w| / 127 (half a step off, and 127 times the step's rounding).
+QUANTIZED = {"llama3": "q8_0", "qwen3_moe": "q8_0", "gemma3": "bf16", "phi3": "f16"}
+QUANTIZED_RTOL = {"bf16": 2**-8, "f16": 2**-11}
 # tiny_models name -> the tokenizer class of a SentencePiece (tokenizer.model) checkpoint
 SENTENCEPIECE = {
     "llama_tied": "LlamaTokenizer",
@@ -201,7 +206,13 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
             save_sentencepiece_checkpoint(name.removesuffix(SPM), family.hf_dir)
         else:
             save_checkpoint(name, family.hf_dir, root / "demo")
-    convert_with_llama_cpp([ConversionJob(f.hf_dir, f.gguf_path) for f in converted.values()])
+    for name, outtype in QUANTIZED.items():
+        hf_dir = converted[name].hf_dir
+        gguf_path = root / name / f"model-{outtype}.gguf"
+        converted[f"{name}-{outtype}"] = Family(hf_dir, gguf_path, root / name / f"out-{outtype}")
+    jobs = [ConversionJob(f.hf_dir, f.gguf_path, f.gguf_path.stem.partition("-")[2] or "f32")
+            for f in converted.values()]  # fmt: skip
+    convert_with_llama_cpp(jobs)
     for name, family in converted.items():
         if name == OLMO3:
             continue
@@ -263,6 +274,29 @@ def test_tokenizer_encodes_as_the_original(family: Family) -> None:
         CHAT, add_generation_prompt=True, return_dict=False
     )
     assert ours.eos_token_ids == (theirs.eos_token_id,)
+
+
+@pytest.mark.parametrize(("name", "outtype"), list(QUANTIZED.items()))
+def test_quantized_checkpoint_is_the_original_within_the_type(
+    families: dict[str, Family], name: str, outtype: str
+) -> None:
+    """The converter's other output types: 2-D weights in the type, 1-D ones in F32."""
+    family = families[f"{name}-{outtype}"]
+    expected = load_file(str(family.hf_dir / "model.safetensors"))
+    converted = load_file(str(family.model_dir / "model.safetensors"))
+    types = {t.name: t.tensor_type.name for t in GGUFReader(family.gguf_path).tensors}
+
+    assert outtype.upper() in types.values()
+    assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
+    assert sorted(converted) == sorted(expected)
+    for tensor_name, values in expected.items():
+        if outtype in QUANTIZED_RTOL:
+            rtol, atol = QUANTIZED_RTOL[outtype], WEIGHT_ATOL
+        else:
+            rtol, atol = 0.0, float(np.abs(values).max()) / 127 * (0.5 + 127 * 2**-11)
+        np.testing.assert_allclose(
+            converted[tensor_name], values, rtol=rtol, atol=atol, err_msg=tensor_name
+        )
 
 
 def test_olmo3_is_refused(families: dict[str, Family], tmp_path: Path) -> None:
