@@ -47,6 +47,7 @@ from support.process_cluster import (
     stream_token_ids,
 )
 from support.real_cluster import Reference
+from support.resumable_sse import SseEvent, chat_content, sse_events
 
 from pdserve.common.errors import ErrorReason
 from pdserve.launcher.child import ChildProcess
@@ -58,6 +59,9 @@ INSTANCE_TTL_S = 2.0
 NUM_STREAMS = 4
 DECODING_MAX_TOKENS = 300
 PREFILL_MAX_TOKENS = 16
+# NOTE: a background or left stream runs with nobody reading: long enough to be running when
+# the case has found it on a decode.
+UNATTACHED_MAX_TOKENS = 1000
 # NOTE: a long prompt's lease is ~80 blocks: a 200-block decode runs two of them, so of six
 # long requests two wait in the gateway's admission queue.
 NUM_QUEUED_STREAMS = 6
@@ -436,6 +440,139 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
     return outcomes.describe()
 
 
+# ---- cells of a request no client is attached to: kept (background) and resuming -----------
+
+
+async def land_while_decoding(
+    cell: Cell, cluster: ProcessCluster, mark: dict[str, int], fault: Fault
+) -> None:
+    """Freezes the decodes, picks the victim of `cell.target` among the case's requests that
+    run (the decode holding the most, or the prefill that computed the most), lands the
+    fault, thaws the others."""
+    async with frozen(cluster.decodes, fault):
+        held = await settled(running_decodes(cluster, mark))
+        serving = by_name(cluster, max(held, key=lambda n: held[n]))
+        assert held[serving.name] > 0, "no decode held a running request"
+        victim = serving
+        if cell.target == "prefill":
+            computed = {p.name: len(since(mark, p, "first_token")) for p in cluster.prefills}
+            victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
+        fault.land(cluster, cell.fault, victim)
+
+
+async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
+    """A ``kept`` cell (background responses, no client attached, read when done) or a
+    ``resuming`` one (resumable chat streams the client left; the fault lands while it reads
+    them again from where it was), each checked against the same requests run undisturbed."""
+    await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance up")
+    await cluster.wait_whole(timeout_s=20)
+    seeds = [100 + i for i in range(NUM_STREAMS)]
+    fault = Fault()
+    async with (
+        cluster.openai(timeout_s=REQUEST_TIMEOUT_S) as client,
+        httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as http,
+    ):
+        try:
+            if cell.phase == "kept":
+                bodies = [
+                    {
+                        "model": cluster.model_name,
+                        "input": f"{cell.cell_id} {i}: tell me a story",
+                        "max_output_tokens": UNATTACHED_MAX_TOKENS,
+                        "temperature": 0.0 if i % 2 == 0 else 0.8,
+                        "extra_body": {"seed": seed, "ignore_eos": True},
+                    }
+                    for i, seed in enumerate(seeds)
+                ]
+                done = await asyncio.gather(*(client.responses.create(**b) for b in bodies))
+                expected = [d.output_text for d in done]
+                mark = log_mark(cluster)
+                created = await asyncio.gather(
+                    *(client.responses.create(**b, background=True) for b in bodies)
+                )
+
+                on_decodes = running_decodes(cluster, mark)
+                await eventually(
+                    lambda: any(on_decodes().values()),
+                    REQUEST_TIMEOUT_S,
+                    "a background response decoding",
+                )
+                await land_while_decoding(cell, cluster, mark, fault)
+
+                async def all_ended() -> bool:
+                    got = [await client.responses.retrieve(c.id) for c in created]
+                    return all(g.status in ("completed", "incomplete", "failed") for g in got)
+
+                await eventually(all_ended, REQUEST_TIMEOUT_S, "every background response ended")
+                got = [await client.responses.retrieve(c.id) for c in created]
+                assert [g.status for g in got] == ["incomplete"] * len(got), [g.error for g in got]
+                texts = [g.output_text for g in got]
+            else:
+                assert cell.phase == "resuming"
+                bodies = [
+                    {
+                        "model": cluster.model_name,
+                        "messages": [{"role": "user", "content": f"{cell.cell_id} {i}: go on"}],
+                        "max_tokens": UNATTACHED_MAX_TOKENS,
+                        "temperature": 0.0 if i % 2 == 0 else 0.8,
+                        "seed": seed,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
+                    for i, seed in enumerate(seeds)
+                ]
+                url = f"{cluster.rest_url}/v1/chat/completions"
+                whole = await asyncio.gather(*(http.post(url, json=b) for b in bodies))
+                expected = [chat_content(sse_events(w.text)) for w in whole]
+                mark = log_mark(cluster)
+
+                async def leave(body: dict[str, Any]) -> tuple[str, list[SseEvent]]:
+                    resumable = {**body, "stream_options": {"resumable": True}}
+                    lines: list[str] = []
+                    async with http.stream("POST", url, json=resumable) as got_stream:
+                        assert got_stream.status_code == 200
+                        stream_id = got_stream.headers["x-request-id"]
+                        async for line in got_stream.aiter_lines():
+                            lines.append(line)
+                            if len(sse_events("\n".join(lines))) >= 6:
+                                break  # NOTE: the client goes away mid-stream
+                    return stream_id, sse_events("\n".join(lines))
+
+                left = await asyncio.gather(*(leave(b) for b in bodies))
+
+                async def resume(
+                    stream_id: str, before: list[SseEvent], event: asyncio.Event
+                ) -> str:
+                    resume_url = f"{url}/chatcmpl-{stream_id}/stream"
+                    lines: list[str] = []
+                    params = {"starting_after": before[-1][0]}
+                    async with http.stream("GET", resume_url, params=params) as again:
+                        assert again.status_code == 200
+                        async for line in again.aiter_lines():
+                            lines.append(line)
+                            event.set()
+                    after = sse_events("\n".join(lines))
+                    assert after and after[-1][1] == "[DONE]", after[-3:]
+                    return chat_content(before) + chat_content(after)
+
+                resuming = [asyncio.Event() for _ in left]
+                tasks = [
+                    asyncio.create_task(resume(i, before, e))
+                    for (i, before), e in zip(left, resuming, strict=True)
+                ]
+                await asyncio.wait_for(
+                    asyncio.gather(*(e.wait() for e in resuming)), REQUEST_TIMEOUT_S
+                )
+                await land_while_decoding(cell, cluster, mark, fault)
+                texts = list(await asyncio.gather(*tasks))
+        finally:
+            await fault.undo(cluster)
+    assert texts == expected, "a request differs from its undisturbed run"
+    await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
+    await cluster.wait_whole(timeout_s=20)
+    return f"{len(texts)} completed equal"
+
+
 @pytest.mark.parametrize(
     "cell",
     [
@@ -448,7 +585,10 @@ async def test_fault_matrix_cell(
 ) -> None:
     started = time.monotonic()
     try:
-        detail = await run_cell(cell, matrix_cluster, reference)
+        if cell.phase in ("kept", "resuming"):
+            detail = await run_unattached_cell(cell, matrix_cluster)
+        else:
+            detail = await run_cell(cell, matrix_cluster, reference)
     except BaseException as error:
         record(results_path, cell, "failed", time.monotonic() - started, repr(error)[:200])
         raise

@@ -79,13 +79,19 @@ BUILT = (
     Cell("sigstop", "decode", "decoding"),
     Cell("sigstop", "decode", "prefilling", fast=True),
     Cell("sigstop", "decode", "cancelling"),
-    Cell("sigstop", "prefill", "prefilling", fast=True),
+    Cell("sigstop", "prefill", "prefilling"),
     Cell("sigstop", "prefill", "decoding"),
     Cell("sigstop", "prefill", "cancelling"),
     Cell("sigkill", "decode", "queued", fast=True),
     Cell("sigkill", "prefill", "queued"),
     Cell("sigstop", "decode", "queued"),
     Cell("sigstop", "prefill", "queued"),
+    Cell("sigkill", "decode", "kept", fast=True),
+    Cell("sigstop", "decode", "kept"),
+    Cell("sigkill", "prefill", "kept"),
+    Cell("sigkill", "decode", "resuming"),
+    Cell("sigstop", "decode", "resuming", fast=True),
+    Cell("sigkill", "prefill", "resuming"),
 )
 
 
