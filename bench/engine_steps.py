@@ -3,12 +3,19 @@
     python bench/engine_steps.py                    # the default model, one thread
     python bench/engine_steps.py --model smollm2-135m-instruct --rounds 5 --clock cpu
 
-One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4), each with the
-same random prompts prefilled into its paged KV cache. Every round measures, setting after
-setting (so machine noise hits all alike): a prefill of one prompt, then decode steps of 1 and
-of all streams (one new token each, the model's forward and logits; no sampling). Medians per
-setting, and ratios against float32 and bfloat16 computed from the same rounds. The CPU and
-its flags are printed and recorded.
+One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4 re-quantized from
+the floats, and bfloat16 + ``auto``: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores
+them), each with the same random prompts prefilled into its paged KV cache. Every round
+measures, setting after setting (so machine noise hits all alike): a prefill of one prompt,
+then decode steps of 1 and of all streams (one new token each, the model's forward and logits;
+no sampling). Medians per setting, and ratios against float32 and bfloat16 computed from the
+same rounds. The CPU and its flags are printed and recorded.
+
+A one-row step streams every projection's weight once (`streamed_bytes`: the layers' and the
+LM head's, not the embedding, of which it reads one row). Its floor is those bytes at the
+machine's read bandwidth, measured here on one thread and the same clock (`read_bandwidth`: the
+median time of a sum over a buffer far larger than the caches); the table gives each one-row
+step against it.
 """
 
 from __future__ import annotations
@@ -24,16 +31,50 @@ import torch
 from common import cpu_description, prefilled_streams, write_results
 
 from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.linear import Linear
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.quant import weight_bytes
+from pdserve.engine.quant import Int4Linear, Int8Linear, weight_bytes
 
 SETTINGS = (
     ("float32", "none"),
     ("bfloat16", "none"),
     ("bfloat16", "int8"),
     ("bfloat16", "int4"),
+    ("bfloat16", "auto"),
 )
 BLOCK_SIZE = 16
+BANDWIDTH_BUFFER_BYTES = 1 << 30
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a one-row decode step reads: every projection's (packed) weight, scales
+    and bias, and the norms; not the embedding (one row of it)."""
+    total = 0
+    for module in model.modules():
+        tensors: list[torch.Tensor | None] = []
+        if isinstance(module, Linear):
+            weight = module.packed_weight if module.packed_weight is not None else module.weight_t
+            tensors = [weight, module.bias]
+        elif isinstance(module, Int8Linear):
+            tensors = [module.weight, module.scales, module.bias]
+        elif isinstance(module, Int4Linear):
+            tensors = [module.packed, module.scale_zeros, module.bias]
+        elif type(module).__name__.endswith("RMSNorm"):
+            tensors = [module.weight]
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
+
+
+def read_bandwidth(clock: str, rounds: int = 7) -> float:
+    """Bytes per second one thread reads: a sum over a bf16 buffer far larger than the caches.
+
+    NOTE: on `clock` like the steps: on a busy machine the wall clock also counts the time
+    other jobs held the core (7.5 GB/s wall against 32 GB/s of CPU time, load average 10).
+    """
+    buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 2, dtype=torch.bfloat16)
+    buffer.sum()
+    times = [timed(buffer.sum, clock) for _ in range(rounds)]
+    return BANDWIDTH_BUFFER_BYTES / statistics.median(times)
 
 
 def clock_now(clock: str) -> float:
@@ -85,12 +126,16 @@ def main() -> None:
     num_steps = args.rounds * args.steps * 2
     streams: dict[tuple[str, str], Streams] = {}
     sizes: dict[tuple[str, str], float] = {}
+    streamed: dict[tuple[str, str], float] = {}
     for dtype, quantization in SETTINGS:
         runner, sequences, tables = prefilled_streams(
             model_dir, args.batch, args.prompt_len, num_steps, BLOCK_SIZE, dtype, quantization
         )
         streams[dtype, quantization] = Streams(runner, sequences, tables)
         sizes[dtype, quantization] = weight_bytes(runner.model) / 1e6
+        streamed[dtype, quantization] = streamed_bytes(runner.model) / 1e6
+    bandwidth = read_bandwidth(args.clock)
+    print(f"read bandwidth, one thread, {args.clock} clock: {bandwidth / 1e9:.1f} GB/s")
     samples: dict[str, dict[tuple[str, str], list[float]]] = {
         "prefill_s": {key: [] for key in streams},
         "decode_1_s": {key: [] for key in streams},
@@ -111,41 +156,50 @@ def main() -> None:
         f"{args.clock} clock\n"
     )
     print(
-        f"| setting | weights MB | prefill tok/s | decode step, 1 row (ms) | "
+        f"| setting | weights MB | streamed per step MB | prefill tok/s | "
+        f"decode step, 1 row (ms) | floor, 1 row (ms) | 1 row vs floor | "
         f"decode step, {args.batch} rows (ms) | prefill vs fp32 | decode 1 vs fp32 | "
         f"decode 1 vs bf16 | decode {args.batch} vs bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     fp32, bf16 = ("float32", "none"), ("bfloat16", "none")
     big = f"decode_{args.batch}_s"
     for key in streams:
         prefill = medians["prefill_s"][key]
+        decode_1 = medians["decode_1_s"][key]
+        floor_s = streamed[key] * 1e6 / bandwidth
         row = {
             "dtype": key[0],
             "quantization": key[1],
             "weight_mb": sizes[key],
+            "streamed_mb": streamed[key],
             "prefill_tokens_per_s": args.prompt_len / prefill,
-            "decode_1_ms": medians["decode_1_s"][key] * 1e3,
+            "decode_1_ms": decode_1 * 1e3,
+            "floor_1_ms": floor_s * 1e3,
+            "decode_1_vs_floor": decode_1 / floor_s,
             f"decode_{args.batch}_ms": medians[big][key] * 1e3,
             # NOTE: speed-ups: > 1 is faster than the baseline.
             "prefill_speedup_vs_float32": medians["prefill_s"][fp32] / prefill,
-            "decode_1_speedup_vs_float32": medians["decode_1_s"][fp32] / medians["decode_1_s"][key],
-            "decode_1_speedup_vs_bfloat16": medians["decode_1_s"][bf16]
-            / medians["decode_1_s"][key],
+            "decode_1_speedup_vs_float32": medians["decode_1_s"][fp32] / decode_1,
+            "decode_1_speedup_vs_bfloat16": medians["decode_1_s"][bf16] / decode_1,
             f"decode_{args.batch}_speedup_vs_bfloat16": medians[big][bf16] / medians[big][key],
         }
         rows.append(row)
-        values = list(row.values())
         name = key[0] if key[1] == "none" else f"{key[0]} + {key[1]}"
         print(
-            f"| {name} | {values[2]:.0f} | {values[3]:.0f} | {values[4]:.2f} | {values[5]:.2f} | "
-            f"{values[6]:.2f}x | {values[7]:.2f}x | {values[8]:.2f}x | {values[9]:.2f}x |"
+            f"| {name} | {row['weight_mb']:.0f} | {row['streamed_mb']:.0f} | "
+            f"{row['prefill_tokens_per_s']:.0f} | {row['decode_1_ms']:.2f} | "
+            f"{row['floor_1_ms']:.2f} | {row['decode_1_vs_floor']:.2f}x | "
+            f"{row[f'decode_{args.batch}_ms']:.2f} | {row['prefill_speedup_vs_float32']:.2f}x | "
+            f"{row['decode_1_speedup_vs_float32']:.2f}x | "
+            f"{row['decode_1_speedup_vs_bfloat16']:.2f}x | "
+            f"{row[f'decode_{args.batch}_speedup_vs_bfloat16']:.2f}x |"
         )
     path = write_results(
         "engine_steps",
         {
-            "config": {**vars(args), "threads": 1, **cpu},
+            "config": {**vars(args), "threads": 1, "read_bandwidth_bytes_per_s": bandwidth, **cpu},
             "rows": rows,
             "samples": {m: {f"{k[0]}+{k[1]}": v for k, v in s.items()} for m, s in samples.items()},
         },
