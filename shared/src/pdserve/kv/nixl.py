@@ -264,8 +264,10 @@ class NixlPeers:
 class NixlWindow:
     """Writes one lease's KV into its blocks of a decode's registered cache, and nowhere else.
 
-    `write` posts one piece's WRITEs and returns its CRC-32C; `wait` returns once every WRITE
-    posted so far completed (then it is in the decode's memory).
+    `write` takes one piece's blocks and returns its CRC-32C; `post` posts the WRITEs of every
+    piece taken since as one transfer (runs contiguous on both sides merged into one
+    descriptor); `wait` posts and returns once every posted WRITE completed: then they are in
+    the decode's memory.
 
     Args:
         peers: The sender's agent and loaded decode agents.
@@ -278,11 +280,16 @@ class NixlWindow:
         self.local = peers.local
         self.target = target
         self.num_shared_blocks = num_shared_blocks
+        # (address, length, device) rows here and on the decode, of the WRITEs to post
+        self._local: list[list[int]] = []
+        self._remote: list[list[int]] = []
+        # (decode address, byte) of the bytes to flip once the WRITEs landed (fault injection)
+        self._flips: list[tuple[int, int]] = []
         self._posted: list[Any] = []
 
     def write(self, piece: KvPiece, *, corrupt: bool = False) -> int:
-        """Posts the WRITEs of `piece` into the lease's blocks (from the sender's own cache, its
-        ``source_block_ids``); returns the CRC-32C of the piece.
+        """Takes the WRITEs of `piece` into the lease's blocks (from the sender's own cache,
+        its ``source_block_ids``; `wait` posts them); returns the CRC-32C of the piece.
 
         `corrupt` flips one written byte after the checksum (fault injection).
 
@@ -290,7 +297,6 @@ class NixlWindow:
             IndexError: The piece's logical blocks are not all within the lease's writable
                 blocks.
             ValueError: The piece was not cut from the sender's cache.
-            NixlUnavailable: A WRITE cannot be posted.
         """
         end = piece.first_block + piece.num_blocks
         num_leased = len(self.target.block_addresses)
@@ -306,49 +312,59 @@ class NixlWindow:
         if len(piece.source_block_ids) != piece.num_blocks:
             raise ValueError("a NIXL write reads the sender's cache: the piece has no blocks there")
         crc = chunk_crc32c(piece.key, piece.value)
-        local, remote = self._descriptors(piece)
-        self._post(local, remote)
+        self._add_descriptors(piece)
         if corrupt:
-            # NOTE: ordered after the piece's own WRITE, so that it is not overwritten.
-            self.wait()
-            self.local._scratch[0] = np.frombuffer(piece.key, dtype=np.uint8, count=1)[0] ^ 0xFF
+            first = np.frombuffer(piece.key, dtype=np.uint8, count=1)[0]
             address = self.target.address(piece.layer_index, 0, piece.first_block)
-            self._post(
-                np.array([[self.local._scratch.ctypes.data, 1, 0]], dtype=np.uint64),
-                np.array([[address, 1, self.target.device_id]], dtype=np.uint64),
-                local_kind="DRAM",
-            )
+            self._flips.append((address, int(first) ^ 0xFF))
         return crc
 
-    def wait(self) -> None:
-        """Returns once every WRITE posted so far completed.
+    def post(self) -> None:
+        """Posts the WRITEs taken so far as one transfer, without waiting for it.
 
         Raises:
-            NixlUnavailable: A WRITE failed (the decode's process or connection is gone).
+            NixlUnavailable: The transfer cannot be posted.
         """
-        agent = self.local.agent
-        pause = 0.0
+        if not self._local:
+            return
+        local = np.array(self._local, dtype=np.uint64)
+        remote = np.array(self._remote, dtype=np.uint64)
+        self._local.clear()
+        self._remote.clear()
         try:
-            while self._posted:
-                state = agent.check_xfer_state(self._posted[0])
-                if state == "DONE":
-                    agent.release_xfer_handle(self._posted.pop(0))
-                    pause = 0.0
-                elif state == "PROC":
-                    time.sleep(pause)
-                    pause = min(_MAX_POLL_S, 2 * pause or 1e-5)
-                else:
-                    raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
+            self._post(local, remote, self.local.memory_kind)
         except NixlUnavailable:
             self._abandon()
             raise
 
-    def _descriptors(self, piece: KvPiece) -> tuple[np.ndarray, np.ndarray]:
-        """The (address, length, device) rows of the piece's K then V blocks, here and on the
-        decode; runs contiguous on both sides are merged into one row."""
+    def wait(self) -> None:
+        """Posts the WRITEs taken so far and returns once every posted WRITE completed.
+
+        Raises:
+            NixlUnavailable: A WRITE failed (the decode's process or connection is gone).
+        """
+        self.post()
+        try:
+            self._poll()
+            for address, value in self._flips:
+                # NOTE: after the piece's own WRITE landed, so that it is not overwritten.
+                self.local._scratch[0] = value
+                self._post(
+                    np.array([[self.local._scratch.ctypes.data, 1, 0]], dtype=np.uint64),
+                    np.array([[address, 1, self.target.device_id]], dtype=np.uint64),
+                    "DRAM",
+                )
+                self._poll()
+            self._flips.clear()
+        except NixlUnavailable:
+            self._abandon()
+            raise
+
+    def _add_descriptors(self, piece: KvPiece) -> None:
+        """Adds the rows of the piece's K then V blocks, here and on the decode; a block that
+        continues the last row on both sides extends it."""
         nbytes = self.target.block_nbytes
-        local: list[list[int]] = []
-        remote: list[list[int]] = []
+        local, remote = self._local, self._remote
         for kv_index in (0, 1):
             for offset, source_id in enumerate(piece.source_block_ids):
                 src = self.local.block_address(piece.layer_index, kv_index, source_id)
@@ -363,24 +379,36 @@ class NixlWindow:
                     continue
                 local.append([src, nbytes, self.local.device_id])
                 remote.append([dst, nbytes, self.target.device_id])
-        return np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64)
 
-    def _post(self, local: np.ndarray, remote: np.ndarray, local_kind: str | None = None) -> None:
+    def _post(self, local: np.ndarray, remote: np.ndarray, local_kind: str) -> None:
         agent = self.local.agent
         try:
             handle = agent.initialize_xfer(
                 "WRITE",
-                agent.get_xfer_descs(local, local_kind or self.local.memory_kind),
+                agent.get_xfer_descs(local, local_kind),
                 agent.get_xfer_descs(remote, self.target.memory_kind),
                 self.target.agent_name,
             )
         except Exception as error:  # NOTE: NIXL raises its own exception types
-            self._abandon()
             raise NixlUnavailable(f"a WRITE to {self.target.agent_name}: {error}") from None
         self._posted.append(handle)
         if agent.transfer(handle) == "ERR":
-            self._abandon()
             raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
+
+    def _poll(self) -> None:
+        """Returns once every posted WRITE completed (polled, pausing up to a millisecond)."""
+        agent = self.local.agent
+        pause = 0.0
+        while self._posted:
+            state = agent.check_xfer_state(self._posted[0])
+            if state == "DONE":
+                agent.release_xfer_handle(self._posted.pop(0))
+                pause = 0.0
+            elif state == "PROC":
+                time.sleep(pause)
+                pause = min(_MAX_POLL_S, 2 * pause or 1e-5)
+            else:
+                raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
 
     def _abandon(self) -> None:
         """After a failed WRITE: releases what is posted and drops the decode's agent."""
@@ -390,6 +418,9 @@ class NixlWindow:
             except Exception as error:  # NOTE: a handle still under way cannot be released
                 log.info("nixl_release_failed", detail=str(error))
         self._posted.clear()
+        self._local.clear()
+        self._remote.clear()
+        self._flips.clear()
         self.peers.forget(self.target.agent_name)
 
 
