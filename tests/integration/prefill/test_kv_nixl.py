@@ -1,11 +1,13 @@
 """The nixl transport between a real prefill and a real decode (one-sided NIXL WRITEs over UCX
 into the decode's registered cache): exact output, preference, fallback without NIXL, and the
 commit rules it shares with shared memory (a corrupt block, a lease that expires mid-write, a
-sender gone mid-write: nothing commits, every block returns)."""
+sender gone or SIGKILLed mid-write: nothing commits, every block returns)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 from pathlib import Path
 
 import grpc
@@ -33,6 +35,7 @@ except nixl.NixlUnavailable as missing:
 LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+WRITER = Path(__file__).parents[2] / "support" / "nixl_writer.py"
 
 
 async def _transport_of(pd: Cluster, request_id: str, prompt: list[int]) -> str:
@@ -193,5 +196,43 @@ async def test_a_sender_gone_mid_write_fails_the_lease_and_returns_every_block(
         await eventually(lambda: held.status.name == "FAILED", 5, "the lease to fail")
         # Held a little longer: WRITEs the sender posted may still be on the wire.
         assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        await pd.eventually_whole()
+        decode.leases.pool.check_integrity()
+
+
+async def _line(stream: asyncio.StreamReader, wanted: bytes) -> None:
+    """Reads `stream` up to the line `wanted` (NIXL logs to stdout too)."""
+    while (line := await stream.readline()) != wanted:
+        assert line, f"the writer ended before {wanted!r}"
+
+
+async def test_a_sender_sigkilled_mid_write_fails_the_lease_and_returns_every_block(
+    tiny_model_dir: Path,
+) -> None:
+    async with cluster(tiny_model_dir, kv_transports="nixl") as pd:
+        decode = pd.decodes[0]
+        layout = decode.host.runner.kv_cache.layout
+        writer = await asyncio.create_subprocess_exec(
+            sys.executable, str(WRITER), decode.address, str(layout.num_layers),
+            str(layout.num_kv_heads), str(layout.head_dim), str(layout.block_size),
+            layout.dtype, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert writer.stdin is not None and writer.stdout is not None
+        try:
+            await asyncio.wait_for(_line(writer.stdout, b"ready\n"), 60)
+            lease = await _lease(pd, 8)
+            writer.stdin.write(lease.SerializeToString().hex().encode() + b"\n")
+            await writer.stdin.drain()
+            # One layer written and announced, the next one's WRITEs posted: then the kill.
+            await asyncio.wait_for(_line(writer.stdout, b"writing\n"), 30)
+            (held,) = decode.leases.open_leases()
+            assert held.status.name == "SYNCING"
+            writer.send_signal(signal.SIGKILL)
+            assert await writer.wait() == -signal.SIGKILL
+        finally:
+            if writer.returncode is None:
+                writer.kill()
+                await writer.wait()
+        await eventually(lambda: held.status.name == "FAILED", 10, "the lease to fail")
         await pd.eventually_whole()
         decode.leases.pool.check_integrity()
