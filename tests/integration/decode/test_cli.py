@@ -62,12 +62,12 @@ def test_help_explains_the_flags() -> None:
         assert flag in text
 
 
-def test_precision_flags_default_to_auto_and_none() -> None:
+def test_precision_flags_default_to_auto() -> None:
     args = build_parser().parse_args(["--quantization", "int4"])
     assert (args.dtype, args.quantization) == ("auto", "int4")
     assert (DecodeConfig(insecure=True).dtype, DecodeConfig(insecure=True).quantization) == (
         "auto",
-        "none",
+        "auto",
     )
     with pytest.raises(ValueError, match="quantization"):
         DecodeConfig(insecure=True, quantization="int2")
