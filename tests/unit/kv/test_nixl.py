@@ -26,7 +26,11 @@ def ends() -> Iterator[tuple[nixl.CacheAgent, nixl.NixlPeers]]:
     source = KVCache(LAYOUT, 16, torch.device("cpu"))
     source.kv.copy_(torch.randn(source.kv.shape))
     prefill = nixl.CacheAgent(source, "prefill")
+    # NOTE: the decode's agent progresses while transfers into it are open (its servicer holds
+    # it from a NIXL header to the blocks' release).
+    release = decode.progress.hold()
     yield decode, nixl.NixlPeers(prefill)
+    release()
     decode.close()
     prefill.close()
 
@@ -78,6 +82,26 @@ def test_a_corrupting_write_lands_a_flipped_byte_after_the_checksum(
     window.write(piece)
     window.wait()
     assert blocks_crc32c(decode.kv_cache, 1, [4]) == crc
+
+
+def test_a_target_that_makes_no_progress_leaves_a_write_undone_until_the_timeout(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    decode, peers = ends
+    (piece,) = layer_pieces(peers.local.kv_cache, 0, [3], 1)
+    release = decode.progress.hold()
+    release()
+    release()  # NOTE: a second call changes nothing
+    assert decode.progress.num_open == 1  # the fixture's hold
+    idle = nixl.CacheAgent(KVCache(LAYOUT, 4, torch.device("cpu")), "decode")
+    try:
+        window = nixl.NixlWindow(peers, idle.target([1]), timeout_s=0.5)
+        peers.window(idle.target([1]))  # loads the idle agent
+        window.write(piece)
+        with pytest.raises(nixl.NixlUnavailable, match="not done"):
+            window.wait()
+    finally:
+        idle.close()
 
 
 def test_a_peer_with_another_block_size_is_refused(

@@ -23,7 +23,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from types import ModuleType
@@ -44,6 +44,11 @@ BACKEND = "UCX"
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 # Longest pause between two polls of a WRITE under way (it starts at 0 and doubles).
 _MAX_POLL_S = 0.001
+# Pause between two progress calls of a target agent while transfers into it are open.
+_PROGRESS_PAUSE_S = 5e-5
+# How long a posted WRITE may take before the window gives up on the decode (a partition or a
+# hung peer: over TCP a WRITE then never completes) and drops its agent.
+WRITE_TIMEOUT_S = 30.0
 
 
 class NixlUnavailable(Exception):
@@ -122,9 +127,13 @@ class CacheAgent:
     def __init__(self, kv_cache: KVCache, role: str) -> None:
         api = load_api()
         self.name = f"pdserve-{role}-{os.getpid()}-{secrets.token_hex(8)}"
-        # NOTE: several transfers post and poll from worker threads at once.
+        # NOTE: several transfers post and poll from worker threads at once. No progress
+        # thread: NIXL's polls an idle agent at about a fifth of a core; a sender progresses
+        # its own WRITEs as it polls them, a target only while transfers are open (`Progress`).
         config = api.nixl_agent_config(
-            backends=[BACKEND], sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            enable_prog_thread=False,
+            backends=[BACKEND],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
             self.agent: Any = api.nixl_agent(self.name, config)
@@ -152,6 +161,7 @@ class CacheAgent:
             [(self._scratch.ctypes.data, 1, 0, "")], "DRAM"
         )
         self.metadata: bytes = self.agent.get_agent_metadata()
+        self.progress = Progress(self.agent)
         log.info(
             "nixl_agent_started",
             agent=self.name,
@@ -189,6 +199,59 @@ class CacheAgent:
         """Deregisters the cache (no peer can reach it through this agent afterwards)."""
         self.agent.deregister_memory(self._registered)
         self.agent.deregister_memory(self._scratch_registered)
+
+
+class Progress:
+    """Drives a target agent's backend while transfers into it are open: over UCX the sender's
+    WRITEs complete (and, over TCP, land) only as the target makes progress, and without a
+    progress thread nothing else does it.
+
+    Args:
+        agent: The NIXL agent.
+    """
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._num_open = 0
+        self._lock = threading.Lock()
+        self._is_open = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def hold(self) -> Callable[[], None]:
+        """Keeps the agent progressing until the returned function is called (once)."""
+        with self._lock:
+            self._num_open += 1
+            self._is_open.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nixl-progress", daemon=True)
+                self._thread.start()
+        is_released = False
+
+        def release() -> None:
+            nonlocal is_released
+            with self._lock:
+                if is_released:
+                    return
+                is_released = True
+                self._num_open -= 1
+                if not self._num_open:
+                    self._is_open.clear()
+
+        return release
+
+    @property
+    def num_open(self) -> int:
+        """Transfers holding the agent progressing."""
+        return self._num_open
+
+    def _run(self) -> None:
+        while True:
+            self._is_open.wait()
+            try:
+                self._agent.get_new_notifs()  # NOTE: progresses the backend's workers
+            except Exception as error:  # NOTE: NIXL raises its own exception types
+                log.warning("nixl_progress_failed", detail=str(error))
+            time.sleep(_PROGRESS_PAUSE_S)
 
 
 def start_agent(kv_cache: KVCache, role: str) -> Future[CacheAgent]:
@@ -273,10 +336,18 @@ class NixlWindow:
         peers: The sender's agent and loaded decode agents.
         target: The lease's blocks on the decode.
         num_shared_blocks: Leading blocks the lease shares with another lease: never written.
+        timeout_s: How long `wait` waits for posted WRITEs before it gives up.
     """
 
-    def __init__(self, peers: NixlPeers, target: NixlTarget, num_shared_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        peers: NixlPeers,
+        target: NixlTarget,
+        num_shared_blocks: int = 0,
+        timeout_s: float = WRITE_TIMEOUT_S,
+    ) -> None:
         self.peers = peers
+        self.timeout_s = timeout_s
         self.local = peers.local
         self.target = target
         self.num_shared_blocks = num_shared_blocks
@@ -341,7 +412,8 @@ class NixlWindow:
         """Posts the WRITEs taken so far and returns once every posted WRITE completed.
 
         Raises:
-            NixlUnavailable: A WRITE failed (the decode's process or connection is gone).
+            NixlUnavailable: A WRITE failed (the decode's process or connection is gone), or
+                did not complete within the window's timeout.
         """
         self.post()
         try:
@@ -396,15 +468,25 @@ class NixlWindow:
             raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
 
     def _poll(self) -> None:
-        """Returns once every posted WRITE completed (polled, pausing up to a millisecond)."""
+        """Returns once every posted WRITE completed (polled, pausing up to a millisecond).
+
+        Raises:
+            NixlUnavailable: A WRITE failed, or is not done after `timeout_s`.
+        """
         agent = self.local.agent
         pause = 0.0
+        deadline = time.monotonic() + self.timeout_s
         while self._posted:
             state = agent.check_xfer_state(self._posted[0])
             if state == "DONE":
                 agent.release_xfer_handle(self._posted.pop(0))
                 pause = 0.0
             elif state == "PROC":
+                if time.monotonic() > deadline:
+                    raise NixlUnavailable(
+                        f"a WRITE to agent {self.target.agent_name} not done after "
+                        f"{self.timeout_s:.0f} s"
+                    )
                 time.sleep(pause)
                 pause = min(_MAX_POLL_S, 2 * pause or 1e-5)
             else:

@@ -165,6 +165,7 @@ class DecodeInstance(InstanceServer):
             agent.close()
             return
         offer = TransportOffer("nixl", "", nixl=agent.target())
+        self.servicer.nixl_progress = agent.progress
         # NOTE: one assignment: the servicer reads the whole tuple per lease.
         self.servicer.transport_offers = (offer, *self.servicer.transport_offers)
         log.info(

@@ -33,6 +33,7 @@ from pdserve.decode.transfers import (
     WRITTEN_IN_PLACE,
     Transfers,
 )
+from pdserve.kv.nixl import Progress
 from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
@@ -84,6 +85,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         self.requests = self.kept.requests  # NOTE: the same dict: RPCs add, `kept` removes
         self.instance_id = ""
         self.transport_offers: tuple[TransportOffer, ...] = ()  # besides gRPC, set by the server
+        self.nixl_progress: Progress | None = None  # the NIXL agent's, set by the server
 
     @property
     def num_kv_bytes_received(self) -> int:
@@ -176,6 +178,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             is_shared = header.transport in WRITTEN_IN_PLACE
             commit: decode_pb2.SyncCacheCommit | None = None
             is_end_deferred = False
+            # NOTE: a NIXL sender's WRITEs complete only while this agent makes progress:
+            # until the blocks are released, late ones included.
+            release_progress = (
+                self.nixl_progress.hold()
+                if header.transport == decode_pb2.TRANSPORT_KIND_NIXL
+                and self.nixl_progress is not None
+                else _nothing
+            )
+
+            def end(lease: DecodeRequest = lease) -> None:
+                self.transfers.end(lease)
+                release_progress()
+
             try:
                 if is_shared:
                     # NOTE: the sender writes into the segment only after this answer.
@@ -199,14 +214,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     # little longer. A shared-memory sender that hangs up has stopped writing;
                     # a CUDA IPC sender that died may leave copies queued on the GPU, a NIXL
                     # sender WRITEs on the wire.
-                    asyncio.get_running_loop().call_later(
-                        SHARED_WRITER_GRACE_S, self.transfers.end, lease
-                    )
+                    asyncio.get_running_loop().call_later(SHARED_WRITER_GRACE_S, end)
                     is_end_deferred = True
                 raise
             finally:
                 if not is_end_deferred:
-                    self.transfers.end(lease)
+                    end()
             trace.get_current_span().set_attributes(
                 {"pdserve.kv.num_bytes": receiver.num_bytes,
                  "pdserve.kv.num_chunks": receiver.num_chunks}
@@ -304,3 +317,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             self.loop.release(lease, RequestStatus.EXPIRED, "lease TTL ran out")
         self.kept.sweep(self.leases.ttl_s)
         return len(expired)
+
+
+def _nothing() -> None:
+    """What ends a transfer's hold on nothing."""
