@@ -42,7 +42,9 @@ BACKEND = "UCX"
 # NOTE: the meta package `nixl` picks the wheel of the CUDA version in use; `nixl_cu12` is what
 # the install extra pins (it also runs on a host without CUDA).
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-# Longest pause between two polls of a WRITE under way (it starts at 0 and doubles).
+# Polling a WRITE under way: without a pause (only yielding) for its first milliseconds, in
+# which a group of a few MiB completes, then with pauses doubling up to a millisecond.
+_BUSY_POLL_S = 0.005
 _MAX_POLL_S = 0.001
 # Pause between two progress calls of a target agent while transfers into it are open.
 _PROGRESS_PAUSE_S = 5e-5
@@ -475,7 +477,9 @@ class NixlWindow:
         """
         agent = self.local.agent
         pause = 0.0
-        deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
+        busy_until = now + _BUSY_POLL_S
+        deadline = now + self.timeout_s
         while self._posted:
             state = agent.check_xfer_state(self._posted[0])
             if state == "DONE":
@@ -488,7 +492,8 @@ class NixlWindow:
                         f"{self.timeout_s:.0f} s"
                     )
                 time.sleep(pause)
-                pause = min(_MAX_POLL_S, 2 * pause or 1e-5)
+                if time.monotonic() > busy_until:
+                    pause = min(_MAX_POLL_S, 2 * pause or 1e-5)
             else:
                 raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
 
