@@ -39,7 +39,9 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.kv.nixl import is_installed as nixl_installed
 from pdserve.launcher.child import ChildProcess
+from pdserve.prefill.kv_nixl_channel import NixlSide
 from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.serving.convert import local_protocol, sampling_to_proto
 from pdserve.v1 import (
@@ -51,7 +53,8 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 
-TRANSPORTS = ("grpc", "tcp", "shm")
+# NOTE: nixl where its extra is installed (pdserve.kv.nixl).
+TRANSPORTS = ("grpc", "tcp", "shm", *(("nixl",) if nixl_installed() else ()))
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
@@ -155,11 +158,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.device("cpu"),
         )
         kv_cache.kv.normal_()
+        nixl = NixlSide(kv_cache) if "nixl" in TRANSPORTS else None
         rng = random.Random(0)
         vocab = 40_000
         samples: dict[str, list[dict[str, Any]]] = {t: [] for t in TRANSPORTS}
         for repeat in range(-1, args.repeats):  # repeat -1 warms every path up
-            order = TRANSPORTS[repeat % 3 :] + TRANSPORTS[: repeat % 3]
+            turn = repeat % len(TRANSPORTS)
+            order = TRANSPORTS[turn:] + TRANSPORTS[:turn]
             for transport in order:
                 prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
                 cold = await prefill_once(
@@ -171,7 +176,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 alone_s, _, num_bytes = await sync_cache_once(
                     target, kv_cache, args.prompt_tokens, 1 << 20, f"alone-{transport}-{repeat}",
-                    transport,
+                    transport, nixl,
                 )  # fmt: skip
                 assert num_bytes == cold["num_bytes"], (num_bytes, cold["num_bytes"])
                 if repeat >= 0:

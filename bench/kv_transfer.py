@@ -18,7 +18,12 @@ process on the same host, several ways, alternating:
   into its cache). ``tcp``: the decode's data port (checksummed, sent from the cache; the
   decode reads each chunk straight into its cache and checksums it there). ``shm``: written
   into the decode's shared-memory cache (checksummed, copied once), then the commit's chunk
-  list verified in the decode's cache. Cutting the pieces (views of the cache) is timed apart.
+  list verified in the decode's cache. ``nixl``: one-sided NIXL WRITEs (UCX backend) from this
+  process's registered cache into the decode's registered cache, each group of pieces posted at
+  once and announced once it completed (checksummed here from the cache), then verified in the
+  decode's cache like shm (offered where the ``nixl`` extra is installed; UCX picks its
+  transport, shared memory between two processes of one host). Cutting the pieces (views of the
+  cache) is timed apart.
 * raw TCP: the same chunk bytes (K then V of every chunk, copied out beforehand) written with
   ``sendall`` to a receiver process that reads them into one preallocated buffer with
   ``recv_into`` and acknowledges the last byte: the floor for any transport over loopback TCP
@@ -67,6 +72,7 @@ from pdserve.kv.transfer import sequence_pieces
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
+from pdserve.prefill.kv_nixl_channel import NixlSide
 from pdserve.prefill.kv_sender import KvSender
 from pdserve.prefill.kv_shm_channel import SharedPools
 from pdserve.prefill.kv_transports import channels_for
@@ -79,7 +85,7 @@ BLOCK_SIZE = 16
 DEFAULT_SIZES_MIB = (16, 32, 64, 128, 256, 512)
 MODEL_SHAPE = {"num_layers": 16, "num_kv_heads": 8, "head_dim": 128}
 VOCAB_SIZE = 512
-TRANSPORTS = ("grpc", "tcp", "shm", "cuda_ipc")
+TRANSPORTS = ("grpc", "tcp", "shm", "nixl", "cuda_ipc")
 WARMUP_TRANSFERS = 1
 
 # The receiver of the raw TCP baseline: a separate process, like the decode. It prints its port,
@@ -198,6 +204,7 @@ async def sync_cache_once(
     max_chunk_bytes: int,
     request_id: str,
     transport: str = "grpc",
+    nixl: NixlSide | None = None,
 ) -> tuple[float, float, int]:
     """One lease + transfer of `num_tokens` tokens' KV on `transport`, sent by the prefill's
     `KvSender`.
@@ -222,7 +229,7 @@ async def sync_cache_once(
     request.lease = convert.lease_from_proto(response.lease)
     # NOTE: one mapping per decode and sender cache, opened in the warm-up, as a prefill keeps it.
     caches = decode.caches.setdefault(id(kv_cache), MappedCaches(kv_cache))
-    channels = channels_for(request, decode.stub, decode.pools, [transport], caches)
+    channels = channels_for(request, decode.stub, decode.pools, [transport], caches, nixl)
     sender = KvSender(request, channels)
     began = time.perf_counter()
     for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes):
@@ -296,6 +303,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     decode = Decode(model, num_blocks, log_dir, False, layout, args.device)
     decode_tls = Decode(model, num_blocks, log_dir, True, layout, args.device)
     transports = [way for way in TRANSPORTS if way in decode.transports]
+    # NOTE: this process's agent, as a prefill's: its cache registered once.
+    nixl = NixlSide(kv_cache) if "nixl" in transports else None
     baselines = ["raw_tcp"] + (["d2h"] if kv_cache.device.type == "cuda" else [])
     receiver, port = start_tcp_receiver(max(args.sizes_mib) * MIB)
     rows = []
@@ -313,7 +322,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for transport in transports:
                 await sync_cache_once(
                     decode, kv_cache, warm, args.max_chunk_bytes, f"warmup-{transport}-{i}",
-                    transport,
+                    transport, nixl,
                 )  # fmt: skip
         for size_mib in args.sizes_mib:
             num_tokens = size_mib * MIB // per_token
@@ -334,8 +343,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     target, transport = (decode_tls, "grpc") if way == "grpc_tls" else (decode, way)
                     took, cut, num_bytes = await sync_cache_once(
-                        target, kv_cache, num_tokens, args.max_chunk_bytes, request_id, transport
-                    )
+                        target, kv_cache, num_tokens, args.max_chunk_bytes, request_id, transport,
+                        nixl,
+                    )  # fmt: skip
                     seconds[way].append(took)
                     cut_s.append(cut)
             assert num_bytes == sum(len(p) for p in payloads)
@@ -374,6 +384,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         receiver.wait()
         await decode.close()
         await decode_tls.close()
+        if nixl is not None:
+            nixl.close()
     return {
         "command": " ".join(sys.argv[1:]),
         "device": args.device,
