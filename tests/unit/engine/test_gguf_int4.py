@@ -80,8 +80,11 @@ def test_the_bf16_kernel_is_within_its_scales_rounding(tensor_type: GGMLQuantiza
     assert error.max() > 0  # bf16 cannot hold every fp16 scale
 
 
-def converted(tmp_path: Path, tensor_type: GGMLQuantizationType) -> Path:
-    gguf_path = write_tiny_gguf(tmp_path / "model.gguf", TinyGgufSpec(tensor_type=tensor_type))
+def converted(
+    tmp_path: Path, tensor_type: GGMLQuantizationType, architecture: str = "llama"
+) -> Path:
+    spec = TinyGgufSpec(architecture=architecture, tensor_type=tensor_type)
+    gguf_path = write_tiny_gguf(tmp_path / "model.gguf", spec)
     out_dir = tmp_path / "converted"
     out_dir.mkdir()
     convert_gguf(gguf_path, out_dir)
@@ -105,12 +108,18 @@ def prompt_logits(
 
 
 @pytest.mark.parametrize(
-    "tensor_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K], ids=["Q4_1", "Q4_K"]
+    ("architecture", "tensor_type"),
+    [
+        ("llama", GGMLQuantizationType.Q4_1),  # q/k rows un-permuted
+        ("llama", GGMLQuantizationType.Q4_K),
+        ("qwen2", GGMLQuantizationType.Q4_0),  # q/k/v biases
+    ],
+    ids=["llama-Q4_1", "llama-Q4_K", "qwen2-Q4_0"],
 )
 def test_auto_serves_the_files_int4_weights_in_bf16(
-    tmp_path: Path, tensor_type: GGMLQuantizationType
+    tmp_path: Path, architecture: str, tensor_type: GGMLQuantizationType
 ) -> None:
-    model_dir = converted(tmp_path, tensor_type)
+    model_dir = converted(tmp_path, tensor_type, architecture)
     with capture_logs() as logs:
         kept, kept_logits = prompt_logits(model_dir, "bfloat16", "auto")
     _, bf16_logits = prompt_logits(model_dir, "bfloat16", "none")
