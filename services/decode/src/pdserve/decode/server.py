@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -151,7 +152,8 @@ class DecodeInstance(InstanceServer):
         if self.nixl_started is not None:
             # NOTE: the first lease already offers NIXL (the agent's start is about half a
             # second, once per process).
-            await asyncio.wait([asyncio.wrap_future(self.nixl_started)])
+            with contextlib.suppress(NixlUnavailable):  # NOTE: `_offer_nixl` logged why
+                await asyncio.wrap_future(self.nixl_started)
         await super().start()
 
     def _offer_nixl(self, started: Future[CacheAgent]) -> None:
