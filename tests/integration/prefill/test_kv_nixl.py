@@ -206,6 +206,14 @@ async def _line(stream: asyncio.StreamReader, wanted: bytes) -> None:
         assert line, f"the writer ended before {wanted!r}"
 
 
+async def _ask(writer: asyncio.subprocess.Process, command: str, answer: str) -> None:
+    """Sends `command` to a `support/nixl_writer.py` process and waits for `answer`."""
+    assert writer.stdin is not None and writer.stdout is not None
+    writer.stdin.write(command.encode() + b"\n")
+    await writer.stdin.drain()
+    await asyncio.wait_for(_line(writer.stdout, answer.encode() + b"\n"), 30)
+
+
 async def test_a_sender_sigkilled_mid_write_fails_the_lease_and_returns_every_block(
     tiny_model_dir: Path,
 ) -> None:
@@ -217,14 +225,14 @@ async def test_a_sender_sigkilled_mid_write_fails_the_lease_and_returns_every_bl
             str(layout.num_kv_heads), str(layout.head_dim), str(layout.block_size),
             layout.dtype, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        assert writer.stdin is not None and writer.stdout is not None
+        assert writer.stdout is not None
         try:
             await asyncio.wait_for(_line(writer.stdout, b"ready\n"), 60)
             lease = await _lease(pd, 8)
-            writer.stdin.write(lease.SerializeToString().hex().encode() + b"\n")
-            await writer.stdin.drain()
+            await _ask(writer, f"lease {lease.SerializeToString().hex()}", "open")
             # One layer written and announced, the next one's WRITEs posted: then the kill.
-            await asyncio.wait_for(_line(writer.stdout, b"writing\n"), 30)
+            await _ask(writer, "layer 0", "done 0")
+            await _ask(writer, "post 1", "posted 1")
             (held,) = decode.leases.open_leases()
             assert held.status.name == "SYNCING"
             writer.send_signal(signal.SIGKILL)
