@@ -68,6 +68,7 @@ NUM_QUEUED_STREAMS = 6
 NUM_RUNNING_LONG = 4
 QUEUED_MAX_TOKENS = 120
 DECODE_BLOCKS = 200
+TP2 = "--tensor-parallel-size 2 --num-threads 1"
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
 
 # NOTE: what a transport says when a connection breaks; a client must never read it.
@@ -106,6 +107,32 @@ def matrix_cluster(
         decodes=2,
         prefill_args="--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500",
         decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 3000",
+        gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
+        f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+    ) as cluster:
+        try:
+            yield cluster
+        finally:
+            for child in cluster.instances:
+                child.signal(signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def split_matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    """The cluster of the rank cells: every prefill and decode split over two ranks (one
+    prefill, two decodes: the lost prefill's requests wait for it to come back)."""
+    with running_cluster(
+        demo_model_dir,
+        tmp_path_factory.mktemp("fault-matrix-split"),
+        prefills=1,
+        decodes=2,
+        prefill_args=f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500 "
+        f"{TP2}",
+        # NOTE: a split prefill on a busy 2-core machine takes seconds for a long prompt in
+        # 16-token passes: the leases wait for it.
+        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 15000 {TP2}",
         gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
         f"--instance-ttl-s {INSTANCE_TTL_S:g}",
     ) as cluster:
@@ -197,8 +224,19 @@ class Fault:
     killed: list[ChildProcess] = field(default_factory=list)
     stopped: list[ChildProcess] = field(default_factory=list)
 
-    def land(self, cluster: ProcessCluster, kind: str, victim: ChildProcess) -> None:
-        if kind == "sigkill":
+    def land(
+        self, cluster: ProcessCluster, kind: str, victim: ChildProcess, *, rank: bool = False
+    ) -> None:
+        if rank:
+            # NOTE: rank 1 of a split instance: the instance goes down as a whole (rank 0
+            # stops and exits), and is started again.
+            assert kind == "sigkill"
+            (rank_one,) = list(since({}, victim, "tensor_parallel_ready"))[-1]["pids"]
+            os.kill(rank_one, signal.SIGKILL)
+            victim.signal(signal.SIGCONT)  # NOTE: rank 0 may be frozen while the case picks
+            assert victim.wait(30) == 1
+            self.killed.append(cluster.restart(victim))
+        elif kind == "sigkill":
             victim.signal(signal.SIGKILL)
             assert victim.wait(10) == -signal.SIGKILL
             self.killed.append(cluster.restart(victim))
@@ -375,10 +413,10 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         INSTANCE_TTL_S / 2,
                         "a request waiting in the admission queue",
                     )
-                    held = leased(cluster, mark, cell.target)()
+                    held = leased(cluster, mark, cell.role)()
                     victim = by_name(cluster, max(held, key=lambda n: held[n]))
-                    assert held[victim.name] > 0, f"no {cell.target} held a request"
-                    fault.land(cluster, cell.fault, victim)
+                    assert held[victim.name] > 0, f"no {cell.role} held a request"
+                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
             elif is_prefill_phase:
                 count = prefilling(cluster, mark)
                 await eventually(lambda: any(count().values()), 60, "a prompt in prefill")
@@ -386,7 +424,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     held = await settled(count)
                     computing = by_name(cluster, max(held, key=lambda n: held[n]))
                     assert held[computing.name] > 0, "no prompt was in prefill"
-                    if cell.target == "prefill":
+                    if cell.role == "prefill":
                         victim = computing
                     else:
                         # NOTE: the decode whose lease that prefill is filling.
@@ -398,7 +436,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                             in_flight.pop(e["request_id"], None)
                         decode_id = next(iter(in_flight.values()))
                         victim = next(d for d in cluster.decodes if instance_id(d) == decode_id)
-                    fault.land(cluster, cell.fault, victim)
+                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
             else:
                 # NOTE: the first stream 10 tokens in: on a busy machine the others may end
                 # before the slowest starts; the frozen decodes then hold what runs.
@@ -411,7 +449,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         for task in tasks:
                             task.cancel()  # the client goes away while the decodes hold them
                         await asyncio.wait(tasks)
-                    if cell.target == "prefill":
+                    if cell.role == "prefill":
                         computed = {
                             p.name: len(since(mark, p, "first_token")) for p in cluster.prefills
                         }
@@ -422,7 +460,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         # NOTE: the only other decode dies first and is on its way back.
                         other = next(d for d in cluster.decodes if d is not serving)
                         fault.land(cluster, "sigkill", other)
-                    fault.land(cluster, cell.fault, victim)
+                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for task in tasks:
@@ -454,10 +492,10 @@ async def land_while_decoding(
         serving = by_name(cluster, max(held, key=lambda n: held[n]))
         assert held[serving.name] > 0, "no decode held a running request"
         victim = serving
-        if cell.target == "prefill":
+        if cell.role == "prefill":
             computed = {p.name: len(since(mark, p, "first_token")) for p in cluster.prefills}
             victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
-        fault.land(cluster, cell.fault, victim)
+        fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
 
 
 async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
@@ -581,8 +619,10 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
     ],
 )
 async def test_fault_matrix_cell(
-    cell: Cell, matrix_cluster: ProcessCluster, reference: Reference, results_path: Path
+    cell: Cell, request: pytest.FixtureRequest, reference: Reference, results_path: Path
 ) -> None:
+    name = "split_matrix_cluster" if cell.is_rank else "matrix_cluster"
+    matrix_cluster: ProcessCluster = request.getfixturevalue(name)
     started = time.monotonic()
     try:
         if cell.phase in ("kept", "resuming"):

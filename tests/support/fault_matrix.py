@@ -62,6 +62,16 @@ class Cell:
     fast: bool = False
 
     @property
+    def is_rank(self) -> bool:
+        """The target is one rank of an instance split by tensor parallelism."""
+        return self.target.endswith("_rank")
+
+    @property
+    def role(self) -> str:
+        """The role of the instance the target is (or is a rank of)."""
+        return self.target.removesuffix("_rank")
+
+    @property
     def cell_id(self) -> str:
         """The cell's name in test ids and in the results file."""
         parts = [self.fault, self.target, self.phase, *([self.variant] if self.variant else [])]
@@ -92,14 +102,16 @@ BUILT = (
     Cell("sigkill", "decode", "resuming"),
     Cell("sigstop", "decode", "resuming", fast=True),
     Cell("sigkill", "prefill", "resuming"),
+    Cell("sigkill", "prefill_rank", "prefilling"),
+    Cell("sigkill", "prefill_rank", "decoding"),
+    Cell("sigkill", "decode_rank", "prefilling"),
+    Cell("sigkill", "decode_rank", "decoding"),
 )
 
 
 # NOTE: cells another test file injects (each in `make test`), with what it does; the matrix
 # lists them so the table is whole, and counts them apart from its own runs.
 ELSEWHERE: dict[tuple[str, str, str], str] = {
-    ("sigkill", "decode_rank", "decoding"): "test_chaos.py::test_sigkill_decode_mid_stream"
-    "[rank_of_a_split_decode-plain]",
     ("sigkill", "gateway", "decoding"): "test_resumable_responses.py::"
     "test_streams_outlive_a_killed_gateway (resumable streams go on at the other gateway); "
     "test_etcd_gateways.py::test_a_killed_gateway_fails_only_its_streams_retryably",

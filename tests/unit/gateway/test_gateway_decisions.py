@@ -71,13 +71,17 @@ CASES = [
     # ANOTHER_PAIR / ANOTHER_DECODE / ANOTHER_PREFILL: the scope names what to leave out.
     Case("incompatible peer", failed(R.INCOMPATIBLE_PEER), "retry", "p d"),
     # ANOTHER_INSTANCE: the instance the error names, else the one whose stream failed.
-    Case("draining, unnamed, on the prefill", failed(R.INSTANCE_DRAINING), "retry", "p"),
-    Case("draining decode named", failed(R.INSTANCE_DRAINING, instanceId="d"), "retry", "d"),
-    Case("draining on the decode's stream", failed(R.INSTANCE_DRAINING, DECODE), "retry", "d"),
+    # INSTANCE_DRAINING: avoided (a draining instance leaves routing by itself; the same id
+    # back from a restart may serve the request).
+    Case("draining, unnamed, on the prefill", failed(R.INSTANCE_DRAINING), "retry", avoided="p"),
+    Case("draining decode named", failed(R.INSTANCE_DRAINING, instanceId="d"), "retry",
+         avoided="d"),
+    Case("draining on the decode's stream", failed(R.INSTANCE_DRAINING, DECODE), "retry",
+         avoided="d"),
     Case("prefill names itself", failed(R.PEER_UNAVAILABLE, instanceId="p"), "retry",
          avoided="p"),
     Case("decode address named", failed(R.INSTANCE_DRAINING, decodeAddress="d.invalid:1"),
-         "retry", "d"),
+         "retry", avoided="d"),
     # PEER_UNAVAILABLE: unreachable now, maybe back from a restart soon: avoided.
     Case("prefill cannot reach its decode", failed(R.PEER_UNAVAILABLE), "retry", avoided="d"),
     Case("no healthy instances", failed(R.NO_HEALTHY_INSTANCES), "retry", "p"),

@@ -14,10 +14,11 @@ classified by their reason's retry scope, never by message text:
 * preempted, or a PREEMPTED status (RESCHEDULE): reschedule with the delivered tokens (avoiding
   that decode with ``preempt_retry_exclude_decode``); a lost decode: reschedule, preferring
   another decode. Both count against ``preempt_retry_count``.
-* a lost prefill: retry, preferring another prefill. A lost instance, and one that another
-  could not reach (PEER_UNAVAILABLE), is only *avoided*, not excluded: the registry keeps it
-  out of routing until it answers again (`unreachable_id`), and the one that comes back (a
-  restart under the same id) may take the request when nothing else can.
+* a lost prefill: retry, preferring another prefill. A lost instance, one that another could
+  not reach (PEER_UNAVAILABLE) and one that is draining (INSTANCE_DRAINING) are only
+  *avoided*, not excluded: the registry keeps each out of routing until it serves again
+  (`unreachable_id` marks the unreachable), and the one that comes back (a restart under the
+  same id) may take the request when nothing else can.
   When no pair is alive at all, a request that had a setback waits for one to register
   (`pdserve.gateway.peer_wait`), up to ``peer_wait_s``.
 * ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
@@ -173,6 +174,9 @@ _NO_ROOM = {
 
 Decision: TypeAlias = Retry | WaitForCapacity | Reschedule | GiveUp
 
+# NOTE: reasons whose instance the registry itself keeps out of routing until it serves again.
+_KEPT_OUT_BY_THE_REGISTRY = frozenset({ErrorReason.PEER_UNAVAILABLE, ErrorReason.INSTANCE_DRAINING})
+
 
 def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decision:
     """What a request does after a setback (see the module's table).
@@ -213,9 +217,11 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
             return GiveUp(error)
         return _count_failure(error, replace(state, has_used_once_retry=True), policy)
     blamed = _blamed_roles(setback)
-    if error.reason is ErrorReason.PEER_UNAVAILABLE:
+    if error.reason in _KEPT_OUT_BY_THE_REGISTRY:
         # NOTE: an instance another could not reach is marked unreachable in the registry
-        # (`unreachable_id`) until it answers again, and avoided here like a lost one.
+        # (`unreachable_id`) until it answers again; a draining one deregistered (or reports
+        # draining). Either is avoided here like a lost one: the same id back from a restart
+        # may serve the request.
         for role in blamed:
             state = _avoid(state, setback.pair, role)
     else:

@@ -44,9 +44,15 @@ class FirstTokenSampled:
 
 @dataclass(frozen=True)
 class EngineFailed:
-    """A forward pass that included the request raised."""
+    """A forward pass that included the request raised.
+
+    Attributes:
+        is_instance_down: The pass failed because a tensor-parallel rank is gone: the
+            instance goes down as a whole, and the request may go on elsewhere.
+    """
 
     detail: str
+    is_instance_down: bool = False
 
 
 EngineEvent = KvPiece | FirstTokenSampled | EngineFailed

@@ -78,6 +78,7 @@ class Handoffs:
         self.max_queue_len = max_queue_len
         self.transfers = KvTransfers(loop.runner.kv_cache, kv_transports, fault_corrupt_kv)
         self.is_draining = False
+        self.is_stopping = False
         self.live: dict[str, InFlight] = {}
         self.metrics: PrefillMetrics | None = None
         self._background: set[asyncio.Future[bool]] = set()
@@ -160,7 +161,9 @@ class Handoffs:
         return True
 
     async def abort_all(self) -> None:
-        """Aborts every request in flight and waits for their cleanup."""
+        """Aborts every request in flight and waits for their cleanup (the instance stops:
+        each ends with INSTANCE_DRAINING, which a gateway retries on another instance)."""
+        self.is_draining = self.is_stopping = True
         flights = list(self.live.values())
         for flight in flights:
             self.cancel(flight)
@@ -185,6 +188,14 @@ class Handoffs:
             error = PdserveError(
                 ErrorReason.CANCELLED, "request aborted", {"requestId": request.request_id}
             )
+            if self.is_stopping:
+                # NOTE: not the caller's cancel: the instance stops under it (SIGTERM past the
+                # drain, a tensor-parallel rank lost), and the request may go on elsewhere.
+                error = PdserveError(
+                    ErrorReason.INSTANCE_DRAINING,
+                    "the prefill instance stopped while computing the prompt",
+                    {"requestId": request.request_id},
+                )
         except PdserveError as failure:
             request.end(RequestStatus.FAILED)
             error = failure

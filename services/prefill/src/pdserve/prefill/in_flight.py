@@ -80,7 +80,10 @@ class InFlight:
             request.phases.first_token = event.sampled_at or time.monotonic()
             self.first_token.set_result(event)
         elif isinstance(event, EngineFailed):
-            self.first_token.set_exception(PdserveError(ErrorReason.INTERNAL, event.detail))
+            reason = (
+                ErrorReason.INSTANCE_DRAINING if event.is_instance_down else ErrorReason.INTERNAL
+            )
+            self.first_token.set_exception(PdserveError(reason, event.detail))
 
     async def wait_first_token(self) -> FirstTokenSampled:
         """The first token; fails early if the transfer broke before it was sampled."""

@@ -33,6 +33,7 @@ from opentelemetry import trace
 from pdserve.common import telemetry
 from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.parallel.group import TensorParallelError
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_ops import token_logprobs
@@ -211,8 +212,16 @@ class PrefillLoop(EngineThread):
             log.exception("prefill_pass_failed", error=str(error))
             with self.lock:
                 self.scheduler.fail([c.request for c in scheduled])
+            failed = EngineFailed(f"forward pass failed: {error}")
+            if isinstance(error, TensorParallelError):
+                # NOTE: the instance goes down (`InstanceServer`); the gloo error's words go
+                # to the log above, the gateway gets a reason it retries elsewhere.
+                failed = EngineFailed(
+                    "the prefill instance lost a tensor-parallel rank and is going down",
+                    is_instance_down=True,
+                )
             for chunk in scheduled:
-                chunk.request.sink(EngineFailed(f"forward pass failed: {error}"))
+                chunk.request.sink(failed)
             return
         self.num_passes += 1
         self.num_prompt_tokens += output.num_batched_tokens
