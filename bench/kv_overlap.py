@@ -39,6 +39,7 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
+from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.nixl import is_installed as nixl_installed
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill.kv_nixl_channel import NixlSide
@@ -68,6 +69,7 @@ class TransferTarget:
         self.status = instance_pb2_grpc.InstanceServiceStub(channel)
         self.layout = layout
         self.pools = SharedPools(layout)
+        self.caches: dict[int, MappedCaches] = {}
 
     @classmethod
     async def connect(cls, address: str) -> TransferTarget:
