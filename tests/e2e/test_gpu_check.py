@@ -91,7 +91,14 @@ def test_a_step_out_of_time_ends_with_what_it_started_and_the_next_still_runs(
     assert [s.name for s in check.steps] == ["stuck", "next"]
 
 
+# NOTE: the budget only bounds a run that hangs (the budget logic has a test of its own above):
+# idle, the rehearsal takes about 70 s; a machine busy with other work may take several times
+# that, and a step cut short by the budget would fail the case for the machine, not the code.
+REHEARSAL_BUDGET_S = 800
+
+
 @pytest.mark.slow
+@pytest.mark.timeout(REHEARSAL_BUDGET_S + 100)
 def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path: Path) -> None:
     kit, out, site = tmp_path / "kit", tmp_path / "out", tmp_path / "site"
     subprocess.run(
@@ -99,10 +106,10 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
         cwd=ROOT, check=True, capture_output=True,
     )  # fmt: skip
     env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_PYTHON": sys.executable,
-           "GPU_CHECK_BUDGET_S": "200"}  # fmt: skip
+           "GPU_CHECK_BUDGET_S": str(REHEARSAL_BUDGET_S)}  # fmt: skip
     result = subprocess.run(
         ["bash", "tools/gpu_check.sh", "--kit", str(kit), "--out", str(out), "--target", str(site)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=REHEARSAL_BUDGET_S + 60,
     )  # fmt: skip
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json"]
     summary = strict_json(out / "summary.json")

@@ -222,12 +222,18 @@ async def test_partitioned_decode_moves_its_streams_and_rejoins(
     during_expected = await expected_ids(reference, during, 16)
     after_expected = await expected_ids(reference, after, 16)
 
-    # Streams on both decodes, past their first tokens.
+    # Streams on the decodes, the first past its first tokens.
     streaming = [asyncio.Event() for _ in long_requests]
     async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 10) as client:
+        is_streaming = asyncio.Event()
 
         def on_tokens(event: asyncio.Event) -> Any:
-            return lambda ids: event.set() if len(ids) >= 5 else None
+            def seen(ids: list[int]) -> None:
+                if len(ids) >= 5:
+                    event.set()
+                    is_streaming.set()
+
+            return seen
 
         long_tasks = [
             asyncio.create_task(
@@ -243,7 +249,9 @@ async def test_partitioned_decode_moves_its_streams_and_rejoins(
             )
             for (prompt, sampling), event in zip(long_requests, streaming, strict=True)
         ]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), 30)
+        # NOTE: the first stream past its first tokens, not all of them: on a busy machine
+        # the first streams may end before the last one starts.
+        await asyncio.wait_for(is_streaming.wait(), 30)
 
         # Cut off the decode with the most running streams. Both links go down while the
         # logs (read as the processes write them) catch up, so no counted stream can end
