@@ -104,6 +104,20 @@ def test_a_target_that_makes_no_progress_leaves_a_write_undone_until_the_timeout
         idle.close()
 
 
+def test_a_write_outside_the_decodes_registered_cache_is_refused_by_the_senders_agent(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    decode, peers = ends
+    target = decode.target([0])
+    beyond = decode.base_address + decode.kv_cache.nbytes  # the first byte after the cache
+    forged = nixl.NixlTarget(**{**target.__dict__, "block_addresses": (beyond,)})
+    window = peers.window(forged)
+    (piece,) = layer_pieces(peers.local.kv_cache, 0, [0], 1)
+    window.write(piece)
+    with pytest.raises(nixl.NixlUnavailable):
+        window.wait()
+
+
 def test_a_peer_with_another_block_size_is_refused(
     ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
 ) -> None:
