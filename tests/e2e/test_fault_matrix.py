@@ -94,19 +94,22 @@ def reference(demo_model_dir: Path) -> Reference:
     return Reference(demo_model_dir)
 
 
-@pytest.fixture(scope="module")
-def matrix_cluster(
-    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def matrix_cluster_of(
+    model_dir: Path, log_dir: Path, *, prefills: int, lease_ttl_ms: int, split: str = ""
 ) -> Iterator[ProcessCluster]:
+    """The cells' cluster: `prefills` prefills and two decodes (`split`: their
+    tensor-parallel flags); every frozen process is thawed at the end."""
     # NOTE: a frozen instance stops heartbeating: the gateway drops it after 2 s and moves the
     # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease.
     with running_cluster(
-        demo_model_dir,
-        tmp_path_factory.mktemp("fault-matrix"),
-        prefills=2,
+        model_dir,
+        log_dir,
+        prefills=prefills,
         decodes=2,
-        prefill_args="--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500",
-        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 3000",
+        prefill_args=f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500 "
+        f"{split}",
+        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} {split}",
         gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
         f"--instance-ttl-s {INSTANCE_TTL_S:g}",
     ) as cluster:
@@ -115,6 +118,16 @@ def matrix_cluster(
         finally:
             for child in cluster.instances:
                 child.signal(signal.SIGCONT)
+
+
+@pytest.fixture(scope="module")
+def matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    """Two prefills and two decodes, each a single process."""
+    log_dir = tmp_path_factory.mktemp("fault-matrix")
+    with matrix_cluster_of(demo_model_dir, log_dir, prefills=2, lease_ttl_ms=3000) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -123,24 +136,13 @@ def split_matrix_cluster(
 ) -> Iterator[ProcessCluster]:
     """The cluster of the rank cells: every prefill and decode split over two ranks (one
     prefill, two decodes: the lost prefill's requests wait for it to come back)."""
-    with running_cluster(
-        demo_model_dir,
-        tmp_path_factory.mktemp("fault-matrix-split"),
-        prefills=1,
-        decodes=2,
-        prefill_args=f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500 "
-        f"{TP2}",
-        # NOTE: a split prefill on a busy 2-core machine takes seconds for a long prompt in
-        # 16-token passes: the leases wait for it.
-        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 15000 {TP2}",
-        gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
-        f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+    # NOTE: a split prefill on a busy 2-core machine takes seconds for a long prompt in
+    # 16-token passes: the leases wait for it.
+    log_dir = tmp_path_factory.mktemp("fault-matrix-split")
+    with matrix_cluster_of(
+        demo_model_dir, log_dir, prefills=1, lease_ttl_ms=15000, split=TP2
     ) as cluster:
-        try:
-            yield cluster
-        finally:
-            for child in cluster.instances:
-                child.signal(signal.SIGCONT)
+        yield cluster
 
 
 @pytest.fixture(scope="module")
