@@ -38,6 +38,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.etcd_server import EtcdServer, running_etcd
 from support.eventually import eventually
 from support.fault_matrix import BUILT, Cell, record
 from support.process_cluster import (
@@ -47,6 +48,7 @@ from support.process_cluster import (
     stream_token_ids,
 )
 from support.real_cluster import Reference
+from support.redis_server import RedisServer, running_redis
 from support.resumable_sse import SseEvent, chat_content, sse_events
 
 from pdserve.common.errors import ErrorReason
@@ -69,11 +71,13 @@ NUM_RUNNING_LONG = 4
 QUEUED_MAX_TOKENS = 120
 DECODE_BLOCKS = 200
 TP2 = "--tensor-parallel-size 2 --num-threads 1"
+SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
 
 # NOTE: what a transport says when a connection breaks; a client must never read it.
 TRANSPORT_WORDS = (
     "recvmsg",
+    "ConnectionFailedError",
     "Stream removed",
     "Socket closed",
     "failed to connect",
@@ -143,6 +147,47 @@ def split_matrix_cluster(
         demo_model_dir, log_dir, prefills=1, lease_ttl_ms=15000, split=TP2
     ) as cluster:
         yield cluster
+
+
+@dataclass
+class Servers:
+    """The KV store and the registry a cluster of the server cells runs on."""
+
+    store: RedisServer
+    registry: EtcdServer
+
+
+@pytest.fixture(scope="module")
+def servers_matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    """The cluster of the store and registry cells: every instance on a redis KV store, every
+    instance and the gateway on an etcd registry (both are taken down by the cells)."""
+    work_dir = tmp_path_factory.mktemp("fault-matrix-servers")
+    with (
+        running_redis(work_dir) as store,
+        running_etcd(work_dir) as registry,
+        running_cluster(
+            demo_model_dir,
+            work_dir / "logs",
+            prefills=2,
+            decodes=2,
+            registry=registry.spec,
+            kv_store=store.spec,
+            prefill_args="--num-blocks 512 --max-num-batched-tokens 16 "
+            "--allocate-timeout-ms 1500 --registry-ttl-s 2 --heartbeat-interval-s 0.5",
+            decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 3000 --registry-ttl-s 2 "
+            "--heartbeat-interval-s 0.5",
+            gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
+            f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+        ) as cluster,
+    ):
+        cluster.servers = Servers(store, registry)  # type: ignore[attr-defined]
+        try:
+            yield cluster
+        finally:
+            for child in cluster.instances:
+                child.signal(signal.SIGCONT)
 
 
 @pytest.fixture(scope="module")
@@ -225,11 +270,27 @@ class Fault:
 
     killed: list[ChildProcess] = field(default_factory=list)
     stopped: list[ChildProcess] = field(default_factory=list)
+    gone: list[RedisServer | EtcdServer] = field(default_factory=list)
+    comeback: asyncio.Task[None] | None = None
 
     def land(
         self, cluster: ProcessCluster, kind: str, victim: ChildProcess, *, rank: bool = False
     ) -> None:
-        if rank:
+        if kind in SERVER_FAULTS:
+            # NOTE: the victim only marks the phase held; the store or registry goes away.
+            servers: Servers = cluster.servers  # type: ignore[attr-defined]
+            server = servers.store if kind == "store_gone" else servers.registry
+            assert cluster.gateway is not None
+            mark = len(cluster.gateway.events)
+            server.stop()
+            if kind == "registry_gone":
+                # NOTE: etcd comes back once the gateway noticed it gone (it holds its view of
+                # the instances meanwhile): the store of resumable requests is etcd too, and
+                # a kept or resumed request is read from it.
+                self.comeback = asyncio.create_task(self.back_when_noticed(cluster, server, mark))
+            else:
+                self.gone.append(server)
+        elif rank:
             # NOTE: rank 1 of a split instance: the instance goes down as a whole (rank 0
             # stops and exits), and is started again.
             assert kind == "sigkill"
@@ -247,7 +308,23 @@ class Fault:
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
 
+    async def back_when_noticed(
+        self, cluster: ProcessCluster, server: RedisServer | EtcdServer, mark: int
+    ) -> None:
+        assert cluster.gateway is not None
+        gateway = cluster.gateway
+        await eventually(
+            lambda: since({gateway.name: mark}, gateway, "registry_unreachable"),
+            REQUEST_TIMEOUT_S,
+            "the gateway noticed the registry gone",
+        )
+        await asyncio.to_thread(server.start)
+
     async def undo(self, cluster: ProcessCluster) -> None:
+        if self.comeback is not None:
+            await self.comeback
+        for server in self.gone:
+            await asyncio.to_thread(server.start)
         for child in self.stopped:
             child.signal(signal.SIGCONT)
         for child in self.killed:
@@ -340,6 +417,11 @@ class Outcomes:
         return ", ".join(parts)
 
 
+def assert_no_transport_words(message: str) -> None:
+    for words in TRANSPORT_WORDS:
+        assert words not in message, f"a transport string reached a client: {message}"
+
+
 def judge(results: list[Any], expected: list[list[int]], cell: Cell) -> Outcomes:
     outcomes = Outcomes()
     for result, wanted in zip(results, expected, strict=True):
@@ -349,8 +431,7 @@ def judge(results: list[Any], expected: list[list[int]], cell: Cell) -> Outcomes
         elif isinstance(result, openai.APIError):
             code = str(getattr(result, "code", "") or "")
             assert code in TYPED_CODES, f"an untyped error reached the client: {result!r}"
-            for words in TRANSPORT_WORDS:
-                assert words not in str(result.message), f"a transport string: {result.message}"
+            assert_no_transport_words(str(result.message))
             outcomes.typed_errors.append(f"{code}: {result.message}")
         elif isinstance(result, BaseException):
             raise AssertionError(f"a stream ended with {result!r}") from result
@@ -507,6 +588,7 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance up")
     await cluster.wait_whole(timeout_s=20)
     seeds = [100 + i for i in range(NUM_STREAMS)]
+    unreadable: list[str] = []
     fault = Fault()
     async with (
         cluster.openai(timeout_s=REQUEST_TIMEOUT_S) as client,
@@ -540,7 +622,15 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
                 await land_while_decoding(cell, cluster, mark, fault)
 
                 async def all_ended() -> bool:
-                    got = [await client.responses.retrieve(c.id) for c in created]
+                    try:
+                        got = [await client.responses.retrieve(c.id) for c in created]
+                    except openai.APIStatusError as error:
+                        # NOTE: with the registry gone, the store of resumable requests (etcd)
+                        # is too: a read is refused with a typed, retryable 503 meanwhile.
+                        assert cell.fault == "registry_gone" and error.status_code == 503, error
+                        assert_no_transport_words(str(error.message))
+                        unreadable.append(str(error.code))
+                        return False
                     return all(g.status in ("completed", "incomplete", "failed") for g in got)
 
                 await eventually(all_ended, REQUEST_TIMEOUT_S, "every background response ended")
@@ -610,7 +700,10 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
     assert texts == expected, "a request differs from its undisturbed run"
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
-    return f"{len(texts)} completed equal"
+    detail = f"{len(texts)} completed equal"
+    if unreadable:
+        detail += f"; {len(unreadable)} reads refused meanwhile ({unreadable[0]}, 503)"
+    return detail
 
 
 @pytest.mark.parametrize(
@@ -624,6 +717,8 @@ async def test_fault_matrix_cell(
     cell: Cell, request: pytest.FixtureRequest, reference: Reference, results_path: Path
 ) -> None:
     name = "split_matrix_cluster" if cell.is_rank else "matrix_cluster"
+    if cell.fault in SERVER_FAULTS:
+        name = "servers_matrix_cluster"
     matrix_cluster: ProcessCluster = request.getfixturevalue(name)
     started = time.monotonic()
     try:

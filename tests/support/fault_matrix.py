@@ -106,6 +106,13 @@ BUILT = (
     Cell("sigkill", "prefill_rank", "decoding"),
     Cell("sigkill", "decode_rank", "prefilling"),
     Cell("sigkill", "decode_rank", "decoding"),
+    Cell("store_gone", "store", "prefilling"),
+    Cell("store_gone", "store", "decoding"),
+    Cell("store_gone", "store", "cancelling"),
+    Cell("registry_gone", "registry", "queued"),
+    Cell("registry_gone", "registry", "decoding"),
+    Cell("registry_gone", "registry", "kept"),
+    Cell("registry_gone", "registry", "resuming"),
 )
 
 

@@ -41,12 +41,18 @@ class RedisServer:
                 "or run `apt-get install -y redis-server`",
                 pytrace=False,
             )
+        self._binary = binary
+        self._workdir = workdir
         self.port = _free_port()
         self.spec = f"redis://127.0.0.1:{self.port}/0"
-        self._log = open(workdir / "redis.log", "wb")  # noqa: SIM115
+        self.start()
+
+    def start(self) -> None:
+        """Starts the server (again, on the same port, empty) and waits until it answers."""
+        self._log = open(self._workdir / "redis.log", "ab")  # noqa: SIM115
         self._process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
+            [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self._workdir)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -54,7 +60,7 @@ class RedisServer:
         while not _answers_ping(self.port):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                log = (workdir / "redis.log").read_text(errors="replace")
+                log = (self._workdir / "redis.log").read_text(errors="replace")
                 pytest.fail(f"redis-server did not answer PING on port {self.port}:\n{log}")
             time.sleep(0.02)
 

@@ -9,10 +9,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import aetcd
+import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.gateway.session.store import RESUME_PREFIX, MemoryResumeStore, ResumeRecord
+
+log = structlog.get_logger("pdserve.gateway.session.etcd_store")
 
 
 class EtcdResumeStore:
@@ -138,7 +141,10 @@ class EtcdResumeStore:
 
 
 def _unreachable(error: Exception) -> PdserveError:
+    # NOTE: the client's library words go to the log; the error says what is unreachable.
+    log.warning("resume_store_unreachable", error=type(error).__name__, detail=str(error))
     return PdserveError(
         ErrorReason.PEER_UNAVAILABLE,
-        f"the store of resumable requests cannot be reached: {type(error).__name__}",
+        "the store of resumable requests (etcd) cannot be reached; retry shortly",
+        retry_delay_s=1.0,
     )
