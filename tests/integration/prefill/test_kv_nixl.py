@@ -13,6 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 import structlog
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.eventually import eventually
 from support.prefill_cluster import Cluster, cluster
 
@@ -22,6 +25,7 @@ from pdserve.common.generation import SamplingParams
 from pdserve.engine.colocated import LLMEngine
 from pdserve.kv import nixl
 from pdserve.kv.transfer import layer_pieces
+from pdserve.prefill import kv_transfer
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import lease_from_proto
 from pdserve.serving.convert import local_protocol
@@ -62,11 +66,24 @@ async def test_forced_nixl_carries_the_kv_and_the_output_is_the_engines(
         await pd.eventually_whole()
 
 
-async def test_the_default_prefers_nixl_where_both_ends_have_it(tiny_model_dir: Path) -> None:
+async def test_the_default_prefers_nixl_where_both_ends_have_it_and_the_span_says_why(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(kv_transfer, "_tracer", provider.get_tracer("pdserve.prefill"))
     async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
         with structlog.testing.capture_logs() as logs:
             assert await _transport_of(pd, "r", SHORT) == "TRANSPORT_KIND_NIXL"
         assert not [e for e in logs if e["event"] == "kv_transport_fallback"]
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "prefill.kv_transfer"]
+    attributes = dict(span.attributes or {})
+    assert attributes["pdserve.transport"] == "nixl"
+    assert str(attributes["pdserve.transport.reason"]).startswith("first of nixl, shm, tcp")
+    assert int(attributes["pdserve.kv.num_bytes"]) > 0
+    assert float(attributes["pdserve.kv.seconds"]) > 0
+    provider.shutdown()
 
 
 async def test_without_nixl_the_default_falls_back_to_shared_memory_with_one_line_each(
