@@ -25,7 +25,8 @@ import torch
 from pdserve.common.generation import SamplingParams
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.nixl import CacheAgent, NixlPeers, NixlUnavailable, NixlWindow
+from pdserve.kv.nixl import CacheAgent, NixlPeers, NixlUnavailable
+from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import layer_pieces
 from pdserve.prefill.convert import lease_from_proto
 from pdserve.serving.convert import sampling_to_proto
@@ -49,7 +50,6 @@ class Writer:
         assert target is not None
         self.num_blocks = len(lease.block_ids)
         self.window = NixlWindow(self.peers, target, timeout_s=WRITE_TIMEOUT_S)
-        self.peers.window(target)  # NOTE: loads the decode's agent
         self.call = self.stub.SyncCache()
         block_size = self.source.layout.block_size
         header = decode_pb2.SyncCacheHeader(

@@ -24,6 +24,7 @@ from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.colocated import LLMEngine
 from pdserve.kv import nixl
+from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import layer_pieces
 from pdserve.prefill import kv_transfer
 from pdserve.prefill.config import PrefillConfig
@@ -147,7 +148,7 @@ async def _write_first_layer(pd: Cluster, lease: decode_pb2.Lease) -> grpc.aio.S
     assert offer.nixl is not None and len(offer.nixl.block_addresses) == len(lease.block_ids)
     side = pd.prefill.handoffs.transfers.nixl
     assert side is not None
-    window = (await side.peers()).window(offer.nixl)
+    window = NixlWindow(await side.peers(), offer.nixl)
     source = pd.prefill.host.runner.kv_cache
     call = pd.decode_stubs[0].SyncCache()
     await call.write(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import blocks_crc32c, layer_pieces, sequence_pieces
 
 nixl = pytest.importorskip("pdserve.kv.nixl")
@@ -43,7 +44,7 @@ def test_a_lease_written_through_its_window_is_the_senders_kv_and_nothing_else(
     source = peers.local.kv_cache
     sender_blocks = [3, 4, 9, 1]  # the prefill's blocks, in the sequence's order
     leased = [7, 8, 2, 11]  # the decode's
-    window = peers.window(decode.target(leased))
+    window = NixlWindow(peers, decode.target(leased))
     crcs = [window.write(p) for p in sequence_pieces(source, sender_blocks, 2 * 2 * 128)]
     window.wait()
     for layer in range(LAYOUT.num_layers):
@@ -61,7 +62,7 @@ def test_a_window_cannot_address_blocks_outside_its_lease_or_its_shared_blocks(
 ) -> None:
     decode, peers = ends
     source = peers.local.kv_cache
-    window = peers.window(decode.target([5, 6]), num_shared_blocks=1)
+    window = NixlWindow(peers, decode.target([5, 6]), num_shared_blocks=1)
     (outside,) = layer_pieces(source, 0, [0, 1, 2], 1, first_block=2)
     with pytest.raises(IndexError, match="outside"):
         window.write(outside)
@@ -75,7 +76,7 @@ def test_a_corrupting_write_lands_a_flipped_byte_after_the_checksum(
 ) -> None:
     decode, peers = ends
     (piece,) = layer_pieces(peers.local.kv_cache, 1, [2], 1)
-    window = peers.window(decode.target([4]))
+    window = NixlWindow(peers, decode.target([4]))
     crc = window.write(piece, corrupt=True)
     window.wait()
     assert blocks_crc32c(decode.kv_cache, 1, [4]) != crc
@@ -95,8 +96,7 @@ def test_a_target_that_makes_no_progress_leaves_a_write_undone_until_the_timeout
     assert decode.progress.num_open == 1  # the fixture's hold
     idle = nixl.CacheAgent(KVCache(LAYOUT, 4, torch.device("cpu")), "decode")
     try:
-        window = nixl.NixlWindow(peers, idle.target([1]), timeout_s=0.5)
-        peers.window(idle.target([1]))  # loads the idle agent
+        window = NixlWindow(peers, idle.target([1]), timeout_s=0.5)
         window.write(piece)
         with pytest.raises(nixl.NixlUnavailable, match="not done"):
             window.wait()
@@ -111,7 +111,7 @@ def test_a_write_outside_the_decodes_registered_cache_is_refused_by_the_senders_
     target = decode.target([0])
     beyond = decode.base_address + decode.kv_cache.nbytes  # the first byte after the cache
     forged = nixl.NixlTarget(**{**target.__dict__, "block_addresses": (beyond,)})
-    window = peers.window(forged)
+    window = NixlWindow(peers, forged)
     (piece,) = layer_pieces(peers.local.kv_cache, 0, [0], 1)
     window.write(piece)
     with pytest.raises(nixl.NixlUnavailable):
@@ -124,6 +124,6 @@ def test_a_peer_with_another_block_size_is_refused(
     decode, peers = ends
     target = decode.target([1])
     with pytest.raises(nixl.NixlUnavailable, match="bytes"):
-        peers.window(
-            nixl.NixlTarget(**{**target.__dict__, "block_nbytes": target.block_nbytes * 2})
+        NixlWindow(
+            peers, nixl.NixlTarget(**{**target.__dict__, "block_nbytes": target.block_nbytes * 2})
         )

@@ -1,5 +1,5 @@
-"""The NIXL KV transport's two ends: a KV cache registered with a NIXL agent, and the writer of
-one lease's blocks into a decode's registered cache with one-sided WRITEs.
+"""The NIXL KV transport's agents: a KV cache registered with a NIXL agent (both ends), the
+decode's description of a lease's blocks, and the decode agents a sender loaded.
 
 NIXL (the transfer library vLLM, SGLang and Dynamo move KV with; the optional ``nixl`` install
 extra) registers memory once and moves it with one-sided READs and WRITEs through a backend;
@@ -10,10 +10,7 @@ of a host, and RDMA between hosts. Both ends register their whole KV cache once
 
 The decode describes one lease as a `NixlTarget`: its agent's metadata and the address of each
 leased block, nothing else. A prefill loads the metadata once per decode agent (`NixlPeers`)
-and writes a lease's pieces through a `NixlWindow`, which, like the shared-memory
-`pdserve.kv.shm.LeaseWindow`, addresses pieces by their logical blocks within the lease: a
-write outside the leased blocks cannot be expressed. The decode still verifies every chunk's
-CRC-32C in its own cache before it commits.
+and writes a lease's pieces through a `pdserve.kv.nixl_window.NixlWindow`.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import numpy as np
 import structlog
 
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.transfer import KvPiece, chunk_crc32c
 
 log = structlog.get_logger(__name__)
 
@@ -42,15 +38,8 @@ BACKEND = "UCX"
 # NOTE: the meta package `nixl` picks the wheel of the CUDA version in use; `nixl_cu12` is what
 # the install extra pins (it also runs on a host without CUDA).
 _MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-# Polling a WRITE under way: without a pause (only yielding) for its first milliseconds, in
-# which a group of a few MiB completes, then with pauses doubling up to a millisecond.
-_BUSY_POLL_S = 0.005
-_MAX_POLL_S = 0.001
 # Pause between two progress calls of a target agent while transfers into it are open.
 _PROGRESS_PAUSE_S = 5e-5
-# How long a posted WRITE may take before the window gives up on the decode (a partition or a
-# hung peer: over TCP a WRITE then never completes) and drops its agent.
-WRITE_TIMEOUT_S = 30.0
 
 
 class NixlUnavailable(Exception):
@@ -158,9 +147,9 @@ class CacheAgent:
             [(self.base_address, kv_cache.nbytes, self.device_id, "")], self.memory_kind
         )
         # NOTE: one registered byte, the source of a corrupting write (fault injection).
-        self._scratch = np.zeros(1, dtype=np.uint8)
+        self.scratch = np.zeros(1, dtype=np.uint8)
         self._scratch_registered = self.agent.register_memory(
-            [(self._scratch.ctypes.data, 1, 0, "")], "DRAM"
+            [(self.scratch.ctypes.data, 1, 0, "")], "DRAM"
         )
         self.metadata: bytes = self.agent.get_agent_metadata()
         self.progress = Progress(self.agent)
@@ -288,9 +277,8 @@ class NixlPeers:
         self._loaded: set[str] = set()
         self._lock = threading.Lock()
 
-    def window(self, target: NixlTarget, num_shared_blocks: int = 0) -> NixlWindow:
-        """The writer of one lease's blocks (the first `num_shared_blocks` of them, which the
-        lease shares with another, are never written).
+    def load(self, target: NixlTarget) -> None:
+        """Loads the agent of `target`'s decode, once per agent name (a window does it).
 
         Raises:
             NixlUnavailable: The decode's agent metadata cannot be loaded here, or its block
@@ -301,18 +289,18 @@ class NixlPeers:
                 f"blocks of {target.block_nbytes} bytes, this cache's are {self.local.block_nbytes}"
             )
         with self._lock:
-            if target.agent_name not in self._loaded:
-                try:
-                    name = self.local.agent.add_remote_agent(target.agent_metadata)
-                except Exception as error:  # NOTE: NIXL raises its own exception types
-                    raise NixlUnavailable(f"agent {target.agent_name}: {error}") from None
-                if _text(name) != target.agent_name:
-                    self.local.agent.remove_remote_agent(name)
-                    raise NixlUnavailable(
-                        f"the metadata names agent {_text(name)}, not {target.agent_name}"
-                    )
-                self._loaded.add(target.agent_name)
-        return NixlWindow(self, target, num_shared_blocks)
+            if target.agent_name in self._loaded:
+                return
+            try:
+                name = self.local.agent.add_remote_agent(target.agent_metadata)
+            except Exception as error:  # NOTE: NIXL raises its own exception types
+                raise NixlUnavailable(f"agent {target.agent_name}: {error}") from None
+            if _text(name) != target.agent_name:
+                self.local.agent.remove_remote_agent(name)
+                raise NixlUnavailable(
+                    f"the metadata names agent {_text(name)}, not {target.agent_name}"
+                )
+            self._loaded.add(target.agent_name)
 
     def forget(self, agent_name: str) -> None:
         """Drops a decode agent (after a failed WRITE: its process may be gone); the next
@@ -324,191 +312,6 @@ class NixlPeers:
                     self.local.agent.remove_remote_agent(agent_name)
                 except Exception as error:  # NOTE: NIXL raises its own exception types
                     log.info("nixl_remove_peer_failed", agent=agent_name, detail=str(error))
-
-
-class NixlWindow:
-    """Writes one lease's KV into its blocks of a decode's registered cache, and nowhere else.
-
-    `write` takes one piece's blocks and returns its CRC-32C; `post` posts the WRITEs of every
-    piece taken since as one transfer (runs contiguous on both sides merged into one
-    descriptor); `wait` posts and returns once every posted WRITE completed: then they are in
-    the decode's memory.
-
-    Args:
-        peers: The sender's agent and loaded decode agents.
-        target: The lease's blocks on the decode.
-        num_shared_blocks: Leading blocks the lease shares with another lease: never written.
-        timeout_s: How long `wait` waits for posted WRITEs before it gives up.
-    """
-
-    def __init__(
-        self,
-        peers: NixlPeers,
-        target: NixlTarget,
-        num_shared_blocks: int = 0,
-        timeout_s: float = WRITE_TIMEOUT_S,
-    ) -> None:
-        self.peers = peers
-        self.timeout_s = timeout_s
-        self.local = peers.local
-        self.target = target
-        self.num_shared_blocks = num_shared_blocks
-        # (address, length, device) rows here and on the decode, of the WRITEs to post
-        self._local: list[list[int]] = []
-        self._remote: list[list[int]] = []
-        # (decode address, byte) of the bytes to flip once the WRITEs landed (fault injection)
-        self._flips: list[tuple[int, int]] = []
-        self._posted: list[Any] = []
-
-    def write(self, piece: KvPiece, *, corrupt: bool = False) -> int:
-        """Takes the WRITEs of `piece` into the lease's blocks (from the sender's own cache,
-        its ``source_block_ids``; `wait` posts them); returns the CRC-32C of the piece.
-
-        `corrupt` flips one written byte after the checksum (fault injection).
-
-        Raises:
-            IndexError: The piece's logical blocks are not all within the lease's writable
-                blocks.
-            ValueError: The piece was not cut from the sender's cache.
-        """
-        end = piece.first_block + piece.num_blocks
-        num_leased = len(self.target.block_addresses)
-        if piece.first_block < 0 or end > num_leased or piece.num_blocks <= 0:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} outside the lease's {num_leased}"
-            )
-        if piece.first_block < self.num_shared_blocks:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} include the lease's "
-                f"{self.num_shared_blocks} shared blocks"
-            )
-        if len(piece.source_block_ids) != piece.num_blocks:
-            raise ValueError("a NIXL write reads the sender's cache: the piece has no blocks there")
-        crc = chunk_crc32c(piece.key, piece.value)
-        self._add_descriptors(piece)
-        if corrupt:
-            first = np.frombuffer(piece.key, dtype=np.uint8, count=1)[0]
-            address = self.target.address(piece.layer_index, 0, piece.first_block)
-            self._flips.append((address, int(first) ^ 0xFF))
-        return crc
-
-    def post(self) -> None:
-        """Posts the WRITEs taken so far as one transfer, without waiting for it.
-
-        Raises:
-            NixlUnavailable: The transfer cannot be posted.
-        """
-        if not self._local:
-            return
-        local = np.array(self._local, dtype=np.uint64)
-        remote = np.array(self._remote, dtype=np.uint64)
-        self._local.clear()
-        self._remote.clear()
-        try:
-            self._post(local, remote, self.local.memory_kind)
-        except NixlUnavailable:
-            self._abandon()
-            raise
-
-    def wait(self) -> None:
-        """Posts the WRITEs taken so far and returns once every posted WRITE completed.
-
-        Raises:
-            NixlUnavailable: A WRITE failed (the decode's process or connection is gone), or
-                did not complete within the window's timeout.
-        """
-        self.post()
-        try:
-            self._poll()
-            for address, value in self._flips:
-                # NOTE: after the piece's own WRITE landed, so that it is not overwritten.
-                self.local._scratch[0] = value
-                self._post(
-                    np.array([[self.local._scratch.ctypes.data, 1, 0]], dtype=np.uint64),
-                    np.array([[address, 1, self.target.device_id]], dtype=np.uint64),
-                    "DRAM",
-                )
-                self._poll()
-            self._flips.clear()
-        except NixlUnavailable:
-            self._abandon()
-            raise
-
-    def _add_descriptors(self, piece: KvPiece) -> None:
-        """Adds the rows of the piece's K then V blocks, here and on the decode; a block that
-        continues the last row on both sides extends it."""
-        nbytes = self.target.block_nbytes
-        local, remote = self._local, self._remote
-        for kv_index in (0, 1):
-            for offset, source_id in enumerate(piece.source_block_ids):
-                src = self.local.block_address(piece.layer_index, kv_index, source_id)
-                dst = self.target.address(piece.layer_index, kv_index, piece.first_block + offset)
-                if (
-                    local
-                    and local[-1][0] + local[-1][1] == src
-                    and (remote[-1][0] + remote[-1][1] == dst)
-                ):
-                    local[-1][1] += nbytes
-                    remote[-1][1] += nbytes
-                    continue
-                local.append([src, nbytes, self.local.device_id])
-                remote.append([dst, nbytes, self.target.device_id])
-
-    def _post(self, local: np.ndarray, remote: np.ndarray, local_kind: str) -> None:
-        agent = self.local.agent
-        try:
-            handle = agent.initialize_xfer(
-                "WRITE",
-                agent.get_xfer_descs(local, local_kind),
-                agent.get_xfer_descs(remote, self.target.memory_kind),
-                self.target.agent_name,
-            )
-        except Exception as error:  # NOTE: NIXL raises its own exception types
-            raise NixlUnavailable(f"a WRITE to {self.target.agent_name}: {error}") from None
-        self._posted.append(handle)
-        if agent.transfer(handle) == "ERR":
-            raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
-
-    def _poll(self) -> None:
-        """Returns once every posted WRITE completed (polled, pausing up to a millisecond).
-
-        Raises:
-            NixlUnavailable: A WRITE failed, or is not done after `timeout_s`.
-        """
-        agent = self.local.agent
-        pause = 0.0
-        now = time.monotonic()
-        busy_until = now + _BUSY_POLL_S
-        deadline = now + self.timeout_s
-        while self._posted:
-            state = agent.check_xfer_state(self._posted[0])
-            if state == "DONE":
-                agent.release_xfer_handle(self._posted.pop(0))
-                pause = 0.0
-            elif state == "PROC":
-                if time.monotonic() > deadline:
-                    raise NixlUnavailable(
-                        f"a WRITE to agent {self.target.agent_name} not done after "
-                        f"{self.timeout_s:.0f} s"
-                    )
-                time.sleep(pause)
-                if time.monotonic() > busy_until:
-                    pause = min(_MAX_POLL_S, 2 * pause or 1e-5)
-            else:
-                raise NixlUnavailable(f"a WRITE to agent {self.target.agent_name} failed")
-
-    def _abandon(self) -> None:
-        """After a failed WRITE: releases what is posted and drops the decode's agent."""
-        for handle in self._posted:
-            try:
-                self.local.agent.release_xfer_handle(handle)
-            except Exception as error:  # NOTE: a handle still under way cannot be released
-                log.info("nixl_release_failed", detail=str(error))
-        self._posted.clear()
-        self._local.clear()
-        self._remote.clear()
-        self._flips.clear()
-        self.peers.forget(self.target.agent_name)
 
 
 def _text(name: str | bytes) -> str:

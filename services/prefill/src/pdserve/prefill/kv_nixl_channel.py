@@ -1,5 +1,5 @@
 """The NIXL KV channel: the lease's blocks written into the decode's registered cache with
-one-sided WRITEs from this prefill's own cache (`pdserve.kv.nixl`).
+one-sided WRITEs from this prefill's own cache (`pdserve.kv.nixl`, `pdserve.kv.nixl_window`).
 
 This prefill's agent starts on a thread when the instance starts (`NixlSide`); a transfer that
 comes first waits for it. Writes, checksums and commit are those of every in-place channel
@@ -19,8 +19,9 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.nixl import CacheAgent, NixlPeers, NixlTarget, NixlUnavailable, NixlWindow
+from pdserve.kv.nixl import CacheAgent, NixlPeers, NixlTarget, NixlUnavailable
 from pdserve.kv.nixl import start_agent as start_nixl_agent
+from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import KvPiece
 from pdserve.prefill.kv_channels import InPlaceChannel, TransportUnavailable, ask_lease_state
 from pdserve.prefill.request import Request
@@ -124,7 +125,7 @@ class NixlChannel(InPlaceChannel):
         lease = self.request.lease
         assert lease is not None and self._peers is not None
         try:
-            self._window = self._peers.window(self.target, lease.num_shared_blocks)
+            self._window = NixlWindow(self._peers, self.target, lease.num_shared_blocks)
         except NixlUnavailable as error:
             raise TransportUnavailable(str(error)) from None
         return self._window
