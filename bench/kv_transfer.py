@@ -39,7 +39,9 @@ float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s
 cut time. With ``--device cuda`` both caches are on the GPU: the decode then offers ``cuda_ipc``
 (its cache mapped here, the pieces copied device to device, checksummed in its cache), its TCP
 data port (read through pinned host buffers) and gRPC (shared memory needs a CPU cache), and a
-raw device-to-host copy of the same blocks (``d2h``, what any transport pays first) is timed
+raw device-to-host copy of the same blocks (``d2h``, what any transport pays first) and an
+in-process device-to-device copy of them into another cache on the same GPU (``d2d``, what
+nixl's VRAM-to-VRAM WRITEs are held against) are timed
 beside raw TCP. Results go
 to bench/results/kv_transfer-<time>.json.
 """
@@ -264,6 +266,18 @@ def d2h_once(kv_cache: KVCache, num_tokens: int, max_chunk_bytes: int) -> float:
     return time.perf_counter() - began
 
 
+def d2d_once(kv_cache: KVCache, num_tokens: int, into: KVCache) -> float:
+    """Seconds to copy the sequence's blocks of every layer into `into` on the same device, in
+    this process (one copy per layer's K and V runs)."""
+    num_blocks = num_blocks_for(num_tokens, BLOCK_SIZE)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    # kv: [num_layers, 2, num_blocks, ...]: the first num_blocks of every layer's K and V
+    into.kv[:, :, :num_blocks].copy_(kv_cache.kv[:, :, :num_blocks])
+    torch.cuda.synchronize()
+    return time.perf_counter() - began
+
+
 def tcp_once(port: int, payloads: list[bytes]) -> float:
     """Sends `payloads` to the receiver process; seconds until it acknowledged the last byte."""
     began = time.perf_counter()
@@ -305,7 +319,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     transports = [way for way in TRANSPORTS if way in decode.transports]
     # NOTE: this process's agent, as a prefill's: its cache registered once.
     nixl = NixlSide(kv_cache) if "nixl" in transports else None
-    baselines = ["raw_tcp"] + (["d2h"] if kv_cache.device.type == "cuda" else [])
+    is_cuda = kv_cache.device.type == "cuda"
+    baselines = ["raw_tcp"] + (["d2h", "d2d"] if is_cuda else [])
+    # NOTE: the d2d copy's destination, a second cache of the same shape on the same GPU.
+    d2d_target = KVCache(layout, kv_cache.num_blocks, kv_cache.device) if is_cuda else None
     receiver, port = start_tcp_receiver(max(args.sizes_mib) * MIB)
     rows = []
     try:
@@ -340,6 +357,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         continue
                     if way == "d2h":
                         seconds[way].append(d2h_once(kv_cache, num_tokens, args.max_chunk_bytes))
+                        continue
+                    if way == "d2d":
+                        assert d2d_target is not None
+                        seconds[way].append(d2d_once(kv_cache, num_tokens, d2d_target))
                         continue
                     target, transport = (decode_tls, "grpc") if way == "grpc_tls" else (decode, way)
                     took, cut, num_bytes = await sync_cache_once(
@@ -376,6 +397,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     for way in (*transports, "grpc_tls")
                 )
                 + (f"  d2h {mib_s['d2h']:>8.1f}" if "d2h" in mib_s else "")
+                + (f"  d2d {mib_s['d2d']:>8.1f}" if "d2d" in mib_s else "")
                 + f"  cut {statistics.median(cut_s):.2f} s",
                 flush=True,
             )
@@ -409,6 +431,9 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "raw_tcp_mib_s": statistics.median(r["mib_per_s"]["raw_tcp"] for r in rows),
         "d2h_mib_s": statistics.median(r["mib_per_s"]["d2h"] for r in rows)
         if "d2h" in rows[0]["mib_per_s"]
+        else None,
+        "d2d_mib_s": statistics.median(r["mib_per_s"]["d2d"] for r in rows)
+        if "d2d" in rows[0]["mib_per_s"]
         else None,
         "transports": {
             way: {
