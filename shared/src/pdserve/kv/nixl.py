@@ -187,7 +187,7 @@ class CacheAgent:
         )
 
     def close(self) -> None:
-        """Deregisters the cache (no peer can reach it through this agent afterwards)."""
+        """Deregisters the cache and the scratch byte from the agent."""
         self.agent.deregister_memory(self._registered)
         self.agent.deregister_memory(self._scratch_registered)
 
