@@ -496,9 +496,17 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         INSTANCE_TTL_S / 2,
                         "a request waiting in the admission queue",
                     )
-                    held = leased(cluster, mark, cell.role)()
-                    victim = by_name(cluster, max(held, key=lambda n: held[n]))
-                    assert held[victim.name] > 0, f"no {cell.role} held a request"
+                    if cell.role == "decode":
+                        held = leased(cluster, mark, "decode")()
+                        victim = by_name(cluster, max(held, key=lambda n: held[n]))
+                        assert held[victim.name] > 0, "no decode held a request"
+                    else:
+                        # NOTE: the prefill that took the most of the case's prompts (it may
+                        # have computed them all: the queued ones need one later).
+                        took = {
+                            p.name: len(since(mark, p, "lease_granted")) for p in cluster.prefills
+                        }
+                        victim = by_name(cluster, max(took, key=lambda n: took[n]))
                     fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
             elif is_prefill_phase:
                 count = prefilling(cluster, mark)

@@ -151,6 +151,7 @@ class CacheAgent:
         self._scratch_registered = self.agent.register_memory(
             [(self.scratch.ctypes.data, 1, 0, "")], "DRAM"
         )
+        self._registrations = [self._registered, self._scratch_registered]
         self.metadata: bytes = self.agent.get_agent_metadata()
         self.progress = Progress(self.agent)
         log.info(
@@ -187,9 +188,14 @@ class CacheAgent:
         )
 
     def close(self) -> None:
-        """Deregisters the cache and the scratch byte from the agent."""
-        self.agent.deregister_memory(self._registered)
-        self.agent.deregister_memory(self._scratch_registered)
+        """Deregisters the cache and the scratch byte from the agent (once; a failure is
+        logged, not raised: the instance is stopping either way)."""
+        registered, self._registrations = self._registrations, []
+        for descriptors in registered:
+            try:
+                self.agent.deregister_memory(descriptors)
+            except Exception as error:  # NOTE: NIXL raises its own error types
+                log.warning("nixl_deregister_failed", agent=self.name, error=repr(error))
 
 
 class Progress:
@@ -243,6 +249,11 @@ class Progress:
             except Exception as error:  # NOTE: NIXL raises its own exception types
                 log.warning("nixl_progress_failed", detail=str(error))
             time.sleep(_PROGRESS_PAUSE_S)
+
+
+# NOTE: how long a stopping instance waits for its agent to finish starting (about half a
+# second; a process that exits while NIXL builds an agent on its thread aborts).
+AGENT_START_WAIT_S = 30.0
 
 
 def start_agent(kv_cache: KVCache, role: str) -> Future[CacheAgent]:

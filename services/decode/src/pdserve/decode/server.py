@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,7 +28,7 @@ from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
 from pdserve.kv.cache_handle import CacheExport, export_cache
-from pdserve.kv.nixl import CacheAgent, NixlUnavailable, start_agent
+from pdserve.kv.nixl import AGENT_START_WAIT_S, CacheAgent, NixlUnavailable, start_agent
 from pdserve.kv.shm import KvSegment
 from pdserve.kv.transfer import TransportOffer
 from pdserve.serving.instance import InstanceServer
@@ -294,6 +295,9 @@ class DecodeInstance(InstanceServer):
 
     async def close(self) -> None:
         self.is_closed = True
+        if self.nixl_started is not None:
+            # NOTE: a process that exits while NIXL builds its agent on a thread aborts.
+            await asyncio.to_thread(futures.wait, [self.nixl_started], AGENT_START_WAIT_S)
         if self.nixl_agent is not None:
             self.nixl_agent.close()
         if self.kv_tcp is not None:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future
 
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.nixl import CacheAgent, NixlPeers, NixlTarget, NixlUnavailable
+from pdserve.kv.nixl import AGENT_START_WAIT_S, CacheAgent, NixlPeers, NixlTarget, NixlUnavailable
 from pdserve.kv.nixl import start_agent as start_nixl_agent
 from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import KvPiece
@@ -54,7 +55,10 @@ class NixlSide:
         return self._peers
 
     def close(self) -> None:
-        """Deregisters the cache (once the agent started)."""
+        """Deregisters the cache, once the agent started: an agent still starting is waited
+        for (up to `AGENT_START_WAIT_S`), since a process that exits while NIXL builds one on
+        its thread aborts."""
+        futures.wait([self._started], timeout=AGENT_START_WAIT_S)
         if self._started.done() and self._started.exception() is None:
             self._started.result().close()
 
