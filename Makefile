@@ -113,11 +113,11 @@ chaos: system-deps venv  ## every fault-matrix cell (fault x target x phase), th
 	PDSERVE_FAULT_MATRIX=$(FAULT_MATRIX_RESULTS) $(BIN)/pytest -q -n 0 --chaos tests/e2e/test_fault_matrix.py; \
 		status=$$?; $(PY) tools/fault_matrix.py $(FAULT_MATRIX_RESULTS); exit $$status
 
-# NOTE: `make test` runs the clusters on the default transport (nixl, which the install step
-# installs; shared memory where NIXL is missing).
+# NOTE: `make test` runs the clusters on the default transport (shared memory: one host; the
+# nixl transport has its own tests and is forced here).
 TRANSPORT_SUITES = tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py tests/integration/prefill
-test-transports: system-deps venv model  ## the e2e, chaos and prefill suites once per forced KV transport (shm, tcp, grpc; cuda_ipc on its CPU stand-in: e2e and chaos)
-	for transport in shm tcp grpc; do \
+test-transports: system-deps venv model  ## the e2e, chaos and prefill suites once per forced KV transport (nixl, tcp, grpc; cuda_ipc on its CPU stand-in: e2e and chaos)
+	for transport in nixl tcp grpc; do \
 		PDSERVE_TEST_KV_TRANSPORT=$$transport $(BIN)/pytest -q $(TRANSPORT_SUITES) || exit 1; \
 	done
 	PDSERVE_TEST_KV_TRANSPORT=cuda_ipc PDSERVE_KV_IPC_STANDIN=1 \

@@ -67,14 +67,19 @@ async def test_forced_nixl_carries_the_kv_and_the_output_is_the_engines(
         await pd.eventually_whole()
 
 
-async def test_the_default_prefers_nixl_where_both_ends_have_it_and_the_span_says_why(
+async def test_nixl_first_where_both_ends_have_it_and_the_span_says_why(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(kv_transfer, "_tracer", provider.get_tracer("pdserve.prefill"))
+    # NOTE: the default puts the copies within one host first (shm is faster here); NIXL
+    # first is one flag away.
     async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:
+        assert await _transport_of(pd, "default", SHORT) == "TRANSPORT_KIND_SHARED_MEMORY"
+    exporter.clear()
+    async with cluster(tiny_model_dir, kv_transports="nixl,shm,tcp,grpc") as pd:
         with structlog.testing.capture_logs() as logs:
             assert await _transport_of(pd, "r", SHORT) == "TRANSPORT_KIND_NIXL"
         assert not [e for e in logs if e["event"] == "kv_transport_fallback"]

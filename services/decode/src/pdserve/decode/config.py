@@ -61,7 +61,7 @@ class DecodeConfig(InstanceConfig):
         },
     )
     kv_transports: str = field(
-        default="nixl,cuda_ipc,shm,tcp",
+        default="cuda_ipc,shm,nixl,tcp",
         metadata={
             "help": "KV transports offered to prefills besides gRPC SyncCache (always offered), "
             "comma-separated in order of preference: nixl (the KV cache registered with a NIXL "

@@ -158,7 +158,7 @@ class DecodeInstance(InstanceServer):
         await super().start()
 
     def _offer_nixl(self, started: Future[CacheAgent]) -> None:
-        """Once the NIXL agent started (on its thread): offers it first, or says why not."""
+        """Once the NIXL agent started (on its thread): offers it, or says why not."""
         try:
             agent = self.nixl_agent = started.result()
         except NixlUnavailable as error:
@@ -177,7 +177,7 @@ class DecodeInstance(InstanceServer):
             agent=agent.name,
             backend="UCX",
             memory_kind=agent.memory_kind,
-            detail="first in the offers: prefills that have NIXL prefer it",
+            detail="offered: prefills that have NIXL use it in their --kv-transports order",
         )
 
     def _export_cache(self) -> TransportOffer | None:

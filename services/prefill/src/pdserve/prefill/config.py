@@ -67,7 +67,7 @@ class PrefillConfig(InstanceConfig):
         },
     )
     kv_transports: str = field(
-        default="nixl,cuda_ipc,shm,tcp,grpc",
+        default="cuda_ipc,shm,nixl,tcp,grpc",
         metadata={
             "help": "KV transports this prefill may use, comma-separated in order of "
             "preference, among those its decode offers: nixl (one-sided NIXL WRITEs into the "

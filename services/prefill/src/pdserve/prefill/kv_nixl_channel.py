@@ -72,7 +72,7 @@ class NixlSide:
                 "kv_transport_ready",
                 transport="nixl",
                 agent=started.result().name,
-                detail="used first with decodes that offer it",
+                detail="used with decodes that offer it, in --kv-transports order",
             )
 
 

@@ -1,12 +1,13 @@
 """Which channels a transfer may use: the decode's offers, in this prefill's order.
 
 The decode lists what it offers besides gRPC SyncCache (always available) in the lease;
-`--kv-transports` says which of them this prefill may use and in what order (nixl first where
-both ends have it: this prefill's agent started and the decode offers its agent). cuda_ipc is tried
-only when the decode's cache handle names this host and this prefill's device kind (shared
-memory needs the same host too: its segment is not found elsewhere). The sender opens the first
-that works (`KvSender`), so listing one transport forces it: a transfer then fails rather than
-falling back.
+`--kv-transports` says which of them this prefill may use and in what order (by default the
+copies within one host first, cuda_ipc and shm, then nixl where both ends have it: this
+prefill's agent started and the decode offers its agent; on one CPU host shm is faster).
+cuda_ipc is tried only when the decode's cache handle names this host and this prefill's device
+kind (shared memory needs the same host too: its segment is not found elsewhere). The sender
+opens the first that works (`KvSender`), so listing one transport forces it: a transfer then
+fails rather than falling back.
 """
 
 from __future__ import annotations
