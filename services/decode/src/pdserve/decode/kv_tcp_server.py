@@ -145,9 +145,11 @@ class KvTcpServer:
             self._answer(connection, error)
             return
         except (OSError, DecodeError) as error:
-            self._fail(
-                lease, PdserveError(ErrorReason.CACHE_SYNC_FAILED, f"connection broken: {error}")
+            log.info("kv_tcp_connection_broken", lease_id=lease.lease_id, detail=repr(error))
+            broken = PdserveError(
+                ErrorReason.CACHE_SYNC_FAILED, "the prefill's TCP connection broke mid-transfer"
             )
+            self._fail(lease, broken)
             return
         finally:
             self._on_loop(lambda: self.transfers.end(lease))

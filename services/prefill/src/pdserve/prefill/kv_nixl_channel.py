@@ -115,9 +115,12 @@ class NixlChannel(InPlaceChannel):
         except NixlUnavailable as error:
             # NOTE: a WRITE failed (the decode's process or connection is gone); the lease
             # says whether the decode ended the transfer first.
+            log.info(
+                "nixl_write_failed", decode_address=self.request.decode_address, detail=str(error)
+            )
             local = PdserveError(
                 ErrorReason.PEER_UNAVAILABLE,
-                f"a NIXL WRITE failed: {error}",
+                f"a NIXL WRITE of the KV to decode {self.request.decode_address} failed",
                 {
                     "requestId": self.request.request_id,
                     "decodeAddress": self.request.decode_address,

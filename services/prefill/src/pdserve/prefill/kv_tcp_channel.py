@@ -14,6 +14,8 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import structlog
+
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.kv.transfer import KvPiece, chunk_crc32c
 from pdserve.kv.wire import frame, recv_frame
@@ -21,6 +23,8 @@ from pdserve.prefill import convert
 from pdserve.prefill.kv_channels import TransportUnavailable, ask_lease_state
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, errors_pb2
+
+log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -97,9 +101,11 @@ class TcpChannel:
         try:
             return await asyncio.to_thread(call, *args)
         except (OSError, ValueError) as error:
+            # NOTE: the socket's own words go to the log; the error says what broke.
+            log.info("kv_tcp_transfer_broken", address=self.address, detail=repr(error))
             local = PdserveError(
                 ErrorReason.CACHE_SYNC_FAILED,
-                f"TCP transfer to {self.address} broken: {error}",
+                f"the TCP transfer of the KV to decode {self.address} broke off",
                 self._metadata(),
             )
             raise await ask_lease_state(self.stub, self.request, local) from None
