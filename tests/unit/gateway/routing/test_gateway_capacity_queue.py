@@ -14,7 +14,7 @@ from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.queue import CapacityQueue
-from pdserve.gateway.routing.queue_bounds import QueueLimits
+from pdserve.gateway.routing.queue_bounds import NoPairAlive, QueueLimits
 
 NO_ROOM = PdserveError(ErrorReason.DECODE_CAPACITY_EXHAUSTED, "no room")
 
@@ -212,6 +212,30 @@ async def test_an_error_other_than_no_room_ends_only_that_request() -> None:
         await failing
     assert raised.value.reason is ErrorReason.NO_HEALTHY_INSTANCES
     assert (await behind)[0] == "b"
+
+
+async def test_a_waiting_request_whose_pairs_all_vanished_waits_for_one_to_come_back() -> None:
+    room = Room()
+    queue = _queue(room)
+    is_alive = [True]
+
+    def restarting() -> Pair:
+        if not is_alive[0]:
+            raise NoPairAlive(ErrorReason.NO_HEALTHY_INSTANCES, "no pair serves model m")
+        return room.route("a")()
+
+    waiting = asyncio.ensure_future(
+        queue.admit(model="m", seq=queue.arrival(), num_tokens=1, route=restarting, timeout_s=5,
+                    bounded=True)
+    )  # fmt: skip
+    await eventually(lambda: queue.num_waiting == 1)
+    is_alive[0] = False  # every instance restarts: the queue is tried and finds no pair
+    queue.kick()
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    is_alive[0], room.free = True, 1  # one registers again, with room
+    queue.kick()
+    assert (await waiting)[0] == "a"
 
 
 async def test_the_retry_hint_follows_the_drain_rate() -> None:

@@ -11,7 +11,7 @@ from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
-from pdserve.gateway.routing.queue_bounds import is_wait
+from pdserve.gateway.routing.queue_bounds import NoPairAlive, is_wait
 from pdserve.gateway.routing.router import Router
 
 CONSTRAINED = frozenset({"constraints"})  # what a constrained request needs of both instances
@@ -43,7 +43,7 @@ class PairChoice:
         Raises:
             PdserveError: No pair has room (a wait) or none can serve the request; when earlier
                 attempts excluded every live instance, the last of their errors; when no pair is
-                alive at all, NO_HEALTHY_INSTANCES.
+                alive at all, `NoPairAlive` (NO_HEALTHY_INSTANCES).
         """
         with _tracer.start_as_current_span(
             "gateway.route",
@@ -65,11 +65,13 @@ class PairChoice:
                 # more (and carries its retry delay); no room is not a failure: it waits; no
                 # pair alive at all is NO_HEALTHY_INSTANCES (the orchestrator may wait for one
                 # to come back: `pdserve.gateway.peer_wait`).
-                if (
-                    state.last_error is not None
-                    and not is_wait(error)
-                    and self._router.has_pair(active.request.model)
-                ):
+                if is_wait(error):
+                    raise
+                if not self._router.has_pair(active.request.model):
+                    raise NoPairAlive(
+                        error.reason, error.message, error.metadata, error.retry_delay_s
+                    ) from error
+                if state.last_error is not None:
                     raise state.last_error from error
                 raise
             span.set_attribute("pdserve.prefill.instance_id", pair.prefill.instance_id)

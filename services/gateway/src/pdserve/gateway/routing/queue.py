@@ -7,6 +7,10 @@ the request's lease, and no instance marked full); when no pair has room, or oth
 model already wait, it joins the queue behind those that arrived before it. Only the head of a
 model's queue is tried: a large request is not overtaken forever by small ones.
 
+A request already in the queue whose pair vanished altogether (every prefill or decode of the
+model restarting) waits on for one to come back, within the same bounds; a new request that
+finds no pair alive and nobody waiting fails at once with NO_HEALTHY_INSTANCES.
+
 The queue is tried again when room may have appeared, never on a timer: a load report, an
 instance joining, work this gateway sent to an instance ending (`Router.settle`), or a head
 leaving. Routing books the work at once, so the next head sees what is left.
@@ -40,6 +44,7 @@ from pdserve.gateway.routing.queue_bounds import (
     MAX_QUEUED_REQUESTS,
     MAX_QUEUED_TOKENS,
     DrainRate,
+    NoPairAlive,
     QueueLimits,
     is_wait,
 )
@@ -271,7 +276,9 @@ class CapacityQueue:
                 try:
                     pair = head.route()
                 except PdserveError as error:
-                    if is_wait(error):
+                    # NOTE: no pair alive at all (instances restarting): a request that already
+                    # waits goes on waiting for one to come back, within its bounds.
+                    if is_wait(error) or isinstance(error, NoPairAlive):
                         break
                     head.future.set_exception(error)
                 else:

@@ -39,6 +39,12 @@ class QueueLimits:
     max_queue_wait_s: float = 60.0
 
 
+class NoPairAlive(PdserveError):
+    """NO_HEALTHY_INSTANCES because no prefill/decode pair of the model is alive at all (not
+    because of a request's own exclusions or needs): a request already waiting in the admission
+    queue goes on waiting for one to come back (within its bounds) instead of failing."""
+
+
 def is_wait(error: PdserveError) -> bool:
     """Whether `error` says: no room now (wait), rather than: this request failed."""
     return error.reason in WAIT_REASONS and error.metadata.get("limit") not in BOUNDS
