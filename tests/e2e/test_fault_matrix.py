@@ -59,16 +59,17 @@ SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
 REQUEST_TIMEOUT_S = 60.0
 INSTANCE_TTL_S = 2.0
 NUM_STREAMS = 4
-DECODING_MAX_TOKENS = 300
+# NOTE: long enough that a stream 10 tokens in is still running when a busy machine gets round
+# to freezing the decodes, short enough that four fit on one 200-block decode (45 blocks each).
+DECODING_MAX_TOKENS = 700
 PREFILL_MAX_TOKENS = 16
 # NOTE: a background or left stream runs with nobody reading: long enough to be running when
 # the case has found it on a decode.
 UNATTACHED_MAX_TOKENS = 1000
-# NOTE: a long prompt's lease is ~80 blocks: a 200-block decode runs two of them, so of six
-# long requests two wait in the gateway's admission queue.
-NUM_QUEUED_STREAMS = 6
-NUM_RUNNING_LONG = 4
-QUEUED_MAX_TOKENS = 120
+# NOTE: a long prompt's lease is ~80 blocks (~96 once 300 tokens are generated): a 200-block
+# decode runs two of them, so of eight long requests four wait in the gateway's admission queue.
+NUM_QUEUED_STREAMS = 8
+QUEUED_MAX_TOKENS = 300
 DECODE_BLOCKS = 200
 TP2 = "--tensor-parallel-size 2 --num-threads 1"
 SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
@@ -481,33 +482,23 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         ]  # fmt: skip
         try:
             if cell.phase == "queued":
-                # NOTE: once the decodes leased all their room, they are frozen so that none
-                # ends and the rest wait in the gateway's queue until the fault (well within
-                # the 2 s the gateway gives a silent instance).
-                on_decodes = leased(cluster, mark, "decode")
+                # NOTE: eight long requests where the decodes' room holds four: the other four
+                # wait in the gateway's queue while the first ones run (seconds each).
                 await eventually(
-                    lambda: sum(on_decodes().values()) >= NUM_RUNNING_LONG,
-                    60,
-                    "every decode's room leased",
+                    lambda: gauge_at(cluster, "pdserve_gateway_queued_requests"),
+                    REQUEST_TIMEOUT_S,
+                    "a request waiting in the admission queue",
                 )
-                async with frozen(cluster.decodes, fault):
-                    await eventually(
-                        lambda: gauge_at(cluster, "pdserve_gateway_queued_requests"),
-                        INSTANCE_TTL_S / 2,
-                        "a request waiting in the admission queue",
-                    )
-                    if cell.role == "decode":
-                        held = leased(cluster, mark, "decode")()
-                        victim = by_name(cluster, max(held, key=lambda n: held[n]))
-                        assert held[victim.name] > 0, "no decode held a request"
-                    else:
-                        # NOTE: the prefill that took the most of the case's prompts (it may
-                        # have computed them all: the queued ones need one later).
-                        took = {
-                            p.name: len(since(mark, p, "lease_granted")) for p in cluster.prefills
-                        }
-                        victim = by_name(cluster, max(took, key=lambda n: took[n]))
-                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
+                if cell.role == "decode":
+                    held = leased(cluster, mark, "decode")()
+                    victim = by_name(cluster, max(held, key=lambda n: held[n]))
+                    assert held[victim.name] > 0, "no decode held a request"
+                else:
+                    # NOTE: the prefill that took the most of the case's prompts (it may have
+                    # computed them all: the queued ones need one later).
+                    took = {p.name: len(since(mark, p, "lease_granted")) for p in cluster.prefills}
+                    victim = by_name(cluster, max(took, key=lambda n: took[n]))
+                fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
             elif is_prefill_phase:
                 count = prefilling(cluster, mark)
                 await eventually(lambda: any(count().values()), 60, "a prompt in prefill")
