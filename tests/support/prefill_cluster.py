@@ -25,6 +25,7 @@ from pdserve.prefill.server import create_server as create_prefill
 from pdserve.serving.convert import local_protocol, sampling_to_proto
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import (
+    common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     instance_pb2,
@@ -257,6 +258,21 @@ class Cluster:
         ids, indices = await self.generate(lease_id, decode)
         assert indices == list(range(first.index + 1, first.index + 1 + len(ids)))
         return [first.token_id, *ids]
+
+    async def allocate(self, num_tokens: int, request_id: str = "r") -> decode_pb2.Lease:
+        """A lease of `num_tokens` prompt tokens (and 4 new ones) from the first decode, asked
+        for as a prefill asks (a test that then speaks a transport itself)."""
+        layout = self.decodes[0].host.kv_layout
+        response = await self.decode_stubs[0].AllocateBlocks(
+            decode_pb2.AllocateBlocksRequest(
+                request_id=request_id,
+                num_prompt_tokens=num_tokens,
+                max_new_tokens=4,
+                kv_layout=common_pb2.KvLayout(fingerprint=layout.fingerprint),
+                protocol=local_protocol(),
+            )
+        )
+        return response.lease
 
     async def prefill_pool(self) -> instance_pb2.GetInstanceStatusResponse:
         return await self.prefill_status.GetInstanceStatus(

@@ -23,8 +23,7 @@ from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.transfer import TransportOffer, layer_pieces
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import lease_from_proto
-from pdserve.serving.convert import local_protocol
-from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.v1 import decode_pb2
 
 LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
@@ -128,20 +127,6 @@ async def test_corrupt_kv_over_cuda_ipc_is_refused_and_the_blocks_return(
 # ---- a transfer that stops mid-copy ----------------------------------------------------------
 
 
-async def _lease(pd: Cluster, num_tokens: int) -> decode_pb2.Lease:
-    layout = pd.decodes[0].host.kv_layout
-    response = await pd.decode_stubs[0].AllocateBlocks(
-        decode_pb2.AllocateBlocksRequest(
-            request_id="r",
-            num_prompt_tokens=num_tokens,
-            max_new_tokens=4,
-            kv_layout=common_pb2.KvLayout(fingerprint=layout.fingerprint),
-            protocol=local_protocol(),
-        )
-    )
-    return response.lease
-
-
 async def _copy_first_layer(pd: Cluster, lease: decode_pb2.Lease) -> grpc.aio.StreamUnaryCall:
     """Opens a cuda_ipc SyncCache for `lease` and copies its first layer into the decode's
     cache through the advertised handle, as a prefill does; the rest never comes."""
@@ -187,7 +172,7 @@ async def test_a_lease_expiring_mid_copy_commits_nothing_and_returns_every_block
 ) -> None:
     async with cluster(tiny_model_dir, decode_overrides={"lease_ttl_ms": 300}) as pd:
         decode = pd.decodes[0]
-        lease = await _lease(pd, 8)
+        lease = await pd.allocate(8)
         call = await _copy_first_layer(pd, lease)
         (held,) = decode.leases.open_leases()
         await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
@@ -208,7 +193,7 @@ async def test_a_sender_gone_mid_copy_fails_the_lease_and_returns_every_block(
 ) -> None:
     async with cluster(tiny_model_dir) as pd:
         decode = pd.decodes[0]
-        lease = await _lease(pd, 8)
+        lease = await pd.allocate(8)
         call = await _copy_first_layer(pd, lease)
         (held,) = decode.leases.open_leases()
         call.cancel()  # the sender died between two layers

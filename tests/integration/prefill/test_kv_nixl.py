@@ -29,8 +29,7 @@ from pdserve.kv.transfer import layer_pieces
 from pdserve.prefill import kv_transfer
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import lease_from_proto
-from pdserve.serving.convert import local_protocol
-from pdserve.v1 import common_pb2, decode_pb2
+from pdserve.v1 import decode_pb2
 
 try:
     nixl.load_api()
@@ -132,17 +131,7 @@ async def _lease(pd: Cluster, num_tokens: int) -> decode_pb2.Lease:
     side = pd.prefill.handoffs.transfers.nixl
     assert side is not None
     await side.peers()
-    layout = pd.decodes[0].host.kv_layout
-    response = await pd.decode_stubs[0].AllocateBlocks(
-        decode_pb2.AllocateBlocksRequest(
-            request_id="r",
-            num_prompt_tokens=num_tokens,
-            max_new_tokens=4,
-            kv_layout=common_pb2.KvLayout(fingerprint=layout.fingerprint),
-            protocol=local_protocol(),
-        )
-    )
-    return response.lease
+    return await pd.allocate(num_tokens)
 
 
 async def _write_first_layer(pd: Cluster, lease: decode_pb2.Lease) -> grpc.aio.StreamUnaryCall:

@@ -25,8 +25,7 @@ from pdserve.kv.staging import HostStaging
 from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
 from pdserve.kv.wire import frame, recv_frame
 from pdserve.prefill.config import PrefillConfig
-from pdserve.serving.convert import local_protocol
-from pdserve.v1 import common_pb2, decode_pb2, errors_pb2
+from pdserve.v1 import decode_pb2, errors_pb2
 
 LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]
@@ -117,20 +116,6 @@ async def test_corrupt_kv_is_detected_on_every_transport(
 # ---- the TCP data port, spoken to directly --------------------------------------------------
 
 
-async def _lease(pd: Cluster, request_id: str, num_tokens: int) -> decode_pb2.Lease:
-    layout = pd.decodes[0].host.kv_layout
-    response = await pd.decode_stubs[0].AllocateBlocks(
-        decode_pb2.AllocateBlocksRequest(
-            request_id=request_id,
-            num_prompt_tokens=num_tokens,
-            max_new_tokens=4,
-            kv_layout=common_pb2.KvLayout(fingerprint=layout.fingerprint),
-            protocol=local_protocol(),
-        )
-    )
-    return response.lease
-
-
 def _tcp_address(lease: decode_pb2.Lease) -> tuple[str, int]:
     offer = next(t for t in lease.transports if t.kind == decode_pb2.TRANSPORT_KIND_TCP)
     host, port = offer.address.rsplit(":", 1)
@@ -162,7 +147,7 @@ async def test_a_wrong_token_on_the_data_port_is_closed_at_once_and_counted(
     tiny_model_dir: Path,
 ) -> None:
     async with cluster(tiny_model_dir) as pd:
-        lease = await _lease(pd, "r", 8)
+        lease = await pd.allocate(8)
         decode = pd.decodes[0]
         with socket.create_connection(_tcp_address(lease)) as sock:
             sock.sendall(_header(lease, "r", 8, b"x" * 32))
@@ -186,7 +171,7 @@ async def test_a_chunk_outside_the_lease_is_refused_and_the_lease_freed(
     tiny_model_dir: Path,
 ) -> None:
     async with cluster(tiny_model_dir) as pd:
-        lease = await _lease(pd, "r", 8)  # 2 blocks of 4 tokens
+        lease = await pd.allocate(8)  # 2 blocks of 4 tokens
         token = lease.transports[0].token
         block_nbytes = pd.decodes[0].host.runner.kv_cache.layout.block_nbytes
         chunk = decode_pb2.SyncCacheRequest(
@@ -206,7 +191,7 @@ async def test_a_chunk_outside_the_lease_is_refused_and_the_lease_freed(
 
 async def test_a_window_cannot_address_blocks_outside_its_lease(tiny_model_dir: Path) -> None:
     async with cluster(tiny_model_dir) as pd:
-        lease = await _lease(pd, "r", 8)
+        lease = await pd.allocate(8)
         decode = pd.decodes[0]
         assert decode.kv_segment is not None
         layout = decode.host.runner.kv_cache.layout
@@ -241,7 +226,7 @@ async def test_a_lease_expiring_mid_tcp_transfer_keeps_its_blocks_until_the_writ
 ) -> None:
     async with cluster(tiny_model_dir, decode_overrides={"lease_ttl_ms": 300}) as pd:
         decode = pd.decodes[0]
-        lease = await _lease(pd, "r", 8)
+        lease = await pd.allocate(8)
         token = lease.transports[0].token
         with socket.create_connection(_tcp_address(lease)) as sock:
             sock.sendall(_header(lease, "r", 8, token))
@@ -264,7 +249,7 @@ async def test_a_lease_expiring_mid_shared_memory_transfer_is_held_until_the_str
 ) -> None:
     async with cluster(tiny_model_dir, decode_overrides={"lease_ttl_ms": 300}) as pd:
         decode = pd.decodes[0]
-        lease = await _lease(pd, "r", 8)
+        lease = await pd.allocate(8)
         header = decode_pb2.SyncCacheRequest(
             header=decode_pb2.SyncCacheHeader(
                 lease_id=lease.lease_id,
