@@ -37,13 +37,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from support.etcd_server import EtcdServer, running_etcd
 from support.eventually import eventually
 from support.fault_matrix import BUILT, Cell, record
 from support.process_cluster import (
     ProcessCluster,
     running_cluster,
+    sample_at,
     started_event,
     stream_token_ids,
 )
@@ -101,10 +101,17 @@ def reference(demo_model_dir: Path) -> Reference:
 
 @contextlib.contextmanager
 def matrix_cluster_of(
-    model_dir: Path, log_dir: Path, *, prefills: int, lease_ttl_ms: int, split: str = ""
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    prefills: int,
+    lease_ttl_ms: int,
+    instance_args: str = "",
+    **settings: Any,
 ) -> Iterator[ProcessCluster]:
-    """The cells' cluster: `prefills` prefills and two decodes (`split`: their
-    tensor-parallel flags); every frozen process is thawed at the end."""
+    """The cells' cluster: `prefills` prefills and two decodes (`instance_args`: more flags of
+    both, e.g. tensor parallelism; `settings`: more `ClusterConfig` fields); every frozen
+    process is thawed at the end."""
     # NOTE: a frozen instance stops heartbeating: the gateway drops it after 2 s and moves the
     # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease.
     with running_cluster(
@@ -113,10 +120,11 @@ def matrix_cluster_of(
         prefills=prefills,
         decodes=2,
         prefill_args=f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500 "
-        f"{split}",
-        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} {split}",
+        f"{instance_args}",
+        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} {instance_args}",
         gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
         f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+        **settings,
     ) as cluster:
         try:
             yield cluster
@@ -145,7 +153,7 @@ def split_matrix_cluster(
     # 16-token passes: the leases wait for it.
     log_dir = tmp_path_factory.mktemp("fault-matrix-split")
     with matrix_cluster_of(
-        demo_model_dir, log_dir, prefills=1, lease_ttl_ms=15000, split=TP2
+        demo_model_dir, log_dir, prefills=1, lease_ttl_ms=15000, instance_args=TP2
     ) as cluster:
         yield cluster
 
@@ -168,27 +176,18 @@ def servers_matrix_cluster(
     with (
         running_redis(work_dir) as store,
         running_etcd(work_dir) as registry,
-        running_cluster(
+        matrix_cluster_of(
             demo_model_dir,
             work_dir / "logs",
             prefills=2,
-            decodes=2,
+            lease_ttl_ms=3000,
+            instance_args="--registry-ttl-s 2 --heartbeat-interval-s 0.5",
             registry=registry.spec,
             kv_store=store.spec,
-            prefill_args="--num-blocks 512 --max-num-batched-tokens 16 "
-            "--allocate-timeout-ms 1500 --registry-ttl-s 2 --heartbeat-interval-s 0.5",
-            decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms 3000 --registry-ttl-s 2 "
-            "--heartbeat-interval-s 0.5",
-            gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
-            f"--instance-ttl-s {INSTANCE_TTL_S:g}",
         ) as cluster,
     ):
         cluster.servers = Servers(store, registry)  # type: ignore[attr-defined]
-        try:
-            yield cluster
-        finally:
-            for child in cluster.instances:
-                child.signal(signal.SIGCONT)
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -384,18 +383,6 @@ def leased(
     return count
 
 
-async def gauge_at(cluster: ProcessCluster, name: str) -> float:
-    """A gauge of the gateway's ``/metrics`` page."""
-    async with httpx.AsyncClient(timeout=10.0) as http:
-        text = (await http.get(f"{cluster.rest_url}/metrics")).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    )
-
-
 def by_name(cluster: ProcessCluster, name: str) -> ChildProcess:
     return next(c for c in cluster.instances if c.name == name)
 
@@ -485,7 +472,9 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                 # NOTE: eight long requests where the decodes' room holds four: the other four
                 # wait in the gateway's queue while the first ones run (seconds each).
                 await eventually(
-                    lambda: gauge_at(cluster, "pdserve_gateway_queued_requests"),
+                    lambda: sample_at(
+                        f"{cluster.rest_url}/metrics", "pdserve_gateway_queued_requests"
+                    ),
                     REQUEST_TIMEOUT_S,
                     "a request waiting in the admission queue",
                 )

@@ -220,14 +220,19 @@ def metrics_url(child: ChildProcess) -> str:
 
 async def counter_at(url: str, name: str, **labels: str) -> float:
     """Sum of the ``{name}_total`` samples that carry `labels` on a ``/metrics`` page."""
+    return await sample_at(url, f"{name}_total", **labels)
+
+
+async def sample_at(url: str, sample_name: str, **labels: str) -> float:
+    """Sum of the samples named `sample_name` (a gauge's name, a counter's ``_total``) that
+    carry `labels` on a ``/metrics`` page."""
     async with httpx.AsyncClient(timeout=10.0) as http:
         text = (await http.get(url)).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == f"{name}_total"
-        and all(sample.labels.get(k) == v for k, v in labels.items())
+        if sample.name == sample_name and all(sample.labels.get(k) == v for k, v in labels.items())
     )
 
 
