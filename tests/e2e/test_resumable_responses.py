@@ -260,6 +260,11 @@ async def test_a_resumable_chat_stream_resumes_on_the_other_gateway(
         assert usage[-1]["completion_tokens"] == NUM_CHAT_TOKENS
         assert chat_content(before) + chat_content(after) == undisturbed
         holder, taker = cluster.gateways
+        # NOTE: gateway 0 hears of the takeover on its own stream from the decode, which may
+        # reach it after gateway 1 has finished streaming on a busy machine.
+        await asyncio.to_thread(
+            holder.wait_for_event, "resumable_request_moved", 30, request_id=stream_id
+        )
         moved = [e["request_id"] for e in events_named(holder, "resumable_request_moved")]
         assert moved.count(stream_id) == 1, "gateway 0 was still running it when taken over"
         elsewhere = events_named(taker, "resume_continues_elsewhere")

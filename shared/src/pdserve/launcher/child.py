@@ -83,8 +83,9 @@ class ChildProcess:
     def returncode(self) -> int | None:
         return self.process.poll()
 
-    def wait_for_event(self, event: str, timeout_s: float) -> dict[str, Any]:
-        """The first logged record whose ``event`` is `event`, waiting up to `timeout_s`.
+    def wait_for_event(self, event: str, timeout_s: float, **fields: Any) -> dict[str, Any]:
+        """The first logged record whose ``event`` is `event` (and whose other keys equal
+        `fields`, e.g. ``request_id=...``), waiting up to `timeout_s`.
 
         Raises:
             RuntimeError: If the process exits first or the time runs out.
@@ -93,13 +94,17 @@ class ChildProcess:
         with self._cond:
             while True:
                 for record in self.events:
-                    if record.get("event") == event:
+                    if record.get("event") == event and all(
+                        record.get(key) == value for key, value in fields.items()
+                    ):
                         return record
                 if self.process.poll() is not None and not self._reader.is_alive():
                     raise RuntimeError(self.describe_exit(f"exited before logging {event}"))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RuntimeError(f"{self.name} did not log {event} within {timeout_s:.0f}s")
+                    raise RuntimeError(
+                        f"{self.name} did not log {event} {fields or ''} within {timeout_s:.0f}s"
+                    )
                 self._cond.wait(min(remaining, 0.2))
 
     def describe_exit(self, what: str = "exited") -> str:
