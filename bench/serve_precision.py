@@ -2,12 +2,14 @@
 
     python bench/serve_precision.py                       # SmolLM2 (the default model) on CPU
     python bench/serve_precision.py --settings float32 bfloat16 bfloat16+int8 --rounds 2
+    python bench/serve_precision.py --settings bfloat16 bfloat16+deterministic --concurrency 16
 
-Each setting (``DTYPE[+QUANTIZATION]``) is a gateway + 1 prefill + 1 decode (the launcher,
-bench/serve.py's `pdserve_cluster`), all up at once; every round runs the same closed-loop
-workload (bench/loadgen.py) against each in turn, the order rotating from round to round so
-that drift on a noisy machine is shared. Reported: medians over rounds of output tokens/s and
-p50 TTFT / TPOT per setting, and their ratios to float32 and to bfloat16, from the same rounds.
+Each setting (``DTYPE[+QUANTIZATION][+deterministic]``) is a gateway + 1 prefill + 1 decode
+(the launcher, bench/serve.py's `pdserve_cluster`), all up at once; every round runs the same
+closed-loop workload (bench/loadgen.py) against each in turn, the order rotating from round to
+round so that drift on a noisy machine is shared. Reported: medians over rounds of output
+tokens/s and p50 TTFT / TPOT per setting, and their ratios to float32 and to bfloat16, from the
+same rounds.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ from serve import pdserve_cluster, served_model, smollm2_model_dir
 METRICS = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms")
 
 
-def parse_setting(text: str) -> tuple[str, str]:
-    """``bfloat16+int8`` -> (``bfloat16``, ``int8``); ``float32`` -> (``float32``, ``none``)."""
-    dtype, _, quantization = text.partition("+")
-    return dtype, quantization or "none"
+def parse_setting(text: str) -> tuple[str, str, str]:
+    """``bfloat16+int8`` -> (``bfloat16``, ``int8``, ``""``); ``float32`` -> (``float32``,
+    ``none``, ``""``); ``bfloat16+deterministic`` -> (``bfloat16``, ``none``,
+    ``deterministic``): batch-invariant numerics on both engines."""
+    dtype, *rest = text.split("+")
+    mode = "deterministic" if "deterministic" in rest else ""
+    quantization = next((part for part in rest if part != "deterministic"), "none")
+    return dtype, quantization, mode
 
 
 def main() -> None:
@@ -60,16 +66,17 @@ def main() -> None:
     specs = make_workload(args.num_requests, args.prompt_len, args.output_len, None, args.seed)
     warmup = make_workload(4, args.prompt_len, (8, 8), None, args.seed + 1)
     log_dir = Path(tempfile.mkdtemp(prefix="bench-serve-precision-"))
-    summaries: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in settings}
+    summaries: dict[tuple[str, str, str], list[dict[str, Any]]] = {key: [] for key in settings}
     with contextlib.ExitStack() as stack:
         urls = {
             key: stack.enter_context(
                 pdserve_cluster(
                     model_dir,
                     args.threads,
-                    log_dir / f"{key[0]}-{key[1]}",
+                    log_dir / "-".join(part for part in key if part),
                     [
                         *("--dtype", key[0], "--quantization", key[1]),
+                        *(["--deterministic"] if key[2] else []),
                         *("--kv-cache-memory-mb", str(args.kv_cache_memory_mb)),
                     ],
                 )
@@ -89,7 +96,7 @@ def main() -> None:
                         specs,
                         concurrency=args.concurrency,
                         request_rate=None,
-                        label=f"{'+'.join(key)} round {round_index + 1}",
+                        label=f"{'+'.join(p for p in key if p)} round {round_index + 1}",
                     )
                 )
                 summaries[key].append(summarize(results, duration_s))
@@ -105,14 +112,19 @@ def main() -> None:
     print("| setting | output tok/s | TTFT p50 ms | TPOT p50 ms | tok/s vs fp32 | tok/s vs bf16 |")
     print("|---|---|---|---|---|---|")
     for key, values in medians.items():
-        row: dict[str, Any] = {"dtype": key[0], "quantization": key[1], **values}
-        for base in (("float32", "none"), ("bfloat16", "none")):
+        row: dict[str, Any] = {
+            "dtype": key[0],
+            "quantization": key[1],
+            "deterministic": bool(key[2]),
+            **values,
+        }
+        for base in (("float32", "none", ""), ("bfloat16", "none", "")):
             if base in medians:
                 ratio = values["output_tokens_per_s"] / medians[base]["output_tokens_per_s"]
                 row[f"throughput_vs_{base[0]}"] = ratio
         rows.append(row)
         print(
-            f"| {'+'.join(key)} | {values['output_tokens_per_s']:.1f} | "
+            f"| {'+'.join(p for p in key if p)} | {values['output_tokens_per_s']:.1f} | "
             f"{values['ttft_p50_ms']:.0f} | {values['tpot_p50_ms']:.1f} | "
             f"{row.get('throughput_vs_float32', float('nan')):.2f}x | "
             f"{row.get('throughput_vs_bfloat16', float('nan')):.2f}x |"

@@ -64,8 +64,10 @@ from support.eventually import eventually
 from support.process_cluster import (
     ProcessCluster,
     address,
+    busiest_decode,
     events_named,
     running_cluster,
+    set_when_streaming,
     stream_choices,
     stream_token_ids,
 )
@@ -192,54 +194,6 @@ async def expected_ids(
         return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
 
     return await asyncio.to_thread(run)
-
-
-def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[list[int]], None]:
-    """An ``on_tokens`` callback that sets `event` once a stream has `num_tokens` tokens."""
-
-    def on_tokens(ids: list[int]) -> None:
-        if len(ids) >= num_tokens:
-            event.set()
-
-    return on_tokens
-
-
-async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
-    """The decode with the most streams still running, and that count: requests whose lease
-    it committed and the gateway has not finished. It comes back frozen (SIGSTOP), so none of
-    those streams can end before the caller's fault lands; the other decodes run on."""
-    # NOTE: read from the logs, not asked of the pools: two mTLS calls on a loaded machine
-    # take long enough for a few hundred tiny-model tokens to end before the fault lands. The
-    # logs are read as the children write them, a moment late: every decode is frozen while
-    # they catch up, so a stream counted as running cannot finish between the count and the
-    # fault (a short freeze, far below the gateway's stall timeout).
-    assert cluster.gateway is not None
-    victim: ChildProcess | None = None
-    for decode in cluster.decodes:
-        decode.signal(signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + 5.0
-        await asyncio.sleep(0.3)
-        running: list[int] = []
-        while True:
-            # NOTE: the gateway runs on and its log may still lag behind a stream that ended
-            # just before the freeze: a count is taken once it held for 0.3 s.
-            finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
-            counted = [
-                len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
-                for d in cluster.decodes
-            ]
-            if (counted == running and max(running) > 0) or time.monotonic() > deadline:
-                running = counted
-                break
-            running = counted
-            await asyncio.sleep(0.3 if max(running) > 0 else 0.05)
-        victim = cluster.decodes[running.index(max(running))]
-    finally:
-        for decode in cluster.decodes:
-            if decode is not victim:
-                decode.signal(signal.SIGCONT)
-    return victim, max(running)
 
 
 # ---- the request kinds: every sampling control with n choices, forced tool calls ------------

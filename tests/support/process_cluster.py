@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -273,16 +275,18 @@ async def stream_token_ids(
         max_tokens: Completion length.
         on_tokens: Called with the ids so far after every chunk.
         timeout_s: The whole stream's bound (raises TimeoutError).
-        sampling: temperature, top_p, seed, ...
+        sampling: temperature, top_p, seed, ... (``extra_body`` merged with the one that asks
+            for the token ids)
     """
     ids: list[int] = []
+    extra_body = {"return_token_ids": True, **sampling.pop("extra_body", {})}
     async with asyncio.timeout(timeout_s):
         chunks = await client.completions.create(
             model=model,
             prompt=prompt,
             max_tokens=max_tokens,
             stream=True,
-            extra_body={"return_token_ids": True},
+            extra_body=extra_body,
             **sampling,
         )
         async for chunk in chunks:
@@ -327,3 +331,51 @@ async def stream_choices(
             if on_tokens is not None:
                 on_tokens([t for choice_ids in ids for t in choice_ids])
     return list(zip(ids, logprobs, strict=True))
+
+
+def set_when_streaming(event: asyncio.Event, num_tokens: int = 10) -> Callable[[list[int]], None]:
+    """An ``on_tokens`` callback that sets `event` once a stream has `num_tokens` tokens."""
+
+    def on_tokens(ids: list[int]) -> None:
+        if len(ids) >= num_tokens:
+            event.set()
+
+    return on_tokens
+
+
+async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
+    """The decode with the most streams still running, and that count: requests whose lease
+    it committed and the gateway has not finished. It comes back frozen (SIGSTOP), so none of
+    those streams can end before the caller's fault lands; the other decodes run on."""
+    # NOTE: read from the logs, not asked of the pools: two mTLS calls on a loaded machine
+    # take long enough for a few hundred tiny-model tokens to end before the fault lands. The
+    # logs are read as the children write them, a moment late: every decode is frozen while
+    # they catch up, so a stream counted as running cannot finish between the count and the
+    # fault (a short freeze, far below the gateway's stall timeout).
+    assert cluster.gateway is not None
+    victim: ChildProcess | None = None
+    for decode in cluster.decodes:
+        decode.signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5.0
+        await asyncio.sleep(0.3)
+        running: list[int] = []
+        while True:
+            # NOTE: the gateway runs on and its log may still lag behind a stream that ended
+            # just before the freeze: a count is taken once it held for 0.3 s.
+            finished = {e["request_id"] for e in events_named(cluster.gateway, "request_finished")}
+            counted = [
+                len({e["request_id"] for e in events_named(d, "lease_committed")} - finished)
+                for d in cluster.decodes
+            ]
+            if (counted == running and max(running) > 0) or time.monotonic() > deadline:
+                running = counted
+                break
+            running = counted
+            await asyncio.sleep(0.3 if max(running) > 0 else 0.05)
+        victim = cluster.decodes[running.index(max(running))]
+    finally:
+        for decode in cluster.decodes:
+            if decode is not victim:
+                decode.signal(signal.SIGCONT)
+    return victim, max(running)

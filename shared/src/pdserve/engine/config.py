@@ -119,6 +119,10 @@ class EngineConfig:
             and the longest a rank waits on the others within a step.
         enforce_eager: Never capture decode graphs (`pdserve.engine.graphs`). Without it a
             single-rank engine on CUDA captures them after loading; on CPU every step is eager.
+        deterministic: Batch-invariant numerics (`pdserve.engine.batch_invariant`): a token's
+            logits do not depend on the other rows of its step, on chunking or the prefix
+            cache, nor on whether a prefill or a decode computed its K/V. Runs SDPA in its
+            invariant form (not flash-attn) and no decode graphs.
     """
 
     model: str
@@ -133,6 +137,7 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
     tensor_parallel_timeout_s: float = field(default=120.0, metadata=POSITIVE)
     enforce_eager: bool = False
+    deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -163,7 +168,12 @@ class EngineConfig:
     def uses_graphs(self) -> bool:
         """Whether loading captures decode graphs: CUDA, one rank, not `enforce_eager`."""
         is_cuda = torch.device(self.device).type == "cuda"
-        return is_cuda and self.tensor_parallel_size == 1 and not self.enforce_eager
+        return (
+            is_cuda
+            and self.tensor_parallel_size == 1
+            and not self.enforce_eager
+            and not self.deterministic
+        )
 
     @property
     def dtype_choice(self) -> DtypeChoice:

@@ -9,6 +9,7 @@ from torch import nn
 
 from pdserve.engine.attention import SdpaAttention
 from pdserve.engine.attention_metadata import AttentionMetadata
+from pdserve.engine.batch_invariant import INVARIANT_BACKEND, InvariantAttention
 from pdserve.engine.flash_attention import FlashAttention
 from pdserve.engine.layers import gated_activation, make_norm
 from pdserve.engine.linear import Linear
@@ -59,7 +60,11 @@ class LlamaAttention(nn.Module):
         k_norm_size = self.kv_size if self.is_qk_norm_across_heads else self.head_dim
         self.q_norm = make_norm(config, q_norm_size) if config.qk_norm else None
         self.k_norm = make_norm(config, k_norm_size) if config.qk_norm else None
-        attention_cls = FlashAttention if backend == "flash" else SdpaAttention
+        attention_cls: type[SdpaAttention] | type[FlashAttention] = SdpaAttention
+        if backend == "flash":
+            attention_cls = FlashAttention
+        elif backend == INVARIANT_BACKEND:
+            attention_cls = InvariantAttention
         self.attn = attention_cls(
             self.num_heads,
             self.num_kv_heads,

@@ -9,6 +9,13 @@ from torch import nn
 from pdserve.engine.parallel.group import TensorParallelGroup
 
 
+def at_least_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` (``[num_rows, ...]``) with its first row repeated up to `rows` rows."""
+    if x.shape[0] >= rows or x.shape[0] == 0:
+        return x
+    return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
+
+
 def can_pack_for_onednn(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `Linear.pack_for_onednn` can run here: float32, or bfloat16 where oneDNN runs it,
     on a CPU torch built with oneDNN."""
@@ -51,6 +58,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed_weight: torch.Tensor | None = None
         self.group = group if group is not None and group.world_size > 1 else None
+        self.min_rows = 1
+        """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`)."""
 
     def pack_for_onednn(self, keep_weight: bool = False) -> None:
         """Repacks the weight for oneDNN (see `can_pack_for_onednn`) and uses it from now on.
@@ -67,6 +76,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if 0 < x.shape[0] < self.min_rows:
+            return self._forward(at_least_rows(x, self.min_rows))[: x.shape[0]]
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             return self._row_parallel(x)
         if self.packed_weight is not None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers import gated_activation
+from pdserve.engine.linear import at_least_rows
 from pdserve.engine.model_config import ModelConfig, MoeConfig
 from pdserve.engine.parallel.group import RankShard, TensorParallelGroup
 
@@ -36,6 +37,9 @@ class Experts(nn.Module):
         self.hidden_act = hidden_act
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, 2 * size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, size, hidden_size))
+        self.min_rows = 1
+        """An expert given fewer tokens runs them padded to this many
+        (`pdserve.engine.batch_invariant`)."""
 
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
@@ -66,9 +70,10 @@ class Experts(nn.Module):
             start += count
             tokens = slots // top_k
             # gate_up: [count, 2 * intermediate_size]
-            gate_up = torch.mm(x[tokens], self.gate_up_proj[expert])
+            gate_up = torch.mm(at_least_rows(x[tokens], self.min_rows), self.gate_up_proj[expert])
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = torch.mm(gated_activation(self.hidden_act, gate, up), self.down_proj[expert])
+            hidden = hidden[:count]
             out.index_add_(0, tokens, (hidden * flat_weights[slots, None]).to(out.dtype))
         return out
 

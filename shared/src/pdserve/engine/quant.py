@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.linear import Linear
+from pdserve.engine.linear import Linear, at_least_rows
 
 INT4_GROUP_SIZE = 32
 """Input features sharing one int4 scale and zero (torch's kernel takes 32 to 256)."""
@@ -52,10 +52,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("scales", scales)
         self.bias = linear.bias
+        self.min_rows = 1
+        """Fewer rows run padded to this many; above one (`pdserve.engine.batch_invariant`)
+        every call takes the GEMM, whose result for a row does not depend on the row count."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype != torch.float32:
+        if self.min_rows > 1:
+            rows = x.shape[0]
+            out = F.linear(at_least_rows(x, self.min_rows), self.weight.to(x.dtype))[:rows]
+            out = out.mul_(self.scales)
+        elif x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype != torch.float32:
             out = torch._weight_int8pack_mm(x, self.weight, self.scales)
         else:
             out = F.linear(x, self.weight.to(x.dtype)).mul_(self.scales)
@@ -89,6 +96,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = values.shape
         self.group_size = group_size
+        self.min_rows = 1
+        """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`)."""
         # packed: [out, in / 2] uint8, two 4-bit values a byte in the kernel's tile order
         packed = torch._convert_weight_to_int4pack_for_cpu(values, _INT4_INNER_K_TILES)
         self.register_buffer("packed", packed)
@@ -139,7 +148,10 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        rows = x.shape[0]
+        x = at_least_rows(x, self.min_rows)
         out = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
+        out = out[:rows]
         return out if self.bias is None else out.add_(self.bias)
 
 

@@ -10,6 +10,12 @@ import torch
 
 from pdserve.engine.attention_buffer import KVGatherBuffer
 from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.batch_invariant import (
+    INVARIANT_BACKEND,
+    KEY_SPAN,
+    MIN_ROWS,
+    make_batch_invariant,
+)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.flash_attention import FLASH, flash_attn_unusable_reason
 from pdserve.engine.graphs.capture import CaptureBackend
@@ -31,18 +37,28 @@ def _batch_position(chunk: ScheduledChunk[Any]) -> tuple[bool, int]:
 
 
 def resolve_attention_backend(
-    requested: str, device: torch.device, dtype: torch.dtype, block_size: int
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    deterministic: bool = False,
 ) -> str:
-    """Turns ``auto``/``sdpa``/``flash`` into the backend that will actually run.
+    """Turns ``auto``/``sdpa``/``flash`` into the backend that will actually run; under
+    `deterministic`, SDPA's batch-invariant form (`pdserve.engine.batch_invariant`).
 
     Raises:
-        ValueError: If ``flash`` is requested where it cannot run.
+        ValueError: If ``flash`` is requested where it cannot run, or with `deterministic`.
     """
     reason = flash_attn_unusable_reason(device, dtype, block_size)
     if requested == "flash" and reason is not None:
         raise ValueError(f"attention_backend=flash is unusable: {reason}")
+    if requested == "flash" and deterministic:
+        raise ValueError("attention_backend=flash is not batch-invariant: drop --deterministic")
     backend = requested
-    if requested == "auto":
+    if deterministic:
+        backend = INVARIANT_BACKEND
+        reason = "batch-invariant numerics asked for (deterministic)"
+    elif requested == "auto":
         backend = "flash" if reason is None else "sdpa"
     # NOTE: one line per model load says which attention runs, and on CUDA why not flash-attn.
     log.info(
@@ -75,9 +91,13 @@ def load_rank_model(
         quantization=config.quantization,
     )
     backend = resolve_attention_backend(
-        config.attention_backend, device, config.cache_dtype, config.cache.block_size
+        config.attention_backend,
+        device,
+        config.cache_dtype,
+        config.cache.block_size,
+        config.deterministic,
     )
-    return load_model(
+    model = load_model(
         config.model,
         config.torch_dtype,
         device,
@@ -87,6 +107,16 @@ def load_rank_model(
         group=group,
         quantization=config.quantization,
     )
+    if config.deterministic:
+        # NOTE: one line per model load says that the numerics are batch-invariant.
+        log.info(
+            "batch_invariant",
+            projections=make_batch_invariant(model),
+            attention=backend,
+            min_rows=MIN_ROWS,
+            key_span=KEY_SPAN,
+        )
+    return model
 
 
 def cache_layout(

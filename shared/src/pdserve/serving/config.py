@@ -10,6 +10,7 @@ from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 from pdserve.engine.precision import AUTO, QUANTIZATIONS
 
 DEFAULT_KV_STORE_QUEUE_LEN = 64
+DETERMINISTIC_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,18 @@ class InstanceConfig(ServiceConfig):
             "help": "never replay decode steps from CUDA graphs (a decode on CUDA captures one "
             "per batch-size bucket up to --max-num-seqs at start; a prefill runs no decode "
             "steps and captures none; on CPU every step is eager)"
+        },
+    )
+    deterministic: bool = field(
+        default=DETERMINISTIC_DEFAULT,
+        metadata={
+            "help": "batch-invariant numerics: a request's tokens and logprobs do not depend on "
+            "the other requests of a step, on prompt chunking or the prefix cache, and a "
+            "prefill and a decode that both set it compute the same K/V for a token, so a "
+            "stream that is recomputed after a move or preemption continues with the same "
+            "tokens (in bfloat16 too). Costs some throughput (docs/BENCHMARKS.md); runs SDPA "
+            "in its invariant form and no flash-attn or decode graphs. Set it on prefills and "
+            "decodes alike; the batch_invariant log line says it is on"
         },
     )
     num_threads: int | None = field(

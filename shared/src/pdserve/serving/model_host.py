@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.model_identity import model_id as compute_model_id
+from pdserve.engine.batch_invariant import INVARIANT_BACKEND
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.model_store import resolve_model
@@ -57,6 +58,7 @@ class ModelHost:
         tensor_parallel_timeout_s: float = 120.0,
         quantization: str = "auto",
         enforce_eager: bool = False,
+        deterministic: bool = False,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -75,6 +77,7 @@ class ModelHost:
             tensor_parallel_timeout_s: How long the ranks may take to form their group.
             quantization: ``auto``, ``none``, ``int8`` or ``int4`` (`pdserve.engine.config`).
             enforce_eager: Capture no decode graphs on CUDA (`pdserve.engine.graphs`).
+            deterministic: Batch-invariant numerics (`pdserve.engine.batch_invariant`).
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
@@ -103,6 +106,7 @@ class ModelHost:
             tensor_parallel_timeout_s=tensor_parallel_timeout_s,
             quantization=quantization,
             enforce_eager=enforce_eager,
+            deterministic=deterministic,
             cache=cache,
         )
         runner = ModelRunner.load(engine_config)
@@ -138,11 +142,17 @@ class ModelHost:
             tensor_parallel_timeout_s=config.tensor_parallel_timeout_s,
             quantization=config.quantization,
             enforce_eager=config.enforce_eager or not config.runs_decode_steps,
+            deterministic=config.deterministic,
         )
 
     @property
     def num_blocks(self) -> int:
         return self.runner.kv_cache.num_blocks
+
+    @property
+    def is_batch_invariant(self) -> bool:
+        """Whether the engine runs batch-invariant numerics (``--deterministic``)."""
+        return self.runner.attention_backend == INVARIANT_BACKEND
 
     def constraint_compiler(self) -> ConstraintCompiler | None:
         """A compiler of constraints for this model's tokenizer; None without tokenizer.json

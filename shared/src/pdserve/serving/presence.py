@@ -47,6 +47,7 @@ def instance_info(
         model_name=host.served_model_name,
         max_model_len=host.max_model_len,
         tensor_parallel_size=host.runner.tensor_parallel_size,
+        batch_invariant=host.is_batch_invariant,
     )
 
 

@@ -156,7 +156,7 @@ class Finished(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "protocol", "kv_layout", "model_name", "max_model_len", "metrics_address", "tensor_parallel_size")
+    __slots__ = ("instance_id", "role", "address", "protocol", "kv_layout", "model_name", "max_model_len", "metrics_address", "tensor_parallel_size", "batch_invariant")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class InstanceInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: InstanceRole
     address: str
@@ -175,7 +176,8 @@ class InstanceInfo(_message.Message):
     max_model_len: int
     metrics_address: str
     tensor_parallel_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., protocol: _Optional[_Union[Protocol, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., protocol: _Optional[_Union[Protocol, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("num_queued_prompt_tokens", "num_queued_requests", "num_running_requests", "num_free_blocks", "num_total_blocks", "num_leased_blocks", "num_reserved_blocks", "is_draining")

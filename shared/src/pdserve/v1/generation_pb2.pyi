@@ -176,16 +176,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("name", "max_model_len", "num_prefill_instances", "num_decode_instances")
+    __slots__ = ("name", "max_model_len", "num_prefill_instances", "num_decode_instances", "batch_invariant")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFILL_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_INVARIANT_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_model_len: int
     num_prefill_instances: int
     num_decode_instances: int
-    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_prefill_instances: _Optional[int] = ..., num_decode_instances: _Optional[int] = ...) -> None: ...
+    batch_invariant: bool
+    def __init__(self, name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., num_prefill_instances: _Optional[int] = ..., num_decode_instances: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

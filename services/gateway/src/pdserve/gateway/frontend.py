@@ -94,8 +94,11 @@ class Frontend:
                 continue
             prefills = self._router.loads.candidates(InstanceRole.PREFILL, name)
             decodes = self._router.loads.candidates(InstanceRole.DECODE, name)
+            is_invariant = all(entry.info.batch_invariant for entry in prefills + decodes)
             models.append(
-                ModelSummary(name, self._max_model_len(name), len(prefills), len(decodes))
+                ModelSummary(
+                    name, self._max_model_len(name), len(prefills), len(decodes), is_invariant
+                )
             )
         return models
 

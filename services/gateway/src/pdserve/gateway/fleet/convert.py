@@ -86,6 +86,7 @@ def instance_info_from_pb(message: common_pb2.InstanceInfo) -> InstanceInfo:
         model_name=message.model_name,
         max_model_len=message.max_model_len,
         metrics_address=message.metrics_address,
+        batch_invariant=message.batch_invariant,
     )
 
 

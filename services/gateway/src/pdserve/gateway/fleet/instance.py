@@ -58,6 +58,7 @@ class InstanceInfo:
     model_name: str
     max_model_len: int
     metrics_address: str = ""
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,7 @@ class GenerationServicer:
                     max_model_len=model.max_model_len,
                     num_prefill_instances=model.num_prefill_instances,
                     num_decode_instances=model.num_decode_instances,
+                    batch_invariant=model.batch_invariant,
                 )
                 for model in self._frontend.list_models()
             ]

@@ -60,6 +60,7 @@ def service_routes(context: RestContext) -> APIRouter:
                 "created": created,
                 "owned_by": "pdserve",
                 "max_model_len": model.max_model_len,
+                "batch_invariant": model.batch_invariant,
             }
             for model in frontend.list_models()
         ]

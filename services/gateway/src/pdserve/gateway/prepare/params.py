@@ -220,3 +220,5 @@ class ModelSummary:
     max_model_len: int
     num_prefill_instances: int
     num_decode_instances: int
+    batch_invariant: bool = False
+    """Whether every instance serving it runs batch-invariant numerics (``--deterministic``)."""

@@ -1,0 +1,128 @@
+"""The same request gives the same tokens whatever the load, in bfloat16 with ``--deterministic``
+on the default model: alone, beside other requests, and after the decode serving it was
+SIGKILLed mid-stream (the gateway moves it to the other decode, which recomputes what it had).
+
+Gateway, one prefill and two decodes as processes, as `pdserve up` starts them."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from support.process_cluster import (
+    ProcessCluster,
+    busiest_decode,
+    running_cluster,
+    set_when_streaming,
+    stream_token_ids,
+)
+
+from pdserve.engine.model_store import ResolvedModel
+
+PROMPTS = [
+    "The history of the printing press",
+    "Write a short story about a lighthouse keeper",
+    "Explain how a bicycle stays upright",
+    "List three uses of copper and why",
+    "Describe the water cycle to a child",
+    "What makes a good cup of tea",
+]
+OTHERS = [f"Tell me about topic number {index} in detail" for index in range(7)]
+NUM_TOKENS = 64
+IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    smollm2: ResolvedModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    with running_cluster(
+        smollm2.path,
+        tmp_path_factory.mktemp("batch-invariant-logs"),
+        dtype="bfloat16",
+        decodes=2,
+        prefill_args="--deterministic",
+        decode_args="--deterministic",
+    ) as running:
+        yield running
+
+
+async def _alone(cluster: ProcessCluster, sampling: dict[str, Any]) -> list[list[int]]:
+    async with cluster.openai() as client:
+        return [
+            await stream_token_ids(
+                client, cluster.model_name, p, max_tokens=NUM_TOKENS, **sampling, **IGNORE_EOS
+            )
+            for p in PROMPTS
+        ]
+
+
+async def test_models_say_batch_invariant(cluster: ProcessCluster) -> None:
+    async with httpx.AsyncClient(timeout=30) as http:
+        listed = (await http.get(f"{cluster.rest_url}/v1/models")).json()["data"]
+    assert [model["batch_invariant"] for model in listed] == [True]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0}, {"temperature": 1.0, "seed": 17}],
+    ids=["greedy", "seeded"],
+)
+async def test_the_same_tokens_alone_and_beside_other_requests(
+    cluster: ProcessCluster, sampling: dict[str, Any]
+) -> None:
+    alone = await _alone(cluster, sampling)
+    async with cluster.openai(timeout_s=120) as client:
+        model = cluster.model_name
+        together = await asyncio.gather(
+            *(
+                stream_token_ids(
+                    client,
+                    model,
+                    p,
+                    max_tokens=NUM_TOKENS,
+                    timeout_s=120,
+                    **sampling,
+                    **IGNORE_EOS,
+                )
+                for p in PROMPTS + OTHERS
+            )
+        )
+    equal = sum(got == want for got, want in zip(together, alone, strict=False))
+    assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal beside 7 others"
+
+
+async def test_the_same_tokens_after_the_decode_is_sigkilled_mid_stream(
+    cluster: ProcessCluster,
+) -> None:
+    alone = await _alone(cluster, {"temperature": 0.0})
+    async with cluster.openai(timeout_s=120) as client:
+        events = [asyncio.Event() for _ in PROMPTS]
+        tasks = [
+            asyncio.create_task(
+                stream_token_ids(
+                    client,
+                    cluster.model_name,
+                    p,
+                    max_tokens=NUM_TOKENS,
+                    on_tokens=set_when_streaming(event, 16),
+                    timeout_s=120,
+                    temperature=0.0,
+                    **IGNORE_EOS,
+                )
+            )
+            for p, event in zip(PROMPTS, events, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        victim, num_running = await busiest_decode(cluster)  # frozen: its streams run on
+        victim.signal(signal.SIGKILL)
+        assert num_running > 0, "no decode held a running stream"
+        assert victim.wait(10) == -signal.SIGKILL
+        moved = await asyncio.gather(*tasks)
+    equal = sum(got == want for got, want in zip(moved, alone, strict=True))
+    assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal after the decode was lost"
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1

@@ -1,0 +1,201 @@
+"""Batch-invariant numerics (`EngineConfig.deterministic`) in bfloat16: a request's logits,
+tokens and logprobs are bit for bit the same alone, beside other requests, chunked, with its
+prefix cached, and recomputed by a prefill after a move (`pdserve.engine.batch_invariant`)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from pdserve.engine.batch_invariant import INVARIANT_BACKEND, MIN_ROWS
+from pdserve.engine.linear import Linear
+from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.quant import Int4Linear, Int8Linear
+
+EngineFactory = Callable[..., LLMEngine]
+PromptFactory = Callable[..., list[list[int]]]
+
+
+class Recorder:
+    """Wraps an engine's sampler: keeps, per prompt, the float logits of every row sampled for
+    it and the sampler's pick (token and logprobs)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.inner = engine.sampler
+        self.logits: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self.picks: dict[tuple[int, ...], list[Any]] = {}
+        engine.sampler = self  # type: ignore[assignment]
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[Any]) -> list[int]:
+        picks = self.inner.sample(logits, rows)
+        for index, row in enumerate(rows):
+            key = tuple(row.prompt_token_ids)
+            self.logits.setdefault(key, []).append(logits[index].float().clone())
+            self.picks.setdefault(key, []).append(picks[index])
+        return [pick.token_id for pick in picks]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def run(
+    engine: LLMEngine, batch: list[list[int]], params: SamplingParams | list[SamplingParams]
+) -> tuple[list[list[int]], Recorder]:
+    recorder = Recorder(engine)
+    return engine.generate(batch, params), recorder
+
+
+def assert_bit_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    assert len(got) == len(want), what
+    differing = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if not torch.equal(a, b)]
+    assert not differing, f"{what}: logits of steps {differing[:8]} differ"
+
+
+# --- the real model -------------------------------------------------------------------------
+
+NUM_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def real_engine(smollm2: ResolvedModel) -> Callable[..., LLMEngine]:
+    def make(**scheduler: Any) -> LLMEngine:
+        prefix = scheduler.pop("enable_prefix_caching", False)
+        config = EngineConfig(
+            model=str(smollm2.path),
+            dtype="bfloat16",
+            quantization="none",
+            deterministic=True,
+            seed=0,
+            cache=CacheConfig(block_size=16, num_blocks=256, enable_prefix_caching=prefix),
+            scheduler=SchedulerConfig(**scheduler),
+        )
+        return LLMEngine(config)
+
+    return make
+
+
+def real_prompts(num: int, seed: int, min_len: int = 5, max_len: int = 120) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(100, 40000) for _ in range(rng.randrange(min_len, max_len + 1))]
+        for _ in range(num)
+    ]
+
+
+def test_the_engine_reports_batch_invariant_numerics(real_engine: EngineFactory) -> None:
+    engine = real_engine()
+    assert engine.runner.attention_backend == INVARIANT_BACKEND
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.min_rows == MIN_ROWS for m in linears)
+
+
+def test_greedy_logits_are_bit_equal_alone_beside_others_chunked_cached_and_recomputed(
+    real_engine: EngineFactory,
+) -> None:
+    """The issue's cases in the serving dtype, on the default model: the same prompt alone,
+    beside 7 others of other lengths, prefilled in chunks of 16, with 48 of its tokens in the
+    prefix cache, and prefilled again with its first 1 and 17 outputs (what a decode that takes
+    a moved stream over recomputes)."""
+    target, *others = real_prompts(8, seed=3, min_len=70, max_len=120)
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    (alone,), recorded = run(real_engine(), [target], greedy)
+    want = recorded.logits[tuple(target)]
+    assert len(want) == NUM_TOKENS
+
+    outputs, recorded = run(real_engine(), [target, *others], greedy)
+    assert outputs[0] == alone
+    assert_bit_equal(recorded.logits[tuple(target)], want, "beside 7 others")
+
+    outputs, recorded = run(real_engine(max_num_batched_tokens=16), [target, *others[:3]], greedy)
+    assert outputs[0] == alone
+    assert_bit_equal(recorded.logits[tuple(target)], want, "chunked by 16")
+
+    cached = real_engine(enable_prefix_caching=True)
+    cached.generate([target[:48] + [7] * 20], SamplingParams(temperature=0.0, max_tokens=1))
+    assert cached.block_pool.num_cached_blocks >= 3
+    outputs, recorded = run(cached, [target], greedy)
+    assert outputs[0] == alone
+    assert_bit_equal(recorded.logits[tuple(target)], want, "48 tokens cached")
+
+    for num_done in (1, 17):
+        moved = target + alone[:num_done]
+        rest = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS - num_done, ignore_eos=True)
+        outputs, recorded = run(real_engine(), [moved, *others[:2]], rest)
+        assert outputs[0] == alone[num_done:]
+        assert_bit_equal(recorded.logits[tuple(moved)], want[num_done:], f"moved at {num_done}")
+
+
+def test_seeded_sampling_and_logprobs_are_equal_alone_and_in_a_batch_of_16(
+    real_engine: EngineFactory,
+) -> None:
+    target, *others = real_prompts(16, seed=9)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, logprobs=5)
+    (alone,), recorded = run(real_engine(), [target], seeded)
+    want = recorded.picks[tuple(target)]
+    params = [seeded] + [SamplingParams(temperature=0.7, seed=i, max_tokens=24) for i in range(15)]
+    outputs, recorded = run(real_engine(), [target, *others], params)
+    assert outputs[0] == alone
+    got = recorded.picks[tuple(target)]
+    assert [pick.logprobs for pick in got] == [pick.logprobs for pick in want]
+    assert all(pick.logprobs is not None for pick in got)
+
+
+# --- every family the engine serves, tiny ----------------------------------------------------
+
+
+def test_every_family_is_batch_invariant_and_recomputes_equal(
+    arch: str, make_engine: EngineFactory, prompts: PromptFactory
+) -> None:
+    def engine(**scheduler: Any) -> LLMEngine:
+        made = make_engine(arch, dtype="bfloat16", **scheduler)
+        config = EngineConfig(**{**vars(made.config), "deterministic": True})
+        return LLMEngine(config)
+
+    target, *others = prompts(6, seed=21, min_len=10, max_len=60)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (alone,), recorded = run(engine(), [target], greedy)
+    want = recorded.logits[tuple(target)]
+    outputs, recorded = run(engine(max_num_batched_tokens=16), [target, *others], greedy)
+    assert outputs[0] == alone
+    assert_bit_equal(recorded.logits[tuple(target)], want, "beside 5 others, chunked by 16")
+    moved = target + alone[:9]
+    rest = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
+    outputs, recorded = run(engine(), [moved, *others[:2]], rest)
+    assert outputs[0] == alone[9:]
+    assert_bit_equal(recorded.logits[tuple(moved)], want[9:], "moved at 9")
+
+
+# --- the projections ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize(("in_features", "out_features"), [(2048, 1536), (4864, 896)])
+def test_a_projection_gives_a_row_the_same_result_for_any_number_of_rows(
+    kind: str, in_features: int, out_features: int
+) -> None:
+    """Sizes where a one-row GEMM sums in another order on the CPUs measured (a GEMV splitting
+    the inner dimension); with `MIN_ROWS` every row count from 1 gives each row the same
+    bits."""
+    generator = torch.Generator().manual_seed(0)
+    linear = Linear(in_features, out_features, bias=False)
+    weight = torch.randn(in_features, out_features, generator=generator) * 0.05
+    linear.weight_t.data = weight.to(torch.bfloat16)
+    module: torch.nn.Module = linear
+    if kind == "bf16":
+        linear.pack_for_onednn()
+    elif kind == "int8":
+        module = Int8Linear(linear)
+    else:
+        module = Int4Linear.from_linear(linear)
+    module.min_rows = MIN_ROWS
+    x = torch.randn(33, in_features, generator=generator).to(torch.bfloat16)
+    with torch.no_grad():
+        whole = module(x)
+        for rows in (1, 2, 3, 7, 16, 17):
+            assert torch.equal(module(x[:rows]), whole[:rows]), rows
+            assert torch.equal(module(x[rows : rows + 1])[0], whole[rows]), rows
