@@ -223,52 +223,58 @@ async def test_partitioned_decode_moves_its_streams_and_rejoins(
     after_expected = await expected_ids(reference, after, 16)
 
     # Streams on the decodes, the first past its first tokens.
-    streaming = [asyncio.Event() for _ in long_requests]
     async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 10) as client:
-        is_streaming = asyncio.Event()
 
-        def on_tokens(event: asyncio.Event) -> Any:
+        async def start_long_streams() -> list[asyncio.Task[list[int]]]:
+            is_streaming = asyncio.Event()
+
             def seen(ids: list[int]) -> None:
                 if len(ids) >= 5:
-                    event.set()
                     is_streaming.set()
 
-            return seen
-
-        long_tasks = [
-            asyncio.create_task(
-                stream_token_ids(
-                    client,
-                    cluster.model_name,
-                    prompt,
-                    max_tokens=LONG_TOKENS,
-                    on_tokens=on_tokens(event),
-                    timeout_s=REQUEST_TIMEOUT_S + 10,
-                    **sampling,
+            tasks = [
+                asyncio.create_task(
+                    stream_token_ids(
+                        client,
+                        cluster.model_name,
+                        prompt,
+                        max_tokens=LONG_TOKENS,
+                        on_tokens=seen,
+                        timeout_s=REQUEST_TIMEOUT_S + 10,
+                        **sampling,
+                    )
                 )
-            )
-            for (prompt, sampling), event in zip(long_requests, streaming, strict=True)
-        ]
-        # NOTE: the first stream past its first tokens, not all of them: on a busy machine
-        # the first streams may end before the last one starts.
-        await asyncio.wait_for(is_streaming.wait(), 30)
+                for prompt, sampling in long_requests
+            ]
+            # NOTE: the first stream past its first tokens, not all of them: on a busy machine
+            # the first streams may end before the last one starts.
+            await asyncio.wait_for(is_streaming.wait(), 30)
+            return tasks
 
-        # Cut off the decode with the most running streams. Both links go down while the
-        # logs (read as the processes write them) catch up, so no counted stream can end
-        # before its decode is cut off; the other decode's link is up again at once.
-        for decode in cluster.decodes:
-            network.partition(decode.name)
-        cut_at = time.monotonic()
-        await asyncio.sleep(0.3)
-        while True:  # NOTE: at most 1 s: both decodes stay well within the 2 s TTL
-            running = [len(committed(d) - finished(cluster)) for d in cluster.decodes]
-            if max(running) > 0 or time.monotonic() - cut_at > 1.0:
+        for attempt in range(3):
+            long_tasks = await start_long_streams()
+            # Cut off the decode with the most running streams. Both links go down while the
+            # logs (read as the processes write them) catch up, so no counted stream can end
+            # before its decode is cut off; the other decode's link is up again at once.
+            for decode in cluster.decodes:
+                network.partition(decode.name)
+            cut_at = time.monotonic()
+            await asyncio.sleep(0.3)
+            while True:  # NOTE: at most 1 s: both decodes stay well within the 2 s TTL
+                running = [len(committed(d) - finished(cluster)) for d in cluster.decodes]
+                if max(running) > 0 or time.monotonic() - cut_at > 1.0:
+                    break
+                await asyncio.sleep(0.05)
+            victim = cluster.decodes[running.index(max(running))]
+            for decode in cluster.decodes:
+                if decode is not victim or max(running) == 0:
+                    network.heal(decode.name)
+            if max(running) > 0 or attempt == 2:
                 break
-            await asyncio.sleep(0.05)
-        victim = cluster.decodes[running.index(max(running))]
-        for decode in cluster.decodes:
-            if decode is not victim:
-                network.heal(decode.name)
+            # NOTE: a busy machine: the logs lagged more than the cut may last, or the streams
+            # ended first. They are checked, and start again.
+            assert await asyncio.gather(*long_tasks) == long_expected
+            await cluster.wait_whole(timeout_s=15)
         assert max(running) > 0, "no decode held a running stream"
         victim_id = instance_id(victim)
         print(f"cut off {victim.name} with {max(running)} running streams")
