@@ -1,6 +1,7 @@
 """The same request gives the same tokens whatever the load, in bfloat16 with ``--deterministic``
-on the default model: alone, beside other requests, and after the decode serving it was
-SIGKILLed mid-stream (the gateway moves it to the other decode, which recomputes what it had).
+on the default model: alone, beside other requests while the decodes preempt each other's
+streams, and after the decode serving it was SIGKILLed mid-stream (the gateway moves it to the
+other decode, which recomputes what it had).
 
 Gateway, one prefill and two decodes as processes, as `pdserve up` starts them."""
 
@@ -33,6 +34,10 @@ PROMPTS = [
 ]
 OTHERS = [f"Tell me about topic number {index} in detail" for index in range(7)]
 NUM_TOKENS = 64
+# NOTE: 24 blocks of 16 tokens and no growth headroom per decode: one request (a prompt of about
+# 10 tokens and 64 more) takes 5 blocks, so 13 at once, or the 6 streams a lost decode leaves
+# to the other, outgrow a pool and preempt each other; a preempted stream is recomputed.
+DECODE_ARGS = "--deterministic --num-blocks 24 --reserve-tokens 0"
 IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
 
 
@@ -46,7 +51,8 @@ def cluster(
         dtype="bfloat16",
         decodes=2,
         prefill_args="--deterministic",
-        decode_args="--deterministic",
+        decode_args=DECODE_ARGS,
+        gateway_args="--preempt-retry-count 100",
     ) as running:
         yield running
 
@@ -72,10 +78,11 @@ async def test_models_say_batch_invariant(cluster: ProcessCluster) -> None:
     [{"temperature": 0.0}, {"temperature": 1.0, "seed": 17}],
     ids=["greedy", "seeded"],
 )
-async def test_the_same_tokens_alone_and_beside_other_requests(
+async def test_the_same_tokens_alone_and_beside_other_requests_through_preemptions(
     cluster: ProcessCluster, sampling: dict[str, Any]
 ) -> None:
     alone = await _alone(cluster, sampling)
+    preempted = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
     async with cluster.openai(timeout_s=120) as client:
         model = cluster.model_name
         together = await asyncio.gather(
@@ -94,6 +101,8 @@ async def test_the_same_tokens_alone_and_beside_other_requests(
         )
     equal = sum(got == want for got, want in zip(together, alone, strict=False))
     assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal beside 7 others"
+    now = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+    assert now > preempted, "no stream was preempted"
 
 
 async def test_the_same_tokens_after_the_decode_is_sigkilled_mid_stream(
