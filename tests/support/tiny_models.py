@@ -126,6 +126,11 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "smollm3",
         {"num_key_value_heads": 2, "no_rope_layer_interval": 2, "pad_token_id": 0},
     ),
+    # A bias on every projection (use_bias), RoPE over adjacent pairs, tied embeddings.
+    "ernie4_5": (
+        "ernie4_5",
+        {"num_key_value_heads": 2, "use_bias": True, "tie_word_embeddings": True},
+    ),
 }
 
 
@@ -154,6 +159,11 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
                 attn = layer.self_attn
                 for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
                     proj.bias.normal_(0.0, INIT_RANGE)
+    if kind == "ernie4_5":
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                    module.bias.normal_(0.0, INIT_RANGE)
     return model.eval()
 
 

@@ -17,7 +17,17 @@ from pdserve.common.generation import SamplingParams
 # NOTE: the families the engine gained beyond Llama/Qwen2/Mistral (which the other prefill
 # tests serve): dense with q/k norm, fused checkpoint projections, experts, Gemma's layers,
 # OLMo 2's post-norms and SmolLM3's layers without RoPE.
-FAMILIES = ("qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "olmo2", "smollm3")
+FAMILIES = (
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma3",
+    "olmo2",
+    "smollm3",
+    "ernie4_5",
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # Longer than Gemma's and Mixtral's 24-token windows, so the decode reads a windowed cache.
 PROMPTS = ([(17 * i + 3) % 290 + 5 for i in range(41)], [7, 250, 31, 99, 12, 64, 180, 5])

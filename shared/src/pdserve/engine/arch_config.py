@@ -18,6 +18,7 @@ SUPPORTED_MODEL_TYPES = (
     "gemma3_text",
     "olmo2",
     "smollm3",
+    "ernie4_5",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")

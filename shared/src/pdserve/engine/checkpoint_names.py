@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 # NOTE: HF keeps q/k/v and gate/up as separate matrices; we stack them into one projection.
 STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -13,6 +15,8 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# q's and k's projections, split or (Phi-3) fused.
+QK_NAME = re.compile(r"\.(q_proj|k_proj)\.(weight|bias)$")
 SHARD_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 # Mixtral's names for the MoE block and its experts' projections.
 MIXTRAL_NAMES = (
@@ -32,3 +36,22 @@ def renamed(hf_name: str) -> str:
     for pattern, replacement in MIXTRAL_NAMES:
         hf_name = pattern.sub(replacement, hf_name)
     return hf_name
+
+
+def rope_pairs_to_halves(
+    tensor: torch.Tensor, head_dim: int, rotary_dim: int | None = None
+) -> torch.Tensor:
+    """The rows of a q or k projection (weight ``[heads * head_dim, in]`` or bias) with each
+    head's rotated dims reordered evens first, then odds.
+
+    RoPE over adjacent pairs ``(2i, 2i + 1)`` (ERNIE 4.5) rotates ``x[2i]`` with ``x[2i + 1]``
+    at frequency i; after this reordering they sit at ``i`` and ``i + rotary_dim / 2``, where
+    the half-split rotation takes them with the same frequency: the same products, and q.k
+    (both reordered alike) the same sum of terms.
+    """
+    rotary = rotary_dim or head_dim
+    order = torch.cat(
+        [torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)]
+    )
+    heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
+    return heads[:, order].reshape(tensor.shape)

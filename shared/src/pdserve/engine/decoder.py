@@ -95,7 +95,7 @@ class LlamaAttention(nn.Module):
                 (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), 1
             )
         if rope is not None:
-            qk = apply_rotary(qk, *rope)
+            qk = apply_rotary(qk, *rope).to(qkv.dtype)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # out: [num_tokens, num_heads, head_dim]

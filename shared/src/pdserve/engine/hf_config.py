@@ -51,7 +51,10 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
     head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
     is_gemma = model_type == "gemma3_text"
     hidden_act = str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu")
-    attention_bias = bool(hf.get("attention_bias", False))
+    is_ernie = model_type == "ernie4_5"
+    attention_bias = bool(hf.get("attention_bias", False)) or (
+        is_ernie and bool(hf.get("use_bias", False))
+    )
     eos = _as_id_tuple(hf.get("eos_token_id"))
     if generation:
         eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation.get("eos_token_id"))))
@@ -67,11 +70,11 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         head_dim=head_dim,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma or is_ernie)),
         qkv_bias=attention_bias
         or (model_type in ("qwen2", "qwen2_moe") and hf.get("qkv_bias", True) is not False),
         o_proj_bias=attention_bias,
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)) or (is_ernie and bool(hf.get("use_bias"))),
         rope=rope,
         sliding_windows=_sliding_windows(hf, model_type, num_layers),
         eos_token_ids=eos,
@@ -87,6 +90,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         attention_scale=_attention_scale(hf) if is_gemma else None,
         final_logit_softcapping=_final_softcap(hf) if is_gemma else None,
         rotary_dim=_rotary_dim(hf, head_dim),
+        is_rope_interleaved=is_ernie,
         local_rope=local_rope,
         moe=_moe(hf, model_type, num_layers),
     )

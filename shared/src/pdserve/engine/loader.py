@@ -12,10 +12,12 @@ from torch import nn
 
 from pdserve.engine.checkpoint_names import (
     EXPERT_NAME,
+    QK_NAME,
     SHARD_NAME,
     STACKED,
     STACKED_EXPERTS,
     renamed,
+    rope_pairs_to_halves,
 )
 from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
@@ -197,6 +199,8 @@ def _load_tensor(
         return
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return
+    if config.is_rope_interleaved and QK_NAME.search(hf_name):
+        tensor = rope_pairs_to_halves(tensor, config.head_dim, config.rotary_dim)
     tensor = shard_tensor(hf_name, tensor, config, model.group.shard)
     if _load_expert(hf_name, tensor, params, pending):
         return

@@ -145,10 +145,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
+        # NOTE: ERNIE 4.5 rotates in float32 (its reference does): the same bits in bf16.
+        rope_dtype = torch.float32 if self.config.is_rope_interleaved else hidden.dtype
+        rope = self.rotary.cos_sin(positions, rope_dtype)
         local_rope = rope
         if self.local_rotary is not None:
-            local_rope = self.local_rotary.cos_sin(positions, hidden.dtype)
+            local_rope = self.local_rotary.cos_sin(positions, rope_dtype)
         for index, layer in enumerate(self.model.layers):
             layer_rope: tuple[torch.Tensor, torch.Tensor] | None = (
                 local_rope if self.is_local_rope[index] else rope

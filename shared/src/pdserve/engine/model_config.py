@@ -35,7 +35,8 @@ class ModelConfig:
     Qwen3-MoE route each token to experts (`moe`); Gemma 3 adds scaled embeddings, GeGLU,
     norms around both blocks, a ``1 + weight`` RMSNorm and its own RoPE on sliding layers;
     OLMo 2 norms each block's output instead of its input and q and k across all heads;
-    SmolLM3 is Llama without RoPE on every fourth layer.
+    SmolLM3 is Llama without RoPE on every fourth layer; ERNIE 4.5 is Llama with a bias on
+    every projection (``use_bias``) and RoPE over adjacent pairs of a head's dims.
 
     Attributes:
         model_type: One of `SUPPORTED_MODEL_TYPES`.
@@ -54,6 +55,11 @@ class ModelConfig:
         attention_scale: The softmax scale, ``head_dim ** -0.5`` when ``None``.
         final_logit_softcapping: ``tanh(logits / c) * c`` when set.
         rotary_dim: How many leading dims of a head RoPE rotates (``partial_rotary_factor``).
+        is_rope_interleaved: RoPE rotates adjacent pairs ``(2i, 2i + 1)`` of a head's dims
+            (ERNIE 4.5), not its two halves. The loader reorders q's and k's rows of each head
+            (evens first, then odds), which turns it into the half-split rotation the engine
+            runs: the same products, q.k unchanged. It rotates in float32, as ERNIE's reference
+            does.
         local_rope: The RoPE of sliding-window layers when it differs (Gemma 3).
         moe: The mixture of experts, for the MoE families.
     """
@@ -87,6 +93,7 @@ class ModelConfig:
     attention_scale: float | None = None
     final_logit_softcapping: float | None = None
     rotary_dim: int | None = None
+    is_rope_interleaved: bool = False
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
 
