@@ -131,6 +131,20 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "ernie4_5",
         {"num_key_value_heads": 2, "use_bias": True, "tie_word_embeddings": True},
     ),
+    # A dense first layer, then 6 experts (top 2) chosen with a score correction, two shared
+    # experts as one ungated MLP; ERNIE's RoPE over adjacent pairs.
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        {
+            "num_key_value_heads": 2,
+            "moe_num_experts": 6,
+            "moe_k": 2,
+            "moe_intermediate_size": 32,
+            "moe_num_shared_experts": 2,
+            "moe_layer_start_index": 1,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
@@ -164,6 +178,13 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, INIT_RANGE)
+    if kind == "ernie4_5_moe":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "moe_statics"):
+                    # NOTE: large enough to change which experts a token gets.
+                    gate.moe_statics.e_score_correction_bias.normal_(0.0, 0.2)
     return model.eval()
 
 

@@ -19,6 +19,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmo2",
     "smollm3",
     "ernie4_5",
+    "ernie4_5_moe",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -81,7 +82,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE).
 
     Attributes:
         num_experts: Routed experts per MoE layer.
@@ -94,6 +95,12 @@ class MoeConfig:
             first (Qwen); the two differ in bfloat16 only.
         moe_layers: Per layer, whether its feed-forward is the MoE block (else a dense MLP of
             ``intermediate_size``).
+        is_shared_expert_gated: The shared expert's output is scaled by a sigmoid gate
+            (Qwen2-MoE), or added as it is (ERNIE 4.5's ``shared_experts``).
+        has_score_correction: A per-expert bias added to the routing probabilities to choose
+            the top-k (ERNIE 4.5's ``e_score_correction_bias``); the weights stay the
+            probabilities without it.
+        norm_min: With `norm_topk_prob`, the least sum the top-k weights are divided by.
     """
 
     num_experts: int
@@ -103,6 +110,9 @@ class MoeConfig:
     moe_layers: tuple[bool, ...]
     shared_expert_intermediate_size: int = 0
     is_weighting_in_float32: bool = False
+    is_shared_expert_gated: bool = True
+    has_score_correction: bool = False
+    norm_min: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.moe_intermediate_size <= 0:

@@ -25,6 +25,11 @@ MIXTRAL_NAMES = (
     (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
     (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
 )
+# ERNIE 4.5's names for the shared experts and the router's score correction.
+ERNIE_NAMES = (
+    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
+    (re.compile(r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.score_correction"),
+)
 # One routed expert's projection, stacked into the layer's 3-D expert tensors.
 EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # transformers >= 5 may also write the experts already stacked: [experts, out, in].
@@ -33,7 +38,7 @@ STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 def renamed(hf_name: str) -> str:
     """The name the engine loads `hf_name` under (Mixtral's names as the other families')."""
-    for pattern, replacement in MIXTRAL_NAMES:
+    for pattern, replacement in (*MIXTRAL_NAMES, *ERNIE_NAMES):
         hf_name = pattern.sub(replacement, hf_name)
     return hf_name
 

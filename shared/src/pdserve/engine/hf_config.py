@@ -51,7 +51,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
     head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
     is_gemma = model_type == "gemma3_text"
     hidden_act = str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu")
-    is_ernie = model_type == "ernie4_5"
+    is_ernie = model_type in ("ernie4_5", "ernie4_5_moe")
     attention_bias = bool(hf.get("attention_bias", False)) or (
         is_ernie and bool(hf.get("use_bias", False))
     )
@@ -159,6 +159,8 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
             moe_layers=(True,) * num_layers,
             is_weighting_in_float32=True,
         )
+    if model_type == "ernie4_5_moe":
+        return _ernie_moe(hf, num_layers)
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return None
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -176,6 +178,28 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
         if model_type == "qwen2_moe"
         else 0,
+    )
+
+
+def _ernie_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
+    """ERNIE 4.5's experts: every ``moe_layer_interval``-th layer from ``moe_layer_start_index``
+    to ``moe_layer_end_index`` (-1: the last), softmax routing chosen with a correction bias and
+    renormalised, and ``moe_num_shared_experts`` always-on experts as one ungated MLP."""
+    start = int(hf.get("moe_layer_start_index", 1))
+    end = int(hf.get("moe_layer_end_index", -1))
+    end = num_layers - 1 if end == -1 else end
+    interval = int(hf.get("moe_layer_interval", 1))
+    expert_size = int(hf["moe_intermediate_size"])
+    return MoeConfig(
+        num_experts=int(hf.get("moe_num_experts") or hf.get("num_experts") or 64),
+        num_experts_per_tok=int(hf.get("moe_k") or hf.get("num_experts_per_tok") or 6),
+        moe_intermediate_size=expert_size,
+        norm_topk_prob=True,
+        moe_layers=tuple((i + 1) % interval == 0 and start <= i <= end for i in range(num_layers)),
+        shared_expert_intermediate_size=expert_size * int(hf.get("moe_num_shared_experts", 0)),
+        is_shared_expert_gated=False,
+        has_score_correction=True,
+        norm_min=float(hf.get("moe_norm_min", 1e-12)),
     )
 
 

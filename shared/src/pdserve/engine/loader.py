@@ -199,6 +199,8 @@ def _load_tensor(
         return
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return
+    if config.model_type.startswith("ernie4_5") and "mtp" in hf_name:
+        return  # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
     if config.is_rope_interleaved and QK_NAME.search(hf_name):
         tensor = rope_pairs_to_halves(tensor, config.head_dim, config.rotary_dim)
     tensor = shard_tensor(hf_name, tensor, config, model.group.shard)

@@ -108,20 +108,35 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate: nn.Module | None = None
         if self.moe.shared_expert_intermediate_size:
             self.shared_expert = mlp(config, self.moe.shared_expert_intermediate_size, self.group)
-            self.shared_expert_gate = linear(config.hidden_size, 1, False)
+            if self.moe.is_shared_expert_gated:
+                self.shared_expert_gate = linear(config.hidden_size, 1, False)
+        self.score_correction: nn.Parameter | None = None
+        if self.moe.has_score_correction:
+            # NOTE: [1, experts] as ERNIE's checkpoints store it (one group).
+            self.score_correction = nn.Parameter(torch.zeros(1, self.moe.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         # router_logits: [num_tokens, num_experts]
         router_logits = self.gate(x)
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, expert_ids = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
+        if self.score_correction is None:
+            weights, expert_ids = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
+        else:
+            corrected = probs + self.score_correction.float()
+            expert_ids = torch.topk(corrected, self.moe.num_experts_per_tok, dim=-1).indices
+            weights = probs.gather(-1, expert_ids)
         if self.moe.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            total = weights.sum(dim=-1, keepdim=True)
+            if self.moe.norm_min:
+                total = total.clamp(min=self.moe.norm_min)
+            weights = weights / total
         if not self.moe.is_weighting_in_float32:
             weights = weights.to(x.dtype)
         out = self.group.all_reduce(self.experts(x, expert_ids, weights))
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
+        if self.shared_expert is not None:
             shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
