@@ -145,6 +145,26 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # A dense first layer, then DeepSeek-V3's routing: sigmoid scores with a correction, 8
+    # experts in 2 groups of which 1 is chosen, top 2, scaled; one shared expert; RoPE over
+    # half of each head; q/k norms and a q/k/v bias.
+    "glm4_moe": (
+        "glm4_moe",
+        {
+            "num_key_value_heads": 2,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 2.5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 
@@ -178,6 +198,15 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, INIT_RANGE)
+    if kind == "glm4_moe":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                attn = layer.self_attn
+                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                    proj.bias.normal_(0.0, INIT_RANGE)
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.normal_(0.0, 0.2)
     if kind == "ernie4_5_moe":
         with torch.no_grad():
             for layer in model.model.layers:

@@ -28,6 +28,7 @@ FAMILIES = (
     "smollm3",
     "ernie4_5",
     "ernie4_5_moe",
+    "glm4_moe",
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # Longer than Gemma's and Mixtral's 24-token windows, so the decode reads a windowed cache.

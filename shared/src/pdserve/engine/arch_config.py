@@ -20,6 +20,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "ernie4_5",
     "ernie4_5_moe",
+    "glm4_moe",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -82,7 +83,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE).
+    """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE,
+    GLM-4.5).
 
     Attributes:
         num_experts: Routed experts per MoE layer.
@@ -101,6 +103,13 @@ class MoeConfig:
             the top-k (ERNIE 4.5's ``e_score_correction_bias``); the weights stay the
             probabilities without it.
         norm_min: With `norm_topk_prob`, the least sum the top-k weights are divided by.
+        scoring: ``softmax`` over the router's logits, or ``sigmoid`` of each (GLM-4.5, as
+            DeepSeek-V3), computed in float32.
+        num_groups: The experts are split into this many groups; a token's experts come from
+            the `topk_groups` groups whose two best corrected scores sum highest (DeepSeek-V3's
+            group-limited routing; one group: no limit).
+        topk_groups: See `num_groups`.
+        routed_scaling_factor: Multiplies the routing weights after any renormalisation.
     """
 
     num_experts: int
@@ -113,6 +122,10 @@ class MoeConfig:
     is_shared_expert_gated: bool = True
     has_score_correction: bool = False
     norm_min: float = 0.0
+    scoring: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
@@ -121,4 +134,11 @@ class MoeConfig:
             raise ValueError(
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
                 f"got {self.num_experts_per_tok}"
+            )
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported expert scoring {self.scoring!r}")
+        if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts do not split into {self.num_groups} groups with "
+                f"{self.topk_groups} chosen"
             )

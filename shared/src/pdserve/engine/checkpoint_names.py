@@ -15,6 +15,8 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# A decoder layer's tensors.
+LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # q's and k's projections, split or (Phi-3) fused.
 QK_NAME = re.compile(r"\.(q_proj|k_proj)\.(weight|bias)$")
 SHARD_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
@@ -25,10 +27,11 @@ MIXTRAL_NAMES = (
     (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
     (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
 )
-# ERNIE 4.5's names for the shared experts and the router's score correction.
+# ERNIE 4.5's and GLM-4.5's names for the shared experts and the router's score correction.
 ERNIE_NAMES = (
     (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
     (re.compile(r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.score_correction"),
+    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.score_correction"),
 )
 # One routed expert's projection, stacked into the layer's 3-D expert tensors.
 EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

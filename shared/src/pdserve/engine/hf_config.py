@@ -15,6 +15,7 @@ from pdserve.engine.arch_config import SUPPORTED_MODEL_TYPES, MoeConfig, RopeCon
 
 _QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
+_DEFAULT_PARTIAL_ROTARY = {"glm4_moe": 0.5}
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -73,7 +74,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", is_gemma or is_ernie)),
         qkv_bias=attention_bias
         or (model_type in ("qwen2", "qwen2_moe") and hf.get("qkv_bias", True) is not False),
-        o_proj_bias=attention_bias,
+        o_proj_bias=attention_bias and model_type != "glm4_moe",
         mlp_bias=bool(hf.get("mlp_bias", False)) or (is_ernie and bool(hf.get("use_bias"))),
         rope=rope,
         sliding_windows=_sliding_windows(hf, model_type, num_layers),
@@ -81,7 +82,8 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         bos_token_id=hf.get("bos_token_id"),
         torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
         hidden_act=hidden_act,
-        qk_norm=model_type in _QK_NORM_FAMILY,
+        qk_norm=model_type in _QK_NORM_FAMILY
+        or (model_type == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         is_qk_norm_across_heads=model_type == "olmo2",
         is_post_norm=model_type == "olmo2",
         rope_layers=_rope_layers(hf, model_type, num_layers),
@@ -89,7 +91,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         embed_scale=hidden_size**0.5 if is_gemma else None,
         attention_scale=_attention_scale(hf) if is_gemma else None,
         final_logit_softcapping=_final_softcap(hf) if is_gemma else None,
-        rotary_dim=_rotary_dim(hf, head_dim),
+        rotary_dim=_rotary_dim(hf, head_dim, _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0)),
         is_rope_interleaved=is_ernie,
         local_rope=local_rope,
         moe=_moe(hf, model_type, num_layers),
@@ -109,9 +111,9 @@ def _final_softcap(hf: dict[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
-def _rotary_dim(hf: dict[str, Any], head_dim: int) -> int | None:
+def _rotary_dim(hf: dict[str, Any], head_dim: int, default: float = 1.0) -> int | None:
     params = hf.get("rope_parameters") or {}
-    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    factor = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default)))
     return None if factor == 1.0 else int(head_dim * factor)
 
 
@@ -161,6 +163,8 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
         )
     if model_type == "ernie4_5_moe":
         return _ernie_moe(hf, num_layers)
+    if model_type == "glm4_moe":
+        return _glm4_moe(hf, num_layers)
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return None
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -200,6 +204,31 @@ def _ernie_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
         is_shared_expert_gated=False,
         has_score_correction=True,
         norm_min=float(hf.get("moe_norm_min", 1e-12)),
+    )
+
+
+def _glm4_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
+    """GLM-4.5's experts (DeepSeek-V3's routing): dense ``first_k_dense_replace`` layers, then
+    sigmoid scores chosen with a correction bias within the best ``topk_group`` of ``n_group``
+    groups, renormalised and scaled by ``routed_scaling_factor``; ``n_shared_experts`` as one
+    ungated MLP."""
+    expert_size = int(hf["moe_intermediate_size"])
+    first_moe = int(hf.get("first_k_dense_replace", 1))
+    return MoeConfig(
+        num_experts=int(hf.get("n_routed_experts") or hf.get("num_local_experts") or 128),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=expert_size,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_layers=tuple(i >= first_moe for i in range(num_layers)),
+        shared_expert_intermediate_size=expert_size * int(hf.get("n_shared_experts", 1)),
+        is_weighting_in_float32=True,
+        is_shared_expert_gated=False,
+        has_score_correction=True,
+        norm_min=1e-20,
+        scoring="sigmoid",
+        num_groups=int(hf.get("n_group", 1)),
+        topk_groups=int(hf.get("topk_group", 1)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
     )
 
 

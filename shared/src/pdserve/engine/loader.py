@@ -12,6 +12,7 @@ from torch import nn
 
 from pdserve.engine.checkpoint_names import (
     EXPERT_NAME,
+    LAYER_NAME,
     QK_NAME,
     SHARD_NAME,
     STACKED,
@@ -201,6 +202,10 @@ def _load_tensor(
         return
     if config.model_type.startswith("ernie4_5") and "mtp" in hf_name:
         return  # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
+    if config.model_type == "glm4_moe" and _layer_index(hf_name) >= config.num_hidden_layers:
+        return  # NOTE: GLM-4.5 keeps its multi-token-prediction layers after the others.
+    if hf_name.endswith(".mlp.score_correction"):
+        tensor = tensor.reshape(1, -1)  # NOTE: GLM-4.5 stores it [experts], ERNIE [1, experts]
     if config.is_rope_interleaved and QK_NAME.search(hf_name):
         tensor = rope_pairs_to_halves(tensor, config.head_dim, config.rotary_dim)
     tensor = shard_tensor(hf_name, tensor, config, model.group.shard)
@@ -233,6 +238,12 @@ def _load_tensor(
         pending[name].clear()
     else:
         pending[name].discard(shard)
+
+
+def _layer_index(hf_name: str) -> int:
+    """The decoder layer a tensor belongs to (``model.layers.{i}.``), -1 for none."""
+    match = LAYER_NAME.match(hf_name)
+    return -1 if match is None else int(match.group(1))
 
 
 def _load_expert(

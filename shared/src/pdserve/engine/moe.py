@@ -117,20 +117,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
-        # router_logits: [num_tokens, num_experts]
-        router_logits = self.gate(x)
-        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        if self.score_correction is None:
-            weights, expert_ids = torch.topk(probs, self.moe.num_experts_per_tok, dim=-1)
-        else:
-            corrected = probs + self.score_correction.float()
-            expert_ids = torch.topk(corrected, self.moe.num_experts_per_tok, dim=-1).indices
-            weights = probs.gather(-1, expert_ids)
-        if self.moe.norm_topk_prob:
-            total = weights.sum(dim=-1, keepdim=True)
-            if self.moe.norm_min:
-                total = total.clamp(min=self.moe.norm_min)
-            weights = weights / total
+        weights, expert_ids = self._route(x)
         if not self.moe.is_weighting_in_float32:
             weights = weights.to(x.dtype)
         out = self.group.all_reduce(self.experts(x, expert_ids, weights))
@@ -140,3 +127,42 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, expert_ids)``, each ``[num_tokens, top_k]``, weights in float32."""
+        moe = self.moe
+        # router_logits: [num_tokens, num_experts]
+        router_logits = self.gate(x)
+        if moe.scoring == "sigmoid":
+            scores = router_logits.float().sigmoid()
+        else:
+            scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        if self.score_correction is None and moe.num_groups == 1:
+            weights, expert_ids = torch.topk(scores, moe.num_experts_per_tok, dim=-1)
+        else:
+            choice = scores
+            if self.score_correction is not None:
+                choice = scores + self.score_correction.float().view(-1)
+            if moe.num_groups > 1:
+                choice = self._within_best_groups(choice)
+            expert_ids = torch.topk(choice, moe.num_experts_per_tok, dim=-1).indices
+            weights = scores.gather(-1, expert_ids)
+        if moe.norm_topk_prob:
+            total = weights.sum(dim=-1, keepdim=True)
+            if moe.norm_min:
+                total = total.clamp(min=moe.norm_min)
+            weights = weights / total
+        if moe.routed_scaling_factor != 1.0:
+            weights = weights * moe.routed_scaling_factor
+        return weights, expert_ids
+
+    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with the experts outside each token's `topk_groups` best groups at -inf
+        (a group's score: the sum of its two best)."""
+        moe = self.moe
+        # grouped: [num_tokens, num_groups, experts per group]
+        grouped = choice.view(choice.shape[0], moe.num_groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(moe.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
