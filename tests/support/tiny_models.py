@@ -165,7 +165,33 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Attention sinks, sliding and full layers alternating (a window shorter than the test
+    # sequences), YaRN RoPE, a bias everywhere, 4 experts (top 2) with the clamped SwiGLU.
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 24,
+            "swiglu_limit": 1.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
+
+# NOTE: transformers runs gpt-oss's sinks in its eager attention only.
+EAGER_ONLY = ("gpt_oss",)
 
 
 # NOTE: the first four architectures keep the seeds they were tested with; the others are
@@ -184,7 +210,7 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
 
     kind, extra = ARCHITECTURES[name]
     config = AutoConfig.for_model(kind, **{**COMMON, **extra, **overrides})
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager" if kind in EAGER_ONLY else "sdpa"
     torch.manual_seed(_SEEDS.get(name, len(_SEEDS) + list(ARCHITECTURES).index(name)))
     model = AutoModelForCausalLM.from_config(config)
     if kind in ("qwen2", "qwen2_moe"):
@@ -198,6 +224,15 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear) and module.bias is not None:
                     module.bias.normal_(0.0, INIT_RANGE)
+    if kind == "gpt_oss":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("bias", ".sinks")):
+                    param.normal_(0.0, 0.5 if name.endswith(".sinks") else INIT_RANGE)
+                if name.endswith(".router.weight"):
+                    # NOTE: logits far enough apart that bf16's rounding rarely swaps an
+                    # expert (at the common init a tie decides, in either implementation).
+                    param.normal_(0.0, 0.3)
     if kind == "glm4_moe":
         with torch.no_grad():
             for layer in model.model.layers:

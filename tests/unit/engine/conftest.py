@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.tiny_models import ARCHITECTURES, VOCAB_SIZE, build_hf_model
+from support.tiny_models import ARCHITECTURES, EAGER_ONLY, VOCAB_SIZE, build_hf_model
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, ModelRunner, SchedulerConfig
 
@@ -53,8 +53,11 @@ def hf_model(checkpoint: Callable[[str], Path]) -> Callable[[str], torch.nn.Modu
         if (name, dtype) not in loaded:
             from transformers import AutoModelForCausalLM
 
+            kind = ARCHITECTURES[name][0]
             model = AutoModelForCausalLM.from_pretrained(
-                checkpoint(name), dtype=dtype, attn_implementation="sdpa"
+                checkpoint(name),
+                dtype=dtype,
+                attn_implementation="eager" if kind in EAGER_ONLY else "sdpa",
             )
             loaded[name, dtype] = model.eval()
         return loaded[name, dtype]

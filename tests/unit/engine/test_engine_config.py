@@ -44,7 +44,7 @@ HF: dict[str, Any] = {
         lambda: ModelConfig.from_hf_config({**HF, "num_key_value_heads": 3}),
         lambda: ModelConfig.from_hf_config({**HF, "model_type": "gpt2"}),
         lambda: ModelConfig.from_hf_config({**HF, "hidden_act": "gelu"}),
-        lambda: ModelConfig.from_hf_config({**HF, "rope_scaling": {"rope_type": "yarn"}}),
+        lambda: ModelConfig.from_hf_config({**HF, "rope_scaling": {"rope_type": "longrope"}}),
     ],
 )
 def test_bad_settings_raise_value_error(build: Any) -> None:

@@ -138,3 +138,23 @@ def test_a_checkpoint_missing_an_expert_is_refused(
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks parameters: \['model.layers.1.mlp.experts"):
         LLMEngine(EngineConfig(model=str(broken), dtype="float32", cache=CacheConfig(num_blocks=8)))
+
+
+def test_gpt_oss_clamped_swiglu_equals_transformers_on_values_past_the_limit() -> None:
+    """The tiny models' activations stay small; here gate and up reach well past the limit."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from pdserve.engine.arch_config import MoeConfig
+    from pdserve.engine.moe import Experts
+
+    config = GptOssConfig(hidden_size=8, intermediate_size=6, num_local_experts=2, swiglu_limit=1.5)
+    theirs = GptOssExperts(config)
+    moe = MoeConfig(2, 1, 6, False, (True,), clamped_swiglu=(config.swiglu_alpha, 1.5))
+    ours = Experts(moe, 8, "silu")
+    # interleaved: [gate0, up0, gate1, up1, ...], as the checkpoint stores them
+    gate_up = torch.randn(5, 12, generator=torch.Generator().manual_seed(0)) * 4
+    want = theirs._apply_gate(gate_up)
+    got = ours._activation(gate_up[:, ::2], gate_up[:, 1::2])
+    assert (gate_up.abs() > 1.5).any()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

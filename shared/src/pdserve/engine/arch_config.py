@@ -3,6 +3,7 @@ mixture-of-experts settings, and the error a refused model raises."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +22,10 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5",
     "ernie4_5_moe",
     "glm4_moe",
+    "gpt_oss",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ModelLoadError(ValueError):
@@ -41,7 +43,13 @@ class RopeConfig:
         factor: Scaling factor (``linear`` and ``llama3``).
         low_freq_factor: ``llama3`` only.
         high_freq_factor: ``llama3`` only.
-        original_max_position_embeddings: ``llama3`` only: the pre-training context length.
+        original_max_position_embeddings: ``llama3`` and ``yarn``: the pre-training context
+            length.
+        beta_fast: ``yarn``: rotations that bound the band of frequencies kept as they are.
+        beta_slow: ``yarn``: rotations that bound the band of frequencies interpolated.
+        truncate: ``yarn``: round that band's bounds outward to whole dims.
+        attention_factor: ``yarn``: multiplies cos and sin; from `factor` (and `mscale`,
+            `mscale_all_dim`) when the config gives none.
     """
 
     theta: float = 10000.0
@@ -50,6 +58,10 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -69,22 +81,41 @@ class RopeConfig:
         merged = {**scaling, **params}
         theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = merged.get("rope_type", merged.get("type", "default"))
+        factor = float(merged.get("factor", 1.0))
         return cls(
             theta=float(theta),
             rope_type=str(rope_type),
-            factor=float(merged.get("factor", 1.0)),
+            factor=factor,
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(
                 merged.get("original_max_position_embeddings", 8192)
             ),
+            beta_fast=float(merged.get("beta_fast") or 32.0),
+            beta_slow=float(merged.get("beta_slow") or 1.0),
+            truncate=bool(merged.get("truncate", True)),
+            attention_factor=_yarn_attention_factor(merged, factor) if rope_type == "yarn" else 1.0,
         )
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """YaRN's cos/sin multiplier as transformers derives it when the config gives none."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     """A sparse mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, ERNIE 4.5 MoE,
-    GLM-4.5).
+    GLM-4.5, gpt-oss).
 
     Attributes:
         num_experts: Routed experts per MoE layer.
@@ -103,13 +134,20 @@ class MoeConfig:
             the top-k (ERNIE 4.5's ``e_score_correction_bias``); the weights stay the
             probabilities without it.
         norm_min: With `norm_topk_prob`, the least sum the top-k weights are divided by.
-        scoring: ``softmax`` over the router's logits, or ``sigmoid`` of each (GLM-4.5, as
-            DeepSeek-V3), computed in float32.
+        scoring: ``softmax`` over the router's logits, ``sigmoid`` of each (GLM-4.5, as
+            DeepSeek-V3), computed in float32, or ``top_logits``: the top-k logits chosen first,
+            then a softmax over them alone (gpt-oss).
         num_groups: The experts are split into this many groups; a token's experts come from
             the `topk_groups` groups whose two best corrected scores sum highest (DeepSeek-V3's
             group-limited routing; one group: no limit).
         topk_groups: See `num_groups`.
         routed_scaling_factor: Multiplies the routing weights after any renormalisation.
+        router_bias: The router's projection has a bias (gpt-oss).
+        expert_bias: Each expert's projections have biases (gpt-oss).
+        clamped_swiglu: gpt-oss's expert activation with this ``(alpha, limit)``: gate and up
+            interleaved in the checkpoint, the gate clamped above at limit, the up to
+            ``[-limit, limit]``, and ``(up + 1) * gate * sigmoid(alpha * gate)``; None: the
+            model's ``hidden_act`` gating.
     """
 
     num_experts: int
@@ -126,6 +164,9 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.num_experts <= 0 or self.moe_intermediate_size <= 0:
@@ -135,7 +176,7 @@ class MoeConfig:
                 f"num_experts_per_tok must be in 1..{self.num_experts}, "
                 f"got {self.num_experts_per_tok}"
             )
-        if self.scoring not in ("softmax", "sigmoid"):
+        if self.scoring not in ("softmax", "sigmoid", "top_logits"):
             raise ValueError(f"unsupported expert scoring {self.scoring!r}")
         if self.num_experts % self.num_groups or not 0 < self.topk_groups <= self.num_groups:
             raise ValueError(

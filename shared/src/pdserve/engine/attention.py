@@ -8,6 +8,35 @@ import torch.nn.functional as F
 from pdserve.engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
+def sink_mask(
+    mask: torch.Tensor, sink_logits: torch.Tensor, num_keys: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A float attention mask over `num_keys` keys and one sink key after them: 0 where the
+    bool `mask` allows a key, -inf where not, and each head's sink logit in the last column.
+
+    With a zero key and value in that last place (the score q.0 is 0, the mask adds the
+    logit), softmax over the keys and the sink, the sink's share adding nothing to the output,
+    is gpt-oss's attention with sinks.
+
+    Args:
+        mask: Bool, broadcastable to ``[..., num_queries, num_keys]``.
+        sink_logits: Broadcastable to ``[..., num_queries, 1]`` (the heads in their place).
+        num_keys: Keys before the sink.
+        dtype: The scores' dtype.
+    """
+    shape = torch.broadcast_shapes(mask.shape, (*sink_logits.shape[:-1], num_keys))
+    out = torch.zeros((*shape[:-1], num_keys + 1), dtype=dtype, device=mask.device)
+    out[..., :num_keys].masked_fill_(~mask.expand(shape), float("-inf"))
+    out[..., num_keys:] = sink_logits.to(dtype)
+    return out
+
+
+def with_sink_key(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` with one zero entry appended along `dim` (the sink's key or value)."""
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, 1]
+    return F.pad(x, pad)
+
+
 class SdpaAttention:
     """Attention for one layer with ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -29,6 +58,8 @@ class SdpaAttention:
         self.group_size = num_heads // num_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.sinks: torch.Tensor | None = None
+        """``[num_heads]`` each head's sink logit (gpt-oss), set by the layer; None: no sinks."""
 
     def forward(
         self,
@@ -106,14 +137,26 @@ class SdpaAttention:
         )
         # q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
         q_grouped = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
-        out = F.scaled_dot_product_attention(
+        out = self._grouped_sdpa(
             q_grouped,
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=metadata.static_decode_mask(self.sliding_window),
-            scale=self.scale,
+            metadata.static_decode_mask(self.sliding_window),
         )
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
+
+    def _grouped_sdpa(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """SDPA of queries grouped by KV head (``[batch, num_kv_heads, group_size, head_dim]``)
+        over ``[batch, num_kv_heads, num_keys, head_dim]`` keys and values, `mask` a bool
+        broadcastable to the scores; with sinks, over one sink key more."""
+        if self.sinks is not None:
+            num_keys = keys.shape[2]
+            logits = self.sinks.view(1, self.num_kv_heads, self.group_size, 1)
+            mask = sink_mask(mask, logits, num_keys, q.dtype)
+            keys, values = with_sink_key(keys, 2), with_sink_key(values, 2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
 
     def _decode_group(
         self,
@@ -136,12 +179,11 @@ class SdpaAttention:
         # NOTE: fold the query heads of a GQA group into the query-length axis so that K/V are
         # never repeated: q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
         q_grouped = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
-        out = F.scaled_dot_product_attention(
+        out = self._grouped_sdpa(
             q_grouped,
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=metadata.decode_mask(group, self.sliding_window),
-            scale=self.scale,
+            metadata.decode_mask(group, self.sliding_window),
         )
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
@@ -169,14 +211,21 @@ class SdpaAttention:
             values = values.flatten(0, 1)[: span.context_len]
         # keys, values: [1, num_kv_heads, context_len, head_dim]
         keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-        is_plain_causal = span.num_computed_tokens == 0 and (
-            window is None or span.context_len <= window
+        is_plain_causal = (
+            span.num_computed_tokens == 0
+            and (window is None or span.context_len <= window)
+            and self.sinks is None
         )
+        mask = None if is_plain_causal else metadata.prefill_mask(span, window)
+        if self.sinks is not None:
+            assert mask is not None
+            mask = sink_mask(mask, self.sinks.view(1, -1, 1, 1), span.context_len, query.dtype)
+            keys, values = with_sink_key(keys, 2), with_sink_key(values, 2)
         out = F.scaled_dot_product_attention(
             query,
             keys,
             values,
-            attn_mask=None if is_plain_causal else metadata.prefill_mask(span, window),
+            attn_mask=mask,
             is_causal=is_plain_causal,
             scale=self.scale,
             enable_gqa=self.group_size > 1,

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import SdpaAttention
+from pdserve.engine.attention import SdpaAttention, sink_mask, with_sink_key
 from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 
 MIN_ROWS = 2
@@ -111,13 +111,19 @@ class InvariantAttention(SdpaAttention):
         mask = key_pos <= query_pos[:, None]
         if self.sliding_window is not None:
             mask &= key_pos > query_pos[:, None] - self.sliding_window
-        shape = (num_queries, self.num_kv_heads, padded, self.head_dim)
+        attn_mask = mask[:, None, None, :]
+        if self.sinks is not None:
+            # NOTE: the sink key joins the shared keys before they are expanded per query.
+            logits = self.sinks.view(1, self.num_kv_heads, self.group_size, 1)
+            attn_mask = sink_mask(attn_mask, logits, padded, q.dtype)
+            keys, values = with_sink_key(keys, 1), with_sink_key(values, 1)
+        shape = (num_queries, self.num_kv_heads, keys.shape[1], self.head_dim)
         # NOTE: a prefill's queries share one sequence's keys: a stride-0 batch, no copies.
         keys, values = keys.transpose(1, 2).expand(shape), values.transpose(1, 2).expand(shape)
         # q_grouped: [num_queries, num_kv_heads, group_size, head_dim]
         q_grouped = q.reshape(num_queries, self.num_kv_heads, self.group_size, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q_grouped, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale
+            q_grouped, keys, values, attn_mask=attn_mask, scale=self.scale
         )
         return out.reshape(num_queries, self.num_heads, self.head_dim)
 

@@ -33,6 +33,8 @@ ERNIE_NAMES = (
     (re.compile(r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.score_correction"),
     (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.score_correction"),
 )
+# gpt-oss's router.
+GPT_OSS_NAMES = ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),)
 # One routed expert's projection, stacked into the layer's 3-D expert tensors.
 EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # transformers >= 5 may also write the experts already stacked: [experts, out, in].
@@ -41,9 +43,23 @@ STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 def renamed(hf_name: str) -> str:
     """The name the engine loads `hf_name` under (Mixtral's names as the other families')."""
-    for pattern, replacement in (*MIXTRAL_NAMES, *ERNIE_NAMES):
+    for pattern, replacement in (*MIXTRAL_NAMES, *ERNIE_NAMES, *GPT_OSS_NAMES):
         hf_name = pattern.sub(replacement, hf_name)
     return hf_name
+
+
+def gpt_oss_experts(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's stacked experts as the other families store them: gate and up, interleaved
+    column by column in ``gate_up_proj`` (``[experts, in, 2 * size]``) and its bias, become
+    the gate's half then the up's; the ``[experts, in, out]`` projections become ``[experts,
+    out, in]``, how transformers' other families write stacked experts."""
+    if name.endswith(".experts.gate_up_proj_bias"):
+        return torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
+    if name.endswith(".experts.gate_up_proj"):
+        tensor = torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
+    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        return tensor.transpose(1, 2)
+    return tensor
 
 
 def rope_pairs_to_halves(

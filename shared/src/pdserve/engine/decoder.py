@@ -61,7 +61,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = make_norm(config, q_norm_size) if config.qk_norm else None
         self.k_norm = make_norm(config, k_norm_size) if config.qk_norm else None
         attention_cls: type[SdpaAttention] | type[FlashAttention] = SdpaAttention
-        if backend == "flash":
+        # NOTE: flash-attn has no sinks here: gpt-oss attends through SDPA.
+        if backend == "flash" and not config.has_attention_sinks:
             attention_cls = FlashAttention
         elif backend == INVARIANT_BACKEND:
             attention_cls = InvariantAttention
@@ -72,6 +73,14 @@ class LlamaAttention(nn.Module):
             config.sliding_window(layer_index),
             scale=config.attention_scale,
         )
+        self.sinks: nn.Parameter | None = None
+        if config.has_attention_sinks:
+            if group.world_size > 1:
+                raise ModelLoadError(
+                    f"{config.model_type}'s attention sinks are not supported with tensor "
+                    "parallelism yet"
+                )
+            self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
     def forward(
         self,
@@ -99,6 +108,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # out: [num_tokens, num_heads, head_dim]
+        if self.sinks is not None:
+            self.attn.sinks = self.sinks
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -93,6 +93,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         final_logit_softcapping=_final_softcap(hf) if is_gemma else None,
         rotary_dim=_rotary_dim(hf, head_dim, _DEFAULT_PARTIAL_ROTARY.get(model_type, 1.0)),
         is_rope_interleaved=is_ernie,
+        has_attention_sinks=model_type == "gpt_oss",
         local_rope=local_rope,
         moe=_moe(hf, model_type, num_layers),
     )
@@ -165,6 +166,21 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
         return _ernie_moe(hf, num_layers)
     if model_type == "glm4_moe":
         return _glm4_moe(hf, num_layers)
+    if model_type == "gpt_oss":
+        return MoeConfig(
+            num_experts=int(hf.get("num_local_experts", 32)),
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 4)),
+            moe_intermediate_size=int(hf["intermediate_size"]),
+            norm_topk_prob=False,
+            moe_layers=(True,) * num_layers,
+            scoring="top_logits",
+            router_bias=True,
+            expert_bias=True,
+            clamped_swiglu=(
+                float(hf.get("swiglu_alpha", 1.702)),
+                float(hf.get("swiglu_limit", 7.0)),
+            ),
+        )
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return None
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)

@@ -10,18 +10,23 @@ from pdserve.engine.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like the reference."""
+    """Root-mean-square layer norm, computed in float32 like the reference: the normed values
+    rounded to the model dtype, then scaled (Llama), or scaled in float32 and rounded after
+    (`is_scaled_in_float32`: gpt-oss)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, is_scaled_in_float32: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.is_scaled_in_float32 = is_scaled_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.is_scaled_in_float32:
+            return (self.weight * h).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -47,7 +52,7 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
     """The RMSNorm of the config's family over the last dimension of ``size``."""
     if config.gemma_norms:
         return GemmaRMSNorm(size, config.rms_norm_eps)
-    return RMSNorm(size, config.rms_norm_eps)
+    return RMSNorm(size, config.rms_norm_eps, config.model_type == "gpt_oss")
 
 
 def gated_activation(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from pdserve.engine.checkpoint_names import (
     SHARD_NAME,
     STACKED,
     STACKED_EXPERTS,
+    gpt_oss_experts,
     renamed,
     rope_pairs_to_halves,
 )
@@ -204,6 +205,13 @@ def _load_tensor(
         return  # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
     if config.model_type == "glm4_moe" and _layer_index(hf_name) >= config.num_hidden_layers:
         return  # NOTE: GLM-4.5 keeps its multi-token-prediction layers after the others.
+    if config.model_type == "gpt_oss":
+        if hf_name.endswith(("_blocks", "_scales")):
+            raise ModelLoadError(
+                f"{hf_name!r} is MXFP4 (gpt-oss's released expert weights): not supported; "
+                "serve a bfloat16 copy of the checkpoint"
+            )
+        tensor = gpt_oss_experts(hf_name, tensor)
     if hf_name.endswith(".mlp.score_correction"):
         tensor = tensor.reshape(1, -1)  # NOTE: GLM-4.5 stores it [experts], ERNIE [1, experts]
     if config.is_rope_interleaved and QK_NAME.search(hf_name):

@@ -60,6 +60,8 @@ class ModelConfig:
             (evens first, then odds), which turns it into the half-split rotation the engine
             runs: the same products, q.k unchanged. It rotates in float32, as ERNIE's reference
             does.
+        has_attention_sinks: Each head has a learned sink logit that joins its softmax and
+            takes a share of the weight to nothing (gpt-oss).
         local_rope: The RoPE of sliding-window layers when it differs (Gemma 3).
         moe: The mixture of experts, for the MoE families.
     """
@@ -94,6 +96,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rotary_dim: int | None = None
     is_rope_interleaved: bool = False
+    has_attention_sinks: bool = False
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
 

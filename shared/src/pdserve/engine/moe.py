@@ -24,6 +24,9 @@ class Experts(nn.Module):
     Attributes:
         gate_up_proj: ``[num_experts, hidden_size, 2 * moe_intermediate_size]``, gate then up.
         down_proj: ``[num_experts, moe_intermediate_size, hidden_size]``.
+        gate_up_proj_bias: ``[num_experts, 2 * moe_intermediate_size]``, with
+            `MoeConfig.expert_bias`.
+        down_proj_bias: ``[num_experts, hidden_size]``, likewise.
     """
 
     def __init__(
@@ -37,6 +40,12 @@ class Experts(nn.Module):
         self.hidden_act = hidden_act
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, 2 * size))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, size, hidden_size))
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if moe.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(moe.num_experts, 2 * size))
+            self.down_proj_bias = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.clamped_swiglu = moe.clamped_swiglu
         self.min_rows = 1
         """An expert given fewer tokens runs them padded to this many
         (`pdserve.engine.batch_invariant`)."""
@@ -71,11 +80,23 @@ class Experts(nn.Module):
             tokens = slots // top_k
             # gate_up: [count, 2 * intermediate_size]
             gate_up = torch.mm(at_least_rows(x[tokens], self.min_rows), self.gate_up_proj[expert])
+            if self.gate_up_proj_bias is not None:
+                gate_up = gate_up + self.gate_up_proj_bias[expert]
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            hidden = torch.mm(gated_activation(self.hidden_act, gate, up), self.down_proj[expert])
+            hidden = torch.mm(self._activation(gate, up), self.down_proj[expert])
+            if self.down_proj_bias is not None:
+                hidden = hidden + self.down_proj_bias[expert]
             hidden = hidden[:count]
             out.index_add_(0, tokens, (hidden * flat_weights[slots, None]).to(out.dtype))
         return out
+
+    def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.clamped_swiglu is None:
+            return gated_activation(self.hidden_act, gate, up)
+        alpha, limit = self.clamped_swiglu
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class SparseMoeBlock(nn.Module):
@@ -102,7 +123,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError("SparseMoeBlock needs a config with moe set")
         self.moe = config.moe
         self.group = group or TensorParallelGroup.single()
-        self.gate = linear(config.hidden_size, self.moe.num_experts, False)
+        self.gate = linear(config.hidden_size, self.moe.num_experts, self.moe.router_bias)
         self.experts = Experts(self.moe, config.hidden_size, config.hidden_act, self.group.shard)
         self.shared_expert: nn.Module | None = None
         self.shared_expert_gate: nn.Module | None = None
@@ -133,6 +154,9 @@ class SparseMoeBlock(nn.Module):
         moe = self.moe
         # router_logits: [num_tokens, num_experts]
         router_logits = self.gate(x)
+        if moe.scoring == "top_logits":
+            top, expert_ids = torch.topk(router_logits, moe.num_experts_per_tok, dim=-1)
+            return F.softmax(top, dim=-1, dtype=torch.float32), expert_ids
         if moe.scoring == "sigmoid":
             scores = router_logits.float().sigmoid()
         else:

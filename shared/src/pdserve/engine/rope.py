@@ -1,4 +1,4 @@
-"""Rotary position embeddings (default, linear and Llama 3 frequency scaling)."""
+"""Rotary position embeddings (default, linear, Llama 3 and YaRN frequency scaling)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq)
     if rope.rope_type != "llama3":
         return inv_freq
     old_context_len = rope.original_max_position_embeddings
@@ -39,6 +41,27 @@ def compute_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(rope: RopeConfig, dim: int, extrapolation: torch.Tensor) -> torch.Tensor:
+    """YaRN: high frequencies kept, low ones divided by `factor`, a linear ramp between
+    (transformers' ``_compute_yarn_parameters``)."""
+    interpolation = extrapolation / rope.factor
+    context = rope.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        turns = context / (num_rotations * 2 * math.pi)
+        return (dim * math.log(turns)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # NOTE: as transformers, against a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
 class RotaryEmbedding:
     """Computes cos/sin for a batch of positions once per step and applies them per layer.
 
@@ -50,6 +73,7 @@ class RotaryEmbedding:
         self.head_dim = head_dim
         # inv_freq: [head_dim // 2]
         self.inv_freq = compute_inv_freq(rope, head_dim).to(device)
+        self.attention_factor = rope.attention_factor
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -66,7 +90,10 @@ class RotaryEmbedding:
         # freqs: [num_tokens, head_dim // 2]
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
