@@ -108,7 +108,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # out: [num_tokens, num_heads, head_dim]
-        if self.sinks is not None:
+        if self.sinks is not None and isinstance(self.attn, SdpaAttention):
             self.attn.sinks = self.sinks
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
