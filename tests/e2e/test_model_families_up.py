@@ -1,6 +1,7 @@
 """`pdserve up --model DIR` on a checkpoint directory of a newer family: a dense one with
 Gemma 3's layers, ERNIE 4.5 (RoPE over adjacent pairs, a bias on every projection) and
-mixtures of experts (Qwen3-MoE; gpt-oss with attention sinks and sliding layers), each as
+mixtures of experts (Qwen3-MoE; gpt-oss with attention sinks and sliding layers; DeepSeek-V3
+with latent attention, whose latent is what the cache holds and the transfer moves), each as
 separate gateway, prefill and decode processes, with greedy output equal to transformers'.
 (Every family goes through a real prefill and decode over every transport in
 tests/integration/prefill.)"""
@@ -21,7 +22,7 @@ from pdserve.tokenizer import Tokenizer
 NUM_TOKENS = 24
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "ernie4_5", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "ernie4_5", "gpt_oss", "deepseek_v3"])
 def test_pdserve_up_serves_a_family_directory_like_transformers(
     family: str, demo_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -188,6 +188,38 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Multi-head latent attention (a compressed query too) with YaRN and its mscale, RoPE over
+    # adjacent pairs; a dense first layer, then GLM-4.5's routing with one shared expert.
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 # NOTE: transformers runs gpt-oss's sinks in its eager attention only.
@@ -233,6 +265,12 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
                     # NOTE: logits far enough apart that bf16's rounding rarely swaps an
                     # expert (at the common init a tie decides, in either implementation).
                     param.normal_(0.0, 0.3)
+    if kind == "deepseek_v3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                    gate.e_score_correction_bias.normal_(0.0, 0.2)
     if kind == "glm4_moe":
         with torch.no_grad():
             for layer in model.model.layers:

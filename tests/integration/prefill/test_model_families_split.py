@@ -30,6 +30,7 @@ FAMILIES = (
     "ernie4_5_moe",
     "glm4_moe",
     "gpt_oss",
+    "deepseek_v3",
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # Longer than Gemma's and Mixtral's 24-token windows, so the decode reads a windowed cache.

@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5_moe",
     "glm4_moe",
     "gpt_oss",
+    "deepseek_v3",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -182,4 +183,42 @@ class MoeConfig:
             raise ValueError(
                 f"{self.num_experts} experts do not split into {self.num_groups} groups with "
                 f"{self.topk_groups} chosen"
+            )
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token's K and V come from one
+    compressed latent of `kv_lora_rank` values and a `qk_rope_head_dim` rotated key shared by
+    every head, and that latent (``kv_lora_rank + qk_rope_head_dim`` values) is what the cache
+    holds (`pdserve.engine.mla`).
+
+    Attributes:
+        q_lora_rank: The query's own compression (``q_a_proj`` then ``q_b_proj``); None: one
+            ``q_proj``.
+        kv_lora_rank: The latent's size.
+        qk_nope_head_dim: Dims of a head's query and key without RoPE.
+        qk_rope_head_dim: Dims with RoPE (the key's shared by every head).
+        v_head_dim: Dims of a head's value.
+        is_rope_interleaved: RoPE over adjacent pairs (``rope_interleave``).
+        softmax_scale: ``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale ** 2``.
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    is_rope_interleaved: bool
+    softmax_scale: float
+
+    @property
+    def latent_size(self) -> int:
+        """Values the cache holds per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def __post_init__(self) -> None:
+        if self.latent_size % 2:
+            raise ValueError(
+                f"kv_lora_rank + qk_rope_head_dim must be even, got {self.latent_size}"
             )

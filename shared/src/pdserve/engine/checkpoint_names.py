@@ -7,6 +7,8 @@ import re
 
 import torch
 
+from pdserve.engine.arch_config import MlaConfig
+
 # NOTE: HF keeps q/k/v and gate/up as separate matrices; we stack them into one projection.
 STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -79,3 +81,21 @@ def rope_pairs_to_halves(
     )
     heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
     return heads[:, order].reshape(tensor.shape)
+
+
+def mla_rope_pairs_to_halves(name: str, tensor: torch.Tensor, mla: MlaConfig) -> torch.Tensor:
+    """DeepSeek's rotated dims reordered evens first, then odds (`rope_pairs_to_halves`): the
+    last ``qk_rope_head_dim`` rows of each head of ``q_proj`` / ``q_b_proj``, and of
+    ``kv_a_proj_with_mqa`` (after the latent's ``kv_lora_rank``)."""
+    rope = mla.qk_rope_head_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    if name.endswith((".q_proj.weight", ".q_b_proj.weight")):
+        heads = tensor.reshape(-1, mla.qk_nope_head_dim + rope, *tensor.shape[1:])
+        heads = torch.cat(
+            (heads[:, : mla.qk_nope_head_dim], heads[:, mla.qk_nope_head_dim :][:, order]), 1
+        )
+        return heads.reshape(tensor.shape)
+    if name.endswith((".kv_a_proj_with_mqa.weight", ".kv_a_proj_with_mqa.bias")):
+        rows = torch.cat((torch.arange(mla.kv_lora_rank), mla.kv_lora_rank + order))
+        return tensor[rows]
+    return tensor

@@ -13,6 +13,7 @@ from pdserve.engine.batch_invariant import INVARIANT_BACKEND, InvariantAttention
 from pdserve.engine.flash_attention import FlashAttention
 from pdserve.engine.layers import gated_activation, make_norm
 from pdserve.engine.linear import Linear
+from pdserve.engine.mla import MlaAttention
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.moe import SparseMoeBlock
 from pdserve.engine.parallel.group import TensorParallelGroup
@@ -158,7 +159,11 @@ class LlamaDecoderLayer(nn.Module):
         self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend, group)
+        self.self_attn: nn.Module = (
+            MlaAttention(config, group)
+            if config.mla is not None
+            else LlamaAttention(config, layer_index, backend, group)
+        )
         self.mlp = _feed_forward(config, layer_index, group)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)

@@ -9,9 +9,10 @@ load, with a message that names it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from pdserve.engine.arch_config import SUPPORTED_MODEL_TYPES, MoeConfig, RopeConfig
+from pdserve.engine.arch_config import SUPPORTED_MODEL_TYPES, MlaConfig, MoeConfig, RopeConfig
 
 _QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
@@ -50,6 +51,9 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
     num_heads = int(hf["num_attention_heads"])
     hidden_size = int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+    if model_type == "deepseek_v3":
+        # NOTE: as transformers: the RoPE tables span the rotated dims of a head only.
+        head_dim = int(hf["qk_rope_head_dim"])
     is_gemma = model_type == "gemma3_text"
     hidden_act = str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu")
     is_ernie = model_type in ("ernie4_5", "ernie4_5_moe")
@@ -96,6 +100,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         has_attention_sinks=model_type == "gpt_oss",
         local_rope=local_rope,
         moe=_moe(hf, model_type, num_layers),
+        mla=_mla(hf, rope) if model_type == "deepseek_v3" else None,
     )
 
 
@@ -164,7 +169,7 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
         )
     if model_type == "ernie4_5_moe":
         return _ernie_moe(hf, num_layers)
-    if model_type == "glm4_moe":
+    if model_type in ("glm4_moe", "deepseek_v3"):
         return _glm4_moe(hf, num_layers)
     if model_type == "gpt_oss":
         return MoeConfig(
@@ -223,8 +228,30 @@ def _ernie_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
     )
 
 
+def _mla(hf: dict[str, Any], rope: RopeConfig) -> MlaConfig:
+    """DeepSeek-V3's multi-head latent attention; its softmax scale takes YaRN's mscale twice
+    (``mscale_all_dim``), as transformers' ``yarn_apply_mscale``."""
+    nope, rope_dims = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
+    scale = (nope + rope_dims) ** -0.5
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    mscale_all_dim = float(params.get("mscale_all_dim") or 0)
+    if rope.rope_type != "default" and mscale_all_dim and rope.factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(rope.factor) + 1.0
+        scale = scale * mscale * mscale
+    q_lora = hf.get("q_lora_rank")
+    return MlaConfig(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dims,
+        v_head_dim=int(hf["v_head_dim"]),
+        is_rope_interleaved=bool(hf.get("rope_interleave", True)),
+        softmax_scale=scale,
+    )
+
+
 def _glm4_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
-    """GLM-4.5's experts (DeepSeek-V3's routing): dense ``first_k_dense_replace`` layers, then
+    """GLM-4.5's and DeepSeek-V3's experts: dense ``first_k_dense_replace`` layers, then
     sigmoid scores chosen with a correction bias within the best ``topk_group`` of ``n_group``
     groups, renormalised and scaled by ``routed_scaling_factor``; ``n_shared_experts`` as one
     ungated MLP."""

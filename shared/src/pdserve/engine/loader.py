@@ -18,6 +18,7 @@ from pdserve.engine.checkpoint_names import (
     STACKED,
     STACKED_EXPERTS,
     gpt_oss_experts,
+    mla_rope_pairs_to_halves,
     renamed,
     rope_pairs_to_halves,
 )
@@ -203,8 +204,13 @@ def _load_tensor(
         return
     if config.model_type.startswith("ernie4_5") and "mtp" in hf_name:
         return  # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
-    if config.model_type == "glm4_moe" and _layer_index(hf_name) >= config.num_hidden_layers:
-        return  # NOTE: GLM-4.5 keeps its multi-token-prediction layers after the others.
+    if (
+        config.model_type in ("glm4_moe", "deepseek_v3")
+        and _layer_index(hf_name) >= config.num_hidden_layers
+    ):
+        return  # NOTE: multi-token-prediction layers, kept after the others, are not served.
+    if config.mla is not None and config.mla.is_rope_interleaved:
+        tensor = mla_rope_pairs_to_halves(hf_name, tensor, config.mla)
     if config.model_type == "gpt_oss":
         if hf_name.endswith(("_blocks", "_scales")):
             raise ModelLoadError(
@@ -220,6 +226,8 @@ def _load_tensor(
     if _load_expert(hf_name, tensor, params, pending):
         return
     match = SHARD_NAME.search(hf_name)
+    if match is not None and config.mla is not None and match.group(1) == "q_proj":
+        match = None  # NOTE: latent attention's q_proj stands alone (no k/v to stack with)
     if match is None:
         name, shard, offset = hf_name, 0, 0
     else:

@@ -10,6 +10,7 @@ from typing import Any
 from pdserve.engine.arch_config import (
     SUPPORTED_ACTIVATIONS,
     SUPPORTED_MODEL_TYPES,
+    MlaConfig,
     ModelLoadError,
     MoeConfig,
     RopeConfig,
@@ -19,6 +20,7 @@ from pdserve.engine.hf_config import model_config_fields
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
     "SUPPORTED_MODEL_TYPES",
+    "MlaConfig",
     "ModelConfig",
     "ModelLoadError",
     "MoeConfig",
@@ -64,6 +66,7 @@ class ModelConfig:
             takes a share of the weight to nothing (gpt-oss).
         local_rope: The RoPE of sliding-window layers when it differs (Gemma 3).
         moe: The mixture of experts, for the MoE families.
+        mla: Multi-head latent attention (DeepSeek-V3), which replaces the usual attention.
     """
 
     model_type: str
@@ -99,6 +102,7 @@ class ModelConfig:
     has_attention_sinks: bool = False
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -140,6 +144,17 @@ class ModelConfig:
             raise ValueError("rope_layers needs one entry per layer")
         if self.moe is not None and len(self.moe.moe_layers) != self.num_hidden_layers:
             raise ValueError("moe.moe_layers needs one entry per layer")
+
+    @property
+    def cache_num_kv_heads(self) -> int:
+        """KV heads of the cache's layout: one for MLA (its latent), else `num_key_value_heads`."""
+        return 1 if self.mla is not None else self.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Values per head in each of the cache's K and V: MLA's latent is split in two halves
+        (the first in K, the second in V), so a block holds the latent and nothing more."""
+        return self.mla.latent_size // 2 if self.mla is not None else self.head_dim
 
     @property
     def num_queries_per_kv(self) -> int:

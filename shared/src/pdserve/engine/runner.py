@@ -125,8 +125,8 @@ def cache_layout(
     """The KV cache layout of the model: all its KV heads unless `num_kv_heads` says fewer."""
     return KVCacheLayout(
         num_layers=model_config.num_hidden_layers,
-        num_kv_heads=num_kv_heads or model_config.num_key_value_heads,
-        head_dim=model_config.head_dim,
+        num_kv_heads=num_kv_heads or model_config.cache_num_kv_heads,
+        head_dim=model_config.cache_head_dim,
         block_size=config.cache.block_size,
         dtype=str(config.cache_dtype).removeprefix("torch."),
     )
