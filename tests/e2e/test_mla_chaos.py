@@ -1,0 +1,103 @@
+"""A latent-attention mixture of experts (a tiny DeepSeek-V3) through faults on real processes:
+streams that preempt each other on small decode pools, and a decode SIGKILLed mid-stream,
+each come out equal to transformers' greedy output, nothing lost or duplicated. Its KV blocks
+hold the latent only (`pdserve.engine.mla`): what moves between the prefill and the decodes,
+and what a decode that takes a stream over recomputes, is that latent."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.hf_reference import hf_greedy
+from support.process_cluster import (
+    ProcessCluster,
+    busiest_decode,
+    running_cluster,
+    set_when_streaming,
+    stream_token_ids,
+)
+from support.tiny_models import servable_tiny_model
+
+from pdserve.tokenizer import Tokenizer
+
+NUM_TOKENS = 56
+PROMPTS = [f"Latent attention keeps request {i} whole." for i in range(8)]
+IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
+# NOTE: 20 blocks of 16 tokens and no growth headroom per decode: a request (about 40 prompt
+# tokens, 56 more) ends in 6 blocks, so four on one decode outgrow its pool.
+DECODE_ARGS = "--num-blocks 20 --reserve-tokens 0"
+
+
+@pytest.fixture(scope="module")
+def model_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return servable_tiny_model(
+        "deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), demo_model_dir
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    return [hf_greedy(reference, tokenizer.encode(p), NUM_TOKENS) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessCluster]:
+    with running_cluster(
+        model_dir,
+        tmp_path_factory.mktemp("mla-chaos-logs"),
+        decodes=2,
+        decode_args=DECODE_ARGS,
+        gateway_args="--preempt-retry-count 100",
+    ) as running:
+        yield running
+
+
+async def test_streams_that_preempt_each_other_come_out_whole(
+    cluster: ProcessCluster, expected: list[list[int]]
+) -> None:
+    before = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+    async with cluster.openai(timeout_s=120) as client:
+        got = await asyncio.gather(
+            *(
+                stream_token_ids(
+                    client, cluster.model_name, p, max_tokens=NUM_TOKENS, timeout_s=120,
+                    temperature=0.0, **IGNORE_EOS,
+                )
+                for p in PROMPTS
+            )
+        )  # fmt: skip
+    assert got == expected
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > before
+    await cluster.wait_whole()
+
+
+async def test_a_decode_sigkilled_mid_stream_loses_nothing(
+    cluster: ProcessCluster, expected: list[list[int]]
+) -> None:
+    async with cluster.openai(timeout_s=120) as client:
+        events = [asyncio.Event() for _ in PROMPTS]
+        tasks = [
+            asyncio.create_task(
+                stream_token_ids(
+                    client, cluster.model_name, p, max_tokens=NUM_TOKENS, timeout_s=120,
+                    on_tokens=set_when_streaming(event, 8), temperature=0.0, **IGNORE_EOS,
+                )
+            )
+            for p, event in zip(PROMPTS, events, strict=True)
+        ]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        victim, num_running = await busiest_decode(cluster)  # frozen: its streams run on
+        victim.signal(signal.SIGKILL)
+        assert num_running > 0, "no decode held a running stream"
+        assert victim.wait(10) == -signal.SIGKILL
+        got = await asyncio.gather(*tasks)
+    assert got == expected
+    assert await cluster.counter("pdserve_gateway_reschedules", cause="decode_lost") >= 1
