@@ -193,8 +193,15 @@ class Runs:
         end: StoredEnd | None = None
         try:
             deltas = self._streamer.stream(run.prepared, resumable=resumable)
+            is_placement_stored = False
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
+                    if not is_placement_stored and run.last_write is not None:
+                        # NOTE: a client sees no token before the record says where the request
+                        # runs: a gateway that dies after its first token leaves a record the
+                        # next one takes the stream over by, never one it would run again.
+                        await asyncio.shield(run.last_write)
+                        is_placement_stored = True
                     run.add(delta)
             final = run.deltas[-1] if run.deltas else None
             reason = final.finish_reason if final is not None else None
