@@ -18,6 +18,7 @@ from pdserve.gateway.config_fields import (
     settings_of,
 )
 from pdserve.gateway.prepare.validation import RequestLimits
+from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.routing.policy import CacheRouting
 from pdserve.gateway.routing.queue_bounds import QueueLimits
 from pdserve.gateway.tools.formats import AUTO, TOOL_CALL_PARSERS
@@ -171,6 +172,16 @@ class GatewayConfig(ServiceConfig):
             '({"name": ..., "parameters": ...}: Llama 3.1-3.3); auto picks llama3_json for a '
             "Llama 3 chat template and hermes otherwise",
             "choices": TOOL_CALL_PARSERS,
+        },
+    )
+    reasoning_parser: str = field(
+        default=AUTO,
+        metadata={
+            "help": "how a chat completion's reasoning is read: think (what the model writes "
+            "between <think> and </think>, as Qwen3 and DeepSeek-R1 do, goes to "
+            "reasoning_content, streamed too; the rest to content), none (all content); auto "
+            "reads it for a model whose chat template knows </think>",
+            "choices": REASONING_PARSERS,
         },
     )
     max_constraint_chars: int = limit_field("max_constraint_chars")

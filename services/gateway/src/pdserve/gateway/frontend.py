@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.common import telemetry
@@ -32,6 +33,7 @@ from pdserve.gateway.prepare.params import (
 from pdserve.gateway.prepare.tokenize import is_short_prompt, tokenize_prompt
 from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
 from pdserve.gateway.prepare.workers import WorkerPool
+from pdserve.gateway.reasoning import prompt_opens_thinking, uses_think_blocks
 from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.routing.router import Router
 from pdserve.gateway.tools.formats import AUTO, ToolCallFormat, resolve_format
@@ -56,6 +58,8 @@ class Frontend:
         rng: Source of seeds for requests without one.
         tool_call_parser: ``--tool-call-parser``: the tool-call format of every model
             (``auto``: each model's, from its chat template).
+        reasoning_parser: ``--reasoning-parser``: whether chat completions are read for
+            reasoning (`pdserve.gateway.reasoning`).
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class Frontend:
         default_chat_max_tokens: int = 1024,
         rng: random.Random | None = None,
         tool_call_parser: str = AUTO,
+        reasoning_parser: str = AUTO,
     ) -> None:
         self._registry = registry
         self._router = router
@@ -79,6 +84,7 @@ class Frontend:
         self._lengths = LengthRules(router, limits, default_max_tokens, default_chat_max_tokens)
         self._rng = rng or random.SystemRandom()
         self._tool_call_parser = tool_call_parser
+        self._reasoning_parser = reasoning_parser
         self.is_draining = False
 
     @property
@@ -241,4 +247,17 @@ class Frontend:
             is_prompt_only=max_tokens == 0,
             prompt_text=params.text,
             tool_plan=tool_plan,
+            reasoning_opens=self._reasoning_opens(params, tokenizer, prompt_token_ids),
         )
+
+    def _reasoning_opens(
+        self, params: GenerationParams, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]
+    ) -> bool | None:
+        """`PreparedRequest.reasoning_opens` of a request: chat completions only (the other
+        APIs keep the whole text as their output)."""
+        if params.messages is None or not params.shows_reasoning:
+            return None
+        if not uses_think_blocks(self._reasoning_parser, tokenizer.chat_template):
+            return None
+        tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
+        return prompt_opens_thinking(tail)

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.prepare.params import PreparedRequest
+from pdserve.gateway.reasoning import ReasoningStream
 from pdserve.gateway.request import GenerationEnd, OutputDelta, TokenChunk, Usage
 from pdserve.gateway.text import CompletionText
 from pdserve.gateway.tool_deltas import with_tool_calls
@@ -20,9 +21,23 @@ def replay(
     """The deltas a resumable request's stream had, made again from its tokens and its end
     (as `Streamer.stream` makes them: one token each, then the final delta)."""
     deltas = _replayed(prepared, token_ids, end)
+    if prepared.reasoning_opens is not None:
+        deltas = with_reasoning(deltas, prepared.reasoning_opens)
     if prepared.tool_plan is None:
         return deltas
     return with_tool_calls(deltas, prepared.tool_plan)
+
+
+async def with_reasoning(
+    deltas: AsyncGenerator[OutputDelta, None], is_open: bool
+) -> AsyncGenerator[OutputDelta, None]:
+    """One choice's deltas with its reasoning read out (`pdserve.gateway.reasoning`)."""
+    stream = ReasoningStream(is_open)
+    try:
+        async for delta in deltas:
+            yield stream.step(delta)
+    finally:
+        await deltas.aclose()
 
 
 async def _replayed(

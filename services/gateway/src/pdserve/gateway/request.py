@@ -155,6 +155,8 @@ class OutputDelta:
         prompt_logprobs: The prompt's logprobs (first delta only, when asked).
         tool_calls: Steps of the tool calls read from the completion (a request with tools);
             `text` is then the text outside them.
+        reasoning: Reasoning read from the completion (a chat of a thinking model:
+            `pdserve.gateway.reasoning`); `text` is then the content after it.
     """
 
     text: str
@@ -165,3 +167,4 @@ class OutputDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     tool_calls: tuple[ToolCallDelta, ...] = ()
+    reasoning: str = ""

@@ -118,6 +118,7 @@ class GatewayServer:
             default_max_tokens=config.default_max_tokens,
             default_chat_max_tokens=config.default_chat_max_tokens,
             tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
         )
         self.resume_store: ResumeStore = (
             EtcdResumeStore(EtcdTarget.parse(config.registry), config.max_stored_responses)

@@ -27,6 +27,7 @@ from pdserve.gateway.orchestrator import Orchestrator
 from pdserve.gateway.output_deltas import final_delta, text_deltas
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
+from pdserve.gateway.reasoning import ReasoningStream
 from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable
 from pdserve.gateway.text import CompletionText
 from pdserve.gateway.tool_deltas import ToolCallStream
@@ -103,8 +104,13 @@ class Streamer:
         # NOTE: the calls are read here, not around this generator, so that what is recorded
         # (the log line, the span) has the finish reason the client gets (``tool_calls``).
         calls = None if prepared.tool_plan is None else ToolCallStream(prepared.tool_plan)
+        reasoning = (
+            None if prepared.reasoning_opens is None else ReasoningStream(prepared.reasoning_opens)
+        )
 
         def as_sent(delta: OutputDelta) -> OutputDelta:
+            if reasoning is not None:
+                delta = reasoning.step(delta)
             return delta if calls is None else calls.step(delta)
 
         end: GenerationEnd | None = None

@@ -139,6 +139,9 @@ class Responder:
         choice: dict[str, Any] = {"index": index, "logprobs": None}
         if self._is_chat:
             choice["message"] = chat_message(text, [c for d in deltas for c in d.tool_calls])
+            reasoning = "".join(d.reasoning for d in deltas)
+            if reasoning:
+                choice["message"]["reasoning_content"] = reasoning
             if self.num_top is not None:
                 choice["logprobs"] = chat_logprobs(
                     self._texts, self._prompt(index).tokenizer, token_ids, logprobs
@@ -184,6 +187,7 @@ class Responder:
             delta.text
             or (delta.token_ids and shows_tokens)
             or delta.tool_calls
+            or delta.reasoning
             or delta.finish_reason
             or (is_first and self._is_chat)
             or echo
@@ -193,7 +197,9 @@ class Responder:
         logprobs: Any = content_logprobs
         if self._is_chat:
             content: dict[str, Any] = {"role": "assistant"} if is_first else {}
-            if delta.text or is_first:
+            if delta.reasoning:
+                content["reasoning_content"] = delta.reasoning
+            if delta.text or (is_first and not delta.reasoning):
                 content["content"] = delta.text
             if delta.tool_calls:
                 content["tool_calls"] = [tool_call_chunk(call) for call in delta.tool_calls]

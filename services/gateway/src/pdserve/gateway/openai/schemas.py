@@ -139,6 +139,7 @@ class ChatCompletionRequest(SamplingBody):
             tools=tuple(tool_from_body(tool) for tool in self.tools or ()),
             tool_choice=tool_choice_from_body(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
+            shows_reasoning=True,
         )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:

@@ -69,7 +69,8 @@ class GenerationParams:
     functions a chat may call, `tool_choice` how (None: the default, ``auto`` with tools),
     `parallel_tool_calls` whether a completion may make several calls. `constraint` is what
     the completion's text must match (structured outputs, or a forced tool call),
-    `constraint_name` the parameter the client set it with.
+    `constraint_name` the parameter the client set it with. `shows_reasoning`: the API has a
+    place for reasoning read out of the completion (chat completions' ``reasoning_content``).
     """
 
     model: str
@@ -105,6 +106,7 @@ class GenerationParams:
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None
     constraint_name: str = "response_format"
+    shows_reasoning: bool = False
 
     @property
     def num_tool_chars(self) -> int:
@@ -158,6 +160,9 @@ class PreparedRequest:
             finish the prefill, and never shown).
         prompt_text: The prompt as the client wrote it (a text prompt; echo shows it).
         tool_plan: How tool calls are read from each completion; None: they are not.
+        reasoning_opens: How reasoning is read from each completion
+            (`pdserve.gateway.reasoning`): True when the prompt ends inside a think block,
+            False when only a completion that starts one has any; None: it is not read.
     """
 
     request: GenerationRequest
@@ -173,6 +178,7 @@ class PreparedRequest:
     is_prompt_only: bool = False
     prompt_text: str | None = None
     tool_plan: ToolPlan | None = None
+    reasoning_opens: bool | None = None
 
     def choices(self) -> list[PreparedRequest]:
         """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)
