@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "request values",
         frozenset({"request", "progress", "phases", "decisions", "active_request"}),
     ),
-    ("preparation", frozenset({"prepare"})),
+    ("preparation", frozenset({"prepare", "reasoning"})),
     (
         "request core",
         frozenset(
