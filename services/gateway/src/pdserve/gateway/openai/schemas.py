@@ -99,6 +99,10 @@ class CompletionRequest(SamplingBody):
         return params
 
 
+# NOTE: what the template gets from the request itself; chat_template_kwargs adds to it only.
+TEMPLATE_INPUTS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class ChatCompletionRequest(SamplingBody):
     """Body of ``POST /v1/chat/completions``."""
 
@@ -109,6 +113,7 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[ToolBody] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     store: bool | None = None
@@ -140,6 +145,7 @@ class ChatCompletionRequest(SamplingBody):
             tool_choice=tool_choice_from_body(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
             shows_reasoning=True,
+            template_variables=tuple((self.chat_template_kwargs or {}).items()),
         )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -160,6 +166,9 @@ class ChatCompletionRequest(SamplingBody):
             return "function_call", "function_call is not supported (use tool_choice)"
         if self.store:
             return "store", "store is not supported"
+        taken = set(self.chat_template_kwargs or ()) & TEMPLATE_INPUTS
+        if taken:
+            return "chat_template_kwargs", f"{sorted(taken)[0]} is set by the request itself"
         if self.service_tier not in (None, "auto", "default"):
             return "service_tier", "service_tier is not supported"
         return None

@@ -13,6 +13,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
@@ -71,6 +72,8 @@ class GenerationParams:
     the completion's text must match (structured outputs, or a forced tool call),
     `constraint_name` the parameter the client set it with. `shows_reasoning`: the API has a
     place for reasoning read out of the completion (chat completions' ``reasoning_content``).
+    `template_variables` go to the chat template too (``chat_template_kwargs``, e.g.
+    ``enable_thinking``).
     """
 
     model: str
@@ -107,6 +110,7 @@ class GenerationParams:
     constraint: Constraint | None = None
     constraint_name: str = "response_format"
     shows_reasoning: bool = False
+    template_variables: tuple[tuple[str, Any], ...] = ()
 
     @property
     def num_tool_chars(self) -> int:

@@ -49,7 +49,9 @@ def tokenize_prompt(
             messages, tools = template_inputs(
                 params.messages, params.tools, call_format, tokenizer.tool_support
             )
-            token_ids = tokenizer.encode_chat(messages, tools=tools)
+            token_ids = tokenizer.encode_chat(
+                messages, tools=tools, **dict(params.template_variables)
+            )
         except ChatTemplateError as exc:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST,
