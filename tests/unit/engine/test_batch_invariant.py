@@ -199,3 +199,27 @@ def test_a_projection_gives_a_row_the_same_result_for_any_number_of_rows(
         for rows in (1, 2, 3, 7, 16, 17):
             assert torch.equal(module(x[:rows]), whole[:rows]), rows
             assert torch.equal(module(x[rows : rows + 1])[0], whole[rows]), rows
+
+
+def test_a_prefill_writes_the_kv_a_decode_writes_bit_for_bit(real_engine: EngineFactory) -> None:
+    """Positions 60-99 of a sequence: decoded one by one after a 60-token prefill, and
+    prefilled at once (what a decode that takes a moved stream, or the KV store, would hold):
+    every layer's K and V are the same bytes."""
+    from pdserve.engine import ScheduledChunk
+
+    engine = real_engine()
+    (sequence,) = real_prompts(1, seed=13, min_len=100, max_len=100)
+    num_blocks = -(-len(sequence) // engine.block_size)
+    decoded, prefilled = (engine.block_pool.allocate(num_blocks) for _ in range(2))
+    runner = engine.runner
+    runner.execute([ScheduledChunk(sequence[:60], 0, decoded)])
+    for position in range(60, len(sequence)):
+        runner.execute([ScheduledChunk([sequence[position]], position, decoded)])
+    runner.execute([ScheduledChunk(sequence, 0, prefilled)])
+    cache = engine.kv_cache
+    for layer in range(cache.layout.num_layers):
+        for part in cache.layer(layer):
+            # [blocks, block_size, heads, dim] -> [tokens, heads, dim]
+            a = part[torch.tensor(decoded)].flatten(0, 1)[: len(sequence)]
+            b = part[torch.tensor(prefilled)].flatten(0, 1)[: len(sequence)]
+            assert torch.equal(a, b), layer
