@@ -18,12 +18,23 @@ LONG = [(13 * i + 5) % 310 + 3 for i in range(53)]  # 13 full blocks of 4 and a 
 NUM_BLOCKS = -(-len(LONG) // BLOCK_SIZE)
 
 
-def _sampling(seed: int) -> SamplingParams:
-    return SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=10, ignore_eos=True)
+# NOTE: a committed request decodes at once, and a sibling shares its blocks only while it
+# runs: the first completion is long enough to outlast the second's prefill on a busy machine
+# (10 tokens did not, once in a few runs beside a CPU hog).
+FIRST_MAX_TOKENS = 300
 
 
-async def _handed_off(pd: Cluster, request_id: str, seed: int, key: str) -> prefill_pb2.HandedOff:
-    events = await pd.run_prefill(pd.request(request_id, LONG, _sampling(seed), share_key=key))
+def _sampling(seed: int, max_tokens: int = 10) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.9, top_p=0.95, seed=seed, max_tokens=max_tokens, ignore_eos=True
+    )
+
+
+async def _handed_off(
+    pd: Cluster, request_id: str, seed: int, key: str, max_tokens: int = 10
+) -> prefill_pb2.HandedOff:
+    sampling = _sampling(seed, max_tokens)
+    events = await pd.run_prefill(pd.request(request_id, LONG, sampling, share_key=key))
     assert events.error is None, events.error
     return events.last("handed_off").handed_off
 
@@ -33,15 +44,15 @@ async def test_a_sibling_completion_ships_only_its_partial_block(
     tiny_model_dir: Path, engine: LLMEngine, transport: str
 ) -> None:
     async with cluster(tiny_model_dir, kv_transports=transport) as pd:
-        first = await _handed_off(pd, "r-0", 1, "r:k")
+        first = await _handed_off(pd, "r-0", 1, "r:k", FIRST_MAX_TOKENS)
         computed = pd.prefill.loop.num_prompt_tokens
         second = await _handed_off(pd, "r-1", 2, "r:k")
         # The decode holds the 13 full blocks for both; the prefill's cache held them too.
         assert second.num_bytes * NUM_BLOCKS == first.num_bytes
         assert pd.prefill.loop.num_prompt_tokens - computed < BLOCK_SIZE
         assert pd.decodes[0].leases.num_shared_blocks == NUM_BLOCKS - 1
-        for handed_off, seed in ((first, 1), (second, 2)):
-            reference = engine.generate([LONG], _sampling(seed))[0]
+        for handed_off, seed, max_tokens in ((first, 1, FIRST_MAX_TOKENS), (second, 2, 10)):
+            reference = engine.generate([LONG], _sampling(seed, max_tokens))[0]
             ids, _ = await pd.generate(handed_off.lease_id)
             assert ids == reference[1:]
         await pd.eventually_whole()
