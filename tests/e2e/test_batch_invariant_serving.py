@@ -8,7 +8,6 @@ Gateway, one prefill and two decodes as processes, as `pdserve up` starts them."
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,9 +15,8 @@ import httpx
 import pytest
 from support.process_cluster import (
     ProcessCluster,
-    busiest_decode,
+    greedy_streams_through_a_decode_kill,
     running_cluster,
-    set_when_streaming,
     stream_token_ids,
 )
 
@@ -109,34 +107,9 @@ async def test_the_same_tokens_after_the_decode_is_sigkilled_mid_stream(
 ) -> None:
     alone = await _alone(cluster, {"temperature": 0.0})
     async with cluster.openai(timeout_s=120) as client:
-
-        async def streaming() -> list[asyncio.Task[list[int]]]:
-            events = [asyncio.Event() for _ in PROMPTS]
-            tasks = [
-                asyncio.create_task(
-                    stream_token_ids(
-                        client, cluster.model_name, p, max_tokens=NUM_TOKENS, timeout_s=120,
-                        on_tokens=set_when_streaming(event, 16), temperature=0.0, **IGNORE_EOS,
-                    )
-                )
-                for p, event in zip(PROMPTS, events, strict=True)
-            ]  # fmt: skip
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
-            return tasks
-
-        for attempt in range(3):
-            tasks = await streaming()
-            victim, num_running = await busiest_decode(cluster)  # frozen: its streams run on
-            if num_running > 0 or attempt == 2:
-                break
-            # NOTE: a busy machine ran every stream to its end before the count: they are
-            # checked, and the streams start again.
-            victim.signal(signal.SIGCONT)
-            assert await asyncio.gather(*tasks) == alone
-        victim.signal(signal.SIGKILL)
-        assert num_running > 0, "no decode held a running stream"
-        assert victim.wait(10) == -signal.SIGKILL
-        moved = await asyncio.gather(*tasks)
+        moved = await greedy_streams_through_a_decode_kill(
+            cluster, client, PROMPTS, NUM_TOKENS, alone, num_streaming_tokens=16
+        )
     equal = sum(got == want for got, want in zip(moved, alone, strict=True))
     assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal after the decode was lost"
     # NOTE: a stream counted on the victim may have been preempted from it just before the kill

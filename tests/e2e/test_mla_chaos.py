@@ -7,7 +7,6 @@ and what a decode that takes a stream over recomputes, is that latent."""
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +14,8 @@ import pytest
 from support.hf_reference import hf_greedy
 from support.process_cluster import (
     ProcessCluster,
-    busiest_decode,
+    greedy_streams_through_a_decode_kill,
     running_cluster,
-    set_when_streaming,
     stream_token_ids,
 )
 from support.tiny_models import servable_tiny_model
@@ -90,34 +88,9 @@ async def test_a_decode_sigkilled_mid_stream_loses_nothing(
 ) -> None:
     before = await cluster.counter("pdserve_gateway_reschedules")
     async with cluster.openai(timeout_s=120) as client:
-
-        async def streaming() -> list[asyncio.Task[list[int]]]:
-            events = [asyncio.Event() for _ in PROMPTS]
-            tasks = [
-                asyncio.create_task(
-                    stream_token_ids(
-                        client, cluster.model_name, p, max_tokens=NUM_TOKENS, timeout_s=120,
-                        on_tokens=set_when_streaming(event, 8), temperature=0.0, **IGNORE_EOS,
-                    )
-                )
-                for p, event in zip(PROMPTS, events, strict=True)
-            ]  # fmt: skip
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
-            return tasks
-
-        for attempt in range(3):
-            tasks = await streaming()
-            victim, num_running = await busiest_decode(cluster)  # frozen: its streams run on
-            if num_running > 0 or attempt == 2:
-                break
-            # NOTE: a busy machine ran every stream to its end before the count: they are
-            # checked, and the streams start again.
-            victim.signal(signal.SIGCONT)
-            assert await asyncio.gather(*tasks) == expected
-        victim.signal(signal.SIGKILL)
-        assert num_running > 0, "no decode held a running stream"
-        assert victim.wait(10) == -signal.SIGKILL
-        got = await asyncio.gather(*tasks)
+        got = await greedy_streams_through_a_decode_kill(
+            cluster, client, PROMPTS, NUM_TOKENS, expected
+        )
     assert got == expected
     # NOTE: on these small pools a stream counted on the victim may have been preempted from
     # it just before the kill (rescheduled as preempted, not as lost): some reschedule either way.

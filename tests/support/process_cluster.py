@@ -379,3 +379,46 @@ async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
             if decode is not victim:
                 decode.signal(signal.SIGCONT)
     return victim, max(running)
+
+
+async def greedy_streams_through_a_decode_kill(
+    cluster: ProcessCluster,
+    client: openai.AsyncOpenAI,
+    prompts: list[str],
+    max_tokens: int,
+    alone: list[list[int]],
+    num_streaming_tokens: int = 8,
+) -> list[list[int]]:
+    """Greedy streams of `prompts` (``ignore_eos``), the decode holding the most of them
+    SIGKILLed once each has `num_streaming_tokens` tokens; their token ids once they end.
+
+    When no decode held one at the count (a busy machine ran them all out first), they are
+    checked against `alone` and started again, up to three times.
+    """
+
+    async def streaming() -> list[asyncio.Task[list[int]]]:
+        events = [asyncio.Event() for _ in prompts]
+        tasks = [
+            asyncio.create_task(
+                stream_token_ids(
+                    client, cluster.model_name, prompt, max_tokens=max_tokens, timeout_s=120,
+                    on_tokens=set_when_streaming(event, num_streaming_tokens), temperature=0.0,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+            for prompt, event in zip(prompts, events, strict=True)
+        ]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        return tasks
+
+    for attempt in range(3):
+        tasks = await streaming()
+        victim, num_running = await busiest_decode(cluster)  # frozen: its streams run on
+        if num_running > 0 or attempt == 2:
+            break
+        victim.signal(signal.SIGCONT)
+        assert await asyncio.gather(*tasks) == alone
+    victim.signal(signal.SIGKILL)
+    assert num_running > 0, "no decode held a running stream"
+    assert victim.wait(10) == -signal.SIGKILL
+    return list(await asyncio.gather(*tasks))

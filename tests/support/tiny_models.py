@@ -265,18 +265,13 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
                     # NOTE: logits far enough apart that bf16's rounding rarely swaps an
                     # expert (at the common init a tie decides, in either implementation).
                     param.normal_(0.0, 0.3)
-    if kind == "deepseek_v3":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                gate = getattr(layer.mlp, "gate", None)
-                if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                    gate.e_score_correction_bias.normal_(0.0, 0.2)
-    if kind == "glm4_moe":
+    if kind in ("glm4_moe", "deepseek_v3"):
         with torch.no_grad():
             for layer in model.model.layers:
                 attn = layer.self_attn
-                for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-                    proj.bias.normal_(0.0, INIT_RANGE)
+                if kind == "glm4_moe":
+                    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                        proj.bias.normal_(0.0, INIT_RANGE)
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is not None and hasattr(gate, "e_score_correction_bias"):
                     gate.e_score_correction_bias.normal_(0.0, 0.2)
