@@ -99,18 +99,20 @@ class RopeConfig:
         )
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by `factor` (transformers'
+    ``get_mscale``): 1 when not stretched."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     """YaRN's cos/sin multiplier as transformers derives it when the config gives none."""
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
-
-    def get_mscale(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
     if mscale and mscale_all_dim:
-        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-    return get_mscale(factor)
+        return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,11 @@ def gpt_oss_experts(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _evens_then_odds(num_dims: int) -> torch.Tensor:
+    """``[0, 2, 4, ..., 1, 3, 5, ...]``: adjacent RoPE pairs moved to the two halves."""
+    return torch.cat([torch.arange(0, num_dims, 2), torch.arange(1, num_dims, 2)])
+
+
 def rope_pairs_to_halves(
     tensor: torch.Tensor, head_dim: int, rotary_dim: int | None = None
 ) -> torch.Tensor:
@@ -76,9 +81,7 @@ def rope_pairs_to_halves(
     (both reordered alike) the same sum of terms.
     """
     rotary = rotary_dim or head_dim
-    order = torch.cat(
-        [torch.arange(0, rotary, 2), torch.arange(1, rotary, 2), torch.arange(rotary, head_dim)]
-    )
+    order = torch.cat([_evens_then_odds(rotary), torch.arange(rotary, head_dim)])
     heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
     return heads[:, order].reshape(tensor.shape)
 
@@ -88,7 +91,7 @@ def mla_rope_pairs_to_halves(name: str, tensor: torch.Tensor, mla: MlaConfig) ->
     last ``qk_rope_head_dim`` rows of each head of ``q_proj`` / ``q_b_proj``, and of
     ``kv_a_proj_with_mqa`` (after the latent's ``kv_lora_rank``)."""
     rope = mla.qk_rope_head_dim
-    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    order = _evens_then_odds(rope)
     if name.endswith((".q_proj.weight", ".q_b_proj.weight")):
         heads = tensor.reshape(-1, mla.qk_nope_head_dim + rope, *tensor.shape[1:])
         heads = torch.cat(

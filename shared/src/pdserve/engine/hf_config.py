@@ -9,10 +9,15 @@ load, with a message that names it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from pdserve.engine.arch_config import SUPPORTED_MODEL_TYPES, MlaConfig, MoeConfig, RopeConfig
+from pdserve.engine.arch_config import (
+    SUPPORTED_MODEL_TYPES,
+    MlaConfig,
+    MoeConfig,
+    RopeConfig,
+    yarn_mscale,
+)
 
 _QWEN_FAMILY = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 _QK_NORM_FAMILY = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2")
@@ -170,7 +175,7 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
     if model_type == "ernie4_5_moe":
         return _ernie_moe(hf, num_layers)
     if model_type in ("glm4_moe", "deepseek_v3"):
-        return _glm4_moe(hf, num_layers)
+        return _deepseek_style_moe(hf, num_layers)
     if model_type == "gpt_oss":
         return MoeConfig(
             num_experts=int(hf.get("num_local_experts", 32)),
@@ -235,9 +240,8 @@ def _mla(hf: dict[str, Any], rope: RopeConfig) -> MlaConfig:
     scale = (nope + rope_dims) ** -0.5
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     mscale_all_dim = float(params.get("mscale_all_dim") or 0)
-    if rope.rope_type != "default" and mscale_all_dim and rope.factor > 1:
-        mscale = 0.1 * mscale_all_dim * math.log(rope.factor) + 1.0
-        scale = scale * mscale * mscale
+    if rope.rope_type != "default" and mscale_all_dim:
+        scale = scale * yarn_mscale(rope.factor, mscale_all_dim) ** 2
     q_lora = hf.get("q_lora_rank")
     return MlaConfig(
         q_lora_rank=None if q_lora is None else int(q_lora),
@@ -250,7 +254,7 @@ def _mla(hf: dict[str, Any], rope: RopeConfig) -> MlaConfig:
     )
 
 
-def _glm4_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
+def _deepseek_style_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
     """GLM-4.5's and DeepSeek-V3's experts: dense ``first_k_dense_replace`` layers, then
     sigmoid scores chosen with a correction bias within the best ``topk_group`` of ``n_group``
     groups, renormalised and scaled by ``routed_scaling_factor``; ``n_shared_experts`` as one
