@@ -8,33 +8,36 @@ import torch.nn.functional as F
 from pdserve.engine.attention_metadata import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
-def sink_mask(
-    mask: torch.Tensor, sink_logits: torch.Tensor, num_keys: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """A float attention mask over `num_keys` keys and one sink key after them: 0 where the
-    bool `mask` allows a key, -inf where not, and each head's sink logit in the last column.
+def with_sink(
+    mask: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    sink_logits: torch.Tensor,
+    key_dim: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SDPA's inputs with one sink key after the others: ``(mask, keys, values)``.
 
-    With a zero key and value in that last place (the score q.0 is 0, the mask adds the
-    logit), softmax over the keys and the sink, the sink's share adding nothing to the output,
-    is gpt-oss's attention with sinks.
+    The float mask is 0 where the bool `mask` allows a key, -inf where not, and each head's
+    sink logit in the last column; the sink's key and value are zeros. With them (the score
+    q.0 is 0, the mask adds the logit), softmax over the keys and the sink, the sink's share
+    adding nothing to the output, is gpt-oss's attention with sinks.
 
     Args:
         mask: Bool, broadcastable to ``[..., num_queries, num_keys]``.
+        keys: The keys, ``num_keys`` along `key_dim`.
+        values: The values, alike.
         sink_logits: Broadcastable to ``[..., num_queries, 1]`` (the heads in their place).
-        num_keys: Keys before the sink.
+        key_dim: The keys' (and values') dimension of the keys.
         dtype: The scores' dtype.
     """
+    num_keys = keys.shape[key_dim]
     shape = torch.broadcast_shapes(mask.shape, (*sink_logits.shape[:-1], num_keys))
-    out = torch.zeros((*shape[:-1], num_keys + 1), dtype=dtype, device=mask.device)
-    out[..., :num_keys].masked_fill_(~mask.expand(shape), float("-inf"))
-    out[..., num_keys:] = sink_logits.to(dtype)
-    return out
-
-
-def with_sink_key(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """`x` with one zero entry appended along `dim` (the sink's key or value)."""
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, 1]
-    return F.pad(x, pad)
+    float_mask = torch.zeros((*shape[:-1], num_keys + 1), dtype=dtype, device=mask.device)
+    float_mask[..., :num_keys].masked_fill_(~mask.expand(shape), float("-inf"))
+    float_mask[..., num_keys:] = sink_logits.to(dtype)
+    pad = [0, 0] * (keys.dim() - 1 - key_dim % keys.dim()) + [0, 1]
+    return float_mask, F.pad(keys, pad), F.pad(values, pad)
 
 
 class SdpaAttention:
@@ -152,10 +155,8 @@ class SdpaAttention:
         over ``[batch, num_kv_heads, num_keys, head_dim]`` keys and values, `mask` a bool
         broadcastable to the scores; with sinks, over one sink key more."""
         if self.sinks is not None:
-            num_keys = keys.shape[2]
             logits = self.sinks.view(1, self.num_kv_heads, self.group_size, 1)
-            mask = sink_mask(mask, logits, num_keys, q.dtype)
-            keys, values = with_sink_key(keys, 2), with_sink_key(values, 2)
+            mask, keys, values = with_sink(mask, keys, values, logits, 2, q.dtype)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
 
     def _decode_group(
@@ -219,8 +220,8 @@ class SdpaAttention:
         mask = None if is_plain_causal else metadata.prefill_mask(span, window)
         if self.sinks is not None:
             assert mask is not None
-            mask = sink_mask(mask, self.sinks.view(1, -1, 1, 1), span.context_len, query.dtype)
-            keys, values = with_sink_key(keys, 2), with_sink_key(values, 2)
+            logits = self.sinks.view(1, -1, 1, 1)
+            mask, keys, values = with_sink(mask, keys, values, logits, 2, query.dtype)
         out = F.scaled_dot_product_attention(
             query,
             keys,

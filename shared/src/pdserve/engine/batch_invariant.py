@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import SdpaAttention, sink_mask, with_sink_key
+from pdserve.engine.attention import SdpaAttention, with_sink
 from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
 
 MIN_ROWS = 2
@@ -115,8 +115,7 @@ class InvariantAttention(SdpaAttention):
         if self.sinks is not None:
             # NOTE: the sink key joins the shared keys before they are expanded per query.
             logits = self.sinks.view(1, self.num_kv_heads, self.group_size, 1)
-            attn_mask = sink_mask(attn_mask, logits, padded, q.dtype)
-            keys, values = with_sink_key(keys, 1), with_sink_key(values, 1)
+            attn_mask, keys, values = with_sink(attn_mask, keys, values, logits, 1, q.dtype)
         shape = (num_queries, self.num_kv_heads, keys.shape[1], self.head_dim)
         # NOTE: a prefill's queries share one sequence's keys: a stride-0 batch, no copies.
         keys, values = keys.transpose(1, 2).expand(shape), values.transpose(1, 2).expand(shape)
@@ -126,6 +125,10 @@ class InvariantAttention(SdpaAttention):
             q_grouped, keys, values, attn_mask=attn_mask, scale=self.scale
         )
         return out.reshape(num_queries, self.num_heads, self.head_dim)
+
+    def _span(self, block_size: int) -> int:
+        """`key_span` rounded up to whole blocks."""
+        return padded_len(self.key_span, block_size)
 
     def _gather(
         self,
@@ -154,7 +157,7 @@ class InvariantAttention(SdpaAttention):
         # NOTE: decodes come sorted by context length: those padded to the same length are
         # consecutive and attend in one call.
         block_size = metadata.block_size
-        span = padded_len(self.key_span, block_size)
+        span = self._span(block_size)
         lens = metadata.context_lens[: q.shape[0]].tolist()
         padded = [padded_len(n, span) for n in lens]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -185,7 +188,7 @@ class InvariantAttention(SdpaAttention):
         # the values a later decode reads. A query at position p attends over
         # padded_len(p + 1) keys, as the decode of that position would.
         block_size = metadata.block_size
-        key_span = padded_len(self.key_span, block_size)
+        key_span = self._span(block_size)
         table = metadata.block_table[span.seq_index : span.seq_index + 1]
         last = padded_len(span.context_len, key_span)
         keys, values = self._gather(k_cache, v_cache, table, last // block_size)
