@@ -7,7 +7,6 @@ Gateway, one prefill and two decodes as processes, as `pdserve up` starts them."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ from support.process_cluster import (
     greedy_streams_through_a_decode_kill,
     running_cluster,
     stream_token_ids,
+    streamed_until_preempted,
 )
 
 from pdserve.engine.model_store import ResolvedModel
@@ -80,26 +80,15 @@ async def test_the_same_tokens_alone_and_beside_other_requests_through_preemptio
     cluster: ProcessCluster, sampling: dict[str, Any]
 ) -> None:
     alone = await _alone(cluster, sampling)
-    preempted = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+
+    def check(together: list[list[int]]) -> None:
+        equal = sum(got == want for got, want in zip(together, alone, strict=False))
+        assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal beside 7 others"
+
     async with cluster.openai(timeout_s=120) as client:
-        for _ in range(3):
-            together = await asyncio.gather(
-                *(
-                    stream_token_ids(
-                        client, cluster.model_name, p, max_tokens=NUM_TOKENS, timeout_s=120,
-                        **sampling, **IGNORE_EOS,
-                    )
-                    for p in PROMPTS + OTHERS
-                )
-            )  # fmt: skip
-            equal = sum(got == want for got, want in zip(together, alone, strict=False))
-            assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal beside 7 others"
-            # NOTE: a busy machine may serve the streams so staggered that none is preempted:
-            # they are checked, and sent again.
-            now = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
-            if now > preempted:
-                break
-    assert now > preempted, "three rounds beside 7 others preempted no stream"
+        await streamed_until_preempted(
+            cluster, client, PROMPTS + OTHERS, NUM_TOKENS, check, **sampling
+        )
 
 
 async def test_the_same_tokens_after_the_decode_is_sigkilled_mid_stream(

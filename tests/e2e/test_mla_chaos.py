@@ -6,7 +6,6 @@ and what a decode that takes a stream over recomputes, is that latent."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from support.process_cluster import (
     ProcessCluster,
     greedy_streams_through_a_decode_kill,
     running_cluster,
-    stream_token_ids,
+    streamed_until_preempted,
 )
 from support.tiny_models import servable_tiny_model
 
@@ -24,7 +23,6 @@ from pdserve.tokenizer import Tokenizer
 
 NUM_TOKENS = 56
 PROMPTS = [f"Latent attention keeps request {i} whole." for i in range(8)]
-IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
 # NOTE: 10 blocks of 16 tokens and no growth headroom per decode: a request (about 40 prompt
 # tokens, 56 more) ends in 6 blocks, so two growing at once on a decode outgrow its pool.
 DECODE_ARGS = "--num-blocks 10 --reserve-tokens 0"
@@ -61,25 +59,11 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 async def test_streams_that_preempt_each_other_come_out_whole(
     cluster: ProcessCluster, expected: list[list[int]]
 ) -> None:
-    before = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+    def check(got: list[list[int]]) -> None:
+        assert got == expected
+
     async with cluster.openai(timeout_s=120) as client:
-        for _ in range(3):
-            got = await asyncio.gather(
-                *(
-                    stream_token_ids(
-                        client, cluster.model_name, p, max_tokens=NUM_TOKENS, timeout_s=120,
-                        temperature=0.0, **IGNORE_EOS,
-                    )
-                    for p in PROMPTS
-                )
-            )  # fmt: skip
-            assert got == expected
-            # NOTE: a busy machine may serve the streams one after another, none preempted:
-            # they are checked, and sent again.
-            now = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
-            if now > before:
-                break
-    assert now > before, "three rounds of 8 streams preempted none"
+        await streamed_until_preempted(cluster, client, PROMPTS, NUM_TOKENS, check, temperature=0.0)
     await cluster.wait_whole()
 
 

@@ -422,3 +422,32 @@ async def greedy_streams_through_a_decode_kill(
     assert num_running > 0, "no decode held a running stream"
     assert victim.wait(10) == -signal.SIGKILL
     return list(await asyncio.gather(*tasks))
+
+
+async def streamed_until_preempted(
+    cluster: ProcessCluster,
+    client: openai.AsyncOpenAI,
+    prompts: list[str],
+    max_tokens: int,
+    check: Callable[[list[list[int]]], None],
+    **sampling: Any,
+) -> None:
+    """Streams `prompts` at once (``ignore_eos``) and `check`s their token ids, again (up to
+    three rounds) until the gateway counted a preemption: a busy machine may serve them so
+    staggered that none is preempted."""
+    before = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
+    for _ in range(3):
+        check(
+            await asyncio.gather(
+                *(
+                    stream_token_ids(
+                        client, cluster.model_name, prompt, max_tokens=max_tokens,
+                        timeout_s=120, extra_body={"ignore_eos": True}, **sampling,
+                    )
+                    for prompt in prompts
+                )
+            )
+        )  # fmt: skip
+        if await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > before:
+            return
+    raise AssertionError(f"three rounds of {len(prompts)} streams preempted none")
