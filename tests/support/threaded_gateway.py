@@ -73,6 +73,12 @@ class ThreadedCluster:
             self._loop.close()
 
     @property
+    def loop_thread_id(self) -> int:
+        """The identifier of the thread the gateway's event loop runs on."""
+        assert self._thread.ident is not None
+        return self._thread.ident
+
+    @property
     def http_port(self) -> int:
         assert self.cluster.gateway is not None and self.cluster.gateway.http_port is not None
         return self.cluster.gateway.http_port

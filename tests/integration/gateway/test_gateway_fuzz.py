@@ -4,11 +4,15 @@ requests it accepts."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import http.client
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -300,6 +304,30 @@ print(json.dumps(latencies), flush=True)
 """
 
 
+@contextlib.contextmanager
+def _loop_callback_cpu_s(thread_id: int) -> Iterator[list[float]]:
+    """CPU seconds each callback takes on the loop of thread `thread_id`, while in the block.
+
+    CPU time, not wall time: a busy machine delays the loop's thread (a callback waits for a core
+    or the GIL), but a callback that works long on the loop costs the same CPU anywhere.
+    """
+    costs: list[float] = []
+    run = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        if threading.get_ident() != thread_id:
+            return run(handle)
+        began = time.thread_time()
+        try:
+            return run(handle)
+        finally:
+            costs.append(time.thread_time() - began)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(asyncio.events.Handle, "_run", timed)
+        yield costs
+
+
 def _largest_requests() -> list[tuple[str, str]]:
     """REST bodies at the default limits; each is refused, most after real work."""
     max_chars = DEFAULTS.max_prompt_chars
@@ -363,22 +391,23 @@ def test_health_answers_within_100_ms_while_the_largest_requests_are_worked_on(
     assert probe.stdout.readline().strip() == "ready"
     statuses = []
     started = time.monotonic()
-    for path, body in rest_bodies:
-        connection = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=60)
-        connection.request("POST", path, body=body, headers=JSON_TYPE)
-        response = connection.getresponse()
-        _check_answer(response.status, response.headers, response.read())
-        statuses.append(response.status)
-        connection.close()
-    with grpc.insecure_channel(gateway.grpc_address) as channel:
-        generate = channel.unary_stream(
-            "/pdserve.v1.GenerationService/Generate", request_serializer=lambda b: b
-        )
-        for raw in grpc_bodies:
-            with pytest.raises(grpc.RpcError) as raised:
-                list(generate(raw, timeout=60))
-            assert has_error_info(raised.value)
-            statuses.append(raised.value.code().name)
+    with _loop_callback_cpu_s(gateway.loop_thread_id) as callback_cpu_s:
+        for path, body in rest_bodies:
+            connection = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=60)
+            connection.request("POST", path, body=body, headers=JSON_TYPE)
+            response = connection.getresponse()
+            _check_answer(response.status, response.headers, response.read())
+            statuses.append(response.status)
+            connection.close()
+        with grpc.insecure_channel(gateway.grpc_address) as channel:
+            generate = channel.unary_stream(
+                "/pdserve.v1.GenerationService/Generate", request_serializer=lambda b: b
+            )
+            for raw in grpc_bodies:
+                with pytest.raises(grpc.RpcError) as raised:
+                    list(generate(raw, timeout=60))
+                assert has_error_info(raised.value)
+                statuses.append(raised.value.code().name)
     elapsed_s = time.monotonic() - started
     probe.stdin.write("stop\n")
     probe.stdin.flush()
@@ -386,13 +415,13 @@ def test_health_answers_within_100_ms_while_the_largest_requests_are_worked_on(
     probe.wait(10)
     assert statuses == [400, 400, 400, 400, 413, "INVALID_ARGUMENT", "INVALID_ARGUMENT"]
     assert len(latencies) > elapsed_s / 0.05  # the probe kept asking all along
-    # NOTE: a busy machine delays a single probe now and then (one of several hundred took
-    # 0.16 s beside other tests): 95 of 100 answer within 100 ms and none waits half a second.
-    # That the largest parses (0.1-0.14 s each if inline) run off the loop is checked by where
-    # they run (tests/unit/gateway/prepare/test_parser_pool.py), not by this clock.
+    # NOTE: a busy machine delays a probe now and then (several took 0.6 s beside other tests,
+    # each while the loop's thread waited for a core), so the wall clock bounds 95 of 100
+    # probes, and the loop's own work is bounded in CPU time: no callback on it works for 50 ms
+    # (the largest parses take 100-140 ms each if done inline; 11 ms is the most one takes).
     ordered = sorted(latencies)
     assert ordered[int(len(ordered) * 0.95)] < 0.1, ordered[-5:]
-    assert ordered[-1] < 0.5, ordered[-5:]
+    assert callback_cpu_s and max(callback_cpu_s) < 0.05, sorted(callback_cpu_s)[-5:]
     gateway_server = gateway.cluster.gateway
     assert gateway_server is not None
     assert len(gateway_server.registry.alive()) == 2
