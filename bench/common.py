@@ -94,7 +94,7 @@ def prefilled_streams(
 
     from pdserve.engine.batch import ScheduledChunk
     from pdserve.engine.config import CacheConfig, EngineConfig
-    from pdserve.engine.runner import ModelRunner
+    from pdserve.engine.load_runner import load_runner
 
     torch.set_num_threads(1)
     blocks_per_seq = (prompt_len + num_steps + block_size) // block_size + 1
@@ -105,7 +105,7 @@ def prefilled_streams(
         num_threads=1,
         cache=CacheConfig(block_size=block_size, num_blocks=num_streams * blocks_per_seq),
     )
-    runner = ModelRunner.load(config)
+    runner = load_runner(config)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_streams)]
     generator = torch.Generator().manual_seed(0)
     sequences = [

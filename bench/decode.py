@@ -1,7 +1,7 @@
 """Decode throughput of the decode service vs the colocated engine, in the same run.
 
 For each concurrency N, N prompts are prefilled locally, their KV shipped to a real decode
-server over SyncCache (the prefill's stream, `pdserve.prefill.kv_sender.sync_cache_messages`),
+server over SyncCache (the prefill's stream, `pdserve.prefill.kv.sender.sync_cache_messages`),
 and N Generate streams read to the end; decode tokens/s counts the
 tokens after the first. The baseline is `LLMEngine` decoding the same N requests in-process
 (timed from when every prompt has its first token). Both use one torch thread. Run:
@@ -30,7 +30,7 @@ from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
-from pdserve.prefill.kv_sender import sync_cache_messages
+from pdserve.prefill.kv.sender import sync_cache_messages
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost

@@ -4,15 +4,15 @@
     .venv/bin/python bench/kv_cuda_ipc.py --sizes-mib 4 --repeats 1   # CPU: the stand-in
 
 A peer process (this script with ``--peer``) holds a KV cache and exports it as a decode does
-(`pdserve.kv.cache_handle.export_cache`: CUDA IPC on a GPU, the shared-memory stand-in on CPU);
-this process maps it with the prefill's `MappedCaches` and writes one sequence's KV (that many
-MiB of K+V, every layer) into every other block of it through a lease window
-(`CacheWindow`: layer by layer, pieces of at most ``--max-chunk-bytes``, on a side stream on
-CUDA, waited for per layer), from every other block of its own cache. The same window over a
-second cache in this process is the baseline (``local``: a device-to-device copy in one process,
-same code), alternating with the mapped one in each repeat. The checksums a transfer also pays
-are left out (every transport pays them). After the runs the peer's digest of the leased
-blocks must equal this process's digest of the source blocks (``bit_exact``).
+(`pdserve.kv.transports.cuda_ipc.export_cache`: CUDA IPC on a GPU, the shared-memory stand-in on
+CPU); this process maps it with the prefill's `MappedCaches` and writes one sequence's KV (that many
+MiB of K+V, every layer) into every other block of it through a lease window (`CacheWindow`: layer
+by layer, pieces of at most ``--max-chunk-bytes``, on a side stream on CUDA, waited for per layer),
+from every other block of its own cache. The same window over a second cache in this process is the
+baseline (``local``: a device-to-device copy in one process, same code), alternating with the mapped
+one in each repeat. The checksums a transfer also pays are left out (every transport pays them).
+After the runs the peer's digest of the leased blocks must equal this process's digest of the source
+blocks (``bit_exact``).
 
 Reported per size: MiB/s of both (median over repeats) and the ratio mapped / local. Results go
 to bench/results/kv_cuda_ipc-<time>.json.
@@ -34,9 +34,9 @@ import torch
 from common import write_results
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.cache_handle import CacheHandle, export_cache
-from pdserve.kv.cache_window import CacheWindow, MappedCaches
 from pdserve.kv.transfer import KvPiece, blocks_per_piece
+from pdserve.kv.transports.cuda_ipc import CacheHandle, export_cache
+from pdserve.kv.transports.cuda_ipc_window import CacheWindow, MappedCaches
 
 DEFAULT_SIZES_MIB = (64, 256)
 EMPTY = memoryview(b"")

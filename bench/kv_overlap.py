@@ -39,11 +39,11 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.kv.cache_window import MappedCaches
-from pdserve.kv.nixl import is_installed as nixl_installed
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
+from pdserve.kv.transports.nixl import is_installed as nixl_installed
 from pdserve.launcher.child import ChildProcess
-from pdserve.prefill.kv_nixl_channel import NixlSide
-from pdserve.prefill.kv_shm_channel import SharedPools
+from pdserve.prefill.kv.nixl import NixlSide
+from pdserve.prefill.kv.shm import SharedPools
 from pdserve.serving.convert import local_protocol, sampling_to_proto
 from pdserve.v1 import (
     common_pb2,
@@ -54,7 +54,7 @@ from pdserve.v1 import (
     prefill_pb2_grpc,
 )
 
-# NOTE: nixl where its extra is installed (pdserve.kv.nixl).
+# NOTE: nixl where its extra is installed (pdserve.kv.transports.nixl).
 TRANSPORTS = ("grpc", "tcp", "shm", *(("nixl",) if nixl_installed() else ()))
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 

@@ -9,7 +9,7 @@ process on the same host, several ways, alternating:
 
 * the transports: a `pdserve-decode` process (launched as by `pdserve up`) leases the
   blocks with AllocateBlocks, then receives what this process sends with the prefill's own
-  sender (`pdserve.prefill.kv_sender.KvSender` on the channel a prefill would open,
+  sender (`pdserve.prefill.kv.sender.KvSender` on the channel a prefill would open,
   `kv_transports.channels_for` with that one transport forced): the pieces are cut as the
   prefill's engine thread cuts them (`pdserve.kv.transfer`, at most
   ``--max-chunk-bytes`` of K+V each) and queued, then the clock runs while the sender ships
@@ -69,15 +69,15 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.pki import MEMBER_DNS_NAME, Identity, instance_dns_name
 from pdserve.common.security import Security
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.transfer import sequence_pieces
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
-from pdserve.prefill.kv_nixl_channel import NixlSide
-from pdserve.prefill.kv_sender import KvSender
-from pdserve.prefill.kv_shm_channel import SharedPools
-from pdserve.prefill.kv_transports import channels_for
+from pdserve.prefill.kv.nixl import NixlSide
+from pdserve.prefill.kv.sender import KvSender
+from pdserve.prefill.kv.shm import SharedPools
+from pdserve.prefill.kv.transports import channels_for
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import decode_pb2_grpc, instance_pb2, instance_pb2_grpc

@@ -55,7 +55,7 @@ from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.kv.transfer import sequence_pieces
 from pdserve.prefill import convert
 from pdserve.prefill.config import PrefillConfig
-from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv.sender import KvSender
 from pdserve.prefill.request import Request
 from pdserve.prefill.server import PrefillInstance, create_server
 from pdserve.serving.convert import local_protocol, sampling_to_proto

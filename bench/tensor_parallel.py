@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 from common import build_random_llama, write_results
 
-from pdserve.engine import CacheConfig, EngineConfig, ModelRunner, ScheduledChunk
+from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.engine.load_runner import load_runner
 from pdserve.engine.parallel.shared_cache import head_slice
 
 BLOCK_SIZE = 16
@@ -43,7 +44,7 @@ def decode_step_ms(model_dir: Path, size: int, args: argparse.Namespace) -> list
         num_threads=1,
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=args.num_streams * blocks_per_seq),
     )
-    runner = ModelRunner.load(config)
+    runner = load_runner(config)
     try:
         tables = [
             list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from pdserve.kv import nixl
+from pdserve.kv.transports import nixl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = [

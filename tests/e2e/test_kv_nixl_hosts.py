@@ -27,7 +27,7 @@ import pytest
 from support.netns import TestNetwork
 
 from pdserve.common.grpc_server import insecure_channel
-from pdserve.kv import nixl
+from pdserve.kv.transports import nixl
 from pdserve.launcher.child import ChildProcess
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc

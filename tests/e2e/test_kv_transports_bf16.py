@@ -20,15 +20,15 @@ import torch
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.cache_window import MappedCaches
-from pdserve.kv.nixl import is_installed as nixl_installed
 from pdserve.kv.transfer import sequence_pieces
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
+from pdserve.kv.transports.nixl import is_installed as nixl_installed
 from pdserve.launcher.child import ChildProcess
 from pdserve.prefill import convert
-from pdserve.prefill.kv_nixl_channel import NixlSide
-from pdserve.prefill.kv_sender import KvSender
-from pdserve.prefill.kv_shm_channel import SharedPools
-from pdserve.prefill.kv_transports import channels_for
+from pdserve.prefill.kv.nixl import NixlSide
+from pdserve.prefill.kv.sender import KvSender
+from pdserve.prefill.kv.shm import SharedPools
+from pdserve.prefill.kv.transports import channels_for
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.v1 import common_pb2, decode_pb2_grpc, instance_pb2, instance_pb2_grpc

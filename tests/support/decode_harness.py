@@ -17,7 +17,7 @@ from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.prefill.convert import lease_from_proto
-from pdserve.prefill.kv_sender import sync_cache_messages
+from pdserve.prefill.kv.sender import sync_cache_messages
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost

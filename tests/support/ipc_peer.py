@@ -19,7 +19,7 @@ from typing import IO
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.cache_handle import CacheHandle, export_cache
+from pdserve.kv.transports.cuda_ipc import CacheHandle, export_cache
 
 
 def handle_to_json(handle: CacheHandle) -> str:

@@ -25,9 +25,9 @@ import torch
 from pdserve.common.generation import SamplingParams
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.nixl import CacheAgent, NixlPeers, NixlUnavailable
-from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import layer_pieces
+from pdserve.kv.transports.nixl import CacheAgent, NixlPeers, NixlUnavailable
+from pdserve.kv.transports.nixl_window import NixlWindow
 from pdserve.prefill.convert import lease_from_proto
 from pdserve.serving.convert import sampling_to_proto
 from pdserve.v1 import decode_pb2, decode_pb2_grpc

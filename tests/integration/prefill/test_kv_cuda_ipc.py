@@ -19,8 +19,9 @@ from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.cache_window import MappedCaches
-from pdserve.kv.transfer import TransportOffer, layer_pieces
+from pdserve.kv.transfer import layer_pieces
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
+from pdserve.kv.transports.offer import TransportOffer
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import lease_from_proto
 from pdserve.v1 import decode_pb2

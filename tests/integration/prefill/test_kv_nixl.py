@@ -23,12 +23,12 @@ from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.colocated import LLMEngine
-from pdserve.kv import nixl
-from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import layer_pieces
-from pdserve.prefill import kv_transfer
+from pdserve.kv.transports import nixl
+from pdserve.kv.transports.nixl_window import NixlWindow
 from pdserve.prefill.config import PrefillConfig
 from pdserve.prefill.convert import lease_from_proto
+from pdserve.prefill.kv import transfers as kv_transfers
 from pdserve.v1 import decode_pb2
 
 try:
@@ -72,7 +72,7 @@ async def test_nixl_first_where_both_ends_have_it_and_the_span_says_why(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(kv_transfer, "_tracer", provider.get_tracer("pdserve.prefill"))
+    monkeypatch.setattr(kv_transfers, "_tracer", provider.get_tracer("pdserve.prefill"))
     # NOTE: the default puts the copies within one host first (shm is faster here); NIXL
     # first is one flag away.
     async with cluster(tiny_model_dir, kv_transports=PrefillConfig.kv_transports) as pd:

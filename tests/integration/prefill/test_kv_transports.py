@@ -15,15 +15,16 @@ from support.prefill_cluster import Cluster, cluster
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams
-from pdserve.decode import transfers
-from pdserve.decode.kv_receiver import KvReceiver
+from pdserve.decode.kv import transfers
+from pdserve.decode.kv.receiver import KvReceiver
 from pdserve.decode.request import DecodeRequest
 from pdserve.engine.colocated import LLMEngine
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.shm import LeaseWindow, SharedKvPool
 from pdserve.kv.staging import HostStaging
-from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
-from pdserve.kv.wire import frame, recv_frame
+from pdserve.kv.transfer import KvPiece, chunk_crc32c
+from pdserve.kv.transports.offer import TransportOffer
+from pdserve.kv.transports.shm import LeaseWindow, SharedKvPool
+from pdserve.kv.transports.tcp import frame, recv_frame
 from pdserve.prefill.config import PrefillConfig
 from pdserve.v1 import decode_pb2, errors_pb2
 

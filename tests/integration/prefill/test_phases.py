@@ -9,8 +9,9 @@ import pytest
 from support.prefill_cluster import Delay, cluster
 
 from pdserve.common.generation import SamplingParams
-from pdserve.prefill.convert import TRANSPORT_KINDS, phases_to_proto
+from pdserve.prefill.convert import phases_to_proto
 from pdserve.prefill.phases import PhaseClock, PhaseDurations
+from pdserve.serving.transports import TRANSPORT_KINDS
 from pdserve.v1 import decode_pb2, prefill_pb2
 
 SHORT = [5, 17, 42, 99, 7, 63, 120, 33, 8, 250, 11]

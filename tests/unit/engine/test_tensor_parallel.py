@@ -18,6 +18,7 @@ from support.tiny_models import save_tiny_model
 from pdserve.common.generation import SamplingParams
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, ModelRunner, ScheduledChunk
 from pdserve.engine.decoder import LlamaAttention
+from pdserve.engine.load_runner import load_runner
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.model_store import ResolvedModel
 from pdserve.engine.parallel.group import RankShard, TensorParallelError, TensorParallelGroup
@@ -74,7 +75,7 @@ def tp_runner() -> Iterator[Callable[..., TensorParallelRunner]]:
     loaded: list[ModelRunner] = []
 
     def load(model: Path, size: int, **extra: object) -> TensorParallelRunner:
-        runner = ModelRunner.load(_config(model, size, **extra))
+        runner = load_runner(_config(model, size, **extra))
         assert isinstance(runner, TensorParallelRunner)
         loaded.append(runner)
         return runner
@@ -137,7 +138,7 @@ def test_default_model_at_tensor_parallel_two(
 def test_size_that_cannot_split_the_heads_is_refused(checkpoint: Callable[[str], Path]) -> None:
     # 2 KV heads: 3 ranks would need a KV head shared by a rank and a half
     with pytest.raises(ValueError, match="3 is more than the 2 KV heads and not a multiple"):
-        ModelRunner.load(_config(checkpoint("llama3"), 3))
+        load_runner(_config(checkpoint("llama3"), 3))
 
 
 def test_olmo2_is_refused_with_ranks(checkpoint: Callable[[str], Path]) -> None:
@@ -179,7 +180,7 @@ def test_lost_rank_makes_rank_zero_raise(
 def test_closing_stops_the_ranks_and_removes_the_cache_file(
     checkpoint: Callable[[str], Path],
 ) -> None:
-    runner = ModelRunner.load(_config(checkpoint("llama3"), 2))
+    runner = load_runner(_config(checkpoint("llama3"), 2))
     assert isinstance(runner, TensorParallelRunner)
     path = runner.kv_cache.shared_path
     assert path is not None and path.exists()

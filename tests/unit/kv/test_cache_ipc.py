@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.cache_handle import CacheUnavailable, export_cache, open_cache
-from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.transfer import KvPiece, blocks_crc32c, layer_pieces
+from pdserve.kv.transports.cuda_ipc import CacheUnavailable, export_cache, open_cache
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
 
 LAYOUT = KVCacheLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
 

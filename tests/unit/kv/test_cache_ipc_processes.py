@@ -15,8 +15,8 @@ import torch
 from support import ipc_peer
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.cache_window import MappedCaches
 from pdserve.kv.transfer import layer_pieces
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
 
 LAYOUT = KVCacheLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
 NUM_BLOCKS = 32

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import blocks_crc32c, layer_pieces, sequence_pieces
+from pdserve.kv.transports.nixl_window import NixlWindow
 
-nixl = pytest.importorskip("pdserve.kv.nixl")
+nixl = pytest.importorskip("pdserve.kv.transports.nixl")
 try:
     nixl.load_api()
 except nixl.NixlUnavailable as missing:

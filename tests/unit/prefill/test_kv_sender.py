@@ -10,8 +10,8 @@ import pytest
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.prefill.events import LeaseGrant
-from pdserve.prefill.kv_channels import GrpcChannel
-from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv.channels import GrpcChannel
+from pdserve.prefill.kv.sender import KvSender
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2
 

@@ -16,8 +16,8 @@ from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.kv.transfer import KvPiece
 from pdserve.prefill.events import EngineEvent, FirstTokenSampled, LeaseGrant
-from pdserve.prefill.kv_channels import GrpcChannel
-from pdserve.prefill.kv_sender import KvSender, sync_cache_messages
+from pdserve.prefill.kv.channels import GrpcChannel
+from pdserve.prefill.kv.sender import KvSender, sync_cache_messages
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import Request
 from pdserve.serving.model_host import ModelHost

@@ -14,14 +14,15 @@ def remove_orphaned_files(directory: Path, prefix: str) -> int:
     for path in directory.glob(f"{prefix}*"):
         pid_text = path.name.removeprefix(prefix).split("-", 1)[0]
         with contextlib.suppress(OSError, ValueError):
-            if path.stat().st_uid != os.getuid() or _is_running(int(pid_text)):
+            if path.stat().st_uid != os.getuid() or is_process_running(int(pid_text)):
                 continue
             path.unlink()
             num_removed += 1
     return num_removed
 
 
-def _is_running(pid: int) -> bool:
+def is_process_running(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -190,15 +190,16 @@ class ModelRunner:
 
     @classmethod
     def load(cls, config: EngineConfig) -> ModelRunner:
-        """Loads the model named by ``config`` and allocates its KV cache.
+        """Loads the model named by ``config`` on this one rank and allocates its KV cache
+        (`pdserve.engine.load_runner.load_runner` also loads a tensor-parallel instance).
 
-        With ``config.tensor_parallel_size`` above one this process becomes rank 0 of the
-        instance and the runner a `TensorParallelRunner` (same interface).
+        Raises:
+            ValueError: ``config.tensor_parallel_size`` is above one.
         """
         if config.tensor_parallel_size > 1:
-            from pdserve.engine.parallel.runner import TensorParallelRunner
-
-            return TensorParallelRunner.load(config)
+            raise ValueError(
+                "a tensor-parallel instance loads with pdserve.engine.load_runner.load_runner"
+            )
         model = load_rank_model(config, torch.device(config.device))
         layout = cache_layout(config, model.config)
         num_blocks = num_cache_blocks(config, model.config, layout, torch.device(config.device))

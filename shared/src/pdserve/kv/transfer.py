@@ -5,38 +5,22 @@ A chunk holds one layer's K and V for a run of a sequence's logical blocks, at m
 CRC-32C covers the K bytes followed by the V bytes.
 
 The prefill cuts its KV with `layer_pieces` (on its engine thread, as each layer is computed)
-and `pdserve.prefill.kv_sender` ships the pieces over one of the transports; the decode checks
+and `pdserve.prefill.kv.sender` ships the pieces over one of the transports; the decode checks
 every chunk with `chunk_crc32c` (bytes it received) or `blocks_crc32c` (bytes already in its
-cache). No protobuf here: the engine thread imports this module.
+cache). An in-place writer (shared memory, CUDA IPC, NIXL) addresses a piece by its logical
+blocks within the lease and checks them with `writable_range` before it writes. No protobuf
+here: the engine thread imports this module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
 
 import crc32c
 
 from pdserve.engine.kv_cache import KVBlockData, KVCache, KVCacheLayout
 from pdserve.kv.staging import export_to_host
-
-if TYPE_CHECKING:
-    from pdserve.kv.cache_handle import CacheHandle
-    from pdserve.kv.nixl import NixlTarget
-
-
-class TransportOffer(NamedTuple):
-    """A way a decode accepts KV besides gRPC SyncCache (the Transport message without its
-    token): ``kind`` "shm" (address: the segment name), "tcp" (address: host:port),
-    "cuda_ipc" (no address; ``handle``: the exported cache) or "nixl" (no address; ``nixl``:
-    the decode's agent and blocks: in a decode's own offer every block of its cache, in a
-    lease only the leased ones)."""
-
-    kind: str
-    address: str
-    handle: CacheHandle | None = None
-    nixl: NixlTarget | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +76,35 @@ def id_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
         if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
             yield block_ids[start], block_ids[i - 1] + 1
             start = i
+
+
+def writable_range(piece: KvPiece, num_leased: int, num_shared: int) -> range:
+    """The logical blocks of a lease that `piece` writes: the check every in-place writer
+    (shared memory, CUDA IPC, NIXL) makes before it touches the decode's cache.
+
+    Args:
+        piece: What is to be written.
+        num_leased: The lease's blocks.
+        num_shared: Its leading blocks shared with another lease (read-only).
+
+    Raises:
+        IndexError: The piece's blocks are not all within the lease's writable blocks.
+    """
+    end = piece.first_block + piece.num_blocks
+    if piece.first_block < 0 or end > num_leased or piece.num_blocks <= 0:
+        raise IndexError(f"blocks {piece.first_block}..{end - 1} outside the lease's {num_leased}")
+    if piece.first_block < num_shared:
+        raise IndexError(
+            f"blocks {piece.first_block}..{end - 1} include the lease's {num_shared} shared blocks"
+        )
+    return range(piece.first_block, end)
+
+
+def check_lease_blocks(block_ids: Sequence[int], num_blocks: int, cache: str) -> None:
+    """Raises ValueError unless every id of `block_ids` is one of the `num_blocks` blocks of
+    the decode's cache named `cache` (a writer is opened only on a lease inside it)."""
+    if any(not 0 <= b < num_blocks for b in block_ids):
+        raise ValueError(f"lease blocks outside the {num_blocks} blocks of {cache}")
 
 
 def blocks_per_piece(layout: KVCacheLayout, max_chunk_bytes: int) -> int:

@@ -10,9 +10,10 @@ from pdserve.common.model_identity import model_id as compute_model_id
 from pdserve.engine.batch_invariant import INVARIANT_BACKEND
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.constraints import ConstraintCompiler
+from pdserve.engine.load_runner import load_runner
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.runner import ModelRunner
-from pdserve.kv.shm import SHM_DIR
+from pdserve.kv.transports.shm import SHM_DIR
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.convert import kv_layout_to_proto
 from pdserve.v1 import common_pb2
@@ -109,7 +110,7 @@ class ModelHost:
             deterministic=deterministic,
             cache=cache,
         )
-        runner = ModelRunner.load(engine_config)
+        runner = load_runner(engine_config)
         name = served_model_name or resolved.name
         limit = runner.model_config.max_position_embeddings
         return cls(

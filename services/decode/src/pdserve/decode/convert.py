@@ -18,10 +18,9 @@ from pdserve.decode.events import (
 )
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
-from pdserve.kv.cache_handle import CacheHandle
-from pdserve.kv.nixl import NixlTarget
-from pdserve.kv.transfer import TransportOffer
+from pdserve.kv.transports.offer import TransportOffer
 from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.serving.transports import transport_to_proto
 from pdserve.v1 import common_pb2, decode_pb2
 
 _PREEMPTION_REASONS = {
@@ -44,43 +43,6 @@ def lease_state_to_proto(status: RequestStatus | None) -> decode_pb2.LeaseState:
     return cast(decode_pb2.LeaseState, decode_pb2.LeaseState.Value(f"LEASE_STATE_{status.name}"))
 
 
-_TRANSPORT_KINDS = {
-    "cuda_ipc": decode_pb2.TRANSPORT_KIND_CUDA_IPC,
-    "shm": decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
-    "tcp": decode_pb2.TRANSPORT_KIND_TCP,
-    "nixl": decode_pb2.TRANSPORT_KIND_NIXL,
-}
-
-
-def cache_handle_to_proto(handle: CacheHandle) -> decode_pb2.KvCacheHandle:
-    """The KvCacheHandle message of an exported cache."""
-    return decode_pb2.KvCacheHandle(
-        host_id=handle.host_id,
-        process_id=handle.process_id,
-        device_kind=handle.device_kind,
-        memory_handle=handle.memory_handle,
-        device_index=handle.device_index,
-        offset_bytes=handle.offset_bytes,
-        num_bytes=handle.num_bytes,
-        ref_counter_handle=handle.ref_counter_handle,
-        ref_counter_offset=handle.ref_counter_offset,
-    )
-
-
-def nixl_target_to_proto(target: NixlTarget) -> decode_pb2.NixlTarget:
-    """The NixlTarget message of one lease's blocks."""
-    return decode_pb2.NixlTarget(
-        agent_metadata=target.agent_metadata,
-        agent_name=target.agent_name,
-        memory_kind=target.memory_kind,
-        device_id=target.device_id,
-        block_addresses=target.block_addresses,
-        layer_stride_bytes=target.layer_stride_bytes,
-        kv_stride_bytes=target.kv_stride_bytes,
-        block_nbytes=target.block_nbytes,
-    )
-
-
 def lease_to_proto(
     request: DecodeRequest,
     block_size: int,
@@ -93,17 +55,7 @@ def lease_to_proto(
     only credential)."""
     ttl_ms = round(ttl_s * 1000)
     transports = [
-        decode_pb2.Transport(
-            kind=_TRANSPORT_KINDS[offer.kind],
-            address=offer.address,
-            token=request.lease_token,
-            cache_handle=None if offer.handle is None else cache_handle_to_proto(offer.handle),
-            # NOTE: a decode's offer names every block of its cache; a lease only its own.
-            nixl=None
-            if offer.nixl is None
-            else nixl_target_to_proto(offer.nixl.for_blocks(request.block_ids)),
-        )
-        for offer in offers
+        transport_to_proto(offer, request.lease_token, request.block_ids) for offer in offers
     ]
     return decode_pb2.Lease(
         lease_id=request.lease_id,

@@ -20,17 +20,17 @@ from pdserve.common import env
 from pdserve.decode.config import DecodeConfig
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.events import PreemptionReason
-from pdserve.decode.kv_tcp_server import KvTcpServer
+from pdserve.decode.kv.tcp_server import KvTcpServer
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.servicer import DecodeServicer
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
-from pdserve.kv.cache_handle import CacheExport, export_cache
-from pdserve.kv.nixl import AGENT_START_WAIT_S, CacheAgent, NixlUnavailable, start_agent
-from pdserve.kv.shm import KvSegment
-from pdserve.kv.transfer import TransportOffer
+from pdserve.kv.transports.cuda_ipc import CacheExport, export_cache
+from pdserve.kv.transports.nixl import AGENT_START_WAIT_S, CacheAgent, NixlUnavailable, start_agent
+from pdserve.kv.transports.offer import TransportOffer
+from pdserve.kv.transports.shm import KvSegment
 from pdserve.serving.instance import InstanceServer
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc

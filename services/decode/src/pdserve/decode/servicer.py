@@ -23,18 +23,19 @@ from pdserve.common.protocol import check_compatible
 from pdserve.decode import convert, streams, sync_stream
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.kept_requests import KeptRequests
-from pdserve.decode.lease_state import RequestStatus
-from pdserve.decode.leases import LeaseManager
-from pdserve.decode.metrics import DecodeMetrics
-from pdserve.decode.request import DecodeRequest
-from pdserve.decode.transfers import (
+from pdserve.decode.kv.transfers import (
     TRANSPORT_NAMES,
     WRITTEN_FROM_AFAR,
     WRITTEN_IN_PLACE,
     Transfers,
 )
-from pdserve.kv.nixl import Progress
-from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, TransportOffer
+from pdserve.decode.lease_state import RequestStatus
+from pdserve.decode.leases import LeaseManager
+from pdserve.decode.metrics import DecodeMetrics
+from pdserve.decode.request import DecodeRequest
+from pdserve.kv.transfer import SYNC_ACCEPTED_KEY
+from pdserve.kv.transports.nixl import Progress
+from pdserve.kv.transports.offer import TransportOffer
 from pdserve.serving.convert import local_protocol
 from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import decode_pb2, decode_pb2_grpc

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkData, KvChunkMeta, KvReceiver
-from pdserve.decode.transfers import WRITTEN_IN_PLACE
+from pdserve.decode.kv.receiver import CHECKSUM_WORKERS, KvChunkData, KvChunkMeta, KvReceiver
+from pdserve.decode.kv.transfers import WRITTEN_IN_PLACE
 from pdserve.v1 import decode_pb2
 
 

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for, resolve_seed
 from pdserve.common.protocol import check_compatible
-from pdserve.kv.cache_handle import CacheHandle
-from pdserve.kv.nixl import NixlTarget
-from pdserve.kv.transfer import KvPiece, TransportOffer, chunk_crc32c
+from pdserve.kv.transfer import KvPiece, chunk_crc32c
 from pdserve.prefill.events import LeaseGrant
 from pdserve.prefill.phases import PhaseDurations
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import sampling_from_proto, sampling_to_proto
+from pdserve.serving.transports import TRANSPORT_KINDS, transport_from_proto
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
 
@@ -96,47 +95,6 @@ def request_from_proto(
     )
 
 
-_TRANSPORT_NAMES = {
-    decode_pb2.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
-    decode_pb2.TRANSPORT_KIND_SHARED_MEMORY: "shm",
-    decode_pb2.TRANSPORT_KIND_TCP: "tcp",
-    decode_pb2.TRANSPORT_KIND_NIXL: "nixl",
-}
-TRANSPORT_KINDS = {
-    "grpc": decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE,
-    **{name: kind for kind, name in _TRANSPORT_NAMES.items()},
-}
-
-
-def cache_handle_from_proto(handle: decode_pb2.KvCacheHandle) -> CacheHandle:
-    """The decode's exported cache as a cuda_ipc offer carries it."""
-    return CacheHandle(
-        host_id=handle.host_id,
-        process_id=handle.process_id,
-        device_kind=handle.device_kind,
-        memory_handle=handle.memory_handle,
-        device_index=handle.device_index,
-        offset_bytes=handle.offset_bytes,
-        num_bytes=handle.num_bytes,
-        ref_counter_handle=handle.ref_counter_handle,
-        ref_counter_offset=handle.ref_counter_offset,
-    )
-
-
-def nixl_target_from_proto(target: decode_pb2.NixlTarget) -> NixlTarget:
-    """The decode's agent and the lease's blocks as a nixl offer carries them."""
-    return NixlTarget(
-        agent_metadata=target.agent_metadata,
-        agent_name=target.agent_name,
-        memory_kind=target.memory_kind,
-        device_id=target.device_id,
-        block_addresses=tuple(target.block_addresses),
-        layer_stride_bytes=target.layer_stride_bytes,
-        kv_stride_bytes=target.kv_stride_bytes,
-        block_nbytes=target.block_nbytes,
-    )
-
-
 def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
     """The granted lease with the decode's transport offers (gRPC is always there; kinds this
     prefill does not know are ignored). The token travels on whichever transport is used."""
@@ -145,14 +103,7 @@ def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
         b"",
     )
     offers = tuple(
-        TransportOffer(
-            _TRANSPORT_NAMES[t.kind],
-            t.address,
-            cache_handle_from_proto(t.cache_handle) if t.HasField("cache_handle") else None,
-            nixl_target_from_proto(t.nixl) if t.HasField("nixl") else None,
-        )
-        for t in lease.transports
-        if t.kind in _TRANSPORT_NAMES
+        offer for offer in map(transport_from_proto, lease.transports) if offer is not None
     )
     return LeaseGrant(
         lease.lease_id,

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason, TokenLogprobs
-from pdserve.kv.transfer import KvPiece, TransportOffer
+from pdserve.kv.transfer import KvPiece
+from pdserve.kv.transports.offer import TransportOffer
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pdserve.prefill.block_release import free_blocks
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
 from pdserve.prefill.in_flight import InFlight
-from pdserve.prefill.kv_transfer import KvTransfers
+from pdserve.prefill.kv.transfers import KvTransfers
 from pdserve.prefill.leasing import open_lease, release_lease
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop

@@ -23,7 +23,7 @@ from pdserve.prefill.events import (
     FirstTokenSampled,
     Outcome,
 )
-from pdserve.prefill.kv_sender import KvSender
+from pdserve.prefill.kv.sender import KvSender
 from pdserve.prefill.request import Request
 
 

@@ -1,11 +1,12 @@
 """The engine thread: forward passes over prepared requests, with KV exported layer by layer.
 
-Each pass is scheduled by `PrefillScheduler`. While the model runs, `on_layer_done(i)` fires as
-soon as layer i's KV of the whole pass is in the cache; the loop then exports (`kv_export`), for
-every request of the pass that ships KV, layer i of the blocks this pass completed and hands the
-pieces to the request's sink, so the sender streams them while layers i+1.. still compute. A
-block that a later chunk of the same prompt still fills is exported with that chunk, never
-twice. After the pass, requests whose prompt is complete get their first token sampled.
+Each pass is scheduled by `PrefillScheduler`. While the model runs, `on_layer_done(i)` fires as soon
+as layer i's KV of the whole pass is in the cache; the loop then exports
+(`pdserve.prefill.kv.export`), for every request of the pass that ships KV, layer i of the blocks
+this pass completed and hands the pieces to the request's sink, so the sender streams them while
+layers i+1.. still compute. A block that a later chunk of the same prompt still fills is exported
+with that chunk, never twice. After the pass, requests whose prompt is complete get their first
+token sampled.
 
 With the prefix cache on, a request's leading cached blocks are never computed, but their KV
 is in the cache like any other: the first pass of such a request exports them too (its export
@@ -42,7 +43,7 @@ from pdserve.kv.codec import import_block_payloads
 from pdserve.kv.transfer import blocks_per_piece
 from pdserve.prefill.chunk_spans import chunk_spans
 from pdserve.prefill.events import EngineFailed, FirstTokenSampled
-from pdserve.prefill.kv_export import export_layer, plan_export
+from pdserve.prefill.kv.export import export_layer, plan_export
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.request import Request
 from pdserve.prefill.scheduler import PrefillScheduler

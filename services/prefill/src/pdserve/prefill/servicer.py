@@ -17,6 +17,7 @@ from pdserve.prefill.phases import PhaseDurations
 from pdserve.prefill.request import Request
 from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.serving.model_host import ModelHost
+from pdserve.serving.transports import TRANSPORT_KINDS
 from pdserve.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -46,7 +47,7 @@ def outcome_to_proto(
                 decode_instance_id=outcome.lease.decode_instance_id,
                 num_bytes=outcome.num_bytes,
                 num_chunks=outcome.num_chunks,
-                transport=decode_pb2.TransportKind.Name(convert.TRANSPORT_KINDS[outcome.transport]),
+                transport=decode_pb2.TransportKind.Name(TRANSPORT_KINDS[outcome.transport]),
                 phases=phases_pb,
             )
         )

@@ -14,6 +14,7 @@ from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
 from pdserve.engine.colocated.request import Request, RequestStatus
 from pdserve.engine.colocated.scheduler import RequestOutput, Scheduler
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.load_runner import load_runner
 from pdserve.engine.model import LayerCallback
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
@@ -37,7 +38,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.config = config
-        self.runner = runner or ModelRunner.load(config)
+        self.runner = runner or load_runner(config)
         self.model_config = self.runner.model_config
         self.kv_cache = self.runner.kv_cache
         self.block_size = self.kv_cache.block_size

@@ -1,13 +1,12 @@
 """One lease's writer over NIXL: the lease's pieces written from the sender's own registered
 cache into exactly the lease's blocks of the decode's, with one-sided WRITEs
-(`pdserve.kv.nixl` has the agents and the decode's targets).
+(`pdserve.kv.transports.nixl` has the agents and the decode's targets).
 
-Like the shared-memory `pdserve.kv.shm.LeaseWindow`, a `NixlWindow` addresses a piece by its
-logical blocks within the lease: a write outside the leased blocks (or into the ones the lease
-shares with another) cannot be expressed, and the sender's agent refuses an address outside
-the decode's registered cache. The decode still verifies every chunk's CRC-32C in its own
-cache before it commits.
-"""
+Like the shared-memory `pdserve.kv.transports.shm.LeaseWindow`, a `NixlWindow` addresses a piece by
+its logical blocks within the lease: a write outside the leased blocks (or into the ones the lease
+shares with another) cannot be expressed, and the sender's agent refuses an address outside the
+decode's registered cache. The decode still verifies every chunk's CRC-32C in its own cache before
+it commits."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pdserve.kv.nixl import NixlPeers, NixlTarget, NixlUnavailable
-from pdserve.kv.transfer import KvPiece, chunk_crc32c
+from pdserve.kv.transfer import KvPiece, chunk_crc32c, writable_range
+from pdserve.kv.transports.nixl import NixlPeers, NixlTarget, NixlUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -77,17 +76,7 @@ class NixlWindow:
                 blocks.
             ValueError: The piece was not cut from the sender's cache.
         """
-        end = piece.first_block + piece.num_blocks
-        num_leased = len(self.target.block_addresses)
-        if piece.first_block < 0 or end > num_leased or piece.num_blocks <= 0:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} outside the lease's {num_leased}"
-            )
-        if piece.first_block < self.num_shared_blocks:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} include the lease's "
-                f"{self.num_shared_blocks} shared blocks"
-            )
+        writable_range(piece, len(self.target.block_addresses), self.num_shared_blocks)
         if len(piece.source_block_ids) != piece.num_blocks:
             raise ValueError("a NIXL write reads the sender's cache: the piece has no blocks there")
         crc = chunk_crc32c(piece.key, piece.value)

@@ -18,9 +18,9 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.kv.transfer import KvPiece, chunk_crc32c
-from pdserve.kv.wire import frame, recv_frame
+from pdserve.kv.transports.tcp import frame, recv_frame
 from pdserve.prefill import convert
-from pdserve.prefill.kv_channels import TransportUnavailable, ask_lease_state
+from pdserve.prefill.kv.channels import TransportUnavailable, ask_lease_state
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2, decode_pb2_grpc, errors_pb2
 

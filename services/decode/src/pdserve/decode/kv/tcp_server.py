@@ -24,10 +24,10 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.decode.kv_receiver import CHECKSUM_WORKERS, KvChunkMeta, KvReceiver
+from pdserve.decode.kv.receiver import CHECKSUM_WORKERS, KvChunkMeta, KvReceiver
+from pdserve.decode.kv.transfers import Transfers
 from pdserve.decode.request import DecodeRequest
-from pdserve.decode.transfers import Transfers
-from pdserve.kv.wire import frame, recv_exactly_into, recv_frame
+from pdserve.kv.transports.tcp import frame, recv_exactly_into, recv_frame
 from pdserve.v1 import decode_pb2
 
 log = structlog.get_logger(__name__)

@@ -10,9 +10,9 @@ the mappings of decodes that stopped are closed too.
 
 from __future__ import annotations
 
-from pdserve.kv.cache_handle import CacheHandle, CacheUnavailable
-from pdserve.kv.cache_window import CacheWindow, MappedCaches
-from pdserve.prefill.kv_channels import InPlaceChannel, TransportUnavailable
+from pdserve.kv.transports.cuda_ipc import CacheHandle, CacheUnavailable
+from pdserve.kv.transports.cuda_ipc_window import CacheWindow, MappedCaches
+from pdserve.prefill.kv.channels import InPlaceChannel, TransportUnavailable
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc
 

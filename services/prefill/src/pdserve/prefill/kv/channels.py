@@ -13,9 +13,9 @@ checksum (fault injection).
   checksum, which the decode verifies in its cache while later layers compute). An abandoned
   transfer waits for a copy under way before the stream is cancelled: until the stream ends the
   decode keeps the blocks reserved, so no late write can reach another lease. Two kinds:
-  `pdserve.prefill.kv_shm_channel.SharedMemoryChannel` (the decode's KV cache is a segment on
+  `pdserve.prefill.kv.shm.SharedMemoryChannel` (the decode's KV cache is a segment on
   this host) and
-  `pdserve.prefill.kv_ipc_channel.CudaIpcChannel` (the decode's CUDA cache mapped through CUDA
+  `pdserve.prefill.kv.cuda_ipc.CudaIpcChannel` (the decode's CUDA cache mapped through CUDA
   IPC).
 """
 

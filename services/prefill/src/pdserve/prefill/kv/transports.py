@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.kv.cache_window import MappedCaches
-from pdserve.prefill.kv_channels import GrpcChannel, KvChannel
-from pdserve.prefill.kv_ipc_channel import CudaIpcChannel
-from pdserve.prefill.kv_nixl_channel import NixlChannel, NixlSide
-from pdserve.prefill.kv_shm_channel import SharedMemoryChannel, SharedPools
-from pdserve.prefill.kv_tcp_channel import TcpChannel
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
+from pdserve.prefill.kv.channels import GrpcChannel, KvChannel
+from pdserve.prefill.kv.cuda_ipc import CudaIpcChannel
+from pdserve.prefill.kv.nixl import NixlChannel, NixlSide
+from pdserve.prefill.kv.shm import SharedMemoryChannel, SharedPools
+from pdserve.prefill.kv.tcp import TcpChannel
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc
 

@@ -1,14 +1,13 @@
 """The prefill's side of the cuda_ipc KV transport: the decodes' caches it mapped, and the
 window through which one lease's blocks are written, device to device.
 
-`MappedCaches` opens a decode's `CacheHandle` once and keeps the mapping for later leases; a
-mapping whose decode process ended is closed before the next one opens (`close_lost`). A
-`CacheWindow` copies a lease's pieces from the prefill's own cache into the lease's blocks of
-the mapped cache: layer by layer as the pieces come, on a side stream on CUDA, and `wait`
-returns once the copies landed (the chunk messages that announce them go out only then). As
-with `pdserve.kv.shm.LeaseWindow`, a piece is addressed by its logical blocks within the lease,
-so a write outside the leased blocks cannot be expressed.
-"""
+`MappedCaches` opens a decode's `CacheHandle` once and keeps the mapping for later leases; a mapping
+whose decode process ended is closed before the next one opens (`close_lost`). A `CacheWindow`
+copies a lease's pieces from the prefill's own cache into the lease's blocks of the mapped cache:
+layer by layer as the pieces come, on a side stream on CUDA, and `wait` returns once the copies
+landed (the chunk messages that announce them go out only then). As with
+`pdserve.kv.transports.shm.LeaseWindow`, a piece is addressed by its logical blocks within the
+lease, so a write outside the leased blocks cannot be expressed."""
 
 from __future__ import annotations
 
@@ -18,17 +17,17 @@ from pathlib import Path
 import structlog
 import torch
 
+from pdserve.common.stale_files import is_process_running
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.cache_handle import (
+from pdserve.kv.transfer import KvPiece, check_lease_blocks, chunk_crc32c, writable_range
+from pdserve.kv.transports.cuda_ipc import (
     CacheHandle,
     OpenedCache,
     device_kind,
     host_id,
-    is_process_running,
     open_cache,
 )
-from pdserve.kv.shm import SHM_DIR
-from pdserve.kv.transfer import KvPiece, chunk_crc32c
+from pdserve.kv.transports.shm import SHM_DIR
 
 log = structlog.get_logger(__name__)
 
@@ -72,23 +71,14 @@ class CacheWindow:
             IndexError: The piece's logical blocks are not all within the lease's writable
                 blocks, or it does not name its blocks in the sender's cache.
         """
-        end = piece.first_block + piece.num_blocks
-        if piece.first_block < 0 or end > len(self._block_ids) or piece.num_blocks <= 0:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} outside the lease's {len(self._block_ids)}"
-            )
-        if piece.first_block < self._num_shared_blocks:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} include the lease's "
-                f"{self._num_shared_blocks} shared blocks"
-            )
+        blocks = writable_range(piece, len(self._block_ids), self._num_shared_blocks)
         source_ids = piece.source_block_ids
         if len(source_ids) != piece.num_blocks:
             raise IndexError(
                 f"a piece of {piece.num_blocks} blocks names {len(source_ids)} sources"
             )
         crc = chunk_crc32c(piece.key, piece.value)
-        dest_ids = self._block_ids[piece.first_block : end]
+        dest_ids = self._block_ids[blocks.start : blocks.stop]
         if self._stream is None:
             self._copy(piece.layer_index, source_ids, dest_ids, corrupt)
         else:
@@ -167,8 +157,7 @@ class MappedCache:
         """
         if self.kv is None:
             raise ValueError("the mapping is closed")
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"lease blocks outside the {self.num_blocks} blocks of the cache")
+        check_lease_blocks(block_ids, self.num_blocks, "the cache")
         return CacheWindow(self.kv, block_ids, num_shared_blocks, source)
 
     def close(self) -> None:

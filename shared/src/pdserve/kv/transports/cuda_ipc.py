@@ -1,17 +1,17 @@
 """The cuda_ipc KV transport's handle: a decode's KV cache exported once, so that a process on
 the same host can map it and write a lease's blocks into it in place.
 
-The decode exports its cache once (`export_cache`) and advertises the `CacheHandle` in every
-lease (`TRANSPORT_KIND_CUDA_IPC` in decode.proto); a prefill maps it once per decode
-(`open_cache`, cached by `pdserve.kv.cache_window.MappedCaches`). Two kinds of memory follow
-the same exchange:
+The decode exports its cache once (`export_cache`) and advertises the `CacheHandle` in every lease
+(`TRANSPORT_KIND_CUDA_IPC` in decode.proto); a prefill maps it once per decode (`open_cache`, cached
+by `pdserve.kv.transports.cuda_ipc_window.MappedCaches`). Two kinds of memory follow the same
+exchange:
 
 * CUDA: torch's CUDA storage sharing. The export is the cache storage's ``_share_cuda_()``
   (the allocation's cudaIpcMemHandle, the storage's offset in it and torch's shared reference
   counter); the import is ``UntypedStorage._new_shared_cuda``, as
   `torch.multiprocessing.reductions.rebuild_cuda_tensor` does. Runs only with a GPU.
 * CPU, the stand-in that rehearses the exchange without a GPU: the cache in a shared-memory
-  segment (`pdserve.kv.shm.KvSegment`), its name as the memory handle. Offered only when
+  segment (`pdserve.kv.transports.shm.KvSegment`), its name as the memory handle. Offered only when
   enabled (`pdserve.common.env.kv_ipc_standin`).
 
 Whoever maps the cache can write anywhere in it: a handle travels only inside Lease messages,
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.shm import SHM_DIR, KvSegment, SharedKvPool
+from pdserve.kv.transports.shm import SHM_DIR, KvSegment, SharedKvPool
 
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
@@ -99,17 +99,6 @@ def device_kind(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     return device.type
-
-
-def is_process_running(pid: int) -> bool:
-    """Whether process `pid` of this host still runs."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def export_cache(

@@ -1,7 +1,7 @@
 """Each request's KV transfer as its handoff starts it: traced, counted once acknowledged.
 
 Once a request holds its decode lease, `KvTransfers.start` gives it a `KvSender` on the
-channels the lease allows (`kv_transports.channels_for`) and runs it in a task inside a
+channels the lease allows (`transports.channels_for`) and runs it in a task inside a
 ``prefill.kv_transfer`` span; when that task ends the span gets what was sent, and a transfer
 the decode acknowledged is counted (bytes, handoffs, and its duration in the metrics).
 """
@@ -18,12 +18,12 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.cache_window import MappedCaches
+from pdserve.kv.transports.cuda_ipc_window import MappedCaches
 from pdserve.prefill.in_flight import InFlight
-from pdserve.prefill.kv_nixl_channel import NixlSide
-from pdserve.prefill.kv_sender import KvSender
-from pdserve.prefill.kv_shm_channel import SharedPools
-from pdserve.prefill.kv_transports import channels_for
+from pdserve.prefill.kv.nixl import NixlSide
+from pdserve.prefill.kv.sender import KvSender
+from pdserve.prefill.kv.shm import SharedPools
+from pdserve.prefill.kv.transports import channels_for
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.v1 import decode_pb2_grpc
 

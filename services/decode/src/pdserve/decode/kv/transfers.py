@@ -1,12 +1,10 @@
 """One KV transfer into a lease, whatever carries it: begin (token checked), commit, fail.
 
-The SyncCache servicer (chunks in the stream, or written into the cache by a sender that maps
-it: shared memory, CUDA IPC) and the
-TCP data port (`kv_tcp_server`) both open a transfer with `begin`, feed its `KvReceiver`, and
-finish with `commit` or `fail`, then `end`. From `begin` to `end` the lease's blocks stay
-reserved even if the lease ends meanwhile (expiry, release): a writer may still be filling
-them, and they must not go to another lease before it stopped.
-"""
+The SyncCache servicer (chunks in the stream, or written into the cache by a sender that maps it:
+shared memory, CUDA IPC) and the TCP data port (`pdserve.decode.kv.tcp_server`) both open a transfer
+with `begin`, feed its `KvReceiver`, and finish with `commit` or `fail`, then `end`. From `begin` to
+`end` the lease's blocks stay reserved even if the lease ends meanwhile (expiry, release): a writer
+may still be filling them, and they must not go to another lease before it stopped."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from pdserve.common.generation import resolve_seed
 from pdserve.common.pki import Identity
 from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.decode.events import EndedEvent
-from pdserve.decode.kv_receiver import KvReceiver
+from pdserve.decode.kv.receiver import KvReceiver
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics

@@ -28,7 +28,7 @@ import structlog
 
 from pdserve.common.stale_files import remove_orphaned_files
 from pdserve.engine.kv_cache import KVCache, KVCacheLayout
-from pdserve.kv.transfer import KvPiece, chunk_crc32c, id_runs
+from pdserve.kv.transfer import KvPiece, check_lease_blocks, chunk_crc32c, id_runs, writable_range
 
 log = structlog.get_logger(__name__)
 
@@ -161,8 +161,7 @@ class SharedKvPool:
         Raises:
             ValueError: A block id outside the segment.
         """
-        if any(not 0 <= b < self.num_blocks for b in block_ids):
-            raise ValueError(f"lease blocks outside the {self.num_blocks} blocks of {self.name}")
+        check_lease_blocks(block_ids, self.num_blocks, self.name)
         return LeaseWindow(self, tuple(block_ids), num_shared_blocks)
 
 
@@ -192,18 +191,9 @@ class LeaseWindow:
             IndexError: The piece's logical blocks are not all within the lease's writable
                 blocks.
         """
-        end = piece.first_block + piece.num_blocks
-        if piece.first_block < 0 or end > len(self._block_ids) or piece.num_blocks <= 0:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} outside the lease's {len(self._block_ids)}"
-            )
-        if piece.first_block < self._num_shared_blocks:
-            raise IndexError(
-                f"blocks {piece.first_block}..{end - 1} include the lease's "
-                f"{self._num_shared_blocks} shared blocks"
-            )
+        blocks = writable_range(piece, len(self._block_ids), self._num_shared_blocks)
         crc = chunk_crc32c(piece.key, piece.value)
-        block_ids = self._block_ids[piece.first_block : end]
+        block_ids = self._block_ids[blocks.start : blocks.stop]
         for kv_index, data in ((0, piece.key), (1, piece.value)):
             # source: [num_blocks, block_nbytes] bytes of the sender's cache
             source = np.frombuffer(data, dtype=np.uint8).reshape(-1, self._block_nbytes)

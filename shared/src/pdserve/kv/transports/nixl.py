@@ -10,7 +10,7 @@ of a host, and RDMA between hosts. Both ends register their whole KV cache once
 
 The decode describes one lease as a `NixlTarget`: its agent's metadata and the address of each
 leased block, nothing else. A prefill loads the metadata once per decode agent (`NixlPeers`)
-and writes a lease's pieces through a `pdserve.kv.nixl_window.NixlWindow`.
+and writes a lease's pieces through a `pdserve.kv.transports.nixl_window.NixlWindow`.
 """
 
 from __future__ import annotations

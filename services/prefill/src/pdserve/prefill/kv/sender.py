@@ -1,7 +1,7 @@
 """The KV sender: ships one request's KV to its decode as the engine produces it.
 
 The transfer opens as soon as the lease is granted, on the first transport both ends can use
-(`kv_transports.channels_for`: shared memory when the decode is on this host, then its TCP data
+(`transports.channels_for`: shared memory when the decode is on this host, then its TCP data
 port, then gRPC SyncCache); a transport that cannot be opened falls back to the next without
 touching the lease. Then every `KvPiece` the engine thread exports (layer by layer, while later
 layers still compute) goes out, then the commit with the chunk count, byte total and first
@@ -24,7 +24,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kv.transfer import KvPiece, sequence_pieces
 from pdserve.prefill import convert
-from pdserve.prefill.kv_channels import KvChannel, TransportUnavailable
+from pdserve.prefill.kv.channels import KvChannel, TransportUnavailable
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2
 
@@ -102,7 +102,7 @@ class KvSender:
 
     Args:
         request: The request (holding its lease).
-        channels: Candidate channels in order of preference (`kv_transports.channels_for`).
+        channels: Candidate channels in order of preference (`transports.channels_for`).
         corrupt_first_chunk: Fault injection: flip a byte of the first chunk after its checksum.
     """
 

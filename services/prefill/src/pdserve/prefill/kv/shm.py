@@ -1,6 +1,6 @@
 """The shared-memory KV channel: the decode's KV cache is a segment on this host, mapped once
 per decode (`SharedPools`); the lease's blocks are written into it in place, with the writes,
-checksums and commit of every in-place channel (`pdserve.prefill.kv_channels.InPlaceChannel`).
+checksums and commit of every in-place channel (`pdserve.prefill.kv.channels.InPlaceChannel`).
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.engine.kv_cache import KVCacheLayout
-from pdserve.kv.shm import LeaseWindow, SharedKvPool
-from pdserve.prefill.kv_channels import InPlaceChannel, TransportUnavailable
+from pdserve.kv.transports.shm import LeaseWindow, SharedKvPool
+from pdserve.prefill.kv.channels import InPlaceChannel, TransportUnavailable
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc
 

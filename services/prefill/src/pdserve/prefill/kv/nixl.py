@@ -1,9 +1,10 @@
-"""The NIXL KV channel: the lease's blocks written into the decode's registered cache with
-one-sided WRITEs from this prefill's own cache (`pdserve.kv.nixl`, `pdserve.kv.nixl_window`).
+"""The NIXL KV channel: the lease's blocks written into the decode's registered cache with one-sided
+WRITEs from this prefill's own cache (`pdserve.kv.transports.nixl`,
+`pdserve.kv.transports.nixl_window`).
 
 This prefill's agent starts on a thread when the instance starts (`NixlSide`); a transfer that
 comes first waits for it. Writes, checksums and commit are those of every in-place channel
-(`pdserve.prefill.kv_channels.InPlaceChannel`): the WRITEs of a group of pieces are posted at
+(`pdserve.prefill.kv.channels.InPlaceChannel`): the WRITEs of a group of pieces are posted at
 once and announced once all of them completed. A decode agent that cannot be loaded, or a
 local agent that did not start, raises `TransportUnavailable` before anything was written, so
 the sender falls back to the next transport.
@@ -20,11 +21,17 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.nixl import AGENT_START_WAIT_S, CacheAgent, NixlPeers, NixlTarget, NixlUnavailable
-from pdserve.kv.nixl import start_agent as start_nixl_agent
-from pdserve.kv.nixl_window import NixlWindow
 from pdserve.kv.transfer import KvPiece
-from pdserve.prefill.kv_channels import InPlaceChannel, TransportUnavailable, ask_lease_state
+from pdserve.kv.transports.nixl import (
+    AGENT_START_WAIT_S,
+    CacheAgent,
+    NixlPeers,
+    NixlTarget,
+    NixlUnavailable,
+)
+from pdserve.kv.transports.nixl import start_agent as start_nixl_agent
+from pdserve.kv.transports.nixl_window import NixlWindow
+from pdserve.prefill.kv.channels import InPlaceChannel, TransportUnavailable, ask_lease_state
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc
 

@@ -1,0 +1,107 @@
+"""A decode's KV transport offers as a Lease's `Transport` messages carry them, both ways: the
+decode writes them (`transport_to_proto`), the prefill reads them (`transport_from_proto`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.kv.transports.cuda_ipc import CacheHandle
+from pdserve.kv.transports.nixl import NixlTarget
+from pdserve.kv.transports.offer import TransportOffer
+from pdserve.v1 import decode_pb2
+
+# The contract's kinds by the names the flags, logs and offers use.
+TRANSPORT_KINDS = {
+    "grpc": decode_pb2.TRANSPORT_KIND_GRPC_SYNC_CACHE,
+    "cuda_ipc": decode_pb2.TRANSPORT_KIND_CUDA_IPC,
+    "shm": decode_pb2.TRANSPORT_KIND_SHARED_MEMORY,
+    "tcp": decode_pb2.TRANSPORT_KIND_TCP,
+    "nixl": decode_pb2.TRANSPORT_KIND_NIXL,
+}
+_OFFER_NAMES = {kind: name for name, kind in TRANSPORT_KINDS.items() if name != "grpc"}
+
+
+def transport_to_proto(
+    offer: TransportOffer, token: bytes, block_ids: Sequence[int]
+) -> decode_pb2.Transport:
+    """The Transport message of `offer` in a lease of `block_ids` with its `token` (a decode's
+    NIXL offer names every block of its cache; a lease only its own)."""
+    nixl = None if offer.nixl is None else _nixl_target_to_proto(offer.nixl.for_blocks(block_ids))
+    return decode_pb2.Transport(
+        kind=TRANSPORT_KINDS[offer.kind],
+        address=offer.address,
+        token=token,
+        cache_handle=None if offer.handle is None else _cache_handle_to_proto(offer.handle),
+        nixl=nixl,
+    )
+
+
+def transport_from_proto(transport: decode_pb2.Transport) -> TransportOffer | None:
+    """The offer a Transport message makes (None for gRPC SyncCache, which every decode
+    accepts, and for kinds this build does not know)."""
+    name = _OFFER_NAMES.get(transport.kind)
+    if name is None:
+        return None
+    handle = transport.cache_handle if transport.HasField("cache_handle") else None
+    nixl = transport.nixl if transport.HasField("nixl") else None
+    return TransportOffer(
+        name,
+        transport.address,
+        None if handle is None else _cache_handle_from_proto(handle),
+        None if nixl is None else _nixl_target_from_proto(nixl),
+    )
+
+
+def _cache_handle_to_proto(handle: CacheHandle) -> decode_pb2.KvCacheHandle:
+    return decode_pb2.KvCacheHandle(
+        host_id=handle.host_id,
+        process_id=handle.process_id,
+        device_kind=handle.device_kind,
+        memory_handle=handle.memory_handle,
+        device_index=handle.device_index,
+        offset_bytes=handle.offset_bytes,
+        num_bytes=handle.num_bytes,
+        ref_counter_handle=handle.ref_counter_handle,
+        ref_counter_offset=handle.ref_counter_offset,
+    )
+
+
+def _cache_handle_from_proto(handle: decode_pb2.KvCacheHandle) -> CacheHandle:
+    return CacheHandle(
+        host_id=handle.host_id,
+        process_id=handle.process_id,
+        device_kind=handle.device_kind,
+        memory_handle=handle.memory_handle,
+        device_index=handle.device_index,
+        offset_bytes=handle.offset_bytes,
+        num_bytes=handle.num_bytes,
+        ref_counter_handle=handle.ref_counter_handle,
+        ref_counter_offset=handle.ref_counter_offset,
+    )
+
+
+def _nixl_target_to_proto(target: NixlTarget) -> decode_pb2.NixlTarget:
+    return decode_pb2.NixlTarget(
+        agent_metadata=target.agent_metadata,
+        agent_name=target.agent_name,
+        memory_kind=target.memory_kind,
+        device_id=target.device_id,
+        block_addresses=target.block_addresses,
+        layer_stride_bytes=target.layer_stride_bytes,
+        kv_stride_bytes=target.kv_stride_bytes,
+        block_nbytes=target.block_nbytes,
+    )
+
+
+def _nixl_target_from_proto(target: decode_pb2.NixlTarget) -> NixlTarget:
+    return NixlTarget(
+        agent_metadata=target.agent_metadata,
+        agent_name=target.agent_name,
+        memory_kind=target.memory_kind,
+        device_id=target.device_id,
+        block_addresses=tuple(target.block_addresses),
+        layer_stride_bytes=target.layer_stride_bytes,
+        kv_stride_bytes=target.kv_stride_bytes,
+        block_nbytes=target.block_nbytes,
+    )
