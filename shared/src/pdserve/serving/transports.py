@@ -5,6 +5,8 @@ decode writes them (`transport_to_proto`), the prefill reads them (`transport_fr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
 
 from pdserve.kv.transports.cuda_ipc import CacheHandle
 from pdserve.kv.transports.nixl import NixlTarget
@@ -54,54 +56,22 @@ def transport_from_proto(transport: decode_pb2.Transport) -> TransportOffer | No
 
 
 def _cache_handle_to_proto(handle: CacheHandle) -> decode_pb2.KvCacheHandle:
-    return decode_pb2.KvCacheHandle(
-        host_id=handle.host_id,
-        process_id=handle.process_id,
-        device_kind=handle.device_kind,
-        memory_handle=handle.memory_handle,
-        device_index=handle.device_index,
-        offset_bytes=handle.offset_bytes,
-        num_bytes=handle.num_bytes,
-        ref_counter_handle=handle.ref_counter_handle,
-        ref_counter_offset=handle.ref_counter_offset,
-    )
+    return decode_pb2.KvCacheHandle(**_fields_of(handle))
 
 
 def _cache_handle_from_proto(handle: decode_pb2.KvCacheHandle) -> CacheHandle:
-    return CacheHandle(
-        host_id=handle.host_id,
-        process_id=handle.process_id,
-        device_kind=handle.device_kind,
-        memory_handle=handle.memory_handle,
-        device_index=handle.device_index,
-        offset_bytes=handle.offset_bytes,
-        num_bytes=handle.num_bytes,
-        ref_counter_handle=handle.ref_counter_handle,
-        ref_counter_offset=handle.ref_counter_offset,
-    )
+    return CacheHandle(**{field.name: getattr(handle, field.name) for field in fields(CacheHandle)})
 
 
 def _nixl_target_to_proto(target: NixlTarget) -> decode_pb2.NixlTarget:
-    return decode_pb2.NixlTarget(
-        agent_metadata=target.agent_metadata,
-        agent_name=target.agent_name,
-        memory_kind=target.memory_kind,
-        device_id=target.device_id,
-        block_addresses=target.block_addresses,
-        layer_stride_bytes=target.layer_stride_bytes,
-        kv_stride_bytes=target.kv_stride_bytes,
-        block_nbytes=target.block_nbytes,
-    )
+    return decode_pb2.NixlTarget(**_fields_of(target))
 
 
 def _nixl_target_from_proto(target: decode_pb2.NixlTarget) -> NixlTarget:
-    return NixlTarget(
-        agent_metadata=target.agent_metadata,
-        agent_name=target.agent_name,
-        memory_kind=target.memory_kind,
-        device_id=target.device_id,
-        block_addresses=tuple(target.block_addresses),
-        layer_stride_bytes=target.layer_stride_bytes,
-        kv_stride_bytes=target.kv_stride_bytes,
-        block_nbytes=target.block_nbytes,
-    )
+    values = {field.name: getattr(target, field.name) for field in fields(NixlTarget)}
+    return NixlTarget(**{**values, "block_addresses": tuple(target.block_addresses)})
+
+
+def _fields_of(value: CacheHandle | NixlTarget) -> dict[str, Any]:
+    # NOTE: the dataclasses are their messages field for field (tests/unit/serving).
+    return {field.name: getattr(value, field.name) for field in fields(value)}
