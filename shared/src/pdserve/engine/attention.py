@@ -1,6 +1,9 @@
-"""Paged attention over block tables with torch SDPA (the CPU and default path)."""
+"""Paged attention over block tables: what every backend shares (`PagedAttention`), and torch
+SDPA (`SdpaAttention`, the CPU and default path)."""
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +43,18 @@ def with_sink(
     return float_mask, F.pad(keys, pad), F.pad(values, pad)
 
 
-class SdpaAttention:
-    """Attention for one layer with ``torch.nn.functional.scaled_dot_product_attention``.
+class PagedAttention(ABC):
+    """One layer's attention over the paged KV cache: what every backend shares.
 
-    Decodes run as one batched call over K/V gathered through their block tables; each prefill
-    chunk runs on its own (on the new K/V directly when nothing was cached before it).
+    `forward` writes the step's new K/V into the cache, then attends: a graph step (fixed
+    shapes, `AttentionMetadata.is_static`) with `_decode_static`, any other with `_attend`.
+
+    Args:
+        num_heads: Query heads (this rank's).
+        num_kv_heads: KV heads (this rank's).
+        head_dim: Values per head.
+        sliding_window: Keys a query sees at most (itself included), or None for all.
+        scale: The softmax scale (``head_dim ** -0.5`` by default).
     """
 
     def __init__(
@@ -89,6 +99,47 @@ class SdpaAttention:
         metadata.write_kv(k, v, k_cache, v_cache)
         if metadata.is_static:
             return self._decode_static(q, k_cache, v_cache, metadata)
+        return self._attend(q, k, v, k_cache, v_cache, metadata)
+
+    @abstractmethod
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The step's attention, its K/V already in the cache (`forward`'s arguments)."""
+
+    @abstractmethod
+    def _decode_static(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every decode of a graph step: fixed shapes, no host reads."""
+
+
+class SdpaAttention(PagedAttention):
+    """Attention for one layer with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Decodes run as one batched call over K/V gathered through their block tables; each prefill
+    chunk runs on its own (on the new K/V directly when nothing was cached before it).
+    """
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         if not metadata.prefills:
             # NOTE: a step of decodes only (every step of a decode service) returns their
             # attention as computed: no output to allocate and copy into (2.6% of a one-row step).

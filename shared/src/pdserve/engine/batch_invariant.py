@@ -76,20 +76,16 @@ class InvariantAttention(SdpaAttention):
 
     key_span = KEY_SPAN
 
-    def forward(
+    def _decode_static(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        if metadata.is_static:
-            raise RuntimeError("batch-invariant attention has no graph path (enforce_eager)")
-        return super().forward(q, k, v, k_cache, v_cache, metadata)
+        raise RuntimeError("batch-invariant attention has no graph path (enforce_eager)")
 
-    def _attend(
+    def _attend_each(
         self,
         q: torch.Tensor,
         keys: torch.Tensor,
@@ -170,7 +166,7 @@ class InvariantAttention(SdpaAttention):
                 k_cache, v_cache, metadata.block_table[start:end], padded[start] // block_size
             )
             query_pos = metadata.context_lens[start:end].to(q.device) - 1
-            out[start:end] = self._attend(q[start:end], keys, values, query_pos)
+            out[start:end] = self._attend_each(q[start:end], keys, values, query_pos)
             start = end
         return out
 
@@ -203,7 +199,7 @@ class InvariantAttention(SdpaAttention):
             end = min(padded, span.context_len)
             rows = slice(position - span.num_computed_tokens, end - span.num_computed_tokens)
             query_pos = torch.arange(position, end, device=q.device)
-            out[rows] = self._attend(
+            out[rows] = self._attend_each(
                 q[span.token_start + rows.start : span.token_start + rows.stop],
                 keys[:, :padded],
                 values[:, :padded],

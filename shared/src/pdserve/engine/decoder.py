@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.attention import SdpaAttention
+from pdserve.engine.attention import PagedAttention, SdpaAttention
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.batch_invariant import INVARIANT_BACKEND, InvariantAttention
 from pdserve.engine.flash_attention import FlashAttention
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
         k_norm_size = self.kv_size if self.is_qk_norm_across_heads else self.head_dim
         self.q_norm = make_norm(config, q_norm_size) if config.qk_norm else None
         self.k_norm = make_norm(config, k_norm_size) if config.qk_norm else None
-        attention_cls: type[SdpaAttention] | type[FlashAttention] = SdpaAttention
+        attention_cls: type[PagedAttention] = SdpaAttention
         # NOTE: flash-attn has no sinks here: gpt-oss attends through SDPA.
         if backend == "flash" and not config.has_attention_sinks:
             attention_cls = FlashAttention

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from pdserve.engine.attention import PagedAttention
 from pdserve.engine.attention_metadata import AttentionMetadata
 
 
@@ -69,7 +70,7 @@ def flash_attn_unusable_reason(
     return None
 
 
-class FlashAttention:
+class FlashAttention(PagedAttention):
     """Attention for one layer with ``flash_attn_varlen_func`` over the paged cache.
 
     All sequences of the batch, decodes and prefill chunks alike, go into one call: queries are
@@ -88,14 +89,10 @@ class FlashAttention:
     ) -> None:
         if FLASH is None:
             raise RuntimeError("flash_attn is not installed")
+        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale)
         self.implementation = FLASH
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5 if scale is None else scale
-        self.sliding_window = sliding_window
 
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -104,10 +101,6 @@ class FlashAttention:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Same contract as ``SdpaAttention.forward``."""
-        metadata.write_kv(k, v, k_cache, v_cache)
-        if metadata.is_static:
-            return self._decode_static(q, k_cache, v_cache, metadata)
         tensors = _flash_tensors(metadata)
         window = self.sliding_window
         if self.implementation.name == "flash-attn-4":
