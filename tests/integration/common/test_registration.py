@@ -19,10 +19,13 @@ class _Registry(registry_pb2_grpc.RegistryServiceServicer):
         self.heartbeats: list[registry_pb2.HeartbeatRequest] = []
         self.num_registers = 0
         self.deregistered: list[str] = []
+        self.answer_register = asyncio.Event()  # cleared: a Register is counted, then held
+        self.answer_register.set()
 
     async def Register(self, request, context):
         self.num_registers += 1
         self.instances[request.instance.instance_id] = request.instance
+        await self.answer_register.wait()
         return registry_pb2.RegisterResponse(heartbeat_interval_ms=50, instance_ttl_ms=500)
 
     async def Heartbeat(self, request, context):
@@ -88,3 +91,21 @@ async def test_keeps_retrying_while_the_gateway_is_down() -> None:
     assert not client.is_registered.is_set()
     await client.stop()
     await asyncio.wait_for(task, 2)
+
+
+async def test_stopping_while_a_register_is_under_way_still_deregisters(
+    registry: tuple[_Registry, str],
+) -> None:
+    servicer, address = registry
+    servicer.answer_register.clear()
+    instance = common_pb2.InstanceInfo(instance_id="d3", role=common_pb2.INSTANCE_ROLE_DECODE)
+    client = RegistrationClient(address, instance, common_pb2.LoadReport)
+    task = asyncio.create_task(client.run())
+    await _until(lambda: servicer.num_registers == 1)  # the gateway counted it; no answer yet
+    stopping = asyncio.create_task(client.stop())
+    await asyncio.sleep(0)
+    assert not stopping.done()  # it waits for the Register's answer
+    servicer.answer_register.set()
+    await asyncio.wait_for(stopping, 5)
+    await asyncio.wait_for(task, 2)
+    assert servicer.deregistered == ["d3"] and "d3" not in servicer.instances

@@ -3,7 +3,8 @@
 `RegistrationClient.run()` registers, then heartbeats with a fresh load report at the interval
 the gateway asks for. When the gateway answers INSTANCE_NOT_REGISTERED (it restarted or dropped
 the instance) the client registers again; when the gateway is unreachable it keeps retrying
-with capped backoff. `stop()` deregisters (best effort) and ends the loop.
+with capped backoff. `stop()` ends the loop, waiting for a call under way (a Register the
+gateway may already have counted), then deregisters (best effort).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class RegistrationClient:
         self.num_registrations = 0
         self.is_registered = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._run_ended = asyncio.Event()
+        self._run_ended.set()  # no run() under way
         self._channel = (security or Security.insecure()).channel(
             gateway_address, role_dns_name("gateway")
         )
@@ -59,6 +62,13 @@ class RegistrationClient:
 
     async def run(self) -> None:
         """Registers and heartbeats until `stop()`; never raises for gateway trouble."""
+        self._run_ended.clear()
+        try:
+            await self._keep_registered()
+        finally:
+            self._run_ended.set()
+
+    async def _keep_registered(self) -> None:
         backoff_s = self.interval_s
         while not self._stopping.is_set():
             try:
@@ -84,8 +94,12 @@ class RegistrationClient:
                 backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
 
     async def stop(self) -> None:
-        """Deregisters (best effort) and ends `run()`."""
+        """Ends `run()` and deregisters (best effort)."""
         self._stopping.set()
+        # NOTE: a Register under way may have reached the gateway: wait for its answer (every
+        # call is bounded by RPC_TIMEOUT_S), so that it is deregistered, not left to expire.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._run_ended.wait(), RPC_TIMEOUT_S + 1)
         if self.is_registered.is_set():
             try:
                 await self._stub.Deregister(
