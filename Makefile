@@ -72,13 +72,16 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package.json $(NO
 		cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund; \
 	else echo "npm not found: tests/e2e/test_node_client.py will be skipped"; fi
 
-system-deps:  ## install the system packages the tests run (redis-server: KV store; etcd: shared registry; iproute2: test hosts)
+system-deps:  ## install the system packages the tests run (redis-server: KV store; etcd: shared registry; iproute2: test hosts; podman, runc, debootstrap: the image)
 	@command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends redis-server)
 	@command -v etcd >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends etcd-server)
 	@command -v ip >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends iproute2)
+	@(command -v podman && command -v runc && command -v debootstrap) >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends podman runc debootstrap)
+	@$(SUDO) deploy/podman-setup.sh
 
 # NOTE: llama.cpp's converter (convert_hf_to_gguf.py, which writes the GGUF files people
 # download) from the llama.cpp sources that PyPI's llama-cpp-python sdist vendors; the GGUF tests
@@ -99,7 +102,7 @@ llama-convert: $(LLAMA_CONVERT)  ## fetch llama.cpp's convert_hf_to_gguf.py (the
 # NOTE: two workers (pytest-xdist); a module's (or class's) tests stay on one worker, so the
 # clusters they share start once. PYTEST_WORKERS=0 runs in this process.
 PYTEST_WORKERS ?= 2
-test: system-deps venv model llama-convert lint typecheck node-deps  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
+test: system-deps venv model llama-convert lint typecheck node-deps image  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 test-fast: system-deps venv llama-convert  ## pytest without lint
@@ -126,9 +129,14 @@ test-transports: system-deps venv model  ## the e2e, chaos and prefill suites on
 gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model; GPU_KIT_FLASH=1 adds flash-attn 4): see docs/gpu.md
 	$(PY) tools/gpu_kit.py $(if $(GPU_KIT_FLASH),--flash)
 
+# NOTE: deploy/image.py: the runtime at hand (podman or docker), the base (BASE_IMAGE, else
+# python:3.11-slim-bookworm, else a Debian base made with debootstrap where no registry
+# answers), the wheels and the model fetched here into .image/ (the build needs no network);
+# nothing is built when the image with the same content hash exists. See docs/deploy.md.
 IMAGE ?= pdserve:0.1.0
-image:  ## build the service image (deploy/Dockerfile; needs a container runtime): IMAGE=pdserve:0.1.0
-	docker build -f deploy/Dockerfile -t $(IMAGE) .
+BASE_IMAGE ?=
+image: venv  ## build the service image (deploy/Dockerfile) unless up to date; prints its size: IMAGE=pdserve:0.1.0 BASE_IMAGE=...
+	IMAGE=$(IMAGE) BASE_IMAGE=$(BASE_IMAGE) $(PY) deploy/image.py
 
 lock:  ## re-pin constraints.txt from the current venv (review the diff)
 	{ head -2 constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -vE '^(pdserve|pip|setuptools|wheel)' \
