@@ -23,6 +23,7 @@ Prints one ``image ...`` line at the end: tag, size in MB, seconds, and whether 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -134,9 +135,10 @@ def resolve_base(runtime: str, base: str | None) -> str:
         return base
     if image_id(runtime, DEFAULT_BASE):
         return DEFAULT_BASE
-    if quiet(runtime, "pull", DEFAULT_BASE, timeout=600).returncode == 0:
-        return DEFAULT_BASE
-    print(f"image: {DEFAULT_BASE} cannot be pulled; making a Debian base", flush=True)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        if quiet(runtime, "pull", DEFAULT_BASE, timeout=300).returncode == 0:
+            return DEFAULT_BASE
+    print(f"image: {DEFAULT_BASE} cannot be pulled; the base is {LOCAL_BASE}", flush=True)
     return make_local_base(runtime)
 
 

@@ -124,7 +124,6 @@ class ContainerPod:
         pod_ip: The pod's address (a loopback address).
         directory: Where its volumes and log go.
         ca_dir: The host directory that stands in for the CA Secret.
-        image: Replaces the rendered image (None: the chart's).
         session: A label value shared by every container of the test (removed at the end).
     """
 
