@@ -155,7 +155,7 @@ async def test_a_detached_request_outlives_the_lease_ttl(client: DecodeClient) -
     lease, reference = await _running(client, "r")  # runs about twice the TTL
     await _cancel_after(client, lease, 1)
     request = _request(client, lease)
-    await eventually(lambda: request.terminal is not None, what="the request finished")
+    await eventually(lambda: request.events.terminal is not None, what="the request finished")
     assert request.status is RequestStatus.FINISHED  # not EXPIRED by the sweeper
     messages = await _collect(_call(client, lease, resume=True))
     assert _tokens(messages) == (reference, 0)
@@ -183,7 +183,7 @@ async def test_resume_after_the_end_replays_the_completion_and_finished(
     lease, reference = await _running(client, "r")
     await _cancel_after(client, lease, 1)
     request = _request(client, lease)
-    await eventually(lambda: request.terminal is not None, what="the request finished")
+    await eventually(lambda: request.events.terminal is not None, what="the request finished")
     messages = await _collect(_call(client, lease, resume=True))
     assert [m.WhichOneof("event") for m in messages] == ["tokens", "finished"]
     assert _tokens(messages) == (reference, 0)

@@ -105,7 +105,7 @@ class DecodeLoop(EngineThread):
             # COMMITTED -> RUNNING admission fail, so it is never decoded.
             is_ended = self.leases.end(request, status)
         if is_ended:
-            request.deliver(EndedEvent(status, detail))
+            request.events.deliver(EndedEvent(status, detail))
 
     def preempt_all(self, reason: PreemptionReason) -> None:
         """Preempts every queued and running request at the next step (used when draining)."""
@@ -224,7 +224,7 @@ class DecodeLoop(EngineThread):
             request.num_computed_tokens += 1
             request.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
             logprobs = () if picked.logprobs is None else (picked.logprobs,)
-            request.emit(TokensEvent((token,), index, logprobs))
+            request.events.emit(TokensEvent((token,), index, logprobs))
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish)
@@ -258,7 +258,9 @@ class DecodeLoop(EngineThread):
         self._running.remove(request)
         self.leases.end(request, RequestStatus.FINISHED)
         request.end_span({"pdserve.finish_reason": reason.value})
-        request.emit(FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens))
+        request.events.emit(
+            FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens)
+        )
 
     def _preempt(self, request: DecodeRequest, reason: PreemptionReason) -> None:
         self._running.remove(request)
@@ -280,7 +282,7 @@ class DecodeLoop(EngineThread):
         )
         request.end_span()
         if self.offload is None:
-            request.emit(event)
+            request.events.emit(event)
         else:
             self.offload.emit_notice(request, event, offload)
 
@@ -290,4 +292,4 @@ class DecodeLoop(EngineThread):
         if status is RequestStatus.FAILED:
             request.span.set_status(trace.Status(trace.StatusCode.ERROR, detail))
         request.end_span()
-        request.emit(EndedEvent(status, detail))
+        request.events.emit(EndedEvent(status, detail))

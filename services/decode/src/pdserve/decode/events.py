@@ -1,6 +1,6 @@
 """What a decode request tells its Generate stream: tokens, then one terminal event.
 
-They are queued on the request (`DecodeRequest.emit` from the decode thread, `deliver` on
+They are queued on the request's `RequestEvents` (`emit` from the decode thread, `deliver` on
 the event loop); `convert` turns them into pdserve.v1 messages.
 """
 

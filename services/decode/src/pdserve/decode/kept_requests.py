@@ -52,7 +52,7 @@ class KeptRequests:
     def stream_ended(self, lease: DecodeRequest, epoch: int, is_done: bool) -> None:
         """After a stream attached with `epoch` ended (`is_done`: with its terminal event or
         an error ending): releases or forgets the request, keeps it, or detaches it."""
-        if not lease.is_current(epoch):
+        if not lease.events.is_current(epoch):
             return  # NOTE: a resume took it over; that stream owns it now.
         if not lease.is_resumable:
             if not is_done:

@@ -103,7 +103,7 @@ class PreemptionOffload:
         """Emits the preemption notice: at once without an offload, else once the write
         landed (with its key) or the wait ran out (without). Call after the last token."""
         if started is None:
-            request.emit(event)
+            request.events.emit(event)
             return
 
         def notice(landed: Future[int] | None) -> PreemptedEvent:
@@ -111,7 +111,7 @@ class PreemptionOffload:
                 self._num_pending -= 1
             return self._notice(request, event, started, landed)
 
-        request.emit_when_done(started.future, self.wait_s, notice)
+        request.events.emit_when_done(started.future, self.wait_s, notice)
 
     def _notice(
         self,

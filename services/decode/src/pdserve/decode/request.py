@@ -5,12 +5,12 @@ terminal event. Its status walks ALLOCATED -> SYNCING -> COMMITTED -> RUNNING ->
 state; `can_move_to`/`move_to` allow only the transitions `lease_state.TRANSITIONS` lists, and
 `end()` is the one place its blocks go back to the pool, once. The lease table, the servicer,
 the KV receiver and the decode thread hold references to it. Transitions run under the lease
-table's lock (`LeaseManager.advance`/`end`). What it tells its Generate stream is in `events`,
-delivered by its base `request_events.RequestEvents`.
+table's lock (`LeaseManager.advance`/`end`). What it tells its Generate stream goes through
+its `events` (`request_events.RequestEvents`: the queue, its delivery, which stream owns it).
 
 A resumable request (contract 1.9) outlives its stream: it runs on detached when the stream
-breaks, and a resuming stream attaches with a new `attach_epoch`, taking it over from a stream
-still attached. Such a stream reads ``token_ids`` and the recorded ``terminal`` event, since
+breaks, and a resuming stream attaches with a new epoch, taking it over from a stream still
+attached. Such a stream reads ``token_ids`` and the recorded terminal event, since
 the stream it took over may still take events off the queue.
 """
 
@@ -27,7 +27,6 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.common.pki import Identity
 from pdserve.common.transitions import IllegalTransition, check_transition
-from pdserve.decode.events import DecodeEvent
 from pdserve.decode.lease_state import TRANSITIONS, RequestStatus
 from pdserve.decode.request_events import RequestEvents
 from pdserve.engine.block_pool import BlockPool
@@ -37,7 +36,7 @@ _tracer = telemetry.tracer("pdserve.decode")
 
 
 @dataclass(eq=False)
-class DecodeRequest(RequestEvents):
+class DecodeRequest:
     """One request on this decode, from its lease to its last event.
 
     Attributes:
@@ -57,14 +56,9 @@ class DecodeRequest(RequestEvents):
         is_attached: Whether a Generate stream is attached.
         is_resumable: Its first Generate stream asked for a request that outlives it (it
             then runs on, detached, when that stream breaks).
-        attach_epoch: How many streams attached so far (resumes included); the stream
-            attached with the current number owns it, an older one was taken over.
         detached_at: Monotonic time its last stream broke before its end (None while a
             stream is attached, before one is, or once it ended with none).
-        terminal: Its terminal event once delivered (kept so that a resumed stream can
-            replay it after another stream consumed it from ``events``).
-        events: Its events, waiting for (or read by) the Generate stream.
-        ready: Set once committed or ended: a Generate stream may start reading.
+        events: What it tells its Generate stream, and which stream owns it.
         ended_at: Monotonic time it reached a terminal status.
         token_ids: Prompt, earlier completion tokens, then every token generated so far; the
             last one is fed next (set at commit).
@@ -97,11 +91,8 @@ class DecodeRequest(RequestEvents):
     num_remaining_tokens: int = 0
     is_attached: bool = False
     is_resumable: bool = False
-    attach_epoch: int = 0
     detached_at: float | None = None
-    terminal: DecodeEvent | None = None
-    events: asyncio.Queue[DecodeEvent] = field(default_factory=asyncio.Queue)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    events: RequestEvents = field(default_factory=RequestEvents)
     ended_at: float | None = None
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
@@ -114,8 +105,6 @@ class DecodeRequest(RequestEvents):
     share_key: str = ""
     num_shared_blocks: int = 0
     shared_token_ids: tuple[int, ...] = field(default=(), repr=False)
-    _aio_loop: asyncio.AbstractEventLoop | None = None
-    _changed: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -188,7 +177,7 @@ class DecodeRequest(RequestEvents):
         self.sampling = sampling
         self.seed = seed
         self.constraint_state = constraint_state
-        self._aio_loop = asyncio.get_running_loop()
+        self.events.bind(asyncio.get_running_loop())
         # NOTE: a child of the SyncCache call whose commit starts the generation; it runs
         # until the request ends, well past the call (and past the gateway's Generate start).
         self.span = _tracer.start_span(
@@ -211,7 +200,7 @@ class DecodeRequest(RequestEvents):
             PdserveError: INVALID_REQUEST if a stream is or was attached already,
                 LEASE_EXPIRED if neither the commit nor an ending came within the TTL.
         """
-        if self.is_attached or self.attach_epoch > 0:
+        if self.is_attached or self.events.attach_epoch > 0:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST,
                 "another Generate stream is attached to this lease"
@@ -221,13 +210,13 @@ class DecodeRequest(RequestEvents):
             )
         self.is_attached = True
         self.is_resumable = is_resumable
-        self.attach_epoch = 1
+        epoch = self.events.new_epoch()
         await self._wait_ready()
-        return self.attach_epoch
+        return epoch
 
     async def resume(self) -> tuple[int, bool]:
         """Attaches a resuming stream to a resumable request, taking it over from a stream
-        still attached (that one sees `is_current` turn False); waits for the commit like
+        still attached (that one sees `events.is_current` turn False); waits for the commit like
         `attach`.
 
         Returns:
@@ -246,9 +235,7 @@ class DecodeRequest(RequestEvents):
         is_taken_over = self.is_attached
         self.is_attached = True
         self.detached_at = None
-        self.attach_epoch += 1
-        self._wake()  # NOTE: the stream taken over is waiting for events: let it see it lost.
-        epoch = self.attach_epoch
+        epoch = self.events.new_epoch()
         await self._wait_ready()
         return epoch, is_taken_over
 
@@ -267,9 +254,9 @@ class DecodeRequest(RequestEvents):
     async def _wait_ready(self) -> None:
         timeout = max(0.0, self.expires_at - time.monotonic())
         try:
-            await asyncio.wait_for(self.ready.wait(), timeout)
+            await asyncio.wait_for(self.events.ready.wait(), timeout)
         except TimeoutError:
-            if self.events.empty():
+            if self.events.is_empty():
                 raise PdserveError(
                     ErrorReason.LEASE_EXPIRED,
                     "no commit within the lease TTL",

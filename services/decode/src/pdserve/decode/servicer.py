@@ -155,7 +155,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         sibling = self.leases.pending_share_source(share_key)
         if sibling is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(sibling.ready.wait(), self.share_wait_s)
+                await asyncio.wait_for(sibling.events.ready.wait(), self.share_wait_s)
 
     # ---- SyncCache -------------------------------------------------------------------------
 

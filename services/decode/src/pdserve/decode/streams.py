@@ -38,7 +38,7 @@ def takeover_error(request: DecodeRequest) -> PdserveError:
 async def live(request: DecodeRequest, epoch: int) -> AsyncIterator[Response]:
     """The request's events as they come, until its terminal event (the first stream)."""
     while True:
-        events = await request.next_events(epoch)
+        events = await request.events.next_events(epoch)
         if not events:
             raise takeover_error(request)
         for message in _messages(events):
@@ -58,14 +58,14 @@ async def resumed(request: DecodeRequest, epoch: int) -> AsyncIterator[Response]
     num_sent = 0
     is_first = True
     while True:
-        if not request.is_current(epoch):
+        if not request.events.is_current(epoch):
             raise takeover_error(request)
         # NOTE: taken before the state is read, so a change during the yields below is seen.
-        changed = request.change_waiter()
+        changed = request.events.change_waiter()
         # NOTE: terminal first: once it is set, token_ids holds every token it follows.
-        terminal = request.terminal
+        terminal = request.events.terminal
         token_ids = request.completion_token_ids(num_sent)
-        request.take_events()  # dropped: read from token_ids and terminal instead
+        request.events.take_events()  # dropped: read from token_ids and terminal instead
         if token_ids or is_first:
             yield _tokens(token_ids, num_sent)
             num_sent += len(token_ids)
@@ -79,7 +79,7 @@ async def resumed(request: DecodeRequest, epoch: int) -> AsyncIterator[Response]
 
 async def snapshot(request: DecodeRequest) -> AsyncIterator[Response]:
     """Every completion token so far in one batch, then the terminal event if it came."""
-    terminal = request.terminal
+    terminal = request.events.terminal
     yield _tokens(request.completion_token_ids(), 0)
     if terminal is not None:
         for message in _messages([terminal]):

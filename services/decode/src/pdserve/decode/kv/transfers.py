@@ -193,7 +193,7 @@ class Transfers:
             constraint_state,
         )
         self.loop.submit(lease)
-        lease.ready.set()
+        lease.events.ready.set()
         self.num_kv_bytes_received += receiver.num_bytes
         if self.metrics is not None:
             self.metrics.sync_seconds.observe(time.perf_counter() - started)
@@ -215,7 +215,7 @@ class Transfers:
         if lease is None:
             return
         if self.leases.end(lease, RequestStatus.FAILED):
-            lease.deliver(EndedEvent(RequestStatus.FAILED, error.message, error.reason))
+            lease.events.deliver(EndedEvent(RequestStatus.FAILED, error.message, error.reason))
             log.warning(
                 "cache_sync_failed",
                 request_id=lease.request_id,
