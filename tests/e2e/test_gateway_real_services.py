@@ -177,7 +177,7 @@ async def test_stream_survives_a_decode_stopped_mid_stream(
         for choice in chunk.choices:
             ids.extend(_ids(choice))
         if victim is None and len(ids) >= 10:
-            victim = next(d for d in cluster.decodes if d.leases.open_leases())
+            victim = next(d for d in cluster.decodes if d.leases.table.open_leases())
             await victim.stop(grace=None)  # the decode is gone, mid-stream
     assert victim is not None
     assert ids == expected

@@ -148,10 +148,12 @@ async def test_lease_expiry_reclaims_blocks(client: DecodeClient) -> None:
     lease = await client.allocate(prefilled)
     assert (await client.pool()).pool.num_leased_blocks == len(lease.block_ids)
     # NOTE: TTL 1.5 s, sweep every 0.15 s.
-    await eventually(lambda: client.instance.leases.num_expired == 1, 4.0, "the lease expiring")
+    await eventually(
+        lambda: client.instance.leases.table.num_expired == 1, 4.0, "the lease expiring"
+    )
     await client.assert_whole()
     await _expect_error(client.collect(lease.lease_id), ErrorReason.LEASE_EXPIRED)
-    assert client.instance.leases.num_expired == 1
+    assert client.instance.leases.table.num_expired == 1
 
 
 async def test_release_is_idempotent_and_unknown_lease_is_not_found(client: DecodeClient) -> None:

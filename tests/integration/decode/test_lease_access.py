@@ -89,7 +89,7 @@ def _leaks(token: bytes, text: str) -> bool:
 
 
 def _state(client: DecodeClient, lease: decode_pb2.Lease) -> tuple[RequestStatus, int]:
-    request = client.instance.leases.get(lease.lease_id)
+    request = client.instance.leases.table.get(lease.lease_id)
     return request.status, len(request.block_ids)
 
 
@@ -108,7 +108,7 @@ async def test_a_lease_token_is_unguessable_and_stays_out_of_reprs(client: Decod
     grant = dataclasses.replace(lease_from_proto(decode_pb2.Lease()), transport_token=b"secret")
     assert "secret" not in repr(grant)
     for lease in (first, second):
-        leases.end(lease, RequestStatus.ABORTED)
+        leases.table.end(lease, RequestStatus.ABORTED)
 
 
 class _SlowSteps:
@@ -196,8 +196,8 @@ async def _end_lease(client: DecodeClient, prefilled: Prefilled, how: str) -> de
         )
     elif how == "expiry":
         leases = client.instance.leases
-        leases.get(lease.lease_id).expires_at = 0.0  # NOTE: the sweeper runs every 0.5 s
-        await eventually(lambda: leases.num_expired == 1, 4.0, "the lease expiring")
+        leases.table.get(lease.lease_id).expires_at = 0.0  # NOTE: the sweeper runs every 0.5 s
+        await eventually(lambda: leases.table.num_expired == 1, 4.0, "the lease expiring")
     return lease
 
 
@@ -291,7 +291,9 @@ async def test_a_release_for_another_request_does_not_stop_a_live_stream(
     await client.sync(prefilled, lease)
     client.local.free(prefilled)
     stream = asyncio.create_task(client.collect(lease.lease_id, "live"))
-    await eventually(lambda: client.instance.leases.get(lease.lease_id).is_attached, 2.0, "attach")
+    await eventually(
+        lambda: client.instance.leases.table.get(lease.lease_id).is_attached, 2.0, "attach"
+    )
     stranger = decode_pb2.ReleaseLeaseRequest(lease_id=lease.lease_id, request_id="not-live")
     await _expect_error(client.decode.ReleaseLease(stranger), DENIED)
     ids, _ = tokens_of(await stream)

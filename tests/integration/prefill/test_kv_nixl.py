@@ -119,7 +119,7 @@ async def test_corrupt_kv_over_nixl_is_refused_and_the_blocks_return(
         assert events.error is not None
         assert events.error.reason is ErrorReason.CACHE_SYNC_FAILED
         await pd.eventually_whole()
-        pd.decodes[0].leases.pool.check_integrity()
+        pd.decodes[0].leases.table.pool.check_integrity()
 
 
 # ---- a transfer that stops mid-write ---------------------------------------------------------
@@ -183,10 +183,10 @@ async def test_a_lease_expiring_mid_write_commits_nothing_and_returns_every_bloc
         decode = pd.decodes[0]
         lease = await _lease(pd, 8)
         call = await _write_first_layer(pd, lease)
-        (held,) = decode.leases.open_leases()
+        (held,) = decode.leases.table.open_leases()
         await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
         # Ended, yet held while its writer may still write.
-        assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
         await call.done_writing()
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -203,13 +203,13 @@ async def test_a_sender_gone_mid_write_fails_the_lease_and_returns_every_block(
         decode = pd.decodes[0]
         lease = await _lease(pd, 8)
         call = await _write_first_layer(pd, lease)
-        (held,) = decode.leases.open_leases()
+        (held,) = decode.leases.table.open_leases()
         call.cancel()  # the sender died between two layers
         await eventually(lambda: held.status.name == "FAILED", 5, "the lease to fail")
         # Held a little longer: WRITEs the sender posted may still be on the wire.
-        assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await pd.eventually_whole()
-        decode.leases.pool.check_integrity()
+        decode.leases.table.pool.check_integrity()
 
 
 async def _line(stream: asyncio.StreamReader, wanted: bytes) -> None:
@@ -245,7 +245,7 @@ async def test_a_sender_sigkilled_mid_write_fails_the_lease_and_returns_every_bl
             # One layer written and announced, the next one's WRITEs posted: then the kill.
             await _ask(writer, "layer 0", "done 0")
             await _ask(writer, "post 1", "posted 1")
-            (held,) = decode.leases.open_leases()
+            (held,) = decode.leases.table.open_leases()
             assert held.status.name == "SYNCING"
             writer.send_signal(signal.SIGKILL)
             assert await writer.wait() == -signal.SIGKILL
@@ -255,4 +255,4 @@ async def test_a_sender_sigkilled_mid_write_fails_the_lease_and_returns_every_bl
                 await writer.wait()
         await eventually(lambda: held.status.name == "FAILED", 10, "the lease to fail")
         await pd.eventually_whole()
-        decode.leases.pool.check_integrity()
+        decode.leases.table.pool.check_integrity()

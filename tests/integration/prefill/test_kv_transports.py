@@ -154,7 +154,7 @@ async def test_a_wrong_token_on_the_data_port_is_closed_at_once_and_counted(
             sock.sendall(_header(lease, "r", 8, b"x" * 32))
             assert await asyncio.to_thread(_closed_without_answer, sock)
         assert decode.kv_tcp is not None and decode.kv_tcp.num_refused == 1
-        (granted,) = decode.leases.open_leases()
+        (granted,) = decode.leases.table.open_leases()
         assert granted.status.name == "ALLOCATED"  # untouched: the right holder can still use it
         token = lease.transports[0].token
         with socket.create_connection(_tcp_address(lease)) as holder:
@@ -231,10 +231,10 @@ async def test_a_lease_expiring_mid_tcp_transfer_keeps_its_blocks_until_the_writ
         token = lease.transports[0].token
         with socket.create_connection(_tcp_address(lease)) as sock:
             sock.sendall(_header(lease, "r", 8, token))
-            (held,) = decode.leases.open_leases()
+            (held,) = decode.leases.table.open_leases()
             await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
             # Ended, yet its blocks are still out of the pool: the writer may still be writing.
-            assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+            assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
             commit = decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit())
             sock.sendall(frame(commit.SerializeToString()))
             sock.settimeout(5)
@@ -264,9 +264,9 @@ async def test_a_lease_expiring_mid_shared_memory_transfer_is_held_until_the_str
         await call.write(header)
         metadata = dict(await call.initial_metadata())
         assert metadata.get("pdserve-sync-accepted") == "1"  # the sender may write now
-        (held,) = decode.leases.open_leases()
+        (held,) = decode.leases.table.open_leases()
         await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
-        assert decode.leases.pool.num_used_blocks == len(lease.block_ids)
+        assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
         await call.done_writing()
         with pytest.raises(grpc.aio.AioRpcError) as raised:

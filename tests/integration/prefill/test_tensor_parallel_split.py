@@ -71,8 +71,8 @@ async def test_a_rank_killed_mid_stream_takes_the_decode_down_and_frees_every_bl
                     os.kill(decode.host.runner.ranks.pids()[0], signal.SIGKILL)
         assert 3 <= num_tokens < long.max_tokens and "finished" not in kinds
         await asyncio.wait_for(decode.is_down.wait(), timeout=10)
-        decode.leases.check_integrity()
-        assert decode.leases.pool.num_free_blocks == decode.leases.pool.num_blocks
-        assert not decode.leases.open_leases()
+        decode.leases.table.check_integrity()
+        assert decode.leases.table.pool.num_free_blocks == decode.leases.table.pool.num_blocks
+        assert not decode.leases.table.open_leases()
         prefill = await pd.prefill_pool()
         assert prefill.pool.is_consistent and prefill.pool.num_open_leases == 0

@@ -25,8 +25,8 @@ def _manager(num_blocks: int = 16) -> LeaseManager:
 def _commit(leases: LeaseManager, lease: DecodeRequest, prompt: list[int]) -> None:
     """What a verified SyncCache commit does to the lease (without the decode thread)."""
     leases.begin_sync(lease.lease_id, lease.lease_token, None)
-    leases.end_sync(lease)
-    assert leases.advance(lease, RequestStatus.COMMITTED)
+    leases.table.end_sync(lease)
+    assert leases.table.advance(lease, RequestStatus.COMMITTED)
     lease.token_ids = [*prompt, 7]
     lease.num_prompt_tokens = len(prompt)
 
@@ -40,16 +40,16 @@ def test_a_completion_shares_the_prompt_blocks_of_a_committed_sibling() -> None:
     assert second.block_ids[:2] == first.block_ids[:2]
     assert not set(second.block_ids[2:]) & set(first.block_ids)  # its own partial block
     assert second.shared_token_ids == tuple(PROMPT[:8])
-    assert leases.pool.num_used_blocks == 4
+    assert leases.table.pool.num_used_blocks == 4
     assert leases.num_shared_blocks == 2 and leases.num_shared_leases == 1
-    leases.check_integrity()
+    leases.table.check_integrity()
     # The first one ends (preempted, finished, released): the shared blocks stay with the second.
-    assert leases.end(first, RequestStatus.ABORTED)
-    assert leases.pool.num_used_blocks == 3
-    leases.check_integrity()
-    assert leases.end(second, RequestStatus.ABORTED)
-    assert leases.pool.num_free_blocks == 16
-    leases.check_integrity()
+    assert leases.table.end(first, RequestStatus.ABORTED)
+    assert leases.table.pool.num_used_blocks == 3
+    leases.table.check_integrity()
+    assert leases.table.end(second, RequestStatus.ABORTED)
+    assert leases.table.pool.num_free_blocks == 16
+    leases.table.check_integrity()
 
 
 def test_a_third_completion_shares_with_either_and_the_blocks_free_with_the_last() -> None:
@@ -58,15 +58,15 @@ def test_a_third_completion_shares_with_either_and_the_blocks_free_with_the_last
     _commit(leases, first, PROMPT)
     second = leases.allocate("r-1", len(PROMPT), 4, share_key="k")
     _commit(leases, second, PROMPT)
-    assert leases.end(first, RequestStatus.ABORTED)
+    assert leases.table.end(first, RequestStatus.ABORTED)
     third = leases.allocate("r-2", len(PROMPT), 4, share_key="k")
     assert third.block_ids[:2] == second.block_ids[:2]
-    assert [leases.pool.ref_counts[b] for b in third.block_ids[:2]] == [2, 2]
-    leases.check_integrity()
+    assert [leases.table.pool.ref_counts[b] for b in third.block_ids[:2]] == [2, 2]
+    leases.table.check_integrity()
     for lease in (second, third):
-        assert leases.end(lease, RequestStatus.ABORTED)
-        leases.check_integrity()
-    assert leases.pool.num_free_blocks == 16
+        assert leases.table.end(lease, RequestStatus.ABORTED)
+        leases.table.check_integrity()
+    assert leases.table.pool.num_free_blocks == 16
 
 
 @pytest.mark.parametrize("case", ["uncommitted", "other key", "no key"])
@@ -79,7 +79,7 @@ def test_nothing_is_shared_before_the_commit_or_across_keys(case: str) -> None:
     second = leases.allocate("r-1", len(PROMPT), 4, share_key=key)
     assert second.num_shared_blocks == 0
     assert not set(second.block_ids) & set(first.block_ids)
-    leases.check_integrity()
+    leases.table.check_integrity()
 
 
 def test_a_shared_lease_needs_room_only_for_its_own_blocks() -> None:
@@ -92,8 +92,8 @@ def test_a_shared_lease_needs_room_only_for_its_own_blocks() -> None:
     assert refused.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
     second = leases.allocate("r-1", len(prompt), 2, share_key="k")  # 1 fresh block
     assert second.num_shared_blocks == 4
-    assert leases.pool.num_used_blocks == 6
-    leases.check_integrity()
+    assert leases.table.pool.num_used_blocks == 6
+    leases.table.check_integrity()
 
 
 def test_the_integrity_check_catches_two_writers_and_a_leaked_reference() -> None:
@@ -103,16 +103,16 @@ def test_the_integrity_check_catches_two_writers_and_a_leaked_reference() -> Non
     second = leases.allocate("r-1", len(PROMPT), 4, share_key="k")
     second.num_shared_blocks = 0  # as if it could write into the blocks the first one reads
     with pytest.raises(AssertionError, match="written by two leases"):
-        leases.check_integrity()
+        leases.table.check_integrity()
     second.num_shared_blocks = 2
-    leases.check_integrity()
-    leases.pool.touch(second.block_ids[:1])  # a reference no lease holds
+    leases.table.check_integrity()
+    leases.table.pool.touch(second.block_ids[:1])  # a reference no lease holds
     with pytest.raises(AssertionError, match="leaked"):
-        leases.check_integrity()
-    leases.pool.free(second.block_ids[:1])
+        leases.table.check_integrity()
+    leases.table.pool.free(second.block_ids[:1])
     second.block_ids.append(second.block_ids[0])  # a table holding one block twice
     with pytest.raises(AssertionError, match="holds a block twice"):
-        leases.check_integrity()
+        leases.table.check_integrity()
 
 
 def test_a_reschedule_shares_the_prompt_blocks_and_no_completion_tokens() -> None:

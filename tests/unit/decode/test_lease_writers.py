@@ -24,29 +24,29 @@ def test_ending_a_lease_mid_transfer_frees_its_blocks_only_when_the_writer_stops
     lease = leases.allocate("r", 8, 1)
     held = list(lease.block_ids)
     leases.begin_sync(lease.lease_id, lease.lease_token, None)
-    assert leases.end(lease, ending)
+    assert leases.table.end(lease, ending)
     assert lease.status is ending
     # Out of the table, yet its blocks are neither free nor grantable to another lease.
-    assert leases.open_leases() == []
-    assert leases.pool.num_used_blocks == len(held)
+    assert leases.table.open_leases() == []
+    assert leases.table.pool.num_used_blocks == len(held)
     other = leases.allocate("r2", 48, 1)
     assert not set(other.block_ids) & set(held)
-    leases.check_integrity()
-    leases.end_sync(lease)
+    leases.table.check_integrity()
+    leases.table.end_sync(lease)
     assert lease.block_ids == []
-    assert leases.pool.num_used_blocks == len(other.block_ids)
-    leases.check_integrity()
+    assert leases.table.pool.num_used_blocks == len(other.block_ids)
+    leases.table.check_integrity()
 
 
 def test_a_transfer_that_ends_first_leaves_the_end_to_free_the_blocks() -> None:
     leases = _manager()
     lease = leases.allocate("r", 8, 1)
     leases.begin_sync(lease.lease_id, lease.lease_token, None)
-    leases.end_sync(lease)
-    assert leases.pool.num_used_blocks == 2
-    assert leases.end(lease, RequestStatus.FAILED)
-    assert leases.pool.num_used_blocks == 0
-    leases.check_integrity()
+    leases.table.end_sync(lease)
+    assert leases.table.pool.num_used_blocks == 2
+    assert leases.table.end(lease, RequestStatus.FAILED)
+    assert leases.table.pool.num_used_blocks == 0
+    leases.table.check_integrity()
 
 
 def test_the_token_only_rule_opens_a_transfer_without_an_identity_on_a_secure_plane() -> None:

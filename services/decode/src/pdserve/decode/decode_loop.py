@@ -97,13 +97,13 @@ class DecodeLoop(EngineThread):
     def release(self, request: DecodeRequest, status: RequestStatus, detail: str = "") -> None:
         """Ends a request from the event loop in terminal `status`: at the next step boundary
         if it is RUNNING (this thread owns it then), else at once."""
-        with self.leases.lock:
+        with self.leases.table.lock:
             if request.status is RequestStatus.RUNNING:
                 self.abort(request, status, detail)
                 return
             # NOTE: a COMMITTED request may sit in the waiting queue; ending it here makes its
             # COMMITTED -> RUNNING admission fail, so it is never decoded.
-            is_ended = self.leases.end(request, status)
+            is_ended = self.leases.table.end(request, status)
         if is_ended:
             request.events.deliver(EndedEvent(status, detail))
 
@@ -172,7 +172,7 @@ class DecodeLoop(EngineThread):
             self._end(request, RequestStatus.ABORTED, "the instance lost a tensor-parallel rank")
 
     def _admit(self, request: DecodeRequest) -> None:
-        if not self.leases.advance(request, RequestStatus.RUNNING):
+        if not self.leases.table.advance(request, RequestStatus.RUNNING):
             request.end_span()  # released or expired while waiting
             return
         self._running.append(request)
@@ -194,7 +194,7 @@ class DecodeLoop(EngineThread):
             if request not in self._running:
                 continue
             needed = request.num_computed_tokens + 1
-            while not self.leases.extend(request, needed):
+            while not self.leases.table.extend(request, needed):
                 victim = self._running[-1]
                 self._preempt(victim, PreemptionReason.OUT_OF_BLOCKS)
                 if victim is request:
@@ -256,7 +256,7 @@ class DecodeLoop(EngineThread):
 
     def _finish(self, request: DecodeRequest, reason: FinishReason) -> None:
         self._running.remove(request)
-        self.leases.end(request, RequestStatus.FINISHED)
+        self.leases.table.end(request, RequestStatus.FINISHED)
         request.end_span({"pdserve.finish_reason": reason.value})
         request.events.emit(
             FinishedEvent(reason, request.num_prompt_tokens, request.num_generated_tokens)
@@ -267,7 +267,7 @@ class DecodeLoop(EngineThread):
         event = PreemptedEvent(reason, tuple(request.token_ids[request.num_prompt_tokens :]))
         # NOTE: the offload copies the blocks out before `end` frees them.
         offload = None if self.offload is None else self.offload.start(request)
-        self.leases.end(request, RequestStatus.PREEMPTED)
+        self.leases.table.end(request, RequestStatus.PREEMPTED)
         self.num_preemptions += 1
         generated = event.generated_token_ids
         log.info(
@@ -288,7 +288,7 @@ class DecodeLoop(EngineThread):
 
     def _end(self, request: DecodeRequest, status: RequestStatus, detail: str) -> None:
         self._running.remove(request)
-        self.leases.end(request, status)
+        self.leases.table.end(request, status)
         if status is RequestStatus.FAILED:
             request.span.set_status(trace.Status(trace.StatusCode.ERROR, detail))
         request.end_span()

@@ -50,6 +50,11 @@ class LeaseTable:
 
     # ---- lookups and transitions -----------------------------------------------------------
 
+    def add(self, lease: DecodeRequest) -> None:
+        """Opens `lease` (granted by `leases.LeaseManager.allocate`)."""
+        with self.lock:
+            self._leases[lease.lease_id] = lease
+
     def get(self, lease_id: str) -> DecodeRequest:
         """The open request holding lease `lease_id`.
 

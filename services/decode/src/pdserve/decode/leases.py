@@ -1,11 +1,11 @@
 """Who gets a lease and who may write into it or release it, over the lease table.
 
-`LeaseManager` is the `LeaseTable` (the open leases, their transitions and the one lock, in
-`lease_table`) with its rules: admission with headroom for AllocateBlocks (the arithmetic of
-headroom, capacity and per-peer share is pure, in `lease_admission`), the prompt blocks a
-completion shares with a live lease of the same prompt (pure, in `block_sharing`), and the
-access checks of SyncCache and ReleaseLease (the rules are pure, in `lease_access`), each under
-the table's lock.
+`LeaseManager` holds the `LeaseTable` (its ``table``: the open leases, their transitions and
+the one lock, in `lease_table`) and applies its rules: admission with headroom for
+AllocateBlocks (the arithmetic of headroom, capacity and per-peer share is pure, in
+`lease_admission`), the prompt blocks a completion shares with a live lease of the same prompt
+(pure, in `block_sharing`), and the access checks of SyncCache and ReleaseLease (the rules are
+pure, in `lease_access`), each under the table's lock.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pdserve.decode.request import DecodeRequest
 from pdserve.engine.block_pool import BlockPool
 
 
-class LeaseManager(LeaseTable):
+class LeaseManager:
     """Grants leases (new `DecodeRequest`s) from a `BlockPool`; runs their transitions.
 
     Args:
@@ -64,7 +64,8 @@ class LeaseManager(LeaseTable):
         max_lease_share: float = 1.0,
         is_insecure: bool = False,
     ) -> None:
-        super().__init__(pool, block_size, clock)
+        self.table = LeaseTable(pool, block_size, clock)
+        """The open leases, their transitions and the lock every transition runs under."""
         self.reserve_tokens = reserve_tokens
         self.ttl_s = ttl_s
         self.capacity_retry_s = capacity_retry_s
@@ -83,29 +84,29 @@ class LeaseManager(LeaseTable):
 
     def num_reserved_blocks(self) -> int:
         """Free blocks owed to open leases as growth headroom."""
-        with self.lock:
+        with self.table.lock:
             return num_owed_blocks(
-                self._leases.values(),
+                self.table.open_leases(),
                 reserve_tokens=self.reserve_tokens,
-                block_size=self.block_size,
+                block_size=self.table.block_size,
             )
 
     def num_uncommitted_blocks(self, peer_key: str) -> int:
         """Blocks that `peer_key`'s leases hold before their commit (ALLOCATED, SYNCING)."""
-        with self.lock:
+        with self.table.lock:
             return sum(
                 len(lease.block_ids) - lease.num_shared_blocks
-                for lease in self._leases.values()
+                for lease in self.table.open_leases()
                 if lease.peer_key == peer_key and lease.status < RequestStatus.COMMITTED
             )
 
     def pending_share_source(self, share_key: str) -> DecodeRequest | None:
         """An open lease of `share_key` whose KV has not been committed yet (whose `ready`
         a sibling's allocation may wait for, to share its blocks), unless one is committed."""
-        with self.lock:
-            if share_source(self._leases.values(), share_key) is not None:
+        with self.table.lock:
+            if share_source(self.table.open_leases(), share_key) is not None:
                 return None
-            return pending_source(self._leases.values(), share_key)
+            return pending_source(self.table.open_leases(), share_key)
 
     def allocate(
         self,
@@ -133,40 +134,42 @@ class LeaseManager(LeaseTable):
         refusal = length_refusal(request_id, num_kv_tokens, max_new_tokens, self.max_model_len)
         if refusal is not None:
             raise refusal
-        size = lease_size(num_kv_tokens, max_new_tokens, self.reserve_tokens, self.block_size)
+        size = lease_size(num_kv_tokens, max_new_tokens, self.reserve_tokens, self.table.block_size)
         peer_key = lease_access.peer_key(caller, prefill_instance_id)
-        with self.lock:
+        with self.table.lock:
             if self.is_draining:
                 raise PdserveError(
                     ErrorReason.INSTANCE_DRAINING, "decode is draining", {"requestId": request_id}
                 )
             share = share_grant(
-                share_source(self._leases.values(), share_key), num_kv_tokens, self.block_size
+                share_source(self.table.open_leases(), share_key),
+                num_kv_tokens,
+                self.table.block_size,
             )
             size = LeaseSize(size.num_blocks - len(share.block_ids), size.num_headroom_blocks)
-            available = self.pool.num_free_blocks - self.num_reserved_blocks()
+            available = self.table.pool.num_free_blocks - self.num_reserved_blocks()
             refusal = capacity_refusal(request_id, size, available, self.capacity_retry_s)
             if refusal is None:
                 refusal = share_refusal(
                     request_id,
                     size.num_blocks,
                     self.num_uncommitted_blocks(peer_key),
-                    self.pool.num_blocks,
+                    self.table.pool.num_blocks,
                     self.max_lease_share,
-                    is_contended=self._asks.is_contended(peer_key, self.clock(), self.ttl_s),
+                    is_contended=self._asks.is_contended(peer_key, self.table.clock(), self.ttl_s),
                     retry_delay_s=self.capacity_retry_s,
                 )
             if refusal is not None:
                 self.num_refused += 1
                 raise refusal
-            self.pool.touch(share.block_ids)
+            self.table.pool.touch(share.block_ids)
             lease = DecodeRequest(
                 lease_id=uuid.uuid4().hex,
                 request_id=request_id,
-                block_ids=[*share.block_ids, *self.pool.allocate(size.num_blocks)],
+                block_ids=[*share.block_ids, *self.table.pool.allocate(size.num_blocks)],
                 num_kv_tokens=num_kv_tokens,
                 max_new_tokens=max_new_tokens,
-                expires_at=self.clock() + self.ttl_s,
+                expires_at=self.table.clock() + self.ttl_s,
                 lease_token=lease_access.new_lease_token(),
                 allocated_by=caller,
                 peer_key=peer_key,
@@ -176,7 +179,7 @@ class LeaseManager(LeaseTable):
                 num_shared_blocks=len(share.block_ids),
                 shared_token_ids=share.token_ids,
             )
-            self._leases[lease.lease_id] = lease
+            self.table.add(lease)
             self.num_granted += 1
             if share.block_ids:
                 self.num_shared_leases += 1
@@ -203,8 +206,8 @@ class LeaseManager(LeaseTable):
             PdserveError: LEASE_EXPIRED / LEASE_NOT_FOUND as `get`; PERMISSION_DENIED (the
                 lease unchanged) when refused.
         """
-        with self.lock:
-            lease = self.get(lease_id)
+        with self.table.lock:
+            lease = self.table.get(lease_id)
             refusal = lease_access.sync_refusal(
                 lease, token, caller, is_insecure=self.is_insecure or is_token_only
             )
@@ -227,6 +230,6 @@ class LeaseManager(LeaseTable):
     def _denied(
         self, rpc: str, lease: DecodeRequest, caller: Identity | None, refusal: str
     ) -> PdserveError:
-        with self.lock:
+        with self.table.lock:
             self.num_access_refused += 1
             return lease_access.denied(rpc, lease, caller, refusal, self.num_access_refused)

@@ -221,7 +221,7 @@ class DecodeInstance(InstanceServer):
                 "SyncCache and ReleaseLease calls refused (wrong token, request id or caller).",
                 leases.num_access_refused,
             ),
-            "lease_expiries": ("Leases reclaimed after their TTL.", leases.num_expired),
+            "lease_expiries": ("Leases reclaimed after their TTL.", leases.table.num_expired),
             "leases_shared": (
                 "Leases granted with prompt blocks shared from another completion's lease.",
                 leases.num_shared_leases,
@@ -270,7 +270,7 @@ class DecodeInstance(InstanceServer):
         self.leases.is_draining = True
 
     def num_in_flight(self) -> int:
-        return len(self.leases.open_leases())
+        return len(self.leases.table.open_leases())
 
     def background(self) -> list[Coroutine[Any, Any, None]]:
         if self.kv_tcp is not None:

@@ -134,7 +134,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         return decode_pb2.AllocateBlocksResponse(
             lease=convert.lease_to_proto(
                 lease,
-                self.leases.block_size,
+                self.leases.table.block_size,
                 self.leases.ttl_s,
                 self.instance_id,
                 self.transport_offers,
@@ -254,7 +254,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         epoch: int | None = None
         try:
             if lease is None:
-                self.leases.get(request.lease_id)  # raises LEASE_NOT_FOUND / LEASE_EXPIRED
+                self.leases.table.get(request.lease_id)  # raises LEASE_NOT_FOUND / LEASE_EXPIRED
                 raise PdserveError(ErrorReason.LEASE_NOT_FOUND, "no such lease")
             if request.snapshot:
                 messages = streams.snapshot(lease)
@@ -294,9 +294,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Releases a lease in any state if the caller may (`lease_access`); idempotent."""
         trace.get_current_span().set_attribute(telemetry.REQUEST_ID, request.request_id)
         try:
-            lease = self.leases.get(request.lease_id)
+            lease = self.leases.table.get(request.lease_id)
         except PdserveError:
-            status = self.leases.ended_status(request.lease_id)
+            status = self.leases.table.ended_status(request.lease_id)
             return decode_pb2.ReleaseLeaseResponse(state=convert.lease_state_to_proto(status))
         try:
             self.leases.check_release(
@@ -312,7 +312,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
     def expire_due(self) -> int:
         """Reclaims leases past their TTL, sweeps `kept`; returns how many expired."""
-        expired = self.leases.due_for_expiry()
+        expired = self.leases.table.due_for_expiry()
         for lease in expired:
             log.info("lease_expired", request_id=lease.request_id, lease_id=lease.lease_id)
             self.loop.release(lease, RequestStatus.EXPIRED, "lease TTL ran out")

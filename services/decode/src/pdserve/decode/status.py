@@ -25,26 +25,26 @@ class DecodeStatus(InstanceStatus):
         self.loop = loop
 
     def load_report(self) -> common_pb2.LoadReport:
-        with self.leases.lock:
+        with self.leases.table.lock:
             return common_pb2.LoadReport(
                 num_queued_requests=self.loop.num_waiting,
                 num_running_requests=self.loop.num_running,
-                num_free_blocks=self.leases.pool.num_free_blocks,
-                num_total_blocks=self.leases.pool.num_blocks,
-                num_leased_blocks=self.leases.num_leased_blocks(),
+                num_free_blocks=self.leases.table.pool.num_free_blocks,
+                num_total_blocks=self.leases.table.pool.num_blocks,
+                num_leased_blocks=self.leases.table.num_leased_blocks(),
                 num_reserved_blocks=self.leases.num_reserved_blocks(),
                 is_draining=self.leases.is_draining,
             )
 
     def pool_integrity(self, check: bool) -> common_pb2.PoolIntegrity:
-        detail = integrity_failure(self.leases.check_integrity) if check else ""
-        with self.leases.lock:
+        detail = integrity_failure(self.leases.table.check_integrity) if check else ""
+        with self.leases.table.lock:
             return common_pb2.PoolIntegrity(
-                num_total_blocks=self.leases.pool.num_blocks,
-                num_free_blocks=self.leases.pool.num_free_blocks,
-                num_cached_blocks=self.leases.pool.num_cached_blocks,
-                num_leased_blocks=self.leases.num_leased_blocks(),
-                num_open_leases=len(self.leases.open_leases()),
+                num_total_blocks=self.leases.table.pool.num_blocks,
+                num_free_blocks=self.leases.table.pool.num_free_blocks,
+                num_cached_blocks=self.leases.table.pool.num_cached_blocks,
+                num_leased_blocks=self.leases.table.num_leased_blocks(),
+                num_open_leases=len(self.leases.table.open_leases()),
                 is_consistent=not detail,
                 detail=detail,
             )

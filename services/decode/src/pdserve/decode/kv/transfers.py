@@ -176,7 +176,7 @@ class Transfers:
             expected_index=len(header.token_ids) - num_prompt,
         )
         constraint_state = self._constraint_state(lease)
-        if not self.leases.advance(lease, RequestStatus.COMMITTED):
+        if not self.leases.table.advance(lease, RequestStatus.COMMITTED):
             raise PdserveError(
                 ErrorReason.LEASE_EXPIRED,
                 "lease ended during the transfer",
@@ -214,7 +214,7 @@ class Transfers:
         """Ends `lease` FAILED (if still open) because its transfer failed with `error`."""
         if lease is None:
             return
-        if self.leases.end(lease, RequestStatus.FAILED):
+        if self.leases.table.end(lease, RequestStatus.FAILED):
             lease.events.deliver(EndedEvent(RequestStatus.FAILED, error.message, error.reason))
             log.warning(
                 "cache_sync_failed",
@@ -228,4 +228,4 @@ class Transfers:
         future = self._constraints.pop(lease.lease_id, None)
         if future is not None:
             future.cancel()
-        self.leases.end_sync(lease)
+        self.leases.table.end_sync(lease)
