@@ -34,7 +34,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "relay",
                 "cleanups",
-                "attempt_legs",
                 "pair_choice",
                 "peer_wait",
                 "attempt",

@@ -1,9 +1,10 @@
 """Runs one client request across prefill and decode, hiding every recoverable failure.
 
 The request loop: route a pair through the admission queue (`pdserve.gateway.routing.queue`:
-at once when one has room, else in order of arrival once one has), run an attempt
-(`pdserve.gateway.attempt`), pass its tokens on (`CompletionProgress` keeps each completion
-index exactly once across attempts), and when the attempt ends in a setback, carry out what
+at once when one has room, else in order of arrival once one has), run an attempt's steps
+(`pdserve.gateway.attempt.Attempt`: prefill, decode, release), pass its tokens on
+(`CompletionProgress` keeps each completion index exactly once across attempts), and when the
+attempt ends in a setback (its outcome, a value), carry out what
 `pdserve.gateway.decisions.decide` returns: route again under new exclusions, wait for room
 (the instance that had none marked full), reschedule (prefill prompt + delivered tokens with
 the same sampling and seed, then decode on), or end the request with its error. After a
@@ -21,10 +22,10 @@ from typing import TypeAlias
 import structlog
 from opentelemetry import trace
 
-from pdserve.common import telemetry
 from pdserve.common.errors import PdserveError
 from pdserve.gateway.active_request import ActiveRequest
-from pdserve.gateway.attempt import Attempts
+from pdserve.gateway.attempt import Attempt, Peers, attach
+from pdserve.gateway.cleanups import Cleanups
 from pdserve.gateway.decisions import (
     GiveUp,
     Preempted,
@@ -41,7 +42,7 @@ from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.pair_choice import PairChoice
 from pdserve.gateway.peer_wait import PeerWait
-from pdserve.gateway.relay import LossWatch
+from pdserve.gateway.relay import AttemptFailed, LossWatch
 from pdserve.gateway.request import GenerationEnd, TokenChunk
 from pdserve.gateway.routing.pair import Pair
 from pdserve.gateway.routing.prompt_keys import PromptKeys
@@ -50,7 +51,6 @@ from pdserve.gateway.routing.queue_bounds import QueueLimits
 from pdserve.gateway.routing.router import Router
 
 log = structlog.get_logger("pdserve.gateway.orchestrator")
-_tracer = telemetry.tracer("pdserve.gateway")
 
 OrchestratorEvent: TypeAlias = TokenChunk | GenerationEnd
 
@@ -92,7 +92,8 @@ class Orchestrator:
         # NOTE: room may appear with a load report, an instance joining, or work ending.
         registry.add_load_listener(lambda entry: self.queue.kick())
         registry.add_listener(lambda entry: self.queue.kick())
-        self._attempts = Attempts(backend, self.loss_watch, policy, self._settle)
+        cleanups = Cleanups(backend, policy.cleanup_timeout_s)
+        self._peers = Peers(backend, self.loss_watch, policy.end_grace_s, self._settle, cleanups)
         self.peer_wait = PeerWait(registry, metrics, policy.peer_wait_s)
 
     def _settle(self, pair: Pair, role: InstanceRole, has_run: bool) -> None:
@@ -101,7 +102,7 @@ class Orchestrator:
 
     async def wait_for_cleanups(self) -> None:
         """Waits until every background AbortRequest / ReleaseLease has finished."""
-        await self._attempts.wait_for_cleanups()
+        await self._peers.cleanups.wait()
 
     async def run(self, active: ActiveRequest) -> AsyncGenerator[OrchestratorEvent, None]:
         """Generates the completion of `active`, advancing its progress and state.
@@ -122,7 +123,7 @@ class Orchestrator:
         arrival = self.queue.arrival()
         resumable = active.resumable
         if resumable is not None and resumable.attach_to is not None:
-            async with contextlib.aclosing(self._attempts.attach(active)) as attach_items:
+            async with contextlib.aclosing(attach(active, self._peers)) as attach_items:
                 async for attach_item in attach_items:
                     if attach_item is None:
                         break
@@ -131,33 +132,28 @@ class Orchestrator:
                         return
         while True:
             pair = await self._admit(active, arrival)
-            num_attempts = active.start_attempt()
-            span = _tracer.start_span(
-                "gateway.attempt",
-                context=active.context,
-                attributes={
-                    telemetry.REQUEST_ID: active.request_id,
-                    "pdserve.attempt": num_attempts,
-                    "pdserve.prefill.instance_id": pair.prefill.instance_id,
-                    "pdserve.decode.instance_id": pair.decode.instance_id,
-                    "pdserve.num_generated_tokens": active.progress.num_tokens,
-                },
-            )
-            setback: Setback | None = None
+            attempt = Attempt.start(active, pair, self._peers)
             try:
-                async with contextlib.aclosing(self._attempts.run(active, pair, span)) as items:
-                    async for item in items:
-                        if isinstance(item, TokenChunk | GenerationEnd):
-                            yield item
-                        else:
-                            setback = item
-                if setback is None:
+                await attempt.begin()
+                outcome: GenerationEnd | Setback
+                try:
+                    for step in (attempt.prefill, attempt.decode):
+                        async with contextlib.aclosing(step()) as chunks:
+                            async for chunk in chunks:
+                                yield chunk
+                    outcome = attempt.outcome()
+                except AttemptFailed as failed:
+                    outcome = attempt.failed(failed)
+                finally:
+                    attempt.release()
+                if isinstance(outcome, GenerationEnd):
+                    yield outcome
                     return  # the attempt ended the completion
-                cause = "preempted" if isinstance(setback, Preempted) else setback.error.reason.name
-                span.set_status(trace.Status(trace.StatusCode.ERROR, cause))
+                cause = "preempted" if isinstance(outcome, Preempted) else outcome.error.reason.name
+                attempt.span.set_status(trace.Status(trace.StatusCode.ERROR, cause))
             finally:
-                span.end()
-            self._carry_out(active, setback)
+                attempt.span.end()
+            self._carry_out(active, outcome)
 
     async def _admit(self, active: ActiveRequest, arrival: int) -> Pair:
         """The next attempt's pair, once one has room (a request without tokens yet waits in
