@@ -3,10 +3,10 @@ across its attempts, in one object.
 
 `ActiveRequest` is made once per request (by the streamer) and handed down as one reference:
 the orchestrator, the pair choice and each attempt (`Attempt`, which holds it) read and
-advance the same object. It holds the `GenerationRequest`, its `CompletionProgress` (the tokens delivered),
-its `RequestState` (attempts, exclusions, reschedules), its deadline, its `TtftTimeline`, its
-resumability and its span. Like vLLM's ``Request`` it does no I/O: its owners call the
-instances and write the logs.
+advance the same object. It holds the `GenerationRequest`, its `CompletionProgress` (the
+tokens delivered), its `RequestState` (attempts, exclusions, reschedules), its deadline, its
+`TtftTimeline`, its resumability and its span. Like vLLM's ``Request`` it does no I/O: its
+owners call the instances and write the logs.
 """
 
 from __future__ import annotations
