@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 from support.pki import cluster_pki
 
-from pdserve.common.config import from_args
+from pdserve.common.config import MIRRORS, from_args, mirror_field
 from pdserve.gateway.__main__ import build_parser
 from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.routing.policy import CacheRouting
+from pdserve.gateway.routing.queue_bounds import QueueLimits
 
 
 def _parse(*argv: str) -> GatewayConfig:
@@ -47,6 +50,30 @@ def test_defaults_and_flags() -> None:
     assert (defaults.tool_call_parser, defaults.request_limits().max_tools) == ("auto", 128)
     tools = _parse("--tool-call-parser", "llama3_json", "--max-tools", "4")
     assert (tools.tool_call_parser, tools.request_limits().max_tools) == ("llama3_json", 4)
+
+
+@pytest.mark.parametrize("group", [RequestLimits, QueueLimits, CacheRouting])
+def test_each_settings_group_gives_its_flags_their_default_help_and_range(group: type) -> None:
+    flags = {
+        f.metadata[MIRRORS][1]: f
+        for f in dataclasses.fields(GatewayConfig)
+        if f.metadata.get(MIRRORS, (None,))[0] is group
+    }
+    fields = dataclasses.fields(group)
+    assert set(flags) == {f.name for f in fields}  # every setting of the group is a flag
+    for f in fields:
+        assert f.metadata["help"]
+        assert flags[f.name].default == f.default
+        assert {**f.metadata, MIRRORS: (group, f.name)} == flags[f.name].metadata
+
+
+def test_the_settings_groups_are_built_from_their_flags() -> None:
+    config = _parse("--max-queued-requests", "3", "--max-n", "2", "--cache-memory-blocks", "9")
+    assert config.queue_limits() == QueueLimits(max_queued_requests=3)
+    assert config.request_limits() == RequestLimits(max_n=2)
+    assert config.cache_routing() == CacheRouting(memory_blocks=9)
+    with pytest.raises(TypeError, match="no field 'max_nothing'"):
+        mirror_field(QueueLimits, "max_nothing")
 
 
 @pytest.mark.parametrize(

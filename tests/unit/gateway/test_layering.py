@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("front ends", frozenset({"openai", "grpc_api"})),
     (
         "process",
-        frozenset({"config", "config_fields", "grpc_ports", "server", "__main__", "__init__"}),
+        frozenset({"config", "grpc_ports", "server", "__main__", "__init__"}),
     ),
 )
 LAYER_OF = {unit: index for index, (_, units) in enumerate(LAYERS) for unit in units}

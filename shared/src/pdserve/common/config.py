@@ -7,6 +7,10 @@ every range at once (`ServiceConfig` does in its ``__post_init__``, which also h
 that span several fields and raises `ValueError` for bad values). `add_arguments` turns the
 fields into ``--kebab-case`` flags with the dataclass defaults, and `from_args` builds the
 config back from parsed arguments, so defaults and validation live in one place.
+
+A settings group that is a dataclass of its own (a service's request limits, say) carries its
+fields' defaults and help text itself; a config mirrors each of them with `mirror_field` and
+builds the group back with `settings_of`.
 """
 
 from __future__ import annotations
@@ -68,6 +72,38 @@ def check_ranges(config: Any) -> None:
             or (high is not None and value > high)
         ):
             raise ValueError(f"{field.name} must be {describe_range(metadata)}, got {value}")
+
+
+MIRRORS = "mirrors"
+"""The metadata key of a config field that mirrors a settings group's field: (class, name)."""
+
+
+def mirror_field(settings_cls: type, name: str) -> Any:
+    """A config field that mirrors the field `name` of the dataclass `settings_cls`: its
+    default and its metadata (help text, range) are that field's, so they are written once.
+
+    Raises:
+        TypeError: `settings_cls` has no field `name` with a plain default.
+    """
+    source = {f.name: f for f in dataclasses.fields(settings_cls)}.get(name)
+    if source is None or source.default is dataclasses.MISSING:
+        raise TypeError(f"{settings_cls.__name__} has no field {name!r} with a default")
+    metadata = {**source.metadata, MIRRORS: (settings_cls, name)}
+    return dataclasses.field(default=source.default, metadata=metadata)
+
+
+def settings_of(config: Any, settings_cls: type[T]) -> T:
+    """`settings_cls` made of the values of `config`'s fields that mirror it (`mirror_field`).
+
+    Raises:
+        ValueError: From the settings class's own validation.
+    """
+    values = {}
+    for field in dataclasses.fields(config):
+        mirrored = field.metadata.get(MIRRORS)
+        if mirrored is not None and mirrored[0] is settings_cls:
+            values[mirrored[1]] = getattr(config, field.name)
+    return settings_cls(**values)
 
 
 def flag_name(field_name: str) -> str:

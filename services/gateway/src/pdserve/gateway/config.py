@@ -3,20 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from pdserve.common.config import ServiceConfig
+from pdserve.common.config import PORT_RANGE, ServiceConfig, mirror_field, settings_of
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
-from pdserve.gateway.config_fields import (
-    LIMIT_FLAGS,
-    QUEUE_FLAGS,
-    ROUTING_FLAGS,
-    check_address,
-    limit_field,
-    port_field,
-    queue_field,
-    routing_field,
-    settings_of,
-)
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.reasoning import REASONING_PARSERS
 from pdserve.gateway.routing.policy import CacheRouting
@@ -27,10 +17,25 @@ LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
 
 
+def port_field(default: int, help_text: str) -> Any:
+    """A port's config field: 0 to 65535, where 0 picks a free port."""
+    return field(
+        default=default, metadata={"help": f"{help_text}; 0 picks a free one", **PORT_RANGE}
+    )
+
+
+def check_address(flag: str, address: str) -> None:
+    """Refuses an instance address (``--prefill``, ``--decode``) that is not HOST:PORT."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag} must be HOST:PORT, got {address!r}")
+
+
 @dataclass(frozen=True)
 class GatewayConfig(ServiceConfig):
-    """Everything a gateway needs; each field is also a ``--kebab-case`` flag (the request
-    limits' and cache routing's are declared in `config_fields`)."""
+    """Everything a gateway needs; each field is also a ``--kebab-case`` flag (those of the
+    request limits, the admission queue's bounds and cache routing mirror `RequestLimits`,
+    `QueueLimits` and `CacheRouting`, which hold their defaults and help text)."""
 
     host: str = field(
         default="0.0.0.0",
@@ -152,17 +157,17 @@ class GatewayConfig(ServiceConfig):
             "min": 1,
         },
     )
-    max_prompt_chars: int = limit_field("max_prompt_chars")
-    max_prompt_tokens: int = limit_field("max_prompt_tokens")
-    max_messages: int = limit_field("max_messages")
-    max_stop_strings: int = limit_field("max_stop_strings")
-    max_stop_chars: int = limit_field("max_stop_chars")
-    max_stop_token_ids: int = limit_field("max_stop_token_ids")
-    max_tokens_limit: int = limit_field("max_tokens_limit")
-    max_n: int = limit_field("max_n")
-    max_prompts: int = limit_field("max_prompts")
-    max_logit_bias: int = limit_field("max_logit_bias")
-    max_tools: int = limit_field("max_tools")
+    max_prompt_chars: int = mirror_field(RequestLimits, "max_prompt_chars")
+    max_prompt_tokens: int = mirror_field(RequestLimits, "max_prompt_tokens")
+    max_messages: int = mirror_field(RequestLimits, "max_messages")
+    max_stop_strings: int = mirror_field(RequestLimits, "max_stop_strings")
+    max_stop_chars: int = mirror_field(RequestLimits, "max_stop_chars")
+    max_stop_token_ids: int = mirror_field(RequestLimits, "max_stop_token_ids")
+    max_tokens_limit: int = mirror_field(RequestLimits, "max_tokens_limit")
+    max_n: int = mirror_field(RequestLimits, "max_n")
+    max_prompts: int = mirror_field(RequestLimits, "max_prompts")
+    max_logit_bias: int = mirror_field(RequestLimits, "max_logit_bias")
+    max_tools: int = mirror_field(RequestLimits, "max_tools")
     tool_call_parser: str = field(
         default=AUTO,
         metadata={
@@ -184,7 +189,7 @@ class GatewayConfig(ServiceConfig):
             "choices": REASONING_PARSERS,
         },
     )
-    max_constraint_chars: int = limit_field("max_constraint_chars")
+    max_constraint_chars: int = mirror_field(RequestLimits, "max_constraint_chars")
     max_concurrent_requests: int = field(
         default=512,
         metadata={"help": "generation requests in flight on the gateway; more get 429", "min": 1},
@@ -213,9 +218,9 @@ class GatewayConfig(ServiceConfig):
             "gt": 0,
         },
     )
-    max_queued_requests: int = queue_field("max_queued_requests")
-    max_queued_tokens: int = queue_field("max_queued_tokens")
-    max_queue_wait_s: float = queue_field("max_queue_wait_s")
+    max_queued_requests: int = mirror_field(QueueLimits, "max_queued_requests")
+    max_queued_tokens: int = mirror_field(QueueLimits, "max_queued_tokens")
+    max_queue_wait_s: float = mirror_field(QueueLimits, "max_queue_wait_s")
     prepare_workers: int = field(
         default=4,
         metadata={
@@ -258,9 +263,9 @@ class GatewayConfig(ServiceConfig):
         default=2.0,
         metadata={"help": "seconds between status polls of --prefill/--decode instances", "gt": 0},
     )
-    cache_aware_routing: bool = routing_field("is_enabled")
-    cache_balance_tokens: int = routing_field("balance_tokens")
-    cache_memory_blocks: int = routing_field("memory_blocks")
+    cache_aware_routing: bool = mirror_field(CacheRouting, "is_enabled")
+    cache_balance_tokens: int = mirror_field(CacheRouting, "balance_tokens")
+    cache_memory_blocks: int = mirror_field(CacheRouting, "memory_blocks")
     unavailable_retry_after_s: float = field(
         default=1.0,
         metadata={
@@ -307,12 +312,12 @@ class GatewayConfig(ServiceConfig):
 
     def request_limits(self) -> RequestLimits:
         """The per-request limits these settings name."""
-        return RequestLimits(**settings_of(self, LIMIT_FLAGS))
+        return settings_of(self, RequestLimits)
 
     def queue_limits(self) -> QueueLimits:
         """The admission queue's bounds these settings name."""
-        return QueueLimits(**settings_of(self, QUEUE_FLAGS))
+        return settings_of(self, QueueLimits)
 
     def cache_routing(self) -> CacheRouting:
         """The cache-aware routing settings these flags name."""
-        return CacheRouting(**settings_of(self, ROUTING_FLAGS))
+        return settings_of(self, CacheRouting)

@@ -37,38 +37,58 @@ MAX_FLOAT32 = 3.4028234663852886e38
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask for; each is a gateway flag of the same name.
+    """What one request may ask for; each is a gateway flag of the same name, whose help text
+    is the field's (``metadata["help"]``)."""
 
-    Attributes:
-        max_prompt_chars: Characters of a text prompt, or of all chat messages (contents,
-            tool calls) and tools together.
-        max_prompt_tokens: Tokens of a prompt (and never more than the model's length leaves
-            room for).
-        max_messages: Messages of one chat request.
-        max_stop_strings: Stop strings of one request.
-        max_stop_chars: Characters of one stop string.
-        max_stop_token_ids: Stop token ids of one request.
-        max_tokens_limit: Largest max_tokens; 0 means whatever fits in the model's length.
-        max_n: Completions one request may ask for (``n``).
-        max_prompts: Prompts of one completions request.
-        max_logit_bias: Entries of one request's ``logit_bias``.
-        max_tools: Tools (functions) of one chat request.
-        max_constraint_chars: Characters of one request's constraint (its schema, regex or
-            grammar, or its choices together).
-    """
-
-    max_prompt_chars: int = 1_000_000
-    max_prompt_tokens: int = 131072
-    max_messages: int = 1024
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
-    max_stop_token_ids: int = 64
-    max_tokens_limit: int = 0
-    max_n: int = 16
-    max_prompts: int = 64
-    max_logit_bias: int = 1024
-    max_tools: int = 128
-    max_constraint_chars: int = 100_000
+    max_prompt_chars: int = dataclasses.field(
+        default=1_000_000,
+        metadata={"help": "characters of a text prompt, or of all chat messages together"},
+    )
+    max_prompt_tokens: int = dataclasses.field(
+        default=131072,
+        metadata={
+            "help": "tokens of a prompt (after the chat template); a prompt must also leave the "
+            "model's length room for one generated token"
+        },
+    )
+    max_messages: int = dataclasses.field(
+        default=1024, metadata={"help": "messages of one chat request"}
+    )
+    max_stop_strings: int = dataclasses.field(
+        default=16, metadata={"help": "stop strings of one request"}
+    )
+    max_stop_chars: int = dataclasses.field(
+        default=256, metadata={"help": "characters of one stop string"}
+    )
+    max_stop_token_ids: int = dataclasses.field(
+        default=64, metadata={"help": "stop token ids of one request"}
+    )
+    max_tokens_limit: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "largest max_tokens a request may ask for; 0: whatever fits in the model's "
+            "length after the prompt"
+        },
+    )
+    max_n: int = dataclasses.field(
+        default=16, metadata={"help": "completions one request may ask for (n)"}
+    )
+    max_prompts: int = dataclasses.field(
+        default=64, metadata={"help": "prompts of one completions request (a list of prompts)"}
+    )
+    max_logit_bias: int = dataclasses.field(
+        default=1024, metadata={"help": "logit_bias entries of one request"}
+    )
+    max_tools: int = dataclasses.field(
+        default=128, metadata={"help": "tools (functions) of one chat request"}
+    )
+    max_constraint_chars: int = dataclasses.field(
+        default=100_000,
+        metadata={
+            "help": "characters of one request's constraint (schema, regex, grammar or choices "
+            "together)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -38,19 +38,30 @@ class RouteReason(enum.Enum):
 
 @dataclass(frozen=True)
 class CacheRouting:
-    """Settings of cache-aware prefill routing.
+    """Settings of cache-aware prefill routing; each is a gateway flag (``--cache-aware-routing``,
+    ``--cache-balance-tokens``, ``--cache-memory-blocks``), whose help text is the field's."""
 
-    Attributes:
-        is_enabled: Prefer prefills that hold a prompt's prefix; off: least loaded only.
-        balance_tokens: How many queued prompt tokens more than the least-loaded prefill a
-            prefill may have and still be preferred for its cached prefix.
-        memory_blocks: Block keys the gateway remembers per prefill (least recently routed
-            forgotten first); also capped by the prefill's pool size.
-    """
-
-    is_enabled: bool = True
-    balance_tokens: int = 2048
-    memory_blocks: int = 65536
+    is_enabled: bool = field(
+        default=True,
+        metadata={
+            "help": "send a prompt to the prefill believed to hold its longest prefix in its "
+            "prefix cache (off: always the prefill with the fewest queued prompt tokens)"
+        },
+    )
+    balance_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "a prefill holding a prompt's prefix is preferred unless its queued prompt "
+            "tokens exceed the least-loaded prefill's by more than this"
+        },
+    )
+    memory_blocks: int = field(
+        default=65536,
+        metadata={
+            "help": "block keys remembered per prefill for cache-aware routing (least recently "
+            "routed forgotten first; at most the prefill's pool size)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.balance_tokens < 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 
@@ -26,17 +26,33 @@ RATE_SAMPLES = 64
 
 @dataclass(frozen=True)
 class QueueLimits:
-    """Bounds of the admission queue (each is a gateway flag; see docs/limits.md).
+    """Bounds of the admission queue; each is a gateway flag of the same name (see
+    docs/limits.md), whose help text and range are the field's."""
 
-    Attributes:
-        max_queued_requests: Requests waiting at once, all models together.
-        max_queued_tokens: Prompt tokens of the requests waiting at once.
-        max_queue_wait_s: Seconds a request may wait before its first attempt starts.
-    """
-
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262_144
-    max_queue_wait_s: float = 60.0
+    max_queued_requests: int = field(
+        default=256,
+        metadata={
+            "help": "requests that may wait at once in the admission queue for a decode (and "
+            "prefill) with room; one more gets 429 with Retry-After at once",
+            "min": 1,
+        },
+    )
+    max_queued_tokens: int = field(
+        default=262_144,
+        metadata={
+            "help": "prompt tokens that may wait at once in the admission queue; a request that "
+            "would pass it gets 429 with Retry-After at once",
+            "min": 1,
+        },
+    )
+    max_queue_wait_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds a new request may wait in the admission queue for room; then 429 "
+            "with Retry-After (a request already streaming waits up to --request-timeout)",
+            "gt": 0,
+        },
+    )
 
 
 class NoPairAlive(PdserveError):
