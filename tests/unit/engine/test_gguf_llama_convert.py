@@ -6,20 +6,26 @@ with the byte-level demo tokenizer) is converted to a float32 GGUF by llama.cpp'
 must hold the original checkpoint's tensors, tokenize as the original tokenizer does, and the
 engine on it must produce transformers' greedy tokens on the original checkpoint. Llama,
 Mistral, Phi-3 and Gemma 3 are converted a second time with a SentencePiece ``tokenizer.model``,
-the converter's other vocabulary path. Our own test writer (`support.gguf_from_hf`) is held to
-the converter's tensors and metadata on the same checkpoints.
+the converter's other vocabulary path; ERNIE 4.5, whose converter reads only that path, has a
+SentencePiece tokenizer alone, and GLM-4.5 the special tokens its converter looks up. Our own
+test writer (`support.gguf_from_hf`) is held to the converter's tensors and metadata on the
+same checkpoints of the families it writes.
 
 A checkpoint is changed only where the converter cannot represent it (the GGUF carries no such
 setting, so llama.cpp itself serves the model without it): no sliding window on Mistral and
 Mixtral (``llama`` files have none), no dense layers between Qwen3-MoE's expert layers, and
 Gemma 3 with llama.cpp's fixed layout (every sixth layer global, queries scaled by
-``1/sqrt(head_dim)``), SmolLM3 with its released layout (RoPE left out of every fourth layer).
+``1/sqrt(head_dim)``), SmolLM3 with its released layout (RoPE left out of every fourth layer),
+gpt-oss with llama.cpp's fixed SwiGLU limit (7, as released). DeepSeek-V3's checkpoint states
+its sigmoid routing (``scoring_func``, as the released config does; transformers does not
+write it), without which the converter writes a file llama.cpp routes by softmax.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,11 +36,11 @@ import sentencepiece
 import torch
 import transformers
 from gguf import GGUFReader
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from support.gguf_from_hf import TinyHfSpec, gguf_tensors
 from support.hf_reference import hf_greedy
 from support.llama_convert import CONVERTER, ConversionJob, convert_with_llama_cpp
-from support.tiny_models import build_hf_model
+from support.tiny_models import EAGER_ONLY, build_hf_model
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine import (
@@ -46,6 +52,7 @@ from pdserve.engine import (
     demo_tokenizer,
 )
 from pdserve.engine.demo import write_demo_model
+from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_import import convert_gguf, read_metadata
 from pdserve.tokenizer import Tokenizer
 
@@ -79,6 +86,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gemma3": {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 32},
     "olmo2": {},
     "smollm3": {"num_hidden_layers": 4, "no_rope_layer_interval": 4},
+    "ernie4_5": {},
+    "ernie4_5_moe": {},
+    "glm4_moe": {},
+    "gpt_oss": {"swiglu_limit": 7.0},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
 }
 # tiny_models name -> the converter's other output types it is also written in, and how far a
 # weight may move: bf16 and f16 round to 8 and 11 significant bits; Q8_0 stores a block of 32 as
@@ -92,6 +104,10 @@ SENTENCEPIECE = {
     "phi3": "LlamaTokenizer",
     "gemma3": "GemmaTokenizer",
 }
+# tiny_models name -> the tokenizer class of a family whose converter reads tokenizer.model only
+SENTENCEPIECE_ONLY = {"ernie4_5": "LlamaTokenizer", "ernie4_5_moe": "LlamaTokenizer"}
+# NOTE: the special tokens GLM-4.5's converter looks up by name (bos is [gMASK]).
+GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|observation|>")
 # tiny_models name -> how our test writer writes the family
 OUR_WRITER = {
     "llama3": TinyHfSpec("llama", "llama"),
@@ -141,6 +157,8 @@ def save_checkpoint(name: str, hf_dir: Path, demo_dir: Path) -> None:
     hf_dir.mkdir(parents=True)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(demo_dir / file, hf_dir / file)
+    if name == "glm4_moe":
+        add_glm_tokens(hf_dir)
     if name == "phi3":
         # NOTE: the converter reads a Phi-3 vocabulary from tokenizer.model unless the tokenizer
         # is GPT-2's, as Phi-4-mini's is.
@@ -153,6 +171,45 @@ def save_checkpoint(name: str, hf_dir: Path, demo_dir: Path) -> None:
     vocab_size = len(AutoTokenizer.from_pretrained(hf_dir))
     if vocab_size != settings["vocab_size"]:
         build_hf_model(name, **{**settings, "vocab_size": vocab_size}).save_pretrained(hf_dir)
+    if name == "glm4_moe":
+        add_mtp_layer(hf_dir)
+
+
+def add_mtp_layer(hf_dir: Path) -> None:
+    """A multi-token-prediction layer after the last one, as GLM-4.5's checkpoints hold (and
+    transformers leaves unloaded): the last layer's tensors again, with the MTP projection and
+    norms."""
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    last = json.loads((hf_dir / "config.json").read_text())["num_hidden_layers"] - 1
+    prefix, mtp = f"model.layers.{last}.", f"model.layers.{last + 1}."
+    generator = np.random.default_rng(0)
+    extra = {mtp + name.removeprefix(prefix): generator.normal(size=values.shape)
+             for name, values in tensors.items() if name.startswith(prefix)}  # fmt: skip
+    hidden_size = tensors["model.norm.weight"].shape[0]
+    extra[mtp + "eh_proj.weight"] = generator.normal(size=(hidden_size, 2 * hidden_size))
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"{mtp}{norm}.weight"] = generator.normal(size=hidden_size)
+    extra = {name: values.astype(np.float32) for name, values in extra.items()}
+    save_file(tensors | extra, str(path), metadata={"format": "pt"})
+
+
+def add_glm_tokens(hf_dir: Path) -> None:
+    """The demo tokenizer as GLM-4.5's: its special tokens, [gMASK] as BOS, which its chat
+    template writes rather than the tokenizer adding it."""
+    tokenizer_path, config_path = hf_dir / "tokenizer.json", hf_dir / "tokenizer_config.json"
+    tokenizer = json.loads(tokenizer_path.read_text())
+    first_id = 1 + max(token["id"] for token in tokenizer["added_tokens"])
+    tokenizer["added_tokens"] += [
+        {"id": first_id + i, "content": content, "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": True}
+        for i, content in enumerate(GLM_TOKENS)
+    ]  # fmt: skip
+    tokenizer["post_processor"] = None
+    tokenizer_path.write_text(json.dumps(tokenizer))
+    config = json.loads(config_path.read_text())
+    config["bos_token"] = GLM_TOKENS[0]
+    config_path.write_text(json.dumps(config))
 
 
 def save_olmo3_checkpoint(hf_dir: Path, demo_dir: Path) -> None:
@@ -182,7 +239,8 @@ def save_sentencepiece_checkpoint(name: str, hf_dir: Path) -> None:
         character_coverage=1.0, minloglevel=2,
     )  # fmt: skip
     (hf_dir / "tokenizer.model").write_bytes(model.getvalue())
-    config = {"tokenizer_class": SENTENCEPIECE[name], "bos_token": "<s>", "eos_token": "</s>",
+    tokenizer_class = {**SENTENCEPIECE, **SENTENCEPIECE_ONLY}[name]
+    config = {"tokenizer_class": tokenizer_class, "bos_token": "<s>", "eos_token": "</s>",
               "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}  # fmt: skip
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
     vocab_size = len(AutoTokenizer.from_pretrained(hf_dir))
@@ -202,7 +260,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     for name, family in converted.items():
         if name == OLMO3:
             save_olmo3_checkpoint(family.hf_dir, root / "demo")
-        elif name.endswith(SPM):
+        elif name.endswith(SPM) or name in SENTENCEPIECE_ONLY:
             save_sentencepiece_checkpoint(name.removesuffix(SPM), family.hf_dir)
         else:
             save_checkpoint(name, family.hf_dir, root / "demo")
@@ -227,7 +285,12 @@ def family(request: pytest.FixtureRequest, families: dict[str, Family]) -> Famil
 
 
 def test_checkpoint_equals_the_original(family: Family) -> None:
-    expected = load_file(str(family.hf_dir / "model.safetensors"))
+    """Every tensor transformers loads (not multi-token-prediction layers)."""
+    num_layers = json.loads((family.hf_dir / "config.json").read_text())["num_hidden_layers"]
+    tensors = load_file(str(family.hf_dir / "model.safetensors"))
+    layer = re.compile(r"^model\.layers\.(\d+)\.")
+    expected = {name: values for name, values in tensors.items()
+                if not (match := layer.match(name)) or int(match[1]) < num_layers}  # fmt: skip
     converted = load_file(str(family.model_dir / "model.safetensors"))
 
     assert sorted(converted) == sorted(expected)
@@ -236,8 +299,11 @@ def test_checkpoint_equals_the_original(family: Family) -> None:
 
 
 def test_engine_is_greedy_equal_to_transformers(family: Family) -> None:
+    model_type = AutoConfig.from_pretrained(family.hf_dir).model_type
     reference = AutoModelForCausalLM.from_pretrained(
-        family.hf_dir, dtype=torch.float32, attn_implementation="sdpa"
+        family.hf_dir,
+        dtype=torch.float32,
+        attn_implementation="eager" if model_type in EAGER_ONLY else "sdpa",
     ).eval()
     config = EngineConfig(
         model=str(family.model_dir), dtype="float32", seed=0, cache=CacheConfig(num_blocks=32)
@@ -263,16 +329,21 @@ def test_engine_is_greedy_equal_to_transformers(family: Family) -> None:
 
 def test_tokenizer_encodes_as_the_original(family: Family) -> None:
     ours = Tokenizer.from_pretrained(family.model_dir)
-    theirs = AutoTokenizer.from_pretrained(family.hf_dir)
+    name = family.hf_dir.parent.name
+    is_sentencepiece = name in SENTENCEPIECE_ONLY
+    # NOTE: the class the checkpoint names (AutoTokenizer goes by ERNIE's model_type instead).
+    tokenizer_class = getattr(transformers, SENTENCEPIECE_ONLY[name]) if is_sentencepiece else None
+    theirs = (tokenizer_class or AutoTokenizer).from_pretrained(family.hf_dir)
 
     assert ours.vocab_size == len(theirs)
-    for text in TEXTS:
+    for text in SENTENCEPIECE_TEXTS if is_sentencepiece else TEXTS:
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, text
         assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
-    assert ours.encode_chat(CHAT) == theirs.apply_chat_template(
-        CHAT, add_generation_prompt=True, return_dict=False
-    )
+    if not is_sentencepiece:
+        assert ours.encode_chat(CHAT) == theirs.apply_chat_template(
+            CHAT, add_generation_prompt=True, return_dict=False
+        )
     assert ours.eos_token_ids == (theirs.eos_token_id,)
 
 
@@ -302,6 +373,21 @@ def test_quantized_checkpoint_is_the_original_within_the_type(
 def test_olmo3_is_refused(families: dict[str, Family], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="sliding window"):
         convert_gguf(families[OLMO3].gguf_path, tmp_path)
+
+
+@pytest.mark.parametrize("gating", [None, 1])
+def test_deepseek2_with_softmax_routing_is_refused(
+    families: dict[str, Family], gating: int | None
+) -> None:
+    """A deepseek2 file without sigmoid gating: llama.cpp routes it by softmax (DeepSeek-V2)."""
+    reader = GGUFReader(families["deepseek_v3"].gguf_path)
+    metadata = read_metadata(reader)
+    assert metadata.pop("deepseek2.expert_gating_func") == 2
+    if gating is not None:
+        metadata["deepseek2.expert_gating_func"] = gating
+
+    with pytest.raises(ValueError, match="softmax"):
+        hf_config(metadata, {t.name for t in reader.tensors})
 
 
 @pytest.mark.parametrize("name", list(SENTENCEPIECE))

@@ -27,7 +27,7 @@ from pdserve.engine.gguf_architectures import (
     SUPPORTED_ARCHITECTURES,
     ArchitectureRules,
     architecture_rules,
-    hf_tensors,
+    hf_checkpoint,
 )
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_int4 import write_int4_file
@@ -102,18 +102,21 @@ def dequantized_tensors(
     Raises:
         ValueError: For an unsupported tensor type or an unexpected tensor.
     """
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
-            supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
-            raise ValueError(
-                f"tensor {tensor.name!r} has unsupported GGUF type {tensor.tensor_type.name}; "
-                f"supported: {supported}"
-            )
-        values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
-        values = values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
-        yield from hf_tensors(tensor.name, values, rules, config)
-        if progress is not None:
-            progress.update(1)
+
+    def dequantized() -> Iterator[tuple[str, np.ndarray]]:
+        for tensor in reader.tensors:
+            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+                supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
+                raise ValueError(
+                    f"tensor {tensor.name!r} has unsupported GGUF type "
+                    f"{tensor.tensor_type.name}; supported: {supported}"
+                )
+            values = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), np.float32)
+            yield tensor.name, values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+            if progress is not None:
+                progress.update(1)
+
+    yield from hf_checkpoint(dequantized(), rules, config)
 
 
 def convert_gguf(

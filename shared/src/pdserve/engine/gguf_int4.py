@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import Q4_K
 from safetensors.numpy import save_file
 
-from pdserve.engine.gguf_architectures import ArchitectureRules, hf_tensors
+from pdserve.engine.gguf_architectures import PIECE, ArchitectureRules, hf_tensors
 
 GROUP_SIZE = 32
 """Input features per scale and min."""
@@ -113,13 +113,16 @@ def int4_tensors(
     reader: GGUFReader, rules: ArchitectureRules, config: Mapping[str, Any]
 ) -> Iterator[tuple[str, str, Int4Blocks]]:
     """Yields (Hugging Face weight name, GGUF type name, blocks) for every int4-typed tensor,
-    renamed and reordered as `hf_tensors` does the dequantized ones."""
+    renamed and reordered as `hf_tensors` does the dequantized ones; a piece of a tensor
+    llama.cpp split is left to the dequantized checkpoint."""
     for tensor in reader.tensors:
         if tensor.tensor_type not in INT4_TYPES:
             continue
         blocks = int4_blocks(np.asarray(tensor.data), tensor.tensor_type)
         parts = [hf_tensors(tensor.name, part, rules, config) for part in blocks]
         for (name, values), (_, scales), (_, mins) in zip(*parts, strict=True):
+            if PIECE in name:
+                continue
             yield name, tensor.tensor_type.name, Int4Blocks(values, scales, mins)
 
 
