@@ -71,7 +71,9 @@ UNATTACHED_MAX_TOKENS = 1000
 NUM_QUEUED_STREAMS = 8
 QUEUED_MAX_TOKENS = 300
 DECODE_BLOCKS = 200
-TP2 = "--tensor-parallel-size 2 --num-threads 1"
+# NOTE: a frozen rank is taken as lost after 5 s (30 by default), in keeping with the cells'
+# other short timeouts; a loaded step waits on a rank for milliseconds.
+TP2 = "--tensor-parallel-size 2 --num-threads 1 --tensor-parallel-step-timeout-s 5"
 SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
 
@@ -270,6 +272,7 @@ class Fault:
 
     killed: list[ChildProcess] = field(default_factory=list)
     stopped: list[ChildProcess] = field(default_factory=list)
+    stopped_pids: list[int] = field(default_factory=list)
     gone: list[RedisServer | EtcdServer] = field(default_factory=list)
     comeback: asyncio.Task[None] | None = None
 
@@ -290,6 +293,14 @@ class Fault:
                 self.comeback = asyncio.create_task(self.back_when_noticed(cluster, server, mark))
             else:
                 self.gone.append(server)
+        elif rank and kind == "sigstop":
+            # NOTE: rank 1 of a split instance freezes; rank 0 still runs and heartbeats, until
+            # its next collective waits longer than the step timeout: then it takes the rank
+            # as lost and goes down, and is started again (as the launcher would).
+            (rank_one,) = list(since({}, victim, "tensor_parallel_ready"))[-1]["pids"]
+            os.kill(rank_one, signal.SIGSTOP)
+            self.stopped_pids.append(rank_one)
+            self.comeback = asyncio.create_task(self.restart_when_down(cluster, victim))
         elif rank:
             # NOTE: rank 1 of a split instance: the instance goes down as a whole (rank 0
             # stops and exits), and is started again.
@@ -307,6 +318,10 @@ class Fault:
             assert kind == "sigstop"
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
+
+    async def restart_when_down(self, cluster: ProcessCluster, victim: ChildProcess) -> None:
+        assert await asyncio.to_thread(victim.wait, REQUEST_TIMEOUT_S) == 1
+        self.killed.append(cluster.restart(victim))
 
     async def back_when_noticed(
         self, cluster: ProcessCluster, server: RedisServer | EtcdServer, mark: int
@@ -327,6 +342,9 @@ class Fault:
             await asyncio.to_thread(server.start)
         for child in self.stopped:
             child.signal(signal.SIGCONT)
+        for pid in self.stopped_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         for child in self.killed:
             await asyncio.to_thread(child.wait_for_event, "registered", 60)
 

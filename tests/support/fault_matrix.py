@@ -128,6 +128,8 @@ BUILT = (
     Cell("registry_gone", "registry", "decoding"),
     Cell("registry_gone", "registry", "kept"),
     Cell("registry_gone", "registry", "resuming"),
+    Cell("sigstop", "decode_rank", "decoding"),
+    Cell("sigstop", "prefill_rank", "prefilling"),
 )
 
 

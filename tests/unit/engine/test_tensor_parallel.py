@@ -177,6 +177,21 @@ def test_lost_rank_makes_rank_zero_raise(
         runner.execute([ScheduledChunk([5, 6, 7], 0, [0])])
 
 
+def test_a_frozen_rank_is_taken_as_lost_after_the_step_timeout(
+    checkpoint: Callable[[str], Path], tp_runner: Callable[..., TensorParallelRunner]
+) -> None:
+    runner = tp_runner(checkpoint("llama3"), 2, tensor_parallel_step_timeout_s=1.0)
+    lost: list[tuple[int, int]] = []
+    runner.ranks.on_rank_lost.append(lambda rank, code: lost.append((rank, code)))
+    runner.execute([ScheduledChunk([5, 6, 7], 0, [0])])
+    os.kill(runner.ranks.pids()[0], signal.SIGSTOP)  # alive, and silent
+    with pytest.raises(TensorParallelError, match="did not answer within the step timeout"):
+        runner.execute([ScheduledChunk([5, 6, 7], 0, [0])])
+    # NOTE: the frozen rank is killed, so the instance's watchers take it down as for a dead one.
+    asyncio.run(eventually(lambda: bool(lost), what="the frozen rank reported lost"))
+    assert lost == [(1, -signal.SIGKILL)]
+
+
 def test_closing_stops_the_ranks_and_removes_the_cache_file(
     checkpoint: Callable[[str], Path],
 ) -> None:

@@ -115,8 +115,11 @@ class EngineConfig:
         tensor_parallel_size: Ranks (processes) the model is split over: this process is rank
             0 and starts the others (`pdserve.engine.parallel`). On CUDA rank r runs on the
             device index of ``device`` plus r.
-        tensor_parallel_timeout_s: How long the ranks may take to form their group at start-up,
-            and the longest a rank waits on the others within a step.
+        tensor_parallel_timeout_s: How long the ranks may take to form their group and load
+            their shares at start-up.
+        tensor_parallel_step_timeout_s: Once loaded, the longest a rank waits on the others in
+            one collective of a step: a rank silent for longer (frozen, wedged) is taken as
+            lost, every rank is stopped and the instance goes down, as when a rank dies.
         enforce_eager: Never capture decode graphs (`pdserve.engine.graphs`). Without it a
             single-rank engine on CUDA captures them after loading; on CPU every step is eager.
         deterministic: Batch-invariant numerics (`pdserve.engine.batch_invariant`): a token's
@@ -136,6 +139,7 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata=POSITIVE)
     tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
     tensor_parallel_timeout_s: float = field(default=120.0, metadata=POSITIVE)
+    tensor_parallel_step_timeout_s: float = field(default=30.0, metadata=POSITIVE)
     enforce_eager: bool = False
     deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)

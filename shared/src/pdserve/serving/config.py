@@ -159,7 +159,16 @@ class InstanceConfig(ServiceConfig):
     tensor_parallel_timeout_s: float = field(
         default=120.0,
         metadata={
-            "help": "how long the ranks may take to form their group at start-up",
+            "help": "how long the ranks may take to form their group and load at start-up",
+            "gt": 0,
+        },
+    )
+    tensor_parallel_step_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "the longest a rank waits on the others within a step: a rank silent for "
+            "longer (frozen, wedged) is taken as lost and the instance goes down, to be started "
+            "again",
             "gt": 0,
         },
     )

@@ -57,6 +57,7 @@ class ModelHost:
         kv_cache_in_shm: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 120.0,
+        tensor_parallel_step_timeout_s: float = 30.0,
         quantization: str = "auto",
         enforce_eager: bool = False,
         deterministic: bool = False,
@@ -76,6 +77,7 @@ class ModelHost:
             tensor_parallel_size: Ranks the model is split over (`pdserve.engine.parallel`);
                 CPU only: on CPU rank 0's cache holds every head, so KV moves as without it.
             tensor_parallel_timeout_s: How long the ranks may take to form their group.
+            tensor_parallel_step_timeout_s: The longest a rank waits on the others in a step.
             quantization: ``auto``, ``none``, ``int8`` or ``int4`` (`pdserve.engine.config`).
             enforce_eager: Capture no decode graphs on CUDA (`pdserve.engine.graphs`).
             deterministic: Batch-invariant numerics (`pdserve.engine.batch_invariant`).
@@ -105,6 +107,7 @@ class ModelHost:
             num_threads=num_threads,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=tensor_parallel_timeout_s,
+            tensor_parallel_step_timeout_s=tensor_parallel_step_timeout_s,
             quantization=quantization,
             enforce_eager=enforce_eager,
             deterministic=deterministic,
@@ -141,6 +144,7 @@ class ModelHost:
             kv_cache_in_shm=config.kv_cache_in_shm,
             tensor_parallel_size=config.tensor_parallel_size,
             tensor_parallel_timeout_s=config.tensor_parallel_timeout_s,
+            tensor_parallel_step_timeout_s=config.tensor_parallel_step_timeout_s,
             quantization=config.quantization,
             enforce_eager=config.enforce_eager or not config.runs_decode_steps,
             deterministic=config.deterministic,

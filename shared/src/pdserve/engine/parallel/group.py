@@ -165,6 +165,12 @@ class TensorParallelGroup:
     def world_size(self) -> int:
         return self.shard.world_size
 
+    def limit_waits(self, timeout_s: float) -> None:
+        """From now on a collective waits at most `timeout_s` for the other ranks (set once
+        the ranks loaded: loading may keep one waiting far longer than a step)."""
+        if self.process_group is not None:
+            self.process_group._set_default_timeout(datetime.timedelta(seconds=timeout_s))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks in place (a row-parallel projection's partial products)."""
         if self.process_group is not None:

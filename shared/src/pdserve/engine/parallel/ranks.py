@@ -72,6 +72,13 @@ class RankProcesses:
         if self.lost_rank is not None:
             raise TensorParallelError(f"tensor-parallel rank {self.lost_rank} is gone")
 
+    def abandon(self) -> None:
+        """Kills every rank (one stopped answering): their watchers report the loss."""
+        log.error("tensor_parallel_ranks_abandoned", pids=self.pids())
+        for process in self.processes:
+            with contextlib.suppress(OSError):
+                process.kill()
+
     def close(self, timeout_s: float = 10.0) -> None:
         """Asks every rank to exit (closing its stdin) and kills those that do not in time."""
         with self._lock:

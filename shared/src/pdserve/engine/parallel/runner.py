@@ -108,6 +108,7 @@ class TensorParallelRunner(ModelRunner):
                 kv_cache = KVCache(layout, num_blocks, device)
             ranks.send(Attach(num_blocks, kv_cache.shared_path))
             group.barrier()
+            group.limit_waits(config.tensor_parallel_step_timeout_s)
         except BaseException:
             ranks.close(timeout_s=1.0)
             if kv_cache is not None:
@@ -137,7 +138,12 @@ class TensorParallelRunner(ModelRunner):
                 raise
             # NOTE: a collective fails at once when a peer's connection closes.
             self.ranks.check_alive()
-            raise TensorParallelError(f"a tensor-parallel step failed: {error}") from error
+            # NOTE: every rank still runs, so one did not answer in time (frozen, wedged): it
+            # is taken as lost like a dead one (its watchers take the instance down).
+            self.ranks.abandon()
+            raise TensorParallelError(
+                f"a tensor-parallel rank did not answer within the step timeout: {error}"
+            ) from error
 
     def watch_ranks(self, callback: Callable[[int, int], None]) -> None:
         """See `ModelRunner.watch_ranks`."""

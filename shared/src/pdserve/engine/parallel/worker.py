@@ -69,6 +69,7 @@ def run(stream: BinaryIO) -> int:
         kv_cache = KVCache(layout, attach.num_blocks, device)
     runner = ModelRunner(model, kv_cache)
     group.barrier()
+    group.limit_waits(config.tensor_parallel_step_timeout_s)
     log.info("tensor_parallel_rank_ready", rank=shard.rank, world_size=shard.world_size)
     while True:
         message = _read(stream)
