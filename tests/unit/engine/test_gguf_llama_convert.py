@@ -130,6 +130,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+MXFP4 = "gpt_oss-mxfp4"
+"""gpt-oss as released: experts in MXFP4, which the converter keeps (the other weights f32)."""
+# e2m1: the 4-bit code's value, as the MXFP4 format and transformers' FP4_VALUES give it.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+MXFP4_BLOCK = 32
 OLMO3 = "olmo3"
 """A family the converter writes and pdserve refuses: OLMo 3, an olmo2 file with windows."""
 SPM = "-sentencepiece"
@@ -212,6 +217,48 @@ def add_glm_tokens(hf_dir: Path) -> None:
     config_path.write_text(json.dumps(config))
 
 
+def mxfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`weight` (``[..., rows, cols]``) in MXFP4 as gpt-oss's checkpoints hold it: per 32
+    columns an e8m0 scale (``2 ** (scale - 127)``, the block's largest value in [4, 8)) and
+    4-bit e2m1 codes, two to a byte, the even column in the low nibble.
+
+    Returns:
+        (blocks ``[..., rows, cols / 32, 16]``, scales ``[..., rows, cols / 32]``, the weight
+        the two hold).
+    """
+    groups = weight.reshape(*weight.shape[:-1], -1, MXFP4_BLOCK).astype(np.float64)
+    exponent = np.floor(np.log2(np.maximum(np.abs(groups).max(axis=-1), 2.0**-100))) - 2
+    step = np.exp2(exponent)[..., None]
+    codes = np.abs(groups[..., None] / step[..., None] - E2M1_VALUES).argmin(axis=-1)
+    codes = codes.astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    held = (E2M1_VALUES[codes] * step).reshape(weight.shape).astype(np.float32)
+    # NOTE: contiguous: safetensors writes an array's memory as it lies.
+    scales = np.ascontiguousarray((exponent + 127).astype(np.uint8))
+    return np.ascontiguousarray(blocks), scales, held
+
+
+def save_mxfp4_checkpoint(hf_dir: Path, mxfp4_dir: Path, demo_dir: Path) -> None:
+    """A tiny gpt-oss whose experts MXFP4 holds exactly: `hf_dir` with the weights as floats,
+    `mxfp4_dir` with them packed as the released checkpoints are (``*_blocks``, ``*_scales``
+    and an ``mxfp4`` quantization_config)."""
+    save_checkpoint("gpt_oss", hf_dir, demo_dir)
+    shutil.copytree(hf_dir, mxfp4_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    packed = dict(tensors)
+    for name in [n for n in tensors if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        # transformers: [experts, in, out]; MXFP4 blocks run along in: [experts, out, in / 32]
+        blocks, scales, held = mxfp4(tensors[name].transpose(0, 2, 1))
+        tensors[name] = np.ascontiguousarray(held.transpose(0, 2, 1))
+        del packed[name]
+        packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, str(mxfp4_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((mxfp4_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4_dir / "config.json").write_text(json.dumps(config))
+
+
 def save_olmo3_checkpoint(hf_dir: Path, demo_dir: Path) -> None:
     """A tiny OLMo 3 (sliding layers, every fourth global), which the converter writes as an
     ``olmo2`` file with a sliding window."""
@@ -254,12 +301,14 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     root = tmp_path_factory.mktemp("llama_convert")
     (root / "demo").mkdir()
     write_demo_model(root / "demo")
-    names = [*FAMILIES, *(f"{name}{SPM}" for name in SENTENCEPIECE), OLMO3]
+    names = [*FAMILIES, *(f"{name}{SPM}" for name in SENTENCEPIECE), OLMO3, MXFP4]
     converted = {name: Family(root / name / "hf", root / name / "model.gguf", root / name / "out")
                  for name in names}  # fmt: skip
     for name, family in converted.items():
         if name == OLMO3:
             save_olmo3_checkpoint(family.hf_dir, root / "demo")
+        elif name == MXFP4:
+            save_mxfp4_checkpoint(family.hf_dir, root / name / "hf-mxfp4", root / "demo")
         elif name.endswith(SPM) or name in SENTENCEPIECE_ONLY:
             save_sentencepiece_checkpoint(name.removesuffix(SPM), family.hf_dir)
         else:
@@ -268,8 +317,11 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
         hf_dir = converted[name].hf_dir
         gguf_path = root / name / f"model-{outtype}.gguf"
         converted[f"{name}-{outtype}"] = Family(hf_dir, gguf_path, root / name / f"out-{outtype}")
-    jobs = [ConversionJob(f.hf_dir, f.gguf_path, f.gguf_path.stem.partition("-")[2] or "f32")
-            for f in converted.values()]  # fmt: skip
+    # NOTE: the MXFP4 gpt-oss is converted from its packed checkpoint.
+    sources = {name: f.hf_dir.with_name("hf-mxfp4") if name == MXFP4 else f.hf_dir
+               for name, f in converted.items()}  # fmt: skip
+    jobs = [ConversionJob(sources[n], f.gguf_path, f.gguf_path.stem.partition("-")[2] or "f32")
+            for n, f in converted.items()]  # fmt: skip
     convert_with_llama_cpp(jobs)
     for name, family in converted.items():
         if name == OLMO3:
@@ -279,7 +331,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Family]:
     return converted
 
 
-@pytest.fixture(params=list(FAMILIES))
+@pytest.fixture(params=[*FAMILIES, MXFP4])
 def family(request: pytest.FixtureRequest, families: dict[str, Family]) -> Family:
     return families[request.param]
 
@@ -368,6 +420,16 @@ def test_quantized_checkpoint_is_the_original_within_the_type(
         np.testing.assert_allclose(
             converted[tensor_name], values, rtol=rtol, atol=atol, err_msg=tensor_name
         )
+
+
+def test_mxfp4_experts_stay_mxfp4_in_the_file(families: dict[str, Family]) -> None:
+    """The converter keeps the released gpt-oss's MXFP4 experts (the import reads them)."""
+    types = {t.name: t.tensor_type.name for t in GGUFReader(families[MXFP4].gguf_path).tensors}
+
+    experts = {name for name in types if name.endswith("_exps.weight")}
+    assert experts
+    assert {types[name] for name in experts} == {"MXFP4"}
+    assert {types[name] for name in types.keys() - experts} == {"F32"}
 
 
 def test_olmo3_is_refused(families: dict[str, Family], tmp_path: Path) -> None:

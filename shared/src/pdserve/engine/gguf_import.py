@@ -35,10 +35,12 @@ from pdserve.tokenizer.gguf_vocab import GgufVocab, tokenizer_files
 
 log = structlog.get_logger(__name__)
 
+# NOTE: MXFP4 (gpt-oss's experts as released) holds 4-bit e2m1 values with one e8m0 (power of
+# two) scale per 32: every weight is exact in float32.
 SUPPORTED_TENSOR_TYPES = tuple(
     GGMLQuantizationType[name]
     for name in (
-        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+        "F32", "F16", "BF16", "Q8_0", "MXFP4", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
     )
 )  # fmt: skip
