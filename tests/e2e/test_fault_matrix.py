@@ -272,7 +272,7 @@ class Fault:
 
     killed: list[ChildProcess] = field(default_factory=list)
     stopped: list[ChildProcess] = field(default_factory=list)
-    stopped_pids: list[int] = field(default_factory=list)
+    frozen_ranks: list[tuple[ChildProcess, int, int]] = field(default_factory=list)
     gone: list[RedisServer | EtcdServer] = field(default_factory=list)
     comeback: asyncio.Task[None] | None = None
 
@@ -295,12 +295,12 @@ class Fault:
                 self.gone.append(server)
         elif rank and kind == "sigstop":
             # NOTE: rank 1 of a split instance freezes; rank 0 still runs and heartbeats, until
-            # its next collective waits longer than the step timeout: then it takes the rank
-            # as lost and goes down, and is started again (as the launcher would).
+            # a step's collective waits longer than the step timeout: then it takes the rank as
+            # lost and goes down, and is started again (as the launcher would). An instance
+            # with no step to run meanwhile (a prefill while its streams decode) never notices.
             (rank_one,) = list(since({}, victim, "tensor_parallel_ready"))[-1]["pids"]
             os.kill(rank_one, signal.SIGSTOP)
-            self.stopped_pids.append(rank_one)
-            self.comeback = asyncio.create_task(self.restart_when_down(cluster, victim))
+            self.frozen_ranks.append((victim, rank_one, len(victim.events)))
         elif rank:
             # NOTE: rank 1 of a split instance: the instance goes down as a whole (rank 0
             # stops and exits), and is started again.
@@ -318,10 +318,6 @@ class Fault:
             assert kind == "sigstop"
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
-
-    async def restart_when_down(self, cluster: ProcessCluster, victim: ChildProcess) -> None:
-        assert await asyncio.to_thread(victim.wait, REQUEST_TIMEOUT_S) == 1
-        self.killed.append(cluster.restart(victim))
 
     async def back_when_noticed(
         self, cluster: ProcessCluster, server: RedisServer | EtcdServer, mark: int
@@ -342,9 +338,13 @@ class Fault:
             await asyncio.to_thread(server.start)
         for child in self.stopped:
             child.signal(signal.SIGCONT)
-        for pid in self.stopped_pids:
+        for instance, pid, mark in self.frozen_ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+            abandoned = since({instance.name: mark}, instance, "tensor_parallel_ranks_abandoned")
+            if abandoned or instance.returncode is not None:
+                assert await asyncio.to_thread(instance.wait, REQUEST_TIMEOUT_S) == 1
+                self.killed.append(cluster.restart(instance))
         for child in self.killed:
             await asyncio.to_thread(child.wait_for_event, "registered", 60)
 

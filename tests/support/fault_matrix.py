@@ -128,8 +128,18 @@ BUILT = (
     Cell("registry_gone", "registry", "decoding"),
     Cell("registry_gone", "registry", "kept"),
     Cell("registry_gone", "registry", "resuming"),
+    Cell("sigstop", "decode_rank", "queued"),
+    Cell("sigstop", "decode_rank", "prefilling"),
     Cell("sigstop", "decode_rank", "decoding"),
+    Cell("sigstop", "decode_rank", "resuming"),
+    Cell("sigstop", "decode_rank", "kept"),
+    Cell("sigstop", "decode_rank", "cancelling"),
+    Cell("sigstop", "prefill_rank", "queued"),
     Cell("sigstop", "prefill_rank", "prefilling"),
+    Cell("sigstop", "prefill_rank", "decoding"),
+    Cell("sigstop", "prefill_rank", "resuming"),
+    Cell("sigstop", "prefill_rank", "kept"),
+    Cell("sigstop", "prefill_rank", "cancelling"),
 )
 
 
