@@ -22,6 +22,7 @@ from pdserve.engine.load_runner import load_runner
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.model_store import ResolvedModel
 from pdserve.engine.parallel.group import RankShard, TensorParallelError, TensorParallelGroup
+from pdserve.engine.parallel.layers import attention_head_range, cache_head_range, check_model_fits
 from pdserve.engine.parallel.runner import TensorParallelRunner
 
 NUM_BLOCKS = 64
@@ -94,6 +95,9 @@ def tp_runner() -> Iterator[Callable[..., TensorParallelRunner]]:
         ("qwen2_moe", 2),  # q/k/v bias, experts and a gated shared expert
         ("phi3", 2),  # q/k/v and gate/up fused in the checkpoint
         ("gemma3", 2),  # GeGLU, scaled embeddings, soft-capped logits
+        ("gpt_oss", 2),  # sinks split with their heads, expert biases, sliding layers
+        ("deepseek_v3", 2),  # latent attention: heads split, the latent whole on every rank
+        ("deepseek_v3", 3),  # its 4 query heads over three ranks: 1, 1 and 2 (uneven)
         ("llama_tied", 4),  # four KV heads, one per rank
         ("llama_tied", 3),  # four KV heads over three ranks: 1, 1 and 2 (uneven)
     ],
@@ -111,6 +115,37 @@ def test_tensor_parallel_matches_one_rank(
     assert split.kv_cache.layout == single.kv_cache.layout  # rank 0 sees every head
     torch.testing.assert_close(_logits(split), _logits(single), rtol=1e-4, atol=1e-4)
     assert _generate(split, model) == _generate(single, model)
+
+
+def test_latent_attention_ranks_share_the_whole_latent(
+    checkpoint: Callable[[str], Path], tp_runner: Callable[..., TensorParallelRunner]
+) -> None:
+    """Each rank attends over the whole latent (one cache head, not a slice) and the blocks
+    rank 0 holds (those it exports) carry the latent the unsplit model writes."""
+    model = checkpoint("deepseek_v3")
+    config = ModelConfig.from_pretrained(model)
+    assert [cache_head_range(config, RankShard(r, 2)) for r in range(2)] == [range(1)] * 2
+    assert [attention_head_range(config, RankShard(r, 2)) for r in range(2)] == [
+        range(0, 2),
+        range(2, 4),
+    ]
+    single = ModelRunner.load(_config(model, 1))
+    split = tp_runner(model, 2)
+    assert split.rank_cache.layout == split.kv_cache.layout
+    _logits(split)
+    _logits(single)
+    used = slice(0, 11)  # the blocks `_logits` writes
+    # kv: [layers, 2, blocks, block_size, 1, latent_size / 2]
+    torch.testing.assert_close(
+        split.kv_cache.kv[:, :, used], single.kv_cache.kv[:, :, used], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_latent_attention_needs_a_query_head_per_rank(checkpoint: Callable[[str], Path]) -> None:
+    config = ModelConfig.from_pretrained(checkpoint("deepseek_v3"))  # 4 query heads
+    with pytest.raises(ValueError, match="5 is more than the 4 query heads of latent attention"):
+        check_model_fits(config, TensorParallelGroup(RankShard(0, 5), None))
+    check_model_fits(config, TensorParallelGroup(RankShard(0, 4), None))
 
 
 def test_uneven_vocabulary_and_replicated_heads(

@@ -30,8 +30,9 @@ class LlamaAttention(nn.Module):
     a head only (Phi-3's ``partial_rotary_factor``) and no RoPE at all (``rope`` None: some of
     SmolLM3's layers).
 
-    Column-parallel over the heads: a rank holds its share of the query heads and of the KV
-    heads (or its replica of one KV head), and the output projection sums over the ranks.
+    Column-parallel over the heads: a rank holds its share of the query heads (with their
+    sinks) and of the KV heads (or its replica of one KV head), and the output projection sums
+    over the ranks.
     """
 
     def __init__(
@@ -76,11 +77,7 @@ class LlamaAttention(nn.Module):
         )
         self.sinks: nn.Parameter | None = None
         if config.has_attention_sinks:
-            if group.world_size > 1:
-                raise ModelLoadError(
-                    f"{config.model_type}'s attention sinks are not supported with tensor "
-                    "parallelism yet"
-                )
+            # NOTE: one logit per query head: a rank holds its heads' (`shard_tensor`).
             self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
     def forward(

@@ -13,6 +13,13 @@ per token, every head attends over the same latent keys (multi-query attention),
 weighted sum of latents is turned into each head's value after. Each query token attends as
 its own batch element over keys padded by its position (`InvariantAttention`): the same
 arithmetic in a prefill and a decode, whatever the batch.
+
+Under tensor parallelism a rank holds a share of the query heads (their rows of ``q_b_proj``
+or ``q_proj`` and of ``kv_b_proj``, their columns of ``o_proj``, whose products are summed
+over the ranks) and attends over the whole latent: ``kv_a_proj_with_mqa`` and the latent norm
+are replicated, so every rank computes the same latent from the same (all-reduced) hidden
+state and writes it to the same slots of the one cache (on CPU the ranks share its file): the
+same bytes whoever writes last, and no rank waits on another's write before it reads.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.batch_invariant import InvariantAttention
 from pdserve.engine.layers import RMSNorm
 from pdserve.engine.linear import Linear
-from pdserve.engine.model_config import ModelConfig, ModelLoadError
+from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TensorParallelGroup
+from pdserve.engine.parallel.layers import attention_head_range
 from pdserve.engine.rope import apply_rotary
 
 # NOTE: DeepSeek-V3's q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon.
@@ -66,13 +74,10 @@ class MlaAttention(nn.Module):
         mla = config.mla
         if mla is None:
             raise ValueError("MlaAttention needs a config with mla set")
-        if group.world_size > 1:
-            raise ModelLoadError(
-                f"{config.model_type}'s latent attention is not supported with tensor "
-                "parallelism yet"
-            )
         self.mla = mla
-        self.num_heads = config.num_attention_heads
+        # NOTE: a rank holds its share of the query heads (q, kv_b and o by heads, o summed
+        # over the ranks) and computes the whole latent: kv_a and its norm are replicated.
+        self.num_heads = len(attention_head_range(config, group.shard))
         qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.q_proj: Linear | None = None
         if mla.q_lora_rank is None:
@@ -87,7 +92,7 @@ class MlaAttention(nn.Module):
             self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank
         )
         self.o_proj = Linear(
-            self.num_heads * mla.v_head_dim, config.hidden_size, config.o_proj_bias
+            self.num_heads * mla.v_head_dim, config.hidden_size, config.o_proj_bias, group
         )
         self.attn = LatentAttention(
             self.num_heads, 1, mla.latent_size, None, scale=mla.softmax_scale

@@ -35,7 +35,8 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = moe.num_experts
         # NOTE: tensor-parallel ranks split every expert along its intermediate size.
-        size = len((shard or RankShard()).span(moe.moe_intermediate_size))
+        shard = shard or RankShard()
+        size = len(shard.span(moe.moe_intermediate_size))
         self.intermediate_size = size
         self.hidden_act = hidden_act
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, hidden_size, 2 * size))
@@ -45,6 +46,9 @@ class Experts(nn.Module):
         if moe.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(moe.num_experts, 2 * size))
             self.down_proj_bias = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.is_adding_down_bias = shard.rank == 0
+        """Whether this rank adds `down_proj_bias`: the ranks' outputs are summed, so one
+        rank adds it (each weighted by its token's routing weight, as without ranks)."""
         self.clamped_swiglu = moe.clamped_swiglu
         self.min_rows = 1
         """An expert given fewer tokens runs them padded to this many
@@ -84,7 +88,7 @@ class Experts(nn.Module):
                 gate_up = gate_up + self.gate_up_proj_bias[expert]
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = torch.mm(self._activation(gate, up), self.down_proj[expert])
-            if self.down_proj_bias is not None:
+            if self.down_proj_bias is not None and self.is_adding_down_bias:
                 hidden = hidden + self.down_proj_bias[expert]
             hidden = hidden[:count]
             out.index_add_(0, tokens, (hidden * flat_weights[slots, None]).to(out.dtype))

@@ -7,14 +7,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.parallel.group import TensorParallelGroup, check_divisible
+from pdserve.engine.parallel.group import RankShard, TensorParallelGroup, check_divisible
 
 
 def check_model_fits(config: ModelConfig, group: TensorParallelGroup) -> None:
     """Refuses a tensor-parallel size the model's heads cannot be split over (a ValueError that
-    names the size). Intermediate sizes split into shares that differ by at most one."""
-    if group.world_size > 1:
-        check_divisible(group.shard, config.num_attention_heads, config.num_key_value_heads)
+    names the size). Intermediate sizes split into shares that differ by at most one.
+
+    Latent attention (`ModelConfig.mla`) splits its query heads alone (its one latent is
+    every rank's): any size up to the number of heads, in shares that differ by at most one.
+    """
+    size = group.world_size
+    if size == 1:
+        return
+    if config.mla is not None:
+        if size > config.num_attention_heads:
+            raise ValueError(
+                f"tensor_parallel_size {size} is more than the {config.num_attention_heads} "
+                "query heads of latent attention (every rank needs one)"
+            )
+        return
+    check_divisible(group.shard, config.num_attention_heads, config.num_key_value_heads)
+
+
+def attention_head_range(config: ModelConfig, shard: RankShard) -> range:
+    """The query heads rank `shard.rank` holds (their slices of q, the sinks and o).
+
+    With latent attention an even share of all heads (`RankShard.span`): every head reads the
+    same latent, so no GQA group has to stay whole. Otherwise `RankShard.q_head_range`.
+    """
+    if config.mla is not None:
+        return shard.span(config.num_attention_heads)
+    return shard.q_head_range(config.num_attention_heads, config.num_key_value_heads)
+
+
+def cache_head_range(config: ModelConfig, shard: RankShard) -> range:
+    """The heads of the cache's layout (`ModelConfig.cache_num_kv_heads`) rank `shard.rank`
+    attends over: its KV heads (`RankShard.kv_head_range`), or with latent attention all of
+    them, the whole latent (it is not split: every query head reads all of it)."""
+    if config.mla is not None:
+        return range(config.cache_num_kv_heads)
+    return shard.kv_head_range(config.num_key_value_heads)
 
 
 class VocabParallelEmbedding(nn.Module):

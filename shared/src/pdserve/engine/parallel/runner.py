@@ -28,7 +28,7 @@ from pdserve.engine.parallel.group import (
     TensorParallelError,
     TensorParallelGroup,
 )
-from pdserve.engine.parallel.layers import check_model_fits
+from pdserve.engine.parallel.layers import cache_head_range, check_model_fits
 from pdserve.engine.parallel.messages import Attach, Setup, Step
 from pdserve.engine.parallel.ranks import RankProcesses
 from pdserve.engine.parallel.shared_cache import (
@@ -64,8 +64,7 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
         self.ranks = ranks
         if kv_cache.shared_path is not None:
-            heads = group.shard.kv_head_range(model.config.num_key_value_heads)
-            self.rank_cache = head_slice(kv_cache, heads)
+            self.rank_cache = head_slice(kv_cache, cache_head_range(model.config, group.shard))
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -102,7 +101,7 @@ class TensorParallelRunner(ModelRunner):
                 num_blocks = num_cache_blocks(config, model.config, layout, device)
                 kv_cache = create_shared_cache(layout, num_blocks)
             else:
-                heads = group.shard.kv_head_range(model.config.num_key_value_heads)
+                heads = cache_head_range(model.config, group.shard)
                 layout = cache_layout(config, model.config, num_kv_heads=len(heads))
                 num_blocks = num_cache_blocks(config, model.config, layout, device)
                 kv_cache = KVCache(layout, num_blocks, device)

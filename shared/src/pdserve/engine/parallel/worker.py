@@ -20,6 +20,7 @@ from torch.distributed import TCPStore
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel.group import LOOPBACK, RankShard, TensorParallelGroup
+from pdserve.engine.parallel.layers import cache_head_range
 from pdserve.engine.parallel.messages import Attach, Setup, Shutdown, Step
 from pdserve.engine.parallel.shared_cache import attach_head_slice
 from pdserve.engine.runner import ModelRunner, cache_layout, load_rank_model
@@ -60,7 +61,7 @@ def run(stream: BinaryIO) -> int:
     attach = _read(stream)
     if not isinstance(attach, Attach):
         return 0
-    heads = shard.kv_head_range(model.config.num_key_value_heads)
+    heads = cache_head_range(model.config, shard)
     if attach.shared_path is not None:
         layout = cache_layout(config, model.config)
         kv_cache = attach_head_slice(attach.shared_path, layout, attach.num_blocks, heads)
