@@ -50,6 +50,27 @@ async def test_prefill_and_decode_of_different_sizes_equal_the_engine(
         await pd.eventually_whole()
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_latent_attention_split_over_two_ranks_on_each_side_equals_the_engine(
+    tmp_path: Path, transport: str
+) -> None:
+    """DeepSeek-V3's latent attention split over two ranks in the prefill and in the decode:
+    the blocks on the wire hold the latent alone (one head of half the latent in K and in V),
+    as the unsplit instances', and the continuation equals the single-process engine's."""
+    model = save_tiny_model("deepseek_v3", tmp_path / "deepseek_v3")  # latent 32 + 8
+    engine = reference_engine(model)
+    expected = [engine.generate([prompt], GREEDY)[0] for prompt in PROMPTS]
+    async with cluster(model, kv_transports=transport, prefill_tp=2, decode_tp=2) as pd:
+        for host in (pd.prefill.host, pd.decodes[0].host):
+            assert host.runner.tensor_parallel_size == 2
+            assert (host.kv_layout.num_kv_heads, host.kv_layout.head_dim) == (1, 20)
+        results = await asyncio.gather(
+            *(pd.complete(f"mla-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
+        )
+        assert results == expected
+        await pd.eventually_whole()
+
+
 async def test_a_rank_killed_mid_stream_takes_the_decode_down_and_frees_every_block(
     model_dir: Path,
 ) -> None:
