@@ -58,6 +58,9 @@ GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
 REQUEST_TIMEOUT_S = 60.0
 INSTANCE_TTL_S = 2.0
+# NOTE: a frozen gateway is thawed after this, longer than an instance's TTL: the instances'
+# heartbeats it did not read meanwhile must not count against them (its liveness clock).
+GATEWAY_FREEZE_S = 4.0
 NUM_STREAMS = 4
 # NOTE: long enough that a stream 10 tokens in is still running when a busy machine gets round
 # to freezing the decodes, short enough that four fit on one 200-block decode (45 blocks each).
@@ -314,10 +317,19 @@ class Fault:
             victim.signal(signal.SIGKILL)
             assert victim.wait(10) == -signal.SIGKILL
             self.killed.append(cluster.restart(victim))
+        elif victim is cluster.gateway:
+            # NOTE: no outcome comes in while the gateway is frozen: it is thawed after a while.
+            assert kind == "sigstop"
+            victim.signal(signal.SIGSTOP)
+            self.comeback = asyncio.create_task(self.thaw_after(victim, GATEWAY_FREEZE_S))
         else:
             assert kind == "sigstop"
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
+
+    async def thaw_after(self, victim: ChildProcess, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        victim.signal(signal.SIGCONT)
 
     async def back_when_noticed(
         self, cluster: ProcessCluster, server: RedisServer | EtcdServer, mark: int
@@ -496,7 +508,10 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     REQUEST_TIMEOUT_S,
                     "a request waiting in the admission queue",
                 )
-                if cell.role == "decode":
+                if cell.role == "gateway":
+                    assert cluster.gateway is not None
+                    victim = cluster.gateway
+                elif cell.role == "decode":
                     held = leased(cluster, mark, "decode")()
                     victim = by_name(cluster, max(held, key=lambda n: held[n]))
                     assert held[victim.name] > 0, "no decode held a request"
@@ -513,7 +528,10 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     held = await settled(count)
                     computing = by_name(cluster, max(held, key=lambda n: held[n]))
                     assert held[computing.name] > 0, "no prompt was in prefill"
-                    if cell.role == "prefill":
+                    if cell.role == "gateway":
+                        assert cluster.gateway is not None
+                        victim = cluster.gateway
+                    elif cell.role == "prefill":
                         victim = computing
                     else:
                         # NOTE: the decode whose lease that prefill is filling.
@@ -538,7 +556,10 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         for task in tasks:
                             task.cancel()  # the client goes away while the decodes hold them
                         await asyncio.wait(tasks)
-                    if cell.role == "prefill":
+                    if cell.role == "gateway":
+                        assert cluster.gateway is not None
+                        victim = cluster.gateway
+                    elif cell.role == "prefill":
                         computed = {
                             p.name: len(since(mark, p, "first_token")) for p in cluster.prefills
                         }
@@ -584,6 +605,9 @@ async def land_while_decoding(
         if cell.role == "prefill":
             computed = {p.name: len(since(mark, p, "first_token")) for p in cluster.prefills}
             victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
+        elif cell.role == "gateway":
+            assert cluster.gateway is not None
+            victim = cluster.gateway
         fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
 
 

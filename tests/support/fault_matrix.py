@@ -140,6 +140,12 @@ BUILT = (
     Cell("sigstop", "prefill_rank", "resuming"),
     Cell("sigstop", "prefill_rank", "kept"),
     Cell("sigstop", "prefill_rank", "cancelling"),
+    Cell("sigstop", "gateway", "queued"),
+    Cell("sigstop", "gateway", "prefilling"),
+    Cell("sigstop", "gateway", "decoding"),
+    Cell("sigstop", "gateway", "resuming"),
+    Cell("sigstop", "gateway", "kept"),
+    Cell("sigstop", "gateway", "cancelling"),
 )
 
 
