@@ -95,6 +95,12 @@ def tp_runner() -> Iterator[Callable[..., TensorParallelRunner]]:
         ("qwen2_moe", 2),  # q/k/v bias, experts and a gated shared expert
         ("phi3", 2),  # q/k/v and gate/up fused in the checkpoint
         ("gemma3", 2),  # GeGLU, scaled embeddings, soft-capped logits
+        ("mixtral", 2),  # experts stored one tensor each, a window
+        ("qwen3_moe", 2),  # experts with q/k norm, a dense layer
+        ("smollm3", 2),  # layers without RoPE
+        ("ernie4_5", 2),  # a bias on every projection (down's added once), interleaved RoPE
+        ("ernie4_5_moe", 2),  # score correction, a shared expert
+        ("glm4_moe", 2),  # partial RoPE, grouped routing, a shared expert
         ("gpt_oss", 2),  # sinks split with their heads, expert biases, sliding layers
         ("deepseek_v3", 2),  # latent attention: heads split, the latent whole on every rank
         ("deepseek_v3", 3),  # its 4 query heads over three ranks: 1, 1 and 2 (uneven)

@@ -97,6 +97,8 @@ def shard_tensor(
         )
         return torch.cat(parts)
     # gate/up/down of a dense MLP, a shared expert or one routed expert: over its width
+    if projection == "down_proj" and kind == "bias":
+        return tensor  # NOTE: added once, after the sum over the ranks (ERNIE's use_bias)
     width = tensor.shape[1 if projection == "down_proj" else 0]
     if projection == "gate_up_proj":
         gate, up = tensor.chunk(2, dim=0)
@@ -104,7 +106,7 @@ def shard_tensor(
         return torch.cat((_rows(gate, 0, span), _rows(up, 0, span)))
     span = shard.span(width)
     if projection == "down_proj":
-        return _rows(tensor, 1, span) if kind == "weight" else tensor
+        return _rows(tensor, 1, span)
     return _rows(tensor, 0, span)
 
 
