@@ -166,9 +166,12 @@ class InstanceKnobs:
     hold_before_handoff: bool = False
     eos_index: int | None = None
     script: bytes | None = None  # the completion's bytes (token id == byte), then EOS
+    script_ids: tuple[int, ...] | None = None  # the completion's token ids, then EOS
 
     def token(self, prompt_token_ids: Sequence[int], seed: int, index: int) -> int:
         """The token at completion `index`: the script's, else `fake_token`'s (or EOS)."""
+        if self.script_ids is not None:
+            return self.script_ids[index] if index < len(self.script_ids) else EOS_TOKEN_ID
         if self.script is not None:
             return self.script[index] if index < len(self.script) else EOS_TOKEN_ID
         if index == self.eos_index:
@@ -386,6 +389,10 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
         self.requests: list[prefill_pb2.PrefillRequest] = []
         self.num_model_info_calls = 0
         self.queued_prompt_tokens = 0
+        # what GetModelInfo sends (a test may give the model another tokenizer and template)
+        self.tokenizer_json = TOKENIZER_JSON
+        self.tokenizer_config: dict[str, object] = TOKENIZER_CONFIG
+        self.chat_template = CHAT_TEMPLATE
 
     def load(self) -> common_pb2.LoadReport:
         load = super().load()
@@ -489,9 +496,9 @@ class FakePrefill(FakeInstance, prefill_pb2_grpc.PrefillServiceServicer):
         self.num_model_info_calls += 1
         return prefill_pb2.GetModelInfoResponse(
             model_name=MODEL_NAME,
-            tokenizer_json=TOKENIZER_JSON,
-            tokenizer_config_json=json.dumps(TOKENIZER_CONFIG),
-            chat_template=CHAT_TEMPLATE,
+            tokenizer_json=self.tokenizer_json,
+            tokenizer_config_json=json.dumps(self.tokenizer_config),
+            chat_template=self.chat_template,
             eos_token_ids=[EOS_TOKEN_ID],
             max_model_len=self.max_model_len,
             kv_layout=self.layout,

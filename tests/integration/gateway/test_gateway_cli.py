@@ -125,7 +125,11 @@ def test_help_explains_the_flags() -> None:
     assert bad.returncode == 2 and "max_attempts must be >= 1" in bad.stderr
     for flag in ("--api-key-file", "--requests-per-minute-per-key", "NAME:KEY"):
         assert flag in result.stdout
-    for text in ("--tool-call-parser {auto,hermes,llama3_json}", "<tool_call>", "--max-tools"):
+    for text in (
+        "--tool-call-parser {auto,hermes,llama3_json,harmony,deepseek_v3}",
+        "<tool_call>",
+        "--max-tools",
+    ):
         assert text in result.stdout
 
 

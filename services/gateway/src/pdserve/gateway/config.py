@@ -174,8 +174,11 @@ class GatewayConfig(ServiceConfig):
             "help": "how tool calls are read from a model's output (tool_choice auto) and "
             "shown to a model whose chat template does not render tools: hermes "
             "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3, SmolLM), llama3_json "
-            '({"name": ..., "parameters": ...}: Llama 3.1-3.3); auto picks llama3_json for a '
-            "Llama 3 chat template and hermes otherwise",
+            '({"name": ..., "parameters": ...}: Llama 3.1-3.3), harmony (gpt-oss: '
+            "commentary messages to=functions.NAME; its analysis channel is the reasoning), "
+            "deepseek_v3 (DeepSeek-V3/R1: <｜tool▁calls▁begin｜>...); auto picks by the chat "
+            "template: harmony, deepseek_v3 or llama3_json for a template that writes that "
+            "format's markers, hermes otherwise",
             "choices": TOOL_CALL_PARSERS,
         },
     )

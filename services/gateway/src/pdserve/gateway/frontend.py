@@ -36,6 +36,7 @@ from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.reasoning import prompt_opens_thinking, uses_think_blocks
 from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.routing.router import Router
+from pdserve.gateway.text import markup_skips
 from pdserve.gateway.tools.formats import AUTO, ToolCallFormat, resolve_format
 from pdserve.gateway.tools.plan import plan_tools
 from pdserve.tokenizer import Tokenizer
@@ -193,7 +194,14 @@ class Frontend:
         max_model_len = self._max_model_len(params.model, info)
         prompt_param = "messages" if params.messages is not None else "prompt"
         call_format = self._call_format(tokenizer)
-        tool_plan = plan_tools(params.tools, params.tool_choice, call_format)
+        is_chat = params.messages is not None
+        tool_plan = plan_tools(
+            params.tools,
+            params.tool_choice,
+            call_format,
+            is_chat=is_chat,
+            shows_reasoning=params.shows_reasoning and self._reasoning_parser != "none",
+        )
         if params.token_ids is not None:
             # NOTE: checked before anything walks the ids (the vocabulary check below).
             self._lengths.check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
@@ -248,6 +256,9 @@ class Frontend:
             prompt_text=params.text,
             tool_plan=tool_plan,
             reasoning_opens=self._reasoning_opens(params, tokenizer, prompt_token_ids),
+            skipped_token_ids=None
+            if tool_plan is None
+            else markup_skips(tokenizer, tool_plan.format.markup_tokens),
         )
 
     def _reasoning_opens(
@@ -257,6 +268,8 @@ class Frontend:
         APIs keep the whole text as their output)."""
         if params.messages is None or not params.shows_reasoning:
             return None
+        if self._call_format(tokenizer).reads_channels:
+            return None  # harmony: the format's parser reads the analysis channel
         if not uses_think_blocks(self._reasoning_parser, tokenizer.chat_template):
             return None
         tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)

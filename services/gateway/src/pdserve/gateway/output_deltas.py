@@ -44,7 +44,7 @@ async def _replayed(
     prepared: PreparedRequest, token_ids: Sequence[int], end: GenerationEnd
 ) -> AsyncGenerator[OutputDelta, None]:
     request = prepared.request
-    text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
+    text = CompletionText(prepared.decoder, request.prompt_token_ids, prepared.stop)
     if token_ids:
         for delta in text_deltas(text, TokenChunk(tuple(token_ids), 0), one_by_one=True):
             yield delta

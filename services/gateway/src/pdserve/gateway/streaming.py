@@ -100,7 +100,7 @@ class Streamer:
         request = prepared.request
         loop = asyncio.get_running_loop()
         started = loop.time()
-        text = CompletionText(prepared.tokenizer, request.prompt_token_ids, prepared.stop)
+        text = CompletionText(prepared.decoder, request.prompt_token_ids, prepared.stop)
         # NOTE: the calls are read here, not around this generator, so that what is recorded
         # (the log line, the span) has the finish reason the client gets (``tool_calls``).
         calls = None if prepared.tool_plan is None else ToolCallStream(prepared.tool_plan)

@@ -2,15 +2,61 @@
 
 Wraps `pdserve.tokenizer.TextStream` and adds what the gateway needs from it: which token
 completed a stop string (the completion ends with that token, so usage counts it and tokens
-after it are dropped), and the text each token chunk releases.
+after it are dropped), and the text each token chunk releases. `MarkupDecoder` keeps the
+special tokens a chat format's parser reads (harmony's ``<|channel|>``...) in the text.
 """
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pdserve.tokenizer import SupportsDecode, TextStream
+from pdserve.tokenizer import SupportsDecode, TextStream, Tokenizer
+
+_special_ids: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (the added tokens ``tokenizer.json`` marks
+    special: those ``skip_special_tokens`` leaves out); read once per tokenizer."""
+    ids = _special_ids.get(tokenizer)
+    if ids is None:
+        added = json.loads(tokenizer.tokenizer_json).get("added_tokens") or []
+        ids = frozenset(int(t["id"]) for t in added if t.get("special"))
+        _special_ids[tokenizer] = ids
+    return ids
+
+
+def markup_skips(tokenizer: Tokenizer, markup_tokens: Sequence[str]) -> frozenset[int] | None:
+    """The special token ids to leave out of a completion whose parser reads `markup_tokens`:
+    every special token but those; None when none of them is special (a plain decode keeps
+    them)."""
+    if not markup_tokens:
+        return None
+    special = special_token_ids(tokenizer)
+    kept = {tokenizer.token_to_id(token) for token in markup_tokens} & special
+    return special - kept if kept else None
+
+
+class MarkupDecoder:
+    """Decodes as `tokenizer` does, except that a decode without special tokens keeps those
+    not in `skipped` (a format's markup).
+
+    Args:
+        tokenizer: The model's tokenizer.
+        skipped: The special token ids still left out (`markup_skips`).
+    """
+
+    def __init__(self, tokenizer: SupportsDecode, skipped: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self._skipped = skipped
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            token_ids = [t for t in token_ids if t not in self._skipped]
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 class TextStep(NamedTuple):

@@ -1,7 +1,8 @@
 """A completion's deltas with its tool calls read out: `with_tool_calls` turns each choice's
 `OutputDelta`s (text) into deltas whose text is the content outside calls and whose
 `tool_calls` are the calls' steps (ids, names, then pieces of arguments), as OpenAI streams
-them. Both front ends get the same deltas; a non-streamed response joins them.
+them. Both front ends get the same deltas; a non-streamed response joins them. A format that
+marks reasoning (harmony's analysis channel) gives it in the deltas' `reasoning`.
 
 Whitespace next to calls is not content: whitespace before a call or at the end of a
 completion with calls is dropped, and so is whitespace right after a call. A completion that
@@ -22,6 +23,7 @@ from pdserve.gateway.tools.parsers import (
     CallStarted,
     ContentAdded,
     ParseEvent,
+    ReasoningAdded,
     ToolCallParser,
 )
 from pdserve.gateway.tools.plan import ToolPlan
@@ -53,20 +55,29 @@ class ToolCallStream:
         is_last = delta.finish_reason is not None
         if is_last:
             events += self._parser.finish()
-        content, calls = self._apply(events)
+        content, calls, reasoning = self._apply(events)
         if is_last and not self.num_calls:
             content += self._held_whitespace
             self._held_whitespace = ""
         finish_reason = delta.finish_reason
         if finish_reason is FinishReason.STOP and self.num_calls and not self._plan.is_named:
             finish_reason = FinishReason.TOOL_CALLS
-        return replace(delta, text=content, tool_calls=calls, finish_reason=finish_reason)
+        return replace(
+            delta,
+            text=content,
+            tool_calls=calls,
+            finish_reason=finish_reason,
+            reasoning=delta.reasoning + reasoning,
+        )
 
-    def _apply(self, events: list[ParseEvent]) -> tuple[str, tuple[ToolCallDelta, ...]]:
+    def _apply(self, events: list[ParseEvent]) -> tuple[str, tuple[ToolCallDelta, ...], str]:
         content: list[str] = []
+        reasoning: list[str] = []
         calls: dict[int, ToolCallDelta] = {}
         for event in events:
-            if isinstance(event, ContentAdded):
+            if isinstance(event, ReasoningAdded):
+                reasoning.append(event.text)
+            elif isinstance(event, ContentAdded):
                 content.append(self._content(event.text))
             elif isinstance(event, CallStarted):
                 self._held_whitespace = ""
@@ -78,7 +89,7 @@ class ToolCallStream:
                 index = self.num_calls - 1
                 current = calls.get(index) or ToolCallDelta(index)
                 calls[index] = replace(current, arguments=current.arguments + event.text)
-        return "".join(content), tuple(calls.values())
+        return "".join(content), tuple(calls.values()), "".join(reasoning)
 
     def _content(self, text: str) -> str:
         """What of `text` is content now (whitespace is held until text follows it)."""

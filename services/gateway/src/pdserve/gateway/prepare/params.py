@@ -17,9 +17,10 @@ from typing import Any
 
 from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
+from pdserve.gateway.text import MarkupDecoder
 from pdserve.gateway.tools.plan import ToolPlan
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice
-from pdserve.tokenizer import Tokenizer
+from pdserve.tokenizer import SupportsDecode, Tokenizer
 
 
 class PromptKind(enum.Enum):
@@ -167,6 +168,9 @@ class PreparedRequest:
         reasoning_opens: How reasoning is read from each completion
             (`pdserve.gateway.reasoning`): True when the prompt ends inside a think block,
             False when only a completion that starts one has any; None: it is not read.
+        skipped_token_ids: The special tokens left out of the completion's text when its
+            parser reads others (a format's markup, `tool_plan.format.markup_tokens`);
+            None: every special token is.
     """
 
     request: GenerationRequest
@@ -183,6 +187,14 @@ class PreparedRequest:
     prompt_text: str | None = None
     tool_plan: ToolPlan | None = None
     reasoning_opens: bool | None = None
+    skipped_token_ids: frozenset[int] | None = None
+
+    @property
+    def decoder(self) -> SupportsDecode:
+        """What decodes the completion's text (the tokenizer, keeping a format's markup)."""
+        if self.skipped_token_ids is None:
+            return self.tokenizer
+        return MarkupDecoder(self.tokenizer, self.skipped_token_ids)
 
     def choices(self) -> list[PreparedRequest]:
         """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)

@@ -9,10 +9,19 @@ render them itself (the fallback of `pdserve.gateway.prepare.tool_prompt`):
   in ``<tool_response>`` tags;
 * ``llama3_json`` (Llama 3.1 to 3.3 with JSON tool calling): the completion is the call,
   ``{"name": ..., "parameters": {...}}`` (an optional ``<|python_tag|>`` first; several calls
-  separated by ``;``).
+  separated by ``;``);
+* ``harmony`` (gpt-oss): messages on channels, a call is a ``commentary`` message
+  ``to=functions.NAME`` whose body is the arguments (`pdserve.gateway.tools.harmony`); the
+  completion's reasoning (``analysis``) is read by the same parser;
+* ``deepseek_v3`` (DeepSeek-V3, R1): calls between ``<｜tool▁calls▁begin｜>`` and
+  ``<｜tool▁calls▁end｜>`` (`pdserve.gateway.tools.deepseek`).
 
-``auto`` (the default) picks ``llama3_json`` for a chat template that writes Llama 3's
-``<|python_tag|>`` or its JSON-call instruction, and ``hermes`` for every other.
+``auto`` (the default) picks by the chat template: ``harmony`` for one that writes harmony's
+``<|channel|>`` and ``<|message|>``, ``deepseek_v3`` for one that writes
+``<｜tool▁calls▁begin｜>``, ``llama3_json`` for one that writes Llama 3's ``<|python_tag|>`` or
+its JSON-call instruction, and ``hermes`` for every other. (The gateway gets a model's
+tokenizer and chat template from its prefill, not its ``config.json``: the template is what
+tells the family's chat format.)
 """
 
 from __future__ import annotations
@@ -21,14 +30,18 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.gateway.tools import deepseek, harmony
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall
 
 HERMES = "hermes"
 LLAMA3_JSON = "llama3_json"
+HARMONY = "harmony"
+DEEPSEEK_V3 = "deepseek_v3"
 AUTO = "auto"
-TOOL_CALL_PARSERS = (AUTO, HERMES, LLAMA3_JSON)
+TOOL_CALL_PARSERS = (AUTO, HERMES, LLAMA3_JSON, HARMONY, DEEPSEEK_V3)
 
 _LLAMA3_MARKERS = ("<|python_tag|>", '"parameters": dictionary of argument name')
+_HARMONY_MARKERS = (harmony.CHANNEL, harmony.MESSAGE)
 
 
 def _tools_json(tools: Sequence[FunctionTool]) -> str:
@@ -47,13 +60,36 @@ class ToolCallFormat:
     Attributes:
         name: The ``--tool-call-parser`` value.
         arguments_keys: The keys of a call object that hold its arguments, preferred first.
+        markup_tokens: The tokens the format's parser reads: when the tokenizer marks them
+            special, the completion is decoded with them kept (other special tokens are still
+            left out).
     """
 
     name: str
     arguments_keys: tuple[str, ...]
+    markup_tokens: tuple[str, ...] = ()
+
+    @property
+    def reads_channels(self) -> bool:
+        """Whether every chat completion is read by the format's parser, calls or not (its
+        answer and reasoning are on channels: harmony)."""
+        return self.name == HARMONY
 
     def tools_prompt(self, tools: Sequence[FunctionTool]) -> str:
         """The instruction that lists `tools` and the call format (fallback rendering)."""
+        if self.name == DEEPSEEK_V3:
+            example = _deepseek_call("<function-name>", "<args-json-object>")
+            return (
+                "## Tools\nYou have access to the following functions (one JSON per line):\n"
+                f"{_tools_json(tools)}\n\nTo call functions, write:\n"
+                f"{deepseek.CALLS_BEGIN}{example}{deepseek.CALLS_END}"
+            )
+        if self.name == HARMONY:
+            return (
+                "# Tools\n\n## functions\n\nCall a function with a commentary message to "
+                "functions.<name> whose body is its arguments (a JSON object). The functions "
+                f"(one JSON per line):\n{_tools_json(tools)}"
+            )
         if self.name == LLAMA3_JSON:
             return (
                 "Given the following functions, please respond with a JSON for a function call "
@@ -76,6 +112,15 @@ class ToolCallFormat:
         """`calls` as the model would have written them (fallback rendering)."""
         if self.name == LLAMA3_JSON:
             return "; ".join(_call_json(call, "parameters") for call in calls)
+        if self.name == DEEPSEEK_V3:
+            body = "\n".join(_deepseek_call(c.name, c.arguments) for c in calls)
+            return f"{deepseek.CALLS_BEGIN}{body}{deepseek.CALLS_END}"
+        if self.name == HARMONY:
+            return "".join(
+                f"{harmony.START}assistant to=functions.{c.name}{harmony.CHANNEL}commentary "
+                f"{harmony.CONSTRAIN}json{harmony.MESSAGE}{c.arguments}{harmony.CALL}"
+                for c in calls
+            )
         return "\n".join(f"<tool_call>\n{_call_json(c, 'arguments')}\n</tool_call>" for c in calls)
 
     def result_text(self, content: str) -> str:
@@ -83,10 +128,31 @@ class ToolCallFormat:
         return f"<tool_response>\n{content}\n</tool_response>"
 
 
+def _deepseek_call(name: str, arguments: str) -> str:
+    return (
+        f"{deepseek.CALL_BEGIN}{deepseek.FUNCTION_TYPE}{deepseek.SEP}{name}\n```json\n"
+        f"{arguments}\n```{deepseek.CALL_END}"
+    )
+
+
 FORMATS = {
     HERMES: ToolCallFormat(HERMES, ("arguments",)),
     LLAMA3_JSON: ToolCallFormat(LLAMA3_JSON, ("parameters", "arguments")),
+    HARMONY: ToolCallFormat(HARMONY, ("arguments",), harmony.MARKUP_TOKENS),
+    DEEPSEEK_V3: ToolCallFormat(DEEPSEEK_V3, ("arguments",), deepseek.MARKUP_TOKENS),
 }
+
+
+def format_of_template(template_source: str | None) -> str:
+    """The format ``auto`` picks for a model with this chat template."""
+    source = template_source or ""
+    if all(marker in source for marker in _HARMONY_MARKERS):
+        return HARMONY
+    if deepseek.CALLS_BEGIN in source:
+        return DEEPSEEK_V3
+    if any(marker in source for marker in _LLAMA3_MARKERS):
+        return LLAMA3_JSON
+    return HERMES
 
 
 def resolve_format(parser: str, template_source: str | None) -> ToolCallFormat:
@@ -96,8 +162,7 @@ def resolve_format(parser: str, template_source: str | None) -> ToolCallFormat:
         ValueError: For a parser name not in `TOOL_CALL_PARSERS`.
     """
     if parser == AUTO:
-        source = template_source or ""
-        parser = LLAMA3_JSON if any(m in source for m in _LLAMA3_MARKERS) else HERMES
+        parser = format_of_template(template_source)
     if parser not in FORMATS:
         raise ValueError(f"unknown tool-call parser {parser!r}")
     return FORMATS[parser]

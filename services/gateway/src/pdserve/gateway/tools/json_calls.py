@@ -40,7 +40,13 @@ class ArgumentsAdded(NamedTuple):
     text: str
 
 
-ParseEvent = ContentAdded | CallStarted | ArgumentsAdded
+class ReasoningAdded(NamedTuple):
+    """Reasoning text of the completion (a format that marks it: harmony's analysis channel)."""
+
+    text: str
+
+
+ParseEvent = ContentAdded | CallStarted | ArgumentsAdded | ReasoningAdded
 
 
 class ValueEnd:

@@ -30,6 +30,7 @@ from pdserve.gateway.tools.json_calls import (
     CallStarted,
     ContentAdded,
     ParseEvent,
+    ReasoningAdded,
     ValueEnd,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "HermesParser",
     "JsonCallsParser",
     "ParseEvent",
+    "ReasoningAdded",
     "ToolCallParser",
 ]
 

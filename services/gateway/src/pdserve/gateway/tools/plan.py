@@ -10,7 +10,9 @@ reads the completion back.
   (exactly one with ``parallel_tool_calls: false``).
 * a named function: a JSON Schema constraint makes the completion that function's arguments
   (its parameters schema); the call's name is known up front.
-* ``none``: no constraint and no parser: the completion is content.
+* ``none``: no constraint and no parser: the completion is content. A harmony chat (gpt-oss)
+  is read all the same (a plan of mode NONE, with no function to call), since its answer and
+  reasoning are on channels.
 
 Both schemas carry llguidance's ``x-guidance`` layout (compact JSON with a space after ``,``
 and ``:``), unless the function's own schema sets one.
@@ -26,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.common.generation import Constraint, ConstraintKind
-from pdserve.gateway.tools.formats import LLAMA3_JSON, ToolCallFormat
+from pdserve.gateway.tools.deepseek import DeepSeekParser
+from pdserve.gateway.tools.formats import DEEPSEEK_V3, HARMONY, LLAMA3_JSON, ToolCallFormat
+from pdserve.gateway.tools.harmony import HarmonyParser
 from pdserve.gateway.tools.parsers import (
     ArgumentsParser,
     HermesParser,
@@ -42,15 +46,19 @@ class ToolPlan:
 
     Attributes:
         format: The model's call format.
-        mode: The resolved tool_choice (never NONE: such a request has no plan).
+        mode: The resolved tool_choice (NONE only for a format that reads every chat:
+            harmony's channels, with no function to call).
         names: The functions offered.
         function_name: The function a named tool_choice forces.
+        shows_reasoning: The format's parser gives the reasoning it reads (harmony's
+            analysis channel) as reasoning; else it leaves it out.
     """
 
     format: ToolCallFormat
     mode: ToolChoiceMode
     names: frozenset[str]
     function_name: str | None = None
+    shows_reasoning: bool = False
 
     @property
     def is_named(self) -> bool:
@@ -70,6 +78,10 @@ class ToolPlan:
     def _format_parser(self) -> ToolCallParser:
         if self.format.name == LLAMA3_JSON:
             return JsonCallsParser(self.format.arguments_keys, self.names)
+        if self.format.name == HARMONY:
+            return HarmonyParser(self.names, self.shows_reasoning)
+        if self.format.name == DEEPSEEK_V3:
+            return DeepSeekParser(self.names)
         return HermesParser(self.names)
 
 
@@ -81,7 +93,12 @@ def resolved_choice(tools: tuple[FunctionTool, ...], choice: ToolChoice | None) 
 
 
 def plan_tools(
-    tools: tuple[FunctionTool, ...], choice: ToolChoice | None, call_format: ToolCallFormat
+    tools: tuple[FunctionTool, ...],
+    choice: ToolChoice | None,
+    call_format: ToolCallFormat,
+    *,
+    is_chat: bool = False,
+    shows_reasoning: bool = False,
 ) -> ToolPlan | None:
     """The plan of a validated request; None when its completion is not read for calls.
 
@@ -89,12 +106,20 @@ def plan_tools(
         tools: The functions offered.
         choice: The request's tool_choice (None: the default).
         call_format: The model's call format.
+        is_chat: The request is a chat (messages): a harmony chat is read without tools too.
+        shows_reasoning: The API shows the reasoning the format's parser reads.
     """
     choice = resolved_choice(tools, choice)
     if choice.mode is ToolChoiceMode.NONE or not tools:
+        if is_chat and call_format.reads_channels:
+            return ToolPlan(
+                call_format, ToolChoiceMode.NONE, frozenset(), shows_reasoning=shows_reasoning
+            )
         return None
     names = frozenset(tool.name for tool in tools)
-    return ToolPlan(call_format, choice.mode, names, choice.function_name)
+    return ToolPlan(
+        call_format, choice.mode, names, choice.function_name, shows_reasoning=shows_reasoning
+    )
 
 
 def forced_call_constraint(

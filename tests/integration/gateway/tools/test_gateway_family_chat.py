@@ -1,0 +1,155 @@
+"""Chat as each family's users expect, through the gateway with the openai SDK: a fake model
+with gpt-oss's harmony tokens and template, and one with DeepSeek's, whose completions are
+scripts in the family's own format (`support.family_chat`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from support.family_chat import DEEPSEEK, GPT_OSS, FamilyModel
+from support.gateway_cluster import Cluster
+from support.gateway_fakes import MODEL_NAME
+
+MAX_MODEL_LEN = 4096
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+QUESTION: list[Any] = [{"role": "user", "content": "Weather in Zürich?"}]
+ARGUMENTS = '{"city": "Zürich"}'
+HARMONY_CALL = (
+    "<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json"
+    f"<|message|>{ARGUMENTS}<|call|>"
+)
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>Simple greeting.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Hello there!<|return|>"
+)
+DEEPSEEK_CALL = (
+    "The user wants the weather.\n</think>\n\nLet me check."
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+    f"{ARGUMENTS}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
+
+
+async def _start(cluster: Cluster, family: FamilyModel) -> Cluster:
+    await cluster.start_gateway()
+    prefill = await cluster.add_prefill(max_model_len=MAX_MODEL_LEN)
+    family.use(prefill)
+    await cluster.add_decode(max_model_len=MAX_MODEL_LEN)
+    return cluster
+
+
+async def _chat(cluster: Cluster, is_stream: bool, **body: Any) -> dict[str, Any]:
+    """The message as the SDK reads it: whole, or its stream's deltas joined."""
+    client = cluster.openai()
+    if not is_stream:
+        response = await client.chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, max_tokens=400, **body
+        )
+        choice = response.choices[0]
+        message = choice.message
+        calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]  # type: ignore[union-attr]
+        return {
+            "content": message.content,
+            "reasoning": getattr(message, "reasoning_content", None),
+            "calls": calls,
+            "finish_reason": choice.finish_reason,
+        }
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, max_tokens=400, stream=True, **body
+    )
+    content, reasoning, names, arguments = "", "", {}, {}
+    finish_reason = None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for step in delta.tool_calls or []:
+            if step.id is not None:
+                names[step.index] = step.function.name  # type: ignore[union-attr]
+            arguments[step.index] = arguments.get(step.index, "") + (
+                step.function.arguments or ""  # type: ignore[union-attr]
+            )
+        finish_reason = chunk.choices[0].finish_reason or finish_reason
+    return {
+        "content": content or None,
+        "reasoning": reasoning or None,
+        "calls": [(names[i], arguments[i]) for i in sorted(names)],
+        "finish_reason": finish_reason,
+    }
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+async def test_gpt_oss_reasoning_and_a_harmony_call(cluster: Cluster, is_stream: bool) -> None:
+    await _start(cluster, GPT_OSS)
+    GPT_OSS.script(cluster, HARMONY_CALL)
+    message = await _chat(cluster, is_stream, tools=TOOLS)
+    assert message == {
+        "content": None,
+        "reasoning": "Need the weather tool.",
+        "calls": [("get_weather", ARGUMENTS)],
+        "finish_reason": "tool_calls",
+    }
+    # the prompt is the template's (tools included): it ends where the model's header starts
+    prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
+    assert "type get_weather = " in prompt
+    assert prompt.endswith("<|start|>user<|message|>Weather in Zürich?<|end|><|start|>assistant")
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+async def test_gpt_oss_answer_without_tools(cluster: Cluster, is_stream: bool) -> None:
+    await _start(cluster, GPT_OSS)
+    GPT_OSS.script(cluster, HARMONY_ANSWER)
+    message = await _chat(cluster, is_stream)
+    assert message == {
+        "content": "Hello there!",
+        "reasoning": "Simple greeting.",
+        "calls": [],
+        "finish_reason": "stop",
+    }
+
+
+async def test_gpt_oss_plain_completions_keep_the_raw_text(cluster: Cluster) -> None:
+    await _start(cluster, GPT_OSS)
+    GPT_OSS.script(cluster, HARMONY_ANSWER)
+    response = await cluster.openai().completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=400
+    )
+    assert response.choices[0].text == "analysisSimple greeting.assistantfinalHello there!"
+
+
+@pytest.mark.parametrize("is_stream", [False, True])
+async def test_deepseek_reasoning_and_a_call(cluster: Cluster, is_stream: bool) -> None:
+    await _start(cluster, DEEPSEEK)
+    DEEPSEEK.script(cluster, DEEPSEEK_CALL)
+    message = await _chat(cluster, is_stream, tools=TOOLS)
+    assert message == {
+        "content": "Let me check.",
+        "reasoning": "The user wants the weather.\n",
+        "calls": [("get_weather", ARGUMENTS)],
+        "finish_reason": "tool_calls",
+    }
+    # the template renders no tools: they reach the model in DeepSeek's own call format
+    prompt = DEEPSEEK.decode(cluster.prefills[0].requests[-1].token_ids)
+    assert '"name": "get_weather"' in prompt and "<｜tool▁calls▁begin｜>" in prompt
+    assert prompt.endswith("<｜User｜>Weather in Zürich?<｜Assistant｜><think>\n")
+
+
+async def test_deepseek_tool_choice_none_leaves_the_markup_unread(cluster: Cluster) -> None:
+    await _start(cluster, DEEPSEEK)
+    DEEPSEEK.script(cluster, DEEPSEEK_CALL)
+    message = await _chat(cluster, False, tools=TOOLS, tool_choice="none")
+    assert message["calls"] == [] and message["finish_reason"] == "stop"
+    # not read for calls: the markup's tokens are special and left out of the text
+    assert message["content"] == f"Let me check.functionget_weather\n```json\n{ARGUMENTS}\n```"
