@@ -116,6 +116,7 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         parallel_tool_calls=request.parallel_tool_calls is not False,
         constraint=constraint_of(request.text),
         constraint_name="text.format",
+        shows_reasoning=True,
     )
 
 

@@ -2,9 +2,12 @@
 
 Text is an assistant ``message`` item with one ``output_text`` part; each tool call a
 ``function_call`` item (``id`` ``fc_`` and the call id's hex, ``call_id``, ``name``,
-``arguments``). Items follow each other in the order the completion writes them, one open at a
-time, as OpenAI streams them: a call closes the message before it, text after calls opens a
-new message. A completion with neither text nor calls is one empty message.
+``arguments``); reasoning the model wrote (read out by the reasoning parser: a think block, or
+harmony's analysis channel) a ``reasoning`` item (``id`` ``rs_...``, an empty ``summary`` and
+one ``reasoning_text`` part), streamed as ``response.reasoning_text.delta`` events. Items
+follow each other in the order the completion writes them, one open at a time, as OpenAI
+streams them: a call closes the message before it, text after calls opens a new message. A
+completion with neither text nor calls is one empty message.
 
 `OutputItems` is pure: `step` and `finish` return the events as ``(type, fields)`` values, and
 the writer numbers and sends them (a non-streamed response only reads `items`).
@@ -39,10 +42,18 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._is_open = False  # whether the last item is still being written
         self._num_messages = 0
+        self._num_reasonings = 0
 
     def step(self, delta: OutputDelta) -> list[Event]:
-        """The events of one delta: its text, then its calls' steps."""
+        """The events of one delta: its reasoning, its text, then its calls' steps."""
         events: list[Event] = []
+        if delta.reasoning:
+            if not self._is_open_as("reasoning"):
+                events += self._close("completed")
+                events += self._open_reasoning()
+            item = self.items[-1]
+            item["content"][CONTENT_INDEX]["text"] += delta.reasoning
+            events.append(self._text_event("response.reasoning_text.delta", delta=delta.reasoning))
         if delta.text:
             if not self._is_open_as("message"):
                 events += self._close("completed")
@@ -70,7 +81,8 @@ class OutputItems:
         if self._is_open:
             last = items[-1]
             last["status"] = status
-            if last["type"] == "message" and status == "in_progress" and not with_text:
+            is_text = last["type"] in ("message", "reasoning")
+            if is_text and status == "in_progress" and not with_text:
                 last["content"] = []
         return items
 
@@ -94,6 +106,23 @@ class OutputItems:
         return [
             self._added({**item, "content": []}),
             self._text_event("response.content_part.added", part=output_text("")),
+        ]
+
+    def _open_reasoning(self) -> list[Event]:
+        suffix = f"_{self._num_reasonings}" if self._num_reasonings else ""
+        self._num_reasonings += 1
+        item = {
+            "id": f"rs_{self._request_id}{suffix}",
+            "type": "reasoning",
+            "status": "in_progress",
+            "summary": [],
+            "content": [reasoning_text("")],
+        }
+        self.items.append(item)
+        self._is_open = True
+        return [
+            self._added({**item, "content": []}),
+            self._text_event("response.content_part.added", part=reasoning_text("")),
         ]
 
     def _call_step(self, call: ToolCallDelta) -> list[Event]:
@@ -137,6 +166,12 @@ class OutputItems:
                 self._text_event("response.output_text.done", text=part["text"], logprobs=[]),
                 self._text_event("response.content_part.done", part=dict(part)),
             ]
+        elif item["type"] == "reasoning":
+            part = item["content"][CONTENT_INDEX]
+            events += [
+                self._text_event("response.reasoning_text.done", text=part["text"]),
+                self._text_event("response.content_part.done", part=dict(part)),
+            ]
         else:
             events.append(
                 Event(
@@ -173,3 +208,8 @@ class OutputItems:
 def output_text(text: str) -> dict[str, Any]:
     """An ``output_text`` content part."""
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    """A ``reasoning_text`` content part (of a ``reasoning`` item)."""
+    return {"type": "reasoning_text", "text": text}

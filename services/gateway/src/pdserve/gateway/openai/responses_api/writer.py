@@ -1,7 +1,8 @@
 """The Responses API's output: one ``Response`` object, or its stream of typed events.
 
-A response's output items are an assistant ``message`` (id ``msg_<request id>``) with one
-``output_text`` part for the text, and a ``function_call`` item for each tool call
+A response's output items are a ``reasoning`` item for what the reasoning parser read out
+(if any), an assistant ``message`` (id ``msg_<request id>``) with one ``output_text`` part for
+the text, and a ``function_call`` item for each tool call
 (`pdserve.gateway.openai.responses_api.items`). It is ``completed`` (also when it ended by
 calls), or ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the
 completion ran out of tokens. A stream sends, as server-sent events ``event: <type>`` /
@@ -10,7 +11,8 @@ completion ran out of tokens. A stream sends, as server-sent events ``event: <ty
     response.created, response.in_progress, then for each item in turn
     response.output_item.added, its content (a message: response.content_part.added,
     response.output_text.delta per piece of new text, response.output_text.done,
-    response.content_part.done; a call: response.function_call_arguments.delta per piece of
+    response.content_part.done; a reasoning item the same with response.reasoning_text.delta
+    and response.reasoning_text.done; a call: response.function_call_arguments.delta per piece of
     its arguments, response.function_call_arguments.done), response.output_item.done; and
     response.completed (or response.incomplete)
 
