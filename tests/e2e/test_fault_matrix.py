@@ -276,6 +276,8 @@ class Fault:
     killed: list[ChildProcess] = field(default_factory=list)
     stopped: list[ChildProcess] = field(default_factory=list)
     frozen_ranks: list[tuple[ChildProcess, int, int]] = field(default_factory=list)
+    watchers: list[asyncio.Task[None]] = field(default_factory=list)
+    is_undoing: bool = False
     gone: list[RedisServer | EtcdServer] = field(default_factory=list)
     comeback: asyncio.Task[None] | None = None
 
@@ -304,6 +306,7 @@ class Fault:
             (rank_one,) = list(since({}, victim, "tensor_parallel_ready"))[-1]["pids"]
             os.kill(rank_one, signal.SIGSTOP)
             self.frozen_ranks.append((victim, rank_one, len(victim.events)))
+            self.watchers.append(asyncio.create_task(self.restart_when_down(cluster, victim)))
         elif rank:
             # NOTE: rank 1 of a split instance: the instance goes down as a whole (rank 0
             # stops and exits), and is started again.
@@ -326,6 +329,16 @@ class Fault:
             assert kind == "sigstop"
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
+
+    async def restart_when_down(self, cluster: ProcessCluster, victim: ChildProcess) -> None:
+        """Starts `victim` again once it exits (as the launcher would), until the fault is
+        undone with the instance still up."""
+        while victim.returncode is None:
+            if self.is_undoing:
+                return
+            await asyncio.sleep(0.1)
+        assert victim.returncode == 1, victim.describe_exit()
+        self.killed.append(cluster.restart(victim))
 
     async def thaw_after(self, victim: ChildProcess, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -353,10 +366,12 @@ class Fault:
         for instance, pid, mark in self.frozen_ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-            abandoned = since({instance.name: mark}, instance, "tensor_parallel_ranks_abandoned")
-            if abandoned or instance.returncode is not None:
-                assert await asyncio.to_thread(instance.wait, REQUEST_TIMEOUT_S) == 1
-                self.killed.append(cluster.restart(instance))
+            if since({instance.name: mark}, instance, "tensor_parallel_ranks_abandoned"):
+                # NOTE: it is going down: its watcher starts it again.
+                await asyncio.to_thread(instance.wait, REQUEST_TIMEOUT_S)
+        self.is_undoing = True
+        for watcher in self.watchers:
+            await watcher
         for child in self.killed:
             await asyncio.to_thread(child.wait_for_event, "registered", 60)
 
