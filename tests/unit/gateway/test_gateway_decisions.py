@@ -22,6 +22,7 @@ from pdserve.gateway.decisions import (
     Setback,
     WaitForCapacity,
     decide,
+    draining_id,
     unreachable_id,
 )
 from pdserve.gateway.fleet.instance import InstanceRole
@@ -243,3 +244,12 @@ def test_unreachable_instances_are_the_lost_and_the_blamed_peer() -> None:
     assert unreachable_id(failed(R.PEER_UNAVAILABLE, instanceId="p")) == "p"
     assert unreachable_id(failed(R.INSTANCE_DRAINING, DECODE)) is None
     assert unreachable_id(PREEMPTED) is None
+
+
+def test_a_draining_instance_is_the_one_that_said_so() -> None:
+    assert draining_id(failed(R.INSTANCE_DRAINING)) == "p"  # a prefill going away
+    assert draining_id(failed(R.INSTANCE_DRAINING, DECODE)) == "d"
+    assert draining_id(failed(R.INSTANCE_DRAINING, instanceId="d")) == "d"
+    assert draining_id(failed(R.PEER_UNAVAILABLE)) is None
+    assert draining_id(lost(PREFILL)) is None
+    assert draining_id(PREEMPTED) is None

@@ -24,6 +24,7 @@ from support.memory_cluster import PROMPT_IDS, MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
+from pdserve.gateway.fleet.instance import LoadReport
 from pdserve.gateway.request import GenerationRequest, TokenChunk
 from pdserve.gateway.routing.pools import lease_blocks
 from pdserve.gateway.routing.queue_bounds import QueueLimits
@@ -503,3 +504,22 @@ async def test_every_attempt_gives_its_booked_work_back_to_the_router(
     assert before == 0
     assert cluster.router.loads.unreported_work(prefill.instance_id) == 0
     assert cluster.router.loads.unreported_work(decode.instance_id) == 0
+
+
+async def test_a_prefill_going_down_is_waited_for_instead_of_retried_until_attempts_run_out() -> (
+    None
+):
+    cluster = MemoryCluster()
+    prefill = cluster.add_prefill()
+    cluster.add_decode()
+    # NOTE: the only prefill lost a rank: every call fails as it goes down (its registry entry
+    # still listed until it deregisters), then it is started again under the same id.
+    prefill.script += [fail(R.INSTANCE_DRAINING, instanceId=prefill.instance_id)] * 5
+    request = cluster.request()
+    running = asyncio.ensure_future(cluster.run(request))
+    await eventually(lambda: cluster.metrics.peer_waiting._value.get() == 1, what="a peer wait")
+    assert len(prefill.calls) == 1  # not retried on the instance that said it is going away
+    prefill.script.clear()
+    cluster.registry.heartbeat(prefill.instance_id, LoadReport())  # back, admitting
+    assert (await running).token_ids == expected(request)
+    assert len(prefill.calls) == 2

@@ -53,6 +53,19 @@ def test_unreachable_until_next_heartbeat() -> None:
     assert len(registry.alive()) == 1
 
 
+def test_draining_until_a_heartbeat_says_it_admits() -> None:
+    registry = Registry(ttl_s=5.0, clock=FakeClock())
+    registry.register(instance_info("p1", InstanceRole.PREFILL), LoadReport())
+    version = registry.version
+    registry.mark_draining("p1")
+    entry = registry.get("p1")
+    assert entry is not None and entry.load.is_draining and registry.version > version
+    registry.heartbeat("p1", LoadReport(is_draining=True))  # still going away
+    assert entry.load.is_draining
+    registry.heartbeat("p1", LoadReport())  # started again under the same id
+    assert not entry.load.is_draining
+
+
 def test_static_instances_are_not_dropped_by_ttl() -> None:
     clock = FakeClock()
     registry = Registry(ttl_s=1.0, clock=clock)

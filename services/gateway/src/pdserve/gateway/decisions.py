@@ -249,6 +249,18 @@ def unreachable_id(setback: Setback) -> str | None:
     return None
 
 
+def draining_id(setback: Setback) -> str | None:
+    """The instance a setback says is going away (INSTANCE_DRAINING: it stops admitting, or
+    lost a rank and is going down): the registry takes it out of routing until a heartbeat
+    says otherwise, so that a retry waits for another instance (or this one started again)
+    instead of meeting it again before it deregistered."""
+    if isinstance(setback, Failed) and setback.error.reason is ErrorReason.INSTANCE_DRAINING:
+        roles = _blamed_roles(setback)
+        if len(roles) == 1:
+            return setback.pair.instance(roles.pop()).instance_id
+    return None
+
+
 def _reschedule(
     pair: Pair,
     error: PdserveError,

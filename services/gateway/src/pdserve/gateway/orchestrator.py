@@ -34,6 +34,7 @@ from pdserve.gateway.decisions import (
     Setback,
     WaitForCapacity,
     decide,
+    draining_id,
     unreachable_id,
 )
 from pdserve.gateway.fleet.backend import Backend
@@ -196,6 +197,9 @@ class Orchestrator:
         unreachable = unreachable_id(setback)
         if unreachable is not None:
             self._registry.mark_unreachable(unreachable)
+        draining = draining_id(setback)
+        if draining is not None:
+            self._registry.mark_draining(draining)
         decision = decide(setback, state, self._policy)
         error, pair = setback.error, setback.pair
         fields: dict[str, object] = {"request_id": active.request_id, "reason": error.reason.name}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -217,6 +217,16 @@ class Registry:
             entry.is_reachable = False
             self.version += 1
             log.warning("instance_unreachable", instance_id=instance_id)
+
+    def mark_draining(self, instance_id: str) -> None:
+        """Takes an instance that said it is going away out of routing, until a heartbeat
+        reports it admitting again (a draining one keeps reporting draining; one started
+        again under the same id does not)."""
+        entry = self._entries.get(instance_id)
+        if entry is not None and not entry.load.is_draining:
+            entry.load = replace(entry.load, is_draining=True)
+            self.version += 1
+            log.warning("instance_draining", instance_id=instance_id)
 
     def drop_expired(self) -> list[str]:
         """Removes registered instances whose heartbeat is older than the TTL.
