@@ -6,7 +6,11 @@ thread of its own, profiles every thread of this process, and sends one streamin
 it is called in that window; the registry's heartbeat handling in the same window is counted
 too (it is small and runs on the same loop). Prints the modules, then "N of M gateway modules".
 
-    .venv/bin/python tools/request_path.py [--json]
+With ``--per-token`` it counts calls instead: one request of 8 tokens, one of 40, and the
+modules whose functions were called at least once more per extra token are those on the
+spine of every streamed token after the first (what a long stream pays per token).
+
+    .venv/bin/python tools/request_path.py [--json] [--per-token]
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 GATEWAY = ROOT / "services/gateway/src/pdserve/gateway"
 PACKAGE = "pdserve.gateway"
 
+SHORT_TOKENS, LONG_TOKENS = 8, 40
 _seen: set[str] = set()
+_calls: dict[str, int] = {}
 _recording = False
 
 
@@ -34,6 +40,7 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
         name = frame.f_globals.get("__name__", "")
         if name.startswith(PACKAGE):
             _seen.add(name)
+            _calls[name] = _calls.get(name, 0) + 1
 
 
 def gateway_modules() -> list[str]:
@@ -51,6 +58,11 @@ def main() -> None:
     global _recording
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON instead of a list")
+    parser.add_argument(
+        "--per-token",
+        action="store_true",
+        help="the modules called once more (at least) for each streamed token",
+    )
     args = parser.parse_args()
 
     import httpx
@@ -70,25 +82,37 @@ def main() -> None:
             "stream": True,
         }
         with httpx.Client(timeout=30.0) as client:
+
+            def record(max_tokens: int) -> dict[str, int]:
+                global _recording
+                _calls.clear()
+                _recording = True
+                response = client.post(url, json={**body, "max_tokens": max_tokens})
+                _recording = False
+                response.raise_for_status()
+                assert "[DONE]" in response.text, "the stream did not end"
+                return dict(_calls)
+
             # NOTE: one request first, unrecorded, so lazy imports and caches are warm.
             client.post(url, json=body).raise_for_status()
-            _recording = True
-            response = client.post(url, json=body)
-            _recording = False
-        response.raise_for_status()
-        assert "[DONE]" in response.text, "the stream did not end"
+            short = record(SHORT_TOKENS)
+            long = record(LONG_TOKENS) if args.per_token else {}
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
         cluster.stop()
     every = gateway_modules()
     crossed = sorted(name for name in _seen if name in every)
+    if args.per_token:
+        extra = LONG_TOKENS - SHORT_TOKENS
+        crossed = sorted(name for name in every if long.get(name, 0) - short.get(name, 0) >= extra)
     if args.json:
         print(json.dumps({"modules": crossed, "num_crossed": len(crossed), "num_all": len(every)}))
         return
     for name in crossed:
         print(name)
-    print(f"{len(crossed)} of {len(every)} gateway modules")
+    what = "run for each streamed token" if args.per_token else "on the path"
+    print(f"{len(crossed)} of {len(every)} gateway modules {what}")
 
 
 if __name__ == "__main__":
