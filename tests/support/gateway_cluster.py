@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -80,12 +81,16 @@ class Cluster:
         num_queued_prompt_tokens: int = 0,
         is_registered: bool = True,
         max_model_len: int = MAX_MODEL_LEN,
+        setup: Callable[[FakePrefill], None] | None = None,
     ) -> FakePrefill:
-        """Starts a fake prefill and registers it (reporting the given queue length)."""
+        """Starts a fake prefill and registers it (reporting the given queue length); `setup`
+        configures it first (what the gateway reads from it once it registers: its model)."""
         prefill = await start_instance(FakePrefill(instance_id))
         assert isinstance(prefill, FakePrefill)
         prefill.max_model_len = max_model_len
         prefill.queued_prompt_tokens = num_queued_prompt_tokens
+        if setup is not None:
+            setup(prefill)
         self.prefills.append(prefill)
         if is_registered:
             await register(self.internal_address, prefill)

@@ -38,7 +38,8 @@ DEEPSEEK_CALL = (
 
 async def _start(cluster: Cluster, family: FamilyModel, script: str) -> None:
     await cluster.start_gateway()
-    family.use(await cluster.add_prefill(max_model_len=MAX_MODEL_LEN))
+    # NOTE: the family's model before it registers: the gateway reads it then.
+    await cluster.add_prefill(max_model_len=MAX_MODEL_LEN, setup=family.use)
     await cluster.add_decode(max_model_len=MAX_MODEL_LEN)
     family.script(cluster, script)
 

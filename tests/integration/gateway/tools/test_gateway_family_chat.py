@@ -42,8 +42,8 @@ DEEPSEEK_CALL = (
 
 async def _start(cluster: Cluster, family: FamilyModel) -> Cluster:
     await cluster.start_gateway()
-    prefill = await cluster.add_prefill(max_model_len=MAX_MODEL_LEN)
-    family.use(prefill)
+    # NOTE: the family's model before it registers: the gateway reads it then.
+    await cluster.add_prefill(max_model_len=MAX_MODEL_LEN, setup=family.use)
     await cluster.add_decode(max_model_len=MAX_MODEL_LEN)
     return cluster
 
