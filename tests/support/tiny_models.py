@@ -220,6 +220,29 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # DeepSeek-V2's latent attention without a compressed query (V2-Lite's q_proj), softmax
+    # routing limited to the best group by its best score, not renormalised, scaled.
+    "deepseek_v2": (
+        "deepseek_v2",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "topk_method": "group_limited_greedy",
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 2,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 1.5,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
 
 # NOTE: transformers runs gpt-oss's sinks in its eager attention only.
@@ -264,6 +287,13 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
                 if name.endswith(".router.weight"):
                     # NOTE: logits far enough apart that bf16's rounding rarely swaps an
                     # expert (at the common init a tie decides, in either implementation).
+                    param.normal_(0.0, 0.3)
+    if kind == "deepseek_v2":
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".mlp.gate.weight"):
+                    # NOTE: routing probabilities far enough apart that bf16's rounding rarely
+                    # swaps an expert (no correction bias spreads them, as in V3).
                     param.normal_(0.0, 0.3)
     if kind in ("glm4_moe", "deepseek_v3"):
         with torch.no_grad():

@@ -19,10 +19,10 @@ from pdserve.engine.model import Linear
 # largest difference is 0.08.
 BF16_LOGITS_ATOL = 0.15
 NUM_NEW_TOKENS = 40
-# NOTE: gpt-oss's and DeepSeek-V3's tiny models pick experts by a top-k (of raw logits; within
+# NOTE: gpt-oss's and DeepSeek-V2/V3's tiny models pick experts by a top-k (of raw logits; within
 # groups): bf16's rounding swaps an expert at a position now and then, in transformers as here
 # (a row over 1 off float32 in both), so each bf16 run is compared with float32.
-ROUTING_NEAR_TIES = ("gpt_oss", "deepseek_v3")
+ROUTING_NEAR_TIES = ("gpt_oss", "deepseek_v2", "deepseek_v3")
 
 EngineFactory = Callable[..., LLMEngine]
 ModelFactory = Callable[..., torch.nn.Module]

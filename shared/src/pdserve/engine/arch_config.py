@@ -23,6 +23,7 @@ SUPPORTED_MODEL_TYPES = (
     "ernie4_5_moe",
     "glm4_moe",
     "gpt_oss",
+    "deepseek_v2",
     "deepseek_v3",
 )
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -141,9 +142,11 @@ class MoeConfig:
             DeepSeek-V3), computed in float32, or ``top_logits``: the top-k logits chosen first,
             then a softmax over them alone (gpt-oss).
         num_groups: The experts are split into this many groups; a token's experts come from
-            the `topk_groups` groups whose two best corrected scores sum highest (DeepSeek-V3's
-            group-limited routing; one group: no limit).
+            the `topk_groups` best groups (group-limited routing; one group: no limit).
         topk_groups: See `num_groups`.
+        group_score: How a group scores: ``top2_sum``, its two best corrected scores summed
+            (DeepSeek-V3, GLM-4.5), or ``max``, its best (DeepSeek-V2's
+            ``group_limited_greedy``).
         routed_scaling_factor: Multiplies the routing weights after any renormalisation.
         router_bias: The router's projection has a bias (gpt-oss).
         expert_bias: Each expert's projections have biases (gpt-oss).
@@ -166,6 +169,7 @@ class MoeConfig:
     scoring: str = "softmax"
     num_groups: int = 1
     topk_groups: int = 1
+    group_score: str = "top2_sum"
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
     expert_bias: bool = False

@@ -56,7 +56,8 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
     num_heads = int(hf["num_attention_heads"])
     hidden_size = int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
-    if model_type == "deepseek_v3":
+    is_mla = model_type in ("deepseek_v2", "deepseek_v3")
+    if is_mla:
         # NOTE: as transformers: the RoPE tables span the rotated dims of a head only.
         head_dim = int(hf["qk_rope_head_dim"])
     is_gemma = model_type == "gemma3_text"
@@ -105,7 +106,7 @@ def model_config_fields(hf: dict[str, Any], generation: dict[str, Any] | None) -
         has_attention_sinks=model_type == "gpt_oss",
         local_rope=local_rope,
         moe=_moe(hf, model_type, num_layers),
-        mla=_mla(hf, rope) if model_type == "deepseek_v3" else None,
+        mla=_mla(hf, rope) if is_mla else None,
     )
 
 
@@ -176,6 +177,8 @@ def _moe(hf: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | No
         return _ernie_moe(hf, num_layers)
     if model_type in ("glm4_moe", "deepseek_v3"):
         return _deepseek_style_moe(hf, num_layers)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2_moe(hf, num_layers)
     if model_type == "gpt_oss":
         return MoeConfig(
             num_experts=int(hf.get("num_local_experts", 32)),
@@ -275,6 +278,34 @@ def _deepseek_style_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
         scoring="sigmoid",
         num_groups=int(hf.get("n_group", 1)),
         topk_groups=int(hf.get("topk_group", 1)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _deepseek_v2_moe(hf: dict[str, Any], num_layers: int) -> MoeConfig:
+    """DeepSeek-V2's experts: dense ``first_k_dense_replace`` layers, then softmax scores, the
+    top-k of all (``greedy``) or within the ``topk_group`` best of ``n_group`` groups by their
+    best score (``group_limited_greedy``), not renormalised (as transformers routes it, whatever
+    ``norm_topk_prob`` says) and scaled by ``routed_scaling_factor``; ``n_shared_experts`` as
+    one ungated MLP."""
+    topk_method = str(hf.get("topk_method", "greedy"))
+    if topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"DeepSeek-V2 topk_method {topk_method!r} is not supported")
+    is_grouped = topk_method == "group_limited_greedy"
+    expert_size = int(hf["moe_intermediate_size"])
+    first_moe = int(hf.get("first_k_dense_replace", 0))
+    return MoeConfig(
+        num_experts=int(hf.get("n_routed_experts") or 64),
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 6)),
+        moe_intermediate_size=expert_size,
+        norm_topk_prob=False,
+        moe_layers=tuple(i >= first_moe for i in range(num_layers)),
+        shared_expert_intermediate_size=expert_size * int(hf.get("n_shared_experts", 2)),
+        is_weighting_in_float32=True,
+        is_shared_expert_gated=False,
+        num_groups=int(hf.get("n_group") or 1) if is_grouped else 1,
+        topk_groups=int(hf.get("topk_group") or 1) if is_grouped else 1,
+        group_score="max",
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
     )
 

@@ -186,11 +186,14 @@ class SparseMoeBlock(nn.Module):
 
     def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` with the experts outside each token's `topk_groups` best groups at -inf
-        (a group's score: the sum of its two best)."""
+        (a group's score: the sum of its two best, or its best: `MoeConfig.group_score`)."""
         moe = self.moe
         # grouped: [num_tokens, num_groups, experts per group]
         grouped = choice.view(choice.shape[0], moe.num_groups, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        if moe.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         best = group_scores.topk(moe.topk_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
