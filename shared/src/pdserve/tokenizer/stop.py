@@ -14,6 +14,18 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 
+def partial_tail(text: str, markers: Iterable[str]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of one of `markers`: what a
+    streaming reader holds back, as it may still grow into the marker."""
+    longest = 0
+    for marker in markers:
+        for length in range(min(len(text), len(marker) - 1), longest, -1):
+            if marker.startswith(text[-length:]):
+                longest = length
+                break
+    return longest
+
+
 class StopMatch(NamedTuple):
     """What one chunk of text releases.
 
@@ -42,7 +54,6 @@ class StopStringMatcher:
         self._stop_strings = tuple(dict.fromkeys(stop_strings))
         if any(not stop for stop in self._stop_strings):
             raise ValueError("stop strings must not be empty")
-        self._max_hold = max((len(stop) for stop in self._stop_strings), default=1) - 1
         self._held = ""
         self._stop: str | None = None
         self._is_stopped = False
@@ -84,7 +95,7 @@ class StopStringMatcher:
             self._is_stopped = True
             self._stop = stop
             return StopMatch(buffer[:start], True, stop)
-        num_held = self._num_partial_tail(buffer)
+        num_held = partial_tail(buffer, self._stop_strings)
         self._held = buffer[len(buffer) - num_held :]
         return StopMatch(buffer[: len(buffer) - num_held])
 
@@ -107,11 +118,3 @@ class StopStringMatcher:
             return None
         end, negative_length, stop = best
         return end + negative_length, stop
-
-    def _num_partial_tail(self, buffer: str) -> int:
-        """Length of the longest tail of `buffer` that is a proper prefix of a stop string."""
-        for length in range(min(self._max_hold, len(buffer)), 0, -1):
-            tail = buffer[len(buffer) - length :]
-            if any(stop.startswith(tail) for stop in self._stop_strings):
-                return length
-        return 0

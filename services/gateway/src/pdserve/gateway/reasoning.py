@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from pdserve.gateway.request import OutputDelta
+from pdserve.tokenizer.stop import partial_tail
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -34,14 +35,6 @@ def prompt_opens_thinking(prompt_text: str) -> bool:
     """Whether a rendered prompt ends inside a think block (its template opened one)."""
     tail = prompt_text.rstrip()
     return tail.endswith(THINK_START)
-
-
-def _held_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker` (held back)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ReasoningStream:
@@ -76,7 +69,7 @@ class ReasoningStream:
         if self._state == "reasoning":
             end = text.find(THINK_END)
             if end < 0:
-                keep = 0 if is_last else _held_suffix(text, THINK_END)
+                keep = 0 if is_last else partial_tail(text, (THINK_END,))
                 self._held = text[len(text) - keep :] if keep else ""
                 return text[: len(text) - keep], ""
             self._state = "content"

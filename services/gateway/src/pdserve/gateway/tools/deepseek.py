@@ -35,6 +35,7 @@ from pdserve.gateway.tools.json_calls import (
     ValueEnd,
 )
 from pdserve.gateway.tools.parsers import ToolCallParser
+from pdserve.tokenizer.stop import partial_tail
 
 CALLS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
 CALLS_END = "<\uff5ctool\u2581calls\u2581end\uff5c>"
@@ -45,17 +46,6 @@ MARKUP_TOKENS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 FUNCTION_TYPE = "function"
 MAX_HEAD_CHARS = 256  # a call's type and name, and its lead up to the arguments
 _LEAD = re.compile(r"\s*(?:```[A-Za-z]*)?\s*")  # what may come between a name and "{"
-
-
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is the start of one of `markers`."""
-    longest = 0
-    for marker in markers:
-        for length in range(min(len(text), len(marker) - 1), longest, -1):
-            if marker.startswith(text[-length:]):
-                longest = length
-                break
-    return longest
 
 
 def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
@@ -117,7 +107,7 @@ class DeepSeekParser(ToolCallParser):
         buffer = self._buffer
         start, marker = _first(buffer, (CALLS_BEGIN, CALL_BEGIN))
         if start < 0:
-            keep = _partial_suffix(buffer, (CALLS_BEGIN, CALL_BEGIN))
+            keep = partial_tail(buffer, (CALLS_BEGIN, CALL_BEGIN))
             _add_content(events, buffer[: len(buffer) - keep])
             self._buffer = buffer[len(buffer) - keep :]
             return False
@@ -223,7 +213,7 @@ class DeepSeekParser(ToolCallParser):
         buffer = self._buffer
         end = buffer.find(CALL_END)
         if end < 0:
-            keep = _partial_suffix(buffer, (CALL_END,))
+            keep = partial_tail(buffer, (CALL_END,))
             self._raw += buffer[: len(buffer) - keep]
             self._buffer = buffer[len(buffer) - keep :]
             return False

@@ -50,6 +50,7 @@ from pdserve.gateway.tools.json_calls import (
     ReasoningAdded,
 )
 from pdserve.gateway.tools.parsers import ToolCallParser
+from pdserve.tokenizer.stop import partial_tail
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
@@ -65,17 +66,6 @@ MAX_HEADER_CHARS = 256
 
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _RECIPIENT = re.compile(r"(?:^|\s|>)to=([^\s<]+)")
-
-
-def _partial_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that is the start of one of `markers`."""
-    longest = 0
-    for marker in markers:
-        for length in range(min(len(text), len(marker) - 1), longest, -1):
-            if marker.startswith(text[-length:]):
-                longest = length
-                break
-    return longest
 
 
 class _Header(NamedTuple):
@@ -142,7 +132,7 @@ class HarmonyParser(ToolCallParser):
             return True
         end, marker = _first_marker(buffer, BODY_ENDS)
         if end < 0:
-            keep = _partial_suffix(buffer, BODY_ENDS)
+            keep = partial_tail(buffer, BODY_ENDS)
             self._body(buffer[: len(buffer) - keep], events)
             self._buffer = buffer[len(buffer) - keep :]
             return False

@@ -33,6 +33,7 @@ from pdserve.gateway.tools.json_calls import (
     ReasoningAdded,
     ValueEnd,
 )
+from pdserve.tokenizer.stop import partial_tail
 
 __all__ = [
     "ArgumentsAdded",
@@ -49,15 +50,6 @@ __all__ = [
 HERMES_START = "<tool_call>"
 HERMES_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is the start of `marker` (held back, as it may
-    be the marker's first characters)."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def _content(text: str) -> list[ParseEvent]:
@@ -109,7 +101,7 @@ class HermesParser(ToolCallParser):
         buffer = self._buffer + text
         start = buffer.find(HERMES_START)
         if start < 0:
-            keep = _partial_suffix(buffer, HERMES_START)
+            keep = partial_tail(buffer, (HERMES_START,))
             events += _content(buffer[: len(buffer) - keep])
             self._buffer = buffer[len(buffer) - keep :]
             return ""
