@@ -15,6 +15,7 @@ the writer numbers and sends them (a non-streamed response only reads `items`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from pdserve.gateway.request import OutputDelta
@@ -30,6 +31,39 @@ class Event(NamedTuple):
     fields: dict[str, Any]
 
 
+class _TextKind(NamedTuple):
+    """How an item of text (a message, reasoning) is made and streamed."""
+
+    id_prefix: str
+    fields: dict[str, Any]  # the item's own fields, beside id, type, status and its part
+    part: Callable[[str], dict[str, Any]]
+    delta_event: str
+    done_event: str
+    event_fields: dict[str, Any]  # more fields of its delta and done events
+
+
+def output_text(text: str) -> dict[str, Any]:
+    """An ``output_text`` content part."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    """A ``reasoning_text`` content part (of a ``reasoning`` item)."""
+    return {"type": "reasoning_text", "text": text}
+
+
+_TEXT_KINDS = {
+    "reasoning": _TextKind(
+        "rs", {"summary": []}, reasoning_text,
+        "response.reasoning_text.delta", "response.reasoning_text.done", {},
+    ),
+    "message": _TextKind(
+        "msg", {"role": "assistant"}, output_text,
+        "response.output_text.delta", "response.output_text.done", {"logprobs": []},
+    ),
+}  # fmt: skip
+
+
 class OutputItems:
     """The output items of one completion, built delta by delta.
 
@@ -41,28 +75,14 @@ class OutputItems:
         self._request_id = request_id
         self.items: list[dict[str, Any]] = []
         self._is_open = False  # whether the last item is still being written
-        self._num_messages = 0
-        self._num_reasonings = 0
+        self._num_opened = dict.fromkeys(_TEXT_KINDS, 0)  # text items of each kind so far
 
     def step(self, delta: OutputDelta) -> list[Event]:
         """The events of one delta: its reasoning, its text, then its calls' steps."""
         events: list[Event] = []
-        if delta.reasoning:
-            if not self._is_open_as("reasoning"):
-                events += self._close("completed")
-                events += self._open_reasoning()
-            item = self.items[-1]
-            item["content"][CONTENT_INDEX]["text"] += delta.reasoning
-            events.append(self._text_event("response.reasoning_text.delta", delta=delta.reasoning))
-        if delta.text:
-            if not self._is_open_as("message"):
-                events += self._close("completed")
-                events += self._open_message()
-            item = self.items[-1]
-            item["content"][CONTENT_INDEX]["text"] += delta.text
-            events.append(
-                self._text_event("response.output_text.delta", delta=delta.text, logprobs=[])
-            )
+        for kind, text in (("reasoning", delta.reasoning), ("message", delta.text)):
+            if text:
+                events += self._text_step(kind, text)
         for call in delta.tool_calls:
             events += self._call_step(call)
         return events
@@ -70,7 +90,7 @@ class OutputItems:
     def finish(self, status: str) -> list[Event]:
         """The events that close the last item with `status` (an empty message when there
         were no items)."""
-        events = [] if self.items else self._open_message()
+        events = [] if self.items else self._open_text("message")
         return events + self._close(status)
 
     def output(self, status: str, with_text: bool = False) -> list[dict[str, Any]]:
@@ -81,7 +101,7 @@ class OutputItems:
         if self._is_open:
             last = items[-1]
             last["status"] = status
-            is_text = last["type"] in ("message", "reasoning")
+            is_text = last["type"] in _TEXT_KINDS
             if is_text and status == "in_progress" and not with_text:
                 last["content"] = []
         return items
@@ -91,38 +111,33 @@ class OutputItems:
     def _is_open_as(self, kind: str) -> bool:
         return self._is_open and self.items[-1]["type"] == kind
 
-    def _open_message(self) -> list[Event]:
-        suffix = f"_{self._num_messages}" if self._num_messages else ""
-        self._num_messages += 1
-        item = {
-            "id": f"msg_{self._request_id}{suffix}",
-            "type": "message",
-            "status": "in_progress",
-            "role": "assistant",
-            "content": [output_text("")],
-        }
-        self.items.append(item)
-        self._is_open = True
-        return [
-            self._added({**item, "content": []}),
-            self._text_event("response.content_part.added", part=output_text("")),
-        ]
+    def _text_step(self, kind: str, text: str) -> list[Event]:
+        """`text` added to the open item of `kind` (one opened after the others closed)."""
+        events: list[Event] = []
+        if not self._is_open_as(kind):
+            events += self._close("completed")
+            events += self._open_text(kind)
+        self.items[-1]["content"][CONTENT_INDEX]["text"] += text
+        spec = _TEXT_KINDS[kind]
+        events.append(self._text_event(spec.delta_event, delta=text, **spec.event_fields))
+        return events
 
-    def _open_reasoning(self) -> list[Event]:
-        suffix = f"_{self._num_reasonings}" if self._num_reasonings else ""
-        self._num_reasonings += 1
+    def _open_text(self, kind: str) -> list[Event]:
+        spec = _TEXT_KINDS[kind]
+        count = self._num_opened[kind]
+        self._num_opened[kind] = count + 1
         item = {
-            "id": f"rs_{self._request_id}{suffix}",
-            "type": "reasoning",
+            "id": f"{spec.id_prefix}_{self._request_id}" + (f"_{count}" if count else ""),
+            "type": kind,
             "status": "in_progress",
-            "summary": [],
-            "content": [reasoning_text("")],
+            **spec.fields,
+            "content": [spec.part("")],
         }
         self.items.append(item)
         self._is_open = True
         return [
             self._added({**item, "content": []}),
-            self._text_event("response.content_part.added", part=reasoning_text("")),
+            self._text_event("response.content_part.added", part=spec.part("")),
         ]
 
     def _call_step(self, call: ToolCallDelta) -> list[Event]:
@@ -160,16 +175,11 @@ class OutputItems:
         item["status"] = status
         where = {"item_id": item["id"], "output_index": self._index}
         events = []
-        if item["type"] == "message":
+        spec = _TEXT_KINDS.get(item["type"])
+        if spec is not None:
             part = item["content"][CONTENT_INDEX]
             events += [
-                self._text_event("response.output_text.done", text=part["text"], logprobs=[]),
-                self._text_event("response.content_part.done", part=dict(part)),
-            ]
-        elif item["type"] == "reasoning":
-            part = item["content"][CONTENT_INDEX]
-            events += [
-                self._text_event("response.reasoning_text.done", text=part["text"]),
+                self._text_event(spec.done_event, text=part["text"], **spec.event_fields),
                 self._text_event("response.content_part.done", part=dict(part)),
             ]
         else:
@@ -203,13 +213,3 @@ class OutputItems:
                 **fields,
             },
         )
-
-
-def output_text(text: str) -> dict[str, Any]:
-    """An ``output_text`` content part."""
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def reasoning_text(text: str) -> dict[str, Any]:
-    """A ``reasoning_text`` content part (of a ``reasoning`` item)."""
-    return {"type": "reasoning_text", "text": text}
