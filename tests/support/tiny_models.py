@@ -29,6 +29,22 @@ COMMON: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+# DeepSeek's latent attention and expert layout, shared by the V2 and V3 tiny models: a dense
+# first layer, then 8 experts in 2 groups of which 1 is chosen, top 2.
+_LATENT_MOE: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 32,
+}
+
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # GQA, untied, Llama 3.1 rope scaling with a short original context so it matters.
     "llama3": (
@@ -193,19 +209,9 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3": (
         "deepseek_v3",
         {
-            "num_key_value_heads": 4,
+            **_LATENT_MOE,
             "q_lora_rank": 24,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
-            "n_group": 2,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
             "n_shared_experts": 1,
-            "moe_intermediate_size": 32,
             "routed_scaling_factor": 2.5,
             "rope_parameters": {
                 "rope_type": "yarn",
@@ -225,20 +231,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v2": (
         "deepseek_v2",
         {
-            "num_key_value_heads": 4,
+            **_LATENT_MOE,
             "q_lora_rank": None,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_routed_experts": 8,
-            "num_experts_per_tok": 2,
             "topk_method": "group_limited_greedy",
-            "n_group": 2,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
             "n_shared_experts": 2,
-            "moe_intermediate_size": 32,
             "routed_scaling_factor": 1.5,
             "tie_word_embeddings": False,
         },
