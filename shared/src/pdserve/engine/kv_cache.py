@@ -46,6 +46,11 @@ class KVCacheLayout:
         """Bytes of one block of the cache: K and V in every layer."""
         return 2 * self.num_layers * self.block_nbytes
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The shape of a cache of `num_blocks` blocks:
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
 
 class KVBlockData(NamedTuple):
     """K and V bytes of a run of blocks in one layer (see ``KVCache.export_blocks``)."""
@@ -118,14 +123,7 @@ class KVCache:
         self.block_size = layout.block_size
         self.device = device
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
-        shape = (
-            layout.num_layers,
-            2,
-            num_blocks,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        )
+        shape = layout.cache_shape(num_blocks)
         self.shared_path: Path | None = None
         if kv is not None and tuple(kv.shape) != shape:
             raise ValueError(f"storage of shape {tuple(kv.shape)} for a cache of shape {shape}")

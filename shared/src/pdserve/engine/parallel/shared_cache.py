@@ -41,17 +41,6 @@ def _map(path: Path, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
     return flat.view(dtype)
 
 
-def _shape(layout: KVCacheLayout, num_blocks: int) -> tuple[int, ...]:
-    return (
-        layout.num_layers,
-        2,
-        num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
-
-
 def create_shared_cache(
     layout: KVCacheLayout, num_blocks: int, directory: Path = DEFAULT_DIR
 ) -> KVCache:
@@ -72,7 +61,7 @@ def create_shared_cache(
     finally:
         os.close(fd)
     dtype = getattr(torch, layout.dtype)
-    kv = _map(path, nbytes, dtype).view(_shape(layout, num_blocks))
+    kv = _map(path, nbytes, dtype).view(layout.cache_shape(num_blocks))
     cache = KVCache(layout, num_blocks, torch.device("cpu"), kv=kv)
     cache.shared_path = path
     log.info("tensor_parallel_cache_created", name=path.name, num_bytes=nbytes)
@@ -83,7 +72,7 @@ def attach_head_slice(path: Path, layout: KVCacheLayout, num_blocks: int, heads:
     """A rank's view of the shared cache file: only its `heads` (`head_slice`); `layout` is
     the whole cache's."""
     nbytes = num_blocks * layout.total_block_nbytes
-    full = _map(path, nbytes, getattr(torch, layout.dtype)).view(_shape(layout, num_blocks))
+    full = _map(path, nbytes, getattr(torch, layout.dtype)).view(layout.cache_shape(num_blocks))
     return head_slice(KVCache(layout, num_blocks, torch.device("cpu"), kv=full), heads)
 
 

@@ -196,15 +196,7 @@ def open_cache(
             keep = pool
     except (OSError, ValueError, RuntimeError, UnicodeDecodeError) as error:
         raise CacheUnavailable(str(error)) from None
-    num_blocks = handle.num_bytes // per_block
-    shape = (
-        layout.num_layers,
-        2,
-        num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+    shape = layout.cache_shape(handle.num_bytes // per_block)
     return OpenedCache(flat.view(getattr(torch, layout.dtype)).view(shape), keep)
 
 
