@@ -243,9 +243,7 @@ def unreachable_id(setback: Setback) -> str | None:
     if isinstance(setback, Lost):
         return setback.instance_id
     if isinstance(setback, Failed) and setback.error.reason is ErrorReason.PEER_UNAVAILABLE:
-        roles = _blamed_roles(setback)
-        if len(roles) == 1:
-            return setback.pair.instance(roles.pop()).instance_id
+        return _blamed_instance(setback)
     return None
 
 
@@ -255,10 +253,14 @@ def draining_id(setback: Setback) -> str | None:
     says otherwise, so that a retry waits for another instance (or this one started again)
     instead of meeting it again before it deregistered."""
     if isinstance(setback, Failed) and setback.error.reason is ErrorReason.INSTANCE_DRAINING:
-        roles = _blamed_roles(setback)
-        if len(roles) == 1:
-            return setback.pair.instance(roles.pop()).instance_id
+        return _blamed_instance(setback)
     return None
+
+
+def _blamed_instance(setback: Failed) -> str | None:
+    """The one instance of the pair the error's retry scope blames (None: both or neither)."""
+    roles = _blamed_roles(setback)
+    return setback.pair.instance(roles.pop()).instance_id if len(roles) == 1 else None
 
 
 def _reschedule(
