@@ -22,23 +22,24 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-import httpx
 import pytest
-import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.chart import (
+    RELEASE,
+    container_ports,
+    grpc_probe,
+    helm_template,
+    http_probe,
+    until,
+)
 
 from pdserve.common.env import ENV_CACHE_DIR, cache_dir
 from pdserve.engine.model_store import ResolvedModel
 
-CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "pdserve"
 BIN = Path(sys.executable).parent
-RELEASE = "t"
 POD_IP = "127.0.0.1"
 START_TIMEOUT_S = 120.0
 # The containers' paths, and where each pod's stand-in lives under the test's directory.
@@ -49,16 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((POD_IP, 0))
         return int(s.getsockname()[1])
-
-
-def render(values: dict[str, str]) -> list[dict[str, Any]]:
-    sets = [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
-    done = subprocess.run(
-        [str(BIN / "helm"), "template", RELEASE, str(CHART), *sets],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 class Pod:
@@ -123,6 +114,9 @@ class Pod:
     def log(self) -> str:
         return (self.directory / "main.log").read_text(errors="replace")
 
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
     def stop(self) -> int | None:
         """SIGTERM (as on a pod's deletion), then the exit code within the grace period."""
         if self.process is None or self.process.poll() is not None:
@@ -136,43 +130,12 @@ class Pod:
             return None
 
 
-def grpc_probe(probe: dict[str, Any]) -> bool:
-    """A kubelet gRPC probe: SERVING for the probe's service ("" when none)."""
-    request = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
-    with grpc.insecure_channel(f"{POD_IP}:{probe['grpc']['port']}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=2)
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def http_probe(probe: dict[str, Any], ports: dict[str, int]) -> bool:
-    """A kubelet HTTP probe: a 2xx or 3xx answer."""
-    get = probe["httpGet"]
-    port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
-    try:
-        return httpx.get(f"http://{POD_IP}:{port}{get['path']}", timeout=2).status_code < 400
-    except httpx.HTTPError:
-        return False
-
-
 def log_records(pod: Pod) -> list[dict[str, Any]]:
     records = []
     for line in pod.log().splitlines():
         with contextlib.suppress(ValueError):
             records.append(json.loads(line))
     return records
-
-
-def until(check: Any, timeout_s: float, what: str, pods: list[Pod]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        dead = [pod.name for pod in pods if pod.process and pod.process.poll() is not None]
-        if dead or time.monotonic() > deadline:
-            logs = "\n".join(f"--- {pod.name}\n{pod.log()[-3000:]}" for pod in pods)
-            pytest.fail(f"{what}: not within {timeout_s} s (exited: {dead})\n{logs}")
-        time.sleep(0.2)
 
 
 @pytest.fixture
@@ -188,7 +151,7 @@ def pods(tmp_path: Path, smollm2: ResolvedModel) -> Iterator[tuple[list[Pod], li
              "decode.healthPort", "decode.metricsPort"]  # fmt: skip
     values = {key: str(free_port()) for key in ports}
     values |= {"decode.replicas": "1", "prefill.numThreads": "1", "decode.numThreads": "1"}
-    docs = render(values)
+    docs = helm_template(values)
     etcd_port, etcd_peer_port = free_port(), free_port()
     renames = {
         f"{RELEASE}-pdserve-etcd:2379": f"{POD_IP}:{etcd_port}",
@@ -211,8 +174,9 @@ def pods(tmp_path: Path, smollm2: ResolvedModel) -> Iterator[tuple[list[Pod], li
             pod.start({ENV_CACHE_DIR: str(cache_dir())})
             started.append(pod)
             if component == "etcd":
-                until(lambda pod=pod: http_probe(pod.main["readinessProbe"], {"client": etcd_port}),
-                      30, "etcd readiness", started)  # fmt: skip
+                ready = pod.main["readinessProbe"]
+                until(lambda ready=ready: http_probe(ready, {"client": etcd_port}, POD_IP), 30,
+                      "etcd readiness", started)  # fmt: skip
         yield started[1:], docs
 
 
@@ -220,13 +184,15 @@ def test_the_charts_pods_start_pass_their_probes_and_answer(pods) -> None:
     started, docs = pods
     prefill, decode, gateway = started
     for pod in (prefill, decode):
-        until(lambda pod=pod: grpc_probe(pod.main["startupProbe"]), START_TIMEOUT_S,
+        until(lambda pod=pod: grpc_probe(pod.main["startupProbe"], POD_IP), START_TIMEOUT_S,
               f"{pod.name} startup probe", started)  # fmt: skip
-        assert grpc_probe(pod.main["readinessProbe"]) and grpc_probe(pod.main["livenessProbe"])
-    ports = {port["name"]: port["containerPort"] for port in gateway.main["ports"]}
-    until(lambda: http_probe(gateway.main["readinessProbe"], ports), 30,
+        assert all(
+            grpc_probe(pod.main[kind], POD_IP) for kind in ("readinessProbe", "livenessProbe")
+        )
+    ports = container_ports(gateway.main)
+    until(lambda: http_probe(gateway.main["readinessProbe"], ports, POD_IP), 30,
           "gateway readiness (/health: a registered pair)", started)  # fmt: skip
-    assert http_probe(gateway.main["livenessProbe"], ports)
+    assert http_probe(gateway.main["livenessProbe"], ports, POD_IP)
 
     # Each instance runs under its pod's certificate: the instance id is the pod name.
     for pod, event in ((prefill, "prefill_started"), (decode, "decode_started")):

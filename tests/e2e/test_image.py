@@ -35,17 +35,16 @@ from typing import Any
 
 import openai
 import pytest
+from support.chart import helm_template, until
 from support.etcd_server import running_etcd
 from support.image_pods import (
     IMAGE,
     ContainerPod,
     ensure_image,
     free_port,
-    helm_template,
     podman,
     probe,
     session_containers,
-    until,
     workload,
 )
 from support.launcher_cli import running_launcher

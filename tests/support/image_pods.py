@@ -24,20 +24,20 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
-import httpx
 import pytest
-import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from support.chart import (
+    container_ports,
+    grpc_probe,
+    http_probe,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "pdserve"
 IMAGE = os.environ.get("IMAGE") or "pdserve:0.1.0"
-RELEASE = "t"
 TEST_LABEL = "org.pdserve.test"
 
 
@@ -85,16 +85,6 @@ def free_port(hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
             except OSError:
                 continue
         return port
-
-
-def helm_template(values: dict[str, str]) -> list[dict[str, Any]]:
-    """The chart rendered by helm with `values` (``--set``)."""
-    sets = [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
-    helm = Path(sys.executable).parent / "helm"
-    done = subprocess.run([str(helm), "template", RELEASE, str(CHART), *sets],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def workload(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:
@@ -266,49 +256,12 @@ def new_session() -> str:
     return uuid.uuid4().hex[:8]
 
 
-def grpc_probe(probe: dict[str, Any], host: str) -> bool:
-    """A kubelet gRPC probe: SERVING for the probe's service ("" when none)."""
-    request = health_pb2.HealthCheckRequest(service=probe["grpc"].get("service", ""))
-    with grpc.insecure_channel(f"{host}:{probe['grpc']['port']}") as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=2)
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def http_probe(probe: dict[str, Any], container: dict[str, Any], host: str) -> bool:
-    """A kubelet HTTP probe (a named port resolved from the container's ports): 2xx or 3xx."""
-    get = probe["httpGet"]
-    ports = {port["name"]: port["containerPort"] for port in container.get("ports", [])}
-    port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
-    try:
-        return httpx.get(f"http://{host}:{port}{get['path']}", timeout=2).status_code < 400
-    except httpx.HTTPError:
-        return False
-
-
 def probe(pod: ContainerPod, kind: str) -> bool:
     """The pod's main container's `kind` probe (startupProbe, readinessProbe, livenessProbe)."""
     spec = pod.main[kind]
     if "grpc" in spec:
         return grpc_probe(spec, pod.pod_ip)
-    return http_probe(spec, pod.main, pod.pod_ip)
-
-
-def until(
-    check: Callable[[], bool], timeout_s: float, what: str, pods: list[ContainerPod]
-) -> float:
-    """Polls `check` until it holds (the monotonic time then); fails with every pod's log when
-    time runs out or a pod's container exits first."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        dead = [pod.name for pod in pods if pod.exited()]
-        if dead or time.monotonic() > deadline:
-            logs = "\n".join(f"--- {pod.name}\n{pod.log()[-3000:]}" for pod in pods)
-            pytest.fail(f"{what}: not within {timeout_s} s (exited: {dead})\n{logs}")
-        time.sleep(0.1)
-    return time.monotonic()
+    return http_probe(spec, container_ports(pod.main), pod.pod_ip)
 
 
 @contextlib.contextmanager
