@@ -432,6 +432,11 @@ def by_name(cluster: ProcessCluster, name: str) -> ChildProcess:
     return next(c for c in cluster.instances if c.name == name)
 
 
+def gateway_of(cluster: ProcessCluster) -> ChildProcess:
+    assert cluster.gateway is not None
+    return cluster.gateway
+
+
 # ---- one cell ----------------------------------------------------------------------------------
 
 
@@ -524,8 +529,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     "a request waiting in the admission queue",
                 )
                 if cell.role == "gateway":
-                    assert cluster.gateway is not None
-                    victim = cluster.gateway
+                    victim = gateway_of(cluster)
                 elif cell.role == "decode":
                     held = leased(cluster, mark, "decode")()
                     victim = by_name(cluster, max(held, key=lambda n: held[n]))
@@ -544,8 +548,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     computing = by_name(cluster, max(held, key=lambda n: held[n]))
                     assert held[computing.name] > 0, "no prompt was in prefill"
                     if cell.role == "gateway":
-                        assert cluster.gateway is not None
-                        victim = cluster.gateway
+                        victim = gateway_of(cluster)
                     elif cell.role == "prefill":
                         victim = computing
                     else:
@@ -572,8 +575,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                             task.cancel()  # the client goes away while the decodes hold them
                         await asyncio.wait(tasks)
                     if cell.role == "gateway":
-                        assert cluster.gateway is not None
-                        victim = cluster.gateway
+                        victim = gateway_of(cluster)
                     elif cell.role == "prefill":
                         computed = {
                             p.name: len(since(mark, p, "first_token")) for p in cluster.prefills
@@ -621,8 +623,7 @@ async def land_while_decoding(
             computed = {p.name: len(since(mark, p, "first_token")) for p in cluster.prefills}
             victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
         elif cell.role == "gateway":
-            assert cluster.gateway is not None
-            victim = cluster.gateway
+            victim = gateway_of(cluster)
         fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
 
 
