@@ -6,6 +6,7 @@ to the model's files and receives them from a prefill instance (``GetModelInfo``
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -169,6 +170,13 @@ class Tokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         """Ids that end generation: the named EOS token first, then the extra ones."""
         return self._eos_token_ids
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (those a decode without special tokens
+        leaves out)."""
+        added = self._backend.get_added_tokens_decoder()
+        return frozenset(int(i) for i, token in added.items() if token.special)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token string (e.g. ``"<|end|>"``), or None if unknown."""

@@ -8,41 +8,10 @@ special tokens a chat format's parser reads (harmony's ``<|channel|>``...) in th
 
 from __future__ import annotations
 
-import json
-import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from pdserve.tokenizer import SupportsDecode, TextStream, Tokenizer
-
-_special_ids: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
-
-
-def special_token_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """The ids of the tokenizer's special tokens (the added tokens ``tokenizer.json`` marks
-    special: those ``skip_special_tokens`` leaves out); read once per tokenizer."""
-    ids = _special_ids.get(tokenizer)
-    if ids is None:
-        added = _added_tokens(tokenizer.tokenizer_json)
-        ids = frozenset(int(t["id"]) for t in added if t.get("special"))
-        _special_ids[tokenizer] = ids
-    return ids
-
-
-def _added_tokens(tokenizer_json: str) -> list[dict[str, Any]]:
-    """The ``added_tokens`` of a ``tokenizer.json``."""
-    # NOTE: the list comes before the (large) vocabulary in the files the tokenizers library
-    # writes; it alone is read when it can be found, not the whole file.
-    key = tokenizer_json.find('"added_tokens"')
-    start = tokenizer_json.find("[", key) if key >= 0 else -1
-    if start >= 0 and tokenizer_json[key + len('"added_tokens"') : start].strip() == ":":
-        try:
-            value, _ = json.JSONDecoder().raw_decode(tokenizer_json, start)
-        except ValueError:
-            value = None
-        if isinstance(value, list):
-            return value
-    return list(json.loads(tokenizer_json).get("added_tokens") or [])
 
 
 def markup_skips(tokenizer: Tokenizer, markup_tokens: Sequence[str]) -> frozenset[int] | None:
@@ -51,7 +20,7 @@ def markup_skips(tokenizer: Tokenizer, markup_tokens: Sequence[str]) -> frozense
     them)."""
     if not markup_tokens:
         return None
-    special = special_token_ids(tokenizer)
+    special = tokenizer.special_token_ids
     kept = {tokenizer.token_to_id(token) for token in markup_tokens} & special
     return special - kept if kept else None
 
