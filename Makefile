@@ -72,13 +72,15 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package.json $(NO
 		cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund; \
 	else echo "npm not found: tests/e2e/test_node_client.py will be skipped"; fi
 
-system-deps:  ## install the system packages the tests run (redis-server: KV store; etcd: shared registry; iproute2: test hosts; podman, runc, debootstrap: the image)
+system-deps:  ## install the system packages the tests run (redis-server: KV store; etcd: shared registry; iproute2, iptables: test hosts; podman, runc, debootstrap: the image)
 	@command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends redis-server)
 	@command -v etcd >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends etcd-server)
 	@command -v ip >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends iproute2)
+	@command -v iptables >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends iptables)
 	@(command -v podman && command -v runc && command -v debootstrap) >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends podman runc debootstrap)
 	@$(SUDO) deploy/podman-setup.sh

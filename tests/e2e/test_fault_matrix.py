@@ -39,7 +39,9 @@ import openai
 import pytest
 from support.etcd_server import EtcdServer, running_etcd
 from support.eventually import eventually
-from support.fault_matrix import BUILT, Cell, record
+from support.fault_matrix import BUILT, NETWORK_FAULTS, Cell, record
+from support.multi_host import MultiHostCluster, started_across
+from support.netns import TestNetwork
 from support.process_cluster import (
     ProcessCluster,
     running_cluster,
@@ -53,6 +55,7 @@ from support.resumable_sse import SseEvent, chat_content, sse_events
 
 from pdserve.common.errors import ErrorReason
 from pdserve.launcher.child import ChildProcess
+from pdserve.launcher.config import ClusterConfig
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
@@ -78,6 +81,13 @@ DECODE_BLOCKS = 200
 # other short timeouts; a loaded step waits on a rank for milliseconds.
 TP2 = "--tensor-parallel-size 2 --num-threads 1 --tensor-parallel-step-timeout-s 5"
 SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
+# NOTE: the gateway cut off from every instance is joined again after this (no outcome comes
+# in meanwhile: it hears no instance), longer than an instance's TTL: it drops them all first.
+GATEWAY_CUT_S = 4.0
+# NOTE: a slowed link: a long prompt's KV (~5 MB of float32) takes about a second through it.
+SLOW_RATE = "40mbit"
+SLOW_DELAY_MS = 50
+NET_HOSTS = ("gateway", "prefill-0", "prefill-1", "decode-0", "decode-1")
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
 
 # NOTE: what a transport says when a connection breaks; a client must never read it.
@@ -104,6 +114,32 @@ def reference(demo_model_dir: Path) -> Reference:
     return Reference(demo_model_dir)
 
 
+def matrix_settings(lease_ttl_ms: int, instance_args: str = "") -> dict[str, str]:
+    """The `ClusterConfig` fields of every cell's cluster: two decodes of `DECODE_BLOCKS`
+    blocks, prefills that compute 16 tokens a pass, short timeouts (`instance_args`: more
+    flags of both, e.g. tensor parallelism)."""
+    # NOTE: a frozen instance stops heartbeating: the gateway drops it after 2 s and moves the
+    # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease.
+    return {
+        "prefill_args": f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms "
+        f"1500 {instance_args}",
+        "decode_args": f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} "
+        f"{instance_args}",
+        "gateway_args": f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
+        f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+    }
+
+
+@contextlib.contextmanager
+def thawed_at_end(cluster: ProcessCluster) -> Iterator[ProcessCluster]:
+    """`cluster`, every frozen process of it thawed at the end."""
+    try:
+        yield cluster
+    finally:
+        for child in cluster.instances:
+            child.signal(signal.SIGCONT)
+
+
 @contextlib.contextmanager
 def matrix_cluster_of(
     model_dir: Path,
@@ -114,28 +150,20 @@ def matrix_cluster_of(
     instance_args: str = "",
     **settings: Any,
 ) -> Iterator[ProcessCluster]:
-    """The cells' cluster: `prefills` prefills and two decodes (`instance_args`: more flags of
-    both, e.g. tensor parallelism; `settings`: more `ClusterConfig` fields); every frozen
-    process is thawed at the end."""
-    # NOTE: a frozen instance stops heartbeating: the gateway drops it after 2 s and moves the
-    # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease.
-    with running_cluster(
-        model_dir,
-        log_dir,
-        prefills=prefills,
-        decodes=2,
-        prefill_args=f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms 1500 "
-        f"{instance_args}",
-        decode_args=f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} {instance_args}",
-        gateway_args=f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
-        f"--instance-ttl-s {INSTANCE_TTL_S:g}",
-        **settings,
-    ) as cluster:
-        try:
-            yield cluster
-        finally:
-            for child in cluster.instances:
-                child.signal(signal.SIGCONT)
+    """The cells' cluster: `prefills` prefills and two decodes (`matrix_settings`; `settings`:
+    more `ClusterConfig` fields)."""
+    with (
+        running_cluster(
+            model_dir,
+            log_dir,
+            prefills=prefills,
+            decodes=2,
+            **matrix_settings(lease_ttl_ms, instance_args),
+            **settings,
+        ) as cluster,
+        thawed_at_end(cluster),
+    ):
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +174,34 @@ def matrix_cluster(
     log_dir = tmp_path_factory.mktemp("fault-matrix")
     with matrix_cluster_of(demo_model_dir, log_dir, prefills=2, lease_ttl_ms=3000) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def net_matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    """The cluster of the network cells: the gateway, two prefills and two decodes each on a
+    test host of its own (`support.netns`), reaching each other only over the network (KV over
+    TCP: shared memory would go round a cut link)."""
+    log_dir = tmp_path_factory.mktemp("fault-matrix-net")
+    settings = matrix_settings(3000)
+    settings["prefill_args"] = f"--dtype float32 {settings['prefill_args']}"
+    settings["decode_args"] = f"--dtype float32 --kv-transports tcp {settings['decode_args']}"
+    with TestNetwork(NET_HOSTS) as network:
+        config = ClusterConfig(
+            model=str(demo_model_dir),
+            prefills=2,
+            decodes=2,
+            host=network.hosts["gateway"].address,
+            port=0,
+            grpc_port=0,
+            internal_port=0,
+            log_dir=str(log_dir),
+            startup_timeout_s=120,
+            **settings,
+        )
+        with started_across(config, network) as cluster, thawed_at_end(cluster):
+            yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -280,11 +336,27 @@ class Fault:
     is_undoing: bool = False
     gone: list[RedisServer | EtcdServer] = field(default_factory=list)
     comeback: asyncio.Task[None] | None = None
+    links: list[str] = field(default_factory=list)  # test hosts cut off or slowed
 
     def land(
         self, cluster: ProcessCluster, kind: str, victim: ChildProcess, *, rank: bool = False
     ) -> None:
-        if kind in SERVER_FAULTS:
+        if kind in NETWORK_FAULTS:
+            # NOTE: the victim's host: a prefill or decode is cut off from every host (its
+            # link is down), a gateway from the instances only (clients still reach it); a
+            # slowed link is slow both ways. All are restored once the outcome is in; a
+            # gateway cut off, after a while (no outcome comes in before).
+            assert isinstance(cluster, MultiHostCluster) and not rank
+            network = cluster.network
+            self.links.append(victim.name)
+            if kind == "slow_link":
+                network.slow(victim.name, SLOW_RATE, SLOW_DELAY_MS)
+            elif victim is cluster.gateway:
+                network.cut(victim.name, [child.name for child in cluster.instances])
+                self.comeback = asyncio.create_task(self.restore_after(network, GATEWAY_CUT_S))
+            else:
+                network.partition(victim.name)
+        elif kind in SERVER_FAULTS:
             # NOTE: the victim only marks the phase held; the store or registry goes away.
             servers: Servers = cluster.servers  # type: ignore[attr-defined]
             server = servers.store if kind == "store_gone" else servers.registry
@@ -340,6 +412,11 @@ class Fault:
         assert victim.returncode == 1, victim.describe_exit()
         self.killed.append(cluster.restart(victim))
 
+    async def restore_after(self, network: TestNetwork, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        for name in self.links:
+            network.restore(name)
+
     async def thaw_after(self, victim: ChildProcess, seconds: float) -> None:
         await asyncio.sleep(seconds)
         victim.signal(signal.SIGCONT)
@@ -359,6 +436,10 @@ class Fault:
     async def undo(self, cluster: ProcessCluster) -> None:
         if self.comeback is not None:
             await self.comeback
+        if self.links:
+            assert isinstance(cluster, MultiHostCluster)
+            for name in self.links:
+                cluster.network.restore(name)
         for server in self.gone:
             await asyncio.to_thread(server.start)
         for child in self.stopped:
@@ -765,6 +846,8 @@ async def test_fault_matrix_cell(
     name = "split_matrix_cluster" if cell.is_rank else "matrix_cluster"
     if cell.fault in SERVER_FAULTS:
         name = "servers_matrix_cluster"
+    elif cell.fault in NETWORK_FAULTS:
+        name = "net_matrix_cluster"
     matrix_cluster: ProcessCluster = request.getfixturevalue(name)
     started = time.monotonic()
     try:

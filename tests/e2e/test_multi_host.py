@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.etcd_server import running_etcd
+from support.multi_host import MultiHostCluster, started_across
 from support.netns import TestNetwork
 from support.process_cluster import (
     ProcessCluster,
@@ -48,27 +48,6 @@ HEARTBEAT_S = 0.5  # NOTE: the longest load-report interval of either registry (
 LONG_TOKENS = 500  # long enough to still stream when the partition comes
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
-
-
-class MultiHostCluster(ProcessCluster):
-    """A `ProcessCluster` whose every process runs on the test host named like it, bound to
-    that host's address (the gateway's address is the cluster's ``host``)."""
-
-    def __init__(self, config: ClusterConfig, network: TestNetwork) -> None:
-        super().__init__(config)
-        self.network = network
-
-    def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
-        host = self.network.hosts[name]
-        args = [host.address if previous == "--host" else arg for previous, arg in pairs(args)]
-        argv = [sys.executable, "-m", module, *args, *self._security_args(name)]
-        argv += ["--log-level", self.config.log_level]
-        return ChildProcess(name, host.command(argv), self.log_dir / f"{name}.log", self.env)
-
-
-def pairs(args: list[str]) -> Iterator[tuple[str, str]]:
-    """Each argument with the one before it (``""`` for the first)."""
-    return zip(["", *args[:-1]], args, strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +99,6 @@ def cluster(
             gateway_args=gateway_args,
         )
         yield stack.enter_context(started_across(config, network))
-
-
-@contextlib.contextmanager
-def started_across(config: ClusterConfig, network: TestNetwork) -> Iterator[ProcessCluster]:
-    """Starts a `MultiHostCluster`; on exit heals every host and stops it."""
-    started = MultiHostCluster(config, network)
-    started.start()
-    try:
-        yield started
-    finally:
-        for name in HOSTS:
-            network.heal(name)
-        started.stop(timeout_s=10)
 
 
 def cases(num: int, prefix: str) -> list[tuple[str, dict[str, Any]]]:

@@ -24,8 +24,8 @@ from pathlib import Path
 FAULTS = (
     "sigkill",  # the process dies (and is restarted, as the launcher or Kubernetes does)
     "sigstop",  # the process freezes (SIGCONT once the outcome is in)
-    "partition",  # network namespaces: the target's host is cut off
-    "slow_link",  # network namespaces: the target's link is slowed (netem)
+    "partition",  # network namespaces: the target's host is cut off (a gateway: from the instances)
+    "slow_link",  # network namespaces: the target's link is slowed (a rate; netem's delay too)
     "store_gone",  # the KV store (redis) dies
     "registry_gone",  # etcd dies
     "disk_full",  # the file store's disk fills
@@ -42,6 +42,7 @@ PHASES = (
 
 # NOTE: the process faults meet processes; the store and registry faults meet their server.
 _PROCESS_FAULTS = frozenset({"sigkill", "sigstop", "partition", "slow_link"})
+NETWORK_FAULTS = frozenset({"partition", "slow_link"})
 _SERVER_OF_FAULT = {"store_gone": "store", "registry_gone": "registry", "disk_full": "store"}
 
 
@@ -77,6 +78,11 @@ class Cell:
         parts = [self.fault, self.target, self.phase, *([self.variant] if self.variant else [])]
         return "-".join(parts)
 
+
+# NOTE: `make test`'s cells of the network faults, one each (each a few seconds).
+_FAST_NETWORK_CELLS = frozenset(
+    {("partition", "decode", "decoding"), ("slow_link", "prefill", "prefilling")}
+)
 
 BUILT = (
     Cell("sigkill", "decode", "decoding", "other_restarting", fast=True),
@@ -146,6 +152,12 @@ BUILT = (
     Cell("sigstop", "gateway", "resuming"),
     Cell("sigstop", "gateway", "kept"),
     Cell("sigstop", "gateway", "cancelling"),
+    *(
+        Cell(fault, target, phase, fast=(fault, target, phase) in _FAST_NETWORK_CELLS)
+        for fault in ("partition", "slow_link")
+        for target in ("decode", "prefill", "gateway")
+        for phase in PHASES
+    ),
 )
 
 
@@ -172,6 +184,12 @@ def not_applicable(fault: str, target: str, phase: str) -> str | None:
     if fault in _PROCESS_FAULTS:
         if target in ("store", "registry") and fault in ("sigkill", "sigstop"):
             return "the store and registry faults are their own rows (store_gone, registry_gone)"
+        if fault in NETWORK_FAULTS and target.endswith("_rank"):
+            return (
+                "the ranks of a split instance run on one host and meet over its loopback and "
+                "shared memory: no link between them to cut or slow (the instance's link is "
+                f"the {target.removesuffix('_rank')} row)"
+            )
         return None
     if target != _SERVER_OF_FAULT[fault]:
         return f"{fault} is a fault of the {_SERVER_OF_FAULT[fault]}"

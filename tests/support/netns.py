@@ -4,10 +4,13 @@ Each host has its own network stack and one address on a private /24; the test p
 the machine's own namespace) holds the bridge's address, so it reaches every host the way a
 client on the network would. A host is cut off by taking its link to the bridge down (packets
 are dropped, nothing is refused, exactly what a partition looks like to TCP) and joined again
-by taking it up.
+by taking it up. A host can also be cut off from some hosts only (`cut`: their packets are
+dropped in its namespace, the others still reach it) or its link slowed (`slow`: a rate and a
+delay, both ways); `restore` undoes all three.
 
-Needs root and iproute2's ``ip``. Nothing is shared between hosts but the file system: a
-process started on a host sees only that host's interfaces.
+Needs root and iproute2's ``ip`` (``tc`` to slow a link, ``iptables`` to cut some hosts off).
+Nothing is shared between hosts but the file system: a process started on a host sees only
+that host's interfaces.
 """
 
 from __future__ import annotations
@@ -90,6 +93,45 @@ class TestNetwork:
         """Joins host `name` to the network again."""
         self._ip("link", "set", self.hosts[name].link, "up")
 
+    def cut(self, name: str, peers: Iterable[str]) -> None:
+        """Cuts host `name` off from the hosts `peers` only: packets between them are dropped
+        on `name` (both ways), every other host and the machine's own address still reach it.
+        Needs ``iptables`` (the filter of `name`'s namespace)."""
+        namespace = self.hosts[name].namespace
+        for peer in peers:
+            address = self.hosts[peer].address
+            for chain, side in (("INPUT", "-s"), ("OUTPUT", "-d")):
+                self._run("ip", "netns", "exec", namespace, "iptables", "-w", "-A", chain,
+                          side, address, "-j", "DROP")  # fmt: skip
+
+    def slow(self, name: str, rate: str, delay_ms: int) -> str:
+        """Slows host `name`'s link both ways to `rate` (``tc`` units, e.g. ``8mbit``), each
+        packet `delay_ms` later (netem); where the kernel has no netem, a token bucket (tbf)
+        gives the rate alone, and the delay is what queues ahead of a packet. Returns what was
+        applied (``netem ...`` or ``tbf ...``)."""
+        host = self.hosts[name]
+        netem = ["root", "netem", "delay", f"{delay_ms}ms", "rate", rate]
+        # NOTE: a bucket of 32 KiB; a packet queued longer than 2 s is dropped (TCP sends it
+        # again), as on a congested link.
+        tbf = ["root", "tbf", "rate", rate, "burst", "32kb", "latency", "2s"]
+        for qdisc in (netem, tbf):
+            if self._tc("qdisc", "add", "dev", host.link, *qdisc, check=False):
+                self._tc("-n", host.namespace, "qdisc", "add", "dev", "eth0", *qdisc)
+                return " ".join(qdisc[1:])
+        raise NetnsUnavailable("neither netem nor tbf can slow a link on this kernel")
+
+    def restore(self, name: str) -> None:
+        """Host `name`'s link as it was made: up, nothing cut, nothing slowed."""
+        host = self.hosts[name]
+        for argv in (
+            ["ip", "netns", "exec", host.namespace, "iptables", "-w", "-F"],
+            ["tc", "qdisc", "del", "dev", host.link, "root"],
+            ["tc", "-n", host.namespace, "qdisc", "del", "dev", "eth0", "root"],
+        ):
+            # NOTE: it fails where there is nothing to remove.
+            subprocess.run(argv, capture_output=True, check=False)
+        self.heal(name)
+
     def close(self) -> None:
         """Removes every namespace (with its end of the veth pair) and the bridge."""
         for namespace in self._namespaces:
@@ -102,6 +144,22 @@ class TestNetwork:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @staticmethod
+    def _tc(*args: str, check: bool = True) -> bool:
+        """``tc`` with `args`; whether it did (raises when `check` and it did not)."""
+        if shutil.which("tc") is None:
+            raise NetnsUnavailable("iproute2's `tc` is not installed")
+        done = subprocess.run(["tc", *args], capture_output=True, text=True, check=False)
+        if done.returncode != 0 and check:
+            raise NetnsUnavailable(f"tc {' '.join(args)}: {done.stderr.strip()}")
+        return done.returncode == 0
+
+    @staticmethod
+    def _run(*argv: str) -> None:
+        done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise NetnsUnavailable(f"{' '.join(argv)}: {done.stderr.strip()}")
 
     @staticmethod
     def _ip(*args: str) -> None:
