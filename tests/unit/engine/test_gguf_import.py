@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.gguf_import import (
-    SUPPORTED_ARCHITECTURES,
     SUPPORTED_TENSOR_TYPES,
     convert_gguf,
+    supported_architectures,
 )
 from pdserve.tokenizer import Tokenizer
 from pdserve.tokenizer.gguf_metadata import SUPPORTED_TOKENIZER_MODELS
@@ -134,7 +134,7 @@ def test_tokenizer_matches_transformers(
 @pytest.mark.parametrize(
     ("spec", "unsupported", "supported"),
     [
-        (TinyGgufSpec(architecture="gpt2"), "gpt2", SUPPORTED_ARCHITECTURES),
+        (TinyGgufSpec(architecture="gpt2"), "gpt2", supported_architectures()),
         (
             TinyGgufSpec(tensor_type=GGMLQuantizationType.TQ1_0),
             "TQ1_0",

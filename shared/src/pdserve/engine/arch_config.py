@@ -1,31 +1,14 @@
-"""The parts of a model's architecture below `ModelConfig`: the supported families, RoPE and
-mixture-of-experts settings, and the error a refused model raises."""
+"""The parts of a model's architecture below `ModelConfig`: RoPE, mixture-of-experts and
+latent-attention settings, and the error a refused model raises (the families are
+`pdserve.engine.families`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = (
-    "llama",
-    "qwen2",
-    "mistral",
-    "qwen3",
-    "phi3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "gemma3_text",
-    "olmo2",
-    "smollm3",
-    "ernie4_5",
-    "ernie4_5_moe",
-    "glm4_moe",
-    "gpt_oss",
-    "deepseek_v2",
-    "deepseek_v3",
-)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -76,7 +59,7 @@ class RopeConfig:
             raise ValueError("llama3 rope needs high_freq_factor > low_freq_factor")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+    def from_hf(cls, hf: Mapping[str, Any]) -> RopeConfig:
         """Reads ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
         params = dict(hf.get("rope_parameters") or {})
         scaling = hf.get("rope_scaling") or {}

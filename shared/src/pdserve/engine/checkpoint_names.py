@@ -1,5 +1,7 @@
 """How a Hugging Face checkpoint's tensor names map onto the engine's parameters: the
-projections it stacks (q/k/v, gate/up), Mixtral's names, and routed experts."""
+projections it stacks (q/k/v, gate/up), routed experts, the renames several families share
+(each family's own are in its module, `pdserve.engine.families`), and RoPE's adjacent pairs
+reordered into halves."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 import torch
 
 from pdserve.engine.arch_config import MlaConfig
+from pdserve.engine.families import families
 
 # NOTE: HF keeps q/k/v and gate/up as separate matrices; we stack them into one projection.
 STACKED = {
@@ -22,21 +25,13 @@ LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # q's and k's projections, split or (Phi-3) fused.
 QK_NAME = re.compile(r"\.(q_proj|k_proj)\.(weight|bias)$")
 SHARD_NAME = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-# Mixtral's names for the MoE block and its experts' projections.
-MIXTRAL_NAMES = (
-    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
-    (re.compile(r"(\.experts\.\d+)\.w1\."), r"\1.gate_proj."),
-    (re.compile(r"(\.experts\.\d+)\.w3\."), r"\1.up_proj."),
-    (re.compile(r"(\.experts\.\d+)\.w2\."), r"\1.down_proj."),
+# The shared experts as ERNIE 4.5, GLM-4.5 and DeepSeek name them (one MLP, as Qwen2-MoE's).
+SHARED_EXPERTS = (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert.")
+# The router's score correction as GLM-4.5 and DeepSeek-V3 name it.
+GATE_SCORE_CORRECTION = (
+    re.compile(r"\.mlp\.gate\.e_score_correction_bias$"),
+    ".mlp.score_correction",
 )
-# ERNIE 4.5's and GLM-4.5's names for the shared experts and the router's score correction.
-ERNIE_NAMES = (
-    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
-    (re.compile(r"\.mlp\.(gate\.)?moe_statics\.e_score_correction_bias$"), ".mlp.score_correction"),
-    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.score_correction"),
-)
-# gpt-oss's router.
-GPT_OSS_NAMES = ((re.compile(r"\.mlp\.router\."), ".mlp.gate."),)
 # One routed expert's projection, stacked into the layer's 3-D expert tensors.
 EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # transformers >= 5 may also write the experts already stacked: [experts, out, in].
@@ -44,24 +39,17 @@ STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def renamed(hf_name: str) -> str:
-    """The name the engine loads `hf_name` under (Mixtral's names as the other families')."""
-    for pattern, replacement in (*MIXTRAL_NAMES, *ERNIE_NAMES, *GPT_OSS_NAMES):
-        hf_name = pattern.sub(replacement, hf_name)
+    """The name the engine loads `hf_name` under, whichever family's checkpoint it comes from
+    (every family's renames; the loader applies the model's family's alone)."""
+    for family in families().values():
+        hf_name = family.renamed(hf_name)
     return hf_name
 
 
-def gpt_oss_experts(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's stacked experts as the other families store them: gate and up, interleaved
-    column by column in ``gate_up_proj`` (``[experts, in, 2 * size]``) and its bias, become
-    the gate's half then the up's; the ``[experts, in, out]`` projections become ``[experts,
-    out, in]``, how transformers' other families write stacked experts."""
-    if name.endswith(".experts.gate_up_proj_bias"):
-        return torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
-    if name.endswith(".experts.gate_up_proj"):
-        tensor = torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
-    if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-        return tensor.transpose(1, 2)
-    return tensor
+def layer_index(hf_name: str) -> int:
+    """The decoder layer a tensor belongs to (``model.layers.{i}.``), -1 for none."""
+    match = LAYER_NAME.match(hf_name)
+    return -1 if match is None else int(match.group(1))
 
 
 def _evens_then_odds(num_dims: int) -> torch.Tensor:

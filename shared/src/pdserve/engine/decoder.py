@@ -1,6 +1,7 @@
-"""One decoder layer of every supported family: attention (q/k norm, partial RoPE, a scale of
-the family's own), the dense or expert feed-forward, and the Llama, Gemma or OLMo 2 arrangement
-of norms around them."""
+"""The decoder layer most families share: attention (q/k norm, partial RoPE, a scale of the
+family's own, sinks; or latent attention), the dense or expert feed-forward, and Llama's
+pre-norm arrangement around them. A family that arranges its norms otherwise has its layer in
+its own module (`pdserve.engine.families`), built from these parts."""
 
 from __future__ import annotations
 
@@ -143,7 +144,8 @@ class LlamaMLP(nn.Module):
         return self.down_proj(gated_activation(self.hidden_act, gate, up))
 
 
-def _feed_forward(config: ModelConfig, layer_index: int, group: TensorParallelGroup) -> nn.Module:
+def feed_forward(config: ModelConfig, layer_index: int, group: TensorParallelGroup) -> nn.Module:
+    """The layer's feed-forward: the experts on a MoE layer, else the dense MLP."""
     if config.is_moe_layer(layer_index):
         return SparseMoeBlock(config, Linear, LlamaMLP, group)
     return LlamaMLP(config, group=group)
@@ -161,7 +163,7 @@ class LlamaDecoderLayer(nn.Module):
             if config.mla is not None
             else LlamaAttention(config, layer_index, backend, group)
         )
-        self.mlp = _feed_forward(config, layer_index, group)
+        self.mlp = feed_forward(config, layer_index, group)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
@@ -174,54 +176,3 @@ class LlamaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class GemmaDecoderLayer(nn.Module):
-    """Gemma 3's layer: each block normed before and after, then added to the residual."""
-
-    def __init__(
-        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
-    ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend, group)
-        self.mlp = _feed_forward(config, layer_index, group)
-        self.input_layernorm = make_norm(config, config.hidden_size)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
-        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: CosSin | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(fed)
-
-
-class Olmo2DecoderLayer(nn.Module):
-    """OLMo 2's layer: each block's output normed, then added to the residual (no input norm)."""
-
-    def __init__(
-        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
-    ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend, group)
-        self.mlp = _feed_forward(config, layer_index, group)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: CosSin | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(hidden, rope, kv_cache, metadata)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))

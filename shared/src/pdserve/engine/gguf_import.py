@@ -3,7 +3,7 @@
 llama.cpp's GGUF holds the config and the tokenizer as metadata and the weights, often
 quantized, under its own tensor names. `convert_gguf` reads it with the `gguf` package (the
 field's reader), dequantizes every tensor to float32, renames it to the Hugging Face name and
-undoes what llama.cpp changed (`pdserve.engine.gguf_architectures`, per architecture), and writes
+undoes what llama.cpp changed (per family, `pdserve.engine.families`), and writes
 ``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json`` and
 ``tokenizer_config.json``. The result equals what transformers loads from the same GGUF.
 Beside it, `pdserve.engine.gguf_int4` keeps the 4-bit tensors as the file stores them
@@ -23,12 +23,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
-from pdserve.engine.gguf_architectures import (
-    SUPPORTED_ARCHITECTURES,
-    ArchitectureRules,
-    architecture_rules,
-    hf_checkpoint,
-)
+from pdserve.engine.families import gguf_family, supported_architectures
+from pdserve.engine.gguf_architectures import ArchitectureRules, hf_checkpoint
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_int4 import write_int4_file
 from pdserve.tokenizer.gguf_vocab import GgufVocab, tokenizer_files
@@ -46,12 +42,12 @@ SUPPORTED_TENSOR_TYPES = tuple(
 )  # fmt: skip
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
     "convert_gguf",
     "dequantized_tensors",
     "gguf_vocab",
     "read_metadata",
+    "supported_architectures",
 ]
 
 ProgressFactory = Callable[[int, str], Any]
@@ -141,7 +137,9 @@ def convert_gguf(
     except (ValueError, OSError) as error:
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
     metadata = read_metadata(reader)
-    rules = architecture_rules(metadata)
+    family = gguf_family(metadata)
+    assert family.gguf is not None
+    rules = family.gguf.tensors
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     config = hf_config(
         metadata,

@@ -52,7 +52,7 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
     """The RMSNorm of the config's family over the last dimension of ``size``."""
     if config.gemma_norms:
         return GemmaRMSNorm(size, config.rms_norm_eps)
-    return RMSNorm(size, config.rms_norm_eps, config.model_type == "gpt_oss")
+    return RMSNorm(size, config.rms_norm_eps, config.is_norm_scaled_in_float32)
 
 
 def gated_activation(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

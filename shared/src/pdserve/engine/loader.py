@@ -12,16 +12,14 @@ from torch import nn
 
 from pdserve.engine.checkpoint_names import (
     EXPERT_NAME,
-    LAYER_NAME,
     QK_NAME,
     SHARD_NAME,
     STACKED,
     STACKED_EXPERTS,
-    gpt_oss_experts,
     mla_rope_pairs_to_halves,
-    renamed,
     rope_pairs_to_halves,
 )
+from pdserve.engine.families import Family, family_of
 from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
@@ -64,7 +62,7 @@ def load_model(
     group: TensorParallelGroup | None = None,
     quantization: str = "auto",
 ) -> LlamaForCausalLM:
-    """Loads a checkpoint of any supported family (`SUPPORTED_MODEL_TYPES`).
+    """Loads a checkpoint of any family (`pdserve.engine.families`).
 
     Tensors are read one at a time from the (possibly sharded) safetensors files straight into
     the model's parameters, so the weights are never held twice.
@@ -114,6 +112,7 @@ def load_model(
     _materialize(model, device)
     params = dict(model.named_parameters())
     pending = {name: _expected_shards(name, params[name]) for name in params}
+    family = family_of(config.model_type)
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t", None)
     for file in files:
@@ -122,7 +121,7 @@ def load_model(
                 if hf_name in kept.hf_names:
                     continue
                 tensor = reader.get_tensor(hf_name)
-                _load_tensor(renamed(hf_name), tensor, params, pending, model)
+                _load_tensor(family, hf_name, tensor, params, pending, model)
                 del tensor  # NOTE: before the next one is read: one tensor in flight
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
@@ -191,33 +190,25 @@ def _expected_shards(name: str, param: torch.Tensor) -> set[int]:
 
 
 def _load_tensor(
-    hf_name: str,
+    family: Family,
+    checkpoint_name: str,
     tensor: torch.Tensor,
     params: dict[str, torch.nn.Parameter],
     pending: dict[str, set[int]],
     model: LlamaForCausalLM,
 ) -> None:
     config = model.config
+    hf_name = family.renamed(checkpoint_name)
     if hf_name.endswith("rotary_emb.inv_freq"):
         return
     if hf_name == "lm_head.weight" and config.tie_word_embeddings:
         return
-    if config.model_type.startswith("ernie4_5") and "mtp" in hf_name:
-        return  # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
-    if (
-        config.model_type in ("glm4_moe", "deepseek_v3")
-        and _layer_index(hf_name) >= config.num_hidden_layers
-    ):
-        return  # NOTE: multi-token-prediction layers, kept after the others, are not served.
+    if family.load_tensor is not None:
+        tensor = family.load_tensor(hf_name, tensor, config)
+        if tensor is None:
+            return
     if config.mla is not None and config.mla.is_rope_interleaved:
         tensor = mla_rope_pairs_to_halves(hf_name, tensor, config.mla)
-    if config.model_type == "gpt_oss":
-        if hf_name.endswith(("_blocks", "_scales")):
-            raise ModelLoadError(
-                f"{hf_name!r} is MXFP4 (gpt-oss's released expert weights): not supported; "
-                "serve a bfloat16 copy of the checkpoint"
-            )
-        tensor = gpt_oss_experts(hf_name, tensor)
     if hf_name.endswith(".mlp.score_correction"):
         tensor = tensor.reshape(1, -1)  # NOTE: GLM-4.5 stores it [experts], ERNIE [1, experts]
     if config.is_rope_interleaved and QK_NAME.search(hf_name):
@@ -254,12 +245,6 @@ def _load_tensor(
         pending[name].clear()
     else:
         pending[name].discard(shard)
-
-
-def _layer_index(hf_name: str) -> int:
-    """The decoder layer a tensor belongs to (``model.layers.{i}.``), -1 for none."""
-    match = LAYER_NAME.match(hf_name)
-    return -1 if match is None else int(match.group(1))
 
 
 def _load_expert(

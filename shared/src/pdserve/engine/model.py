@@ -1,7 +1,8 @@
-"""The decoder of every supported family over a paged KV cache.
+"""The decoder of every family over a paged KV cache.
 
-Llama, Qwen2, Mistral, Phi-3, Qwen3 (q/k norm), Mixtral and Qwen2/3-MoE (`moe`) share one layer
-shape; Gemma 3 has norms after each block too (`GemmaDecoderLayer`).
+Most families share one layer shape (`pdserve.engine.decoder.LlamaDecoderLayer`); a family with
+a layer of its own names it in its module (`pdserve.engine.families`, `Family.decoder_layer`:
+Gemma 3's norms after each block too, OLMo 2's after each block only).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention_metadata import AttentionMetadata
-from pdserve.engine.decoder import GemmaDecoderLayer, LlamaDecoderLayer, Olmo2DecoderLayer
+from pdserve.engine.decoder import LlamaDecoderLayer
+from pdserve.engine.families import family_of
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.layers import RMSNorm, make_norm
 from pdserve.engine.linear import Linear, can_pack_for_onednn
@@ -31,11 +33,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: str, group: TensorParallelGroup) -> None:
         super().__init__()
-        layer_cls: type[nn.Module] = LlamaDecoderLayer
-        if config.gemma_norms:
-            layer_cls = GemmaDecoderLayer
-        elif config.is_post_norm:
-            layer_cls = Olmo2DecoderLayer
+        layer_cls: type[nn.Module] = family_of(config.model_type).decoder_layer or LlamaDecoderLayer
         self.embed_tokens: nn.Embedding | VocabParallelEmbedding = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
             if group.world_size > 1

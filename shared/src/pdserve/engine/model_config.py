@@ -1,4 +1,5 @@
-"""The model architecture the engine builds (read from ``config.json`` by `hf_config`)."""
+"""The model architecture the engine builds (read from ``config.json`` by the rules of its
+family, `pdserve.engine.families`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,15 @@ from typing import Any
 
 from pdserve.engine.arch_config import (
     SUPPORTED_ACTIVATIONS,
-    SUPPORTED_MODEL_TYPES,
     MlaConfig,
     ModelLoadError,
     MoeConfig,
     RopeConfig,
 )
-from pdserve.engine.hf_config import model_config_fields
+from pdserve.engine.families import model_config_fields, supported_model_types
 
 __all__ = [
     "SUPPORTED_ACTIVATIONS",
-    "SUPPORTED_MODEL_TYPES",
     "MlaConfig",
     "ModelConfig",
     "ModelLoadError",
@@ -41,18 +40,16 @@ class ModelConfig:
     every projection (``use_bias``) and RoPE over adjacent pairs of a head's dims.
 
     Attributes:
-        model_type: One of `SUPPORTED_MODEL_TYPES`.
+        model_type: The ``model_type`` of one of the families (`supported_model_types`).
         sliding_windows: Per layer, the attention window in tokens or ``None`` (full attention).
         eos_token_ids: End-of-sequence ids from ``config.json`` and ``generation_config.json``.
         hidden_act: ``silu`` (SwiGLU) or ``gelu_pytorch_tanh`` (GeGLU).
         qk_norm: RMSNorm over each head of q and k before RoPE.
         is_qk_norm_across_heads: With `qk_norm`, one RMSNorm over all of q's heads and one over
             all of k's (OLMo 2) instead of one per head.
-        is_post_norm: Each block's output is normed before the residual add, its input is not
-            (OLMo 2).
         rope_layers: Per layer, whether RoPE applies; every layer when empty (SmolLM3 leaves it
             out of every fourth).
-        gemma_norms: Gemma's ``x * (1 + weight)`` RMSNorm and a norm after each block too.
+        gemma_norms: Gemma's ``x * (1 + weight)`` RMSNorm.
         embed_scale: Multiplies the embeddings (Gemma: ``sqrt(hidden_size)``).
         attention_scale: The softmax scale, ``head_dim ** -0.5`` when ``None``.
         final_logit_softcapping: ``tanh(logits / c) * c`` when set.
@@ -62,6 +59,8 @@ class ModelConfig:
             (evens first, then odds), which turns it into the half-split rotation the engine
             runs: the same products, q.k unchanged. It rotates in float32, as ERNIE's reference
             does.
+        is_norm_scaled_in_float32: RMSNorm scales by its weight in float32 and rounds after
+            (gpt-oss), instead of rounding the normed values first.
         has_attention_sinks: Each head has a learned sink logit that joins its softmax and
             takes a share of the weight to nothing (gpt-oss).
         local_rope: The RoPE of sliding-window layers when it differs (Gemma 3).
@@ -91,7 +90,6 @@ class ModelConfig:
     hidden_act: str = "silu"
     qk_norm: bool = False
     is_qk_norm_across_heads: bool = False
-    is_post_norm: bool = False
     rope_layers: tuple[bool, ...] = ()
     gemma_norms: bool = False
     embed_scale: float | None = None
@@ -99,16 +97,17 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     rotary_dim: int | None = None
     is_rope_interleaved: bool = False
+    is_norm_scaled_in_float32: bool = False
     has_attention_sinks: bool = False
     local_rope: RopeConfig | None = None
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if self.model_type not in supported_model_types():
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"supported: {', '.join(supported_model_types())}"
             )
         for name in (
             "vocab_size",
