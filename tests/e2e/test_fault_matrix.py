@@ -84,8 +84,8 @@ SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
 # NOTE: the gateway cut off from every instance is joined again after this (no outcome comes
 # in meanwhile: it hears no instance), longer than an instance's TTL: it drops them all first.
 GATEWAY_CUT_S = 4.0
-# NOTE: a slowed link: a long prompt's KV (~5 MB of float32) takes about a second through it.
-SLOW_RATE = "40mbit"
+# NOTE: a slowed link: a long prompt's KV (~2.4 MB of float32) takes about 2 s through it.
+SLOW_RATE = "10mbit"
 SLOW_DELAY_MS = 50
 NET_HOSTS = ("gateway", "prefill-0", "prefill-1", "decode-0", "decode-1")
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
@@ -337,6 +337,7 @@ class Fault:
     gone: list[RedisServer | EtcdServer] = field(default_factory=list)
     comeback: asyncio.Task[None] | None = None
     links: list[str] = field(default_factory=list)  # test hosts cut off or slowed
+    slowed_by: str = ""  # what slows a slowed link (netem, or tbf without it)
 
     def land(
         self, cluster: ProcessCluster, kind: str, victim: ChildProcess, *, rank: bool = False
@@ -350,7 +351,7 @@ class Fault:
             network = cluster.network
             self.links.append(victim.name)
             if kind == "slow_link":
-                network.slow(victim.name, SLOW_RATE, SLOW_DELAY_MS)
+                self.slowed_by = network.slow(victim.name, SLOW_RATE, SLOW_DELAY_MS)
             elif victim is cluster.gateway:
                 network.cut(victim.name, [child.name for child in cluster.instances])
                 self.comeback = asyncio.create_task(self.restore_after(network, GATEWAY_CUT_S))
@@ -455,6 +456,19 @@ class Fault:
             await watcher
         for child in self.killed:
             await asyncio.to_thread(child.wait_for_event, "registered", 60)
+
+
+def network_detail(cluster: ProcessCluster, mark: dict[str, int], fault: Fault) -> str:
+    """What a network cell adds to its result: how the link was slowed, and how often the
+    gateway dropped an instance it did not hear from in time (its TTL) or took one out of
+    routing after a failed call, meanwhile (e.g. heartbeats queued behind KV)."""
+    if not fault.links:
+        return ""
+    assert cluster.gateway is not None
+    expired = len(since(mark, cluster.gateway, "instance_expired"))
+    unreachable = len(since(mark, cluster.gateway, "instance_unreachable"))
+    slowed = f"; link {fault.slowed_by}" if fault.slowed_by else ""
+    return f"{slowed}; instances expired {expired}, unreachable {unreachable}"
 
 
 def running_decodes(cluster: ProcessCluster, mark: dict[str, int]) -> Callable[[], dict[str, int]]:
@@ -612,7 +626,13 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                 if cell.role == "gateway":
                     victim = gateway_of(cluster)
                 elif cell.role == "decode":
-                    held = leased(cluster, mark, "decode")()
+                    # NOTE: the gateway queues as the requests come in, before a prefill asked
+                    # a decode for a lease (or its log says so): the victim holds one.
+                    count = leased(cluster, mark, "decode")
+                    await eventually(
+                        lambda: any(count().values()), REQUEST_TIMEOUT_S, "a decode leasing"
+                    )
+                    held = count()
                     victim = by_name(cluster, max(held, key=lambda n: held[n]))
                     assert held[victim.name] > 0, "no decode held a request"
                 else:
@@ -683,7 +703,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         assert came_back > before_back, "no stream waited for a decode to come back"
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
-    return outcomes.describe()
+    return outcomes.describe() + network_detail(cluster, mark, fault)
 
 
 # ---- cells of a request no client is attached to: kept (background) and resuming -----------
@@ -827,7 +847,7 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
     assert texts == expected, "a request differs from its undisturbed run"
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
-    detail = f"{len(texts)} completed equal"
+    detail = f"{len(texts)} completed equal" + network_detail(cluster, mark, fault)
     if unreadable:
         detail += f"; {len(unreadable)} reads refused meanwhile ({unreadable[0]}, 503)"
     return detail

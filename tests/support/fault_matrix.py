@@ -79,9 +79,10 @@ class Cell:
         return "-".join(parts)
 
 
-# NOTE: `make test`'s cells of the network faults, one each (each a few seconds).
+# NOTE: `make test`'s cells of the network faults, one each and a few seconds each: a prefill
+# cut off while it pushes a prompt's KV; the gateway's link slowed while prompts come in.
 _FAST_NETWORK_CELLS = frozenset(
-    {("partition", "decode", "decoding"), ("slow_link", "prefill", "prefilling")}
+    {("partition", "prefill", "prefilling"), ("slow_link", "gateway", "prefilling")}
 )
 
 BUILT = (
