@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
 
-$(INSTALL_STAMP): constraints.txt shared/pyproject.toml services/*/pyproject.toml
+$(INSTALL_STAMP): constraints.txt shared/pyproject.toml shared/setup.py shared/csrc/*.cpp services/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade -c constraints.txt pip setuptools wheel
 	# NOTE: torch is pinned explicitly so pip never resolves an unpinned (CUDA) build.
@@ -72,7 +72,9 @@ $(NODE_CLIENT)/node_modules/.package-lock.json: $(NODE_CLIENT)/package.json $(NO
 		cd $(NODE_CLIENT) && npm ci --ignore-scripts --no-audit --no-fund; \
 	else echo "npm not found: tests/e2e/test_node_client.py will be skipped"; fi
 
-system-deps:  ## install the system packages the tests run (redis-server: KV store; etcd: shared registry; iproute2, iptables: test hosts; podman, runc, debootstrap: the image)
+system-deps:  ## install the system packages the tests run (redis-server: KV store; etcd: shared registry; iproute2, iptables: test hosts; podman, runc, debootstrap: the image; g++: the int4 kernel)
+	@command -v g++ >/dev/null 2>&1 || \
+		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends g++ python3-dev)
 	@command -v redis-server >/dev/null 2>&1 || \
 		($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends redis-server)
 	@command -v etcd >/dev/null 2>&1 || \

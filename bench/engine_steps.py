@@ -5,10 +5,11 @@
 
 One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4 re-quantized from
 the floats, and bfloat16 + ``auto``: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores
-them), each with the same random prompts prefilled into its paged KV cache. Every round
-measures, setting after setting (so machine noise hits all alike): a prefill of one prompt,
-then decode steps of 1 and of all streams (one new token each, the model's forward and logits;
-no sampling). Medians per setting, and ratios against float32 and bfloat16 computed from the
+them, on torch's int4 kernel (``auto:torch``) and on pdserve's, `pdserve.engine.int4_kernel`),
+each with the same random prompts prefilled into its paged KV cache. Every round measures,
+setting after setting (so machine noise hits all alike): a prefill of one prompt, then decode
+steps of 1 and of all streams (one new token each, the model's forward and logits; no
+sampling). Medians per setting, and ratios against float32 and bfloat16 computed from the
 same rounds. The CPU and its flags are printed and recorded.
 
 A one-row step streams every projection's weight once (`streamed_bytes`: the layers' and the
@@ -21,15 +22,18 @@ step against it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 from common import cpu_description, prefilled_streams, write_results
 
+from pdserve.engine import int4_kernel
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.linear import Linear
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
@@ -40,8 +44,11 @@ SETTINGS = (
     ("bfloat16", "none"),
     ("bfloat16", "int8"),
     ("bfloat16", "int4"),
+    ("bfloat16", "auto:torch"),
     ("bfloat16", "auto"),
 )
+TORCH_KERNEL = ":torch"
+"""A setting's suffix: its int4 projections on torch's kernel instead of pdserve's."""
 BLOCK_SIZE = 16
 BANDWIDTH_BUFFER_BYTES = 1 << 30
 
@@ -58,7 +65,7 @@ def streamed_bytes(model: torch.nn.Module) -> int:
         elif isinstance(module, Int8Linear):
             tensors = [module.weight, module.scales, module.bias]
         elif isinstance(module, Int4Linear):
-            tensors = [module.packed, module.scale_zeros, module.bias]
+            tensors = [module.packed, module.scales, module.mins, module.scale_zeros, module.bias]
         elif type(module).__name__.endswith("RMSNorm"):
             tensors = [module.weight]
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -128,9 +135,21 @@ def main() -> None:
     sizes: dict[tuple[str, str], float] = {}
     streamed: dict[tuple[str, str], float] = {}
     for dtype, quantization in SETTINGS:
-        runner, sequences, tables = prefilled_streams(
-            model_dir, args.batch, args.prompt_len, num_steps, BLOCK_SIZE, dtype, quantization
+        kernel_choice = (
+            mock.patch.object(int4_kernel, "takes", return_value=False)
+            if quantization.endswith(TORCH_KERNEL)
+            else contextlib.nullcontext()
         )
+        with kernel_choice:
+            runner, sequences, tables = prefilled_streams(
+                model_dir,
+                args.batch,
+                args.prompt_len,
+                num_steps,
+                BLOCK_SIZE,
+                dtype,
+                quantization.removesuffix(TORCH_KERNEL),
+            )
         streams[dtype, quantization] = Streams(runner, sequences, tables)
         sizes[dtype, quantization] = weight_bytes(runner.model) / 1e6
         streamed[dtype, quantization] = streamed_bytes(runner.model) / 1e6

@@ -14,18 +14,20 @@ stores them) within 0.5% of the same file dequantized.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from common import write_results
 
 from pdserve.common.generation import num_blocks_for
-from pdserve.engine import CacheConfig, EngineConfig
+from pdserve.engine import CacheConfig, EngineConfig, int4_kernel
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.quant import weight_bytes
+from pdserve.engine.quant import Int4Linear, weight_bytes
 from pdserve.engine.runner import ModelRunner
 from pdserve.tokenizer import Tokenizer
 
@@ -33,8 +35,12 @@ TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 SETTINGS = (
     ("float32", "none"),
     ("bfloat16", "none"),
-    # NOTE: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores them (int4 kernels).
+    # NOTE: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores them: a prompt this long
+    # runs one bf16 GEMM over them dequantized (pdserve's kernel) or torch's int4 kernel
+    # (``:torch``); ``:every-row`` runs pdserve's int4 kernel on every row, as a decode step does.
     ("bfloat16", "auto"),
+    ("bfloat16", "auto:every-row"),
+    ("bfloat16", "auto:torch"),
     ("bfloat16", "int8"),
     ("bfloat16", "int4"),
     ("float32", "int8"),
@@ -65,15 +71,27 @@ def main() -> None:
     token_ids = Tokenizer.from_pretrained(model_dir).encode(args.text.read_text())
     rows: list[dict[str, Any]] = []
     for dtype, quantization in SETTINGS:
+        how = quantization.partition(":")[2]
         config = EngineConfig(
             model=str(model_dir),
             dtype=dtype,
-            quantization=quantization,
+            quantization=quantization.partition(":")[0],
             cache=CacheConfig(
                 block_size=BLOCK_SIZE, num_blocks=num_blocks_for(len(token_ids), BLOCK_SIZE)
             ),
         )
-        runner = ModelRunner.load(config)
+        kernel_choice = (
+            mock.patch.object(int4_kernel, "takes", return_value=False)
+            if how == "torch"
+            else contextlib.nullcontext()
+        )
+        with kernel_choice:
+            runner = ModelRunner.load(config)
+        if how == "every-row":
+            for module in runner.model.modules():
+                if isinstance(module, Int4Linear):
+                    # NOTE: as under --deterministic: every row count on the int4 kernel.
+                    module.min_rows = 2
         value = perplexity(runner, token_ids)
         rows.append(
             {

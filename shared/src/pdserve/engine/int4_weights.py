@@ -7,15 +7,19 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+import structlog
 import torch
 from safetensors import safe_open
 
+from pdserve.engine import int4_kernel
 from pdserve.engine.checkpoint_names import EXPERT_NAME, SHARD_NAME, STACKED, renamed
 from pdserve.engine.gguf_int4 import COUNTS_KEY, MINS, SCALES, TYPES_KEY, VALUES
 from pdserve.engine.linear import Linear
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_config import ModelLoadError
 from pdserve.engine.quant import INT4_GROUP_SIZE, Int4Linear, can_quantize_int4
+
+log = structlog.get_logger(__name__)
 
 
 class KeptWeights(NamedTuple):
@@ -82,6 +86,7 @@ def attach_int4(
                 shards.setdefault(module_name, {})[shard] = hf_name
                 expected[module_name] = num_shards
         attached: set[str] = set()
+        kernels: dict[str, int] = {}
         for module_name, by_shard in shards.items():
             linear = model.get_submodule(module_name)
             assert isinstance(linear, Linear)
@@ -103,8 +108,17 @@ def attach_int4(
                 )
             parent_name, _, child = module_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype))
+            kept = Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype)
+            setattr(parent, child, kept)
             attached.update(names)
+            kernels[kept.kernel] = kernels.get(kept.kernel, 0) + 1
+    if kernels:
+        # NOTE: one line per load says which int4 kernel runs and, for torch's, why.
+        log.info(
+            "int4_kernel",
+            projections=kernels,
+            why_not_pdserve=None if "torch" not in kernels else int4_kernel.why_not(dtype),
+        )
     return KeptWeights(frozenset(attached), _tensor_types(types, counts, attached, dtype))
 
 

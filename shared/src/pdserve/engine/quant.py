@@ -17,12 +17,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import int4_kernel
 from pdserve.engine.linear import Linear, at_least_rows
 
 INT4_GROUP_SIZE = 32
 """Input features sharing one int4 scale and zero (torch's kernel takes 32 to 256)."""
 INT8_KERNEL_MAX_ROWS = 15
 """Most rows `Int8Linear` runs through torch's int8 kernel (bf16/fp16); more take a bf16 GEMM."""
+OWN_KERNEL_MAX_ROWS = 8
+"""Most rows pdserve's int4 kernel multiplies directly; more take a bf16 GEMM over the weight
+dequantized for the call (measured on a 3072 x 576 projection, one thread: 8 rows 0.22 ms
+either way, 16 rows 0.43 against 0.35 ms)."""
 _INT4_INNER_K_TILES = 2
 _INT4_OUT_MULTIPLE = 16
 
@@ -70,47 +75,76 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """`Linear` with an int4 weight in torch's CPU tile layout, a scale and zero per group.
+    """`Linear` with int4 weights ``scale * q + min``, a scale and a min per group of
+    `INT4_GROUP_SIZE` input features, on one of two kernels:
+
+    * pdserve's (`pdserve.engine.int4_kernel`), where it runs (AVX512-BF16, bf16 activations,
+      one torch thread): the scales and mins as given (float16 where that holds them exactly),
+      so the weights are the file's own; up to `OWN_KERNEL_MAX_ROWS` rows it multiplies the
+      int4 values directly, more rows take one bf16 GEMM over the weight dequantized for the
+      call (a prefill: compute-bound, where oneDNN's GEMM is 2x either int4 kernel);
+    * torch's (``_weight_int4pack_mm_for_cpu``) elsewhere, in its tile layout, with its scales
+      and zeros in the activation dtype.
 
     Build one with `from_linear` (quantize a float weight) or `from_blocks` (values, scales and
     mins as a GGUF file stores them, `pdserve.engine.gguf_int4`).
 
     Args:
-        values: ``[out, in]`` int32 in 0..15.
-        scale_zeros: ``[in / group_size, out, 2]`` in the activation dtype; the kernel computes
-            ``(value - 8) * scale + zero``.
+        q: ``[out, in]`` integers in 0..15.
+        scales: ``[out, in / group_size]`` float32.
+        mins: ``[out, in / group_size]`` float32.
         bias: ``[out]`` or None.
-        group_size: Input features per scale and zero.
+        dtype: The activation dtype.
     """
 
     packed: torch.Tensor
-    scale_zeros: torch.Tensor
+    scales: torch.Tensor | None
+    mins: torch.Tensor | None
+    scale_zeros: torch.Tensor | None
 
     def __init__(
         self,
-        values: torch.Tensor,
-        scale_zeros: torch.Tensor,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
         bias: nn.Parameter | None,
-        group_size: int = INT4_GROUP_SIZE,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.out_features, self.in_features = values.shape
-        self.group_size = group_size
+        self.out_features, self.in_features = q.shape
+        self.group_size = INT4_GROUP_SIZE
         self.min_rows = 1
-        """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`)."""
-        # packed: [out, in / 2] uint8, two 4-bit values a byte in the kernel's tile order
-        packed = torch._convert_weight_to_int4pack_for_cpu(values, _INT4_INNER_K_TILES)
-        self.register_buffer("packed", packed)
-        # scale_zeros: [in / group_size, out, 2]
-        self.register_buffer("scale_zeros", scale_zeros)
+        """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`); above one,
+        pdserve's kernel runs every row count (its rows are independent of each other)."""
+        self.kernel = "pdserve" if int4_kernel.takes(self.in_features, dtype) else "torch"
+        """Which kernel runs: ``pdserve`` or ``torch``."""
+        if self.kernel == "pdserve":
+            scale_dtype = int4_kernel.scale_dtype(scales, mins)
+            # packed: [out, in / 2] uint8 in the kernel's order
+            self.register_buffer("packed", int4_kernel.pack(q))
+            self.register_buffer("scales", scales.to(scale_dtype).contiguous())
+            # mins: [in / group_size, out], as the kernel reads them
+            self.register_buffer("mins", mins.t().to(scale_dtype).contiguous())
+            self.register_buffer("scale_zeros", None)
+        else:
+            # packed: [out, in / 2] uint8, two 4-bit values a byte in torch's tile order
+            packed = torch._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32), _INT4_INNER_K_TILES
+            )
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales", None)
+            self.register_buffer("mins", None)
+            self.register_buffer("scale_zeros", _torch_scale_zeros(q, scales, mins, dtype))
         self.bias = bias
 
     @classmethod
-    def from_linear(cls, linear: Linear, group_size: int = INT4_GROUP_SIZE) -> Int4Linear:
+    def from_linear(cls, linear: Linear) -> Int4Linear:
         """Quantizes `linear` (see `can_quantize_int4` for the shapes the kernel takes)."""
         weight_t = linear.weight_t.detach()
-        values, scale_zeros = quantize_int4(weight_t.t(), group_size, weight_t.dtype)
-        return cls(values, scale_zeros, linear.bias, group_size)
+        values, scale_zeros = quantize_int4(weight_t.t(), INT4_GROUP_SIZE, weight_t.dtype)
+        scales = scale_zeros[..., 0].t().float()
+        mins = scale_zeros[..., 1].t().float() - 8 * scales
+        return cls(values, scales, mins, linear.bias, weight_t.dtype)
 
     @classmethod
     def from_blocks(
@@ -128,31 +162,48 @@ class Int4Linear(nn.Module):
             scales: ``[out, in / group]`` float32.
             mins: ``[out, in / group]`` float32.
             bias: ``[out]`` or None.
-            dtype: The activation dtype (the kernel's scales and zeros are stored in it).
+            dtype: The activation dtype.
         """
         # q: [out, in] uint8 in 0..15
         q = torch.stack([values & 0x0F, values >> 4], dim=-1).flatten(1)
-        scale = scales.to(dtype)
-        # NOTE: the kernel computes (q - 8) * scale + zero. Exact in float32 with
-        # zero = min + 8 * scale. A scale rounded to bf16 is off by up to 2^-9 of itself,
-        # an error of (q - 8) * (scale - rounded) in every weight of the group; the zero takes
-        # that error's mean over the group's own values (a least-squares fit of the rounded
-        # scale): perplexity on the default model 16.93 against 17.05 with the plain zero
-        # (float32, the file's values exactly: 16.93).
-        num_out, num_groups = scales.shape
-        sum_q = q.view(num_out, num_groups, INT4_GROUP_SIZE).sum(dim=-1, dtype=torch.int32)
-        error = (scales - scale.float()) * (sum_q / INT4_GROUP_SIZE - 8)
-        zero = (mins + 8 * scales + error).to(dtype)
-        scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-        return cls(q.to(torch.int32), scale_zeros, bias, INT4_GROUP_SIZE)
+        return cls(q, scales, mins, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.kernel == "pdserve":
+            assert self.scales is not None and self.mins is not None
+            if x.shape[0] > OWN_KERNEL_MAX_ROWS and self.min_rows == 1:
+                order = int4_kernel.column_order(self.in_features)
+                weight = int4_kernel.dequantize(self.packed, self.scales, self.mins)
+                out = F.linear(x.index_select(1, order), weight)
+            else:
+                out = int4_kernel.matmul(x, self.packed, self.scales, self.mins)
+            return out if self.bias is None else out.add_(self.bias)
+        assert self.scale_zeros is not None
         rows = x.shape[0]
         x = at_least_rows(x, self.min_rows)
         out = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
         out = out[:rows]
         return out if self.bias is None else out.add_(self.bias)
+
+
+def _torch_scale_zeros(
+    q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """torch's int4 kernel's ``[in / group, out, 2]`` scales and zeros in `dtype`: it computes
+    ``(q - 8) * scale + zero``, exact in float32 with ``zero = min + 8 * scale``.
+
+    NOTE: a scale rounded to bf16 is off by up to 2^-9 of itself, an error of ``(q - 8) *
+    (scale - rounded)`` in every weight of the group; the zero takes that error's mean over the
+    group's own values (a least-squares fit of the rounded scale): perplexity on the default
+    model 16.93 against 17.05 with the plain zero (float32, the file's values exactly: 16.93).
+    """
+    scale = scales.to(dtype)
+    num_out, num_groups = scales.shape
+    sum_q = q.view(num_out, num_groups, INT4_GROUP_SIZE).sum(dim=-1, dtype=torch.int32)
+    error = (scales - scale.float()) * (sum_q / INT4_GROUP_SIZE - 8)
+    zero = (mins + 8 * scales + error).to(dtype)
+    return torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
 
 
 def quantize_int8(

@@ -1,0 +1,378 @@
+// pdserve.engine._int4_cpu: an int4 x bf16 GEMM for a CPU with AVX512-BF16, for the few rows of
+// a decode step (a one-row step streams every weight once and does little else).
+//
+// A weight is 4-bit values q (0..15) in groups of 32 input features, each group with a scale s
+// and a min m: w = s * q + m (a GGUF's Q4_0, Q4_1 and Q4_K blocks, exactly). Per output row o:
+//
+//     y[o] = sum_g s[o, g] * dot(q[o, g], x[g]) + m[o, g] * sum(x[g])
+//
+// The dot product runs on VDPBF16PS: a value q becomes the bf16 number 128 + q (exact: bf16
+// holds the integers 128..255), so dot(128 + q, x) - 128 * sum(x) = dot(q, x), with each lane's
+// own -128 * sum(x) as the accumulator's start. Products of two bf16 numbers are exact in
+// float32; the sums are float32. Every row of a call is computed alone, in the same order, so a
+// row's result does not depend on the other rows (batch-invariant by construction).
+//
+// The weight layout (`pack` in pdserve.engine.int4_kernel): a row is P = in / 64 pairs of
+// groups, 32 bytes each. Byte k = 4t + 2g + e (t 0..7, g 0..1, e 0..1) of pair p holds, for group
+// 2p + g, column j = 2t + e in its low nibble and column 16 + j in its high one, so 16-bit lane
+// pair L = 2t + g of the widened bytes belongs to group g: the pair's two scales broadcast as
+// [s0, s1, s0, s1, ...]. Scales are [out][G]; mins are transposed, [G][out], so that the mins'
+// share of 16 output rows is one FMA per group.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#define KERNEL_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kRowBlock = 4;
+constexpr int kOutBlock = 64;
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  // Round to nearest even, as torch converts; a NaN stays a NaN.
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// One row of x, laid out for the kernel.
+struct PreparedRow {
+  const uint16_t* words;  // [P][64]: the pair's 32 low-nibble columns, then its 32 high ones
+  const float* starts;    // [P][16]: -128 * the sum of the four x a lane multiplies
+  const float* sums;      // [G]: each group's sum of x
+  const float* mins_term; // [out]: sum_g mins[o][g] * sums[g]
+};
+
+void prepare_row(const uint16_t* x, int num_pairs, uint16_t* words, float* starts, float* sums) {
+  for (int p = 0; p < num_pairs; ++p) {
+    uint16_t* lo = words + p * 64;
+    uint16_t* hi = lo + 32;
+    for (int t = 0; t < 8; ++t) {
+      for (int g = 0; g < 2; ++g) {
+        const uint16_t* group = x + (2 * p + g) * kGroup;
+        for (int e = 0; e < 2; ++e) {
+          int k = 4 * t + 2 * g + e;
+          int j = 2 * t + e;
+          lo[k] = group[j];
+          hi[k] = group[16 + j];
+        }
+      }
+    }
+    for (int lane = 0; lane < 16; ++lane) {
+      float sum = bf16_to_float(lo[2 * lane]) + bf16_to_float(lo[2 * lane + 1]) +
+                  bf16_to_float(hi[2 * lane]) + bf16_to_float(hi[2 * lane + 1]);
+      starts[p * 16 + lane] = -128.0f * sum;
+    }
+    for (int g = 0; g < 2; ++g) {
+      const uint16_t* group = x + (2 * p + g) * kGroup;
+      float sum = 0.0f;
+      for (int j = 0; j < kGroup; ++j) sum += bf16_to_float(group[j]);
+      sums[2 * p + g] = sum;
+    }
+  }
+}
+
+template <typename S>
+KERNEL_TARGET inline __m512 load_pair(const S* values);
+
+template <>
+KERNEL_TARGET inline __m512 load_pair<float>(const float* values) {
+  __m128 two = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(values)));
+  return _mm512_broadcast_f32x2(two);
+}
+
+template <>
+KERNEL_TARGET inline __m512 load_pair<uint16_t>(const uint16_t* values) {
+  int32_t bits;
+  memcpy(&bits, values, sizeof bits);
+  return _mm512_broadcast_f32x2(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+}
+
+template <typename S>
+KERNEL_TARGET inline __m512 load16(const S* values, __mmask16 mask);
+
+template <>
+KERNEL_TARGET inline __m512 load16<float>(const float* values, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, values);
+}
+
+template <>
+KERNEL_TARGET inline __m512 load16<uint16_t>(const uint16_t* values, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, values));
+}
+
+template <typename S>
+KERNEL_TARGET inline float load1(const S* value);
+
+template <>
+KERNEL_TARGET inline float load1<float>(const float* value) {
+  return *value;
+}
+
+template <>
+KERNEL_TARGET inline float load1<uint16_t>(const uint16_t* value) {
+  return _cvtsh_ss(*value);
+}
+
+inline __mmask16 first_lanes(int count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// Each of four vectors' 16 lanes summed, in one order for every vector (so a row's sum does not
+// depend on which rows share the call): lanes i and i + 2 of each 128-bit chunk, then the two
+// halves of the chunk, then the chunks as (0 + 2) + (1 + 3).
+KERNEL_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 chunks = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(chunks), _mm512_extractf32x8_ps(chunks, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+// mins_term[o] = sum_g mins[g][o] * sums[g] for every output row (mins transposed: [G][out]).
+template <typename S>
+KERNEL_TARGET void mins_terms(const S* mins, const float* sums, int num_groups, int out_features,
+                              float* mins_term) {
+  for (int o = 0; o < out_features; o += 16) {
+    __mmask16 mask = first_lanes(out_features - o);
+    __m512 acc = _mm512_setzero_ps();
+    for (int g = 0; g < num_groups; ++g) {
+      acc = _mm512_fmadd_ps(load16<S>(mins + static_cast<size_t>(g) * out_features + o, mask),
+                            _mm512_set1_ps(sums[g]), acc);
+    }
+    _mm512_mask_storeu_ps(mins_term + o, mask, acc);
+  }
+}
+
+// y[r][o] for R input rows and the output rows [o_begin, o_end), OB output rows at a time (their
+// accumulators are independent chains; one chain would wait on each FMA's latency).
+template <int R, int OB, typename S>
+KERNEL_TARGET void rows_kernel(const PreparedRow* rows, int num_pairs, const uint8_t* weight,
+                               const S* scales, int o_begin, int o_end, uint16_t* const* out) {
+  const int num_groups = 2 * num_pairs;
+  const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+  const __m512i offset = _mm512_set1_epi16(0x4300);  // bf16 128.0
+  int o = o_begin;
+  for (; o + OB <= o_end; o += OB) {
+    __m512 total[OB][R];
+    for (int b = 0; b < OB; ++b)
+      for (int r = 0; r < R; ++r) total[b][r] = _mm512_setzero_ps();
+    for (int p = 0; p < num_pairs; ++p) {
+      __m512 start[R];
+      __m512i lo_x[R], hi_x[R];
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* words = rows[r].words + p * 64;
+        start[r] = _mm512_loadu_ps(rows[r].starts + p * 16);
+        lo_x[r] = _mm512_loadu_si512(words);
+        hi_x[r] = _mm512_loadu_si512(words + 32);
+      }
+      for (int b = 0; b < OB; ++b) {
+        const uint8_t* w = weight + (o + b) * row_bytes + p * 32;
+        __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+        // (wide & 0xF) | 0x4300 and (wide >> 4) | 0x4300: bf16 128 + q
+        __m512i lo = _mm512_ternarylogic_epi32(wide, nibble, offset, 0xEA);
+        __m512i hi = _mm512_or_si512(_mm512_srli_epi16(wide, 4), offset);
+        __m512 scale = load_pair<S>(scales + static_cast<size_t>(o + b) * num_groups + 2 * p);
+        for (int r = 0; r < R; ++r) {
+          __m512 acc = _mm512_dpbf16_ps(start[r], (__m512bh)lo, (__m512bh)lo_x[r]);
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)hi, (__m512bh)hi_x[r]);
+          total[b][r] = _mm512_fmadd_ps(acc, scale, total[b][r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int b = 0; b < OB; b += 4) {
+        const __m512 zero = _mm512_setzero_ps();
+        __m128 sums = sum4(total[b][r], b + 1 < OB ? total[b + 1][r] : zero,
+                           b + 2 < OB ? total[b + 2][r] : zero, b + 3 < OB ? total[b + 3][r] : zero);
+        float lanes[4];
+        _mm_storeu_ps(lanes, sums);
+        for (int i = 0; i < 4 && b + i < OB; ++i) {
+          out[r][o + b + i] = float_to_bf16(lanes[i] + rows[r].mins_term[o + b + i]);
+        }
+      }
+    }
+  }
+  if (o < o_end) rows_kernel<R, 1, S>(rows, num_pairs, weight, scales, o, o_end, out);
+}
+
+template <typename S>
+KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight,
+                        const S* scales, const S* mins, int out_features, uint16_t* out) {
+  const int num_pairs = in_features / 64;
+  const int num_groups = in_features / kGroup;
+  thread_local std::vector<uint16_t> words;
+  thread_local std::vector<float> starts, sums, terms;
+  thread_local std::vector<PreparedRow> prepared;
+  words.resize(static_cast<size_t>(num_rows) * num_pairs * 64);
+  starts.resize(static_cast<size_t>(num_rows) * num_pairs * 16);
+  sums.resize(static_cast<size_t>(num_rows) * num_groups);
+  terms.resize(static_cast<size_t>(num_rows) * out_features);
+  prepared.resize(num_rows);
+  for (int r = 0; r < num_rows; ++r) {
+    uint16_t* w = words.data() + static_cast<size_t>(r) * num_pairs * 64;
+    float* st = starts.data() + static_cast<size_t>(r) * num_pairs * 16;
+    float* su = sums.data() + static_cast<size_t>(r) * num_groups;
+    float* te = terms.data() + static_cast<size_t>(r) * out_features;
+    prepare_row(x + static_cast<size_t>(r) * in_features, num_pairs, w, st, su);
+    mins_terms<S>(mins, su, num_groups, out_features, te);
+    prepared[r] = PreparedRow{w, st, su, te};
+  }
+  // NOTE: a block of output rows stays in cache while every block of input rows passes it.
+  for (int o = 0; o < out_features; o += kOutBlock) {
+    int o_end = o + kOutBlock < out_features ? o + kOutBlock : out_features;
+    for (int r = 0; r < num_rows; r += kRowBlock) {
+      uint16_t* outs[kRowBlock];
+      int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
+      for (int i = 0; i < block; ++i) outs[i] = out + static_cast<size_t>(r + i) * out_features;
+      const PreparedRow* rows = prepared.data() + r;
+      switch (block) {
+        case 4: rows_kernel<4, 2, S>(rows, num_pairs, weight, scales, o, o_end, outs); break;
+        case 3: rows_kernel<3, 2, S>(rows, num_pairs, weight, scales, o, o_end, outs); break;
+        case 2: rows_kernel<2, 4, S>(rows, num_pairs, weight, scales, o, o_end, outs); break;
+        default: rows_kernel<1, 4, S>(rows, num_pairs, weight, scales, o, o_end, outs); break;
+      }
+    }
+  }
+}
+
+// The weight as bf16 ``s * q + m`` (rounded once, to nearest even), [out][in] in the kernel's
+// column order: per pair, its 32 low-nibble columns then its 32 high ones (`PreparedRow.words`).
+// A GEMM of many rows runs faster as one bf16 GEMM over this than through `gemm`.
+template <typename S>
+KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* mins,
+                              int out_features, int in_features, uint16_t* out) {
+  const int num_pairs = in_features / 64;
+  // word k of a half belongs to group (k >> 1) & 1: lanes [g0, g0, g1, g1, ...]
+  const __m512i spread = _mm512_set_epi32(1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0);
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+  for (int o = 0; o < out_features; ++o) {
+    const uint8_t* w = weight + static_cast<size_t>(o) * num_pairs * 32;
+    const S* s = scales + static_cast<size_t>(o) * num_groups;
+    uint16_t* row = out + static_cast<size_t>(o) * in_features;
+    for (int p = 0; p < num_pairs; ++p) {
+      __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
+      __m512i halves[2] = {_mm512_and_si512(wide, nibble), _mm512_srli_epi16(wide, 4)};
+      __m512 scale = _mm512_permutexvar_ps(spread, load_pair<S>(s + 2 * p));
+      const S* m = mins + static_cast<size_t>(2 * p) * out_features + o;
+      __m512 min = _mm512_permutexvar_ps(
+          spread, _mm512_broadcast_f32x2(_mm_setr_ps(load1<S>(m), load1<S>(m + out_features), 0, 0)));
+      for (int h = 0; h < 2; ++h) {
+        for (int part = 0; part < 2; ++part) {
+          __m256i words = part == 0 ? _mm512_castsi512_si256(halves[h])
+                                    : _mm512_extracti64x4_epi64(halves[h], 1);
+          __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(words));
+          __m256bh value = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q, scale, min));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + p * 64 + h * 32 + part * 16),
+                              (__m256i)value);
+        }
+      }
+    }
+  }
+}
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+PyObject* py_supported(PyObject*, PyObject*) { return PyBool_FromLong(cpu_supported()); }
+
+PyObject* py_gemm(PyObject*, PyObject* args) {
+  unsigned long long x, weight, scales, mins, out;
+  int num_rows, in_features, out_features, half_scales;
+  if (!PyArg_ParseTuple(args, "KiiKKKiKp", &x, &num_rows, &in_features, &weight, &scales, &mins,
+                        &out_features, &out, &half_scales)) {
+    return nullptr;
+  }
+  if (!cpu_supported()) {
+    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
+    return nullptr;
+  }
+  if (num_rows < 0 || in_features <= 0 || in_features % 64 != 0 || out_features <= 0) {
+    PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  if (half_scales) {
+    gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x), num_rows, in_features,
+                   reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const uint16_t*>(scales),
+                   reinterpret_cast<const uint16_t*>(mins), out_features, reinterpret_cast<uint16_t*>(out));
+  } else {
+    gemm<float>(reinterpret_cast<const uint16_t*>(x), num_rows, in_features,
+                reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const float*>(scales),
+                reinterpret_cast<const float*>(mins), out_features, reinterpret_cast<uint16_t*>(out));
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_dequantize(PyObject*, PyObject* args) {
+  unsigned long long weight, scales, mins, out;
+  int out_features, in_features, half_scales;
+  if (!PyArg_ParseTuple(args, "KKKiiKp", &weight, &scales, &mins, &out_features, &in_features,
+                        &out, &half_scales)) {
+    return nullptr;
+  }
+  if (!cpu_supported()) {
+    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
+    return nullptr;
+  }
+  if (in_features <= 0 || in_features % 64 != 0 || out_features <= 0) {
+    PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  if (half_scales) {
+    dequantize<uint16_t>(reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const uint16_t*>(scales),
+                         reinterpret_cast<const uint16_t*>(mins), out_features, in_features,
+                         reinterpret_cast<uint16_t*>(out));
+  } else {
+    dequantize<float>(reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const float*>(scales),
+                      reinterpret_cast<const float*>(mins), out_features, in_features,
+                      reinterpret_cast<uint16_t*>(out));
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"dequantize", py_dequantize, METH_VARARGS,
+     "dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as bf16 "
+     "[out_features, in] in the kernel's column order."},
+    {"supported", py_supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
+    {"gemm", py_gemm, METH_VARARGS,
+     "gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales): out = x @ w.T, "
+     "addresses of contiguous bf16 x [rows, in], packed weight, scales [out, in / 32], mins "
+     "[in / 32, out] "
+     "(float16 when half_scales, else float32), bf16 out [rows, out_features]."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4_cpu",
+                      "int4 x bf16 GEMM for few rows on AVX512-BF16 (pdserve.engine.int4_kernel)",
+                      -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__int4_cpu(void) { return PyModule_Create(&module); }

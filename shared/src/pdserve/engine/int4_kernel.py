@@ -1,0 +1,145 @@
+"""pdserve's int4 CPU kernel (``shared/csrc/int4_cpu.cpp``): a GGUF's int4 groups, ``scale * q
++ min`` in groups of 32, times bfloat16 activations on AVX512-BF16, with the file's scales and
+mins as they are.
+
+torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) reads a one-row decode step's int4
+weights at under half the machine's read bandwidth and takes its scales in bfloat16 (8 bits of
+a scale the file stores in 11). This one widens each byte's two values into bf16 ``128 + q``
+and multiplies them with VDPBF16PS (exact products, float32 sums), then applies the group's
+float32 (or float16, where that holds them exactly) scale and min: the file's weights exactly,
+and each row's result independent of the other rows of the call.
+
+It runs where the CPU has AVX512-BF16 (`available`) and the compiled module was built (it is
+optional: without a C++ compiler pdserve installs without it); it is single-threaded, so the
+engine uses it where torch runs one thread (``pdserve up`` gives each engine its share of the
+cores; on a host with more, torch's kernel runs over its threads).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+GROUP = 32
+"""Input features per scale and min."""
+PAIR = 2 * GROUP
+"""Input features per step of the kernel: in_features must be a multiple of it."""
+
+try:
+    from pdserve.engine import _int4_cpu
+except ImportError:  # pragma: no cover - the compiled module is optional
+    _int4_cpu = None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the compiled kernel is installed and this CPU runs it."""
+    return _int4_cpu is not None and bool(_int4_cpu.supported())
+
+
+def takes(in_features: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes a projection of `in_features` with `dtype` activations, on one
+    torch thread."""
+    return why_not(dtype, in_features) is None
+
+
+def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
+    """Why the kernel does not take a projection (None where it does), for the logs."""
+    if _int4_cpu is None:
+        return "the compiled module is not installed (no C++ compiler when pdserve was installed)"
+    if not available():
+        return "this CPU has no AVX512-BF16"
+    if dtype != torch.bfloat16:
+        return f"activations are {str(dtype).removeprefix('torch.')}, not bfloat16"
+    if in_features % PAIR:
+        return f"in_features {in_features} is not a multiple of {PAIR}"
+    if torch.get_num_threads() != 1:
+        return f"torch runs {torch.get_num_threads()} threads (the kernel runs one)"
+    return None
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of ``[out, in]`` values in 0..15: ``[out, in / 2]`` uint8, each pair
+    of groups as ``shared/csrc/int4_cpu.cpp`` describes."""
+    num_out, num_in = q.shape
+    # q6: [out, pair, g, half (column j or 16 + j), t, e]; column = half * 16 + 2t + e
+    q6 = q.to(torch.uint8).view(num_out, num_in // PAIR, 2, 2, 8, 2)
+    # byte k = 4t + 2g + e: [out, pair, t, g, e, half]
+    ordered = q6.permute(0, 1, 4, 2, 5, 3)
+    packed = ordered[..., 0] | (ordered[..., 1] << 4)
+    return packed.reshape(num_out, num_in // 2).contiguous()
+
+
+@functools.cache
+def column_order(in_features: int) -> torch.Tensor:
+    """The input columns in the kernel's order (`dequantize`'s columns): per pair of groups,
+    its 32 low-nibble columns, then its 32 high ones."""
+    # k = 4t + 2g + e within a half: column (2p + g) * 32 + half * 16 + 2t + e
+    p, half, t, g, e = torch.meshgrid(
+        *(torch.arange(n) for n in (in_features // PAIR, 2, 8, 2, 2)), indexing="ij"
+    )
+    return ((2 * p + g) * GROUP + half * 16 + 2 * t + e).flatten()
+
+
+def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
+    """float16 where it holds every scale and min exactly (Q4_0 and Q4_1 store them so), else
+    float32."""
+    for values in (scales, mins):
+        half = values.to(torch.float16)
+        if not torch.equal(half.float(), values.float()):
+            return torch.float32
+    return torch.float16
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The weight ``scale * q + min`` as ``[out, in]`` bfloat16, its columns in `column_order`
+    (the arguments as `matmul` takes them)."""
+    assert _int4_cpu is not None
+    num_out, num_in = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(num_out, num_in, dtype=torch.bfloat16)
+    _int4_cpu.dequantize(
+        packed.data_ptr(),
+        scales.data_ptr(),
+        mins.data_ptr(),
+        num_out,
+        num_in,
+        out.data_ptr(),
+        scales.dtype == torch.float16,
+    )
+    return out
+
+
+def matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> torch.Tensor:
+    """``x @ w.T`` for ``w = scale * q + min``.
+
+    Args:
+        x: ``[rows, in]`` bfloat16.
+        packed: `pack`'s ``[out, in / 2]``.
+        scales: ``[out, in / 32]`` float16 or float32.
+        mins: ``[in / 32, out]`` (transposed: the kernel sums each output row's mins times the
+            groups' sums of x for 16 output rows at a time), the same dtype.
+
+    Returns:
+        ``[rows, out]`` bfloat16.
+    """
+    assert _int4_cpu is not None
+    x = x.contiguous()
+    num_rows, num_in = x.shape
+    num_out = packed.shape[0]
+    out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
+    if num_rows:
+        _int4_cpu.gemm(
+            x.data_ptr(),
+            num_rows,
+            num_in,
+            packed.data_ptr(),
+            scales.data_ptr(),
+            mins.data_ptr(),
+            num_out,
+            out.data_ptr(),
+            scales.dtype == torch.float16,
+        )
+    return out
