@@ -61,7 +61,7 @@ GPU_TESTS = (
 ENV_PROBE = r"""
 import json, torch
 from pdserve.engine.flash_attention import FLASH
-from pdserve.engine.runner import attention_backend_name, resolve_attention_backend
+from pdserve.engine.rank_model import attention_backend_name, resolve_attention_backend
 device = torch.device(DEVICE)
 info = {"torch": torch.__version__, "cuda": torch.version.cuda,
         "is_cuda_available": torch.cuda.is_available(),

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pdserve.engine import LLMEngine, flash_attention, runner
+from pdserve.engine import LLMEngine, flash_attention, rank_model
 from pdserve.engine.flash_attention import FlashImplementation, flash_attn_unusable_reason
-from pdserve.engine.runner import attention_backend_name, resolve_attention_backend
+from pdserve.engine.rank_model import attention_backend_name, resolve_attention_backend
 
 CUDA = torch.device("cuda")
 
@@ -36,7 +36,7 @@ def test_auto_takes_flash_attn_where_its_page_rule_holds(
 ) -> None:
     implementation = FlashImplementation(name, object(), multiple)
     monkeypatch.setattr(flash_attention, "FLASH", implementation)
-    monkeypatch.setattr(runner, "FLASH", implementation)
+    monkeypatch.setattr(rank_model, "FLASH", implementation)
     assert resolve_attention_backend("auto", CUDA, torch.bfloat16, block_size) == expected
     assert attention_backend_name(expected) == (name if expected == "flash" else "sdpa")
 

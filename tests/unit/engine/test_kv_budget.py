@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import kv_budget
-from pdserve.engine import runner as runner_module
+from pdserve.engine import kv_budget, rank_model
 from pdserve.engine.config import CacheConfig, EngineConfig
 from pdserve.engine.kv_budget import (
     auto_num_blocks,
@@ -227,7 +226,7 @@ def test_the_runner_logs_the_chosen_size_once(
 
     # NOTE: a recorder rather than structlog's capture: another test may have configured
     # structlog to cache its loggers already.
-    monkeypatch.setattr(runner_module, "log", Recorder())
+    monkeypatch.setattr(rank_model, "log", Recorder())
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", max_model_len=256)
     runner = ModelRunner.load(config)
     sized = [record for record in logs if record["event"] == "kv_cache_sized"]

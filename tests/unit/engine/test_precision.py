@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.engine import EngineConfig, ModelRunner
-from pdserve.engine import runner as runner_module
+from pdserve.engine import EngineConfig, ModelRunner, rank_model
 from pdserve.engine.precision import choose_dtype, cpu_flags
 
 CPU = torch.device("cpu")
@@ -68,7 +67,7 @@ def test_start_up_says_which_dtype_runs_and_why(
 
     # NOTE: a recorder rather than structlog's capture: another test may have configured
     # structlog to cache its loggers already.
-    monkeypatch.setattr(runner_module, "log", Recorder())
+    monkeypatch.setattr(rank_model, "log", Recorder())
     runner = ModelRunner.load(EngineConfig(model=str(tiny_model_dir), max_model_len=64))
     [event] = [e for e in events if e["event"] == "dtype_resolved"]
     choice = choose_dtype("auto", CPU)

@@ -37,7 +37,8 @@ from pdserve.engine.parallel.shared_cache import (
     remove_shared_cache,
 )
 from pdserve.engine.parallel.worker import rank_device
-from pdserve.engine.runner import ModelRunner, cache_layout, load_rank_model, num_cache_blocks
+from pdserve.engine.rank_model import cache_layout, load_rank_model, num_cache_blocks
+from pdserve.engine.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 

@@ -23,7 +23,8 @@ from pdserve.engine.parallel.group import LOOPBACK, RankShard, TensorParallelGro
 from pdserve.engine.parallel.layers import cache_head_range
 from pdserve.engine.parallel.messages import Attach, Setup, Shutdown, Step
 from pdserve.engine.parallel.shared_cache import attach_head_slice
-from pdserve.engine.runner import ModelRunner, cache_layout, load_rank_model
+from pdserve.engine.rank_model import cache_layout, load_rank_model
+from pdserve.engine.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
 
