@@ -10,8 +10,10 @@ server (no prompt cached), then AIPerf (`aiperf profile`, PyPI) drives streaming
 completions: input of about ``--isl`` tokens, ``--osl`` output tokens (``ignore_eos``), at
 each ``--concurrency``, ``--requests-per-client`` requests per client. The servers run one
 after the other on the same machine; the table gives output tokens/s, TTFT and ITL (p50) of
-each and the ratios pdserve / llama.cpp. The CPU flags and both servers' settings are printed
-and written to bench/results/peer-llamacpp-<time>.json.
+each and the ratios pdserve / llama.cpp, and the memory of each side after its run: the PSS of
+every process the server started (pdserve's decode KV sized to the peer's context, ``--match-kv``).
+The CPU flags and both servers' settings are printed and written to
+bench/results/peer-llamacpp-<time>.json.
 
 The peer's setup follows shared/PEERS.md: llama-server built from the llama.cpp sources that
 PyPI's `llama-cpp-python` sdist vendors, one slot per client (``-np``), the context to match,
@@ -91,7 +93,7 @@ def start_llama(args: argparse.Namespace, gguf: Path, concurrency: int, log: Pat
     subprocess.Popen[bytes], str, list[str]
 ]:  # fmt: skip
     port = free_port()
-    context = concurrency * (args.isl + args.osl + 128)
+    context = peer_context(args, concurrency)
     argv = [str(args.llama_server), "-m", str(gguf), "-np", str(concurrency), "-c", str(context),
             "-t", str(args.llama_threads), "--jinja", "--host", "127.0.0.1",
             "--port", str(port)]  # fmt: skip
@@ -102,16 +104,44 @@ def start_llama(args: argparse.Namespace, gguf: Path, concurrency: int, log: Pat
     return process, f"http://127.0.0.1:{port}", argv
 
 
-def start_pdserve(args: argparse.Namespace, log: Path) -> tuple[
+def peer_context(args: argparse.Namespace, concurrency: int) -> int:
+    """llama-server's ``-c``: the context its slots share."""
+    return concurrency * (args.isl + args.osl + 128)
+
+
+def start_pdserve(args: argparse.Namespace, concurrency: int, log: Path) -> tuple[
     subprocess.Popen[bytes], str, list[str]
 ]:  # fmt: skip
     port = free_port()
+    # NOTE: the decode's KV holds as many tokens as the peer's context (16-token blocks); the
+    # prefill's is left at its default, as a user would.
+    kv = [f"--decode-args=--num-blocks {-(-peer_context(args, concurrency) // 16)}"]
     argv = [sys.executable, "-m", "pdserve.launcher", "up", "--port", str(port),
-            "--grpc-port", "0", *shlex.split(args.pdserve_args)]  # fmt: skip
+            "--grpc-port", "0", *(kv if args.match_kv else []),
+            *shlex.split(args.pdserve_args)]  # fmt: skip
     process = subprocess.Popen(
         argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
     )
     return process, f"http://127.0.0.1:{port}", argv
+
+
+def session_pss_mb(session_id: int) -> float:
+    """The proportional memory (PSS) of every process in a session (a server and what it
+    started: pdserve's launcher, gateway, prefill and decode), from ``smaps_rollup``."""
+    total_kb = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # NOTE: the command may hold spaces and parentheses; the fields follow the last ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) != session_id:
+                continue
+            rollup = (stat.parent / "smaps_rollup").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # NOTE: a process that exited meanwhile
+        total_kb += next(
+            (int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0
+        )
+    return total_kb / 1024
 
 
 def served_model(url: str) -> str:
@@ -153,18 +183,20 @@ def measure(args: argparse.Namespace, gguf: Path, tokenizer: Path) -> dict[str, 
             if server == "llama.cpp":
                 process, url, argv = start_llama(args, gguf, concurrency, log)
             else:
-                process, url, argv = start_pdserve(args, log)
+                process, url, argv = start_pdserve(args, concurrency, log)
             try:
                 wait_ready(url, process)
                 row = run_aiperf(
                     args, url, tokenizer, concurrency, work / f"{server}-{concurrency}"
                 )
+                row["pss_mb"] = session_pss_mb(process.pid)
             finally:
                 stop(process)
             row["argv"] = argv
             results[f"{server}@{concurrency}"] = row
             print(f"{server:<12} c={concurrency:<3} {row['output_tok_s']:7.1f} tok/s  "
-                  f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:6.1f} ms",
+                  f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms  ITL p50 {row['itl_p50_ms']:6.1f} ms  "
+                  f"PSS {row['pss_mb']:6.0f} MB  errors {row['errors']:.0f}",
                   flush=True)  # fmt: skip
     return results
 
@@ -180,6 +212,12 @@ def main() -> None:
     parser.add_argument("--llama-threads", type=int, default=1)
     parser.add_argument("--pdserve-args", default="", help="more `pdserve up` flags")
     parser.add_argument("--label", default="pdserve", help="the pdserve row's name")
+    parser.add_argument(
+        "--match-kv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="size the decode's KV to the peer's context (-c) for the memory comparison",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "shared" / "src"))
     from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
@@ -189,12 +227,14 @@ def main() -> None:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags())}")
     print(f"model: {gguf.name}; ISL {args.isl}, OSL {args.osl}, streaming chat, ignore_eos")
     results = measure(args, gguf, resolved.path)
-    print(f"\n{'clients':<9}{'tok/s ratio':>12}{'ITL p50 ratio':>15}{'TTFT p50 ratio':>16}")
+    print(f"\n{'clients':<9}{'tok/s ratio':>12}{'ITL p50 ratio':>15}{'TTFT p50 ratio':>16}"
+          f"{'PSS ratio':>11}")  # fmt: skip
     for concurrency in args.concurrency:
         ours, peer = results[f"{args.label}@{concurrency}"], results[f"llama.cpp@{concurrency}"]
         print(f"{concurrency:<9}{ours['output_tok_s'] / peer['output_tok_s']:>11.2f}x"
               f"{ours['itl_p50_ms'] / peer['itl_p50_ms']:>14.2f}x"
-              f"{ours['ttft_p50_ms'] / peer['ttft_p50_ms']:>15.2f}x")  # fmt: skip
+              f"{ours['ttft_p50_ms'] / peer['ttft_p50_ms']:>15.2f}x"
+              f"{ours['pss_mb'] / peer['pss_mb']:>10.2f}x")  # fmt: skip
     summary = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "isl": args.isl, "osl": args.osl,
                "label": args.label, "results": results}  # fmt: skip
     print(f"results: {write_results('peer-llamacpp', summary)}")
