@@ -29,15 +29,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a decoder-only transformer of one of the supported families.
-
-    Qwen2 is Llama with a bias on q/k/v; Mistral is Llama with an optional sliding window;
-    Qwen3 adds RMSNorm on q and k; Phi-3 is Llama with fused checkpoint projections; Mixtral and
-    Qwen3-MoE route each token to experts (`moe`); Gemma 3 adds scaled embeddings, GeGLU,
-    norms around both blocks, a ``1 + weight`` RMSNorm and its own RoPE on sliding layers;
-    OLMo 2 norms each block's output instead of its input and q and k across all heads;
-    SmolLM3 is Llama without RoPE on every fourth layer; ERNIE 4.5 is Llama with a bias on
-    every projection (``use_bias``) and RoPE over adjacent pairs of a head's dims.
+    """The architecture of a decoder-only transformer of one of the families, as the engine
+    builds it: each family's module (`pdserve.engine.families`) says which of these fields
+    its ``config.json`` sets and how.
 
     Attributes:
         model_type: The ``model_type`` of one of the families (`supported_model_types`).
