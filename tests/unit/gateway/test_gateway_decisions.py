@@ -87,7 +87,8 @@ CASES = [
     Case("prefill cannot reach its decode", failed(R.PEER_UNAVAILABLE), "retry", avoided="d"),
     Case("no healthy instances", failed(R.NO_HEALTHY_INSTANCES), "retry", "p"),
     # WHOLE_REQUEST: the same pair may serve it again.
-    Case("lease expired", failed(R.LEASE_EXPIRED, DECODE), "retry"),
+    Case("lease expired in its transfer avoids both ends", failed(R.LEASE_EXPIRED, DECODE),
+         "retry", avoided="p d"),
     Case("lease not found", failed(R.LEASE_NOT_FOUND, DECODE), "retry"),
     Case("rate limited", failed(R.RATE_LIMITED), "retry"),
     Case("corrupt transfer avoids both ends", failed(R.CACHE_SYNC_FAILED), "retry", avoided="p d"),

@@ -22,8 +22,8 @@ classified by their reason's retry scope, never by message text:
   When no pair is alive at all, a request that had a setback waits for one to register
   (`pdserve.gateway.peer_wait`), up to ``peer_wait_s``.
 * ANOTHER_PAIR / _DECODE / _PREFILL / _INSTANCE: retry
-  without the instance(s) the scope blames; WHOLE_REQUEST: retry as is (CACHE_SYNC_FAILED
-  avoids both ends); ONCE: retry as is, once. All count against ``max_attempts``.
+  without the instance(s) the scope blames; WHOLE_REQUEST: retry as is (CACHE_SYNC_FAILED and
+  LEASE_EXPIRED avoid both ends); ONCE: retry as is, once. All count against ``max_attempts``.
 * DECODE_CAPACITY_EXHAUSTED, PREFILL_OVERLOADED (an instance had no room after all): wait for
   room in the admission queue (`pdserve.gateway.routing.queue`), that instance marked full
   until it reports again or work there ends. Not counted against ``max_attempts``: the queue's
@@ -226,9 +226,11 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
             state = _avoid(state, setback.pair, role)
     else:
         state = _exclude(state, setback.pair, blamed)
-    if error.reason is ErrorReason.CACHE_SYNC_FAILED:
-        # NOTE: KV that failed its checksum may come from either end (memory, NIC): the retry
-        # prefers another prefill and decode when there are any.
+    if error.reason in (ErrorReason.CACHE_SYNC_FAILED, ErrorReason.LEASE_EXPIRED):
+        # NOTE: KV that failed its checksum may come from either end (memory, NIC), and a
+        # lease that expired before its KV was all sent was filled too slowly (a slow link
+        # between the two, a busy prefill): the retry prefers another prefill and decode when
+        # there are any (the same pair again fails the same way, until max_attempts).
         state = replace(
             state,
             avoided_prefill_ids=state.avoided_prefill_ids | {setback.pair.prefill.instance_id},
