@@ -81,9 +81,10 @@ DECODE_BLOCKS = 200
 # other short timeouts; a loaded step waits on a rank for milliseconds.
 TP2 = "--tensor-parallel-size 2 --num-threads 1 --tensor-parallel-step-timeout-s 5"
 SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
-# NOTE: the gateway cut off from every instance is joined again after this (no outcome comes
-# in meanwhile: it hears no instance), longer than an instance's TTL: it drops them all first.
-GATEWAY_CUT_S = 4.0
+# NOTE: a network fault lasts at least this, longer than an instance's TTL (the gateway drops
+# what it cannot hear), even where the outcome is in at once (streams the client cancelled); a
+# gateway cut off from every instance is joined again after it (no outcome comes in before).
+NETWORK_FAULT_S = 4.0
 # NOTE: a slowed link: a long prompt's KV (~2.4 MB of float32) takes about 2 s through it.
 SLOW_RATE = "10mbit"
 SLOW_DELAY_MS = 50
@@ -338,6 +339,7 @@ class Fault:
     comeback: asyncio.Task[None] | None = None
     links: list[str] = field(default_factory=list)  # test hosts cut off or slowed
     slowed_by: str = ""  # what slows a slowed link (netem, or tbf without it)
+    links_until: float = 0.0  # the links are restored no earlier (monotonic)
 
     def land(
         self, cluster: ProcessCluster, kind: str, victim: ChildProcess, *, rank: bool = False
@@ -350,11 +352,12 @@ class Fault:
             assert isinstance(cluster, MultiHostCluster) and not rank
             network = cluster.network
             self.links.append(victim.name)
+            self.links_until = time.monotonic() + NETWORK_FAULT_S
             if kind == "slow_link":
                 self.slowed_by = network.slow(victim.name, SLOW_RATE, SLOW_DELAY_MS)
             elif victim is cluster.gateway:
                 network.cut(victim.name, [child.name for child in cluster.instances])
-                self.comeback = asyncio.create_task(self.restore_after(network, GATEWAY_CUT_S))
+                self.comeback = asyncio.create_task(self.restore_after(network, NETWORK_FAULT_S))
             else:
                 network.partition(victim.name)
         elif kind in SERVER_FAULTS:
@@ -439,6 +442,7 @@ class Fault:
             await self.comeback
         if self.links:
             assert isinstance(cluster, MultiHostCluster)
+            await asyncio.sleep(max(0.0, self.links_until - time.monotonic()))
             for name in self.links:
                 cluster.network.restore(name)
         for server in self.gone:
