@@ -210,6 +210,37 @@ async def test_a_window_cannot_address_blocks_outside_its_lease(tiny_model_dir: 
         assert sharing.write(KvPiece(0, 1, 1, data, data)) == chunk_crc32c(data, data)
 
 
+def _mapped_kb(address: int) -> int:
+    """Resident kB of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            return next(int(f.split()[1]) for f in lines[i + 1 :] if f.startswith("Rss:"))
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_segment_is_mapped_lazily_a_block_on_its_first_write(tmp_path: Path) -> None:
+    """The sender maps the decode's whole cache, but takes pages only for blocks it writes:
+    populating a 2 GB cache on the first request cost seconds and counted its pages twice."""
+    layout = KVCacheLayout(
+        num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype="float32"
+    )
+    num_blocks = 2048
+    path = tmp_path / "pdserve-kv-1-lazy"
+    segment_bytes = 2 * layout.num_layers * layout.block_nbytes * num_blocks
+    with path.open("wb") as file:
+        file.truncate(segment_bytes)
+    path.chmod(0o600)
+    pool = SharedKvPool(path.name, layout, directory=tmp_path)
+    address = pool.blocks.ctypes.data
+    assert _mapped_kb(address) == 0
+    data = bytes(range(256)) * (layout.block_nbytes // 256)
+    pool.window([7]).write(KvPiece(0, 0, 1, data, data))
+    # NOTE: the kernel maps a written page's neighbours too (fault-around, large folios): a
+    # few MB at most of the segment's 128.
+    assert 2 * layout.block_nbytes // 1024 <= _mapped_kb(address) <= segment_bytes // 1024 // 16
+
+
 def test_a_segment_other_users_may_open_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "pdserve-kv-1-open"
     path.write_bytes(bytes(4096))
