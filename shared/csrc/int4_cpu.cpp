@@ -253,19 +253,21 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
   }
 }
 
-// The weight as bf16 ``s * q + m`` (rounded once, to nearest even), [out][in] in the kernel's
-// column order: per pair, its 32 low-nibble columns then its 32 high ones (`PreparedRow.words`).
-// A GEMM of many rows runs faster as one bf16 GEMM over this than through `gemm`.
+// The weight as bf16 ``s * q + m`` (rounded once, to nearest even), [out][in] in the columns'
+// own order. A GEMM of many rows runs faster as one bf16 GEMM over this than through `gemm`.
 template <typename S>
 KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* mins,
                               int out_features, int in_features, uint16_t* out) {
   const int num_pairs = in_features / 64;
-  // word k of a half belongs to group (k >> 1) & 1: lanes [g0, g0, g1, g1, ...]
+  // Word k (0..15) of a widened half-part holds group g = (k >> 1) & 1, column 2 (k >> 2) +
+  // (k & 1) of the part's eight: `spread` gives a lane its group's scale and min, `gather`
+  // puts group 0's eight words first and group 1's after, each in column order.
   const __m512i spread = _mm512_set_epi32(1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0);
+  const __m512i gather = _mm512_set_epi32(15, 14, 11, 10, 7, 6, 3, 2, 13, 12, 9, 8, 5, 4, 1, 0);
   const __m512i nibble = _mm512_set1_epi16(0x000F);
   for (int o = 0; o < out_features; ++o) {
     const uint8_t* w = weight + static_cast<size_t>(o) * num_pairs * 32;
-    const S* s = scales + static_cast<size_t>(o) * num_groups;
+    const S* s = scales + static_cast<size_t>(o) * 2 * num_pairs;
     uint16_t* row = out + static_cast<size_t>(o) * in_features;
     for (int p = 0; p < num_pairs; ++p) {
       __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
@@ -279,9 +281,11 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
           __m256i words = part == 0 ? _mm512_castsi512_si256(halves[h])
                                     : _mm512_extracti64x4_epi64(halves[h], 1);
           __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(words));
-          __m256bh value = _mm512_cvtneps_pbh(_mm512_fmadd_ps(q, scale, min));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + p * 64 + h * 32 + part * 16),
-                              (__m256i)value);
+          __m512 value = _mm512_permutexvar_ps(gather, _mm512_fmadd_ps(q, scale, min));
+          __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(value);
+          uint16_t* column = row + p * 64 + h * 16 + part * 8;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(column), _mm256_castsi256_si128(bf16));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(column + 32), _mm256_extracti128_si256(bf16, 1));
         }
       }
     }
@@ -359,7 +363,7 @@ PyObject* py_dequantize(PyObject*, PyObject* args) {
 PyMethodDef methods[] = {
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as bf16 "
-     "[out_features, in] in the kernel's column order."},
+     "[out_features, in]."},
     {"supported", py_supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
     {"gemm", py_gemm, METH_VARARGS,
      "gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales): out = x @ w.T, "

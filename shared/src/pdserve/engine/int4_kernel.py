@@ -27,7 +27,7 @@ PAIR = 2 * GROUP
 """Input features per step of the kernel: in_features must be a multiple of it."""
 
 try:
-    from pdserve.engine import _int4_cpu
+    import pdserve.engine._int4_cpu as _int4_cpu
 except ImportError:  # pragma: no cover - the compiled module is optional
     _int4_cpu = None
 
@@ -71,17 +71,6 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return packed.reshape(num_out, num_in // 2).contiguous()
 
 
-@functools.cache
-def column_order(in_features: int) -> torch.Tensor:
-    """The input columns in the kernel's order (`dequantize`'s columns): per pair of groups,
-    its 32 low-nibble columns, then its 32 high ones."""
-    # k = 4t + 2g + e within a half: column (2p + g) * 32 + half * 16 + 2t + e
-    p, half, t, g, e = torch.meshgrid(
-        *(torch.arange(n) for n in (in_features // PAIR, 2, 8, 2, 2)), indexing="ij"
-    )
-    return ((2 * p + g) * GROUP + half * 16 + 2 * t + e).flatten()
-
-
 def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
     """float16 where it holds every scale and min exactly (Q4_0 and Q4_1 store them so), else
     float32."""
@@ -93,8 +82,8 @@ def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The weight ``scale * q + min`` as ``[out, in]`` bfloat16, its columns in `column_order`
-    (the arguments as `matmul` takes them)."""
+    """The weight ``scale * q + min`` as ``[out, in]`` bfloat16 (the arguments as `matmul`
+    takes them)."""
     assert _int4_cpu is not None
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(num_out, num_in, dtype=torch.bfloat16)

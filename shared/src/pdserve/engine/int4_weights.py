@@ -11,7 +11,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from pdserve.engine import int4_kernel
+import pdserve.engine.int4_kernel as int4_kernel
 from pdserve.engine.checkpoint_names import EXPERT_NAME, SHARD_NAME, STACKED, renamed
 from pdserve.engine.gguf_int4 import COUNTS_KEY, MINS, SCALES, TYPES_KEY, VALUES
 from pdserve.engine.linear import Linear

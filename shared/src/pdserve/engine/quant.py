@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import int4_kernel
+import pdserve.engine.int4_kernel as int4_kernel
 from pdserve.engine.linear import Linear, at_least_rows
 
 INT4_GROUP_SIZE = 32
@@ -173,9 +173,8 @@ class Int4Linear(nn.Module):
         if self.kernel == "pdserve":
             assert self.scales is not None and self.mins is not None
             if x.shape[0] > OWN_KERNEL_MAX_ROWS and self.min_rows == 1:
-                order = int4_kernel.column_order(self.in_features)
                 weight = int4_kernel.dequantize(self.packed, self.scales, self.mins)
-                out = F.linear(x.index_select(1, order), weight)
+                out = F.linear(x, weight)
             else:
                 out = int4_kernel.matmul(x, self.packed, self.scales, self.mins)
             return out if self.bias is None else out.add_(self.bias)
