@@ -16,7 +16,7 @@ SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 help:  ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
 
-$(INSTALL_STAMP): constraints.txt shared/pyproject.toml shared/setup.py shared/csrc/*.cpp services/*/pyproject.toml
+$(INSTALL_STAMP): constraints.txt shared/pyproject.toml shared/setup.py shared/csrc/*.cpp shared/csrc/*.h services/*/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade -c constraints.txt pip setuptools wheel
 	# NOTE: torch is pinned explicitly so pip never resolves an unpinned (CUDA) build.

@@ -1,7 +1,8 @@
-"""The one compiled part of pdserve-shared: the int4 CPU kernel (`pdserve.engine.int4_kernel`).
+"""The one compiled part of pdserve-shared: pdserve's CPU kernels for AVX512-BF16 (the int4
+GEMM of `pdserve.engine.int4_kernel`, the decode attention of `pdserve.engine.cpu_attention`).
 
 Optional: where no C++ compiler is found, the package installs without it and the engine runs
-torch's int4 kernel instead.
+torch's kernels instead.
 """
 
 from setuptools import Extension, setup
@@ -9,8 +10,9 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "pdserve.engine._int4_cpu",
-            sources=["csrc/int4_cpu.cpp"],
+            "pdserve.engine._cpu_kernels",
+            sources=["csrc/module.cpp", "csrc/int4_gemm.cpp", "csrc/decode_attention.cpp"],
+            depends=["csrc/common.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
             optional=True,

@@ -43,16 +43,18 @@ def test_bf16_logits_match_transformers_bf16_at_every_position(
     for position in range(num_prompt, len(sequence)):
         chunk = ScheduledChunk([sequence[position]], position, block_ids)
         ours.append(engine.runner.execute([chunk])[0])
-    if arch in ROUTING_NEAR_TIES:
-        # NOTE: against float32: no farther from it than transformers' own bf16 is.
-        with torch.no_grad():
-            exact = hf_model(arch)(torch.tensor([sequence])).logits[0][num_prompt - 1 :]
-        theirs = (reference[num_prompt - 1 :] - exact).abs().max()
-        assert (torch.stack(ours) - exact).abs().max() <= theirs + BF16_LOGITS_ATOL
-        return
-    torch.testing.assert_close(
-        torch.stack(ours), reference[num_prompt - 1 :], atol=BF16_LOGITS_ATOL, rtol=0
-    )
+    # NOTE: against float32: no farther from it than transformers' own bf16 is. Where routing
+    # has near-ties, or where the engine's attention sums in float32 what transformers' bf16
+    # rounds (pdserve's CPU decode attention), the two bf16 runs differ from each other by more
+    # than either differs from float32.
+    with torch.no_grad():
+        exact = hf_model(arch)(torch.tensor([sequence])).logits[0][num_prompt - 1 :]
+    theirs = (reference[num_prompt - 1 :] - exact).abs().max()
+    assert (torch.stack(ours) - exact).abs().max() <= theirs + BF16_LOGITS_ATOL
+    if arch not in ROUTING_NEAR_TIES:
+        # NOTE: and close to transformers' bf16 at nearly every logit.
+        close = (torch.stack(ours) - reference[num_prompt - 1 :]).abs() <= BF16_LOGITS_ATOL
+        assert close.float().mean() >= 0.999
 
 
 def test_bf16_greedy_picks_are_transformers_bf16_best_up_to_ties(

@@ -170,6 +170,16 @@ class AttentionMetadata:
             self.derived[key] = split_decode_groups(lens, self.block_size)
         return self.derived[key]
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decodes' block tables (``[num_decodes, width]``) and context lengths
+        (``[num_decodes]``), both int32 and contiguous (`pdserve.engine.cpu_attention`)."""
+        key = "decode_tables"
+        if key not in self.derived:
+            tables = self.block_table[: self.num_decodes].to(torch.int32).contiguous()
+            lens = self.context_lens[: self.num_decodes].to(torch.int32).contiguous()
+            self.derived[key] = (tables, lens)
+        return self.derived[key]
+
     def decode_blocks(self, group: DecodeGroup) -> torch.Tensor:
         """``[group size * group.num_blocks]`` block ids of a decode group's contexts, row-major."""
         key = ("decode_blocks", group.start)

@@ -75,6 +75,7 @@ class InvariantAttention(SdpaAttention):
     module's note); the engine's attention under ``deterministic``."""
 
     key_span = KEY_SPAN
+    cpu_kernel = False
 
     def _decode_static(
         self,

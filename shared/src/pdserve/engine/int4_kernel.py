@@ -1,4 +1,4 @@
-"""pdserve's int4 CPU kernel (``shared/csrc/int4_cpu.cpp``): a GGUF's int4 groups, ``scale * q
+"""pdserve's int4 CPU kernel (``shared/csrc/int4_gemm.cpp``): a GGUF's int4 groups, ``scale * q
 + min`` in groups of 32, times bfloat16 activations on AVX512-BF16, with the file's scales and
 mins as they are.
 
@@ -27,15 +27,15 @@ PAIR = 2 * GROUP
 """Input features per step of the kernel: in_features must be a multiple of it."""
 
 try:
-    import pdserve.engine._int4_cpu as _int4_cpu
+    import pdserve.engine._cpu_kernels as _kernels
 except ImportError:  # pragma: no cover - the compiled module is optional
-    _int4_cpu = None
+    _kernels = None
 
 
 @functools.cache
 def available() -> bool:
     """Whether the compiled kernel is installed and this CPU runs it."""
-    return _int4_cpu is not None and bool(_int4_cpu.supported())
+    return _kernels is not None and bool(_kernels.supported())
 
 
 def takes(in_features: int, dtype: torch.dtype) -> bool:
@@ -46,7 +46,7 @@ def takes(in_features: int, dtype: torch.dtype) -> bool:
 
 def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
     """Why the kernel does not take a projection (None where it does), for the logs."""
-    if _int4_cpu is None:
+    if _kernels is None:
         return "the compiled module is not installed (no C++ compiler when pdserve was installed)"
     if not available():
         return "this CPU has no AVX512-BF16"
@@ -61,7 +61,7 @@ def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
 
 def pack(q: torch.Tensor) -> torch.Tensor:
     """The kernel's layout of ``[out, in]`` values in 0..15: ``[out, in / 2]`` uint8, each pair
-    of groups as ``shared/csrc/int4_cpu.cpp`` describes."""
+    of groups as ``shared/csrc/int4_gemm.cpp`` describes."""
     num_out, num_in = q.shape
     # q6: [out, pair, g, half (column j or 16 + j), t, e]; column = half * 16 + 2t + e
     q6 = q.to(torch.uint8).view(num_out, num_in // PAIR, 2, 2, 8, 2)
@@ -84,10 +84,10 @@ def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """The weight ``scale * q + min`` as ``[out, in]`` bfloat16 (the arguments as `matmul`
     takes them)."""
-    assert _int4_cpu is not None
+    assert _kernels is not None
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(num_out, num_in, dtype=torch.bfloat16)
-    _int4_cpu.dequantize(
+    _kernels.int4_dequantize(
         packed.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr(),
@@ -114,13 +114,13 @@ def matmul(
     Returns:
         ``[rows, out]`` bfloat16.
     """
-    assert _int4_cpu is not None
+    assert _kernels is not None
     x = x.contiguous()
     num_rows, num_in = x.shape
     num_out = packed.shape[0]
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
     if num_rows:
-        _int4_cpu.gemm(
+        _kernels.int4_gemm(
             x.data_ptr(),
             num_rows,
             num_in,

@@ -1,5 +1,5 @@
-// pdserve.engine._int4_cpu: an int4 x bf16 GEMM for a CPU with AVX512-BF16, for the few rows of
-// a decode step (a one-row step streams every weight once and does little else).
+// pdserve.engine._cpu_kernels, int4: an int4 x bf16 GEMM for a CPU with AVX512-BF16, for the
+// few rows of a decode step (a one-row step streams every weight once and does little else).
 //
 // A weight is 4-bit values q (0..15) in groups of 32 input features, each group with a scale s
 // and a min m: w = s * q + m (a GGUF's Q4_0, Q4_1 and Q4_K blocks, exactly). Per output row o:
@@ -18,38 +18,16 @@
 // pair L = 2t + g of the widened bytes belongs to group g: the pair's two scales broadcast as
 // [s0, s1, s0, s1, ...]. Scales are [out][G]; mins are transposed, [G][out], so that the mins'
 // share of 16 output rows is one FMA per group.
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "common.h"
 
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-#include <vector>
-
-#define KERNEL_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
-
+namespace pdserve {
 namespace {
 
 constexpr int kGroup = 32;
 constexpr int kRowBlock = 4;
 constexpr int kOutBlock = 64;
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
-inline uint16_t float_to_bf16(float f) {
-  // Round to nearest even, as torch converts; a NaN stays a NaN.
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // One row of x, laid out for the kernel.
 struct PreparedRow {
@@ -292,17 +270,9 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
   }
 }
 
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
+}  // namespace
 
-PyObject* py_supported(PyObject*, PyObject*) { return PyBool_FromLong(cpu_supported()); }
-
-PyObject* py_gemm(PyObject*, PyObject* args) {
+PyObject* py_int4_gemm(PyObject*, PyObject* args) {
   unsigned long long x, weight, scales, mins, out;
   int num_rows, in_features, out_features, half_scales;
   if (!PyArg_ParseTuple(args, "KiiKKKiKp", &x, &num_rows, &in_features, &weight, &scales, &mins,
@@ -331,7 +301,7 @@ PyObject* py_gemm(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyObject* py_dequantize(PyObject*, PyObject* args) {
+PyObject* py_int4_dequantize(PyObject*, PyObject* args) {
   unsigned long long weight, scales, mins, out;
   int out_features, in_features, half_scales;
   if (!PyArg_ParseTuple(args, "KKKiiKp", &weight, &scales, &mins, &out_features, &in_features,
@@ -360,23 +330,4 @@ PyObject* py_dequantize(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyMethodDef methods[] = {
-    {"dequantize", py_dequantize, METH_VARARGS,
-     "dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as bf16 "
-     "[out_features, in]."},
-    {"supported", py_supported, METH_NOARGS, "Whether this CPU runs the kernel (AVX512-BF16)."},
-    {"gemm", py_gemm, METH_VARARGS,
-     "gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales): out = x @ w.T, "
-     "addresses of contiguous bf16 x [rows, in], packed weight, scales [out, in / 32], mins "
-     "[in / 32, out] "
-     "(float16 when half_scales, else float32), bf16 out [rows, out_features]."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_int4_cpu",
-                      "int4 x bf16 GEMM for few rows on AVX512-BF16 (pdserve.engine.int4_kernel)",
-                      -1, methods};
-
-}  // namespace
-
-PyMODINIT_FUNC PyInit__int4_cpu(void) { return PyModule_Create(&module); }
+}  // namespace pdserve

@@ -1,0 +1,127 @@
+// pdserve.engine._cpu_kernels, decode attention over the paged KV cache.
+//
+// One query token per sequence (a decode step) attends its sequence's keys through its block
+// table, straight from the cache (no gather into a padded copy): per KV head, the scores of its
+// group of query heads against every key (VDPBF16PS over bf16 q and k, float32 sums), a softmax
+// in float32 (with a sink logit per head where the model has them), then the values weighted in
+// float32, rounded once to bf16.
+#include "common.h"
+
+namespace pdserve {
+namespace {
+
+template <int G>
+KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                               const int32_t* table, int first, int last, int block_size,
+                               int num_kv_heads, int head, int head_dim, float scale,
+                               const float* sinks, float* scores, uint16_t* out) {
+  const int chunks = head_dim / 32;  // bf16 pairs of a 512-bit register
+  const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
+  const int num_keys = last - first;
+  __m512i qv[G][8];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_si512(q + g * head_dim + c * 32);
+  float high[G];
+  for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
+  for (int t = first; t < last; ++t) {
+    const uint16_t* key = k_cache + (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
+                          static_cast<size_t>(head) * head_dim;
+    __m512 dot[G];
+    for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
+    for (int c = 0; c < chunks; ++c) {
+      __m512i kv = _mm512_loadu_si512(key + c * 32);
+      for (int g = 0; g < G; ++g) dot[g] = _mm512_dpbf16_ps(dot[g], (__m512bh)qv[g][c], (__m512bh)kv);
+    }
+    for (int g = 0; g < G; ++g) {
+      float s = _mm512_reduce_add_ps(dot[g]) * scale;
+      scores[g * num_keys + (t - first)] = s;
+      high[g] = s > high[g] ? s : high[g];
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    float sum = sinks ? expf(sinks[g] - high[g]) : 0.0f;
+    float* s = scores + g * num_keys;
+    for (int i = 0; i < num_keys; ++i) {
+      s[i] = expf(s[i] - high[g]);
+      sum += s[i];
+    }
+    total[g] = sum;
+  }
+  // NOTE: 16 values of the head at a time over every key, G accumulators in registers.
+  for (int c = 0; c < head_dim / 16; ++c) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int t = first; t < last; ++t) {
+      const uint16_t* value = v_cache +
+                              (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
+                              static_cast<size_t>(head) * head_dim + c * 16;
+      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value))), 16));
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * num_keys + (t - first)]), v, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 o = _mm512_mul_ps(acc[g], _mm512_set1_ps(1.0f / total[g]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + c * 16), (__m256i)_mm512_cvtneps_pbh(o));
+    }
+  }
+}
+
+template <int G>
+KERNEL_TARGET void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                                    const int32_t* tables, int table_stride, const int32_t* lens,
+                                    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                    int block_size, float scale, int window, const float* sinks,
+                                    uint16_t* out) {
+  thread_local std::vector<float> scores;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int last = lens[i];
+    const int first = window > 0 && last > window ? last - window : 0;
+    scores.resize(static_cast<size_t>(G) * (last - first));
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const size_t at = (static_cast<size_t>(i) * num_heads + h * G) * head_dim;
+      attend_head<G>(q + at, k_cache, v_cache, tables + static_cast<size_t>(i) * table_stride, first, last,
+                     block_size, num_kv_heads, h, head_dim, scale, sinks ? sinks + h * G : nullptr,
+                     scores.data(), out + at);
+    }
+  }
+}
+
+using DecodeAttention = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*, int,
+                                 const int32_t*, int, int, int, int, int, float, int, const float*, uint16_t*);
+
+constexpr DecodeAttention kDecodeAttention[] = {
+    nullptr, decode_attention<1>, decode_attention<2>, decode_attention<3>, decode_attention<4>,
+    decode_attention<5>, decode_attention<6>, decode_attention<7>, decode_attention<8>};
+
+}  // namespace
+
+PyObject* py_decode_attention(PyObject*, PyObject* args) {
+  unsigned long long q, k_cache, v_cache, tables, lens, sinks, out;
+  int table_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window;
+  float scale;
+  if (!PyArg_ParseTuple(args, "KKKKiKiiiiifiKK", &q, &k_cache, &v_cache, &tables, &table_stride, &lens,
+                        &num_seqs, &num_heads, &num_kv_heads, &head_dim, &block_size, &scale, &window,
+                        &sinks, &out)) {
+    return nullptr;
+  }
+  const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if (!cpu_supported()) {
+    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
+    return nullptr;
+  }
+  if (group < 1 || group > 8 || group * num_kv_heads != num_heads || head_dim % 32 != 0 || head_dim > 256) {
+    PyErr_SetString(PyExc_ValueError, "needs 1-8 query heads per KV head and head_dim a multiple of 32 up to 256");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  kDecodeAttention[group](reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(k_cache),
+                          reinterpret_cast<const uint16_t*>(v_cache), reinterpret_cast<const int32_t*>(tables),
+                          table_stride, reinterpret_cast<const int32_t*>(lens), num_seqs, num_heads, num_kv_heads,
+                          head_dim, block_size, scale, window, reinterpret_cast<const float*>(sinks),
+                          reinterpret_cast<uint16_t*>(out));
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+}  // namespace pdserve

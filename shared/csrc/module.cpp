@@ -1,0 +1,43 @@
+// pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, decode_attention.cpp).
+#include "common.h"
+
+namespace pdserve {
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+namespace {
+
+PyObject* py_supported(PyObject*, PyObject*) { return PyBool_FromLong(cpu_supported()); }
+
+PyMethodDef methods[] = {
+    {"supported", py_supported, METH_NOARGS, "Whether this CPU runs the kernels (AVX512-BF16)."},
+    {"int4_gemm", py_int4_gemm, METH_VARARGS,
+     "int4_gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales): out = x @ w.T, "
+     "addresses of contiguous bf16 x [rows, in], packed weight, scales [out, in / 32], mins "
+     "[in / 32, out] (float16 when half_scales, else float32), bf16 out [rows, out_features]."},
+    {"int4_dequantize", py_int4_dequantize, METH_VARARGS,
+     "int4_dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as "
+     "bf16 [out_features, in]."},
+    {"decode_attention", py_decode_attention, METH_VARARGS,
+     "decode_attention(q, k_cache, v_cache, tables, table_stride, lens, num_seqs, num_heads, "
+     "num_kv_heads, head_dim, block_size, scale, window, sinks, out): one query token per "
+     "sequence over its paged bf16 K/V (int32 block tables and lengths; window 0: none; sinks "
+     "float32 [num_heads] or 0), bf16 out [num_seqs, num_heads, head_dim]."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
+                      "pdserve's CPU kernels for AVX512-BF16 (pdserve.engine.int4_kernel, "
+                      "pdserve.engine.cpu_attention)",
+                      -1, methods};
+
+}  // namespace
+}  // namespace pdserve
+
+PyMODINIT_FUNC PyInit__cpu_kernels(void) { return PyModule_Create(&pdserve::module); }

@@ -1,0 +1,96 @@
+"""pdserve's decode attention on the CPU (``shared/csrc/decode_attention.cpp``): one query
+token per sequence over its paged bfloat16 K/V, read through its block table where they lie.
+
+torch's SDPA needs each decode's keys and values gathered into a padded copy first; on a
+one-row decode step of the default model that gather and the SDPA calls took about 2.5 ms of
+12 (30 layers). This kernel walks the block table instead: per KV head, the scores of its
+query heads against each key (VDPBF16PS, float32 sums), a float32 softmax (with the head's sink
+logit where the model has one, gpt-oss), the values weighted in float32 and rounded once to
+bf16. It runs where the compiled module is installed and the CPU has AVX512-BF16, for bf16
+K/V, 1 to 8 query heads per KV head and a head size that is a multiple of 32 up to 256, on
+one torch thread; `SdpaAttention` falls back to SDPA elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import pdserve.engine._cpu_kernels as _kernels
+except ImportError:  # pragma: no cover - the compiled module is optional
+    _kernels = None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the compiled kernel is installed and this CPU runs it."""
+    return _kernels is not None and bool(_kernels.supported())
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether the kernel takes a decode step's attention of `q` (``[n, heads, head_dim]``)
+    over `k_cache`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    return (
+        q.dtype == torch.bfloat16
+        and k_cache.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and num_heads % num_kv_heads == 0
+        and 1 <= num_heads // num_kv_heads <= 8
+        and head_dim % 32 == 0
+        and head_dim <= 256
+        and torch.get_num_threads() == 1
+        and available()
+    )
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence.
+
+    Args:
+        q: ``[n, num_heads, head_dim]`` bfloat16.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bfloat16.
+        v_cache: As `k_cache`.
+        tables: ``[n, width]`` int32 block ids of each sequence (contiguous rows).
+        lens: ``[n]`` int32 keys of each sequence (its query is the last).
+        scale: The softmax scale.
+        window: Keys a query sees at most (itself included), or None for all.
+        sinks: ``[num_heads]`` float32 sink logits, or None.
+
+    Returns:
+        ``[n, num_heads, head_dim]`` bfloat16.
+    """
+    assert _kernels is not None
+    assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
+    q = q.contiguous()
+    num_seqs, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    _kernels.decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        num_seqs,
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        scale,
+        window or 0,
+        0 if sinks is None else sinks.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
