@@ -125,19 +125,28 @@ def start_pdserve(args: argparse.Namespace, concurrency: int, log: Path) -> tupl
     return process, f"http://127.0.0.1:{port}", argv
 
 
-def session_pss_mb(session_id: int) -> float:
-    """The proportional memory (PSS) of every process in a session (a server and what it
-    started: pdserve's launcher, gateway, prefill and decode), from ``smaps_rollup``."""
-    total_kb = 0
+def tree_pss_mb(root: int) -> float:
+    """The proportional memory (PSS) of a process and all its descendants (pdserve's launcher,
+    gateway, prefill and decode, which run in sessions of their own), from ``smaps_rollup``."""
+    parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             # NOTE: the command may hold spaces and parentheses; the fields follow the last ")".
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) != session_id:
-                continue
-            rollup = (stat.parent / "smaps_rollup").read_text()
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue  # NOTE: a process that exited meanwhile
+    tree = {root}
+    while True:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        if not children:
+            break
+        tree |= children
+    total_kb = 0
+    for pid in tree:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
         total_kb += next(
             (int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0
         )
@@ -189,7 +198,7 @@ def measure(args: argparse.Namespace, gguf: Path, tokenizer: Path) -> dict[str, 
                 row = run_aiperf(
                     args, url, tokenizer, concurrency, work / f"{server}-{concurrency}"
                 )
-                row["pss_mb"] = session_pss_mb(process.pid)
+                row["pss_mb"] = tree_pss_mb(process.pid)
             finally:
                 stop(process)
             row["argv"] = argv
