@@ -11,7 +11,12 @@ setup(
     ext_modules=[
         Extension(
             "pdserve.engine._cpu_kernels",
-            sources=["csrc/module.cpp", "csrc/int4_gemm.cpp", "csrc/decode_attention.cpp"],
+            sources=[
+                "csrc/module.cpp",
+                "csrc/int4_gemm.cpp",
+                "csrc/decode_attention.cpp",
+                "csrc/rms_norm.cpp",
+            ],
             depends=["csrc/common.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",

@@ -37,5 +37,6 @@ bool cpu_supported();
 PyObject* py_int4_gemm(PyObject*, PyObject* args);
 PyObject* py_int4_dequantize(PyObject*, PyObject* args);
 PyObject* py_decode_attention(PyObject*, PyObject* args);
+PyObject* py_rms_norm(PyObject*, PyObject* args);
 
 }  // namespace pdserve

@@ -1,4 +1,4 @@
-// pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, decode_attention.cpp).
+// pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, decode_attention.cpp, rms_norm.cpp).
 #include "common.h"
 
 namespace pdserve {
@@ -29,6 +29,9 @@ PyMethodDef methods[] = {
      "num_kv_heads, head_dim, block_size, scale, window, sinks, out): one query token per "
      "sequence over its paged bf16 K/V (int32 block tables and lengths; window 0: none; sinks "
      "float32 [num_heads] or 0), bf16 out [num_seqs, num_heads, head_dim]."},
+    {"rms_norm", py_rms_norm, METH_VARARGS,
+     "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
+     "rows with a bf16 weight, in float32, into bf16 out."},
     {nullptr, nullptr, 0, nullptr},
 };
 

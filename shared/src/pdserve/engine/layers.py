@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pdserve.engine.cpu_norm as cpu_norm
 from pdserve.engine.model_config import ModelConfig
 
 
@@ -23,6 +24,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if cpu_norm.takes(x, self.weight):
+            # NOTE: one call instead of eight tensor ops (61 norms a step on the default model).
+            return cpu_norm.rms_norm(x, self.weight, self.eps, self.is_scaled_in_float32)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.is_scaled_in_float32:

@@ -1,0 +1,51 @@
+"""pdserve's RMSNorm on the CPU (``shared/csrc/rms_norm.cpp``): bf16 rows normed in float32 in
+one call, where `pdserve.engine.layers.RMSNorm` otherwise runs eight tensor ops (a float copy,
+square, mean, add, rsqrt, multiply, a bf16 copy, the weight). The arithmetic is the layer's: the
+normed values rounded to bf16 and then scaled by the bf16 weight (each product rounded), or
+scaled in float32 and rounded once (gpt-oss); the sum of squares is float32 in the kernel's own
+order, so a value can differ from torch's in its last bit. Each row alone: batch-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pdserve.engine.cpu_attention as cpu_attention
+
+try:
+    import pdserve.engine._cpu_kernels as _kernels
+except ImportError:  # pragma: no cover - the compiled module is optional
+    _kernels = None
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes the norm of `x` (contiguous bf16 rows on a CPU) by `weight`."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.shape[-1] == weight.shape[-1]
+        and torch.get_num_threads() == 1
+        and cpu_attention.available()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, is_scaled_in_float32: bool
+) -> torch.Tensor:
+    """The RMSNorm of `x`'s rows (``[..., size]`` bf16) by `weight` (``[size]`` bf16)."""
+    assert _kernels is not None
+    out = torch.empty_like(x)
+    size = x.shape[-1]
+    _kernels.rms_norm(
+        x.data_ptr(),
+        x.numel() // size,
+        size,
+        weight.data_ptr(),
+        eps,
+        is_scaled_in_float32,
+        out.data_ptr(),
+    )
+    return out
