@@ -13,20 +13,11 @@ one torch thread; `SdpaAttention` falls back to SDPA elsewhere.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:
-    import pdserve.engine._cpu_kernels as _kernels
-except ImportError:  # pragma: no cover - the compiled module is optional
-    _kernels = None
+import pdserve.engine.cpu_kernels as cpu_kernels
 
-
-@functools.cache
-def available() -> bool:
-    """Whether the compiled kernel is installed and this CPU runs it."""
-    return _kernels is not None and bool(_kernels.supported())
+available = cpu_kernels.available
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
@@ -71,12 +62,11 @@ def decode(
     Returns:
         ``[n, num_heads, head_dim]`` bfloat16.
     """
-    assert _kernels is not None
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
     q = q.contiguous()
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    _kernels.decode_attention(
+    cpu_kernels.compiled().decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

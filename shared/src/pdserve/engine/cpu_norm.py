@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import pdserve.engine.cpu_attention as cpu_attention
-
-try:
-    import pdserve.engine._cpu_kernels as _kernels
-except ImportError:  # pragma: no cover - the compiled module is optional
-    _kernels = None
+import pdserve.engine.cpu_kernels as cpu_kernels
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -28,7 +23,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
         and x.shape[-1] == weight.shape[-1]
         and torch.get_num_threads() == 1
-        and cpu_attention.available()
+        and cpu_kernels.available()
     )
 
 
@@ -36,10 +31,9 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, is_scaled_in_float32: bool
 ) -> torch.Tensor:
     """The RMSNorm of `x`'s rows (``[..., size]`` bf16) by `weight` (``[size]`` bf16)."""
-    assert _kernels is not None
     out = torch.empty_like(x)
     size = x.shape[-1]
-    _kernels.rms_norm(
+    cpu_kernels.compiled().rms_norm(
         x.data_ptr(),
         x.numel() // size,
         size,

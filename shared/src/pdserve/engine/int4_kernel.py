@@ -17,25 +17,16 @@ cores; on a host with more, torch's kernel runs over its threads).
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+import pdserve.engine.cpu_kernels as cpu_kernels
 
 GROUP = 32
 """Input features per scale and min."""
 PAIR = 2 * GROUP
 """Input features per step of the kernel: in_features must be a multiple of it."""
 
-try:
-    import pdserve.engine._cpu_kernels as _kernels
-except ImportError:  # pragma: no cover - the compiled module is optional
-    _kernels = None
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the compiled kernel is installed and this CPU runs it."""
-    return _kernels is not None and bool(_kernels.supported())
+available = cpu_kernels.available
 
 
 def takes(in_features: int, dtype: torch.dtype) -> bool:
@@ -46,10 +37,9 @@ def takes(in_features: int, dtype: torch.dtype) -> bool:
 
 def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
     """Why the kernel does not take a projection (None where it does), for the logs."""
-    if _kernels is None:
-        return "the compiled module is not installed (no C++ compiler when pdserve was installed)"
-    if not available():
-        return "this CPU has no AVX512-BF16"
+    unavailable = cpu_kernels.why_unavailable()
+    if unavailable is not None:
+        return unavailable
     if dtype != torch.bfloat16:
         return f"activations are {str(dtype).removeprefix('torch.')}, not bfloat16"
     if in_features % PAIR:
@@ -84,10 +74,9 @@ def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """The weight ``scale * q + min`` as ``[out, in]`` bfloat16 (the arguments as `matmul`
     takes them)."""
-    assert _kernels is not None
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(num_out, num_in, dtype=torch.bfloat16)
-    _kernels.int4_dequantize(
+    cpu_kernels.compiled().int4_dequantize(
         packed.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr(),
@@ -114,13 +103,12 @@ def matmul(
     Returns:
         ``[rows, out]`` bfloat16.
     """
-    assert _kernels is not None
     x = x.contiguous()
     num_rows, num_in = x.shape
     num_out = packed.shape[0]
     out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
     if num_rows:
-        _kernels.int4_gemm(
+        cpu_kernels.compiled().int4_gemm(
             x.data_ptr(),
             num_rows,
             num_in,
