@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/kv_transfer.py                    # 16 .. 512 MiB, 3 repeats each
     .venv/bin/python bench/kv_transfer.py --sizes-mib 64 --repeats 3 --json
+    .venv/bin/python bench/kv_transfer.py --sizes-mib 64 --repeats 9 --transports shm nixl
     python bench/kv_transfer.py --device cuda --dtype bfloat16 --sizes-mib 64 256 --json
 
 For each size, one sequence's KV of that many bytes is moved from this process to another
@@ -32,6 +33,8 @@ process on the same host, several ways, alternating:
 SyncCache runs twice per repeat, into two decode processes: one with the internal plane in
 plaintext (``--insecure``) and one with mutual TLS (certificates from a throwaway CA, the
 sender presenting a prefill certificate), so the TLS cost is measured in the same run.
+``--transports`` narrows the transports measured (raw TCP always runs; the TLS decode only
+with ``grpc``).
 
 The model is a random Llama built for a large KV per token (16 layers, 8 KV heads of 128,
 float32: 128 KiB per token), so 512 MiB is a 4,096-token prompt. Reported: MiB/s per size
@@ -315,8 +318,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     kv_cache.kv.normal_()  # stands in for a computed prompt: what the bytes are does not matter
     log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-logs-"))
     decode = Decode(model, num_blocks, log_dir, False, layout, args.device)
-    decode_tls = Decode(model, num_blocks, log_dir, True, layout, args.device)
-    transports = [way for way in TRANSPORTS if way in decode.transports]
+    is_grpc = "grpc" in args.transports
+    decode_tls = Decode(model, num_blocks, log_dir, True, layout, args.device) if is_grpc else None
+    transports = [way for way in TRANSPORTS if way in decode.transports and way in args.transports]
+    # NOTE: SyncCache over mutual TLS, beside plaintext gRPC when that is measured.
+    tls_ways = ["grpc_tls"] if decode_tls is not None else []
     # NOTE: this process's agent, as a prefill's: its cache registered once.
     nixl = NixlSide(kv_cache) if "nixl" in transports else None
     is_cuda = kv_cache.device.type == "cuda"
@@ -333,9 +339,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = min(args.sizes_mib) * MIB // per_token
         tcp_once(port, chunk_payloads(kv_cache, warm, args.max_chunk_bytes))
         for i in range(WARMUP_TRANSFERS):
-            await sync_cache_once(
-                decode_tls, kv_cache, warm, args.max_chunk_bytes, f"warmup-tls-{i}"
-            )
+            if decode_tls is not None:
+                await sync_cache_once(
+                    decode_tls, kv_cache, warm, args.max_chunk_bytes, f"warmup-tls-{i}"
+                )
             for transport in transports:
                 await sync_cache_once(
                     decode, kv_cache, warm, args.max_chunk_bytes, f"warmup-{transport}-{i}",
@@ -344,7 +351,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for size_mib in args.sizes_mib:
             num_tokens = size_mib * MIB // per_token
             payloads = chunk_payloads(kv_cache, num_tokens, args.max_chunk_bytes)
-            ways = [*transports, "grpc_tls", *baselines]
+            ways = [*transports, *tls_ways, *baselines]
             seconds: dict[str, list[float]] = {name: [] for name in ways}
             cut_s = []
             num_bytes = 0
@@ -362,7 +369,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         assert d2d_target is not None
                         seconds[way].append(d2d_once(kv_cache, num_tokens, d2d_target))
                         continue
-                    target, transport = (decode_tls, "grpc") if way == "grpc_tls" else (decode, way)
+                    if way == "grpc_tls":
+                        assert decode_tls is not None
+                        target, transport = decode_tls, "grpc"
+                    else:
+                        target, transport = decode, way
                     took, cut, num_bytes = await sync_cache_once(
                         target, kv_cache, num_tokens, args.max_chunk_bytes, request_id, transport,
                         nixl,
@@ -383,10 +394,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "cut_s": cut_s,
                 "mib_per_s": mib_s,
                 "ratio_over_raw_tcp": {
-                    way: round(mib_s[way] / mib_s["raw_tcp"], 3)
-                    for way in (*transports, "grpc_tls")
+                    way: round(mib_s[way] / mib_s["raw_tcp"], 3) for way in (*transports, *tls_ways)
                 },
-                "ratio_tls_over_plain": round(mib_s["grpc_tls"] / mib_s["grpc"], 3),
+                "ratio_tls_over_plain": round(mib_s["grpc_tls"] / mib_s["grpc"], 3)
+                if tls_ways
+                else None,
             }
             rows.append(row)
             ratios = row["ratio_over_raw_tcp"]
@@ -394,7 +406,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{size_mib:>6} MiB  raw TCP {mib_s['raw_tcp']:>8.1f} MiB/s  "
                 + "  ".join(
                     f"{way} {mib_s[way]:>8.1f} ({ratios[way]:.2f}x)"
-                    for way in (*transports, "grpc_tls")
+                    for way in (*transports, *tls_ways)
                 )
                 + (f"  d2h {mib_s['d2h']:>8.1f}" if "d2h" in mib_s else "")
                 + (f"  d2d {mib_s['d2d']:>8.1f}" if "d2d" in mib_s else "")
@@ -405,7 +417,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         receiver.kill()
         receiver.wait()
         await decode.close()
-        await decode_tls.close()
+        if decode_tls is not None:
+            await decode_tls.close()
         if nixl is not None:
             nixl.close()
     return {
@@ -417,7 +430,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "repeats": args.repeats,
         "bytes_per_token": per_token,
         "rows": rows,
-        "median_ratio_tls_over_plain": statistics.median(r["ratio_tls_over_plain"] for r in rows),
+        "median_ratio_tls_over_plain": statistics.median(r["ratio_tls_over_plain"] for r in rows)
+        if is_grpc
+        else None,
     }
 
 
@@ -458,6 +473,13 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", help="both KV caches' device, e.g. cuda")
     parser.add_argument("--dtype", default="float32", help="the KV dtype, e.g. bfloat16")
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        default=list(TRANSPORTS),
+        choices=TRANSPORTS,
+        help="the transports to measure (all the decode offers); raw TCP always runs",
+    )
     args = parser.parse_args()
     results = asyncio.run(run(args))
     results["summary"] = summary(results)
