@@ -76,16 +76,25 @@ class NixlWindow:
                 blocks.
             ValueError: The piece was not cut from the sender's cache.
         """
+        self.take(piece, corrupt=corrupt)
+        return chunk_crc32c(piece.key, piece.value)
+
+    def take(self, piece: KvPiece, *, corrupt: bool = False) -> None:
+        """Takes the WRITEs of `piece` as `write` does, without its CRC-32C (a sender that
+        checksums the piece on another thread while the WRITEs go).
+
+        Raises:
+            IndexError: As `write`.
+            ValueError: As `write`.
+        """
         writable_range(piece, len(self.target.block_addresses), self.num_shared_blocks)
         if len(piece.source_block_ids) != piece.num_blocks:
             raise ValueError("a NIXL write reads the sender's cache: the piece has no blocks there")
-        crc = chunk_crc32c(piece.key, piece.value)
         self._add_descriptors(piece)
         if corrupt:
             first = np.frombuffer(piece.key, dtype=np.uint8, count=1)[0]
             address = self.target.address(piece.layer_index, 0, piece.first_block)
             self._flips.append((address, int(first) ^ 0xFF))
-        return crc
 
     def post(self) -> None:
         """Posts the WRITEs taken so far as one transfer, without waiting for it.

@@ -177,7 +177,7 @@ class InPlaceChannel(GrpcChannel, abc.ABC):
     async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
         # NOTE: in groups of a few MiB, so that the decode checksums one group while the next
         # one is copied.
-        for group in _groups(pieces, GROUP_BYTES):
+        for group in piece_groups(pieces, GROUP_BYTES):
             copy = asyncio.ensure_future(asyncio.to_thread(self._write_all, group, corrupt_first))
             corrupt_first = False
             try:
@@ -198,7 +198,7 @@ class InPlaceChannel(GrpcChannel, abc.ABC):
         return crcs
 
 
-def _groups(pieces: Sequence[KvPiece], max_bytes: int) -> list[list[KvPiece]]:
+def piece_groups(pieces: Sequence[KvPiece], max_bytes: int) -> list[list[KvPiece]]:
     """`pieces` in order, in runs of at most `max_bytes` of K+V (at least one piece each)."""
     groups: list[list[KvPiece]] = []
     size = max_bytes

@@ -4,24 +4,30 @@ WRITEs from this prefill's own cache (`pdserve.kv.transports.nixl`,
 
 This prefill's agent starts on a thread when the instance starts (`NixlSide`); a transfer that
 comes first waits for it. Writes, checksums and commit are those of every in-place channel
-(`pdserve.prefill.kv.channels.InPlaceChannel`): the WRITEs of a group of pieces are posted at
-once and announced once all of them completed. A decode agent that cannot be loaded, or a
-local agent that did not start, raises `TransportUnavailable` before anything was written, so
+(`pdserve.prefill.kv.channels.InPlaceChannel`), pipelined: a batch of pieces is cut into
+groups of a few MiB; one worker thread posts each group's WRITEs as one transfer and waits for
+them, group after group without a pause, while another checksums the groups from this cache
+(both release the GIL; between two processes of one host the post itself copies, through CMA),
+and each group is announced once its WRITEs completed and its checksums are known, while the
+later groups are written. A decode agent that cannot be loaded, or a local agent that did not
+start, raises `TransportUnavailable` before anything was written, so
 the sender falls back to the next transport.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import Future
+from typing import Any
 
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.transfer import KvPiece
+from pdserve.kv.transfer import KvPiece, chunk_crc32c
 from pdserve.kv.transports.nixl import (
     AGENT_START_WAIT_S,
     CacheAgent,
@@ -31,7 +37,14 @@ from pdserve.kv.transports.nixl import (
 )
 from pdserve.kv.transports.nixl import start_agent as start_nixl_agent
 from pdserve.kv.transports.nixl_window import NixlWindow
-from pdserve.prefill.kv.channels import InPlaceChannel, TransportUnavailable, ask_lease_state
+from pdserve.prefill import convert
+from pdserve.prefill.kv.channels import (
+    GROUP_BYTES,
+    InPlaceChannel,
+    TransportUnavailable,
+    ask_lease_state,
+    piece_groups,
+)
 from pdserve.prefill.request import Request
 from pdserve.v1 import decode_pb2_grpc
 
@@ -95,6 +108,8 @@ class NixlChannel(InPlaceChannel):
     """
 
     name = "nixl"
+    # Most K+V bytes written and checksummed before they are announced.
+    group_bytes = GROUP_BYTES
 
     def __init__(
         self,
@@ -118,7 +133,7 @@ class NixlChannel(InPlaceChannel):
 
     async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
         try:
-            await super().send(pieces, corrupt_first=corrupt_first)
+            await self._send_pipelined(pieces, corrupt_first)
         except NixlUnavailable as error:
             # NOTE: a WRITE failed (the decode's process or connection is gone); the lease
             # says whether the decode ended the transfer first.
@@ -135,6 +150,65 @@ class NixlChannel(InPlaceChannel):
             )
             raise await ask_lease_state(self.stub, self.request, local) from None
 
+    async def _send_pipelined(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> None:
+        """Writes the groups one after another on one worker thread and checksums them on
+        another, and announces each group once both are done with it, while later groups are
+        written (the module docstring); returns once every group is announced. Both threads
+        are always waited for, also when this fails or is cancelled (as
+        `InPlaceChannel.send`: no WRITE is left under way); they stop after their group."""
+        groups = piece_groups(pieces, self.group_bytes)
+        loop = asyncio.get_running_loop()
+        landed: list[asyncio.Future[None]] = [loop.create_future() for _ in groups]
+        checked: list[asyncio.Future[list[int]]] = [loop.create_future() for _ in groups]
+        stop = threading.Event()
+        workers = asyncio.gather(
+            asyncio.to_thread(self._land_all, groups, corrupt_first, landed, stop),
+            asyncio.to_thread(_check_all, groups, checked, stop),
+        )
+        try:
+            for group, is_landed, crcs in zip(groups, landed, checked, strict=True):
+                await is_landed
+                await self._announce(group, await crcs)
+        finally:
+            stop.set()
+            try:
+                await asyncio.shield(workers)
+            except asyncio.CancelledError:
+                await workers
+                raise
+            finally:
+                futures_: list[asyncio.Future[Any]] = [*landed, *checked]
+                for future in futures_:
+                    if future.done() and not future.cancelled():
+                        future.exception()  # NOTE: retrieved; raised above where it mattered
+
+    def _land_all(
+        self,
+        groups: Sequence[Sequence[KvPiece]],
+        corrupt_first: bool,
+        landed: Sequence[asyncio.Future[None]],
+        stop: threading.Event,
+    ) -> None:
+        """Posts each group's WRITEs and waits for them, in order, until one fails or `stop`
+        is set; resolves the group's future once they are in the decode's cache."""
+        assert self._window is not None
+        for group, future in zip(groups, landed, strict=True):
+            if stop.is_set():
+                return
+            try:
+                for i, piece in enumerate(group):
+                    self._window.take(piece, corrupt=corrupt_first and i == 0)
+                corrupt_first = False
+                self._window.wait()
+            except Exception as error:  # NOTE: raised where the group is awaited
+                _settle(future, error=error)
+                return
+            _settle(future, None)
+
+    async def _announce(self, pieces: Sequence[KvPiece], crcs: Sequence[int]) -> None:
+        for piece, crc in zip(pieces, crcs, strict=True):
+            await self._write(convert.kv_chunk_meta(piece, crc))
+
     def _open_writer(self) -> NixlWindow:
         lease = self.request.lease
         assert lease is not None and self._peers is not None
@@ -147,3 +221,32 @@ class NixlChannel(InPlaceChannel):
     def _wait_landed(self) -> None:
         assert self._window is not None
         self._window.wait()
+
+
+def _check_all(
+    groups: Sequence[Sequence[KvPiece]],
+    checked: Sequence[asyncio.Future[list[int]]],
+    stop: threading.Event,
+) -> None:
+    """Resolves each group's future with the CRC-32C of its pieces (read from this prefill's
+    cache), in order, until `stop` is set."""
+    for group, future in zip(groups, checked, strict=True):
+        if stop.is_set():
+            return
+        _settle(future, [chunk_crc32c(piece.key, piece.value) for piece in group])
+
+
+def _settle(
+    future: asyncio.Future[Any], result: Any = None, error: BaseException | None = None
+) -> None:
+    """Resolves `future` from a worker thread (on its loop; nothing if it is already done)."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    future.get_loop().call_soon_threadsafe(settle)
