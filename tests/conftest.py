@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import scheduling
 
 from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, ResolvedModel, resolve_model
 
@@ -47,12 +48,38 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    strays = sorted({
+        scheduling.module_of(item.nodeid) for item in items
+        if "smollm2_processes" in getattr(item, "fixturenames", ())
+        and scheduling.module_of(item.nodeid) not in scheduling.SMOLLM2_PROCESSES_MODULES
+    })  # fmt: skip
+    if strays:
+        raise pytest.UsageError(
+            f"{', '.join(strays)} use smollm2_processes: add them to "
+            "support.scheduling.SMOLLM2_PROCESSES_MODULES (one worker starts that cluster)"
+        )
     if config.getoption("--chaos"):
         return
     deselected = [item for item in items if item.get_closest_marker("chaos")]
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if not item.get_closest_marker("chaos")]
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """loadscope that hands out the scope that took longest last time first
+    (`support.scheduling`)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    cache = getattr(config, "cache", None)
+    timed = {} if cache is None else cache.get(scheduling.CACHE_KEY, {})
+    return scheduling.make_scheduler(config, log, timed)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and config.getoption("dist", "no") == "loadscope":
+        config.pluginmanager.register(scheduling.ScopeTimer(config), "pdserve-scope-timer")
 
 
 @pytest.fixture(autouse=True)
