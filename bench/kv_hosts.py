@@ -5,7 +5,7 @@
 
 Two test hosts (network namespaces joined by a bridge, as `tests/support/netns.py` makes
 them; needs root and iproute2). On the receiving host one process holds a buffer of the size
-registered with a NIXL agent (UCX backend, progressed on a thread, as a decode's while a
+registered with a NIXL agent (UCX backend, progressed on a thread with a decode's pause while a
 transfer is open) and a raw TCP receiver that reads into a buffer of the same size with
 `recv_into` and acknowledges the last byte. On the sending host a process, alternating:
 
@@ -46,6 +46,8 @@ def receiver(size: int) -> None:
     import numpy as np
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
+    from pdserve.kv.transports.nixl import PROGRESS_PAUSE_S
+
     agent = nixl_agent("receiver", nixl_agent_config(enable_prog_thread=False))
     buffer = np.zeros(size, dtype=np.uint8)
     agent.register_memory([(buffer.ctypes.data, size, 0, "")], "DRAM")
@@ -66,7 +68,7 @@ def receiver(size: int) -> None:
     def progress() -> None:
         while True:
             agent.get_new_notifs()
-            time.sleep(5e-5)
+            time.sleep(PROGRESS_PAUSE_S)  # NOTE: as a decode's
 
     threading.Thread(target=serve_tcp, daemon=True).start()
     threading.Thread(target=progress, daemon=True).start()
