@@ -33,10 +33,11 @@ WRITE_TIMEOUT_S = 30.0
 class NixlWindow:
     """Writes one lease's KV into its blocks of a decode's registered cache, and nowhere else.
 
-    `write` takes one piece's blocks and returns its CRC-32C; `post` posts the WRITEs of every
+    `write` takes one piece's blocks and returns its CRC-32C (`take` the same without the
+    checksum, for a sender that checksums on another thread); `post` posts the WRITEs of every
     piece taken since as one transfer (runs contiguous on both sides merged into one
     descriptor); `wait` posts and returns once every posted WRITE completed: then they are in
-    the decode's memory.
+    the decode's memory. One thread at a time uses a window.
 
     Args:
         peers: The sender's agent and the decode agents it loaded (this one's is loaded now).
