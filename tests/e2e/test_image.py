@@ -215,7 +215,8 @@ def pods(
         at = until(lambda: probe(gateway, "readinessProbe"), START_TIMEOUT_S,
                    "gateway readiness (/health: a registered pair)", started)  # fmt: skip
         ready_s["gateway /health"] = round(at - gateway.started_at, 1)
-        pytestconfig.cache.set("pdserve/image_ready_s", ready_s)
+        if getattr(pytestconfig, "cache", None) is not None:  # NOTE: none: -p no:cacheprovider
+            pytestconfig.cache.set("pdserve/image_ready_s", ready_s)
         print(f"podman run to ready, seconds: {ready_s}")
         try:
             yield Pods(gateway, prefill, decodes, docs, ready_s, smollm2.name)
