@@ -104,7 +104,8 @@ $(LLAMA_CONVERT): | $(INSTALL_STAMP)
 llama-convert: $(LLAMA_CONVERT)  ## fetch llama.cpp's convert_hf_to_gguf.py (the llama-cpp-python sdist's) into .venv/llama.cpp
 
 # NOTE: two workers (pytest-xdist); a module's (or class's) tests stay on one worker, so the
-# clusters they share start once. PYTEST_WORKERS=0 runs in this process.
+# clusters they share start once; the scope that took longest last run goes first
+# (tests/support/scheduling.py). PYTEST_WORKERS=0 runs in this process.
 PYTEST_WORKERS ?= 2
 test: system-deps venv model llama-convert lint typecheck node-deps image  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadscope
