@@ -89,6 +89,8 @@ NETWORK_FAULT_S = 4.0
 SLOW_RATE = "10mbit"
 SLOW_DELAY_MS = 50
 NET_HOSTS = ("gateway", "prefill-0", "prefill-1", "decode-0", "decode-1")
+# NOTE: the network cells of the KV store and the registry: redis and etcd on hosts of their own.
+SERVER_HOSTS = ("store", "registry")
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
 
 # NOTE: what a transport says when a connection breaks; a client must never read it.
@@ -253,6 +255,41 @@ def servers_matrix_cluster(
 
 
 @pytest.fixture(scope="module")
+def net_servers_matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProcessCluster]:
+    """The cluster of the store's and registry's network cells: as `net_matrix_cluster`, every
+    instance keeping KV in redis and registering in etcd (the gateway too), redis on a test
+    host ``store`` and etcd on a test host ``registry`` of their own."""
+    work_dir = tmp_path_factory.mktemp("fault-matrix-net-servers")
+    settings = matrix_settings(3000, "--registry-ttl-s 2 --heartbeat-interval-s 0.5")
+    settings["prefill_args"] = f"--dtype float32 {settings['prefill_args']}"
+    settings["decode_args"] = f"--dtype float32 --kv-transports tcp {settings['decode_args']}"
+    with (
+        TestNetwork((*NET_HOSTS, *SERVER_HOSTS)) as network,
+        running_redis(work_dir, on=network.hosts["store"]) as store,
+        running_etcd(work_dir, on=network.hosts["registry"]) as registry,
+    ):
+        config = ClusterConfig(
+            model=str(demo_model_dir),
+            prefills=2,
+            decodes=2,
+            host=network.hosts["gateway"].address,
+            port=0,
+            grpc_port=0,
+            internal_port=0,
+            log_dir=str(work_dir / "logs"),
+            startup_timeout_s=120,
+            registry=registry.spec,
+            kv_store=store.spec,
+            **settings,
+        )
+        with started_across(config, network) as cluster, thawed_at_end(cluster):
+            cluster.servers = Servers(store, registry)  # type: ignore[attr-defined]
+            yield cluster
+
+
+@pytest.fixture(scope="module")
 def results_path(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     configured = os.environ.get("PDSERVE_FAULT_MATRIX")
     if configured:
@@ -344,9 +381,33 @@ class Fault:
     links_until: float = 0.0  # the links are restored no earlier (monotonic)
 
     def land(
-        self, cluster: ProcessCluster, kind: str, victim: ChildProcess, *, rank: bool = False
+        self,
+        cluster: ProcessCluster,
+        kind: str,
+        victim: ChildProcess,
+        *,
+        rank: bool = False,
+        target: str = "",
     ) -> None:
-        if kind in NETWORK_FAULTS:
+        """Lands fault `kind` on `victim` (on the store's or registry's test host where
+        `target` names it: the victim then only marks the phase held)."""
+        if kind in NETWORK_FAULTS and target in SERVER_HOSTS:
+            # NOTE: redis's or etcd's host: cut off from every host, or its link slowed both
+            # ways; restored once the outcome is in (no earlier than `NETWORK_FAULT_S`). etcd's
+            # host cut off is joined again after that (as etcd comes back in registry_gone):
+            # a background response is read from it, so its outcome cannot come in before.
+            assert isinstance(cluster, MultiHostCluster)
+            self.links.append(target)
+            self.links_until = time.monotonic() + NETWORK_FAULT_S
+            if kind == "slow_link":
+                self.slowed_by = cluster.network.slow(target, SLOW_RATE, SLOW_DELAY_MS)
+            else:
+                cluster.network.partition(target)
+                if target == "registry":
+                    self.comeback = asyncio.create_task(
+                        self.restore_after(cluster.network, NETWORK_FAULT_S)
+                    )
+        elif kind in NETWORK_FAULTS:
             # NOTE: the victim's host: a prefill or decode is cut off from every host (its
             # link is down), a gateway from the instances only (clients still reach it); a
             # slowed link is slow both ways. All are restored once the outcome is in; a
@@ -646,7 +707,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     # computed them all: the queued ones need one later).
                     took = {p.name: len(since(mark, p, "lease_granted")) for p in cluster.prefills}
                     victim = by_name(cluster, max(took, key=lambda n: took[n]))
-                fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
+                fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
             elif is_prefill_phase:
                 count = prefilling(cluster, mark)
                 await eventually(lambda: any(count().values()), 60, "a prompt in prefill")
@@ -668,7 +729,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                             in_flight.pop(e["request_id"], None)
                         decode_id = next(iter(in_flight.values()))
                         victim = next(d for d in cluster.decodes if instance_id(d) == decode_id)
-                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
+                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
             else:
                 # NOTE: the first stream 10 tokens in: on a busy machine the others may end
                 # before the slowest starts; the frozen decodes then hold what runs.
@@ -694,7 +755,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         # NOTE: the only other decode dies first and is on its way back.
                         other = next(d for d in cluster.decodes if d is not serving)
                         fault.land(cluster, "sigkill", other)
-                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
+                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for task in tasks:
@@ -731,7 +792,7 @@ async def land_while_decoding(
             victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
         elif cell.role == "gateway":
             victim = gateway_of(cluster)
-        fault.land(cluster, cell.fault, victim, rank=cell.is_rank)
+        fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
 
 
 async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
@@ -778,9 +839,10 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
                     try:
                         got = [await client.responses.retrieve(c.id) for c in created]
                     except openai.APIStatusError as error:
-                        # NOTE: with the registry gone, the store of resumable requests (etcd)
-                        # is too: a read is refused with a typed, retryable 503 meanwhile.
-                        assert cell.fault == "registry_gone" and error.status_code == 503, error
+                        # NOTE: with the registry gone or cut off, the store of resumable
+                        # requests (etcd) is too: a read is refused with a typed, retryable 503
+                        # meanwhile.
+                        assert cell.target == "registry" and error.status_code == 503, error
                         assert_no_transport_words(str(error.message))
                         unreadable.append(str(error.code))
                         return False
@@ -873,7 +935,7 @@ async def test_fault_matrix_cell(
     if cell.fault in SERVER_FAULTS:
         name = "servers_matrix_cluster"
     elif cell.fault in NETWORK_FAULTS:
-        name = "net_matrix_cluster"
+        name = "net_servers_matrix_cluster" if cell.target in SERVER_HOSTS else "net_matrix_cluster"
     matrix_cluster: ProcessCluster = request.getfixturevalue(name)
     started = time.monotonic()
     try:

@@ -1,4 +1,5 @@
-"""A real single-member etcd for tests, on 127.0.0.1 or another local address: its own data
+"""A real single-member etcd for tests, on 127.0.0.1, another local address or a test host of
+`support.netns` (its address): its own data
 dir, free client and peer ports; `stop` and `start` again (same ports, same data) simulate an
 etcd restart, `freeze` a hung one."""
 
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from support.netns import Host
 
 _START_TIMEOUT_S = 20.0
 
@@ -35,9 +38,10 @@ def _is_healthy(host: str, port: int) -> bool:
 
 
 class EtcdServer:
-    """One etcd process listening on `host`; `spec` is what ``--registry`` takes."""
+    """One etcd process listening on `host` (or on test host `on`, at its address); `spec` is
+    what ``--registry`` takes."""
 
-    def __init__(self, workdir: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, workdir: Path, host: str = "127.0.0.1", on: Host | None = None) -> None:
         binary = shutil.which("etcd")
         if binary is None:
             pytest.fail(
@@ -47,10 +51,12 @@ class EtcdServer:
             )
         self._binary = binary
         self._workdir = workdir
-        self.host = host
+        self._on = on
+        self.host = on.address if on is not None else host
+        # NOTE: a test host's namespace has nothing listening: ports free here are free there.
         self.port = _free_port(host)
         self.peer_port = _free_port(host)
-        self.spec = f"etcd://{host}:{self.port}"
+        self.spec = f"etcd://{self.host}:{self.port}"
         self._process: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -59,11 +65,12 @@ class EtcdServer:
         client = f"http://{self.host}:{self.port}"
         peer = f"http://{self.host}:{self.peer_port}"
         log = open(self._workdir / "etcd.log", "ab")  # noqa: SIM115
+        argv = [self._binary, "--name", "test", "--data-dir", str(self._workdir / "etcd-data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"test={peer}", "--log-level", "warn"]  # fmt: skip
         self._process = subprocess.Popen(
-            [self._binary, "--name", "test", "--data-dir", str(self._workdir / "etcd-data"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"test={peer}", "--log-level", "warn"],
+            self._on.command(argv) if self._on is not None else argv,
             stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -99,10 +106,12 @@ class EtcdServer:
 
 
 @contextmanager
-def running_etcd(workdir: Path, host: str = "127.0.0.1") -> Iterator[EtcdServer]:
-    """An etcd on `host` for the duration of the block (stopped at the end even if it
-    failed)."""
-    server = EtcdServer(workdir, host)
+def running_etcd(
+    workdir: Path, host: str = "127.0.0.1", on: Host | None = None
+) -> Iterator[EtcdServer]:
+    """An etcd on `host` (or on test host `on`) for the duration of the block (stopped at the
+    end even if it failed)."""
+    server = EtcdServer(workdir, host, on)
     try:
         yield server
     finally:
