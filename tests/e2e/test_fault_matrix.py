@@ -179,6 +179,30 @@ def matrix_cluster(
         yield cluster
 
 
+def net_cluster_config(
+    model_dir: Path, network: TestNetwork, log_dir: Path, instance_args: str = "", **servers: str
+) -> ClusterConfig:
+    """The `ClusterConfig` of a cluster whose gateway, two prefills and two decodes each run on
+    a test host of `network`, float32, KV over TCP (shared memory would go round a cut link);
+    `servers`: its ``registry`` and ``kv_store``, if any."""
+    settings = matrix_settings(3000, instance_args)
+    settings["prefill_args"] = f"--dtype float32 {settings['prefill_args']}"
+    settings["decode_args"] = f"--dtype float32 --kv-transports tcp {settings['decode_args']}"
+    return ClusterConfig(
+        model=str(model_dir),
+        prefills=2,
+        decodes=2,
+        host=network.hosts["gateway"].address,
+        port=0,
+        grpc_port=0,
+        internal_port=0,
+        log_dir=str(log_dir),
+        startup_timeout_s=120,
+        **servers,
+        **settings,
+    )
+
+
 @pytest.fixture(scope="module")
 def net_matrix_cluster(
     demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -187,22 +211,8 @@ def net_matrix_cluster(
     test host of its own (`support.netns`), reaching each other only over the network (KV over
     TCP: shared memory would go round a cut link)."""
     log_dir = tmp_path_factory.mktemp("fault-matrix-net")
-    settings = matrix_settings(3000)
-    settings["prefill_args"] = f"--dtype float32 {settings['prefill_args']}"
-    settings["decode_args"] = f"--dtype float32 --kv-transports tcp {settings['decode_args']}"
     with TestNetwork(NET_HOSTS) as network:
-        config = ClusterConfig(
-            model=str(demo_model_dir),
-            prefills=2,
-            decodes=2,
-            host=network.hosts["gateway"].address,
-            port=0,
-            grpc_port=0,
-            internal_port=0,
-            log_dir=str(log_dir),
-            startup_timeout_s=120,
-            **settings,
-        )
+        config = net_cluster_config(demo_model_dir, network, log_dir)
         with started_across(config, network) as cluster, thawed_at_end(cluster):
             yield cluster
 
@@ -262,27 +272,18 @@ def net_servers_matrix_cluster(
     instance keeping KV in redis and registering in etcd (the gateway too), redis on a test
     host ``store`` and etcd on a test host ``registry`` of their own."""
     work_dir = tmp_path_factory.mktemp("fault-matrix-net-servers")
-    settings = matrix_settings(3000, "--registry-ttl-s 2 --heartbeat-interval-s 0.5")
-    settings["prefill_args"] = f"--dtype float32 {settings['prefill_args']}"
-    settings["decode_args"] = f"--dtype float32 --kv-transports tcp {settings['decode_args']}"
     with (
         TestNetwork((*NET_HOSTS, *SERVER_HOSTS)) as network,
         running_redis(work_dir, on=network.hosts["store"]) as store,
         running_etcd(work_dir, on=network.hosts["registry"]) as registry,
     ):
-        config = ClusterConfig(
-            model=str(demo_model_dir),
-            prefills=2,
-            decodes=2,
-            host=network.hosts["gateway"].address,
-            port=0,
-            grpc_port=0,
-            internal_port=0,
-            log_dir=str(work_dir / "logs"),
-            startup_timeout_s=120,
+        config = net_cluster_config(
+            demo_model_dir,
+            network,
+            work_dir / "logs",
+            "--registry-ttl-s 2 --heartbeat-interval-s 0.5",
             registry=registry.spec,
             kv_store=store.spec,
-            **settings,
         )
         with started_across(config, network) as cluster, thawed_at_end(cluster):
             cluster.servers = Servers(store, registry)  # type: ignore[attr-defined]
