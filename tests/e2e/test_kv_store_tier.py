@@ -9,6 +9,8 @@ The prefills run with their local prefix cache off, so every reused block comes 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,44 @@ async def test_store_down_offload_falls_back_without_losing_tokens(
         assert decode.all_counters()["kv_store_errors"][1] >= 1
         assert prefill.all_counters()["kv_store_errors"][1] >= 1
         assert prefill.loop.scheduler.num_loaded_prompt_tokens == 0
+        await cluster.assert_whole()
+    finally:
+        await cluster.close()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections and never answers (a store behind a partition)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield int(listener.getsockname()[1])
+
+
+async def test_a_store_that_never_answers_costs_no_lease(
+    demo_model_dir: Path, reference: Reference, silent_port: int
+) -> None:
+    """A store cut off (connections hang, nothing is refused) is waited on by the first lookup
+    only, before its lease: no lease expires, though the wait is longer than their TTL; the
+    prompts after it skip the store; every answer equals the engine's."""
+    cluster = await _cluster(
+        demo_model_dir,
+        f"redis://127.0.0.1:{silent_port}?timeout_s=1",
+        decode_overrides=[{"lease_ttl_ms": 1500}],
+    )
+    try:
+        prefill, decode = cluster.prefills[0], cluster.decodes[0]
+        first = await _stream(cluster, PROMPT, None)
+        assert first == await _expected(reference)
+        assert prefill.kv_store is not None and not prefill.kv_store.is_reachable
+        started = time.monotonic()
+        again = await asyncio.gather(*(_stream(cluster, PROMPT, None) for _ in range(3)))
+        assert again == [first] * 3
+        assert time.monotonic() - started < 10  # NOTE: no request waited on the store
+        assert decode.all_counters()["lease_expiries"][1] == 0
+        counters = prefill.all_counters()
+        assert counters["kv_store_unreachable"][1] == 1
+        assert counters["kv_store_lookups_skipped"][1] == 3
         await cluster.assert_whole()
     finally:
         await cluster.close()

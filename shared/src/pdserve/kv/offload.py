@@ -21,7 +21,7 @@ from opentelemetry.context import Context
 
 from pdserve.common import telemetry
 from pdserve.engine.thread import EngineThread
-from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreSkipped, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.serving")
@@ -145,7 +145,9 @@ class KvStoreWriter(EngineThread):
             self.num_failed += 1
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
             span.end()
-            log.warning("kv_store_error", op="put", request_id=write.request_id, error=str(error))
+            # NOTE: a store found unreachable was logged once (`kv_store_unreachable`).
+            report = log.debug if isinstance(error, KvStoreSkipped) else log.warning
+            report("kv_store_error", op="put", request_id=write.request_id, error=str(error))
             write.future.set_exception(error)
             return
         except Exception as error:  # a bug must not kill the writer thread

@@ -4,7 +4,9 @@ Batches are one round trip each: a pipeline of SETs, one MGET, a pipeline of EXI
 bound is the server's (``maxmemory`` with ``maxmemory-policy allkeys-lru``); an optional TTL
 makes entries expire on their own. Every socket operation has a timeout and a connection is
 retried once, so a server that is down or hangs raises `KvStoreUnavailable` within about twice
-`timeout_s`.
+`timeout_s`. A server that does not answer (refused, timed out) is taken as down: operations are
+skipped at once while a probe pings it every `PROBE_INTERVAL_S` (`pdserve.kv.store`), so only
+the operations in flight when it went away wait for the timeout.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreUnavailable, KvStoreUnreachable
 
 KEY_PREFIX = b"pdserve:kv:"
+PROBE_INTERVAL_S = 1.0
+
+
+def _store_error(address: str, error: redis.RedisError) -> KvStoreUnavailable:
+    """`KvStoreUnreachable` for a server that did not answer, else `KvStoreUnavailable`."""
+    message = f"KV store redis://{address}: {error}"
+    if isinstance(error, redis.ConnectionError | redis.TimeoutError):
+        return KvStoreUnreachable(message)
+    return KvStoreUnavailable(message)
 
 
 class RedisKvStore(KvStore):
@@ -31,6 +42,8 @@ class RedisKvStore(KvStore):
         timeout_s: Connect and read/write timeout of every socket operation.
     """
 
+    probe_interval_s = PROBE_INTERVAL_S
+
     def __init__(
         self, host: str, port: int, db: int = 0, ttl_s: int | None = None, timeout_s: float = 2.0
     ) -> None:
@@ -40,6 +53,7 @@ class RedisKvStore(KvStore):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.address = f"{host}:{port}/{db}"
+        self.name = f"redis://{self.address}"
         self.ttl_s = ttl_s
         # NOTE: one retry lets a pooled connection that the server closed reconnect, without
         # multiplying the wait when the server is really gone.
@@ -66,7 +80,7 @@ class RedisKvStore(KvStore):
                     pipe.set(self.redis_key(key), blob, ex=self.ttl_s)
                 pipe.execute()
         except redis.RedisError as e:
-            raise KvStoreUnavailable(f"KV store redis://{self.address}: {e}") from e
+            raise _store_error(self.address, e) from e
         return sum(len(blob) for blob in entries.values())
 
     def _get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -75,7 +89,7 @@ class RedisKvStore(KvStore):
         try:
             blobs = self._client.mget([self.redis_key(key) for key in keys])
         except redis.RedisError as e:
-            raise KvStoreUnavailable(f"KV store redis://{self.address}: {e}") from e
+            raise _store_error(self.address, e) from e
         return list(blobs)  # type: ignore[arg-type]
 
     def _contains_prefix(self, keys: Sequence[bytes]) -> int:
@@ -87,12 +101,19 @@ class RedisKvStore(KvStore):
                     pipe.exists(self.redis_key(key))
                 present = pipe.execute()
         except redis.RedisError as e:
-            raise KvStoreUnavailable(f"KV store redis://{self.address}: {e}") from e
+            raise _store_error(self.address, e) from e
         for num_present, is_present in enumerate(present):
             if not is_present:
                 return num_present
         return len(keys)
 
+    def _ping(self) -> None:
+        try:
+            self._client.ping()
+        except redis.RedisError as e:
+            raise _store_error(self.address, e) from e
+
     def close(self) -> None:
-        """Closes the connection pool."""
+        """Stops probing and closes the connection pool."""
+        self._stop_probing()
         self._client.close()

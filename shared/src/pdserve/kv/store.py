@@ -8,6 +8,15 @@ the interface (`KvStore`) and its statistics; `pdserve.kv.stores` opens a backen
 Stores are synchronous and thread-safe: run them on worker threads, never on an event loop. A
 store that cannot be reached raises `KvStoreUnavailable`, which callers catch and treat as a
 miss (load) or a skipped offload.
+
+**An unreachable store is skipped, not waited on.** A store reached over the network (one whose
+class sets `KvStore.probe_interval_s`, e.g. redis) that fails to answer an operation
+(`KvStoreUnreachable`: refused, or timed out, as behind a network partition) is taken as down:
+every operation after that raises `KvStoreSkipped` at once, without I/O, until a background
+probe reaches it again (every `probe_interval_s`). Only the operations in flight when it went
+away wait for its timeout; the requests after them compute what they would have loaded instead
+of waiting past their leases. One warning says it went unreachable, one line that it is back;
+`KvStoreStats` counts both.
 """
 
 from __future__ import annotations
@@ -15,15 +24,33 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
+from typing import TypeVar
+
+import structlog
 
 from pdserve.kv.codec import BlockMiss, MissCause, decode_block, encode_block
+
+log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class KvStoreUnavailable(Exception):
     """The store cannot be reached or refused the operation; nothing was loaded or stored."""
+
+
+class KvStoreUnreachable(KvStoreUnavailable):
+    """The store did not answer (connection refused or timed out): a store with a probe is
+    taken as down until the probe reaches it again."""
+
+
+class KvStoreSkipped(KvStoreUnavailable):
+    """The operation was not tried: the store was found unreachable and no probe has reached it
+    since (raised at once, without I/O)."""
 
 
 @dataclass
@@ -36,7 +63,10 @@ class KvStoreStats:
         num_bytes_stored: Entry bytes written by `put_many`.
         num_bytes_loaded: Entry bytes read by `get_many`.
         num_evictions: Entries the store removed to stay within its size bound.
-        num_errors: Operations that raised `KvStoreUnavailable`.
+        num_errors: Operations that raised `KvStoreUnavailable` (skipped ones apart).
+        num_unreachable: Times the store was found unreachable (each followed by skipping it
+            until a probe reached it again).
+        num_skipped: Operations not tried because the store was unreachable.
         get_seconds: Time spent in `get_many`.
         put_seconds: Time spent in `put_many`.
     """
@@ -47,6 +77,8 @@ class KvStoreStats:
     num_bytes_loaded: int = 0
     num_evictions: int = 0
     num_errors: int = 0
+    num_unreachable: int = 0
+    num_skipped: int = 0
     get_seconds: float = 0.0
     put_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -74,6 +106,14 @@ class KvStoreStats:
         with self._lock:
             self.num_errors += 1
 
+    def record_unreachable(self) -> None:
+        with self._lock:
+            self.num_unreachable += 1
+
+    def record_skip(self) -> None:
+        with self._lock:
+            self.num_skipped += 1
+
     def snapshot(self) -> KvStoreStats:
         """A consistent copy, e.g. for a metrics exporter."""
         with self._lock:
@@ -84,11 +124,28 @@ class KvStore(abc.ABC):
     """A key-value store of encoded KV block entries (`kv_block_codec.encode_block`).
 
     Every method is synchronous and thread-safe, and raises `KvStoreUnavailable` (never a
-    backend's own exception type) when the store cannot serve it.
+    backend's own exception type) when the store cannot serve it; `KvStoreSkipped` at once
+    while a store with a probe is down (see the module docstring).
+
+    Attributes:
+        name: The store as logs name it, e.g. ``redis://host:port/0``.
+        probe_interval_s: Seconds between probes of a store found unreachable (None: the store
+            is never taken as down, e.g. a local one, which fails at once anyway).
     """
+
+    name: str = "KV store"
+    probe_interval_s: float | None = None
 
     def __init__(self) -> None:
         self.stats = KvStoreStats()
+        self._down_since: float | None = None  # monotonic; None while reachable
+        self._reach_lock = threading.Lock()
+        self._closed = threading.Event()
+
+    @property
+    def is_reachable(self) -> bool:
+        """False from a failure to reach the store until a probe reached it again."""
+        return self._down_since is None
 
     def put_many(self, entries: Mapping[bytes, bytes]) -> int:
         """Stores entries (block key -> encoded entry), replacing any under the same keys.
@@ -98,11 +155,8 @@ class KvStore(abc.ABC):
         """
         start, written = time.perf_counter(), 0
         try:
-            written = self._put_many(entries)
+            written = self._reaching(self._put_many, entries)
             return written
-        except KvStoreUnavailable:
-            self.stats.record_error()
-            raise
         finally:
             self.stats.record_io(put_s=time.perf_counter() - start, stored=written)
 
@@ -111,22 +165,75 @@ class KvStore(abc.ABC):
         `get_blocks`)."""
         start, loaded = time.perf_counter(), 0
         try:
-            blobs = self._get_many(keys)
+            blobs = self._reaching(self._get_many, keys)
             loaded = sum(len(b) for b in blobs if b is not None)
             return blobs
-        except KvStoreUnavailable:
-            self.stats.record_error()
-            raise
         finally:
             self.stats.record_io(get_s=time.perf_counter() - start, loaded=loaded)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` have an entry (the longest stored prefix, unchecked)."""
+        return self._reaching(self._contains_prefix, keys)
+
+    def _reaching(self, operation: Callable[[_T], _R], argument: _T) -> _R:
+        """`operation(argument)`, unless the store is down (`KvStoreSkipped`); a failure to
+        reach it takes it as down (with a probe)."""
+        down_since = self._down_since
+        if down_since is not None:
+            self.stats.record_skip()
+            raise KvStoreSkipped(
+                f"{self.name} unreachable for {time.monotonic() - down_since:.1f} s: skipped"
+            )
         try:
-            return self._contains_prefix(keys)
+            return operation(argument)
+        except KvStoreUnreachable as error:
+            self.stats.record_error()
+            self._went_unreachable(error)
+            raise
         except KvStoreUnavailable:
             self.stats.record_error()
             raise
+
+    def _went_unreachable(self, error: KvStoreUnreachable) -> None:
+        """Takes the store as down and starts probing it (once, however many operations
+        failed together)."""
+        if self.probe_interval_s is None:
+            return
+        with self._reach_lock:
+            if self._down_since is not None or self._closed.is_set():
+                return
+            self._down_since = time.monotonic()
+        self.stats.record_unreachable()
+        log.warning(
+            "kv_store_unreachable",
+            store=self.name,
+            error=str(error),
+            probe_interval_s=self.probe_interval_s,
+            detail="skipped (loads miss, writes are dropped) until a probe reaches it again",
+        )
+        threading.Thread(target=self._probe, name="kv-store-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Pings the store every `probe_interval_s` until it answers (or the store closes)."""
+        assert self.probe_interval_s is not None
+        while not self._closed.wait(self.probe_interval_s):
+            try:
+                self._ping()
+            except Exception:  # NOTE: unreachable still, or closed under the ping
+                continue
+            with self._reach_lock:
+                down_since, self._down_since = self._down_since, None
+            down_s = 0.0 if down_since is None else time.monotonic() - down_since
+            log.info("kv_store_reachable", store=self.name, unreachable_s=round(down_s, 2))
+            return
+
+    def _stop_probing(self) -> None:
+        """Ends a probe in progress (call from `close`)."""
+        self._closed.set()
+
+    def _ping(self) -> None:
+        """Raises `KvStoreUnavailable` unless the store answers (stores with a probe)."""
+        raise NotImplementedError
 
     def put_blocks(self, fingerprint: str, payloads: Mapping[bytes, bytes]) -> int:
         """Encodes and stores block payloads (block key -> `export_block_payloads` bytes).

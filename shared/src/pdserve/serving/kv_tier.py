@@ -77,6 +77,14 @@ def kv_store_counters(store: KvStore | None, block_size: int) -> dict[str, tuple
             "KV store operations that failed (store down, full or refusing).",
             stats.num_errors,
         ),
+        "kv_store_unreachable": (
+            "Times the KV store was found unreachable (then skipped until a probe reached it).",
+            stats.num_unreachable,
+        ),
+        "kv_store_skipped_ops": (
+            "KV store operations not tried because the store was unreachable.",
+            stats.num_skipped,
+        ),
         "kv_store_evictions": (
             "Entries the KV store evicted to stay in bounds.",
             stats.num_evictions,

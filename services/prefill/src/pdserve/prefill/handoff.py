@@ -214,6 +214,11 @@ class Handoffs:
         # NOTE: compiled (and the completion replayed) on the compiler's thread while the
         # lease opens; the engine thread only asks the matcher for masks.
         constraint_state = self._prepare_constraint(request)
+        if self.loop.store_loader is not None:
+            # NOTE: store I/O on a worker thread, before the engine thread sees the request,
+            # and before a lease: a store that hangs (cut off, until it is found unreachable)
+            # delays the request, but the decode's lease TTL runs only from the grant.
+            await self.loop.store_loader.load(request)
         if request.is_sending_kv:
             request.move_to(RequestStatus.PREPARING)
             lease = await open_lease(self.peers, request, self._background)
@@ -222,9 +227,6 @@ class Handoffs:
             request.num_sent_blocks = lease.num_shared_blocks
             stub = self.peers.stub(request.decode_address, request.decode_instance_id)
             self.transfers.start(flight, stub)
-        if self.loop.store_loader is not None:
-            # NOTE: store I/O on a worker thread, before the engine thread sees the request.
-            await self.loop.store_loader.load(request)
         if constraint_state is not None:
             request.constraint_state = await asyncio.wrap_future(constraint_state)
         request.move_to(RequestStatus.PREFILLING)

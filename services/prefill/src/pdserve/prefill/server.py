@@ -127,6 +127,8 @@ class PrefillInstance(InstanceServer):
         return {
             "kv_store_lookups": ("Requests whose prefix was looked up in the KV store.",
                                  loader.num_lookups),
+            "kv_store_lookups_skipped": ("Lookups not tried: the KV store was unreachable (the "
+                                         "prompt was computed).", loader.num_skipped),
             "kv_store_writes": ("Write-through batches of computed blocks that reached the "
                                 "KV store.", writer.num_written),
             "kv_store_written_blocks": ("Computed blocks written through to the KV store.",

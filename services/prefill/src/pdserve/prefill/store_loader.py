@@ -7,7 +7,10 @@ many of the remaining keys the store has (`contains_prefix`), then those entries
 the scheduler copies them into the request's new blocks (`take_stored_blocks`) and computing
 starts after them. The last token is always computed (its logits give the first token). A
 miss of any kind, or a store error, ends the loaded run there: that block and everything after
-it are computed, so the output never depends on the store.
+it are computed, so the output never depends on the store. A store found unreachable is not
+looked up until its probe reaches it again (`KvStore.is_reachable`): the request computes at
+once instead of waiting on it. The lookup runs before the request asks a decode for a lease
+(`pdserve.prefill.handoff`), so a store that hangs delays a request without costing its lease.
 
 **Write-through.** After a pass fills full blocks of a prompt, `write_through` (on the engine
 thread) copies them out in one gather and queues them on the instance's `KvStoreWriter`;
@@ -30,7 +33,7 @@ from pdserve.engine.block_pool import prefix_block_keys
 from pdserve.engine.kv_cache import KVCache
 from pdserve.kv.codec import MissCause, block_payload_nbytes, export_block_payloads
 from pdserve.kv.offload import KvStoreWriter
-from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreSkipped, KvStoreUnavailable
 from pdserve.prefill.request import Request
 
 log = structlog.get_logger(__name__)
@@ -55,6 +58,8 @@ class StoreLoader:
         num_lookups: Requests looked up in the store.
         num_blocks_found: Blocks the lookups returned (before admission used them).
         num_errors: Lookups that failed (the store was down).
+        num_skipped: Lookups not tried: the store was found unreachable and no probe has
+            reached it since.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class StoreLoader:
         self.num_lookups = 0
         self.num_blocks_found = 0
         self.num_errors = 0
+        self.num_skipped = 0
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._known_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kv-store-load")
@@ -108,6 +114,9 @@ class StoreLoader:
         if not wanted:
             return 0
         self.num_lookups += 1
+        if not self.store.is_reachable:
+            self.num_skipped += 1
+            return len(wanted)
         try:
             num_present = self.store.contains_prefix(wanted)
             if num_present < len(wanted):
@@ -115,6 +124,9 @@ class StoreLoader:
             payloads = self.store.get_blocks(
                 wanted[:num_present], self.fingerprint, self.payload_nbytes
             )
+        except KvStoreSkipped:
+            self.num_skipped += 1  # NOTE: found unreachable since the check above
+            return len(wanted)
         except KvStoreUnavailable as error:
             self.num_errors += 1
             log.warning("kv_store_error", op="get", request_id=request.request_id, error=str(error))
