@@ -21,12 +21,12 @@ class Choice:
         self.log, self.name, self.texts, self.fail = log, name, texts, fail
         self.closed = False
 
-    async def stream(self) -> AsyncGenerator[OutputDelta, None]:
+    async def stream(self) -> AsyncGenerator[tuple[int, OutputDelta], None]:
         self.log.append(f"start {self.name}")
         try:
             for index, text in enumerate(self.texts):
                 await asyncio.sleep(0.01)
-                yield OutputDelta(text, (index,), index)
+                yield 0, OutputDelta(text, (index,), index)
             if self.fail:
                 raise PdserveError(ErrorReason.INTERNAL, f"{self.name} broke")
             await asyncio.sleep(1.0 if self.name == "slow" else 0)
@@ -41,6 +41,11 @@ async def test_every_delta_arrives_tagged_with_its_choice() -> None:
     for i in range(4):
         assert [text for index, text in got if index == i] == [f"{i}a", f"{i}b"]
     assert all(c.closed for c in choices)
+
+
+async def test_a_single_choice_is_its_own_stream_with_no_layer_between() -> None:
+    stream = Choice([], "only", ["a", "b"]).stream()
+    assert merged([stream]) is stream
 
 
 async def test_a_prompts_other_choices_start_after_its_first_delta() -> None:

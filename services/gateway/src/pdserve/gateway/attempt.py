@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import cast
 
 import structlog
 from opentelemetry import trace
@@ -85,6 +86,7 @@ class Attempt:
         owes_abort: The prefill may still hold the request (AbortRequest on leaving).
         lease_id: The decode lease the attempt holds (ReleaseLease on leaving), if any.
         has_run: The prompt was computed (the decode held a lease): the work ran there.
+        has_decoded: Its decode step streamed from the decode.
         is_first_token_attempt: It delivered the request's first token.
         handed_off: The prefill's hand-off, once it came.
         finished: The instance's end, once it came.
@@ -99,6 +101,7 @@ class Attempt:
     owes_abort: bool = True
     lease_id: str | None = None
     has_run: bool = False
+    has_decoded: bool = False
     is_first_token_attempt: bool = False
     handed_off: HandedOffEvent | None = None
     finished: FinishedEvent | None = None
@@ -210,23 +213,17 @@ class Attempt:
         if self.is_first_token_attempt:
             active.timeline.on_handed_off(event.phases)
 
-    async def decode(self) -> AsyncGenerator[TokenChunk, None]:
-        """Generate on the decode from the hand-off to its end or a preemption notice.
-
-        Raises:
-            AttemptFailed: The decode stream failed or ended without its terminal event.
-        """
+    def decode(self) -> AsyncGenerator[TokenChunk, None]:
+        """Generate on the decode from the hand-off to its end or a preemption notice: the
+        relayed stream itself, so each token reaches the orchestrator through no layer here
+        (`outcome` checks that the stream ended with its terminal event)."""
         handed_off, progress = self.handed_off, self.active.progress
         if handed_off is None or progress.finish_reason is not None:
-            return
+            return _no_chunks()
         target = self.pair.decode
         placement = Placement(target.instance_id, target.address, handed_off.lease_id)
-        following = follow_decode(self.active, self.peers, placement, self.context, self._ended)
-        async with aclosing(following) as chunks:
-            async for chunk in chunks:
-                yield chunk
-        if self.finished is None and self.preempted is None and progress.finish_reason is None:
-            raise connection_lost(DECODE, "the decode stream ended without a terminal event")
+        self.has_decoded = True
+        return follow_decode(self.active, self.peers, placement, self.context, self._ended)
 
     def _ended(self, event: DecodeEnd) -> None:
         self.lease_id = None  # the decode let go of it
@@ -242,8 +239,19 @@ class Attempt:
 
     def outcome(self) -> GenerationEnd | Preempted:
         """How an attempt whose steps both ran ended: preempted before the completion's end,
-        or the end."""
+        or the end.
+
+        Raises:
+            AttemptFailed: The decode stream ended without its terminal event.
+        """
         preempted, active = self.preempted, self.active
+        if (
+            self.has_decoded
+            and self.finished is None
+            and preempted is None
+            and active.progress.finish_reason is None
+        ):
+            raise connection_lost(DECODE, "the decode stream ended without a terminal event")
         if preempted is not None and active.progress.finish_reason is None:
             message = f"preempted ({preempted.reason}) after {preempted.num_generated_tokens}"
             error = PdserveError(ErrorReason.PREEMPTED, f"{message} tokens")
@@ -270,7 +278,7 @@ class Attempt:
             peers.cleanups.release(address, self.lease_id, active.request_id, self.context)
 
 
-async def follow_decode(
+def follow_decode(
     active: ActiveRequest,
     peers: Peers,
     placement: Placement,
@@ -303,21 +311,17 @@ async def follow_decode(
         resumable=active.resumable is not None,
         resume=resume,
     )
-    end: DecodeEnd | None = None
     watched = {placement.decode_instance_id: DECODE}
-    relayed = relay(DECODE, decode, active.progress, peers.loss_watch, watched, peers.end_grace_s)
-    async with aclosing(relayed) as events:
-        async for event in events:
-            if isinstance(event, TokenChunk):
-                yield event
-            elif isinstance(event, PreemptionEvent | FinishedEvent):
-                end = event
-                on_end(event)
-                break
-    if isinstance(end, PreemptionEvent):
-        accepted = active.progress.accept(end.generated_token_ids, 0)
-        if accepted.chunk is not None:
-            yield accepted.chunk
+    relayed = relay(
+        DECODE, decode, active.progress, peers.loss_watch, watched, peers.end_grace_s, on_end
+    )
+    # NOTE: with `on_end`, a decode's relayed stream yields only `TokenChunk`s.
+    return cast(AsyncGenerator[TokenChunk, None], relayed)
+
+
+async def _no_chunks() -> AsyncGenerator[TokenChunk, None]:
+    return
+    yield  # NOTE: makes this an (empty) async generator
 
 
 async def attach(

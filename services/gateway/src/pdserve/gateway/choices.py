@@ -21,34 +21,39 @@ from pdserve.gateway.request import OutputDelta
 _DONE = None
 
 
-async def merged(
-    streams: Sequence[AsyncGenerator[OutputDelta, None]], n: int = 1
+def merged(
+    streams: Sequence[AsyncGenerator[tuple[int, OutputDelta], None]], n: int = 1
 ) -> AsyncGenerator[tuple[int, OutputDelta], None]:
-    """Interleaves the choices' deltas as they arrive, as ``(choice index, delta)``.
+    """Interleaves the choices' deltas as they arrive, each ``(choice index, delta)`` as its
+    stream tagged it.
 
     Args:
         streams: One per choice, `n` consecutive ones per prompt.
         n: Choices per prompt: choice ``i`` starts when choice ``i - i % n`` has delivered
             its first delta (or ended).
 
+    A single stream is returned as it is: a plain request's deltas pass through no layer here.
     The first error of any choice ends the merged stream with that error; closing it (or an
     error) closes every choice's stream, so each one gives back what it holds.
     """
     if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for delta in only:
-                yield 0, delta
-        return
+        return streams[0]
+    return _interleaved(streams, n)
+
+
+async def _interleaved(
+    streams: Sequence[AsyncGenerator[tuple[int, OutputDelta], None]], n: int
+) -> AsyncGenerator[tuple[int, OutputDelta], None]:
     queue: asyncio.Queue[tuple[int, OutputDelta | Exception | None]] = asyncio.Queue()
 
     has_output = [asyncio.Event() for _ in streams]  # a first delta, or the end
 
-    async def pump(index: int, stream: AsyncGenerator[OutputDelta, None]) -> None:
+    async def pump(index: int, stream: AsyncGenerator[tuple[int, OutputDelta], None]) -> None:
         try:
             if index % n:
                 await has_output[index - index % n].wait()
             async with contextlib.aclosing(stream):
-                async for delta in stream:
+                async for _, delta in stream:
                     queue.put_nowait((index, delta))
                     has_output[index].set()
             queue.put_nowait((index, _DONE))

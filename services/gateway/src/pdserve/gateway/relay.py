@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import structlog
@@ -21,7 +21,9 @@ from pdserve.gateway.decisions import Failed, Lost
 from pdserve.gateway.fleet.backend import (
     BackendError,
     DecodeEvent,
+    FinishedEvent,
     FirstTokenEvent,
+    PreemptionEvent,
     PrefillEvent,
     TokenBatchEvent,
 )
@@ -187,11 +189,15 @@ async def relay(
     watch: LossWatch,
     watched: Mapping[str, InstanceRole],
     end_grace_s: float,
+    on_end: Callable[[FinishedEvent | PreemptionEvent], None] | None = None,
 ) -> AsyncGenerator[TokenChunk | PrefillEvent | DecodeEvent, None]:
     """Relays a stream: tokens go through `progress`, errors become `AttemptFailed`.
 
     A prefill's `FirstTokenEvent` is passed on as it arrives (for the phases it reports),
-    followed by its token as a `TokenChunk`; every other event is passed on as is.
+    followed by its token as a `TokenChunk`; every other event is passed on as is, except
+    that with `on_end` (a decode's stream) the terminal event ends the relay: `on_end` is told
+    it, and a preemption notice's tokens new to `progress` come as a last `TokenChunk`. A
+    decode's stream then yields `TokenChunk`s only, straight to the orchestrator.
 
     Args:
         role: Whose stream this is.
@@ -202,6 +208,8 @@ async def relay(
             on the right one.
         end_grace_s: Once the gateway has seen the completion end, how long to wait for the
             stream's terminal event; further tokens are ignored.
+        on_end: Told a decode's terminal event (`FinishedEvent` or `PreemptionEvent`) as soon
+            as it comes (the decode let go of the lease).
 
     Raises:
         AttemptFailed: The stream failed, skipped indices, or an instance it depends on was
@@ -242,6 +250,13 @@ async def relay(
                             ErrorReason.INTERNAL, f"{role.value} skipped completion indices"
                         )
                         raise AttemptFailed(role, BackendError(gap, is_from_server=True))
+                elif on_end is not None and isinstance(event, FinishedEvent | PreemptionEvent):
+                    on_end(event)
+                    if isinstance(event, PreemptionEvent):
+                        accepted = progress.accept(event.generated_token_ids, 0)
+                        if accepted.chunk is not None:
+                            yield accepted.chunk
+                    return
                 else:
                     yield event
     finally:

@@ -73,11 +73,14 @@ class Streamer:
         prepared: PreparedRequest,
         trace_context: Context | None = None,
         resumable: Resumable | None = None,
-    ) -> AsyncGenerator[OutputDelta, None]:
+        index: int = 0,
+    ) -> AsyncGenerator[tuple[int, OutputDelta], None]:
         """Runs a prepared request under its span ``gateway.request``.
 
         Args:
             prepared: From `Frontend.prepare`.
+            index: Its choice index, which tags each of its deltas (``n`` > 1 or several
+                prompts: `pdserve.gateway.choices` interleaves them by it).
             trace_context: Parent of the request's span (default: the current context).
             resumable: For a resumable request (`pdserve.gateway.session`): its decode keeps it
                 if this gateway goes away, and each delta holds exactly one token, so its
@@ -85,18 +88,19 @@ class Streamer:
                 however they were batched, whichever gateway runs it.
 
         Returns:
-            Deltas of text and tokens (with the tool calls read out, for a request with a
-            tool plan: `pdserve.gateway.tool_deltas`); the last one has finish_reason and
-            usage. Iterating raises the `PdserveError` that ended the request.
+            ``(index, delta)``: deltas of text and tokens (with the tool calls read out, for
+            a request with a tool plan: `pdserve.gateway.tool_deltas`); the last one has
+            finish_reason and usage. Iterating raises the `PdserveError` that ended the request.
         """
-        return self._stream(prepared, trace_context, resumable)
+        return self._stream(prepared, trace_context, resumable, index)
 
     async def _stream(
         self,
         prepared: PreparedRequest,
         trace_context: Context | None,
         resumable: Resumable | None,
-    ) -> AsyncGenerator[OutputDelta, None]:
+        index: int,
+    ) -> AsyncGenerator[tuple[int, OutputDelta], None]:
         request = prepared.request
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -147,10 +151,13 @@ class Streamer:
                     last_token_at = now
                     if prepared.is_prompt_only:
                         # NOTE: max_tokens 0: the sampled token only finished the prefill.
-                        yield as_sent(OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs))
+                        yield (
+                            index,
+                            as_sent(OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs)),
+                        )
                         break
                     for delta in text_deltas(text, event, one_by_one=resumable is not None):
-                        yield as_sent(delta)
+                        yield index, as_sent(delta)
                         timeline.on_first_token_written()
                     if text.is_stopped:
                         break
@@ -178,7 +185,7 @@ class Streamer:
                 num_reschedules=end.num_reschedules if end else None,
                 duration_s=round(loop.time() - started, 4),
             )
-            yield final
+            yield index, final
         except PdserveError as error:
             outcome = error.reason.name
             span.set_status(trace.Status(trace.StatusCode.ERROR, error.reason.name))

@@ -264,12 +264,18 @@ class Responder:
     ) -> AsyncGenerator[str, None]:
         """The SSE events of a stream whose first delta was already received."""
         not_started = set(range(len(self.choices)))
+
+        def rendered(index: int, delta: OutputDelta) -> list[str]:
+            events = self.render(index, delta, index in not_started)
+            if events:
+                not_started.discard(index)
+            return events
+
         try:
-            async for index, delta in _prepend(first, deltas):
-                rendered = self.render(index, delta, index in not_started)
-                if rendered:
-                    not_started.discard(index)
-                for event in rendered:
+            for event in rendered(*first):
+                yield event
+            async for index, delta in deltas:
+                for event in rendered(index, delta):
                     yield event
         except PdserveError as error:
             # NOTE: the headers are sent already; report the error in-band, as vLLM does.
@@ -278,11 +284,3 @@ class Responder:
         finally:
             await deltas.aclose()
         yield sse("[DONE]")
-
-
-async def _prepend(
-    first: tuple[int, OutputDelta], rest: AsyncGenerator[tuple[int, OutputDelta], None]
-) -> AsyncGenerator[tuple[int, OutputDelta], None]:
-    yield first
-    async for item in rest:
-        yield item

@@ -195,7 +195,7 @@ class Runs:
             deltas = self._streamer.stream(run.prepared, resumable=resumable)
             is_placement_stored = False
             async with contextlib.aclosing(deltas):
-                async for delta in deltas:
+                async for _, delta in deltas:
                     if not is_placement_stored and run.last_write is not None:
                         # NOTE: a client sees no token before the record says where the request
                         # runs: a gateway that dies after its first token leaves a record the

@@ -108,7 +108,7 @@ class Sessions:
             n = prompts[0].n
 
             def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
-                return merged([self._streamer.stream(choice) for choice in choices], n)
+                return merged([self._streamer.stream(c, index=i) for i, c in enumerate(choices)], n)
 
             return Session(kind, prompts, source)
         runs = self._kept()

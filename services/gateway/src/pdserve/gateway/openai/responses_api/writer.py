@@ -153,7 +153,11 @@ class ResponseWriter:
         items = OutputItems(self.prompt.request_id)
         final: OutputDelta | None = None
         try:
-            async for _, delta in deltas if first is None else _prepend(first, deltas):
+            if first is not None:
+                final = first[1]
+                for event in self._events(items.step(final)):
+                    yield event
+            async for _, delta in deltas:
                 for event in self._events(items.step(delta)):
                     yield event
                 final = delta
@@ -183,14 +187,6 @@ def request_id_of(response_id: str) -> str | None:
     if not response_id.startswith(RESPONSE_ID_PREFIX) or len(response_id) > 200:
         return None
     return response_id.removeprefix(RESPONSE_ID_PREFIX) or None
-
-
-async def _prepend(
-    first: tuple[int, OutputDelta], rest: AsyncGenerator[tuple[int, OutputDelta], None]
-) -> AsyncGenerator[tuple[int, OutputDelta], None]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 def _status(final: OutputDelta | None) -> ResponseStatus:
