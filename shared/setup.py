@@ -1,5 +1,6 @@
 """The one compiled part of pdserve-shared: pdserve's CPU kernels for AVX512-BF16 (the int4
-GEMM of `pdserve.engine.int4_kernel`, the decode attention of `pdserve.engine.cpu_attention`).
+GEMM of `pdserve.engine.int4_kernel`, the int8 one of `pdserve.engine.int8_kernel`, the decode
+attention of `pdserve.engine.cpu_attention`).
 
 Optional: where no C++ compiler is found, the package installs without it and the engine runs
 torch's kernels instead.
@@ -14,6 +15,7 @@ setup(
             sources=[
                 "csrc/module.cpp",
                 "csrc/int4_gemm.cpp",
+                "csrc/int8_gemm.cpp",
                 "csrc/decode_attention.cpp",
                 "csrc/rms_norm.cpp",
             ],

@@ -31,11 +31,28 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+inline __mmask16 first_lanes(int count) {
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// Each of four vectors' 16 lanes summed, in one order for every vector (so a row's sum does not
+// depend on which rows share the call): lanes i and i + 2 of each 128-bit chunk, then the two
+// halves of the chunk, then the chunks as (0 + 2) + (1 + 3).
+KERNEL_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  __m512 chunks = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+  __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(chunks), _mm512_extractf32x8_ps(chunks, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
 // Whether this CPU runs the kernels: AVX-512 (F, BW, DQ, VL) with BF16, FMA and F16C.
 bool cpu_supported();
 
 PyObject* py_int4_gemm(PyObject*, PyObject* args);
 PyObject* py_int4_dequantize(PyObject*, PyObject* args);
+PyObject* py_int8_gemm(PyObject*, PyObject* args);
+PyObject* py_int8_dequantize(PyObject*, PyObject* args);
 PyObject* py_decode_attention(PyObject*, PyObject* args);
 PyObject* py_rms_norm(PyObject*, PyObject* args);
 

@@ -1,4 +1,5 @@
-// pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, decode_attention.cpp, rms_norm.cpp).
+// pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, int8_gemm.cpp, decode_attention.cpp,
+// rms_norm.cpp).
 #include "common.h"
 
 namespace pdserve {
@@ -24,6 +25,13 @@ PyMethodDef methods[] = {
     {"int4_dequantize", py_int4_dequantize, METH_VARARGS,
      "int4_dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as "
      "bf16 [out_features, in]."},
+    {"int8_gemm", py_int8_gemm, METH_VARARGS,
+     "int8_gemm(x, rows, in, weight, scales, out_features, out): out = x @ w.T for w = scale * q, "
+     "addresses of contiguous bf16 x [rows, in], int8 weight [out_features, in], float16 scales "
+     "[out_features, in / 32], bf16 out [rows, out_features]."},
+    {"int8_dequantize", py_int8_dequantize, METH_VARARGS,
+     "int8_dequantize(weight, scales, in, ids, num_ids, out): rows ids (int64; 0: the first "
+     "num_ids rows) of the weight as bf16 [num_ids, in]."},
     {"decode_attention", py_decode_attention, METH_VARARGS,
      "decode_attention(q, k_cache, v_cache, tables, table_stride, lens, num_seqs, num_heads, "
      "num_kv_heads, head_dim, block_size, scale, window, sinks, out): one query token per "
@@ -37,6 +45,7 @@ PyMethodDef methods[] = {
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_kernels",
                       "pdserve's CPU kernels for AVX512-BF16 (pdserve.engine.int4_kernel, "
+                      "pdserve.engine.int8_kernel, "
                       "pdserve.engine.cpu_attention)",
                       -1, methods};
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pdserve.engine.int4_kernel as int4_kernel
+import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.linear import Linear, at_least_rows
 
 INT4_GROUP_SIZE = 32
@@ -28,6 +29,9 @@ OWN_KERNEL_MAX_ROWS = 8
 """Most rows pdserve's int4 kernel multiplies directly; more take a bf16 GEMM over the weight
 dequantized for the call (measured on a 3072 x 576 projection, one thread: 8 rows 0.22 ms
 either way, 16 rows 0.43 against 0.35 ms)."""
+INT8_GROUP_CHUNK = 4096
+"""Output rows `Int8GroupLinear` dequantizes at a time for a GEMM of many rows (a bf16 chunk of
+an LM head stays in the caches; the whole of it would be a fresh 57 MB a call)."""
 _INT4_INNER_K_TILES = 2
 _INT4_OUT_MULTIPLE = 16
 
@@ -184,6 +188,98 @@ class Int4Linear(nn.Module):
         out = torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
         out = out[:rows]
         return out if self.bias is None else out.add_(self.bias)
+
+
+class Int8GroupLinear(nn.Module):
+    """A projection with int8 weights ``scale * q``, a float16 scale per group of 32 input
+    features (a GGUF's Q8_0 as the file stores it; the engine's LM head where the file holds it
+    so, `pdserve.engine.int4_weights`), no bias.
+
+    Up to `OWN_KERNEL_MAX_ROWS` rows run on pdserve's int8 kernel
+    (`pdserve.engine.int8_kernel`, where it runs: AVX512-BF16, bf16 activations, one torch
+    thread); more rows, and every call where the kernel does not run, take a GEMM over the
+    weight dequantized `INT8_GROUP_CHUNK` output rows at a time (a prefill's rows: a bf16 GEMM
+    does half the kernel's VDPBF16PS work per product).
+
+    Args:
+        values: ``[out, in]`` int8.
+        scales: ``[out, in / 32]`` float16.
+        dtype: The activation dtype.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = values.shape
+        if scales.shape != (self.out_features, self.in_features // int8_kernel.GROUP):
+            raise ValueError(f"scales {tuple(scales.shape)} do not fit values {values.shape}")
+        self.register_buffer("values", values.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.bias = None
+        self.min_rows = 1
+        """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`); above one,
+        pdserve's kernel runs every row count (its rows are independent of each other)."""
+        self.kernel = "pdserve" if int8_kernel.takes(self.in_features, dtype) else "torch"
+        """Which kernel runs: ``pdserve`` or ``torch`` (a GEMM over the dequantized weight)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.kernel == "pdserve" and (x.shape[0] <= OWN_KERNEL_MAX_ROWS or self.min_rows > 1):
+            return int8_kernel.matmul(x, self.values, self.scales)
+        rows = x.shape[0]
+        x = at_least_rows(x, self.min_rows)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, self.out_features, INT8_GROUP_CHUNK):
+            stop = min(start + INT8_GROUP_CHUNK, self.out_features)
+            weight = self.dequantized(start, stop, x.dtype)
+            torch.mm(x, weight.t(), out=out[:, start:stop])
+        return out[:rows]
+
+    def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Output rows ``[start, stop)`` of the weight in `dtype` (the file's values, rounded
+        once)."""
+        values, scales = self.values[start:stop], self.scales[start:stop]
+        if self.kernel == "pdserve" and dtype == torch.bfloat16:
+            return int8_kernel.dequantize(values, scales)
+        return int8_kernel.dequantize_torch(values, scales, dtype)
+
+
+class Int8GroupEmbedding(nn.Module):
+    """The token embedding over `Int8GroupLinear`'s int8 rows (a tied LM head's own tensors, or
+    an untied Q8_0 embedding's): a lookup dequantizes only the rows it reads.
+
+    Args:
+        values: ``[vocab, hidden]`` int8.
+        scales: ``[vocab, hidden / 32]`` float16.
+        dtype: The dtype of the rows it returns.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = values.shape
+        self.register_buffer("values", values.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        self.dtype = dtype
+        self.is_compiled = int8_kernel.takes(self.embedding_dim, dtype)
+
+    @classmethod
+    def tied_to(cls, head: Int8GroupLinear, dtype: torch.dtype) -> Int8GroupEmbedding:
+        """The embedding that reads `head`'s tensors (stored once)."""
+        return cls(head.values, head.scales, dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [...] -> [..., embedding_dim]
+        ids = input_ids.reshape(-1)
+        if self.is_compiled:
+            rows = int8_kernel.dequantize(self.values, self.scales, ids)
+        else:
+            rows = int8_kernel.dequantize_torch(self.values[ids], self.scales[ids], self.dtype)
+        return rows.view(*input_ids.shape, self.embedding_dim)
 
 
 def _torch_scale_zeros(
