@@ -9,10 +9,12 @@ logged in that context.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 
@@ -96,3 +98,21 @@ def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
     # proxy lazy; `.bind` would fix the configuration of the moment (before
     # `configure_logging`, the default: stdout).
     return structlog.get_logger(name) if name else structlog.get_logger()
+
+
+def exit_served_process(status: int) -> NoReturn:
+    """Ends a service process that has stopped serving: flushes the log streams, then exits
+    without the interpreter's teardown.
+
+    By then the service has drained, stopped its servers and threads, removed its files and
+    flushed its traces; what is left is freeing every module's objects one by one (torch's
+    above all), which took 0.5 to 2.5 s of CPU per process with nothing to show for it, on
+    every stop of every instance (`pdserve up`'s Ctrl-C, a rolling restart, each test
+    cluster).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        # NOTE: a closed or broken pipe: nothing more can be said on it.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import structlog
 
 from pdserve.common.config import add_arguments, from_args
-from pdserve.common.logging import configure_logging
+from pdserve.common.logging import configure_logging, exit_served_process
 from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.engine.model_config import ModelLoadError
@@ -41,11 +41,12 @@ def run(
     serve: Callable[[ConfigT], Coroutine[Any, Any, None]],
     argv: list[str] | None = None,
 ) -> int:
-    """Parses `argv`, configures logging and tracing, and runs `serve` until it returns.
+    """Parses `argv`, configures logging and tracing, and runs `serve` until it returns; then
+    the process exits with status 0 (`exit_served_process`).
 
     Returns:
-        The exit status: 0, or 2 for settings the config refuses, unusable certificates or a
-        model the engine refuses (the reason goes to stderr).
+        2 for settings the config refuses, unusable certificates or a model the engine refuses
+        (the reason goes to stderr); a served run does not return.
     """
     args = parser.parse_args(argv)
     try:
@@ -67,4 +68,4 @@ def run(
         return 2
     finally:
         shutdown_tracing()
-    return 0
+    exit_served_process(0)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
-from pdserve.common.logging import configure_logging
+from pdserve.common.logging import configure_logging, exit_served_process
 from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.gateway.access.api_keys import ApiKeyStore
@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses flags, configures logging and serves until SIGTERM/SIGINT."""
+    """Parses flags, configures logging and serves until SIGTERM/SIGINT; then the process exits
+    with status 0 (`exit_served_process`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(config))
     finally:
         shutdown_tracing()
-    return 0
+    exit_served_process(0)
 
 
 if __name__ == "__main__":
