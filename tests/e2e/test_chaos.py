@@ -759,17 +759,22 @@ async def storm_with_every_control(storm: ChaosCluster) -> None:
     expected = await undisturbed(cluster, requests, STORM_MAX_TOKENS)
     before = await cluster.counter("pdserve_gateway_reschedules", cause="preempted")
     async with cluster.openai() as client:
-        results = await asyncio.gather(
-            *(
-                stream_choices(
-                    client, cluster.model_name, prompt, max_tokens=STORM_MAX_TOKENS,
-                    n=NUM_CHOICES, **copy.deepcopy(sampling),
+        # NOTE: as with the forced tool calls: on a busy machine the requests may not overlap
+        # long enough to preempt; a storm that preempted nothing goes again (at most 3 times).
+        for _ in range(3):
+            results = await asyncio.gather(
+                *(
+                    stream_choices(
+                        client, cluster.model_name, prompt, max_tokens=STORM_MAX_TOKENS,
+                        n=NUM_CHOICES, **copy.deepcopy(sampling),
+                    )
+                    for prompt, sampling in requests
                 )
-                for prompt, sampling in requests
-            )
-        )  # fmt: skip
-    assert_same_choices(results, expected)
-    assert_constrained(results, storm.reference.model_dir)
+            )  # fmt: skip
+            assert_same_choices(results, expected)
+            assert_constrained(results, storm.reference.model_dir)
+            if await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > before:
+                break
     assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > before
 
 
