@@ -1,9 +1,10 @@
-"""SmolLM2-135M-Instruct's Q4_1 weights kept as the file stores them (``--dtype auto`` on a CPU
-with native bf16), against the same file dequantized: in float32, the file's values exactly,
-and in bfloat16, what ``--quantization none`` serves.
+"""SmolLM2-135M-Instruct's Q4_1 weights (and its Q8_0 tied embedding, the LM head) kept as the
+file stores them (``--dtype auto`` on a CPU with native bf16), against the same file
+dequantized: in float32, the file's values exactly, and in bfloat16, what ``--quantization
+none`` serves.
 
-The kept weights run on torch's int4 kernel with bf16 activations and bf16 scales, so they
-cannot equal float32; they must be as close to it as the file dequantized to bf16 is.
+The kept weights run with bf16 activations, so they cannot equal float32; they must be as
+close to it as the file dequantized to bf16 is.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
+from pdserve.engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    ScheduledChunk,
+    int8_kernel,
+)
 from pdserve.engine.linear import Linear
 from pdserve.engine.model_store import ResolvedModel
-from pdserve.engine.quant import Int4Linear, weight_bytes
+from pdserve.engine.quant import Int4Linear, Int8GroupEmbedding, Int8GroupLinear, weight_bytes
 from pdserve.tokenizer import Tokenizer
 
 MAX_TOKENS = 24
@@ -37,18 +45,28 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def engines(smollm2: ResolvedModel) -> dict[str, tuple[LLMEngine, list[Any]]]:
-    """Each setting's engine and the log events of its loading."""
+    """Each setting's engine and the log events of its loading.
+
+    NOTE: one torch thread, as ``pdserve up`` gives an engine on a host of two cores: pdserve's
+    int4 and int8 kernels take the kept weights (with more threads torch's int4 kernel runs and
+    the LM head stays bf16).
+    """
     loaded = {}
-    for name, (dtype, quantization) in SETTINGS.items():
-        config = EngineConfig(
-            model=str(smollm2.path),
-            dtype=dtype,
-            quantization=quantization,
-            seed=0,
-            cache=CacheConfig(num_blocks=32),
-        )
-        with capture_logs() as logs:
-            loaded[name] = (LLMEngine(config), logs)
+    previous = torch.get_num_threads()
+    try:
+        for name, (dtype, quantization) in SETTINGS.items():
+            config = EngineConfig(
+                model=str(smollm2.path),
+                dtype=dtype,
+                quantization=quantization,
+                seed=0,
+                cache=CacheConfig(num_blocks=32),
+                num_threads=1,
+            )
+            with capture_logs() as logs:
+                loaded[name] = (LLMEngine(config), logs)
+    finally:
+        torch.set_num_threads(previous)
     return loaded
 
 
@@ -85,10 +103,21 @@ def test_every_layer_projection_runs_on_the_files_int4_values(engines: dict[str,
     model = engine.runner.model
     projections = [m for m in model.model.layers.modules() if isinstance(m, (Linear, Int4Linear))]
     assert projections and all(isinstance(m, Int4Linear) for m in projections)
-    # NOTE: the tied embedding is Q8_0, which torch's int4 kernel cannot hold: bf16.
-    assert isinstance(model.lm_head, Linear)
+    # NOTE: the tied embedding is Q8_0: the LM head runs on pdserve's int8 kernel where it runs
+    # (AVX512-BF16), the embedding reading its rows from the same tensors; elsewhere bf16.
+    [line] = [event for event in logs if event["event"] == "int4_kernel"]
+    if int8_kernel.available():
+        assert line["lm_head"] == "int8 (Q8_0, pdserve's kernel)"
+        assert isinstance(model.lm_head, Int8GroupLinear)
+        assert isinstance(model.model.embed_tokens, Int8GroupEmbedding)
+        assert model.model.embed_tokens.values.data_ptr() == model.lm_head.values.data_ptr()
+        head_type = "int8"
+    else:
+        assert line["lm_head"].startswith("bfloat16 (Q8_0 dequantized: ")
+        assert isinstance(model.lm_head, Linear)
+        head_type = "bfloat16"
     [loaded] = [event for event in logs if event["event"] == "model_loaded"]
-    assert loaded["tensor_types"] == {"F32": "bfloat16", "Q4_1": "int4", "Q8_0": "bfloat16"}
+    assert loaded["tensor_types"] == {"F32": "bfloat16", "Q4_1": "int4", "Q8_0": head_type}
     bf16_engine, _ = engines["bf16"]
     assert weight_bytes(model) < 0.6 * weight_bytes(bf16_engine.runner.model)
 

@@ -79,7 +79,8 @@ def load_model(
             kept (`pdserve.engine.parallel.sharding`); a group of one when None.
         quantization: ``auto`` keeps the checkpoint's int4 weights (a GGUF's Q4_0, Q4_1 and
             Q4_K tensors, `pdserve.engine.gguf_int4`) as they are where they run on torch's
-            int4 kernel (bfloat16 on a CPU, one rank) and dequantizes them elsewhere;
+            int4 kernel (bfloat16 on a CPU, one rank), and a Q8_0 LM head (with the embedding
+            tied to it) where pdserve's int8 kernel runs, and dequantizes them elsewhere;
             ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
             projection but the LM head from the float weights (CPU; `pdserve.engine.quant`).
 

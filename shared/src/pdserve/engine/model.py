@@ -94,7 +94,9 @@ class LlamaForCausalLM(nn.Module):
         The LM head gets the contiguous ``[hidden, vocab]`` copy and the embedding becomes a
         transposed view of it, so the matrix is stored once.
         """
-        if not self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings or not isinstance(self.lm_head, Linear):
+            # NOTE: a kept int8 LM head (`pdserve.engine.quant.Int8GroupLinear`) already
+            # shares its tensors with the embedding.
             return
         embedding = self.model.embed_tokens.weight.detach()
         self.lm_head.weight_t = nn.Parameter(embedding.t().contiguous(), requires_grad=False)

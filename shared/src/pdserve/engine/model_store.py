@@ -39,8 +39,9 @@ DEMO = "demo"
 DEMO_MOE = "demo-moe"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST_FILE = "manifest.json"
-# NOTE: bump when the conversion's output changes, so caches are prepared again.
-PREPARE_FORMAT = 2
+# NOTE: bump when the conversion's output changes, so caches are prepared again (3: a Q8_0
+# embedding and LM head kept as int8 in int4/model.safetensors).
+PREPARE_FORMAT = 3
 _HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _PREPARED_FILES = (*_HF_FILES, "int4/model.safetensors")
 
