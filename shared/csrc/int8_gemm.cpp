@@ -47,16 +47,18 @@ KERNEL_TARGET void rows_kernel(const uint16_t* const* x, int num_groups, const i
     __m512 total[OB][R];
     for (int b = 0; b < OB; ++b)
       for (int r = 0; r < R; ++r) total[b][r] = _mm512_setzero_ps();
+    const int8_t* rows_w = weight + static_cast<size_t>(o) * row_bytes;
+    const float* rows_s = scales + static_cast<size_t>(o - o_begin) * num_groups;
     for (int g = 0; g < num_groups; ++g) {
       __m512i xs[R];
       for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_si512(x[r] + g * kGroup);
       for (int b = 0; b < OB; ++b) {
-        const int8_t* w = weight + (o + b) * row_bytes + g * kGroup;
+        const int8_t* w = rows_w + b * row_bytes + g * kGroup;
         // q sign-extended to 16 bits: bit 7 is the sign bit b
         __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
         __m512i lo = _mm512_ternarylogic_epi32(wide, low7, plus128, 0xEA);   // (w & 0x7F) | 0x4300
         __m512i hi = _mm512_ternarylogic_epi32(wide, sign, minus128, 0xEA);  // (w & 0x80) | 0xC300
-        __m512 scale = _mm512_set1_ps(scales[static_cast<size_t>(o + b - o_begin) * num_groups + g]);
+        __m512 scale = _mm512_set1_ps(rows_s[b * num_groups + g]);
         for (int r = 0; r < R; ++r) {
           __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)xs[r]);
           acc = _mm512_dpbf16_ps(acc, (__m512bh)hi, (__m512bh)xs[r]);
