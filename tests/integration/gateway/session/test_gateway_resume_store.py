@@ -4,6 +4,9 @@ their lease lapses. (Which deltas a resuming client still needs: test_gateway_se
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,9 @@ from pdserve.common.etcd_registry import EtcdTarget
 from pdserve.gateway.request import Placement
 from pdserve.gateway.session.etcd_store import EtcdResumeStore
 from pdserve.gateway.session.store import MemoryResumeStore, ResumeRecord, StoredEnd
+
+# NOTE: how soon after a cut link is back the store must reach etcd again.
+RECONNECT_S = 4.0
 
 RECORD = ResumeRecord(
     request_id="r1",
@@ -131,3 +137,75 @@ async def test_an_unreachable_etcd_is_a_typed_error(etcd: EtcdServer) -> None:
     finally:
         await store.close()
         etcd.start()
+
+
+class _CutLink:
+    """A TCP relay in front of etcd that can cut the link as a partition does: the
+    connections it carries break, and a connection opened while it is cut is never answered,
+    not even once the link is back (its handshake was lost: TCP would send it again seconds
+    later). Opened once the link is back, a connection is relayed."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._to = (host, port)
+        self.is_cut = False
+        self._carried: list[asyncio.StreamWriter] = []
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> _CutLink:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._carried:
+            writer.close()
+
+    def cut(self) -> None:
+        self.is_cut = True
+        for writer in self._carried:
+            writer.transport.abort()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._carried.append(writer)
+        if self.is_cut:
+            return  # NOTE: held open and never answered
+        up_reader, up_writer = await asyncio.open_connection(*self._to)
+        self._carried.append(up_writer)
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
+async def test_the_store_reaches_etcd_again_soon_after_a_cut_link_is_back(
+    etcd: EtcdServer,
+) -> None:
+    """A connection the client opened while etcd was cut off must not hold it after the link
+    is back (gRPC waits up to 20 s on a connection attempt by default)."""
+    async with _CutLink(etcd.host, etcd.port) as link:
+        store = EtcdResumeStore(EtcdTarget.parse(f"etcd://127.0.0.1:{link.port}"), 8)
+        try:
+            await store.put(RECORD, ttl_s=30)
+            link.cut()
+            with pytest.raises(PdserveError):
+                await store.get("r1")  # NOTE: reconnects while the link is cut
+            link.is_cut = False
+            back = time.monotonic()
+
+            async def reached() -> bool:
+                with contextlib.suppress(PdserveError):
+                    return await store.get("r1") == RECORD
+                return False
+
+            await eventually(reached, RECONNECT_S, "the store reached etcd again")
+            assert time.monotonic() - back < RECONNECT_S
+        finally:
+            await store.close()
