@@ -48,10 +48,12 @@ from pdserve.engine.model_store import resolve_model
 from pdserve.engine.precision import QUANTIZATIONS, choose_dtype
 
 
-def make_workload(num: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
+def make_workload(
+    num: int, seed: int, vocab_size: int, max_output_len: int = 160
+) -> list[tuple[list[int], int]]:
     generator = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(16, 193, (num,), generator=generator).tolist()
-    output_lens = torch.randint(16, 161, (num,), generator=generator).tolist()
+    output_lens = torch.randint(16, max_output_len + 1, (num,), generator=generator).tolist()
     return [
         (torch.randint(3, vocab_size, (p,), generator=generator).tolist(), n)
         for p, n in zip(prompt_lens, output_lens, strict=True)
@@ -107,7 +109,9 @@ def timed(fn: Any, *args: Any) -> tuple[Timing, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 requests, 4 layers, 1 round")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 requests of at most 48 tokens, 4 layers, 1 round"
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--latency-runs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="engine vs HF padded repetitions")
@@ -190,7 +194,8 @@ def main() -> None:
             scheduler=SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=2048),
         )
     )
-    workload = make_workload(num_requests, seed=0, vocab_size=vocab_size)
+    max_output_len = 48 if args.quick else 160
+    workload = make_workload(num_requests, 0, vocab_size, max_output_len)
     num_tokens = sum(n for _, n in workload)
     warmup = make_workload(2, seed=1, vocab_size=vocab_size)
     hf_generate(hf, warmup[:1])
@@ -232,15 +237,14 @@ def main() -> None:
         engine_tps.append(
             record(f"LLMEngine, {num_requests} concurrent [{round_index}]", timing, ours)
         )
-        hf_tps = record(
-            f"HF padded, batch {num_requests} [{round_index}]", *hf_padded(num_requests)
-        )
+        timing, padded = hf_padded(num_requests)
+        hf_tps = record(f"HF padded, batch {num_requests} [{round_index}]", timing, padded)
         same_batch_ratios.append(engine_tps[-1] / hf_tps)
     small_batch = min(8, num_requests // 2)
     hf_small_tps = record(f"HF padded, batch {small_batch}", *hf_padded(small_batch))
     if args.skip_sequential:
-        # NOTE: the padded batch of 1 per request is skipped; compare with padded outputs.
-        _, sequential = hf_padded(num_requests)
+        # NOTE: the padded batch of 1 per request is skipped; compare with the padded outputs.
+        sequential = padded
         hf_sequential_tps = float("nan")
     else:
         timing, sequential = timed(lambda: [hf_generate(hf, [item])[0] for item in workload])
