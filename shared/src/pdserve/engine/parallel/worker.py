@@ -17,6 +17,7 @@ import structlog
 import torch
 from torch.distributed import TCPStore
 
+from pdserve.common.logging import exit_served_process
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel.group import LOOPBACK, RankShard, TensorParallelGroup
@@ -85,4 +86,6 @@ def run(stream: BinaryIO) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.stdin.buffer))
+    # NOTE: once rank 0 has closed the stream, nothing is left to tear down that the exit does
+    # not free: the interpreter's teardown would only keep rank 0's close waiting.
+    exit_served_process(run(sys.stdin.buffer))
