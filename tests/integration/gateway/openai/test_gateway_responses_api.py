@@ -296,7 +296,9 @@ REFUSED = [
                 {"type": "function_call_output", "call_id": "c1",
                  "output": [{"type": "input_image", "image_url": "x"}]}]},
      "input[1].output[0]", "'input_image'"),
-    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0]", "'reasoning'"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "'item_reference'"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gA"}]},
+     "input[0].encrypted_content", "encrypted reasoning"),
     ({"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[1]", "'input_image'"),

@@ -55,6 +55,7 @@ class ChatMessageBody(TypedDict):
     name: NotRequired[str | None]
     tool_calls: NotRequired[list[ToolCallBody] | None]
     tool_call_id: NotRequired[str | None]
+    reasoning_content: NotRequired[str | None]
 
 
 class FunctionBody(TypedDict):
@@ -99,7 +100,14 @@ def message_from_body(body: ChatMessageBody) -> ChatMessage:
         ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
         for call in body.get("tool_calls") or ()
     )
-    return ChatMessage(body["role"], content, body.get("name"), calls, body.get("tool_call_id"))
+    return ChatMessage(
+        body["role"],
+        content,
+        body.get("name"),
+        calls,
+        body.get("tool_call_id"),
+        body.get("reasoning_content"),
+    )
 
 
 def tool_from_body(body: ToolBody) -> FunctionTool:

@@ -5,7 +5,8 @@
   name and arguments);
 * a ``tool`` message needs ``content`` and ``tool_call_id``, the id of a call in an earlier
   assistant message;
-* ``tool_calls`` belong to assistant messages only, ``tool_call_id`` to tool messages only.
+* ``tool_calls`` and ``reasoning_content`` belong to assistant messages only, ``tool_call_id``
+  to tool messages only.
 
 Tools: at most ``--max-tools``, each named as OpenAI allows (``[A-Za-z0-9_-]{1,64}``, unique),
 its ``parameters`` a JSON object; ``tool_choice`` needs tools (``none`` aside) and names one of
@@ -105,6 +106,13 @@ def _check_role_fields(message: ChatMessage, role: str, where: str, call_ids: se
         raise invalid(
             f"only tool messages may have a tool_call_id ({where})", f"{where}.tool_call_id"
         )
+    if message.reasoning is not None:
+        if role != "assistant":
+            raise invalid(
+                f"only assistant messages may have reasoning_content ({where})",
+                f"{where}.reasoning_content",
+            )
+        check_text(message.reasoning, f"{where}.reasoning_content")
     if message.content is None and not (role == "assistant" and message.tool_calls):
         needs = "content or tool_calls" if role == "assistant" else "content"
         raise invalid(

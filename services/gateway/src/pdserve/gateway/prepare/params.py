@@ -41,6 +41,9 @@ class ChatMessage:
         name: The author's name, if given.
         tool_calls: The calls an assistant message made.
         tool_call_id: The call a tool message answers.
+        reasoning: The reasoning an assistant message came after, sent back with it
+            (``reasoning_content``, or a Responses ``reasoning`` item); the template gets it as
+            ``reasoning_content`` and ``thinking``, the names the families' templates read.
     """
 
     role: str
@@ -48,11 +51,12 @@ class ChatMessage:
     name: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    reasoning: str | None = None
 
     @property
     def num_chars(self) -> int:
         """Characters of its text and calls (what the prompt-size limit counts)."""
-        num_chars = len(self.content or "") + len(self.name or "")
+        num_chars = len(self.content or "") + len(self.name or "") + len(self.reasoning or "")
         for call in self.tool_calls:
             num_chars += len(call.id) + len(call.name) + len(call.arguments)
         return num_chars

@@ -51,6 +51,9 @@ def _message(
         rendered["name"] = message.name
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning is not None:
+        # NOTE: Qwen3's and DeepSeek's templates read reasoning_content, gpt-oss's thinking.
+        rendered["reasoning_content"] = rendered["thinking"] = message.reasoning
     if message.tool_calls:
         if support.tool_calls:
             rendered["tool_calls"] = [call.to_template() for call in message.tool_calls]

@@ -32,6 +32,7 @@ from pdserve.gateway.openai.responses_api.input_schemas import (
     InputTextPart,
     MessageItem,
     OutputTextPart,
+    ReasoningItem,
     RefusalPart,
 )
 from pdserve.gateway.openai.responses_api.schemas import ResponsesRequest, TextConfig
@@ -155,7 +156,8 @@ def _messages(request: ResponsesRequest, limits: RequestLimits) -> tuple[ChatMes
 
 def _item_messages(items: list[InputItem]) -> list[ChatMessage]:
     """Input items as chat messages: consecutive function calls are one assistant message's
-    calls (joining the assistant message right before them), each call output a tool message.
+    calls (joining the assistant message right before them), each call output a tool message;
+    a reasoning item is the reasoning of the assistant message (or calls) after it.
 
     Raises:
         PdserveError: INVALID_REQUEST naming the item (or part) pdserve refuses, and a
@@ -186,10 +188,45 @@ def _item_messages(items: list[InputItem]) -> list[ChatMessage]:
             text = _text(output["output"], ("input_text",), f"{param}.output")
             messages.append(ChatMessage("tool", text, tool_call_id=output["call_id"]))
         elif kind == "message":
-            messages.append(_message(cast(MessageItem, item), param))
+            message = _message(cast(MessageItem, item), param)
+            last = messages[-1] if messages else None
+            if message.role == "assistant" and last is not None and _is_reasoning_alone(last):
+                messages[-1] = replace(last, content=message.content)
+            else:
+                messages.append(message)
+        elif kind == "reasoning":
+            reasoning = _reasoning(cast(ReasoningItem, item), param)
+            last = messages[-1] if messages else None
+            if last is not None and _is_reasoning_alone(last):
+                messages[-1] = replace(last, reasoning=f"{last.reasoning}\n{reasoning}")
+            else:
+                messages.append(ChatMessage("assistant", None, reasoning=reasoning))
         else:
             raise invalid(f"input items of type {kind[:64]!r} are not supported", param)
-    return messages
+    # NOTE: reasoning with nothing after it (a response cut short) is an assistant turn still.
+    return [replace(m, content="") if _is_reasoning_alone(m) else m for m in messages]
+
+
+def _is_reasoning_alone(message: ChatMessage) -> bool:
+    """An assistant message made of a reasoning item, which no answer or call has joined yet."""
+    return (
+        message.role == "assistant"
+        and message.reasoning is not None
+        and message.content is None
+        and not message.tool_calls
+    )
+
+
+def _reasoning(item: ReasoningItem, param: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts, else its summary's."""
+    parts = item.get("content") or item["summary"]
+    if not parts and item.get("encrypted_content"):
+        raise invalid(
+            "encrypted reasoning cannot be read: send the reasoning item's content, or leave "
+            "the item out",
+            f"{param}.encrypted_content",
+        )
+    return "".join(part["text"] for part in parts)
 
 
 def _message(message: MessageItem, param: str) -> ChatMessage:

@@ -1,7 +1,7 @@
-"""The input of ``POST /v1/responses``: its items (messages, function calls and their outputs)
-and their content parts, told apart by their ``type``; an item or part of a type pdserve does
-not read parses as `UnsupportedItem` / `UnsupportedPart`, so the refusal can name it
-(``input[2]``) instead of listing why it matched none of the known shapes."""
+"""The input of ``POST /v1/responses``: its items (messages, function calls and their outputs,
+reasoning) and their content parts, told apart by their ``type``; an item or part of a type
+pdserve does not read parses as `UnsupportedItem` / `UnsupportedPart`, so the refusal can name
+it (``input[2]``) instead of listing why it matched none of the known shapes."""
 
 from __future__ import annotations
 
@@ -121,9 +121,39 @@ class FunctionCallOutputItem(TypedDict):
     status: NotRequired[Literal["in_progress", "completed", "incomplete"] | None]
 
 
+class ReasoningTextPart(TypedDict):
+    """``{"type": "reasoning_text", "text"}``: reasoning of an earlier response."""
+
+    __pydantic_config__ = STRICT  # type: ignore[misc]
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class SummaryTextPart(TypedDict):
+    """``{"type": "summary_text", "text"}``: a summary of an earlier response's reasoning."""
+
+    __pydantic_config__ = STRICT  # type: ignore[misc]
+    type: Literal["summary_text"]
+    text: str
+
+
+class ReasoningItem(TypedDict):
+    """Reasoning the model wrote earlier (``type: "reasoning"``), as a response's output gives
+    it back: its text in ``content`` (pdserve's), or only a ``summary``. Encrypted reasoning
+    (``encrypted_content``) cannot be read here and is refused."""
+
+    __pydantic_config__ = STRICT  # type: ignore[misc]
+    type: Literal["reasoning"]
+    summary: list[SummaryTextPart]
+    content: NotRequired[list[ReasoningTextPart] | None]
+    encrypted_content: NotRequired[str | None]
+    id: NotRequired[str]
+    status: NotRequired[Literal["in_progress", "completed", "incomplete"] | None]
+
+
 class UnsupportedItem(TypedDict):
-    """An input item of any other type (reasoning, item references, built-in tool calls):
-    refused by name."""
+    """An input item of any other type (item references, built-in tool calls): refused by
+    name."""
 
     __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str
@@ -133,6 +163,10 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("<message>")]
     | Annotated[FunctionCallItem, Tag("<function_call>")]
     | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[ReasoningItem, Tag("<reasoning>")]
     | Annotated[UnsupportedItem, Tag("<other>")],
-    type_tag(frozenset({"message", "function_call", "function_call_output"}), default="message"),
+    type_tag(
+        frozenset({"message", "function_call", "function_call_output", "reasoning"}),
+        default="message",
+    ),
 ]
