@@ -26,12 +26,17 @@ import aetcd
 SCHEME = "etcd"
 INSTANCES_PREFIX = "/pdserve/v1/instances/"
 RPC_TIMEOUT_S = 5.0
-# NOTE: gRPC gives a connection attempt at least 20 s by default and backs off up to 120 s
-# between attempts. An attempt made while etcd is cut off (a partition: its handshake is
-# lost, and TCP sends it again only seconds later) then holds every call for up to 20 s after
-# the link is back, each failing as unreachable. Here an attempt is given up after 2 s and
-# the next one starts within 1 s, so etcd is reached again within ~3 s of coming back.
+# NOTE: how an etcd client's channel connects. A network partition stalls a TCP connection
+# (nothing is refused); TCP then sends again at doubling intervals, so once the link is back the
+# connection may stay silent for seconds, or tens of seconds after a second cut. Each client
+# therefore has connections of its own (gRPC shares one between every channel to the same
+# address by default, so a client made anew to get a new connection got the stalled one
+# again), and a client that found etcd unreachable is replaced (`pdserve.gateway.session.
+# etcd_store`, the watcher, the registration). A connection attempt is given up after 2 s and
+# the next one starts within 1 s (gRPC's defaults: 20 s and up to 120 s: an attempt made while
+# etcd was cut off, its handshake lost, held every call for up to 20 s after the link was back).
 CHANNEL_OPTIONS = {
+    "grpc.use_local_subchannel_pool": 1,
     "grpc.min_reconnect_backoff_ms": 2000,  # also the shortest time a connection attempt gets
     "grpc.initial_reconnect_backoff_ms": 500,
     "grpc.max_reconnect_backoff_ms": 1000,

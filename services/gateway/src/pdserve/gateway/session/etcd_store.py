@@ -1,9 +1,17 @@
 """Resumable requests' records in the registry's etcd (``--registry etcd://...``): keys under
 ``<namespace>/pdserve/resume/``, each under an etcd lease whose TTL is the record's time to
-live, so etcd deletes expired records by itself."""
+live, so etcd deletes expired records by itself.
+
+A client that could not reach etcd is replaced: the next operation connects anew, instead of
+waiting on a connection a network partition stalled (TCP resumes it only at its next, backed
+off, retransmission: seconds to tens of seconds after the link is back). The replaced client
+is closed once the calls it may still carry have timed out.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -12,7 +20,7 @@ import aetcd
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
-from pdserve.common.etcd_registry import EtcdTarget
+from pdserve.common.etcd_registry import RPC_TIMEOUT_S, EtcdTarget
 from pdserve.gateway.session.store import RESUME_PREFIX, MemoryResumeStore, ResumeRecord
 
 log = structlog.get_logger("pdserve.gateway.session.etcd_store")
@@ -48,7 +56,9 @@ class EtcdResumeStore:
         self._leases: dict[float, tuple[int, float]] = {}
         # NOTE: request id -> the key's modification revision of this gateway's last write.
         self._revisions: dict[str, int] = {}
+        self._retiring: dict[aetcd.Client, asyncio.Task[None]] = {}
         self.num_writes = 0
+        self.num_reconnects = 0
 
     def _key(self, request_id: str) -> bytes:
         return (self._prefix + request_id).encode()
@@ -57,6 +67,24 @@ class EtcdResumeStore:
         if self._client is None:
             self._client = self._target.client()
         return self._client
+
+    def _unreachable(self, error: aetcd.ClientError) -> PdserveError:
+        """The typed error for `error`; a client that could not reach etcd is replaced."""
+        client = self._client
+        if isinstance(error, aetcd.ConnectionFailedError | aetcd.ConnectionTimeoutError) and (
+            client is not None
+        ):
+            self._client = None
+            self.num_reconnects += 1
+            self._retiring[client] = asyncio.create_task(self._retire(client))
+        return _unreachable(error)
+
+    async def _retire(self, client: aetcd.Client) -> None:
+        # NOTE: closing now would cancel calls still on it; each ends within its timeout.
+        await asyncio.sleep(RPC_TIMEOUT_S)
+        self._retiring.pop(client, None)
+        with contextlib.suppress(Exception):
+            await client.close()
 
     async def _lease(self, ttl_s: float) -> int:
         """A lease that outlives `ttl_s` from now (granted again an eighth of it later)."""
@@ -76,7 +104,7 @@ class EtcdResumeStore:
             lease = await self._lease(ttl_s)
             put = await self._etcd().put(self._key(record.request_id), record.to_json(), lease)
         except aetcd.ClientError as error:
-            raise _unreachable(error) from error
+            raise self._unreachable(error) from error
         self._written(record, put.header.revision)
 
     def _written(self, record: ResumeRecord, revision: int) -> None:
@@ -105,7 +133,7 @@ class EtcdResumeStore:
                 failure=[etcd.transactions.get(key)],
             )
         except aetcd.ClientError as error:
-            raise _unreachable(error) from error
+            raise self._unreachable(error) from error
         if is_written:
             self._written(record, answers[0].response_put.header.revision)
             return None
@@ -123,7 +151,7 @@ class EtcdResumeStore:
         try:
             found = await self._etcd().get(self._key(request_id))
         except aetcd.ClientError as error:
-            raise _unreachable(error) from error
+            raise self._unreachable(error) from error
         return None if found is None else ResumeRecord.from_json(found.value)
 
     async def delete(self, request_id: str) -> None:
@@ -132,9 +160,14 @@ class EtcdResumeStore:
         try:
             await self._etcd().delete(self._key(request_id))
         except aetcd.ClientError as error:
-            raise _unreachable(error) from error
+            raise self._unreachable(error) from error
 
     async def close(self) -> None:
+        retiring, self._retiring = self._retiring, {}
+        for client, task in retiring.items():
+            task.cancel()
+            with contextlib.suppress(Exception):
+                await client.close()
         if self._client is not None:
             await self._client.close()
             self._client = None
