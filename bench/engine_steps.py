@@ -2,10 +2,12 @@
 
     python bench/engine_steps.py                    # the default model, one thread
     python bench/engine_steps.py --model smollm2-135m-instruct --rounds 5 --clock cpu
+    python bench/engine_steps.py --settings bfloat16+auto:bf16-head,bfloat16+auto --rounds 20
 
 One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4 re-quantized from
 the floats, and bfloat16 + ``auto``: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores
-them, on torch's int4 kernel (``auto:torch``) and on pdserve's, `pdserve.engine.int4_kernel`),
+them, on torch's int4 kernel (``auto:torch``) and on pdserve's, `pdserve.engine.int4_kernel`,
+with a Q8_0 LM head on pdserve's int8 kernel, or kept bf16 as before it (``auto:bf16-head``)),
 each with the same random prompts prefilled into its paged KV cache. Every round measures,
 setting after setting (so machine noise hits all alike): a prefill of one prompt, then decode
 steps of 1 and of all streams (one new token each, the model's forward and logits; no
@@ -33,11 +35,11 @@ from unittest import mock
 import torch
 from common import cpu_description, prefilled_streams, write_results
 
-from pdserve.engine import int4_kernel
+from pdserve.engine import int4_kernel, int8_kernel
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.linear import Linear
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.quant import Int4Linear, Int8Linear, weight_bytes
+from pdserve.engine.quant import Int4Linear, Int8GroupLinear, Int8Linear, weight_bytes
 
 SETTINGS = (
     ("float32", "none"),
@@ -45,10 +47,13 @@ SETTINGS = (
     ("bfloat16", "int8"),
     ("bfloat16", "int4"),
     ("bfloat16", "auto:torch"),
+    ("bfloat16", "auto:bf16-head"),
     ("bfloat16", "auto"),
 )
 TORCH_KERNEL = ":torch"
 """A setting's suffix: its int4 projections on torch's kernel instead of pdserve's."""
+BF16_HEAD = ":bf16-head"
+"""A setting's suffix: a Q8_0 LM head dequantized to bf16 (as before pdserve's int8 kernel)."""
 BLOCK_SIZE = 16
 BANDWIDTH_BUFFER_BYTES = 1 << 30
 
@@ -66,6 +71,8 @@ def streamed_bytes(model: torch.nn.Module) -> int:
             tensors = [module.weight, module.scales, module.bias]
         elif isinstance(module, Int4Linear):
             tensors = [module.packed, module.scales, module.mins, module.scale_zeros, module.bias]
+        elif isinstance(module, Int8GroupLinear):
+            tensors = [module.values, module.scales]
         elif type(module).__name__.endswith("RMSNorm"):
             tensors = [module.weight]
         total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -124,7 +131,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32, help="streams of the larger decode")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument(
+        "--settings",
+        default=",".join(f"{d}+{q}" for d, q in SETTINGS),
+        help="comma-separated dtype+quantization to run (an A/B of two: more rounds for the "
+        "time; the ratios to float32 and bfloat16 need those settings)",
+    )
     args = parser.parse_args()
+    settings = [tuple(item.split("+", 1)) for item in args.settings.split(",")]
     torch.set_num_threads(1)
     model_dir = resolve_model(args.model).path
     cpu = cpu_description()
@@ -134,12 +148,12 @@ def main() -> None:
     streams: dict[tuple[str, str], Streams] = {}
     sizes: dict[tuple[str, str], float] = {}
     streamed: dict[tuple[str, str], float] = {}
-    for dtype, quantization in SETTINGS:
-        kernel_choice = (
-            mock.patch.object(int4_kernel, "takes", return_value=False)
-            if quantization.endswith(TORCH_KERNEL)
-            else contextlib.nullcontext()
-        )
+    for dtype, quantization in settings:
+        kernel_choice: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if quantization.endswith(TORCH_KERNEL):
+            kernel_choice = mock.patch.object(int4_kernel, "takes", return_value=False)
+        elif quantization.endswith(BF16_HEAD):
+            kernel_choice = mock.patch.object(int8_kernel, "why_not", return_value="bench")
         with kernel_choice:
             runner, sequences, tables = prefilled_streams(
                 model_dir,
@@ -148,7 +162,7 @@ def main() -> None:
                 num_steps,
                 BLOCK_SIZE,
                 dtype,
-                quantization.removesuffix(TORCH_KERNEL),
+                quantization.partition(":")[0],
             )
         streams[dtype, quantization] = Streams(runner, sequences, tables)
         sizes[dtype, quantization] = weight_bytes(runner.model) / 1e6
@@ -184,6 +198,16 @@ def main() -> None:
     rows = []
     fp32, bf16 = ("float32", "none"), ("bfloat16", "none")
     big = f"decode_{args.batch}_s"
+
+    def speedup(metric: str, base: tuple[str, str], key: tuple[str, str]) -> float | None:
+        """> 1: faster than `base` (None where `base` did not run)."""
+        if base not in medians[metric]:
+            return None
+        return medians[metric][base] / medians[metric][key]
+
+    def shown(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
     for key in streams:
         prefill = medians["prefill_s"][key]
         decode_1 = medians["decode_1_s"][key]
@@ -198,11 +222,10 @@ def main() -> None:
             "floor_1_ms": floor_s * 1e3,
             "decode_1_vs_floor": decode_1 / floor_s,
             f"decode_{args.batch}_ms": medians[big][key] * 1e3,
-            # NOTE: speed-ups: > 1 is faster than the baseline.
-            "prefill_speedup_vs_float32": medians["prefill_s"][fp32] / prefill,
-            "decode_1_speedup_vs_float32": medians["decode_1_s"][fp32] / decode_1,
-            "decode_1_speedup_vs_bfloat16": medians["decode_1_s"][bf16] / decode_1,
-            f"decode_{args.batch}_speedup_vs_bfloat16": medians[big][bf16] / medians[big][key],
+            "prefill_speedup_vs_float32": speedup("prefill_s", fp32, key),
+            "decode_1_speedup_vs_float32": speedup("decode_1_s", fp32, key),
+            "decode_1_speedup_vs_bfloat16": speedup("decode_1_s", bf16, key),
+            f"decode_{args.batch}_speedup_vs_bfloat16": speedup(big, bf16, key),
         }
         rows.append(row)
         name = key[0] if key[1] == "none" else f"{key[0]} + {key[1]}"
@@ -210,10 +233,10 @@ def main() -> None:
             f"| {name} | {row['weight_mb']:.0f} | {row['streamed_mb']:.0f} | "
             f"{row['prefill_tokens_per_s']:.0f} | {row['decode_1_ms']:.2f} | "
             f"{row['floor_1_ms']:.2f} | {row['decode_1_vs_floor']:.2f}x | "
-            f"{row[f'decode_{args.batch}_ms']:.2f} | {row['prefill_speedup_vs_float32']:.2f}x | "
-            f"{row['decode_1_speedup_vs_float32']:.2f}x | "
-            f"{row['decode_1_speedup_vs_bfloat16']:.2f}x | "
-            f"{row[f'decode_{args.batch}_speedup_vs_bfloat16']:.2f}x |"
+            f"{row[f'decode_{args.batch}_ms']:.2f} | {shown(row['prefill_speedup_vs_float32'])} | "
+            f"{shown(row['decode_1_speedup_vs_float32'])} | "
+            f"{shown(row['decode_1_speedup_vs_bfloat16'])} | "
+            f"{shown(row[f'decode_{args.batch}_speedup_vs_bfloat16'])} |"
         )
     path = write_results(
         "engine_steps",

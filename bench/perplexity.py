@@ -24,10 +24,10 @@ import torch
 from common import write_results
 
 from pdserve.common.generation import num_blocks_for
-from pdserve.engine import CacheConfig, EngineConfig, int4_kernel
+from pdserve.engine import CacheConfig, EngineConfig, int4_kernel, int8_kernel
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
-from pdserve.engine.quant import Int4Linear, weight_bytes
+from pdserve.engine.quant import Int4Linear, Int8GroupLinear, weight_bytes
 from pdserve.engine.runner import ModelRunner
 from pdserve.tokenizer import Tokenizer
 
@@ -35,11 +35,13 @@ TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 SETTINGS = (
     ("float32", "none"),
     ("bfloat16", "none"),
-    # NOTE: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores them: a prompt this long
-    # runs one bf16 GEMM over them dequantized (pdserve's kernel) or torch's int4 kernel
-    # (``:torch``); ``:every-row`` runs pdserve's int4 kernel on every row, as a decode step does.
+    # NOTE: a GGUF's Q4_0 / Q4_1 / Q4_K weights (and a Q8_0 LM head) as the file stores them: a
+    # prompt this long runs one bf16 GEMM over them dequantized (pdserve's kernels) or torch's
+    # int4 kernel (``:torch``); ``:every-row`` runs pdserve's int4 and int8 kernels on every
+    # row, as a decode step does; ``:bf16-head`` dequantizes the Q8_0 LM head to bf16.
     ("bfloat16", "auto"),
     ("bfloat16", "auto:every-row"),
+    ("bfloat16", "auto:bf16-head"),
     ("bfloat16", "auto:torch"),
     ("bfloat16", "int8"),
     ("bfloat16", "int4"),
@@ -80,17 +82,17 @@ def main() -> None:
                 block_size=BLOCK_SIZE, num_blocks=num_blocks_for(len(token_ids), BLOCK_SIZE)
             ),
         )
-        kernel_choice = (
-            mock.patch.object(int4_kernel, "takes", return_value=False)
-            if how == "torch"
-            else contextlib.nullcontext()
-        )
+        kernel_choice: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if how == "torch":
+            kernel_choice = mock.patch.object(int4_kernel, "takes", return_value=False)
+        elif how == "bf16-head":
+            kernel_choice = mock.patch.object(int8_kernel, "why_not", return_value="bench")
         with kernel_choice:
             runner = ModelRunner.load(config)
         if how == "every-row":
             for module in runner.model.modules():
-                if isinstance(module, Int4Linear):
-                    # NOTE: as under --deterministic: every row count on the int4 kernel.
+                if isinstance(module, (Int4Linear, Int8GroupLinear)):
+                    # NOTE: as under --deterministic: every row count on the int4/int8 kernel.
                     module.min_rows = 2
         value = perplexity(runner, token_ids)
         rows.append(
