@@ -131,3 +131,32 @@ async def test_a_model_without_reasoning_has_no_reasoning_item(cluster: Cluster)
     cluster.script("Plain answer.")
     response = await cluster.openai().responses.create(model=MODEL_NAME, input="Hi")
     assert [item.type for item in response.output] == ["message"]
+
+
+async def test_an_earlier_responses_output_goes_back_as_input_reasoning_included(
+    cluster: Cluster,
+) -> None:
+    """A stateless client sends a response's output (its reasoning item too) back with the
+    call's result, as the openai SDK's examples do."""
+    await _start(cluster, GPT_OSS, HARMONY_CALL)
+    client = cluster.openai()
+    first = await client.responses.create(
+        model=MODEL_NAME, input="Weather in Paris?", max_output_tokens=400, tools=TOOLS
+    )
+    assert [item.type for item in first.output] == ["reasoning", "function_call"]
+    call = first.output[1]
+    assert isinstance(call, sdk.ResponseFunctionToolCall)
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        *first.output,  # NOTE: the SDK's own objects, as its examples pass them
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    GPT_OSS.script(cluster, HARMONY_ANSWER)
+    second = await client.responses.create(
+        model=MODEL_NAME, input=items, max_output_tokens=400, tools=TOOLS
+    )
+    assert second.status == "completed"
+    assert _summary(second.output) == [
+        ("reasoning", "Simple greeting."),
+        ("message", "Hello there!"),
+    ]
