@@ -7,10 +7,14 @@ paths do not touch Prometheus objects. Histograms are observed where the work ha
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -95,12 +99,35 @@ class InstanceMetrics:
         self.registry.register(InstanceCollector(self.service, load_report, counters))
 
 
+# NOTE: how often the serving thread looks whether `shutdown()` was asked: prometheus_client's
+# start_http_server keeps socketserver's 0.5 s, which every stop of an instance waited out.
+SHUTDOWN_POLL_S = 0.05
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not logged."""
+
+
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> WSGIServer:
-    """Serves `registry` at ``http://host:port/metrics`` on a background thread.
+    """Serves `registry` at ``http://host:port/metrics`` on a background thread (as
+    prometheus_client's ``start_http_server``, with a prompt ``shutdown``).
 
     Returns:
         The server: ``server_port`` is the bound port (useful with port 0), ``shutdown()``
         stops it.
     """
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_type = type("MetricsServer", (_MetricsServer,), {"address_family": family})
+    server: WSGIServer = make_server(
+        host, port, make_wsgi_app(registry), server_type, _QuietHandler
+    )
+    thread = threading.Thread(
+        target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics", daemon=True
+    )
+    thread.start()
     return server
