@@ -85,23 +85,11 @@ _FAST_NETWORK_CELLS = frozenset(
     {("partition", "prefill", "prefilling"), ("slow_link", "gateway", "prefilling")}
 )
 
-# NOTE: cells that fail on the service and stay out until it is fixed. A prefill waits on a
-# cut-off redis (its store lookup times out connecting, ~4 s) before it computes a leased
-# prompt: the decode's 3 s lease expires during the transfer, again on each retry, and the
-# request ends with `lease_expired`. Once, a resumed stream read while redis was cut off
-# differed from its undisturbed run. The gateway's store of resumable requests (etcd) stays
-# unreachable for a while after the registry's link is back, and a resumable stream or
-# background response started then is refused (503).
-_FAILING_SERVER_NETWORK_CELLS = frozenset(
-    {
-        ("partition", "store", "queued"),
-        ("partition", "store", "prefilling"),
-        ("partition", "store", "resuming"),
-        ("partition", "store", "kept"),
-        ("partition", "registry", "resuming"),
-        ("partition", "registry", "kept"),
-    }
-)
+# NOTE: cells left out until a wrong answer seen once is explained. Once, a resumed stream read
+# while redis was cut off differed from its undisturbed run (before a hung store was skipped and
+# looked up ahead of the lease: its requests' leases expired and were retried meanwhile); it has
+# passed since, but what garbled it was not found.
+_FAILING_SERVER_NETWORK_CELLS = frozenset({("partition", "store", "resuming")})
 
 BUILT = (
     Cell("sigkill", "decode", "decoding", "other_restarting", fast=True),
