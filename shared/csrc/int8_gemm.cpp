@@ -1,11 +1,13 @@
 // pdserve.engine._cpu_kernels, int8: an int8 x bf16 GEMM for a CPU with AVX512-BF16, for the
-// few rows of a decode step (the LM head of a GGUF whose embedding is Q8_0).
+// few rows of a decode step (a GGUF's Q8_0, Q6_K and Q5_K weights as the file stores them).
 //
-// A weight is int8 values q (-128..127) in groups of 32 input features, each group with a
-// float16 scale d: w = d * q (a GGUF's Q8_0 blocks, exactly: the product of a float16 and an
-// int8 is exact in float32). Per output row o:
+// A weight is int8 values q in groups of 16 or 32 input features, each group with a scale s
+// (float16 or float32) and optionally a float32 min m: w = s * q + m. A GGUF's blocks map onto
+// it exactly: Q8_0 (groups of 32, the float16 d), Q6_K (groups of 16, q - 32 with the float32
+// d * sc) and Q5_K (groups of 32, the float32 d * sc and -dmin * mn); every product s * q is
+// exact in float32. Per output row o:
 //
-//     y[o] = sum_g d[o, g] * dot(q[o, g], x[g])
+//     y[o] = sum_g s[o, g] * dot(q[o, g], x[g]) + m[o, g] * sum(x[g])
 //
 // The dot product runs on VDPBF16PS over two bf16 words per value, both exact: with q's low
 // seven bits r and its sign bit b (q = r - 128 b),
@@ -14,30 +16,56 @@
 //     hi = -128 - 128 b      (bf16 0xC300 | (b << 7): -128, or -256 for a negative q)
 //
 // so lo + hi = q and dot(lo, x) + dot(hi, x) = dot(q, x): products of two bf16 numbers are
-// exact in float32, the sums are float32. Every row of a call is computed alone, in the same
-// order, so a row's result does not depend on the other rows (batch-invariant by construction).
+// exact in float32, the sums are float32. A call walks 32 input features at a time: its 16
+// float32 lanes hold pairs of features, lanes 0-7 the first 16 and 8-15 the second, so a group
+// of 16 takes its scale (and min) in half the lanes. A min multiplies the lanes' pair sums of x
+// (computed once per call), in the same lanes. Every row of a call is computed alone, in the
+// same order, so a row's result does not depend on the other rows (batch-invariant by
+// construction). With a one-hot x a lane holds s * q (exact) + m, rounded once: the value
+// gguf's dequantize computes.
 //
-// The weight is [out][in] int8 in the columns' own order and the scales [out][in / 32] float16,
-// as the file stores them: a tied embedding reads its rows from the same tensors.
+// The weight is [out][in] int8 in the columns' own order and the scales and mins
+// [out][in / group], as the file stores them: a tied embedding reads its rows from the same
+// tensors.
 #include "common.h"
 
 namespace pdserve {
 namespace {
 
-constexpr int kGroup = 32;
+constexpr int kChunk = 32;
 constexpr int kRowBlock = 4;
 // NOTE: 12 accumulator chains a call (output rows x input rows): with fewer, each group's two
 // VDPBF16PS and FMA wait on their latency (a one-row LM head of 49152 x 576: 4 chains 1.4-1.6 ms,
 // 8 chains 0.95, 12 chains 0.83, the read alone 0.78-0.85).
 constexpr int kOutBlock = 48;
 
+// A weight's layout: its group size and where its scales and mins are.
+struct Layout {
+  int group;               // 16 or 32
+  bool scales_f32;         // float32 scales, else float16
+  const void* scales;      // [out][in / group]
+  const float* mins;       // [out][in / group] float32, or null
+};
+
+// The vector of a chunk's scales (or mins) from the group's float32 values `v` (of the chunk's
+// first group): one value in every lane, or a group of 16's in its half of the lanes.
+template <bool G16>
+KERNEL_TARGET inline __m512 chunk_vector(const float* v) {
+  if (G16) return _mm512_shuffle_f32x4(_mm512_set1_ps(v[0]), _mm512_set1_ps(v[1]), 0x00);
+  return _mm512_set1_ps(v[0]);
+}
+
 // y[r][o] for R input rows and the output rows [o_begin, o_end), OB output rows at a time (their
-// accumulators are independent chains; one chain would wait on each FMA's latency). `scales` are
-// the float32 scales of the output rows from o_begin, [o - o_begin][G].
-template <int R, int OB>
-KERNEL_TARGET void rows_kernel(const uint16_t* const* x, int num_groups, const int8_t* weight,
-                               const float* scales, int o_begin, int o_end, uint16_t* const* out) {
-  const size_t row_bytes = static_cast<size_t>(num_groups) * kGroup;
+// accumulators are independent chains; one chain would wait on each FMA's latency). `scales` and
+// `mins` are the float32 values of the output rows from o_begin, [o - o_begin][num_groups];
+// `xsums[r]` each chunk's pair sums of input row r (with mins).
+template <int R, int OB, bool G16, bool MINS>
+KERNEL_TARGET void rows_kernel(const uint16_t* const* x, const __m512* const* xsums, int num_chunks,
+                               const int8_t* weight, const float* scales, const float* mins,
+                               int o_begin, int o_end, uint16_t* const* out) {
+  const size_t row_bytes = static_cast<size_t>(num_chunks) * kChunk;
+  const int num_groups = G16 ? 2 * num_chunks : num_chunks;
+  constexpr int kPerChunk = G16 ? 2 : 1;
   const __m512i low7 = _mm512_set1_epi16(0x007F);
   const __m512i plus128 = _mm512_set1_epi16(0x4300);  // bf16 128.0
   const __m512i sign = _mm512_set1_epi16(0x0080);
@@ -49,20 +77,23 @@ KERNEL_TARGET void rows_kernel(const uint16_t* const* x, int num_groups, const i
       for (int r = 0; r < R; ++r) total[b][r] = _mm512_setzero_ps();
     const int8_t* rows_w = weight + static_cast<size_t>(o) * row_bytes;
     const float* rows_s = scales + static_cast<size_t>(o - o_begin) * num_groups;
-    for (int g = 0; g < num_groups; ++g) {
+    const float* rows_m = MINS ? mins + static_cast<size_t>(o - o_begin) * num_groups : nullptr;
+    for (int c = 0; c < num_chunks; ++c) {
       __m512i xs[R];
-      for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_si512(x[r] + g * kGroup);
+      for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_si512(x[r] + c * kChunk);
       for (int b = 0; b < OB; ++b) {
-        const int8_t* w = rows_w + b * row_bytes + g * kGroup;
+        const int8_t* w = rows_w + b * row_bytes + c * kChunk;
         // q sign-extended to 16 bits: bit 7 is the sign bit b
         __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
         __m512i lo = _mm512_ternarylogic_epi32(wide, low7, plus128, 0xEA);   // (w & 0x7F) | 0x4300
         __m512i hi = _mm512_ternarylogic_epi32(wide, sign, minus128, 0xEA);  // (w & 0x80) | 0xC300
-        __m512 scale = _mm512_set1_ps(rows_s[b * num_groups + g]);
+        __m512 scale = chunk_vector<G16>(rows_s + b * num_groups + c * kPerChunk);
+        __m512 min = MINS ? chunk_vector<G16>(rows_m + b * num_groups + c * kPerChunk) : scale;
         for (int r = 0; r < R; ++r) {
           __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)xs[r]);
           acc = _mm512_dpbf16_ps(acc, (__m512bh)hi, (__m512bh)xs[r]);
           total[b][r] = _mm512_fmadd_ps(acc, scale, total[b][r]);
+          if (MINS) total[b][r] = _mm512_fmadd_ps(min, xsums[r][c], total[b][r]);
         }
       }
     }
@@ -78,8 +109,9 @@ KERNEL_TARGET void rows_kernel(const uint16_t* const* x, int num_groups, const i
     }
   }
   if (o < o_end) {
-    rows_kernel<R, 1>(x, num_groups, weight, scales + static_cast<size_t>(o - o_begin) * num_groups, o,
-                      o_end, out);
+    const size_t skip = static_cast<size_t>(o - o_begin) * num_groups;
+    rows_kernel<R, 1, G16, MINS>(x, xsums, num_chunks, weight, scales + skip,
+                                 MINS ? mins + skip : nullptr, o, o_end, out);
   }
 }
 
@@ -92,101 +124,152 @@ KERNEL_TARGET void widen_scales(const uint16_t* half, size_t count, float* out) 
   for (; i < count; ++i) out[i] = _cvtsh_ss(half[i]);
 }
 
+template <bool G16, bool MINS>
 KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const int8_t* weight,
-                        const uint16_t* scales, int out_features, uint16_t* out) {
-  const int num_groups = in_features / kGroup;
+                        const Layout& layout, int out_features, uint16_t* out) {
+  const int num_chunks = in_features / kChunk;
+  const int num_groups = in_features / layout.group;
   thread_local std::vector<float> block_scales;
-  block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
+  thread_local std::vector<__m512> xsums;
+  if (!layout.scales_f32) block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
+  if (MINS) {
+    // each input row's pair sums x[2i] + x[2i + 1] per chunk, the lanes its min multiplies
+    xsums.resize(static_cast<size_t>(num_rows) * num_chunks);
+    const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0
+    for (int r = 0; r < num_rows; ++r) {
+      for (int c = 0; c < num_chunks; ++c) {
+        __m512i xs = _mm512_loadu_si512(x + static_cast<size_t>(r) * in_features + c * kChunk);
+        xsums[static_cast<size_t>(r) * num_chunks + c] =
+            _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)ones, (__m512bh)xs);
+      }
+    }
+  }
   // NOTE: a block of output rows stays in cache while every block of input rows passes it.
   for (int o = 0; o < out_features; o += kOutBlock) {
     int o_end = o + kOutBlock < out_features ? o + kOutBlock : out_features;
-    widen_scales(scales + static_cast<size_t>(o) * num_groups,
-                 static_cast<size_t>(o_end - o) * num_groups, block_scales.data());
+    const size_t first = static_cast<size_t>(o) * num_groups;
+    const float* s;
+    if (layout.scales_f32) {
+      s = static_cast<const float*>(layout.scales) + first;
+    } else {
+      widen_scales(static_cast<const uint16_t*>(layout.scales) + first,
+                   static_cast<size_t>(o_end - o) * num_groups, block_scales.data());
+      s = block_scales.data();
+    }
+    const float* m = MINS ? layout.mins + first : nullptr;
     for (int r = 0; r < num_rows; r += kRowBlock) {
       const uint16_t* xs[kRowBlock];
+      const __m512* sums[kRowBlock];
       uint16_t* outs[kRowBlock];
       int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
       for (int i = 0; i < block; ++i) {
         xs[i] = x + static_cast<size_t>(r + i) * in_features;
+        sums[i] = MINS ? xsums.data() + static_cast<size_t>(r + i) * num_chunks : nullptr;
         outs[i] = out + static_cast<size_t>(r + i) * out_features;
       }
-      const float* s = block_scales.data();
       switch (block) {
-        case 4: rows_kernel<4, 3>(xs, num_groups, weight, s, o, o_end, outs); break;
-        case 3: rows_kernel<3, 4>(xs, num_groups, weight, s, o, o_end, outs); break;
-        case 2: rows_kernel<2, 6>(xs, num_groups, weight, s, o, o_end, outs); break;
-        default: rows_kernel<1, 12>(xs, num_groups, weight, s, o, o_end, outs); break;
+        case 4: rows_kernel<4, 3, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+        case 3: rows_kernel<3, 4, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+        case 2: rows_kernel<2, 6, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+        default: rows_kernel<1, 12, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
       }
     }
   }
 }
 
-// Rows `ids` of the weight as bf16 ``d * q`` (exact in float32, rounded once, to nearest even),
-// [len(ids)][in]: an embedding's lookup, or the whole weight for a GEMM of many rows. An id is
-// checked against out_features by the caller.
-KERNEL_TARGET void dequantize_rows(const int8_t* weight, const uint16_t* scales, int in_features,
+// Rows `ids` of the weight as bf16 ``s * q + m`` (the product exact in float32, the sum rounded
+// once in float32, then once to bf16, to nearest even), [len(ids)][in]: an embedding's lookup,
+// or the whole weight for a GEMM of many rows. An id is checked against out_features by the
+// caller.
+KERNEL_TARGET void dequantize_rows(const int8_t* weight, const Layout& layout, int in_features,
                                    const int64_t* ids, int num_ids, uint16_t* out) {
-  const int num_groups = in_features / kGroup;
+  const int num_groups = in_features / layout.group;
+  const int per_half = layout.group == 16 ? 1 : 0;  // a chunk's second half: group + per_half
   for (int i = 0; i < num_ids; ++i) {
     const size_t row = ids == nullptr ? static_cast<size_t>(i) : static_cast<size_t>(ids[i]);
     const int8_t* w = weight + row * in_features;
-    const uint16_t* s = scales + row * num_groups;
+    const size_t first = row * num_groups;
     uint16_t* dest = out + static_cast<size_t>(i) * in_features;
-    for (int g = 0; g < num_groups; ++g) {
-      const __m512 scale = _mm512_set1_ps(_cvtsh_ss(s[g]));
-      const __m512 first = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * kGroup)))),
-          scale);
-      const __m512 second = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * kGroup + 16)))),
-          scale);
-      _mm512_storeu_si512(dest + g * kGroup, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    for (int c = 0; c < in_features / kChunk; ++c) {
+      __m512 halves[2];
+      for (int h = 0; h < 2; ++h) {
+        const size_t g = first + static_cast<size_t>(c) * (1 + per_half) + h * per_half;
+        const float scale = layout.scales_f32 ? static_cast<const float*>(layout.scales)[g]
+                                              : _cvtsh_ss(static_cast<const uint16_t*>(layout.scales)[g]);
+        __m512 value = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c * kChunk + 16 * h)))),
+            _mm512_set1_ps(scale));
+        if (layout.mins != nullptr) value = _mm512_add_ps(value, _mm512_set1_ps(layout.mins[g]));
+        halves[h] = value;
+      }
+      _mm512_storeu_si512(dest + c * kChunk, (__m512i)_mm512_cvtne2ps_pbh(halves[1], halves[0]));
     }
   }
+}
+
+// The layout from the Python arguments, or null with an exception set.
+bool parse_layout(int in_features, int group, int scales_f32, unsigned long long scales,
+                  unsigned long long mins, Layout* layout) {
+  if (!cpu_supported()) {
+    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
+    return false;
+  }
+  if ((group != 16 && group != 32) || in_features <= 0 || in_features % kChunk != 0) {
+    PyErr_SetString(PyExc_ValueError, "group must be 16 or 32, in_features a positive multiple of 32");
+    return false;
+  }
+  *layout = Layout{group, scales_f32 != 0, reinterpret_cast<const void*>(scales),
+                   reinterpret_cast<const float*>(mins)};
+  return true;
 }
 
 }  // namespace
 
 PyObject* py_int8_gemm(PyObject*, PyObject* args) {
-  unsigned long long x, weight, scales, out;
-  int num_rows, in_features, out_features;
-  if (!PyArg_ParseTuple(args, "KiiKKiK", &x, &num_rows, &in_features, &weight, &scales, &out_features,
-                        &out)) {
+  unsigned long long x, weight, scales, mins, out;
+  int num_rows, in_features, group, scales_f32, out_features;
+  if (!PyArg_ParseTuple(args, "KiiKKiiKiK", &x, &num_rows, &in_features, &weight, &scales, &scales_f32,
+                        &group, &mins, &out_features, &out)) {
     return nullptr;
   }
-  if (!cpu_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
+  Layout layout;
+  if (!parse_layout(in_features, group, scales_f32, scales, mins, &layout)) return nullptr;
+  if (num_rows < 0 || out_features <= 0) {
+    PyErr_SetString(PyExc_ValueError, "rows must be >= 0 and out_features positive");
     return nullptr;
   }
-  if (num_rows < 0 || in_features <= 0 || in_features % kGroup != 0 || out_features <= 0) {
-    PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 32");
-    return nullptr;
-  }
+  const auto* xs = reinterpret_cast<const uint16_t*>(x);
+  const auto* w = reinterpret_cast<const int8_t*>(weight);
+  auto* y = reinterpret_cast<uint16_t*>(out);
   Py_BEGIN_ALLOW_THREADS
-  gemm(reinterpret_cast<const uint16_t*>(x), num_rows, in_features, reinterpret_cast<const int8_t*>(weight),
-       reinterpret_cast<const uint16_t*>(scales), out_features, reinterpret_cast<uint16_t*>(out));
+  if (group == 16) {
+    if (mins) gemm<true, true>(xs, num_rows, in_features, w, layout, out_features, y);
+    else gemm<true, false>(xs, num_rows, in_features, w, layout, out_features, y);
+  } else {
+    if (mins) gemm<false, true>(xs, num_rows, in_features, w, layout, out_features, y);
+    else gemm<false, false>(xs, num_rows, in_features, w, layout, out_features, y);
+  }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
 
 PyObject* py_int8_dequantize(PyObject*, PyObject* args) {
-  unsigned long long weight, scales, ids, out;
-  int in_features, num_ids;
-  if (!PyArg_ParseTuple(args, "KKiKiK", &weight, &scales, &in_features, &ids, &num_ids, &out)) {
+  unsigned long long weight, scales, mins, ids, out;
+  int in_features, group, scales_f32, num_ids;
+  if (!PyArg_ParseTuple(args, "KKiiKiKiK", &weight, &scales, &scales_f32, &group, &mins, &in_features,
+                        &ids, &num_ids, &out)) {
     return nullptr;
   }
-  if (!cpu_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
-    return nullptr;
-  }
-  if (num_ids < 0 || in_features <= 0 || in_features % kGroup != 0) {
-    PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 32");
+  Layout layout;
+  if (!parse_layout(in_features, group, scales_f32, scales, mins, &layout)) return nullptr;
+  if (num_ids < 0) {
+    PyErr_SetString(PyExc_ValueError, "num_ids must be >= 0");
     return nullptr;
   }
   Py_BEGIN_ALLOW_THREADS
-  dequantize_rows(reinterpret_cast<const int8_t*>(weight), reinterpret_cast<const uint16_t*>(scales),
-                  in_features, reinterpret_cast<const int64_t*>(ids), num_ids,
-                  reinterpret_cast<uint16_t*>(out));
+  dequantize_rows(reinterpret_cast<const int8_t*>(weight), layout, in_features,
+                  reinterpret_cast<const int64_t*>(ids), num_ids, reinterpret_cast<uint16_t*>(out));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

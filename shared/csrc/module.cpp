@@ -26,12 +26,13 @@ PyMethodDef methods[] = {
      "int4_dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as "
      "bf16 [out_features, in]."},
     {"int8_gemm", py_int8_gemm, METH_VARARGS,
-     "int8_gemm(x, rows, in, weight, scales, out_features, out): out = x @ w.T for w = scale * q, "
-     "addresses of contiguous bf16 x [rows, in], int8 weight [out_features, in], float16 scales "
-     "[out_features, in / 32], bf16 out [rows, out_features]."},
+     "int8_gemm(x, rows, in, weight, scales, scales_f32, group, mins, out_features, out): out = "
+     "x @ w.T for w = scale * q + min in groups of 16 or 32, addresses of contiguous bf16 x "
+     "[rows, in], int8 weight [out_features, in], float16 (or float32) scales and float32 mins "
+     "(0: none) [out_features, in / group], bf16 out [rows, out_features]."},
     {"int8_dequantize", py_int8_dequantize, METH_VARARGS,
-     "int8_dequantize(weight, scales, in, ids, num_ids, out): rows ids (int64; 0: the first "
-     "num_ids rows) of the weight as bf16 [num_ids, in]."},
+     "int8_dequantize(weight, scales, scales_f32, group, mins, in, ids, num_ids, out): rows ids "
+     "(int64; 0: the first num_ids rows) of the weight as bf16 [num_ids, in]."},
     {"decode_attention", py_decode_attention, METH_VARARGS,
      "decode_attention(q, k_cache, v_cache, tables, table_stride, lens, num_seqs, num_heads, "
      "num_kv_heads, head_dim, block_size, scale, window, sinks, out): one query token per "

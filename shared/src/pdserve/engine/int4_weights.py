@@ -1,10 +1,11 @@
 """A GGUF's int4 weights (`pdserve.engine.gguf_int4`) put into the model as `Int4Linear`
-projections, and a Q8_0 LM head (with the embedding it is tied to) as `Int8GroupLinear`, before
-the loader fills the rest from the float checkpoint."""
+projections, its int8 ones (Q8_0, Q6_K, Q5_K) as `Int8GroupLinear` projections and LM head (with
+the embedding it is tied to), before the loader fills the rest from the float checkpoint."""
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -79,13 +80,15 @@ def attach_int4(
     model: LlamaForCausalLM, int4_file: Path, dtype: torch.dtype, is_kept: bool
 ) -> KeptWeights:
     """Replaces every projection whose weights the checkpoint keeps as int4 by an `Int4Linear`
-    over those values.
+    over those values, and every one it keeps as int8 (Q8_0, Q6_K, Q5_K; or a fused one of
+    mixed types) by an `Int8GroupLinear`.
 
-    A fused projection is replaced only when all its parts (q, k and v; gate and up) are kept,
-    and only where torch's int4 kernel takes its shape; the others stay `Linear`s that the
-    loader fills from the float checkpoint. A Q8_0 LM head becomes an `Int8GroupLinear` (and a
-    Q8_0 embedding an `Int8GroupEmbedding`, over the head's tensors when tied) where pdserve's
-    int8 kernel runs (`attach_int8`).
+    A fused projection is replaced only when all its parts (q, k and v; gate and up) are kept:
+    as int4 where every part is int4 and torch's int4 kernel takes its shape, as int8 (every
+    part's values exactly, `int8_parts`) where a part is int8 and pdserve's int8 kernel runs;
+    the others stay `Linear`s that the loader fills from the float checkpoint. An int8 LM head
+    becomes an `Int8GroupLinear` (and an int8 embedding an `Int8GroupEmbedding`, over the
+    head's tensors when tied) where pdserve's int8 kernel runs (`attach_int8`).
 
     Args:
         model: The model on the meta device, before its parameters are materialized.
@@ -101,52 +104,123 @@ def attach_int4(
         shards: dict[str, dict[int, str]] = {}
         expected: dict[str, int] = {}
         int4_type_names = {t.name for t in INT4_TYPES}
+        int8_type_names = {t.name for t in INT8_TYPES}
         for hf_name in types if is_kept else ():
-            if types[hf_name] not in int4_type_names:
+            if types[hf_name] not in int4_type_names | int8_type_names:
                 continue
             target = _int4_target(hf_name, model)
             if target is not None:
                 module_name, shard, num_shards = target
                 shards.setdefault(module_name, {})[shard] = hf_name
                 expected[module_name] = num_shards
-        attached: set[str] = set()
+        attached: dict[str, str] = {}
         kernels: dict[str, int] = {}
+        int8_why_not: str | None = None
         for module_name, by_shard in shards.items():
             linear = model.get_submodule(module_name)
             assert isinstance(linear, Linear)
             in_features, out_features = linear.weight_t.shape
             names = [by_shard[i] for i in sorted(by_shard)]
-            if len(names) != expected[module_name] or not can_quantize_int4(
-                in_features, out_features, INT4_GROUP_SIZE
-            ):
+            if len(names) != expected[module_name]:
                 continue
-            # values: [out, in / 2] uint8; scales, mins: [out, in / group], shards stacked
-            values, scales, mins = (
-                torch.cat([reader.get_tensor(name + suffix) for name in names])
-                for suffix in (VALUES, SCALES, MINS)
-            )
-            if tuple(values.shape) != (out_features, in_features // 2):
-                raise ModelLoadError(
-                    f"int4 weight {module_name!r} has shape {tuple(values.shape)}, expected "
-                    f"{(out_features, in_features // 2)}"
+            kept: Int4Linear | Int8GroupLinear
+            if all(types[name] in int4_type_names for name in names):
+                if not can_quantize_int4(in_features, out_features, INT4_GROUP_SIZE):
+                    continue
+                # values: [out, in / 2] uint8; scales, mins: [out, in / group], shards stacked
+                values, scales, mins = (
+                    torch.cat([reader.get_tensor(name + suffix) for name in names])
+                    for suffix in (VALUES, SCALES, MINS)
                 )
+                _check_shape(module_name, values, (out_features, in_features // 2))
+                kept = Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype)
+                kind = "int4"
+            elif module_name == "lm_head":
+                continue  # `attach_int8`'s, with the embedding
+            else:
+                int8_why_not = int8_kernel.why_not(dtype, in_features)
+                if int8_why_not is not None:
+                    continue
+                parts = [_int8_part(reader, name, types[name], int4_type_names) for name in names]
+                values, scales, int8_mins = int8_parts(parts)
+                _check_shape(module_name, values, (out_features, in_features))
+                kept = Int8GroupLinear(values, scales, dtype, int8_mins, linear.bias)
+                kind = "int8"
             parent_name, _, child = module_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            kept = Int4Linear.from_blocks(values, scales, mins, linear.bias, dtype)
             setattr(parent, child, kept)
-            attached.update(names)
-            kernels[kept.kernel] = kernels.get(kept.kernel, 0) + 1
+            attached.update(dict.fromkeys(names, kind))
+            key = f"{kind} ({kept.kernel}'s kernel)"
+            kernels[key] = kernels.get(key, 0) + 1
         lm_head = attach_int8(model, reader, types, dtype, attached) if is_kept else None
     if kernels or lm_head is not None:
-        # NOTE: one line per load says which int4 kernel runs and, for torch's, why, and what
-        # a quantized LM head became.
+        # NOTE: one line per load says which kernel runs each kind of projection and, for
+        # torch's, why, and what a quantized LM head became.
+        is_torch = any(key.startswith("int4 (torch") for key in kernels)
         log.info(
             "int4_kernel",
             projections=kernels,
-            why_not_pdserve=None if "torch" not in kernels else int4_kernel.why_not(dtype),
+            why_not_pdserve=int4_kernel.why_not(dtype) if is_torch else None,
+            why_not_int8=int8_why_not,
             lm_head=lm_head,
         )
     return KeptWeights(frozenset(attached), _tensor_types(types, counts, attached, dtype))
+
+
+def _check_shape(module_name: str, values: torch.Tensor, expected: tuple[int, int]) -> None:
+    if tuple(values.shape) != expected:
+        raise ModelLoadError(
+            f"quantized weight {module_name!r} has shape {tuple(values.shape)}, expected {expected}"
+        )
+
+
+Int8Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""An int8 weight's (values ``[out, in]`` int8, scales ``[out, in / group]``, mins or None)."""
+
+
+def _int8_part(reader: Any, name: str, type_name: str, int4_type_names: set[str]) -> Int8Part:
+    """One kept weight as int8 groups: an int4 one's 4-bit values widened (exact)."""
+    if type_name in int4_type_names:
+        packed = reader.get_tensor(name + VALUES)
+        # values: [out, in] int8 in 0..15
+        values = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1).to(torch.int8)
+        return values, reader.get_tensor(name + SCALES), reader.get_tensor(name + MINS)
+    keys = set(reader.keys())
+    mins = reader.get_tensor(name + MINS) if name + MINS in keys else None
+    return reader.get_tensor(name + INT8), reader.get_tensor(name + SCALES), mins
+
+
+def int8_parts(parts: list[Int8Part]) -> Int8Part:
+    """The parts of a fused projection stacked along the output rows, in one layout that holds
+    each part's values exactly: their own where all share it, else groups of the smallest size
+    with float32 scales (and float32 mins, zero where a part has none)."""
+    groups = [values.shape[1] // scales.shape[1] for values, scales, _ in parts]
+    if len(set(groups)) == 1 and len({scales.dtype for _, scales, _ in parts}) == 1:
+        values = torch.cat([v for v, _, _ in parts])
+        scales = torch.cat([s for _, s, _ in parts])
+        if all(m is None for _, _, m in parts):
+            return values, scales, None
+        zeros = [torch.zeros_like(s, dtype=torch.float32) if m is None else m for _, s, m in parts]
+        return values, scales, torch.cat(zeros)
+    group = min(groups)
+    values = torch.cat([v for v, _, _ in parts])
+    scales = torch.cat(
+        [
+            s.float().repeat_interleave(g // group, dim=1)
+            for (_, s, _), g in zip(parts, groups, strict=True)
+        ]
+    )
+    if all(m is None for _, _, m in parts):
+        return values, scales, None
+    mins = torch.cat(
+        [
+            torch.zeros(v.shape[0], v.shape[1] // group)
+            if m is None
+            else m.float().repeat_interleave(g // group, dim=1)
+            for (v, _, m), g in zip(parts, groups, strict=True)
+        ]
+    )
+    return values, scales, mins
 
 
 def attach_int8(
@@ -154,21 +228,22 @@ def attach_int8(
     reader: Any,
     types: dict[str, str],
     dtype: torch.dtype,
-    attached: set[str],
+    attached: dict[str, str],
 ) -> str | None:
-    """Replaces a Q8_0 LM head by an `Int8GroupLinear` over the file's values and scales, and a
-    Q8_0 embedding by an `Int8GroupEmbedding` (the head's own tensors when they are tied),
-    where pdserve's int8 kernel runs; adds the names it kept to `attached`.
+    """Replaces an int8-typed LM head (Q8_0, Q6_K, Q5_K) by an `Int8GroupLinear` over the
+    file's values, scales and mins, and such an embedding by an `Int8GroupEmbedding` (the
+    head's own tensors when they are tied), where pdserve's int8 kernel runs; adds the names it
+    kept to `attached`.
 
     Args:
         model: The model on the meta device.
         reader: The open `INT4_FILE`.
         types: Each kept weight's GGUF type.
         dtype: The activation dtype.
-        attached: The names kept so far.
+        attached: The names kept so far, and what each became.
 
     Returns:
-        What the LM head became, for the start-up line (None where the file's is not Q8_0).
+        What the LM head became, for the start-up line (None where the file's is not int8).
     """
     int8_type_names = {t.name for t in INT8_TYPES}
     embedding_name = "model.embed_tokens.weight"
@@ -180,48 +255,51 @@ def attach_int8(
     if why_not is not None:
         return f"{str(dtype).removeprefix('torch.')} ({head_type} dequantized: {why_not})"
     num_rows = model.config.vocab_size
-    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    keys = set(reader.keys())
+    kept: dict[str, Int8Part] = {}
     for name in {head_name, embedding_name}:
         if types.get(name) not in int8_type_names:
             continue
         values, scales = reader.get_tensor(name + INT8), reader.get_tensor(name + SCALES)
+        mins = reader.get_tensor(name + MINS) if name + MINS in keys else None
         expected = (num_rows, model.config.hidden_size)
         if tuple(values.shape) != expected:
             raise ModelLoadError(
                 f"int8 weight {name!r} has shape {tuple(values.shape)}, expected {expected}"
             )
-        kept[name] = values, scales
-    head = Int8GroupLinear(*kept[head_name], dtype)
+        kept[name] = values, scales, mins
+    values, scales, mins = kept[head_name]
+    head = Int8GroupLinear(values, scales, dtype, mins)
     model.lm_head = head  # type: ignore[assignment]
     if embedding_name in kept:
-        embedding = (
-            Int8GroupEmbedding.tied_to(head, dtype)
-            if model.config.tie_word_embeddings
-            else Int8GroupEmbedding(*kept[embedding_name], dtype)
-        )
+        if model.config.tie_word_embeddings:
+            embedding = Int8GroupEmbedding.tied_to(head, dtype)
+        else:
+            values, scales, mins = kept[embedding_name]
+            embedding = Int8GroupEmbedding(values, scales, dtype, mins)
         setattr(model.model, "embed_tokens", embedding)  # noqa: B010 (nn.Module's typed __setattr__)
-    attached.update(kept)
+    attached.update(dict.fromkeys(kept, "int8"))
     return f"int8 ({head_type}, {head.kernel}'s kernel)"
 
 
 def _tensor_types(
-    types: dict[str, str], counts: dict[str, int], attached: set[str], dtype: torch.dtype
+    types: dict[str, str], counts: dict[str, int], attached: dict[str, str], dtype: torch.dtype
 ) -> dict[str, str]:
-    """Each GGUF tensor type -> what its tensors became: ``int4``, the dtype, or both."""
+    """Each GGUF tensor type -> what its tensors became: ``int4``, ``int8``, the dtype, or a
+    mix (``int4 (3 of 5), int8 (1 of 5), else bfloat16``)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    int8_type_names = {t.name for t in INT8_TYPES}
     became = {}
     for type_name in sorted(counts):
-        num_kept = sum(1 for name in attached if types[name] == type_name)
-        kept_as = "int8" if type_name in int8_type_names else "int4"
-        num_of_type = sum(1 for t in types.values() if t == type_name)
-        if type_name in int8_type_names or not num_of_type:
-            # NOTE: of a Q8_0 file's tensors only the embedding and LM head are in the file.
-            num_of_type = max(num_of_type, counts[type_name])
+        kinds = Counter(kind for name, kind in attached.items() if types[name] == type_name)
+        num_of_type = sum(1 for t in types.values() if t == type_name) or counts[type_name]
+        num_kept = sum(kinds.values())
         if num_kept == 0:
             became[type_name] = dtype_name
-        elif num_kept == num_of_type:
-            became[type_name] = kept_as
+        elif num_kept == num_of_type and len(kinds) == 1:
+            became[type_name] = next(iter(kinds))
         else:
-            became[type_name] = f"{kept_as} ({num_kept} of {num_of_type}), else {dtype_name}"
+            parts = [f"{kind} ({kinds[kind]} of {num_of_type})" for kind in sorted(kinds)]
+            if num_kept < num_of_type:
+                parts.append(f"else {dtype_name}")
+            became[type_name] = ", ".join(parts)
     return became

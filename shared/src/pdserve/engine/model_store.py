@@ -40,8 +40,9 @@ DEMO_MOE = "demo-moe"
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MANIFEST_FILE = "manifest.json"
 # NOTE: bump when the conversion's output changes, so caches are prepared again (3: a Q8_0
-# embedding and LM head kept as int8 in int4/model.safetensors).
-PREPARE_FORMAT = 3
+# embedding and LM head kept as int8 in int4/model.safetensors; 4: every Q8_0, Q6_K and Q5_K
+# tensor kept as int8 there).
+PREPARE_FORMAT = 4
 _HF_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _PREPARED_FILES = (*_HF_FILES, "int4/model.safetensors")
 

@@ -191,9 +191,10 @@ class Int4Linear(nn.Module):
 
 
 class Int8GroupLinear(nn.Module):
-    """A projection with int8 weights ``scale * q``, a float16 scale per group of 32 input
-    features (a GGUF's Q8_0 as the file stores it; the engine's LM head where the file holds it
-    so, `pdserve.engine.int4_weights`), no bias.
+    """A projection with int8 weights ``scale * q + min`` in groups of 16 or 32 input features:
+    a float16 or float32 scale per group, optionally a float32 min (a GGUF's Q8_0, Q6_K and Q5_K
+    as the file stores them, `pdserve.engine.gguf_int4`; the engine's projections and LM head
+    where the file holds them so, `pdserve.engine.int4_weights`).
 
     Up to `OWN_KERNEL_MAX_ROWS` rows run on pdserve's int8 kernel
     (`pdserve.engine.int8_kernel`, where it runs: AVX512-BF16, bf16 activations, one torch
@@ -203,21 +204,31 @@ class Int8GroupLinear(nn.Module):
 
     Args:
         values: ``[out, in]`` int8.
-        scales: ``[out, in / 32]`` float16.
+        scales: ``[out, in / group]`` float16 or float32.
         dtype: The activation dtype.
+        mins: ``[out, in / group]`` float32, or None.
+        bias: ``[out]`` or None.
     """
 
     values: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor | None
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        mins: torch.Tensor | None = None,
+        bias: nn.Parameter | None = None,
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = values.shape
-        if scales.shape != (self.out_features, self.in_features // int8_kernel.GROUP):
-            raise ValueError(f"scales {tuple(scales.shape)} do not fit values {values.shape}")
-        self.register_buffer("values", values.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
-        self.bias = None
+        self.group_size = int8_kernel.group_of(values, scales)
+        self.register_buffer("values", values.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+        self.bias = bias
         self.min_rows = 1
         """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`); above one,
         pdserve's kernel runs every row count (its rows are independent of each other)."""
@@ -227,7 +238,8 @@ class Int8GroupLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.kernel == "pdserve" and (x.shape[0] <= OWN_KERNEL_MAX_ROWS or self.min_rows > 1):
-            return int8_kernel.matmul(x, self.values, self.scales)
+            out = int8_kernel.matmul(x, self.values, self.scales, self.mins)
+            return out if self.bias is None else out.add_(self.bias)
         rows = x.shape[0]
         x = at_least_rows(x, self.min_rows)
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
@@ -235,50 +247,65 @@ class Int8GroupLinear(nn.Module):
             stop = min(start + INT8_GROUP_CHUNK, self.out_features)
             weight = self.dequantized(start, stop, x.dtype)
             torch.mm(x, weight.t(), out=out[:, start:stop])
-        return out[:rows]
+        out = out[:rows]
+        return out if self.bias is None else out.add_(self.bias)
 
     def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
         """Output rows ``[start, stop)`` of the weight in `dtype` (the file's values, rounded
         once)."""
         values, scales = self.values[start:stop], self.scales[start:stop]
+        mins = None if self.mins is None else self.mins[start:stop]
         if self.kernel == "pdserve" and dtype == torch.bfloat16:
-            return int8_kernel.dequantize(values, scales)
-        return int8_kernel.dequantize_torch(values, scales, dtype)
+            return int8_kernel.dequantize(values, scales, mins)
+        return int8_kernel.dequantize_torch(values, scales, mins, dtype)
 
 
 class Int8GroupEmbedding(nn.Module):
     """The token embedding over `Int8GroupLinear`'s int8 rows (a tied LM head's own tensors, or
-    an untied Q8_0 embedding's): a lookup dequantizes only the rows it reads.
+    an untied embedding's): a lookup dequantizes only the rows it reads.
 
     Args:
         values: ``[vocab, hidden]`` int8.
-        scales: ``[vocab, hidden / 32]`` float16.
+        scales: ``[vocab, hidden / group]`` float16 or float32.
         dtype: The dtype of the rows it returns.
+        mins: ``[vocab, hidden / group]`` float32, or None.
     """
 
     values: torch.Tensor
     scales: torch.Tensor
+    mins: torch.Tensor | None
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        mins: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = values.shape
-        self.register_buffer("values", values.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(torch.float16).contiguous())
+        int8_kernel.group_of(values, scales)
+        self.register_buffer("values", values.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
         self.dtype = dtype
         self.is_compiled = int8_kernel.takes(self.embedding_dim, dtype)
 
     @classmethod
     def tied_to(cls, head: Int8GroupLinear, dtype: torch.dtype) -> Int8GroupEmbedding:
         """The embedding that reads `head`'s tensors (stored once)."""
-        return cls(head.values, head.scales, dtype)
+        return cls(head.values, head.scales, dtype, head.mins)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [...] -> [..., embedding_dim]
         ids = input_ids.reshape(-1)
         if self.is_compiled:
-            rows = int8_kernel.dequantize(self.values, self.scales, ids)
+            rows = int8_kernel.dequantize(self.values, self.scales, self.mins, ids)
         else:
-            rows = int8_kernel.dequantize_torch(self.values[ids], self.scales[ids], self.dtype)
+            mins = None if self.mins is None else self.mins[ids]
+            rows = int8_kernel.dequantize_torch(
+                self.values[ids], self.scales[ids], mins, self.dtype
+            )
         return rows.view(*input_ids.shape, self.embedding_dim)
 
 
