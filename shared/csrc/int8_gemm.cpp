@@ -60,7 +60,7 @@ KERNEL_TARGET inline __m512 chunk_vector(const float* v) {
 // `mins` are the float32 values of the output rows from o_begin, [o - o_begin][num_groups];
 // `xsums[r]` each chunk's pair sums of input row r (with mins).
 template <int R, int OB, bool G16, bool MINS>
-KERNEL_TARGET void rows_kernel(const uint16_t* const* x, const __m512* const* xsums, int num_chunks,
+KERNEL_TARGET void rows_kernel(const uint16_t* const* x, const float* const* xsums, int num_chunks,
                                const int8_t* weight, const float* scales, const float* mins,
                                int o_begin, int o_end, uint16_t* const* out) {
   const size_t row_bytes = static_cast<size_t>(num_chunks) * kChunk;
@@ -93,7 +93,7 @@ KERNEL_TARGET void rows_kernel(const uint16_t* const* x, const __m512* const* xs
           __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo, (__m512bh)xs[r]);
           acc = _mm512_dpbf16_ps(acc, (__m512bh)hi, (__m512bh)xs[r]);
           total[b][r] = _mm512_fmadd_ps(acc, scale, total[b][r]);
-          if (MINS) total[b][r] = _mm512_fmadd_ps(min, xsums[r][c], total[b][r]);
+          if (MINS) total[b][r] = _mm512_fmadd_ps(min, _mm512_loadu_ps(xsums[r] + c * 16), total[b][r]);
         }
       }
     }
@@ -130,17 +130,17 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
   const int num_chunks = in_features / kChunk;
   const int num_groups = in_features / layout.group;
   thread_local std::vector<float> block_scales;
-  thread_local std::vector<__m512> xsums;
+  thread_local std::vector<float> xsums;  // [rows][chunks][16]
   if (!layout.scales_f32) block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
   if (MINS) {
     // each input row's pair sums x[2i] + x[2i + 1] per chunk, the lanes its min multiplies
-    xsums.resize(static_cast<size_t>(num_rows) * num_chunks);
+    xsums.resize(static_cast<size_t>(num_rows) * num_chunks * 16);
     const __m512i ones = _mm512_set1_epi16(0x3F80);  // bf16 1.0
     for (int r = 0; r < num_rows; ++r) {
       for (int c = 0; c < num_chunks; ++c) {
         __m512i xs = _mm512_loadu_si512(x + static_cast<size_t>(r) * in_features + c * kChunk);
-        xsums[static_cast<size_t>(r) * num_chunks + c] =
-            _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)ones, (__m512bh)xs);
+        _mm512_storeu_ps(xsums.data() + (static_cast<size_t>(r) * num_chunks + c) * 16,
+                         _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)ones, (__m512bh)xs));
       }
     }
   }
@@ -159,12 +159,12 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
     const float* m = MINS ? layout.mins + first : nullptr;
     for (int r = 0; r < num_rows; r += kRowBlock) {
       const uint16_t* xs[kRowBlock];
-      const __m512* sums[kRowBlock];
+      const float* sums[kRowBlock];
       uint16_t* outs[kRowBlock];
       int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
       for (int i = 0; i < block; ++i) {
         xs[i] = x + static_cast<size_t>(r + i) * in_features;
-        sums[i] = MINS ? xsums.data() + static_cast<size_t>(r + i) * num_chunks : nullptr;
+        sums[i] = MINS ? xsums.data() + static_cast<size_t>(r + i) * num_chunks * 16 : nullptr;
         outs[i] = out + static_cast<size_t>(r + i) * out_features;
       }
       switch (block) {
