@@ -1,8 +1,9 @@
 """pdserve's compiled CPU kernels (``shared/csrc/``, the optional extension
 ``pdserve.engine._cpu_kernels``): whether they are here and run on this CPU.
 
-The int4 GEMM (`pdserve.engine.int4_kernel`), the decode attention
-(`pdserve.engine.cpu_attention`) and the RMSNorm (`pdserve.engine.cpu_norm`) need AVX512-BF16;
+The int4 and int8 GEMMs (`pdserve.engine.int4_kernel`, `pdserve.engine.int8_kernel`), the decode
+attention (`pdserve.engine.cpu_attention`) and the RMSNorm (`pdserve.engine.cpu_norm`) need
+AVX512-BF16;
 without a C++ compiler at install time pdserve installs without them, and torch's ops run.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
+
+import torch
 
 try:
     import pdserve.engine._cpu_kernels as _compiled
@@ -37,3 +40,18 @@ def why_unavailable() -> str | None:
     if _compiled is None:
         return MISSING
     return None if available() else UNSUPPORTED
+
+
+def why_not_gemm(dtype: torch.dtype, in_features: int, multiple: int) -> str | None:
+    """Why a GEMM kernel that walks `multiple` input features at a time does not take a
+    projection of `in_features` with `dtype` activations (None where it does), for the logs."""
+    unavailable = why_unavailable()
+    if unavailable is not None:
+        return unavailable
+    if dtype != torch.bfloat16:
+        return f"activations are {str(dtype).removeprefix('torch.')}, not bfloat16"
+    if in_features % multiple:
+        return f"in_features {in_features} is not a multiple of {multiple}"
+    if torch.get_num_threads() != 1:
+        return f"torch runs {torch.get_num_threads()} threads (the kernel runs one)"
+    return None

@@ -37,16 +37,7 @@ def takes(in_features: int, dtype: torch.dtype) -> bool:
 
 def why_not(dtype: torch.dtype, in_features: int = GROUP) -> str | None:
     """Why the kernel does not take a projection (None where it does), for the logs."""
-    unavailable = cpu_kernels.why_unavailable()
-    if unavailable is not None:
-        return unavailable
-    if dtype != torch.bfloat16:
-        return f"activations are {str(dtype).removeprefix('torch.')}, not bfloat16"
-    if in_features % GROUP:
-        return f"in_features {in_features} is not a multiple of {GROUP}"
-    if torch.get_num_threads() != 1:
-        return f"torch runs {torch.get_num_threads()} threads (the kernel runs one)"
-    return None
+    return cpu_kernels.why_not_gemm(dtype, in_features, GROUP)
 
 
 def group_of(values: torch.Tensor, scales: torch.Tensor) -> int:
