@@ -94,7 +94,7 @@ def test_a_step_out_of_time_ends_with_what_it_started_and_the_next_still_runs(
 
 
 # NOTE: the budget only bounds a run that hangs (the budget logic has a test of its own above):
-# idle, the rehearsal takes about 70 s; a machine busy with other work may take several times
+# idle, the rehearsal takes about 40 s; a machine busy with other work may take several times
 # that, and a step cut short by the budget would fail the case for the machine, not the code.
 REHEARSAL_BUDGET_S = 800
 
