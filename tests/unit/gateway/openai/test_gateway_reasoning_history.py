@@ -1,7 +1,7 @@
-"""Reasoning sent back with a conversation: a chat assistant message's ``reasoning_content`` and
-a Responses ``reasoning`` item become the assistant turn's reasoning, which the chat template
-reads where the families' templates look for it (Qwen3's and DeepSeek's ``reasoning_content``,
-gpt-oss's ``thinking``)."""
+"""Reasoning sent back with a conversation: a chat assistant message's ``reasoning_content``
+(REST or gRPC) and a Responses ``reasoning`` item become the assistant turn's reasoning, which the
+chat template reads where the families' templates look for it (Qwen3's and DeepSeek's
+``reasoning_content``, gpt-oss's ``thinking``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from support.gateway_fakes import tokenizer_json
 from transformers import PreTrainedTokenizerFast
 
 from pdserve.common.errors import PdserveError
+from pdserve.gateway.grpc_api.convert import generation_params_from_pb
 from pdserve.gateway.openai.chat_bodies import message_from_body
 from pdserve.gateway.openai.responses_api.convert import to_params
 from pdserve.gateway.openai.responses_api.schemas import ResponsesRequest
@@ -23,6 +24,7 @@ from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.tools.formats import FORMATS, HERMES
 from pdserve.gateway.tools.spec import ToolCall
 from pdserve.tokenizer import Tokenizer
+from pdserve.v1 import common_pb2, generation_pb2
 
 # NOTE: the assistant-turn part of Qwen3's published template: reasoning after the last user
 # query is rendered in a think block, earlier reasoning is left out.
@@ -157,3 +159,22 @@ def test_the_template_reads_the_reasoning_where_qwen3s_does_as_transformers() ->
     assert ours == expected
     assert "<think>\nI should multiply.\n</think>" in ours
     assert "<think>\nThe tool says 42.\n</think>\n\n42" in ours
+
+
+def test_a_grpc_assistant_messages_reasoning_content_is_kept() -> None:
+    request = generation_pb2.GenerateRequest(
+        model="m",
+        sampling=common_pb2.SamplingParams(max_tokens=4),
+        chat=generation_pb2.ChatMessages(
+            messages=[
+                generation_pb2.ChatMessage(role="user", content="What is 6 x 7?"),
+                generation_pb2.ChatMessage(
+                    role="assistant", content="42", reasoning_content="Six sevens are 42."
+                ),
+                generation_pb2.ChatMessage(role="user", content="And 6 x 8?"),
+            ]
+        ),
+    )
+    messages = generation_params_from_pb(request).messages
+    assert messages is not None
+    assert [m.reasoning for m in checked_messages(messages)] == [None, "Six sevens are 42.", None]

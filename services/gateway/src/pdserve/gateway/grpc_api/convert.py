@@ -84,7 +84,12 @@ def _message_from_pb(message: generation_pb2.ChatMessage) -> ChatMessage:
     )
     content = None if calls and not message.content else message.content
     return ChatMessage(
-        message.role, content, message.name or None, calls, message.tool_call_id or None
+        message.role,
+        content,
+        message.name or None,
+        calls,
+        message.tool_call_id or None,
+        message.reasoning_content or None,
     )
 
 
