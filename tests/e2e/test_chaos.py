@@ -913,7 +913,9 @@ class TestPreemption:
         gateway = cluster.gateway
         shared_before = await cluster.instance_counter(decode, "pdserve_decode_leases_shared")
         # NOTE: a busy machine may let the long stream end before the choices outgrow the
-        # pool (none preempted): the round runs again, up to three times, until one is.
+        # pool (none preempted), and a preempted choice's new lease may take the block choice 0
+        # was to grow into (choice 0, then the newest running request, is preempted too): the
+        # round runs again, up to three times, until a later choice alone is.
         for _ in range(3):
             mark = log_mark(cluster)
             streaming = asyncio.Event()
@@ -939,12 +941,12 @@ class TestPreemption:
                 return sum(1 for i in ended if i.rsplit("-", 1)[-1].isdigit()) >= n
 
             await eventually(choices_logged, 10, "the choices' request_finished lines")
-            if events_since(mark, decode, "request_preempted"):
+            finished = {e["request_id"]: e for e in events_since(mark, gateway, "request_finished")}
+            (choice_base,) = {i.rsplit("-", 1)[0] for i in finished if i.rsplit("-", 1)[-1] == "3"}
+            choice_ids = [f"{choice_base}-{i}" for i in range(n)]
+            preempted = {e["request_id"] for e in events_since(mark, decode, "request_preempted")}
+            if preempted and choice_ids[0] not in preempted:
                 break
-        finished = {e["request_id"]: e for e in events_since(mark, gateway, "request_finished")}
-        (choice_base,) = {i.rsplit("-", 1)[0] for i in finished if i.rsplit("-", 1)[-1] == "3"}
-        choice_ids = [f"{choice_base}-{i}" for i in range(n)]
-        preempted = {e["request_id"] for e in events_since(mark, decode, "request_preempted")}
         rescheduled = {i for i, e in finished.items() if e["num_reschedules"]}
         # Some later choice was preempted; each preempted choice, and nothing else, was
         # rescheduled.
