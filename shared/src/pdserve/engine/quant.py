@@ -224,10 +224,7 @@ class Int8GroupLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = values.shape
-        self.group_size = int8_kernel.group_of(values, scales)
-        self.register_buffer("values", values.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+        self.group_size = _hold_int8(self, values, scales, mins)
         self.bias = bias
         self.min_rows = 1
         """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`); above one,
@@ -284,10 +281,7 @@ class Int8GroupEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = values.shape
-        int8_kernel.group_of(values, scales)
-        self.register_buffer("values", values.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+        _hold_int8(self, values, scales, mins)
         self.dtype = dtype
         self.is_compiled = int8_kernel.takes(self.embedding_dim, dtype)
 
@@ -307,6 +301,18 @@ class Int8GroupEmbedding(nn.Module):
                 self.values[ids], self.scales[ids], mins, self.dtype
             )
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def _hold_int8(
+    module: nn.Module, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+) -> int:
+    """Registers a module's int8 ``values``, ``scales`` and ``mins`` (float32, or None) as
+    buffers; returns their group size (`int8_kernel.group_of` checks the shapes)."""
+    group_size = int8_kernel.group_of(values, scales)
+    module.register_buffer("values", values.contiguous())
+    module.register_buffer("scales", scales.contiguous())
+    module.register_buffer("mins", None if mins is None else mins.float().contiguous())
+    return group_size
 
 
 def _torch_scale_zeros(
