@@ -232,8 +232,9 @@ class KvStore(abc.ABC):
         self._closed.set()
 
     def _ping(self) -> None:
-        """Raises `KvStoreUnavailable` unless the store answers (stores with a probe)."""
-        raise NotImplementedError
+        """Raises `KvStoreUnavailable` unless the store answers. Only called for a store that
+        sets `probe_interval_s`, which overrides it (`RedisKvStore`); the others never probe."""
+        raise NotImplementedError(f"{type(self).__name__} sets probe_interval_s without _ping")
 
     def put_blocks(self, fingerprint: str, payloads: Mapping[bytes, bytes]) -> int:
         """Encodes and stores block payloads (block key -> `export_block_payloads` bytes).
