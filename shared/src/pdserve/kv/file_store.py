@@ -14,6 +14,7 @@ overshoot the bound by about one eviction margin per process before one of them 
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ from typing import NamedTuple
 
 import structlog
 
-from pdserve.kv.store import KvStore, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreFull, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +33,8 @@ _SUFFIX = ".kv"
 _TEMP_SUFFIX = ".tmp"
 # NOTE: a temp file this old belongs to a writer that died between write and rename.
 _STALE_TEMP_S = 600.0
+# NOTE: what a write gets from a file system with no room left (for anyone, or for this user).
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 def _touch(fd: int) -> None:
@@ -65,6 +68,7 @@ class FileKvStore(KvStore):
         if not 0.0 < low_water <= 1.0:
             raise ValueError(f"low_water must be in (0, 1], got {low_water}")
         self.root = Path(root)
+        self.name = f"file:{self.root}"
         self.max_bytes = max_bytes
         self.low_water = low_water
         try:
@@ -93,7 +97,8 @@ class FileKvStore(KvStore):
                 self._write_atomically(self.path_of(key), blob)
                 written += len(blob)
         except OSError as e:
-            raise KvStoreUnavailable(f"cannot write to KV store {self.root}: {e}") from e
+            error = KvStoreFull if e.errno in _NO_ROOM else KvStoreUnavailable
+            raise error(f"cannot write to KV store {self.root}: {e}") from e
         finally:
             with self._lock:
                 self._num_bytes += written

@@ -21,7 +21,7 @@ from opentelemetry.context import Context
 
 from pdserve.common import telemetry
 from pdserve.engine.thread import EngineThread
-from pdserve.kv.store import KvStore, KvStoreSkipped, KvStoreUnavailable
+from pdserve.kv.store import KvStore, KvStoreFull, KvStoreSkipped, KvStoreUnavailable
 
 log = structlog.get_logger(__name__)
 _tracer = telemetry.tracer("pdserve.serving")
@@ -145,8 +145,10 @@ class KvStoreWriter(EngineThread):
             self.num_failed += 1
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
             span.end()
-            # NOTE: a store found unreachable was logged once (`kv_store_unreachable`).
-            report = log.debug if isinstance(error, KvStoreSkipped) else log.warning
+            # NOTE: a store found unreachable or full was logged once (`kv_store_unreachable`,
+            # `kv_store_full`): a write failing for it is counted, not logged one by one.
+            is_known = isinstance(error, (KvStoreSkipped, KvStoreFull))
+            report = log.debug if is_known else log.warning
             report("kv_store_error", op="put", request_id=write.request_id, error=str(error))
             write.future.set_exception(error)
             return

@@ -17,6 +17,13 @@ probe reaches it again (every `probe_interval_s`). Only the operations in flight
 away wait for its timeout; the requests after them compute what they would have loaded instead
 of waiting past their leases. One warning says it went unreachable, one line that it is back;
 `KvStoreStats` counts both.
+
+**A full store fails writes, and says so once.** A store with no room for a write (a file
+store's disk is full: `KvStoreFull`) fails that write, as any refused one; the next is tried
+all the same (a write costs the store only its own I/O, and the first that finds room again
+lands), and reads go on. One warning says it is full (`kv_store_full`), one line that a write
+found room again (`kv_store_has_room`); the writes that failed meanwhile are counted, not
+logged one by one.
 """
 
 from __future__ import annotations
@@ -48,6 +55,11 @@ class KvStoreUnreachable(KvStoreUnavailable):
     taken as down until the probe reaches it again."""
 
 
+class KvStoreFull(KvStoreUnavailable):
+    """The store has no room for the write (its disk is full); reads still work, and the next
+    write is tried all the same."""
+
+
 class KvStoreSkipped(KvStoreUnavailable):
     """The operation was not tried: the store was found unreachable and no probe has reached it
     since (raised at once, without I/O)."""
@@ -67,6 +79,8 @@ class KvStoreStats:
         num_unreachable: Times the store was found unreachable (each followed by skipping it
             until a probe reached it again).
         num_skipped: Operations not tried because the store was unreachable.
+        num_full: Times the store was found full (each followed by writes failing until one
+            found room again).
         get_seconds: Time spent in `get_many`.
         put_seconds: Time spent in `put_many`.
     """
@@ -79,6 +93,7 @@ class KvStoreStats:
     num_errors: int = 0
     num_unreachable: int = 0
     num_skipped: int = 0
+    num_full: int = 0
     get_seconds: float = 0.0
     put_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -114,6 +129,10 @@ class KvStoreStats:
         with self._lock:
             self.num_skipped += 1
 
+    def record_full(self) -> None:
+        with self._lock:
+            self.num_full += 1
+
     def snapshot(self) -> KvStoreStats:
         """A consistent copy, e.g. for a metrics exporter."""
         with self._lock:
@@ -139,6 +158,7 @@ class KvStore(abc.ABC):
     def __init__(self) -> None:
         self.stats = KvStoreStats()
         self._down_since: float | None = None  # monotonic; None while reachable
+        self._full_since: float | None = None  # monotonic; None while writes find room
         self._reach_lock = threading.Lock()
         self._closed = threading.Event()
 
@@ -156,9 +176,37 @@ class KvStore(abc.ABC):
         start, written = time.perf_counter(), 0
         try:
             written = self._reaching(self._put_many, entries)
+        except KvStoreFull as error:
+            self._went_full(error)
+            raise
+        else:
+            if self._full_since is not None:
+                self._has_room()
             return written
         finally:
             self.stats.record_io(put_s=time.perf_counter() - start, stored=written)
+
+    def _went_full(self, error: KvStoreFull) -> None:
+        """Says once that the store is full (however many writes fail until one finds room)."""
+        with self._reach_lock:
+            if self._full_since is not None:
+                return
+            self._full_since = time.monotonic()
+        self.stats.record_full()
+        log.warning(
+            "kv_store_full",
+            store=self.name,
+            error=str(error),
+            detail="writes fail (counted in kv_store_errors) until one finds room; reads go on",
+        )
+
+    def _has_room(self) -> None:
+        """Says once that a write found room again after the store was full."""
+        with self._reach_lock:
+            full_since, self._full_since = self._full_since, None
+        if full_since is not None:
+            full_s = round(time.monotonic() - full_since, 2)
+            log.info("kv_store_has_room", store=self.name, full_s=full_s)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The raw entries stored under `keys`, None where there is none (unchecked: see

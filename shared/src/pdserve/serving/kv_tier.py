@@ -81,6 +81,10 @@ def kv_store_counters(store: KvStore | None, block_size: int) -> dict[str, tuple
             "Times the KV store was found unreachable (then skipped until a probe reached it).",
             stats.num_unreachable,
         ),
+        "kv_store_full": (
+            "Times the KV store was found full (then writes failed until one found room).",
+            stats.num_full,
+        ),
         "kv_store_skipped_ops": (
             "KV store operations not tried because the store was unreachable.",
             stats.num_skipped,
