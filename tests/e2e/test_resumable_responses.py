@@ -5,7 +5,9 @@ A background response created on one gateway is read, streamed from a sequence n
 cancelled through the other; only the key that created it sees it. Then the gateway holding 8
 live streams is killed (SIGKILL): each client resumes through the other gateway from the last
 event it got, receives every remaining event exactly once, and ends with the text an
-undisturbed run of the same request gives; no block or lease is left behind.
+undisturbed run of the same request gives; the background responses nobody streams are
+adopted by the other gateway once the dead one's key lapsed, and complete equal too; no block
+or lease is left behind.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def two_gateways(demo_model_dir: Path, tmp_path: Path) -> Iterator[ProcessCluste
     """Two gateways over one prefill and one decode, shared through a real etcd."""
     key_file = tmp_path / "keys"
     key_file.write_text("".join(f"{name}:{key}\n" for name, key in KEYS.items()))
-    gateway_args = f"--instance-ttl-s 3 --heartbeat-interval-s 0.3 --api-key-file {key_file}"
+    gateway_args = (
+        f"--instance-ttl-s 3 --heartbeat-interval-s 0.3 --api-key-file {key_file} "
+        "--resume-holder-ttl-s 2"
+    )
     with running_cluster_on_etcd(
         demo_model_dir,
         tmp_path,
@@ -169,6 +174,7 @@ async def _has_output(client: openai.AsyncOpenAI, response_id: str) -> bool:
 
 
 NUM_STREAMS = 8
+NUM_KEPT = 2
 NUM_TOKENS = 600  # NOTE: long enough to be mid-stream on a slow machine when the kill lands
 
 
@@ -180,6 +186,11 @@ async def test_streams_outlive_a_killed_gateway(own_cluster: ProcessCluster) -> 
         _body(cluster, seed=100 + i, max_output_tokens=NUM_TOKENS) for i in range(NUM_STREAMS)
     ]
     streams = [await holder.responses.create(**b, background=True, stream=True) for b in bodies]
+    # NOTE: and responses no client follows: read only as snapshots, never streamed.
+    kept_bodies = [
+        _body(cluster, seed=200 + i, max_output_tokens=NUM_TOKENS) for i in range(NUM_KEPT)
+    ]
+    kept = [await holder.responses.create(**b, background=True) for b in kept_bodies]
     before: list[list[Any]] = [[] for _ in streams]
 
     async def read_some(index: int) -> None:
@@ -210,7 +221,21 @@ async def test_streams_outlive_a_killed_gateway(own_cluster: ProcessCluster) -> 
         assert text == events[-1].response.output_text == undisturbed[index].output_text, index
         assert events[-1].response.usage.output_tokens == NUM_TOKENS
     taken_over = events_named(cluster.gateways[1], "resumable_request_started")
-    assert sum(1 for e in taken_over if e.get("is_takeover")) == NUM_STREAMS
+    assert sum(1 for e in taken_over if e.get("is_takeover")) >= NUM_STREAMS
+
+    async def kept_ended() -> bool:
+        got = [await other.responses.retrieve(k.id) for k in kept]
+        return all(g.status != "in_progress" and g.status != "queued" for g in got)
+
+    await eventually(kept_ended, 120, "the dead gateway's background responses ended")
+    got = [await other.responses.retrieve(k.id) for k in kept]
+    undisturbed_kept = await asyncio.gather(*(other.responses.create(**b) for b in kept_bodies))
+    assert [g.status for g in got] == ["incomplete"] * NUM_KEPT, [g.error for g in got]
+    assert [g.output_text for g in got] == [u.output_text for u in undisturbed_kept]
+    adopted = {
+        e["request_id"] for e in events_named(cluster.gateways[1], "resumable_request_adopted")
+    }
+    assert {k.id.removeprefix("resp_") for k in kept} <= adopted
     await cluster.wait_whole(15)
 
 

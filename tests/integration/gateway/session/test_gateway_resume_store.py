@@ -1,6 +1,7 @@
 """The store of resumable requests: records round-trip as JSON, expire after their time to
-live, are bounded in number; in etcd (a real one) they are shared and etcd deletes them when
-their lease lapses. (Which deltas a resuming client still needs: test_gateway_sessions.)"""
+live, are bounded in number; in etcd (a real one) they are shared, etcd deletes them when
+their lease lapses, and a running request whose gateway's key is gone is an orphan exactly one
+other gateway adopts. (Which deltas a resuming client still needs: test_gateway_sessions.)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,8 +46,12 @@ class _Clock:
 def test_a_record_round_trips_as_json() -> None:
     placed = RECORD.with_placement(Placement("decode-1", "127.0.0.1:5", "lease-9"))
     ended = StoredEnd("completed", (5, 6, 7), "length", 3, 1700000001.0)
-    for record in (RECORD, placed, ResumeRecord(**{**RECORD.__dict__, "end": ended})):
+    held = replace(placed, holder="g1")
+    for record in (RECORD, placed, ResumeRecord(**{**RECORD.__dict__, "end": ended}), held):
         assert ResumeRecord.from_json(record.to_json()) == record
+    # NOTE: a record an older gateway wrote (no holder) reads as held by nobody.
+    older = RECORD.to_json().replace(b',"holder":null', b"")
+    assert b"holder" not in older and ResumeRecord.from_json(older) == RECORD
 
 
 async def test_the_memory_store_expires_records_and_bounds_their_number() -> None:
@@ -78,7 +84,7 @@ async def test_etcd_stores_share_records_and_etcd_expires_them(etcd: EtcdServer)
     writer, reader = EtcdResumeStore(target, 8), EtcdResumeStore(target, 8)
     try:
         await writer.put(RECORD, ttl_s=2)
-        assert await reader.get("r1") == RECORD
+        assert await reader.get("r1") == replace(RECORD, holder=writer.holder_id)
         assert await reader.get("unknown") is None
 
         async def expired() -> bool:
@@ -109,7 +115,7 @@ async def test_a_cancel_written_through_another_gateway_stays(etcd: EtcdServer) 
         assert holder._revisions["r1"] == written.mod_revision
         ended = ResumeRecord(**{**placed_first.__dict__, "end": finished})
         assert await holder.put_unless_ended(ended, ttl_s=30) is None
-        assert await other.get("r1") == ended
+        assert await other.get("r1") == replace(ended, holder=holder.holder_id)
 
         # NOTE: a cancel through another gateway comes first: the holder's end does not land.
         second = ResumeRecord(**{**RECORD.__dict__, "request_id": "r2"})
@@ -117,13 +123,67 @@ async def test_a_cancel_written_through_another_gateway_stays(etcd: EtcdServer) 
         with_cancel = ResumeRecord(**{**second.__dict__, "end": cancelled})
         assert await other.put_unless_ended(with_cancel, ttl_s=30) is None
         late = ResumeRecord(**{**second.__dict__, "end": finished})
-        assert await holder.put_unless_ended(late, ttl_s=30) == with_cancel
+        stored_cancel = replace(with_cancel, holder=other.holder_id)
+        assert await holder.put_unless_ended(late, ttl_s=30) == stored_cancel
         # NOTE: nor does a placement the holder's retry wrote after it (it would reopen it).
         placed = second.with_placement(Placement("d", "a", "l2"))
-        assert await holder.put_unless_ended(placed, ttl_s=30) == with_cancel
-        assert await other.get("r2") == with_cancel
+        assert await holder.put_unless_ended(placed, ttl_s=30) == stored_cancel
+        assert await other.get("r2") == stored_cancel
     finally:
         await holder.close()
+        await other.close()
+
+
+async def test_a_gone_gateways_running_requests_are_adopted_once(etcd: EtcdServer) -> None:
+    """Gateway A holds its key and writes two running requests and an ended one; B and C see
+    no orphan while A lives. A goes (its key with it): B and C both find A's running ones,
+    and each is adopted by exactly one of them (the transaction on the record's revision),
+    the winner's id stamped on it; the ended one is no orphan."""
+    target = EtcdTarget.parse(f"{etcd.spec}/adopt")
+    gone, b, c = (EtcdResumeStore(target, 8, holder_ttl_s=2) for _ in range(3))
+    finished = StoredEnd("completed", (1, 2), "stop", 0, 2.0)
+    try:
+        for store in (gone, b, c):
+            store.hold()
+        await gone.put(RECORD, ttl_s=30)
+        placed = replace(RECORD, request_id="r2").with_placement(Placement("d", "a", "l"))
+        await gone.put(placed, ttl_s=30)
+        await gone.put(replace(RECORD, request_id="r3", end=finished), ttl_s=30)
+        assert await b.orphans() == [] and await c.orphans() == []
+        await gone.close()  # NOTE: its key is revoked, as at a lapsed lease
+        found_b, found_c = await b.orphans(), await c.orphans()
+        assert sorted(r.request_id for r, _ in found_b) == ["r1", "r2"]
+        assert sorted(r.request_id for r, _ in found_c) == ["r1", "r2"]
+        assert all(r.holder == gone.holder_id for r, _ in found_b)
+        won_b = [
+            await b.adopt(r, rev, ttl_s=30)
+            for r, rev in sorted(found_b, key=lambda f: f[0].request_id)
+        ]
+        won_c = [
+            await c.adopt(r, rev, ttl_s=30)
+            for r, rev in sorted(found_c, key=lambda f: f[0].request_id)
+        ]
+        assert won_b == [True, True] and won_c == [False, False]
+        assert await c.get("r2") == replace(placed, holder=b.holder_id)
+        # NOTE: B lives: its adopted requests are nobody's orphans now.
+        assert await c.orphans() == []
+    finally:
+        for store in (gone, b, c):
+            await store.close()
+
+
+async def test_no_running_record_is_written_before_the_gateways_key(etcd: EtcdServer) -> None:
+    """A record names a gateway only once that gateway's key is in etcd: the first put waits
+    for it (else a starting gateway's requests would look orphaned)."""
+    target = EtcdTarget.parse(f"{etcd.spec}/first")
+    store, other = EtcdResumeStore(target, 8, holder_ttl_s=2), EtcdResumeStore(target, 8)
+    try:
+        store.hold()
+        await store.put(RECORD, ttl_s=30)
+        assert store.holder.is_registered.is_set()
+        assert await other.orphans() == []
+    finally:
+        await store.close()
         await other.close()
 
 
@@ -210,7 +270,7 @@ async def test_the_store_reaches_etcd_again_soon_after_a_cut_link_is_back(
 
             async def reached() -> bool:
                 with contextlib.suppress(PdserveError):
-                    return await store.get("r1") == RECORD
+                    return await store.get("r1") == replace(RECORD, holder=store.holder_id)
                 return False
 
             await eventually(reached, RECONNECT_S, "the store reached etcd again")

@@ -221,6 +221,15 @@ class GatewayConfig(ServiceConfig):
             "gt": 0,
         },
     )
+    resume_holder_ttl_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "with --registry etcd://...: seconds after this gateway stops answering "
+            "etcd (it died) before another gateway sharing the etcd adopts its running "
+            "background responses and resumable streams and runs them to their end",
+            "gt": 0,
+        },
+    )
     max_queued_requests: int = mirror_field(QueueLimits, "max_queued_requests")
     max_queued_tokens: int = mirror_field(QueueLimits, "max_queued_tokens")
     max_queue_wait_s: float = mirror_field(QueueLimits, "max_queue_wait_s")

@@ -70,8 +70,9 @@ class GatewayMetrics:
         self.resumes = Counter(
             "pdserve_gateway_resumes",
             "Resumable requests read or streamed again, by how: local (this gateway holds "
-            "it), stored (it ended; made again from its stored tokens) or takeover (attached "
-            "to where another gateway left it).",
+            "it), stored (it ended; made again from its stored tokens), takeover (attached "
+            "to where another gateway left it) or adopted (its gateway died; taken over "
+            "here with no client asking).",
             ["how"],
             registry=self.registry,
         )

@@ -121,7 +121,11 @@ class GatewayServer:
             reasoning_parser=config.reasoning_parser,
         )
         self.resume_store: ResumeStore = (
-            EtcdResumeStore(EtcdTarget.parse(config.registry), config.max_stored_responses)
+            EtcdResumeStore(
+                EtcdTarget.parse(config.registry),
+                config.max_stored_responses,
+                config.resume_holder_ttl_s,
+            )
             if config.registry is not None
             else MemoryResumeStore(config.max_stored_responses)
         )
@@ -178,6 +182,7 @@ class GatewayServer:
         self._is_ready = False
         self._rest = RestServer(self.app)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._adopting: asyncio.Task[Any] | None = None
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -241,6 +246,12 @@ class GatewayServer:
             self._spawn(self.poller.run())
         if self.etcd_watcher is not None:
             self._spawn(self.etcd_watcher.run())
+        if isinstance(self.resume_store, EtcdResumeStore):
+            # NOTE: this gateway's requests are its own while its key lives; it adopts those
+            # of a gateway whose key is gone, looking a few times per TTL.
+            self.resume_store.hold()
+            adopt_interval_s = min(5.0, max(0.25, config.resume_holder_ttl_s / 4))
+            self._adopting = self._spawn(self.sessions.keep_adopting(adopt_interval_s))
         self._spawn(self._sweep())
         log.info(
             "gateway_started",
@@ -266,6 +277,8 @@ class GatewayServer:
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         log.info("gateway_draining", num_active_requests=self.streamer.num_active_requests)
+        if self._adopting is not None:
+            self._adopting.cancel()  # NOTE: a leaving gateway takes nothing more on
         # NOTE: resumable requests are not waited for: the other gateways resume them.
         await self.runs.leave(hand_over=self.config.registry is not None)
         if not await self.streamer.wait_idle(grace_s):

@@ -83,6 +83,7 @@ class GenerationServicer:
         self._limiter = limiter
         self._parser = parser
         self._api_keys = api_keys or ApiKeyStore()
+        sessions.parse_stored_with(KIND, self._parse)
 
     async def Generate(
         self, raw: bytes, context: grpc.aio.ServicerContext

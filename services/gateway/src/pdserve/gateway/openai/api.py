@@ -53,8 +53,10 @@ from pdserve.gateway.openai.http import RequestIdMiddleware, error_response, htt
 from pdserve.gateway.openai.responses_api.background import BackgroundResponses
 from pdserve.gateway.openai.responses_routes import responses_routes
 from pdserve.gateway.openai.rest_context import RestContext
+from pdserve.gateway.openai.resumable import stored_parser
 from pdserve.gateway.openai.service_routes import service_routes
 from pdserve.gateway.prepare.workers import ParserPool
+from pdserve.gateway.request import ApiKind
 from pdserve.gateway.session.sessions import Sessions
 from pdserve.gateway.streaming import Streamer
 
@@ -154,6 +156,8 @@ def create_app(
     async def _on_http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return http_error_response(error)
 
+    for kind in (ApiKind.CHAT, ApiKind.COMPLETIONS):
+        sessions.parse_stored_with(kind, stored_parser(context, kind))
     app.include_router(service_routes(context))
     app.include_router(chat_routes(context))
     app.include_router(responses_routes(context))

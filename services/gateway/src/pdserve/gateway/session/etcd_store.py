@@ -2,6 +2,14 @@
 ``<namespace>/pdserve/resume/``, each under an etcd lease whose TTL is the record's time to
 live, so etcd deletes expired records by itself.
 
+Each gateway keeps a key of its own alive under ``<namespace>/pdserve/resume-holders/`` (a
+short lease, `EtcdLeasedKey`) while it runs, and stamps its id on every record it writes. A
+running request whose record names a gateway whose key is gone (it died, or lost etcd for
+longer than its TTL) is an orphan: another gateway adopts it (one etcd transaction decides
+which) and runs it to its end, so a background response or a stream nobody follows finishes
+when its gateway died. A gateway writes no running record before its own key is in etcd, so a
+record never names a gateway that is merely starting.
+
 A client that could not reach etcd is replaced: the next operation connects anew, instead of
 waiting on a connection a network partition stalled (TCP resumes it only at its next, backed
 off, retransmission: seconds to tens of seconds after the link is back). The replaced client
@@ -13,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -20,10 +29,16 @@ import aetcd
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.etcd_registration import EtcdLeasedKey
 from pdserve.common.etcd_registry import RPC_TIMEOUT_S, EtcdTarget
 from pdserve.gateway.session.store import RESUME_PREFIX, MemoryResumeStore, ResumeRecord
 
 log = structlog.get_logger("pdserve.gateway.session.etcd_store")
+
+HOLDERS_PREFIX = "/pdserve/resume-holders/"
+# NOTE: `orphans` reads every record when a gateway's key went away since its last look (and
+# on its first); also every this many looks, for a gateway that came and went between two.
+FULL_SCAN_EVERY = 20
 
 
 class EtcdResumeStore:
@@ -41,14 +56,35 @@ class EtcdResumeStore:
         target: The registry's etcd (its namespace prefixes the keys).
         max_records: Most records this gateway creates while they live (etcd holds every
             gateway's; each gateway bounds what it adds).
+        holder_ttl_s: TTL of this gateway's key (`hold`): how long after it stops answering
+            another gateway may adopt its running requests.
         clock: Monotonic clock.
     """
 
     def __init__(
-        self, target: EtcdTarget, max_records: int, clock: Callable[[], float] = time.monotonic
+        self,
+        target: EtcdTarget,
+        max_records: int,
+        holder_ttl_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._target = target
         self._prefix = target.namespace + RESUME_PREFIX
+        self._holders_prefix = target.namespace + HOLDERS_PREFIX
+        self.holder_id = uuid.uuid4().hex[:16]
+        holder_id = self.holder_id
+        self.holder = EtcdLeasedKey(
+            target,
+            (self._holders_prefix + holder_id).encode(),
+            holder_id.encode,
+            holder_ttl_s,
+            holder_ttl_s / 3,
+            {"holder_id": holder_id},
+        )
+        self._holding: asyncio.Task[None] | None = None
+        # NOTE: the gateways whose keys `orphans` saw last (None: it has not looked yet).
+        self._seen_holders: set[str] | None = None
+        self._num_looks = 0
         self._client: aetcd.Client | None = None
         self._limit = MemoryResumeStore(max_records, clock)
         self._clock = clock
@@ -96,10 +132,27 @@ class EtcdResumeStore:
         self._leases[ttl_s] = (lease.id, now)
         return int(lease.id)
 
+    def hold(self) -> None:
+        """Keeps this gateway's key alive until `close` (its running requests are not
+        orphans while it lives)."""
+        if self._holding is None:
+            self._holding = asyncio.get_running_loop().create_task(self.holder.run())
+
+    async def _held(self, record: ResumeRecord) -> ResumeRecord:
+        """`record` stamped with this gateway's id, once its key is in etcd (a running
+        record is never written before: it would look orphaned)."""
+        if record.end is None and self._holding is not None:
+            try:
+                await asyncio.wait_for(self.holder.is_registered.wait(), RPC_TIMEOUT_S)
+            except TimeoutError as error:
+                raise _unreachable(error) from error
+        return replace(record, holder=self.holder_id)
+
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
         # NOTE: the count of this gateway's live records is kept locally (an etcd count per
         # write would cost a range request each time).
         await self._limit.put(replace(record, body=""), ttl_s)
+        record = await self._held(record)
         try:
             lease = await self._lease(ttl_s)
             put = await self._etcd().put(self._key(record.request_id), record.to_json(), lease)
@@ -123,6 +176,7 @@ class EtcdResumeStore:
             await self.put(record, ttl_s)
             return None
         await self._limit.put(replace(record, body=""), ttl_s)
+        record = await self._held(record)
         etcd = self._etcd()
         key = self._key(record.request_id)
         try:
@@ -162,7 +216,51 @@ class EtcdResumeStore:
         except aetcd.ClientError as error:
             raise self._unreachable(error) from error
 
+    async def orphans(self) -> list[tuple[ResumeRecord, int]]:
+        try:
+            found = await self._etcd().get_prefix(self._holders_prefix.encode(), keys_only=True)
+            holders = {kv.key.decode().rpartition("/")[2] for kv in found}
+            self._num_looks += 1
+            seen, self._seen_holders = self._seen_holders, holders
+            is_due = self._num_looks % FULL_SCAN_EVERY == 0
+            if seen is not None and not (seen - holders) and not is_due:
+                return []
+            records = await self._etcd().get_prefix(self._prefix.encode())
+        except aetcd.ClientError as error:
+            self._seen_holders = None  # NOTE: look at every record again next time
+            raise self._unreachable(error) from error
+        orphans = []
+        for kv in records:
+            record = ResumeRecord.from_json(kv.value)
+            holder = record.holder
+            if record.end is None and holder is not None and holder not in holders:
+                orphans.append((record, int(kv.mod_revision)))
+        return orphans
+
+    async def adopt(self, record: ResumeRecord, revision: int, ttl_s: float) -> bool:
+        adopted = await self._held(record)
+        etcd = self._etcd()
+        key = self._key(record.request_id)
+        try:
+            lease = await self._lease(ttl_s)
+            is_written, answers = await etcd.transaction(
+                compare=[etcd.transactions.mod(key) == revision],
+                success=[etcd.transactions.put(key, adopted.to_json(), lease)],
+                failure=[],
+            )
+        except aetcd.ClientError as error:
+            raise self._unreachable(error) from error
+        if is_written:
+            await self._limit.put(replace(adopted, body=""), ttl_s)
+            self._written(adopted, answers[0].response_put.header.revision)
+        return bool(is_written)
+
     async def close(self) -> None:
+        if self._holding is not None:
+            # NOTE: the key goes at once: the other gateways adopt what this one left.
+            await self.holder.stop()
+            await asyncio.gather(self._holding, return_exceptions=True)
+            self._holding = None
         retiring, self._retiring = self._retiring, {}
         for client, task in retiring.items():
             task.cancel()

@@ -114,6 +114,24 @@ class Runs:
             return run
         return await self.start(record, prompt, attach_to=record.placement)
 
+    async def adopt(self, record: ResumeRecord, revision: int) -> bool:
+        """Makes this gateway the holder of an orphan (`ResumeStore.orphans`); False when
+        another gateway adopted it first or it changed meanwhile."""
+        adopted = await self.store.adopt(record, revision, self._running_ttl_s)
+        if adopted:
+            self.metrics.resume_store_writes.inc()
+        return adopted
+
+    async def fail_stored(self, record: ResumeRecord, error: PdserveError) -> None:
+        """Ends a stored request this gateway cannot run with `error` (failed)."""
+        end = StoredEnd(
+            status=ResponseStatus.FAILED,
+            completed_at=self._now(),
+            error_code=error.reason.name.lower(),
+            error_message=error.message or error.reason.name,
+        )
+        await self.put(replace(record, end=end), self.keep_s)
+
     async def cancel(self, run: Run) -> None:
         """Cancels a running request (its lease is released) and waits for its end."""
         if run.task is not None and not run.task.done():

@@ -3,11 +3,14 @@ whichever API took it), and finds, resumes, reads, cancels and deletes a kept on
 
 A front end parses its body into the gateway's terms, prepares it, opens a session and writes
 the session's deltas in its wire format; to resume, it names the request and says how to
-parse a stored body again, and gets the same kind of session back.
+parse a stored body again, and gets the same kind of session back. Each front end also tells
+`Sessions` how to parse its stored bodies (`parse_stored_with`), so that a running request whose
+gateway died is adopted here (`adopt_orphans`) with no client asking, whichever API took it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import replace
@@ -72,6 +75,11 @@ class Sessions:
         self._runs = runs
         self._backend = backend
         self._now = now
+        self._parsers: dict[ApiKind, ParseStored] = {}
+
+    def parse_stored_with(self, kind: ApiKind, parse: ParseStored) -> None:
+        """How the front end of `kind` parses its stored bodies (for `adopt_orphans`)."""
+        self._parsers[kind] = parse
 
     @property
     def can_keep(self) -> bool:
@@ -147,7 +155,7 @@ class Sessions:
             resumes.labels(how="local").inc()
             await self._keep_parsed(found, parse)
             return followed(found.record.kind, found)
-        parsed, prepared = await self._prepare(found, parse, caller)
+        parsed, prepared = await self._prepare(found, parse, caller.api_key_name)
         if found.end is None:
             resumes.labels(how="takeover").inc()
             run = await runs.take_over(found, prepared)
@@ -172,7 +180,7 @@ class Sessions:
             body = await self._keep_parsed(found, parse)
             status, error = found.status, found.error
             return Snapshot(found.record, found.prepared, body, list(found.deltas), status, error)
-        parsed, prepared = await self._prepare(found, parse, caller)
+        parsed, prepared = await self._prepare(found, parse, caller.api_key_name)
         if found.end is not None:
             deltas = await collected(replay_end(prepared, found.end))
             error = stored_error(found.end)
@@ -233,6 +241,61 @@ class Sessions:
             runs.forget(found)
         await runs.store.delete(request_id)
 
+    async def adopt_orphans(self) -> int:
+        """Takes over every running request whose gateway is gone (`ResumeStore.orphans`):
+        each is prepared again from its record and runs here to its end (attached to its
+        decode where it was placed, else from its prompt), as a client's resume would; one
+        that can no longer be prepared ends failed. Counted in ``resumes{how="adopted"}``.
+
+        Returns:
+            How many were adopted here.
+
+        Raises:
+            PdserveError: PEER_UNAVAILABLE when the store cannot be reached.
+        """
+        runs = self._kept()
+        num_adopted = 0
+        for record, revision in await runs.store.orphans():
+            parse = self._parsers.get(record.kind)
+            own = runs.get(record.request_id)
+            if parse is None or (own is not None and not own.is_moved):
+                continue  # NOTE: an API not served here, or running here already
+            if not await runs.adopt(record, revision):
+                continue  # NOTE: another gateway was first
+            fields = {"request_id": record.request_id, "kind": record.kind.value}
+            try:
+                parsed, prepared = await self._prepare(record, parse, record.owner)
+            except PdserveError as error:
+                log.warning("orphan_not_adopted", **fields, reason=error.reason.name)
+                await runs.fail_stored(record, error)
+                continue
+            run = await runs.take_over(record, prepared)
+            run.parsed = parsed.body
+            runs.metrics.resumes.labels(how="adopted").inc()
+            log.info(
+                "resumable_request_adopted",
+                **fields,
+                gone_gateway=record.holder,
+                is_placed=record.placement is not None,
+            )
+            num_adopted += 1
+        return num_adopted
+
+    async def keep_adopting(self, interval_s: float) -> None:
+        """`adopt_orphans` every `interval_s` until cancelled; an unreachable store is
+        logged once per outage."""
+        is_failing = False
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.adopt_orphans()
+            except PdserveError as error:
+                if not is_failing:
+                    log.warning("orphan_adoption_failed", reason=error.message)
+                is_failing = True
+            else:
+                is_failing = False
+
     # ---- helpers ----------------------------------------------------------------------------
 
     def _kept(self) -> Runs:
@@ -257,12 +320,13 @@ class Sessions:
         return run.parsed
 
     async def _prepare(
-        self, record: ResumeRecord, parse: ParseStored, caller: Caller
+        self, record: ResumeRecord, parse: ParseStored, key_name: str | None
     ) -> tuple[Parsed, PreparedRequest]:
-        """A stored request prepared again: the same prompt, the same seed, the same id."""
+        """A stored request prepared again: the same prompt, the same seed, the same id
+        (`key_name`: the API key asking, for its limits and logs)."""
         parsed = await parse(raw_body(record))
         params = replace(parsed.params, seed=record.seed)
-        prepared = await self._frontend.prepare(params, record.request_id, caller.api_key_name)
+        prepared = await self._frontend.prepare(params, record.request_id, key_name)
         return parsed, prepared
 
     async def _tokens_so_far(self, record: ResumeRecord) -> tuple[int, ...]:

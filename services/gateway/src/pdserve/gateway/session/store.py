@@ -4,8 +4,8 @@ A record is written a bounded number of times per request, never per token: when
 is accepted, each time a decode takes it (a placement: once, plus once per reschedule), and when
 it ends. What it holds is what another gateway needs to take the request over or to answer for
 it: the request as the client sent it (re-prepared on that gateway, with the seed it was given,
-gives the same prompt and the same tokens), its owner key, where it runs, and once it ended its
-completion tokens and how it ended.
+gives the same prompt and the same tokens), its owner key, where it runs, which gateway runs
+it, and once it ended its completion tokens and how it ended.
 
 Two stores: `MemoryResumeStore` (one gateway: resumes across client reconnects to it) and
 `pdserve.gateway.session.etcd_store.EtcdResumeStore` (``--registry etcd://...``).
@@ -61,6 +61,8 @@ class ResumeRecord:
         created_at: Wall-clock start.
         placement: Where it runs now; None before a decode took it.
         end: How it ended; None while it runs.
+        holder: The gateway that wrote it last (the store stamps it): while it runs, the one
+            running it. None in a store only one gateway reads, and in older records.
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class ResumeRecord:
     created_at: float
     placement: Placement | None = None
     end: StoredEnd | None = None
+    holder: str | None = None
 
     def to_json(self) -> bytes:
         """The record as compact JSON."""
@@ -140,6 +143,24 @@ class ResumeStore(Protocol):
         """Forgets `request_id` (idempotent)."""
         ...
 
+    async def orphans(self) -> list[tuple[ResumeRecord, int]]:
+        """Records of running requests whose gateway is gone (none in a store only one gateway
+        reads), each with the revision `adopt` compares against.
+
+        Raises:
+            PdserveError: PEER_UNAVAILABLE when the store cannot be reached.
+        """
+        ...
+
+    async def adopt(self, record: ResumeRecord, revision: int, ttl_s: float) -> bool:
+        """Makes this gateway the holder of an orphan, unless it changed since `orphans` read
+        it (another gateway adopted it first, or it ended).
+
+        Raises:
+            PdserveError: PEER_UNAVAILABLE when the store cannot be reached.
+        """
+        ...
+
     async def close(self) -> None:
         """Lets go of connections."""
         ...
@@ -195,6 +216,12 @@ class MemoryResumeStore:
 
     async def delete(self, request_id: str) -> None:
         self._records.pop(request_id, None)
+
+    async def orphans(self) -> list[tuple[ResumeRecord, int]]:
+        return []  # NOTE: this gateway's records die with it
+
+    async def adopt(self, record: ResumeRecord, revision: int, ttl_s: float) -> bool:
+        return False
 
     async def close(self) -> None:
         return None

@@ -55,6 +55,7 @@ class BackgroundResponses:
         self._sessions = sessions
         self._parser = parser
         self._limits = limits
+        sessions.parse_stored_with(ApiKind.RESPONSES, self._parse)
 
     def queued(self, session: Session) -> dict[str, Any]:
         """The answer to a non-streamed create: the response, queued."""
