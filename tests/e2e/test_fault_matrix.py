@@ -52,6 +52,7 @@ from support.process_cluster import (
 from support.real_cluster import Reference
 from support.redis_server import RedisServer, running_redis
 from support.resumable_sse import SseEvent, chat_content, sse_events
+from support.small_disk import SmallDisk, small_disk
 
 from pdserve.common.errors import ErrorReason
 from pdserve.launcher.child import ChildProcess
@@ -81,6 +82,7 @@ DECODE_BLOCKS = 200
 # other short timeouts; a loaded step waits on a rank for milliseconds.
 TP2 = "--tensor-parallel-size 2 --num-threads 1 --tensor-parallel-step-timeout-s 5"
 SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
+ROLES = ("prefill", "decode")
 # NOTE: a network fault lasts at least this, longer than an instance's TTL (the gateway drops
 # what it cannot hear), even where the outcome is in at once (streams the client cancelled); a
 # gateway cut off from every instance is joined again after it (no outcome comes in before).
@@ -92,6 +94,18 @@ NET_HOSTS = ("gateway", "prefill-0", "prefill-1", "decode-0", "decode-1")
 # NOTE: the network cells of the KV store and the registry: redis and etcd on hosts of their own.
 SERVER_HOSTS = ("store", "registry")
 LONG_PROMPT = "pack my box with five dozen liquor jugs " * 30  # ~1,200 byte tokens
+# NOTE: the disk_full cells' file store: a 64 MiB tmpfs, the store bounded well inside it (each
+# process's bound is over the whole directory), so only the cells' filler ever fills it.
+DISK_BYTES = 64 << 20
+DISK_STORE_MAX_BYTES = 16 << 20
+# NOTE: decodes of the disk_full cells: four background or resumed requests of 1,000 tokens
+# (~65 blocks each) outgrow two 128-block decodes, which preempt and offload to the full disk.
+DISK_DECODE_BLOCKS = 128
+# NOTE: a prompt the prefills have not seen (a fresh number, then this: ~15 blocks), sent
+# while the disk is still full once the outcome is in, and one after it has room again: every
+# disk_full cell writes to the full disk, and the store takes writes again after it.
+DISK_PROBE_PROMPT = "the quick brown fox jumps over the lazy dog "
+DISK_PROBE_MAX_TOKENS = 8
 
 # NOTE: what a transport says when a connection breaks; a client must never read it.
 TRANSPORT_WORDS = (
@@ -290,6 +304,44 @@ def net_servers_matrix_cluster(
             yield cluster
 
 
+@dataclass
+class DiskStore:
+    """The small disk the file store of a cluster of the disk_full cells is on, the reference
+    its probe requests are checked against, and the store errors counted by the last cell."""
+
+    disk: SmallDisk
+    reference: Reference
+    errors_seen: float = 0.0
+    offloads_skipped_seen: float = 0.0
+
+
+@pytest.fixture(scope="module")
+def disk_matrix_cluster(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, reference: Reference
+) -> Iterator[ProcessCluster]:
+    """The cluster of the disk_full cells: two prefills and two decodes keeping KV in one file
+    store on a small disk (a tmpfs the cells fill), decodes of `DISK_DECODE_BLOCKS` blocks."""
+    work_dir = tmp_path_factory.mktemp("fault-matrix-disk")
+    with small_disk(work_dir / "disk", DISK_BYTES) as disk:
+        settings = matrix_settings(3000)
+        settings["decode_args"] = settings["decode_args"].replace(
+            f"--num-blocks {DECODE_BLOCKS}", f"--num-blocks {DISK_DECODE_BLOCKS}"
+        )
+        with (
+            running_cluster(
+                demo_model_dir,
+                work_dir / "logs",
+                prefills=2,
+                decodes=2,
+                kv_store=f"file:{disk.root / 'kv'}?max_bytes={DISK_STORE_MAX_BYTES}",
+                **settings,
+            ) as cluster,
+            thawed_at_end(cluster),
+        ):
+            cluster.disk_store = DiskStore(disk, reference)  # type: ignore[attr-defined]
+            yield cluster
+
+
 @pytest.fixture(scope="module")
 def results_path(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     configured = os.environ.get("PDSERVE_FAULT_MATRIX")
@@ -380,6 +432,9 @@ class Fault:
     links: list[str] = field(default_factory=list)  # test hosts cut off or slowed
     slowed_by: str = ""  # what slows a slowed link (netem, or tbf without it)
     links_until: float = 0.0  # the links are restored no earlier (monotonic)
+    full_disk: DiskStore | None = None  # the file store's disk, filled
+    filled_at: dict[str, int] = field(default_factory=dict)  # the logs' mark when it filled
+    felt: str = ""  # what the fault did, for the cell's detail (disk_full)
 
     def land(
         self,
@@ -424,6 +479,13 @@ class Fault:
                 self.comeback = asyncio.create_task(self.restore_after(network, NETWORK_FAULT_S))
             else:
                 network.partition(victim.name)
+        elif kind == "disk_full":
+            # NOTE: the victim only marks the phase held; the file store's disk fills: every
+            # write to it after this gets ENOSPC, until the outcome is in.
+            self.full_disk = cluster.disk_store  # type: ignore[attr-defined]
+            assert self.full_disk is not None and not self.full_disk.disk.is_full
+            self.filled_at = log_mark(cluster)
+            self.full_disk.disk.fill()
         elif kind in SERVER_FAULTS:
             # NOTE: the victim only marks the phase held; the store or registry goes away.
             servers: Servers = cluster.servers  # type: ignore[attr-defined]
@@ -489,6 +551,53 @@ class Fault:
         await asyncio.sleep(seconds)
         victim.signal(signal.SIGCONT)
 
+    async def free_disk(self, cluster: ProcessCluster, store: DiskStore) -> None:
+        """Once the outcome is in: counts the store writes that failed on the full disk, sends
+        a probe request (it writes to the disk, still full, and completes equal to the
+        undisturbed engine), frees the disk, and waits for a write to land again."""
+        try:
+            by_cell = await store_errors(cluster) - store.errors_seen
+            offloads_skipped = await instances_counter(cluster, "decode", "kv_offloads_skipped")
+            by_offloads = offloads_skipped - store.offloads_skipped_seen
+            store.offloads_skipped_seen = offloads_skipped
+            probe = f"{time.monotonic_ns()} {DISK_PROBE_PROMPT * 5}"
+            expected = await asyncio.to_thread(
+                store.reference.completion, probe, max_tokens=DISK_PROBE_MAX_TOKENS, **GREEDY
+            )
+            async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S) as client:
+                got = await stream_token_ids(
+                    client, cluster.model_name, probe, max_tokens=DISK_PROBE_MAX_TOKENS, **GREEDY
+                )
+                assert got == expected, "the probe differs from its undisturbed run"
+                before_probe = store.errors_seen + by_cell
+                await eventually(
+                    lambda: store_errors_above(cluster, before_probe),
+                    REQUEST_TIMEOUT_S,
+                    "the probe request's write failing on the full disk",
+                )
+                by_probe = await store_errors(cluster) - before_probe
+                store.disk.free()
+                stored_bytes = "kv_store_stored_bytes"
+                stored = await instances_counter(cluster, "prefill", stored_bytes)
+                again = f"{time.monotonic_ns()} {DISK_PROBE_PROMPT * 5}"
+                await stream_token_ids(
+                    client, cluster.model_name, again, max_tokens=DISK_PROBE_MAX_TOKENS, **GREEDY
+                )
+            await eventually(
+                lambda: instances_counter_above(cluster, "prefill", stored_bytes, stored),
+                REQUEST_TIMEOUT_S,
+                "a write to the store landing once the disk had room",
+            )
+            store.errors_seen = await store_errors(cluster)
+            warned = sum(len(since(self.filled_at, c, "kv_store_full")) for c in cluster.instances)
+            self.felt = (
+                f"; store writes failed on the full disk: {by_cell:.0f} by the cell's requests "
+                f"({by_offloads:.0f} offloads of preempted ones), {by_probe:.0f} by a probe "
+                f"request after; kv_store_full warnings {warned}"
+            )
+        finally:
+            store.disk.free()
+
     async def back_when_noticed(
         self, cluster: ProcessCluster, server: RedisServer | EtcdServer, mark: int
     ) -> None:
@@ -504,6 +613,8 @@ class Fault:
     async def undo(self, cluster: ProcessCluster) -> None:
         if self.comeback is not None:
             await self.comeback
+        if self.full_disk is not None:
+            await self.free_disk(cluster, self.full_disk)
         if self.links:
             assert isinstance(cluster, MultiHostCluster)
             await asyncio.sleep(max(0.0, self.links_until - time.monotonic()))
@@ -537,6 +648,27 @@ def network_detail(cluster: ProcessCluster, mark: dict[str, int], fault: Fault) 
     unreachable = len(since(mark, cluster.gateway, "instance_unreachable"))
     slowed = f"; link {fault.slowed_by}" if fault.slowed_by else ""
     return f"{slowed}; instances expired {expired}, unreachable {unreachable}"
+
+
+async def instances_counter(cluster: ProcessCluster, role: str, name: str) -> float:
+    """A ``pdserve_<role>_<name>`` counter summed over the role's instances."""
+    children = cluster.prefills if role == "prefill" else cluster.decodes
+    return sum([await cluster.instance_counter(c, f"pdserve_{role}_{name}") for c in children])
+
+
+async def instances_counter_above(
+    cluster: ProcessCluster, role: str, name: str, value: float
+) -> bool:
+    return await instances_counter(cluster, role, name) > value
+
+
+async def store_errors(cluster: ProcessCluster) -> float:
+    """KV store operations that failed, over every prefill and decode (``kv_store_errors``)."""
+    return sum([await instances_counter(cluster, r, "kv_store_errors") for r in ROLES])
+
+
+async def store_errors_above(cluster: ProcessCluster, value: float) -> bool:
+    return await store_errors(cluster) > value
 
 
 def running_decodes(cluster: ProcessCluster, mark: dict[str, int]) -> Callable[[], dict[str, int]]:
@@ -771,7 +903,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         assert came_back > before_back, "no stream waited for a decode to come back"
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
-    return outcomes.describe() + network_detail(cluster, mark, fault)
+    return outcomes.describe() + network_detail(cluster, mark, fault) + fault.felt
 
 
 # ---- cells of a request no client is attached to: kept (background) and resuming -----------
@@ -916,7 +1048,7 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
     assert texts == expected, "a request differs from its undisturbed run"
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
-    detail = f"{len(texts)} completed equal" + network_detail(cluster, mark, fault)
+    detail = f"{len(texts)} completed equal" + network_detail(cluster, mark, fault) + fault.felt
     if unreadable:
         detail += f"; {len(unreadable)} reads refused meanwhile ({unreadable[0]}, 503)"
     return detail
@@ -935,6 +1067,8 @@ async def test_fault_matrix_cell(
     name = "split_matrix_cluster" if cell.is_rank else "matrix_cluster"
     if cell.fault in SERVER_FAULTS:
         name = "servers_matrix_cluster"
+    elif cell.fault == "disk_full":
+        name = "disk_matrix_cluster"
     elif cell.fault in NETWORK_FAULTS:
         name = "net_servers_matrix_cluster" if cell.target in SERVER_HOSTS else "net_matrix_cluster"
     matrix_cluster: ProcessCluster = request.getfixturevalue(name)

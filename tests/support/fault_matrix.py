@@ -174,6 +174,12 @@ BUILT = (
         for phase in PHASES
         if (fault, target, phase) not in _FAILING_SERVER_NETWORK_CELLS
     ),
+    # NOTE: the file store's disk (a small tmpfs) filled to the last byte; not in `make test`
+    # (a cluster of its own, on a file store on that disk).
+    *(
+        Cell("disk_full", "store", phase)
+        for phase in ("queued", "prefilling", "resuming", "kept", "cancelling")
+    ),
 )
 
 
