@@ -51,6 +51,7 @@ from support.process_cluster import (
 )
 from support.real_cluster import Reference
 from support.redis_server import RedisServer, running_redis
+from support.resumable_client import follow_resumable_completion
 from support.resumable_sse import SseEvent, chat_content, sse_events
 from support.small_disk import SmallDisk, small_disk
 
@@ -82,6 +83,9 @@ DECODE_BLOCKS = 200
 # other short timeouts; a loaded step waits on a rank for milliseconds.
 TP2 = "--tensor-parallel-size 2 --num-threads 1 --tensor-parallel-step-timeout-s 5"
 SERVER_FAULTS = frozenset({"store_gone", "registry_gone"})
+# NOTE: with etcd, a killed gateway's running resumable requests are adopted this long after
+# (by the gateway started again in its place, here).
+HOLDER_TTL_S = 2.0
 ROLES = ("prefill", "decode")
 # NOTE: a network fault lasts at least this, longer than an instance's TTL (the gateway drops
 # what it cannot hear), even where the outcome is in at once (streams the client cancelled); a
@@ -143,7 +147,7 @@ def matrix_settings(lease_ttl_ms: int, instance_args: str = "") -> dict[str, str
         "decode_args": f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} "
         f"{instance_args}",
         "gateway_args": f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
-        f"--instance-ttl-s {INSTANCE_TTL_S:g}",
+        f"--instance-ttl-s {INSTANCE_TTL_S:g} --resume-holder-ttl-s {HOLDER_TTL_S:g}",
     }
 
 
@@ -634,7 +638,9 @@ class Fault:
         for watcher in self.watchers:
             await watcher
         for child in self.killed:
-            await asyncio.to_thread(child.wait_for_event, "registered", 60)
+            is_gateway = child in cluster.gateways
+            started = "gateway_started" if is_gateway else "registered"
+            await asyncio.to_thread(child.wait_for_event, started, 60)
 
 
 def network_detail(cluster: ProcessCluster, mark: dict[str, int], fault: Fault) -> str:
@@ -669,6 +675,22 @@ async def store_errors(cluster: ProcessCluster) -> float:
 
 async def store_errors_above(cluster: ProcessCluster, value: float) -> bool:
     return await store_errors(cluster) > value
+
+
+async def restarted_gateway_detail(cluster: ProcessCluster, fault: Fault) -> str:
+    """What a killed gateway's cell adds to its result: how the requests it held went on
+    through the gateway started in its place (resumed by their clients, which takes them over
+    from the record, or adopted with no client asking)."""
+    if not any(child in cluster.gateways for child in fault.killed):
+        return ""
+    resumes = {
+        how: await cluster.counter("pdserve_gateway_resumes", how=how)
+        for how in ("takeover", "adopted")
+    }
+    return (
+        f"; through the gateway started again: {resumes['takeover']:.0f} taken over by their "
+        f"clients, {resumes['adopted']:.0f} adopted"
+    )
 
 
 def running_decodes(cluster: ProcessCluster, mark: dict[str, int]) -> Callable[[], dict[str, int]]:
@@ -802,10 +824,24 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
             is_streaming.set()
 
     fault = Fault()
-    async with cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 30) as client:
+    # NOTE: a killed gateway's clients resume their streams where it is started again (a
+    # client of a plain stream could only send it again); cancelled streams are plain ones.
+    is_killed_gateway = (cell.target, cell.fault) == ("gateway", "sigkill")
+    is_resumable = is_killed_gateway and cell.phase != "cancelling"
+    async with (
+        cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 30) as client,
+        httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 30) as http,
+    ):
         tasks = [
             asyncio.create_task(
-                stream_token_ids(
+                follow_resumable_completion(
+                    http, cluster.rest_url,
+                    {"model": cluster.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                     **sampling},
+                    on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20,
+                )
+                if is_resumable
+                else stream_token_ids(
                     client, cluster.model_name, prompt, max_tokens=max_tokens,
                     on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20, **sampling,
                 )
@@ -903,7 +939,8 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         assert came_back > before_back, "no stream waited for a decode to come back"
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
-    return outcomes.describe() + network_detail(cluster, mark, fault) + fault.felt
+    restarted = await restarted_gateway_detail(cluster, fault)
+    return outcomes.describe() + network_detail(cluster, mark, fault) + restarted + fault.felt
 
 
 # ---- cells of a request no client is attached to: kept (background) and resuming -----------
@@ -971,6 +1008,10 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
                 async def all_ended() -> bool:
                     try:
                         got = [await client.responses.retrieve(c.id) for c in created]
+                    except openai.APIConnectionError:
+                        # NOTE: a killed gateway is on its way back.
+                        assert cell.target == "gateway" and cell.fault == "sigkill"
+                        return False
                     except openai.APIStatusError as error:
                         # NOTE: with the registry gone or cut off, the store of resumable
                         # requests (etcd) is too: a read is refused with a typed, retryable 503
@@ -1022,15 +1063,28 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
                     stream_id: str, before: list[SseEvent], event: asyncio.Event
                 ) -> str:
                     resume_url = f"{url}/chatcmpl-{stream_id}/stream"
-                    lines: list[str] = []
-                    params = {"starting_after": before[-1][0]}
-                    async with http.stream("GET", resume_url, params=params) as again:
-                        assert again.status_code == 200
-                        async for line in again.aiter_lines():
-                            lines.append(line)
-                            event.set()
-                    after = sse_events("\n".join(lines))
-                    assert after and after[-1][1] == "[DONE]", after[-3:]
+                    after: list[SseEvent] = []
+                    while not after or after[-1][1] != "[DONE]":
+                        # NOTE: a killed gateway's client resumes again where it comes back,
+                        # from the last event it got.
+                        lines: list[str] = []
+                        last = after[-1][0] if after else before[-1][0]
+                        try:
+                            params = {"starting_after": last}
+                            async with http.stream("GET", resume_url, params=params) as again:
+                                assert again.status_code == 200
+                                async for line in again.aiter_lines():
+                                    lines.append(line)
+                                    event.set()
+                        except httpx.TransportError:
+                            assert cell.target == "gateway" and cell.fault == "sigkill"
+                            await asyncio.sleep(0.1)
+                        # NOTE: only whole events (a broken connection may cut the last one).
+                        text = "\n".join(lines)
+                        whole = text[: text.rfind("\n\n") + 1] if "\n\n" in text else ""
+                        after += sse_events(whole if not text.endswith("\n") else text)
+                        if after and after[-1][1] != "[DONE]":
+                            assert cell.target == "gateway" and cell.fault == "sigkill", after[-3:]
                     return chat_content(before) + chat_content(after)
 
                 resuming = [asyncio.Event() for _ in left]
@@ -1049,6 +1103,7 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
     await eventually(lambda: gateway_sees_every_instance(cluster), 60, "every instance back")
     await cluster.wait_whole(timeout_s=20)
     detail = f"{len(texts)} completed equal" + network_detail(cluster, mark, fault) + fault.felt
+    detail += await restarted_gateway_detail(cluster, fault)
     if unreadable:
         detail += f"; {len(unreadable)} reads refused meanwhile ({unreadable[0]}, 503)"
     return detail
@@ -1065,7 +1120,8 @@ async def test_fault_matrix_cell(
     cell: Cell, request: pytest.FixtureRequest, reference: Reference, results_path: Path
 ) -> None:
     name = "split_matrix_cluster" if cell.is_rank else "matrix_cluster"
-    if cell.fault in SERVER_FAULTS:
+    if cell.fault in SERVER_FAULTS or (cell.fault, cell.target) == ("sigkill", "gateway"):
+        # NOTE: a killed gateway's resumable requests outlive it in etcd.
         name = "servers_matrix_cluster"
     elif cell.fault == "disk_full":
         name = "disk_matrix_cluster"

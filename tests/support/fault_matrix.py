@@ -159,6 +159,13 @@ BUILT = (
     Cell("sigstop", "gateway", "resuming"),
     Cell("sigstop", "gateway", "kept"),
     Cell("sigstop", "gateway", "cancelling"),
+    # NOTE: a killed gateway, started again in its place, on the cluster with etcd (its
+    # resumable requests outlive it there): clients resume their streams; background responses
+    # and streams nobody follows are adopted. Its decoding cell is injected elsewhere.
+    *(
+        Cell("sigkill", "gateway", phase)
+        for phase in ("queued", "prefilling", "resuming", "kept", "cancelling")
+    ),
     *(
         Cell(fault, target, phase, fast=(fault, target, phase) in _FAST_NETWORK_CELLS)
         for fault in ("partition", "slow_link")
