@@ -2,21 +2,26 @@
 
 The request loop: route a pair through the admission queue (`pdserve.gateway.routing.queue`:
 at once when one has room, else in order of arrival once one has), run an attempt's steps
-(`pdserve.gateway.attempt.Attempt`: prefill, decode, release), pass its tokens on
-(`CompletionProgress` keeps each completion index exactly once across attempts), and when the
-attempt ends in a setback (its outcome, a value), carry out what
+(`pdserve.gateway.attempt.Attempt`: prefill, decode, release), hand each step's stream of
+tokens to the consumer (`CompletionProgress` keeps each completion index exactly once across
+attempts), and when the attempt ends in a setback (its outcome, a value), carry out what
 `pdserve.gateway.decisions.decide` returns: route again under new exclusions, wait for room
 (the instance that had none marked full), reschedule (prefill prompt + delivered tokens with
 the same sampling and seed, then decode on), or end the request with its error. After a
 setback, a request that finds no pair alive waits for one to come back
 (`pdserve.gateway.peer_wait`).
+
+`Orchestrator.parts` hands out the steps' streams themselves, so a token reaches the consumer
+through no level of the orchestrator: the consumer drains each stream and asks for the next
+part with `next_part`, telling the orchestrator of a stream that failed (`AttemptFailed`),
+which moves the request on. `Orchestrator.run` is the same as one flat stream of chunks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TypeAlias
 
 import structlog
@@ -54,6 +59,39 @@ from pdserve.gateway.routing.router import Router
 log = structlog.get_logger("pdserve.gateway.orchestrator")
 
 OrchestratorEvent: TypeAlias = TokenChunk | GenerationEnd
+Part: TypeAlias = AsyncIterator[TokenChunk] | GenerationEnd
+"""One of `Orchestrator.parts`: a step's stream of tokens, or the end."""
+
+
+async def next_part(parts: AsyncGenerator[Part, None], failure: AttemptFailed | None) -> Part:
+    """The part after the stream the consumer drained; a stream that failed with `failure` is
+    told to the orchestrator instead, which moves the request on.
+
+    Raises:
+        PdserveError: The error that ended the request.
+    """
+    if failure is None:
+        return await anext(parts)
+    return await parts.athrow(failure)
+
+
+class _Attached:
+    """The chunks of a resumable request's attach (`pdserve.gateway.attempt.attach`); the
+    end, if it came, kept aside."""
+
+    def __init__(self, items: AsyncGenerator[TokenChunk | GenerationEnd | None, None]) -> None:
+        self._items = items
+        self.end: GenerationEnd | None = None
+
+    async def chunks(self) -> AsyncGenerator[TokenChunk, None]:
+        async with contextlib.aclosing(self._items) as items:
+            async for item in items:
+                if item is None:
+                    return  # NOTE: it goes on through a prefill
+                if isinstance(item, GenerationEnd):
+                    self.end = item
+                    return
+                yield item
 
 
 class Orchestrator:
@@ -106,6 +144,21 @@ class Orchestrator:
         await self._peers.cleanups.wait()
 
     async def run(self, active: ActiveRequest) -> AsyncGenerator[OrchestratorEvent, None]:
+        """`parts` as one stream: `TokenChunk`s with strictly consecutive indices, then one
+        `GenerationEnd`. Errors as `parts`."""
+        parts = self.parts(active)
+        async with contextlib.aclosing(parts):
+            failure: AttemptFailed | None = None
+            while not isinstance(part := await next_part(parts, failure), GenerationEnd):
+                failure = None
+                try:
+                    async for chunk in part:
+                        yield chunk
+                except AttemptFailed as failed:
+                    failure = failed
+            yield part
+
+    async def parts(self, active: ActiveRequest) -> AsyncGenerator[Part, None]:
         """Generates the completion of `active`, advancing its progress and state.
 
         Args:
@@ -115,7 +168,9 @@ class Orchestrator:
                 to where another gateway left it.
 
         Yields:
-            `TokenChunk`s with strictly consecutive indices, then one `GenerationEnd`.
+            Each step's stream of `TokenChunk`s (strictly consecutive indices across them),
+            for the consumer to drain before it asks for the next part (`next_part`, which
+            tells a stream's `AttemptFailed` back here), then one `GenerationEnd`.
 
         Raises:
             PdserveError: The error that ended the request (non-retryable, or retries
@@ -124,13 +179,12 @@ class Orchestrator:
         arrival = self.queue.arrival()
         resumable = active.resumable
         if resumable is not None and resumable.attach_to is not None:
-            async with contextlib.aclosing(attach(active, self._peers)) as attach_items:
-                async for attach_item in attach_items:
-                    if attach_item is None:
-                        break
-                    yield attach_item
-                    if isinstance(attach_item, GenerationEnd):
-                        return
+            attached = _Attached(attach(active, self._peers))
+            async with contextlib.aclosing(attached.chunks()) as chunks:
+                yield chunks
+            if attached.end is not None:
+                yield attached.end
+                return
         while True:
             pair = await self._admit(active, arrival)
             attempt = Attempt.start(active, pair, self._peers)
@@ -140,8 +194,7 @@ class Orchestrator:
                 try:
                     for step in (attempt.prefill, attempt.decode):
                         async with contextlib.aclosing(step()) as chunks:
-                            async for chunk in chunks:
-                                yield chunk
+                            yield chunks  # NOTE: drained by the consumer; a failure comes back
                     outcome = attempt.outcome()
                 except AttemptFailed as failed:
                     outcome = attempt.failed(failed)

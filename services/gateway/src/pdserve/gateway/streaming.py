@@ -23,11 +23,12 @@ from pdserve.common.errors import PdserveError
 from pdserve.common.generation import resolve_seed
 from pdserve.gateway.active_request import ActiveRequest
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.orchestrator import Orchestrator
+from pdserve.gateway.orchestrator import Orchestrator, next_part
 from pdserve.gateway.output_deltas import final_delta, text_deltas
 from pdserve.gateway.phases import TtftTimeline
 from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
 from pdserve.gateway.reasoning import ReasoningStream
+from pdserve.gateway.relay import AttemptFailed
 from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable
 from pdserve.gateway.text import CompletionText
 from pdserve.gateway.tool_deltas import ToolCallStream
@@ -135,32 +136,45 @@ class Streamer:
         try:
             deadline = started + self._request_timeout_s
             active = ActiveRequest(request, deadline, span, timeline, resumable)
-            events = self._orchestrator.run(active)
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if isinstance(event, GenerationEnd):
-                        end = event
+            # NOTE: each step's stream is drained here, so a token passes through no level of
+            # the orchestrator; a failed stream goes back to it (`next_part`).
+            parts = self._orchestrator.parts(active)
+            async with contextlib.aclosing(parts):
+                failure: AttemptFailed | None = None
+                is_cut = False
+                while not is_cut:
+                    part = await next_part(parts, failure)
+                    if isinstance(part, GenerationEnd):
+                        end = part
                         break
-                    now = loop.time()
-                    if last_token_at is None:
-                        self._metrics.ttft.observe(now - started)
-                    elif event.token_ids:
-                        gap = (now - last_token_at) / len(event.token_ids)
-                        for _ in event.token_ids:
-                            self._metrics.inter_token_latency.observe(gap)
-                    last_token_at = now
-                    if prepared.is_prompt_only:
-                        # NOTE: max_tokens 0: the sampled token only finished the prefill.
-                        yield (
-                            index,
-                            as_sent(OutputDelta("", (), 0, prompt_logprobs=event.prompt_logprobs)),
-                        )
-                        break
-                    for delta in text_deltas(text, event, one_by_one=resumable is not None):
-                        yield index, as_sent(delta)
-                        timeline.on_first_token_written()
-                    if text.is_stopped:
-                        break
+                    failure = None
+                    try:
+                        async for event in part:
+                            now = loop.time()
+                            if last_token_at is None:
+                                self._metrics.ttft.observe(now - started)
+                            elif event.token_ids:
+                                gap = (now - last_token_at) / len(event.token_ids)
+                                for _ in event.token_ids:
+                                    self._metrics.inter_token_latency.observe(gap)
+                            last_token_at = now
+                            if prepared.is_prompt_only:
+                                # NOTE: max_tokens 0: the sampled token only finished the prefill.
+                                logprobs = event.prompt_logprobs
+                                yield (
+                                    index,
+                                    as_sent(OutputDelta("", (), 0, prompt_logprobs=logprobs)),
+                                )
+                                is_cut = True
+                                break
+                            for delta in text_deltas(text, event, one_by_one=resumable is not None):
+                                yield index, as_sent(delta)
+                                timeline.on_first_token_written()
+                            if text.is_stopped:
+                                is_cut = True
+                                break
+                    except AttemptFailed as failed:
+                        failure = failed
             final = as_sent(final_delta(prepared, text, end))
             finish_reason, usage = final.finish_reason, final.usage
             assert finish_reason is not None and usage is not None
