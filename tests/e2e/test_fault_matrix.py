@@ -812,9 +812,15 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         )
         for i in range(num_streams)
     ]
-    expected = await asyncio.to_thread(
-        lambda: [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
-    )
+
+    # NOTE: the undisturbed run is made while the cell runs (in a thread: the engine releases
+    # the GIL in its kernels), and only where a stream may complete: streams the client
+    # cancels need none unless one ended first.
+    def undisturbed() -> list[list[int]]:
+        return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
+
+    expecting = None if cell.phase == "cancelling" else asyncio.to_thread(undisturbed)
+    expected_task = None if expecting is None else asyncio.ensure_future(expecting)
     mark = log_mark(cluster)
     before_back = await cluster.counter("pdserve_gateway_peer_waits", outcome="came_back")
     is_streaming = asyncio.Event()
@@ -930,6 +936,14 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
             for task in tasks:
                 task.cancel()
             await fault.undo(cluster)
+            if expected_task is not None and not expected_task.done():
+                await asyncio.wait([expected_task])  # NOTE: its thread cannot be cancelled
+    if expected_task is not None:
+        expected = expected_task.result()
+    elif all(isinstance(r, asyncio.CancelledError) for r in results):
+        expected = [[] for _ in results]  # NOTE: nothing to compare
+    else:
+        expected = await asyncio.to_thread(undisturbed)
     outcomes = judge(list(results), expected, cell)
     # NOTE: in every built cell an instance of the victim's role is up or coming back, so a
     # stream the client did not cancel completes; a typed error would be a lost stream.

@@ -94,7 +94,7 @@ BUILT = (
     Cell("sigkill", "prefill", "decoding"),
     Cell("sigkill", "prefill", "cancelling"),
     Cell("sigstop", "decode", "decoding"),
-    Cell("sigstop", "decode", "prefilling", fast=True),
+    Cell("sigstop", "decode", "prefilling"),
     Cell("sigstop", "decode", "cancelling"),
     Cell("sigstop", "prefill", "prefilling"),
     Cell("sigstop", "prefill", "decoding"),
