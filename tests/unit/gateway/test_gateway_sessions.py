@@ -176,3 +176,44 @@ async def test_an_ended_request_stays_as_it_ended_and_is_deleted_by_its_owner() 
     assert backend.released == [] and await store.get("r1") == ended
     await sessions.delete("r1", KINDS, ALICE)
     assert await store.get("r1") is None
+
+
+class _OrphanStore(MemoryResumeStore):
+    """A store whose running records all belong to a gone gateway; adopting one succeeds
+    only for the ids in `winnable` (another gateway is first to the others)."""
+
+    def __init__(self, winnable: set[str]) -> None:
+        super().__init__(10)
+        self.winnable = winnable
+        self.tried: list[str] = []
+
+    async def orphans(self) -> list[tuple[ResumeRecord, int]]:
+        records = [await self.get(request_id) for request_id in list(self._records)]
+        return [(r, 1) for r in records if r is not None and r.end is None]
+
+    async def adopt(self, record: ResumeRecord, revision: int, ttl_s: float) -> bool:
+        self.tried.append(record.request_id)
+        return record.request_id in self.winnable
+
+
+async def _unparsable(raw: bytes) -> Parsed:
+    raise PdserveError(ErrorReason.MODEL_NOT_FOUND, "no instance serves the model 'm'")
+
+
+async def test_an_orphan_is_adopted_once_and_one_that_cannot_run_ends_failed() -> None:
+    """Of a gone gateway's running requests: one another gateway adopted first is left alone
+    (never parsed), one of an API no front end here registered is not tried, and one adopted
+    here that can no longer be prepared ends failed in the store, with why."""
+    store = _OrphanStore(winnable={"mine"})
+    for request_id, kind in (("theirs", KINDS[0]), ("mine", KINDS[0]), ("g", ApiKind.GRPC)):
+        record = ResumeRecord(**{**RECORD.__dict__, "request_id": request_id, "kind": kind})
+        await store.put(record, 60)
+    sessions = _sessions(store, _Backend())
+    sessions.parse_stored_with(ApiKind.RESPONSES, _unparsable)
+    assert await sessions.adopt_orphans() == 0
+    assert sorted(store.tried) == ["mine", "theirs"]  # NOTE: no gRPC front end here
+    theirs, mine = await store.get("theirs"), await store.get("mine")
+    assert theirs is not None and theirs.end is None
+    assert mine is not None and mine.end is not None
+    assert mine.end.status is ResponseStatus.FAILED
+    assert mine.end.error_code == "model_not_found" and "'m'" in str(mine.end.error_message)

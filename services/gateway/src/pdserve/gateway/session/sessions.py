@@ -260,9 +260,14 @@ class Sessions:
             own = runs.get(record.request_id)
             if parse is None or (own is not None and not own.is_moved):
                 continue  # NOTE: an API not served here, or running here already
-            if not await runs.adopt(record, revision):
-                continue  # NOTE: another gateway was first
             fields = {"request_id": record.request_id, "kind": record.kind.value}
+            try:
+                if not await runs.adopt(record, revision):
+                    continue  # NOTE: another gateway was first
+            except PdserveError as error:
+                # NOTE: e.g. this gateway holds its most requests: another may adopt it.
+                log.warning("orphan_not_adopted", **fields, reason=error.reason.name)
+                continue
             try:
                 parsed, prepared = await self._prepare(record, parse, record.owner)
             except PdserveError as error:
@@ -293,6 +298,8 @@ class Sessions:
                 if not is_failing:
                     log.warning("orphan_adoption_failed", reason=error.message)
                 is_failing = True
+            except Exception:  # NOTE: the loop outlives a bug in one pass; the log says it
+                log.exception("orphan_adoption_failed")
             else:
                 is_failing = False
 
