@@ -3,10 +3,15 @@ GEMM of `pdserve.engine.int4_kernel`, the int8 one of `pdserve.engine.int8_kerne
 attention of `pdserve.engine.cpu_attention`).
 
 Optional: where no C++ compiler is found, the package installs without it and the engine runs
-torch's kernels instead.
+torch's kernels instead. ``PDSERVE_CPU_KERNELS=0`` leaves it out on purpose: a pure wheel that
+installs on any Python and machine (the GPU kit's: `tools/gpu_kit.py`).
 """
 
+import os
+
 from setuptools import Extension, setup
+
+WITH_KERNELS = os.environ.get("PDSERVE_CPU_KERNELS", "1") != "0"
 
 setup(
     ext_modules=[
@@ -25,4 +30,6 @@ setup(
             optional=True,
         )
     ]
+    if WITH_KERNELS
+    else []
 )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -163,13 +164,16 @@ def download(packages: dict[str, str], dest: Path) -> None:
 
 def build_project_wheels(dest: Path) -> None:
     """``pip wheel --no-deps`` of shared and the three services (no build isolation: the
-    venv's setuptools builds them, offline)."""
+    venv's setuptools builds them, offline), each pure Python: shared without its CPU kernels,
+    which a wheel compiled here would tie to this Python (the GPU image's is another, and pip
+    refuses a wheel of another Python) and which the GPU path does not use."""
     command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                "--disable-pip-version-check", "-q", "-w", str(dest),
                *(str(path) for path in DISTRIBUTIONS.values())]  # fmt: skip
+    env = {**os.environ, "PDSERVE_CPU_KERNELS": "0"}
     with tempfile.TemporaryDirectory() as scratch:
         # NOTE: setuptools builds in ./build of each project; keep the worktree clean.
-        subprocess.run(command, check=True, cwd=scratch)
+        subprocess.run(command, check=True, cwd=scratch, env=env)
     for path in DISTRIBUTIONS.values():
         shutil.rmtree(path / "build", ignore_errors=True)
 

@@ -107,6 +107,11 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
         [sys.executable, "tools/gpu_kit.py", "--rehearsal", "--out", str(kit)],
         cwd=ROOT, check=True, capture_output=True,
     )  # fmt: skip
+    # NOTE: pdserve's wheels are pure: the GPU image's Python is not this one, and pip
+    # refuses a wheel compiled for another (shared's CPU kernels stay out of the kit).
+    manifest = json.loads(next(kit.glob("part*/kit.json")).read_text())
+    ours = [entry["name"] for entry in manifest["files"] if entry["name"].startswith("pdserve")]
+    assert len(ours) == 4 and all(name.endswith("-py3-none-any.whl") for name in ours), ours
     env = {**os.environ, "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_PYTHON": sys.executable,
            "GPU_CHECK_BUDGET_S": str(REHEARSAL_BUDGET_S)}  # fmt: skip
     result = subprocess.run(
