@@ -20,11 +20,47 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
 
 
 class _UvicornServer(uvicorn.Server):
-    """uvicorn without its own signal handlers: the gateway drains first, then stops it."""
+    """uvicorn without its own signal handlers (the gateway drains first, then stops it), which
+    stops at once when told to: uvicorn looks at its exit flag every 0.1 s and then gives open
+    connections 0.1 s more, about 0.2 s a stop for nothing when no connection is open (a
+    gateway restarted by a test or an operator pays it every time)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exiting = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    def exit_now(self) -> None:
+        """Stops serving without waiting for requests in flight (the gateway drained them)."""
+        self.should_exit = True
+        self.force_exit = True
+        self._exiting.set()
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop of ticks (its date header once a second), woken by `exit_now`."""
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exiting.wait(), 0.1)
+            should_exit = await self.on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown where a connection is open; else the listening sockets closed,
+        without its pause for connections to close."""
+        if self.server_state.connections:
+            await super().shutdown(sockets)
+            return
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for server in self.servers:
+            await server.wait_closed()
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
@@ -71,8 +107,7 @@ class RestServer:
     async def stop(self, timeout_s: float = 5.0) -> None:
         """Tells uvicorn to exit now and waits up to `timeout_s` for it."""
         if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
-            self._uvicorn.force_exit = True
+            self._uvicorn.exit_now()
         if self._serving is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._serving), timeout_s)
