@@ -517,11 +517,15 @@ class Fault:
             # NOTE: rank 1 of a split instance: the instance goes down as a whole (rank 0
             # stops and exits), and is started again.
             assert kind == "sigkill"
+            # NOTE: its exit is waited for on a task: rank 0 may be in a collective, and gives up
+            # on it only after the step timeout (5 s here), while the case holds the instances
+            # of its phase frozen until the fault has landed. A split instance frozen that long
+            # (its main process: its ranks run on) would lose a rank of its own.
             (rank_one,) = list(since({}, victim, "tensor_parallel_ready"))[-1]["pids"]
             os.kill(rank_one, signal.SIGKILL)
             victim.signal(signal.SIGCONT)  # NOTE: rank 0 may be frozen while the case picks
-            assert victim.wait(30) == 1
-            self.killed.append(cluster.restart(victim))
+            watcher = self.restart_when_down(cluster, victim, must_exit=True)
+            self.watchers.append(asyncio.create_task(watcher))
         elif kind == "sigkill":
             victim.signal(signal.SIGKILL)
             assert victim.wait(10) == -signal.SIGKILL
@@ -536,12 +540,16 @@ class Fault:
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
 
-    async def restart_when_down(self, cluster: ProcessCluster, victim: ChildProcess) -> None:
+    async def restart_when_down(
+        self, cluster: ProcessCluster, victim: ChildProcess, must_exit: bool = False
+    ) -> None:
         """Starts `victim` again once it exits (as the launcher would), until the fault is
-        undone with the instance still up."""
+        undone with the instance still up (unless it `must_exit`: then within 30 s)."""
+        deadline = time.monotonic() + 30.0
         while victim.returncode is None:
-            if self.is_undoing:
+            if self.is_undoing and not must_exit:
                 return
+            assert time.monotonic() < deadline, f"{victim.name} did not exit"
             await asyncio.sleep(0.1)
         assert victim.returncode == 1, victim.describe_exit()
         self.killed.append(cluster.restart(victim))
