@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,8 @@ class RealCluster:
 
 
 class Reference:
-    """The single-process engine and the tokenizer, for expected outputs."""
+    """The single-process engine and the tokenizer, for expected outputs (one generation at a
+    time: callers on several threads take turns)."""
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
@@ -172,9 +174,11 @@ class Reference:
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512),
         )
         self.engine = LLMEngine(config)
+        self._turn = threading.Lock()
 
     def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> list[int]:
-        return self.engine.generate([prompt_ids], sampling)[0]
+        with self._turn:
+            return self.engine.generate([prompt_ids], sampling)[0]
 
     def completion(self, prompt: str, **sampling: Any) -> list[int]:
         return self.generate(self.tokenizer.encode(prompt), SamplingParams(**sampling))
