@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import aetcd
 import structlog
@@ -177,19 +178,8 @@ class EtcdResumeStore:
             return None
         await self._limit.put(replace(record, body=""), ttl_s)
         record = await self._held(record)
-        etcd = self._etcd()
-        key = self._key(record.request_id)
-        try:
-            lease = await self._lease(ttl_s)
-            is_written, answers = await etcd.transaction(
-                compare=[etcd.transactions.mod(key) == revision],
-                success=[etcd.transactions.put(key, record.to_json(), lease)],
-                failure=[etcd.transactions.get(key)],
-            )
-        except aetcd.ClientError as error:
-            raise self._unreachable(error) from error
+        is_written, answers = await self._put_at(record, revision, ttl_s, read_on_failure=True)
         if is_written:
-            self._written(record, answers[0].response_put.header.revision)
             return None
         self._revisions.pop(record.request_id, None)
         found = answers[0] if answers else None
@@ -239,21 +229,34 @@ class EtcdResumeStore:
 
     async def adopt(self, record: ResumeRecord, revision: int, ttl_s: float) -> bool:
         adopted = await self._held(record)
+        is_written, _ = await self._put_at(adopted, revision, ttl_s, read_on_failure=False)
+        if is_written:
+            await self._limit.put(replace(adopted, body=""), ttl_s)
+        return is_written
+
+    async def _put_at(
+        self, record: ResumeRecord, revision: int, ttl_s: float, read_on_failure: bool
+    ) -> tuple[bool, Any]:
+        """Puts `record` if its key is still at `revision` (one etcd transaction); where it is
+        not, the same transaction reads the stored record when `read_on_failure`.
+
+        Returns:
+            Whether it was written, and the transaction's answers.
+        """
         etcd = self._etcd()
         key = self._key(record.request_id)
         try:
             lease = await self._lease(ttl_s)
             is_written, answers = await etcd.transaction(
                 compare=[etcd.transactions.mod(key) == revision],
-                success=[etcd.transactions.put(key, adopted.to_json(), lease)],
-                failure=[],
+                success=[etcd.transactions.put(key, record.to_json(), lease)],
+                failure=[etcd.transactions.get(key)] if read_on_failure else [],
             )
         except aetcd.ClientError as error:
             raise self._unreachable(error) from error
         if is_written:
-            await self._limit.put(replace(adopted, body=""), ttl_s)
-            self._written(adopted, answers[0].response_put.header.revision)
-        return bool(is_written)
+            self._written(record, answers[0].response_put.header.revision)
+        return bool(is_written), answers
 
     async def close(self) -> None:
         if self._holding is not None:
