@@ -821,14 +821,15 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         for i in range(num_streams)
     ]
 
-    # NOTE: the undisturbed run is made while the cell runs (in a thread: the engine releases
-    # the GIL in its kernels), and only where a stream may complete: streams the client
+    # NOTE: the undisturbed run is made once the fault has landed, while the streams go on (in
+    # a thread: the engine releases the GIL in its kernels), not before the phase is reached:
+    # on a busy machine its Python work slowed this loop's requests enough that eight sent at
+    # once arrived one by one and none waited in the admission queue. Streams the client
     # cancels need none unless one ended first.
     def undisturbed() -> list[list[int]]:
         return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
 
-    expecting = None if cell.phase == "cancelling" else asyncio.to_thread(undisturbed)
-    expected_task = None if expecting is None else asyncio.ensure_future(expecting)
+    expected_task: asyncio.Future[list[list[int]]] | None = None
     mark = log_mark(cluster)
     before_back = await cluster.counter("pdserve_gateway_peer_waits", outcome="came_back")
     is_streaming = asyncio.Event()
@@ -865,14 +866,18 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         try:
             if cell.phase == "queued":
                 # NOTE: eight long requests where the decodes' room holds four: the other four
-                # wait in the gateway's queue while the first ones run (seconds each).
-                await eventually(
-                    lambda: sample_at(
-                        f"{cluster.rest_url}/metrics", "pdserve_gateway_queued_requests"
-                    ),
-                    REQUEST_TIMEOUT_S,
-                    "a request waiting in the admission queue",
-                )
+                # wait in the gateway while the first ones run (seconds each): in its admission
+                # queue, or, where a decode refused a lease the gateway thought it had room for
+                # (its load report not yet in after a restart), told to wait for room.
+                gateway = gateway_of(cluster)
+
+                async def waiting() -> bool:
+                    if since(mark, gateway, "waiting_for_room"):
+                        return True
+                    url = f"{cluster.rest_url}/metrics"
+                    return bool(await sample_at(url, "pdserve_gateway_queued_requests"))
+
+                await eventually(waiting, REQUEST_TIMEOUT_S, "a request waiting for decode room")
                 if cell.role == "gateway":
                     victim = gateway_of(cluster)
                 elif cell.role == "decode":
@@ -939,6 +944,8 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         other = next(d for d in cluster.decodes if d is not serving)
                         fault.land(cluster, "sigkill", other)
                     fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+            if cell.phase != "cancelling":
+                expected_task = asyncio.ensure_future(asyncio.to_thread(undisturbed))
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for task in tasks:
