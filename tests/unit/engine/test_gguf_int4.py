@@ -19,17 +19,14 @@ from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from structlog.testing import capture_logs
-from support.gguf_files import NUM_LAYERS, TinyGgufSpec, random_weight, write_tiny_gguf
+from support.converted_gguf import converted_tiny_gguf, prompt_logits
+from support.gguf_files import NUM_LAYERS, TinyGgufSpec, random_weight
 
-from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk
-from pdserve.engine.gguf_import import convert_gguf
 from pdserve.engine.gguf_int4 import INT4_FILE, INT4_TYPES, TYPES_KEY, dequantize, int4_blocks
 from pdserve.engine.linear import Linear
 from pdserve.engine.quant import Int4Linear
-from pdserve.engine.runner import ModelRunner
 
 INT4_IDS = [t.name for t in INT4_TYPES]
-PROMPT = list(range(3, 35))
 
 
 def file_weight(tensor_type: GGMLQuantizationType, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -83,28 +80,9 @@ def test_the_bf16_kernel_is_within_its_scales_rounding(tensor_type: GGMLQuantiza
 def converted(
     tmp_path: Path, tensor_type: GGMLQuantizationType, architecture: str = "llama"
 ) -> Path:
-    spec = TinyGgufSpec(architecture=architecture, tensor_type=tensor_type)
-    gguf_path = write_tiny_gguf(tmp_path / "model.gguf", spec)
-    out_dir = tmp_path / "converted"
-    out_dir.mkdir()
-    convert_gguf(gguf_path, out_dir)
-    return out_dir
-
-
-def prompt_logits(
-    model_dir: Path, dtype: str, quantization: str
-) -> tuple[ModelRunner, torch.Tensor]:
-    config = EngineConfig(
-        model=str(model_dir),
-        dtype=dtype,
-        quantization=quantization,
-        cache=CacheConfig(num_blocks=8),
+    return converted_tiny_gguf(
+        tmp_path, TinyGgufSpec(architecture=architecture, tensor_type=tensor_type)
     )
-    runner = ModelRunner.load(config)
-    _, every = runner.execute_with_positions(
-        [ScheduledChunk(PROMPT, 0, [0, 1])], every_position=(0,)
-    )
-    return runner, every[0].float()
 
 
 @pytest.mark.parametrize(

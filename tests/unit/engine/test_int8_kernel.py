@@ -20,16 +20,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors import safe_open
 from structlog.testing import capture_logs
+from support.converted_gguf import PROMPT, converted_tiny_gguf
+from support.converted_gguf import prompt_logits as load
 from support.gguf_files import (
     HIDDEN_SIZE,
     NUM_LAYERS,
     TinyGgufSpec,
     random_weight,
-    write_tiny_gguf,
 )
 
-from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk, int8_kernel
-from pdserve.engine.gguf_import import convert_gguf
+from pdserve.engine import int8_kernel
 from pdserve.engine.gguf_int4 import (
     INT4_FILE,
     INT8,
@@ -46,10 +46,8 @@ from pdserve.engine.quant import (
     Int8GroupLinear,
     weight_bytes,
 )
-from pdserve.engine.runner import ModelRunner
 
 Q8_0 = GGMLQuantizationType.Q8_0
-PROMPT = list(range(3, 35))
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -195,26 +193,7 @@ def test_many_rows_are_dequantized_a_chunk_at_a_time() -> None:
 
 def converted(tmp_path: Path, tie_word_embeddings: bool) -> Path:
     spec = TinyGgufSpec(tensor_type=Q8_0, tie_word_embeddings=tie_word_embeddings)
-    gguf_path = write_tiny_gguf(tmp_path / "model.gguf", spec)
-    out_dir = tmp_path / "converted"
-    out_dir.mkdir()
-    convert_gguf(gguf_path, out_dir)
-    return out_dir
-
-
-def load(model_dir: Path, dtype: str, quantization: str) -> tuple[ModelRunner, torch.Tensor]:
-    """The runner and its logits at every position of `PROMPT`."""
-    config = EngineConfig(
-        model=str(model_dir),
-        dtype=dtype,
-        quantization=quantization,
-        cache=CacheConfig(num_blocks=8),
-    )
-    runner = ModelRunner.load(config)
-    _, every = runner.execute_with_positions(
-        [ScheduledChunk(PROMPT, 0, [0, 1])], every_position=(0,)
-    )
-    return runner, every[0].float()
+    return converted_tiny_gguf(tmp_path, spec)
 
 
 def test_the_converted_directory_keeps_the_q8_0_embedding(tmp_path: Path) -> None:

@@ -18,19 +18,18 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from structlog.testing import capture_logs
-from support.gguf_files import NUM_LAYERS, TinyGgufSpec, random_weight, write_tiny_gguf
+from support.converted_gguf import converted_tiny_gguf
+from support.converted_gguf import prompt_logits as load
+from support.gguf_files import NUM_LAYERS, TinyGgufSpec, random_weight
 
-from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk, int8_kernel
-from pdserve.engine.gguf_import import convert_gguf
+from pdserve.engine import int8_kernel
 from pdserve.engine.gguf_int4 import dequantize_int8, int4_blocks, int8_blocks
 from pdserve.engine.int4_weights import int8_parts
 from pdserve.engine.linear import Linear
 from pdserve.engine.quant import OWN_KERNEL_MAX_ROWS, Int8GroupEmbedding, Int8GroupLinear
-from pdserve.engine.runner import ModelRunner
 
 TYPES = [GGMLQuantizationType[name] for name in ("Q8_0", "Q6_K", "Q5_K")]
 IDS = [t.name for t in TYPES]
-PROMPT = list(range(3, 35))
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -169,27 +168,7 @@ def test_a_fused_projection_of_int4_and_int8_parts_keeps_every_value() -> None:
 
 
 def converted(tmp_path: Path, tensor_type: GGMLQuantizationType) -> Path:
-    spec = TinyGgufSpec(tensor_type=tensor_type)
-    gguf_path = write_tiny_gguf(tmp_path / "model.gguf", spec)
-    out_dir = tmp_path / "converted"
-    out_dir.mkdir()
-    convert_gguf(gguf_path, out_dir)
-    return out_dir
-
-
-def load(model_dir: Path, dtype: str, quantization: str) -> tuple[ModelRunner, torch.Tensor]:
-    """The runner and its logits at every position of `PROMPT`."""
-    config = EngineConfig(
-        model=str(model_dir),
-        dtype=dtype,
-        quantization=quantization,
-        cache=CacheConfig(num_blocks=8),
-    )
-    runner = ModelRunner.load(config)
-    _, every = runner.execute_with_positions(
-        [ScheduledChunk(PROMPT, 0, [0, 1])], every_position=(0,)
-    )
-    return runner, every[0].float()
+    return converted_tiny_gguf(tmp_path, TinyGgufSpec(tensor_type=tensor_type))
 
 
 @needs_kernel
