@@ -847,22 +847,26 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         cluster.openai(timeout_s=REQUEST_TIMEOUT_S + 30) as client,
         httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S + 30) as http,
     ):
-        tasks = [
-            asyncio.create_task(
-                follow_resumable_completion(
-                    http, cluster.rest_url,
-                    {"model": cluster.model_name, "prompt": prompt, "max_tokens": max_tokens,
-                     **sampling},
-                    on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20,
+
+        def start() -> list[asyncio.Task[Any]]:
+            return [
+                asyncio.create_task(
+                    follow_resumable_completion(
+                        http, cluster.rest_url,
+                        {"model": cluster.model_name, "prompt": prompt, "max_tokens": max_tokens,
+                         **sampling},
+                        on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20,
+                    )
+                    if is_resumable
+                    else stream_token_ids(
+                        client, cluster.model_name, prompt, max_tokens=max_tokens,
+                        on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20, **sampling,
+                    )
                 )
-                if is_resumable
-                else stream_token_ids(
-                    client, cluster.model_name, prompt, max_tokens=max_tokens,
-                    on_tokens=on_tokens, timeout_s=REQUEST_TIMEOUT_S + 20, **sampling,
-                )
-            )
-            for prompt, sampling in requests
-        ]  # fmt: skip
+                for prompt, sampling in requests
+            ]  # fmt: skip
+
+        tasks = start()
         try:
             if cell.phase == "queued":
                 # NOTE: eight long requests where the decodes' room holds four: the other four
@@ -920,30 +924,43 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
             else:
                 # NOTE: the first stream 10 tokens in: on a busy machine the others may end
-                # before the slowest starts; the frozen decodes then hold what runs.
-                await asyncio.wait_for(is_streaming.wait(), REQUEST_TIMEOUT_S)
-                async with frozen(cluster.decodes, fault):
-                    held = await settled(running_decodes(cluster, mark))
-                    serving = by_name(cluster, max(held, key=lambda n: held[n]))
-                    assert held[serving.name] > 0, "no decode held a running stream"
-                    if cell.phase == "cancelling":
-                        for task in tasks:
-                            task.cancel()  # the client goes away while the decodes hold them
-                        await asyncio.wait(tasks)
-                    if cell.role == "gateway":
-                        victim = gateway_of(cluster)
-                    elif cell.role == "prefill":
-                        computed = {
-                            p.name: len(since(mark, p, "first_token")) for p in cluster.prefills
-                        }
-                        victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
-                    else:
-                        victim = serving
-                    if cell.variant == "other_restarting":
-                        # NOTE: the only other decode dies first and is on its way back.
-                        other = next(d for d in cluster.decodes if d is not serving)
-                        fault.land(cluster, "sigkill", other)
-                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+                # before the slowest starts; the frozen decodes then hold what runs. A machine
+                # busy enough ran every stream to its end before the decodes froze (this
+                # process was not scheduled in between): the streams are awaited and started
+                # again, twice at most.
+                for attempt in range(3):
+                    await asyncio.wait_for(is_streaming.wait(), REQUEST_TIMEOUT_S)
+                    async with frozen(cluster.decodes, fault):
+                        held = await settled(running_decodes(cluster, mark))
+                        if any(held.values()) or attempt == 2:
+                            serving = by_name(cluster, max(held, key=lambda n: held[n]))
+                            assert held[serving.name] > 0, "no decode held a running stream"
+                            if cell.phase == "cancelling":
+                                for task in tasks:
+                                    task.cancel()  # the client leaves while the decodes hold them
+                                await asyncio.wait(tasks)
+                            if cell.role == "gateway":
+                                victim = gateway_of(cluster)
+                            elif cell.role == "prefill":
+                                computed = {
+                                    p.name: len(since(mark, p, "first_token"))
+                                    for p in cluster.prefills
+                                }
+                                victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
+                            else:
+                                victim = serving
+                            if cell.variant == "other_restarting":
+                                # NOTE: the only other decode dies first and is on its way back.
+                                other = next(d for d in cluster.decodes if d is not serving)
+                                fault.land(cluster, "sigkill", other)
+                            fault.land(
+                                cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target
+                            )
+                            break
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    mark = log_mark(cluster)
+                    is_streaming.clear()
+                    tasks = start()
             if cell.phase != "cancelling":
                 expected_task = asyncio.ensure_future(asyncio.to_thread(undisturbed))
             results = await asyncio.gather(*tasks, return_exceptions=True)
