@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of free memory an automatic KV cache size takes (0.1 of RAM on CPU, 0.9 "
         "of free GPU memory when unset)",
     )
+    parser.add_argument(
+        "--release-window-blocks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sliding-window layers (Gemma 3, gpt-oss, Mistral) keep only their window: their "
+        "KV of a block is let go once every sequence is a window past it, and the memory goes "
+        "to more blocks of the full-attention layers (one rank, no decode graphs)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=scheduler.max_num_seqs)
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=scheduler.max_num_batched_tokens
@@ -115,6 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_blocks=args.num_blocks,
                 memory_bytes=args.kv_cache_memory_bytes,
                 memory_fraction=args.kv_cache_memory_fraction,
+                release_window_blocks=args.release_window_blocks,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens

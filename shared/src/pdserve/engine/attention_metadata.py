@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -131,6 +131,18 @@ class AttentionMetadata:
     device_lens: torch.Tensor | None = None
     write_rows: torch.Tensor | None = None
     derived: dict[object, Any] = field(default_factory=dict)
+
+    def through(self, slot_table: torch.Tensor) -> AttentionMetadata:
+        """The same step read through a cache's window slots (`pdserve.engine.window_slots`):
+        block tables and slots of the slot each block id maps to, memos of their own."""
+        # NOTE: an id without a slot reads slot 0: outside every window, masked.
+        slots = slot_table[self.slot_mapping // self.block_size]
+        return replace(
+            self,
+            block_table=slot_table[self.block_table],
+            slot_mapping=slots * self.block_size + self.slot_mapping % self.block_size,
+            derived={},
+        )
 
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor

@@ -54,6 +54,10 @@ class CacheConfig:
             segment): an automatic size on CPU also takes at most half of its free space.
         dtype: Cache dtype name; ``None`` uses the model dtype.
         enable_prefix_caching: Reuse full blocks whose chained token hash is already cached.
+        release_window_blocks: Sliding-window layers keep only their window: their K/V live in
+            window slots, let go once every sequence has moved past a block by a window
+            (`pdserve.engine.window_slots`; the colocated engine, one rank, no decode graphs).
+            The same memory then holds more tokens of the full-attention layers.
     """
 
     block_size: int = field(default=16, metadata=POSITIVE)
@@ -64,6 +68,7 @@ class CacheConfig:
     shm_dir: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = False
+    release_window_blocks: bool = False
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.common.generation import num_blocks_for
+from pdserve.engine.window_slots import WindowSlots
 
 _BytesLike = bytes | bytearray | memoryview
 
@@ -97,16 +98,25 @@ def _contiguous_run(block_ids: Sequence[int]) -> bool:
 class KVCache:
     """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 is K, 1 is V).
 
+    With ``window_layers`` (sliding-window layers that keep only their window,
+    `pdserve.engine.window_slots`), ``kv`` holds the other layers only and the window layers'
+    K/V live in ``window_kv``, ``[len(window_layers), 2, num_window_slots, block_size, ...]``,
+    addressed through ``window_slots``. Such a cache stays in its process: it cannot be placed
+    in a shared segment or registered with a transport.
+
     Args:
         layout: Shape and dtype of the blocks.
         num_blocks: Blocks per layer.
         device: Where the cache lives.
         kv: The storage to use, of the cache's shape (e.g. a shared mapping, or a view of one
             rank's heads in it); a new zero tensor when None.
+        window_layers: Layers whose K/V live in window slots.
+        num_window_slots: How many slots they have (with ``window_layers``).
 
     Attributes:
         shared_path: The shared-memory file that backs the cache when other processes map it
             too (the ranks of a tensor-parallel instance); None otherwise.
+        window_slots: The block ids' slots in ``window_kv``; None without window layers.
     """
 
     def __init__(
@@ -115,6 +125,8 @@ class KVCache:
         num_blocks: int,
         device: torch.device,
         kv: torch.Tensor | None = None,
+        window_layers: Sequence[int] = (),
+        num_window_slots: int = 0,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
@@ -123,17 +135,42 @@ class KVCache:
         self.block_size = layout.block_size
         self.device = device
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
+        window_layers = tuple(sorted(set(window_layers)))
+        if window_layers and kv is not None:
+            raise ValueError("a cache with window layers allocates its own storage")
+        if any(not 0 <= i < layout.num_layers for i in window_layers):
+            raise ValueError(f"window layers {window_layers} outside {layout.num_layers} layers")
+        # NOTE: each layer's storage: (in window_kv rather than kv, index of the layer there).
+        full_layers = [i for i in range(layout.num_layers) if i not in window_layers]
+        self._storage: list[tuple[bool, int]] = [(False, i) for i in range(layout.num_layers)]
+        self.window_slots: WindowSlots | None = None
         shape = layout.cache_shape(num_blocks)
+        if window_layers:
+            self.window_slots = WindowSlots(num_window_slots, num_blocks, device)
+            for index, layer in enumerate(full_layers):
+                self._storage[layer] = (False, index)
+            for index, layer in enumerate(window_layers):
+                self._storage[layer] = (True, index)
+            shape = (len(full_layers), *shape[1:])
+            window_shape = (len(window_layers), *layout.cache_shape(num_window_slots)[1:])
+            # window_kv: [len(window_layers), 2, num_window_slots, block_size, heads, head_dim]
+            self.window_kv = self._zeros(window_shape, device)
+        self.window_layers = window_layers
         self.shared_path: Path | None = None
         if kv is not None and tuple(kv.shape) != shape:
             raise ValueError(f"storage of shape {tuple(kv.shape)} for a cache of shape {shape}")
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        if kv is not None:
-            self.kv = kv
-        elif device.type == "cpu":
-            self.kv = _zeros_on_demand(shape, self.dtype)
-        else:
-            self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.kv = kv if kv is not None else self._zeros(shape, device)
+
+    def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        if device.type == "cpu" and math.prod(shape) > 0:
+            return _zeros_on_demand(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+    def is_window_layer(self, layer_index: int) -> bool:
+        """Whether the layer's K/V live in window slots (read through
+        ``window_slots.slot_table``)."""
+        return self._storage[layer_index][0]
 
     def place_in(self, buffer: memoryview) -> None:
         """Moves the cache into `buffer` (e.g. a shared-memory mapping of at least `nbytes`
@@ -145,6 +182,8 @@ class KVCache:
         """
         if self.shared_path is not None:
             raise ValueError("a cache shared with other processes cannot move")
+        if self.window_slots is not None:
+            raise ValueError("a cache with window slots stays in its process")
         if self.kv.device.type != "cpu":
             raise ValueError("only a CPU cache can be placed in a host buffer")
         if len(buffer) < self.nbytes:
@@ -163,16 +202,26 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Total bytes of the cache tensor."""
-        return self.kv.numel() * self.kv.element_size()
+        """Total bytes of the cache tensor (and of the window slots' storage)."""
+        window = 0 if self.window_slots is None else self.window_kv.numel()
+        return (self.kv.numel() + window) * self.kv.element_size()
 
     def layer(self, layer_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer's K and V.
 
         Returns:
-            ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (a window
+            layer's: ``[num_window_slots, ...]``, indexed by slot).
         """
-        return self.kv[layer_index, 0], self.kv[layer_index, 1]
+        is_window, index = self._storage[layer_index]
+        storage = self.window_kv if is_window else self.kv
+        return storage[index, 0], storage[index, 1]
+
+    def _physical(self, layer_index: int, block_ids: Sequence[int]) -> list[int]:
+        """Where `block_ids` live in the layer's storage: the ids, or a window layer's slots."""
+        if self.window_slots is None or not self.is_window_layer(layer_index):
+            return list(block_ids)
+        return [self.window_slots.slot_of(b) for b in block_ids]
 
     def export_blocks(self, layer_index: int, block_ids: Sequence[int]) -> KVBlockData:
         """The K and V bytes of the given blocks of one layer, in the order given.
@@ -194,6 +243,7 @@ class KVCache:
         """
         if not block_ids:
             raise ValueError("export_blocks needs at least one block id")
+        block_ids = self._physical(layer_index, block_ids)
         k_cache, v_cache = self.layer(layer_index)
         if _contiguous_run(block_ids):
             first = block_ids[0]
@@ -223,6 +273,7 @@ class KVCache:
                 f"expected {expected} bytes each for K and V of {len(block_ids)} blocks, "
                 f"got {len(k)} and {len(v)}"
             )
+        block_ids = self._physical(layer_index, block_ids)
         k_cache, v_cache = self.layer(layer_index)
         shape = (len(block_ids), *k_cache.shape[1:])
         k_src = self._from_bytes(k).view(shape)

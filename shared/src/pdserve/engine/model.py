@@ -151,13 +151,17 @@ class LlamaForCausalLM(nn.Module):
         local_rope = rope
         if self.local_rotary is not None:
             local_rope = self.local_rotary.cos_sin(positions, rope_dtype)
+        # NOTE: a cache whose sliding layers keep only their window reads them through slots.
+        slots = kv_cache.window_slots
+        window_metadata = metadata if slots is None else metadata.through(slots.slot_table)
         for index, layer in enumerate(self.model.layers):
             layer_rope: tuple[torch.Tensor, torch.Tensor] | None = (
                 local_rope if self.is_local_rope[index] else rope
             )
             if not self.config.is_rope_layer(index):
                 layer_rope = None
-            hidden = layer(hidden, layer_rope, kv_cache.layer(index), metadata)
+            layer_metadata = window_metadata if kv_cache.is_window_layer(index) else metadata
+            hidden = layer(hidden, layer_rope, kv_cache.layer(index), layer_metadata)
             if on_layer_done is not None:
                 on_layer_done(index)
         return hidden

@@ -6,9 +6,12 @@ package."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import structlog
 import torch
 
+from pdserve.common.generation import num_blocks_for
 from pdserve.engine.batch_invariant import (
     INVARIANT_BACKEND,
     KEY_SPAN,
@@ -147,6 +150,51 @@ def num_cache_blocks(
         device=str(device),
     )
     return size.num_blocks
+
+
+class WindowCacheSize(NamedTuple):
+    """A cache whose sliding layers keep only their window (`window_cache_size`)."""
+
+    window_layers: tuple[int, ...]
+    num_blocks: int
+    num_window_slots: int
+
+
+def window_cache_size(
+    config: EngineConfig, model_config: ModelConfig, num_blocks: int
+) -> WindowCacheSize | None:
+    """The block ids and window slots that take the memory of `num_blocks` whole blocks when
+    the sliding layers keep only their window (`CacheConfig.release_window_blocks`), or None
+    (not asked, no sliding layer, several ranks, or decode graphs).
+
+    A sequence holds at most one step's chunk plus a window of slots, so the slots are what
+    ``max_seqs`` such sequences hold (at most `num_blocks`); the memory they leave goes to more
+    block ids for the full-attention layers (at most what ``max_seqs`` longest sequences hold).
+    """
+    num_layers = model_config.num_hidden_layers
+    windows = {i: model_config.sliding_window(i) for i in range(num_layers)}
+    window_layers = tuple(i for i, w in windows.items() if w is not None)
+    if (
+        not config.cache.release_window_blocks
+        or not window_layers
+        or config.tensor_parallel_size > 1
+        or config.uses_graphs
+    ):
+        return None
+    block_size = config.cache.block_size
+    window = max(w for w in windows.values() if w is not None)
+    max_seqs = config.cache.max_seqs or config.scheduler.max_num_seqs
+    per_seq = num_blocks_for(window + config.scheduler.max_num_batched_tokens, block_size) + 1
+    num_slots = max(1, min(num_blocks, max_seqs * per_seq))
+    limit = model_config.max_position_embeddings
+    max_ids = max_seqs * num_blocks_for(min(config.max_model_len or limit, limit), block_size)
+    num_full = num_layers - len(window_layers)
+    if num_full == 0:
+        num_ids = max(num_blocks, max_ids)
+    else:
+        room = num_blocks * num_layers - num_slots * len(window_layers)
+        num_ids = max(num_blocks, min(room // num_full, max(max_ids, num_blocks)))
+    return WindowCacheSize(window_layers, num_ids, num_slots)
 
 
 def attention_backend_name(backend: str) -> str:

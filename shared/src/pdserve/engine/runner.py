@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+import structlog
 import torch
 
 from pdserve.engine.attention_buffer import KVGatherBuffer
@@ -20,8 +21,11 @@ from pdserve.engine.rank_model import (
     cache_layout,
     load_rank_model,
     num_cache_blocks,
+    window_cache_size,
 )
 from pdserve.engine.step_inputs import prepare_step
+
+log = structlog.get_logger(__name__)
 
 
 def _batch_position(chunk: ScheduledChunk[Any]) -> tuple[bool, int]:
@@ -64,10 +68,27 @@ class ModelRunner:
             raise ValueError(
                 "a tensor-parallel instance loads with pdserve.engine.load_runner.load_runner"
             )
-        model = load_rank_model(config, torch.device(config.device))
+        device = torch.device(config.device)
+        model = load_rank_model(config, device)
         layout = cache_layout(config, model.config)
-        num_blocks = num_cache_blocks(config, model.config, layout, torch.device(config.device))
-        runner = cls(model, KVCache(layout, num_blocks, torch.device(config.device)))
+        num_blocks = num_cache_blocks(config, model.config, layout, device)
+        window = window_cache_size(config, model.config, num_blocks)
+        if window is None:
+            kv_cache = KVCache(layout, num_blocks, device)
+        else:
+            kv_cache = KVCache(
+                layout, window.num_blocks, device, window_layers=window.window_layers,
+                num_window_slots=window.num_window_slots,
+            )  # fmt: skip
+            log.info(
+                "kv_cache_windowed",
+                window_layers=len(window.window_layers),
+                num_layers=layout.num_layers,
+                num_blocks=window.num_blocks,
+                num_window_slots=window.num_window_slots,
+                bytes=kv_cache.nbytes,
+            )
+        runner = cls(model, kv_cache)
         if config.uses_graphs:
             limit = model.config.max_position_embeddings
             runner.capture_graphs(
@@ -92,6 +113,9 @@ class ModelRunner:
             Whether graphs were captured (not for an attention backend without a graph path,
             or when the capture failed; both logged).
         """
+        if self.kv_cache.window_slots is not None:
+            log.info("decode_graphs_skipped", detail="the sliding layers read through slots")
+            return False
         self.graphs = build_graph_runner(
             self.model, self.rank_cache, self.attention_backend, max_num_seqs, max_model_len,
             capture,

@@ -47,7 +47,14 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.block_pool = BlockPool(self.kv_cache.num_blocks, config.cache.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, self.block_size)
+        windows = [
+            w
+            for i in self.kv_cache.window_layers
+            if (w := self.model_config.sliding_window(i)) is not None
+        ]
+        self.kv_cache_manager = KVCacheManager(
+            self.block_pool, self.block_size, self.kv_cache.window_slots, max(windows, default=0)
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
@@ -99,6 +106,11 @@ class LLMEngine:
             raise ValueError(
                 f"request {request_id!r} needs up to {num_blocks} blocks; "
                 f"the cache has {self.block_pool.num_blocks}"
+            )
+        if block_ids and self.kv_cache.window_slots is not None:
+            raise ValueError(
+                f"request {request_id!r}: a cache whose sliding layers keep only their window "
+                "takes no blocks computed elsewhere"
             )
         if num_blocks_for(num_computed_tokens, self.block_size) > len(block_ids):
             raise ValueError(f"request {request_id!r}: block_ids cannot hold num_computed_tokens")

@@ -9,19 +9,40 @@ from __future__ import annotations
 from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool, hash_block_tokens
 from pdserve.engine.colocated.request import Request
+from pdserve.engine.window_slots import WindowSlots
 
 
 class KVCacheManager:
     """Allocates, caches and frees the blocks of requests.
 
+    With `window_slots` (a cache whose sliding layers keep only their window), a request
+    holds the window slot of each of its blocks from allocation until its next token is a
+    whole window past the block (`release_window`), and a prefix hit counts only where the
+    blocks in the window of its end still have their slots.
+
     Args:
         block_pool: The pool that owns the block ids.
         block_size: Tokens per block.
+        window_slots: The cache's window slots, or None.
+        window: The widest sliding window (with `window_slots`).
     """
 
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        window_slots: WindowSlots | None = None,
+        window: int = 0,
+    ) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
+        self.window_slots = window_slots
+        self.window = window
+
+    def first_in_window(self, position: int) -> int:
+        """The first block a query at `position` (and every later one) may read in a sliding
+        layer."""
+        return max(0, position - self.window + 1) // self.block_size
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -48,6 +69,15 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
+        if self.window_slots is not None:
+            # NOTE: the first new token reads the window before it: those blocks need the
+            # sliding layers' KV too, so the hit ends where they still have it.
+            slots = self.window_slots
+            while block_ids and not all(
+                slots.is_mapped(b)
+                for b in block_ids[self.first_in_window(len(block_ids) * self.block_size) :]
+            ):
+                block_ids.pop()
         return block_ids, len(block_ids) * self.block_size
 
     def num_blocks_needed(
@@ -79,12 +109,37 @@ class KVCacheManager:
         num_needed = self.num_blocks_needed(request, num_new_tokens, len(hit_block_ids))
         if not self.block_pool.can_allocate(num_needed + num_revived):
             return False
+        slots = self.window_slots
+        hit_in_window: list[int] = []
+        if slots is not None:
+            first = self.first_in_window(len(hit_block_ids) * self.block_size)
+            hit_in_window = hit_block_ids[first:]
+            if slots.num_to_take(hit_in_window) + num_needed > slots.num_free:
+                return False
         if hit_block_ids:
             self.block_pool.touch(hit_block_ids)
             request.block_ids.extend(hit_block_ids)
             request.num_computed_tokens = len(hit_block_ids) * self.block_size
-        request.block_ids.extend(self.block_pool.allocate(num_needed))
+        new_block_ids = self.block_pool.allocate(num_needed)
+        request.block_ids.extend(new_block_ids)
+        if slots is not None:
+            if hit_block_ids:
+                request.num_window_released = len(hit_block_ids) - len(hit_in_window)
+                slots.hold(hit_in_window)
+            for block_id in new_block_ids:
+                slots.forget(block_id)  # NOTE: a reused id's old sliding KV is not its own
+            slots.hold(new_block_ids)
         return True
+
+    def release_window(self, request: Request) -> None:
+        """Lets go of the window slots of the request's blocks that its next token (and every
+        later one) is a whole window past."""
+        if self.window_slots is None:
+            return
+        first = min(self.first_in_window(request.num_computed_tokens), len(request.block_ids))
+        if first > request.num_window_released:
+            self.window_slots.let_go(request.block_ids[request.num_window_released : first])
+            request.num_window_released = first
 
     def cache_blocks(self, request: Request) -> None:
         """Hashes the request's blocks that became full of computed KV and caches them."""
@@ -102,6 +157,9 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, and forgets its block table."""
+        if self.window_slots is not None:
+            self.window_slots.let_go(request.block_ids[request.num_window_released :])
+            request.num_window_released = 0
         self.block_pool.free(reversed(request.block_ids))
         request.block_ids = []
         request.block_hashes = []

@@ -77,6 +77,8 @@ class Request:
         self.seed = seed
         self.block_ids = list(block_ids)
         self.block_hashes: list[BlockHash] = []
+        self.num_window_released = 0
+        """Leading blocks whose window slots the request let go (or never held)."""
         self.num_computed_tokens = num_computed_tokens
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0

@@ -155,6 +155,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache_manager.cache_blocks(request)
+            self.kv_cache_manager.release_window(request)
             new_token_ids: list[int] = []
             if item.completes_prompt:
                 token_id = sampled_token_ids[request.request_id]
