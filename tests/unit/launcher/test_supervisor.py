@@ -13,7 +13,13 @@ import structlog
 from pdserve.common.config import from_args
 from pdserve.launcher.__main__ import parse_args
 from pdserve.launcher.config import ClusterConfig
-from pdserve.launcher.supervisor import RestartDecision, RestartPolicy, Supervisor, exit_fields
+from pdserve.launcher.supervisor import (
+    PORT_WAIT_S,
+    RestartDecision,
+    RestartPolicy,
+    Supervisor,
+    exit_fields,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +73,11 @@ class FakeCluster:
     @property
     def children(self) -> list[Any]:
         return [*self.gateways, *self.decodes]
+
+    busy: dict[str, list[int]] = field(default_factory=dict)
+
+    def busy_ports(self, child: Any) -> list[int]:
+        return self.busy.get(child.name, [])
 
     def restart(self, child: Any) -> Any:
         self.next_pid += 1
@@ -130,6 +141,52 @@ def test_a_dead_service_is_restarted_after_its_wait_and_the_others_are_left_alon
         "gateway", 2, 2
     )  # fmt: skip
     assert supervisor.num_restarts == {"gateway": 2}
+
+
+def test_a_restart_waits_for_the_ports_its_service_binds_again() -> None:
+    cluster = FakeCluster([FakeChild("gateway", 1, 0.0)], [], busy={"gateway": [8000]})
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=1, backoff_s=1.0),
+                            clock=lambda: cluster.clock[0])  # fmt: skip
+    cluster.gateways[0].returncode = -signal.SIGKILL
+    with structlog.testing.capture_logs() as logs:
+        supervisor.poll()
+        cluster.clock[0] = 2.0
+        supervisor.poll()
+        cluster.clock[0] = 3.0
+        supervisor.poll()
+        assert not cluster.restarted, "started while another socket held its port"
+        cluster.busy = {}
+        supervisor.poll()
+    assert cluster.restarted == ["gateway"]
+    (busy,) = _events(logs, "service_ports_busy")  # once, not per poll
+    assert busy["ports"] == [8000]
+
+
+def test_a_port_that_stays_taken_is_waited_for_at_most_port_wait_s() -> None:
+    cluster = FakeCluster([FakeChild("gateway", 1, 0.0)], [], busy={"gateway": [8000]})
+    supervisor = Supervisor(cluster, RestartPolicy(max_restarts=1, backoff_s=1.0),
+                            clock=lambda: cluster.clock[0])  # fmt: skip
+    cluster.gateways[0].returncode = 1
+    supervisor.poll()
+    cluster.clock[0] = 1.0 + PORT_WAIT_S - 0.1
+    supervisor.poll()
+    assert not cluster.restarted
+    cluster.clock[0] = 1.0 + PORT_WAIT_S
+    supervisor.poll()  # NOTE: a gateway that cannot bind then exits, as before
+    assert cluster.restarted == ["gateway"]
+
+
+def test_a_free_port_is_told_from_a_taken_one() -> None:
+    import socket
+
+    from pdserve.launcher.cluster import _is_free
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not _is_free("127.0.0.1", port)
+    assert _is_free("127.0.0.1", port)
 
 
 def test_the_flags_reach_the_config_and_negative_values_are_refused() -> None:

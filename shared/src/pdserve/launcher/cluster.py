@@ -21,6 +21,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -146,6 +147,15 @@ class Cluster:
         members[members.index(child)] = restarted
         return restarted
 
+    def busy_ports(self, child: ChildProcess) -> list[int]:
+        """The ports `child` binds again when restarted (a gateway's; the others take new
+        ones) that another socket holds now."""
+        if child not in self.gateways:
+            return []
+        index = self.gateways.index(child)
+        ports = (self.http_ports[index], self.grpc_ports[index], self.internal_ports[index])
+        return [port for port in ports if port and not _is_free(self.config.host, port)]
+
     def start(self) -> None:
         """Starts everything and returns once every backend registered with the gateway.
 
@@ -247,6 +257,18 @@ class Cluster:
             child.close()
         if self.tls_dir is not None:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
+
+
+def _is_free(host: str, port: int) -> bool:
+    """Whether a listening socket could bind `host:port` now, with the options gRPC's and
+    uvicorn's servers set (address reuse)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def gateway_name(index: int) -> str:

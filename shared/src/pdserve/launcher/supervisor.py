@@ -29,6 +29,10 @@ MAX_BACKOFF_S = 30.0
 STABLE_AFTER_S = 60.0
 """A service that ran this long before it exited is restarted as if for the first time."""
 
+PORT_WAIT_S = 30.0
+"""How long a restart waits for the ports its service must bind again to be free (a
+gateway's: clients and instances know it by them) before it starts it anyway."""
+
 
 class RestartDecision(NamedTuple):
     """What to do about a service that exited.
@@ -98,10 +102,15 @@ class SupervisedCluster(Protocol):
 
     def restart(self, child: ChildProcess) -> ChildProcess: ...
 
+    def busy_ports(self, child: ChildProcess) -> list[int]:
+        """The ports `child`'s restart must bind again that another socket holds now."""
+        ...
+
 
 class _Pending(NamedTuple):
     restart_at: float
     delay_s: float
+    is_port_logged: bool = False
 
 
 class Supervisor:
@@ -166,6 +175,16 @@ class Supervisor:
                 pending = _Pending(now + decision.delay_s, decision.delay_s)
                 self._pending[child.name] = pending
             if now >= pending.restart_at:
+                # NOTE: on a busy host another process may hold one of a gateway's ports for a
+                # while (an outgoing connection's ephemeral port): its restart waits for them,
+                # since one that cannot bind exits and spends a restart.
+                busy = self.cluster.busy_ports(child)
+                waited_s = now - pending.restart_at
+                if busy and waited_s < PORT_WAIT_S:
+                    if not pending.is_port_logged:
+                        log.warning("service_ports_busy", service=child.name, ports=busy)
+                        self._pending[child.name] = pending._replace(is_port_logged=True)
+                    continue
                 del self._pending[child.name]
                 restarted = self.cluster.restart(child)
                 log.info(
