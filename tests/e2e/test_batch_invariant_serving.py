@@ -97,7 +97,7 @@ async def test_the_same_tokens_after_the_decode_is_sigkilled_mid_stream(
     alone = await _alone(cluster, {"temperature": 0.0})
     async with cluster.openai(timeout_s=120) as client:
         moved = await greedy_streams_through_a_decode_kill(
-            cluster, client, PROMPTS, NUM_TOKENS, alone, num_streaming_tokens=16
+            cluster, client, PROMPTS, NUM_TOKENS, alone
         )
     equal = sum(got == want for got, want in zip(moved, alone, strict=True))
     assert equal == len(PROMPTS), f"{equal} of {len(PROMPTS)} equal after the decode was lost"

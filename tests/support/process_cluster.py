@@ -29,6 +29,7 @@ from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from support.etcd_server import EtcdServer, running_etcd
+from support.eventually import eventually
 
 STARTED_EVENTS = ("prefill_started", "decode_started")
 
@@ -387,28 +388,31 @@ async def greedy_streams_through_a_decode_kill(
     prompts: list[str],
     max_tokens: int,
     alone: list[list[int]],
-    num_streaming_tokens: int = 8,
 ) -> list[list[int]]:
     """Greedy streams of `prompts` (``ignore_eos``), the decode holding the most of them
-    SIGKILLed once each has `num_streaming_tokens` tokens; their token ids once they end.
+    SIGKILLed once each decodes (its lease committed, read from the decodes' logs: a client
+    reading behind the decodes on a busy machine saw first tokens only after whole streams had
+    ended); their token ids once they end.
 
     When no decode held one at the count (a busy machine ran them all out first), they are
     checked against `alone` and started again, up to three times.
     """
 
+    def num_committed() -> int:
+        return sum(len(events_named(d, "lease_committed")) for d in cluster.decodes)
+
     async def streaming() -> list[asyncio.Task[list[int]]]:
-        events = [asyncio.Event() for _ in prompts]
+        wanted = num_committed() + len(prompts)
         tasks = [
             asyncio.create_task(
                 stream_token_ids(
                     client, cluster.model_name, prompt, max_tokens=max_tokens, timeout_s=120,
-                    on_tokens=set_when_streaming(event, num_streaming_tokens), temperature=0.0,
-                    extra_body={"ignore_eos": True},
+                    temperature=0.0, extra_body={"ignore_eos": True},
                 )
             )
-            for prompt, event in zip(prompts, events, strict=True)
+            for prompt in prompts
         ]  # fmt: skip
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+        await eventually(lambda: num_committed() >= wanted, 60, "every stream decoding")
         return tasks
 
     for attempt in range(3):
