@@ -66,6 +66,7 @@ from support.process_cluster import (
     address,
     busiest_decode,
     events_named,
+    num_committed,
     running_cluster,
     set_when_streaming,
     stream_choices,
@@ -457,14 +458,10 @@ async def test_sigkill_decode_mid_stream(two_decodes: ChaosCluster, kinds: tuple
         before it streams: forced tool calls decode slowly under their grammar and plain
         streams end within seconds."""
         started: dict[int, list[asyncio.Task[Any]]] = {}
-
-        def num_committed() -> int:
-            return sum(len(events_named(d, "lease_committed")) for d in cluster.decodes)
-
         for index in reversed(range(len(loads))):
             load = loads[index]
             events = [asyncio.Event() for _ in load.starters]
-            committed = num_committed()
+            committed = num_committed(cluster)
             started[index] = [
                 asyncio.create_task(
                     start(client, set_when_streaming(event, load.num_decoding_tokens))
@@ -479,7 +476,11 @@ async def test_sigkill_decode_mid_stream(two_decodes: ChaosCluster, kinds: tuple
             # busy machine, where the client reads behind the decodes and a 300-token stream
             # could end before the count.
             wanted = committed + len(load.starters)
-            await eventually(lambda: num_committed() >= wanted, 60, "the last streams decoding")  # noqa: B023
+
+            def decoding(wanted: int = wanted) -> bool:
+                return num_committed(cluster) >= wanted
+
+            await eventually(decoding, 60, "the last streams decoding")
         return [task for index in range(len(loads)) for task in started[index]]
 
     def check(results: list[Any]) -> None:

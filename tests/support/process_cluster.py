@@ -382,6 +382,11 @@ async def busiest_decode(cluster: ProcessCluster) -> tuple[ChildProcess, int]:
     return victim, max(running)
 
 
+def num_committed(cluster: ProcessCluster) -> int:
+    """Leases the cluster's decodes committed (a request decodes from then), from their logs."""
+    return sum(len(events_named(d, "lease_committed")) for d in cluster.decodes)
+
+
 async def greedy_streams_through_a_decode_kill(
     cluster: ProcessCluster,
     client: openai.AsyncOpenAI,
@@ -398,11 +403,8 @@ async def greedy_streams_through_a_decode_kill(
     checked against `alone` and started again, up to three times.
     """
 
-    def num_committed() -> int:
-        return sum(len(events_named(d, "lease_committed")) for d in cluster.decodes)
-
     async def streaming() -> list[asyncio.Task[list[int]]]:
-        wanted = num_committed() + len(prompts)
+        wanted = num_committed(cluster) + len(prompts)
         tasks = [
             asyncio.create_task(
                 stream_token_ids(
@@ -412,7 +414,7 @@ async def greedy_streams_through_a_decode_kill(
             )
             for prompt in prompts
         ]  # fmt: skip
-        await eventually(lambda: num_committed() >= wanted, 60, "every stream decoding")
+        await eventually(lambda: num_committed(cluster) >= wanted, 60, "every stream decoding")
         return tasks
 
     for attempt in range(3):

@@ -140,17 +140,15 @@ class KVCache:
             raise ValueError("a cache with window layers allocates its own storage")
         if any(not 0 <= i < layout.num_layers for i in window_layers):
             raise ValueError(f"window layers {window_layers} outside {layout.num_layers} layers")
-        # NOTE: each layer's storage: (in window_kv rather than kv, index of the layer there).
         full_layers = [i for i in range(layout.num_layers) if i not in window_layers]
-        self._storage: list[tuple[bool, int]] = [(False, i) for i in range(layout.num_layers)]
+        # NOTE: each layer's storage: (in window_kv rather than kv, index of the layer there).
+        where = {layer: (False, index) for index, layer in enumerate(full_layers)}
+        where |= {layer: (True, index) for index, layer in enumerate(window_layers)}
+        self._storage = [where[layer] for layer in range(layout.num_layers)]
         self.window_slots: WindowSlots | None = None
         shape = layout.cache_shape(num_blocks)
         if window_layers:
             self.window_slots = WindowSlots(num_window_slots, num_blocks, device)
-            for index, layer in enumerate(full_layers):
-                self._storage[layer] = (False, index)
-            for index, layer in enumerate(window_layers):
-                self._storage[layer] = (True, index)
             shape = (len(full_layers), *shape[1:])
             window_shape = (len(window_layers), *layout.cache_shape(num_window_slots)[1:])
             # window_kv: [len(window_layers), 2, num_window_slots, block_size, heads, head_dim]

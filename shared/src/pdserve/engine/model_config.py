@@ -158,6 +158,16 @@ class ModelConfig:
         """The attention window of a layer in tokens, ``None`` for full attention."""
         return self.sliding_windows[layer_index] if self.sliding_windows else None
 
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """The layers with a sliding window."""
+        return tuple(i for i, window in enumerate(self.sliding_windows) if window is not None)
+
+    @property
+    def widest_window(self) -> int:
+        """The widest sliding window in tokens (0 without one)."""
+        return max((w for w in self.sliding_windows if w is not None), default=0)
+
     def is_rope_layer(self, layer_index: int) -> bool:
         """Whether a layer rotates q and k (SmolLM3 leaves some out)."""
         return not self.rope_layers or self.rope_layers[layer_index]

@@ -172,8 +172,7 @@ def window_cache_size(
     block ids for the full-attention layers (at most what ``max_seqs`` longest sequences hold).
     """
     num_layers = model_config.num_hidden_layers
-    windows = {i: model_config.sliding_window(i) for i in range(num_layers)}
-    window_layers = tuple(i for i, w in windows.items() if w is not None)
+    window_layers = model_config.window_layers
     if (
         not config.cache.release_window_blocks
         or not window_layers
@@ -182,7 +181,7 @@ def window_cache_size(
     ):
         return None
     block_size = config.cache.block_size
-    window = max(w for w in windows.values() if w is not None)
+    window = model_config.widest_window
     max_seqs = config.cache.max_seqs or config.scheduler.max_num_seqs
     per_seq = num_blocks_for(window + config.scheduler.max_num_batched_tokens, block_size) + 1
     num_slots = max(1, min(num_blocks, max_seqs * per_seq))

@@ -47,13 +47,11 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
         )
         self.block_pool = BlockPool(self.kv_cache.num_blocks, config.cache.enable_prefix_caching)
-        windows = [
-            w
-            for i in self.kv_cache.window_layers
-            if (w := self.model_config.sliding_window(i)) is not None
-        ]
         self.kv_cache_manager = KVCacheManager(
-            self.block_pool, self.block_size, self.kv_cache.window_slots, max(windows, default=0)
+            self.block_pool,
+            self.block_size,
+            self.kv_cache.window_slots,
+            self.model_config.widest_window,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.max_model_len)
         self.sampler = Sampler(self.model_config.eos_token_ids)

@@ -126,8 +126,8 @@ class KVCacheManager:
             if hit_block_ids:
                 request.num_window_released = len(hit_block_ids) - len(hit_in_window)
                 slots.hold(hit_in_window)
-            for block_id in new_block_ids:
-                slots.forget(block_id)  # NOTE: a reused id's old sliding KV is not its own
+            # NOTE: a reused id still mapped to a free slot takes that slot back; its stale
+            # positions are rewritten before any window reads them.
             slots.hold(new_block_ids)
         return True
 
