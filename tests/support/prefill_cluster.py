@@ -39,8 +39,14 @@ from support.process_cluster import forced_kv_transport
 BLOCK_SIZE = 4
 
 
-def load_host(model_dir: Path, num_blocks: int, tensor_parallel_size: int = 1) -> ModelHost:
-    """A tiny model's host; split over `tensor_parallel_size` ranks (one thread each)."""
+def load_host(
+    model_dir: Path,
+    num_blocks: int,
+    tensor_parallel_size: int = 1,
+    decode: DecodeConfig | None = None,
+) -> ModelHost:
+    """A tiny model's host; split over `tensor_parallel_size` ranks (one thread each); a
+    `decode`'s cache as that decode sizes it (its window slots, ``--release-window-blocks``)."""
     return ModelHost.load(
         str(model_dir),
         "tiny",
@@ -52,6 +58,9 @@ def load_host(model_dir: Path, num_blocks: int, tensor_parallel_size: int = 1) -
         max_model_len=None,
         num_threads=1 if tensor_parallel_size > 1 else None,
         tensor_parallel_size=tensor_parallel_size,
+        max_seqs=None if decode is None else decode.kv_cache_max_seqs,
+        release_window_blocks=decode is not None and decode.kv_cache_releases_window_blocks,
+        max_step_tokens=None if decode is None else decode.max_num_seqs,
     )
 
 
@@ -111,7 +120,7 @@ async def start_decode(
         insecure=True,
         **overrides,  # type: ignore[arg-type]
     )
-    host = load_host(model_dir, num_blocks, tensor_parallel_size)
+    host = load_host(model_dir, num_blocks, tensor_parallel_size, config)
     return await create_decode(config, host, interceptors=interceptors)
 
 

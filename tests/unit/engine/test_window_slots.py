@@ -179,5 +179,10 @@ def test_a_window_layer_exports_and_imports_its_blocks_through_their_slots() -> 
     assert torch.equal(cache.layer(1)[0][6].flatten(), k + 1)  # a full layer: by block id
     with pytest.raises(KeyError, match="block 5 has no window slot"):
         cache.export_blocks(0, [5])
-    with pytest.raises(ValueError, match="stays in its process"):
-        cache.place_in(memoryview(bytearray(cache.nbytes)))
+    # Placed in a buffer (a shared-memory segment), the window storage follows the blocks'.
+    buffer = bytearray(cache.nbytes)
+    cache.place_in(memoryview(buffer))
+    assert bytes(cache.export_blocks(2, [6]).k) == k.numpy().tobytes()
+    slot_bytes = 2 * 2 * 2 * (2 * 4) * 4  # [2 window layers][K, V][2 slots][2 x 4 floats]
+    assert cache.window_kv.data_ptr() - cache.kv.data_ptr() == len(buffer) - slot_bytes
+    assert buffer[-slot_bytes:] == cache.window_kv.numpy().tobytes()

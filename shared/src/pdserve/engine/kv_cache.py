@@ -101,8 +101,9 @@ class KVCache:
     With ``window_layers`` (sliding-window layers that keep only their window,
     `pdserve.engine.window_slots`), ``kv`` holds the other layers only and the window layers'
     K/V live in ``window_kv``, ``[len(window_layers), 2, num_window_slots, block_size, ...]``,
-    addressed through ``window_slots``. Such a cache stays in its process: it cannot be placed
-    in a shared segment or registered with a transport.
+    addressed through ``window_slots``. Placed in a shared segment (`place_in`), the window
+    storage follows the blocks'; a writer in another process addresses a window layer's block
+    by its slot (a decode's lease names them).
 
     Args:
         layout: Shape and dtype of the blocks.
@@ -172,7 +173,8 @@ class KVCache:
 
     def place_in(self, buffer: memoryview) -> None:
         """Moves the cache into `buffer` (e.g. a shared-memory mapping of at least `nbytes`
-        bytes, on CPU), keeping its contents; the old tensor is dropped.
+        bytes, on CPU), keeping its contents; the old tensor is dropped. A cache with window
+        slots puts their storage (``window_kv``) right after the blocks'.
 
         Raises:
             ValueError: If the cache is not on CPU, is shared with other processes, or `buffer`
@@ -180,8 +182,6 @@ class KVCache:
         """
         if self.shared_path is not None:
             raise ValueError("a cache shared with other processes cannot move")
-        if self.window_slots is not None:
-            raise ValueError("a cache with window slots stays in its process")
         if self.kv.device.type != "cpu":
             raise ValueError("only a CPU cache can be placed in a host buffer")
         if len(buffer) < self.nbytes:
@@ -189,9 +189,16 @@ class KVCache:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             placed = torch.frombuffer(buffer, dtype=torch.uint8, count=self.nbytes)
-        placed = placed.view(self.dtype).view(self.kv.shape)
-        placed.copy_(self.kv)
-        self.kv = placed
+        placed = placed.view(self.dtype)
+        # NOTE: the window slots' storage (if any) follows the blocks' in the buffer.
+        num_kv = self.kv.numel()
+        kv = placed[:num_kv].view(self.kv.shape)
+        kv.copy_(self.kv)
+        self.kv = kv
+        if self.window_slots is not None:
+            window_kv = placed[num_kv:].view(self.window_kv.shape)
+            window_kv.copy_(self.window_kv)
+            self.window_kv = window_kv
 
     def block_bytes(self, layer_cache: torch.Tensor, start: int, stop: int) -> memoryview:
         """The bytes of blocks [start, stop) of one layer's K or V (a `layer` view) on CPU, as
@@ -215,7 +222,7 @@ class KVCache:
         storage = self.window_kv if is_window else self.kv
         return storage[index, 0], storage[index, 1]
 
-    def _physical(self, layer_index: int, block_ids: Sequence[int]) -> list[int]:
+    def physical_blocks(self, layer_index: int, block_ids: Sequence[int]) -> list[int]:
         """Where `block_ids` live in the layer's storage: the ids, or a window layer's slots."""
         if self.window_slots is None or not self.is_window_layer(layer_index):
             return list(block_ids)
@@ -241,7 +248,7 @@ class KVCache:
         """
         if not block_ids:
             raise ValueError("export_blocks needs at least one block id")
-        block_ids = self._physical(layer_index, block_ids)
+        block_ids = self.physical_blocks(layer_index, block_ids)
         k_cache, v_cache = self.layer(layer_index)
         if _contiguous_run(block_ids):
             first = block_ids[0]
@@ -271,7 +278,7 @@ class KVCache:
                 f"expected {expected} bytes each for K and V of {len(block_ids)} blocks, "
                 f"got {len(k)} and {len(v)}"
             )
-        block_ids = self._physical(layer_index, block_ids)
+        block_ids = self.physical_blocks(layer_index, block_ids)
         k_cache, v_cache = self.layer(layer_index)
         shape = (len(block_ids), *k_cache.shape[1:])
         k_src = self._from_bytes(k).view(shape)

@@ -20,6 +20,12 @@ from collections.abc import Iterable
 import torch
 
 
+def first_in_window(position: int, window: int, block_size: int) -> int:
+    """The first block that a query at `position` (and every later one) may read in a sliding
+    layer of `window` keys: the blocks before it are a whole window behind."""
+    return max(0, position - window + 1) // block_size
+
+
 class WindowSlots:
     """Maps block ids to the sliding layers' slots, with a reference count per held slot.
 

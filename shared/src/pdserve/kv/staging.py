@@ -63,6 +63,7 @@ class HostStaging:
         view = buffer.numpy().data.cast("B")
         fill(view[:num_bytes])
         fill(view[num_bytes:])
+        block_ids = self.kv_cache.physical_blocks(layer_index, block_ids)
         k_cache, v_cache = self.kv_cache.layer(layer_index)
         shape = (len(block_ids), *k_cache.shape[1:])
         if self._stream is None:
@@ -100,6 +101,7 @@ def export_to_host(
     k_cache, v_cache = kv_cache.layer(layer_index)
     copies = []
     for block_ids in pieces:
+        block_ids = kv_cache.physical_blocks(layer_index, block_ids)
         index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
         pair = []
         for cache in (k_cache, v_cache):

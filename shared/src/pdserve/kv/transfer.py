@@ -57,6 +57,7 @@ def blocks_crc32c(kv_cache: KVCache, layer_index: int, block_ids: Sequence[int])
     """The chunk CRC-32C of blocks already in `kv_cache`: K of `block_ids` in order, then V,
     computed on the cache itself (runs of consecutive ids are not copied), or on a host copy
     of each run for a cache in device memory."""
+    block_ids = kv_cache.physical_blocks(layer_index, block_ids)
     k_cache, v_cache = kv_cache.layer(layer_index)
     crc = 0
     for cache in (k_cache, v_cache):
@@ -145,11 +146,20 @@ def layer_pieces(
 
 
 def sequence_pieces(
-    kv_cache: KVCache, block_ids: Sequence[int], max_chunk_bytes: int, first_block: int = 0
+    kv_cache: KVCache,
+    block_ids: Sequence[int],
+    max_chunk_bytes: int,
+    first_block: int = 0,
+    window_layers: frozenset[int] = frozenset(),
+    first_window_block: int = 0,
 ) -> Iterator[KvPiece]:
     """Every layer's pieces of a whole computed sequence from logical block `first_block` on
     (the receiver holds those before it), layer by layer: what the prefill exports for a
-    prompt computed in one pass."""
+    prompt computed in one pass. The layers of `window_layers` start at `first_window_block`
+    if that is later (a receiver that keeps only their window skips the blocks before)."""
     num_blocks_per_piece = blocks_per_piece(kv_cache.layout, max_chunk_bytes)
     for layer_index in range(kv_cache.layout.num_layers):
-        yield from layer_pieces(kv_cache, layer_index, block_ids, num_blocks_per_piece, first_block)
+        first = first_block
+        if layer_index in window_layers:
+            first = max(first, first_window_block)
+        yield from layer_pieces(kv_cache, layer_index, block_ids, num_blocks_per_piece, first)

@@ -244,6 +244,12 @@ class InstanceConfig(ServiceConfig):
         return False
 
     @property
+    def kv_cache_releases_window_blocks(self) -> bool:
+        """Whether the cache's sliding-window layers keep only their window (a decode's
+        ``--release-window-blocks``; `pdserve.engine.window_slots`)."""
+        return False
+
+    @property
     def runs_decode_steps(self) -> bool:
         """Whether the role's engine steps decodes (a decode), so graphs may pay off."""
         return False

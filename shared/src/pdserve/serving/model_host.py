@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pdserve.common.model_identity import model_id as compute_model_id
 from pdserve.engine.batch_invariant import INVARIANT_BACKEND
-from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine.constraints import ConstraintCompiler
 from pdserve.engine.load_runner import load_runner
 from pdserve.engine.model_store import resolve_model
@@ -61,6 +61,8 @@ class ModelHost:
         quantization: str = "auto",
         enforce_eager: bool = False,
         deterministic: bool = False,
+        release_window_blocks: bool = False,
+        max_step_tokens: int | None = None,
     ) -> ModelHost:
         """Loads the checkpoint and allocates the KV cache.
 
@@ -81,6 +83,10 @@ class ModelHost:
             quantization: ``auto``, ``none``, ``int8`` or ``int4`` (`pdserve.engine.config`).
             enforce_eager: Capture no decode graphs on CUDA (`pdserve.engine.graphs`).
             deterministic: Batch-invariant numerics (`pdserve.engine.batch_invariant`).
+            release_window_blocks: Sliding-window layers keep only their window
+                (`pdserve.engine.window_slots`; one rank, no decode graphs).
+            max_step_tokens: Most tokens one step computes (a decode: one per request), which
+                sizes the window slots; the engine's default when None.
 
         Raises:
             ValueError: For a model that names nothing servable, or bad settings.
@@ -98,6 +104,7 @@ class ModelHost:
             memory_fraction=kv_cache_memory_fraction,
             max_seqs=max_seqs,
             shm_dir=str(SHM_DIR) if kv_cache_in_shm else None,
+            release_window_blocks=release_window_blocks,
         )
         engine_config = EngineConfig(
             model=str(model_dir),
@@ -112,6 +119,10 @@ class ModelHost:
             enforce_eager=enforce_eager,
             deterministic=deterministic,
             cache=cache,
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_seqs or SchedulerConfig.max_num_seqs,
+                max_num_batched_tokens=max_step_tokens or SchedulerConfig.max_num_batched_tokens,
+            ),
         )
         runner = load_runner(engine_config)
         name = served_model_name or resolved.name
@@ -148,6 +159,8 @@ class ModelHost:
             quantization=config.quantization,
             enforce_eager=config.enforce_eager or not config.runs_decode_steps,
             deterministic=config.deterministic,
+            release_window_blocks=config.kv_cache_releases_window_blocks,
+            max_step_tokens=config.kv_cache_max_seqs if config.runs_decode_steps else None,
         )
 
     @property

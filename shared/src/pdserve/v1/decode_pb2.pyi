@@ -113,7 +113,7 @@ class Transport(_message.Message):
     def __init__(self, kind: _Optional[_Union[TransportKind, str]] = ..., address: _Optional[str] = ..., token: _Optional[bytes] = ..., cache_handle: _Optional[_Union[KvCacheHandle, _Mapping]] = ..., nixl: _Optional[_Union[NixlTarget, _Mapping]] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id", "num_shared_blocks")
+    __slots__ = ("lease_id", "block_ids", "block_size", "expires_at_unix_ms", "ttl_ms", "transports", "decode_instance_id", "num_shared_blocks", "num_window_skipped_blocks", "num_window_slots", "window_slot_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,9 @@ class Lease(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WINDOW_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
@@ -130,7 +133,10 @@ class Lease(_message.Message):
     transports: _containers.RepeatedCompositeFieldContainer[Transport]
     decode_instance_id: str
     num_shared_blocks: int
-    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ..., num_shared_blocks: _Optional[int] = ...) -> None: ...
+    num_window_skipped_blocks: int
+    num_window_slots: int
+    window_slot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ..., num_shared_blocks: _Optional[int] = ..., num_window_skipped_blocks: _Optional[int] = ..., num_window_slots: _Optional[int] = ..., window_slot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocateBlocksRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "max_new_tokens", "kv_layout", "protocol", "prefill_instance_id", "share_key")

@@ -73,6 +73,19 @@ class DecodeConfig(InstanceConfig):
             "data port; into a CUDA cache through pinned host buffers); empty offers gRPC only"
         },
     )
+    release_window_blocks: bool = field(
+        default=True,
+        metadata={
+            "help": "sliding-window layers (Gemma 3, gpt-oss, Mistral) keep only their window: "
+            "their KV lives in window slots that a request lets go of once its next token is a "
+            "whole window past a block, a lease skips those layers' KV of the prompt blocks a "
+            "window behind its end (the prefill does not send it), and the memory goes to "
+            "more blocks for the other layers. No effect on a model without sliding layers, "
+            "tensor parallelism or CUDA graphs. The KV then arrives over shm, tcp or gRPC "
+            "(nixl and cuda_ipc address every layer by block id and are not offered): "
+            "--no-release-window-blocks keeps every layer's blocks and those transports",
+        },
+    )
     kv_tcp_port: int = field(
         default=0,
         metadata={
@@ -136,3 +149,7 @@ class DecodeConfig(InstanceConfig):
     @property
     def kv_cache_in_shm(self) -> bool:
         return "shm" in self.kv_transport_kinds and self.device.split(":")[0] == "cpu"
+
+    @property
+    def kv_cache_releases_window_blocks(self) -> bool:
+        return self.release_window_blocks

@@ -18,6 +18,7 @@ from pdserve.decode.events import (
 )
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
+from pdserve.engine.window_slots import WindowSlots
 from pdserve.kv.transports.offer import TransportOffer
 from pdserve.serving.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.serving.transports import transport_to_proto
@@ -49,10 +50,11 @@ def lease_to_proto(
     ttl_s: float,
     instance_id: str,
     offers: Sequence[TransportOffer] = (),
+    window_slots: WindowSlots | None = None,
 ) -> decode_pb2.Lease:
     """The Lease message granting `request`'s blocks: the `offers` in order, then gRPC
     SyncCache, each with the lease's token (never log this message: the token is the lease's
-    only credential)."""
+    only credential); with the cache's `window_slots`, the slots its window blocks hold."""
     ttl_ms = round(ttl_s * 1000)
     transports = [
         transport_to_proto(offer, request.lease_token, request.block_ids) for offer in offers
@@ -71,6 +73,13 @@ def lease_to_proto(
         ],
         decode_instance_id=instance_id,
         num_shared_blocks=request.num_shared_blocks,
+        num_window_skipped_blocks=request.num_window_released,
+        num_window_slots=0 if window_slots is None else window_slots.num_slots,
+        window_slot_ids=(
+            []
+            if window_slots is None
+            else [window_slots.slot_of(b) for b in request.block_ids[request.num_window_released :]]
+        ),
     )
 
 

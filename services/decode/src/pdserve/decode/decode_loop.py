@@ -225,6 +225,7 @@ class DecodeLoop(EngineThread):
             request.num_remaining_tokens = request.sampling.max_tokens - (index + 1)
             logprobs = () if picked.logprobs is None else (picked.logprobs,)
             request.events.emit(TokensEvent((token,), index, logprobs))
+            self.leases.table.release_window(request)
             finish = self._check_stop(request)
             if finish is not None:
                 self._finish(request, finish)

@@ -21,6 +21,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
+from pdserve.decode.sliding_kv import SlidingKV
 from pdserve.engine.block_pool import BlockPool
 
 NUM_REMEMBERED_ENDED = 4096
@@ -33,14 +34,20 @@ class LeaseTable:
         pool: The decode's block pool.
         block_size: Tokens per block.
         clock: Monotonic clock (injectable for tests).
+        sliding: The window slots of a cache whose sliding layers keep only their window.
     """
 
     def __init__(
-        self, pool: BlockPool, block_size: int, clock: Callable[[], float] = time.monotonic
+        self,
+        pool: BlockPool,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        sliding: SlidingKV | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.clock = clock
+        self.sliding = sliding
         self.lock = threading.RLock()
         self.num_expired = 0
         self._leases: dict[str, DecodeRequest] = {}
@@ -89,7 +96,7 @@ class LeaseTable:
         with self.lock:
             lease.is_being_written = False
             if self._held_for_writer.pop(lease.lease_id, None) is not None:
-                lease.free_blocks(self.pool)
+                self._free(lease)
 
     def extend(self, lease: DecodeRequest, num_tokens: int) -> bool:
         """Grows a RUNNING lease's block table to hold `num_tokens`; False if the pool is short."""
@@ -97,10 +104,22 @@ class LeaseTable:
             missing = num_blocks_for(num_tokens, self.block_size) - len(lease.block_ids)
             if missing <= 0:
                 return True
-            if not self.pool.can_allocate(missing):
+            if not self.pool.can_allocate(missing) or not (
+                self.sliding is None or self.sliding.can_grow(missing)
+            ):
                 return False
-            lease.block_ids.extend(self.pool.allocate(missing))
+            new_blocks = self.pool.allocate(missing)
+            lease.block_ids.extend(new_blocks)
+            if self.sliding is not None:
+                self.sliding.grow(new_blocks)
             return True
+
+    def release_window(self, lease: DecodeRequest) -> None:
+        """Lets go of the window slots of a RUNNING lease's blocks its next token is a whole
+        window past (after a step; nothing without window slots)."""
+        if self.sliding is not None:
+            with self.lock:
+                self.sliding.release(lease)
 
     def end(self, request: DecodeRequest, status: RequestStatus) -> bool:
         """Ends `request` in terminal `status` (`DecodeRequest.end` frees its blocks, once) and
@@ -111,10 +130,12 @@ class LeaseTable:
         """
         with self.lock:
             is_held = request.is_being_written
-            if not request.end(status, None if is_held else self.pool):
+            if not request.end(status, None):
                 return False
             if is_held:
                 self._held_for_writer[request.lease_id] = request
+            else:
+                self._free(request)
             self._leases.pop(request.lease_id, None)
             self._ended[request.lease_id] = status
             while len(self._ended) > NUM_REMEMBERED_ENDED:
@@ -122,6 +143,11 @@ class LeaseTable:
             if status is RequestStatus.EXPIRED:
                 self.num_expired += 1
             return True
+
+    def _free(self, lease: DecodeRequest) -> None:
+        if self.sliding is not None:
+            self.sliding.let_go_all(lease)
+        lease.free_blocks(self.pool)
 
     def due_for_expiry(self) -> list[DecodeRequest]:
         """Open leases past their deadline that were never committed and attached (a

@@ -5,7 +5,9 @@ the one lock, in `lease_table`) and applies its rules: admission with headroom f
 AllocateBlocks (the arithmetic of headroom, capacity and per-peer share is pure, in
 `lease_admission`), the prompt blocks a completion shares with a live lease of the same prompt
 (pure, in `block_sharing`), and the access checks of SyncCache and ReleaseLease (the rules are
-pure, in `lease_access`), each under the table's lock.
+pure, in `lease_access`), each under the table's lock. On a cache whose sliding layers keep
+only their window, a lease also takes the window slots of its last blocks (`sliding_kv`) and
+shares no blocks (another lease's blocks may have let their sliding KV go).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.pki import Identity
 from pdserve.decode import lease_access
-from pdserve.decode.block_sharing import pending_source, share_grant, share_source
+from pdserve.decode.block_sharing import NO_SHARE, pending_source, share_grant, share_source
 from pdserve.decode.lease_admission import (
     LeaseSize,
     RecentAsks,
@@ -30,6 +32,7 @@ from pdserve.decode.lease_admission import (
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.lease_table import LeaseTable
 from pdserve.decode.request import DecodeRequest
+from pdserve.decode.sliding_kv import SlidingKV
 from pdserve.engine.block_pool import BlockPool
 
 
@@ -49,6 +52,7 @@ class LeaseManager:
             for it).
         is_insecure: Whether the plane is plaintext (callers have no certified identity; the
             weaker rules of `lease_access` apply).
+        sliding: The window slots of a cache whose sliding layers keep only their window.
     """
 
     def __init__(
@@ -63,8 +67,9 @@ class LeaseManager:
         max_model_len: int | None = None,
         max_lease_share: float = 1.0,
         is_insecure: bool = False,
+        sliding: SlidingKV | None = None,
     ) -> None:
-        self.table = LeaseTable(pool, block_size, clock)
+        self.table = LeaseTable(pool, block_size, clock, sliding)
         """The open leases, their transitions and the lock every transition runs under."""
         self.reserve_tokens = reserve_tokens
         self.ttl_s = ttl_s
@@ -102,8 +107,11 @@ class LeaseManager:
 
     def pending_share_source(self, share_key: str) -> DecodeRequest | None:
         """An open lease of `share_key` whose KV has not been committed yet (whose `ready`
-        a sibling's allocation may wait for, to share its blocks), unless one is committed."""
+        a sibling's allocation may wait for, to share its blocks), unless one is committed
+        (or blocks are not shared here: window slots)."""
         with self.table.lock:
+            if self.table.sliding is not None:
+                return None
             if share_source(self.table.open_leases(), share_key) is not None:
                 return None
             return pending_source(self.table.open_leases(), share_key)
@@ -141,14 +149,23 @@ class LeaseManager:
                 raise PdserveError(
                     ErrorReason.INSTANCE_DRAINING, "decode is draining", {"requestId": request_id}
                 )
-            share = share_grant(
-                share_source(self.table.open_leases(), share_key),
-                num_kv_tokens,
-                self.table.block_size,
+            sliding = self.table.sliding
+            share = (
+                share_grant(
+                    share_source(self.table.open_leases(), share_key),
+                    num_kv_tokens,
+                    self.table.block_size,
+                )
+                if sliding is None
+                else NO_SHARE
             )
             size = LeaseSize(size.num_blocks - len(share.block_ids), size.num_headroom_blocks)
             available = self.table.pool.num_free_blocks - self.num_reserved_blocks()
             refusal = capacity_refusal(request_id, size, available, self.capacity_retry_s)
+            if refusal is None and sliding is not None:
+                refusal = sliding.refusal(
+                    request_id, num_kv_tokens, size.num_blocks, self.capacity_retry_s
+                )
             if refusal is None:
                 refusal = share_refusal(
                     request_id,
@@ -179,6 +196,8 @@ class LeaseManager:
                 num_shared_blocks=len(share.block_ids),
                 shared_token_ids=share.token_ids,
             )
+            if sliding is not None:
+                sliding.grant(lease)
             self.table.add(lease)
             self.num_granted += 1
             if share.block_ids:

@@ -77,6 +77,17 @@ class PreemptionOffload:
         num_full = request.num_computed_tokens // self.block_size
         if num_full == 0:
             return None
+        if request.num_window_released:
+            # NOTE: its first blocks no longer hold the sliding layers' KV (window slots), and
+            # a stored block must hold every layer's: the reschedule recomputes them.
+            log.info(
+                "kv_offload_skipped",
+                request_id=request.request_id,
+                reason="sliding-window KV of its first blocks was let go",
+                num_blocks=request.num_window_released,
+            )
+            self.num_skipped += 1
+            return None
         keys = prefix_block_keys(
             self.writer.fingerprint,
             request.token_ids[: num_full * self.block_size],

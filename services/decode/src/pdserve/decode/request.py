@@ -75,6 +75,9 @@ class DecodeRequest:
         num_shared_blocks: Leading blocks of ``block_ids`` it references in another lease
             of its share key (full prompt blocks, never written by either).
         shared_token_ids: The tokens whose KV those blocks hold (its header must agree).
+        num_window_released: Leading blocks of ``block_ids`` without the sliding-window
+            layers' KV on a decode that keeps only their window (`sliding_kv`): never sent
+            (``Lease.num_window_skipped_blocks`` at the grant) or let go since.
     """
 
     lease_id: str
@@ -105,6 +108,7 @@ class DecodeRequest:
     share_key: str = ""
     num_shared_blocks: int = 0
     shared_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    num_window_released: int = 0
 
     @property
     def num_generated_tokens(self) -> int:

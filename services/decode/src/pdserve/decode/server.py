@@ -25,6 +25,7 @@ from pdserve.decode.leases import LeaseManager
 from pdserve.decode.metrics import DecodeMetrics
 from pdserve.decode.offload import PreemptionOffload
 from pdserve.decode.servicer import DecodeServicer
+from pdserve.decode.sliding_kv import SlidingKV
 from pdserve.decode.status import DecodeStatus
 from pdserve.engine.block_pool import BlockPool
 from pdserve.kv.transports.cuda_ipc import CacheExport, export_cache
@@ -41,6 +42,9 @@ NOTICE_WAIT_S = 0.2
 # NOTE: a TCP transfer may stay silent this long past the lease TTL before it fails (an
 # expired lease keeps its blocks until its writer stops; this bounds that).
 TCP_DATA_GRACE_S = 5.0
+# Transports whose sender writes into the cache's memory addressing every layer by block id
+# (shared memory addresses window storage through the lease's slots).
+BLOCK_ADDRESSED_TRANSPORTS = ("nixl", "cuda_ipc")
 
 
 class DecodeInstance(InstanceServer):
@@ -62,6 +66,12 @@ class DecodeInstance(InstanceServer):
 
     def build(self) -> None:
         config, host = self.config, self.host
+        slots = host.runner.kv_cache.window_slots
+        sliding = (
+            None
+            if slots is None
+            else SlidingKV(slots, host.runner.model_config.widest_window, host.runner.block_size)
+        )
         self.leases = LeaseManager(
             BlockPool(host.num_blocks),
             host.runner.block_size,
@@ -71,6 +81,7 @@ class DecodeInstance(InstanceServer):
             max_model_len=host.max_model_len,
             max_lease_share=config.max_lease_share,
             is_insecure=self.security.is_insecure,
+            sliding=sliding,
         )
         self.metrics = DecodeMetrics()
         self.offload = (
@@ -107,9 +118,10 @@ class DecodeInstance(InstanceServer):
         self.kv_tcp: KvTcpServer | None = None
         self.nixl_agent: CacheAgent | None = None
         self.is_closed = False
+        self.kv_transport_kinds = self._transport_kinds()
         self.servicer.transport_offers = tuple(self._open_transports())
         self.nixl_started: Future[CacheAgent] | None = None
-        if "nixl" in config.kv_transport_kinds:
+        if "nixl" in self.kv_transport_kinds:
             # NOTE: registered last: the cache no longer moves (a segment placed it).
             self.nixl_started = start_agent(host.runner.kv_cache, "decode")
             self.nixl_started.add_done_callback(self._offer_nixl)
@@ -120,7 +132,7 @@ class DecodeInstance(InstanceServer):
         out with a warning (prefills then use the next)."""
         config, host = self.config, self.host
         kv_cache = host.runner.kv_cache
-        for kind in config.kv_transport_kinds:
+        for kind in self.kv_transport_kinds:
             if kind == "cuda_ipc":
                 offer = self._export_cache()
                 if offer is not None:
@@ -148,6 +160,23 @@ class DecodeInstance(InstanceServer):
                 )
                 advertised_host = self.address.rsplit(":", 1)[0]
                 yield TransportOffer("tcp", f"{advertised_host}:{self.kv_tcp.port}")
+
+    def _transport_kinds(self) -> tuple[str, ...]:
+        """The configured transports this cache can take: one whose sliding layers keep only
+        their window takes its KV through `KVCache.import_blocks` (gRPC, TCP) or written in
+        place through the lease's slots (shm), not by a sender that addresses every layer by
+        block id (NIXL, CUDA IPC)."""
+        kinds = self.config.kv_transport_kinds
+        if self.host.runner.kv_cache.window_slots is None:
+            return kinds
+        for kind in [k for k in kinds if k in BLOCK_ADDRESSED_TRANSPORTS]:
+            log.warning(
+                "kv_transport_unavailable",
+                transport=kind,
+                detail="the sliding-window layers keep only their window "
+                "(--release-window-blocks): this transport addresses every layer by block id",
+            )
+        return tuple(k for k in kinds if k not in BLOCK_ADDRESSED_TRANSPORTS)
 
     async def start(self) -> None:
         if self.nixl_started is not None:

@@ -130,7 +130,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             lease_id=lease.lease_id,
             num_blocks=len(lease.block_ids),
             num_shared_blocks=lease.num_shared_blocks,
+            num_window_skipped_blocks=lease.num_window_released,
         )
+        sliding = self.leases.table.sliding
         return decode_pb2.AllocateBlocksResponse(
             lease=convert.lease_to_proto(
                 lease,
@@ -138,6 +140,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 self.leases.ttl_s,
                 self.instance_id,
                 self.transport_offers,
+                None if sliding is None else sliding.slots,
             ),
             protocol=local_protocol(),
         )

@@ -112,6 +112,9 @@ def lease_from_proto(lease: decode_pb2.Lease) -> LeaseGrant:
         token,
         offers,
         lease.num_shared_blocks,
+        lease.num_window_skipped_blocks,
+        lease.num_window_slots,
+        tuple(lease.window_slot_ids),
     )
 
 

@@ -20,7 +20,10 @@ class LeaseGrant:
     logged, and left out of ``repr``. ``transports`` are the decode's offers besides gRPC
     SyncCache, in its order of preference. ``num_shared_blocks`` leading blocks already hold
     the request's KV on the decode (shared with another completion of the prompt): the sender
-    ships the blocks after them.
+    ships the blocks after them. The model's sliding-window layers' KV of the first
+    ``num_window_skipped_blocks`` blocks is not shipped at all (the decode keeps only their
+    window, in ``num_window_slots`` slots: an in-place writer puts those layers' KV of the
+    blocks after the skipped ones into ``window_slot_ids``).
     """
 
     lease_id: str
@@ -29,6 +32,9 @@ class LeaseGrant:
     transport_token: bytes = field(default=b"", repr=False)
     transports: tuple[TransportOffer, ...] = ()
     num_shared_blocks: int = 0
+    num_window_skipped_blocks: int = 0
+    num_window_slots: int = 0
+    window_slot_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,12 @@ class Handoffs:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
-        self.transfers = KvTransfers(loop.runner.kv_cache, kv_transports, fault_corrupt_kv)
+        self.transfers = KvTransfers(
+            loop.runner.kv_cache,
+            kv_transports,
+            fault_corrupt_kv,
+            loop.runner.model_config.window_layers,
+        )
         self.is_draining = False
         self.is_stopping = False
         self.live: dict[str, InFlight] = {}

@@ -84,6 +84,8 @@ class PrefillLoop(EngineThread):
             kv_fingerprint,
         )
         self.blocks_per_piece = blocks_per_piece(runner.kv_cache.layout, max_chunk_bytes)
+        # NOTE: a decode that keeps only these layers' window skips their leading blocks.
+        self.window_layers = frozenset(runner.model_config.window_layers)
         self.sampler = Sampler(eos_token_ids)
         self.num_passes = 0
         self.num_prompt_tokens = 0
@@ -184,7 +186,13 @@ class PrefillLoop(EngineThread):
             ]
 
             def ship_layer(layer: int) -> None:
-                export_layer(self.runner.kv_cache, exports, layer, self.blocks_per_piece)
+                export_layer(
+                    self.runner.kv_cache,
+                    exports,
+                    layer,
+                    self.blocks_per_piece,
+                    self.window_layers,
+                )
 
             if scoring:
                 logits, every_position = self.runner.execute_with_positions(

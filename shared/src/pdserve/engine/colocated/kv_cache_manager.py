@@ -9,7 +9,7 @@ from __future__ import annotations
 from pdserve.common.generation import num_blocks_for
 from pdserve.engine.block_pool import BlockPool, hash_block_tokens
 from pdserve.engine.colocated.request import Request
-from pdserve.engine.window_slots import WindowSlots
+from pdserve.engine.window_slots import WindowSlots, first_in_window
 
 
 class KVCacheManager:
@@ -42,7 +42,7 @@ class KVCacheManager:
     def first_in_window(self, position: int) -> int:
         """The first block a query at `position` (and every later one) may read in a sliding
         layer."""
-        return max(0, position - self.window + 1) // self.block_size
+        return first_in_window(position, self.window, self.block_size)
 
     @property
     def enable_prefix_caching(self) -> bool:

@@ -10,7 +10,10 @@ of what is in the cache matches the sender's, the commit's chunk count and byte 
 what arrived, and every (layer, block) the prompt needs was written. A lease that shares its
 leading blocks with another lease (`block_sharing`) has them already: they count as written,
 a chunk into them is refused (another lease reads them), and the header's tokens must be the
-ones they hold. Anything else is CACHE_SYNC_FAILED; the caller then frees the lease.
+ones they hold. On a cache whose sliding layers keep only their window, those layers' leading
+blocks the lease skipped (``Lease.num_window_skipped_blocks``) count as written too, and a
+chunk into them is refused. Anything else is CACHE_SYNC_FAILED; the caller then frees the
+lease.
 """
 
 from __future__ import annotations
@@ -85,10 +88,21 @@ class KvReceiver:
         self.num_chunks = 0
         self.num_bytes = 0
         self.num_shared_blocks = request.num_shared_blocks
+        # NOTE: a sliding-window layer's leading blocks the lease skips (window slots) are
+        # neither sent nor written.
+        self.window_layers = frozenset(kv_cache.window_layers)
+        self.num_window_skipped = min(request.num_window_released, self.num_blocks)
         # NOTE: one flag per (layer, logical block) proves the cache is complete at commit;
-        # the shared blocks are complete already.
+        # the shared blocks (and the skipped ones) are complete already.
         row = b"\x01" * self.num_shared_blocks + bytes(self.num_blocks - self.num_shared_blocks)
-        self._written = bytearray(row * self.num_layers)
+        skipped = b"\x01" * max(self.num_shared_blocks, self.num_window_skipped)
+        window_row = skipped + row[len(skipped) :]
+        self._written = bytearray(
+            b"".join(
+                window_row if layer in self.window_layers else row
+                for layer in range(self.num_layers)
+            )
+        )
 
     def failure(
         self, message: str, code: grpc.StatusCode = grpc.StatusCode.DATA_LOSS
@@ -148,6 +162,7 @@ class KvReceiver:
             staged = self.staging.fill(meta.layer_index, block_ids, fill)
             self._staged.setdefault(meta, []).append(staged)
             return
+        block_ids = self.kv_cache.physical_blocks(meta.layer_index, block_ids)
         k_cache, v_cache = self.kv_cache.layer(meta.layer_index)
         for cache in (k_cache, v_cache):
             for start, stop in id_runs(block_ids):
@@ -200,6 +215,12 @@ class KvReceiver:
             raise self.failure(
                 f"blocks {meta.first_block}..{end - 1} include the lease's "
                 f"{self.num_shared_blocks} shared blocks"
+            )
+        if meta.layer_index in self.window_layers and meta.first_block < self.num_window_skipped:
+            # NOTE: no window slot backs them: the lease skipped them for sliding layers.
+            raise self.failure(
+                f"blocks {meta.first_block}..{end - 1} of sliding layer {meta.layer_index} "
+                f"include the lease's {self.num_window_skipped} blocks a window behind"
             )
         return self.request.block_ids[meta.first_block : end]
 

@@ -6,7 +6,8 @@ prompt is complete; a block a later chunk of the same prompt still writes to wai
 chunk, so no block is sent twice. A request's first export starts at its first unsent block,
 which includes blocks found in the prefix cache or loaded from the KV store. As each layer
 finishes, `export_layer` cuts that layer of every planned range into pieces for the requests'
-senders.
+senders; a sliding-window layer's range starts no earlier than the lease's
+``num_window_skipped_blocks`` (the decode keeps only those layers' window).
 """
 
 from __future__ import annotations
@@ -47,11 +48,20 @@ def plan_export(chunk: ScheduledChunk[Request], block_size: int) -> Export | Non
 
 
 def export_layer(
-    kv_cache: KVCache, exports: list[Export], layer_index: int, blocks_per_piece: int
+    kv_cache: KVCache,
+    exports: list[Export],
+    layer_index: int,
+    blocks_per_piece: int,
+    window_layers: frozenset[int] = frozenset(),
 ) -> None:
     """Hands layer `layer_index` of every export to its request's sink, in pieces of at most
-    `blocks_per_piece` blocks (on the engine thread, from ``on_layer_done``)."""
+    `blocks_per_piece` blocks (on the engine thread, from ``on_layer_done``); `window_layers`
+    are the model's sliding-window layers."""
     for request, first_block, end_block in exports:
+        if layer_index in window_layers and request.lease is not None:
+            first_block = max(first_block, request.lease.num_window_skipped_blocks)
+            if first_block >= end_block:
+                continue
         for piece in layer_pieces(
             kv_cache,
             layer_index,

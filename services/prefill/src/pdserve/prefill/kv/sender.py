@@ -78,7 +78,11 @@ class SyncCacheMessages:
 
 
 def sync_cache_messages(
-    request: Request, kv_cache: KVCache, first_token_id: int, max_chunk_bytes: int
+    request: Request,
+    kv_cache: KVCache,
+    first_token_id: int,
+    max_chunk_bytes: int,
+    window_layers: frozenset[int] = frozenset(),
 ) -> Iterator[decode_pb2.SyncCacheRequest]:
     """The whole SyncCache stream for `request` when its KV was computed in one pass.
 
@@ -88,11 +92,17 @@ def sync_cache_messages(
         kv_cache: The sender's cache.
         first_token_id: The sampled first token (the commit's).
         max_chunk_bytes: Most K+V bytes per chunk, as the prefill's flag.
+        window_layers: The model's sliding-window layers (the lease may skip their leading
+            blocks).
     """
     messages = SyncCacheMessages(request)
     yield messages.header()
-    num_shared = 0 if request.lease is None else request.lease.num_shared_blocks
-    for piece in sequence_pieces(kv_cache, request.block_ids, max_chunk_bytes, num_shared):
+    lease = request.lease
+    num_shared = 0 if lease is None else lease.num_shared_blocks
+    num_skipped = 0 if lease is None else lease.num_window_skipped_blocks
+    for piece in sequence_pieces(
+        kv_cache, request.block_ids, max_chunk_bytes, num_shared, window_layers, num_skipped
+    ):
         yield messages.chunk(piece)
     yield messages.commit(first_token_id, request.first_token_index)
 

@@ -5,7 +5,7 @@ checksums and commit of every in-place channel (`pdserve.prefill.kv.channels.InP
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pdserve.engine.kv_cache import KVCacheLayout
 from pdserve.kv.transports.shm import LeaseWindow, SharedKvPool
@@ -20,7 +20,8 @@ class SharedMemoryChannel(InPlaceChannel):
     Args:
         stub: The decode's stub.
         request: The request (holding its lease).
-        open_pool: Maps the decode's segment (by name) or returns the mapping already open.
+        open_pool: Maps the decode's segment (by name, and the slots of its window storage)
+            or returns the mapping already open.
         segment_name: The lease's shared-memory address.
     """
 
@@ -30,7 +31,7 @@ class SharedMemoryChannel(InPlaceChannel):
         self,
         stub: decode_pb2_grpc.DecodeServiceStub,
         request: Request,
-        open_pool: Callable[[str], SharedKvPool],
+        open_pool: Callable[[str, int], SharedKvPool],
         segment_name: str,
     ) -> None:
         super().__init__(stub, request)
@@ -40,9 +41,14 @@ class SharedMemoryChannel(InPlaceChannel):
     def _open_writer(self) -> LeaseWindow:
         assert self.request.lease is not None
         try:
-            pool = self.open_pool(self.segment_name)
             lease = self.request.lease
-            return pool.window(lease.block_ids, lease.num_shared_blocks)
+            pool = self.open_pool(self.segment_name, lease.num_window_slots)
+            return pool.window(
+                lease.block_ids,
+                lease.num_shared_blocks,
+                lease.num_window_skipped_blocks,
+                lease.window_slot_ids,
+            )
         except (OSError, ValueError) as error:
             raise TransportUnavailable(f"segment {self.segment_name}: {error}") from None
 
@@ -53,14 +59,18 @@ class SharedPools:
 
     Args:
         layout: The KV layout (the decodes' fingerprints equal the prefill's).
+        window_layers: The model's sliding-window layers (a decode may keep them in window
+            storage after its blocks).
     """
 
-    def __init__(self, layout: KVCacheLayout) -> None:
+    def __init__(self, layout: KVCacheLayout, window_layers: Sequence[int] = ()) -> None:
         self.layout = layout
+        self.window_layers = tuple(window_layers)
         self._pools: dict[str, SharedKvPool] = {}
 
-    def open(self, name: str) -> SharedKvPool:
-        """The mapping of segment `name` (mapped on first use).
+    def open(self, name: str, num_window_slots: int = 0) -> SharedKvPool:
+        """The mapping of segment `name` (mapped on first use), whose sliding layers have
+        `num_window_slots` slots of window storage (0: none).
 
         Raises:
             OSError, ValueError: As `SharedKvPool`.
@@ -69,5 +79,10 @@ class SharedPools:
         if pool is None:
             for stale in [n for n, p in self._pools.items() if not p.exists()]:
                 del self._pools[stale]
-            pool = self._pools[name] = SharedKvPool(name, self.layout)
+            pool = self._pools[name] = SharedKvPool(
+                name,
+                self.layout,
+                window_layers=self.window_layers,
+                num_window_slots=num_window_slots,
+            )
         return pool

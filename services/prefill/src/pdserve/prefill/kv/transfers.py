@@ -40,6 +40,8 @@ class KvTransfers:
         kv_transports: The KV transports this prefill may use, in order of preference.
         fault_corrupt_kv: Request-id pattern whose first KV chunk is corrupted on purpose
             (fault injection for chaos tests), or None.
+        window_layers: The model's sliding-window layers (which a decode may keep in window
+            storage, addressed through its lease's slots).
     """
 
     def __init__(
@@ -47,10 +49,11 @@ class KvTransfers:
         kv_cache: KVCache,
         kv_transports: Sequence[str] = ("grpc",),
         fault_corrupt_kv: str | None = None,
+        window_layers: Sequence[int] = (),
     ) -> None:
         self.kv_transports = tuple(kv_transports)
         self.fault_corrupt_kv = fault_corrupt_kv
-        self.shared_pools = SharedPools(kv_cache.layout)
+        self.shared_pools = SharedPools(kv_cache.layout, window_layers)
         self.mapped_caches = MappedCaches(kv_cache)
         # NOTE: this prefill's NIXL agent starts on a thread now; transfers that come first
         # wait for it (and fall back if it does not start).

@@ -1,0 +1,89 @@
+"""Sliding-window layers through the split (issue 50's measure): a decode that keeps only their
+window (``--release-window-blocks``, its default) holds under half the memory of a long
+request on a Gemma-3-shaped model, receives those layers' KV for the window only, and gives
+the same tokens as a decode that keeps every layer's blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.prefill_cluster import BLOCK_SIZE, cluster
+from support.tiny_models import build_hf_model
+
+from pdserve.common.generation import SamplingParams, num_blocks_for
+from pdserve.decode.request import DecodeRequest
+from pdserve.decode.sliding_kv import SlidingKV
+
+PROMPT = [3 + (i * 7) % 250 for i in range(4096)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+WINDOW = 512
+
+
+@pytest.fixture(scope="module")
+def gemma3_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Five sliding layers of window 512 to one global, as Gemma 3 has them."""
+    path = tmp_path_factory.mktemp("gemma3-shaped")
+    build_hf_model(
+        "gemma3",
+        num_hidden_layers=6,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=8192,
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    ).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+async def serve(model: Path, transport: str, release: bool) -> tuple[list[int], Any]:
+    """The tokens of `PROMPT` through a prefill and a decode, and the decode."""
+    decode = {"max_num_seqs": 2, "release_window_blocks": release, "kv_transports": transport}
+    async with cluster(
+        model,
+        decode_blocks=num_blocks_for(len(PROMPT) + 64, BLOCK_SIZE),
+        decode_overrides=decode,
+        num_blocks=num_blocks_for(len(PROMPT) + 64, BLOCK_SIZE),
+        max_num_batched_tokens=1024,
+        kv_transports=transport,
+    ) as pd:
+        tokens = await pd.complete("long", PROMPT, GREEDY)
+        await pd.eventually_whole()
+        return tokens, pd.decodes[0]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_a_long_request_holds_under_half_the_memory_and_the_same_tokens(
+    gemma3_shaped: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[float] = []
+    release = SlidingKV.release
+
+    def measured(self: SlidingKV, lease: DecodeRequest) -> None:
+        # NOTE: what the running request holds after each step: every block for the global
+        # layer, its slots (blocks not let go) for the five sliding ones; against all six.
+        release(self, lease)
+        num_blocks = len(lease.block_ids)
+        num_slots = num_blocks - lease.num_window_released
+        held.append((num_blocks * 1 + num_slots * 5) / (num_blocks * 6))
+
+    monkeypatch.setattr(SlidingKV, "release", measured)
+    tokens, decode = await serve(gemma3_shaped, transport, release=True)
+    whole_tokens, whole = await serve(gemma3_shaped, transport, release=False)
+    assert tokens == whole_tokens and len(tokens) == GREEDY.max_tokens
+    assert decode.host.runner.kv_cache.window_slots is not None
+    assert whole.host.runner.kv_cache.window_slots is None
+    # NOTE: 1,024 prompt blocks of the global layer and a window's 129 of each sliding one:
+    # (1024 + 5 * 129) / (6 * 1024) = 0.27.
+    assert len(held) == GREEDY.max_tokens - 1 and max(held) <= 0.5
+    num_prompt_blocks = num_blocks_for(len(PROMPT), BLOCK_SIZE)
+    num_window_blocks = num_prompt_blocks - (len(PROMPT) - WINDOW + 1) // BLOCK_SIZE
+    layer_block = 2 * decode.host.runner.kv_cache.layout.block_nbytes
+    assert whole.servicer.num_kv_bytes_received == 6 * num_prompt_blocks * layer_block
+    assert decode.servicer.num_kv_bytes_received == layer_block * (
+        num_prompt_blocks + 5 * num_window_blocks
+    )
