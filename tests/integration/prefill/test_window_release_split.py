@@ -56,7 +56,7 @@ async def serve(model: Path, transport: str, release: bool) -> tuple[list[int], 
         return tokens, pd.decodes[0]
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "nixl", "tcp"])
 async def test_a_long_request_holds_under_half_the_memory_and_the_same_tokens(
     gemma3_shaped: Path, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -151,6 +151,6 @@ def test_shared_memory_writes_a_sliding_layer_through_the_leases_slots(tmp_path:
         for block in range(first, first + count):
             exported = cache.export_blocks(layer, [lease.block_ids[block]])
             assert bytes(exported.k) == data.key[: cache.layout.block_nbytes]
-    with pytest.raises(IndexError, match="include the lease's 3 shared blocks"):
+    with pytest.raises(IndexError, match="layer 0 include the lease's 3 leading blocks"):
         writer.write(KvPiece(0, 2, 1, memoryview(data.key[:32]), memoryview(data.key[:32])))
     segment.remove()

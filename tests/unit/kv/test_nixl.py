@@ -127,3 +127,47 @@ def test_a_peer_with_another_block_size_is_refused(
         NixlWindow(
             peers, nixl.NixlTarget(**{**target.__dict__, "block_nbytes": target.block_nbytes * 2})
         )
+
+
+def test_a_decode_keeping_only_the_window_gets_its_sliding_layers_kv_in_their_slots(
+    ends: tuple[nixl.CacheAgent, nixl.NixlPeers],
+) -> None:
+    _, peers = ends
+    source = peers.local.kv_cache
+    # Layers 0 and 2 slide (window storage of 4 slots), layer 1 keeps every block.
+    cache = KVCache(LAYOUT, 16, torch.device("cpu"), window_layers=[0, 2], num_window_slots=4)
+    assert cache.window_slots is not None
+    leased = [7, 8, 2, 11]
+    cache.window_slots.hold([5, 6])  # another lease's, so that slots are not block ids
+    cache.window_slots.hold(leased[2:])  # the lease keeps the window's blocks only
+    decode = nixl.CacheAgent(cache, "decode")
+    release = decode.progress.hold()
+    try:
+        target = decode.target().for_blocks(
+            leased, [cache.window_slots.slot_of(b) for b in leased[2:]]
+        )
+        assert target.num_window_skipped == 2 and target.window_layers == (0, 2)
+        window = NixlWindow(peers, target)
+        sender_blocks = [3, 4, 9, 1]
+        pieces = sequence_pieces(
+            source,
+            sender_blocks,
+            2 * 2 * 128,
+            window_layers=frozenset({0, 2}),
+            first_window_block=2,
+        )
+        for piece in pieces:
+            window.write(piece)
+        window.wait()
+        for layer in range(LAYOUT.num_layers):
+            blocks = range(4) if layer == 1 else range(2, 4)
+            for block in blocks:
+                assert bytes(cache.export_blocks(layer, [leased[block]]).k) == bytes(
+                    source.export_blocks(layer, [sender_blocks[block]]).k
+                )
+        (behind,) = layer_pieces(source, 2, sender_blocks, 1, first_block=1, end_block=2)
+        with pytest.raises(IndexError, match="layer 2 include the lease's 2 leading blocks"):
+            window.write(behind)  # no window storage for it on the decode
+    finally:
+        release()
+        decode.close()

@@ -79,14 +79,16 @@ def id_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
             start = i
 
 
-def writable_range(piece: KvPiece, num_leased: int, num_shared: int) -> range:
+def writable_range(piece: KvPiece, num_leased: int, num_unwritable: int) -> range:
     """The logical blocks of a lease that `piece` writes: the check every in-place writer
     (shared memory, CUDA IPC, NIXL) makes before it touches the decode's cache.
 
     Args:
         piece: What is to be written.
         num_leased: The lease's blocks.
-        num_shared: Its leading blocks shared with another lease (read-only).
+        num_unwritable: Its leading blocks the piece's layer may not write: those shared with
+            another lease (read-only), or for a sliding-window layer those a window behind
+            (no storage on a decode that keeps only the window), whichever are more.
 
     Raises:
         IndexError: The piece's blocks are not all within the lease's writable blocks.
@@ -94,9 +96,11 @@ def writable_range(piece: KvPiece, num_leased: int, num_shared: int) -> range:
     end = piece.first_block + piece.num_blocks
     if piece.first_block < 0 or end > num_leased or piece.num_blocks <= 0:
         raise IndexError(f"blocks {piece.first_block}..{end - 1} outside the lease's {num_leased}")
-    if piece.first_block < num_shared:
+    if piece.first_block < num_unwritable:
         raise IndexError(
-            f"blocks {piece.first_block}..{end - 1} include the lease's {num_shared} shared blocks"
+            f"blocks {piece.first_block}..{end - 1} of layer {piece.layer_index} include the "
+            f"lease's {num_unwritable} leading blocks not written (shared with another lease, "
+            "or a sliding layer's a window behind)"
         )
     return range(piece.first_block, end)
 

@@ -25,11 +25,19 @@ _OFFER_NAMES = {kind: name for name, kind in TRANSPORT_KINDS.items() if name != 
 
 
 def transport_to_proto(
-    offer: TransportOffer, token: bytes, block_ids: Sequence[int]
+    offer: TransportOffer,
+    token: bytes,
+    block_ids: Sequence[int],
+    window_slot_ids: Sequence[int] = (),
 ) -> decode_pb2.Transport:
     """The Transport message of `offer` in a lease of `block_ids` with its `token` (a decode's
-    NIXL offer names every block of its cache; a lease only its own)."""
-    nixl = None if offer.nixl is None else _nixl_target_to_proto(offer.nixl.for_blocks(block_ids))
+    NIXL offer names every block of its cache, and every window slot; a lease only its own:
+    its blocks, and the `window_slot_ids` of those that hold one)."""
+    nixl = (
+        None
+        if offer.nixl is None
+        else _nixl_target_to_proto(offer.nixl.for_blocks(block_ids, window_slot_ids))
+    )
     return decode_pb2.Transport(
         kind=TRANSPORT_KINDS[offer.kind],
         address=offer.address,
@@ -69,7 +77,8 @@ def _nixl_target_to_proto(target: NixlTarget) -> decode_pb2.NixlTarget:
 
 def _nixl_target_from_proto(target: decode_pb2.NixlTarget) -> NixlTarget:
     values = {field.name: getattr(target, field.name) for field in fields(NixlTarget)}
-    return NixlTarget(**{**values, "block_addresses": tuple(target.block_addresses)})
+    repeated = ("block_addresses", "window_layers", "window_block_addresses")
+    return NixlTarget(**{**values, **{name: tuple(getattr(target, name)) for name in repeated}})
 
 
 def _fields_of(value: CacheHandle | NixlTarget) -> dict[str, Any]:

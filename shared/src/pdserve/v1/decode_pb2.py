@@ -26,55 +26,55 @@ from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.v1 import errors_pb2 as pdserve_dot_v1_dot_errors__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/errors.proto\"\xc4\x01\n\nNixlTarget\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x17\n\x0f\x62lock_addresses\x18\x05 \x03(\x04\x12\x1a\n\x12layer_stride_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fkv_stride_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\x04\"\xd7\x01\n\rKvCacheHandle\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x12\n\nprocess_id\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x15\n\rmemory_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x06 \x01(\x04\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\"\xab\x01\n\tTransport\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.pdserve.v1.TransportKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12/\n\x0c\x63\x61\x63he_handle\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KvCacheHandle\x12$\n\x04nixl\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.NixlTarget\"\xa4\x02\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x04 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12)\n\ntransports\x18\x06 \x03(\x0b\x32\x15.pdserve.v1.Transport\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x07 \x01(\t\x12\x19\n\x11num_shared_blocks\x18\x08 \x01(\r\x12!\n\x19num_window_skipped_blocks\x18\t \x01(\r\x12\x18\n\x10num_window_slots\x18\n \x01(\r\x12\x17\n\x0fwindow_slot_ids\x18\x0b \x03(\r\"\xdf\x01\n\x15\x41llocateBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12&\n\x08protocol\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Protocol\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x11\n\tshare_key\x18\x07 \x01(\t\"b\n\x16\x41llocateBlocksResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.Lease\x12&\n\x08protocol\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.Protocol\"\xda\x01\n\x0fSyncCacheHeader\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0ftransport_token\x18\x06 \x01(\x0c\x12,\n\ttransport\x18\x07 \x01(\x0e\x32\x19.pdserve.v1.TransportKind\"s\n\x07KvChunk\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\x07\"k\n\x0fSyncCacheCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x19\n\x11\x66irst_token_index\x18\x04 \x01(\r\"\x9e\x01\n\x10SyncCacheRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.SyncCacheHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvChunkH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SyncCacheCommitH\x00\x42\x06\n\x04part\"s\n\x11SyncCacheResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.LeaseState\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\x84\x01\n\x0bKvTcpResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.pdserve.v1.SyncCacheResponse\x12-\n\x0c\x65rror_reason\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.ErrorReason\x12\x15\n\rerror_message\x18\x03 \x01(\t\"y\n\x1c\x44\x65\x63odeServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tresumable\x18\x03 \x01(\x08\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\"a\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x96\x01\n\x10PreemptionNotice\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.PreemptionReason\x12\x1c\n\x14num_generated_tokens\x18\x02 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12\x19\n\x11stored_prefix_key\x18\x04 \x01(\t\"\xb0\x01\n\x1d\x44\x65\x63odeServiceGenerateResponse\x12(\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenBatchH\x00\x12\x32\n\npreemption\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.PreemptionNoticeH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"P\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0blease_token\x18\x03 \x01(\x0c\"=\n\x14ReleaseLeaseResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.LeaseState*\xc3\x01\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\"\n\x1eTRANSPORT_KIND_GRPC_SYNC_CACHE\x10\x01\x12\x16\n\x12TRANSPORT_KIND_TCP\x10\x02\x12 \n\x1cTRANSPORT_KIND_SHARED_MEMORY\x10\x03\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x04\x12\x17\n\x13TRANSPORT_KIND_NIXL\x10\x05*\x90\x02\n\nLeaseState\x12\x1b\n\x17LEASE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEASE_STATE_ALLOCATED\x10\x01\x12\x17\n\x13LEASE_STATE_SYNCING\x10\x02\x12\x19\n\x15LEASE_STATE_COMMITTED\x10\x03\x12\x17\n\x13LEASE_STATE_RUNNING\x10\x04\x12\x18\n\x14LEASE_STATE_FINISHED\x10\x05\x12\x19\n\x15LEASE_STATE_PREEMPTED\x10\x06\x12\x17\n\x13LEASE_STATE_ABORTED\x10\x07\x12\x17\n\x13LEASE_STATE_EXPIRED\x10\x08\x12\x16\n\x12LEASE_STATE_FAILED\x10\t*z\n\x10PreemptionReason\x12!\n\x1dPREEMPTION_REASON_UNSPECIFIED\x10\x00\x12#\n\x1fPREEMPTION_REASON_OUT_OF_BLOCKS\x10\x01\x12\x1e\n\x1aPREEMPTION_REASON_DRAINING\x10\x02\x32\xea\x02\n\rDecodeService\x12W\n\x0e\x41llocateBlocks\x12!.pdserve.v1.AllocateBlocksRequest\x1a\".pdserve.v1.AllocateBlocksResponse\x12J\n\tSyncCache\x12\x1c.pdserve.v1.SyncCacheRequest\x1a\x1d.pdserve.v1.SyncCacheResponse(\x01\x12\x61\n\x08Generate\x12(.pdserve.v1.DecodeServiceGenerateRequest\x1a).pdserve.v1.DecodeServiceGenerateResponse0\x01\x12Q\n\x0cReleaseLease\x12\x1f.pdserve.v1.ReleaseLeaseRequest\x1a .pdserve.v1.ReleaseLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/errors.proto\"\xbe\x02\n\nNixlTarget\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0bmemory_kind\x18\x03 \x01(\t\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x17\n\x0f\x62lock_addresses\x18\x05 \x03(\x04\x12\x1a\n\x12layer_stride_bytes\x18\x06 \x01(\x04\x12\x17\n\x0fkv_stride_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x08 \x01(\x04\x12\x15\n\rwindow_layers\x18\t \x03(\r\x12\x1e\n\x16window_block_addresses\x18\n \x03(\x04\x12!\n\x19window_layer_stride_bytes\x18\x0b \x01(\x04\x12\x1e\n\x16window_kv_stride_bytes\x18\x0c \x01(\x04\"\xd7\x01\n\rKvCacheHandle\x12\x0f\n\x07host_id\x18\x01 \x01(\t\x12\x12\n\nprocess_id\x18\x02 \x01(\x05\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t\x12\x15\n\rmemory_handle\x18\x04 \x01(\x0c\x12\x14\n\x0c\x64\x65vice_index\x18\x05 \x01(\x05\x12\x14\n\x0coffset_bytes\x18\x06 \x01(\x04\x12\x11\n\tnum_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x08 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\t \x01(\x04\"\xab\x01\n\tTransport\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.pdserve.v1.TransportKind\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12/\n\x0c\x63\x61\x63he_handle\x18\x04 \x01(\x0b\x32\x19.pdserve.v1.KvCacheHandle\x12$\n\x04nixl\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.NixlTarget\"\xa4\x02\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x04 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x05 \x01(\r\x12)\n\ntransports\x18\x06 \x03(\x0b\x32\x15.pdserve.v1.Transport\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x07 \x01(\t\x12\x19\n\x11num_shared_blocks\x18\x08 \x01(\r\x12!\n\x19num_window_skipped_blocks\x18\t \x01(\r\x12\x18\n\x10num_window_slots\x18\n \x01(\r\x12\x17\n\x0fwindow_slot_ids\x18\x0b \x03(\r\"\xdf\x01\n\x15\x41llocateBlocksRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12&\n\x08protocol\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Protocol\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x11\n\tshare_key\x18\x07 \x01(\t\"b\n\x16\x41llocateBlocksResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.Lease\x12&\n\x08protocol\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.Protocol\"\xda\x01\n\x0fSyncCacheHeader\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0ftransport_token\x18\x06 \x01(\x0c\x12,\n\ttransport\x18\x07 \x01(\x0e\x32\x19.pdserve.v1.TransportKind\"s\n\x07KvChunk\x12\x13\n\x0blayer_index\x18\x01 \x01(\r\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x06 \x01(\x07\"k\n\x0fSyncCacheCommit\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12\x19\n\x11\x66irst_token_index\x18\x04 \x01(\r\"\x9e\x01\n\x10SyncCacheRequest\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.pdserve.v1.SyncCacheHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdserve.v1.KvChunkH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.SyncCacheCommitH\x00\x42\x06\n\x04part\"s\n\x11SyncCacheResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.LeaseState\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\"\x84\x01\n\x0bKvTcpResult\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.pdserve.v1.SyncCacheResponse\x12-\n\x0c\x65rror_reason\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.ErrorReason\x12\x15\n\rerror_message\x18\x03 \x01(\t\"y\n\x1c\x44\x65\x63odeServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x11\n\tresumable\x18\x03 \x01(\x08\x12\x0e\n\x06resume\x18\x04 \x01(\x08\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\"a\n\nTokenBatch\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0b\x66irst_index\x18\x02 \x01(\r\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x96\x01\n\x10PreemptionNotice\x12,\n\x06reason\x18\x01 \x01(\x0e\x32\x1c.pdserve.v1.PreemptionReason\x12\x1c\n\x14num_generated_tokens\x18\x02 \x01(\r\x12\x1b\n\x13generated_token_ids\x18\x03 \x03(\r\x12\x19\n\x11stored_prefix_key\x18\x04 \x01(\t\"\xb0\x01\n\x1d\x44\x65\x63odeServiceGenerateResponse\x12(\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.TokenBatchH\x00\x12\x32\n\npreemption\x18\x02 \x01(\x0b\x32\x1c.pdserve.v1.PreemptionNoticeH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"P\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0blease_token\x18\x03 \x01(\x0c\"=\n\x14ReleaseLeaseResponse\x12%\n\x05state\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.LeaseState*\xc3\x01\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\"\n\x1eTRANSPORT_KIND_GRPC_SYNC_CACHE\x10\x01\x12\x16\n\x12TRANSPORT_KIND_TCP\x10\x02\x12 \n\x1cTRANSPORT_KIND_SHARED_MEMORY\x10\x03\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x04\x12\x17\n\x13TRANSPORT_KIND_NIXL\x10\x05*\x90\x02\n\nLeaseState\x12\x1b\n\x17LEASE_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15LEASE_STATE_ALLOCATED\x10\x01\x12\x17\n\x13LEASE_STATE_SYNCING\x10\x02\x12\x19\n\x15LEASE_STATE_COMMITTED\x10\x03\x12\x17\n\x13LEASE_STATE_RUNNING\x10\x04\x12\x18\n\x14LEASE_STATE_FINISHED\x10\x05\x12\x19\n\x15LEASE_STATE_PREEMPTED\x10\x06\x12\x17\n\x13LEASE_STATE_ABORTED\x10\x07\x12\x17\n\x13LEASE_STATE_EXPIRED\x10\x08\x12\x16\n\x12LEASE_STATE_FAILED\x10\t*z\n\x10PreemptionReason\x12!\n\x1dPREEMPTION_REASON_UNSPECIFIED\x10\x00\x12#\n\x1fPREEMPTION_REASON_OUT_OF_BLOCKS\x10\x01\x12\x1e\n\x1aPREEMPTION_REASON_DRAINING\x10\x02\x32\xea\x02\n\rDecodeService\x12W\n\x0e\x41llocateBlocks\x12!.pdserve.v1.AllocateBlocksRequest\x1a\".pdserve.v1.AllocateBlocksResponse\x12J\n\tSyncCache\x12\x1c.pdserve.v1.SyncCacheRequest\x1a\x1d.pdserve.v1.SyncCacheResponse(\x01\x12\x61\n\x08Generate\x12(.pdserve.v1.DecodeServiceGenerateRequest\x1a).pdserve.v1.DecodeServiceGenerateResponse0\x01\x12Q\n\x0cReleaseLease\x12\x1f.pdserve.v1.ReleaseLeaseRequest\x1a .pdserve.v1.ReleaseLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSPORTKIND']._serialized_start=2861
-  _globals['_TRANSPORTKIND']._serialized_end=3056
-  _globals['_LEASESTATE']._serialized_start=3059
-  _globals['_LEASESTATE']._serialized_end=3331
-  _globals['_PREEMPTIONREASON']._serialized_start=3333
-  _globals['_PREEMPTIONREASON']._serialized_end=3455
+  _globals['_TRANSPORTKIND']._serialized_start=2983
+  _globals['_TRANSPORTKIND']._serialized_end=3178
+  _globals['_LEASESTATE']._serialized_start=3181
+  _globals['_LEASESTATE']._serialized_end=3453
+  _globals['_PREEMPTIONREASON']._serialized_start=3455
+  _globals['_PREEMPTIONREASON']._serialized_end=3577
   _globals['_NIXLTARGET']._serialized_start=90
-  _globals['_NIXLTARGET']._serialized_end=286
-  _globals['_KVCACHEHANDLE']._serialized_start=289
-  _globals['_KVCACHEHANDLE']._serialized_end=504
-  _globals['_TRANSPORT']._serialized_start=507
-  _globals['_TRANSPORT']._serialized_end=678
-  _globals['_LEASE']._serialized_start=681
-  _globals['_LEASE']._serialized_end=973
-  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_start=976
-  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_end=1199
-  _globals['_ALLOCATEBLOCKSRESPONSE']._serialized_start=1201
-  _globals['_ALLOCATEBLOCKSRESPONSE']._serialized_end=1299
-  _globals['_SYNCCACHEHEADER']._serialized_start=1302
-  _globals['_SYNCCACHEHEADER']._serialized_end=1520
-  _globals['_KVCHUNK']._serialized_start=1522
-  _globals['_KVCHUNK']._serialized_end=1637
-  _globals['_SYNCCACHECOMMIT']._serialized_start=1639
-  _globals['_SYNCCACHECOMMIT']._serialized_end=1746
-  _globals['_SYNCCACHEREQUEST']._serialized_start=1749
-  _globals['_SYNCCACHEREQUEST']._serialized_end=1907
-  _globals['_SYNCCACHERESPONSE']._serialized_start=1909
-  _globals['_SYNCCACHERESPONSE']._serialized_end=2024
-  _globals['_KVTCPRESULT']._serialized_start=2027
-  _globals['_KVTCPRESULT']._serialized_end=2159
-  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_start=2161
-  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_end=2282
-  _globals['_TOKENBATCH']._serialized_start=2284
-  _globals['_TOKENBATCH']._serialized_end=2381
-  _globals['_PREEMPTIONNOTICE']._serialized_start=2384
-  _globals['_PREEMPTIONNOTICE']._serialized_end=2534
-  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_start=2537
-  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_end=2713
-  _globals['_RELEASELEASEREQUEST']._serialized_start=2715
-  _globals['_RELEASELEASEREQUEST']._serialized_end=2795
-  _globals['_RELEASELEASERESPONSE']._serialized_start=2797
-  _globals['_RELEASELEASERESPONSE']._serialized_end=2858
-  _globals['_DECODESERVICE']._serialized_start=3458
-  _globals['_DECODESERVICE']._serialized_end=3820
+  _globals['_NIXLTARGET']._serialized_end=408
+  _globals['_KVCACHEHANDLE']._serialized_start=411
+  _globals['_KVCACHEHANDLE']._serialized_end=626
+  _globals['_TRANSPORT']._serialized_start=629
+  _globals['_TRANSPORT']._serialized_end=800
+  _globals['_LEASE']._serialized_start=803
+  _globals['_LEASE']._serialized_end=1095
+  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_start=1098
+  _globals['_ALLOCATEBLOCKSREQUEST']._serialized_end=1321
+  _globals['_ALLOCATEBLOCKSRESPONSE']._serialized_start=1323
+  _globals['_ALLOCATEBLOCKSRESPONSE']._serialized_end=1421
+  _globals['_SYNCCACHEHEADER']._serialized_start=1424
+  _globals['_SYNCCACHEHEADER']._serialized_end=1642
+  _globals['_KVCHUNK']._serialized_start=1644
+  _globals['_KVCHUNK']._serialized_end=1759
+  _globals['_SYNCCACHECOMMIT']._serialized_start=1761
+  _globals['_SYNCCACHECOMMIT']._serialized_end=1868
+  _globals['_SYNCCACHEREQUEST']._serialized_start=1871
+  _globals['_SYNCCACHEREQUEST']._serialized_end=2029
+  _globals['_SYNCCACHERESPONSE']._serialized_start=2031
+  _globals['_SYNCCACHERESPONSE']._serialized_end=2146
+  _globals['_KVTCPRESULT']._serialized_start=2149
+  _globals['_KVTCPRESULT']._serialized_end=2281
+  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_start=2283
+  _globals['_DECODESERVICEGENERATEREQUEST']._serialized_end=2404
+  _globals['_TOKENBATCH']._serialized_start=2406
+  _globals['_TOKENBATCH']._serialized_end=2503
+  _globals['_PREEMPTIONNOTICE']._serialized_start=2506
+  _globals['_PREEMPTIONNOTICE']._serialized_end=2656
+  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_start=2659
+  _globals['_DECODESERVICEGENERATERESPONSE']._serialized_end=2835
+  _globals['_RELEASELEASEREQUEST']._serialized_start=2837
+  _globals['_RELEASELEASEREQUEST']._serialized_end=2917
+  _globals['_RELEASELEASERESPONSE']._serialized_start=2919
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2980
+  _globals['_DECODESERVICE']._serialized_start=3580
+  _globals['_DECODESERVICE']._serialized_end=3942
 # @@protoc_insertion_point(module_scope)

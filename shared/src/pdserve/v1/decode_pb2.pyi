@@ -57,7 +57,7 @@ PREEMPTION_REASON_OUT_OF_BLOCKS: PreemptionReason
 PREEMPTION_REASON_DRAINING: PreemptionReason
 
 class NixlTarget(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "memory_kind", "device_id", "block_addresses", "layer_stride_bytes", "kv_stride_bytes", "block_nbytes")
+    __slots__ = ("agent_metadata", "agent_name", "memory_kind", "device_id", "block_addresses", "layer_stride_bytes", "kv_stride_bytes", "block_nbytes", "window_layers", "window_block_addresses", "window_layer_stride_bytes", "window_kv_stride_bytes")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,10 @@ class NixlTarget(_message.Message):
     LAYER_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_BLOCK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_LAYER_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_KV_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     memory_kind: str
@@ -74,7 +78,11 @@ class NixlTarget(_message.Message):
     layer_stride_bytes: int
     kv_stride_bytes: int
     block_nbytes: int
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., block_addresses: _Optional[_Iterable[int]] = ..., layer_stride_bytes: _Optional[int] = ..., kv_stride_bytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ...) -> None: ...
+    window_layers: _containers.RepeatedScalarFieldContainer[int]
+    window_block_addresses: _containers.RepeatedScalarFieldContainer[int]
+    window_layer_stride_bytes: int
+    window_kv_stride_bytes: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., memory_kind: _Optional[str] = ..., device_id: _Optional[int] = ..., block_addresses: _Optional[_Iterable[int]] = ..., layer_stride_bytes: _Optional[int] = ..., kv_stride_bytes: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., window_layers: _Optional[_Iterable[int]] = ..., window_block_addresses: _Optional[_Iterable[int]] = ..., window_layer_stride_bytes: _Optional[int] = ..., window_kv_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class KvCacheHandle(_message.Message):
     __slots__ = ("host_id", "process_id", "device_kind", "memory_handle", "device_index", "offset_bytes", "num_bytes", "ref_counter_handle", "ref_counter_offset")

@@ -81,9 +81,9 @@ class DecodeConfig(InstanceConfig):
             "whole window past a block, a lease skips those layers' KV of the prompt blocks a "
             "window behind its end (the prefill does not send it), and the memory goes to "
             "more blocks for the other layers. No effect on a model without sliding layers, "
-            "tensor parallelism or CUDA graphs. The KV then arrives over shm, tcp or gRPC "
-            "(nixl and cuda_ipc address every layer by block id and are not offered): "
-            "--no-release-window-blocks keeps every layer's blocks and those transports",
+            "tensor parallelism or CUDA graphs. cuda_ipc, which addresses every layer by "
+            "block id, is then not offered: --no-release-window-blocks keeps every layer's "
+            "blocks and that transport",
         },
     )
     kv_tcp_port: int = field(

@@ -56,8 +56,14 @@ def lease_to_proto(
     SyncCache, each with the lease's token (never log this message: the token is the lease's
     only credential); with the cache's `window_slots`, the slots its window blocks hold."""
     ttl_ms = round(ttl_s * 1000)
+    slot_ids = (
+        []
+        if window_slots is None
+        else [window_slots.slot_of(b) for b in request.block_ids[request.num_window_released :]]
+    )
     transports = [
-        transport_to_proto(offer, request.lease_token, request.block_ids) for offer in offers
+        transport_to_proto(offer, request.lease_token, request.block_ids, slot_ids)
+        for offer in offers
     ]
     return decode_pb2.Lease(
         lease_id=request.lease_id,
@@ -75,11 +81,7 @@ def lease_to_proto(
         num_shared_blocks=request.num_shared_blocks,
         num_window_skipped_blocks=request.num_window_released,
         num_window_slots=0 if window_slots is None else window_slots.num_slots,
-        window_slot_ids=(
-            []
-            if window_slots is None
-            else [window_slots.slot_of(b) for b in request.block_ids[request.num_window_released :]]
-        ),
+        window_slot_ids=slot_ids,
     )
 
 

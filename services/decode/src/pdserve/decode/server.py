@@ -43,8 +43,8 @@ NOTICE_WAIT_S = 0.2
 # expired lease keeps its blocks until its writer stops; this bounds that).
 TCP_DATA_GRACE_S = 5.0
 # Transports whose sender writes into the cache's memory addressing every layer by block id
-# (shared memory addresses window storage through the lease's slots).
-BLOCK_ADDRESSED_TRANSPORTS = ("nixl", "cuda_ipc")
+# (shared memory and NIXL address window storage through the lease's slots).
+BLOCK_ADDRESSED_TRANSPORTS = ("cuda_ipc",)
 
 
 class DecodeInstance(InstanceServer):
@@ -164,8 +164,8 @@ class DecodeInstance(InstanceServer):
     def _transport_kinds(self) -> tuple[str, ...]:
         """The configured transports this cache can take: one whose sliding layers keep only
         their window takes its KV through `KVCache.import_blocks` (gRPC, TCP) or written in
-        place through the lease's slots (shm), not by a sender that addresses every layer by
-        block id (NIXL, CUDA IPC)."""
+        place through the lease's slots (shm, NIXL), not by a sender that addresses every
+        layer by block id (CUDA IPC)."""
         kinds = self.config.kv_transport_kinds
         if self.host.runner.kv_cache.window_slots is None:
             return kinds

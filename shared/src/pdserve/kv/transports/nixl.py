@@ -86,7 +86,11 @@ class NixlTarget:
     """Where one lease's KV goes on the decode (the NixlTarget message without protobuf).
 
     Block ``i`` of the lease, layer ``l``, K (``kv`` 0) or V (1) starts at
-    ``block_addresses[i] + l * layer_stride_bytes + kv * kv_stride_bytes``.
+    ``block_addresses[i] + l * layer_stride_bytes + kv * kv_stride_bytes``. A decode whose
+    sliding-window layers keep only their window (``window_layers``) addresses the other layers
+    so (``l`` counting those only) and window layer ``w`` (its index in ``window_layers``) of
+    block ``i`` at ``window_block_addresses[i - skipped] + w * window_layer_stride_bytes + kv *
+    window_kv_stride_bytes``, where ``skipped`` leading blocks have no window storage.
     """
 
     agent_metadata: bytes
@@ -97,15 +101,46 @@ class NixlTarget:
     layer_stride_bytes: int
     kv_stride_bytes: int
     block_nbytes: int
+    window_layers: tuple[int, ...] = ()
+    window_block_addresses: tuple[int, ...] = ()
+    window_layer_stride_bytes: int = 0
+    window_kv_stride_bytes: int = 0
 
-    def for_blocks(self, block_ids: Sequence[int]) -> NixlTarget:
-        """This target narrowed to `block_ids` (indices of its blocks): a decode keeps the
-        target of its whole cache and hands each lease the one of its blocks."""
-        addresses = self.block_addresses
-        return replace(self, block_addresses=tuple(addresses[b] for b in block_ids))
+    @property
+    def num_window_skipped(self) -> int:
+        """Leading blocks of the lease without window storage (for the window layers)."""
+        if not self.window_layers:
+            return 0
+        return len(self.block_addresses) - len(self.window_block_addresses)
+
+    def for_blocks(self, block_ids: Sequence[int], slot_ids: Sequence[int] = ()) -> NixlTarget:
+        """This target narrowed to `block_ids` (indices of its blocks) and, with window layers,
+        to the window storage's `slot_ids` of the last of them: a decode keeps the target of
+        its whole cache and hands each lease the one of its blocks."""
+        addresses, slots = self.block_addresses, self.window_block_addresses
+        return replace(
+            self,
+            block_addresses=tuple(addresses[b] for b in block_ids),
+            window_block_addresses=tuple(slots[s] for s in slot_ids),
+        )
 
     def address(self, layer_index: int, kv_index: int, block: int) -> int:
-        """Where logical block `block` of the lease starts in layer `layer_index`'s K or V."""
+        """Where logical block `block` of the lease starts in layer `layer_index`'s K or V.
+
+        Raises:
+            IndexError: A window layer's block without window storage.
+        """
+        if self.window_layers:
+            if layer_index in self.window_layers:
+                skipped = self.num_window_skipped
+                if block < skipped:
+                    raise IndexError(f"block {block} of window layer {layer_index} has no slot")
+                return (
+                    self.window_block_addresses[block - skipped]
+                    + self.window_layers.index(layer_index) * self.window_layer_stride_bytes
+                    + kv_index * self.window_kv_stride_bytes
+                )
+            layer_index -= sum(1 for w in self.window_layers if w < layer_index)
         return (
             self.block_addresses[block]
             + layer_index * self.layer_stride_bytes
@@ -151,13 +186,25 @@ class CacheAgent:
         self.device_id = kv_cache.device.index or 0
         layout = kv_cache.layout
         self.block_nbytes = layout.block_nbytes
-        # kv: [num_layers, 2, num_blocks, block bytes...] (one contiguous tensor)
+        # kv: [num_layers, 2, num_blocks, block bytes...] (one contiguous tensor); with window
+        # slots, the other layers only, and window_kv [window layers, 2, num_slots, ...]
         self.base_address = kv_cache.kv.data_ptr()
         self.kv_stride_bytes = kv_cache.num_blocks * self.block_nbytes
         self.layer_stride_bytes = 2 * self.kv_stride_bytes
-        self._registered = self.agent.register_memory(
-            [(self.base_address, kv_cache.nbytes, self.device_id, "")], self.memory_kind
-        )
+        regions = [(self.base_address, kv_cache.kv.nbytes, self.device_id, "")]
+        self.window_base_address = 0
+        self.window_kv_stride_bytes = 0
+        if kv_cache.window_slots is not None:
+            self.window_base_address = kv_cache.window_kv.data_ptr()
+            self.window_kv_stride_bytes = kv_cache.window_slots.num_slots * self.block_nbytes
+            regions.append(
+                (self.window_base_address, kv_cache.window_kv.nbytes, self.device_id, "")
+            )
+        # NOTE: where each layer's K and V start (a window layer's: its first slot's).
+        self._layer_bases = [
+            (k.data_ptr(), v.data_ptr()) for k, v in map(kv_cache.layer, range(layout.num_layers))
+        ]
+        self._registered = self.agent.register_memory(regions, self.memory_kind)
         # NOTE: one registered byte, the source of a corrupting write (fault injection).
         self.scratch = np.zeros(1, dtype=np.uint8)
         self._scratch_registered = self.agent.register_memory(
@@ -175,28 +222,44 @@ class CacheAgent:
         )
 
     def block_address(self, layer_index: int, kv_index: int, block_id: int) -> int:
-        """Where physical block `block_id` of layer `layer_index`'s K or V starts."""
-        return (
-            self.base_address
-            + layer_index * self.layer_stride_bytes
-            + kv_index * self.kv_stride_bytes
-            + block_id * self.block_nbytes
-        )
+        """Where block `block_id` of layer `layer_index`'s K or V starts (a window layer's: its
+        slot's).
 
-    def target(self, block_ids: Sequence[int] | None = None) -> NixlTarget:
-        """The NixlTarget of a lease holding `block_ids` of this (the decode's) cache; of every
-        block when None."""
+        Raises:
+            KeyError: A window layer's block without a slot.
+        """
+        if self.kv_cache.window_slots is not None and self.kv_cache.is_window_layer(layer_index):
+            block_id = self.kv_cache.window_slots.slot_of(block_id)
+        return self._layer_bases[layer_index][kv_index] + block_id * self.block_nbytes
+
+    def target(
+        self, block_ids: Sequence[int] | None = None, num_window_skipped: int = 0
+    ) -> NixlTarget:
+        """The NixlTarget of a lease holding `block_ids` of this (the decode's) cache (with
+        window slots: the slots its blocks from `num_window_skipped` on hold); of every block
+        (and every slot) when None."""
+        cache, slots = self.kv_cache, self.kv_cache.window_slots
         if block_ids is None:
-            block_ids = range(self.kv_cache.num_blocks)
+            block_ids = range(cache.num_blocks)
+            slot_ids: Sequence[int] = range(0 if slots is None else slots.num_slots)
+        else:
+            held = block_ids[num_window_skipped:]
+            slot_ids = [] if slots is None else [slots.slot_of(b) for b in held]
         return NixlTarget(
             agent_metadata=self.metadata,
             agent_name=self.name,
             memory_kind=self.memory_kind,
             device_id=self.device_id,
-            block_addresses=tuple(self.block_address(0, 0, b) for b in block_ids),
+            block_addresses=tuple(self.base_address + b * self.block_nbytes for b in block_ids),
             layer_stride_bytes=self.layer_stride_bytes,
             kv_stride_bytes=self.kv_stride_bytes,
             block_nbytes=self.block_nbytes,
+            window_layers=cache.window_layers if slots is not None else (),
+            window_block_addresses=tuple(
+                self.window_base_address + s * self.block_nbytes for s in slot_ids
+            ),
+            window_layer_stride_bytes=2 * self.window_kv_stride_bytes,
+            window_kv_stride_bytes=self.window_kv_stride_bytes,
         )
 
     def close(self) -> None:

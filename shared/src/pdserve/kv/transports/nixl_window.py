@@ -88,7 +88,11 @@ class NixlWindow:
             IndexError: As `write`.
             ValueError: As `write`.
         """
-        writable_range(piece, len(self.target.block_addresses), self.num_shared_blocks)
+        num_unwritable = self.num_shared_blocks
+        if piece.layer_index in self.target.window_layers:
+            # NOTE: a window layer's blocks a window behind have no storage on the decode.
+            num_unwritable = max(num_unwritable, self.target.num_window_skipped)
+        writable_range(piece, len(self.target.block_addresses), num_unwritable)
         if len(piece.source_block_ids) != piece.num_blocks:
             raise ValueError("a NIXL write reads the sender's cache: the piece has no blocks there")
         self._add_descriptors(piece)
