@@ -311,6 +311,21 @@ def build_hf_model(name: str, **overrides: Any) -> torch.nn.Module:
     return model.eval()
 
 
+# Gemma 3's proportions at a tiny width: five sliding layers of window 512 to one global, and
+# positions for a 4k-token prompt (`save_tiny_model("gemma3", path, **GEMMA3_SHAPED)`).
+GEMMA3_SHAPED: dict[str, Any] = {
+    "num_hidden_layers": 6,
+    "sliding_window": 512,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "max_position_embeddings": 8192,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+}
+
+
 def save_tiny_model(name: str, path: Path, **overrides: Any) -> Path:
     """Saves ``build_hf_model(name, **overrides)`` as a safetensors checkpoint at `path`."""
     build_hf_model(name, **overrides).save_pretrained(path, safe_serialization=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from support.prefill_cluster import BLOCK_SIZE, cluster
-from support.tiny_models import build_hf_model
+from support.tiny_models import GEMMA3_SHAPED, save_tiny_model
 
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.decode.request import DecodeRequest
@@ -18,30 +18,21 @@ from pdserve.decode.sliding_kv import SlidingKV
 
 PROMPT = [3 + (i * 7) % 250 for i in range(4096)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-WINDOW = 512
+WINDOW = GEMMA3_SHAPED["sliding_window"]
 
 
 @pytest.fixture(scope="module")
 def gemma3_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Five sliding layers of window 512 to one global, as Gemma 3 has them."""
     path = tmp_path_factory.mktemp("gemma3-shaped")
-    build_hf_model(
-        "gemma3",
-        num_hidden_layers=6,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        max_position_embeddings=8192,
-        hidden_size=32,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    ).save_pretrained(path, safe_serialization=True)
-    return path
+    return save_tiny_model("gemma3", path, **GEMMA3_SHAPED)
 
 
-async def serve(model: Path, transport: str, release: bool) -> tuple[list[int], Any]:
-    """The tokens of `PROMPT` through a prefill and a decode, and the decode."""
+async def serve(
+    model: Path, transport: str, release: bool, decode_tp: int = 1
+) -> tuple[list[int], Any]:
+    """The tokens of `PROMPT` through a prefill and a decode (over `decode_tp` ranks), and the
+    decode."""
     decode = {"max_num_seqs": 2, "release_window_blocks": release, "kv_transports": transport}
     async with cluster(
         model,
@@ -50,15 +41,18 @@ async def serve(model: Path, transport: str, release: bool) -> tuple[list[int], 
         num_blocks=num_blocks_for(len(PROMPT) + 64, BLOCK_SIZE),
         max_num_batched_tokens=1024,
         kv_transports=transport,
+        decode_tp=decode_tp,
     ) as pd:
         tokens = await pd.complete("long", PROMPT, GREEDY)
         await pd.eventually_whole()
         return tokens, pd.decodes[0]
 
 
-@pytest.mark.parametrize("transport", ["shm", "nixl", "tcp"])
+@pytest.mark.parametrize(
+    ("transport", "decode_tp"), [("shm", 1), ("nixl", 1), ("tcp", 1), ("shm", 2)]
+)
 async def test_a_long_request_holds_under_half_the_memory_and_the_same_tokens(
-    gemma3_shaped: Path, transport: str, monkeypatch: pytest.MonkeyPatch
+    gemma3_shaped: Path, transport: str, decode_tp: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     held: list[float] = []
     release = SlidingKV.release
@@ -72,7 +66,7 @@ async def test_a_long_request_holds_under_half_the_memory_and_the_same_tokens(
         held.append((num_blocks * 1 + num_slots * 5) / (num_blocks * 6))
 
     monkeypatch.setattr(SlidingKV, "release", measured)
-    tokens, decode = await serve(gemma3_shaped, transport, release=True)
+    tokens, decode = await serve(gemma3_shaped, transport, release=True, decode_tp=decode_tp)
     whole_tokens, whole = await serve(gemma3_shaped, transport, release=False)
     assert tokens == whole_tokens and len(tokens) == GREEDY.max_tokens
     assert decode.host.runner.kv_cache.window_slots is not None

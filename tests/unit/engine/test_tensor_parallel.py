@@ -17,6 +17,7 @@ from support.tiny_models import save_tiny_model
 
 from pdserve.common.generation import SamplingParams
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, ModelRunner, ScheduledChunk
+from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.decoder import LlamaAttention
 from pdserve.engine.load_runner import load_runner
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
@@ -37,8 +38,7 @@ def _config(model: Path, tensor_parallel_size: int, **extra: object) -> EngineCo
         tensor_parallel_size=tensor_parallel_size,
         num_threads=1,
         seed=0,
-        cache=CacheConfig(num_blocks=NUM_BLOCKS),
-        **extra,  # type: ignore[arg-type]
+        **{"cache": CacheConfig(num_blocks=NUM_BLOCKS), **extra},  # type: ignore[arg-type]
     )
 
 
@@ -243,3 +243,26 @@ def test_closing_stops_the_ranks_and_removes_the_cache_file(
     runner.close()
     assert not path.exists()
     assert all(process.poll() == 0 for process in runner.ranks.processes)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_ranks_keep_the_sliding_layers_window_in_the_shared_slots(
+    family: str,
+    checkpoint: Callable[[str], Path],
+    tp_runner: Callable[..., TensorParallelRunner],
+) -> None:
+    """With window slots (`CacheConfig.release_window_blocks`), the shared cache file holds the
+    slots after the blocks, every step brings the ranks the slots of its blocks, and the tokens
+    are those of one rank keeping every block (windows of 24 tokens, 40-token prompts)."""
+    model = checkpoint(family)
+    cache = CacheConfig(num_blocks=NUM_BLOCKS, max_seqs=3, release_window_blocks=True)
+    split = tp_runner(model, 2, cache=cache, scheduler=SchedulerConfig(max_num_batched_tokens=8))
+    slots = split.kv_cache.window_slots
+    assert slots is not None and split.kv_cache.window_layers
+    assert split.kv_cache.shared_path is not None
+    prompts = [list(range(5, 45)), [30, 40, 50], list(range(100, 140))]
+    windowed = LLMEngine(_config(model, 1, cache=cache), runner=split)
+    whole = LLMEngine(_config(model, 1))
+    assert whole.kv_cache.window_slots is None
+    assert windowed.generate(prompts, GREEDY) == whole.generate(prompts, GREEDY)
+    assert slots.num_held == 0

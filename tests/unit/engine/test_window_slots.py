@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.tiny_models import build_hf_model
+from support.tiny_models import GEMMA3_SHAPED, save_tiny_model
 
 from pdserve.common.generation import SamplingParams
 from pdserve.engine import LLMEngine
@@ -122,19 +122,7 @@ def test_a_long_request_on_a_gemma3_shaped_model_holds_under_half_the_memory(
 ) -> None:
     """Five sliding layers of window 512 to one global, a 4,096-token prompt: the bytes its
     blocks and window slots take, against every layer keeping every block."""
-    model = build_hf_model(
-        "gemma3",
-        num_hidden_layers=6,
-        sliding_window=512,
-        layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        max_position_embeddings=8192,
-        hidden_size=32,
-        intermediate_size=32,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    save_tiny_model("gemma3", tmp_path, **GEMMA3_SHAPED)
     config = EngineConfig(
         model=str(tmp_path),
         dtype="float32",

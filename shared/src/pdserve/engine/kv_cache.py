@@ -113,6 +113,9 @@ class KVCache:
             rank's heads in it); a new zero tensor when None.
         window_layers: Layers whose K/V live in window slots.
         num_window_slots: How many slots they have (with ``window_layers``).
+        window_kv: With `kv`, the window slots' storage to use (of ``window_kv``'s shape).
+        window_slots: The slots' map to use (a view of another cache's heads shares its map);
+            a new one when None.
 
     Attributes:
         shared_path: The shared-memory file that backs the cache when other processes map it
@@ -128,6 +131,8 @@ class KVCache:
         kv: torch.Tensor | None = None,
         window_layers: Sequence[int] = (),
         num_window_slots: int = 0,
+        window_kv: torch.Tensor | None = None,
+        window_slots: WindowSlots | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
@@ -137,8 +142,8 @@ class KVCache:
         self.device = device
         self.dtype: torch.dtype = getattr(torch, layout.dtype)
         window_layers = tuple(sorted(set(window_layers)))
-        if window_layers and kv is not None:
-            raise ValueError("a cache with window layers allocates its own storage")
+        if window_layers and (kv is None) != (window_kv is None):
+            raise ValueError("a cache with window layers takes both storages or neither")
         if any(not 0 <= i < layout.num_layers for i in window_layers):
             raise ValueError(f"window layers {window_layers} outside {layout.num_layers} layers")
         full_layers = [i for i in range(layout.num_layers) if i not in window_layers]
@@ -149,11 +154,17 @@ class KVCache:
         self.window_slots: WindowSlots | None = None
         shape = layout.cache_shape(num_blocks)
         if window_layers:
-            self.window_slots = WindowSlots(num_window_slots, num_blocks, device)
+            self.window_slots = window_slots or WindowSlots(num_window_slots, num_blocks, device)
             shape = (len(full_layers), *shape[1:])
             window_shape = (len(window_layers), *layout.cache_shape(num_window_slots)[1:])
+            if window_kv is not None and tuple(window_kv.shape) != window_shape:
+                raise ValueError(
+                    f"window storage of shape {tuple(window_kv.shape)}, not {window_shape}"
+                )
             # window_kv: [len(window_layers), 2, num_window_slots, block_size, heads, head_dim]
-            self.window_kv = self._zeros(window_shape, device)
+            self.window_kv = (
+                window_kv if window_kv is not None else self._zeros(window_shape, device)
+            )
         self.window_layers = window_layers
         self.shared_path: Path | None = None
         if kv is not None and tuple(kv.shape) != shape:

@@ -165,7 +165,7 @@ def window_cache_size(
 ) -> WindowCacheSize | None:
     """The block ids and window slots that take the memory of `num_blocks` whole blocks when
     the sliding layers keep only their window (`CacheConfig.release_window_blocks`), or None
-    (not asked, no sliding layer, several ranks, or decode graphs).
+    (not asked, no sliding layer, several ranks on CUDA, or decode graphs).
 
     A sequence holds at most one step's chunk plus a window of slots, so the slots are what
     ``max_seqs`` such sequences hold (at most `num_blocks`); the memory they leave goes to more
@@ -176,7 +176,7 @@ def window_cache_size(
     if (
         not config.cache.release_window_blocks
         or not window_layers
-        or config.tensor_parallel_size > 1
+        or (config.tensor_parallel_size > 1 and not config.device.startswith("cpu"))
         or config.uses_graphs
     ):
         return None

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.config import EngineConfig
 
@@ -39,10 +41,15 @@ class Attach:
         num_blocks: Blocks of the cache.
         shared_path: The shared file of all heads (CPU); None: each rank allocates its own
             heads (CUDA).
+        window_layers: Sliding-window layers kept in window slots after the blocks in the
+            shared file (`pdserve.engine.window_slots`); empty for none.
+        num_window_slots: Their slots.
     """
 
     num_blocks: int
     shared_path: Path | None
+    window_layers: tuple[int, ...] = ()
+    num_window_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,19 +59,31 @@ class Step:
     Attributes:
         chunks: The batch, as bare chunks (no request).
         every_position: Indices of the chunks whose every position's logits are computed.
+        slots: With window slots, the slot of each block of each chunk (0: none), which a
+            rank writes into its copy of the slot table before the step.
     """
 
     chunks: list[ScheduledChunk[None]]
     every_position: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
-    def of(cls, chunks: Sequence[ScheduledChunk[Any]], every_position: Sequence[int]) -> Step:
-        """The step of a batch of chunks cut from requests."""
+    def of(
+        cls,
+        chunks: Sequence[ScheduledChunk[Any]],
+        every_position: Sequence[int],
+        slot_table: torch.Tensor | None = None,
+    ) -> Step:
+        """The step of a batch of chunks cut from requests (with window slots: the slot of
+        each of their blocks, from the cache's `slot_table`)."""
         bare: list[ScheduledChunk[None]] = [
             ScheduledChunk(list(c.token_ids), c.num_computed_tokens, list(c.block_ids))
             for c in chunks
         ]
-        return cls(bare, tuple(every_position))
+        slots: tuple[tuple[int, ...], ...] = ()
+        if slot_table is not None:
+            slots = tuple(tuple(slot_table[c.block_ids].tolist()) for c in bare)
+        return cls(bare, tuple(every_position), slots)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,12 @@ from pdserve.engine.parallel.shared_cache import (
     remove_shared_cache,
 )
 from pdserve.engine.parallel.worker import rank_device
-from pdserve.engine.rank_model import cache_layout, load_rank_model, num_cache_blocks
+from pdserve.engine.rank_model import (
+    cache_layout,
+    load_rank_model,
+    num_cache_blocks,
+    window_cache_size,
+)
 from pdserve.engine.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -98,15 +103,35 @@ class TensorParallelRunner(ModelRunner):
             group = TensorParallelGroup.form(store, RankShard(0, size), device, timeout_s)
             model = load_rank_model(config, device, group)
             layout = cache_layout(config, model.config)
+            window = None
             if device.type == "cpu":
                 num_blocks = num_cache_blocks(config, model.config, layout, device)
-                kv_cache = create_shared_cache(layout, num_blocks)
+                window = window_cache_size(config, model.config, num_blocks)
+                if window is None:
+                    kv_cache = create_shared_cache(layout, num_blocks)
+                else:
+                    num_blocks = window.num_blocks
+                    kv_cache = create_shared_cache(
+                        layout,
+                        num_blocks,
+                        window_layers=window.window_layers,
+                        num_window_slots=window.num_window_slots,
+                    )
             else:
                 heads = cache_head_range(model.config, group.shard)
                 layout = cache_layout(config, model.config, num_kv_heads=len(heads))
                 num_blocks = num_cache_blocks(config, model.config, layout, device)
                 kv_cache = KVCache(layout, num_blocks, device)
-            ranks.send(Attach(num_blocks, kv_cache.shared_path))
+            ranks.send(
+                Attach(num_blocks, kv_cache.shared_path)
+                if window is None
+                else Attach(
+                    num_blocks,
+                    kv_cache.shared_path,
+                    window.window_layers,
+                    window.num_window_slots,
+                )
+            )
             group.barrier()
             group.limit_waits(config.tensor_parallel_step_timeout_s)
         except BaseException:
@@ -130,7 +155,10 @@ class TensorParallelRunner(ModelRunner):
             TensorParallelError: If a rank is lost (before or during the step); every later
                 step raises it too.
         """
-        self.ranks.send(Step.of(chunks, sorted(every_position)))
+        slots = self.kv_cache.window_slots
+        self.ranks.send(
+            Step.of(chunks, sorted(every_position), None if slots is None else slots.slot_table)
+        )
         try:
             return super().execute_with_positions(chunks, on_layer_done, every_position)
         except RuntimeError as error:

@@ -10,10 +10,12 @@ different tensor-parallel sizes exchange the same bytes.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -42,16 +44,22 @@ def _map(path: Path, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def create_shared_cache(
-    layout: KVCacheLayout, num_blocks: int, directory: Path = DEFAULT_DIR
+    layout: KVCacheLayout,
+    num_blocks: int,
+    directory: Path = DEFAULT_DIR,
+    window_layers: Sequence[int] = (),
+    num_window_slots: int = 0,
 ) -> KVCache:
     """A CPU cache of all heads in a new private file (rank 0); `KVCache.shared_path` names it.
+    With `window_layers`, those layers keep their KV in `num_window_slots` window slots after
+    the other layers' blocks (`pdserve.engine.window_slots`), as in a decode's segment.
 
     Its pages are taken on first write, like a single-process cache's. The caller removes the
     file (`remove_shared_cache`) when the instance ends.
     """
     remove_stale_files(directory)
     path = directory / f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-    nbytes = num_blocks * layout.total_block_nbytes
+    nbytes = _file_bytes(layout, num_blocks, window_layers, num_window_slots)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, nbytes)
@@ -60,24 +68,65 @@ def create_shared_cache(
         raise
     finally:
         os.close(fd)
-    dtype = getattr(torch, layout.dtype)
-    kv = _map(path, nbytes, dtype).view(layout.cache_shape(num_blocks))
-    cache = KVCache(layout, num_blocks, torch.device("cpu"), kv=kv)
+    cache = _mapped_cache(path, layout, num_blocks, window_layers, num_window_slots)
     cache.shared_path = path
     log.info("tensor_parallel_cache_created", name=path.name, num_bytes=nbytes)
     return cache
 
 
-def attach_head_slice(path: Path, layout: KVCacheLayout, num_blocks: int, heads: range) -> KVCache:
+def _file_bytes(
+    layout: KVCacheLayout, num_blocks: int, window_layers: Sequence[int], num_window_slots: int
+) -> int:
+    per_layer_block = layout.total_block_nbytes // layout.num_layers
+    num_full = layout.num_layers - len(window_layers)
+    return per_layer_block * (num_full * num_blocks + len(window_layers) * num_window_slots)
+
+
+def _mapped_cache(
+    path: Path,
+    layout: KVCacheLayout,
+    num_blocks: int,
+    window_layers: Sequence[int],
+    num_window_slots: int,
+) -> KVCache:
+    """The whole cache in the file: the blocks' storage, then the window slots' (if any)."""
+    nbytes = _file_bytes(layout, num_blocks, window_layers, num_window_slots)
+    flat = _map(path, nbytes, getattr(torch, layout.dtype))
+    num_full = layout.num_layers - len(window_layers)
+    shape = (num_full, *layout.cache_shape(num_blocks)[1:])
+    kv = flat[: math.prod(shape)].view(shape)
+    if not window_layers:
+        return KVCache(layout, num_blocks, torch.device("cpu"), kv=kv)
+    window_shape = (len(window_layers), *layout.cache_shape(num_window_slots)[1:])
+    return KVCache(
+        layout,
+        num_blocks,
+        torch.device("cpu"),
+        kv=kv,
+        window_layers=window_layers,
+        num_window_slots=num_window_slots,
+        window_kv=flat[math.prod(shape) :].view(window_shape),
+    )
+
+
+def attach_head_slice(
+    path: Path,
+    layout: KVCacheLayout,
+    num_blocks: int,
+    heads: range,
+    window_layers: Sequence[int] = (),
+    num_window_slots: int = 0,
+) -> KVCache:
     """A rank's view of the shared cache file: only its `heads` (`head_slice`); `layout` is
-    the whole cache's."""
-    nbytes = num_blocks * layout.total_block_nbytes
-    full = _map(path, nbytes, getattr(torch, layout.dtype)).view(layout.cache_shape(num_blocks))
-    return head_slice(KVCache(layout, num_blocks, torch.device("cpu"), kv=full), heads)
+    the whole cache's. With window layers, its slot table is its own: each step brings the
+    slots of its blocks (`Step.slots`)."""
+    cache = _mapped_cache(path, layout, num_blocks, window_layers, num_window_slots)
+    return head_slice(cache, heads)
 
 
 def head_slice(cache: KVCache, heads: range) -> KVCache:
-    """A view of `heads` of every block of `cache` (no copy): the cache a rank attends over.
+    """A view of `heads` of every block of `cache` (no copy): the cache a rank attends over
+    (sharing `cache`'s window slots, if any).
 
     Returns:
         A cache whose layout has ``len(heads)`` KV heads and whose tensor is a strided view:
@@ -92,7 +141,18 @@ def head_slice(cache: KVCache, heads: range) -> KVCache:
         dtype=layout.dtype,
     )
     kv = cache.kv.narrow(4, heads.start, len(heads))
-    return KVCache(local, cache.num_blocks, cache.device, kv=kv)
+    if cache.window_slots is None:
+        return KVCache(local, cache.num_blocks, cache.device, kv=kv)
+    return KVCache(
+        local,
+        cache.num_blocks,
+        cache.device,
+        kv=kv,
+        window_layers=cache.window_layers,
+        num_window_slots=cache.window_slots.num_slots,
+        window_kv=cache.window_kv.narrow(4, heads.start, len(heads)),
+        window_slots=cache.window_slots,
+    )
 
 
 def remove_shared_cache(cache: KVCache) -> None:
@@ -104,4 +164,3 @@ def remove_shared_cache(cache: KVCache) -> None:
 def remove_stale_files(directory: Path = DEFAULT_DIR) -> int:
     """Removes this user's cache files left by instances that no longer run; returns how many."""
     return remove_orphaned_files(directory, NAME_PREFIX)
-    return True

@@ -66,7 +66,14 @@ def run(stream: BinaryIO) -> int:
     heads = cache_head_range(model.config, shard)
     if attach.shared_path is not None:
         layout = cache_layout(config, model.config)
-        kv_cache = attach_head_slice(attach.shared_path, layout, attach.num_blocks, heads)
+        kv_cache = attach_head_slice(
+            attach.shared_path,
+            layout,
+            attach.num_blocks,
+            heads,
+            attach.window_layers,
+            attach.num_window_slots,
+        )
     else:
         layout = cache_layout(config, model.config, num_kv_heads=len(heads))
         kv_cache = KVCache(layout, attach.num_blocks, device)
@@ -78,6 +85,11 @@ def run(stream: BinaryIO) -> int:
         message = _read(stream)
         if not isinstance(message, Step):
             return 0
+        slots = kv_cache.window_slots
+        if slots is not None:
+            # NOTE: rank 0 holds the slot map; a step brings the slots of its blocks.
+            for chunk, chunk_slots in zip(message.chunks, message.slots, strict=True):
+                slots.slot_table[chunk.block_ids] = torch.tensor(chunk_slots, dtype=torch.long)
         try:
             runner.execute_with_positions(message.chunks, every_position=message.every_position)
         except ValueError as error:
