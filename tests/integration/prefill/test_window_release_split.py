@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.prefill_cluster import BLOCK_SIZE, cluster
+from prometheus_client import generate_latest
+from support.prefill_cluster import BLOCK_SIZE, cluster, reference_engine
 from support.tiny_models import GEMMA3_SHAPED, save_tiny_model
 
+from pdserve.common.errors import ErrorReason
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.decode.request import DecodeRequest
 from pdserve.decode.sliding_kv import SlidingKV
+from pdserve.v1 import decode_pb2
 
 PROMPT = [3 + (i * 7) % 250 for i in range(4096)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -81,3 +84,40 @@ async def test_a_long_request_holds_under_half_the_memory_and_the_same_tokens(
     assert decode.servicer.num_kv_bytes_received == layer_block * (
         num_prompt_blocks + 5 * num_window_blocks
     )
+
+
+async def test_a_lease_short_of_window_slots_is_refused_with_a_retry_delay(
+    tmp_path: Path,
+) -> None:
+    """A decode with window slots for one request (``--max-num-seqs 1``, Gemma 3's window of
+    24 tokens): while one long prompt's lease holds them, another is refused with
+    DECODE_CAPACITY_EXHAUSTED and a retry delay (the gateway asks again or elsewhere); once
+    that lease ends, the prompt continues as the single-process engine does."""
+    model = save_tiny_model("gemma3", tmp_path / "gemma3")
+    prompt = [(11 * i) % 290 + 5 for i in range(41)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (expected,) = reference_engine(model).generate([prompt], greedy)
+    async with cluster(model, decode_overrides={"max_num_seqs": 1}) as pd:
+        decode = pd.decodes[0]
+        slots = decode.host.runner.kv_cache.window_slots
+        assert slots is not None and slots.num_slots == 8
+        held = await pd.allocate(len(prompt), "holder")
+        # 11 blocks, the last 7 a window's (blocks 4..10 for the token at 41): 7 slots held
+        assert held.num_window_skipped_blocks == 4 and len(held.window_slot_ids) == 7
+        refused = await pd.run_prefill(pd.request("w", prompt, greedy))
+        assert refused.error is not None
+        assert refused.error.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
+        assert "window slots" in refused.error.message and refused.error.retry_delay_s
+        await pd.decode_stubs[0].ReleaseLease(
+            decode_pb2.ReleaseLeaseRequest(
+                lease_id=held.lease_id, request_id="holder", lease_token=held.transports[-1].token
+            )
+        )
+        assert slots.num_held == 0
+        scraped = generate_latest(decode.metrics.registry).decode()
+        assert "pdserve_decode_window_slots 8.0" in scraped
+        assert "pdserve_decode_window_slots_free 8.0" in scraped
+        assert await pd.complete("w", prompt, greedy) == expected
+        assert decode.loop.num_preemptions == 0
+        await pd.eventually_whole()
+        assert slots.num_held == 0

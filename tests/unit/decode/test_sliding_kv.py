@@ -66,16 +66,19 @@ def test_a_running_lease_grows_into_slots_and_lets_go_of_those_a_window_behind()
 
 
 def test_slots_short_refuse_a_lease_and_stop_a_growth() -> None:
-    leases, slots = manager(num_slots=3)
+    leases, slots = manager(num_slots=5)
     first = leases.allocate("a", 8, 16)  # blocks 0..1 and a slot for the next: 3 needed
     assert slots.num_held == 2
     with pytest.raises(PdserveError) as refused:
-        leases.allocate("b", 8, 16)
+        leases.allocate("b", 8, 16)  # 3 needed, 3 free of which 1 is owed to "a"
     assert refused.value.reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
-    assert "window slots" in refused.value.message
-    assert leases.table.extend(first, 9)  # the third slot
-    assert not leases.table.extend(first, 13)  # no fourth slot: the decode preempts instead
-    assert len(first.block_ids) == 3
+    assert "3 window slots for its sliding layers, 2 available" in refused.value.message
+    second = leases.allocate("c", 4, 16)  # one block: 2 needed
+    assert slots.num_held == 3 and second.num_window_released == 0
+    assert leases.table.extend(first, 9)  # the slot owed to it
+    assert leases.table.extend(second, 5)  # the slot owed to it
+    assert not leases.table.extend(first, 13)  # none left: the decode preempts instead
+    assert slots.num_free == 0 and len(first.block_ids) == 3
     leases.table.check_integrity()
 
 

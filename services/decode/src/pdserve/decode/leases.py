@@ -164,7 +164,11 @@ class LeaseManager:
             refusal = capacity_refusal(request_id, size, available, self.capacity_retry_s)
             if refusal is None and sliding is not None:
                 refusal = sliding.refusal(
-                    request_id, num_kv_tokens, size.num_blocks, self.capacity_retry_s
+                    request_id,
+                    num_kv_tokens,
+                    size.num_blocks,
+                    len(self.table.open_leases()),
+                    self.capacity_retry_s,
                 )
             if refusal is None:
                 refusal = share_refusal(

@@ -33,6 +33,21 @@ class DecodeMetrics(InstanceMetrics):
             registry=self.registry,
         )
 
+    def count_window_slots_with(self, num_free: Callable[[], float], num_slots: int) -> None:
+        """Adds the window slots' gauges (a cache whose sliding layers keep only their
+        window): how many there are, and how many no lease holds (read at each scrape)."""
+        Gauge(
+            "pdserve_decode_window_slots",
+            "Window slots of the sliding-window layers' KV (--release-window-blocks).",
+            registry=self.registry,
+        ).set(num_slots)
+        Gauge(
+            "pdserve_decode_window_slots_free",
+            "Window slots no lease holds; a lease needs one per block of the window before its "
+            "end, and one more for each open lease's growth.",
+            registry=self.registry,
+        ).set_function(num_free)
+
     def count_detached_with(self, count: Callable[[], float]) -> None:
         """Reads the detached-requests gauge from `count` at each scrape."""
         self.detached_requests.set_function(count)

@@ -84,6 +84,8 @@ class DecodeInstance(InstanceServer):
             sliding=sliding,
         )
         self.metrics = DecodeMetrics()
+        if slots is not None:
+            self.metrics.count_window_slots_with(lambda: slots.num_free, slots.num_slots)
         self.offload = (
             None
             if self.kv_writer is None

@@ -10,8 +10,9 @@ always. Each block the request grows into takes a slot; after each step the bloc
 token is a window past let theirs go (`release`); its end lets the rest go (`let_go_all`).
 
 Admission counts slots as well as blocks (`refusal`): a lease needs a slot for each of its
-window blocks and one for growth, else DECODE_CAPACITY_EXHAUSTED with a retry delay, like a
-pool short of blocks. Every method runs under the lease table's lock.
+window blocks and one for growth, beside one owed to each open lease, else
+DECODE_CAPACITY_EXHAUSTED with a retry delay, like a pool short of blocks. Every method runs
+under the lease table's lock.
 """
 
 from __future__ import annotations
@@ -46,16 +47,25 @@ class SlidingKV:
         return max(0, num_blocks - self.first_needed(num_kv_tokens)) + 1
 
     def refusal(
-        self, request_id: str, num_kv_tokens: int, num_blocks: int, retry_delay_s: float
+        self,
+        request_id: str,
+        num_kv_tokens: int,
+        num_blocks: int,
+        num_open_leases: int,
+        retry_delay_s: float,
     ) -> PdserveError | None:
         """DECODE_CAPACITY_EXHAUSTED (with a retry delay) when the free slots do not cover a
-        new lease's window blocks and its growth; else None."""
+        new lease's window blocks and its growth, beside one slot owed to each of the
+        `num_open_leases` (a request crossing into a new block takes its slot before the step
+        after lets the oldest go); else None."""
         needed = self.num_needed(num_kv_tokens, num_blocks)
-        if needed <= self.slots.num_free:
+        available = self.slots.num_free - num_open_leases
+        if needed <= available:
             return None
         return PdserveError(
             ErrorReason.DECODE_CAPACITY_EXHAUSTED,
-            f"needs {needed} window slots for its sliding layers, {self.slots.num_free} free",
+            f"needs {needed} window slots for its sliding layers, {max(0, available)} available "
+            f"({self.slots.num_free} free, {num_open_leases} owed to open leases)",
             {"requestId": request_id, "numBlocks": str(num_blocks)},
             retry_delay_s=retry_delay_s,
         )
