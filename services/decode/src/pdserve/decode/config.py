@@ -80,10 +80,11 @@ class DecodeConfig(InstanceConfig):
             "their KV lives in window slots that a request lets go of once its next token is a "
             "whole window past a block, a lease skips those layers' KV of the prompt blocks a "
             "window behind its end (the prefill does not send it), and the memory goes to "
-            "more blocks for the other layers. No effect on a model without sliding layers, "
-            "tensor parallelism or CUDA graphs. cuda_ipc, which addresses every layer by "
-            "block id, is then not offered: --no-release-window-blocks keeps every layer's "
-            "blocks and that transport",
+            "more blocks for the other layers (the slots are sized for --max-num-seqs requests "
+            "of a window each: set it to what the memory holds). No effect on a model without "
+            "sliding layers, with CUDA graphs or with tensor parallelism on CUDA. cuda_ipc, "
+            "which addresses every layer by block id, is then not offered: "
+            "--no-release-window-blocks keeps every layer's blocks and that transport",
         },
     )
     kv_tcp_port: int = field(
