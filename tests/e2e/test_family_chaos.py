@@ -1,8 +1,12 @@
-"""A latent-attention mixture of experts (a tiny DeepSeek-V3) through faults on real processes:
-streams that preempt each other on small decode pools, and a decode SIGKILLed mid-stream,
-each come out equal to transformers' greedy output, nothing lost or duplicated. Its KV blocks
-hold the latent only (`pdserve.engine.mla`): what moves between the prefill and the decodes,
-and what a decode that takes a stream over recomputes, is that latent."""
+"""Two families PD is deployed for through faults on real processes: a latent-attention mixture
+of experts (a tiny DeepSeek-V3) and a mixture of experts with sliding-window layers (a tiny
+gpt-oss). Streams that preempt each other on small decode pools, and a decode SIGKILLed
+mid-stream, each come out equal to transformers' greedy output, nothing lost or duplicated.
+DeepSeek-V3's KV blocks hold the latent only (`pdserve.engine.mla`): what moves between the
+prefill and the decodes, and what a decode that takes a stream over recomputes, is that latent.
+gpt-oss's decodes keep its sliding layers' KV in window slots (`--release-window-blocks`, the
+default): leases skip the blocks a window behind, and a growth can be short of slots as well as
+of blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ from support.hf_reference import hf_greedy
 from support.process_cluster import (
     ProcessCluster,
     greedy_streams_through_a_decode_kill,
+    metrics_url,
     running_cluster,
+    sample_at,
     streamed_until_preempted,
 )
 from support.tiny_models import servable_tiny_model
@@ -28,11 +34,12 @@ PROMPTS = [f"Latent attention keeps request {i} whole." for i in range(8)]
 DECODE_ARGS = "--num-blocks 10 --reserve-tokens 0"
 
 
-@pytest.fixture(scope="module")
-def model_dir(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return servable_tiny_model(
-        "deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), demo_model_dir
-    )
+@pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss"])
+def model_dir(
+    request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    family = request.param
+    return servable_tiny_model(family, tmp_path_factory.mktemp(family), demo_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,7 @@ def expected(model_dir: Path) -> list[list[int]]:
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessCluster]:
     with running_cluster(
         model_dir,
-        tmp_path_factory.mktemp("mla-chaos-logs"),
+        tmp_path_factory.mktemp(f"{model_dir.name}-chaos-logs"),
         decodes=2,
         decode_args=DECODE_ARGS,
         gateway_args="--preempt-retry-count 100",
@@ -57,10 +64,14 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 async def test_streams_that_preempt_each_other_come_out_whole(
-    cluster: ProcessCluster, expected: list[list[int]]
+    cluster: ProcessCluster, expected: list[list[int]], model_dir: Path
 ) -> None:
     def check(got: list[list[int]]) -> None:
         assert got == expected
+
+    # NOTE: gpt-oss's sliding layers keep their window in slots on every decode.
+    slots = await sample_at(metrics_url(cluster.decodes[0]), "pdserve_decode_window_slots")
+    assert (slots > 0) == model_dir.name.startswith("gpt_oss")
 
     async with cluster.openai(timeout_s=120) as client:
         await streamed_until_preempted(cluster, client, PROMPTS, NUM_TOKENS, check, temperature=0.0)
