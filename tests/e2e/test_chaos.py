@@ -755,8 +755,12 @@ async def plain_storm(storm: ChaosCluster) -> None:
     offloads = await store_counter(cluster, "decode", "kv_offloads_written")
     loaded = await store_counter(cluster, "prefill", "store_loaded_prompt_tokens")
 
-    assert await stream_all(cluster, requests) == expected
-
+    # NOTE: as with the other storms: on a busy machine the streams may not overlap long enough
+    # to preempt; a storm that preempted nothing goes again (at most 3 times).
+    for _ in range(3):
+        assert await stream_all(cluster, requests) == expected
+        if await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > reschedules:
+            break
     assert await cluster.counter("pdserve_gateway_reschedules", cause="preempted") > reschedules
     if storm.store_dir is not None:
         # A victim's notice waits for the offload of its full blocks; its reschedule (prompt
