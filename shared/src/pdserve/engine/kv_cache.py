@@ -95,6 +95,16 @@ def _contiguous_run(block_ids: Sequence[int]) -> bool:
     return all(b == first + i for i, b in enumerate(block_ids))
 
 
+def layer_storage(num_layers: int, window_layers: Sequence[int]) -> list[tuple[bool, int]]:
+    """Where each layer's K/V live in a cache whose `window_layers` keep theirs in window
+    slots: ``(in the window storage, the layer's index there)``, the other layers in order in
+    the blocks' storage."""
+    full_layers = [i for i in range(num_layers) if i not in window_layers]
+    where = {layer: (False, index) for index, layer in enumerate(full_layers)}
+    where |= {layer: (True, index) for index, layer in enumerate(window_layers)}
+    return [where[layer] for layer in range(num_layers)]
+
+
 class KVCache:
     """``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 is K, 1 is V).
 
@@ -146,16 +156,12 @@ class KVCache:
             raise ValueError("a cache with window layers takes both storages or neither")
         if any(not 0 <= i < layout.num_layers for i in window_layers):
             raise ValueError(f"window layers {window_layers} outside {layout.num_layers} layers")
-        full_layers = [i for i in range(layout.num_layers) if i not in window_layers]
-        # NOTE: each layer's storage: (in window_kv rather than kv, index of the layer there).
-        where = {layer: (False, index) for index, layer in enumerate(full_layers)}
-        where |= {layer: (True, index) for index, layer in enumerate(window_layers)}
-        self._storage = [where[layer] for layer in range(layout.num_layers)]
+        self._storage = layer_storage(layout.num_layers, window_layers)
         self.window_slots: WindowSlots | None = None
         shape = layout.cache_shape(num_blocks)
         if window_layers:
             self.window_slots = window_slots or WindowSlots(num_window_slots, num_blocks, device)
-            shape = (len(full_layers), *shape[1:])
+            shape = (layout.num_layers - len(window_layers), *shape[1:])
             window_shape = (len(window_layers), *layout.cache_shape(num_window_slots)[1:])
             if window_kv is not None and tuple(window_kv.shape) != window_shape:
                 raise ValueError(

@@ -29,7 +29,7 @@ import numpy as np
 import structlog
 
 from pdserve.common.stale_files import remove_orphaned_files
-from pdserve.engine.kv_cache import KVCache, KVCacheLayout
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout, layer_storage
 from pdserve.kv.transfer import KvPiece, check_lease_blocks, chunk_crc32c, id_runs, writable_range
 
 log = structlog.get_logger(__name__)
@@ -169,10 +169,7 @@ class SharedKvPool:
         self.slots = data[blocks_bytes:].reshape(
             len(window_layers), 2, num_window_slots, layout.block_nbytes
         )
-        full = [i for i in range(layout.num_layers) if i not in window_layers]
-        self.storage = {layer: (False, index) for index, layer in enumerate(full)} | {
-            layer: (True, index) for index, layer in enumerate(window_layers)
-        }
+        self.storage = layer_storage(layout.num_layers, window_layers)
         """Each layer's storage: (in ``slots`` rather than ``blocks``, index there)."""
 
     def exists(self) -> bool:
