@@ -135,7 +135,8 @@ class Sessions:
     ) -> Session:
         """Reopens a kept request of `kinds`, the same way for every front end: this
         gateway's run is followed; a stored one is prepared again and replayed if it ended,
-        else taken over from its decode. Counted in ``resumes{how}``.
+        else taken over from its decode. Counted in ``resumes{how}`` and logged
+        (``resumable_request_resumed``, with ``how``).
 
         Args:
             request_id: The gateway's id of it.
@@ -153,15 +154,18 @@ class Sessions:
         resumes = runs.metrics.resumes
         if isinstance(found, Run):
             resumes.labels(how="local").inc()
+            log.info("resumable_request_resumed", request_id=request_id, how="local")
             await self._keep_parsed(found, parse)
             return followed(found.record.kind, found)
         parsed, prepared = await self._prepare(found, parse, caller.api_key_name)
         if found.end is None:
             resumes.labels(how="takeover").inc()
+            log.info("resumable_request_resumed", request_id=request_id, how="takeover")
             run = await runs.take_over(found, prepared)
             run.parsed = run.parsed or parsed.body
             return followed(found.kind, run)
         resumes.labels(how="stored").inc()
+        log.info("resumable_request_resumed", request_id=request_id, how="stored")
         return replayed(found, prepared, parsed.body)
 
     async def snapshot(
