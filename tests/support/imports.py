@@ -27,10 +27,13 @@ def module_name(path: Path, source_root: Path) -> str:
     return ".".join(parts)
 
 
-def _parse(source: str) -> ast.Module:
+def parsed(path: Path) -> ast.Module:
+    """The syntax tree of the module at `path`."""
+    source = path.read_text(encoding="utf-8")
     # NOTE: CPython 3.11's ast.parse now and then fails with "SystemError: AST constructor
     # recursion depth mismatch" while other threads of the process run (python/cpython#106905,
-    # fixed in later releases; seen once in a full run): a parse that met it is tried again.
+    # fixed in later releases; seen in full runs, here and in the families test): a parse that
+    # met it is tried again.
     for _ in range(2):
         try:
             return ast.parse(source)
@@ -41,7 +44,7 @@ def _parse(source: str) -> ast.Module:
 
 def imported_modules(path: Path, known: set[str]) -> Iterator[str]:
     """The modules of `known` that the module at `path` imports."""
-    for node in ast.walk(_parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parsed(path)):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]

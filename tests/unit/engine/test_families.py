@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.hf_reference import hf_greedy
+from support.imports import parsed
 
 import pdserve.engine.families as registry
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
@@ -57,7 +58,7 @@ def test_a_gguf_architecture_picks_one_family() -> None:
 
 
 def _imports(path: Path) -> Iterator[str]:
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.ImportFrom) and node.module:
             yield node.module
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
@@ -82,7 +83,7 @@ def test_no_engine_module_outside_the_families_names_a_family() -> None:
         if FAMILIES in path.parents:
             continue
         allowed = NAMED_ELSEWHERE.get(path.name, set())
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.Constant) and node.value in names - allowed:
                 found.append(f"{path.relative_to(ENGINE)}:{node.lineno} {node.value!r}")
     assert not found
