@@ -395,16 +395,18 @@ async def greedy_streams_through_a_decode_kill(
     alone: list[list[int]],
 ) -> list[list[int]]:
     """Greedy streams of `prompts` (``ignore_eos``), the decode holding the most of them
-    SIGKILLed once each decodes (its lease committed, read from the decodes' logs: a client
-    reading behind the decodes on a busy machine saw first tokens only after whole streams had
-    ended); their token ids once they end.
+    SIGKILLed once the first of them decodes (its lease committed, read from the decodes' logs:
+    a client reading behind the decodes on a busy machine saw first tokens only after whole
+    streams had ended; and the test reads those logs late there too, so it freezes the decodes
+    at the first commit it sees, not at the last, which came after every stream had ended in
+    three tries beside two busy loops); their token ids once they end.
 
     When no decode held one at the count (a busy machine ran them all out first), they are
     checked against `alone` and started again, up to three times.
     """
 
     async def streaming() -> list[asyncio.Task[list[int]]]:
-        wanted = num_committed(cluster) + len(prompts)
+        wanted = num_committed(cluster) + 1
         tasks = [
             asyncio.create_task(
                 stream_token_ids(
@@ -414,7 +416,7 @@ async def greedy_streams_through_a_decode_kill(
             )
             for prompt in prompts
         ]  # fmt: skip
-        await eventually(lambda: num_committed(cluster) >= wanted, 60, "every stream decoding")
+        await eventually(lambda: num_committed(cluster) >= wanted, 60, "a stream decoding")
         return tasks
 
     for attempt in range(3):
