@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import crc32c
+from fastcrc import crc32
 
 from pdserve.engine.kv_cache import KVBlockData, KVCache, KVCacheLayout
 from pdserve.kv.staging import export_to_host
@@ -50,7 +50,35 @@ SYNC_ACCEPTED_KEY = "pdserve-sync-accepted"
 def chunk_crc32c(key: _Buffer, value: _Buffer) -> int:
     """CRC-32C of `key` followed by `value`, as KvChunk.crc32c defines it (any buffer, no
     copy; the GIL is released for large ones)."""
-    return int(crc32c.crc32c(value, crc32c.crc32c(key)))
+    return int(crc32.iscsi(value, crc32.iscsi(key)))
+
+
+def chunk_runs(pieces: Sequence[KvPiece]) -> list[list[KvPiece]]:
+    """`pieces` in order, cut into the runs an in-place sender announces as one chunk each:
+    consecutive pieces of one layer whose logical blocks follow each other. A chunk's bytes
+    are already in the decode's cache, so its size bounds no message: fewer, larger chunks are
+    fewer messages and fewer checksum tasks at both ends (`run_crc32c` is a run's checksum)."""
+    runs: list[list[KvPiece]] = []
+    for piece in pieces:
+        if runs:
+            last = runs[-1][-1]
+            if (
+                piece.layer_index == last.layer_index
+                and piece.first_block == last.first_block + last.num_blocks
+            ):
+                runs[-1].append(piece)
+                continue
+        runs.append([piece])
+    return runs
+
+
+def run_crc32c(run: Sequence[KvPiece]) -> int:
+    """The chunk CRC-32C of a run of `chunk_runs` announced as one chunk: the K of every piece
+    in order, then the V of every piece (what `blocks_crc32c` computes over the run's blocks)."""
+    crc = 0
+    for part in [piece.key for piece in run] + [piece.value for piece in run]:
+        crc = crc32.iscsi(part, crc)
+    return int(crc)
 
 
 def blocks_crc32c(kv_cache: KVCache, layer_index: int, block_ids: Sequence[int]) -> int:
@@ -66,7 +94,7 @@ def blocks_crc32c(kv_cache: KVCache, layer_index: int, block_ids: Sequence[int])
                 data = kv_cache.block_bytes(cache, start, stop)
             else:
                 data = kv_cache.block_bytes(cache[start:stop].cpu(), 0, stop - start)
-            crc = crc32c.crc32c(data, crc)
+            crc = crc32.iscsi(data, crc)
     return int(crc)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -168,14 +169,15 @@ def kv_chunk(piece: KvPiece, *, corrupt: bool = False) -> decode_pb2.SyncCacheRe
     )
 
 
-def kv_chunk_meta(piece: KvPiece, crc: int) -> decode_pb2.SyncCacheRequest:
+def kv_chunk_meta(pieces: Sequence[KvPiece], crc: int) -> decode_pb2.SyncCacheRequest:
     """A chunk message without its bytes (they follow it raw on the TCP data port, or are
-    already in the decode's shared memory)."""
+    already in the decode's cache): one piece, or a run of `chunk_runs` announced as one."""
+    first = pieces[0]
     return decode_pb2.SyncCacheRequest(
         chunk=decode_pb2.KvChunk(
-            layer_index=piece.layer_index,
-            first_block=piece.first_block,
-            num_blocks=piece.num_blocks,
+            layer_index=first.layer_index,
+            first_block=first.first_block,
+            num_blocks=sum(piece.num_blocks for piece in pieces),
             crc32c=crc,
         )
     )

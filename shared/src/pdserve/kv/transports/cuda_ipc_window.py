@@ -65,19 +65,24 @@ class CacheWindow:
         """Queues the copy of `piece`'s blocks (from the sender's cache) into the lease's
         blocks; returns the CRC-32C of its bytes. `wait` says when the copy landed.
 
-        `corrupt` flips one written byte after the checksum (fault injection).
+        `corrupt` flips one written byte after the copy (fault injection).
 
         Raises:
             IndexError: The piece's logical blocks are not all within the lease's writable
                 blocks, or it does not name its blocks in the sender's cache.
         """
+        self.take(piece, corrupt=corrupt)
+        return chunk_crc32c(piece.key, piece.value)
+
+    def take(self, piece: KvPiece, *, corrupt: bool = False) -> None:
+        """Queues the copy of `piece` as `write` does, without its checksum (a sender that
+        checksums a run of pieces as one chunk). Raises as `write`."""
         blocks = writable_range(piece, len(self._block_ids), self._num_shared_blocks)
         source_ids = piece.source_block_ids
         if len(source_ids) != piece.num_blocks:
             raise IndexError(
                 f"a piece of {piece.num_blocks} blocks names {len(source_ids)} sources"
             )
-        crc = chunk_crc32c(piece.key, piece.value)
         dest_ids = self._block_ids[blocks.start : blocks.stop]
         if self._stream is None:
             self._copy(piece.layer_index, source_ids, dest_ids, corrupt)
@@ -88,7 +93,6 @@ class CacheWindow:
             # layers' compute instead of beside it.
             with torch.cuda.stream(self._stream):
                 self._copy(piece.layer_index, source_ids, dest_ids, corrupt)
-        return crc
 
     def wait(self) -> None:
         """Returns once every queued copy is in the mapped cache."""

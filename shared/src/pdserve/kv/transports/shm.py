@@ -238,12 +238,18 @@ class LeaseWindow:
     def write(self, piece: KvPiece, *, corrupt: bool = False) -> int:
         """Copies `piece` into the lease's blocks; returns the CRC-32C of what it meant to write.
 
-        `corrupt` flips one written byte after the checksum (fault injection).
+        `corrupt` flips one written byte after the copy (fault injection).
 
         Raises:
             IndexError: The piece's logical blocks are not all within the lease's writable
                 blocks (of its layer).
         """
+        self.take(piece, corrupt=corrupt)
+        return chunk_crc32c(piece.key, piece.value)
+
+    def take(self, piece: KvPiece, *, corrupt: bool = False) -> None:
+        """Copies `piece` into the lease's blocks as `write` does, without its checksum (a
+        sender that checksums a run of pieces as one chunk). Raises as `write`."""
         is_window, index = self._pool.storage[piece.layer_index]
         if is_window:
             # NOTE: a sliding layer's blocks a window behind have no storage at all.
@@ -257,7 +263,6 @@ class LeaseWindow:
             blocks = writable_range(piece, len(self._block_ids), self._num_shared_blocks)
             targets = self._block_ids[blocks.start : blocks.stop]
             storage = self._pool.blocks[index]
-        crc = chunk_crc32c(piece.key, piece.value)
         for kv_index, data in ((0, piece.key), (1, piece.value)):
             # source: [num_blocks, block_nbytes] bytes of the sender's cache
             source = np.frombuffer(data, dtype=np.uint8).reshape(-1, self._block_nbytes)
@@ -268,4 +273,3 @@ class LeaseWindow:
                 offset += count
         if corrupt:
             storage[0, targets[0], 0] ^= 0xFF
-        return crc

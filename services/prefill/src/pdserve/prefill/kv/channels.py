@@ -9,8 +9,9 @@ checksum (fault injection).
 * `GrpcChannel`: header, chunks with their bytes, commit, all in the SyncCache stream.
 * `InPlaceChannel`: the sender writes into the decode's cache itself; the header goes out
   first and the pieces are written into the lease's blocks only after the decode accepted it
-  (its initial metadata), each announced by a chunk message without bytes once it landed (its
-  checksum, which the decode verifies in its cache while later layers compute). An abandoned
+  (its initial metadata), each run of a layer's blocks announced by a chunk message without
+  bytes once it landed (its checksum, which the decode verifies in its cache while later layers
+  compute). An abandoned
   transfer waits for a copy under way before the stream is cancelled: until the stream ends the
   decode keeps the blocks reserved, so no late write can reach another lease. Two kinds:
   `pdserve.prefill.kv.shm.SharedMemoryChannel` (the decode's KV cache is a segment on
@@ -30,7 +31,7 @@ import grpc
 
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError, has_error_info
-from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, KvPiece
+from pdserve.kv.transfer import SYNC_ACCEPTED_KEY, KvPiece, chunk_runs, run_crc32c
 from pdserve.prefill import convert
 from pdserve.prefill.decode_client import RELEASE_TIMEOUT_S, peer_error
 from pdserve.prefill.request import Request
@@ -51,7 +52,7 @@ class KvChannel(Protocol):
 
     async def open(self) -> None: ...
 
-    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None: ...
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> int: ...
 
     async def finish(
         self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
@@ -79,9 +80,10 @@ class GrpcChannel:
         self.call = self.stub.SyncCache(metadata=telemetry.outgoing_metadata())
         await self._write(convert.sync_header(self.request, self.name))
 
-    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> int:
         for i, piece in enumerate(pieces):
             await self._write(convert.kv_chunk(piece, corrupt=corrupt_first and i == 0))
+        return len(pieces)
 
     async def finish(
         self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
@@ -138,9 +140,9 @@ class GrpcChannel:
 
 class BlockWriter(Protocol):
     """Writes a lease's pieces into the decode's cache (a shared-memory `LeaseWindow`, or a
-    CUDA IPC `CacheWindow`); returns each piece's CRC-32C."""
+    CUDA IPC `CacheWindow`), without checksumming them (the channel checksums its runs)."""
 
-    def write(self, piece: KvPiece, *, corrupt: bool = False) -> int: ...
+    def take(self, piece: KvPiece, *, corrupt: bool = False) -> None: ...
 
 
 class InPlaceChannel(GrpcChannel, abc.ABC):
@@ -174,28 +176,32 @@ class InPlaceChannel(GrpcChannel, abc.ABC):
         if SYNC_ACCEPTED_KEY not in dict(metadata or ()):
             raise await self._final_error()
 
-    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> int:
         # NOTE: in groups of a few MiB, so that the decode checksums one group while the next
-        # one is copied.
+        # one is copied; each run of a layer's blocks in a group is announced as one chunk.
+        num_chunks = 0
         for group in piece_groups(pieces, GROUP_BYTES):
             copy = asyncio.ensure_future(asyncio.to_thread(self._write_all, group, corrupt_first))
             corrupt_first = False
             try:
-                crcs = await asyncio.shield(copy)
+                checked = await asyncio.shield(copy)
             except asyncio.CancelledError:
                 await asyncio.wait([copy])  # NOTE: never leave a copy running (module doc)
                 raise
-            for piece, crc in zip(group, crcs, strict=True):
-                await self._write(convert.kv_chunk_meta(piece, crc))
+            for run, crc in checked:
+                await self._write(convert.kv_chunk_meta(run, crc))
+            num_chunks += len(checked)
+        return num_chunks
 
-    def _write_all(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> list[int]:
+    def _write_all(
+        self, pieces: Sequence[KvPiece], corrupt_first: bool
+    ) -> list[tuple[list[KvPiece], int]]:
+        """Writes `pieces`, waits until they landed; returns their runs with the checksums."""
         assert self.window is not None
-        crcs = [
-            self.window.write(piece, corrupt=corrupt_first and i == 0)
-            for i, piece in enumerate(pieces)
-        ]
+        for i, piece in enumerate(pieces):
+            self.window.take(piece, corrupt=corrupt_first and i == 0)
         self._wait_landed()
-        return crcs
+        return [(run, run_crc32c(run)) for run in chunk_runs(pieces)]
 
 
 def piece_groups(pieces: Sequence[KvPiece], max_bytes: int) -> list[list[KvPiece]]:

@@ -8,10 +8,10 @@ comes first waits for it. Writes, checksums and commit are those of every in-pla
 groups of a few MiB; one worker thread posts each group's WRITEs as one transfer and waits for
 them, group after group without a pause, while another checksums the groups from this cache
 (both release the GIL; between two processes of one host the post itself copies, through CMA),
-and each group is announced once its WRITEs completed and its checksums are known, while the
-later groups are written. A decode agent that cannot be loaded, or a local agent that did not
-start, raises `TransportUnavailable` before anything was written, so
-the sender falls back to the next transport.
+and each group is announced once its WRITEs completed and its checksums are known (a chunk per
+run of a layer's blocks in it), while the later groups are written. A decode agent that cannot
+be loaded, or a local agent that did not start, raises `TransportUnavailable` before anything
+was written, so the sender falls back to the next transport.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.kv_cache import KVCache
-from pdserve.kv.transfer import KvPiece, chunk_crc32c
+from pdserve.kv.transfer import KvPiece, chunk_runs, run_crc32c
 from pdserve.kv.transports.nixl import (
     AGENT_START_WAIT_S,
     CacheAgent,
@@ -131,9 +131,9 @@ class NixlChannel(InPlaceChannel):
             raise TransportUnavailable(str(error)) from None
         await super().open()
 
-    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> int:
         try:
-            await self._send_pipelined(pieces, corrupt_first)
+            return await self._send_pipelined(pieces, corrupt_first)
         except NixlUnavailable as error:
             # NOTE: a WRITE failed (the decode's process or connection is gone); the lease
             # says whether the decode ended the transfer first.
@@ -150,25 +150,30 @@ class NixlChannel(InPlaceChannel):
             )
             raise await ask_lease_state(self.stub, self.request, local) from None
 
-    async def _send_pipelined(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> None:
+    async def _send_pipelined(self, pieces: Sequence[KvPiece], corrupt_first: bool) -> int:
         """Writes the groups one after another on one worker thread and checksums them on
         another, and announces each group once both are done with it, while later groups are
-        written (the module docstring); returns once every group is announced. Both threads
-        are always waited for, also when this fails or is cancelled (as
-        `InPlaceChannel.send`: no WRITE is left under way); they stop after their group."""
+        written (the module docstring); returns once every group is announced, with the number
+        of chunks announced. Both threads are always waited for, also when this fails or is
+        cancelled (as `InPlaceChannel.send`: no WRITE is left under way); they stop after their
+        group."""
         groups = piece_groups(pieces, self.group_bytes)
         loop = asyncio.get_running_loop()
         landed: list[asyncio.Future[None]] = [loop.create_future() for _ in groups]
-        checked: list[asyncio.Future[list[int]]] = [loop.create_future() for _ in groups]
+        checked: list[asyncio.Future[list[tuple[list[KvPiece], int]]]] = [
+            loop.create_future() for _ in groups
+        ]
+        num_chunks = 0
         stop = threading.Event()
         workers = asyncio.gather(
             asyncio.to_thread(self._land_all, groups, corrupt_first, landed, stop),
             asyncio.to_thread(_check_all, groups, checked, stop),
         )
         try:
-            for group, is_landed, crcs in zip(groups, landed, checked, strict=True):
+            for is_landed, runs in zip(landed, checked, strict=True):
                 await is_landed
-                await self._announce(group, await crcs)
+                num_chunks += await self._announce(await runs)
+            return num_chunks
         finally:
             stop.set()
             try:
@@ -191,11 +196,11 @@ class NixlChannel(InPlaceChannel):
     ) -> None:
         """Posts each group's WRITEs and waits for them, in order, until one fails or `stop`
         is set; resolves the group's future once they are in the decode's cache."""
-        assert self._window is not None
         for group, future in zip(groups, landed, strict=True):
             if stop.is_set():
                 return
             try:
+                assert self._window is not None
                 for i, piece in enumerate(group):
                     self._window.take(piece, corrupt=corrupt_first and i == 0)
                 corrupt_first = False
@@ -205,9 +210,10 @@ class NixlChannel(InPlaceChannel):
                 return
             _settle(future, None)
 
-    async def _announce(self, pieces: Sequence[KvPiece], crcs: Sequence[int]) -> None:
-        for piece, crc in zip(pieces, crcs, strict=True):
-            await self._write(convert.kv_chunk_meta(piece, crc))
+    async def _announce(self, checked: Sequence[tuple[list[KvPiece], int]]) -> int:
+        for run, crc in checked:
+            await self._write(convert.kv_chunk_meta(run, crc))
+        return len(checked)
 
     def _open_writer(self) -> NixlWindow:
         lease = self.request.lease
@@ -225,15 +231,19 @@ class NixlChannel(InPlaceChannel):
 
 def _check_all(
     groups: Sequence[Sequence[KvPiece]],
-    checked: Sequence[asyncio.Future[list[int]]],
+    checked: Sequence[asyncio.Future[list[tuple[list[KvPiece], int]]]],
     stop: threading.Event,
 ) -> None:
-    """Resolves each group's future with the CRC-32C of its pieces (read from this prefill's
-    cache), in order, until `stop` is set."""
+    """Resolves each group's future with its runs (`chunk_runs`, one chunk each) and their
+    CRC-32C (read from this prefill's cache), in order, until `stop` is set."""
     for group, future in zip(groups, checked, strict=True):
         if stop.is_set():
             return
-        _settle(future, [chunk_crc32c(piece.key, piece.value) for piece in group])
+        try:
+            _settle(future, [(run, run_crc32c(run)) for run in chunk_runs(group)])
+        except Exception as error:  # NOTE: raised where the group is awaited
+            _settle(future, error=error)
+            return
 
 
 def _settle(

@@ -164,10 +164,9 @@ class KvSender:
                         break
                     item = self._queue.get_nowait()
                 if pieces:
-                    await channel.send(
+                    self.num_chunks += await channel.send(
                         pieces, corrupt_first=self.corrupt_first_chunk and not self.num_chunks
                     )
-                    self.num_chunks += len(pieces)
                     self.num_bytes += sum(len(p.key) + len(p.value) for p in pieces)
                 if isinstance(item, _Commit):
                     await channel.finish(

@@ -65,8 +65,9 @@ class TcpChannel:
         header = convert.sync_header(self.request, self.name)
         await self._run(self._send_all, [frame(header.SerializeToString())])
 
-    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> None:
+    async def send(self, pieces: Sequence[KvPiece], *, corrupt_first: bool = False) -> int:
         await self._run(self._send_pieces, pieces, corrupt_first)
+        return len(pieces)
 
     async def finish(
         self, first_token_id: int, first_token_index: int, num_chunks: int, num_bytes: int
@@ -119,7 +120,7 @@ class TcpChannel:
             key: bytes | memoryview = piece.key
             if corrupt_first and i == 0:
                 key = bytes([piece.key[0] ^ 0xFF]) + bytes(piece.key[1:])
-            message = convert.kv_chunk_meta(piece, crc)
+            message = convert.kv_chunk_meta([piece], crc)
             self._send_all([frame(message.SerializeToString()), key, piece.value])
 
     def _send_all(self, buffers: list[bytes | memoryview]) -> None:
