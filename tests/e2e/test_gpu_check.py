@@ -51,7 +51,7 @@ def test_the_kit_carries_what_the_image_lacks_and_never_torch() -> None:
     kit = load_tool("gpu_kit")
     carried = kit.missing_packages(kit.pinned_versions(ROOT / "constraints.txt"))
     # NOTE: the generated contract code needs its own protobuf and grpcio, whatever the image has.
-    assert {"structlog", "crc32c", "gguf", "protobuf", "grpcio", "pytest-asyncio"} <= set(carried)
+    assert {"structlog", "fastcrc", "gguf", "protobuf", "grpcio", "pytest-asyncio"} <= set(carried)
     assert not {"torch", "numpy", "transformers", "tokenizers", "jinja2"} & set(carried)
     assert not any(name.startswith("nvidia-") for name in carried)
     assert carried["protobuf"] == kit.pinned_versions(ROOT / "constraints.txt")["protobuf"]
