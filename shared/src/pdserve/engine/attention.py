@@ -196,22 +196,34 @@ class SdpaAttention(PagedAttention):
     ) -> torch.Tensor:
         """Every decode of a graph step in one call over its whole table width: fixed shapes,
         no host reads (the mask comes from the device's context lengths)."""
-        num_decodes, width = metadata.block_table.shape
-        padded_len = width * metadata.block_size
         blocks = metadata.block_table.reshape(-1)
+        mask = metadata.static_decode_mask(self.sliding_window)
+        return self._decode_over_blocks(q, k_cache, v_cache, blocks, metadata.block_size, mask)
+
+    def _decode_over_blocks(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        block_size: int,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """One query token per decode over its blocks (`blocks`: every decode's, the same
+        count each, flattened), `mask` marking the keys each one sees."""
+        num_decodes = q.shape[0]
+        padded_len = blocks.numel() // num_decodes * block_size
+        # NOTE: gathering whole blocks (block_size * num_kv_heads * head_dim contiguous values)
+        # is many times faster than gathering token slots one by one.
         # keys, values: [num_decodes, padded_len, num_kv_heads, head_dim]
         keys = k_cache.index_select(0, blocks).view(num_decodes, padded_len, self.num_kv_heads, -1)
         values = v_cache.index_select(0, blocks).view(
             num_decodes, padded_len, self.num_kv_heads, -1
         )
-        # q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
+        # NOTE: fold the query heads of a GQA group into the query-length axis so that K/V are
+        # never repeated: q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
         q_grouped = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
-        out = self._grouped_sdpa(
-            q_grouped,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            metadata.static_decode_mask(self.sliding_window),
-        )
+        out = self._grouped_sdpa(q_grouped, keys.transpose(1, 2), values.transpose(1, 2), mask)
         return out.reshape(num_decodes, self.num_heads, self.head_dim)
 
     def _grouped_sdpa(
@@ -233,26 +245,9 @@ class SdpaAttention(PagedAttention):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_decodes = q.shape[0]
         blocks = metadata.decode_blocks(group)
-        padded_len = group.num_blocks * metadata.block_size
-        # NOTE: gathering whole blocks (block_size * num_kv_heads * head_dim contiguous values)
-        # is many times faster than gathering token slots one by one.
-        # keys, values: [num_decodes, padded_len, num_kv_heads, head_dim]
-        keys = k_cache.index_select(0, blocks).view(num_decodes, padded_len, self.num_kv_heads, -1)
-        values = v_cache.index_select(0, blocks).view(
-            num_decodes, padded_len, self.num_kv_heads, -1
-        )
-        # NOTE: fold the query heads of a GQA group into the query-length axis so that K/V are
-        # never repeated: q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
-        q_grouped = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
-        out = self._grouped_sdpa(
-            q_grouped,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            metadata.decode_mask(group, self.sliding_window),
-        )
-        return out.reshape(num_decodes, self.num_heads, self.head_dim)
+        mask = metadata.decode_mask(group, self.sliding_window)
+        return self._decode_over_blocks(q, k_cache, v_cache, blocks, metadata.block_size, mask)
 
     def _prefill(
         self,
