@@ -11,9 +11,9 @@ checksum (fault injection).
   first and the pieces are written into the lease's blocks only after the decode accepted it
   (its initial metadata), each run of a layer's blocks announced by a chunk message without
   bytes once it landed (its checksum, which the decode verifies in its cache while later layers
-  compute). An abandoned
-  transfer waits for a copy under way before the stream is cancelled: until the stream ends the
-  decode keeps the blocks reserved, so no late write can reach another lease. Two kinds:
+  compute). An abandoned transfer waits for a copy under way before the stream is cancelled:
+  until the stream ends the decode keeps the blocks reserved, so no late write can reach
+  another lease. Two kinds:
   `pdserve.prefill.kv.shm.SharedMemoryChannel` (the decode's KV cache is a segment on
   this host) and
   `pdserve.prefill.kv.cuda_ipc.CudaIpcChannel` (the decode's CUDA cache mapped through CUDA
