@@ -813,13 +813,19 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
         cell.phase, DECODING_MAX_TOKENS
     )
     num_streams = NUM_QUEUED_STREAMS if cell.phase == "queued" else NUM_STREAMS
-    requests = [
-        (
-            f"{cell.cell_id} {i} {LONG_PROMPT if is_long else 'once upon a time'}",
-            GREEDY if i % 2 == 0 else {**SEEDED, "seed": 100 + i},
-        )
-        for i in range(num_streams)
-    ]
+
+    def requests_of(attempt: int) -> list[tuple[str, dict[str, Any]]]:
+        # NOTE: another attempt's prompts differ from their second word: no prefix cache hit.
+        again = f" again {attempt}" if attempt else ""
+        return [
+            (
+                f"{cell.cell_id}{again} {i} {LONG_PROMPT if is_long else 'once upon a time'}",
+                GREEDY if i % 2 == 0 else {**SEEDED, "seed": 100 + i},
+            )
+            for i in range(num_streams)
+        ]
+
+    requests = requests_of(0)
 
     # NOTE: the undisturbed run is made once the fault has landed, while the streams go on (in
     # a thread: the engine releases the GIL in its kernels), not before the phase is reached:
@@ -901,27 +907,44 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     victim = by_name(cluster, max(took, key=lambda n: took[n]))
                 fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
             elif is_prefill_phase:
-                count = prefilling(cluster, mark)
-                await eventually(lambda: any(count().values()), 60, "a prompt in prefill")
-                async with frozen(cluster.prefills, fault):
-                    held = await settled(count)
-                    computing = by_name(cluster, max(held, key=lambda n: held[n]))
-                    assert held[computing.name] > 0, "no prompt was in prefill"
-                    if cell.role == "gateway":
-                        victim = gateway_of(cluster)
-                    elif cell.role == "prefill":
-                        victim = computing
-                    else:
-                        # NOTE: the decode whose lease that prefill is filling.
-                        in_flight = {
-                            e["request_id"]: e["decode_instance_id"]
-                            for e in since(mark, computing, "lease_granted")
-                        }
-                        for e in since(mark, computing, "first_token"):
-                            in_flight.pop(e["request_id"], None)
-                        decode_id = next(iter(in_flight.values()))
-                        victim = next(d for d in cluster.decodes if instance_id(d) == decode_id)
-                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+                # NOTE: this process reads the prefills' logs a moment late: on a busy machine
+                # the prompt it saw in prefill had its first token by the freeze, and no other
+                # was left (seen beside two busy loops). The streams are then awaited and
+                # started again with other prompts, twice at most.
+                for attempt in range(3):
+                    count = prefilling(cluster, mark)
+                    await eventually(
+                        lambda count=count: any(count().values()), 60, "a prompt in prefill"
+                    )
+                    async with frozen(cluster.prefills, fault):
+                        held = await settled(count)
+                        if any(held.values()) or attempt == 2:
+                            computing = by_name(cluster, max(held, key=lambda n: held[n]))
+                            assert held[computing.name] > 0, "no prompt was in prefill"
+                            if cell.role == "gateway":
+                                victim = gateway_of(cluster)
+                            elif cell.role == "prefill":
+                                victim = computing
+                            else:
+                                # NOTE: the decode whose lease that prefill is filling.
+                                in_flight = {
+                                    e["request_id"]: e["decode_instance_id"]
+                                    for e in since(mark, computing, "lease_granted")
+                                }
+                                for e in since(mark, computing, "first_token"):
+                                    in_flight.pop(e["request_id"], None)
+                                decode_id = next(iter(in_flight.values()))
+                                victim = next(
+                                    d for d in cluster.decodes if instance_id(d) == decode_id
+                                )
+                            fault.land(
+                                cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target
+                            )
+                            break
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    mark = log_mark(cluster)
+                    requests = requests_of(attempt + 1)
+                    tasks = start()
             else:
                 # NOTE: the first stream 10 tokens in: on a busy machine the others may end
                 # before the slowest starts; the frozen decodes then hold what runs. A machine
