@@ -52,7 +52,7 @@ from support.process_cluster import (
 from support.real_cluster import Reference
 from support.redis_server import RedisServer, running_redis
 from support.resumable_client import follow_resumable_completion
-from support.resumable_sse import SseEvent, chat_content, sse_events
+from support.resumable_sse import SseEvent, chat_content, left_after, sse_events
 from support.small_disk import SmallDisk, small_disk
 
 from pdserve.common.errors import ErrorReason
@@ -1116,15 +1116,7 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
 
                 async def leave(body: dict[str, Any]) -> tuple[str, list[SseEvent]]:
                     resumable = {**body, "stream_options": {"resumable": True}}
-                    lines: list[str] = []
-                    async with http.stream("POST", url, json=resumable) as got_stream:
-                        assert got_stream.status_code == 200
-                        stream_id = got_stream.headers["x-request-id"]
-                        async for line in got_stream.aiter_lines():
-                            lines.append(line)
-                            if len(sse_events("\n".join(lines))) >= 6:
-                                break  # NOTE: the client goes away mid-stream
-                    return stream_id, sse_events("\n".join(lines))
+                    return await left_after(http, url, resumable)
 
                 left = await asyncio.gather(*(leave(b) for b in bodies))
 

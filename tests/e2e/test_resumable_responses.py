@@ -26,7 +26,7 @@ import openai
 import pytest
 from support.eventually import eventually
 from support.process_cluster import ProcessCluster, events_named, running_cluster_on_etcd
-from support.resumable_sse import chat_content, sse_events
+from support.resumable_sse import chat_content, left_after, sse_events
 
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.launcher.child import ChildProcess
@@ -312,15 +312,7 @@ async def _leave_and_resume(
     event id read from gateway 0 and the events read from gateway 1."""
     first, other = cluster.rest_urls
     resumable = {**body, "stream_options": {"resumable": True, "include_usage": True}}
-    lines: list[str] = []
-    async with http.stream("POST", f"{first}/v1/chat/completions", json=resumable) as got:
-        assert got.status_code == 200
-        stream_id = got.headers["x-request-id"]
-        async for line in got.aiter_lines():
-            lines.append(line)
-            if len(sse_events("\n".join(lines))) >= 6:
-                break  # NOTE: the client goes away mid-stream
-    before = sse_events("\n".join(lines))
+    stream_id, before = await left_after(http, f"{first}/v1/chat/completions", resumable)
     last_id = before[-1][0]
     assert 0 < last_id < NUM_CHAT_TOKENS
     url = f"{other}/v1/chat/completions/chatcmpl-{stream_id}/stream"
