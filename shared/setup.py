@@ -23,6 +23,7 @@ setup(
                 "csrc/int8_gemm.cpp",
                 "csrc/decode_attention.cpp",
                 "csrc/rms_norm.cpp",
+                "csrc/f32_gemm.cpp",
             ],
             depends=["csrc/common.h"],
             extra_compile_args=["-O3", "-std=c++17"],

@@ -12,6 +12,9 @@
 #include <vector>
 
 #define KERNEL_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma,f16c")))
+// The float32 kernels' (f32_gemm.cpp, and the float32 forms in decode_attention.cpp and
+// rms_norm.cpp): AVX2, FMA and F16C.
+#define F32_TARGET __attribute__((target("avx2,fma,f16c")))
 
 namespace pdserve {
 
@@ -46,6 +49,14 @@ KERNEL_TARGET inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
 }
 
+// The eight lanes summed in one order: lanes i and i + 4, then i and i + 2, then the two left.
+F32_TARGET inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
 // Whether this CPU runs the kernels: AVX-512 (F, BW, DQ, VL) with BF16, FMA and F16C.
 bool cpu_supported();
 
@@ -55,5 +66,14 @@ PyObject* py_int8_gemm(PyObject*, PyObject* args);
 PyObject* py_int8_dequantize(PyObject*, PyObject* args);
 PyObject* py_decode_attention(PyObject*, PyObject* args);
 PyObject* py_rms_norm(PyObject*, PyObject* args);
+
+// Whether this CPU runs the float32 kernels (f32_gemm.cpp): AVX2, FMA and F16C.
+bool f32_supported();
+PyObject* py_f32_supported(PyObject*, PyObject*);
+PyObject* py_int4_gemm_f32(PyObject*, PyObject* args);
+PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args);
+PyObject* py_int8_gemm_f32(PyObject*, PyObject* args);
+PyObject* py_decode_attention_f32(PyObject*, PyObject* args);
+PyObject* py_rms_norm_f32(PyObject*, PyObject* args);
 
 }  // namespace pdserve

@@ -4,7 +4,8 @@
 // table, straight from the cache (no gather into a padded copy): per KV head, the scores of its
 // group of query heads against every key (VDPBF16PS over bf16 q and k, float32 sums), a softmax
 // in float32 (with a sink logit per head where the model has them), then the values weighted in
-// float32, rounded once to bf16.
+// float32, rounded once to bf16. A float32 K/V cache (AVX2, where `--dtype auto` is float32)
+// takes the same steps in eight-lane FMAs.
 #include "common.h"
 
 namespace pdserve {
@@ -120,6 +121,115 @@ PyObject* py_decode_attention(PyObject*, PyObject* args) {
                           table_stride, reinterpret_cast<const int32_t*>(lens), num_seqs, num_heads, num_kv_heads,
                           head_dim, block_size, scale, window, reinterpret_cast<const float*>(sinks),
                           reinterpret_cast<uint16_t*>(out));
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+
+namespace {
+
+template <int G>
+F32_TARGET void attend_head_f32(const float* q, const float* k_cache, const float* v_cache,
+                                const int32_t* table, int first, int last, int block_size,
+                                int num_kv_heads, int head, int head_dim, float scale,
+                                const float* sinks, float* scores, float* out) {
+  const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
+  const int num_keys = last - first;
+  float high[G];
+  for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
+  for (int t = first; t < last; ++t) {
+    const float* key = k_cache + (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
+                       static_cast<size_t>(head) * head_dim;
+    __m256 dot[G];
+    for (int g = 0; g < G; ++g) dot[g] = _mm256_setzero_ps();
+    for (int c = 0; c < head_dim; c += 8) {
+      const __m256 k = _mm256_loadu_ps(key + c);
+      for (int g = 0; g < G; ++g) dot[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * head_dim + c), k, dot[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float s = sum8(dot[g]) * scale;
+      scores[g * num_keys + (t - first)] = s;
+      high[g] = s > high[g] ? s : high[g];
+    }
+  }
+  float total[G];
+  for (int g = 0; g < G; ++g) {
+    float sum = sinks ? expf(sinks[g] - high[g]) : 0.0f;
+    float* s = scores + g * num_keys;
+    for (int i = 0; i < num_keys; ++i) {
+      s[i] = expf(s[i] - high[g]);
+      sum += s[i];
+    }
+    total[g] = sum;
+  }
+  for (int c = 0; c < head_dim; c += 8) {
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int t = first; t < last; ++t) {
+      const __m256 v = _mm256_loadu_ps(
+          v_cache + (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
+          static_cast<size_t>(head) * head_dim + c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * num_keys + (t - first)]), v, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(out + g * head_dim + c, _mm256_mul_ps(acc[g], _mm256_set1_ps(1.0f / total[g])));
+    }
+  }
+}
+
+template <int G>
+F32_TARGET void decode_attention_f32(const float* q, const float* k_cache, const float* v_cache,
+                                     const int32_t* tables, int table_stride, const int32_t* lens,
+                                     int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                     int block_size, float scale, int window, const float* sinks,
+                                     float* out) {
+  thread_local std::vector<float> scores;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int last = lens[i];
+    const int first = window > 0 && last > window ? last - window : 0;
+    scores.resize(static_cast<size_t>(G) * (last - first));
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const size_t at = (static_cast<size_t>(i) * num_heads + h * G) * head_dim;
+      attend_head_f32<G>(q + at, k_cache, v_cache, tables + static_cast<size_t>(i) * table_stride, first, last,
+                         block_size, num_kv_heads, h, head_dim, scale, sinks ? sinks + h * G : nullptr,
+                         scores.data(), out + at);
+    }
+  }
+}
+
+using DecodeAttentionF32 = void (*)(const float*, const float*, const float*, const int32_t*, int,
+                                    const int32_t*, int, int, int, int, int, float, int, const float*, float*);
+
+constexpr DecodeAttentionF32 kDecodeAttentionF32[] = {
+    nullptr, decode_attention_f32<1>, decode_attention_f32<2>, decode_attention_f32<3>, decode_attention_f32<4>,
+    decode_attention_f32<5>, decode_attention_f32<6>, decode_attention_f32<7>, decode_attention_f32<8>};
+
+}  // namespace
+
+PyObject* py_decode_attention_f32(PyObject*, PyObject* args) {
+  unsigned long long q, k_cache, v_cache, tables, lens, sinks, out;
+  int table_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window;
+  float scale;
+  if (!PyArg_ParseTuple(args, "KKKKiKiiiiifiKK", &q, &k_cache, &v_cache, &tables, &table_stride, &lens,
+                        &num_seqs, &num_heads, &num_kv_heads, &head_dim, &block_size, &scale, &window,
+                        &sinks, &out)) {
+    return nullptr;
+  }
+  const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+  if (!f32_supported()) {
+    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
+    return nullptr;
+  }
+  if (group < 1 || group > 8 || group * num_kv_heads != num_heads || head_dim % 32 != 0 || head_dim > 256) {
+    PyErr_SetString(PyExc_ValueError, "needs 1-8 query heads per KV head and head_dim a multiple of 32 up to 256");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  kDecodeAttentionF32[group](reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k_cache),
+                             reinterpret_cast<const float*>(v_cache), reinterpret_cast<const int32_t*>(tables),
+                             table_stride, reinterpret_cast<const int32_t*>(lens), num_seqs, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, window, reinterpret_cast<const float*>(sinks),
+                             reinterpret_cast<float*>(out));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

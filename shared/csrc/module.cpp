@@ -1,5 +1,5 @@
 // pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, int8_gemm.cpp, decode_attention.cpp,
-// rms_norm.cpp).
+// rms_norm.cpp for AVX512-BF16; f32_gemm.cpp for AVX2).
 #include "common.h"
 
 namespace pdserve {
@@ -38,6 +38,22 @@ PyMethodDef methods[] = {
      "num_kv_heads, head_dim, block_size, scale, window, sinks, out): one query token per "
      "sequence over its paged bf16 K/V (int32 block tables and lengths; window 0: none; sinks "
      "float32 [num_heads] or 0), bf16 out [num_seqs, num_heads, head_dim]."},
+    {"f32_supported", py_f32_supported, METH_NOARGS,
+     "Whether this CPU runs the float32 kernels (AVX2, FMA and F16C)."},
+    {"int4_gemm_f32", py_int4_gemm_f32, METH_VARARGS,
+     "int4_gemm_f32(x, rows, in, weight, scales, mins, out_features, out, half_scales): as "
+     "int4_gemm with float32 x [rows, in] and out [rows, out_features] (AVX2)."},
+    {"int4_dequantize_f32", py_int4_dequantize_f32, METH_VARARGS,
+     "int4_dequantize_f32(weight, scales, mins, out_features, in, out, half_scales): the weight "
+     "as float32 [out_features, in] (AVX2)."},
+    {"int8_gemm_f32", py_int8_gemm_f32, METH_VARARGS,
+     "int8_gemm_f32(x, rows, in, weight, scales, scales_f32, group, mins, out_features, out): as "
+     "int8_gemm with float32 x [rows, in] and out [rows, out_features] (AVX2)."},
+    {"decode_attention_f32", py_decode_attention_f32, METH_VARARGS,
+     "decode_attention_f32(...): decode_attention's arguments over float32 q, K/V and out (AVX2)."},
+    {"rms_norm_f32", py_rms_norm_f32, METH_VARARGS,
+     "rms_norm_f32(x, rows, size, weight, eps, out): RMSNorm of contiguous float32 rows with a "
+     "float32 weight (AVX2)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
      "rows with a bf16 weight, in float32, into bf16 out."},

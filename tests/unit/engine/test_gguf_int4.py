@@ -1,15 +1,16 @@
 """A GGUF's 4-bit weights kept as the file stores them: the values, the kernel, the engine.
 
 Q4_0, Q4_1 and Q4_K map onto int4 groups of 32 with a scale and a min; read back (in numpy, and
-through torch's int4 kernel with float32 activations) they must be the values the ``gguf``
-package dequantizes. With bf16 activations the kernel's scales are bf16 (torch's CPU kernel
-takes them in the activation dtype), so there they are close, not equal.
+through an int4 kernel with float32 activations: pdserve's where it runs, else torch's) they
+must be the values the ``gguf`` package dequantizes. With bf16 activations torch's kernel's
+scales are bf16 (it takes them in the activation dtype), so there they are close, not equal.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from structlog.testing import capture_logs
 from support.converted_gguf import converted_tiny_gguf, prompt_logits
 from support.gguf_files import NUM_LAYERS, TinyGgufSpec, random_weight
 
+from pdserve.engine import cpu_kernels
 from pdserve.engine.gguf_int4 import INT4_FILE, INT4_TYPES, TYPES_KEY, dequantize, int4_blocks
 from pdserve.engine.linear import Linear
 from pdserve.engine.quant import Int4Linear
@@ -123,10 +125,18 @@ def test_auto_serves_the_files_int4_weights_in_bf16(
     assert kept_error.mean() <= 2 * bf16_error.mean()
 
 
-def test_float32_and_none_dequantize_the_files_int4_weights(tmp_path: Path) -> None:
+def test_none_and_float32_without_its_kernel_dequantize_the_files_int4_weights(
+    tmp_path: Path,
+) -> None:
+    """``none`` dequantizes; so does float32 ``auto`` where pdserve's float32 kernels do not run
+    (torch's int4 kernel is 16-40x slower than a float32 GEMM with float32 activations; where
+    they run, `test_f32_kernels` has the kept path)."""
     model_dir = converted(tmp_path, GGMLQuantizationType.Q4_0)
     for dtype, quantization in (("float32", "auto"), ("bfloat16", "none")):
-        with capture_logs() as logs:
+        with (
+            capture_logs() as logs,
+            mock.patch.object(cpu_kernels, "f32_available", return_value=False),
+        ):
             runner, _ = prompt_logits(model_dir, dtype, quantization)
         assert not any(isinstance(m, Int4Linear) for m in runner.model.modules())
         [loaded] = [e for e in logs if e["event"] == "model_loaded"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ from support.gguf_files import (
     random_weight,
 )
 
-from pdserve.engine import int8_kernel
+from pdserve.engine import cpu_kernels, int8_kernel
 from pdserve.engine.gguf_int4 import (
     INT4_FILE,
     INT8,
@@ -268,11 +269,15 @@ def test_the_lm_head_stays_bf16_where_the_kernel_does_not_run(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), [("float32", "auto"), ("bfloat16", "none")])
-def test_float32_and_none_dequantize_the_q8_0_lm_head(
+def test_none_and_float32_without_its_kernel_dequantize_the_q8_0_lm_head(
     tmp_path: Path, dtype: str, quantization: str
 ) -> None:
+    """(float32 ``auto`` keeps it where pdserve's float32 kernels run: `test_f32_kernels`.)"""
     model_dir = converted(tmp_path, tie_word_embeddings=True)
-    with capture_logs() as logs:
+    with (
+        capture_logs() as logs,
+        mock.patch.object(cpu_kernels, "f32_available", return_value=False),
+    ):
         runner, _ = load(model_dir, dtype, quantization)
     assert isinstance(runner.model.lm_head, Linear)
     assert not any(e["event"] == "int4_kernel" for e in logs)

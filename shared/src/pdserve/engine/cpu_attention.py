@@ -8,7 +8,9 @@ query heads against each key (VDPBF16PS, float32 sums), a float32 softmax (with 
 logit where the model has one, gpt-oss), the values weighted in float32 and rounded once to
 bf16. It runs where the compiled module is installed and the CPU has AVX512-BF16, for bf16
 K/V, 1 to 8 query heads per KV head and a head size that is a multiple of 32 up to 256, on
-one torch thread; `SdpaAttention` falls back to SDPA elsewhere.
+one torch thread; `SdpaAttention` falls back to SDPA elsewhere. A float32 cache (``--dtype auto``
+on a CPU without native bf16) runs the same steps in eight-lane FMAs where the CPU has AVX2 (the
+gather and SDPA took 5 ms of a one-row float32 step there).
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
     """Whether the kernel takes a decode step's attention of `q` (``[n, heads, head_dim]``)
     over `k_cache`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
+    is_f32 = q.dtype == torch.float32
     return (
-        q.dtype == torch.bfloat16
-        and k_cache.dtype == torch.bfloat16
+        q.dtype in (torch.bfloat16, torch.float32)
+        and k_cache.dtype == q.dtype
         and q.device.type == "cpu"
         and num_heads % num_kv_heads == 0
         and 1 <= num_heads // num_kv_heads <= 8
         and head_dim % 32 == 0
         and head_dim <= 256
         and torch.get_num_threads() == 1
-        and available()
+        and (cpu_kernels.f32_available() if is_f32 else available())
     )
 
 
@@ -50,8 +53,8 @@ def decode(
     """Attention of one query token per sequence.
 
     Args:
-        q: ``[n, num_heads, head_dim]`` bfloat16.
-        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` bfloat16.
+        q: ``[n, num_heads, head_dim]`` bfloat16 (or float32).
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype.
         v_cache: As `k_cache`.
         tables: ``[n, width]`` int32 block ids of each sequence (contiguous rows).
         lens: ``[n]`` int32 keys of each sequence (its query is the last).
@@ -60,13 +63,17 @@ def decode(
         sinks: ``[num_heads]`` float32 sink logits, or None.
 
     Returns:
-        ``[n, num_heads, head_dim]`` bfloat16.
+        ``[n, num_heads, head_dim]``, q's dtype.
     """
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
     q = q.contiguous()
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    cpu_kernels.compiled().decode_attention(
+    compiled = cpu_kernels.compiled()
+    attend = (
+        compiled.decode_attention_f32 if q.dtype == torch.float32 else compiled.decode_attention
+    )
+    attend(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -1,10 +1,16 @@
 """pdserve's compiled CPU kernels (``shared/csrc/``, the optional extension
 ``pdserve.engine._cpu_kernels``): whether they are here and run on this CPU.
 
-The int4 and int8 GEMMs (`pdserve.engine.int4_kernel`, `pdserve.engine.int8_kernel`), the decode
-attention (`pdserve.engine.cpu_attention`) and the RMSNorm (`pdserve.engine.cpu_norm`) need
-AVX512-BF16;
-without a C++ compiler at install time pdserve installs without them, and torch's ops run.
+Two sets, by the activations' dtype:
+
+* bfloat16, on a CPU with AVX512-BF16: the int4 and int8 GEMMs (`pdserve.engine.int4_kernel`,
+  `pdserve.engine.int8_kernel`), the decode attention (`pdserve.engine.cpu_attention`) and the
+  RMSNorm (`pdserve.engine.cpu_norm`);
+* float32, on a CPU with AVX2, FMA and F16C (``f32_gemm.cpp``): the int4 and int8 GEMMs over the
+  same weights. ``--dtype auto`` is float32 on a CPU without native bf16, so a GGUF's quantized
+  tensors are kept as the file stores them there too.
+
+Without a C++ compiler at install time pdserve installs without them, and torch's ops run.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ except ImportError:  # pragma: no cover - the compiled module is optional
 
 MISSING = "the compiled module is not installed (no C++ compiler when pdserve was installed)"
 UNSUPPORTED = "this CPU has no AVX512-BF16"
+UNSUPPORTED_F32 = "this CPU has no AVX2, FMA or F16C"
 
 
 def compiled() -> ModuleType:
@@ -35,21 +42,30 @@ def available() -> bool:
     return _compiled is not None and bool(_compiled.supported())
 
 
-def why_unavailable() -> str | None:
-    """Why the kernels do not run here (None where they do), for the logs."""
+@functools.cache
+def f32_available() -> bool:
+    """Whether the compiled module is installed and this CPU runs its float32 GEMMs."""
+    return _compiled is not None and bool(_compiled.f32_supported())
+
+
+def why_unavailable(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the kernels for `dtype` activations do not run here (None where they do), for the
+    logs."""
     if _compiled is None:
         return MISSING
+    if dtype == torch.float32:
+        return None if f32_available() else UNSUPPORTED_F32
     return None if available() else UNSUPPORTED
 
 
 def why_not_gemm(dtype: torch.dtype, in_features: int, multiple: int) -> str | None:
     """Why a GEMM kernel that walks `multiple` input features at a time does not take a
     projection of `in_features` with `dtype` activations (None where it does), for the logs."""
-    unavailable = why_unavailable()
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"activations are {str(dtype).removeprefix('torch.')}, not bfloat16 or float32"
+    unavailable = why_unavailable(dtype)
     if unavailable is not None:
         return unavailable
-    if dtype != torch.bfloat16:
-        return f"activations are {str(dtype).removeprefix('torch.')}, not bfloat16"
     if in_features % multiple:
         return f"in_features {in_features} is not a multiple of {multiple}"
     if torch.get_num_threads() != 1:

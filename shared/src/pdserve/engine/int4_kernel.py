@@ -13,6 +13,12 @@ It runs where the CPU has AVX512-BF16 (`available`) and the compiled module was 
 optional: without a C++ compiler pdserve installs without it); it is single-threaded, so the
 engine uses it where torch runs one thread (``pdserve up`` gives each engine its share of the
 cores; on a host with more, torch's kernel runs over its threads).
+
+With float32 activations (``--dtype auto`` on a CPU without native bf16) the same packed weight
+runs on ``f32_gemm.cpp``'s kernel (AVX2, FMA and F16C): each value widened to a float32 integer
+and multiplied with FMA, the group's scale and min applied as here; `matmul` and `dequantize`
+pick the kernel by the activations' dtype. torch's int4 kernel is 16-40x slower than a float32
+GEMM with float32 activations, so without this kernel a float32 engine dequantizes the file.
 """
 
 from __future__ import annotations
@@ -62,12 +68,22 @@ def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
     return torch.float16
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The weight ``scale * q + min`` as ``[out, in]`` bfloat16 (the arguments as `matmul`
-    takes them)."""
+def dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The weight ``scale * q + min`` as ``[out, in]`` `dtype` (bfloat16 or float32; the
+    arguments as `matmul` takes them): in float32 the product and the sum each rounded once, the
+    `gguf` package's values."""
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty(num_out, num_in, dtype=torch.bfloat16)
-    cpu_kernels.compiled().int4_dequantize(
+    out = torch.empty(num_out, num_in, dtype=dtype)
+    compiled = cpu_kernels.compiled()
+    dequantize_into = (
+        compiled.int4_dequantize_f32 if dtype == torch.float32 else compiled.int4_dequantize
+    )
+    dequantize_into(
         packed.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr(),
@@ -85,21 +101,23 @@ def matmul(
     """``x @ w.T`` for ``w = scale * q + min``.
 
     Args:
-        x: ``[rows, in]`` bfloat16.
+        x: ``[rows, in]`` bfloat16 (AVX512-BF16) or float32 (AVX2).
         packed: `pack`'s ``[out, in / 2]``.
         scales: ``[out, in / 32]`` float16 or float32.
         mins: ``[in / 32, out]`` (transposed: the kernel sums each output row's mins times the
             groups' sums of x for 16 output rows at a time), the same dtype.
 
     Returns:
-        ``[rows, out]`` bfloat16.
+        ``[rows, out]`` in x's dtype.
     """
     x = x.contiguous()
     num_rows, num_in = x.shape
     num_out = packed.shape[0]
-    out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
+    out = torch.empty(num_rows, num_out, dtype=x.dtype)
     if num_rows:
-        cpu_kernels.compiled().int4_gemm(
+        compiled = cpu_kernels.compiled()
+        gemm = compiled.int4_gemm_f32 if x.dtype == torch.float32 else compiled.int4_gemm
+        gemm(
             x.data_ptr(),
             num_rows,
             num_in,

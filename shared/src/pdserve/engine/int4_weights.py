@@ -125,7 +125,11 @@ def attach_int4(
                 continue
             kept: Int4Linear | Int8GroupLinear
             if all(types[name] in int4_type_names for name in names):
-                if not can_quantize_int4(in_features, out_features, INT4_GROUP_SIZE):
+                if not can_quantize_int4(in_features, out_features, INT4_GROUP_SIZE) or (
+                    dtype != torch.bfloat16 and not int4_kernel.takes(in_features, dtype)
+                ):
+                    # NOTE: torch's int4 kernel runs bf16 only at speed; elsewhere a shape
+                    # pdserve's kernel refuses is dequantized.
                     continue
                 # values: [out, in / 2] uint8; scales, mins: [out, in / group], shards stacked
                 values, scales, mins = (
@@ -159,6 +163,9 @@ def attach_int4(
         is_torch = any(key.startswith("int4 (torch") for key in kernels)
         log.info(
             "int4_kernel",
+            activations=str(dtype).removeprefix("torch."),
+            # NOTE: pdserve's kernels for bf16 activations need AVX512-BF16, for float32 AVX2.
+            instructions="AVX512-BF16" if dtype == torch.bfloat16 else "AVX2, FMA, F16C",
             projections=kernels,
             why_not_pdserve=int4_kernel.why_not(dtype) if is_torch else None,
             why_not_int8=int8_why_not,

@@ -12,7 +12,9 @@ the group's float32 scale (plus its min times the sum of its inputs): each row's
 independent of the other rows of the call.
 
 It runs where `pdserve.engine.int4_kernel` does: the CPU has AVX512-BF16, the compiled module
-was built, activations are bfloat16 and torch runs one thread (`why_not` says why not).
+was built, activations are bfloat16 and torch runs one thread (`why_not` says why not); with
+float32 activations, on ``f32_gemm.cpp``'s kernel where the CPU has AVX2, FMA and F16C (each
+value widened to float32, FMA, the group's scale and min as here).
 """
 
 from __future__ import annotations
@@ -80,23 +82,23 @@ def matmul(
     """``x @ w.T`` for ``w = scale * values + min``.
 
     Args:
-        x: ``[rows, in]`` bfloat16.
+        x: ``[rows, in]`` bfloat16 (AVX512-BF16) or float32 (AVX2).
         values: ``[out, in]`` int8, contiguous.
         scales: ``[out, in / group]`` float16 or float32, contiguous (group: 16 or 32).
         mins: ``[out, in / group]`` float32, contiguous, or None (no mins).
 
     Returns:
-        ``[rows, out]`` bfloat16.
+        ``[rows, out]`` in x's dtype.
     """
     x = x.contiguous()
     num_rows, num_in = x.shape
     num_out = values.shape[0]
     layout = _layout(values, scales, mins)
-    out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
+    out = torch.empty(num_rows, num_out, dtype=x.dtype)
     if num_rows:
-        cpu_kernels.compiled().int8_gemm(
-            x.data_ptr(), num_rows, num_in, values.data_ptr(), *layout, num_out, out.data_ptr()
-        )
+        compiled = cpu_kernels.compiled()
+        gemm = compiled.int8_gemm_f32 if x.dtype == torch.float32 else compiled.int8_gemm
+        gemm(x.data_ptr(), num_rows, num_in, values.data_ptr(), *layout, num_out, out.data_ptr())
     return out
 
 

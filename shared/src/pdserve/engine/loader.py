@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+import pdserve.engine.int4_kernel as int4_kernel
 from pdserve.engine.checkpoint_names import (
     EXPERT_NAME,
     QK_NAME,
@@ -78,9 +79,10 @@ def load_model(
         group: This rank's tensor-parallel group: only the rank's share of each tensor is
             kept (`pdserve.engine.parallel.sharding`); a group of one when None.
         quantization: ``auto`` keeps the checkpoint's int4 weights (a GGUF's Q4_0, Q4_1 and
-            Q4_K tensors, `pdserve.engine.gguf_int4`) as they are where they run on torch's
-            int4 kernel (bfloat16 on a CPU, one rank), and a Q8_0 LM head (with the embedding
-            tied to it) where pdserve's int8 kernel runs, and dequantizes them elsewhere;
+            Q4_K tensors, `pdserve.engine.gguf_int4`) as they are where an int4 kernel runs them
+            (bfloat16 on a CPU, or float32 where pdserve's float32 kernels run; one rank), and
+            a Q8_0 LM head (with the embedding tied to it) where pdserve's int8 kernel runs,
+            and dequantizes them elsewhere;
             ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
             projection but the LM head from the float weights (CPU; `pdserve.engine.quant`).
 
@@ -102,11 +104,15 @@ def load_model(
     kept = KeptWeights(frozenset(), {})
     if (path / INT4_FILE).is_file():
         # NOTE: torch's int4 kernel is fast with bf16 activations only (float32: 16-40x
-        # slower than a float32 GEMM); an int4 projection has no row-parallel form yet.
+        # slower than a float32 GEMM): float32 keeps the file's weights where pdserve's float32
+        # kernels run (AVX2). An int4 projection has no row-parallel form yet.
         is_kept = (
             quantization == "auto"
             and device.type == "cpu"
-            and dtype == torch.bfloat16
+            and (
+                dtype == torch.bfloat16
+                or (dtype == torch.float32 and int4_kernel.why_not(dtype) is None)
+            )
             and model.group.world_size == 1
         )
         kept = attach_int4(model, path / INT4_FILE, dtype, is_kept)

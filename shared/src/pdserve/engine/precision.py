@@ -1,10 +1,12 @@
 """What the weights are stored and computed in: ``--dtype`` (``auto`` resolved here) and the
 names of ``--quantization`` (`pdserve.engine.quant`). Importing this module loads no torch.
 
-A GGUF's 4-bit tensors (Q4_0, Q4_1, Q4_K) are kept as the file stores them under ``auto``
-quantization when the weights are bfloat16 on a CPU, so ``--dtype auto`` on such a CPU serves
-the file's own weights; ``--dtype float32`` dequantizes them exactly (torch's int4 kernel with
-float32 activations is 16-40x slower than a float32 GEMM here).
+A GGUF's 4-bit tensors (Q4_0, Q4_1, Q4_K, and its Q8_0, Q6_K and Q5_K ones as int8) are kept
+as the file stores them under ``auto`` quantization on a CPU, so ``--dtype auto`` serves the
+file's own weights: in bfloat16 on pdserve's AVX512-BF16 kernels (or torch's int4 kernel), in
+float32 on pdserve's AVX2 kernels (`pdserve.engine.cpu_kernels`). Where neither runs, float32
+dequantizes them exactly (torch's int4 kernel with float32 activations is 16-40x slower than a
+float32 GEMM).
 
 ``auto`` is bfloat16 weights and KV where the CPU computes bf16 natively, else float32.
 Decode on a CPU is bound by streaming the weights from memory each step; bfloat16 halves that

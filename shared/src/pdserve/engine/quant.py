@@ -82,11 +82,12 @@ class Int4Linear(nn.Module):
     """`Linear` with int4 weights ``scale * q + min``, a scale and a min per group of
     `INT4_GROUP_SIZE` input features, on one of two kernels:
 
-    * pdserve's (`pdserve.engine.int4_kernel`), where it runs (AVX512-BF16, bf16 activations,
-      one torch thread): the scales and mins as given (float16 where that holds them exactly),
-      so the weights are the file's own; up to `OWN_KERNEL_MAX_ROWS` rows it multiplies the
-      int4 values directly, more rows take one bf16 GEMM over the weight dequantized for the
-      call (a prefill: compute-bound, where oneDNN's GEMM is 2x either int4 kernel);
+    * pdserve's (`pdserve.engine.int4_kernel`), where it runs (AVX512-BF16 with bf16
+      activations, or AVX2 with float32 ones; one torch thread): the scales and mins as given
+      (float16 where that holds them exactly), so the weights are the file's own; up to
+      `OWN_KERNEL_MAX_ROWS` rows it multiplies the int4 values directly, more rows take one
+      GEMM over the weight dequantized for the call (a prefill: compute-bound, where oneDNN's
+      GEMM is 2x either int4 kernel);
     * torch's (``_weight_int4pack_mm_for_cpu``) elsewhere, in its tile layout, with its scales
       and zeros in the activation dtype.
 
@@ -177,7 +178,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "pdserve":
             assert self.scales is not None and self.mins is not None
             if x.shape[0] > OWN_KERNEL_MAX_ROWS and self.min_rows == 1:
-                weight = int4_kernel.dequantize(self.packed, self.scales, self.mins)
+                weight = int4_kernel.dequantize(self.packed, self.scales, self.mins, x.dtype)
                 out = F.linear(x, weight)
             else:
                 out = int4_kernel.matmul(x, self.packed, self.scales, self.mins)
@@ -283,7 +284,9 @@ class Int8GroupEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = values.shape
         _hold_int8(self, values, scales, mins)
         self.dtype = dtype
-        self.is_compiled = int8_kernel.takes(self.embedding_dim, dtype)
+        # NOTE: the compiled lookup writes bf16 rows; float32 ones come from torch's ops (the
+        # same values, exact in float32).
+        self.is_compiled = dtype == torch.bfloat16 and int8_kernel.takes(self.embedding_dim, dtype)
 
     @classmethod
     def tied_to(cls, head: Int8GroupLinear, dtype: torch.dtype) -> Int8GroupEmbedding:

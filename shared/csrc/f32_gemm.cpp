@@ -1,0 +1,468 @@
+// pdserve.engine._cpu_kernels, float32: the int4 and int8 GEMMs for float32 activations on a
+// CPU with AVX2, FMA and F16C (and no AVX512-BF16, where `pdserve up` runs float32: bf16 would
+// be emulated). The weights are the same tensors the bf16 kernels read (int4_gemm.cpp's packed
+// pairs of groups, int8_gemm.cpp's groups of 16 or 32), so a GGUF's Q4_0, Q4_1, Q4_K, Q8_0,
+// Q6_K and Q5_K tensors are served as the file stores them here too, instead of as a float32
+// copy four to eight times their size.
+//
+// Per output row o of one input row x:
+//
+//     y[o] = sum_g s[o, g] * dot(q[o, g], x[g]) + sum_g m[o, g] * sum(x[g])
+//
+// Each 4- or 8-bit value is widened to a float32 integer (exact) and multiplied with FMA, eight
+// lanes a vector; a group's eight lanes are scaled by its scale into the row's running sum,
+// whose lanes are added in one fixed order at the end; the mins' share is added last. Every
+// input row is computed alone, in the same order whatever the other rows of the call, so a
+// row's result does not depend on them (batch-invariant by construction). A one-hot row gives
+// ``s * q + m``, the product and the sum each rounded once in float32: the `gguf` package's
+// dequantized value.
+//
+// int4 layout (int4_gemm.cpp): a row is P = in / 64 pairs of groups, 32 bytes each; byte
+// k = 4t + 2g + e holds, for group 2p + g, column j = 2t + e in its low nibble and 16 + j in its
+// high one. Read as eight 32-bit lanes (lane L = t), nibble n = 4g + 2e + h of every lane belongs
+// to group g: the input row is laid out once per call so that nibble n's eight lanes meet their
+// columns, g * 32 + h * 16 + 2L + e.
+#include "common.h"
+
+namespace pdserve {
+
+bool f32_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+namespace {
+
+constexpr int kOutStep = 4;  // output rows a step of the inner loop (their weight stays in L1)
+constexpr int kPrefetchBytes = 2048;
+
+template <typename S>
+F32_TARGET inline float scalar(const S* value);
+
+template <>
+F32_TARGET inline float scalar<float>(const float* value) {
+  return *value;
+}
+
+template <>
+F32_TARGET inline float scalar<uint16_t>(const uint16_t* value) {
+  return _cvtsh_ss(*value);
+}
+
+template <typename S>
+F32_TARGET inline __m256 load8(const S* values);
+
+template <>
+F32_TARGET inline __m256 load8<float>(const float* values) {
+  return _mm256_loadu_ps(values);
+}
+
+template <>
+F32_TARGET inline __m256 load8<uint16_t>(const uint16_t* values) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// int4
+
+// x (one row, float32 [in]) as the kernel reads it: [P][8 nibbles][8 lanes], and each group's
+// sum of x (j ascending).
+void prepare_int4_row(const float* x, int num_pairs, float* laid, float* sums) {
+  for (int p = 0; p < num_pairs; ++p) {
+    const float* pair = x + p * 64;
+    float* out = laid + p * 64;
+    for (int n = 0; n < 8; ++n) {
+      const int g = n >> 2, e = (n >> 1) & 1, h = n & 1;
+      for (int lane = 0; lane < 8; ++lane) out[n * 8 + lane] = pair[g * 32 + h * 16 + 2 * lane + e];
+    }
+    for (int g = 0; g < 2; ++g) {
+      float sum = 0.0f;
+      for (int j = 0; j < 32; ++j) sum += pair[g * 32 + j];
+      sums[2 * p + g] = sum;
+    }
+  }
+}
+
+// mins_term[o] = sum_g mins[g][o] * sums[g] (mins transposed: [G][out]), g ascending.
+template <typename S>
+F32_TARGET void int4_mins_terms(const S* mins, const float* sums, int num_groups, int out_features,
+                                float* terms) {
+  int o = 0;
+  for (; o + 8 <= out_features; o += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    const S* m = mins + o;
+    for (int g = 0; g < num_groups; ++g, m += out_features) {
+      acc = _mm256_fmadd_ps(load8<S>(m), _mm256_set1_ps(sums[g]), acc);
+    }
+    _mm256_storeu_ps(terms + o, acc);
+  }
+  for (; o < out_features; ++o) {
+    float acc = 0.0f;
+    for (int g = 0; g < num_groups; ++g) {
+      acc = __builtin_fmaf(scalar<S>(mins + static_cast<size_t>(g) * out_features + o), sums[g], acc);
+    }
+    terms[o] = acc;
+  }
+}
+
+// A pair's 64 values as float32, in eight vectors: nibble n of every 32-bit lane.
+F32_TARGET inline void int4_values(__m256i v, __m256* q) {
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), nibble));
+  q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), nibble));
+  q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 12), nibble));
+  q[4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), nibble));
+  q[5] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 20), nibble));
+  q[6] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 24), nibble));
+  q[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+}
+
+// COUNT output rows from `o` for ROWS input rows: each pair of groups widened once, then
+// multiplied with every input row's laid-out x, in one order for every row (nibbles 0-3 into
+// group 0's lanes, 4-7 into group 1's, then each group's lanes times its scale into the row's
+// running sum). `scales` are the block's own, [COUNT][G].
+template <int COUNT, int ROWS>
+F32_TARGET inline void int4_outputs(const float* const* laid, const float* const* terms,
+                                    int num_pairs, const uint8_t* weight, const float* scales,
+                                    int o, float* const* out) {
+  const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
+  const size_t num_groups = static_cast<size_t>(num_pairs) * 2;
+  __m256 total[COUNT][ROWS];
+  for (int i = 0; i < COUNT; ++i)
+    for (int r = 0; r < ROWS; ++r) total[i][r] = _mm256_setzero_ps();
+  for (int p = 0; p < num_pairs; ++p) {
+    for (int i = 0; i < COUNT; ++i) {
+      const uint8_t* w = weight + (o + i) * row_bytes + p * 32;
+      const float* s = scales + i * num_groups + 2 * p;
+      __m256 q[8];
+      int4_values(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), q);
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xs = laid[r] + p * 64;
+        __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xs));
+        __m256 b = _mm256_mul_ps(q[4], _mm256_loadu_ps(xs + 32));
+        a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xs + 8), a);
+        b = _mm256_fmadd_ps(q[5], _mm256_loadu_ps(xs + 40), b);
+        a = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xs + 16), a);
+        b = _mm256_fmadd_ps(q[6], _mm256_loadu_ps(xs + 48), b);
+        a = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xs + 24), a);
+        b = _mm256_fmadd_ps(q[7], _mm256_loadu_ps(xs + 56), b);
+        total[i][r] = _mm256_fmadd_ps(a, _mm256_broadcast_ss(s), total[i][r]);
+        total[i][r] = _mm256_fmadd_ps(b, _mm256_broadcast_ss(s + 1), total[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < COUNT; ++i)
+    for (int r = 0; r < ROWS; ++r) out[r][o + i] = sum8(total[i][r]) + terms[r][o + i];
+}
+
+// Output rows [o, o + count) for every input row: input rows four at a time (one output row a
+// step), what is left with the outputs two or four at a time (chains enough to hide the FMAs'
+// latency).
+F32_TARGET void int4_block(const float* laid, const float* terms, int num_rows, int in_features,
+                           int out_features, int num_pairs, const uint8_t* weight,
+                           const float* scales, int o, int count, float* out) {
+  const size_t num_groups = static_cast<size_t>(num_pairs) * 2;
+  int r = 0;
+  for (; r < num_rows; r += 4) {
+    const int rows = num_rows - r < 4 ? num_rows - r : 4;
+    const float* l[4];
+    const float* t[4];
+    float* y[4];
+    for (int i = 0; i < rows; ++i) {
+      l[i] = laid + static_cast<size_t>(r + i) * in_features;
+      t[i] = terms + static_cast<size_t>(r + i) * out_features;
+      y[i] = out + static_cast<size_t>(r + i) * out_features;
+    }
+    if (rows >= 3) {
+      for (int i = 0; i < count; ++i) {
+        const float* s = scales + i * num_groups;
+        if (rows == 4) int4_outputs<1, 4>(l, t, num_pairs, weight, s, o + i, y);
+        else int4_outputs<1, 3>(l, t, num_pairs, weight, s, o + i, y);
+      }
+    } else if (rows == 2) {
+      int i = 0;
+      for (; i + 2 <= count; i += 2) int4_outputs<2, 2>(l, t, num_pairs, weight, scales + i * num_groups, o + i, y);
+      if (i < count) int4_outputs<1, 2>(l, t, num_pairs, weight, scales + i * num_groups, o + i, y);
+    } else {
+      switch (count) {
+        case 4: int4_outputs<4, 1>(l, t, num_pairs, weight, scales, o, y); break;
+        case 3: int4_outputs<3, 1>(l, t, num_pairs, weight, scales, o, y); break;
+        case 2: int4_outputs<2, 1>(l, t, num_pairs, weight, scales, o, y); break;
+        default: int4_outputs<1, 1>(l, t, num_pairs, weight, scales, o, y); break;
+      }
+    }
+  }
+}
+
+// `count` scales as float32 (float16 ones widened, exactly).
+template <typename S>
+F32_TARGET const float* widened(const S* scales, size_t count, float* buffer);
+
+template <>
+F32_TARGET const float* widened<float>(const float* scales, size_t, float*) {
+  return scales;
+}
+
+template <>
+F32_TARGET const float* widened<uint16_t>(const uint16_t* scales, size_t count, float* buffer) {
+  size_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buffer + i, load8<uint16_t>(scales + i));
+  for (; i < count; ++i) buffer[i] = _cvtsh_ss(scales[i]);
+  return buffer;
+}
+
+template <typename S>
+F32_TARGET void int4_gemm(const float* x, int num_rows, int in_features, const uint8_t* weight,
+                          const S* scales, const S* mins, int out_features, float* out) {
+  const int num_pairs = in_features / 64;
+  const int num_groups = in_features / 32;
+  thread_local std::vector<float> laid, sums, terms, block_scales;
+  laid.resize(static_cast<size_t>(num_rows) * in_features);
+  sums.resize(static_cast<size_t>(num_rows) * num_groups);
+  terms.resize(static_cast<size_t>(num_rows) * out_features);
+  block_scales.resize(static_cast<size_t>(kOutStep) * num_groups);
+  for (int r = 0; r < num_rows; ++r) {
+    float* su = sums.data() + static_cast<size_t>(r) * num_groups;
+    prepare_int4_row(x + static_cast<size_t>(r) * in_features, num_pairs,
+                     laid.data() + static_cast<size_t>(r) * in_features, su);
+    int4_mins_terms<S>(mins, su, num_groups, out_features, terms.data() + static_cast<size_t>(r) * out_features);
+  }
+  const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
+  const char* end = reinterpret_cast<const char*>(weight) + row_bytes * out_features;
+  for (int o = 0; o < out_features; o += kOutStep) {
+    {  // the weight a few steps ahead (the hardware's prefetcher alone reads at about half speed)
+      const char* ahead = reinterpret_cast<const char*>(weight) + (o + kOutStep) * row_bytes + kPrefetchBytes;
+      for (size_t i = 0; i < kOutStep * row_bytes && ahead + i < end; i += 64) {
+        _mm_prefetch(ahead + i, _MM_HINT_T0);
+      }
+    }
+    const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
+    const float* s = widened<S>(scales + static_cast<size_t>(o) * num_groups,
+                                static_cast<size_t>(count) * num_groups, block_scales.data());
+    int4_block(laid.data(), terms.data(), num_rows, in_features, out_features, num_pairs, weight, s, o,
+               count, out);
+  }
+}
+
+// The weight as float32 ``s * q + m`` (the product and the sum each rounded once), [out][in] in
+// the columns' own order: a GEMM of many rows runs as one float32 GEMM over it.
+template <typename S>
+F32_TARGET void int4_dequantize(const uint8_t* weight, const S* scales, const S* mins,
+                                int out_features, int in_features, float* out) {
+  const int num_pairs = in_features / 64;
+  const __m256i nibble = _mm256_set1_epi32(0xF);
+  for (int o = 0; o < out_features; ++o) {
+    const uint8_t* w = weight + static_cast<size_t>(o) * num_pairs * 32;
+    const S* s = scales + static_cast<size_t>(o) * 2 * num_pairs;
+    float* row = out + static_cast<size_t>(o) * in_features;
+    for (int p = 0; p < num_pairs; ++p) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+      for (int g = 0; g < 2; ++g) {
+        const __m256 scale = _mm256_set1_ps(scalar<S>(s + 2 * p + g));
+        const __m256 min = _mm256_set1_ps(scalar<S>(mins + static_cast<size_t>(2 * p + g) * out_features + o));
+        for (int h = 0; h < 2; ++h) {
+          __m256 values[2];
+          for (int e = 0; e < 2; ++e) {
+            const int n = 4 * g + 2 * e + h;
+            __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * n)), nibble);
+            values[e] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), min);
+          }
+          // lanes L of e = 0 are columns 2L, of e = 1 columns 2L + 1: interleave them
+          const __m256 lo = _mm256_unpacklo_ps(values[0], values[1]);
+          const __m256 hi = _mm256_unpackhi_ps(values[0], values[1]);
+          float* column = row + p * 64 + g * 32 + h * 16;
+          _mm256_storeu_ps(column, _mm256_permute2f128_ps(lo, hi, 0x20));
+          _mm256_storeu_ps(column + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// int8
+
+// Eight int8 values as float32.
+F32_TARGET inline __m256 widen(const int8_t* v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+}
+
+// The dot product of GROUP int8 values with x, in eight lanes.
+template <int GROUP>
+F32_TARGET inline __m256 int8_group(const int8_t* w, const float* x) {
+  __m256 acc = _mm256_mul_ps(widen(w), _mm256_loadu_ps(x));
+  acc = _mm256_fmadd_ps(widen(w + 8), _mm256_loadu_ps(x + 8), acc);
+  if (GROUP == 32) {
+    acc = _mm256_fmadd_ps(widen(w + 16), _mm256_loadu_ps(x + 16), acc);
+    acc = _mm256_fmadd_ps(widen(w + 24), _mm256_loadu_ps(x + 24), acc);
+  }
+  return acc;
+}
+
+template <int COUNT, int GROUP, typename S, bool MINS>
+F32_TARGET inline void int8_outputs(const float* x, const float* sums, int in_features,
+                                    const int8_t* weight, const S* scales, const float* mins, int o,
+                                    float* out) {
+  const int num_groups = in_features / GROUP;
+  __m256 total[COUNT];
+  float min_terms[COUNT];
+  for (int i = 0; i < COUNT; ++i) {
+    total[i] = _mm256_setzero_ps();
+    min_terms[i] = 0.0f;
+  }
+  for (int g = 0; g < num_groups; ++g) {
+    for (int i = 0; i < COUNT; ++i) {
+      const size_t row = static_cast<size_t>(o + i);
+      const __m256 dot = int8_group<GROUP>(weight + row * in_features + g * GROUP, x + g * GROUP);
+      total[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scalar<S>(scales + row * num_groups + g)), total[i]);
+      if (MINS) min_terms[i] = __builtin_fmaf(mins[row * num_groups + g], sums[g], min_terms[i]);
+    }
+  }
+  for (int i = 0; i < COUNT; ++i) out[o + i] = sum8(total[i]) + min_terms[i];
+}
+
+template <int GROUP, typename S, bool MINS>
+F32_TARGET void int8_gemm(const float* x, int num_rows, int in_features, const int8_t* weight,
+                          const S* scales, const float* mins, int out_features, float* out) {
+  const int num_groups = in_features / GROUP;
+  thread_local std::vector<float> sums;
+  sums.resize(static_cast<size_t>(num_rows) * num_groups);
+  for (int r = 0; r < num_rows; ++r) {
+    for (int g = 0; g < num_groups; ++g) {
+      const float* group = x + static_cast<size_t>(r) * in_features + g * GROUP;
+      float sum = 0.0f;
+      for (int j = 0; j < GROUP; ++j) sum += group[j];
+      sums[static_cast<size_t>(r) * num_groups + g] = sum;
+    }
+  }
+  const char* end = reinterpret_cast<const char*>(weight) + static_cast<size_t>(in_features) * out_features;
+  for (int o = 0; o < out_features; o += kOutStep) {
+    {
+      const char* ahead = reinterpret_cast<const char*>(weight) +
+                          static_cast<size_t>(o + kOutStep) * in_features + kPrefetchBytes;
+      for (size_t i = 0; i < static_cast<size_t>(kOutStep) * in_features && ahead + i < end; i += 64) {
+        _mm_prefetch(ahead + i, _MM_HINT_T0);
+      }
+    }
+    const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
+    for (int r = 0; r < num_rows; ++r) {
+      const float* xr = x + static_cast<size_t>(r) * in_features;
+      const float* su = sums.data() + static_cast<size_t>(r) * num_groups;
+      float* y = out + static_cast<size_t>(r) * out_features;
+      switch (count) {
+        case 4: int8_outputs<4, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
+        case 3: int8_outputs<3, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
+        case 2: int8_outputs<2, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
+        default: int8_outputs<1, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
+      }
+    }
+  }
+}
+
+template <int GROUP, typename S>
+void int8_dispatch_mins(const float* x, int rows, int in, const int8_t* w, const void* scales,
+                        const float* mins, int out_features, float* out) {
+  const S* s = static_cast<const S*>(scales);
+  if (mins != nullptr) int8_gemm<GROUP, S, true>(x, rows, in, w, s, mins, out_features, out);
+  else int8_gemm<GROUP, S, false>(x, rows, in, w, s, mins, out_features, out);
+}
+
+bool check_cpu() {
+  if (!f32_supported()) {
+    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+PyObject* py_int4_gemm_f32(PyObject*, PyObject* args) {
+  unsigned long long x, weight, scales, mins, out;
+  int num_rows, in_features, out_features, half_scales;
+  if (!PyArg_ParseTuple(args, "KiiKKKiKp", &x, &num_rows, &in_features, &weight, &scales, &mins,
+                        &out_features, &out, &half_scales)) {
+    return nullptr;
+  }
+  if (!check_cpu()) return nullptr;
+  if (num_rows < 0 || in_features <= 0 || in_features % 64 != 0 || out_features <= 0) {
+    PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
+    return nullptr;
+  }
+  const auto* xs = reinterpret_cast<const float*>(x);
+  const auto* w = reinterpret_cast<const uint8_t*>(weight);
+  auto* y = reinterpret_cast<float*>(out);
+  Py_BEGIN_ALLOW_THREADS
+  if (half_scales) {
+    int4_gemm<uint16_t>(xs, num_rows, in_features, w, reinterpret_cast<const uint16_t*>(scales),
+                        reinterpret_cast<const uint16_t*>(mins), out_features, y);
+  } else {
+    int4_gemm<float>(xs, num_rows, in_features, w, reinterpret_cast<const float*>(scales),
+                     reinterpret_cast<const float*>(mins), out_features, y);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args) {
+  unsigned long long weight, scales, mins, out;
+  int out_features, in_features, half_scales;
+  if (!PyArg_ParseTuple(args, "KKKiiKp", &weight, &scales, &mins, &out_features, &in_features,
+                        &out, &half_scales)) {
+    return nullptr;
+  }
+  if (!check_cpu()) return nullptr;
+  if (in_features <= 0 || in_features % 64 != 0 || out_features <= 0) {
+    PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
+    return nullptr;
+  }
+  const auto* w = reinterpret_cast<const uint8_t*>(weight);
+  auto* y = reinterpret_cast<float*>(out);
+  Py_BEGIN_ALLOW_THREADS
+  if (half_scales) {
+    int4_dequantize<uint16_t>(w, reinterpret_cast<const uint16_t*>(scales),
+                              reinterpret_cast<const uint16_t*>(mins), out_features, in_features, y);
+  } else {
+    int4_dequantize<float>(w, reinterpret_cast<const float*>(scales),
+                           reinterpret_cast<const float*>(mins), out_features, in_features, y);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_int8_gemm_f32(PyObject*, PyObject* args) {
+  unsigned long long x, weight, scales, mins, out;
+  int num_rows, in_features, group, scales_f32, out_features;
+  if (!PyArg_ParseTuple(args, "KiiKKiiKiK", &x, &num_rows, &in_features, &weight, &scales, &scales_f32,
+                        &group, &mins, &out_features, &out)) {
+    return nullptr;
+  }
+  if (!check_cpu()) return nullptr;
+  if ((group != 16 && group != 32) || in_features <= 0 || in_features % 32 != 0 || num_rows < 0 ||
+      out_features <= 0) {
+    PyErr_SetString(PyExc_ValueError,
+                    "group must be 16 or 32, in_features a positive multiple of 32, rows >= 0");
+    return nullptr;
+  }
+  const auto* xs = reinterpret_cast<const float*>(x);
+  const auto* w = reinterpret_cast<const int8_t*>(weight);
+  const auto* s = reinterpret_cast<const void*>(scales);
+  const auto* m = reinterpret_cast<const float*>(mins);
+  auto* y = reinterpret_cast<float*>(out);
+  Py_BEGIN_ALLOW_THREADS
+  if (group == 16) {
+    if (scales_f32) int8_dispatch_mins<16, float>(xs, num_rows, in_features, w, s, m, out_features, y);
+    else int8_dispatch_mins<16, uint16_t>(xs, num_rows, in_features, w, s, m, out_features, y);
+  } else {
+    if (scales_f32) int8_dispatch_mins<32, float>(xs, num_rows, in_features, w, s, m, out_features, y);
+    else int8_dispatch_mins<32, uint16_t>(xs, num_rows, in_features, w, s, m, out_features, y);
+  }
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+PyObject* py_f32_supported(PyObject*, PyObject*) { return PyBool_FromLong(f32_supported()); }
+
+}  // namespace pdserve
