@@ -289,38 +289,39 @@ F32_TARGET inline __m256 widen(const int8_t* v) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
 }
 
-// The dot product of GROUP int8 values with x, in eight lanes.
-template <int GROUP>
-F32_TARGET inline __m256 int8_group(const int8_t* w, const float* x) {
-  __m256 acc = _mm256_mul_ps(widen(w), _mm256_loadu_ps(x));
-  acc = _mm256_fmadd_ps(widen(w + 8), _mm256_loadu_ps(x + 8), acc);
-  if (GROUP == 32) {
-    acc = _mm256_fmadd_ps(widen(w + 16), _mm256_loadu_ps(x + 16), acc);
-    acc = _mm256_fmadd_ps(widen(w + 24), _mm256_loadu_ps(x + 24), acc);
-  }
-  return acc;
-}
-
-template <int COUNT, int GROUP, typename S, bool MINS>
-F32_TARGET inline void int8_outputs(const float* x, const float* sums, int in_features,
+// COUNT output rows from `o` for ROWS input rows: each group's values widened once, then
+// multiplied with every input row, in one order for every row.
+template <int COUNT, int ROWS, int GROUP, typename S, bool MINS>
+F32_TARGET inline void int8_outputs(const float* const* x, const float* const* sums, int in_features,
                                     const int8_t* weight, const S* scales, const float* mins, int o,
-                                    float* out) {
+                                    float* const* out) {
   const int num_groups = in_features / GROUP;
-  __m256 total[COUNT];
-  float min_terms[COUNT];
+  __m256 total[COUNT][ROWS];
+  float min_terms[COUNT][ROWS];
   for (int i = 0; i < COUNT; ++i) {
-    total[i] = _mm256_setzero_ps();
-    min_terms[i] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) {
+      total[i][r] = _mm256_setzero_ps();
+      min_terms[i][r] = 0.0f;
+    }
   }
   for (int g = 0; g < num_groups; ++g) {
     for (int i = 0; i < COUNT; ++i) {
       const size_t row = static_cast<size_t>(o + i);
-      const __m256 dot = int8_group<GROUP>(weight + row * in_features + g * GROUP, x + g * GROUP);
-      total[i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(scalar<S>(scales + row * num_groups + g)), total[i]);
-      if (MINS) min_terms[i] = __builtin_fmaf(mins[row * num_groups + g], sums[g], min_terms[i]);
+      const int8_t* w = weight + row * in_features + g * GROUP;
+      __m256 values[GROUP / 8];
+      for (int k = 0; k < GROUP / 8; ++k) values[k] = widen(w + 8 * k);
+      const __m256 scale = _mm256_set1_ps(scalar<S>(scales + row * num_groups + g));
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xs = x[r] + g * GROUP;
+        __m256 dot = _mm256_mul_ps(values[0], _mm256_loadu_ps(xs));
+        for (int k = 1; k < GROUP / 8; ++k) dot = _mm256_fmadd_ps(values[k], _mm256_loadu_ps(xs + 8 * k), dot);
+        total[i][r] = _mm256_fmadd_ps(dot, scale, total[i][r]);
+        if (MINS) min_terms[i][r] = __builtin_fmaf(mins[row * num_groups + g], sums[r][g], min_terms[i][r]);
+      }
     }
   }
-  for (int i = 0; i < COUNT; ++i) out[o + i] = sum8(total[i]) + min_terms[i];
+  for (int i = 0; i < COUNT; ++i)
+    for (int r = 0; r < ROWS; ++r) out[r][o + i] = sum8(total[i][r]) + min_terms[i][r];
 }
 
 template <int GROUP, typename S, bool MINS>
@@ -347,15 +348,34 @@ F32_TARGET void int8_gemm(const float* x, int num_rows, int in_features, const i
       }
     }
     const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
-    for (int r = 0; r < num_rows; ++r) {
-      const float* xr = x + static_cast<size_t>(r) * in_features;
-      const float* su = sums.data() + static_cast<size_t>(r) * num_groups;
-      float* y = out + static_cast<size_t>(r) * out_features;
-      switch (count) {
-        case 4: int8_outputs<4, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
-        case 3: int8_outputs<3, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
-        case 2: int8_outputs<2, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
-        default: int8_outputs<1, GROUP, S, MINS>(xr, su, in_features, weight, scales, mins, o, y); break;
+    // NOTE: input rows four at a time (one output row a step); fewer, with more output rows a
+    // step (chains enough to hide the FMAs' latency), as int4_block does.
+    for (int r = 0; r < num_rows; r += 4) {
+      const int rows = num_rows - r < 4 ? num_rows - r : 4;
+      const float* xs[4];
+      const float* su[4];
+      float* y[4];
+      for (int i = 0; i < rows; ++i) {
+        xs[i] = x + static_cast<size_t>(r + i) * in_features;
+        su[i] = sums.data() + static_cast<size_t>(r + i) * num_groups;
+        y[i] = out + static_cast<size_t>(r + i) * out_features;
+      }
+      if (rows >= 3) {
+        for (int i = 0; i < count; ++i) {
+          if (rows == 4) int8_outputs<1, 4, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
+          else int8_outputs<1, 3, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
+        }
+      } else if (rows == 2) {
+        int i = 0;
+        for (; i + 2 <= count; i += 2) int8_outputs<2, 2, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
+        if (i < count) int8_outputs<1, 2, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
+      } else {
+        switch (count) {
+          case 4: int8_outputs<4, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
+          case 3: int8_outputs<3, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
+          case 2: int8_outputs<2, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
+          default: int8_outputs<1, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
+        }
       }
     }
   }
