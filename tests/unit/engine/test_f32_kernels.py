@@ -202,6 +202,8 @@ def test_decode_attention_over_a_float32_cache(window: int | None, with_sinks: b
             sinks,
         )
         assert torch.equal(single[0], out[row])
+    # a tensor-parallel rank's cache is a view of its heads in a wider one: not the kernel's
+    assert not cpu_attention.takes(q[:, :3], k_cache[:, :, :1], 1)
 
 
 @pytest.mark.parametrize("size", [576, 70], ids=["576", "70"])

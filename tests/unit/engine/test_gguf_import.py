@@ -25,8 +25,9 @@ from pdserve.engine.gguf_import import (
 from pdserve.tokenizer import Tokenizer
 from pdserve.tokenizer.gguf_metadata import SUPPORTED_TOKENIZER_MODELS
 
-# fp32 on CPU: both sides dequantize the same blocks and differ only in summation order.
-LOGITS_ATOL = 1e-4
+# fp32 on CPU: both sides dequantize the same blocks and differ only in summation order (pdserve's
+# float32 RMSNorm sums its squares in eight lanes: Q5_1's largest gap was 1.1e-4 with it).
+LOGITS_ATOL = 2e-4
 NUM_NEW_TOKENS = 8
 GGUF_NAME = "model.gguf"
 CHAT = [{"role": "user", "content": "hello world 123"}]

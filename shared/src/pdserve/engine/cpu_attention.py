@@ -24,13 +24,16 @@ available = cpu_kernels.available
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int) -> bool:
     """Whether the kernel takes a decode step's attention of `q` (``[n, heads, head_dim]``)
-    over `k_cache`."""
+    over `k_cache` (contiguous; its V cache laid out alike)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     is_f32 = q.dtype == torch.float32
     return (
         q.dtype in (torch.bfloat16, torch.float32)
         and k_cache.dtype == q.dtype
         and q.device.type == "cpu"
+        # NOTE: the kernel reads the cache as [blocks, block_size, kv_heads, head_dim] rows; a
+        # tensor-parallel rank's cache is a view of its heads in a wider one.
+        and k_cache.is_contiguous()
         and num_heads % num_kv_heads == 0
         and 1 <= num_heads // num_kv_heads <= 8
         and head_dim % 32 == 0
