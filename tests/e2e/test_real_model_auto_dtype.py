@@ -56,16 +56,19 @@ def test_instances_log_the_dtype_auto_chose(cluster: ProcessCluster) -> None:
         assert (event["requested"], event["dtype"]) == ("auto", choice.dtype)
         assert event["reason"] == choice.reason
         [loaded] = events_named(child, "model_loaded")
-        kept = "int4" if choice.dtype == "bfloat16" else choice.dtype
-        head = choice.dtype
-        if choice.dtype == "bfloat16":
-            # NOTE: the Q8_0 LM head is kept as int8 where pdserve's int8 kernel runs (one
-            # torch thread on a CPU with AVX512-BF16); the start-up line says which.
-            [line] = events_named(child, "int4_kernel")
-            if line["lm_head"] == "int8 (Q8_0, pdserve's kernel)":
+        # NOTE: the file's int4 weights are kept in bf16, and in float32 where pdserve's float32
+        # kernels run (AVX2, one torch thread: `test_f32_kernels`); the Q8_0 LM head too where
+        # the int8 kernel of that dtype runs. The start-up line says which.
+        lines = events_named(child, "int4_kernel")
+        is_kept = choice.dtype == "bfloat16" or bool(lines)
+        assert len(lines) == int(is_kept)
+        kept = head = choice.dtype
+        if is_kept:
+            kept = "int4"
+            if lines[0]["lm_head"] == "int8 (Q8_0, pdserve's kernel)":
                 head = "int8"
             else:
-                assert line["lm_head"].startswith("bfloat16 (Q8_0 dequantized: ")
+                assert lines[0]["lm_head"].startswith(f"{choice.dtype} (Q8_0 dequantized: ")
         assert loaded["tensor_types"] == {"F32": choice.dtype, "Q4_1": kept, "Q8_0": head}
 
 
