@@ -6,9 +6,10 @@ Two sets, by the activations' dtype:
 * bfloat16, on a CPU with AVX512-BF16: the int4 and int8 GEMMs (`pdserve.engine.int4_kernel`,
   `pdserve.engine.int8_kernel`), the decode attention (`pdserve.engine.cpu_attention`) and the
   RMSNorm (`pdserve.engine.cpu_norm`);
-* float32, on a CPU with AVX2, FMA and F16C (``f32_gemm.cpp``): the int4 and int8 GEMMs over the
-  same weights. ``--dtype auto`` is float32 on a CPU without native bf16, so a GGUF's quantized
-  tensors are kept as the file stores them there too.
+* float32, on a CPU with AVX2, FMA and F16C (``f32_gemm.cpp`` and the float32 forms in
+  ``decode_attention.cpp`` and ``rms_norm.cpp``): the int4 and int8 GEMMs over the same weights,
+  the decode attention and the RMSNorm. ``--dtype auto`` is float32 on a CPU without native
+  bf16, so a GGUF's quantized tensors are kept as the file stores them there too.
 
 Without a C++ compiler at install time pdserve installs without them, and torch's ops run.
 """
