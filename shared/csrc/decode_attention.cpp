@@ -11,6 +11,21 @@
 namespace pdserve {
 namespace {
 
+// Each of G rows of scores (num_keys each) as exp(score - high), in place, and each row's sum
+// (with its sink's share where the model has sinks): the softmax's weights before the division.
+template <int G>
+void softmax(float* scores, int num_keys, const float* high, const float* sinks, float* total) {
+  for (int g = 0; g < G; ++g) {
+    float sum = sinks ? expf(sinks[g] - high[g]) : 0.0f;
+    float* s = scores + g * num_keys;
+    for (int i = 0; i < num_keys; ++i) {
+      s[i] = expf(s[i] - high[g]);
+      sum += s[i];
+    }
+    total[g] = sum;
+  }
+}
+
 template <int G>
 KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                const int32_t* table, int first, int last, int block_size,
@@ -40,15 +55,7 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
     }
   }
   float total[G];
-  for (int g = 0; g < G; ++g) {
-    float sum = sinks ? expf(sinks[g] - high[g]) : 0.0f;
-    float* s = scores + g * num_keys;
-    for (int i = 0; i < num_keys; ++i) {
-      s[i] = expf(s[i] - high[g]);
-      sum += s[i];
-    }
-    total[g] = sum;
-  }
+  softmax<G>(scores, num_keys, high, sinks, total);
   // NOTE: 16 values of the head at a time over every key, G accumulators in registers.
   for (int c = 0; c < head_dim / 16; ++c) {
     __m512 acc[G];
@@ -69,67 +76,7 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
 }
 
 template <int G>
-KERNEL_TARGET void decode_attention(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                                    const int32_t* tables, int table_stride, const int32_t* lens,
-                                    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                                    int block_size, float scale, int window, const float* sinks,
-                                    uint16_t* out) {
-  thread_local std::vector<float> scores;
-  for (int i = 0; i < num_seqs; ++i) {
-    const int last = lens[i];
-    const int first = window > 0 && last > window ? last - window : 0;
-    scores.resize(static_cast<size_t>(G) * (last - first));
-    for (int h = 0; h < num_kv_heads; ++h) {
-      const size_t at = (static_cast<size_t>(i) * num_heads + h * G) * head_dim;
-      attend_head<G>(q + at, k_cache, v_cache, tables + static_cast<size_t>(i) * table_stride, first, last,
-                     block_size, num_kv_heads, h, head_dim, scale, sinks ? sinks + h * G : nullptr,
-                     scores.data(), out + at);
-    }
-  }
-}
-
-using DecodeAttention = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*, int,
-                                 const int32_t*, int, int, int, int, int, float, int, const float*, uint16_t*);
-
-constexpr DecodeAttention kDecodeAttention[] = {
-    nullptr, decode_attention<1>, decode_attention<2>, decode_attention<3>, decode_attention<4>,
-    decode_attention<5>, decode_attention<6>, decode_attention<7>, decode_attention<8>};
-
-}  // namespace
-
-PyObject* py_decode_attention(PyObject*, PyObject* args) {
-  unsigned long long q, k_cache, v_cache, tables, lens, sinks, out;
-  int table_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window;
-  float scale;
-  if (!PyArg_ParseTuple(args, "KKKKiKiiiiifiKK", &q, &k_cache, &v_cache, &tables, &table_stride, &lens,
-                        &num_seqs, &num_heads, &num_kv_heads, &head_dim, &block_size, &scale, &window,
-                        &sinks, &out)) {
-    return nullptr;
-  }
-  const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-  if (!cpu_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
-    return nullptr;
-  }
-  if (group < 1 || group > 8 || group * num_kv_heads != num_heads || head_dim % 32 != 0 || head_dim > 256) {
-    PyErr_SetString(PyExc_ValueError, "needs 1-8 query heads per KV head and head_dim a multiple of 32 up to 256");
-    return nullptr;
-  }
-  Py_BEGIN_ALLOW_THREADS
-  kDecodeAttention[group](reinterpret_cast<const uint16_t*>(q), reinterpret_cast<const uint16_t*>(k_cache),
-                          reinterpret_cast<const uint16_t*>(v_cache), reinterpret_cast<const int32_t*>(tables),
-                          table_stride, reinterpret_cast<const int32_t*>(lens), num_seqs, num_heads, num_kv_heads,
-                          head_dim, block_size, scale, window, reinterpret_cast<const float*>(sinks),
-                          reinterpret_cast<uint16_t*>(out));
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
-}
-
-
-namespace {
-
-template <int G>
-F32_TARGET void attend_head_f32(const float* q, const float* k_cache, const float* v_cache,
+F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v_cache,
                                 const int32_t* table, int first, int last, int block_size,
                                 int num_kv_heads, int head, int head_dim, float scale,
                                 const float* sinks, float* scores, float* out) {
@@ -153,15 +100,7 @@ F32_TARGET void attend_head_f32(const float* q, const float* k_cache, const floa
     }
   }
   float total[G];
-  for (int g = 0; g < G; ++g) {
-    float sum = sinks ? expf(sinks[g] - high[g]) : 0.0f;
-    float* s = scores + g * num_keys;
-    for (int i = 0; i < num_keys; ++i) {
-      s[i] = expf(s[i] - high[g]);
-      sum += s[i];
-    }
-    total[g] = sum;
-  }
+  softmax<G>(scores, num_keys, high, sinks, total);
   for (int c = 0; c < head_dim; c += 8) {
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
@@ -177,12 +116,11 @@ F32_TARGET void attend_head_f32(const float* q, const float* k_cache, const floa
   }
 }
 
-template <int G>
-F32_TARGET void decode_attention_f32(const float* q, const float* k_cache, const float* v_cache,
-                                     const int32_t* tables, int table_stride, const int32_t* lens,
-                                     int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                                     int block_size, float scale, int window, const float* sinks,
-                                     float* out) {
+// Every sequence's query heads, one KV head (and its G query heads) at a time.
+template <typename T, int G>
+void decode_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* tables, int table_stride,
+                      const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                      int block_size, float scale, int window, const float* sinks, T* out) {
   thread_local std::vector<float> scores;
   for (int i = 0; i < num_seqs; ++i) {
     const int last = lens[i];
@@ -190,23 +128,25 @@ F32_TARGET void decode_attention_f32(const float* q, const float* k_cache, const
     scores.resize(static_cast<size_t>(G) * (last - first));
     for (int h = 0; h < num_kv_heads; ++h) {
       const size_t at = (static_cast<size_t>(i) * num_heads + h * G) * head_dim;
-      attend_head_f32<G>(q + at, k_cache, v_cache, tables + static_cast<size_t>(i) * table_stride, first, last,
-                         block_size, num_kv_heads, h, head_dim, scale, sinks ? sinks + h * G : nullptr,
-                         scores.data(), out + at);
+      attend_head<G>(q + at, k_cache, v_cache, tables + static_cast<size_t>(i) * table_stride, first, last,
+                     block_size, num_kv_heads, h, head_dim, scale, sinks ? sinks + h * G : nullptr,
+                     scores.data(), out + at);
     }
   }
 }
 
-using DecodeAttentionF32 = void (*)(const float*, const float*, const float*, const int32_t*, int,
-                                    const int32_t*, int, int, int, int, int, float, int, const float*, float*);
+template <typename T>
+using DecodeAttention = void (*)(const T*, const T*, const T*, const int32_t*, int, const int32_t*, int, int, int,
+                                 int, int, float, int, const float*, T*);
 
-constexpr DecodeAttentionF32 kDecodeAttentionF32[] = {
-    nullptr, decode_attention_f32<1>, decode_attention_f32<2>, decode_attention_f32<3>, decode_attention_f32<4>,
-    decode_attention_f32<5>, decode_attention_f32<6>, decode_attention_f32<7>, decode_attention_f32<8>};
+template <typename T>
+constexpr DecodeAttention<T> kDecodeAttention[] = {
+    nullptr, decode_attention<T, 1>, decode_attention<T, 2>, decode_attention<T, 3>, decode_attention<T, 4>,
+    decode_attention<T, 5>, decode_attention<T, 6>, decode_attention<T, 7>, decode_attention<T, 8>};
 
-}  // namespace
-
-PyObject* py_decode_attention_f32(PyObject*, PyObject* args) {
+// The Python call for either element type (bf16 as uint16_t, or float32), where the CPU runs it.
+template <typename T>
+PyObject* decode_attention_call(PyObject* args, bool supported, const char* unsupported) {
   unsigned long long q, k_cache, v_cache, tables, lens, sinks, out;
   int table_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size, window;
   float scale;
@@ -216,8 +156,8 @@ PyObject* py_decode_attention_f32(PyObject*, PyObject* args) {
     return nullptr;
   }
   const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-  if (!f32_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
+  if (!supported) {
+    PyErr_SetString(PyExc_RuntimeError, unsupported);
     return nullptr;
   }
   if (group < 1 || group > 8 || group * num_kv_heads != num_heads || head_dim % 32 != 0 || head_dim > 256) {
@@ -225,13 +165,23 @@ PyObject* py_decode_attention_f32(PyObject*, PyObject* args) {
     return nullptr;
   }
   Py_BEGIN_ALLOW_THREADS
-  kDecodeAttentionF32[group](reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k_cache),
-                             reinterpret_cast<const float*>(v_cache), reinterpret_cast<const int32_t*>(tables),
-                             table_stride, reinterpret_cast<const int32_t*>(lens), num_seqs, num_heads, num_kv_heads,
-                             head_dim, block_size, scale, window, reinterpret_cast<const float*>(sinks),
-                             reinterpret_cast<float*>(out));
+  kDecodeAttention<T>[group](reinterpret_cast<const T*>(q), reinterpret_cast<const T*>(k_cache),
+                             reinterpret_cast<const T*>(v_cache), reinterpret_cast<const int32_t*>(tables),
+                             table_stride, reinterpret_cast<const int32_t*>(lens), num_seqs, num_heads,
+                             num_kv_heads, head_dim, block_size, scale, window,
+                             reinterpret_cast<const float*>(sinks), reinterpret_cast<T*>(out));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
+}
+
+}  // namespace
+
+PyObject* py_decode_attention(PyObject*, PyObject* args) {
+  return decode_attention_call<uint16_t>(args, cpu_supported(), "this CPU lacks AVX512-BF16");
+}
+
+PyObject* py_decode_attention_f32(PyObject*, PyObject* args) {
+  return decode_attention_call<float>(args, f32_supported(), "this CPU lacks AVX2, FMA or F16C");
 }
 
 }  // namespace pdserve
