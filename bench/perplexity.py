@@ -2,6 +2,7 @@
 
     python bench/perplexity.py                       # the default model, bench/data/perplexity.txt
     python bench/perplexity.py --model smollm2-135m-instruct --threads 1
+    python bench/perplexity.py --settings float32+none,float32+auto,float32+auto:every-row
 
 The text (a few hundred tokens, committed in the repository) is run as one prompt through the
 engine's model on its paged KV cache; every position's logits score the next token. Each
@@ -46,6 +47,9 @@ SETTINGS = (
     ("bfloat16", "int8"),
     ("bfloat16", "int4"),
     ("float32", "int8"),
+    # NOTE: the same kept weights with float32 activations (pdserve's AVX2 kernels).
+    ("float32", "auto"),
+    ("float32", "auto:every-row"),
 )
 BLOCK_SIZE = 16
 
@@ -67,12 +71,18 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--text", type=Path, default=TEXT)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--settings",
+        default=",".join(f"{d}+{q}" for d, q in SETTINGS),
+        help="comma-separated dtype+quantization to run (float32+none is the reference)",
+    )
     args = parser.parse_args()
+    settings = [tuple(item.split("+", 1)) for item in args.settings.split(",")]
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model).path
     token_ids = Tokenizer.from_pretrained(model_dir).encode(args.text.read_text())
     rows: list[dict[str, Any]] = []
-    for dtype, quantization in SETTINGS:
+    for dtype, quantization in settings:
         how = quantization.partition(":")[2]
         config = EngineConfig(
             model=str(model_dir),
@@ -105,7 +115,8 @@ def main() -> None:
         )
         del runner
     by_key = {(r["dtype"], r["quantization"]): r["perplexity"] for r in rows}
-    bf16, fp32 = by_key[("bfloat16", "none")], by_key[("float32", "none")]
+    fp32 = by_key[("float32", "none")]
+    bf16 = by_key.get(("bfloat16", "none"), math.nan)
     print(f"{args.model}: {len(token_ids)} tokens of {args.text.name}, threads={args.threads}\n")
     print("| dtype | quantization | weights MB | perplexity | vs bfloat16 | vs float32 |")
     print("|---|---|---|---|---|---|")
