@@ -157,40 +157,39 @@ F32_TARGET inline void int4_outputs(const float* const* laid, const float* const
     for (int r = 0; r < ROWS; ++r) out[r][o + i] = sum8(total[i][r]) + terms[r][o + i];
 }
 
-// Output rows [o, o + count) for every input row: input rows four at a time (one output row a
-// step), what is left with the outputs two or four at a time (chains enough to hide the FMAs'
-// latency).
-F32_TARGET void int4_block(const float* laid, const float* terms, int num_rows, int in_features,
-                           int out_features, int num_pairs, const uint8_t* weight,
-                           const float* scales, int o, int count, float* out) {
-  const size_t num_groups = static_cast<size_t>(num_pairs) * 2;
-  int r = 0;
-  for (; r < num_rows; r += 4) {
-    const int rows = num_rows - r < 4 ? num_rows - r : 4;
-    const float* l[4];
-    const float* t[4];
-    float* y[4];
-    for (int i = 0; i < rows; ++i) {
-      l[i] = laid + static_cast<size_t>(r + i) * in_features;
-      t[i] = terms + static_cast<size_t>(r + i) * out_features;
-      y[i] = out + static_cast<size_t>(r + i) * out_features;
-    }
-    if (rows >= 3) {
-      for (int i = 0; i < count; ++i) {
-        const float* s = scales + i * num_groups;
-        if (rows == 4) int4_outputs<1, 4>(l, t, num_pairs, weight, s, o + i, y);
-        else int4_outputs<1, 3>(l, t, num_pairs, weight, s, o + i, y);
-      }
-    } else if (rows == 2) {
-      int i = 0;
-      for (; i + 2 <= count; i += 2) int4_outputs<2, 2>(l, t, num_pairs, weight, scales + i * num_groups, o + i, y);
-      if (i < count) int4_outputs<1, 2>(l, t, num_pairs, weight, scales + i * num_groups, o + i, y);
-    } else {
-      switch (count) {
-        case 4: int4_outputs<4, 1>(l, t, num_pairs, weight, scales, o, y); break;
-        case 3: int4_outputs<3, 1>(l, t, num_pairs, weight, scales, o, y); break;
-        case 2: int4_outputs<2, 1>(l, t, num_pairs, weight, scales, o, y); break;
-        default: int4_outputs<1, 1>(l, t, num_pairs, weight, scales, o, y); break;
+// Walks the output rows kOutStep at a time (the weight prefetched a few steps ahead: the
+// hardware's prefetcher alone reads at about half speed), and within a step the input rows four
+// at a time (one output row a call), what is left with the outputs two or four at a time
+// (chains enough to hide the FMAs' latency): `step.start(o, count)` per step, then
+// `step.run<COUNT, ROWS>(r, o, i)` for output rows [o, o + COUNT) (the i-th of the step on) and
+// input rows [r, r + ROWS).
+template <typename Step>
+F32_TARGET void over_blocks(Step& step, int num_rows, int out_features, const void* weight, size_t row_bytes) {
+  const char* base = static_cast<const char*>(weight);
+  const char* end = base + row_bytes * out_features;
+  for (int o = 0; o < out_features; o += kOutStep) {
+    const char* ahead = base + (o + kOutStep) * row_bytes + kPrefetchBytes;
+    for (size_t i = 0; i < kOutStep * row_bytes && ahead + i < end; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
+    step.start(o, count);
+    for (int r = 0; r < num_rows; r += 4) {
+      const int rows = num_rows - r < 4 ? num_rows - r : 4;
+      if (rows >= 3) {
+        for (int i = 0; i < count; ++i) {
+          if (rows == 4) step.template run<1, 4>(r, o + i, i);
+          else step.template run<1, 3>(r, o + i, i);
+        }
+      } else if (rows == 2) {
+        int i = 0;
+        for (; i + 2 <= count; i += 2) step.template run<2, 2>(r, o + i, i);
+        if (i < count) step.template run<1, 2>(r, o + i, i);
+      } else {
+        switch (count) {
+          case 4: step.template run<4, 1>(r, o, 0); break;
+          case 3: step.template run<3, 1>(r, o, 0); break;
+          case 2: step.template run<2, 1>(r, o, 0); break;
+          default: step.template run<1, 1>(r, o, 0); break;
+        }
       }
     }
   }
@@ -213,6 +212,37 @@ F32_TARGET const float* widened<uint16_t>(const uint16_t* scales, size_t count, 
   return buffer;
 }
 
+// int4_outputs over a call's laid-out rows: a block's scales widened once (`start`).
+template <typename S>
+struct Int4Step {
+  const float* laid;
+  const float* terms;
+  float* out;
+  const uint8_t* weight;
+  const S* scales;
+  float* buffer;
+  int in_features, out_features, num_pairs;
+  const float* block_scales;
+
+  F32_TARGET void start(int o, int count) {
+    const size_t num_groups = static_cast<size_t>(num_pairs) * 2;
+    block_scales = widened<S>(scales + o * num_groups, count * num_groups, buffer);
+  }
+
+  template <int COUNT, int ROWS>
+  F32_TARGET void run(int r, int o, int i) {
+    const float* l[ROWS];
+    const float* t[ROWS];
+    float* y[ROWS];
+    for (int k = 0; k < ROWS; ++k) {
+      l[k] = laid + static_cast<size_t>(r + k) * in_features;
+      t[k] = terms + static_cast<size_t>(r + k) * out_features;
+      y[k] = out + static_cast<size_t>(r + k) * out_features;
+    }
+    int4_outputs<COUNT, ROWS>(l, t, num_pairs, weight, block_scales + i * 2 * num_pairs, o, y);
+  }
+};
+
 template <typename S>
 F32_TARGET void int4_gemm(const float* x, int num_rows, int in_features, const uint8_t* weight,
                           const S* scales, const S* mins, int out_features, float* out) {
@@ -229,21 +259,9 @@ F32_TARGET void int4_gemm(const float* x, int num_rows, int in_features, const u
                      laid.data() + static_cast<size_t>(r) * in_features, su);
     int4_mins_terms<S>(mins, su, num_groups, out_features, terms.data() + static_cast<size_t>(r) * out_features);
   }
-  const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
-  const char* end = reinterpret_cast<const char*>(weight) + row_bytes * out_features;
-  for (int o = 0; o < out_features; o += kOutStep) {
-    {  // the weight a few steps ahead (the hardware's prefetcher alone reads at about half speed)
-      const char* ahead = reinterpret_cast<const char*>(weight) + (o + kOutStep) * row_bytes + kPrefetchBytes;
-      for (size_t i = 0; i < kOutStep * row_bytes && ahead + i < end; i += 64) {
-        _mm_prefetch(ahead + i, _MM_HINT_T0);
-      }
-    }
-    const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
-    const float* s = widened<S>(scales + static_cast<size_t>(o) * num_groups,
-                                static_cast<size_t>(count) * num_groups, block_scales.data());
-    int4_block(laid.data(), terms.data(), num_rows, in_features, out_features, num_pairs, weight, s, o,
-               count, out);
-  }
+  Int4Step<S> step{laid.data(), terms.data(), out, weight, scales, block_scales.data(),
+                   in_features, out_features, num_pairs, nullptr};
+  over_blocks(step, num_rows, out_features, weight, static_cast<size_t>(num_pairs) * 32);
 }
 
 // The weight as float32 ``s * q + m`` (the product and the sum each rounded once), [out][in] in
@@ -324,6 +342,34 @@ F32_TARGET inline void int8_outputs(const float* const* x, const float* const* s
     for (int r = 0; r < ROWS; ++r) out[r][o + i] = sum8(total[i][r]) + min_terms[i][r];
 }
 
+// int8_outputs over a call's rows.
+template <int GROUP, typename S, bool MINS>
+struct Int8Step {
+  const float* x;
+  const float* sums;
+  float* out;
+  const int8_t* weight;
+  const S* scales;
+  const float* mins;
+  int in_features, out_features;
+
+  F32_TARGET void start(int, int) {}
+
+  template <int COUNT, int ROWS>
+  F32_TARGET void run(int r, int o, int) {
+    const int num_groups = in_features / GROUP;
+    const float* xs[ROWS];
+    const float* su[ROWS];
+    float* y[ROWS];
+    for (int k = 0; k < ROWS; ++k) {
+      xs[k] = x + static_cast<size_t>(r + k) * in_features;
+      su[k] = sums + static_cast<size_t>(r + k) * num_groups;
+      y[k] = out + static_cast<size_t>(r + k) * out_features;
+    }
+    int8_outputs<COUNT, ROWS, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y);
+  }
+};
+
 template <int GROUP, typename S, bool MINS>
 F32_TARGET void int8_gemm(const float* x, int num_rows, int in_features, const int8_t* weight,
                           const S* scales, const float* mins, int out_features, float* out) {
@@ -338,47 +384,8 @@ F32_TARGET void int8_gemm(const float* x, int num_rows, int in_features, const i
       sums[static_cast<size_t>(r) * num_groups + g] = sum;
     }
   }
-  const char* end = reinterpret_cast<const char*>(weight) + static_cast<size_t>(in_features) * out_features;
-  for (int o = 0; o < out_features; o += kOutStep) {
-    {
-      const char* ahead = reinterpret_cast<const char*>(weight) +
-                          static_cast<size_t>(o + kOutStep) * in_features + kPrefetchBytes;
-      for (size_t i = 0; i < static_cast<size_t>(kOutStep) * in_features && ahead + i < end; i += 64) {
-        _mm_prefetch(ahead + i, _MM_HINT_T0);
-      }
-    }
-    const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
-    // NOTE: input rows four at a time (one output row a step); fewer, with more output rows a
-    // step (chains enough to hide the FMAs' latency), as int4_block does.
-    for (int r = 0; r < num_rows; r += 4) {
-      const int rows = num_rows - r < 4 ? num_rows - r : 4;
-      const float* xs[4];
-      const float* su[4];
-      float* y[4];
-      for (int i = 0; i < rows; ++i) {
-        xs[i] = x + static_cast<size_t>(r + i) * in_features;
-        su[i] = sums.data() + static_cast<size_t>(r + i) * num_groups;
-        y[i] = out + static_cast<size_t>(r + i) * out_features;
-      }
-      if (rows >= 3) {
-        for (int i = 0; i < count; ++i) {
-          if (rows == 4) int8_outputs<1, 4, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
-          else int8_outputs<1, 3, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
-        }
-      } else if (rows == 2) {
-        int i = 0;
-        for (; i + 2 <= count; i += 2) int8_outputs<2, 2, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
-        if (i < count) int8_outputs<1, 2, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o + i, y);
-      } else {
-        switch (count) {
-          case 4: int8_outputs<4, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
-          case 3: int8_outputs<3, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
-          case 2: int8_outputs<2, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
-          default: int8_outputs<1, 1, GROUP, S, MINS>(xs, su, in_features, weight, scales, mins, o, y); break;
-        }
-      }
-    }
-  }
+  Int8Step<GROUP, S, MINS> step{x, sums.data(), out, weight, scales, mins, in_features, out_features};
+  over_blocks(step, num_rows, out_features, weight, static_cast<size_t>(in_features));
 }
 
 template <int GROUP, typename S>
