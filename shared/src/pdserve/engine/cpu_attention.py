@@ -72,11 +72,7 @@ def decode(
     q = q.contiguous()
     num_seqs, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
-    compiled = cpu_kernels.compiled()
-    attend = (
-        compiled.decode_attention_f32 if q.dtype == torch.float32 else compiled.decode_attention
-    )
-    attend(
+    cpu_kernels.kernel("decode_attention", q.dtype)(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

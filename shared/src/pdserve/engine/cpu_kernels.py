@@ -17,6 +17,7 @@ Without a C++ compiler at install time pdserve installs without them, and torch'
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -35,6 +36,12 @@ def compiled() -> ModuleType:
     """The compiled module (call only where `available`)."""
     assert _compiled is not None
     return _compiled
+
+
+def kernel(name: str, dtype: torch.dtype) -> Callable[..., None]:
+    """The compiled kernel `name` for `dtype` activations: its float32 form (``name_f32``) for
+    float32, else the bf16 one (call only where that set is available)."""
+    return getattr(compiled(), f"{name}_f32" if dtype == torch.float32 else name)
 
 
 @functools.cache

@@ -79,11 +79,7 @@ def dequantize(
     `gguf` package's values."""
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(num_out, num_in, dtype=dtype)
-    compiled = cpu_kernels.compiled()
-    dequantize_into = (
-        compiled.int4_dequantize_f32 if dtype == torch.float32 else compiled.int4_dequantize
-    )
-    dequantize_into(
+    cpu_kernels.kernel("int4_dequantize", dtype)(
         packed.data_ptr(),
         scales.data_ptr(),
         mins.data_ptr(),
@@ -115,9 +111,7 @@ def matmul(
     num_out = packed.shape[0]
     out = torch.empty(num_rows, num_out, dtype=x.dtype)
     if num_rows:
-        compiled = cpu_kernels.compiled()
-        gemm = compiled.int4_gemm_f32 if x.dtype == torch.float32 else compiled.int4_gemm
-        gemm(
+        cpu_kernels.kernel("int4_gemm", x.dtype)(
             x.data_ptr(),
             num_rows,
             num_in,

@@ -96,9 +96,9 @@ def matmul(
     layout = _layout(values, scales, mins)
     out = torch.empty(num_rows, num_out, dtype=x.dtype)
     if num_rows:
-        compiled = cpu_kernels.compiled()
-        gemm = compiled.int8_gemm_f32 if x.dtype == torch.float32 else compiled.int8_gemm
-        gemm(x.data_ptr(), num_rows, num_in, values.data_ptr(), *layout, num_out, out.data_ptr())
+        cpu_kernels.kernel("int8_gemm", x.dtype)(
+            x.data_ptr(), num_rows, num_in, values.data_ptr(), *layout, num_out, out.data_ptr()
+        )
     return out
 
 
