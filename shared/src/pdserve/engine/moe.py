@@ -159,22 +159,18 @@ class SparseMoeBlock(nn.Module):
         # router_logits: [num_tokens, num_experts]
         router_logits = self.gate(x)
         if moe.scoring == "top_logits":
-            top, expert_ids = torch.topk(router_logits, moe.num_experts_per_tok, dim=-1)
+            expert_ids = self.pick(router_logits)
+            top = router_logits.gather(-1, expert_ids)
             return F.softmax(top, dim=-1, dtype=torch.float32), expert_ids
         if moe.scoring == "sigmoid":
             scores = router_logits.float().sigmoid()
         else:
             scores = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        if self.score_correction is None and moe.num_groups == 1:
-            weights, expert_ids = torch.topk(scores, moe.num_experts_per_tok, dim=-1)
-        else:
-            choice = scores
-            if self.score_correction is not None:
-                choice = scores + self.score_correction.float().view(-1)
-            if moe.num_groups > 1:
-                choice = self._within_best_groups(choice)
-            expert_ids = torch.topk(choice, moe.num_experts_per_tok, dim=-1).indices
-            weights = scores.gather(-1, expert_ids)
+        choice = scores
+        if self.score_correction is not None:
+            choice = scores + self.score_correction.float().view(-1)
+        expert_ids = self.pick(choice)
+        weights = scores.gather(-1, expert_ids)
         if moe.norm_topk_prob:
             total = weights.sum(dim=-1, keepdim=True)
             if moe.norm_min:
@@ -184,16 +180,29 @@ class SparseMoeBlock(nn.Module):
             weights = weights * moe.routed_scaling_factor
         return weights, expert_ids
 
-    def _within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+    def pick(self, choice: torch.Tensor) -> torch.Tensor:
+        """Each row's `MoeConfig.num_experts_per_tok` experts, best first, by ``choice``
+        (``[num_tokens, num_experts]``), within the row's best groups where the model groups
+        its experts."""
+        if self.moe.num_groups > 1:
+            choice = self.within_best_groups(choice)
+        return torch.topk(choice, self.moe.num_experts_per_tok, dim=-1).indices
+
+    def within_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """`choice` with the experts outside each token's `topk_groups` best groups at -inf
-        (a group's score: the sum of its two best, or its best: `MoeConfig.group_score`)."""
+        (`group_scores`)."""
         moe = self.moe
-        # grouped: [num_tokens, num_groups, experts per group]
-        grouped = choice.view(choice.shape[0], moe.num_groups, -1)
-        if moe.group_score == "max":
-            group_scores = grouped.max(dim=-1).values
-        else:
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        group_scores = self.group_scores(choice)
         best = group_scores.topk(moe.topk_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        grouped = choice.view(choice.shape[0], moe.num_groups, -1)
         return grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
+
+    def group_scores(self, choice: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, num_groups]``: each group's score, the sum of its two best experts'
+        or its best (`MoeConfig.group_score`)."""
+        # grouped: [num_tokens, num_groups, experts per group]
+        grouped = choice.view(choice.shape[0], self.moe.num_groups, -1)
+        if self.moe.group_score == "max":
+            return grouped.max(dim=-1).values
+        return grouped.topk(2, dim=-1).values.sum(dim=-1)
