@@ -1,7 +1,9 @@
-"""The same request gives the same tokens whatever the load, in bfloat16 with ``--deterministic``
-on the default model: alone, beside other requests while the decodes preempt each other's
-streams, and after the decode serving it was SIGKILLed mid-stream (the gateway moves it to the
-other decode, which recomputes what it had).
+"""The same request gives the same tokens whatever the load, with ``--deterministic`` on the
+default model, in the dtype ``--dtype auto`` serves on this CPU (bfloat16 where the CPU has it
+natively, float32 elsewhere, where emulated bf16 costs many times float32 a step): alone,
+beside other requests while the decodes preempt each other's streams, and after the decode
+serving it was SIGKILLed mid-stream (the gateway moves it to the other decode, which
+recomputes what it had).
 
 Gateway, one prefill and two decodes as processes, as `pdserve up` starts them."""
 
@@ -12,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 from support.process_cluster import (
     ProcessCluster,
     greedy_streams_through_a_decode_kill,
@@ -21,6 +24,7 @@ from support.process_cluster import (
 )
 
 from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.precision import choose_dtype
 
 PROMPTS = [
     "The history of the printing press",
@@ -37,6 +41,7 @@ NUM_TOKENS = 64
 # to the other, outgrow a pool and preempt each other; a preempted stream is recomputed.
 DECODE_ARGS = "--deterministic --num-blocks 24 --reserve-tokens 0"
 IGNORE_EOS = {"extra_body": {"ignore_eos": True}}
+SERVING_DTYPE = choose_dtype("auto", torch.device("cpu")).dtype
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def cluster(
     with running_cluster(
         smollm2.path,
         tmp_path_factory.mktemp("batch-invariant-logs"),
-        dtype="bfloat16",
+        dtype=SERVING_DTYPE,
         decodes=2,
         prefill_args="--deterministic",
         decode_args=DECODE_ARGS,

@@ -1,6 +1,10 @@
-"""Batch-invariant numerics (`EngineConfig.deterministic`) in bfloat16: a request's logits,
-tokens and logprobs are bit for bit the same alone, beside other requests, chunked, with its
-prefix cached, and recomputed by a prefill after a move (`pdserve.engine.batch_invariant`)."""
+"""Batch-invariant numerics (`EngineConfig.deterministic`): a request's logits, tokens and
+logprobs are bit for bit the same alone, beside other requests, chunked, with its prefix cached,
+and recomputed by a prefill after a move (`pdserve.engine.batch_invariant`).
+
+The real model runs in the dtype ``--dtype auto`` serves on this CPU (`SERVING_DTYPE`): bfloat16
+where the CPU has it natively, float32 elsewhere (where bf16 is emulated, a step costs many
+times float32's); the tiny models run in bfloat16 everywhere."""
 
 from __future__ import annotations
 
@@ -13,8 +17,9 @@ import torch
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pdserve.engine.batch_invariant import INVARIANT_BACKEND, MIN_ROWS
-from pdserve.engine.linear import Linear
+from pdserve.engine.linear import Linear, can_pack_for_onednn
 from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.precision import choose_dtype
 from pdserve.engine.quant import Int4Linear, Int8Linear
 
 EngineFactory = Callable[..., LLMEngine]
@@ -59,6 +64,7 @@ def assert_bit_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: st
 # --- the real model -------------------------------------------------------------------------
 
 NUM_TOKENS = 40
+SERVING_DTYPE = choose_dtype("auto", torch.device("cpu")).dtype
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +73,7 @@ def real_engine(smollm2: ResolvedModel) -> Callable[..., LLMEngine]:
         prefix = scheduler.pop("enable_prefix_caching", False)
         config = EngineConfig(
             model=str(smollm2.path),
-            dtype="bfloat16",
+            dtype=SERVING_DTYPE,
             quantization="none",
             deterministic=True,
             seed=0,
@@ -173,27 +179,30 @@ def test_every_family_is_batch_invariant_and_recomputes_equal(
 # --- the projections ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kind", ["linear", "int8", "int4"])
 @pytest.mark.parametrize(("in_features", "out_features"), [(2048, 1536), (4864, 896)])
 def test_a_projection_gives_a_row_the_same_result_for_any_number_of_rows(
-    kind: str, in_features: int, out_features: int
+    kind: str, in_features: int, out_features: int, dtype: torch.dtype
 ) -> None:
     """Sizes where a one-row GEMM sums in another order on the CPUs measured (a GEMV splitting
     the inner dimension); with `MIN_ROWS` every row count from 1 gives each row the same
-    bits."""
+    bits. The plain projection runs packed for oneDNN where the engine packs it
+    (`can_pack_for_onednn`: bf16 only where oneDNN runs bf16)."""
     generator = torch.Generator().manual_seed(0)
     linear = Linear(in_features, out_features, bias=False)
     weight = torch.randn(in_features, out_features, generator=generator) * 0.05
-    linear.weight_t.data = weight.to(torch.bfloat16)
+    linear.weight_t.data = weight.to(dtype)
     module: torch.nn.Module = linear
-    if kind == "bf16":
-        linear.pack_for_onednn()
+    if kind == "linear":
+        if can_pack_for_onednn(torch.device("cpu"), dtype):
+            linear.pack_for_onednn()
     elif kind == "int8":
         module = Int8Linear(linear)
     else:
         module = Int4Linear.from_linear(linear)
     module.min_rows = MIN_ROWS
-    x = torch.randn(33, in_features, generator=generator).to(torch.bfloat16)
+    x = torch.randn(33, in_features, generator=generator).to(dtype)
     with torch.no_grad():
         whole = module(x)
         for rows in (1, 2, 3, 7, 16, 17):
