@@ -3,11 +3,14 @@
     python bench/engine_steps.py                    # the default model, one thread
     python bench/engine_steps.py --model smollm2-135m-instruct --rounds 5 --clock cpu
     python bench/engine_steps.py --settings bfloat16+auto:bf16-head,bfloat16+auto --rounds 20
+    python bench/engine_steps.py --settings float32+auto:layers,float32+auto --rounds 20
 
 One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4 re-quantized from
 the floats, and bfloat16 + ``auto``: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores
 them, on torch's int4 kernel (``auto:torch``) and on pdserve's, `pdserve.engine.int4_kernel`,
-with a Q8_0 LM head on pdserve's int8 kernel, or kept bf16 as before it (``auto:bf16-head``)),
+with a Q8_0 LM head on pdserve's int8 kernel, or kept bf16 as before it (``auto:bf16-head``);
+float32 + ``auto`` on a CPU without native bf16 decodes in one compiled call per step,
+`pdserve.engine.fused_decode`, or layer by layer as before it with ``auto:layers``),
 each with the same random prompts prefilled into its paged KV cache. Every round measures,
 setting after setting (so machine noise hits all alike): a prefill of one prompt, then decode
 steps of 1 and of all streams (one new token each, the model's forward and logits; no
@@ -37,6 +40,7 @@ from common import cpu_description, prefilled_streams, write_results
 
 from pdserve.engine import int4_kernel, int8_kernel
 from pdserve.engine.batch import ScheduledChunk
+from pdserve.engine.fused_decode import FusedDecode
 from pdserve.engine.linear import Linear
 from pdserve.engine.model_store import DEFAULT_MODEL, resolve_model
 from pdserve.engine.quant import Int4Linear, Int8GroupLinear, Int8Linear, weight_bytes
@@ -54,6 +58,9 @@ TORCH_KERNEL = ":torch"
 """A setting's suffix: its int4 projections on torch's kernel instead of pdserve's."""
 BF16_HEAD = ":bf16-head"
 """A setting's suffix: a Q8_0 LM head dequantized to bf16 (as before pdserve's int8 kernel)."""
+LAYER_BY_LAYER = ":layers"
+"""A setting's suffix: float32 decode steps layer by layer, not in one compiled call
+(`pdserve.engine.fused_decode`, as before it)."""
 BLOCK_SIZE = 16
 BANDWIDTH_BUFFER_BYTES = 1 << 30
 
@@ -157,6 +164,8 @@ def main() -> None:
             kernel_choice = mock.patch.object(int4_kernel, "takes", return_value=False)
         elif quantization.endswith(BF16_HEAD):
             kernel_choice = mock.patch.object(int8_kernel, "why_not", return_value="bench")
+        elif quantization.endswith(LAYER_BY_LAYER):
+            kernel_choice = mock.patch.object(FusedDecode, "why_not", return_value="bench")
         with kernel_choice:
             runner, sequences, tables = prefilled_streams(
                 model_dir,

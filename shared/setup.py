@@ -24,6 +24,7 @@ setup(
                 "csrc/decode_attention.cpp",
                 "csrc/rms_norm.cpp",
                 "csrc/f32_gemm.cpp",
+                "csrc/fused_decode.cpp",
             ],
             depends=["csrc/common.h"],
             extra_compile_args=["-O3", "-std=c++17"],

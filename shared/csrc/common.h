@@ -75,5 +75,16 @@ PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args);
 PyObject* py_int8_gemm_f32(PyObject*, PyObject* args);
 PyObject* py_decode_attention_f32(PyObject*, PyObject* args);
 PyObject* py_rms_norm_f32(PyObject*, PyObject* args);
+PyObject* py_silu_mul_f32(PyObject*, PyObject* args);
+PyObject* py_decode_layers_f32(PyObject*, PyObject* args);
+
+// The float32 kernels as the fused decode step (fused_decode.cpp) calls them, each as its
+// Python entry does (arguments as there, addresses as pointers).
+void int4_gemm_f32(const float* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
+                   const void* mins, int out_features, float* out, bool half_scales);
+void decode_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables,
+                          int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
+                          int head_dim, int block_size, float scale, float* out);
+void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out);
 
 }  // namespace pdserve

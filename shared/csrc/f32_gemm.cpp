@@ -406,6 +406,17 @@ bool check_cpu() {
 
 }  // namespace
 
+void int4_gemm_f32(const float* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
+                   const void* mins, int out_features, float* out, bool half_scales) {
+  if (half_scales) {
+    int4_gemm<uint16_t>(x, num_rows, in_features, weight, static_cast<const uint16_t*>(scales),
+                        static_cast<const uint16_t*>(mins), out_features, out);
+  } else {
+    int4_gemm<float>(x, num_rows, in_features, weight, static_cast<const float*>(scales),
+                     static_cast<const float*>(mins), out_features, out);
+  }
+}
+
 PyObject* py_int4_gemm_f32(PyObject*, PyObject* args) {
   unsigned long long x, weight, scales, mins, out;
   int num_rows, in_features, out_features, half_scales;
@@ -418,17 +429,10 @@ PyObject* py_int4_gemm_f32(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
     return nullptr;
   }
-  const auto* xs = reinterpret_cast<const float*>(x);
-  const auto* w = reinterpret_cast<const uint8_t*>(weight);
-  auto* y = reinterpret_cast<float*>(out);
   Py_BEGIN_ALLOW_THREADS
-  if (half_scales) {
-    int4_gemm<uint16_t>(xs, num_rows, in_features, w, reinterpret_cast<const uint16_t*>(scales),
-                        reinterpret_cast<const uint16_t*>(mins), out_features, y);
-  } else {
-    int4_gemm<float>(xs, num_rows, in_features, w, reinterpret_cast<const float*>(scales),
-                     reinterpret_cast<const float*>(mins), out_features, y);
-  }
+  int4_gemm_f32(reinterpret_cast<const float*>(x), num_rows, in_features, reinterpret_cast<const uint8_t*>(weight),
+                reinterpret_cast<const void*>(scales), reinterpret_cast<const void*>(mins), out_features,
+                reinterpret_cast<float*>(out), half_scales != 0);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

@@ -54,6 +54,14 @@ PyMethodDef methods[] = {
     {"rms_norm_f32", py_rms_norm_f32, METH_VARARGS,
      "rms_norm_f32(x, rows, size, weight, eps, out): RMSNorm of contiguous float32 rows with a "
      "float32 weight (AVX2)."},
+    {"silu_mul_f32", py_silu_mul_f32, METH_VARARGS,
+     "silu_mul_f32(gate_up, rows, size, out): silu(gate) * up of each float32 row [gate | up] "
+     "(2 * size) into out [rows, size] (AVX2)."},
+    {"decode_layers_f32", py_decode_layers_f32, METH_VARARGS,
+     "decode_layers_f32(plan, layers, hidden, rows, hidden_size, heads, kv_heads, head_dim, "
+     "intermediate, block_size, table_stride, eps, scale, cos, sin, kv, cache_floats, slots, "
+     "tables, lens): every decoder layer of a float32 decode step over int4 projections "
+     "(pdserve.engine.fused_decode), hidden updated in place (AVX2)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
      "rows with a bf16 weight, in float32, into bf16 out."},

@@ -67,7 +67,7 @@ namespace {
 
 // float32 rows (AVX2): h = x / sqrt(mean(x^2) + eps), then w * h, each row alone (the sum of
 // squares in eight lanes, added in one order).
-F32_TARGET void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out) {
+F32_TARGET void rms_norm_f32_rows(const float* x, int rows, int size, const float* weight, float eps, float* out) {
   for (int r = 0; r < rows; ++r) {
     const float* row = x + static_cast<size_t>(r) * size;
     float* dest = out + static_cast<size_t>(r) * size;
@@ -90,6 +90,10 @@ F32_TARGET void rms_norm_f32(const float* x, int rows, int size, const float* we
 }
 
 }  // namespace
+
+void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out) {
+  rms_norm_f32_rows(x, rows, size, weight, eps, out);
+}
 
 PyObject* py_rms_norm_f32(PyObject*, PyObject* args) {
   unsigned long long x, weight, out;

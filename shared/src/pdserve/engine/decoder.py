@@ -12,7 +12,7 @@ from pdserve.engine.attention import PagedAttention, SdpaAttention
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.batch_invariant import INVARIANT_BACKEND, InvariantAttention
 from pdserve.engine.flash_attention import FlashAttention
-from pdserve.engine.layers import gated_activation, make_norm
+from pdserve.engine.layers import gated_activation, make_norm, silu_mul, takes_silu_mul
 from pdserve.engine.linear import Linear
 from pdserve.engine.mla import MlaAttention
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
@@ -140,6 +140,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate_up: [num_tokens, 2 * intermediate_size]
         gate_up = self.gate_up_proj(x)
+        if self.hidden_act == "silu" and takes_silu_mul(gate_up):
+            # NOTE: one call; the fused decode step's arithmetic (`pdserve.engine.fused_decode`).
+            return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(gated_activation(self.hidden_act, gate, up))
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pdserve.engine.cpu_kernels as cpu_kernels
 import pdserve.engine.cpu_norm as cpu_norm
 from pdserve.engine.model_config import ModelConfig
 
@@ -57,6 +58,29 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
     if config.gemma_norms:
         return GemmaRMSNorm(size, config.rms_norm_eps)
     return RMSNorm(size, config.rms_norm_eps, config.is_norm_scaled_in_float32)
+
+
+def takes_silu_mul(gate_up: torch.Tensor) -> bool:
+    """Whether `silu_mul` takes `gate_up` (contiguous float32 rows on a CPU with AVX2)."""
+    return (
+        gate_up.dtype == torch.float32
+        and gate_up.device.type == "cpu"
+        and gate_up.dim() == 2
+        and gate_up.is_contiguous()
+        and torch.get_num_threads() == 1
+        and cpu_kernels.f32_available()
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of each row ``[gate | up]`` of `gate_up` (``[rows, 2 * size]``):
+    ``[rows, size]``, the fused decode step's arithmetic
+    (`pdserve.engine.fused_decode`)."""
+    rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, size, dtype=gate_up.dtype)
+    if rows:
+        cpu_kernels.compiled().silu_mul_f32(gate_up.data_ptr(), rows, size, out.data_ptr())
+    return out
 
 
 def gated_activation(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.decoder import LlamaDecoderLayer
 from pdserve.engine.families import family_of
+from pdserve.engine.fused_decode import FusedDecode
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.layers import RMSNorm, make_norm
 from pdserve.engine.linear import Linear, can_pack_for_onednn
@@ -87,6 +88,8 @@ class LlamaForCausalLM(nn.Module):
             config.local_rope is not None and config.sliding_window(i) is not None
             for i in range(config.num_hidden_layers)
         )
+        self._fused: FusedDecode | None = None
+        self._is_fused_checked = False
 
     def tie_weights(self) -> None:
         """Shares the embedding matrix with the LM head when the config says so (after loading).
@@ -110,6 +113,16 @@ class LlamaForCausalLM(nn.Module):
         for linear in linears:
             linear.pack_for_onednn(keep_weight=linear is self.lm_head)
         return len(linears)
+
+    def fused_decode(self) -> FusedDecode | None:
+        """The compiled float32 decode step over this model's layers
+        (`pdserve.engine.fused_decode`), decided at the first forward (after loading,
+        quantization, packing and `--deterministic` have set the layers up); None where they
+        do not fuse."""
+        if not self._is_fused_checked:
+            self._is_fused_checked = True
+            self._fused = FusedDecode.for_model(self)
+        return self._fused
 
     def init_rotary(self, device: torch.device) -> None:
         """Builds the rotary tables on the model's device (call after weights are placed)."""
@@ -151,6 +164,9 @@ class LlamaForCausalLM(nn.Module):
         local_rope = rope
         if self.local_rotary is not None:
             local_rope = self.local_rotary.cos_sin(positions, rope_dtype)
+        fused = self.fused_decode()
+        if fused is not None and on_layer_done is None and fused.takes(hidden, kv_cache, metadata):
+            return fused.run(hidden, rope, kv_cache, metadata)
         # NOTE: a cache whose sliding layers keep only their window reads them through slots.
         slots = kv_cache.window_slots
         window_metadata = metadata if slots is None else metadata.through(slots.slot_table)

@@ -1,0 +1,258 @@
+"""A float32 decode step's decoder layers in one compiled call (``shared/csrc/fused_decode.cpp``).
+
+On a CPU without native bf16, ``--dtype auto`` serves float32 over the GGUF's own int4 weights
+(`pdserve.engine.int4_kernel`). A one-row step of the default model then ran 120 int4 GEMMs,
+30 attentions and 61 norms in about 24 ms of kernels, and about 20 ms more of Python and small
+tensor ops between them (module calls, RoPE's six ops, two cache writes, SwiGLU, residual
+adds, each kernel's wrapper). Here one call runs every layer: the same kernels in the same
+order on the same rows, RoPE, the cache writes, SwiGLU and the residual adds in C++, so a
+step's hidden states are the layer-by-layer path's bit for bit (the layer-by-layer path's
+SwiGLU runs on `silu_mul`, the same arithmetic).
+
+It takes a model whose every layer is Llama's shape (`FusedDecode.why_not` says what it needs:
+int4 projections on pdserve's kernel without bias, RMSNorm, SiLU, RoPE over whole heads, no
+windows, sinks, q/k norms or experts, one rank) and a step of 1 to `MAX_ROWS` decodes with
+nothing else (no prefill, no per-layer callback, no graph padding), float32, one torch thread.
+Any other model or step runs layer by layer as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+
+import pdserve.engine.cpu_kernels as cpu_kernels
+from pdserve.engine.attention import SdpaAttention
+from pdserve.engine.decoder import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from pdserve.engine.layers import RMSNorm
+from pdserve.engine.quant import OWN_KERNEL_MAX_ROWS, Int4Linear
+
+if TYPE_CHECKING:
+    from pdserve.engine.attention_metadata import AttentionMetadata
+    from pdserve.engine.kv_cache import KVCache
+
+log = structlog.get_logger(__name__)
+
+LAYER_FIELDS = 18
+"""int64 fields a layer takes in the plan: the two norms' weights, then each projection's
+(qkv, o, gate_up, down) packed weight, scales, mins and whether its scales are float16."""
+
+MAX_ROWS = OWN_KERNEL_MAX_ROWS
+"""Most decodes a fused step takes: the rows the layer-by-layer path also runs on the int4
+kernel (more take its dequantized GEMM, which sums otherwise)."""
+
+
+class FusedDecode:
+    """A model's decoder layers as one plan for ``decode_layers_f32`` (build with `for_model`).
+
+    Attributes:
+        plan: ``[num_layers, LAYER_FIELDS]`` int64 addresses and flags; the tensors they point
+            into are the model's own (the plan holds no copy, and the model must outlive it).
+    """
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        layers = list(model.model.layers)
+        first = layers[0]
+        self.num_layers = len(layers)
+        self.hidden_size = config.hidden_size
+        self.num_heads = first.self_attn.num_heads
+        self.num_kv_heads = first.self_attn.num_kv_heads
+        self.head_dim = first.self_attn.head_dim
+        self.intermediate_size = first.mlp.intermediate_size
+        self.eps = float(first.input_layernorm.eps)
+        self.scale = float(first.self_attn.attn.scale)
+        rows = []
+        for layer in layers:
+            row = [
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+            ]
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                row += [
+                    linear.packed.data_ptr(),
+                    linear.scales.data_ptr(),
+                    linear.mins.data_ptr(),
+                    int(linear.scales.dtype == torch.float16),
+                ]
+            rows.append(row)
+        self.plan = torch.tensor(rows, dtype=torch.int64)
+
+    @classmethod
+    def for_model(cls, model: Any) -> FusedDecode | None:
+        """The model's plan, or None (logged once with the reason) where its layers do not
+        fuse."""
+        reason = cls.why_not(model)
+        if reason is not None:
+            log.info("fused_decode", enabled=False, reason=reason)
+            return None
+        fused = cls(model)
+        log.info(
+            "fused_decode",
+            enabled=True,
+            num_layers=fused.num_layers,
+            max_rows=MAX_ROWS,
+            instructions="AVX2, FMA, F16C",
+        )
+        return fused
+
+    @staticmethod
+    def why_not(model: Any) -> str | None:
+        """Why `model`'s layers do not fuse (None where they do)."""
+        config = model.config
+        if not cpu_kernels.f32_available():
+            return cpu_kernels.why_unavailable(torch.float32)
+        if model.group.world_size > 1:
+            return "tensor parallelism"
+        family = _family_reason(config, model)
+        if family is not None:
+            return family
+        shapes = set()
+        for index, layer in enumerate(model.model.layers):
+            reason = _layer_reason(layer)
+            if reason is not None:
+                return f"layer {index}: {reason}"
+            attn, mlp = layer.self_attn, layer.mlp
+            shapes.add(
+                (
+                    attn.num_heads,
+                    attn.num_kv_heads,
+                    attn.head_dim,
+                    mlp.intermediate_size,
+                    float(layer.input_layernorm.eps),
+                    float(layer.post_attention_layernorm.eps),
+                    float(attn.attn.scale),
+                )
+            )
+        if len(shapes) != 1:
+            return "layers of different shapes"
+        num_heads, num_kv_heads, head_dim, intermediate, eps, post_eps, _ = shapes.pop()
+        if eps != post_eps:
+            return "norms with different eps"
+        group = num_heads // num_kv_heads if num_kv_heads else 0
+        if not 1 <= group <= 8 or group * num_kv_heads != num_heads:
+            return "needs 1-8 query heads per KV head"
+        if head_dim % 32 or head_dim > 256:
+            return f"head_dim {head_dim} (needs a multiple of 32 up to 256)"
+        if config.hidden_size % 64 or intermediate % 64:
+            return "hidden and intermediate sizes must be multiples of 64"
+        return None
+
+    def takes(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> bool:
+        """Whether this step fuses: 1 to `MAX_ROWS` float32 decodes and nothing else, over a
+        float32 cache of every layer in one contiguous tensor, on one torch thread."""
+        rows = hidden.shape[0]
+        kv = kv_cache.kv
+        return (
+            1 <= rows <= MAX_ROWS
+            and hidden.dtype == torch.float32
+            and metadata.num_decodes == rows
+            and not metadata.prefills
+            and not metadata.is_static
+            and metadata.write_rows is None
+            and kv_cache.window_slots is None
+            and kv.dtype == torch.float32
+            and kv.device.type == "cpu"
+            and kv.is_contiguous()
+            and kv.shape[0] == self.num_layers
+            and kv.shape[-2:] == (self.num_kv_heads, self.head_dim)
+            and torch.get_num_threads() == 1
+        )
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Every layer for the step (`takes`): the hidden states after the last layer
+        (``[rows, hidden_size]``), each layer's K/V written into the cache."""
+        hidden = hidden.contiguous().clone()
+        cos, sin = (table.reshape(hidden.shape[0], self.head_dim).contiguous() for table in rope)
+        slots = metadata.slot_mapping.to(torch.int64).contiguous()
+        tables, lens = metadata.decode_tables()
+        kv = kv_cache.kv
+        cpu_kernels.compiled().decode_layers_f32(
+            self.plan.data_ptr(),
+            self.num_layers,
+            hidden.data_ptr(),
+            hidden.shape[0],
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            kv.shape[3],
+            tables.shape[1],
+            self.eps,
+            self.scale,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv.data_ptr(),
+            kv[0, 0].numel(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+        )
+        return hidden
+
+
+def _family_reason(config: Any, model: Any) -> str | None:
+    checks = (
+        (config.mla is not None, "latent attention (MLA)"),
+        (config.moe is not None, "mixture of experts"),
+        (config.gemma_norms, "Gemma's norms"),
+        (config.qk_norm, "q/k norms"),
+        (config.is_rope_interleaved, "interleaved RoPE"),
+        (config.has_attention_sinks, "attention sinks"),
+        (config.hidden_act != "silu", f"activation {config.hidden_act}"),
+        (model.local_rotary is not None, "a second RoPE for local layers"),
+        (
+            (config.rotary_dim or config.head_dim) != config.head_dim,
+            "RoPE over part of each head",
+        ),
+        (
+            any(
+                config.sliding_window(i) is not None or not config.is_rope_layer(i)
+                for i in range(config.num_hidden_layers)
+            ),
+            "sliding-window or RoPE-less layers",
+        ),
+    )
+    return next((reason for failed, reason in checks if failed), None)
+
+
+def _layer_reason(layer: Any) -> str | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    if (
+        type(layer) is not LlamaDecoderLayer
+        or type(attn) is not LlamaAttention
+        or type(mlp) is not LlamaMLP
+    ):
+        return "not Llama's layer, attention and MLP"
+    if type(attn.attn) is not SdpaAttention or not attn.attn.cpu_kernel:
+        return f"attention {type(attn.attn).__name__} (needs the CPU kernel's SDPA path)"
+    if attn.q_norm is not None or attn.sinks is not None or attn.attn.sliding_window is not None:
+        return "q/k norms, sinks or a window"
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        if type(norm) is not RMSNorm or norm.weight.dtype != torch.float32:
+            return "a norm other than float32 RMSNorm"
+    for name, linear in (
+        ("qkv_proj", attn.qkv_proj),
+        ("o_proj", attn.o_proj),
+        ("gate_up_proj", mlp.gate_up_proj),
+        ("down_proj", mlp.down_proj),
+    ):
+        if not isinstance(linear, Int4Linear) or linear.kernel != "pdserve":
+            return f"{name} is {type(linear).__name__}, not int4 on pdserve's kernel"
+        if linear.bias is not None or linear.min_rows != 1:
+            return f"{name} has a bias or runs batch-invariant (--deterministic)"
+    return None

@@ -1,0 +1,185 @@
+"""The float32 decode step's layers in one compiled call (`pdserve.engine.fused_decode`): the
+same logits and the same K/V as the layer-by-layer path, bit for bit; steps and models it does
+not take run layer by layer, and the log says why a model's layers do not fuse."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from structlog.testing import capture_logs
+from support.converted_gguf import converted_tiny_gguf
+from support.gguf_files import NUM_LAYERS, TinyGgufSpec
+
+from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk, cpu_kernels
+from pdserve.engine.fused_decode import MAX_ROWS, FusedDecode
+from pdserve.engine.layers import silu_mul, takes_silu_mul
+from pdserve.engine.model_store import ResolvedModel
+from pdserve.engine.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.f32_available(), reason="the float32 kernels need AVX2, FMA and F16C"
+)
+
+BLOCK_SIZE = 16
+BLOCKS_PER_SEQ = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The kernels run where torch runs one thread (each engine gets its share of the cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load(model: Path, *, fused: bool = True, **settings: object) -> ModelRunner:
+    config = EngineConfig(
+        model=str(model),
+        **{"dtype": "float32", "quantization": "auto", **settings},  # type: ignore[arg-type]
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=BLOCKS_PER_SEQ * (MAX_ROWS + 2)),
+    )
+    runner = ModelRunner.load(config)
+    if not fused:
+        with mock.patch.object(FusedDecode, "why_not", return_value="layer by layer"):
+            assert runner.model.fused_decode() is None
+    return runner
+
+
+class Streams:
+    """Prompts prefilled into a runner's cache, then decoded a token a step."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]) -> None:
+        self.runner = runner
+        self.tokens = [list(p) for p in prompts]
+        self.tables = [
+            list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)) for i in range(len(prompts))
+        ]
+        # NOTE: each prompt but its last token, which the first decode step takes.
+        for tokens, table in zip(self.tokens, self.tables, strict=True):
+            runner.execute([ScheduledChunk(tokens[:-1], 0, table)])
+
+    def step(self, rows: int) -> torch.Tensor:
+        """A decode of the first `rows` streams' last tokens: their logits."""
+        chunks = [
+            ScheduledChunk([self.tokens[i][-1]], len(self.tokens[i]) - 1, self.tables[i])
+            for i in range(rows)
+        ]
+        return self.runner.execute(chunks)
+
+    def advance(self, picks: list[int]) -> None:
+        """Appends each of the first streams' next token."""
+        for tokens, pick in zip(self.tokens, picks, strict=False):
+            tokens.append(pick)
+
+
+def prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 60, (num,), generator=generator).tolist()
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def assert_fused_equals_layer_by_layer(model: Path, vocab: int, row_counts: list[int]) -> None:
+    """Decode steps of `row_counts` rows (each row its stream's greedy pick) on a fused runner
+    and on a layer-by-layer one: the same logits at every step and the same cache after."""
+    fused, layers = load(model), load(model, fused=False)
+    assert fused.model.fused_decode() is not None
+    batch = prompts(max(row_counts), vocab, seed=len(row_counts))
+    ours, theirs = Streams(fused, batch), Streams(layers, batch)
+    with mock.patch.object(FusedDecode, "run", side_effect=FusedDecode.run, autospec=True) as run:
+        for rows in row_counts:
+            got, want = ours.step(rows), theirs.step(rows)
+            assert torch.equal(got, want), f"{rows} rows"
+            picks = want.argmax(dim=-1).tolist()
+            ours.advance(picks)
+            theirs.advance(picks)
+    assert run.call_count == len(row_counts)
+    assert torch.equal(fused.kv_cache.kv, layers.kv_cache.kv)
+
+
+@pytest.mark.parametrize(
+    "tensor_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K], ids=["Q4_1", "Q4_K"]
+)
+def test_a_fused_step_is_the_layer_by_layer_step_bit_for_bit(
+    tmp_path: Path, tensor_type: GGMLQuantizationType
+) -> None:
+    model = converted_tiny_gguf(tmp_path, TinyGgufSpec(tensor_type=tensor_type))
+    with capture_logs() as logs:
+        load(model).model.fused_decode()
+    [line] = [e for e in logs if e["event"] == "fused_decode"]
+    assert line["enabled"] is True and line["num_layers"] == NUM_LAYERS
+    vocab = load(model, fused=False).model.config.vocab_size
+    assert_fused_equals_layer_by_layer(model, vocab, [1, 3, MAX_ROWS, 2, 1])
+
+
+def test_the_default_model_decodes_fused_as_layer_by_layer(smollm2: ResolvedModel) -> None:
+    """SmolLM2's Q4_1 file in float32 (``--dtype auto`` on a CPU without native bf16): its 30
+    layers fuse, and one- to eight-row steps give the layer-by-layer path's bits."""
+    assert_fused_equals_layer_by_layer(smollm2.path, 49152, [1, 1, 5, MAX_ROWS, 1])
+
+
+def test_steps_it_does_not_take_run_layer_by_layer(tmp_path: Path) -> None:
+    """More than `MAX_ROWS` decodes, or a prefill beside a decode: the layers one by one, with
+    the same logits as a runner that never fuses."""
+    model = converted_tiny_gguf(tmp_path, TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0))
+    fused, layers = load(model), load(model, fused=False)
+    vocab = layers.model.config.vocab_size
+    batch = prompts(MAX_ROWS + 1, vocab, seed=3)
+    ours, theirs = Streams(fused, batch), Streams(layers, batch)
+    with mock.patch.object(FusedDecode, "run", side_effect=AssertionError("fused")):
+        assert torch.equal(ours.step(MAX_ROWS + 1), theirs.step(MAX_ROWS + 1))
+        extra = prompts(1, vocab, seed=4)[0]
+        table = list(range(BLOCKS_PER_SEQ * (MAX_ROWS + 1), BLOCKS_PER_SEQ * (MAX_ROWS + 2)))
+        mixed = [
+            ScheduledChunk([ours.tokens[0][-1]], len(ours.tokens[0]) - 1, ours.tables[0]),
+            ScheduledChunk(extra, 0, table),
+        ]
+        assert torch.equal(fused.execute(mixed), layers.execute(mixed))
+
+
+@pytest.mark.parametrize(
+    ("spec", "settings", "reason"),
+    [
+        (TinyGgufSpec(tensor_type=GGMLQuantizationType.Q8_0), {}, "qkv_proj is Int8GroupLinear"),
+        (
+            TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0),
+            {"quantization": "none"},
+            "qkv_proj is Linear",
+        ),
+        (TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0), {"deterministic": True}, "attention"),
+        (
+            TinyGgufSpec(architecture="qwen3", tensor_type=GGMLQuantizationType.Q4_0),
+            {},
+            "q/k norms",
+        ),
+    ],
+    ids=["int8", "float32-weights", "deterministic", "qk-norms"],
+)
+def test_a_model_whose_layers_do_not_fuse_says_why(
+    tmp_path: Path, spec: TinyGgufSpec, settings: dict[str, object], reason: str
+) -> None:
+    model = converted_tiny_gguf(tmp_path, spec)
+    with capture_logs() as logs:
+        runner = load(model, **settings)
+        assert runner.model.fused_decode() is None
+    [line] = [e for e in logs if e["event"] == "fused_decode"]
+    assert line["enabled"] is False and reason in line["reason"], line
+
+
+def test_silu_mul_is_torchs_swiglu_within_float32_rounding_row_by_row() -> None:
+    generator = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(5, 2 * 1544, generator=generator) * 6
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -87.0, 200.0, -200.0])
+    assert takes_silu_mul(gate_up)
+    out = silu_mul(gate_up)
+    gate, up = gate_up.split(1544, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
+    assert all(torch.equal(silu_mul(gate_up[i : i + 1])[0], out[i]) for i in range(5))
+    assert not takes_silu_mul(gate_up.bfloat16())
+    assert not takes_silu_mul(gate_up[:, ::2])
