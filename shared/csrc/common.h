@@ -82,6 +82,8 @@ PyObject* py_decode_layers_f32(PyObject*, PyObject* args);
 // Python entry does (arguments as there, addresses as pointers).
 void int4_gemm_f32(const float* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
                    const void* mins, int out_features, float* out, bool half_scales);
+void int8_gemm_f32(const float* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
+                   bool scales_f32, int group, const float* mins, int out_features, float* out);
 void decode_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables,
                           int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
                           int head_dim, int block_size, float scale, float* out);

@@ -463,6 +463,17 @@ PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+void int8_gemm_f32(const float* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
+                   bool scales_f32, int group, const float* mins, int out_features, float* out) {
+  if (group == 16) {
+    if (scales_f32) int8_dispatch_mins<16, float>(x, num_rows, in_features, weight, scales, mins, out_features, out);
+    else int8_dispatch_mins<16, uint16_t>(x, num_rows, in_features, weight, scales, mins, out_features, out);
+  } else {
+    if (scales_f32) int8_dispatch_mins<32, float>(x, num_rows, in_features, weight, scales, mins, out_features, out);
+    else int8_dispatch_mins<32, uint16_t>(x, num_rows, in_features, weight, scales, mins, out_features, out);
+  }
+}
+
 PyObject* py_int8_gemm_f32(PyObject*, PyObject* args) {
   unsigned long long x, weight, scales, mins, out;
   int num_rows, in_features, group, scales_f32, out_features;
@@ -477,19 +488,10 @@ PyObject* py_int8_gemm_f32(PyObject*, PyObject* args) {
                     "group must be 16 or 32, in_features a positive multiple of 32, rows >= 0");
     return nullptr;
   }
-  const auto* xs = reinterpret_cast<const float*>(x);
-  const auto* w = reinterpret_cast<const int8_t*>(weight);
-  const auto* s = reinterpret_cast<const void*>(scales);
-  const auto* m = reinterpret_cast<const float*>(mins);
-  auto* y = reinterpret_cast<float*>(out);
   Py_BEGIN_ALLOW_THREADS
-  if (group == 16) {
-    if (scales_f32) int8_dispatch_mins<16, float>(xs, num_rows, in_features, w, s, m, out_features, y);
-    else int8_dispatch_mins<16, uint16_t>(xs, num_rows, in_features, w, s, m, out_features, y);
-  } else {
-    if (scales_f32) int8_dispatch_mins<32, float>(xs, num_rows, in_features, w, s, m, out_features, y);
-    else int8_dispatch_mins<32, uint16_t>(xs, num_rows, in_features, w, s, m, out_features, y);
-  }
+  int8_gemm_f32(reinterpret_cast<const float*>(x), num_rows, in_features, reinterpret_cast<const int8_t*>(weight),
+                reinterpret_cast<const void*>(scales), scales_f32 != 0, group, reinterpret_cast<const float*>(mins),
+                out_features, reinterpret_cast<float*>(out));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

@@ -1,7 +1,8 @@
 // pdserve.engine._cpu_kernels, a float32 decode step's decoder layers in one call (AVX2, FMA,
 // F16C; pdserve.engine.fused_decode).
 //
-// A Llama-style layer over int4 projections (the GGUF's own Q4 weights, f32_gemm.cpp):
+// A Llama-style layer over int4 or int8-group projections (a GGUF's own Q4_0 / Q4_1 / Q4_K, and
+// Q8_0 / Q6_K / Q5_K, weights; f32_gemm.cpp):
 //   h = rms_norm(x); qkv = h @ Wqkv; q, k rotated (RoPE, the half-split convention); k, v
 //   written into the paged cache at the rows' slots; a = attention(q); x += a @ Wo;
 //   h = rms_norm(x); x += (silu(gate) * up) @ Wdown for [gate | up] = h @ Wgate_up
@@ -82,36 +83,39 @@ F32_TARGET inline void add_into(float* x, const float* y, size_t count) {
   for (; i < count; ++i) x[i] += y[i];
 }
 
-// An int4 projection as the plan holds it: packed weight, scales, mins, float16 scales or not.
-struct Int4 {
-  const uint8_t* packed;
-  const void* scales;
-  const void* mins;
-  bool half_scales;
+// A projection as the plan holds it (pdserve.engine.fused_decode.PROJECTION_FIELDS): int4
+// (packed pairs, scales, mins [in / 32][out], float16 scales or not) or int8 groups (values,
+// scales, float32 scales or not, group 16 or 32, float32 mins or none).
+struct Projection {
+  int64_t kind, weight, scales, mins, flag, group;
 
   void apply(const float* x, int rows, int in_features, int out_features, float* out) const {
-    int4_gemm_f32(x, rows, in_features, packed, scales, mins, out_features, out, half_scales);
+    if (kind == 0) {
+      int4_gemm_f32(x, rows, in_features, reinterpret_cast<const uint8_t*>(weight),
+                    reinterpret_cast<const void*>(scales), reinterpret_cast<const void*>(mins), out_features, out,
+                    flag != 0);
+    } else {
+      int8_gemm_f32(x, rows, in_features, reinterpret_cast<const int8_t*>(weight),
+                    reinterpret_cast<const void*>(scales), flag != 0, static_cast<int>(group),
+                    reinterpret_cast<const float*>(mins), out_features, out);
+    }
   }
 };
 
-constexpr int kPlanFields = 18;  // see pdserve.engine.fused_decode.LAYER_FIELDS
+constexpr int kPlanFields = 2 + 4 * 6;  // see pdserve.engine.fused_decode.LAYER_FIELDS
 
 struct Layer {
   const float* input_norm;
   const float* post_attention_norm;
-  Int4 qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
 
   explicit Layer(const int64_t* f)
       : input_norm(reinterpret_cast<const float*>(f[0])),
         post_attention_norm(reinterpret_cast<const float*>(f[1])),
-        qkv{reinterpret_cast<const uint8_t*>(f[2]), reinterpret_cast<const void*>(f[3]),
-            reinterpret_cast<const void*>(f[4]), f[5] != 0},
-        o{reinterpret_cast<const uint8_t*>(f[6]), reinterpret_cast<const void*>(f[7]),
-          reinterpret_cast<const void*>(f[8]), f[9] != 0},
-        gate_up{reinterpret_cast<const uint8_t*>(f[10]), reinterpret_cast<const void*>(f[11]),
-                reinterpret_cast<const void*>(f[12]), f[13] != 0},
-        down{reinterpret_cast<const uint8_t*>(f[14]), reinterpret_cast<const void*>(f[15]),
-             reinterpret_cast<const void*>(f[16]), f[17] != 0} {}
+        qkv{f[2], f[3], f[4], f[5], f[6], f[7]},
+        o{f[8], f[9], f[10], f[11], f[12], f[13]},
+        gate_up{f[14], f[15], f[16], f[17], f[18], f[19]},
+        down{f[20], f[21], f[22], f[23], f[24], f[25]} {}
 };
 
 struct Shape {

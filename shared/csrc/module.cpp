@@ -60,7 +60,7 @@ PyMethodDef methods[] = {
     {"decode_layers_f32", py_decode_layers_f32, METH_VARARGS,
      "decode_layers_f32(plan, layers, hidden, rows, hidden_size, heads, kv_heads, head_dim, "
      "intermediate, block_size, table_stride, eps, scale, cos, sin, kv, cache_floats, slots, "
-     "tables, lens): every decoder layer of a float32 decode step over int4 projections "
+     "tables, lens): every decoder layer of a float32 decode step over int4 or int8 projections "
      "(pdserve.engine.fused_decode), hidden updated in place (AVX2)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "

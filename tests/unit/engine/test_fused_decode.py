@@ -104,7 +104,14 @@ def assert_fused_equals_layer_by_layer(model: Path, vocab: int, row_counts: list
 
 
 @pytest.mark.parametrize(
-    "tensor_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K], ids=["Q4_1", "Q4_K"]
+    "tensor_type",
+    [
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q6_K,
+    ],
+    ids=["Q4_1", "Q4_K", "Q8_0", "Q6_K"],
 )
 def test_a_fused_step_is_the_layer_by_layer_step_bit_for_bit(
     tmp_path: Path, tensor_type: GGMLQuantizationType
@@ -146,7 +153,7 @@ def test_steps_it_does_not_take_run_layer_by_layer(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "settings", "reason"),
     [
-        (TinyGgufSpec(tensor_type=GGMLQuantizationType.Q8_0), {}, "qkv_proj is Int8GroupLinear"),
+        (TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0), {"dtype": "bfloat16"}, ""),
         (
             TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0),
             {"quantization": "none"},
@@ -159,7 +166,7 @@ def test_steps_it_does_not_take_run_layer_by_layer(tmp_path: Path) -> None:
             "q/k norms",
         ),
     ],
-    ids=["int8", "float32-weights", "deterministic", "qk-norms"],
+    ids=["bf16", "float32-weights", "deterministic", "qk-norms"],
 )
 def test_a_model_whose_layers_do_not_fuse_says_why(
     tmp_path: Path, spec: TinyGgufSpec, settings: dict[str, object], reason: str

@@ -1,19 +1,20 @@
 """A float32 decode step's decoder layers in one compiled call (``shared/csrc/fused_decode.cpp``).
 
-On a CPU without native bf16, ``--dtype auto`` serves float32 over the GGUF's own int4 weights
-(`pdserve.engine.int4_kernel`). A one-row step of the default model then ran 120 int4 GEMMs,
-30 attentions and 61 norms in about 24 ms of kernels, and about 20 ms more of Python and small
-tensor ops between them (module calls, RoPE's six ops, two cache writes, SwiGLU, residual
-adds, each kernel's wrapper). Here one call runs every layer: the same kernels in the same
-order on the same rows, RoPE, the cache writes, SwiGLU and the residual adds in C++, so a
-step's hidden states are the layer-by-layer path's bit for bit (the layer-by-layer path's
-SwiGLU runs on `silu_mul`, the same arithmetic).
+On a CPU without native bf16, ``--dtype auto`` serves float32 over a GGUF's own int4 and int8
+weights (`pdserve.engine.int4_kernel`, `pdserve.engine.int8_kernel`). A one-row step of the
+default model then ran 120 int4 GEMMs, 30 attentions and 61 norms in about 24 ms of kernels,
+and about 20 ms more of Python and small tensor ops between them (module calls, RoPE's six ops,
+two cache writes, SwiGLU, residual adds, each kernel's wrapper). Here one call runs every
+layer: the same kernels in the same order on the same rows, RoPE, the cache writes, SwiGLU and
+the residual adds in C++, so a step's hidden states are the layer-by-layer path's bit for bit
+(the layer-by-layer path's SwiGLU runs on `silu_mul`, the same arithmetic).
 
 It takes a model whose every layer is Llama's shape (`FusedDecode.why_not` says what it needs:
-int4 projections on pdserve's kernel without bias, RMSNorm, SiLU, RoPE over whole heads, no
-windows, sinks, q/k norms or experts, one rank) and a step of 1 to `MAX_ROWS` decodes with
-nothing else (no prefill, no per-layer callback, no graph padding), float32, one torch thread.
-Any other model or step runs layer by layer as before.
+int4 or int8-group projections on pdserve's kernels without bias (a GGUF's Q4_0 / Q4_1 / Q4_K
+and Q8_0 / Q6_K / Q5_K, mixed as a Q4_K_M file mixes them), RMSNorm, SiLU, RoPE over whole
+heads, no windows, sinks, q/k norms or experts, one rank) and a step of 1 to `MAX_ROWS`
+decodes with nothing else (no prefill, no per-layer callback, no graph padding), float32, one
+torch thread. Any other model or step runs layer by layer as before.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pdserve.engine.cpu_kernels as cpu_kernels
 from pdserve.engine.attention import SdpaAttention
 from pdserve.engine.decoder import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from pdserve.engine.layers import RMSNorm
-from pdserve.engine.quant import OWN_KERNEL_MAX_ROWS, Int4Linear
+from pdserve.engine.quant import OWN_KERNEL_MAX_ROWS, Int4Linear, Int8GroupLinear
 
 if TYPE_CHECKING:
     from pdserve.engine.attention_metadata import AttentionMetadata
@@ -35,9 +36,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-LAYER_FIELDS = 18
-"""int64 fields a layer takes in the plan: the two norms' weights, then each projection's
-(qkv, o, gate_up, down) packed weight, scales, mins and whether its scales are float16."""
+PROJECTION_FIELDS = 6
+"""int64 fields a projection takes in the plan (`projection_fields`)."""
+LAYER_FIELDS = 2 + 4 * PROJECTION_FIELDS
+"""int64 fields a layer takes in the plan: the two norms' weights, then each projection's (qkv,
+o, gate_up, down)."""
 
 MAX_ROWS = OWN_KERNEL_MAX_ROWS
 """Most decodes a fused step takes: the rows the layer-by-layer path also runs on the int4
@@ -76,12 +79,7 @@ class FusedDecode:
                 layer.mlp.gate_up_proj,
                 layer.mlp.down_proj,
             ):
-                row += [
-                    linear.packed.data_ptr(),
-                    linear.scales.data_ptr(),
-                    linear.mins.data_ptr(),
-                    int(linear.scales.dtype == torch.float16),
-                ]
+                row += projection_fields(linear)
             rows.append(row)
         self.plan = torch.tensor(rows, dtype=torch.int64)
 
@@ -205,6 +203,27 @@ class FusedDecode:
         return hidden
 
 
+def projection_fields(linear: Int4Linear | Int8GroupLinear) -> list[int]:
+    """A projection's `PROJECTION_FIELDS` in the plan: kind (0 int4, 1 int8 groups), weight,
+    scales and mins addresses (int8: 0 without mins), a flag (int4: float16 scales; int8:
+    float32 scales) and the int8 group size (its kernel's arguments, `int4_kernel.matmul` and
+    `int8_kernel.matmul`)."""
+    if isinstance(linear, Int4Linear):
+        assert linear.scales is not None and linear.mins is not None
+        half = int(linear.scales.dtype == torch.float16)
+        return [
+            0,
+            linear.packed.data_ptr(),
+            linear.scales.data_ptr(),
+            linear.mins.data_ptr(),
+            half,
+            0,
+        ]
+    mins = 0 if linear.mins is None else linear.mins.data_ptr()
+    is_f32 = int(linear.scales.dtype == torch.float32)
+    return [1, linear.values.data_ptr(), linear.scales.data_ptr(), mins, is_f32, linear.group_size]
+
+
 def _family_reason(config: Any, model: Any) -> str | None:
     checks = (
         (config.mla is not None, "latent attention (MLA)"),
@@ -251,8 +270,8 @@ def _layer_reason(layer: Any) -> str | None:
         ("gate_up_proj", mlp.gate_up_proj),
         ("down_proj", mlp.down_proj),
     ):
-        if not isinstance(linear, Int4Linear) or linear.kernel != "pdserve":
-            return f"{name} is {type(linear).__name__}, not int4 on pdserve's kernel"
+        if not isinstance(linear, (Int4Linear, Int8GroupLinear)) or linear.kernel != "pdserve":
+            return f"{name} is {type(linear).__name__}, not int4 or int8 on pdserve's kernels"
         if linear.bias is not None or linear.min_rows != 1:
             return f"{name} has a bias or runs batch-invariant (--deterministic)"
     return None
