@@ -12,7 +12,8 @@ namespace pdserve {
 namespace {
 
 // Each of G rows of scores (num_keys each) as exp(score - high), in place, and each row's sum
-// (with its sink's share where the model has sinks): the softmax's weights before the division.
+// (with its sink's share where the model has sinks): the softmax's weights before the division
+// (the bf16 kernel's; the float32 kernel's, `softmax_f32`, takes eight lanes a step).
 template <int G>
 void softmax(float* scores, int num_keys, const float* high, const float* sinks, float* total) {
   for (int g = 0; g < G; ++g) {
@@ -75,6 +76,29 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
   }
 }
 
+// softmax's first half for float32 scores (eight lanes a step, the exponentials as exp8):
+// each of G rows as exp(score - high), in place, and each row's sum with its sink's share.
+template <int G>
+F32_TARGET void softmax_f32(float* scores, int num_keys, const float* high, const float* sinks, float* total) {
+  for (int g = 0; g < G; ++g) {
+    float* s = scores + g * num_keys;
+    const __m256 top = _mm256_set1_ps(high[g]);
+    __m256 lanes = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= num_keys; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), top));
+      _mm256_storeu_ps(s + i, e);
+      lanes = _mm256_add_ps(lanes, e);
+    }
+    float sum = sum8(lanes);
+    for (; i < num_keys; ++i) {
+      s[i] = expf(s[i] - high[g]);
+      sum += s[i];
+    }
+    total[g] = sinks ? sum + expf(sinks[g] - high[g]) : sum;
+  }
+}
+
 template <int G>
 F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v_cache,
                                 const int32_t* table, int first, int last, int block_size,
@@ -82,11 +106,18 @@ F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v
                                 const float* sinks, float* scores, float* out) {
   const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
   const int num_keys = last - first;
+  // NOTE: each key's row found once (a division by the block size per key, not per key and
+  // chunk of the values).
+  thread_local std::vector<size_t> at;
+  at.resize(num_keys);
+  for (int t = first; t < last; ++t) {
+    at[t - first] = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
+                    static_cast<size_t>(head) * head_dim;
+  }
   float high[G];
   for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
-  for (int t = first; t < last; ++t) {
-    const float* key = k_cache + (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
-                       static_cast<size_t>(head) * head_dim;
+  for (int t = 0; t < num_keys; ++t) {
+    const float* key = k_cache + at[t];
     __m256 dot[G];
     for (int g = 0; g < G; ++g) dot[g] = _mm256_setzero_ps();
     for (int c = 0; c < head_dim; c += 8) {
@@ -95,20 +126,18 @@ F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v
     }
     for (int g = 0; g < G; ++g) {
       const float s = sum8(dot[g]) * scale;
-      scores[g * num_keys + (t - first)] = s;
+      scores[g * num_keys + t] = s;
       high[g] = s > high[g] ? s : high[g];
     }
   }
   float total[G];
-  softmax<G>(scores, num_keys, high, sinks, total);
+  softmax_f32<G>(scores, num_keys, high, sinks, total);
   for (int c = 0; c < head_dim; c += 8) {
     __m256 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
-    for (int t = first; t < last; ++t) {
-      const __m256 v = _mm256_loadu_ps(
-          v_cache + (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
-          static_cast<size_t>(head) * head_dim + c);
-      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * num_keys + (t - first)]), v, acc[g]);
+    for (int t = 0; t < num_keys; ++t) {
+      const __m256 v = _mm256_loadu_ps(v_cache + at[t] + c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * num_keys + t]), v, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
       _mm256_storeu_ps(out + g * head_dim + c, _mm256_mul_ps(acc[g], _mm256_set1_ps(1.0f / total[g])));
