@@ -17,7 +17,7 @@ from support.converted_gguf import converted_tiny_gguf
 from support.gguf_files import NUM_LAYERS, TinyGgufSpec
 
 from pdserve.engine import CacheConfig, EngineConfig, ScheduledChunk, cpu_kernels
-from pdserve.engine.fused_decode import MAX_ROWS, FusedDecode
+from pdserve.engine.fused_decode import CHUNK_ROWS, FusedDecode
 from pdserve.engine.layers import silu_mul, takes_silu_mul
 from pdserve.engine.model_store import ResolvedModel
 from pdserve.engine.runner import ModelRunner
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 BLOCK_SIZE = 16
 BLOCKS_PER_SEQ = 8
+MAX_STREAMS = 2 * CHUNK_ROWS + 2
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +44,7 @@ def load(model: Path, *, fused: bool = True, **settings: object) -> ModelRunner:
     config = EngineConfig(
         model=str(model),
         **{"dtype": "float32", "quantization": "auto", **settings},  # type: ignore[arg-type]
-        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=BLOCKS_PER_SEQ * (MAX_ROWS + 2)),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=BLOCKS_PER_SEQ * (MAX_STREAMS + 1)),
     )
     runner = ModelRunner.load(config)
     if not fused:
@@ -65,13 +66,25 @@ class Streams:
         for tokens, table in zip(self.tokens, self.tables, strict=True):
             runner.execute([ScheduledChunk(tokens[:-1], 0, table)])
 
-    def step(self, rows: int) -> torch.Tensor:
-        """A decode of the first `rows` streams' last tokens: their logits."""
+    def step(self, rows: int, per_call: int | None = None) -> torch.Tensor:
+        """A decode of the first `rows` streams' last tokens (in calls of `per_call` rows, or
+        one): their logits."""
         chunks = [
             ScheduledChunk([self.tokens[i][-1]], len(self.tokens[i]) - 1, self.tables[i])
             for i in range(rows)
         ]
-        return self.runner.execute(chunks)
+        per_call = per_call or rows
+        return torch.cat(
+            [self.runner.execute(chunks[i : i + per_call]) for i in range(0, rows, per_call)]
+        )
+
+    def hidden_states(self) -> list[torch.Tensor]:
+        """Records, from now on, the hidden states after the last layer of every forward."""
+        recorded: list[torch.Tensor] = []
+        self.runner.model.model.norm.register_forward_pre_hook(
+            lambda _, args: recorded.append(args[0].clone())
+        )
+        return recorded
 
     def advance(self, picks: list[int]) -> None:
         """Appends each of the first streams' next token."""
@@ -85,17 +98,31 @@ def prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` hold the same rows, bit for bit, in any order."""
+    return sorted(map(tuple, a.tolist())) == sorted(map(tuple, b.tolist()))
+
+
 def assert_fused_equals_layer_by_layer(model: Path, vocab: int, row_counts: list[int]) -> None:
     """Decode steps of `row_counts` rows (each row its stream's greedy pick) on a fused runner
-    and on a layer-by-layer one: the same logits at every step and the same cache after."""
+    and on a layer-by-layer one (given `CHUNK_ROWS` rows a call, as the fused step takes
+    them; more rows there take a GEMM over the dequantized weights): the same hidden states
+    after the last layer at every step, the same logits where the LM head had the same rows,
+    and the same cache after."""
     fused, layers = load(model), load(model, fused=False)
     assert fused.model.fused_decode() is not None
     batch = prompts(max(row_counts), vocab, seed=len(row_counts))
     ours, theirs = Streams(fused, batch), Streams(layers, batch)
+    our_hidden, their_hidden = ours.hidden_states(), theirs.hidden_states()
     with mock.patch.object(FusedDecode, "run", side_effect=FusedDecode.run, autospec=True) as run:
         for rows in row_counts:
-            got, want = ours.step(rows), theirs.step(rows)
-            assert torch.equal(got, want), f"{rows} rows"
+            got, want = ours.step(rows), theirs.step(rows, per_call=CHUNK_ROWS)
+            # NOTE: the runner orders a step's decodes by context length: compare the rows as
+            # sets (the logits come back in the chunks' order).
+            assert same_rows(our_hidden.pop(), torch.cat(their_hidden)), f"{rows} rows"
+            their_hidden.clear()
+            if rows <= CHUNK_ROWS:
+                assert torch.equal(got, want), f"{rows} rows"
             picks = want.argmax(dim=-1).tolist()
             ours.advance(picks)
             theirs.advance(picks)
@@ -122,32 +149,32 @@ def test_a_fused_step_is_the_layer_by_layer_step_bit_for_bit(
     [line] = [e for e in logs if e["event"] == "fused_decode"]
     assert line["enabled"] is True and line["num_layers"] == NUM_LAYERS
     vocab = load(model, fused=False).model.config.vocab_size
-    assert_fused_equals_layer_by_layer(model, vocab, [1, 3, MAX_ROWS, 2, 1])
+    assert_fused_equals_layer_by_layer(model, vocab, [1, 3, CHUNK_ROWS, 2, MAX_STREAMS, 1])
 
 
 def test_the_default_model_decodes_fused_as_layer_by_layer(smollm2: ResolvedModel) -> None:
     """SmolLM2's Q4_1 file in float32 (``--dtype auto`` on a CPU without native bf16): its 30
-    layers fuse, and one- to eight-row steps give the layer-by-layer path's bits."""
-    assert_fused_equals_layer_by_layer(smollm2.path, 49152, [1, 1, 5, MAX_ROWS, 1])
+    layers fuse, and steps of 1 to 18 rows give the layer-by-layer path's bits."""
+    assert_fused_equals_layer_by_layer(smollm2.path, 49152, [1, 1, 5, CHUNK_ROWS, MAX_STREAMS])
 
 
-def test_steps_it_does_not_take_run_layer_by_layer(tmp_path: Path) -> None:
-    """More than `MAX_ROWS` decodes, or a prefill beside a decode: the layers one by one, with
-    the same logits as a runner that never fuses."""
+def test_a_step_with_a_prefill_runs_layer_by_layer(tmp_path: Path) -> None:
+    """A prefill beside a decode: the layers one by one, with the same logits as a runner that
+    never fuses."""
     model = converted_tiny_gguf(tmp_path, TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0))
     fused, layers = load(model), load(model, fused=False)
     vocab = layers.model.config.vocab_size
-    batch = prompts(MAX_ROWS + 1, vocab, seed=3)
+    batch = prompts(2, vocab, seed=3)
     ours, theirs = Streams(fused, batch), Streams(layers, batch)
+    extra = prompts(1, vocab, seed=4)[0]
+    table = list(range(BLOCKS_PER_SEQ * MAX_STREAMS, BLOCKS_PER_SEQ * (MAX_STREAMS + 1)))
+    mixed = [
+        ScheduledChunk([ours.tokens[0][-1]], len(ours.tokens[0]) - 1, ours.tables[0]),
+        ScheduledChunk(extra, 0, table),
+    ]
     with mock.patch.object(FusedDecode, "run", side_effect=AssertionError("fused")):
-        assert torch.equal(ours.step(MAX_ROWS + 1), theirs.step(MAX_ROWS + 1))
-        extra = prompts(1, vocab, seed=4)[0]
-        table = list(range(BLOCKS_PER_SEQ * (MAX_ROWS + 1), BLOCKS_PER_SEQ * (MAX_ROWS + 2)))
-        mixed = [
-            ScheduledChunk([ours.tokens[0][-1]], len(ours.tokens[0]) - 1, ours.tables[0]),
-            ScheduledChunk(extra, 0, table),
-        ]
         assert torch.equal(fused.execute(mixed), layers.execute(mixed))
+    assert torch.equal(ours.step(2), theirs.step(2))
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,17 @@ and about 20 ms more of Python and small tensor ops between them (module calls, 
 two cache writes, SwiGLU, residual adds, each kernel's wrapper). Here one call runs every
 layer: the same kernels in the same order on the same rows, RoPE, the cache writes, SwiGLU and
 the residual adds in C++, so a step's hidden states are the layer-by-layer path's bit for bit
-(the layer-by-layer path's SwiGLU runs on `silu_mul`, the same arithmetic).
+(the layer-by-layer path's SwiGLU runs on `silu_mul`, the same arithmetic). A step of more than
+`CHUNK_ROWS` decodes runs as calls of that many (its rows do not depend on each other): the
+bits of the layer-by-layer path given that many rows at a time, where it would otherwise take
+a GEMM over every weight dequantized for the step.
 
 It takes a model whose every layer is Llama's shape (`FusedDecode.why_not` says what it needs:
 int4 or int8-group projections on pdserve's kernels without bias (a GGUF's Q4_0 / Q4_1 / Q4_K
 and Q8_0 / Q6_K / Q5_K, mixed as a Q4_K_M file mixes them), RMSNorm, SiLU, RoPE over whole
-heads, no windows, sinks, q/k norms or experts, one rank) and a step of 1 to `MAX_ROWS`
-decodes with nothing else (no prefill, no per-layer callback, no graph padding), float32, one
-torch thread. Any other model or step runs layer by layer as before.
+heads, no windows, sinks, q/k norms or experts, one rank) and a step of decodes with nothing
+else (no prefill, no per-layer callback, no graph padding), float32, one torch thread. Any
+other model or step runs layer by layer as before.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ LAYER_FIELDS = 2 + 4 * PROJECTION_FIELDS
 """int64 fields a layer takes in the plan: the two norms' weights, then each projection's (qkv,
 o, gate_up, down)."""
 
-MAX_ROWS = OWN_KERNEL_MAX_ROWS
-"""Most decodes a fused step takes: the rows the layer-by-layer path also runs on the int4
-kernel (more take its dequantized GEMM, which sums otherwise)."""
+CHUNK_ROWS = OWN_KERNEL_MAX_ROWS
+"""Decodes one compiled call takes: the most rows the int4 and int8 kernels multiply directly
+(each row alone, so a row's bits do not depend on the others). A step of more decodes runs as
+calls of this many: its rows are independent of each other, and the layer-by-layer path would
+take a GEMM over every weight dequantized for the step instead."""
 
 
 class FusedDecode:
@@ -96,7 +101,7 @@ class FusedDecode:
             "fused_decode",
             enabled=True,
             num_layers=fused.num_layers,
-            max_rows=MAX_ROWS,
+            chunk_rows=CHUNK_ROWS,
             instructions="AVX2, FMA, F16C",
         )
         return fused
@@ -144,12 +149,12 @@ class FusedDecode:
         return None
 
     def takes(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> bool:
-        """Whether this step fuses: 1 to `MAX_ROWS` float32 decodes and nothing else, over a
-        float32 cache of every layer in one contiguous tensor, on one torch thread."""
+        """Whether this step fuses: float32 decodes and nothing else, over a float32 cache of
+        every layer in one contiguous tensor, on one torch thread."""
         rows = hidden.shape[0]
         kv = kv_cache.kv
         return (
-            1 <= rows <= MAX_ROWS
+            rows >= 1
             and hidden.dtype == torch.float32
             and metadata.num_decodes == rows
             and not metadata.prefills
@@ -171,35 +176,40 @@ class FusedDecode:
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Every layer for the step (`takes`): the hidden states after the last layer
-        (``[rows, hidden_size]``), each layer's K/V written into the cache."""
+        """Every layer for the step (`takes`), `CHUNK_ROWS` decodes a call: the hidden states
+        after the last layer (``[rows, hidden_size]``), each layer's K/V written into the
+        cache."""
+        rows = hidden.shape[0]
         hidden = hidden.contiguous().clone()
-        cos, sin = (table.reshape(hidden.shape[0], self.head_dim).contiguous() for table in rope)
+        cos, sin = (table.reshape(rows, self.head_dim).contiguous() for table in rope)
         slots = metadata.slot_mapping.to(torch.int64).contiguous()
         tables, lens = metadata.decode_tables()
         kv = kv_cache.kv
-        cpu_kernels.compiled().decode_layers_f32(
-            self.plan.data_ptr(),
-            self.num_layers,
-            hidden.data_ptr(),
-            hidden.shape[0],
-            self.hidden_size,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate_size,
-            kv.shape[3],
-            tables.shape[1],
-            self.eps,
-            self.scale,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            kv.data_ptr(),
-            kv[0, 0].numel(),
-            slots.data_ptr(),
-            tables.data_ptr(),
-            lens.data_ptr(),
-        )
+        decode_layers = cpu_kernels.compiled().decode_layers_f32
+        for start in range(0, rows, CHUNK_ROWS):
+            stop = min(start + CHUNK_ROWS, rows)
+            decode_layers(
+                self.plan.data_ptr(),
+                self.num_layers,
+                hidden[start:stop].data_ptr(),
+                stop - start,
+                self.hidden_size,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.intermediate_size,
+                kv.shape[3],
+                tables.shape[1],
+                self.eps,
+                self.scale,
+                cos[start:stop].data_ptr(),
+                sin[start:stop].data_ptr(),
+                kv.data_ptr(),
+                kv[0, 0].numel(),
+                slots[start:stop].data_ptr(),
+                tables[start:stop].data_ptr(),
+                lens[start:stop].data_ptr(),
+            )
         return hidden
 
 
