@@ -88,6 +88,15 @@ PyObject* py_rms_norm(PyObject*, PyObject* args);
 
 // Whether this CPU runs the float32 kernels (f32_gemm.cpp): AVX2, FMA and F16C.
 bool f32_supported();
+// f32_supported, or false with a Python RuntimeError set (a float32 kernel's Python entry).
+bool f32_supported_or_error();
+
+// Whether a call's rows and row size are sound, or false with a Python ValueError set.
+inline bool rows_or_error(int rows, int size) {
+  if (rows >= 0 && size > 0) return true;
+  PyErr_SetString(PyExc_ValueError, "rows and size must be positive");
+  return false;
+}
 PyObject* py_f32_supported(PyObject*, PyObject*);
 PyObject* py_int4_gemm_f32(PyObject*, PyObject* args);
 PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args);

@@ -32,6 +32,12 @@ bool f32_supported() {
          __builtin_cpu_supports("f16c");
 }
 
+bool f32_supported_or_error() {
+  if (f32_supported()) return true;
+  PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
+  return false;
+}
+
 namespace {
 
 constexpr int kOutStep = 4;  // output rows a step of the inner loop (their weight stays in L1)
@@ -396,13 +402,6 @@ void int8_dispatch_mins(const float* x, int rows, int in, const int8_t* w, const
   else int8_gemm<GROUP, S, false>(x, rows, in, w, s, mins, out_features, out);
 }
 
-bool check_cpu() {
-  if (!f32_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
-    return false;
-  }
-  return true;
-}
 
 }  // namespace
 
@@ -424,7 +423,7 @@ PyObject* py_int4_gemm_f32(PyObject*, PyObject* args) {
                         &out_features, &out, &half_scales)) {
     return nullptr;
   }
-  if (!check_cpu()) return nullptr;
+  if (!f32_supported_or_error()) return nullptr;
   if (num_rows < 0 || in_features <= 0 || in_features % 64 != 0 || out_features <= 0) {
     PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
     return nullptr;
@@ -444,7 +443,7 @@ PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args) {
                         &out, &half_scales)) {
     return nullptr;
   }
-  if (!check_cpu()) return nullptr;
+  if (!f32_supported_or_error()) return nullptr;
   if (in_features <= 0 || in_features % 64 != 0 || out_features <= 0) {
     PyErr_SetString(PyExc_ValueError, "in_features must be a positive multiple of 64");
     return nullptr;
@@ -481,7 +480,7 @@ PyObject* py_int8_gemm_f32(PyObject*, PyObject* args) {
                         &group, &mins, &out_features, &out)) {
     return nullptr;
   }
-  if (!check_cpu()) return nullptr;
+  if (!f32_supported_or_error()) return nullptr;
   if ((group != 16 && group != 32) || in_features <= 0 || in_features % 32 != 0 || num_rows < 0 ||
       out_features <= 0) {
     PyErr_SetString(PyExc_ValueError,

@@ -161,14 +161,7 @@ PyObject* py_silu_mul_f32(PyObject*, PyObject* args) {
   unsigned long long gate_up, out;
   int rows, size;
   if (!PyArg_ParseTuple(args, "KiiK", &gate_up, &rows, &size, &out)) return nullptr;
-  if (!f32_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
-    return nullptr;
-  }
-  if (rows < 0 || size <= 0) {
-    PyErr_SetString(PyExc_ValueError, "rows and size must be positive");
-    return nullptr;
-  }
+  if (!f32_supported_or_error() || !rows_or_error(rows, size)) return nullptr;
   Py_BEGIN_ALLOW_THREADS
   silu_mul(reinterpret_cast<const float*>(gate_up), rows, size, reinterpret_cast<float*>(out));
   Py_END_ALLOW_THREADS
@@ -184,10 +177,7 @@ PyObject* py_decode_layers_f32(PyObject*, PyObject* args) {
                         &s.scale, &cos, &sin, &kv, &s.cache_floats, &slots, &tables, &lens)) {
     return nullptr;
   }
-  if (!f32_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
-    return nullptr;
-  }
+  if (!f32_supported_or_error()) return nullptr;
   const int group = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 0;
   if (rows < 1 || num_layers < 1 || group < 1 || group > 8 || group * s.num_kv_heads != s.num_heads ||
       s.head_dim % 32 != 0 || s.head_dim > 256 || s.hidden % 64 != 0 || s.intermediate % 64 != 0) {

@@ -51,10 +51,7 @@ PyObject* py_rms_norm(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX512-BF16");
     return nullptr;
   }
-  if (rows < 0 || size <= 0) {
-    PyErr_SetString(PyExc_ValueError, "rows and size must be positive");
-    return nullptr;
-  }
+  if (!rows_or_error(rows, size)) return nullptr;
   Py_BEGIN_ALLOW_THREADS
   rms_norm(reinterpret_cast<const uint16_t*>(x), rows, size, reinterpret_cast<const uint16_t*>(weight), eps,
            scaled_in_float32 != 0, reinterpret_cast<uint16_t*>(out));
@@ -100,14 +97,7 @@ PyObject* py_rms_norm_f32(PyObject*, PyObject* args) {
   int rows, size;
   float eps;
   if (!PyArg_ParseTuple(args, "KiiKfK", &x, &rows, &size, &weight, &eps, &out)) return nullptr;
-  if (!f32_supported()) {
-    PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2, FMA or F16C");
-    return nullptr;
-  }
-  if (rows < 0 || size <= 0) {
-    PyErr_SetString(PyExc_ValueError, "rows and size must be positive");
-    return nullptr;
-  }
+  if (!f32_supported_or_error() || !rows_or_error(rows, size)) return nullptr;
   Py_BEGIN_ALLOW_THREADS
   rms_norm_f32(reinterpret_cast<const float*>(x), rows, size, reinterpret_cast<const float*>(weight), eps,
                reinterpret_cast<float*>(out));
