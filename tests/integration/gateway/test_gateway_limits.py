@@ -24,9 +24,10 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
-async def _answer_head(port: int, request_head: bytes, timeout_s: float = 2.0) -> bytes:
-    """Sends raw HTTP/1.1 request headers and returns the response's status line and headers,
-    which must arrive within `timeout_s`."""
+async def _answer_head(port: int, request_head: bytes, timeout_s: float = 30.0) -> bytes:
+    """Sends raw HTTP/1.1 request headers (and nothing after them) and returns the response's
+    status line and headers, which must arrive within `timeout_s` (a bound for a hung server,
+    not a speed the machine must reach)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(request_head)
@@ -39,14 +40,13 @@ async def _answer_head(port: int, request_head: bytes, timeout_s: float = 2.0) -
 async def test_declared_oversized_body_is_413_before_it_is_sent(pd: Cluster) -> None:
     gateway = pd.gateway
     assert gateway is not None and gateway.http_port is not None
-    # NOTE: only the headers go out; the server must answer without waiting for 10 MB.
+    # NOTE: only the headers go out, never the 10 MB they declare: an answer at all is the
+    # server answering without waiting for the body (a server that waited would never answer).
     head = (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: 10000000\r\n\r\n"
     )
-    started = time.monotonic()
     answer = await _answer_head(gateway.http_port, head)
-    assert time.monotonic() - started < 1.0
     assert answer.startswith(b"HTTP/1.1 413 ")
     assert pd.prefills[0].requests == []
 
