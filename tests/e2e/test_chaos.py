@@ -958,7 +958,7 @@ class TestPreemption:
                 ended = [e["request_id"] for e in events_since(mark, gateway, "request_finished")]
                 return sum(1 for i in ended if i.rsplit("-", 1)[-1].isdigit()) >= n
 
-            await eventually(choices_logged, 10, "the choices' request_finished lines")
+            await eventually(choices_logged, 30, "the choices' request_finished lines")
             finished = {e["request_id"]: e for e in events_since(mark, gateway, "request_finished")}
             (choice_base,) = {i.rsplit("-", 1)[0] for i in finished if i.rsplit("-", 1)[-1] == "3"}
             choice_ids = [f"{choice_base}-{i}" for i in range(n)]

@@ -316,7 +316,7 @@ async def test_a_shared_prefix_stays_on_the_prefill_that_cached_it(
     # Unrelated prompts (no shared first block) still spread over both prefills by load. A
     # report taken while the last prompt was queued may reach the gateway after that prompt
     # settled (it looks busy until the next report): wait until the gateway sees both idle.
-    await eventually(lambda: _gateway_sees_idle_prefills(cluster), 5, "idle prefills")
+    await eventually(lambda: _gateway_sees_idle_prefills(cluster), 30, "idle prefills")
     unrelated = [f"{i} {'different words ' * 12}" for i in range(8)]
     await asyncio.gather(
         *(client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=2) for p in unrelated)

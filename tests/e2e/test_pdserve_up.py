@@ -258,8 +258,8 @@ async def test_a_killed_gateway_is_restarted_and_its_resumable_stream_goes_on_el
             first, other = launcher.rest_urls
             pids = launcher.pids
             assert set(pids) == {"gateway", "gateway-1", "prefill-0", "decode-0"}
-            await eventually(lambda: _serves(first), 20, "gateway A serves")
-            await eventually(lambda: _serves(other), 20, "gateway B serves")
+            await eventually(lambda: _serves(first), 30, "gateway A serves")
+            await eventually(lambda: _serves(other), 30, "gateway B serves")
             async with httpx.AsyncClient(timeout=60) as http:
                 model = (await http.get(f"{other}/v1/models")).json()["data"][0]["id"]
                 body = {
@@ -307,12 +307,12 @@ async def test_a_killed_gateway_is_restarted_and_its_resumable_stream_goes_on_el
                     )
                     return [e["how"] for e in resumed if e["request_id"] == stream_id]
 
-                await eventually(lambda: bool(resumed_how()), 20, "B logged the resume")
+                await eventually(lambda: bool(resumed_how()), 30, "B logged the resume")
                 assert resumed_how() in (["takeover"], ["stored"])
 
                 # NOTE: the launcher saw A die, started it again on its ports, and it serves.
                 await eventually(
-                    lambda: launcher.events("service_restarted"), 20, "gateway A restarted"
+                    lambda: launcher.events("service_restarted"), 30, "gateway A restarted"
                 )
                 (exited,) = launcher.events("service_exited")
                 assert exited["service"] == "gateway" and exited["signal"] == "SIGKILL"

@@ -100,7 +100,7 @@ async def _ready(cluster: ProcessCluster) -> None:
                 return False
         return True
 
-    await eventually(both_serve, 20, "both gateways serve the model")
+    await eventually(both_serve, 30, "both gateways serve the model")
 
 
 async def test_background_responses_through_either_gateway(cluster: ProcessCluster) -> None:
@@ -162,7 +162,7 @@ async def test_background_responses_through_either_gateway(cluster: ProcessClust
         # NOTE: the holder learns it when its decode stream ends, a moment later.
         return (await first.responses.retrieve(long.id)).status == "cancelled"
 
-    await eventually(cancelled_on_the_holder, 5, "the holding gateway says cancelled")
+    await eventually(cancelled_on_the_holder, 30, "the holding gateway says cancelled")
     await cluster.wait_whole(15)
 
     await other.responses.delete(created.id)

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 async def eventually(
     condition: Callable[[], bool | Awaitable[bool]],
-    timeout_s: float = 3.0,
+    timeout_s: float = 30.0,
     what: str = "the condition",
 ) -> None:
     """Polls `condition()` every 10 ms until it is true; fails the test after `timeout_s`.

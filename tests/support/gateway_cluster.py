@@ -52,6 +52,10 @@ class Cluster:
             "insecure": True,
             "request_timeout": 20.0,
             "shutdown_grace_s": 0.5,
+            # The fakes register once and send no heartbeats: with the default 10 s TTL a test
+            # that runs longer than that on a busy machine lost its instances mid-test (503
+            # "no healthy pair"). Tests of expiry set their own TTL and send heartbeats.
+            "instance_ttl_s": 3600.0,
             **overrides,
         }
         self.gateway = GatewayServer(GatewayConfig(**settings))

@@ -306,7 +306,7 @@ class FakeDecode(FakeInstance, decode_pb2_grpc.DecodeServiceServicer):
         lease = self.leases.get(request.lease_id)
         if lease is None or lease.state >= decode_pb2.LEASE_STATE_FINISHED:
             await errors.abort_with_error(context, PdserveError(ErrorReason.LEASE_NOT_FOUND))
-        await asyncio.wait_for(lease.committed.wait(), 5.0)
+        await asyncio.wait_for(lease.committed.wait(), 30)
         lease.state = decode_pb2.LEASE_STATE_RUNNING
         sampling = lease.sampling
         assert sampling is not None

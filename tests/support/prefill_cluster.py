@@ -65,12 +65,21 @@ def load_host(
 
 
 class Delay(grpc.aio.ServerInterceptor):
-    """Delays the start of one method's handler (a slow peer); `delay_s` may change any time."""
+    """Delays the start of one method's handler (a slow peer); `delay_s` may change any time.
+    With a `gate`, each call also waits until the gate is set (a peer held until the test says:
+    what a test shows then does not depend on the machine's speed)."""
 
-    def __init__(self, method: str, delay_s: float) -> None:
+    def __init__(self, method: str, delay_s: float, gate: asyncio.Event | None = None) -> None:
         self.method = method
         self.delay_s = delay_s
+        self.gate = gate
         self.num_calls = 0
+        self.num_ended = 0  # calls over: answered, failed, or cancelled (by a deadline, say)
+
+    async def _wait(self) -> None:
+        await asyncio.sleep(self.delay_s)
+        if self.gate is not None:
+            await self.gate.wait()
 
     async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
         handler = await continuation(handler_call_details)
@@ -81,8 +90,11 @@ class Delay(grpc.aio.ServerInterceptor):
 
             async def delayed_unary(request, context):  # type: ignore[no-untyped-def]
                 self.num_calls += 1
-                await asyncio.sleep(self.delay_s)
-                return await unary(request, context)
+                try:
+                    await self._wait()
+                    return await unary(request, context)
+                finally:
+                    self.num_ended += 1
 
             return grpc.unary_unary_rpc_method_handler(
                 delayed_unary,
@@ -93,8 +105,11 @@ class Delay(grpc.aio.ServerInterceptor):
 
         async def delayed_stream(request_iterator, context):  # type: ignore[no-untyped-def]
             self.num_calls += 1
-            await asyncio.sleep(self.delay_s)
-            return await stream_unary(request_iterator, context)
+            try:
+                await self._wait()
+                return await stream_unary(request_iterator, context)
+            finally:
+                self.num_ended += 1
 
         return grpc.stream_unary_rpc_method_handler(
             delayed_stream,
@@ -303,7 +318,7 @@ class Cluster:
             assert pool.num_open_leases == 0, status.instance.instance_id
             assert pool.num_free_blocks == pool.num_total_blocks, status.instance.instance_id
 
-    async def eventually_whole(self, timeout_s: float = 5.0) -> None:
+    async def eventually_whole(self, timeout_s: float = 30.0) -> None:
         """`assert_whole`, allowing `timeout_s` for work already under way to settle."""
 
         async def is_whole() -> bool:

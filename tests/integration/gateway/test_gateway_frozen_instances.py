@@ -118,7 +118,7 @@ async def test_next_or_lost_relays_until_the_instance_is_lost() -> None:
         assert not pending.done()
         watch.notify("d1")
         with pytest.raises(InstanceLost) as raised:
-            await asyncio.wait_for(pending, 1.0)
+            await asyncio.wait_for(pending, 30)
         assert raised.value.instance_id == "d1"
         assert closed == [True]  # the stalled step was cancelled and the stream unwound
         with pytest.raises(InstanceLost):
@@ -168,4 +168,4 @@ async def test_a_loss_right_after_a_step_leaves_the_caller_running() -> None:
         # NOTE: both in one turn: the step returns first, the loss callback runs after it.
         gate.set_result(1)
         watch.notify("d1")
-        assert await asyncio.wait_for(pending, 1.0) == 1
+        assert await asyncio.wait_for(pending, 30) == 1

@@ -96,18 +96,21 @@ async def test_10mb_body_is_refused_at_once_while_other_requests_and_heartbeats_
     beating = asyncio.create_task(heartbeats())
     body = b'{"model": "tiny", "prompt": "' + b"x" * 10_000_000 + b'"}'
     async with cluster.http() as http:
-        started = time.monotonic()
+        # No wall-clock bound (it raced a busy machine): the 413 before the body is read is
+        # `test_declared_oversized_body_is_413_before_it_is_sent`'s; here the proof is that the
+        # other request is served and no instance's 1 s TTL lapses while the body arrives.
         big, normal = await asyncio.gather(
             http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}),
             http.post(COMPLETIONS, json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3}),
         )
-        assert time.monotonic() - started < 1.0
     stop.set()
     await beating
     assert big.status_code == 413
     assert big.json()["error"]["code"] == "request_too_large"
     assert normal.status_code == 200
     assert {e.instance_id for e in gateway.registry.alive()} == {"prefill-0", "decode-0"}
+    assert gateway.metrics.count("instances_lost", "prefill") == 0
+    assert gateway.metrics.count("instances_lost", "decode") == 0
 
 
 async def test_grpc_message_over_the_receive_limit_is_resource_exhausted(cluster: Cluster) -> None:

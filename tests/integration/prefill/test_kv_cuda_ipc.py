@@ -176,7 +176,7 @@ async def test_a_lease_expiring_mid_copy_commits_nothing_and_returns_every_block
         lease = await pd.allocate(8)
         call = await _copy_first_layer(pd, lease)
         (held,) = decode.leases.table.open_leases()
-        await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+        await eventually(lambda: held.status.name == "EXPIRED", 30, "the lease to expire")
         # Ended, yet held while its writer may still write.
         assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
@@ -198,7 +198,7 @@ async def test_a_sender_gone_mid_copy_fails_the_lease_and_returns_every_block(
         call = await _copy_first_layer(pd, lease)
         (held,) = decode.leases.table.open_leases()
         call.cancel()  # the sender died between two layers
-        await eventually(lambda: held.status.name == "FAILED", 5, "the lease to fail")
+        await eventually(lambda: held.status.name == "FAILED", 30, "the lease to fail")
         # Held a little longer: copies the sender queued on its GPU may still land.
         assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await pd.eventually_whole()

@@ -184,7 +184,7 @@ async def test_a_lease_expiring_mid_write_commits_nothing_and_returns_every_bloc
         lease = await _lease(pd, 8)
         call = await _write_first_layer(pd, lease)
         (held,) = decode.leases.table.open_leases()
-        await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+        await eventually(lambda: held.status.name == "EXPIRED", 30, "the lease to expire")
         # Ended, yet held while its writer may still write.
         assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
@@ -205,7 +205,7 @@ async def test_a_sender_gone_mid_write_fails_the_lease_and_returns_every_block(
         call = await _write_first_layer(pd, lease)
         (held,) = decode.leases.table.open_leases()
         call.cancel()  # the sender died between two layers
-        await eventually(lambda: held.status.name == "FAILED", 5, "the lease to fail")
+        await eventually(lambda: held.status.name == "FAILED", 30, "the lease to fail")
         # Held a little longer: WRITEs the sender posted may still be on the wire.
         assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await pd.eventually_whole()
@@ -253,6 +253,6 @@ async def test_a_sender_sigkilled_mid_write_fails_the_lease_and_returns_every_bl
             if writer.returncode is None:
                 writer.kill()
                 await writer.wait()
-        await eventually(lambda: held.status.name == "FAILED", 10, "the lease to fail")
+        await eventually(lambda: held.status.name == "FAILED", 30, "the lease to fail")
         await pd.eventually_whole()
         decode.leases.table.pool.check_integrity()

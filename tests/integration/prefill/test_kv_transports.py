@@ -159,7 +159,7 @@ async def test_a_wrong_token_on_the_data_port_is_closed_at_once_and_counted(
         token = lease.transports[0].token
         with socket.create_connection(_tcp_address(lease)) as holder:
             holder.sendall(_header(lease, "r", 8, token))
-            await eventually(lambda: granted.status.name == "SYNCING", 5, "the transfer to start")
+            await eventually(lambda: granted.status.name == "SYNCING", 30, "the transfer to start")
             # The same token again while its transfer runs: used.
             with socket.create_connection(_tcp_address(lease)) as sock:
                 sock.sendall(_header(lease, "r", 8, token))
@@ -263,7 +263,7 @@ async def test_a_lease_expiring_mid_tcp_transfer_keeps_its_blocks_until_the_writ
         with socket.create_connection(_tcp_address(lease)) as sock:
             sock.sendall(_header(lease, "r", 8, token))
             (held,) = decode.leases.table.open_leases()
-            await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+            await eventually(lambda: held.status.name == "EXPIRED", 30, "the lease to expire")
             # Ended, yet its blocks are still out of the pool: the writer may still be writing.
             assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
             commit = decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit())
@@ -296,7 +296,7 @@ async def test_a_lease_expiring_mid_shared_memory_transfer_is_held_until_the_str
         metadata = dict(await call.initial_metadata())
         assert metadata.get("pdserve-sync-accepted") == "1"  # the sender may write now
         (held,) = decode.leases.table.open_leases()
-        await eventually(lambda: held.status.name == "EXPIRED", 5, "the lease to expire")
+        await eventually(lambda: held.status.name == "EXPIRED", 30, "the lease to expire")
         assert decode.leases.table.pool.num_used_blocks == len(lease.block_ids)
         await call.write(decode_pb2.SyncCacheRequest(commit=decode_pb2.SyncCacheCommit()))
         await call.done_writing()

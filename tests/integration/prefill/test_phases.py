@@ -107,7 +107,10 @@ async def test_a_real_prefill_reports_its_phases(tiny_model_dir: Path) -> None:
         # the decode held the stream for 1 s from the lease, most of it after the first token.
         for name in ("lease_us", "queue_us", "compute_us"):
             assert getattr(handed_off.phases, name) == getattr(first.phases, name)
-        assert handed_off.phases.transfer_tail_us >= 300_000
+        # NOTE: not a fixed share: on a busy machine compute eats more of the decode's 1 s
+        phases = handed_off.phases
+        assert phases.transfer_tail_us + phases.queue_us + phases.compute_us >= 950_000
+        assert phases.transfer_tail_us > 0
         assert handed_off.phases.transport == "grpc"
         kind = decode_pb2.TransportKind.Value(handed_off.transport)  # the same, as an enum name
         assert TRANSPORT_KINDS[handed_off.phases.transport] == kind

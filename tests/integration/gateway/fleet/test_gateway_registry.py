@@ -142,7 +142,7 @@ async def test_registry_service_flow(cluster: Cluster) -> None:
 
     # Missing heartbeats: the sweep drops the instance, and the next heartbeat is refused
     # with INSTANCE_NOT_REGISTERED, so the instance registers again.
-    await eventually(lambda: gateway.registry.get(decode.instance_id) is None, 2.0, "the drop")
+    await eventually(lambda: gateway.registry.get(decode.instance_id) is None, 30, "the drop")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await heartbeat(cluster.internal_address, decode)
     error = from_rpc_error(raised.value)

@@ -34,7 +34,7 @@ async def test_a_background_response_is_polled_streamed_again_and_deleted(pd: Cl
     undisturbed = await client.responses.create(**BODY)
     created = await client.responses.create(**BODY, background=True)
     assert created.status == "queued" and created.background is True
-    await eventually(lambda: _ended(client, created.id), 10, "the response ended")
+    await eventually(lambda: _ended(client, created.id), 30, "the response ended")
     retrieved = await client.responses.retrieve(created.id)
     assert retrieved.output_text == undisturbed.output_text
     assert retrieved.status == undisturbed.status
@@ -64,7 +64,7 @@ async def test_a_client_that_left_resumes_where_it_was(pd: Cluster) -> None:
         if event.type == "response.output_text.delta":
             break
     await stream.close()  # NOTE: the client leaves; the response runs on
-    await asyncio.wait_for(decode.paused.wait(), 5)
+    await asyncio.wait_for(decode.paused.wait(), 30)
     response_id = before[0].response.id
     polled = await client.responses.retrieve(response_id)
     assert polled.status == "in_progress"
@@ -85,10 +85,10 @@ async def test_cancelling_a_running_response_releases_its_lease(pd: Cluster) -> 
     decode.knobs.pause_after = 2
     client = pd.openai()
     created = await client.responses.create(**BODY, background=True)
-    await asyncio.wait_for(decode.paused.wait(), 5)
+    await asyncio.wait_for(decode.paused.wait(), 30)
     cancelled = await client.responses.cancel(created.id)
     assert cancelled.status == "cancelled"
-    await eventually(lambda: decode.num_open_leases == 0, 5, "the lease released")
+    await eventually(lambda: decode.num_open_leases == 0, 30, "the lease released")
     assert (await client.responses.retrieve(created.id)).status == "cancelled"
 
 
@@ -98,7 +98,7 @@ async def test_responses_are_kept_for_a_while_and_bounded_in_number(cluster: Clu
     await cluster.add_decode()
     client = cluster.openai()
     created = await client.responses.create(**BODY, background=True)
-    await eventually(lambda: _ended(client, created.id), 10, "the response ended")
+    await eventually(lambda: _ended(client, created.id), 30, "the response ended")
     with pytest.raises(openai.RateLimitError, match="max-stored-responses"):
         await client.responses.create(**BODY, background=True)
 
@@ -109,7 +109,7 @@ async def test_responses_are_kept_for_a_while_and_bounded_in_number(cluster: Clu
             return True
         return False
 
-    await eventually(gone, 5, "the ended response expired")
+    await eventually(gone, 30, "the ended response expired")
     again = await client.responses.create(**BODY, background=True)
     assert again.status == "queued"
 
@@ -130,7 +130,7 @@ async def test_only_the_creating_key_sees_a_response(cluster: Cluster, tmp_path:
     ):
         with pytest.raises(openai.NotFoundError):
             await call
-    await eventually(lambda: _ended(alice, created.id), 10, "alice's response ended")
+    await eventually(lambda: _ended(alice, created.id), 30, "alice's response ended")
 
 
 async def test_a_resumable_chat_stream_is_resumed_from_a_token_count(pd: Cluster) -> None:

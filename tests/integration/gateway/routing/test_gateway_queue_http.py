@@ -53,7 +53,7 @@ async def _hold(cluster: Cluster, decode: FakeDecode, http: httpx.AsyncClient) -
     """A stream that takes the decode's room and pauses there until `decode.resume` is set."""
     decode.knobs.pause_after = 2
     holder = asyncio.ensure_future(_token_ids(http))
-    await asyncio.wait_for(decode.paused.wait(), 5)
+    await asyncio.wait_for(decode.paused.wait(), 30)
     decode.knobs.pause_after = None
     return holder
 

@@ -90,7 +90,7 @@ async def test_etcd_stores_share_records_and_etcd_expires_them(etcd: EtcdServer)
         async def expired() -> bool:
             return await reader.get("r1") is None
 
-        await eventually(expired, 6, "etcd deleted the record when its lease lapsed")
+        await eventually(expired, 30, "etcd deleted the record when its lease lapsed")
         await writer.put(RECORD, ttl_s=30)
         await reader.delete("r1")
         assert await writer.get("r1") is None
