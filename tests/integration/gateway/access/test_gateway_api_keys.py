@@ -5,7 +5,6 @@ the key's name (never the key) in logs and spans."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

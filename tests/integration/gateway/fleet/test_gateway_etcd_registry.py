@@ -103,7 +103,9 @@ async def test_two_gateways_see_registration_load_and_deregistration(etcd: EtcdS
         load.is_draining = True  # NOTE: as an instance's stop: it drains, then leaves
         await client.stop()
         await asyncio.wait_for(task, 30)
-        await eventually(lambda: all(g.get("d1") is None for g in gateways), 30, "d1 gone from both")
+        await eventually(
+            lambda: all(g.get("d1") is None for g in gateways), 30, "d1 gone from both"
+        )
     assert lost == [[], []], "a leave was taken for a loss"
 
 
