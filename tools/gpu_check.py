@@ -318,7 +318,11 @@ def run_steps(check: Check) -> dict[str, Any]:
     dtype = "bfloat16" if check.is_gpu else "float32"
     engine = [python, "bench/engine.py", "--model", model, "--device", args.device,
               "--dtype", dtype, "--skip-sequential"]  # fmt: skip
-    engine += ["--rounds", "2"] if check.is_gpu else ["--quick", "--latency-runs", "1"]
+    # NOTE: the rehearsal's torch on one thread: two threads on cores another job keeps busy
+    # wait on each other at every op (13.6 s idle, over 210 s beside two busy loops)
+    engine += (
+        ["--rounds", "2"] if check.is_gpu else ["--quick", "--latency-runs", "1", "--threads", "1"]
+    )
     step = check.run("engine_bench", engine, 210)
     results = bench_results(check, step)
     step.results = {"summary": results.get("summary"), "config": results.get("config")}
