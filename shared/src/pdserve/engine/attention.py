@@ -4,6 +4,7 @@ SDPA (`SdpaAttention`, the CPU and default path)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,21 @@ def with_sink(
     float_mask[..., num_keys:] = sink_logits.to(dtype)
     pad = [0, 0] * (keys.dim() - 1 - key_dim % keys.dim()) + [0, 1]
     return float_mask, F.pad(keys, pad), F.pad(values, pad)
+
+
+class PagedKV(NamedTuple):
+    """One layer's paged K/V caches as a step sees them: the caches and the step's block tables
+    and lengths over them (what a backend reads keys and values through).
+
+    Attributes:
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        v_cache: As ``k_cache``.
+        metadata: The step's attention metadata.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    metadata: AttentionMetadata
 
 
 class PagedAttention(ABC):
@@ -98,30 +114,19 @@ class PagedAttention(ABC):
             ``[num_tokens, num_heads, head_dim]``.
         """
         metadata.write_kv(k, v, k_cache, v_cache)
+        cache = PagedKV(k_cache, v_cache, metadata)
         if metadata.is_static:
-            return self._decode_static(q, k_cache, v_cache, metadata)
-        return self._attend(q, k, v, k_cache, v_cache, metadata)
+            return self._decode_static(q, cache)
+        return self._attend(q, k, v, cache)
 
     @abstractmethod
     def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV
     ) -> torch.Tensor:
         """The step's attention, its K/V already in the cache (`forward`'s arguments)."""
 
     @abstractmethod
-    def _decode_static(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _decode_static(self, q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
         """Every decode of a graph step: fixed shapes, no host reads."""
 
 
@@ -139,36 +144,22 @@ class SdpaAttention(PagedAttention):
     attends its own way)."""
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV
     ) -> torch.Tensor:
+        metadata = cache.metadata
         if not metadata.prefills:
             # NOTE: a step of decodes only (every step of a decode service) returns their
             # attention as computed: no output to allocate and copy into (2.6% of a one-row step).
-            return self._decode(q, k_cache, v_cache, metadata)
+            return self._decode(q, cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if metadata.num_decodes:
-            out[: metadata.num_decodes] = self._decode(
-                q[: metadata.num_decodes], k_cache, v_cache, metadata
-            )
+            out[: metadata.num_decodes] = self._decode(q[: metadata.num_decodes], cache)
         for span in metadata.prefills:
-            out[span.token_start : span.token_end] = self._prefill(
-                span, q, k, v, k_cache, v_cache, metadata
-            )
+            out[span.token_start : span.token_end] = self._prefill(span, q, k, v, cache)
         return out
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        k_cache, v_cache, metadata = cache
         if self.cpu_kernel and cpu_attention.takes(q, k_cache, self.num_kv_heads):
             # NOTE: straight from the cache through the block tables (no gathered copy): a fifth
             # of the gather and SDPA calls' time on a one-row step (`pdserve.engine.cpu_attention`).
@@ -179,47 +170,34 @@ class SdpaAttention(PagedAttention):
             )
         groups = metadata.decode_groups()
         if len(groups) == 1:
-            return self._decode_group(groups[0], q, k_cache, v_cache, metadata)
+            return self._decode_group(groups[0], q, cache)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for group in groups:
             out[group.start : group.end] = self._decode_group(
-                group, q[group.start : group.end], k_cache, v_cache, metadata
+                group, q[group.start : group.end], cache
             )
         return out
 
-    def _decode_static(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _decode_static(self, q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
         """Every decode of a graph step in one call over its whole table width: fixed shapes,
         no host reads (the mask comes from the device's context lengths)."""
-        blocks = metadata.block_table.reshape(-1)
-        mask = metadata.static_decode_mask(self.sliding_window)
-        return self._decode_over_blocks(q, k_cache, v_cache, blocks, metadata.block_size, mask)
+        blocks = cache.metadata.block_table.reshape(-1)
+        mask = cache.metadata.static_decode_mask(self.sliding_window)
+        return self._decode_over_blocks(q, cache, blocks, mask)
 
     def _decode_over_blocks(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        blocks: torch.Tensor,
-        block_size: int,
-        mask: torch.Tensor,
+        self, q: torch.Tensor, cache: PagedKV, blocks: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """One query token per decode over its blocks (`blocks`: every decode's, the same
         count each, flattened), `mask` marking the keys each one sees."""
         num_decodes = q.shape[0]
-        padded_len = blocks.numel() // num_decodes * block_size
+        padded_len = blocks.numel() // num_decodes * cache.metadata.block_size
         # NOTE: gathering whole blocks (block_size * num_kv_heads * head_dim contiguous values)
         # is many times faster than gathering token slots one by one.
         # keys, values: [num_decodes, padded_len, num_kv_heads, head_dim]
-        keys = k_cache.index_select(0, blocks).view(num_decodes, padded_len, self.num_kv_heads, -1)
-        values = v_cache.index_select(0, blocks).view(
-            num_decodes, padded_len, self.num_kv_heads, -1
-        )
+        shape = (num_decodes, padded_len, self.num_kv_heads, -1)
+        keys = cache.k_cache.index_select(0, blocks).view(shape)
+        values = cache.v_cache.index_select(0, blocks).view(shape)
         # NOTE: fold the query heads of a GQA group into the query-length axis so that K/V are
         # never repeated: q_grouped: [num_decodes, num_kv_heads, group_size, head_dim]
         q_grouped = q.view(num_decodes, self.num_kv_heads, self.group_size, self.head_dim)
@@ -237,28 +215,15 @@ class SdpaAttention(PagedAttention):
             mask, keys, values = with_sink(mask, keys, values, logits, 2, q.dtype)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
 
-    def _decode_group(
-        self,
-        group: DecodeGroup,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        blocks = metadata.decode_blocks(group)
-        mask = metadata.decode_mask(group, self.sliding_window)
-        return self._decode_over_blocks(q, k_cache, v_cache, blocks, metadata.block_size, mask)
+    def _decode_group(self, group: DecodeGroup, q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
+        blocks = cache.metadata.decode_blocks(group)
+        mask = cache.metadata.decode_mask(group, self.sliding_window)
+        return self._decode_over_blocks(q, cache, blocks, mask)
 
     def _prefill(
-        self,
-        span: PrefillSpan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV
     ) -> torch.Tensor:
+        k_cache, v_cache, metadata = cache
         rows = slice(span.token_start, span.token_end)
         # query: [1, num_heads, num_new_tokens, head_dim]
         query = q[rows].transpose(0, 1).unsqueeze(0)

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import SdpaAttention, with_sink
-from pdserve.engine.attention_metadata import AttentionMetadata, PrefillSpan
+from pdserve.engine.attention import PagedKV, SdpaAttention, with_sink
+from pdserve.engine.attention_metadata import PrefillSpan
 
 MIN_ROWS = 2
 """The fewest rows a projection runs with (a one-row call is padded to two)."""
@@ -77,13 +77,7 @@ class InvariantAttention(SdpaAttention):
     key_span = KEY_SPAN
     cpu_kernel = False
 
-    def _decode_static(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _decode_static(self, q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
         raise RuntimeError("batch-invariant attention has no graph path (enforce_eager)")
 
     def _attend_each(
@@ -128,14 +122,11 @@ class InvariantAttention(SdpaAttention):
         return padded_len(self.key_span, block_size)
 
     def _gather(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        table: torch.Tensor,
-        num_blocks: int,
+        self, cache: PagedKV, table: torch.Tensor, num_blocks: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``[rows, num_blocks * block_size, num_kv_heads, head_dim]`` keys and values of the
         block table's rows (``[rows, width]``), padded with block 0, which masks hide."""
+        k_cache, v_cache = cache.k_cache, cache.v_cache
         if table.shape[1] < num_blocks:
             table = F.pad(table, (0, num_blocks - table.shape[1]))
         blocks = table[:, :num_blocks].reshape(-1)
@@ -144,15 +135,10 @@ class InvariantAttention(SdpaAttention):
         values = v_cache.index_select(0, blocks).view(rows, -1, *v_cache.shape[2:])
         return keys, values
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
         # NOTE: decodes come sorted by context length: those padded to the same length are
         # consecutive and attend in one call.
+        metadata = cache.metadata
         block_size = metadata.block_size
         span = self._span(block_size)
         lens = metadata.context_lens[: q.shape[0]].tolist()
@@ -164,7 +150,7 @@ class InvariantAttention(SdpaAttention):
             while end < len(lens) and padded[end] == padded[start]:
                 end += 1
             keys, values = self._gather(
-                k_cache, v_cache, metadata.block_table[start:end], padded[start] // block_size
+                cache, metadata.block_table[start:end], padded[start] // block_size
             )
             query_pos = metadata.context_lens[start:end].to(q.device) - 1
             out[start:end] = self._attend_each(q[start:end], keys, values, query_pos)
@@ -172,23 +158,16 @@ class InvariantAttention(SdpaAttention):
         return out
 
     def _prefill(
-        self,
-        span: PrefillSpan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, span: PrefillSpan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV
     ) -> torch.Tensor:
         # NOTE: the new K/V were written to the cache first; reading them back from it gives
         # the values a later decode reads. A query at position p attends over
         # padded_len(p + 1) keys, as the decode of that position would.
-        block_size = metadata.block_size
+        block_size = cache.metadata.block_size
         key_span = self._span(block_size)
-        table = metadata.block_table[span.seq_index : span.seq_index + 1]
+        table = cache.metadata.block_table[span.seq_index : span.seq_index + 1]
         last = padded_len(span.context_len, key_span)
-        keys, values = self._gather(k_cache, v_cache, table, last // block_size)
+        keys, values = self._gather(cache, table, last // block_size)
         out = torch.empty(
             (span.token_end - span.token_start, self.num_heads, self.head_dim),
             dtype=q.dtype,

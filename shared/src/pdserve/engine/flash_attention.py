@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pdserve.engine.attention import PagedAttention
+from pdserve.engine.attention import PagedAttention, PagedKV
 from pdserve.engine.attention_metadata import AttentionMetadata
 
 
@@ -93,14 +93,9 @@ class FlashAttention(PagedAttention):
         self.implementation = FLASH
 
     def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV
     ) -> torch.Tensor:
+        k_cache, v_cache, metadata = cache
         tensors = _flash_tensors(metadata)
         window = self.sliding_window
         if self.implementation.name == "flash-attn-4":
@@ -136,16 +131,13 @@ class FlashAttention(PagedAttention):
         return out
 
     def _decode_static(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
+        self, q: torch.Tensor, cache: PagedKV
     ) -> torch.Tensor:  # pragma: no cover - needs flash-attn 2 on CUDA
         """A graph step's decodes with ``flash_attn_with_kvcache``: K/V read in place through
         the block table, lengths from the device (flash-attn 2 only, `GRAPH_CAPTURABLE`)."""
         from flash_attn import flash_attn_with_kvcache
 
+        k_cache, v_cache, metadata = cache
         window = self.sliding_window
         # out: [num_decodes, 1, num_heads, head_dim]
         out = flash_attn_with_kvcache(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pdserve.engine.attention import PagedKV
 from pdserve.engine.attention_metadata import AttentionMetadata
 from pdserve.engine.batch_invariant import InvariantAttention
 from pdserve.engine.layers import RMSNorm
@@ -46,13 +47,9 @@ class LatentAttention(InvariantAttention):
     ones the caller keeps)."""
 
     def _gather(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        table: torch.Tensor,
-        num_blocks: int,
+        self, cache: PagedKV, table: torch.Tensor, num_blocks: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = super()._gather(k_cache, v_cache, table, num_blocks)
+        keys, values = super()._gather(cache, table, num_blocks)
         latent = torch.cat((keys, values), dim=-1)
         return latent, latent
 
