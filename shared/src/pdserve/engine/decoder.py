@@ -1,7 +1,9 @@
 """The decoder layer most families share: attention (q/k norm, partial RoPE, a scale of the
 family's own, sinks; or latent attention), the dense or expert feed-forward, and Llama's
-pre-norm arrangement around them. A family that arranges its norms otherwise has its layer in
-its own module (`pdserve.engine.families`), built from these parts."""
+pre-norm arrangement around them (`LlamaDecoderLayer`). `DecoderLayer` is what every
+arrangement shares; a family that arranges its norms otherwise has its layer in its own module
+(`pdserve.engine.families`), a `DecoderLayer` that says where its norms stand (the norms after
+each block: `PostNormDecoderLayer`)."""
 
 from __future__ import annotations
 
@@ -154,8 +156,21 @@ def feed_forward(config: ModelConfig, layer_index: int, group: TensorParallelGro
     return LlamaMLP(config, group=group)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block followed by a pre-norm feed-forward (dense or experts)."""
+class DecoderLayer(nn.Module):
+    """A decoder layer: the attention block, then the feed-forward block, each one's output
+    added to the residual.
+
+    Where the norms stand is the family's: a subclass makes them (under its checkpoint's names)
+    and applies them to a block's input (`_attention_input`, `_feed_forward_input`) or to its
+    output before the residual add (`_attention_output`, `_feed_forward_output`); each of the
+    four passes its tensor through unchanged by default.
+
+    Args:
+        config: The model's config.
+        layer_index: This layer's index.
+        backend: The attention backend's name.
+        group: The tensor-parallel group.
+    """
 
     def __init__(
         self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
@@ -167,8 +182,6 @@ class LlamaDecoderLayer(nn.Module):
             else LlamaAttention(config, layer_index, backend, group)
         )
         self.mlp = feed_forward(config, layer_index, group)
-        self.input_layernorm = make_norm(config, config.hidden_size)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
 
     def forward(
         self,
@@ -177,5 +190,55 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self._attention_input(hidden), rope, kv_cache, metadata)
+        hidden = hidden + self._attention_output(attended)
+        fed = self.mlp(self._feed_forward_input(hidden))
+        return hidden + self._feed_forward_output(fed)
+
+    def _attention_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def _attention_output(self, attended: torch.Tensor) -> torch.Tensor:
+        return attended
+
+    def _feed_forward_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def _feed_forward_output(self, fed: torch.Tensor) -> torch.Tensor:
+        return fed
+
+
+class LlamaDecoderLayer(DecoderLayer):
+    """Pre-norm attention block followed by a pre-norm feed-forward (dense or experts)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
+        super().__init__(config, layer_index, backend, group)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        # NOTE: the checkpoints' name for the norm before the feed-forward.
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+
+    def _attention_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(hidden)
+
+    def _feed_forward_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(hidden)
+
+
+class PostNormDecoderLayer(DecoderLayer):
+    """Each block's output normed, then added to the residual (OLMo 2's layer; Gemma 3's norms
+    each block's input too)."""
+
+    def __init__(
+        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
+    ) -> None:
+        super().__init__(config, layer_index, backend, group)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def _attention_output(self, attended: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(attended)
+
+    def _feed_forward_output(self, fed: torch.Tensor) -> torch.Tensor:
+        return self.post_feedforward_layernorm(fed)

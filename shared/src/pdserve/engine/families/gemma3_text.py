@@ -17,11 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from pdserve.engine.arch_config import RopeConfig
-from pdserve.engine.attention_metadata import AttentionMetadata
-from pdserve.engine.decoder import CosSin, LlamaAttention, feed_forward
+from pdserve.engine.decoder import PostNormDecoderLayer
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import DENSE_LAYER_NAMES, QK_NORM_NAMES, ArchitectureRules
 from pdserve.engine.hf_config import layer_windows
@@ -36,31 +34,21 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_NUM_LAYERS = 62
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(PostNormDecoderLayer):
     """Gemma 3's layer: each block normed before and after, then added to the residual."""
 
     def __init__(
         self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
     ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend, group)
-        self.mlp = feed_forward(config, layer_index, group)
+        super().__init__(config, layer_index, backend, group)
         self.input_layernorm = make_norm(config, config.hidden_size)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
-        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: CosSin | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, metadata)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        fed = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(fed)
+    def _attention_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(hidden)
+
+    def _feed_forward_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.pre_feedforward_layernorm(hidden)
 
 
 def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:

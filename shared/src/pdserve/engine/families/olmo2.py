@@ -1,5 +1,5 @@
 """OLMo 2: Llama's attention and SwiGLU with an RMSNorm after each block (on its output,
-before the residual add: its own decoder layer, here) and none before it, and an RMSNorm over
+before the residual add: `PostNormDecoderLayer`) and none before it, and an RMSNorm over
 all of q and all of k (not per head) before RoPE.
 
 GGUF: ``olmo2`` files, unpermuted; the converter writes OLMo 3 as ``olmo2`` too, with a
@@ -11,40 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch import nn
-
-from pdserve.engine.attention_metadata import AttentionMetadata
-from pdserve.engine.decoder import CosSin, LlamaAttention, feed_forward
+from pdserve.engine.decoder import PostNormDecoderLayer
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import ATTENTION_NAMES, QK_NORM_NAMES, ArchitectureRules
-from pdserve.engine.layers import make_norm
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.parallel.group import TensorParallelGroup
-
-
-class Olmo2DecoderLayer(nn.Module):
-    """OLMo 2's layer: each block's output normed, then added to the residual (no input norm)."""
-
-    def __init__(
-        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
-    ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, backend, group)
-        self.mlp = feed_forward(config, layer_index, group)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: CosSin | None,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attended = self.self_attn(hidden, rope, kv_cache, metadata)
-        hidden = hidden + self.post_attention_layernorm(attended)
-        return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
 
 
 def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
@@ -64,7 +33,8 @@ def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -
 FAMILY = Family(
     "olmo2",
     config=_config,
-    decoder_layer=Olmo2DecoderLayer,
+    # NOTE: each block's output normed, then added to the residual (no input norm).
+    decoder_layer=PostNormDecoderLayer,
     gguf=GgufFamily(
         "olmo2",
         ArchitectureRules(
