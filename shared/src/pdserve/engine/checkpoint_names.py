@@ -6,6 +6,7 @@ reordered into halves."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -50,6 +51,12 @@ def layer_index(hf_name: str) -> int:
     """The decoder layer a tensor belongs to (``model.layers.{i}.``), -1 for none."""
     match = LAYER_NAME.match(hf_name)
     return -1 if match is None else int(match.group(1))
+
+
+def without_trailing_layers(name: str, tensor: Any, config: Any) -> Any:
+    """A family's `load_tensor` that leaves out the layers after the config's last: the
+    multi-token-prediction layers DeepSeek-V3 and GLM-4.5 keep there, which are not served."""
+    return None if layer_index(name) >= config.num_hidden_layers else tensor
 
 
 def _evens_then_odds(num_dims: int) -> torch.Tensor:

@@ -119,6 +119,17 @@ def _rope_scaling(scaling: str, get: ConfigGetter) -> dict[str, Any]:
     return rope_scaling
 
 
+def qwen_moe_routing(config: dict[str, Any], get: ConfigGetter, renormalise: bool) -> None:
+    """Qwen2-MoE's and Qwen3-MoE's experts: on every layer, the top-k of a softmax,
+    renormalised when the file says so (`renormalise` when it says nothing, as llama.cpp)."""
+    config["num_experts"] = int(get("expert_count"))
+    config["num_experts_per_tok"] = int(get("expert_used_count"))
+    config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    config["norm_topk_prob"] = bool(get("expert_weights_norm", renormalise))
+    config["decoder_sparse_step"] = 1
+    config["mlp_only_layers"] = []
+
+
 def sigmoid_group_routing(config: dict[str, Any], get: ConfigGetter, family: str) -> None:
     """GLM-4.5's and DeepSeek-V3's routing: sigmoid scores chosen within groups, optionally
     renormalised and scaled, with ``n_shared_experts`` and dense ``first_k_dense_replace``

@@ -21,7 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.checkpoint_names import GATE_SCORE_CORRECTION, SHARED_EXPERTS, layer_index
+from pdserve.engine.checkpoint_names import (
+    GATE_SCORE_CORRECTION,
+    SHARED_EXPERTS,
+    without_trailing_layers,
+)
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import (
     DENSE_FFN_NAMES,
@@ -42,11 +46,6 @@ def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
     fields["rotary_dim"] = rotary_dim(hf, fields["head_dim"])
     fields["mla"] = latent_attention(hf, fields["rope"])
     fields["moe"] = sigmoid_group_moe(hf, fields["num_hidden_layers"])
-
-
-def _load_tensor(name: str, tensor: Any, config: Any) -> Any:
-    # NOTE: multi-token-prediction layers, kept after the others, are not served.
-    return None if layer_index(name) >= config.num_hidden_layers else tensor
 
 
 def _join_kv_b(hf_suffix: str, pieces: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -97,7 +96,7 @@ FAMILY = Family(
     "deepseek_v3",
     config=_config,
     renames=(SHARED_EXPERTS, GATE_SCORE_CORRECTION),
-    load_tensor=_load_tensor,
+    load_tensor=without_trailing_layers,
     gguf=GgufFamily(
         "deepseek2",
         ArchitectureRules(

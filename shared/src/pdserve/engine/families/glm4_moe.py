@@ -14,7 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.engine.checkpoint_names import GATE_SCORE_CORRECTION, SHARED_EXPERTS, layer_index
+from pdserve.engine.checkpoint_names import (
+    GATE_SCORE_CORRECTION,
+    SHARED_EXPERTS,
+    without_trailing_layers,
+)
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import (
     ATTENTION_NAMES,
@@ -35,11 +39,6 @@ def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
     fields["moe"] = sigmoid_group_moe(hf, fields["num_hidden_layers"])
 
 
-def _load_tensor(name: str, tensor: Any, config: Any) -> Any:
-    # NOTE: multi-token-prediction layers, kept after the others, are not served.
-    return None if layer_index(name) >= config.num_hidden_layers else tensor
-
-
 def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
     sigmoid_group_routing(config, get, "glm4moe")
     # NOTE: the converter counts the multi-token-prediction layers in block_count.
@@ -54,7 +53,7 @@ FAMILY = Family(
     "glm4_moe",
     config=_config,
     renames=(SHARED_EXPERTS, GATE_SCORE_CORRECTION),
-    load_tensor=_load_tensor,
+    load_tensor=without_trailing_layers,
     gguf=GgufFamily(
         "glm4moe",
         ArchitectureRules(

@@ -19,6 +19,7 @@ from pdserve.engine.gguf_architectures import (
     SHARED_EXPERT_NAMES,
     ArchitectureRules,
 )
+from pdserve.engine.gguf_config import qwen_moe_routing
 from pdserve.engine.hf_config import opt_in_windows, qwen_moe
 
 
@@ -36,13 +37,8 @@ def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
 
 def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
     config["attention_bias"] = False
-    config["num_experts"] = int(get("expert_count"))
-    config["num_experts_per_tok"] = int(get("expert_used_count"))
-    config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
+    qwen_moe_routing(config, get, renormalise=False)
     config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
-    config["norm_topk_prob"] = bool(get("expert_weights_norm", False))
-    config["decoder_sparse_step"] = 1
-    config["mlp_only_layers"] = []
 
 
 FAMILY = Family(

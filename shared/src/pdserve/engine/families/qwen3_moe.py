@@ -17,6 +17,7 @@ from pdserve.engine.gguf_architectures import (
     ROUTED_EXPERT_NAMES,
     ArchitectureRules,
 )
+from pdserve.engine.gguf_config import qwen_moe_routing
 from pdserve.engine.hf_config import qwen_moe, uniform_windows
 
 
@@ -30,13 +31,8 @@ def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
 
 
 def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
-    config["num_experts"] = int(get("expert_count"))
-    config["num_experts_per_tok"] = int(get("expert_used_count"))
-    config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
     # NOTE: llama.cpp always renormalizes Qwen3-MoE's top-k routing weights.
-    config["norm_topk_prob"] = bool(get("expert_weights_norm", True))
-    config["decoder_sparse_step"] = 1
-    config["mlp_only_layers"] = []
+    qwen_moe_routing(config, get, renormalise=True)
 
 
 FAMILY = Family(
