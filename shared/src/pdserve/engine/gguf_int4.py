@@ -75,6 +75,24 @@ class Int4Blocks(NamedTuple):
     mins: np.ndarray
 
 
+def _raw_blocks(
+    data: np.ndarray,
+    tensor_type: GGMLQuantizationType,
+    kept: tuple[GGMLQuantizationType, ...],
+    kind: str,
+) -> tuple[tuple[int, ...], np.ndarray]:
+    """A tensor's leading dims (``data``'s but the last) and its raw blocks, one a row
+    (``[blocks, bytes per block]`` uint8).
+
+    Raises:
+        ValueError: If `tensor_type` is not one of `kept` (the types kept as `kind`).
+    """
+    if tensor_type not in kept:
+        raise ValueError(f"GGUF type {tensor_type.name} is not kept as {kind}")
+    blocks = np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES[tensor_type.name])
+    return data.shape[:-1], blocks
+
+
 def int4_blocks(data: np.ndarray, tensor_type: GGMLQuantizationType) -> Int4Blocks:
     """Reads a Q4_0 / Q4_1 / Q4_K tensor's raw blocks (``[..., rows, bytes per row]`` uint8, as
     ``GGUFReader`` holds them) into `Int4Blocks`.
@@ -82,10 +100,7 @@ def int4_blocks(data: np.ndarray, tensor_type: GGMLQuantizationType) -> Int4Bloc
     Raises:
         ValueError: For another type.
     """
-    if tensor_type not in INT4_TYPES:
-        raise ValueError(f"GGUF type {tensor_type.name} is not kept as int4")
-    leading = data.shape[:-1]
-    blocks = np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES[tensor_type.name])
+    leading, blocks = _raw_blocks(data, tensor_type, INT4_TYPES, "int4")
     num_blocks = blocks.shape[0]
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     if tensor_type == GGMLQuantizationType.Q4_K:
@@ -136,10 +151,7 @@ def int8_blocks(data: np.ndarray, tensor_type: GGMLQuantizationType) -> Int8Bloc
     Raises:
         ValueError: For another type.
     """
-    if tensor_type not in INT8_TYPES:
-        raise ValueError(f"GGUF type {tensor_type.name} is not kept as int8")
-    leading = data.shape[:-1]
-    blocks = np.ascontiguousarray(data).reshape(-1, _BLOCK_BYTES[tensor_type.name])
+    leading, blocks = _raw_blocks(data, tensor_type, INT8_TYPES, "int8")
     num_blocks = blocks.shape[0]
     scales: np.ndarray
     mins = None
