@@ -197,7 +197,32 @@ class Int4Linear(nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
 
-class Int8GroupLinear(nn.Module):
+class Int8Groups(nn.Module):
+    """A module over an int8 matrix in groups, ``scale * value + min``, held as buffers:
+    what `Int8GroupLinear` and `Int8GroupEmbedding` share.
+
+    Args:
+        values: ``[rows, cols]`` int8.
+        scales: ``[rows, cols / group]`` float16 or float32.
+        mins: ``[rows, cols / group]`` (kept as float32), or None.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(
+        self, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    ) -> None:
+        super().__init__()
+        self.group_size = int8_kernel.group_of(values, scales)
+        """Input features per scale (`int8_kernel.group_of` checks the shapes)."""
+        self.register_buffer("values", values.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+
+
+class Int8GroupLinear(Int8Groups):
     """A projection with int8 weights ``scale * q + min`` in groups of 16 or 32 input features:
     a float16 or float32 scale per group, optionally a float32 min (a GGUF's Q8_0, Q6_K and Q5_K
     as the file stores them, `pdserve.engine.gguf_int4`; the engine's projections and LM head
@@ -217,10 +242,6 @@ class Int8GroupLinear(nn.Module):
         bias: ``[out]`` or None.
     """
 
-    values: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
-
     def __init__(
         self,
         values: torch.Tensor,
@@ -229,9 +250,8 @@ class Int8GroupLinear(nn.Module):
         mins: torch.Tensor | None = None,
         bias: nn.Parameter | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(values, scales, mins)
         self.out_features, self.in_features = values.shape
-        self.group_size = _hold_int8(self, values, scales, mins)
         self.bias = bias
         self.min_rows = 1
         """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`); above one,
@@ -264,7 +284,7 @@ class Int8GroupLinear(nn.Module):
         return int8_kernel.dequantize_torch(values, scales, mins, dtype)
 
 
-class Int8GroupEmbedding(nn.Module):
+class Int8GroupEmbedding(Int8Groups):
     """The token embedding over `Int8GroupLinear`'s int8 rows (a tied LM head's own tensors, or
     an untied embedding's): a lookup dequantizes only the rows it reads.
 
@@ -275,10 +295,6 @@ class Int8GroupEmbedding(nn.Module):
         mins: ``[vocab, hidden / group]`` float32, or None.
     """
 
-    values: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
-
     def __init__(
         self,
         values: torch.Tensor,
@@ -286,9 +302,8 @@ class Int8GroupEmbedding(nn.Module):
         dtype: torch.dtype,
         mins: torch.Tensor | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(values, scales, mins)
         self.num_embeddings, self.embedding_dim = values.shape
-        _hold_int8(self, values, scales, mins)
         self.dtype = dtype
         # NOTE: the compiled lookup writes bf16 rows; float32 ones come from torch's ops (the
         # same values, exact in float32).
@@ -310,18 +325,6 @@ class Int8GroupEmbedding(nn.Module):
                 self.values[ids], self.scales[ids], mins, self.dtype
             )
         return rows.view(*input_ids.shape, self.embedding_dim)
-
-
-def _hold_int8(
-    module: nn.Module, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
-) -> int:
-    """Registers a module's int8 ``values``, ``scales`` and ``mins`` (float32, or None) as
-    buffers; returns their group size (`int8_kernel.group_of` checks the shapes)."""
-    group_size = int8_kernel.group_of(values, scales)
-    module.register_buffer("values", values.contiguous())
-    module.register_buffer("scales", scales.contiguous())
-    module.register_buffer("mins", None if mins is None else mins.float().contiguous())
-    return group_size
 
 
 def _torch_scale_zeros(
