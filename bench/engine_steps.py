@@ -4,6 +4,7 @@
     python bench/engine_steps.py --model smollm2-135m-instruct --rounds 5 --clock cpu
     python bench/engine_steps.py --settings bfloat16+auto:bf16-head,bfloat16+auto --rounds 20
     python bench/engine_steps.py --settings float32+auto:layers,float32+auto --rounds 20
+    python bench/engine_steps.py --settings float32+auto,float32+auto:team2 --batch 8
 
 One runner per setting (float32, bfloat16, bfloat16 + int8, bfloat16 + int4 re-quantized from
 the floats, and bfloat16 + ``auto``: a GGUF's Q4_0 / Q4_1 / Q4_K weights as the file stores
@@ -38,7 +39,7 @@ from unittest import mock
 import torch
 from common import cpu_description, prefilled_streams, write_results
 
-from pdserve.engine import int4_kernel, int8_kernel
+from pdserve.engine import cpu_kernels, int4_kernel, int8_kernel
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.fused_decode import FusedDecode
 from pdserve.engine.linear import Linear
@@ -61,6 +62,18 @@ BF16_HEAD = ":bf16-head"
 LAYER_BY_LAYER = ":layers"
 """A setting's suffix: float32 decode steps layer by layer, not in one compiled call
 (`pdserve.engine.fused_decode`, as before it)."""
+TEAM = ":team"
+"""A setting's suffix with a count (``auto:team2``): the float32 GEMMs' output rows shared by
+that many threads (`pdserve.engine.cpu_kernels.set_team_threads`); its floor is the read
+bandwidth of as many threads."""
+
+
+def team_size(quantization: str) -> int:
+    """The kernel threads a setting runs (1 without the `TEAM` suffix)."""
+    _, found, count = quantization.partition(TEAM)
+    return int(count) if found else 1
+
+
 BLOCK_SIZE = 16
 BANDWIDTH_BUFFER_BYTES = 1 << 30
 
@@ -86,8 +99,8 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def read_bandwidth(clock: str, rounds: int = 7) -> float:
-    """Bytes per second one thread reads: a sum over a float32 buffer far larger than the
+def read_bandwidth(clock: str, rounds: int = 7, threads: int = 1) -> float:
+    """Bytes per second `threads` threads read: a sum over a float32 buffer far larger than the
     caches.
 
     NOTE: on `clock` like the steps: on a busy machine the wall clock also counts the time
@@ -96,8 +109,13 @@ def read_bandwidth(clock: str, rounds: int = 7) -> float:
     instructions (9.8 GB/s against 2x that in float32 on an AVX2-only EPYC).
     """
     buffer = torch.ones(BANDWIDTH_BUFFER_BYTES // 4, dtype=torch.float32)
-    buffer.sum()
-    times = [timed(buffer.sum, clock) for _ in range(rounds)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        buffer.sum()
+        times = [timed(buffer.sum, clock) for _ in range(rounds)]
+    finally:
+        torch.set_num_threads(before)
     return BANDWIDTH_BUFFER_BYTES / statistics.median(times)
 
 
@@ -166,6 +184,8 @@ def main() -> None:
             kernel_choice = mock.patch.object(int8_kernel, "why_not", return_value="bench")
         elif quantization.endswith(LAYER_BY_LAYER):
             kernel_choice = mock.patch.object(FusedDecode, "why_not", return_value="bench")
+        if TEAM in quantization and args.clock == "cpu":
+            parser.error("a kernel team's threads are not one process clock: use --clock wall")
         with kernel_choice:
             runner, sequences, tables = prefilled_streams(
                 model_dir,
@@ -179,8 +199,14 @@ def main() -> None:
         streams[dtype, quantization] = Streams(runner, sequences, tables)
         sizes[dtype, quantization] = weight_bytes(runner.model) / 1e6
         streamed[dtype, quantization] = streamed_bytes(runner.model) / 1e6
-    bandwidth = read_bandwidth(args.clock)
-    print(f"read bandwidth, one thread, {args.clock} clock: {bandwidth / 1e9:.1f} GB/s")
+    bandwidths = {
+        threads: read_bandwidth(args.clock, threads=threads)
+        for threads in sorted({team_size(q) for _, q in settings})
+    }
+    for threads, bandwidth in bandwidths.items():
+        print(
+            f"read bandwidth, {threads} thread(s), {args.clock} clock: {bandwidth / 1e9:.1f} GB/s"
+        )
     samples: dict[str, dict[tuple[str, str], list[float]]] = {
         "prefill_s": {key: [] for key in streams},
         "decode_1_s": {key: [] for key in streams},
@@ -188,6 +214,7 @@ def main() -> None:
     }
     for _ in range(args.rounds):
         for key, each in streams.items():
+            cpu_kernels.set_team_threads(team_size(key[1]))
             samples["prefill_s"][key].append(timed(each.prefill, args.clock))
             for num_rows, metric in ((1, "decode_1_s"), (args.batch, f"decode_{args.batch}_s")):
                 step = functools.partial(each.decode_step, num_rows)
@@ -223,7 +250,7 @@ def main() -> None:
     for key in streams:
         prefill = medians["prefill_s"][key]
         decode_1 = medians["decode_1_s"][key]
-        floor_s = streamed[key] * 1e6 / bandwidth
+        floor_s = streamed[key] * 1e6 / bandwidths[team_size(key[1])]
         row = {
             "dtype": key[0],
             "quantization": key[1],
@@ -253,7 +280,12 @@ def main() -> None:
     path = write_results(
         "engine_steps",
         {
-            "config": {**vars(args), "threads": 1, "read_bandwidth_bytes_per_s": bandwidth, **cpu},
+            "config": {
+                **vars(args),
+                "threads": 1,
+                "read_bandwidth_bytes_per_s": {str(t): b for t, b in bandwidths.items()},
+                **cpu,
+            },
             "rows": rows,
             "samples": {m: {f"{k[0]}+{k[1]}": v for k, v in s.items()} for m, s in samples.items()},
         },

@@ -25,9 +25,11 @@ setup(
                 "csrc/rms_norm.cpp",
                 "csrc/f32_gemm.cpp",
                 "csrc/fused_decode.cpp",
+                "csrc/team.cpp",
             ],
             depends=["csrc/common.h"],
-            extra_compile_args=["-O3", "-std=c++17"],
+            extra_compile_args=["-O3", "-std=c++17", "-pthread"],
+            extra_link_args=["-pthread"],
             language="c++",
             optional=True,
         )

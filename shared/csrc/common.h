@@ -117,4 +117,13 @@ void decode_attention_f32(const float* q, const float* k_cache, const float* v_c
                           int head_dim, int block_size, float scale, float* out);
 void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out);
 
+// The kernel team (team.cpp): `part(context, i, parts)` for every i in [0, parts), i = 0 on the
+// calling thread, for a call of `rows` input rows; parts is 1 (this thread alone) where the team
+// has one thread, the call has more rows than the team takes, the team is busy with another
+// call, or the caller is one of its threads.
+using PartFn = void (*)(void* context, int part, int parts);
+void team_run(PartFn part, void* context, int rows);
+PyObject* py_set_team_threads(PyObject*, PyObject* args);
+PyObject* py_team_threads(PyObject*, PyObject*);
+
 }  // namespace pdserve

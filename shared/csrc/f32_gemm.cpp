@@ -42,6 +42,7 @@ namespace {
 
 constexpr int kOutStep = 4;  // output rows a step of the inner loop (their weight stays in L1)
 constexpr int kPrefetchBytes = 2048;
+constexpr int kPartRows = 8;  // a kernel-team part's output rows are a multiple of this
 
 template <typename S>
 F32_TARGET inline float scalar(const S* value);
@@ -90,12 +91,13 @@ void prepare_int4_row(const float* x, int num_pairs, float* laid, float* sums) {
   }
 }
 
-// mins_term[o] = sum_g mins[g][o] * sums[g] (mins transposed: [G][out]), g ascending.
+// mins_term[o] = sum_g mins[g][o] * sums[g] (mins transposed: [G][out]), g ascending, for the
+// outputs [begin, end).
 template <typename S>
-F32_TARGET void int4_mins_terms(const S* mins, const float* sums, int num_groups, int out_features,
-                                float* terms) {
-  int o = 0;
-  for (; o + 8 <= out_features; o += 8) {
+F32_TARGET void int4_mins_terms(const S* mins, const float* sums, int num_groups, int out_features, int begin,
+                                int end, float* terms) {
+  int o = begin;
+  for (; o + 8 <= end; o += 8) {
     __m256 acc = _mm256_setzero_ps();
     const S* m = mins + o;
     for (int g = 0; g < num_groups; ++g, m += out_features) {
@@ -103,7 +105,7 @@ F32_TARGET void int4_mins_terms(const S* mins, const float* sums, int num_groups
     }
     _mm256_storeu_ps(terms + o, acc);
   }
-  for (; o < out_features; ++o) {
+  for (; o < end; ++o) {
     float acc = 0.0f;
     for (int g = 0; g < num_groups; ++g) {
       acc = __builtin_fmaf(scalar<S>(mins + static_cast<size_t>(g) * out_features + o), sums[g], acc);
@@ -168,12 +170,14 @@ F32_TARGET inline void int4_outputs(const float* const* laid, const float* const
 // at a time (one output row a call), what is left with the outputs two or four at a time
 // (chains enough to hide the FMAs' latency): `step.start(o, count)` per step, then
 // `step.run<COUNT, ROWS>(r, o, i)` for output rows [o, o + COUNT) (the i-th of the step on) and
-// input rows [r, r + ROWS).
+// input rows [r, r + ROWS). Over the output rows [begin, end) of the call's `out_features`, begin
+// a whole number of steps in (a row's result is then the same whatever the range).
 template <typename Step>
-F32_TARGET void over_blocks(Step& step, int num_rows, int out_features, const void* weight, size_t row_bytes) {
+F32_TARGET void over_blocks(Step& step, int num_rows, int begin, int out_features, const void* weight,
+                            size_t row_bytes) {
   const char* base = static_cast<const char*>(weight);
   const char* end = base + row_bytes * out_features;
-  for (int o = 0; o < out_features; o += kOutStep) {
+  for (int o = begin; o < out_features; o += kOutStep) {
     const char* ahead = base + (o + kOutStep) * row_bytes + kPrefetchBytes;
     for (size_t i = 0; i < kOutStep * row_bytes && ahead + i < end; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
     const int count = out_features - o < kOutStep ? out_features - o : kOutStep;
@@ -201,6 +205,35 @@ F32_TARGET void over_blocks(Step& step, int num_rows, int out_features, const vo
   }
 }
 
+// A call's output rows shared by the kernel team (team.cpp): part i of n takes the rows of
+// units [i * units / n, (i + 1) * units / n) of kPartRows rows (whole steps of over_blocks and
+// of int4_mins_terms' vectors), prepares them (`step.prepare(begin, end)`) and walks them, with
+// its own scratch for `Step::buffer`.
+template <typename Step>
+struct Parts {
+  Step step;
+  int num_rows, out_features;
+  const void* weight;
+  size_t row_bytes, buffer_floats;
+
+  F32_TARGET static void run(void* self, int part, int parts) {
+    const auto& p = *static_cast<const Parts*>(self);
+    const int64_t units = (p.out_features + kPartRows - 1) / kPartRows;
+    const int begin = static_cast<int>(units * part / parts) * kPartRows;
+    int end = static_cast<int>(units * (part + 1) / parts) * kPartRows;
+    if (end > p.out_features) end = p.out_features;
+    if (begin >= end) return;
+    thread_local std::vector<float> buffer;
+    buffer.resize(p.buffer_floats);
+    Step step = p.step;
+    step.buffer = buffer.data();
+    step.prepare(begin, end);
+    over_blocks(step, p.num_rows, begin, end, p.weight, p.row_bytes);
+  }
+
+  void operator()() { team_run(&Parts::run, this, num_rows); }
+};
+
 // `count` scales as float32 (float16 ones widened, exactly).
 template <typename S>
 F32_TARGET const float* widened(const S* scales, size_t count, float* buffer);
@@ -218,17 +251,28 @@ F32_TARGET const float* widened<uint16_t>(const uint16_t* scales, size_t count, 
   return buffer;
 }
 
-// int4_outputs over a call's laid-out rows: a block's scales widened once (`start`).
+// int4_outputs over a call's laid-out rows: the mins' terms of a part's outputs first
+// (`prepare`), a block's scales widened once (`start`).
 template <typename S>
 struct Int4Step {
   const float* laid;
-  const float* terms;
+  const float* sums;
+  float* terms;
   float* out;
   const uint8_t* weight;
   const S* scales;
+  const S* mins;
   float* buffer;
-  int in_features, out_features, num_pairs;
+  int num_rows, in_features, out_features, num_pairs;
   const float* block_scales;
+
+  F32_TARGET void prepare(int begin, int end) {
+    const int num_groups = num_pairs * 2;
+    for (int r = 0; r < num_rows; ++r) {
+      int4_mins_terms<S>(mins, sums + static_cast<size_t>(r) * num_groups, num_groups, out_features, begin, end,
+                         terms + static_cast<size_t>(r) * out_features);
+    }
+  }
 
   F32_TARGET void start(int o, int count) {
     const size_t num_groups = static_cast<size_t>(num_pairs) * 2;
@@ -254,20 +298,19 @@ F32_TARGET void int4_gemm(const float* x, int num_rows, int in_features, const u
                           const S* scales, const S* mins, int out_features, float* out) {
   const int num_pairs = in_features / 64;
   const int num_groups = in_features / 32;
-  thread_local std::vector<float> laid, sums, terms, block_scales;
+  thread_local std::vector<float> laid, sums, terms;
   laid.resize(static_cast<size_t>(num_rows) * in_features);
   sums.resize(static_cast<size_t>(num_rows) * num_groups);
   terms.resize(static_cast<size_t>(num_rows) * out_features);
-  block_scales.resize(static_cast<size_t>(kOutStep) * num_groups);
   for (int r = 0; r < num_rows; ++r) {
     float* su = sums.data() + static_cast<size_t>(r) * num_groups;
     prepare_int4_row(x + static_cast<size_t>(r) * in_features, num_pairs,
                      laid.data() + static_cast<size_t>(r) * in_features, su);
-    int4_mins_terms<S>(mins, su, num_groups, out_features, terms.data() + static_cast<size_t>(r) * out_features);
   }
-  Int4Step<S> step{laid.data(), terms.data(), out, weight, scales, block_scales.data(),
-                   in_features, out_features, num_pairs, nullptr};
-  over_blocks(step, num_rows, out_features, weight, static_cast<size_t>(num_pairs) * 32);
+  Int4Step<S> step{laid.data(), sums.data(), terms.data(), out,       weight, scales,
+                   mins,        nullptr,     num_rows,     in_features, out_features, num_pairs, nullptr};
+  Parts<Int4Step<S>>{step, num_rows, out_features, weight, static_cast<size_t>(num_pairs) * 32,
+                     static_cast<size_t>(kOutStep) * num_groups}();
 }
 
 // The weight as float32 ``s * q + m`` (the product and the sum each rounded once), [out][in] in
@@ -358,7 +401,9 @@ struct Int8Step {
   const S* scales;
   const float* mins;
   int in_features, out_features;
+  float* buffer;  // unused (Parts gives each part one)
 
+  F32_TARGET void prepare(int, int) {}
   F32_TARGET void start(int, int) {}
 
   template <int COUNT, int ROWS>
@@ -390,8 +435,8 @@ F32_TARGET void int8_gemm(const float* x, int num_rows, int in_features, const i
       sums[static_cast<size_t>(r) * num_groups + g] = sum;
     }
   }
-  Int8Step<GROUP, S, MINS> step{x, sums.data(), out, weight, scales, mins, in_features, out_features};
-  over_blocks(step, num_rows, out_features, weight, static_cast<size_t>(in_features));
+  Int8Step<GROUP, S, MINS> step{x, sums.data(), out, weight, scales, mins, in_features, out_features, nullptr};
+  Parts<Int8Step<GROUP, S, MINS>>{step, num_rows, out_features, weight, static_cast<size_t>(in_features), 0}();
 }
 
 template <int GROUP, typename S>

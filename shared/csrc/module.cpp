@@ -62,6 +62,12 @@ PyMethodDef methods[] = {
      "intermediate, block_size, table_stride, eps, scale, cos, sin, kv, cache_floats, slots, "
      "tables, lens): every decoder layer of a float32 decode step over int4 or int8 projections "
      "(pdserve.engine.fused_decode), hidden updated in place (AVX2)."},
+    {"set_team_threads", py_set_team_threads, METH_VARARGS,
+     "set_team_threads(threads, max_rows): how many threads (this one included) share the output "
+     "rows of each float32 int4/int8 GEMM of at most max_rows input rows; 1 (the default) runs "
+     "every call on its caller's thread."},
+    {"team_threads", py_team_threads, METH_NOARGS,
+     "The kernel team's (threads, max_rows) (set_team_threads)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
      "rows with a bf16 weight, in float32, into bf16 out."},

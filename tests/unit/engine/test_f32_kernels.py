@@ -9,6 +9,7 @@ FMA and F16C; these tests skip only on one without them (or off x86).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -147,6 +148,44 @@ def test_int8_rows_are_computed_alone() -> None:
     weight += mins.double().repeat_interleave(16, 1)
     exact = x.double() @ weight.t()
     torch.testing.assert_close(alone.double(), exact, rtol=0, atol=1e-5 * exact.abs().max().item())
+
+
+@pytest.fixture
+def kernel_team() -> Iterator[Callable[[int, int], None]]:
+    """Sets the kernel team (`cpu_kernels.set_team_threads`); one thread again after."""
+    yield cpu_kernels.set_team_threads
+    cpu_kernels.set_team_threads(1)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_kernel_team_gives_one_threads_bits(
+    kernel_team: Callable[[int, int], None], threads: int
+) -> None:
+    """The int4 and int8 GEMMs' output rows shared by 2 or 3 threads (output counts that do
+    not split evenly): every row of 1 to 8 input rows the same bits as one thread's; calls of
+    more rows than the team takes run alone."""
+    int4, _ = _int4_linear(200, 576, seed=4)
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randint(-128, 128, (100, 512), generator=generator, dtype=torch.int8)
+    scales = (torch.rand(100, 32, generator=generator) * 0.01).float()
+    int8 = Int8GroupLinear(values, scales, torch.float32, torch.randn(100, 32) * 0.01)
+    x4 = torch.randn(OWN_KERNEL_MAX_ROWS, 576, generator=generator)
+    x8 = torch.randn(OWN_KERNEL_MAX_ROWS, 512, generator=generator)
+    rows = range(1, OWN_KERNEL_MAX_ROWS + 1)
+    with torch.no_grad():
+        alone = [(int4(x4[:n]), int8(x8[:n])) for n in rows]
+        kernel_team(threads, OWN_KERNEL_MAX_ROWS)
+        assert cpu_kernels.team_threads() == threads
+        for n, (want4, want8) in zip(rows, alone, strict=True):
+            assert torch.equal(int4(x4[:n]), want4), f"int4, {n} rows"
+            assert torch.equal(int8(x8[:n]), want8), f"int8, {n} rows"
+        kernel_team(threads, 1)
+        assert torch.equal(int4(x4[:3]), alone[2][0])
+
+
+def test_a_kernel_team_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        cpu_kernels.set_team_threads(0)
 
 
 def _paged(

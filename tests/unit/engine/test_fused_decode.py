@@ -158,6 +158,30 @@ def test_the_default_model_decodes_fused_as_layer_by_layer(smollm2: ResolvedMode
     assert_fused_equals_layer_by_layer(smollm2.path, 49152, [1, 1, 5, CHUNK_ROWS, MAX_STREAMS])
 
 
+def test_a_kernel_team_decodes_the_same_bits(tmp_path: Path) -> None:
+    """A fused one-row step with its GEMMs shared by two threads (``--kernel-threads 2``): the
+    logits and K/V of one thread's step. The engine sets the team from its config."""
+    model = converted_tiny_gguf(tmp_path, TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_K))
+    alone, team = load(model), load(model, kernel_threads=2)
+    try:
+        assert cpu_kernels.team_threads() == 2
+        vocab = alone.model.config.vocab_size
+        batch = prompts(3, vocab, seed=11)
+        ours, theirs = Streams(team, batch), Streams(alone, batch)
+        for _ in range(3):
+            cpu_kernels.set_team_threads(2)
+            got = ours.step(1)
+            cpu_kernels.set_team_threads(1)
+            want = theirs.step(1)
+            assert torch.equal(got, want)
+            picks = want.argmax(dim=-1).tolist()
+            ours.advance(picks)
+            theirs.advance(picks)
+        assert torch.equal(team.kv_cache.kv, alone.kv_cache.kv)
+    finally:
+        cpu_kernels.set_team_threads(1)
+
+
 def test_a_step_with_a_prefill_runs_layer_by_layer(tmp_path: Path) -> None:
     """A prefill beside a decode: the layers one by one, with the same logits as a runner that
     never fuses."""

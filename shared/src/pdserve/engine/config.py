@@ -117,6 +117,11 @@ class EngineConfig:
             keeps torch's default. Use 1 when several engines share a few cores: threads of
             one op that wait on a busy core make small kernels orders of magnitude slower.
             Each tensor-parallel rank takes as many.
+        kernel_threads: Threads (this one included) that share the output rows of each
+            float32 int4/int8 GEMM of a one-row decode step (`pdserve.engine.cpu_kernels`
+            `set_team_threads`): a lone user's step waits on reading its weights, and one
+            thread keeps too few reads in flight. The same numbers whatever the count. A
+            process-wide setting.
         tensor_parallel_size: Ranks (processes) the model is split over: this process is rank
             0 and starts the others (`pdserve.engine.parallel`). On CUDA rank r runs on the
             device index of ``device`` plus r.
@@ -142,6 +147,7 @@ class EngineConfig:
     quantization: str = field(default=AUTO, metadata={"choices": QUANTIZATIONS})
     seed: int | None = None
     num_threads: int | None = field(default=None, metadata=POSITIVE)
+    kernel_threads: int = field(default=1, metadata=POSITIVE)
     tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
     tensor_parallel_timeout_s: float = field(default=120.0, metadata=POSITIVE)
     tensor_parallel_step_timeout_s: float = field(default=30.0, metadata=POSITIVE)

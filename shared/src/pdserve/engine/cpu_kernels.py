@@ -56,6 +56,33 @@ def f32_available() -> bool:
     return _compiled is not None and bool(_compiled.f32_supported())
 
 
+TEAM_MAX_ROWS = 1
+"""The most input rows of a GEMM the kernel team shares by default: a one-row decode step (one
+user), the step that waits on memory; a step of more rows keeps the other cores for the other
+engines on the machine (a prefill under load)."""
+
+
+def set_team_threads(threads: int, max_rows: int = TEAM_MAX_ROWS) -> None:
+    """How many threads (the caller's included) share the output rows of each float32 int4 or
+    int8 GEMM of at most `max_rows` input rows (``shared/csrc/team.cpp``); 1 runs every call on
+    its caller's thread alone.
+
+    A one-row decode step reads every weight once, and one thread keeps too few reads in flight
+    to stream them at the memory's speed: two read them about 1.5x as fast where the second core
+    is free (docs/BENCHMARKS.md). Each output is computed as one thread computes it, so the
+    numbers do not change. A no-op where the float32 kernels do not run (nothing to share).
+    """
+    if threads < 1 or max_rows < 1:
+        raise ValueError(f"threads and max_rows must be at least 1, got {threads}, {max_rows}")
+    if f32_available():
+        compiled().set_team_threads(threads, max_rows)
+
+
+def team_threads() -> int:
+    """The threads of the kernel team (`set_team_threads`); 1 without the compiled kernels."""
+    return int(compiled().team_threads()[0]) if f32_available() else 1
+
+
 def why_unavailable(dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why the kernels for `dtype` activations do not run here (None where they do), for the
     logs."""

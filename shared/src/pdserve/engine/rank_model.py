@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from pdserve.common.generation import num_blocks_for
+from pdserve.engine import cpu_kernels
 from pdserve.engine.batch_invariant import (
     INVARIANT_BACKEND,
     KEY_SPAN,
@@ -72,6 +73,14 @@ def load_rank_model(
     without a group)."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    if config.kernel_threads > 1:
+        cpu_kernels.set_team_threads(config.kernel_threads)
+        log.info(
+            "kernel_team",
+            threads=config.kernel_threads,
+            max_rows=cpu_kernels.TEAM_MAX_ROWS,
+            why_not=cpu_kernels.why_unavailable(torch.float32),
+        )
     model_config = ModelConfig.from_pretrained(config.model)
     choice = config.dtype_choice
     # NOTE: one line per model load says which dtype runs and why (auto depends on the CPU).

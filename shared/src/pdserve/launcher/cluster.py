@@ -184,8 +184,12 @@ class Cluster:
             for i in range(config.prefills):
                 args = [*common, *shlex.split(config.prefill_args)]
                 self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))
+            # NOTE: a decode's one-row steps (one user) share their GEMMs with every core it
+            # has to itself or shares with a prefill idle meanwhile; steps of more rows (load,
+            # when the prefill is busy too) keep one thread.
+            team = ["--kernel-threads", str(max(1, (os.cpu_count() or 1) // config.decodes))]
             for i in range(config.decodes):
-                args = [*common, *shlex.split(config.decode_args)]
+                args = [*common, *team, *shlex.split(config.decode_args)]
                 self.decodes.append(self._spawn(f"decode-{i}", "pdserve.decode", args))
             deadline = time.monotonic() + config.startup_timeout_s
             for child in [*self.prefills, *self.decodes]:

@@ -144,6 +144,18 @@ class InstanceConfig(ServiceConfig):
             "gt": 0,
         },
     )
+    kernel_threads: int = field(
+        default=1,
+        metadata={
+            "help": "threads that share each GEMM of a one-row decode step (one user) on the "
+            "float32 int4/int8 kernels: a lone user's step waits on reading the weights, and "
+            "one thread keeps too few reads in flight (about 1.5x faster with 2, "
+            "docs/BENCHMARKS.md); the same tokens whatever the count. Steps of more rows keep "
+            "one thread, leaving the other cores to the other engines (pdserve up gives a "
+            "decode every core)",
+            "gt": 0,
+        },
+    )
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "longest sequence served; the model's limit when unset", "gt": 1},

@@ -52,6 +52,7 @@ class ModelHost:
         device: str,
         max_model_len: int | None,
         num_threads: int | None = None,
+        kernel_threads: int = 1,
         kv_cache_memory_fraction: float | None = None,
         max_seqs: int | None = None,
         kv_cache_in_shm: bool = False,
@@ -74,6 +75,8 @@ class ModelHost:
             kv_cache_memory_fraction: Share of free memory an automatic size takes; the
                 device's default when None.
             max_seqs: Most requests holding blocks at once (bounds an automatic size).
+            kernel_threads: Threads that share the GEMMs of a one-row decode step
+                (`EngineConfig.kernel_threads`).
             kv_cache_in_shm: The cache will be placed in a /dev/shm segment (an automatic size
                 then also fits in half its free space).
             tensor_parallel_size: Ranks the model is split over (`pdserve.engine.parallel`);
@@ -112,6 +115,7 @@ class ModelHost:
             device=device,
             max_model_len=max_model_len,
             num_threads=num_threads,
+            kernel_threads=kernel_threads,
             tensor_parallel_size=tensor_parallel_size,
             tensor_parallel_timeout_s=tensor_parallel_timeout_s,
             tensor_parallel_step_timeout_s=tensor_parallel_step_timeout_s,
@@ -150,6 +154,7 @@ class ModelHost:
             device=config.device,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            kernel_threads=config.kernel_threads,
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             max_seqs=config.kv_cache_max_seqs,
             kv_cache_in_shm=config.kv_cache_in_shm,
