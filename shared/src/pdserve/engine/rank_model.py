@@ -12,7 +12,6 @@ import structlog
 import torch
 
 from pdserve.common.generation import num_blocks_for
-from pdserve.engine import cpu_kernels
 from pdserve.engine.batch_invariant import (
     INVARIANT_BACKEND,
     KEY_SPAN,
@@ -20,6 +19,7 @@ from pdserve.engine.batch_invariant import (
     make_batch_invariant,
 )
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_kernels import TEAM_MAX_ROWS, set_team_threads, why_unavailable
 from pdserve.engine.flash_attention import FLASH, flash_attn_unusable_reason
 from pdserve.engine.kv_budget import size_kv_cache
 from pdserve.engine.kv_cache import KVCacheLayout
@@ -74,12 +74,12 @@ def load_rank_model(
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     if config.kernel_threads > 1:
-        cpu_kernels.set_team_threads(config.kernel_threads)
+        set_team_threads(config.kernel_threads)
         log.info(
             "kernel_team",
             threads=config.kernel_threads,
-            max_rows=cpu_kernels.TEAM_MAX_ROWS,
-            why_not=cpu_kernels.why_unavailable(torch.float32),
+            max_rows=TEAM_MAX_ROWS,
+            why_not=why_unavailable(torch.float32),
         )
     model_config = ModelConfig.from_pretrained(config.model)
     choice = config.dtype_choice
