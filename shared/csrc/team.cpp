@@ -8,10 +8,12 @@
 // once (`set_team_threads`), which spin briefly between calls of one step and sleep between steps.
 #include "common.h"
 
+#include <pthread.h>
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
-#include <chrono>
 #include <thread>
 
 namespace pdserve {
@@ -25,8 +27,6 @@ thread_local bool in_team = false;
 
 class Team {
  public:
-  ~Team() { resize(1); }
-
   int size() const { return static_cast<int>(workers_.size()) + 1; }
   int max_rows() const { return max_rows_.load(std::memory_order_relaxed); }
   void set_max_rows(int rows) { max_rows_.store(rows, std::memory_order_relaxed); }
@@ -48,6 +48,13 @@ class Team {
     // is still one it takes.
     const uint64_t now = generation_.load(std::memory_order_acquire);
     for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i, now] { work(i, now); });
+  }
+
+  // In a child forked while the team had threads: the child has none of them, so their handles
+  // are let go (never joined: that would wait forever) and the team is this thread alone.
+  void forget_threads() {
+    new std::vector<std::thread>(std::move(workers_));  // NOTE: leaked on purpose
+    workers_.clear();
   }
 
   // Runs part(context, i, parts) for i in [0, parts) (0 on this thread); alone (parts 1) for a
@@ -113,7 +120,10 @@ class Team {
 };
 
 Team& team() {
-  static Team* instance = new Team();  // never destroyed: its threads may outlive the module
+  static Team* instance = [] {
+    pthread_atfork(nullptr, nullptr, [] { team().forget_threads(); });
+    return new Team();  // never destroyed: its threads may outlive the module
+  }();
   return *instance;
 }
 

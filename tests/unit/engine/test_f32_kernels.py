@@ -9,6 +9,9 @@ FMA and F16C; these tests skip only on one without them (or off x86).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -181,6 +184,33 @@ def test_a_kernel_team_gives_one_threads_bits(
             assert torch.equal(int8(x8[:n]), want8), f"int8, {n} rows"
         kernel_team(threads, 1)
         assert torch.equal(int4(x4[:3]), alone[2][0])
+
+
+def test_a_child_forked_beside_a_kernel_team_computes_alone(
+    kernel_team: Callable[[int, int], None],
+) -> None:
+    """A process forked while the team has threads has none of them: its one-row GEMMs run on
+    its one thread (the same bits) instead of waiting forever for threads that are not there."""
+    int4, _ = _int4_linear(200, 576, seed=6)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = int4(x)
+        kernel_team(2, 1)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child reports through its exit status
+            same = torch.equal(int4(x), want) and cpu_kernels.team_threads() == 1
+            os._exit(0 if same else 1)
+        status = None
+        deadline = time.monotonic() + 60
+        while status is None and time.monotonic() < deadline:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = code if done else None
+            time.sleep(0.05)
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        assert status == 0, "the forked child hung or computed other values"
+        assert cpu_kernels.team_threads() == 2
 
 
 def test_a_kernel_team_refuses_nonsense() -> None:
