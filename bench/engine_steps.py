@@ -66,16 +66,14 @@ TEAM = ":team"
 """A setting's suffix with a count (``auto:team2``): the float32 GEMMs' output rows shared by
 that many threads (`pdserve.engine.cpu_kernels.set_team_threads`); its floor is the read
 bandwidth of as many threads."""
+BLOCK_SIZE = 16
+BANDWIDTH_BUFFER_BYTES = 1 << 30
 
 
 def team_size(quantization: str) -> int:
     """The kernel threads a setting runs (1 without the `TEAM` suffix)."""
     _, found, count = quantization.partition(TEAM)
     return int(count) if found else 1
-
-
-BLOCK_SIZE = 16
-BANDWIDTH_BUFFER_BYTES = 1 << 30
 
 
 def streamed_bytes(model: torch.nn.Module) -> int:

@@ -33,6 +33,7 @@ class Team {
 
   void resize(int threads) {
     std::lock_guard<std::mutex> busy(busy_);
+    if (threads == size()) return;  // NOTE: its threads kept (a setting made again each round)
     if (!workers_.empty()) {
       {
         std::lock_guard<std::mutex> lock(mutex_);
