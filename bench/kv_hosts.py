@@ -65,13 +65,16 @@ def receiver(size: int) -> None:
             conn.sendall(b"k")
             conn.close()
 
+    stop = threading.Event()
+
     def progress() -> None:
-        while True:
+        while not stop.is_set():
             agent.get_new_notifs()
             time.sleep(PROGRESS_PAUSE_S)  # NOTE: as a decode's
 
     threading.Thread(target=serve_tcp, daemon=True).start()
-    threading.Thread(target=progress, daemon=True).start()
+    progressing = threading.Thread(target=progress)
+    progressing.start()
     info = {
         "metadata": agent.get_agent_metadata().hex(),
         "address": buffer.ctypes.data,
@@ -79,6 +82,10 @@ def receiver(size: int) -> None:
     }
     print(json.dumps(info), flush=True)
     sys.stdin.read()
+    # NOTE: the agent's progress ends before the interpreter does: a NIXL call still running
+    # while the agent is torn down at exit aborts the process ("terminate called ...").
+    stop.set()
+    progressing.join()
 
 
 def sender(size: int, repeats: int, host: str, info: dict[str, Any]) -> None:

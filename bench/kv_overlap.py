@@ -142,7 +142,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         children.append(decode)
         stubs = {}
-        for transport in TRANSPORTS:
+        transports = tuple(args.transports)
+        for transport in transports:
             prefill, address, _ = spawn(
                 f"prefill-{transport}",
                 "pdserve.prefill",
@@ -160,13 +161,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.device("cpu"),
         )
         kv_cache.kv.normal_()
-        nixl = NixlSide(kv_cache) if "nixl" in TRANSPORTS else None
+        nixl = NixlSide(kv_cache) if "nixl" in transports else None
         rng = random.Random(0)
         vocab = 40_000
-        samples: dict[str, list[dict[str, Any]]] = {t: [] for t in TRANSPORTS}
+        samples: dict[str, list[dict[str, Any]]] = {t: [] for t in transports}
         for repeat in range(-1, args.repeats):  # repeat -1 warms every path up
-            turn = repeat % len(TRANSPORTS)
-            order = TRANSPORTS[turn:] + TRANSPORTS[:turn]
+            turn = repeat % len(transports)
+            order = transports[turn:] + transports[:turn]
             for transport in order:
                 prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)]
                 cold = await prefill_once(
@@ -229,6 +230,13 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        choices=TRANSPORTS,
+        default=list(TRANSPORTS),
+        help="the transports to measure, each with its own prefill and decode (default: all)",
+    )
     parser.add_argument("--json", action="store_true", help="print a summary object last")
     args = parser.parse_args()
     results = asyncio.run(run(args))
