@@ -67,7 +67,7 @@ PyMethodDef methods[] = {
      "rows of each float32 int4/int8 GEMM of at most max_rows input rows; 1 (the default) runs "
      "every call on its caller's thread."},
     {"team_threads", py_team_threads, METH_NOARGS,
-     "The kernel team's (threads, max_rows) (set_team_threads)."},
+     "The kernel team's (threads, max_rows, parts its threads computed) (set_team_threads)."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
      "rows with a bf16 weight, in float32, into bf16 out."},

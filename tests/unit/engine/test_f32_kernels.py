@@ -165,8 +165,8 @@ def test_a_kernel_team_gives_one_threads_bits(
     kernel_team: Callable[[int, int], None], threads: int
 ) -> None:
     """The int4 and int8 GEMMs' output rows shared by 2 or 3 threads (output counts that do
-    not split evenly): every row of 1 to 8 input rows the same bits as one thread's; calls of
-    more rows than the team takes run alone."""
+    not split evenly), whichever thread computes a part: every row of 1 to 8 input rows the same
+    bits as one thread's; calls of more rows than the team takes run alone."""
     int4, _ = _int4_linear(200, 576, seed=4)
     generator = torch.Generator().manual_seed(5)
     values = torch.randint(-128, 128, (100, 512), generator=generator, dtype=torch.int8)
@@ -182,6 +182,15 @@ def test_a_kernel_team_gives_one_threads_bits(
         for n, (want4, want8) in zip(rows, alone, strict=True):
             assert torch.equal(int4(x4[:n]), want4), f"int4, {n} rows"
             assert torch.equal(int8(x8[:n]), want8), f"int8, {n} rows"
+        # NOTE: a team thread claims parts as it gets to run (the caller takes the rest): the
+        # calls go on until one did, every result checked.
+        shared = cpu_kernels.team_shared_parts()
+        deadline = time.monotonic() + 120
+        while cpu_kernels.team_shared_parts() == shared and time.monotonic() < deadline:
+            for n, (want4, want8) in zip(rows, alone, strict=True):
+                assert torch.equal(int4(x4[:n]), want4), f"int4, {n} rows"
+                assert torch.equal(int8(x8[:n]), want8), f"int8, {n} rows"
+        assert cpu_kernels.team_shared_parts() > shared, "no team thread computed a part"
         kernel_team(threads, 1)
         assert torch.equal(int4(x4[:3]), alone[2][0])
 

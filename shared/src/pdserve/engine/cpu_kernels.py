@@ -70,7 +70,9 @@ def set_team_threads(threads: int, max_rows: int = TEAM_MAX_ROWS) -> None:
     A one-row decode step reads every weight once, and one thread keeps too few reads in flight
     to stream them at the memory's speed: two read them about 1.5x as fast where the second core
     is free (docs/BENCHMARKS.md). Each output is computed as one thread computes it, so the
-    numbers do not change. A no-op where the float32 kernels do not run (nothing to share).
+    numbers do not change. The threads claim parts of a call as they get to run; the caller
+    takes what they leave, so a team thread that another process keeps off its core does not
+    hold the step up. A no-op where the float32 kernels do not run (nothing to share).
     """
     if threads < 1 or max_rows < 1:
         raise ValueError(f"threads and max_rows must be at least 1, got {threads}, {max_rows}")
@@ -81,6 +83,12 @@ def set_team_threads(threads: int, max_rows: int = TEAM_MAX_ROWS) -> None:
 def team_threads() -> int:
     """The threads of the kernel team (`set_team_threads`); 1 without the compiled kernels."""
     return int(compiled().team_threads()[0]) if f32_available() else 1
+
+
+def team_shared_parts() -> int:
+    """The parts of GEMMs the kernel team's threads (not their callers) computed since the
+    process began; 0 without the compiled kernels."""
+    return int(compiled().team_threads()[2]) if f32_available() else 0
 
 
 def why_unavailable(dtype: torch.dtype = torch.bfloat16) -> str | None:
