@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import Gauge
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pdserve.common.metrics import InstanceMetrics
+from pdserve.engine.cpu_kernels import team_shared_parts
+
+
+class KernelTeamParts(Collector):
+    """The parts of one-row GEMMs the kernel team's threads computed (`--kernel-threads`),
+    read from the kernels at each scrape."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "pdserve_decode_kernel_team_parts",
+            "Parts of one-row decode GEMMs that the kernel team's threads computed "
+            "(--kernel-threads); the step's own thread computes the rest. Flat while the "
+            "team's threads get no core (other processes busy) or the team is one thread.",
+            value=team_shared_parts(),
+        )
 
 
 class DecodeMetrics(InstanceMetrics):
@@ -27,6 +44,7 @@ class DecodeMetrics(InstanceMetrics):
             "kv_transfer_seconds",
             "Duration of one SyncCache transfer as received, header to verified commit.",
         )
+        self.registry.register(KernelTeamParts())
         self.detached_requests = Gauge(
             "pdserve_decode_detached_requests",
             "Resumable requests running on with no Generate stream attached, kept for a resume.",
