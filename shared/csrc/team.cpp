@@ -51,7 +51,8 @@ class Team {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
   int max_rows() const { return max_rows_.load(std::memory_order_relaxed); }
   void set_max_rows(int rows) { max_rows_.store(rows, std::memory_order_relaxed); }
-  // Parts the team's threads (not the callers) computed since the process began.
+  // Parts the team's threads (not the callers) computed since the process began (counted by
+  // each call once it is whole).
   uint64_t shared_parts() const { return shared_parts_.load(std::memory_order_relaxed); }
 
   void resize(int threads) {
@@ -96,13 +97,14 @@ class Team {
     done_.store(0, std::memory_order_relaxed);
     const uint64_t generation = publish(parts);
     in_team = true;
-    take(generation, false);
+    const int mine = take(generation);
     in_team = false;
     // NOTE: only parts a team thread claimed are left; it may have lost its core meanwhile.
     for (int polls = 1; done_.load(std::memory_order_acquire) != parts; ++polls) {
       _mm_pause();
       if (polls % 256 == 0) sched_yield();
     }
+    shared_parts_.fetch_add(parts - mine, std::memory_order_relaxed);
   }
 
  private:
@@ -119,18 +121,21 @@ class Team {
   }
 
   // Claims and computes the parts of call `generation` until none is left (or a later call has
-  // begun). A claim's success means that call waits for the part: its fields stay as they are.
-  void take(uint64_t generation, bool by_worker) {
+  // begun); how many it computed. A claim's success means that call waits for the part: its
+  // fields stay as they are.
+  int take(uint64_t generation) {
+    int taken = 0;
     uint64_t ticket = ticket_.load(std::memory_order_acquire);
     while (generation_of(ticket) == generation && next_of(ticket) < parts_of(ticket)) {
       if (!ticket_.compare_exchange_weak(ticket, ticket + 1, std::memory_order_acq_rel,
                                          std::memory_order_acquire))
         continue;
       part_(context_, next_of(ticket), parts_of(ticket));
-      if (by_worker) shared_parts_.fetch_add(1, std::memory_order_relaxed);
+      ++taken;
       done_.fetch_add(1, std::memory_order_acq_rel);
       ticket = ticket_.load(std::memory_order_acquire);
     }
+    return taken;
   }
 
   void work(uint64_t seen) {
@@ -148,7 +153,7 @@ class Team {
       }
       seen = current();
       if (stop_.load(std::memory_order_relaxed)) return;
-      take(seen, true);
+      take(seen);
     }
   }
 
