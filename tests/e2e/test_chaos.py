@@ -526,6 +526,9 @@ async def test_sigkill_decode_mid_stream(two_decodes: ChaosCluster, kinds: tuple
 # ---- SIGKILL a prefill mid-prefill -----------------------------------------------------------
 
 
+SIGKILL_PREFILL_LEASE_TTL_S = 15.0
+
+
 @pytest.fixture(params=STORES)
 def two_prefills(
     request: pytest.FixtureRequest,
@@ -536,6 +539,10 @@ def two_prefills(
     # NOTE: a 16-token budget per forward pass makes a 1,200-token prompt take many passes, so
     # the kill lands while prompts are being computed and their KV shipped layer by layer.
     # With a store, the survivor may load what the victim wrote through before it died.
+    # The lease TTL bounds how long a lease the victim took before it opened its SyncCache
+    # stream stays open; it must also outlast the survivor computing every prompt at 16 tokens
+    # a pass on a busy machine (a lease it takes expires otherwise: LEASE_EXPIRED, retried
+    # until the request's attempts run out).
     with chaos_cluster(
         demo_model_dir,
         tmp_path,
@@ -543,7 +550,7 @@ def two_prefills(
         tmp_path_factory,
         prefills=2,
         prefill_args=f"{PREFILL_ARGS} --max-num-batched-tokens 16",
-        decode_args=f"{DECODE_ARGS} --lease-ttl-ms 3000",
+        decode_args=f"{DECODE_ARGS} --lease-ttl-ms {SIGKILL_PREFILL_LEASE_TTL_S * 1000:.0f}",
     ) as (cluster, _):
         yield cluster
 
@@ -590,7 +597,7 @@ async def test_sigkill_prefill_mid_prefill(
         raise AssertionError("in three rounds the victim had finished every prompt it leased")
     assert await cluster.counter("pdserve_gateway_retries", reason="PEER_UNAVAILABLE") >= 1
     # The dead prefill's leases on the decode end too (broken SyncCache stream, or the TTL).
-    await cluster.wait_whole(timeout_s=10)
+    await cluster.wait_whole(timeout_s=SIGKILL_PREFILL_LEASE_TTL_S + 10)
 
 
 # ---- SIGSTOP a decode ------------------------------------------------------------------------
