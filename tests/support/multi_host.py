@@ -23,6 +23,9 @@ class MultiHostCluster(ProcessCluster):
         super().__init__(config)
         self.network = network
 
+    def _start_fork_server(self) -> None:
+        """None: a process runs in its host's network namespace, not forked from one."""
+
     def _spawn(self, name: str, module: str, args: list[str]) -> ChildProcess:
         is_restart = name in self._commands
         self._commands[name] = (module, args)

@@ -11,9 +11,27 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
+
+from pdserve.launcher.forkserver import ForkServer, ForkServerError
 
 NUM_TAIL_LINES = 40
+
+
+class Process(Protocol):
+    """What a `ChildProcess` runs on: a `subprocess.Popen`, or a service the fork server
+    forked (`pdserve.launcher.forkserver.ForkedProcess`)."""
+
+    pid: int
+    stderr: IO[str] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 class ChildProcess:
@@ -28,6 +46,8 @@ class ChildProcess:
         log_path: Where its output is written.
         env: Environment of the process.
         is_append: Add to `log_path` instead of starting it afresh (a restart).
+        fork_server: Fork the service from this server instead of starting `argv` (which must
+            then read ``python -m <module> <args>``); `argv` is started where it cannot fork.
     """
 
     def __init__(
@@ -38,6 +58,7 @@ class ChildProcess:
         env: dict[str, str] | None = None,
         *,
         is_append: bool = False,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -47,7 +68,11 @@ class ChildProcess:
         self._cond = threading.Condition()
         self._log = log_path.open("a" if is_append else "w", buffering=1)
         self.started_at = time.monotonic()
-        self.process = subprocess.Popen(
+        forked = None
+        if fork_server is not None and argv[1:2] == ["-m"]:
+            forked = self._fork(fork_server, argv[2], argv[3:], env)
+        self.is_forked = forked is not None
+        self.process: Process = forked or subprocess.Popen(
             argv,
             stdout=self._log,
             stderr=subprocess.PIPE,
@@ -58,6 +83,23 @@ class ChildProcess:
         )
         self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
         self._reader.start()
+
+    def _fork(
+        self, server: ForkServer, module: str, args: list[str], env: dict[str, str] | None
+    ) -> Process | None:
+        """The service forked by `server`, its stderr a pipe to us; None where it could not
+        fork (the caller starts `argv` instead)."""
+        read_end, write_end = os.pipe()
+        env = dict(os.environ if env is None else env)
+        try:
+            process = server.spawn(module, args, env, self._log.fileno(), write_end)
+        except ForkServerError:
+            os.close(read_end)
+            return None
+        finally:
+            os.close(write_end)
+        process.stderr = os.fdopen(read_end, "r")
+        return process
 
     def _read(self) -> None:
         assert self.process.stderr is not None

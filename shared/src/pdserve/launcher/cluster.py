@@ -28,11 +28,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from pdserve.common.pki import Identity, TlsFiles
 from pdserve.engine.model_store import resolve_model
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.config import ClusterConfig
+from pdserve.launcher.forkserver import PRELOAD, ForkServer, ForkServerError
+
+log = structlog.get_logger(__name__)
 
 
 class Cluster:
@@ -57,6 +62,7 @@ class Cluster:
         self.tls_dir: Path | None = None
         self.tls: dict[str, TlsFiles] = {}
         self._commands: dict[str, tuple[str, list[str]]] = {}  # name -> (module, args)
+        self.fork_server: ForkServer | None = None
 
     @property
     def gateway(self) -> ChildProcess | None:
@@ -127,7 +133,21 @@ class Cluster:
         argv = [sys.executable, "-m", module, *args, *self._security_args(name)]
         argv += ["--log-level", self.config.log_level]
         log_path = self.log_dir / f"{name}.log"
-        return ChildProcess(name, argv, log_path, self.env, is_append=is_restart)
+        return ChildProcess(
+            name, argv, log_path, self.env, is_append=is_restart, fork_server=self.fork_server
+        )
+
+    def _start_fork_server(self) -> None:
+        """The fork server the services start from (`pdserve.launcher.forkserver`), where the
+        configuration asks for it and it starts; else each service starts as its own python."""
+        if not self.config.fork_server:
+            return
+        try:
+            self.fork_server = ForkServer(self.log_dir / "fork-server.log", self.env)
+        except ForkServerError as error:
+            log.warning("fork_server_unavailable", reason=str(error))
+            return
+        log.info("fork_server_ready", pid=self.fork_server.process.pid, preload=list(PRELOAD))
 
     def restart(self, child: ChildProcess) -> ChildProcess:
         """Starts the service `child` ran again, with the same flags (a gateway on the ports it
@@ -168,6 +188,7 @@ class Cluster:
             # the prepared directory and load it.
             model = resolve_model(config.model, show_progress=True)
             self._make_certs()
+            self._start_fork_server()
             self._start_gateways()
             # NOTE: one machine, several engines: each gets its share of the cores, since
             # oversubscribed torch threads make small kernels far slower.
@@ -259,6 +280,9 @@ class Cluster:
                 child.wait(max(0.1, deadline - time.monotonic()))
         for child in self.children:
             child.close()
+        if self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
         if self.tls_dir is not None:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
 

@@ -1,0 +1,146 @@
+"""The fork server (`pdserve.launcher.forkserver`): services forked from one process that
+imported their modules, with their own arguments, environment, output, session and exit
+status, and the pages of what it imported shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pdserve.launcher import cluster as cluster_module
+from pdserve.launcher.child import ChildProcess
+from pdserve.launcher.cluster import Cluster
+from pdserve.launcher.config import ClusterConfig
+from pdserve.launcher.forkserver import ForkServer, ForkServerError
+
+TESTS_DIR = Path(__file__).resolve().parents[2]
+SERVICE = "support.forked_echo"
+
+
+def env_with_tests(**extra: str) -> dict[str, str]:
+    """This environment with the tests' folder importable (`support.forked_echo`)."""
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ForkServer]:
+    started = ForkServer(tmp_path / "fork-server.log", env_with_tests(), preload=("support",))
+    yield started
+    started.close()
+
+
+def test_a_forked_service_gets_its_args_env_output_and_exit_status(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    stdout_path = tmp_path / "out.log"
+    read_end, write_end = os.pipe()
+    with stdout_path.open("w") as stdout:
+        process = server.spawn(
+            SERVICE, ["exit", "3"], env_with_tests(PDSERVE_TEST_VALUE="forked"), stdout.fileno(),
+            write_end,
+        )  # fmt: skip
+    os.close(write_end)
+    with os.fdopen(read_end) as stderr:
+        assert stderr.read() == "to stderr\n"
+    assert process.wait(30) == 3
+    assert process.poll() == 3
+    printed = json.loads(stdout_path.read_text())
+    assert printed["value"] == "forked"
+    assert printed["argv"][1:] == ["exit", "3"]
+    assert printed["argv"][0].endswith("forked_echo.py")
+
+
+def test_a_signal_ends_a_forked_service_in_its_own_session(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "service.log"
+    argv = [sys.executable, "-m", SERVICE, "wait"]
+    child = ChildProcess("echo", argv, log_path, env_with_tests(), fork_server=server)
+    try:
+        assert child.is_forked
+        child.wait_for_event("waiting", 30)
+        assert os.getsid(child.pid) == child.pid  # NOTE: Ctrl-C reaches only the launcher
+        assert child.returncode is None
+        assert child.wait(0.1) is None
+        child.signal(signal.SIGTERM)
+        assert child.wait(30) == -signal.SIGTERM
+    finally:
+        child.close()
+
+
+def test_a_child_process_reads_the_events_a_forked_service_logs(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    argv = [sys.executable, "-m", SERVICE, "event"]
+    child = ChildProcess(
+        "echo", argv, tmp_path / "service.log", env_with_tests(), fork_server=server
+    )
+    try:
+        record = child.wait_for_event("hello", 30)
+        assert record["pid"] == child.pid
+        assert child.wait(30) == 0
+    finally:
+        child.close()
+    assert '"event": "hello"' in (tmp_path / "service.log").read_text()
+
+
+def test_a_forked_service_shares_the_pages_of_what_the_server_imported(tmp_path: Path) -> None:
+    with_torch = ForkServer(tmp_path / "fork-server.log", env_with_tests(), ("torch", "support"))
+    try:
+        argv = [sys.executable, "-m", SERVICE, "wait"]
+        child = ChildProcess(
+            "echo", argv, tmp_path / "s.log", env_with_tests(), fork_server=with_torch
+        )
+        try:
+            record = child.wait_for_event("waiting", 30)
+        finally:
+            child.close()
+    finally:
+        with_torch.close()
+    # NOTE: torch's import is about 150 MB of heap; the service maps the server's copy, so its
+    # proportional share is at most about half of what it maps.
+    shared_mb = (record["rss_kb"] - record["pss_kb"]) / 1024
+    assert shared_mb > 50, record
+
+
+def test_a_server_whose_imports_fail_says_which(tmp_path: Path) -> None:
+    with pytest.raises(ForkServerError, match="no_such_module_anywhere"):
+        ForkServer(tmp_path / "fork-server.log", env_with_tests(), ("no_such_module_anywhere",))
+
+
+def test_a_service_is_started_as_its_own_process_where_the_server_cannot_fork(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    server.close()
+    argv = [sys.executable, "-m", SERVICE, "event"]
+    child = ChildProcess(
+        "echo", argv, tmp_path / "service.log", env_with_tests(), fork_server=server
+    )
+    try:
+        assert not child.is_forked
+        child.wait_for_event("hello", 60)
+        assert child.wait(30) == 0
+    finally:
+        child.close()
+
+
+def test_a_cluster_starts_its_services_itself_where_the_fork_server_does_not_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(*args: object, **kwargs: object) -> ForkServer:
+        raise ForkServerError("importing torch: refused")
+
+    monkeypatch.setattr(cluster_module, "ForkServer", refused)
+    cluster = Cluster(ClusterConfig(model="demo", log_dir=str(tmp_path)))
+    cluster._start_fork_server()
+    assert cluster.fork_server is None
+    off = Cluster(ClusterConfig(model="demo", log_dir=str(tmp_path), fork_server=False))
+    off._start_fork_server()
+    assert off.fork_server is None
