@@ -45,6 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from pdserve.common.stale_files import is_process_running
+
 PRELOAD = (
     "torch",
     "pdserve.engine.runner",
@@ -80,7 +82,7 @@ class ForkedProcess:
         self._ended.set()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._server.is_lost and not _is_running(self.pid):
+        if self.returncode is None and self._server.is_lost and not is_process_running(self.pid):
             # NOTE: without the server no exit status comes; a gone process ended unknown.
             self._set_returncode(-signal.SIGKILL)
         return self.returncode
@@ -101,16 +103,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ForkServer:
