@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.eventually import eventually
 
 from pdserve.launcher import cluster as cluster_module
+from pdserve.launcher import forkserver
 from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
@@ -144,3 +146,30 @@ def test_a_cluster_starts_its_services_itself_where_the_fork_server_does_not_sta
     off = Cluster(ClusterConfig(model="demo", log_dir=str(tmp_path), fork_server=False))
     off._start_fork_server()
     assert off.fork_server is None
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # NOTE: exited meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+async def test_a_service_forked_after_its_caller_gave_up_is_stopped(
+    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forkserver, "SPAWN_TIMEOUT_S", 0.0)
+    with (tmp_path / "out.log").open("w") as out, pytest.raises(ForkServerError):
+        server.spawn(SERVICE, ["wait"], env_with_tests(), out.fileno(), out.fileno())
+    await eventually(lambda: bool(server.stopped_late), 30, "the late service's pid to come")
+    (late,) = server.stopped_late
+    await eventually(lambda: late not in children_of(server.process.pid), 30, "it to be gone")
+    monkeypatch.setattr(forkserver, "SPAWN_TIMEOUT_S", 30.0)
+    with (tmp_path / "out.log").open("w") as out:
+        process = server.spawn(SERVICE, ["exit", "0"], env_with_tests(), out.fileno(), out.fileno())
+    assert process.wait(30) == 0

@@ -45,7 +45,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import structlog
+
 from pdserve.common.stale_files import is_process_running
+
+log = structlog.get_logger(__name__)
 
 PRELOAD = (
     "torch",
@@ -130,6 +134,11 @@ class ForkServer:
         self._processes: dict[int, ForkedProcess] = {}
         self._replies: queue.Queue[dict[str, Any]] = queue.Queue()
         self._spawn_lock = threading.Lock()
+        self._num_requests = 0
+        self._abandoned: set[int] = set()  # NOTE: requests whose caller stopped waiting
+        self.stopped_late: list[int] = []
+        """Services forked after their caller gave up waiting (and started them itself),
+        killed as soon as their pid came."""
         with log_path.open("a") as log, theirs:
             argv = [sys.executable, "-m", __name__, str(theirs.fileno()), *preload]
             self.process = subprocess.Popen(
@@ -168,6 +177,14 @@ class ForkServer:
                 if process is not None:
                     process._set_returncode(message["returncode"])
                 continue
+            if message.get("request") in self._abandoned:
+                if "spawned" in message:
+                    # NOTE: forked after its caller gave up (and started it otherwise): gone.
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(message["spawned"], signal.SIGKILL)
+                    self.stopped_late.append(message["spawned"])
+                    log.warning("fork_server_late_service_stopped", pid=message["spawned"])
+                continue
             if "spawned" in message:
                 # NOTE: registered here, before its exit can be read.
                 message["process"] = ForkedProcess(message["spawned"], self)
@@ -183,14 +200,17 @@ class ForkServer:
         Raises:
             ForkServerError: If the server is gone or could not fork.
         """
-        request = {"module": module, "args": list(args), "env": env}
         with self._spawn_lock:
             if self.is_lost:
                 raise ForkServerError("the fork server exited")
+            self._num_requests += 1
+            number = self._num_requests
+            request = {"request": number, "module": module, "args": list(args), "env": env}
             try:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], [stdout, stderr])
                 reply = self._replies.get(timeout=SPAWN_TIMEOUT_S)
             except (OSError, queue.Empty) as error:
+                self._abandoned.add(number)
                 raise ForkServerError(f"could not fork {module}: {error!r}") from None
         if "process" not in reply:
             raise ForkServerError(f"could not fork {module}: {reply.get('error')}")
@@ -266,7 +286,13 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> tuple[dict[str, Any], 
             if not packet:
                 return None
             request = json.loads(packet)
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError as error:  # NOTE: no memory or process slot: the launcher starts it
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"error": repr(error), "request": request.get("request")})
+                continue
             if pid == 0:
                 selector.close()
                 signal.set_wakeup_fd(-1)
@@ -276,7 +302,7 @@ def serve(sock: socket.socket, preload: Sequence[str]) -> tuple[dict[str, Any], 
                 return request, fds
             for fd in fds:
                 os.close(fd)
-            _send(sock, {"spawned": pid})
+            _send(sock, {"spawned": pid, "request": request.get("request")})
 
 
 def run_service(request: dict[str, Any], fds: list[int]) -> None:
