@@ -62,6 +62,11 @@ from pdserve.launcher.config import ClusterConfig
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95}
 REQUEST_TIMEOUT_S = 60.0
+# NOTE: not shorter: a prefill computing long prompts in 16-token passes beside a busy machine
+# took longer than 3 s to fill a lease (LEASE_EXPIRED, retried until the attempts ran out).
+# A lease a frozen or killed instance left ends within it, inside every cell's 20 s wait for
+# whole pools.
+MATRIX_LEASE_TTL_MS = 10_000
 # NOTE: not shorter: beside a 2-core CPU hog a restarted decode's heartbeats lapsed 2 s
 # (`instance_expired ttl_s=2.0` twice in one cell, and no lease came for 60 s).
 INSTANCE_TTL_S = 4.0
@@ -195,7 +200,9 @@ def matrix_cluster(
 ) -> Iterator[ProcessCluster]:
     """Two prefills and two decodes, each a single process."""
     log_dir = tmp_path_factory.mktemp("fault-matrix")
-    with matrix_cluster_of(demo_model_dir, log_dir, prefills=2, lease_ttl_ms=3000) as cluster:
+    with matrix_cluster_of(
+        demo_model_dir, log_dir, prefills=2, lease_ttl_ms=MATRIX_LEASE_TTL_MS
+    ) as cluster:
         yield cluster
 
 
@@ -274,7 +281,7 @@ def servers_matrix_cluster(
             demo_model_dir,
             work_dir / "logs",
             prefills=2,
-            lease_ttl_ms=3000,
+            lease_ttl_ms=MATRIX_LEASE_TTL_MS,
             instance_args="--registry-ttl-s 2 --heartbeat-interval-s 0.5",
             registry=registry.spec,
             kv_store=store.spec,

@@ -64,12 +64,20 @@ async def receive_chunks(
             if c.key or c.value:
                 raise receiver.failure("a chunk written in place carries bytes in the stream")
             meta = KvChunkMeta(c.layer_index, c.first_block, c.num_blocks, c.crc32c)
-            loop = asyncio.get_running_loop()
-            checks.append(
-                (meta, loop.run_in_executor(CHECKSUM_WORKERS, receiver.crc_in_cache, meta))
+            check = asyncio.get_running_loop().run_in_executor(
+                CHECKSUM_WORKERS, receiver.crc_in_cache, meta
             )
+            # NOTE: the caller stops at the first failed check (a lease that expired fails them
+            # all); the others' errors are seen here, not logged as never retrieved.
+            check.add_done_callback(_seen)
+            checks.append((meta, check))
         elif part == "commit":
             return message.commit, checks
         else:
             raise receiver.failure(f"unexpected {part or 'empty'} message after the header")
     raise receiver.failure("stream ended without a commit", grpc.StatusCode.ABORTED)
+
+
+def _seen(check: asyncio.Future[int]) -> None:
+    if not check.cancelled():
+        check.exception()
