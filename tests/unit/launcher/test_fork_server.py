@@ -69,6 +69,7 @@ def test_a_signal_ends_a_forked_service_in_its_own_session(
         assert child.is_forked
         child.wait_for_event("waiting", 30)
         assert os.getsid(child.pid) == child.pid  # NOTE: Ctrl-C reaches only the launcher
+        assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "support-forked_"
         assert child.returncode is None
         assert child.wait(0.1) is None
         child.signal(signal.SIGTERM)

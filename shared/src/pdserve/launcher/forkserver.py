@@ -21,13 +21,15 @@ event loop, no gRPC channel). The two speak over a Unix socket of packets:
 
 The forked service starts a session of its own (as ``start_new_session``), takes the given
 environment, stdout and stderr, and runs its module as ``python -m`` would (`runpy`, atexit
-handlers and all). Python's `random` reseeds itself in a forked child; numpy's global generator
-is reseeded here.
+handlers and all). Its command line stays the server's; its name (``/proc/<pid>/comm``, what
+``top`` and ``pgrep`` show) is the module's, e.g. ``pdserve-decode``. Python's `random`
+reseeds itself in a forked child; numpy's global generator is reseeded here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import importlib
 import json
@@ -64,6 +66,7 @@ MAX_MESSAGE = 1 << 20
 READY_TIMEOUT_S = 120.0
 """How long the server may take to import `PRELOAD`."""
 SPAWN_TIMEOUT_S = 30.0
+PR_SET_NAME = 15
 
 
 class ForkServerError(RuntimeError):
@@ -320,7 +323,15 @@ def run_service(request: dict[str, Any], fds: list[int]) -> None:
     if numpy is not None:
         numpy.random.seed()
     sys.argv = [request["module"], *request["args"]]
+    name_process(request["module"].replace(".", "-"))
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+def name_process(name: str) -> None:
+    """Names this process `name` (its first 15 bytes) where ``top``, ``ps -o comm`` and
+    ``pgrep`` look: a forked service's command line is still the fork server's."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def main(argv: Sequence[str]) -> int:
