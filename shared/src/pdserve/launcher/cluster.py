@@ -10,6 +10,10 @@ ports it got at first (clients and the instances it keeps the registry for find 
 prefill or decode on a port of its own that it registers again (peers learn it from the
 registry). `pdserve.launcher.supervisor` decides when.
 
+Every service (and restart) is forked from the fork server (`pdserve.launcher.forkserver`),
+which imported torch and the services' modules once, unless ``--no-fork-server`` or it could
+not start: then each is its own ``python -m pdserve.<service>``.
+
 Unless ``--insecure``, the cluster's internal plane is mutual TLS under a throwaway CA made at
 start: one certificate per service (and a ``client`` one for operators' tools) in a private
 temporary directory that is removed on stop.
