@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import sys
 from collections.abc import Iterator
@@ -15,7 +16,6 @@ import pytest
 from support.eventually import eventually
 
 from pdserve.launcher import cluster as cluster_module
-from pdserve.launcher import forkserver
 from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
@@ -164,13 +164,16 @@ def children_of(pid: int) -> list[int]:
 async def test_a_service_forked_after_its_caller_gave_up_is_stopped(
     server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(forkserver, "SPAWN_TIMEOUT_S", 0.0)
-    with (tmp_path / "out.log").open("w") as out, pytest.raises(ForkServerError):
-        server.spawn(SERVICE, ["wait"], env_with_tests(), out.fileno(), out.fileno())
+    def gives_up(timeout: float | None = None) -> dict[str, object]:
+        raise queue.Empty  # NOTE: as a wait of SPAWN_TIMEOUT_S that ran out, whatever the clock
+
+    with monkeypatch.context() as patched:
+        patched.setattr(server._replies, "get", gives_up)
+        with (tmp_path / "out.log").open("w") as out, pytest.raises(ForkServerError):
+            server.spawn(SERVICE, ["wait"], env_with_tests(), out.fileno(), out.fileno())
     await eventually(lambda: bool(server.stopped_late), 30, "the late service's pid to come")
     (late,) = server.stopped_late
     await eventually(lambda: late not in children_of(server.process.pid), 30, "it to be gone")
-    monkeypatch.setattr(forkserver, "SPAWN_TIMEOUT_S", 30.0)
     with (tmp_path / "out.log").open("w") as out:
         process = server.spawn(SERVICE, ["exit", "0"], env_with_tests(), out.fileno(), out.fileno())
     assert process.wait(30) == 0
