@@ -64,10 +64,11 @@ class ClusterConfig:
         default=True,
         metadata={
             "help": "fork every gateway, prefill and decode from one process that imported "
-            "torch and the services' modules once: their pages are shared (the cluster's "
-            "proportional memory drops by about 150 MB a service) and a service starts, or "
-            "restarts, without importing anything. --no-fork-server starts each as its own "
-            "python process (as it also does where the fork server cannot start)"
+            "torch and the services' modules once: their pages are shared (on the default "
+            "model each engine's proportional memory is about 115 MB less, the cluster's 0.82x "
+            "with the server's own) and a service starts, or restarts, without importing. "
+            "--no-fork-server starts each as its own python process (as it also does where "
+            "the fork server cannot start)"
         },
     )
     log_dir: str | None = field(
