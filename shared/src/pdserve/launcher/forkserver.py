@@ -181,18 +181,24 @@ class ForkServer:
                     process._set_returncode(message["returncode"])
                 continue
             if message.get("request") in self._abandoned:
-                if "spawned" in message:
-                    # NOTE: forked after its caller gave up (and started it otherwise): gone.
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(message["spawned"], signal.SIGKILL)
-                    self.stopped_late.append(message["spawned"])
-                    log.warning("fork_server_late_service_stopped", pid=message["spawned"])
+                self._stop_late(message)
                 continue
             if "spawned" in message:
                 # NOTE: registered here, before its exit can be read.
                 message["process"] = ForkedProcess(message["spawned"], self)
                 self._processes[message["spawned"]] = message["process"]
             self._replies.put(message)
+
+    def _stop_late(self, reply: dict[str, Any]) -> None:
+        """Kills the service a reply to an abandoned request names (its caller started it
+        otherwise)."""
+        if "spawned" not in reply:
+            return
+        self._processes.pop(reply["spawned"], None)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(reply["spawned"], signal.SIGKILL)
+        self.stopped_late.append(reply["spawned"])
+        log.warning("fork_server_late_service_stopped", pid=reply["spawned"])
 
     def spawn(
         self, module: str, args: Sequence[str], env: dict[str, str], stdout: int, stderr: int
@@ -212,6 +218,10 @@ class ForkServer:
             try:
                 socket.send_fds(self._socket, [json.dumps(request).encode()], [stdout, stderr])
                 reply = self._replies.get(timeout=SPAWN_TIMEOUT_S)
+                while reply.get("request", number) != number:
+                    # NOTE: an abandoned request's reply queued before it was marked so.
+                    self._stop_late(reply)
+                    reply = self._replies.get(timeout=SPAWN_TIMEOUT_S)
             except (OSError, queue.Empty) as error:
                 self._abandoned.add(number)
                 raise ForkServerError(f"could not fork {module}: {error!r}") from None
