@@ -29,31 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from common import write_results
-from peer_llamacpp import cpu_flags, cpu_model, free_port, served_model
+from peer_llamacpp import cpu_flags, cpu_model, free_port, process_parents, pss_mb, served_model
 
 SETTINGS = {"forked": [], "own python": ["--no-fork-server"]}
 ROLES = ("launcher", "fork server", "gateway", "prefill-0", "decode-0")
-
-
-def pss_mb(pid: int) -> float:
-    try:
-        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-    except OSError:
-        return 0.0
-    return (
-        next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")) / 1024
-    )
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def chat(url: str) -> None:
@@ -98,7 +77,8 @@ def one_round(setting: str, log_dir: Path) -> dict[str, Any]:
         assert match is not None, "no Processes line in the banner"
         pids = {"launcher": process.pid, "gateway": int(match[1]), "prefill-0": int(match[2]),
                 "decode-0": int(match[3])}  # fmt: skip
-        others = [pid for pid in children_of(process.pid) if pid not in pids.values()]
+        children = [pid for pid, parent in process_parents().items() if parent == process.pid]
+        others = [pid for pid in children if pid not in pids.values()]
         memory = {role: pss_mb(pid) for role, pid in pids.items()}
         memory["fork server"] = sum(pss_mb(pid) for pid in others)
         return {"setting": setting, "startup_s": startup_s, "pss_mb": memory,

@@ -125,9 +125,8 @@ def start_pdserve(args: argparse.Namespace, concurrency: int, log: Path) -> tupl
     return process, f"http://127.0.0.1:{port}", argv
 
 
-def tree_pss_mb(root: int) -> float:
-    """The proportional memory (PSS) of a process and all its descendants (pdserve's launcher,
-    gateway, prefill and decode, which run in sessions of their own), from ``smaps_rollup``."""
+def process_parents() -> dict[int, int]:
+    """Every running process's parent, from ``/proc/<pid>/stat``."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -135,22 +134,30 @@ def tree_pss_mb(root: int) -> float:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue  # NOTE: a process that exited meanwhile
+    return parents
+
+
+def pss_mb(pid: int) -> float:
+    """A process's proportional memory (PSS) from ``smaps_rollup``; 0 once it is gone."""
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0.0
+    lines = rollup.splitlines()
+    return next((int(line.split()[1]) for line in lines if line.startswith("Pss:")), 0) / 1024
+
+
+def tree_pss_mb(root: int) -> float:
+    """The proportional memory (PSS) of a process and all its descendants (pdserve's launcher,
+    gateway, prefill and decode, which run in sessions of their own), from ``smaps_rollup``."""
+    parents = process_parents()
     tree = {root}
     while True:
         children = {pid for pid, parent in parents.items() if parent in tree} - tree
         if not children:
             break
         tree |= children
-    total_kb = 0
-    for pid in tree:
-        try:
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        total_kb += next(
-            (int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:")), 0
-        )
-    return total_kb / 1024
+    return sum(pss_mb(pid) for pid in tree)
 
 
 def served_model(url: str) -> str:
