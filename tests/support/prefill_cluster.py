@@ -127,13 +127,13 @@ async def start_decode(
     tensor_parallel_size: int = 1,
     **overrides: object,
 ) -> DecodeInstance:
+    settings: dict[str, object] = {"port": 0, **overrides}
     config = DecodeConfig(
-        port=0,
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
         lease_ttl_ms=lease_ttl_ms,
         insecure=True,
-        **overrides,  # type: ignore[arg-type]
+        **settings,  # type: ignore[arg-type]
     )
     host = load_host(model_dir, num_blocks, tensor_parallel_size, config)
     return await create_decode(config, host, interceptors=interceptors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import SamplingParams
 from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.request import Request
+from pdserve.v1 import common_pb2
 
 
 def _request(request_id: str, address: str, num_tokens: int) -> Request:
@@ -56,3 +58,47 @@ async def test_a_share_refusal_is_waited_out_until_the_deadline(tiny_model_dir: 
         await a.close()
         await b.close()
         await decode.stop(grace=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def test_a_decode_reached_a_moment_late_still_grants_the_lease(
+    tiny_model_dir: Path,
+) -> None:
+    # NOTE: the decode is stopped and started again at its address a moment after the
+    # allocation began: the channel fails the first call at once (as one whose connection was
+    # just lost does) and connects again within its backoff; the allocation waits for that
+    # instead of failing its request.
+    decode = await start_decode(tiny_model_dir, num_blocks=32)
+    layout, address = decode.host.kv_layout, decode.address
+    await decode.stop(grace=None)
+    peers = DecodePeers("prefill-a", layout, prepare_concurrency=4, allocate_timeout_s=10.0)
+    try:
+        started = asyncio.ensure_future(peers.allocate(_request("late", address, BLOCK_SIZE)))
+        await asyncio.sleep(0.3)
+        assert not started.done(), "the allocation failed at the first refused connection"
+        port = int(address.rsplit(":", 1)[1])
+        decode = await start_decode(tiny_model_dir, num_blocks=32, port=port)
+        lease = await asyncio.wait_for(started, 30)
+        assert len(lease.block_ids) == 1
+        assert await peers.release_lease(address, lease, "late")
+    finally:
+        await peers.close()
+        await decode.stop(grace=None)
+
+
+async def test_a_decode_that_stays_unreachable_fails_the_allocation_typed() -> None:
+    address = f"127.0.0.1:{_free_port()}"
+    layout = common_pb2.KvLayout()
+    peers = DecodePeers("prefill-a", layout, prepare_concurrency=4, allocate_timeout_s=10.0)
+    try:
+        with pytest.raises(PdserveError) as failed:
+            await asyncio.wait_for(peers.allocate(_request("never", address, BLOCK_SIZE)), 30)
+        assert failed.value.reason is ErrorReason.PEER_UNAVAILABLE
+        assert failed.value.metadata["decodeAddress"] == address
+    finally:
+        await peers.close()

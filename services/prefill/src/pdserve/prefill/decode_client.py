@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from pdserve.common import telemetry
-from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error
+from pdserve.common.errors import ErrorReason, PdserveError, from_rpc_error, has_error_info
 from pdserve.common.pki import instance_dns_name, role_dns_name
 from pdserve.common.security import Security
 from pdserve.prefill import convert
@@ -29,6 +29,12 @@ log = structlog.get_logger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
 SHARE_RETRY_S = 0.05
+# NOTE: a channel whose connection was lost (a link that went down and came back, a decode
+# restarted at its address) fails calls at once until it connects again, which its backoff
+# (`grpc_server.CHANNEL_OPTIONS`: at most 3 s, jittered by 20%) may put seconds away. An
+# allocation that met such a channel asks once more, waiting for it to connect for at most
+# this long (and never past its own deadline).
+RECONNECT_WAIT_S = 4.0
 PEER_SHARE_LIMIT = "peer_share"  # NOTE: the decode's ErrorInfo ``limit`` for its share rule
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -64,6 +70,13 @@ def peer_error(error: grpc.RpcError, address: str, what: str) -> PdserveError:
         )
     typed.metadata.setdefault("decodeAddress", address)
     return typed
+
+
+def is_connection_lost(error: grpc.RpcError) -> bool:
+    """`error` is the channel's, not the decode's: UNAVAILABLE with no reason of a decode's
+    own (a decode that refuses while draining says so)."""
+    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+    return code is grpc.StatusCode.UNAVAILABLE and not has_error_info(error)
 
 
 class DecodePeers:
@@ -118,7 +131,11 @@ class DecodePeers:
         """Leases blocks for `request` on its target decode.
 
         A refusal for this prefill's share of the decode's pool is waited out (asking again
-        after the decode's retry delay) until the deadline.
+        after the decode's retry delay) until the deadline. A decode that could not be reached
+        is asked once more, the call waiting for the channel to connect again (at most
+        `RECONNECT_WAIT_S`): a connection lost a moment ago (a link down and up again) costs a
+        request a short wait, not its attempt. A decode that received the first call and
+        granted a lease whose answer was lost keeps that lease until its TTL.
 
         Raises:
             PdserveError: PEER_UNAVAILABLE when the decode is unreachable or too slow; the
@@ -131,12 +148,18 @@ class DecodePeers:
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.allocate_timeout_s
+        is_reconnecting = False
         while True:
             try:
                 async with asyncio.timeout_at(deadline), peer.slots:
                     remaining = max(0.001, deadline - loop.time())
+                    if is_reconnecting:
+                        remaining = min(remaining, RECONNECT_WAIT_S)
                     response = await peer.stub.AllocateBlocks(
-                        message, timeout=remaining, metadata=telemetry.outgoing_metadata()
+                        message,
+                        timeout=remaining,
+                        metadata=telemetry.outgoing_metadata(),
+                        wait_for_ready=is_reconnecting,
                     )
                 return convert.lease_from_proto(response.lease)
             except TimeoutError:
@@ -146,6 +169,15 @@ class DecodePeers:
                     {"decodeAddress": address, "requestId": request.request_id},
                 ) from None
             except grpc.RpcError as error:
+                if not is_reconnecting and is_connection_lost(error):
+                    log.info(
+                        "decode_reconnecting",
+                        address=address,
+                        request_id=request.request_id,
+                        detail=from_rpc_error(error).message,
+                    )
+                    is_reconnecting = True
+                    continue
                 refusal = peer_error(error, address, "AllocateBlocks")
             # NOTE: over our share of the decode's pool: our own leases commit soon, so wait
             # (bounded by the deadline) rather than fail the request.
