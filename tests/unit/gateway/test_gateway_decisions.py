@@ -84,7 +84,8 @@ CASES = [
     Case("decode address named", failed(R.INSTANCE_DRAINING, decodeAddress="d.invalid:1"),
          "retry", avoided="d"),
     # PEER_UNAVAILABLE: unreachable now, maybe back from a restart soon: avoided.
-    Case("prefill cannot reach its decode", failed(R.PEER_UNAVAILABLE), "retry", avoided="d"),
+    Case("prefill cannot reach its decode", failed(R.PEER_UNAVAILABLE), "retry", avoided="p d"),
+    Case("decode's stream unreachable", failed(R.PEER_UNAVAILABLE, DECODE), "retry", avoided="d"),
     Case("no healthy instances", failed(R.NO_HEALTHY_INSTANCES), "retry", "p"),
     # WHOLE_REQUEST: the same pair may serve it again.
     Case("lease expired in its transfer avoids both ends", failed(R.LEASE_EXPIRED, DECODE),

@@ -16,7 +16,8 @@ classified by their reason's retry scope, never by message text:
   another decode. Both count against ``preempt_retry_count``.
 * a lost prefill: retry, preferring another prefill. A lost instance, one that another could
   not reach (PEER_UNAVAILABLE) and one that is draining (INSTANCE_DRAINING) are only
-  *avoided*, not excluded: the registry keeps each out of routing until it serves again
+  *avoided*, not excluded (a prefill that could not reach its decode: both, as the path
+  between them may be what failed): the registry keeps each out of routing until it serves again
   (`unreachable_id` marks the unreachable), and the one that comes back (a restart under the
   same id) may take the request when nothing else can.
   When no pair is alive at all, a request that had a setback waits for one to register
@@ -224,6 +225,16 @@ def decide(setback: Setback, state: RequestState, policy: RetryPolicy) -> Decisi
         # may serve the request.
         for role in blamed:
             state = _avoid(state, setback.pair, role)
+        if (
+            error.reason is ErrorReason.PEER_UNAVAILABLE
+            and setback.role is InstanceRole.PREFILL
+            and blamed == {InstanceRole.DECODE}
+        ):
+            # NOTE: a prefill that could not reach its decode: the decode may be gone, or the
+            # path between the two (the prefill's own link just back, its channels still
+            # connecting again). The retry prefers another prefill too: an idle prefill that
+            # was just cut off is otherwise the one routing picks for every retry.
+            state = _avoid(state, setback.pair, InstanceRole.PREFILL)
     else:
         state = _exclude(state, setback.pair, blamed)
     if error.reason in (ErrorReason.CACHE_SYNC_FAILED, ErrorReason.LEASE_EXPIRED):
