@@ -100,5 +100,6 @@ async def test_a_decode_that_stays_unreachable_fails_the_allocation_typed() -> N
             await asyncio.wait_for(peers.allocate(_request("never", address, BLOCK_SIZE)), 30)
         assert failed.value.reason is ErrorReason.PEER_UNAVAILABLE
         assert failed.value.metadata["decodeAddress"] == address
+        assert f"decode {address} was unreachable during AllocateBlocks" in failed.value.message
     finally:
         await peers.close()

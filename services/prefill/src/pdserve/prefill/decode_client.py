@@ -79,6 +79,10 @@ def is_connection_lost(error: grpc.RpcError) -> bool:
     return code is grpc.StatusCode.UNAVAILABLE and not has_error_info(error)
 
 
+def _is_connected(channel: grpc.aio.Channel) -> bool:
+    return channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
+
+
 class DecodePeers:
     """Channels to the decodes this prefill ships to, one per address, opened on first use.
 
@@ -148,18 +152,18 @@ class DecodePeers:
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.allocate_timeout_s
-        is_reconnecting = False
+        lost: grpc.RpcError | None = None  # the call the channel failed at once, if one was
         while True:
             try:
                 async with asyncio.timeout_at(deadline), peer.slots:
                     remaining = max(0.001, deadline - loop.time())
-                    if is_reconnecting:
+                    if lost is not None:
                         remaining = min(remaining, RECONNECT_WAIT_S)
                     response = await peer.stub.AllocateBlocks(
                         message,
                         timeout=remaining,
                         metadata=telemetry.outgoing_metadata(),
-                        wait_for_ready=is_reconnecting,
+                        wait_for_ready=lost is not None,
                     )
                 return convert.lease_from_proto(response.lease)
             except TimeoutError:
@@ -169,15 +173,17 @@ class DecodePeers:
                     {"decodeAddress": address, "requestId": request.request_id},
                 ) from None
             except grpc.RpcError as error:
-                if not is_reconnecting and is_connection_lost(error):
+                if lost is None and is_connection_lost(error):
                     log.info(
                         "decode_reconnecting",
                         address=address,
                         request_id=request.request_id,
                         detail=from_rpc_error(error).message,
                     )
-                    is_reconnecting = True
+                    lost = error
                     continue
+                if lost is not None and not _is_connected(peer.channel):
+                    error = lost  # NOTE: never connected again: unreachable, not slow
                 refusal = peer_error(error, address, "AllocateBlocks")
             # NOTE: over our share of the decode's pool: our own leases commit soon, so wait
             # (bounded by the deadline) rather than fail the request.
