@@ -79,6 +79,11 @@ def is_connection_lost(error: grpc.RpcError) -> bool:
     return code is grpc.StatusCode.UNAVAILABLE and not has_error_info(error)
 
 
+def _is_deadline(error: grpc.RpcError) -> bool:
+    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+    return code is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def _is_connected(channel: grpc.aio.Channel) -> bool:
     return channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
 
@@ -182,7 +187,7 @@ class DecodePeers:
                     )
                     lost = error
                     continue
-                if lost is not None and not _is_connected(peer.channel):
+                if lost is not None and _is_deadline(error) and not _is_connected(peer.channel):
                     error = lost  # NOTE: never connected again: unreachable, not slow
                 refusal = peer_error(error, address, "AllocateBlocks")
             # NOTE: over our share of the decode's pool: our own leases commit soon, so wait
