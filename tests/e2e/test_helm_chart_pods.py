@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from support.chart import (
     http_probe,
     until,
 )
+from support.ports import free_port
 
 from pdserve.common.env import ENV_CACHE_DIR, cache_dir
 from pdserve.engine.model_store import ResolvedModel
@@ -44,12 +44,6 @@ POD_IP = "127.0.0.1"
 START_TIMEOUT_S = 120.0
 # The containers' paths, and where each pod's stand-in lives under the test's directory.
 CA_MOUNT, TLS_MOUNT = "/ca", "/tls"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((POD_IP, 0))
-        return int(s.getsockname()[1])
 
 
 class Pod:
@@ -149,10 +143,10 @@ def pods(tmp_path: Path, smollm2: ResolvedModel) -> Iterator[tuple[list[Pod], li
     ports = ["gateway.restPort", "gateway.grpcPort", "gateway.internalPort", "prefill.port",
              "prefill.healthPort", "prefill.metricsPort", "decode.port", "decode.kvTcpPort",
              "decode.healthPort", "decode.metricsPort"]  # fmt: skip
-    values = {key: str(free_port()) for key in ports}
+    values = {key: str(free_port((POD_IP,))) for key in ports}
     values |= {"decode.replicas": "1", "prefill.numThreads": "1", "decode.numThreads": "1"}
     docs = helm_template(values)
-    etcd_port, etcd_peer_port = free_port(), free_port()
+    etcd_port, etcd_peer_port = free_port((POD_IP,)), free_port((POD_IP,))
     renames = {
         f"{RELEASE}-pdserve-etcd:2379": f"{POD_IP}:{etcd_port}",
         "0.0.0.0:2379": f"{POD_IP}:{etcd_port}",

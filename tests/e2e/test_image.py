@@ -41,13 +41,13 @@ from support.image_pods import (
     IMAGE,
     ContainerPod,
     ensure_image,
-    free_port,
     podman,
     probe,
     session_containers,
     workload,
 )
 from support.launcher_cli import running_launcher
+from support.ports import free_port
 from support.process_cluster import counter_at, set_when_streaming, stream_token_ids
 
 from pdserve.engine.model_store import ResolvedModel

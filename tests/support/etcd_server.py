@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -19,14 +18,9 @@ from pathlib import Path
 import pytest
 
 from support.netns import Host
+from support.ports import free_port
 
 _START_TIMEOUT_S = 20.0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _is_healthy(host: str, port: int) -> bool:
@@ -54,8 +48,8 @@ class EtcdServer:
         self._on = on
         self.host = on.address if on is not None else host
         # NOTE: a test host's namespace has nothing listening: ports free here are free there.
-        self.port = _free_port(host)
-        self.peer_port = _free_port(host)
+        self.port = free_port((host,))
+        self.peer_port = free_port((host,))
         self.spec = f"etcd://{self.host}:{self.port}"
         self._process: subprocess.Popen[bytes] | None = None
         self.start()

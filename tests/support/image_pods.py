@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -70,21 +69,6 @@ def ensure_image() -> str:
     )  # fmt: skip
     assert done.returncode == 0, f"make image failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return IMAGE
-
-
-def free_port(hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
-    """A port free on every one of `hosts` at the time of asking."""
-    while True:
-        with socket.socket() as first:
-            first.bind((hosts[0], 0))
-            port = int(first.getsockname()[1])
-            try:
-                for host in hosts[1:]:
-                    with socket.socket() as other:
-                        other.bind((host, port))
-            except OSError:
-                continue
-        return port
 
 
 def workload(docs: list[dict[str, Any]], component: str) -> dict[str, Any]:

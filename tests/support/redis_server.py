@@ -14,14 +14,9 @@ from pathlib import Path
 import pytest
 
 from support.netns import Host
+from support.ports import free_port
 
 _START_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _answers_ping(address: str, port: int) -> bool:
@@ -53,7 +48,7 @@ class RedisServer:
         self._on = on
         # NOTE: a test host's namespace has nothing listening: a port free here is free there.
         self.address = on.address if on is not None else "127.0.0.1"
-        self.port = _free_port()
+        self.port = free_port()
         self.spec = f"redis://{self.address}:{self.port}/0"
         self.start()
 

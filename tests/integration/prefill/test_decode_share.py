@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 import pytest
+from support.ports import free_port
 from support.prefill_cluster import BLOCK_SIZE, start_decode
 
 from pdserve.common.errors import ErrorReason, PdserveError
@@ -60,12 +60,6 @@ async def test_a_share_refusal_is_waited_out_until_the_deadline(tiny_model_dir: 
         await decode.stop(grace=None)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_a_decode_reached_a_moment_late_still_grants_the_lease(
     tiny_model_dir: Path,
 ) -> None:
@@ -92,7 +86,7 @@ async def test_a_decode_reached_a_moment_late_still_grants_the_lease(
 
 
 async def test_a_decode_that_stays_unreachable_fails_the_allocation_typed() -> None:
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     layout = common_pb2.KvLayout()
     peers = DecodePeers("prefill-a", layout, prepare_concurrency=4, allocate_timeout_s=10.0)
     try:
