@@ -50,7 +50,7 @@ def peer_error(error: grpc.RpcError, address: str, what: str) -> PdserveError:
     """The typed error for a failed call to a decode: its own reason when it sent one,
     PEER_UNAVAILABLE when it could not be reached or did not answer in time."""
     typed = from_rpc_error(error)
-    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+    code = _code(error)
     if code in _TRANSPORT_CODES and typed.reason in (
         ErrorReason.PEER_UNAVAILABLE,
         ErrorReason.DEADLINE_EXCEEDED,
@@ -75,13 +75,11 @@ def peer_error(error: grpc.RpcError, address: str, what: str) -> PdserveError:
 def is_connection_lost(error: grpc.RpcError) -> bool:
     """`error` is the channel's, not the decode's: UNAVAILABLE with no reason of a decode's
     own (a decode that refuses while draining says so)."""
-    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-    return code is grpc.StatusCode.UNAVAILABLE and not has_error_info(error)
+    return _code(error) is grpc.StatusCode.UNAVAILABLE and not has_error_info(error)
 
 
-def _is_deadline(error: grpc.RpcError) -> bool:
-    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-    return code is grpc.StatusCode.DEADLINE_EXCEEDED
+def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
+    return error.code() if isinstance(error, grpc.aio.AioRpcError) else None
 
 
 def _is_connected(channel: grpc.aio.Channel) -> bool:
@@ -187,7 +185,11 @@ class DecodePeers:
                     )
                     lost = error
                     continue
-                if lost is not None and _is_deadline(error) and not _is_connected(peer.channel):
+                if (
+                    lost is not None
+                    and _code(error) is grpc.StatusCode.DEADLINE_EXCEEDED
+                    and not _is_connected(peer.channel)
+                ):
                     error = lost  # NOTE: never connected again: unreachable, not slow
                 refusal = peer_error(error, address, "AllocateBlocks")
             # NOTE: over our share of the decode's pool: our own leases commit soon, so wait
