@@ -13,9 +13,9 @@ from pathlib import Path
 import openai
 import pytest
 from support.hf_reference import hf_greedy
+from support.process_cluster import ProcessCluster
 from support.tiny_models import servable_tiny_model
 
-from pdserve.launcher.cluster import Cluster
 from pdserve.launcher.config import ClusterConfig
 from pdserve.tokenizer import Tokenizer
 
@@ -44,7 +44,9 @@ def test_pdserve_up_serves_a_family_directory_like_transformers(
         prefill_args="--dtype float32",
         decode_args="--dtype float32",
     )
-    cluster = Cluster(config)
+    # NOTE: the launcher's cluster on the test process's shared fork server (one fork server's
+    # start per family saved); tests/e2e/test_pdserve_up.py starts one of its own.
+    cluster = ProcessCluster(config)
     cluster.start()
     try:
         client = openai.OpenAI(base_url=f"{cluster.rest_url}/v1", api_key="unused", max_retries=0)
