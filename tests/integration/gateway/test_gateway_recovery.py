@@ -86,6 +86,16 @@ async def test_decode_killed_mid_stream_continues_on_the_other(cluster: Cluster)
     doomed = await cluster.add_decode("decode-doomed", num_total_blocks=2000)
     survivor = await cluster.add_decode("decode-survivor", num_total_blocks=1000)
     doomed.knobs.pause_after = 4
+
+    # NOTE: killed once it paused, whenever the client reads the tokens before the pause: on a
+    # busy machine the last of them reached the client before the pause was set, and a check
+    # made on each chunk then waited for a chunk that never came.
+    async def kill_when_paused() -> None:
+        await doomed.paused.wait()
+        await doomed.stop()  # the decode dies with the stream open
+        doomed.server = None
+
+    killer = asyncio.create_task(kill_when_paused())
     stream = await cluster.openai().completions.create(
         model=MODEL_NAME,
         prompt=PROMPT,
@@ -97,9 +107,7 @@ async def test_decode_killed_mid_stream_continues_on_the_other(cluster: Cluster)
     token_ids: list[int] = []
     async for chunk in stream:
         token_ids += chunk.choices[0].model_extra["token_ids"]
-        if doomed.paused.is_set() and doomed.server is not None:
-            await doomed.stop()  # the decode dies with the stream open
-            doomed.server = None
+    await killer
     assert token_ids == expected_tokens(PROMPT_IDS, 21, MAX_TOKENS)
     assert len(survivor.generate_calls) == 1
     assert cluster.gateway is not None
