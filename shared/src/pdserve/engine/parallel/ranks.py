@@ -17,6 +17,7 @@ keeps its work under ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import os
@@ -69,7 +70,10 @@ class RankProcesses:
                 target=serve_rank,
                 args=(receiver, dict(os.environ)),
                 name=f"pdserve-rank-{rank}",
-                daemon=False,
+                # NOTE: daemonic: a rank-0 process that ends without `close()` ends its ranks
+                # at exit (`close` at exit first), where multiprocessing would otherwise wait
+                # for them, and they for the pipes it still holds.
+                daemon=True,
             )
             process.start()
             receiver.close()
@@ -85,6 +89,7 @@ class RankProcesses:
             threading.Thread(
                 target=self._watch, args=(rank, process), name=f"tp-rank-{rank}", daemon=True
             ).start()
+        atexit.register(self.close)
 
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1, in rank order."""
@@ -125,7 +130,9 @@ class RankProcesses:
                 process.kill()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Asks every rank to exit (closing its pipe) and kills those that do not in time."""
+        """Asks every rank to exit (closing its pipe) and kills those that do not in time;
+        called at the process's exit where the owner did not."""
+        atexit.unregister(self.close)
         with self._lock:
             self._is_closing = True
         for pipe in self._pipes:
