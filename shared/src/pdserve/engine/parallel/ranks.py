@@ -17,7 +17,6 @@ keeps its work under ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing
 import os
@@ -70,10 +69,7 @@ class RankProcesses:
                 target=serve_rank,
                 args=(receiver, dict(os.environ)),
                 name=f"pdserve-rank-{rank}",
-                # NOTE: daemonic: a rank-0 process that ends without `close()` ends its ranks
-                # at exit (`close` at exit first), where multiprocessing would otherwise wait
-                # for them, and they for the pipes it still holds.
-                daemon=True,
+                daemon=False,
             )
             process.start()
             receiver.close()
@@ -89,7 +85,6 @@ class RankProcesses:
             threading.Thread(
                 target=self._watch, args=(rank, process), name=f"tp-rank-{rank}", daemon=True
             ).start()
-        atexit.register(self.close)
 
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1, in rank order."""
@@ -130,9 +125,7 @@ class RankProcesses:
                 process.kill()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Asks every rank to exit (closing its pipe) and kills those that do not in time;
-        called at the process's exit where the owner did not."""
-        atexit.unregister(self.close)
+        """Asks every rank to exit (closing its pipe) and kills those that do not in time."""
         with self._lock:
             self._is_closing = True
         for pipe in self._pipes:
