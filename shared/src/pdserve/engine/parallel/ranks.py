@@ -6,13 +6,7 @@ The ranks are forked from a multiprocessing *fork server* (the standard library'
 that (the other ranks of a group of three or more, a runner loaded again in the same process)
 starts without importing torch again, in well under a second instead of the 3-4 s of CPU an
 interpreter takes to import it. The server is a fresh interpreter of its own, never one that
-ran a step: forking it is safe where rank 0 has threads or has touched CUDA. A rank shares the
-server's pages of torch: on the default model at three ranks, float32, the two ranks and the
-server took 652 MB of proportional memory against 796 MB for two ranks of their own.
-
-As with any multiprocessing start method but ``fork``, a rank imports the main module of rank
-0's process again, unless it ran as ``python -m`` (the services): a script that splits a model
-keeps its work under ``if __name__ == "__main__":``.
+ran a step: forking it is safe where rank 0 has threads or has touched CUDA.
 """
 
 from __future__ import annotations
@@ -67,7 +61,7 @@ class RankProcesses:
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(  # type: ignore[attr-defined]
                 target=serve_rank,
-                args=(receiver, dict(os.environ)),
+                args=(receiver, dict(os.environ), os.getcwd()),
                 name=f"pdserve-rank-{rank}",
                 daemon=False,
             )

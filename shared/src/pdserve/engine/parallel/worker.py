@@ -44,11 +44,12 @@ def _read(receive: Callable[[], object]) -> object:
         return Shutdown()
 
 
-def serve_rank(pipe: Connection, env: dict[str, str]) -> None:
-    """A rank's process: rank 0's environment (the fork server's was that of the process that
-    started it; multiprocessing gives it rank 0's working directory), then `run` over `pipe`."""
+def serve_rank(pipe: Connection, env: dict[str, str], cwd: str) -> None:
+    """A rank's process: rank 0's environment and working directory, then `run` over `pipe`
+    (the fork server's own were those of the process that started it)."""
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     run(pipe.recv)
 
 
