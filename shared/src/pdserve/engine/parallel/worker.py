@@ -1,22 +1,23 @@
-"""A tensor-parallel rank other than 0, forked by `pdserve.engine.parallel.ranks`.
+"""A tensor-parallel rank other than 0: ``python -m pdserve.engine.parallel.worker``.
 
-It reads its `Setup` from its pipe, joins the group, loads its share of the model, attaches to
+It reads its `Setup` from stdin, joins the group, loads its share of the model, attaches to
 the KV cache and then runs every `Step` rank 0 sends, discarding the logits (rank 0 samples).
-It exits on `Shutdown`, at the end of its pipe (rank 0 is gone), or when a collective fails
+It exits on `Shutdown`, at the end of its stdin (rank 0 is gone), or when a collective fails
 (another rank is gone).
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-from collections.abc import Callable
-from multiprocessing.connection import Connection
+import pickle
+import sys
+from typing import BinaryIO
 
 import structlog
 import torch
 from torch.distributed import TCPStore
 
+from pdserve.common.logging import exit_served_process
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel.group import LOOPBACK, RankShard, TensorParallelGroup
@@ -37,25 +38,16 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _read(receive: Callable[[], object]) -> object:
+def _read(stream: BinaryIO) -> object:
     try:
-        return receive()
+        return pickle.load(stream)
     except EOFError:
         return Shutdown()
 
 
-def serve_rank(pipe: Connection, env: dict[str, str], cwd: str) -> None:
-    """A rank's process: rank 0's environment and working directory, then `run` over `pipe`
-    (the fork server's own were those of the process that started it)."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    run(pipe.recv)
-
-
-def run(receive: Callable[[], object]) -> int:
+def run(stream: BinaryIO) -> int:
     """Serves as the rank `Setup` names until shutdown; returns the exit status."""
-    setup = _read(receive)
+    setup = _read(stream)
     if not isinstance(setup, Setup):
         return 0
     config = setup.config
@@ -68,7 +60,7 @@ def run(receive: Callable[[], object]) -> int:
     store = TCPStore(LOOPBACK, setup.store_port, shard.world_size, False, timeout)
     group = TensorParallelGroup.form(store, shard, device, timeout_s)
     model = load_rank_model(config, device, group)
-    attach = _read(receive)
+    attach = _read(stream)
     if not isinstance(attach, Attach):
         return 0
     heads = cache_head_range(model.config, shard)
@@ -90,7 +82,7 @@ def run(receive: Callable[[], object]) -> int:
     group.limit_waits(config.tensor_parallel_step_timeout_s)
     log.info("tensor_parallel_rank_ready", rank=shard.rank, world_size=shard.world_size)
     while True:
-        message = _read(receive)
+        message = _read(stream)
         if not isinstance(message, Step):
             return 0
         slots = kv_cache.window_slots
@@ -103,3 +95,9 @@ def run(receive: Callable[[], object]) -> int:
         except ValueError as error:
             # NOTE: a batch prepare_step refuses is refused on every rank before any collective.
             log.warning("tensor_parallel_step_refused", rank=shard.rank, error=str(error))
+
+
+if __name__ == "__main__":
+    # NOTE: once rank 0 has closed the stream, nothing is left to tear down that the exit does
+    # not free: the interpreter's teardown would only keep rank 0's close waiting.
+    exit_served_process(run(sys.stdin.buffer))
