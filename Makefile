@@ -10,7 +10,7 @@ NODE_CLIENT := clients/node
 # NOTE: apt-get needs root; elsewhere it goes through sudo.
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: help venv install model up proto proto-check lint format typecheck test test-fast test-transports demo-model \
+.PHONY: help venv install model up proto proto-check lint format typecheck test scope-seconds test-fast test-transports demo-model \
 	contract-baseline lock clean node-deps system-deps image gpu-kit chaos llama-convert
 
 help:  ## list the targets
@@ -111,6 +111,14 @@ llama-convert: $(LLAMA_CONVERT)  ## fetch llama.cpp's convert_hf_to_gguf.py (the
 PYTEST_WORKERS ?= 2
 test: system-deps venv model llama-convert lint typecheck node-deps image  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadscope
+
+# NOTE: the scopes' seconds a clean clone schedules by (tests/support/scope_seconds.json), from
+# this checkout's last `make test`.
+scope-seconds: venv  ## refresh tests/support/scope_seconds.json from the last make test's timings
+	$(PY) -c 'import json, pathlib; src = pathlib.Path(".pytest_cache/v/pdserve/scope-seconds"); \
+		d = json.loads(src.read_text()); \
+		pathlib.Path("tests/support/scope_seconds.json").write_text(json.dumps({k: round(v, 1) \
+		for k, v in sorted(d.items())}, indent=1) + "\n")'
 
 test-fast: system-deps venv llama-convert  ## pytest without lint
 	$(BIN)/pytest -x -q

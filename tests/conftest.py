@@ -73,7 +73,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getoption("dist") != "loadscope":
         return None
     cache = getattr(config, "cache", None)
-    timed = {} if cache is None else cache.get(scheduling.CACHE_KEY, {})
+    timed = scheduling.timed_seconds({} if cache is None else cache.get(scheduling.CACHE_KEY, {}))
     return scheduling.make_scheduler(config, log, timed)
 
 

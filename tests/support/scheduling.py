@@ -9,6 +9,10 @@ nothing left. The scheduler here hands out the scope that took longest in the la
 without a cache (or for a new scope) it guesses from where the module lives: end-to-end first,
 then integration, then the rest.
 
+A clean clone (CI's) has no cache: it takes the seconds of `scope_seconds.json` beside this
+module, a run's cache as committed (refresh it with `make scope-seconds` after a run that moved
+them), and the cache's own where it has them.
+
 It also makes the modules that only send requests to the session's SmolLM2 cluster
 (`SMOLLM2_PROCESSES_MODULES`) one scope: they then run on one worker, which starts that
 cluster once instead of once per worker.
@@ -16,7 +20,9 @@ cluster once instead of once per worker.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 SMOLLM2_PROCESSES_MODULES = (
@@ -28,6 +34,7 @@ SMOLLM2_PROCESSES_MODULES = (
 )
 SMOLLM2_PROCESSES_SCOPE = "smollm2-processes"
 CACHE_KEY = "pdserve/scope-seconds"
+COMMITTED_SECONDS = Path(__file__).with_name("scope_seconds.json")
 
 # NOTE: a scope's guessed seconds when no earlier run timed it, by the folder its module is in.
 GUESSED_SECONDS = {"tests/e2e/": 30.0, "tests/integration/": 5.0}
@@ -57,6 +64,12 @@ def guessed_seconds(scope: str, num_tests: int) -> float:
         GUESSED_SECONDS_ELSEWHERE,
     )
     return base + GUESSED_SECONDS_PER_TEST * num_tests
+
+
+def timed_seconds(cached: Mapping[str, float]) -> dict[str, float]:
+    """Each scope's seconds: the committed ones, overridden by this checkout's last run."""
+    committed = json.loads(COMMITTED_SECONDS.read_text()) if COMMITTED_SECONDS.exists() else {}
+    return {**committed, **cached}
 
 
 def make_scheduler(config: Any, log: Any, timed: Mapping[str, float]) -> Any:

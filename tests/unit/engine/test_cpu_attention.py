@@ -116,7 +116,11 @@ def test_sink_logits_take_their_share_of_the_softmax() -> None:
 
 def test_the_kernel_declines_what_it_does_not_take() -> None:
     q, k_cache, _, _, _ = _case(9, 3, 64, [10])
-    assert not cpu_attention.takes(q.float(), k_cache.float(), 3)
+    assert not cpu_attention.takes(q.half(), k_cache.half(), 3)  # no float16 form
+    assert not cpu_attention.takes(q.float(), k_cache, 3)  # a float32 query over a bf16 cache
+    # NOTE: float32 over a float32 cache has its own form (f32_gemm.cpp's CPUs, AVX2 and up).
+    f32_form = cpu_attention.cpu_kernels.f32_available()
+    assert cpu_attention.takes(q.float(), k_cache.float(), 3) == f32_form
     assert not cpu_attention.takes(q, k_cache, 1)  # 9 query heads per KV head: more than 8
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
