@@ -73,6 +73,9 @@ INSTANCE_TTL_S = 4.0
 # NOTE: a frozen gateway is thawed after this, longer than an instance's TTL: the instances'
 # heartbeats it did not read meanwhile must not count against them (its liveness clock).
 GATEWAY_FREEZE_S = 6.0
+# NOTE: the most the instances of a role all killed stay down before they start again, if no
+# stream waits for them first (`Fault.land_held`).
+HELD_RESTART_S = 20.0
 NUM_STREAMS = 4
 # NOTE: long enough that a stream 10 tokens in is still running when a busy machine gets round
 # to freezing the decodes, short enough that four fit on one 200-block decode (45 blocks each).
@@ -549,6 +552,27 @@ class Fault:
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
 
+    def land_held(self, cluster: ProcessCluster, victims: list[ChildProcess]) -> None:
+        """SIGKILLs `victims` (every instance of a role) and starts them again only once the
+        gateway holds a rescheduled stream waiting for a pair (its ``waiting_for_peer``), or
+        after `HELD_RESTART_S`: started again at once, on a fast machine they registered before
+        the gateway had found the old ones gone, and no stream had to wait."""
+        mark = log_mark(cluster)
+        for victim in victims:
+            victim.signal(signal.SIGKILL)
+            assert victim.wait(10) == -signal.SIGKILL
+        self.watchers.append(asyncio.create_task(self.restart_once_waited(cluster, victims, mark)))
+
+    async def restart_once_waited(
+        self, cluster: ProcessCluster, victims: list[ChildProcess], mark: dict[str, int]
+    ) -> None:
+        gateway = gateway_of(cluster)
+        deadline = time.monotonic() + HELD_RESTART_S
+        while not since(mark, gateway, "waiting_for_peer") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for victim in victims:
+            self.killed.append(cluster.restart(victim))
+
     async def restart_when_down(
         self, cluster: ProcessCluster, victim: ChildProcess, must_exit: bool = False
     ) -> None:
@@ -983,11 +1007,17 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                                 victim = serving
                             if cell.variant == "other_restarting":
                                 # NOTE: the only other decode dies first and is on its way back.
+                                assert cell.fault == "sigkill" and victim is serving
                                 other = next(d for d in cluster.decodes if d is not serving)
-                                fault.land(cluster, "sigkill", other)
-                            fault.land(
-                                cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target
-                            )
+                                fault.land_held(cluster, [other, serving])
+                            else:
+                                fault.land(
+                                    cluster,
+                                    cell.fault,
+                                    victim,
+                                    rank=cell.is_rank,
+                                    target=cell.target,
+                                )
                             break
                     await asyncio.gather(*tasks, return_exceptions=True)
                     mark = log_mark(cluster)
