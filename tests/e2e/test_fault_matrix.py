@@ -925,20 +925,45 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     victim = gateway_of(cluster)
                 elif cell.role == "decode":
                     # NOTE: the gateway queues as the requests come in, before a prefill asked
-                    # a decode for a lease (or its log says so): the victim holds one.
-                    count = leased(cluster, mark, "decode")
-                    await eventually(
-                        lambda: any(count().values()), REQUEST_TIMEOUT_S, "a decode leasing"
-                    )
-                    held = count()
-                    victim = by_name(cluster, max(held, key=lambda n: held[n]))
-                    assert held[victim.name] > 0, "no decode held a request"
+                    # a decode for a lease (or its log says so): the victim holds one, picked
+                    # with the decodes frozen. Beside a CPU hog every request once ended before
+                    # this process counted the leases: they are awaited and sent again, with
+                    # other prompts, twice at most.
+                    for attempt in range(3):
+                        count = leased(cluster, mark, "decode")
+
+                        def leasing_or_done(
+                            count: Callable[[], dict[str, int]] = count,
+                            running: list[asyncio.Task[Any]] = tasks,
+                        ) -> bool:
+                            return any(count().values()) or all(task.done() for task in running)
+
+                        await eventually(leasing_or_done, REQUEST_TIMEOUT_S, "a decode leasing")
+                        async with frozen(cluster.decodes, fault):
+                            held = await settled(count)
+                            if any(held.values()) or attempt == 2:
+                                victim = by_name(cluster, max(held, key=lambda n: held[n]))
+                                assert held[victim.name] > 0, "no decode held a request"
+                                fault.land(
+                                    cluster,
+                                    cell.fault,
+                                    victim,
+                                    rank=cell.is_rank,
+                                    target=cell.target,
+                                )
+                                break
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                        mark = log_mark(cluster)
+                        requests = requests_of(attempt + 1)
+                        tasks = start()
+                        await eventually(waiting, REQUEST_TIMEOUT_S, "a request waiting again")
                 else:
                     # NOTE: the prefill that took the most of the case's prompts (it may have
                     # computed them all: the queued ones need one later).
                     took = {p.name: len(since(mark, p, "lease_granted")) for p in cluster.prefills}
                     victim = by_name(cluster, max(took, key=lambda n: took[n]))
-                fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+                if cell.role != "decode":
+                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
             elif is_prefill_phase:
                 # NOTE: this process reads the prefills' logs a moment late: on a busy machine
                 # the prompt it saw in prefill had its first token by the freeze, and no other

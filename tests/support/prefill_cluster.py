@@ -61,6 +61,11 @@ def load_host(
         max_seqs=None if decode is None else decode.kv_cache_max_seqs,
         release_window_blocks=decode is not None and decode.kv_cache_releases_window_blocks,
         max_step_tokens=None if decode is None else decode.max_num_seqs,
+        **(
+            {}
+            if decode is None
+            else {"tensor_parallel_step_timeout_s": decode.tensor_parallel_step_timeout_s}
+        ),
     )
 
 

@@ -5,12 +5,15 @@ blocks that arrive, and the continuation equals the single-process engine's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import grpc
 import pytest
+from support.eventually import eventually
 from support.prefill_cluster import cluster, reference_engine
 from support.tiny_models import save_tiny_model
 
@@ -97,3 +100,47 @@ async def test_a_rank_killed_mid_stream_takes_the_decode_down_and_frees_every_bl
         assert not decode.leases.table.open_leases()
         prefill = await pd.prefill_pool()
         assert prefill.pool.is_consistent and prefill.pool.num_open_leases == 0
+
+
+async def test_a_lost_rank_takes_the_decode_down_though_its_step_waits_on_that_rank(
+    model_dir: Path,
+) -> None:
+    """gloo mostly fails a collective at once when the other rank's process dies, but not
+    always (seen beside a CPU hog): the step then waits out the step timeout. The instance
+    goes down on the loss without waiting for that step. Here rank 1 is frozen, so the step
+    cannot end, and taken as lost as its watcher would when it exits."""
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    step_timeout_s = 120.0
+    overrides = {"tensor_parallel_step_timeout_s": step_timeout_s}
+    async with cluster(model_dir, decode_tp=2, decode_overrides=overrides) as pd:
+        decode = pd.decodes[0]
+        ranks = decode.host.runner.ranks
+        (rank_one,) = ranks.pids()
+        events = await pd.run_prefill(pd.request("lost", PROMPTS[0], long))
+        lease_id = events.last("handed_off").handed_off.lease_id
+        stream = pd.decode_stubs[0].Generate(
+            decode_pb2.DecodeServiceGenerateRequest(lease_id=lease_id)
+        )
+        num_tokens = 0
+        try:
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for message in stream:
+                    num_tokens += len(message.tokens.token_ids)
+                    if num_tokens >= 3 and not ranks.lost_rank:
+                        os.kill(rank_one, signal.SIGSTOP)  # the next step waits on it
+                        lost_at = time.monotonic()
+                        await asyncio.to_thread(ranks.lose, 1, -signal.SIGKILL)
+            await asyncio.wait_for(decode.is_down.wait(), timeout=2 * step_timeout_s)
+            # NOTE: measured, not a wait_for's bound: a stop blocking the event loop would
+            # hold that bound's timer too.
+            down_s = time.monotonic() - lost_at
+            assert down_s < step_timeout_s / 4, "the step, not the loss, took the decode down"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank_one, signal.SIGKILL)
+        assert num_tokens < long.max_tokens
+        # NOTE: the step left running ends once the ranks' close killed the frozen rank; its
+        # request's blocks are released then.
+        pool = decode.leases.table.pool
+        await eventually(lambda: pool.num_free_blocks == pool.num_blocks, 30, "every block free")
+        decode.leases.table.check_integrity()

@@ -31,12 +31,18 @@ class EngineThread(abc.ABC):
         """Starts stepping."""
         self._thread.start()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Asks the loop to stop at its next wake-up and waits up to `timeout_s` for it."""
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Asks the loop to stop at its next wake-up and waits up to `timeout_s` for it.
+
+        Returns:
+            Whether it stopped: a thread still in a step after `timeout_s` runs on (a
+            daemon: it does not hold up the process's exit).
+        """
         with self._cond:
             self._is_stopped = True
             self._cond.notify()
         self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
 
     @abc.abstractmethod
     def _run(self) -> None:

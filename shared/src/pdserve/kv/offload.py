@@ -107,11 +107,12 @@ class KvStoreWriter(EngineThread):
         with self._cond:
             return len(self._queue)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 30.0) -> bool:
         """Stops after the write in progress; writes still queued fail with `WriteDropped`
-        (also before `start`: then every write fails)."""
+        (also before `start`: then every write fails). Returns whether the thread stopped."""
+        stopped = True
         if self._thread.ident is not None:
-            super().stop(timeout_s)
+            stopped = super().stop(timeout_s)
         with self._cond:
             self._is_stopped = True
         with self._cond:
@@ -119,6 +120,7 @@ class KvStoreWriter(EngineThread):
             self.num_dropped += len(left)
         for write in left:
             write.future.set_exception(WriteDropped("the KV store writer stopped"))
+        return stopped
 
     def _run(self) -> None:
         while True:

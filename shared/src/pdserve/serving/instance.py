@@ -49,6 +49,9 @@ log = structlog.get_logger(__name__)
 
 INSTANCE_SERVICE = instance_pb2.DESCRIPTOR.services_by_name["InstanceService"].full_name
 DRAIN_POLL_S = 0.05
+# NOTE: how long an instance whose tensor-parallel rank is lost waits for its engine thread's
+# step to end before it goes down without it (the thread is a daemon).
+LOST_RANK_ENGINE_WAIT_S = 2.0
 
 
 class InstanceServer(abc.ABC):
@@ -218,7 +221,10 @@ class InstanceServer(abc.ABC):
         log.error("instance_down", reason="tensor_parallel_rank_lost", rank=rank, status=status)
 
         async def stop_and_mark() -> None:
-            await self.stop(grace=0)
+            # NOTE: the engine thread is not waited for: a step in a collective with the lost
+            # rank mostly fails at once, but gloo does not always see the peer's end closed
+            # (then it waits out the step timeout, 30 s by default, with nothing to gain).
+            await self.stop(grace=0, engine_wait_s=LOST_RANK_ENGINE_WAIT_S)
             self.is_down.set()
 
         self._tasks.append(asyncio.create_task(stop_and_mark()))
@@ -243,8 +249,9 @@ class InstanceServer(abc.ABC):
             await self.at_drain_deadline()
         await self.stop(grace=1.0)
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Stops background tasks, registration, the server, the engine thread and metrics."""
+    async def stop(self, grace: float | None = None, engine_wait_s: float = 30.0) -> None:
+        """Stops background tasks, registration, the server, the engine thread (waiting up to
+        `engine_wait_s` for its step to end) and metrics."""
         self.stop_admitting()
         for task in self._tasks:
             if task is not asyncio.current_task():
@@ -256,7 +263,8 @@ class InstanceServer(abc.ABC):
         if self.health_server is not None:
             await self.health_server.stop(None)
         await self.close()
-        self.loop.stop()
+        if not self.loop.stop(timeout_s=engine_wait_s):
+            log.warning("engine_thread_left_running", waited_s=engine_wait_s)
         if self.kv_writer is not None:
             await asyncio.to_thread(self.kv_writer.stop)
         if self.kv_store is not None:

@@ -15,6 +15,9 @@ from pdserve.engine.parallel.group import TensorParallelError
 
 log = structlog.get_logger(__name__)
 
+# NOTE: how long `close` waits for the other ranks to exit once one is lost.
+LOST_GROUP_CLOSE_S = 1.0
+
 RankLostCallback = Callable[[int, int], None]
 """Called with a lost rank and its exit status (on the thread that noticed)."""
 
@@ -80,9 +83,12 @@ class RankProcesses:
                 process.kill()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Asks every rank to exit (closing its stdin) and kills those that do not in time."""
+        """Asks every rank to exit (closing its stdin) and kills those that do not in time (1 s
+        at most once a rank is lost: a broken group has no step left to finish)."""
         with self._lock:
             self._is_closing = True
+            if self.lost_rank is not None:
+                timeout_s = min(timeout_s, LOST_GROUP_CLOSE_S)
         for process in self.processes:
             if process.stdin is not None:
                 with contextlib.suppress(OSError):
@@ -95,7 +101,12 @@ class RankProcesses:
                 process.wait()
 
     def _watch(self, rank: int, process: subprocess.Popen[bytes]) -> None:
-        returncode = process.wait()
+        self.lose(rank, process.wait())
+
+    def lose(self, rank: int, returncode: int) -> None:
+        """Takes `rank` as lost (its process exited with `returncode`; its watcher calls
+        this), unless the ranks are closing or one is lost already: `send` raises from now
+        on and the `on_rank_lost` callbacks run, on this thread."""
         with self._lock:
             if self._is_closing or self.lost_rank is not None:
                 return
