@@ -4,8 +4,11 @@ computes, and a group that cannot form or loses a rank fails with a clear error.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -242,7 +245,42 @@ def test_closing_stops_the_ranks_and_removes_the_cache_file(
     assert path is not None and path.exists()
     runner.close()
     assert not path.exists()
-    assert all(process.poll() == 0 for process in runner.ranks.processes)
+    assert runner.ranks.exit_codes() == [0]
+
+
+# NOTE: a rank-0 process of its own: what happens at its exit is the case.
+LOAD_AND_EXIT = """
+import json, sys
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.load_runner import load_runner
+config = EngineConfig(model=sys.argv[1], dtype="float32", tensor_parallel_size=2, num_threads=1,
+                      cache=CacheConfig(num_blocks=16))
+print(json.dumps(load_runner(config).ranks.pids()), flush=True)
+"""
+
+
+def test_a_process_that_exits_without_closing_its_runner_ends_and_its_ranks_with_it(
+    checkpoint: Callable[[str], Path],
+) -> None:
+    """The ranks are multiprocessing children, which a process joins at its exit: without
+    the runner closed at exit they would wait on pipes it still held, and it on them."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_EXIT, str(checkpoint("llama3"))],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tensor_parallel_rank_lost" not in done.stdout + done.stderr  # closed, not killed
+    (rank_one,) = json.loads(done.stdout.strip().splitlines()[-1])
+
+    def is_gone() -> bool:
+        try:
+            os.kill(rank_one, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    asyncio.run(eventually(is_gone, what="the rank ended"))
 
 
 def test_ranks_keep_the_sliding_layers_window_in_the_shared_slots(

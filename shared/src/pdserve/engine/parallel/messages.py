@@ -1,4 +1,4 @@
-"""What rank 0 tells the other ranks, over each one's stdin pipe (pickled, in order).
+"""What rank 0 tells the other ranks, over each one's pipe (pickled, in order).
 
 Collectives carry the model's tensors; these messages carry the control: what to load, where
 the cache is, and each step's batch. A pipe needs no timeout while the instance is idle, and

@@ -1,23 +1,22 @@
-"""A tensor-parallel rank other than 0: ``python -m pdserve.engine.parallel.worker``.
+"""A tensor-parallel rank other than 0, forked by `pdserve.engine.parallel.ranks`.
 
-It reads its `Setup` from stdin, joins the group, loads its share of the model, attaches to
+It reads its `Setup` from its pipe, joins the group, loads its share of the model, attaches to
 the KV cache and then runs every `Step` rank 0 sends, discarding the logits (rank 0 samples).
-It exits on `Shutdown`, at the end of its stdin (rank 0 is gone), or when a collective fails
+It exits on `Shutdown`, at the end of its pipe (rank 0 is gone), or when a collective fails
 (another rank is gone).
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
-import sys
-from typing import BinaryIO
+import os
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import structlog
 import torch
 from torch.distributed import TCPStore
 
-from pdserve.common.logging import exit_served_process
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.parallel.group import LOOPBACK, RankShard, TensorParallelGroup
@@ -38,16 +37,24 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def _read(stream: BinaryIO) -> object:
+def _read(receive: Callable[[], object]) -> object:
     try:
-        return pickle.load(stream)
+        return receive()
     except EOFError:
         return Shutdown()
 
 
-def run(stream: BinaryIO) -> int:
+def serve_rank(pipe: Connection, env: dict[str, str]) -> None:
+    """A rank's process: rank 0's environment (the fork server's was that of the process that
+    started it; multiprocessing gives it rank 0's working directory), then `run` over `pipe`."""
+    os.environ.clear()
+    os.environ.update(env)
+    run(pipe.recv)
+
+
+def run(receive: Callable[[], object]) -> int:
     """Serves as the rank `Setup` names until shutdown; returns the exit status."""
-    setup = _read(stream)
+    setup = _read(receive)
     if not isinstance(setup, Setup):
         return 0
     config = setup.config
@@ -60,7 +67,7 @@ def run(stream: BinaryIO) -> int:
     store = TCPStore(LOOPBACK, setup.store_port, shard.world_size, False, timeout)
     group = TensorParallelGroup.form(store, shard, device, timeout_s)
     model = load_rank_model(config, device, group)
-    attach = _read(stream)
+    attach = _read(receive)
     if not isinstance(attach, Attach):
         return 0
     heads = cache_head_range(model.config, shard)
@@ -82,7 +89,7 @@ def run(stream: BinaryIO) -> int:
     group.limit_waits(config.tensor_parallel_step_timeout_s)
     log.info("tensor_parallel_rank_ready", rank=shard.rank, world_size=shard.world_size)
     while True:
-        message = _read(stream)
+        message = _read(receive)
         if not isinstance(message, Step):
             return 0
         slots = kv_cache.window_slots
@@ -95,9 +102,3 @@ def run(stream: BinaryIO) -> int:
         except ValueError as error:
             # NOTE: a batch prepare_step refuses is refused on every rank before any collective.
             log.warning("tensor_parallel_step_refused", rank=shard.rank, error=str(error))
-
-
-if __name__ == "__main__":
-    # NOTE: once rank 0 has closed the stream, nothing is left to tear down that the exit does
-    # not free: the interpreter's teardown would only keep rank 0's close waiting.
-    exit_served_process(run(sys.stdin.buffer))
