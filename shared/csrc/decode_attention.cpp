@@ -2,82 +2,18 @@
 //
 // One query token per sequence (a decode step) attends its sequence's keys through its block
 // table, straight from the cache (no gather into a padded copy): per KV head, the scores of its
-// group of query heads against every key (VDPBF16PS over bf16 q and k, float32 sums), a softmax
-// in float32 (with a sink logit per head where the model has them), then the values weighted in
-// float32, rounded once to bf16. A float32 K/V cache (AVX2, where `--dtype auto` is float32)
+// group of query heads against every key (VDPBF16PS over bf16 q and k, float32 sums, four keys'
+// sums at a time), a softmax in float32 (with a sink logit per head where the model has them),
+// then the values weighted in float32, rounded once to bf16. A float32 K/V cache (AVX2, where `--dtype auto` is float32)
 // takes the same steps in eight-lane FMAs.
 #include "common.h"
 
 namespace pdserve {
 namespace {
 
-// Each of G rows of scores (num_keys each) as exp(score - high), in place, and each row's sum
-// (with its sink's share where the model has sinks): the softmax's weights before the division
-// (the bf16 kernel's; the float32 kernel's, `softmax_f32`, takes eight lanes a step).
-template <int G>
-void softmax(float* scores, int num_keys, const float* high, const float* sinks, float* total) {
-  for (int g = 0; g < G; ++g) {
-    float sum = sinks ? expf(sinks[g] - high[g]) : 0.0f;
-    float* s = scores + g * num_keys;
-    for (int i = 0; i < num_keys; ++i) {
-      s[i] = expf(s[i] - high[g]);
-      sum += s[i];
-    }
-    total[g] = sum;
-  }
-}
-
-template <int G>
-KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                               const int32_t* table, int first, int last, int block_size,
-                               int num_kv_heads, int head, int head_dim, float scale,
-                               const float* sinks, float* scores, uint16_t* out) {
-  const int chunks = head_dim / 32;  // bf16 pairs of a 512-bit register
-  const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
-  const int num_keys = last - first;
-  __m512i qv[G][8];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_si512(q + g * head_dim + c * 32);
-  float high[G];
-  for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
-  for (int t = first; t < last; ++t) {
-    const uint16_t* key = k_cache + (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
-                          static_cast<size_t>(head) * head_dim;
-    __m512 dot[G];
-    for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
-    for (int c = 0; c < chunks; ++c) {
-      __m512i kv = _mm512_loadu_si512(key + c * 32);
-      for (int g = 0; g < G; ++g) dot[g] = _mm512_dpbf16_ps(dot[g], (__m512bh)qv[g][c], (__m512bh)kv);
-    }
-    for (int g = 0; g < G; ++g) {
-      float s = _mm512_reduce_add_ps(dot[g]) * scale;
-      scores[g * num_keys + (t - first)] = s;
-      high[g] = s > high[g] ? s : high[g];
-    }
-  }
-  float total[G];
-  softmax<G>(scores, num_keys, high, sinks, total);
-  // NOTE: 16 values of the head at a time over every key, G accumulators in registers.
-  for (int c = 0; c < head_dim / 16; ++c) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int t = first; t < last; ++t) {
-      const uint16_t* value = v_cache +
-                              (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
-                              static_cast<size_t>(head) * head_dim + c * 16;
-      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value))), 16));
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * num_keys + (t - first)]), v, acc[g]);
-    }
-    for (int g = 0; g < G; ++g) {
-      __m512 o = _mm512_mul_ps(acc[g], _mm512_set1_ps(1.0f / total[g]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + c * 16), (__m256i)_mm512_cvtneps_pbh(o));
-    }
-  }
-}
-
-// softmax's first half for float32 scores (eight lanes a step, the exponentials as exp8):
-// each of G rows as exp(score - high), in place, and each row's sum with its sink's share.
+// A softmax's first half over float32 scores (both kernels'; eight lanes a step, the
+// exponentials as exp8): each of G rows (num_keys each) as exp(score - high), in place, and
+// each row's sum with its sink's share where the model has sinks.
 template <int G>
 F32_TARGET void softmax_f32(float* scores, int num_keys, const float* high, const float* sinks, float* total) {
   for (int g = 0; g < G; ++g) {
@@ -96,6 +32,70 @@ F32_TARGET void softmax_f32(float* scores, int num_keys, const float* high, cons
       sum += s[i];
     }
     total[g] = sinks ? sum + expf(sinks[g] - high[g]) : sum;
+  }
+}
+
+template <int G>
+KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                               const int32_t* table, int first, int last, int block_size,
+                               int num_kv_heads, int head, int head_dim, float scale,
+                               const float* sinks, float* scores, uint16_t* out) {
+  const int chunks = head_dim / 32;  // bf16 pairs of a 512-bit register
+  const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
+  const int num_keys = last - first;
+  // NOTE: each key's row found once (a division by the block size per key, not per key and
+  // chunk of the keys and the values).
+  thread_local std::vector<size_t> at;
+  at.resize(num_keys);
+  for (int t = first; t < last; ++t) {
+    at[t - first] = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
+                    static_cast<size_t>(head) * head_dim;
+  }
+  __m512i qv[G][8];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_si512(q + g * head_dim + c * 32);
+  float high[G];
+  for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
+  // NOTE: four keys at a time, their 16-lane dot products summed together (`sum4`: one order
+  // for every key, the last keys' missing ones zeros), instead of one horizontal sum per key.
+  const __m512 zero = _mm512_setzero_ps();
+  for (int t = 0; t < num_keys; t += 4) {
+    const int n = num_keys - t < 4 ? num_keys - t : 4;
+    __m512 dot[4][G];
+    for (int j = 0; j < 4; ++j)
+      for (int g = 0; g < G; ++g) dot[j][g] = zero;
+    for (int j = 0; j < n; ++j) {
+      const uint16_t* key = k_cache + at[t + j];
+      for (int c = 0; c < chunks; ++c) {
+        const __m512i kv = _mm512_loadu_si512(key + c * 32);
+        for (int g = 0; g < G; ++g) dot[j][g] = _mm512_dpbf16_ps(dot[j][g], (__m512bh)qv[g][c], (__m512bh)kv);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(16) float four[4];
+      _mm_store_ps(four, _mm_mul_ps(sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]), _mm_set1_ps(scale)));
+      for (int j = 0; j < n; ++j) {
+        scores[g * num_keys + t + j] = four[j];
+        high[g] = four[j] > high[g] ? four[j] : high[g];
+      }
+    }
+  }
+  float total[G];
+  softmax_f32<G>(scores, num_keys, high, sinks, total);
+  // NOTE: 16 values of the head at a time over every key, G accumulators in registers.
+  for (int c = 0; c < head_dim / 16; ++c) {
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int t = 0; t < num_keys; ++t) {
+      const uint16_t* value = v_cache + at[t] + c * 16;
+      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value))), 16));
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * num_keys + t]), v, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 o = _mm512_mul_ps(acc[g], _mm512_set1_ps(1.0f / total[g]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + c * 16), (__m256i)_mm512_cvtneps_pbh(o));
+    }
   }
 }
 
