@@ -136,7 +136,10 @@ async def test_streamed_tool_call_deltas_are_shaped_as_openai(cluster: ProcessCl
     assert (first.index, first.type) == (0, "function")
     assert first.id is not None and first.id.startswith("call_")
     assert first.function is not None and first.function.name == "get_weather"
-    assert rest and all(s.id is None and s.index == 0 for s in rest)
+    # NOTE: how many deltas follow depends on how the tokens reached the gateway: beside a CPU
+    # hog the whole call once came in one piece. That the arguments stream as they are written
+    # is `test_arguments_stream_while_the_call_is_written`'s (tools/test_gateway_tool_parsers).
+    assert all(s.id is None and s.index == 0 for s in rest)
     arguments = "".join(s.function.arguments or "" for s in steps if s.function)
     assert json.loads(arguments) == {"city": "Paris"}
     assert [c.finish_reason for c in choices if c.finish_reason] == ["tool_calls"]
