@@ -4,12 +4,26 @@
 // table, straight from the cache (no gather into a padded copy): per KV head, the scores of its
 // group of query heads against every key (VDPBF16PS over bf16 q and k, float32 sums, four keys'
 // sums at a time), a softmax in float32 (with a sink logit per head where the model has them),
-// then the values weighted in float32, rounded once to bf16. A float32 K/V cache (AVX2, where `--dtype auto` is float32)
-// takes the same steps in eight-lane FMAs.
+// then the values weighted in float32, rounded once to bf16. A float32 K/V cache (AVX2, where
+// `--dtype auto` is float32) takes the same steps in eight-lane FMAs.
 #include "common.h"
 
 namespace pdserve {
 namespace {
+
+// Where each key of `first`..`last` starts in the cache (one head's `offset` into its row of
+// `row` elements), found once per head: a division by the block size per key, not per key and
+// chunk of the keys and the values. The vector is the calling thread's, valid until its next
+// call.
+const std::vector<size_t>& key_rows(const int32_t* table, int first, int last, int block_size, size_t row,
+                                    int offset) {
+  thread_local std::vector<size_t> at;
+  at.resize(last - first);
+  for (int t = first; t < last; ++t) {
+    at[t - first] = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row + offset;
+  }
+  return at;
+}
 
 // A softmax's first half over float32 scores (both kernels'; eight lanes a step, the
 // exponentials as exp8): each of G rows (num_keys each) as exp(score - high), in place, and
@@ -43,14 +57,7 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
   const int chunks = head_dim / 32;  // bf16 pairs of a 512-bit register
   const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
   const int num_keys = last - first;
-  // NOTE: each key's row found once (a division by the block size per key, not per key and
-  // chunk of the keys and the values).
-  thread_local std::vector<size_t> at;
-  at.resize(num_keys);
-  for (int t = first; t < last; ++t) {
-    at[t - first] = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
-                    static_cast<size_t>(head) * head_dim;
-  }
+  const std::vector<size_t>& at = key_rows(table, first, last, block_size, row, head * head_dim);
   __m512i qv[G][8];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_si512(q + g * head_dim + c * 32);
@@ -106,14 +113,7 @@ F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v
                                 const float* sinks, float* scores, float* out) {
   const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
   const int num_keys = last - first;
-  // NOTE: each key's row found once (a division by the block size per key, not per key and
-  // chunk of the values).
-  thread_local std::vector<size_t> at;
-  at.resize(num_keys);
-  for (int t = first; t < last; ++t) {
-    at[t - first] = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row +
-                    static_cast<size_t>(head) * head_dim;
-  }
+  const std::vector<size_t>& at = key_rows(table, first, last, block_size, row, head * head_dim);
   float high[G];
   for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
   for (int t = 0; t < num_keys; ++t) {
