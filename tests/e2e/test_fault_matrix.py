@@ -552,6 +552,10 @@ class Fault:
             victim.signal(signal.SIGSTOP)
             self.stopped.append(victim)
 
+    def land_cell(self, cluster: ProcessCluster, cell: Cell, victim: ChildProcess) -> None:
+        """Lands `cell`'s fault on `victim` (`land` with the cell's kind, rank and target)."""
+        self.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+
     def land_held(self, cluster: ProcessCluster, victims: list[ChildProcess]) -> None:
         """SIGKILLs `victims` (every instance of a role) and starts them again only once the
         gateway holds a rescheduled stream waiting for a pair (its ``waiting_for_peer``), or
@@ -944,13 +948,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                             if any(held.values()) or attempt == 2:
                                 victim = by_name(cluster, max(held, key=lambda n: held[n]))
                                 assert held[victim.name] > 0, "no decode held a request"
-                                fault.land(
-                                    cluster,
-                                    cell.fault,
-                                    victim,
-                                    rank=cell.is_rank,
-                                    target=cell.target,
-                                )
+                                fault.land_cell(cluster, cell, victim)
                                 break
                         await asyncio.gather(*tasks, return_exceptions=True)
                         mark = log_mark(cluster)
@@ -963,7 +961,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     took = {p.name: len(since(mark, p, "lease_granted")) for p in cluster.prefills}
                     victim = by_name(cluster, max(took, key=lambda n: took[n]))
                 if cell.role != "decode":
-                    fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+                    fault.land_cell(cluster, cell, victim)
             elif is_prefill_phase:
                 # NOTE: this process reads the prefills' logs a moment late: on a busy machine
                 # the prompt it saw in prefill had its first token by the freeze, and no other
@@ -995,9 +993,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                                 victim = next(
                                     d for d in cluster.decodes if instance_id(d) == decode_id
                                 )
-                            fault.land(
-                                cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target
-                            )
+                            fault.land_cell(cluster, cell, victim)
                             break
                     await asyncio.gather(*tasks, return_exceptions=True)
                     mark = log_mark(cluster)
@@ -1036,13 +1032,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                                 other = next(d for d in cluster.decodes if d is not serving)
                                 fault.land_held(cluster, [other, serving])
                             else:
-                                fault.land(
-                                    cluster,
-                                    cell.fault,
-                                    victim,
-                                    rank=cell.is_rank,
-                                    target=cell.target,
-                                )
+                                fault.land_cell(cluster, cell, victim)
                             break
                     await asyncio.gather(*tasks, return_exceptions=True)
                     mark = log_mark(cluster)
@@ -1095,7 +1085,7 @@ async def land_while_decoding(
             victim = by_name(cluster, max(computed, key=lambda n: computed[n]))
         elif cell.role == "gateway":
             victim = gateway_of(cluster)
-        fault.land(cluster, cell.fault, victim, rank=cell.is_rank, target=cell.target)
+        fault.land_cell(cluster, cell, victim)
 
 
 async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
