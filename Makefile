@@ -115,10 +115,7 @@ test: system-deps venv model llama-convert lint typecheck node-deps image  ## li
 # NOTE: the scopes' seconds a clean clone schedules by (tests/support/scope_seconds.json), from
 # this checkout's last `make test`.
 scope-seconds: venv  ## refresh tests/support/scope_seconds.json from the last make test's timings
-	$(PY) -c 'import json, pathlib; src = pathlib.Path(".pytest_cache/v/pdserve/scope-seconds"); \
-		d = json.loads(src.read_text()); \
-		pathlib.Path("tests/support/scope_seconds.json").write_text(json.dumps({k: round(v, 1) \
-		for k, v in sorted(d.items())}, indent=1) + "\n")'
+	PYTHONPATH=tests $(PY) -c 'from support import scheduling; scheduling.commit_seconds()'
 
 test-fast: system-deps venv llama-convert  ## pytest without lint
 	$(BIN)/pytest -x -q

@@ -72,6 +72,14 @@ def timed_seconds(cached: Mapping[str, float]) -> dict[str, float]:
     return {**committed, **cached}
 
 
+def commit_seconds(cache_dir: Path = Path(".pytest_cache")) -> None:
+    """Writes the last run's seconds per scope (pytest's cache under `cache_dir`) as the
+    committed ones (``make scope-seconds``)."""
+    cached = json.loads((cache_dir / "v" / CACHE_KEY).read_text())
+    rounded = {scope: round(seconds, 1) for scope, seconds in sorted(cached.items())}
+    COMMITTED_SECONDS.write_text(json.dumps(rounded, indent=1) + "\n")
+
+
 def make_scheduler(config: Any, log: Any, timed: Mapping[str, float]) -> Any:
     """A loadscope scheduler that hands out the costliest scope left first (`timed`: seconds
     per scope from an earlier run)."""
