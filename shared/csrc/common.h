@@ -117,6 +117,19 @@ void decode_attention_f32(const float* q, const float* k_cache, const float* v_c
                           int head_dim, int block_size, float scale, float* out);
 void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out);
 
+// The bf16 kernels as the fused decode step calls them (AVX512-BF16; bf16 as uint16_t).
+void int4_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
+                    const void* mins, int out_features, uint16_t* out, bool half_scales);
+void int8_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
+                    bool scales_f32, int group, const float* mins, int out_features, uint16_t* out);
+void decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
+                           int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, float scale, uint16_t* out);
+void rms_norm_bf16(const uint16_t* x, int rows, int size, const uint16_t* weight, float eps, bool scaled_in_float32,
+                   uint16_t* out);
+PyObject* py_silu_mul(PyObject*, PyObject* args);
+PyObject* py_decode_layers(PyObject*, PyObject* args);
+
 // The kernel team (team.cpp): `part(context, i, parts)` for every i in [0, parts), i = 0 on the
 // calling thread, for a call of `rows` input rows; parts is 1 (this thread alone) where the team
 // has one thread, the call has more rows than the team takes, the team is busy with another

@@ -213,6 +213,14 @@ void decode_attention_f32(const float* q, const float* k_cache, const float* v_c
                                                     nullptr, out);
 }
 
+void decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
+                           int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, float scale, uint16_t* out) {
+  kDecodeAttention<uint16_t>[num_heads / num_kv_heads](q, k_cache, v_cache, tables, table_stride, lens, num_seqs,
+                                                       num_heads, num_kv_heads, head_dim, block_size, scale, 0,
+                                                       nullptr, out);
+}
+
 PyObject* py_decode_attention(PyObject*, PyObject* args) {
   return decode_attention_call<uint16_t>(args, cpu_supported(), "this CPU lacks AVX512-BF16");
 }

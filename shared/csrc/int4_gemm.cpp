@@ -115,14 +115,14 @@ KERNEL_TARGET inline float load1<uint16_t>(const uint16_t* value) {
   return _cvtsh_ss(*value);
 }
 
-// mins_term[o] = sum_g mins[g][o] * sums[g] for every output row (mins transposed: [G][out]),
-// 64 output rows at a time: four independent chains, each group's 128 bytes of mins in one pass
-// (each lane sums its groups in the same order whatever the block).
+// mins_term[o] = sum_g mins[g][o] * sums[g] for the output rows [begin, end) (mins transposed:
+// [G][out]), 64 output rows at a time: four independent chains, each group's 128 bytes of mins in
+// one pass (each lane sums its groups in the same order whatever the block or the range).
 template <typename S>
-KERNEL_TARGET void mins_terms(const S* mins, const float* sums, int num_groups, int out_features,
-                              float* mins_term) {
-  int o = 0;
-  for (; o + 64 <= out_features; o += 64) {
+KERNEL_TARGET void mins_terms(const S* mins, const float* sums, int num_groups, int out_features, int begin,
+                              int end, float* mins_term) {
+  int o = begin;
+  for (; o + 64 <= end; o += 64) {
     __m512 acc[4];
     for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
     const S* m = mins + o;
@@ -134,8 +134,8 @@ KERNEL_TARGET void mins_terms(const S* mins, const float* sums, int num_groups, 
     }
     for (int i = 0; i < 4; ++i) _mm512_storeu_ps(mins_term + o + 16 * i, acc[i]);
   }
-  for (; o < out_features; o += 16) {
-    __mmask16 mask = first_lanes(out_features - o);
+  for (; o < end; o += 16) {
+    __mmask16 mask = first_lanes(end - o);
     __m512 acc = _mm512_setzero_ps();
     for (int g = 0; g < num_groups; ++g) {
       acc = _mm512_fmadd_ps(load16<S>(mins + static_cast<size_t>(g) * out_features + o, mask),
@@ -229,29 +229,94 @@ KERNEL_TARGET inline void widen_scales(const uint16_t* half, size_t count, float
   for (; i < count; ++i) out[i] = _cvtsh_ss(half[i]);
 }
 
+// A call's output rows [begin, end) over its prepared input rows: the mins' terms of those
+// rows, then block after block of kOutBlock output rows. The kernel team (team.cpp) splits a
+// one-row call into parts of whole blocks (`run`); each output is computed as one thread
+// computes it, so the bits do not depend on the parts.
+template <typename S>
+struct Outputs {
+  const PreparedRow* prepared;
+  float* sums;   // [rows][G]
+  float* terms;  // [rows][out]
+  int num_rows, num_pairs, out_features;
+  const uint8_t* weight;
+  const S* scales;
+  const S* mins;
+  uint16_t* out;
+
+  KERNEL_TARGET void compute(int begin, int end) const {
+    const int num_groups = num_pairs * 2;
+    {  // the part's first rows of the weight, and block of scales
+      const char* w = reinterpret_cast<const char*>(weight) + static_cast<size_t>(begin) * num_pairs * 32;
+      const size_t rows = end - begin < kStartRows ? end - begin : kStartRows;
+      for (size_t i = 0; i < rows * num_pairs * 32; i += 64) _mm_prefetch(w + i, _MM_HINT_T0);
+      const char* sc = reinterpret_cast<const char*>(scales + static_cast<size_t>(begin) * num_groups);
+      const size_t bytes = static_cast<size_t>(kOutBlock < end - begin ? kOutBlock : end - begin) * num_groups * sizeof(S);
+      for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(sc + i, _MM_HINT_T0);
+    }
+    for (int r = 0; r < num_rows; ++r) {
+      mins_terms<S>(mins, sums + static_cast<size_t>(r) * num_groups, num_groups, out_features, begin, end,
+                    terms + static_cast<size_t>(r) * out_features);
+    }
+    thread_local std::vector<float> block_scales;
+    block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
+    // NOTE: a block of output rows stays in cache while every block of input rows passes it.
+    for (int o = begin; o < end; o += kOutBlock) {
+      int o_end = o + kOutBlock < end ? o + kOutBlock : end;
+      {  // the next block's scales
+        const char* next = reinterpret_cast<const char*>(scales + static_cast<size_t>(o_end) * num_groups);
+        const char* last = reinterpret_cast<const char*>(scales + static_cast<size_t>(end) * num_groups);
+        const size_t bytes = static_cast<size_t>(kOutBlock) * num_groups * sizeof(S);
+        for (size_t i = 0; i < bytes && next + i < last; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+      }
+      widen_scales(scales + static_cast<size_t>(o) * num_groups, static_cast<size_t>(o_end - o) * num_groups,
+                   block_scales.data());
+      const float* s = block_scales.data();
+      for (int r = 0; r < num_rows; r += kRowBlock) {
+        uint16_t* outs[kRowBlock];
+        int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
+        for (int i = 0; i < block; ++i) outs[i] = out + static_cast<size_t>(r + i) * out_features;
+        const PreparedRow* rows = prepared + r;
+        switch (block) {
+          case 4: rows_kernel<4, 3>(rows, num_pairs, weight, s, o, o_end, outs); break;
+          case 3: rows_kernel<3, 4>(rows, num_pairs, weight, s, o, o_end, outs); break;
+          case 2: rows_kernel<2, 6>(rows, num_pairs, weight, s, o, o_end, outs); break;
+          default: rows_kernel<1, 8>(rows, num_pairs, weight, s, o, o_end, outs); break;
+        }
+      }
+    }
+  }
+
+  // Part `part` of `parts`: the blocks [blocks * part / parts, blocks * (part + 1) / parts).
+  KERNEL_TARGET static void run(void* self, int part, int parts) {
+    const auto& call = *static_cast<const Outputs*>(self);
+    const int64_t blocks = (call.out_features + kOutBlock - 1) / kOutBlock;
+    const int begin = static_cast<int>(blocks * part / parts) * kOutBlock;
+    int end = static_cast<int>(blocks * (part + 1) / parts) * kOutBlock;
+    if (end > call.out_features) end = call.out_features;
+    if (begin < end) call.compute(begin, end);
+  }
+};
+
 template <typename S>
 KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight,
                         const S* scales, const S* mins, int out_features, uint16_t* out) {
   const int num_pairs = in_features / 64;
   const int num_groups = in_features / kGroup;
   thread_local std::vector<uint16_t> words;
-  thread_local std::vector<float> starts, sums, terms, block_scales;
+  thread_local std::vector<float> starts, sums, terms;
   thread_local std::vector<PreparedRow> prepared;
   words.resize(static_cast<size_t>(num_rows) * num_pairs * 64);
   starts.resize(static_cast<size_t>(num_rows) * num_pairs * 16);
   sums.resize(static_cast<size_t>(num_rows) * num_groups);
   terms.resize(static_cast<size_t>(num_rows) * out_features);
-  block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
   prepared.resize(num_rows);
-  {  // the first rows of the weight and block of scales, while the rows are prepared
+  {  // the first rows of the weight while the rows are prepared
     const char* w = reinterpret_cast<const char*>(weight);
     const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
-    size_t bytes = static_cast<size_t>(kStartRows) * row_bytes;
+    const size_t bytes = static_cast<size_t>(kStartRows) * row_bytes;
     const size_t all = row_bytes * out_features;
     for (size_t i = 0; i < bytes && i < all; i += 64) _mm_prefetch(w + i, _MM_HINT_T0);
-    const char* sc = reinterpret_cast<const char*>(scales);
-    bytes = static_cast<size_t>(kOutBlock < out_features ? kOutBlock : out_features) * num_groups * sizeof(S);
-    for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(sc + i, _MM_HINT_T0);
   }
   for (int r = 0; r < num_rows; ++r) {
     uint16_t* w = words.data() + static_cast<size_t>(r) * num_pairs * 64;
@@ -259,34 +324,11 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
     float* su = sums.data() + static_cast<size_t>(r) * num_groups;
     float* te = terms.data() + static_cast<size_t>(r) * out_features;
     prepare_row(x + static_cast<size_t>(r) * in_features, num_pairs, w, st, su);
-    mins_terms<S>(mins, su, num_groups, out_features, te);
     prepared[r] = PreparedRow{w, st, su, te};
   }
-  // NOTE: a block of output rows stays in cache while every block of input rows passes it.
-  for (int o = 0; o < out_features; o += kOutBlock) {
-    int o_end = o + kOutBlock < out_features ? o + kOutBlock : out_features;
-    {  // the next block's scales
-      const char* next = reinterpret_cast<const char*>(scales + static_cast<size_t>(o_end) * num_groups);
-      const char* last = reinterpret_cast<const char*>(scales + static_cast<size_t>(out_features) * num_groups);
-      const size_t bytes = static_cast<size_t>(kOutBlock) * num_groups * sizeof(S);
-      for (size_t i = 0; i < bytes && next + i < last; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
-    }
-    widen_scales(scales + static_cast<size_t>(o) * num_groups,
-                 static_cast<size_t>(o_end - o) * num_groups, block_scales.data());
-    const float* s = block_scales.data();
-    for (int r = 0; r < num_rows; r += kRowBlock) {
-      uint16_t* outs[kRowBlock];
-      int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
-      for (int i = 0; i < block; ++i) outs[i] = out + static_cast<size_t>(r + i) * out_features;
-      const PreparedRow* rows = prepared.data() + r;
-      switch (block) {
-        case 4: rows_kernel<4, 3>(rows, num_pairs, weight, s, o, o_end, outs); break;
-        case 3: rows_kernel<3, 4>(rows, num_pairs, weight, s, o, o_end, outs); break;
-        case 2: rows_kernel<2, 6>(rows, num_pairs, weight, s, o, o_end, outs); break;
-        default: rows_kernel<1, 8>(rows, num_pairs, weight, s, o, o_end, outs); break;
-      }
-    }
-  }
+  Outputs<S> call{prepared.data(), sums.data(), terms.data(), num_rows, num_pairs, out_features,
+                  weight, scales, mins, out};
+  team_run(&Outputs<S>::run, &call, num_rows);
 }
 
 // The weight as bf16 ``s * q + m`` (rounded once, to nearest even), [out][in] in the columns'
@@ -330,6 +372,17 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
 
 }  // namespace
 
+void int4_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
+                    const void* mins, int out_features, uint16_t* out, bool half_scales) {
+  if (half_scales) {
+    gemm<uint16_t>(x, num_rows, in_features, weight, static_cast<const uint16_t*>(scales),
+                   static_cast<const uint16_t*>(mins), out_features, out);
+  } else {
+    gemm<float>(x, num_rows, in_features, weight, static_cast<const float*>(scales), static_cast<const float*>(mins),
+                out_features, out);
+  }
+}
+
 PyObject* py_int4_gemm(PyObject*, PyObject* args) {
   unsigned long long x, weight, scales, mins, out;
   int num_rows, in_features, out_features, half_scales;
@@ -346,15 +399,9 @@ PyObject* py_int4_gemm(PyObject*, PyObject* args) {
     return nullptr;
   }
   Py_BEGIN_ALLOW_THREADS
-  if (half_scales) {
-    gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x), num_rows, in_features,
-                   reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const uint16_t*>(scales),
-                   reinterpret_cast<const uint16_t*>(mins), out_features, reinterpret_cast<uint16_t*>(out));
-  } else {
-    gemm<float>(reinterpret_cast<const uint16_t*>(x), num_rows, in_features,
-                reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const float*>(scales),
-                reinterpret_cast<const float*>(mins), out_features, reinterpret_cast<uint16_t*>(out));
-  }
+  int4_gemm_bf16(reinterpret_cast<const uint16_t*>(x), num_rows, in_features, reinterpret_cast<const uint8_t*>(weight),
+                 reinterpret_cast<const void*>(scales), reinterpret_cast<const void*>(mins), out_features,
+                 reinterpret_cast<uint16_t*>(out), half_scales != 0);
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

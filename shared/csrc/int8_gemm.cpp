@@ -124,14 +124,72 @@ KERNEL_TARGET void widen_scales(const uint16_t* half, size_t count, float* out) 
   for (; i < count; ++i) out[i] = _cvtsh_ss(half[i]);
 }
 
+// A call's output rows [begin, end), block after block of kOutBlock: the kernel team
+// (team.cpp) splits a one-row call into parts of whole blocks (`run`); each output is computed
+// as one thread computes it, so the bits do not depend on the parts.
+template <bool G16, bool MINS>
+struct Outputs {
+  const uint16_t* x;
+  const float* xsums;  // [rows][chunks][16] where MINS
+  int num_rows, in_features, out_features;
+  const int8_t* weight;
+  Layout layout;
+  uint16_t* out;
+
+  KERNEL_TARGET void compute(int begin, int end) const {
+    const int num_chunks = in_features / kChunk;
+    const int num_groups = in_features / layout.group;
+    thread_local std::vector<float> block_scales;
+    if (!layout.scales_f32) block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
+    // NOTE: a block of output rows stays in cache while every block of input rows passes it.
+    for (int o = begin; o < end; o += kOutBlock) {
+      int o_end = o + kOutBlock < end ? o + kOutBlock : end;
+      const size_t first = static_cast<size_t>(o) * num_groups;
+      const float* s;
+      if (layout.scales_f32) {
+        s = static_cast<const float*>(layout.scales) + first;
+      } else {
+        widen_scales(static_cast<const uint16_t*>(layout.scales) + first,
+                     static_cast<size_t>(o_end - o) * num_groups, block_scales.data());
+        s = block_scales.data();
+      }
+      const float* m = MINS ? layout.mins + first : nullptr;
+      for (int r = 0; r < num_rows; r += kRowBlock) {
+        const uint16_t* xs[kRowBlock];
+        const float* sums[kRowBlock];
+        uint16_t* outs[kRowBlock];
+        int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
+        for (int i = 0; i < block; ++i) {
+          xs[i] = x + static_cast<size_t>(r + i) * in_features;
+          sums[i] = MINS ? xsums + static_cast<size_t>(r + i) * num_chunks * 16 : nullptr;
+          outs[i] = out + static_cast<size_t>(r + i) * out_features;
+        }
+        switch (block) {
+          case 4: rows_kernel<4, 3, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+          case 3: rows_kernel<3, 4, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+          case 2: rows_kernel<2, 6, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+          default: rows_kernel<1, 12, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
+        }
+      }
+    }
+  }
+
+  // Part `part` of `parts`: the blocks [blocks * part / parts, blocks * (part + 1) / parts).
+  KERNEL_TARGET static void run(void* self, int part, int parts) {
+    const auto& call = *static_cast<const Outputs*>(self);
+    const int64_t blocks = (call.out_features + kOutBlock - 1) / kOutBlock;
+    const int begin = static_cast<int>(blocks * part / parts) * kOutBlock;
+    int end = static_cast<int>(blocks * (part + 1) / parts) * kOutBlock;
+    if (end > call.out_features) end = call.out_features;
+    if (begin < end) call.compute(begin, end);
+  }
+};
+
 template <bool G16, bool MINS>
 KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const int8_t* weight,
                         const Layout& layout, int out_features, uint16_t* out) {
   const int num_chunks = in_features / kChunk;
-  const int num_groups = in_features / layout.group;
-  thread_local std::vector<float> block_scales;
   thread_local std::vector<float> xsums;  // [rows][chunks][16]
-  if (!layout.scales_f32) block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
   if (MINS) {
     // each input row's pair sums x[2i] + x[2i + 1] per chunk, the lanes its min multiplies
     xsums.resize(static_cast<size_t>(num_rows) * num_chunks * 16);
@@ -144,37 +202,8 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
       }
     }
   }
-  // NOTE: a block of output rows stays in cache while every block of input rows passes it.
-  for (int o = 0; o < out_features; o += kOutBlock) {
-    int o_end = o + kOutBlock < out_features ? o + kOutBlock : out_features;
-    const size_t first = static_cast<size_t>(o) * num_groups;
-    const float* s;
-    if (layout.scales_f32) {
-      s = static_cast<const float*>(layout.scales) + first;
-    } else {
-      widen_scales(static_cast<const uint16_t*>(layout.scales) + first,
-                   static_cast<size_t>(o_end - o) * num_groups, block_scales.data());
-      s = block_scales.data();
-    }
-    const float* m = MINS ? layout.mins + first : nullptr;
-    for (int r = 0; r < num_rows; r += kRowBlock) {
-      const uint16_t* xs[kRowBlock];
-      const float* sums[kRowBlock];
-      uint16_t* outs[kRowBlock];
-      int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
-      for (int i = 0; i < block; ++i) {
-        xs[i] = x + static_cast<size_t>(r + i) * in_features;
-        sums[i] = MINS ? xsums.data() + static_cast<size_t>(r + i) * num_chunks * 16 : nullptr;
-        outs[i] = out + static_cast<size_t>(r + i) * out_features;
-      }
-      switch (block) {
-        case 4: rows_kernel<4, 3, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
-        case 3: rows_kernel<3, 4, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
-        case 2: rows_kernel<2, 6, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
-        default: rows_kernel<1, 12, G16, MINS>(xs, sums, num_chunks, weight, s, m, o, o_end, outs); break;
-      }
-    }
-  }
+  Outputs<G16, MINS> call{x, MINS ? xsums.data() : nullptr, num_rows, in_features, out_features, weight, layout, out};
+  team_run(&Outputs<G16, MINS>::run, &call, num_rows);
 }
 
 // Rows `ids` of the weight as bf16 ``s * q + m`` (the product exact in float32, the sum rounded
@@ -226,6 +255,18 @@ bool parse_layout(int in_features, int group, int scales_f32, unsigned long long
 
 }  // namespace
 
+void int8_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
+                    bool scales_f32, int group, const float* mins, int out_features, uint16_t* out) {
+  const Layout layout{group, scales_f32, scales, mins};
+  if (group == 16) {
+    if (mins) gemm<true, true>(x, num_rows, in_features, weight, layout, out_features, out);
+    else gemm<true, false>(x, num_rows, in_features, weight, layout, out_features, out);
+  } else {
+    if (mins) gemm<false, true>(x, num_rows, in_features, weight, layout, out_features, out);
+    else gemm<false, false>(x, num_rows, in_features, weight, layout, out_features, out);
+  }
+}
+
 PyObject* py_int8_gemm(PyObject*, PyObject* args) {
   unsigned long long x, weight, scales, mins, out;
   int num_rows, in_features, group, scales_f32, out_features;
@@ -239,17 +280,10 @@ PyObject* py_int8_gemm(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "rows must be >= 0 and out_features positive");
     return nullptr;
   }
-  const auto* xs = reinterpret_cast<const uint16_t*>(x);
-  const auto* w = reinterpret_cast<const int8_t*>(weight);
-  auto* y = reinterpret_cast<uint16_t*>(out);
   Py_BEGIN_ALLOW_THREADS
-  if (group == 16) {
-    if (mins) gemm<true, true>(xs, num_rows, in_features, w, layout, out_features, y);
-    else gemm<true, false>(xs, num_rows, in_features, w, layout, out_features, y);
-  } else {
-    if (mins) gemm<false, true>(xs, num_rows, in_features, w, layout, out_features, y);
-    else gemm<false, false>(xs, num_rows, in_features, w, layout, out_features, y);
-  }
+  int8_gemm_bf16(reinterpret_cast<const uint16_t*>(x), num_rows, in_features, reinterpret_cast<const int8_t*>(weight),
+                 layout.scales, layout.scales_f32, layout.group, layout.mins, out_features,
+                 reinterpret_cast<uint16_t*>(out));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

@@ -1,5 +1,5 @@
 // pdserve.engine._cpu_kernels: the module (int4_gemm.cpp, int8_gemm.cpp, decode_attention.cpp,
-// rms_norm.cpp for AVX512-BF16; f32_gemm.cpp for AVX2).
+// rms_norm.cpp for AVX512-BF16; f32_gemm.cpp for AVX2; fused_decode.cpp for both).
 #include "common.h"
 
 namespace pdserve {
@@ -60,7 +60,7 @@ PyMethodDef methods[] = {
     {"decode_layers_f32", py_decode_layers_f32, METH_VARARGS,
      "decode_layers_f32(plan, layers, hidden, rows, hidden_size, heads, kv_heads, head_dim, "
      "intermediate, block_size, table_stride, eps, scale, cos, sin, kv, cache_floats, slots, "
-     "tables, lens): every decoder layer of a float32 decode step over int4 or int8 projections "
+     "tables, lens, norm_scaled_in_float32): every decoder layer of a float32 decode step over int4 or int8 projections "
      "(pdserve.engine.fused_decode), hidden updated in place (AVX2)."},
     {"set_team_threads", py_set_team_threads, METH_VARARGS,
      "set_team_threads(threads, max_rows): how many threads (this one included) share the output "
@@ -68,6 +68,12 @@ PyMethodDef methods[] = {
      "every call on its caller's thread."},
     {"team_threads", py_team_threads, METH_NOARGS,
      "The kernel team's (threads, max_rows, parts its threads computed) (set_team_threads)."},
+    {"silu_mul", py_silu_mul, METH_VARARGS,
+     "silu_mul(gate_up, rows, size, out): silu(gate) * up of each bf16 row [gate | up] (2 * size, "
+     "size a multiple of 16) into out [rows, size], torch's two bf16 roundings."},
+    {"decode_layers", py_decode_layers, METH_VARARGS,
+     "decode_layers(...): decode_layers_f32's arguments over bf16 hidden, cos, sin and K/V, with "
+     "the norms' order (scaled in float32, gpt-oss's, or not) last."},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
      "rows with a bf16 weight, in float32, into bf16 out."},

@@ -40,6 +40,11 @@ KERNEL_TARGET void rms_norm(const uint16_t* x, int rows, int size, const uint16_
 
 }  // namespace
 
+void rms_norm_bf16(const uint16_t* x, int rows, int size, const uint16_t* weight, float eps, bool scaled_in_float32,
+                   uint16_t* out) {
+  rms_norm(x, rows, size, weight, eps, scaled_in_float32, out);
+}
+
 PyObject* py_rms_norm(PyObject*, PyObject* args) {
   unsigned long long x, weight, out;
   int rows, size, scaled_in_float32;
@@ -53,8 +58,8 @@ PyObject* py_rms_norm(PyObject*, PyObject* args) {
   }
   if (!rows_or_error(rows, size)) return nullptr;
   Py_BEGIN_ALLOW_THREADS
-  rms_norm(reinterpret_cast<const uint16_t*>(x), rows, size, reinterpret_cast<const uint16_t*>(weight), eps,
-           scaled_in_float32 != 0, reinterpret_cast<uint16_t*>(out));
+  rms_norm_bf16(reinterpret_cast<const uint16_t*>(x), rows, size, reinterpret_cast<const uint16_t*>(weight), eps,
+                scaled_in_float32 != 0, reinterpret_cast<uint16_t*>(out));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }

@@ -111,7 +111,9 @@ def test_int8_one_hot_rows_read_the_files_values(
     assert torch.equal(_read_out(linear, 256, rows), expected)
 
 
-def _int4_linear(out_features: int, in_features: int, seed: int) -> tuple[Int4Linear, torch.Tensor]:
+def _int4_linear(
+    out_features: int, in_features: int, seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[Int4Linear, torch.Tensor]:
     """A random int4 projection with float16-exact scales and mins, and its float64 weight."""
     generator = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out_features, in_features), generator=generator)
@@ -120,7 +122,7 @@ def _int4_linear(out_features: int, in_features: int, seed: int) -> tuple[Int4Li
     mins = (-8 * scales + torch.randn(shape, generator=generator) * 1e-3).half().float()
     groups = q.view(out_features, -1, 32).double()
     weight = (groups * scales.double()[..., None] + mins.double()[..., None]).flatten(1)
-    return Int4Linear(q, scales, mins, None, torch.float32), weight
+    return Int4Linear(q, scales, mins, None, dtype), weight
 
 
 def test_int4_rows_are_computed_alone_and_close_to_exact() -> None:
@@ -160,20 +162,35 @@ def kernel_team() -> Iterator[Callable[[int, int], None]]:
     cpu_kernels.set_team_threads(1)
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                not cpu_kernels.available(), reason="the bf16 kernels need AVX512-BF16"
+            ),
+        ),
+    ],
+    ids=["float32", "bfloat16"],
+)
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_kernel_team_gives_one_threads_bits(
-    kernel_team: Callable[[int, int], None], threads: int
+    kernel_team: Callable[[int, int], None], threads: int, dtype: torch.dtype
 ) -> None:
     """The int4 and int8 GEMMs' output rows shared by 2 or 3 threads (output counts that do
     not split evenly), whichever thread computes a part: every row of 1 to 8 input rows the same
-    bits as one thread's; calls of more rows than the team takes run alone."""
-    int4, _ = _int4_linear(200, 576, seed=4)
+    bits as one thread's; calls of more rows than the team takes run alone. Both sets of
+    kernels: float32 activations (AVX2) and bf16 ones (AVX512-BF16)."""
+    int4, _ = _int4_linear(200, 576, seed=4, dtype=dtype)
     generator = torch.Generator().manual_seed(5)
     values = torch.randint(-128, 128, (100, 512), generator=generator, dtype=torch.int8)
     scales = (torch.rand(100, 32, generator=generator) * 0.01).float()
-    int8 = Int8GroupLinear(values, scales, torch.float32, torch.randn(100, 32) * 0.01)
-    x4 = torch.randn(OWN_KERNEL_MAX_ROWS, 576, generator=generator)
-    x8 = torch.randn(OWN_KERNEL_MAX_ROWS, 512, generator=generator)
+    int8 = Int8GroupLinear(values, scales, dtype, torch.randn(100, 32) * 0.01)
+    assert int4.kernel == "pdserve" and int8.kernel == "pdserve"
+    x4 = torch.randn(OWN_KERNEL_MAX_ROWS, 576, generator=generator).to(dtype)
+    x8 = torch.randn(OWN_KERNEL_MAX_ROWS, 512, generator=generator).to(dtype)
     rows = range(1, OWN_KERNEL_MAX_ROWS + 1)
     with torch.no_grad():
         alone = [(int4(x4[:n]), int8(x8[:n])) for n in rows]

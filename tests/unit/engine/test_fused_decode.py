@@ -1,6 +1,6 @@
-"""The float32 decode step's layers in one compiled call (`pdserve.engine.fused_decode`): the
-same logits and the same K/V as the layer-by-layer path, bit for bit; steps and models it does
-not take run layer by layer, and the log says why a model's layers do not fuse."""
+"""A decode step's layers in one compiled call (`pdserve.engine.fused_decode`), in float32 and
+in bfloat16: the same logits and the same K/V as the layer-by-layer path, bit for bit; steps and
+models it does not take run layer by layer, and the log says why a model's layers do not fuse."""
 
 from __future__ import annotations
 
@@ -22,9 +22,11 @@ from pdserve.engine.layers import silu_mul, takes_silu_mul
 from pdserve.engine.model_store import ResolvedModel
 from pdserve.engine.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(
+F32 = pytest.mark.skipif(
     not cpu_kernels.f32_available(), reason="the float32 kernels need AVX2, FMA and F16C"
 )
+BF16 = pytest.mark.skipif(not cpu_kernels.available(), reason="the bf16 kernels need AVX512-BF16")
+DTYPES = [pytest.param("float32", marks=F32), pytest.param("bfloat16", marks=BF16)]
 
 BLOCK_SIZE = 16
 BLOCKS_PER_SEQ = 8
@@ -40,10 +42,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def load(model: Path, *, fused: bool = True, **settings: object) -> ModelRunner:
+def load(
+    model: Path, *, fused: bool = True, dtype: str = "float32", **settings: object
+) -> ModelRunner:
     config = EngineConfig(
         model=str(model),
-        **{"dtype": "float32", "quantization": "auto", **settings},  # type: ignore[arg-type]
+        **{"dtype": dtype, "quantization": "auto", **settings},  # type: ignore[arg-type]
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=BLOCKS_PER_SEQ * (MAX_STREAMS + 1)),
     )
     runner = ModelRunner.load(config)
@@ -103,14 +107,17 @@ def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return sorted(map(tuple, a.tolist())) == sorted(map(tuple, b.tolist()))
 
 
-def assert_fused_equals_layer_by_layer(model: Path, vocab: int, row_counts: list[int]) -> None:
+def assert_fused_equals_layer_by_layer(
+    model: Path, vocab: int, row_counts: list[int], dtype: str
+) -> None:
     """Decode steps of `row_counts` rows (each row its stream's greedy pick) on a fused runner
     and on a layer-by-layer one (given `CHUNK_ROWS` rows a call, as the fused step takes
     them; more rows there take a GEMM over the dequantized weights): the same hidden states
     after the last layer at every step, the same logits where the LM head had the same rows,
     and the same cache after."""
-    fused, layers = load(model), load(model, fused=False)
+    fused, layers = load(model, dtype=dtype), load(model, fused=False, dtype=dtype)
     assert fused.model.fused_decode() is not None
+    assert fused.kv_cache.kv.dtype == getattr(torch, dtype)
     batch = prompts(max(row_counts), vocab, seed=len(row_counts))
     ours, theirs = Streams(fused, batch), Streams(layers, batch)
     our_hidden, their_hidden = ours.hidden_states(), theirs.hidden_states()
@@ -130,6 +137,7 @@ def assert_fused_equals_layer_by_layer(model: Path, vocab: int, row_counts: list
     assert torch.equal(fused.kv_cache.kv, layers.kv_cache.kv)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "tensor_type",
     [
@@ -141,21 +149,27 @@ def assert_fused_equals_layer_by_layer(model: Path, vocab: int, row_counts: list
     ids=["Q4_1", "Q4_K", "Q8_0", "Q6_K"],
 )
 def test_a_fused_step_is_the_layer_by_layer_step_bit_for_bit(
-    tmp_path: Path, tensor_type: GGMLQuantizationType
+    tmp_path: Path, tensor_type: GGMLQuantizationType, dtype: str
 ) -> None:
     model = converted_tiny_gguf(tmp_path, TinyGgufSpec(tensor_type=tensor_type))
     with capture_logs() as logs:
-        load(model).model.fused_decode()
+        load(model, dtype=dtype).model.fused_decode()
     [line] = [e for e in logs if e["event"] == "fused_decode"]
     assert line["enabled"] is True and line["num_layers"] == NUM_LAYERS
+    assert line["dtype"] == dtype
     vocab = load(model, fused=False).model.config.vocab_size
-    assert_fused_equals_layer_by_layer(model, vocab, [1, 3, CHUNK_ROWS, 2, MAX_STREAMS, 1])
+    assert_fused_equals_layer_by_layer(model, vocab, [1, 3, CHUNK_ROWS, 2, MAX_STREAMS, 1], dtype)
 
 
-def test_the_default_model_decodes_fused_as_layer_by_layer(smollm2: ResolvedModel) -> None:
-    """SmolLM2's Q4_1 file in float32 (``--dtype auto`` on a CPU without native bf16): its 30
-    layers fuse, and steps of 1 to 18 rows give the layer-by-layer path's bits."""
-    assert_fused_equals_layer_by_layer(smollm2.path, 49152, [1, 1, 5, CHUNK_ROWS, MAX_STREAMS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_default_model_decodes_fused_as_layer_by_layer(
+    smollm2: ResolvedModel, dtype: str
+) -> None:
+    """SmolLM2's Q4_1 file as ``--dtype auto`` serves it (bfloat16 on a CPU with native bf16,
+    float32 elsewhere): its 30 layers fuse, and steps of 1 to 18 rows give the layer-by-layer
+    path's bits."""
+    rows = [1, 1, 5, CHUNK_ROWS, MAX_STREAMS]
+    assert_fused_equals_layer_by_layer(smollm2.path, 49152, rows, dtype)
 
 
 def test_a_kernel_team_decodes_the_same_bits(tmp_path: Path) -> None:
@@ -204,7 +218,11 @@ def test_a_step_with_a_prefill_runs_layer_by_layer(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("spec", "settings", "reason"),
     [
-        (TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0), {"dtype": "bfloat16"}, ""),
+        (
+            TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0),
+            {"dtype": "float16"},
+            "needs bfloat16 or float32",
+        ),
         (
             TinyGgufSpec(tensor_type=GGMLQuantizationType.Q4_0),
             {"quantization": "none"},
@@ -217,7 +235,7 @@ def test_a_step_with_a_prefill_runs_layer_by_layer(tmp_path: Path) -> None:
             "q/k norms",
         ),
     ],
-    ids=["bf16", "float32-weights", "deterministic", "qk-norms"],
+    ids=["float16", "float32-weights", "deterministic", "qk-norms"],
 )
 def test_a_model_whose_layers_do_not_fuse_says_why(
     tmp_path: Path, spec: TinyGgufSpec, settings: dict[str, object], reason: str
@@ -239,5 +257,23 @@ def test_silu_mul_is_torchs_swiglu_within_float32_rounding_row_by_row() -> None:
     gate, up = gate_up.split(1544, dim=-1)
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-30)
     assert all(torch.equal(silu_mul(gate_up[i : i + 1])[0], out[i]) for i in range(5))
-    assert not takes_silu_mul(gate_up.bfloat16())
+    assert not takes_silu_mul(gate_up.half())
     assert not takes_silu_mul(gate_up[:, ::2])
+
+
+@BF16
+def test_bf16_silu_mul_rounds_as_torchs_two_bf16_ops() -> None:
+    """SiLU in float32 rounded to bf16, then the product rounded: torch's ``F.silu(gate) * up``
+    in bf16, but for the rare value whose float32 SiLU (its own exp) lies across a bf16
+    rounding boundary from torch's; each row alone."""
+    generator = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(4, 2 * 1536, generator=generator) * 6).bfloat16()
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 88.0, -87.0, 200.0, -200.0])
+    out = silu_mul(gate_up)
+    gate, up = gate_up.split(1536, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(out, want)
+    assert (out == want).float().mean() > 0.999
+    assert all(torch.equal(silu_mul(gate_up[i : i + 1])[0], out[i]) for i in range(4))
+    assert takes_silu_mul(gate_up)
+    assert not takes_silu_mul(torch.zeros(1, 2 * 8, dtype=torch.bfloat16))

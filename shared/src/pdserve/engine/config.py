@@ -118,7 +118,7 @@ class EngineConfig:
             one op that wait on a busy core make small kernels orders of magnitude slower.
             Each tensor-parallel rank takes as many.
         kernel_threads: Threads (this one included) that share the output rows of each
-            float32 int4/int8 GEMM of a one-row decode step (`pdserve.engine.cpu_kernels`
+            int4/int8 GEMM (float32 or bf16) of a one-row decode step (`pdserve.engine.cpu_kernels`
             `set_team_threads`): a lone user's step waits on reading its weights, and one
             thread keeps too few reads in flight. The same numbers whatever the count. A
             process-wide setting.

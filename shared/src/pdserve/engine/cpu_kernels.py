@@ -63,16 +63,18 @@ engines on the machine (a prefill under load)."""
 
 
 def set_team_threads(threads: int, max_rows: int = TEAM_MAX_ROWS) -> None:
-    """How many threads (the caller's included) share the output rows of each float32 int4 or
-    int8 GEMM of at most `max_rows` input rows (``shared/csrc/team.cpp``); 1 runs every call on
-    its caller's thread alone.
+    """How many threads (the caller's included) share the output rows of each int4 or int8 GEMM
+    (float32 or bf16 activations) of at most `max_rows` input rows (``shared/csrc/team.cpp``);
+    1 runs every call on its caller's thread alone.
 
     A one-row decode step reads every weight once, and one thread keeps too few reads in flight
     to stream them at the memory's speed: two read them about 1.5x as fast where the second core
-    is free (docs/BENCHMARKS.md). Each output is computed as one thread computes it, so the
-    numbers do not change. The threads claim parts of a call as they get to run; the caller
-    takes what they leave, so a team thread that another process keeps off its core does not
-    hold the step up. A no-op where the float32 kernels do not run (nothing to share).
+    is free on an AVX2 host (float32); on an AVX512-BF16 host one thread already reads near the
+    memory's speed and a bf16 step gains about 6% (docs/BENCHMARKS.md). Each output is computed
+    as one thread computes it, so the numbers do not change. The threads claim parts of a call
+    as they get to run; the caller takes what they leave, so a team thread that another process
+    keeps off its core does not hold the step up. A no-op where the compiled kernels do not run
+    (nothing to share); the float32 set runs wherever the bf16 one does.
     """
     if threads < 1 or max_rows < 1:
         raise ValueError(f"threads and max_rows must be at least 1, got {threads}, {max_rows}")

@@ -1,13 +1,17 @@
-"""A float32 decode step's decoder layers in one compiled call (``shared/csrc/fused_decode.cpp``).
+"""A decode step's decoder layers in one compiled call (``shared/csrc/fused_decode.cpp``), in
+bfloat16 (AVX512-BF16) or float32 (AVX2).
 
-On a CPU without native bf16, ``--dtype auto`` serves float32 over a GGUF's own int4 and int8
-weights (`pdserve.engine.int4_kernel`, `pdserve.engine.int8_kernel`). A one-row step of the
-default model then ran 120 int4 GEMMs, 30 attentions and 61 norms in about 24 ms of kernels,
-and about 20 ms more of Python and small tensor ops between them (module calls, RoPE's six ops,
-two cache writes, SwiGLU, residual adds, each kernel's wrapper). Here one call runs every
+``--dtype auto`` serves a GGUF's own int4 and int8 weights (`pdserve.engine.int4_kernel`,
+`pdserve.engine.int8_kernel`) with bf16 activations on a CPU with native bf16, float32 ones
+elsewhere. A one-row step of the default model runs 120 int4 GEMMs, 30 attentions and 61 norms;
+layer by layer, Python and small tensor ops between them (module calls, RoPE's six ops, two
+cache writes, SwiGLU, residual adds, each kernel's wrapper) took about 20 ms beside 24 ms of
+float32 kernels, and about 4 ms beside 5 ms of bf16 ones. Here one call runs every
 layer: the same kernels in the same order on the same rows, RoPE, the cache writes, SwiGLU and
 the residual adds in C++, so a step's hidden states are the layer-by-layer path's bit for bit
-(the layer-by-layer path's SwiGLU runs on `silu_mul`, the same arithmetic). A step of more than
+(in bf16, RoPE's products and sums and the residual adds each rounded to bf16 as torch's bf16
+ops round them; the layer-by-layer path's SwiGLU runs on `silu_mul`, the same arithmetic). A
+step of more than
 `CHUNK_ROWS` decodes runs as calls of that many (its rows do not depend on each other): the
 bits of the layer-by-layer path given that many rows at a time, where it would otherwise take
 a GEMM over every weight dequantized for the step.
@@ -16,8 +20,9 @@ It takes a model whose every layer is Llama's shape (`FusedDecode.why_not` says 
 int4 or int8-group projections on pdserve's kernels without bias (a GGUF's Q4_0 / Q4_1 / Q4_K
 and Q8_0 / Q6_K / Q5_K, mixed as a Q4_K_M file mixes them), RMSNorm, SiLU, RoPE over whole
 heads, no windows, sinks, q/k norms or experts, one rank) and a step of decodes with nothing
-else (no prefill, no per-layer callback, no graph padding), float32, one torch thread. Any
-other model or step runs layer by layer as before.
+else (no prefill, no per-layer callback, no graph padding), in the model's dtype (bfloat16 or
+float32, where the CPU runs that set of kernels), one torch thread. Any other model or step
+runs layer by layer as before.
 """
 
 from __future__ import annotations
@@ -52,12 +57,18 @@ calls of this many: its rows are independent of each other, and the layer-by-lay
 take a GEMM over every weight dequantized for the step instead."""
 
 
+INSTRUCTIONS = {torch.bfloat16: "AVX512-BF16", torch.float32: "AVX2, FMA, F16C"}
+"""What each dtype's fused step runs on."""
+
+
 class FusedDecode:
-    """A model's decoder layers as one plan for ``decode_layers_f32`` (build with `for_model`).
+    """A model's decoder layers as one plan for ``decode_layers`` (bfloat16) or
+    ``decode_layers_f32`` (build with `for_model`).
 
     Attributes:
         plan: ``[num_layers, LAYER_FIELDS]`` int64 addresses and flags; the tensors they point
             into are the model's own (the plan holds no copy, and the model must outlive it).
+        dtype: The activations' (and norms', and cache's) dtype.
     """
 
     def __init__(self, model: Any) -> None:
@@ -72,6 +83,8 @@ class FusedDecode:
         self.intermediate_size = first.mlp.intermediate_size
         self.eps = float(first.input_layernorm.eps)
         self.scale = float(first.self_attn.attn.scale)
+        self.dtype = first.input_layernorm.weight.dtype
+        self.norm_scaled_in_float32 = bool(first.input_layernorm.is_scaled_in_float32)
         rows = []
         for layer in layers:
             row = [
@@ -102,7 +115,8 @@ class FusedDecode:
             enabled=True,
             num_layers=fused.num_layers,
             chunk_rows=CHUNK_ROWS,
-            instructions="AVX2, FMA, F16C",
+            dtype=str(fused.dtype).removeprefix("torch."),
+            instructions=INSTRUCTIONS[fused.dtype],
         )
         return fused
 
@@ -110,8 +124,14 @@ class FusedDecode:
     def why_not(model: Any) -> str | None:
         """Why `model`'s layers do not fuse (None where they do)."""
         config = model.config
-        if not cpu_kernels.f32_available():
-            return cpu_kernels.why_unavailable(torch.float32)
+        dtype = _norm_dtype(model)
+        if dtype is None:
+            return "not Llama's layer (no RMSNorm before attention)"
+        if dtype not in INSTRUCTIONS:
+            return f"norms in {dtype} (needs bfloat16 or float32)"
+        unavailable = cpu_kernels.why_unavailable(dtype)
+        if unavailable is not None:
+            return unavailable
         if model.group.world_size > 1:
             return "tensor parallelism"
         family = _family_reason(config, model)
@@ -119,7 +139,7 @@ class FusedDecode:
             return family
         shapes = set()
         for index, layer in enumerate(model.model.layers):
-            reason = _layer_reason(layer)
+            reason = _layer_reason(layer, dtype)
             if reason is not None:
                 return f"layer {index}: {reason}"
             attn, mlp = layer.self_attn, layer.mlp
@@ -132,13 +152,17 @@ class FusedDecode:
                     float(layer.input_layernorm.eps),
                     float(layer.post_attention_layernorm.eps),
                     float(attn.attn.scale),
+                    bool(layer.input_layernorm.is_scaled_in_float32),
+                    bool(layer.post_attention_layernorm.is_scaled_in_float32),
                 )
             )
         if len(shapes) != 1:
             return "layers of different shapes"
-        num_heads, num_kv_heads, head_dim, intermediate, eps, post_eps, _ = shapes.pop()
-        if eps != post_eps:
-            return "norms with different eps"
+        num_heads, num_kv_heads, head_dim, intermediate, eps, post_eps, _, scaled, post_scaled = (
+            shapes.pop()
+        )
+        if eps != post_eps or scaled != post_scaled:
+            return "norms with different eps or order"
         group = num_heads // num_kv_heads if num_kv_heads else 0
         if not 1 <= group <= 8 or group * num_kv_heads != num_heads:
             return "needs 1-8 query heads per KV head"
@@ -149,19 +173,19 @@ class FusedDecode:
         return None
 
     def takes(self, hidden: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> bool:
-        """Whether this step fuses: float32 decodes and nothing else, over a float32 cache of
-        every layer in one contiguous tensor, on one torch thread."""
+        """Whether this step fuses: decodes and nothing else in the model's dtype, over a cache
+        of that dtype holding every layer in one contiguous tensor, on one torch thread."""
         rows = hidden.shape[0]
         kv = kv_cache.kv
         return (
             rows >= 1
-            and hidden.dtype == torch.float32
+            and hidden.dtype == self.dtype
             and metadata.num_decodes == rows
             and not metadata.prefills
             and not metadata.is_static
             and metadata.write_rows is None
             and kv_cache.window_slots is None
-            and kv.dtype == torch.float32
+            and kv.dtype == self.dtype
             and kv.device.type == "cpu"
             and kv.is_contiguous()
             and kv.shape[0] == self.num_layers
@@ -185,7 +209,7 @@ class FusedDecode:
         slots = metadata.slot_mapping.to(torch.int64).contiguous()
         tables, lens = metadata.decode_tables()
         kv = kv_cache.kv
-        decode_layers = cpu_kernels.compiled().decode_layers_f32
+        decode_layers = cpu_kernels.kernel("decode_layers", self.dtype)
         for start in range(0, rows, CHUNK_ROWS):
             stop = min(start + CHUNK_ROWS, rows)
             decode_layers(
@@ -209,6 +233,7 @@ class FusedDecode:
                 slots[start:stop].data_ptr(),
                 tables[start:stop].data_ptr(),
                 lens[start:stop].data_ptr(),
+                self.norm_scaled_in_float32,
             )
         return hidden
 
@@ -259,7 +284,12 @@ def _family_reason(config: Any, model: Any) -> str | None:
     return next((reason for failed, reason in checks if failed), None)
 
 
-def _layer_reason(layer: Any) -> str | None:
+def _norm_dtype(model: Any) -> torch.dtype | None:
+    norm = getattr(model.model.layers[0], "input_layernorm", None)
+    return norm.weight.dtype if isinstance(norm, RMSNorm) else None
+
+
+def _layer_reason(layer: Any, dtype: torch.dtype) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     if (
         type(layer) is not LlamaDecoderLayer
@@ -272,8 +302,8 @@ def _layer_reason(layer: Any) -> str | None:
     if attn.q_norm is not None or attn.sinks is not None or attn.attn.sliding_window is not None:
         return "q/k norms, sinks or a window"
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        if type(norm) is not RMSNorm or norm.weight.dtype != torch.float32:
-            return "a norm other than float32 RMSNorm"
+        if type(norm) is not RMSNorm or norm.weight.dtype != dtype:
+            return f"a norm other than RMSNorm in {dtype}"
     for name, linear in (
         ("qkv_proj", attn.qkv_proj),
         ("o_proj", attn.o_proj),

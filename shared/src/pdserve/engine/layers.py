@@ -61,25 +61,29 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
 
 
 def takes_silu_mul(gate_up: torch.Tensor) -> bool:
-    """Whether `silu_mul` takes `gate_up` (contiguous float32 rows on a CPU with AVX2)."""
+    """Whether `silu_mul` takes `gate_up`: contiguous float32 rows on a CPU with AVX2, or bf16
+    rows (a multiple of 32 wide) on one with AVX512-BF16."""
+    is_f32 = gate_up.dtype == torch.float32
     return (
-        gate_up.dtype == torch.float32
+        (is_f32 or (gate_up.dtype == torch.bfloat16 and gate_up.shape[-1] % 32 == 0))
         and gate_up.device.type == "cpu"
         and gate_up.dim() == 2
         and gate_up.is_contiguous()
         and torch.get_num_threads() == 1
-        and cpu_kernels.f32_available()
+        and (cpu_kernels.f32_available() if is_f32 else cpu_kernels.available())
     )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of each row ``[gate | up]`` of `gate_up` (``[rows, 2 * size]``):
     ``[rows, size]``, the fused decode step's arithmetic
-    (`pdserve.engine.fused_decode`)."""
+    (`pdserve.engine.fused_decode`). In bf16 torch's two roundings: the SiLU computed in
+    float32 and rounded, then the product rounded."""
     rows, size = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, size, dtype=gate_up.dtype)
     if rows:
-        cpu_kernels.compiled().silu_mul_f32(gate_up.data_ptr(), rows, size, out.data_ptr())
+        kernel = cpu_kernels.kernel("silu_mul", gate_up.dtype)
+        kernel(gate_up.data_ptr(), rows, size, out.data_ptr())
     return out
 
 

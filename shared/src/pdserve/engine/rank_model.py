@@ -79,7 +79,7 @@ def load_rank_model(
             "kernel_team",
             threads=config.kernel_threads,
             max_rows=TEAM_MAX_ROWS,
-            why_not=why_unavailable(torch.float32),
+            why_not=why_unavailable(torch.float32) and why_unavailable(torch.bfloat16),
         )
     model_config = ModelConfig.from_pretrained(config.model)
     choice = config.dtype_choice
