@@ -112,9 +112,6 @@ void int4_gemm_f32(const float* x, int num_rows, int in_features, const uint8_t*
                    const void* mins, int out_features, float* out, bool half_scales);
 void int8_gemm_f32(const float* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
                    bool scales_f32, int group, const float* mins, int out_features, float* out);
-void decode_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables,
-                          int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, float* out);
 void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out);
 
 // The bf16 kernels as the fused decode step calls them (AVX512-BF16; bf16 as uint16_t).
@@ -122,19 +119,40 @@ void int4_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const uint
                     const void* mins, int out_features, uint16_t* out, bool half_scales);
 void int8_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
                     bool scales_f32, int group, const float* mins, int out_features, uint16_t* out);
-void decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
-                           int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
-                           int head_dim, int block_size, float scale, uint16_t* out);
 void rms_norm_bf16(const uint16_t* x, int rows, int size, const uint16_t* weight, float eps, bool scaled_in_float32,
                    uint16_t* out);
 PyObject* py_silu_mul(PyObject*, PyObject* args);
 PyObject* py_decode_layers(PyObject*, PyObject* args);
+
+// The decode attention as the fused decode step calls it (no window, no sinks), T float
+// (float32) or uint16_t (bf16; decode_attention.cpp instantiates both).
+template <typename T>
+void decode_attention_plain(const T* q, const T* k_cache, const T* v_cache, const int32_t* tables, int table_stride,
+                            const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, float scale, T* out);
 
 // The kernel team (team.cpp): `part(context, i, parts)` for every i in [0, parts), i = 0 on the
 // calling thread, for a call of `rows` input rows; parts is 1 (this thread alone) where the team
 // has one thread, the call has more rows than the team takes, the team is busy with another
 // call, or the caller is one of its threads.
 using PartFn = void (*)(void* context, int part, int parts);
+
+// The output rows of part `part` of `parts`, in whole units of `unit` rows: units
+// [units * part / parts, units * (part + 1) / parts) of the `count` rows' ceil(count / unit),
+// as [*begin, *end) (empty where *begin >= *end).
+inline void part_rows(int count, int unit, int part, int parts, int* begin, int* end) {
+  const int64_t units = (count + unit - 1) / unit;
+  *begin = static_cast<int>(units * part / parts) * unit;
+  *end = static_cast<int>(units * (part + 1) / parts) * unit;
+  if (*end > count) *end = count;
+}
+
+// Whether the CPU runs a kernel set (`supported`), or false with a Python RuntimeError saying
+// `unsupported`.
+inline bool supported_or_error(bool supported, const char* unsupported) {
+  if (!supported) PyErr_SetString(PyExc_RuntimeError, unsupported);
+  return supported;
+}
 void team_run(PartFn part, void* context, int rows);
 PyObject* py_set_team_threads(PyObject*, PyObject* args);
 PyObject* py_team_threads(PyObject*, PyObject*);

@@ -185,10 +185,7 @@ PyObject* decode_attention_call(PyObject* args, bool supported, const char* unsu
     return nullptr;
   }
   const int group = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
-  if (!supported) {
-    PyErr_SetString(PyExc_RuntimeError, unsupported);
-    return nullptr;
-  }
+  if (!supported_or_error(supported, unsupported)) return nullptr;
   if (group < 1 || group > 8 || group * num_kv_heads != num_heads || head_dim % 32 != 0 || head_dim > 256) {
     PyErr_SetString(PyExc_ValueError, "needs 1-8 query heads per KV head and head_dim a multiple of 32 up to 256");
     return nullptr;
@@ -205,21 +202,19 @@ PyObject* decode_attention_call(PyObject* args, bool supported, const char* unsu
 
 }  // namespace
 
-void decode_attention_f32(const float* q, const float* k_cache, const float* v_cache, const int32_t* tables,
-                          int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
-                          int head_dim, int block_size, float scale, float* out) {
-  kDecodeAttention<float>[num_heads / num_kv_heads](q, k_cache, v_cache, tables, table_stride, lens, num_seqs,
-                                                    num_heads, num_kv_heads, head_dim, block_size, scale, 0,
-                                                    nullptr, out);
+// The fused decode step's call (fused_decode.cpp): no window, no sinks.
+template <typename T>
+void decode_attention_plain(const T* q, const T* k_cache, const T* v_cache, const int32_t* tables, int table_stride,
+                            const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, float scale, T* out) {
+  kDecodeAttention<T>[num_heads / num_kv_heads](q, k_cache, v_cache, tables, table_stride, lens, num_seqs, num_heads,
+                                                num_kv_heads, head_dim, block_size, scale, 0, nullptr, out);
 }
 
-void decode_attention_bf16(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* tables,
-                           int table_stride, const int32_t* lens, int num_seqs, int num_heads, int num_kv_heads,
-                           int head_dim, int block_size, float scale, uint16_t* out) {
-  kDecodeAttention<uint16_t>[num_heads / num_kv_heads](q, k_cache, v_cache, tables, table_stride, lens, num_seqs,
-                                                       num_heads, num_kv_heads, head_dim, block_size, scale, 0,
-                                                       nullptr, out);
-}
+template void decode_attention_plain<float>(const float*, const float*, const float*, const int32_t*, int,
+                                            const int32_t*, int, int, int, int, int, float, float*);
+template void decode_attention_plain<uint16_t>(const uint16_t*, const uint16_t*, const uint16_t*, const int32_t*,
+                                               int, const int32_t*, int, int, int, int, int, float, uint16_t*);
 
 PyObject* py_decode_attention(PyObject*, PyObject* args) {
   return decode_attention_call<uint16_t>(args, cpu_supported(), "this CPU lacks AVX512-BF16");

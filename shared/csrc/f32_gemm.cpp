@@ -218,10 +218,8 @@ struct Parts {
 
   F32_TARGET static void run(void* self, int part, int parts) {
     const auto& p = *static_cast<const Parts*>(self);
-    const int64_t units = (p.out_features + kPartRows - 1) / kPartRows;
-    const int begin = static_cast<int>(units * part / parts) * kPartRows;
-    int end = static_cast<int>(units * (part + 1) / parts) * kPartRows;
-    if (end > p.out_features) end = p.out_features;
+    int begin, end;
+    part_rows(p.out_features, kPartRows, part, parts, &begin, &end);
     if (begin >= end) return;
     thread_local std::vector<float> buffer;
     buffer.resize(p.buffer_floats);

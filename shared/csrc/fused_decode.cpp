@@ -88,23 +88,10 @@ KERNEL_TARGET inline void store(uint16_t* p, __m512 rounded_values) {
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded_values), 16)));
 }
 
-// exp of 16 lanes: exp8's arithmetic (the same operations in the same order, so the same bits).
+// exp of 16 lanes: exp8 on each half (the same bits as the float32 kernels' exponentials).
 KERNEL_TARGET inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504019f));
-  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(exp8(_mm512_castps512_ps256(x))),
+                            exp8(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
 // out[r] = silu(gate) * up, torch's two bf16 ops: silu(g) = g / (1 + exp(-g)) in float32,
@@ -152,18 +139,6 @@ inline void rms_norm(const float* x, int rows, int size, const float* weight, fl
 inline void rms_norm(const uint16_t* x, int rows, int size, const uint16_t* weight, float eps,
                      bool scaled_in_float32, uint16_t* out) {
   rms_norm_bf16(x, rows, size, weight, eps, scaled_in_float32, out);
-}
-
-inline void attend(const float* q, const float* k, const float* v, const int32_t* tables, int stride,
-                   const int32_t* lens, int rows, int heads, int kv_heads, int head_dim, int block_size, float scale,
-                   float* out) {
-  decode_attention_f32(q, k, v, tables, stride, lens, rows, heads, kv_heads, head_dim, block_size, scale, out);
-}
-
-inline void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int32_t* tables, int stride,
-                   const int32_t* lens, int rows, int heads, int kv_heads, int head_dim, int block_size, float scale,
-                   uint16_t* out) {
-  decode_attention_bf16(q, k, v, tables, stride, lens, rows, heads, kv_heads, head_dim, block_size, scale, out);
 }
 
 // A projection as the plan holds it (pdserve.engine.fused_decode.PROJECTION_FIELDS): int4
@@ -260,8 +235,8 @@ void decode_layers(const int64_t* plan, int num_layers, const Shape& s, T* hidde
       }
       memcpy(v_row, row + q_size + kv_size, sizeof(T) * kv_size);
     }
-    attend(q.data(), k_cache, v_cache, tables, s.table_stride, lens, rows, s.num_heads, s.num_kv_heads, s.head_dim,
-           s.block_size, s.scale, attended.data());
+    decode_attention_plain<T>(q.data(), k_cache, v_cache, tables, s.table_stride, lens, rows, s.num_heads,
+                              s.num_kv_heads, s.head_dim, s.block_size, s.scale, attended.data());
     layer.o.apply(attended.data(), rows, q_size, s.hidden, projected.data());
     add_into(hidden, projected.data(), static_cast<size_t>(rows) * s.hidden);
     rms_norm(hidden, rows, s.hidden, layer.post_attention_norm, s.eps, scaled, normed.data());
@@ -278,11 +253,7 @@ PyObject* silu_mul_call(PyObject* args, bool supported, const char* unsupported)
   unsigned long long gate_up, out;
   int rows, size;
   if (!PyArg_ParseTuple(args, "KiiK", &gate_up, &rows, &size, &out)) return nullptr;
-  if (!supported) {
-    PyErr_SetString(PyExc_RuntimeError, unsupported);
-    return nullptr;
-  }
-  if (!rows_or_error(rows, size)) return nullptr;
+  if (!supported_or_error(supported, unsupported) || !rows_or_error(rows, size)) return nullptr;
   if (sizeof(T) == 2 && size % 16 != 0) {
     PyErr_SetString(PyExc_ValueError, "bf16 rows need a size that is a multiple of 16");
     return nullptr;
@@ -304,10 +275,7 @@ PyObject* decode_layers_call(PyObject* args, bool supported, const char* unsuppo
                         &s.norm_scaled_in_float32)) {
     return nullptr;
   }
-  if (!supported) {
-    PyErr_SetString(PyExc_RuntimeError, unsupported);
-    return nullptr;
-  }
+  if (!supported_or_error(supported, unsupported)) return nullptr;
   const int group = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 0;
   if (rows < 1 || num_layers < 1 || group < 1 || group > 8 || group * s.num_kv_heads != s.num_heads ||
       s.head_dim % 32 != 0 || s.head_dim > 256 || s.hidden % 64 != 0 || s.intermediate % 64 != 0) {

@@ -287,13 +287,11 @@ struct Outputs {
     }
   }
 
-  // Part `part` of `parts`: the blocks [blocks * part / parts, blocks * (part + 1) / parts).
+  // Part `part` of `parts`: whole blocks of output rows (`part_rows`).
   KERNEL_TARGET static void run(void* self, int part, int parts) {
     const auto& call = *static_cast<const Outputs*>(self);
-    const int64_t blocks = (call.out_features + kOutBlock - 1) / kOutBlock;
-    const int begin = static_cast<int>(blocks * part / parts) * kOutBlock;
-    int end = static_cast<int>(blocks * (part + 1) / parts) * kOutBlock;
-    if (end > call.out_features) end = call.out_features;
+    int begin, end;
+    part_rows(call.out_features, kOutBlock, part, parts, &begin, &end);
     if (begin < end) call.compute(begin, end);
   }
 };

@@ -150,7 +150,7 @@ class InstanceConfig(ServiceConfig):
             "help": "threads that share each GEMM of a one-row decode step (one user) on the "
             "int4/int8 kernels (float32 or bf16): a lone user's step waits on reading the "
             "weights, and one thread keeps too few reads in flight (float32: about 1.5x faster "
-            "with 2; bf16: about 6%, docs/BENCHMARKS.md); the same tokens whatever the count. "
+            "with 2; bf16: about 1.06x, docs/BENCHMARKS.md); the same tokens whatever the count. "
             "Steps of more rows keep one thread, leaving the other cores to the other engines "
             "(pdserve up gives a decode every core)",
             "gt": 0,
