@@ -179,7 +179,11 @@ async def test_static_instances_are_polled_and_serve_requests(cluster: Cluster) 
     gateway = await cluster.start_gateway(
         prefill=(prefill.address,), decode=(decode.address,), poll_interval_s=0.1
     )
-    assert {e.instance_id for e in gateway.registry.alive()} == {"prefill-0", "decode-0"}
+    # NOTE: a poll gives each instance 0.5 s to answer; on a busy machine the first one can miss
+    # it, and the next poll (0.1 s later) registers it.
+    await eventually(
+        lambda: {e.instance_id for e in gateway.registry.alive()} == {"prefill-0", "decode-0"}
+    )
     assert all(e.is_static for e in gateway.registry.entries())
     result = await cluster.openai().completions.create(model=MODEL_NAME, prompt="hi", max_tokens=3)
     assert result.usage is not None and result.usage.completion_tokens == 3
