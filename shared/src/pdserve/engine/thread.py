@@ -44,6 +44,12 @@ class EngineThread(abc.ABC):
         self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
 
+    @property
+    def is_running(self) -> bool:
+        """Whether the thread is still in its loop (a stop that timed out leaves it in its
+        step)."""
+        return self._thread.is_alive()
+
     @abc.abstractmethod
     def _run(self) -> None:
         """The loop itself: returns once `_is_stopped` is seen."""
