@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 
 import grpc
 import pytest
@@ -322,3 +324,43 @@ class TestPreemption:
                 assert kind == "finished" and delivered == reference
         assert num_preempted > 0
         await client.assert_whole()
+
+
+async def test_a_stop_between_two_steps_applies_the_aborts_queued_before_it(
+    client: DecodeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream cancelled while a step runs queues its abort; a stop then lands before the
+    step ends. The loop applies the abort as it stops, so the blocks come back (it used to
+    return at the stop with the abort dropped, the blocks held)."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    _, lease = await _handoff(client, "stopped", PROMPT, sampling)
+    call = client.decode.Generate(decode_pb2.DecodeServiceGenerateRequest(lease_id=lease.lease_id))
+    await call.read()
+    loop = client.instance.loop
+    in_step, go_on = threading.Event(), threading.Event()
+    execute = loop.runner.execute
+
+    def held_step(chunks: list) -> object:
+        in_step.set()
+        go_on.wait(60)
+        return execute(chunks)
+
+    monkeypatch.setattr(loop.runner, "execute", held_step)
+    assert await asyncio.to_thread(in_step.wait, 60)
+    call.cancel()
+    await eventually(lambda: bool(loop._aborts), 30, "the cancelled stream's abort")
+
+    def release_the_step_once_stopping() -> None:
+        deadline = time.monotonic() + 60
+        while not loop._is_stopped and time.monotonic() < deadline:
+            time.sleep(0.01)
+        go_on.set()
+
+    releaser = threading.Thread(target=release_the_step_once_stopping)
+    releaser.start()
+    await client.instance.stop(grace=0)
+    releaser.join()
+    assert not loop.is_running
+    pool = client.instance.leases.table.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    client.instance.leases.table.check_integrity()

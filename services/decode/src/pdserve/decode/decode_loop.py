@@ -135,17 +135,18 @@ class DecodeLoop(EngineThread):
                 ):
                     self._cond.wait()
                 aborts, self._aborts = self._aborts, {}
-                if self._is_stopped:
-                    if self._is_broken:
-                        self._release_all()
-                    return
-                preempt_reason, self._preempt_all = self._preempt_all, None
-                if preempt_reason is not None:
-                    # Draining: every queued request is admitted so that it gets its notice.
-                    while self._waiting:
-                        self._admit(self._waiting.popleft())
-                while self._waiting and len(self._running) < self.max_num_seqs:
-                    self._admit(self._waiting.popleft())
+                is_stopping = self._is_stopped
+                if not is_stopping:
+                    preempt_reason = self._take_admissions()
+            if is_stopping:
+                # NOTE: outside the condition (ending a request takes the lease table's lock,
+                # which `release` holds while it queues an abort). The aborts the stop queued
+                # (its streams cancelled) end their requests and give their blocks back: a stop
+                # that landed between two steps used to drop them.
+                self._apply_aborts(aborts)
+                if self._is_broken:
+                    self._release_all()
+                return
             try:
                 self._apply_aborts(aborts)
                 if preempt_reason is not None:
@@ -163,6 +164,18 @@ class DecodeLoop(EngineThread):
                 log.exception("decode_step_failed", error=str(error))
                 for request in list(self._running):
                     self._end(request, RequestStatus.FAILED, f"decode step failed: {error}")
+
+    def _take_admissions(self) -> PreemptionReason | None:
+        """Admits what waits (under the condition); the drain's preemption reason, where one
+        was asked for."""
+        preempt_reason, self._preempt_all = self._preempt_all, None
+        if preempt_reason is not None:
+            # Draining: every queued request is admitted so that it gets its notice.
+            while self._waiting:
+                self._admit(self._waiting.popleft())
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            self._admit(self._waiting.popleft())
+        return preempt_reason
 
     def _release_all(self) -> None:
         """Ends every request this loop holds (the instance is down: its streams are gone)."""
