@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,10 +162,18 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("is_reply_first", [False, True], ids=["reply_after", "reply_before"])
 async def test_a_service_forked_after_its_caller_gave_up_is_stopped(
-    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, is_reply_first: bool
 ) -> None:
+    """The caller gives up before the fork server's reply comes, or (a busy machine's order)
+    after the reply was read but before the caller marked its request abandoned: either way
+    the late service is stopped, not left to the next spawn."""
+
     def gives_up(timeout: float | None = None) -> dict[str, object]:
+        deadline = time.monotonic() + 30
+        while is_reply_first and not server._replies.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise queue.Empty  # NOTE: as a wait of SPAWN_TIMEOUT_S that ran out, whatever the clock
 
     with monkeypatch.context() as patched:

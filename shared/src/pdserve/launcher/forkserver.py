@@ -139,6 +139,10 @@ class ForkServer:
         self._spawn_lock = threading.Lock()
         self._num_requests = 0
         self._abandoned: set[int] = set()  # NOTE: requests whose caller stopped waiting
+        # NOTE: held while a reply is sorted (abandoned or queued) and while a request is
+        # abandoned, so that a reply read just before its request was abandoned is not left
+        # queued until the next spawn.
+        self._sorting = threading.Lock()
         self.stopped_late: list[int] = []
         """Services forked after their caller gave up waiting (and started them itself),
         killed as soon as their pid came."""
@@ -180,14 +184,15 @@ class ForkServer:
                 if process is not None:
                     process._set_returncode(message["returncode"])
                 continue
-            if message.get("request") in self._abandoned:
-                self._stop_late(message)
-                continue
-            if "spawned" in message:
-                # NOTE: registered here, before its exit can be read.
-                message["process"] = ForkedProcess(message["spawned"], self)
-                self._processes[message["spawned"]] = message["process"]
-            self._replies.put(message)
+            with self._sorting:
+                if message.get("request") in self._abandoned:
+                    self._stop_late(message)
+                    continue
+                if "spawned" in message:
+                    # NOTE: registered here, before its exit can be read.
+                    message["process"] = ForkedProcess(message["spawned"], self)
+                    self._processes[message["spawned"]] = message["process"]
+                self._replies.put(message)
 
     def _stop_late(self, reply: dict[str, Any]) -> None:
         """Kills the service a reply to an abandoned request names (its caller started it
@@ -199,6 +204,18 @@ class ForkServer:
             os.kill(reply["spawned"], signal.SIGKILL)
         self.stopped_late.append(reply["spawned"])
         log.warning("fork_server_late_service_stopped", pid=reply["spawned"])
+
+    def _abandon(self, number: int) -> None:
+        """Marks request `number` abandoned (its caller stopped waiting), and stops what a
+        reply to it already queued names; the other replies stay queued, in order."""
+        with self._sorting:
+            self._abandoned.add(number)
+            with self._replies.mutex:
+                late = [r for r in self._replies.queue if r.get("request") == number]
+                for reply in late:
+                    self._replies.queue.remove(reply)
+            for reply in late:
+                self._stop_late(reply)
 
     def spawn(
         self, module: str, args: Sequence[str], env: dict[str, str], stdout: int, stderr: int
@@ -223,7 +240,7 @@ class ForkServer:
                     self._stop_late(reply)
                     reply = self._replies.get(timeout=SPAWN_TIMEOUT_S)
             except (OSError, queue.Empty) as error:
-                self._abandoned.add(number)
+                self._abandon(number)
                 raise ForkServerError(f"could not fork {module}: {error!r}") from None
         if "process" not in reply:
             raise ForkServerError(f"could not fork {module}: {reply.get('error')}")
