@@ -71,7 +71,8 @@ def test_a_file_split_across_parts_is_joined_and_a_damaged_piece_refused(tmp_pat
     assert (tmp_path / "joined" / big.name).read_bytes() == big.read_bytes()
     assert arrived["wheels"] == [small.name] and arrived["model_file"] == big.name
     piece = tmp_path / "part2" / f"{big.name}.piece1"
-    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    data = piece.read_bytes()
+    piece.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])  # NOTE: b"x" left 1 in 256 unchanged
     assert check.assemble(tmp_path, tmp_path / "again")["damaged"] == [big.name]
 
 
