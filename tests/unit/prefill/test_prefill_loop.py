@@ -4,6 +4,7 @@ the sender writes the stream the benchmarks and the decode tests send."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -245,4 +246,52 @@ async def test_one_pass_prompt_is_sent_as_sync_cache_messages_builds_it(host: Mo
         loop.release(request, released.set)
         assert released.wait(10)
     finally:
+        loop.stop()
+
+
+@pytest.mark.parametrize("release_after_return", [False, True])
+def test_a_stop_frees_the_releases_queued_during_the_last_pass(
+    host: ModelHost, release_after_return: bool
+) -> None:
+    # Budget 16: the 37-token prompt needs three passes, so it is running while the first one
+    # computes and a release then waits for the pass boundary. A stop at that boundary (or a
+    # release after the thread has returned) must still free the blocks and say so: a cleanup
+    # waiting on it used to wait out its whole time.
+    recorder = _Recorder()
+    loop = _loop(host, recorder, budget=16, chunk_bytes=1 << 20)
+    in_pass, go_on = threading.Event(), threading.Event()
+    execute = loop.runner.execute
+
+    def held_execute(chunks: Sequence[ScheduledChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        in_pass.set()
+        assert go_on.wait(30)
+        return execute(chunks, on_layer_done)
+
+    loop.runner.execute = held_execute
+    request = _request(recorder)
+    released = threading.Event()
+    loop.start()
+    try:
+        loop.submit(request)
+        assert in_pass.wait(30)
+        assert request in loop.scheduler.running
+        if not release_after_return:
+            loop.release(request, released.set)
+            assert not released.is_set()  # queued for the pass boundary
+        stopper = threading.Thread(target=loop.stop)
+        stopper.start()
+        deadline = time.monotonic() + 30
+        while not loop._is_stopped:  # the stop is asked before the pass ends
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        go_on.set()
+        stopper.join(30)
+        assert not loop.is_running
+        if release_after_return:
+            assert request in loop.scheduler.running
+            loop.release(request, released.set)
+        assert released.wait(10)
+        assert loop.scheduler.pool.num_free_blocks == loop.scheduler.pool.num_blocks
+    finally:
+        go_on.set()
         loop.stop()

@@ -95,6 +95,7 @@ class PrefillLoop(EngineThread):
         self._submitted: list[Request] = []
         self._releases: list[tuple[Request, Callable[[], None]]] = []
         self._is_blocked = False  # nothing fits until blocks are freed
+        self._has_returned = False  # the thread left its loop: no pass can be running
         super().__init__("prefill-loop", self.lock)
 
     # ---- called from other threads ---------------------------------------------------------
@@ -118,8 +119,9 @@ class PrefillLoop(EngineThread):
             if request in self._submitted:
                 self._submitted.remove(request)
             # NOTE: only a request with uncomputed tokens can be part of the running pass; any
-            # other is idle, and the scheduler's state is only touched under this lock.
-            if request not in self.scheduler.running:
+            # other is idle, and the scheduler's state is only touched under this lock. After
+            # the thread has returned no pass runs, and nothing would take a queued release.
+            if request not in self.scheduler.running or self._has_returned:
                 self.scheduler.release(request)
                 self._is_blocked = False  # freed blocks may admit a waiting request
                 self._cond.notify()
@@ -157,15 +159,18 @@ class PrefillLoop(EngineThread):
                     or (self.scheduler.has_unfinished_requests() and not self._is_blocked)
                 ):
                     self._cond.wait()
-                if self._is_stopped:
-                    return
-                submitted, self._submitted = self._submitted, []
                 releases, self._releases = self._releases, []
-                for request in submitted:
-                    self.scheduler.add_request(request)
                 for request, on_released in releases:
                     self.scheduler.release(request)
                     on_released()
+                if self._is_stopped:
+                    # NOTE: the releases queued before the stop (during the last pass) were
+                    # freed above: their callers hear of it instead of waiting out their time.
+                    self._has_returned = True
+                    return
+                submitted, self._submitted = self._submitted, []
+                for request in submitted:
+                    self.scheduler.add_request(request)
                 output = self.scheduler.schedule()
                 self._is_blocked = output.is_empty
             if not output.is_empty:
