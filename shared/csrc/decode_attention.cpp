@@ -19,10 +19,38 @@ const std::vector<size_t>& key_rows(const int32_t* table, int first, int last, i
                                     int offset) {
   thread_local std::vector<size_t> at;
   at.resize(last - first);
+  int block = first / block_size, slot = first % block_size;  // NOTE: no division per key
   for (int t = first; t < last; ++t) {
-    at[t - first] = (static_cast<size_t>(table[t / block_size]) * block_size + t % block_size) * row + offset;
+    at[t - first] = (static_cast<size_t>(table[block]) * block_size + slot) * row + offset;
+    if (++slot == block_size) {
+      slot = 0;
+      ++block;
+    }
   }
   return at;
+}
+
+// NOTE: a head's keys and values are rows of `bytes` scattered over the cache's blocks (one
+// head's slice of each row of every head), which the hardware prefetcher does not follow: the
+// scores' pass prefetches the key and the value of the key kAhead keys on (the values then
+// wait in cache for the weighted sum), and the first kAhead before it. Default model, 300 keys,
+// a layer's cache from memory: 34.6 -> 14.4 us (8 ahead 19.7, 16 16.8, 64 14.6).
+constexpr int kAhead = 32;
+
+template <typename T>
+inline void prefetch_key(const T* k_cache, const T* v_cache, size_t at, int bytes) {
+  const char* key = reinterpret_cast<const char*>(k_cache + at);
+  const char* value = reinterpret_cast<const char*>(v_cache + at);
+  for (int line = 0; line < bytes; line += 64) {
+    _mm_prefetch(key + line, _MM_HINT_T0);
+    _mm_prefetch(value + line, _MM_HINT_T0);
+  }
+}
+
+template <typename T>
+inline void prefetch_first_keys(const T* k_cache, const T* v_cache, const std::vector<size_t>& at, int num_keys,
+                                int bytes) {
+  for (int t = 0; t < kAhead && t < num_keys; ++t) prefetch_key(k_cache, v_cache, at[t], bytes);
 }
 
 // A softmax's first half over float32 scores (both kernels'; eight lanes a step, the
@@ -61,6 +89,8 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
   __m512i qv[G][8];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_si512(q + g * head_dim + c * 32);
+  const int bytes = head_dim * static_cast<int>(sizeof(uint16_t));
+  prefetch_first_keys(k_cache, v_cache, at, num_keys, bytes);
   float high[G];
   for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
   // NOTE: four keys at a time, their 16-lane dot products summed together (`sum4`: one order
@@ -72,6 +102,7 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
     for (int j = 0; j < 4; ++j)
       for (int g = 0; g < G; ++g) dot[j][g] = zero;
     for (int j = 0; j < n; ++j) {
+      if (t + j + kAhead < num_keys) prefetch_key(k_cache, v_cache, at[t + j + kAhead], bytes);
       const uint16_t* key = k_cache + at[t + j];
       for (int c = 0; c < chunks; ++c) {
         const __m512i kv = _mm512_loadu_si512(key + c * 32);
@@ -89,19 +120,40 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
   }
   float total[G];
   softmax_f32<G>(scores, num_keys, high, sinks, total);
-  // NOTE: 16 values of the head at a time over every key, G accumulators in registers.
-  for (int c = 0; c < head_dim / 16; ++c) {
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  // NOTE: up to 64 values of the head at a time over every key, G x CB accumulators in registers
+  // (independent chains; a key's weight broadcast once a pass). Each lane sums its keys in
+  // their order whatever the pass. One row of 16 values at a time over every key was 0.1 ms
+  // slower a one-row step of the default model (30 layers, about 300 keys).
+  constexpr int CB = G <= 4 ? 4 : 2;
+  const int num_chunks = head_dim / 16;
+  for (int c0 = 0; c0 < num_chunks; c0 += CB) {
+    const int cb = num_chunks - c0 < CB ? num_chunks - c0 : CB;
+    __m512 acc[G][CB];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CB; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int t = 0; t < num_keys; ++t) {
-      const uint16_t* value = v_cache + at[t] + c * 16;
-      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value))), 16));
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * num_keys + t]), v, acc[g]);
+      const uint16_t* value = v_cache + at[t] + c0 * 16;
+      __m512 v[CB];
+      for (int c = 0; c < CB; ++c) {
+        if (c < cb) {
+          v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + c * 16))), 16));
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 weight = _mm512_set1_ps(scores[g * num_keys + t]);
+        for (int c = 0; c < CB; ++c) {
+          if (c < cb) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
+        }
+      }
     }
     for (int g = 0; g < G; ++g) {
-      __m512 o = _mm512_mul_ps(acc[g], _mm512_set1_ps(1.0f / total[g]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + c * 16), (__m256i)_mm512_cvtneps_pbh(o));
+      const __m512 inverse = _mm512_set1_ps(1.0f / total[g]);
+      for (int c = 0; c < cb; ++c) {
+        const __m512 o = _mm512_mul_ps(acc[g][c], inverse);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + (c0 + c) * 16),
+                            (__m256i)_mm512_cvtneps_pbh(o));
+      }
     }
   }
 }
@@ -114,9 +166,12 @@ F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v
   const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
   const int num_keys = last - first;
   const std::vector<size_t>& at = key_rows(table, first, last, block_size, row, head * head_dim);
+  const int bytes = head_dim * static_cast<int>(sizeof(float));
+  prefetch_first_keys(k_cache, v_cache, at, num_keys, bytes);
   float high[G];
   for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
   for (int t = 0; t < num_keys; ++t) {
+    if (t + kAhead < num_keys) prefetch_key(k_cache, v_cache, at[t + kAhead], bytes);
     const float* key = k_cache + at[t];
     __m256 dot[G];
     for (int g = 0; g < G; ++g) dot[g] = _mm256_setzero_ps();

@@ -87,7 +87,8 @@ def test_the_compiled_kernel_is_installed_and_runs_here() -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (16, 2, 64), (8, 1, 256)]
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 128), (16, 2, 64), (8, 1, 256), (6, 2, 96)],
 )
 def test_decode_attention_is_the_exact_attention_rounded_to_bf16(
     num_heads: int, num_kv_heads: int, head_dim: int
