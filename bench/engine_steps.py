@@ -22,7 +22,9 @@ A one-row step streams every projection's weight once (`streamed_bytes`: the lay
 LM head's, not the embedding, of which it reads one row). Its floor is those bytes at the
 machine's read bandwidth, measured here on one thread and the same clock (`read_bandwidth`: the
 median time of a sum over a buffer far larger than the caches); the table gives each one-row
-step against it.
+step against it, and against a floor that also counts the K and V the step's attention reads
+(every layer's, over the mean context of the one-row steps measured: the prompt and the steps
+before, growing with `--rounds` and `--steps`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,12 @@ def streamed_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def kv_bytes_per_token(runner: Any) -> int:
+    """Bytes of K and V one token holds over every layer (what attention reads per key)."""
+    layout = runner.kv_cache.layout
+    return 2 * layout.num_layers * layout.block_nbytes // layout.block_size
+
+
 def read_bandwidth(clock: str, rounds: int = 7, threads: int = 1) -> float:
     """Bytes per second `threads` threads read: a sum over a float32 buffer far larger than the
     caches.
@@ -135,12 +143,15 @@ class Streams:
         self.sequences = sequences
         self.tables = tables
         self.lengths = [len(s) for s in sequences]
+        self.one_row_contexts: list[int] = []  # each one-row step's keys (its own included)
 
     def prefill(self) -> None:
         # NOTE: re-runs stream 0's prompt over its own blocks: the same KV is written again.
         self.runner.execute([ScheduledChunk(self.sequences[0], 0, self.tables[0])])
 
     def decode_step(self, num_rows: int) -> None:
+        if num_rows == 1:
+            self.one_row_contexts.append(self.lengths[0] + 1)
         chunks = []
         for row in range(num_rows):
             position = self.lengths[row]
@@ -228,10 +239,11 @@ def main() -> None:
     print(
         f"| setting | weights MB | streamed per step MB | prefill tok/s | "
         f"decode step, 1 row (ms) | floor, 1 row (ms) | 1 row vs floor | "
+        f"KV read, 1 row (MB) | 1 row vs floor with KV | "
         f"decode step, {args.batch} rows (ms) | prefill vs fp32 | decode 1 vs fp32 | "
         f"decode 1 vs bf16 | decode {args.batch} vs bf16 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     fp32, bf16 = ("float32", "none"), ("bfloat16", "none")
     big = f"decode_{args.batch}_s"
@@ -249,6 +261,9 @@ def main() -> None:
         prefill = medians["prefill_s"][key]
         decode_1 = medians["decode_1_s"][key]
         floor_s = streamed[key] * 1e6 / bandwidths[team_size(key[1])]
+        each = streams[key]
+        kv_mb = kv_bytes_per_token(each.runner) * statistics.mean(each.one_row_contexts) / 1e6
+        floor_kv_s = (streamed[key] + kv_mb) * 1e6 / bandwidths[team_size(key[1])]
         row = {
             "dtype": key[0],
             "quantization": key[1],
@@ -258,6 +273,9 @@ def main() -> None:
             "decode_1_ms": decode_1 * 1e3,
             "floor_1_ms": floor_s * 1e3,
             "decode_1_vs_floor": decode_1 / floor_s,
+            "kv_read_1_mb": kv_mb,
+            "floor_1_with_kv_ms": floor_kv_s * 1e3,
+            "decode_1_vs_floor_with_kv": decode_1 / floor_kv_s,
             f"decode_{args.batch}_ms": medians[big][key] * 1e3,
             "prefill_speedup_vs_float32": speedup("prefill_s", fp32, key),
             "decode_1_speedup_vs_float32": speedup("decode_1_s", fp32, key),
@@ -270,6 +288,7 @@ def main() -> None:
             f"| {name} | {row['weight_mb']:.0f} | {row['streamed_mb']:.0f} | "
             f"{row['prefill_tokens_per_s']:.0f} | {row['decode_1_ms']:.2f} | "
             f"{row['floor_1_ms']:.2f} | {row['decode_1_vs_floor']:.2f}x | "
+            f"{row['kv_read_1_mb']:.1f} | {row['decode_1_vs_floor_with_kv']:.2f}x | "
             f"{row[f'decode_{args.batch}_ms']:.2f} | {shown(row['prefill_speedup_vs_float32'])} | "
             f"{shown(row['decode_1_speedup_vs_float32'])} | "
             f"{shown(row['decode_1_speedup_vs_bfloat16'])} | "

@@ -48,7 +48,7 @@ inline void prefetch_key(const T* k_cache, const T* v_cache, size_t at, int byte
 }
 
 template <typename T>
-inline void prefetch_first_keys(const T* k_cache, const T* v_cache, const std::vector<size_t>& at, int num_keys,
+inline void prefetch_first_keys(const T* k_cache, const T* v_cache, const size_t* at, int num_keys,
                                 int bytes) {
   for (int t = 0; t < kAhead && t < num_keys; ++t) prefetch_key(k_cache, v_cache, at[t], bytes);
 }
@@ -77,6 +77,67 @@ F32_TARGET void softmax_f32(float* scores, int num_keys, const float* high, cons
   }
 }
 
+// The scores of keys t .. t + N - 1 (N 1 to 4) for a KV head's G query heads (`qv`: each
+// query's `chunks` 32-value parts), scaled, into scores[g * num_keys + t + j], and each query's
+// highest score so far. Their 16-lane dot products are summed four keys together (`sum4`: one
+// order for every key, a missing key's lanes zeros), not one horizontal sum per key.
+template <int G, int N>
+KERNEL_TARGET inline void score_keys(const __m512i (*qv)[8], int chunks, const uint16_t* k_cache,
+                                     const uint16_t* v_cache, const size_t* at, int t, int num_keys, int bytes,
+                                     float scale, float* scores, float* high) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 dot[4][G];
+  for (int j = 0; j < 4; ++j)
+    for (int g = 0; g < G; ++g) dot[j][g] = zero;
+  for (int j = 0; j < N; ++j) {
+    if (t + j + kAhead < num_keys) prefetch_key(k_cache, v_cache, at[t + j + kAhead], bytes);
+    const uint16_t* key = k_cache + at[t + j];
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i kv = _mm512_loadu_si512(key + c * 32);
+      for (int g = 0; g < G; ++g) dot[j][g] = _mm512_dpbf16_ps(dot[j][g], (__m512bh)qv[g][c], (__m512bh)kv);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm_mul_ps(sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]), _mm_set1_ps(scale)));
+    for (int j = 0; j < N; ++j) {
+      scores[g * num_keys + t + j] = four[j];
+      high[g] = four[j] > high[g] ? four[j] : high[g];
+    }
+  }
+}
+
+// Values c0 * 16 .. (c0 + NB) * 16 of the head's output for its G queries: every key's value
+// weighted by its softmax numerator (G x NB independent accumulator chains, each lane summing
+// the keys in their order; a key's weight broadcast once), divided by the denominator.
+template <int G, int NB>
+KERNEL_TARGET inline void weigh_values(const uint16_t* v_cache, const size_t* at, int num_keys, const float* scores,
+                                       const float* total, int c0, int head_dim, uint16_t* out) {
+  __m512 acc[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NB; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int t = 0; t < num_keys; ++t) {
+    const uint16_t* value = v_cache + at[t] + c0 * 16;
+    __m512 v[NB];
+    for (int c = 0; c < NB; ++c) {
+      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + c * 16))), 16));
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 weight = _mm512_set1_ps(scores[g * num_keys + t]);
+      for (int c = 0; c < NB; ++c) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inverse = _mm512_set1_ps(1.0f / total[g]);
+    for (int c = 0; c < NB; ++c) {
+      const __m512 o = _mm512_mul_ps(acc[g][c], inverse);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + (c0 + c) * 16),
+                          (__m256i)_mm512_cvtneps_pbh(o));
+    }
+  }
+}
+
 template <int G>
 KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                                const int32_t* table, int first, int last, int block_size,
@@ -85,7 +146,7 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
   const int chunks = head_dim / 32;  // bf16 pairs of a 512-bit register
   const size_t row = static_cast<size_t>(num_kv_heads) * head_dim;
   const int num_keys = last - first;
-  const std::vector<size_t>& at = key_rows(table, first, last, block_size, row, head * head_dim);
+  const size_t* at = key_rows(table, first, last, block_size, row, head * head_dim).data();
   __m512i qv[G][8];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < chunks; ++c) qv[g][c] = _mm512_loadu_si512(q + g * head_dim + c * 32);
@@ -93,68 +154,33 @@ KERNEL_TARGET void attend_head(const uint16_t* q, const uint16_t* k_cache, const
   prefetch_first_keys(k_cache, v_cache, at, num_keys, bytes);
   float high[G];
   for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
-  // NOTE: four keys at a time, their 16-lane dot products summed together (`sum4`: one order
-  // for every key, the last keys' missing ones zeros), instead of one horizontal sum per key.
-  const __m512 zero = _mm512_setzero_ps();
-  for (int t = 0; t < num_keys; t += 4) {
-    const int n = num_keys - t < 4 ? num_keys - t : 4;
-    __m512 dot[4][G];
-    for (int j = 0; j < 4; ++j)
-      for (int g = 0; g < G; ++g) dot[j][g] = zero;
-    for (int j = 0; j < n; ++j) {
-      if (t + j + kAhead < num_keys) prefetch_key(k_cache, v_cache, at[t + j + kAhead], bytes);
-      const uint16_t* key = k_cache + at[t + j];
-      for (int c = 0; c < chunks; ++c) {
-        const __m512i kv = _mm512_loadu_si512(key + c * 32);
-        for (int g = 0; g < G; ++g) dot[j][g] = _mm512_dpbf16_ps(dot[j][g], (__m512bh)qv[g][c], (__m512bh)kv);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      alignas(16) float four[4];
-      _mm_store_ps(four, _mm_mul_ps(sum4(dot[0][g], dot[1][g], dot[2][g], dot[3][g]), _mm_set1_ps(scale)));
-      for (int j = 0; j < n; ++j) {
-        scores[g * num_keys + t + j] = four[j];
-        high[g] = four[j] > high[g] ? four[j] : high[g];
-      }
-    }
+  // NOTE: whole groups of four keys, then the last one to three (each loop's trip counts known
+  // where it is compiled: with them read at run time the loops were branches, not registers).
+  int t = 0;
+  for (; t + 4 <= num_keys; t += 4) {
+    score_keys<G, 4>(qv, chunks, k_cache, v_cache, at, t, num_keys, bytes, scale, scores, high);
+  }
+  switch (num_keys - t) {
+    case 3: score_keys<G, 3>(qv, chunks, k_cache, v_cache, at, t, num_keys, bytes, scale, scores, high); break;
+    case 2: score_keys<G, 2>(qv, chunks, k_cache, v_cache, at, t, num_keys, bytes, scale, scores, high); break;
+    case 1: score_keys<G, 1>(qv, chunks, k_cache, v_cache, at, t, num_keys, bytes, scale, scores, high); break;
+    default: break;
   }
   float total[G];
   softmax_f32<G>(scores, num_keys, high, sinks, total);
-  // NOTE: up to 64 values of the head at a time over every key, G x CB accumulators in registers
-  // (independent chains; a key's weight broadcast once a pass). Each lane sums its keys in
-  // their order whatever the pass. One row of 16 values at a time over every key was 0.1 ms
-  // slower a one-row step of the default model (30 layers, about 300 keys).
+  // NOTE: 64 values of the head a pass over the keys (32 with more than 4 queries a KV head:
+  // registers), then the rest.
   constexpr int CB = G <= 4 ? 4 : 2;
-  const int num_chunks = head_dim / 16;
-  for (int c0 = 0; c0 < num_chunks; c0 += CB) {
-    const int cb = num_chunks - c0 < CB ? num_chunks - c0 : CB;
-    __m512 acc[G][CB];
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < CB; ++c) acc[g][c] = _mm512_setzero_ps();
-    for (int t = 0; t < num_keys; ++t) {
-      const uint16_t* value = v_cache + at[t] + c0 * 16;
-      __m512 v[CB];
-      for (int c = 0; c < CB; ++c) {
-        if (c < cb) {
-          v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(value + c * 16))), 16));
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512 weight = _mm512_set1_ps(scores[g * num_keys + t]);
-        for (int c = 0; c < CB; ++c) {
-          if (c < cb) acc[g][c] = _mm512_fmadd_ps(weight, v[c], acc[g][c]);
-        }
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m512 inverse = _mm512_set1_ps(1.0f / total[g]);
-      for (int c = 0; c < cb; ++c) {
-        const __m512 o = _mm512_mul_ps(acc[g][c], inverse);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * head_dim + (c0 + c) * 16),
-                            (__m256i)_mm512_cvtneps_pbh(o));
-      }
-    }
+  const int value_chunks = head_dim / 16;
+  int c0 = 0;
+  for (; c0 + CB <= value_chunks; c0 += CB) {
+    weigh_values<G, CB>(v_cache, at, num_keys, scores, total, c0, head_dim, out);
+  }
+  switch (value_chunks - c0) {
+    case 3: weigh_values<G, 3>(v_cache, at, num_keys, scores, total, c0, head_dim, out); break;
+    case 2: weigh_values<G, 2>(v_cache, at, num_keys, scores, total, c0, head_dim, out); break;
+    case 1: weigh_values<G, 1>(v_cache, at, num_keys, scores, total, c0, head_dim, out); break;
+    default: break;
   }
 }
 
@@ -167,7 +193,7 @@ F32_TARGET void attend_head(const float* q, const float* k_cache, const float* v
   const int num_keys = last - first;
   const std::vector<size_t>& at = key_rows(table, first, last, block_size, row, head * head_dim);
   const int bytes = head_dim * static_cast<int>(sizeof(float));
-  prefetch_first_keys(k_cache, v_cache, at, num_keys, bytes);
+  prefetch_first_keys(k_cache, v_cache, at.data(), num_keys, bytes);
   float high[G];
   for (int g = 0; g < G; ++g) high[g] = sinks ? sinks[g] : -INFINITY;
   for (int t = 0; t < num_keys; ++t) {

@@ -87,8 +87,9 @@ KERNEL_TARGET void rows_kernel(const uint16_t* const* x, const float* const* xsu
         const int8_t* w = rows_w + b * row_bytes + c * kChunk;
         if ((c & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T0);
         // the chunk's 32 q as bf16 (exact), the first 16 in the low half
-        const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-        const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+        const __m128i* bytes = reinterpret_cast<const __m128i*>(w);
+        const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
+        const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
         const __m512bh q = _mm512_cvtne2ps_pbh(second, first);
         __m512 scale = chunk_vector<G16>(rows_s + b * num_groups + c * kPerChunk);
         __m512 min = MINS ? chunk_vector<G16>(rows_m + b * num_groups + c * kPerChunk) : scale;
