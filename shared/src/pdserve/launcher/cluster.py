@@ -36,12 +36,25 @@ import structlog
 
 from pdserve.common.pki import Identity, TlsFiles
 from pdserve.engine.model_store import resolve_model
+from pdserve.engine.precision import cpu_flags
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.config import ClusterConfig
 from pdserve.launcher.forkserver import PRELOAD, ForkServer, ForkServerError
 
 log = structlog.get_logger(__name__)
+
+
+def decode_team_args(decodes: int, cores: int, flags: frozenset[str]) -> list[str]:
+    """The `--kernel-threads` a started decode gets: on the float32 kernels (a CPU without
+    AVX512-BF16) its one-row steps (one user) share their GEMMs with every core it has to
+    itself or shares with a prefill idle meanwhile (each step 1.2-1.5x shorter); steps of more
+    rows keep one thread. On the bf16 kernels none: one thread reads its weights near the
+    memory's speed, and a team thread spinning beside the gateway and the prefill cost more than
+    it gave (one user's ITL 5.4 against 4.5 ms alone, docs/BENCHMARKS.md)."""
+    if "avx512_bf16" in flags:
+        return []
+    return ["--kernel-threads", str(max(1, cores // decodes))]
 
 
 class Cluster:
@@ -209,10 +222,7 @@ class Cluster:
             for i in range(config.prefills):
                 args = [*common, *shlex.split(config.prefill_args)]
                 self.prefills.append(self._spawn(f"prefill-{i}", "pdserve.prefill", args))
-            # NOTE: a decode's one-row steps (one user) share their GEMMs with every core it
-            # has to itself or shares with a prefill idle meanwhile; steps of more rows (load,
-            # when the prefill is busy too) keep one thread.
-            team = ["--kernel-threads", str(max(1, (os.cpu_count() or 1) // config.decodes))]
+            team = decode_team_args(config.decodes, os.cpu_count() or 1, cpu_flags())
             for i in range(config.decodes):
                 args = [*common, *team, *shlex.split(config.decode_args)]
                 self.decodes.append(self._spawn(f"decode-{i}", "pdserve.decode", args))

@@ -149,10 +149,12 @@ class InstanceConfig(ServiceConfig):
         metadata={
             "help": "threads that share each GEMM of a one-row decode step (one user) on the "
             "int4/int8 kernels (float32 or bf16): a lone user's step waits on reading the "
-            "weights, and one thread keeps too few reads in flight (float32: about 1.5x faster "
-            "with 2; bf16: about 1.06x, docs/BENCHMARKS.md); the same tokens whatever the count. "
+            "weights, and one thread keeps too few reads in flight on the float32 kernels (about "
+            "1.5x faster with 2; the bf16 ones read near the memory's speed alone, "
+            "docs/BENCHMARKS.md); the same tokens whatever the count. "
             "Steps of more rows keep one thread, leaving the other cores to the other engines "
-            "(pdserve up gives a decode every core)",
+            "(pdserve up gives a decode every core on the float32 kernels, one thread on the bf16 "
+            "ones)",
             "gt": 0,
         },
     )
