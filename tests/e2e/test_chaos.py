@@ -941,17 +941,19 @@ class TestPreemption:
         gateway = cluster.gateway
         shared_before = await cluster.instance_counter(decode, "pdserve_decode_leases_shared")
         # NOTE: a busy machine may let the long stream end before the choices outgrow the
-        # pool (none preempted), and a preempted choice's new lease may take the block choice 0
-        # was to grow into (choice 0, then the newest running request, is preempted too): the
-        # round runs again, up to three times, until a later choice alone is.
-        for _ in range(3):
+        # pool (none preempted: the choices start when it streams its first token, and the
+        # faster its steps, the sooner it ends), and a preempted choice's new lease may take the
+        # block choice 0 was to grow into (choice 0, then the newest running request, is
+        # preempted too): the round runs again, up to five times, until a later choice alone
+        # is.
+        for _ in range(5):
             mark = log_mark(cluster)
             streaming = asyncio.Event()
             async with cluster.openai() as client:
                 long_task = asyncio.create_task(
                     stream_token_ids(
                         client, cluster.model_name, LONG_PROMPT, max_tokens=long_tokens,
-                        on_tokens=set_when_streaming(streaming, 8), **GREEDY,
+                        on_tokens=set_when_streaming(streaming, 1), **GREEDY,
                     )
                 )  # fmt: skip
                 await asyncio.wait_for(streaming.wait(), 30)
