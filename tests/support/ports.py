@@ -1,20 +1,41 @@
-"""A TCP port to give a server a test starts."""
+"""A TCP port to give a server a test starts, where the server cannot take port 0 (a port
+written into its configuration or another process's)."""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out for port 0 and outgoing connections."""
+    try:
+        low, high = EPHEMERAL_RANGE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def free_port(hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
-    """A port free on every one of `hosts` at the time of asking."""
-    while True:
-        with socket.socket() as first:
-            first.bind((hosts[0], 0))
-            port = int(first.getsockname()[1])
-            try:
-                for host in hosts[1:]:
-                    with socket.socket() as other:
-                        other.bind((host, port))
-            except OSError:
-                continue
+    """A port free on every one of `hosts` at the time of asking, below the kernel's ephemeral
+    range: between this answer and the server's bind no outgoing connection or port-0 server
+    (of this test or of another beside it) can be given it, as one from the range could (a
+    chart's pod lost its metrics port so on a busy machine)."""
+    low, _ = _ephemeral_range()
+    candidates = range(LOWEST, low) if low - LOWEST >= 1000 else range(1024, low)
+    error: OSError | None = None
+    for _ in range(1000):
+        port = random.choice(candidates)
+        try:
+            for host in hosts:
+                with socket.socket() as probe:
+                    probe.bind((host, port))
+        except OSError as failed:
+            error = failed
+            continue
         return port
+    raise RuntimeError(f"no free port on {hosts} below {low}: {error}")
