@@ -102,7 +102,7 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 def kv_bytes_per_token(runner: Any) -> int:
     """Bytes of K and V one token holds over every layer (what attention reads per key)."""
     layout = runner.kv_cache.layout
-    return 2 * layout.num_layers * layout.block_nbytes // layout.block_size
+    return layout.total_block_nbytes // layout.block_size
 
 
 def read_bandwidth(clock: str, rounds: int = 7, threads: int = 1) -> float:

@@ -11,13 +11,12 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The ports the kernel hands out for port 0 and outgoing connections."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for port 0 and outgoing connections."""
     try:
-        low, high = EPHEMERAL_RANGE.read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
@@ -25,7 +24,7 @@ def free_port(hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
     range: between this answer and the server's bind no outgoing connection or port-0 server
     (of this test or of another beside it) can be given it, as one from the range could (a
     chart's pod lost its metrics port so on a busy machine)."""
-    low, _ = _ephemeral_range()
+    low = _ephemeral_low()
     candidates = range(LOWEST, low) if low - LOWEST >= 1000 else range(1024, low)
     error: OSError | None = None
     for _ in range(1000):

@@ -36,7 +36,7 @@ import structlog
 
 from pdserve.common.pki import Identity, TlsFiles
 from pdserve.engine.model_store import resolve_model
-from pdserve.engine.precision import cpu_flags
+from pdserve.engine.precision import cpu_flags, native_bf16_flags
 from pdserve.launcher import certs
 from pdserve.launcher.child import ChildProcess
 from pdserve.launcher.config import ClusterConfig
@@ -47,12 +47,13 @@ log = structlog.get_logger(__name__)
 
 def decode_team_args(decodes: int, cores: int, flags: frozenset[str]) -> list[str]:
     """The `--kernel-threads` a started decode gets: on the float32 kernels (a CPU without
-    AVX512-BF16) its one-row steps (one user) share their GEMMs with every core it has to
-    itself or shares with a prefill idle meanwhile (each step 1.2-1.5x shorter); steps of more
-    rows keep one thread. On the bf16 kernels none: one thread reads its weights near the
-    memory's speed, and a team thread spinning beside the gateway and the prefill cost more than
-    it gave (one user's ITL 5.4 against 4.5 ms alone, docs/BENCHMARKS.md)."""
-    if "avx512_bf16" in flags:
+    native bf16, where `--dtype auto` is float32) its one-row steps (one user) share their
+    GEMMs with every core it has to itself or shares with a prefill idle meanwhile (each step
+    1.2-1.5x shorter); steps of more rows keep one thread. On the bf16 kernels none: one thread
+    reads its weights near the memory's speed, and a team thread spinning beside the gateway
+    and the prefill cost more than it gave (one user's ITL 5.4 against 4.5 ms alone,
+    docs/BENCHMARKS.md)."""
+    if native_bf16_flags(flags):
         return []
     return ["--kernel-threads", str(max(1, cores // decodes))]
 
