@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import structlog
 import torch
 from safetensors import safe_open
+from torch import nn
 
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
@@ -26,6 +27,7 @@ from pdserve.engine.gguf_int4 import (
     TYPES_KEY,
     VALUES,
 )
+from pdserve.engine.kernel_image import map_buffers
 from pdserve.engine.linear import Linear
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_config import ModelLoadError
@@ -114,6 +116,7 @@ def attach_int4(
                 shards.setdefault(module_name, {})[shard] = hf_name
                 expected[module_name] = num_shards
         attached: dict[str, str] = {}
+        built: dict[str, nn.Module] = {}
         kernels: dict[str, int] = {}
         int8_why_not: str | None = None
         for module_name, by_shard in shards.items():
@@ -153,10 +156,18 @@ def attach_int4(
             parent_name, _, child = module_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, kept)
+            built[module_name] = kept
             attached.update(dict.fromkeys(names, kind))
             key = f"{kind} ({kept.kernel}'s kernel)"
             kernels[key] = kernels.get(key, 0) + 1
-        lm_head = attach_int8(model, reader, types, dtype, attached) if is_kept else None
+    # NOTE: the projections were built from copies of the file's tensors and now map their
+    # image; the LM head and the embedding map the file's own, through a reader of their own so
+    # that the pages read to build the projections leave this process's memory with the first.
+    map_buffers(built, int4_file)
+    lm_head = None
+    if is_kept:
+        with safe_open(str(int4_file), framework="pt") as reader:
+            lm_head = attach_int8(model, reader, types, dtype, attached)
     if kernels or lm_head is not None:
         # NOTE: one line per load says which kernel runs each kind of projection and, for
         # torch's, why, and what a quantized LM head became.

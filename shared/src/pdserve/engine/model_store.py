@@ -150,7 +150,7 @@ def known_gguf_path(known: KnownModel, cache_dir: Path | None = None) -> Path:
 def _prepare_known(known: KnownModel, cache: Path, show_progress: bool) -> Path:
     gguf_path = known_gguf_path(known, cache)
     root = gguf_path.parent
-    with _locked(root):
+    with locked(root):
         if not _has_digest(gguf_path, known.gguf_sha256):
             if gguf_path.exists():
                 log.warning("model_file_damaged", model=known.name, path=str(gguf_path))
@@ -162,7 +162,7 @@ def _prepare_known(known: KnownModel, cache: Path, show_progress: bool) -> Path:
 def _prepare_gguf_file(path: Path, cache: Path, show_progress: bool) -> Path:
     digest = _sha256(path)
     root = cache / "gguf" / f"{path.stem}-{digest[:16]}"
-    with _locked(root):
+    with locked(root):
         return _prepare_dir(path, digest, path.stem, root / "hf", show_progress)
 
 
@@ -259,10 +259,11 @@ def _sha256(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """Holds an exclusive lock on `root`: instances starting together prepare it once."""
+def locked(root: Path, name: str = ".lock") -> Iterator[None]:
+    """Holds an exclusive lock on the file `name` in `root`: instances starting together
+    prepare what it guards once."""
     root.mkdir(parents=True, exist_ok=True)
-    with (root / ".lock").open("w") as lock:
+    with (root / name).open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
