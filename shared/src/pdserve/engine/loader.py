@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import structlog
@@ -11,6 +10,7 @@ from safetensors import safe_open
 from torch import nn
 
 import pdserve.engine.int4_kernel as int4_kernel
+from pdserve.common.memory import return_freed_memory
 from pdserve.engine.checkpoint_names import (
     EXPERT_NAME,
     QK_NAME,
@@ -151,7 +151,7 @@ def load_model(
         # NOTE: quantized projections are no longer `Linear`s; what is left (the LM head) packs.
         model.pack_linears_for_onednn()
     if device.type == "cpu":
-        _return_freed_memory()
+        return_freed_memory()
     log.info(
         "model_loaded",
         model_type=config.model_type,
@@ -168,20 +168,6 @@ def load_model(
         weight_bytes=weight_bytes(model),
     )
     return model
-
-
-def _return_freed_memory() -> None:
-    """Hands the free pages of glibc's heap back to the system.
-
-    NOTE: glibc keeps what loading freed (the float copies before packing, the unpacked int4
-    values) for later allocations; on the default model that held 120 MB of a bf16 engine's
-    RSS with its int4 weights kept (456 MB RSS after, 578 MB before), 30 MB without.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.malloc_trim(0)
 
 
 def _expected_shards(name: str, param: torch.Tensor) -> set[int]:

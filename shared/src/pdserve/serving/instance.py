@@ -29,6 +29,7 @@ from pdserve.common.grpc_server import (
     new_aio_server,
     start_health_server,
 )
+from pdserve.common.memory import return_freed_memory
 from pdserve.common.metrics import InstanceMetrics
 from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
@@ -208,6 +209,9 @@ class InstanceServer(abc.ABC):
         if self.kv_writer is not None:
             self.kv_writer.start()
         await self.server.start()
+        # NOTE: what building the instance freed (its tokenizer's parsed files among it) goes
+        # back to the system before it serves.
+        return_freed_memory()
         self._tasks.extend(asyncio.create_task(work) for work in self.background())
         self.registration = registration_client(
             self.config, self.security, self.instance, self.status.load_report

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.memory import return_freed_memory
 from pdserve.tokenizer import Tokenizer
 
 log = structlog.get_logger("pdserve.gateway.fleet.model_info")
@@ -57,12 +58,16 @@ FetchModelFiles = Callable[[str], Awaitable[ModelFiles]]
 
 
 def _build_tokenizer(files: ModelFiles) -> Tokenizer:
-    return Tokenizer.from_files(
+    tokenizer = Tokenizer.from_files(
         files.tokenizer_json,
         dict(files.tokenizer_config) if files.tokenizer_config else None,
         files.chat_template,
         eos_token_ids=files.eos_token_ids,
     )
+    # NOTE: parsing tokenizer.json leaves more free memory in this thread's arena than the
+    # tokenizer keeps (25 of 42 MB on the default model).
+    return_freed_memory()
+    return tokenizer
 
 
 class ModelInfoStore:
