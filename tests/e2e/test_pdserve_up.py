@@ -110,6 +110,9 @@ def test_the_banner_tells_each_instance_kv_capacity(cluster: Cluster) -> None:
     # The demo model serves 2048 tokens: one such sequence per decode slot (64) plus one at
     # most, and at least one; its KV takes 32 KiB per block of 16.
     assert 128 <= decode["num_blocks"] <= 65 * 128
+    # A prefill holds what is in flight: one such sequence and two passes of 2048 tokens.
+    assert prefill["in_flight_tokens"] == 2 * 2048
+    assert prefill["num_blocks"] == (2048 + 2 * 2048) // 16
     assert decode["bytes"] == decode["num_blocks"] * 32 * 1024
     assert decode["num_tokens"] == decode["num_blocks"] * 16
     files = cluster.tls["client"]
@@ -128,6 +131,18 @@ def test_the_banner_tells_each_instance_kv_capacity(cluster: Cluster) -> None:
         f"decode-0 {decode['num_tokens']:,} tokens ({decode['num_blocks']:,} blocks of 16, "
     ) in line
     assert f"prefill-0 {prefill['num_tokens']:,} tokens" in line
+
+
+async def test_once_every_service_is_up_the_fork_server_settles(cluster: Cluster) -> None:
+    assert cluster.fork_server is not None
+    log = cluster.log_dir / "fork-server.log"
+
+    def settled() -> list[str]:
+        return [line for line in log.read_text().splitlines() if "fork_server_settled" in line]
+
+    await eventually(lambda: bool(settled()), what="the fork server settled")
+    [line] = settled()
+    assert "failed_regions=0" in line
 
 
 def _up_args(model_dir: Path, log_dir: Path, *more: str) -> list[str]:

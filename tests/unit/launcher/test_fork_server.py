@@ -114,6 +114,50 @@ def test_a_forked_service_shares_the_pages_of_what_the_server_imported(tmp_path:
     assert shared_mb > 50, record
 
 
+def mapped_rss_kb(pid: int, path: Path) -> int:
+    """The resident kB of `path`'s mappings in process `pid`."""
+    total, is_it = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:
+            is_it = len(fields) > 5 and fields[5] == str(path)
+        elif is_it and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+async def test_once_settled_the_server_gives_back_the_file_pages_only_it_maps(
+    tmp_path: Path,
+) -> None:
+    mapped = tmp_path / "mapped.bin"
+    with mapped.open("wb") as file:
+        file.write(os.urandom(8 << 20))
+        file.flush()
+        os.fsync(file.fileno())  # NOTE: clean pages: reclaimed without a write-back
+    env = env_with_tests(PDSERVE_TEST_MAPPED_FILE=str(mapped))
+    server = ForkServer(tmp_path / "fork-server.log", env, ("support.mapped_pages",))
+    try:
+        pid = server.process.pid
+        assert mapped_rss_kb(pid, mapped) >= 8 << 10
+        server.settle()
+        await eventually(
+            lambda: "fork_server_settled" in (tmp_path / "fork-server.log").read_text(),
+            what="the server settled",
+        )
+        assert mapped_rss_kb(pid, mapped) < 1 << 10
+        # NOTE: it still forks services.
+        child = ChildProcess(
+            "echo", [sys.executable, "-m", SERVICE, "wait"], tmp_path / "s.log", env,
+            fork_server=server,
+        )  # fmt: skip
+        try:
+            assert child.wait_for_event("waiting", 30)["rss_kb"] > 0
+        finally:
+            child.close()
+    finally:
+        server.close()
+
+
 def test_a_server_whose_imports_fail_says_which(tmp_path: Path) -> None:
     with pytest.raises(ForkServerError, match="no_such_module_anywhere"):
         ForkServer(tmp_path / "fork-server.log", env_with_tests(), ("no_such_module_anywhere",))

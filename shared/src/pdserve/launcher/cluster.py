@@ -230,6 +230,8 @@ class Cluster:
             deadline = time.monotonic() + config.startup_timeout_s
             for child in [*self.prefills, *self.decodes]:
                 child.wait_for_event("registered", max(1.0, deadline - time.monotonic()))
+            if self.fork_server is not None:
+                self.fork_server.settle()
         except BaseException:
             self.stop(timeout_s=5)
             raise
