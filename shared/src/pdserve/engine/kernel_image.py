@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from pdserve.engine.model_store import locked
+from pdserve.common.file_lock import locked
 
 log = structlog.get_logger(__name__)
 

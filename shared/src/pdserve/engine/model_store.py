@@ -15,8 +15,6 @@ Preparing happens at start-up or through ``pdserve pull``; nothing is fetched wh
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import shutil
@@ -24,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from typing import Any
 import structlog
 
 from pdserve.common.env import cache_dir as default_cache_dir
+from pdserve.common.file_lock import locked
 
 log = structlog.get_logger(__name__)
 
@@ -256,19 +254,6 @@ def _sha256(path: Path) -> str:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-@contextlib.contextmanager
-def locked(root: Path, name: str = ".lock") -> Iterator[None]:
-    """Holds an exclusive lock on the file `name` in `root`: instances starting together
-    prepare what it guards once."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / name).open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _progress_bar(total: int, description: str) -> Any:
