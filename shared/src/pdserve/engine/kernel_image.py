@@ -33,14 +33,15 @@ log = structlog.get_logger(__name__)
 
 IMAGE_VERSION = 1
 """Bumped when what an image holds changes meaning (its tensors are checked besides)."""
-FINGERPRINT_KEY = "pdserve_kernel_image"
 
 
 def image_path(source: Path, buffers: dict[str, torch.Tensor]) -> Path:
     """Where the image of `buffers` (built from `source`) lives: beside `source`, named for the
     buffers' names, shapes and dtypes, so engines that keep different projections (another
     kernel, another dtype) each have their own."""
-    digest = hashlib.sha256(_fingerprint(buffers).encode()).hexdigest()[:16]
+    layout = {k: [list(t.shape), str(t.dtype)] for k, t in sorted(buffers.items())}
+    named = json.dumps({"version": IMAGE_VERSION, "tensors": layout})
+    digest = hashlib.sha256(named.encode()).hexdigest()[:16]
     return source.parent / f"kernels-v{IMAGE_VERSION}-{digest}.safetensors"
 
 
@@ -101,25 +102,13 @@ def map_buffers(modules: dict[str, nn.Module], source: Path) -> int:
     return num_bytes
 
 
-def _fingerprint(buffers: dict[str, torch.Tensor]) -> str:
-    return json.dumps(
-        {
-            "version": IMAGE_VERSION,
-            "tensors": {k: [list(t.shape), str(t.dtype)] for k, t in sorted(buffers.items())},
-        }
-    )
-
-
 def _read(path: Path, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """The image's tensors (views of its pages), or None where it is missing or any tensor
-    differs from `buffers`."""
+    """The image's tensors (views of its pages), or None where it is missing, holds other
+    tensors, or any tensor differs from `buffers` (dtype, shape or a bit)."""
     if not path.is_file():
         return None
     try:
         with safe_open(str(path), framework="pt") as reader:
-            metadata = reader.metadata() or {}
-            if metadata.get(FINGERPRINT_KEY) != _fingerprint(buffers):
-                return None
             if set(reader.keys()) != set(buffers):
                 return None
             mapped = {key: reader.get_tensor(key) for key in buffers}
@@ -138,11 +127,7 @@ def _write(path: Path, buffers: dict[str, torch.Tensor]) -> None:
     maps the old one keeps its pages)."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        save_file(
-            {key: tensor.contiguous() for key, tensor in buffers.items()},
-            str(partial),
-            metadata={FINGERPRINT_KEY: _fingerprint(buffers)},
-        )
+        save_file({key: tensor.contiguous() for key, tensor in buffers.items()}, str(partial))
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
