@@ -84,7 +84,6 @@ def test_the_kv_cache_is_sized_from_free_memory_unless_told() -> None:
     config = DecodeConfig(insecure=True)
     assert config.num_blocks is None and config.kv_cache_memory_mb is None
     assert config.kv_cache_max_seqs == config.max_num_seqs
-    assert config.kv_cache_in_flight_tokens is None
     assert config.kv_cache_in_shm
     assert not DecodeConfig(insecure=True, kv_transports="tcp").kv_cache_in_shm
     assert not DecodeConfig(insecure=True, device="cuda:0").kv_cache_in_shm

@@ -16,7 +16,6 @@ from pdserve.common.authz import AuthorizationInterceptor
 from pdserve.common.grpc_server import new_aio_server
 from pdserve.prefill.__main__ import build_parser, main
 from pdserve.prefill.config import PrefillConfig
-from pdserve.serving.model_host import ModelHost
 from pdserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -91,22 +90,6 @@ def test_the_kv_cache_is_sized_from_free_memory_unless_told(
     assert not config.kv_cache_in_shm
     assert main(["--insecure", "--kv-cache-memory-fraction", "1.5"]) == 2
     assert "kv_cache_memory_fraction must be in (0, 1]" in capsys.readouterr().err
-
-
-def test_an_automatic_cache_holds_what_is_in_flight(tiny_model_dir: Path) -> None:
-    # One longest prompt (256 tokens: 16 blocks of 16) and two passes of 64 tokens (8 blocks):
-    # not the share of free memory a cache that keeps sequences would take.
-    config = PrefillConfig(
-        insecure=True,
-        model=str(tiny_model_dir),
-        dtype="float32",
-        max_model_len=256,
-        max_num_batched_tokens=64,
-    )
-    assert config.kv_cache_in_flight_tokens == 128
-    assert ModelHost.from_config(config).num_blocks == 16 + 8
-    told = PrefillConfig(insecure=True, model=str(tiny_model_dir), num_blocks=100)
-    assert ModelHost.from_config(told).num_blocks == 100
 
 
 async def test_process_serves_health_registers_and_drains(tiny_model_dir: Path) -> None:

@@ -201,21 +201,6 @@ def test_the_demo_model_takes_no_more_than_its_sequences(monkeypatch: pytest.Mon
     assert _auto().num_blocks == 65 * 128
 
 
-def test_a_cache_for_what_is_in_flight_holds_one_longest_sequence_and_those_tokens(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 500 * GIB)
-    # One sequence of 2048 tokens (128 blocks) and 4096 tokens in flight (256 blocks).
-    assert _auto(in_flight_tokens=4096).num_blocks == 128 + 256
-    # A part of a block rounds up; the memory's share and the sequences' bound still cap it.
-    assert _auto(in_flight_tokens=4097).num_blocks == 128 + 257
-    assert _auto(max_seqs=1, in_flight_tokens=4096).num_blocks == 2 * 128
-    monkeypatch.setattr(kv_budget, "host_available_bytes", lambda: 100 * MIB)
-    assert _auto(in_flight_tokens=4096).num_blocks == 10 * MIB // (32 * 1024)
-    # Given sizes are not bounded by it.
-    assert _auto(num_blocks=1000, in_flight_tokens=16).num_blocks == 1000
-
-
 def test_a_decode_in_shm_takes_at_most_half_its_free_space(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

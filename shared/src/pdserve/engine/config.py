@@ -50,9 +50,6 @@ class CacheConfig:
             device's default (0.1 of available RAM on CPU, 0.9 of free GPU memory).
         max_seqs: Most sequences holding blocks at once, which bounds an automatic size;
             ``None`` uses the scheduler's ``max_num_seqs``.
-        in_flight_tokens: When set, an automatic size holds at most one longest sequence and
-            these tokens besides (a prefill's prompts being computed and shipped: it keeps a
-            prompt's KV only until the decode has it).
         shm_dir: A shared-memory file system the cache will be placed in (a decode's KV
             segment): an automatic size on CPU also takes at most half of its free space.
         dtype: Cache dtype name; ``None`` uses the model dtype.
@@ -68,7 +65,6 @@ class CacheConfig:
     memory_bytes: int | None = field(default=None, metadata=POSITIVE)
     memory_fraction: float | None = field(default=None, metadata={"gt": 0, "max": 1})
     max_seqs: int | None = field(default=None, metadata=POSITIVE)
-    in_flight_tokens: int | None = field(default=None, metadata=POSITIVE)
     shm_dir: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = False

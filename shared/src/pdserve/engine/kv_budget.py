@@ -6,9 +6,8 @@ CPU of the host's available RAM (``MemAvailable``, or what the process's cgroup 
 when that is less), at most `CPU_MAX_BYTES`; on a GPU of the device's free memory once the
 weights are loaded, less `GPU_ACTIVATION_MARGIN_BYTES` for activations. A cache placed in a
 shared-memory file system also takes at most `SHM_SHARE` of its free space. The result never
-exceeds what the engine could hold at once (one longest sequence per sequence slot, plus one;
-for a cache that holds only what is in flight, one longest sequence and those tokens) and is
-raised to one longest sequence when memory allows. `auto_num_blocks` is the arithmetic;
+exceeds what the engine could hold at once (one longest sequence per sequence slot, plus one)
+and is raised to one longest sequence when memory allows. `auto_num_blocks` is the arithmetic;
 `size_kv_cache` gathers its inputs.
 """
 
@@ -152,17 +151,13 @@ def size_kv_cache(
         # for: its creation then fails and the decode offers its other transports.
         if shm_share is not None and shm_share >= blocks_per_seq * block_bytes:
             max_bytes = min(max_bytes, shm_share)
-    max_blocks = (max_seqs + 1) * blocks_per_seq
-    if cache.in_flight_tokens is not None:
-        in_flight_blocks = num_blocks_for(cache.in_flight_tokens, layout.block_size)
-        max_blocks = min(max_blocks, blocks_per_seq + in_flight_blocks)
     num_blocks = auto_num_blocks(
         block_bytes,
         available,
         fraction,
         max_bytes=max_bytes,
         reserve_bytes=reserve,
-        max_blocks=max_blocks,
+        max_blocks=(max_seqs + 1) * blocks_per_seq,
         min_blocks=blocks_per_seq,
     )
     return KvCacheSize(num_blocks, "auto", available, fraction)

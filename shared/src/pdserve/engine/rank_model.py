@@ -156,7 +156,6 @@ def num_cache_blocks(
         bytes=size.num_blocks * layout.total_block_nbytes,
         available_bytes=size.available_bytes,
         fraction=size.fraction,
-        in_flight_tokens=config.cache.in_flight_tokens,
         device=str(device),
     )
     return size.num_blocks

@@ -253,12 +253,6 @@ class InstanceConfig(ServiceConfig):
         return None
 
     @property
-    def kv_cache_in_flight_tokens(self) -> int | None:
-        """Tokens an automatic cache holds besides one longest sequence, when the role keeps
-        KV only while it is in flight (a prefill); None: sized by the sequences it holds."""
-        return None
-
-    @property
     def kv_cache_in_shm(self) -> bool:
         """Whether the KV cache will be placed in a /dev/shm segment (a decode offering shm)."""
         return False

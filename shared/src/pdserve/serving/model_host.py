@@ -55,7 +55,6 @@ class ModelHost:
         kernel_threads: int = 1,
         kv_cache_memory_fraction: float | None = None,
         max_seqs: int | None = None,
-        kv_cache_in_flight_tokens: int | None = None,
         kv_cache_in_shm: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_timeout_s: float = 120.0,
@@ -76,8 +75,6 @@ class ModelHost:
             kv_cache_memory_fraction: Share of free memory an automatic size takes; the
                 device's default when None.
             max_seqs: Most requests holding blocks at once (bounds an automatic size).
-            kv_cache_in_flight_tokens: An automatic size holds at most one longest sequence
-                and these tokens (`CacheConfig.in_flight_tokens`); None: no such bound.
             kernel_threads: Threads that share the GEMMs of a one-row decode step
                 (`EngineConfig.kernel_threads`).
             kv_cache_in_shm: The cache will be placed in a /dev/shm segment (an automatic size
@@ -109,7 +106,6 @@ class ModelHost:
             memory_bytes=None if kv_cache_memory_mb is None else kv_cache_memory_mb << 20,
             memory_fraction=kv_cache_memory_fraction,
             max_seqs=max_seqs,
-            in_flight_tokens=kv_cache_in_flight_tokens,
             shm_dir=str(SHM_DIR) if kv_cache_in_shm else None,
             release_window_blocks=release_window_blocks,
         )
@@ -161,7 +157,6 @@ class ModelHost:
             kernel_threads=config.kernel_threads,
             kv_cache_memory_fraction=config.kv_cache_memory_fraction,
             max_seqs=config.kv_cache_max_seqs,
-            kv_cache_in_flight_tokens=config.kv_cache_in_flight_tokens,
             kv_cache_in_shm=config.kv_cache_in_shm,
             tensor_parallel_size=config.tensor_parallel_size,
             tensor_parallel_timeout_s=config.tensor_parallel_timeout_s,

@@ -23,9 +23,8 @@ class PrefillConfig(InstanceConfig):
         default=None,
         metadata={
             "help": "KV cache blocks of this prefill (prompts being computed or shipped, and "
-            "the prefix cache); when unset, what --kv-cache-memory-mb holds, or without it "
-            "what is in flight: one longest prompt and two passes' tokens "
-            "(--max-num-batched-tokens), within --kv-cache-memory-fraction of free memory"
+            "the prefix cache); when unset, what --kv-cache-memory-mb holds, or sized from "
+            "free memory without it"
         },
     )
     max_num_batched_tokens: int = field(
@@ -114,10 +113,3 @@ class PrefillConfig(InstanceConfig):
     def kv_cache_max_seqs(self) -> int | None:
         # NOTE: every request held keeps its whole prompt's blocks until its KV is shipped.
         return self.max_queue_len
-
-    @property
-    def kv_cache_in_flight_tokens(self) -> int | None:
-        # NOTE: a prompt's blocks are held from its pass until the decode has its KV, which is
-        # shipped layer by layer during the pass: two passes' tokens (one computing, one
-        # finishing its shipping) beside one longest prompt (chunked over several passes).
-        return 2 * self.max_num_batched_tokens
