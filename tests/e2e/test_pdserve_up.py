@@ -110,9 +110,6 @@ def test_the_banner_tells_each_instance_kv_capacity(cluster: Cluster) -> None:
     # The demo model serves 2048 tokens: one such sequence per decode slot (64) plus one at
     # most, and at least one; its KV takes 32 KiB per block of 16.
     assert 128 <= decode["num_blocks"] <= 65 * 128
-    # A prefill holds what is in flight: one such sequence and two passes of 2048 tokens.
-    assert prefill["in_flight_tokens"] == 2 * 2048
-    assert prefill["num_blocks"] == (2048 + 2 * 2048) // 16
     assert decode["bytes"] == decode["num_blocks"] * 32 * 1024
     assert decode["num_tokens"] == decode["num_blocks"] * 16
     files = cluster.tls["client"]
