@@ -29,7 +29,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -790,6 +790,39 @@ def leased(
     return count
 
 
+async def waited_or_ended(
+    waiting: Callable[[], Awaitable[bool]], tasks: list[asyncio.Task[Any]]
+) -> bool:
+    """Waits until `waiting()` holds (True) or every task ended first (False); fails after
+    `REQUEST_TIMEOUT_S` saying how many ended and how."""
+    has_waited = False
+
+    async def waited_or_all_ended() -> bool:
+        nonlocal has_waited
+        has_waited = await waiting()
+        return has_waited or all(task.done() for task in tasks)
+
+    try:
+        await eventually(waited_or_all_ended, REQUEST_TIMEOUT_S, "a request waiting for room")
+    except AssertionError as error:
+        ended = [task.result() if not task.exception() else task.exception()
+                 for task in tasks if task.done() and not task.cancelled()]  # fmt: skip
+        raise AssertionError(
+            f"{error}; {len(ended)} of {len(tasks)} requests ended: {outcomes_of(ended)}"
+        ) from None
+    return has_waited
+
+
+def outcomes_of(results: list[Any]) -> str:
+    """Each request's outcome in a few words: its token count, or its error."""
+    return ", ".join(
+        f"{type(r).__name__}: {str(r)[:120]}"
+        if isinstance(r, BaseException)
+        else f"{len(r)} tokens"
+        for r in results
+    )
+
+
 def by_name(cluster: ProcessCluster, name: str) -> ChildProcess:
     return next(c for c in cluster.instances if c.name == name)
 
@@ -924,7 +957,17 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                     url = f"{cluster.rest_url}/metrics"
                     return bool(await sample_at(url, "pdserve_gateway_queued_requests"))
 
-                await eventually(waiting, REQUEST_TIMEOUT_S, "a request waiting for decode room")
+                # NOTE: on a machine busy enough every request may have ended (or failed)
+                # before this process saw one wait: they are awaited and sent again with other
+                # prompts, twice at most; the last time's outcomes say what happened.
+                for attempt in range(3):
+                    if await waited_or_ended(waiting, tasks):
+                        break
+                    ended = await asyncio.gather(*tasks, return_exceptions=True)
+                    assert attempt < 2, f"no request waited for decode room: {outcomes_of(ended)}"
+                    mark = log_mark(cluster)
+                    requests = requests_of(attempt + 1)
+                    tasks = start()
                 if cell.role == "gateway":
                     victim = gateway_of(cluster)
                 elif cell.role == "decode":
@@ -954,7 +997,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
                         mark = log_mark(cluster)
                         requests = requests_of(attempt + 1)
                         tasks = start()
-                        await eventually(waiting, REQUEST_TIMEOUT_S, "a request waiting again")
+                        await waited_or_ended(waiting, tasks)
                 else:
                     # NOTE: the prefill that took the most of the case's prompts (it may have
                     # computed them all: the queued ones need one later).
