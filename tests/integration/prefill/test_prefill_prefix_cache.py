@@ -127,3 +127,29 @@ async def test_cached_blocks_are_evicted_under_pressure_without_a_leak(
             assert 0 < status.pool.num_cached_blocks <= 12
         assert pd.prefill.counters()["prefix_cache_hit_blocks"][1] == 5
         await pd.assert_whole()
+
+
+async def test_a_bounded_prefix_cache_keeps_the_latest_prompts_and_forgets_older_ones(
+    tiny_model_dir: Path, engine: LLMEngine
+) -> None:
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # NOTE: three prompts of 5 full blocks and a token each; the cache keeps 5 freed blocks.
+    prompts = [[(13 * i + 29 * j) % 290 + 3 for j in range(5 * BLOCK_SIZE + 1)] for i in range(3)]
+    async with cluster(tiny_model_dir, prefix_cache_max_tokens=5 * BLOCK_SIZE + 3) as pd:
+        for i, prompt in enumerate(prompts):
+            assert (
+                await pd.complete(f"r{i}", prompt, sampling)
+                == engine.generate([prompt], sampling)[0]
+            )
+            status = await pd.prefill_pool()
+            assert status.pool.is_consistent, status.pool.detail
+            assert status.pool.num_cached_blocks == 5
+        assert pd.prefill.counters()["prefix_cache_hit_blocks"][1] == 0
+        for request_id, prompt, num_hits in (("latest", prompts[2], 5), ("oldest", prompts[0], 0)):
+            before = pd.prefill.counters()["prefix_cache_hit_blocks"][1]
+            assert (
+                await pd.complete(request_id, prompt, sampling)
+                == engine.generate([prompt], sampling)[0]
+            )
+            assert pd.prefill.counters()["prefix_cache_hit_blocks"][1] - before == num_hits
+        await pd.assert_whole()

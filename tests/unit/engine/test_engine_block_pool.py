@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -135,3 +136,62 @@ def test_holders_check_catches_a_holder_without_a_reference() -> None:
     free_block = next(b for b in range(4) if b not in first)
     with pytest.raises(AssertionError, match="held without a reference"):
         pool.check_integrity(Counter([*first, free_block]))
+
+
+def written_blocks_under_load(max_cached_free_blocks: int | None) -> tuple[int, int]:
+    """Runs one seeded stream of prompts of 1-12 blocks, up to five held at once, each full
+    block cached under a key of its own (the last is partial: not cached) and freed in reverse;
+    returns (blocks ever allocated, the most in use at once)."""
+    rng = random.Random(7)
+    pool = BlockPool(
+        1000, enable_prefix_caching=True, max_cached_free_blocks=max_cached_free_blocks
+    )
+    held: list[list[int]] = []
+    written: set[int] = set()
+    peak = 0
+    for prompt in range(300):
+        if len(held) == 5 or (held and rng.random() < 0.4):
+            pool.free(reversed(held.pop(rng.randrange(len(held)))))
+        blocks = pool.allocate(rng.randint(1, 12))
+        for index, block_id in enumerate(blocks[:-1]):
+            pool.cache_block(block_id, hash_block_tokens(None, (prompt, index)))
+        held.append(blocks)
+        written.update(blocks)
+        peak = max(peak, pool.num_used_blocks)
+        pool.check_integrity()
+    return len(written), peak
+
+
+def test_a_bounded_cache_writes_no_more_blocks_than_the_peak_in_use_and_the_bound() -> None:
+    written, peak = written_blocks_under_load(max_cached_free_blocks=20)
+    assert written <= peak + 20
+    unbounded_written, unbounded_peak = written_blocks_under_load(max_cached_free_blocks=None)
+    assert unbounded_peak == peak  # NOTE: the same load: only which blocks it writes differs
+    assert unbounded_written > 3 * (peak + 20)
+
+
+def test_a_bounded_cache_keeps_the_most_recently_freed_prefixes_and_forgets_the_oldest() -> None:
+    pool = BlockPool(16, enable_prefix_caching=True, max_cached_free_blocks=3)
+    keys = [hash_block_tokens(None, (i,)) for i in range(5)]
+    blocks = pool.allocate(5)
+    for block_id, key in zip(blocks, keys, strict=True):
+        pool.cache_block(block_id, key)
+    pool.free(reversed(blocks))  # NOTE: the tail first: it is forgotten first
+    assert [pool.get_cached_block(key) for key in keys] == [*blocks[:3], None, None]
+    assert pool.num_cached_blocks == 3 and pool.num_free_blocks == 16
+    # NOTE: the two that forgot theirs are reused next, before blocks never written.
+    assert sorted(pool.allocate(2)) == sorted(blocks[3:])
+    # NOTE: a hit revives a cached block; freed again, it is the most recent.
+    pool.touch([blocks[0]])
+    assert pool.get_cached_block(keys[0]) == blocks[0]
+    pool.free([blocks[0]])
+    pool.check_integrity()
+    pool.reset_prefix_cache()
+    assert pool.num_cached_blocks == 0
+    assert sorted(pool.allocate(3)) == sorted(blocks[:3])
+    pool.check_integrity()
+
+
+def test_the_bound_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="max_cached_free_blocks"):
+        BlockPool(4, enable_prefix_caching=True, max_cached_free_blocks=-1)

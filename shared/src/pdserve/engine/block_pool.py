@@ -24,16 +24,35 @@ class BlockPool:
     may still be in the prefix cache (it remembers a hash); it is reused only when it reaches the
     front of the free queue (least recently freed first), and a prefix hit can revive it with
     ``touch`` before that. ``num_free_blocks`` counts every free block, cached or not.
+
+    With ``max_cached_free_blocks`` the pool also bounds the memory it has written: at most that
+    many free blocks keep their prefix (past it the least recently freed forgets its own), and
+    a block freed without a prefix is reused first, before any block never used. The blocks
+    ever written then stay within the most in use at once plus that bound, however large the
+    pool (its pages are touched only when written): a prefill's cache can hold many prompts at
+    a peak without keeping their memory after.
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = False,
+        max_cached_free_blocks: int | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if max_cached_free_blocks is not None and max_cached_free_blocks < 0:
+            raise ValueError(
+                f"max_cached_free_blocks must be >= 0 or None, got {max_cached_free_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.max_cached_free_blocks = max_cached_free_blocks
         self.ref_counts = [0] * num_blocks
         # NOTE: an ordered dict gives O(1) removal of a cached block from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # NOTE: the free blocks that carry a prefix, least recently freed first.
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_of_block: dict[int, BlockHash] = {}
         self._block_of_hash: dict[BlockHash, int] = {}
 
@@ -86,12 +105,22 @@ class BlockPool:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self._free[block_id] = None
+                if block_id in self._hash_of_block:
+                    self._cached_free[block_id] = None
+                elif self.max_cached_free_blocks is not None:
+                    self._free.move_to_end(block_id, last=False)  # NOTE: written: reused first
+        bound = self.max_cached_free_blocks
+        while bound is not None and len(self._cached_free) > bound:
+            oldest, _ = self._cached_free.popitem(last=False)
+            self._evict(oldest)
+            self._free.move_to_end(oldest, last=False)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Adds one reference to each block, taking a free (cached) block out of the free queue."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
                 del self._free[block_id]
+                self._cached_free.pop(block_id, None)
             self.ref_counts[block_id] += 1
 
     def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
@@ -115,6 +144,10 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (the blocks themselves keep their references)."""
+        if self.max_cached_free_blocks is not None:
+            for block_id in reversed(self._cached_free):
+                self._free.move_to_end(block_id, last=False)
+        self._cached_free.clear()
         self._block_of_hash.clear()
         self._hash_of_block.clear()
 
@@ -122,6 +155,7 @@ class BlockPool:
         block_hash = self._hash_of_block.pop(block_id, None)
         if block_hash is not None:
             del self._block_of_hash[block_hash]
+            self._cached_free.pop(block_id, None)
 
     def check_integrity(self, holders: Mapping[int, int] | None = None) -> None:
         """Verifies the pool's invariants.
@@ -164,6 +198,12 @@ class BlockPool:
         for block_id, block_hash in self._hash_of_block.items():
             if self._block_of_hash.get(block_hash) != block_id:
                 raise AssertionError(f"prefix cache maps disagree on block {block_id}")
+        cached_free = {b for b in free_ids if b in self._hash_of_block}
+        if cached_free != set(self._cached_free):
+            raise AssertionError("the cached free blocks are not the free blocks with a prefix")
+        bound = self.max_cached_free_blocks
+        if bound is not None and len(cached_free) > bound:
+            raise AssertionError(f"{len(cached_free)} free blocks keep a prefix, over {bound}")
         if holders is not None:
             self._check_holders(holders)
 

@@ -9,6 +9,9 @@ from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50060
 KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp", "grpc")
+# NOTE: a long shared system prompt, or the last turns of a few conversations; a KV store
+# (--kv-store) keeps what the prefill forgets.
+DEFAULT_PREFIX_CACHE_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,17 @@ class PrefillConfig(InstanceConfig):
         metadata={
             "help": "keep the full blocks of finished prompts as an evictable prefix cache and "
             "compute only what follows the longest cached prefix of a new prompt"
+        },
+    )
+    prefix_cache_max_tokens: int = field(
+        default=DEFAULT_PREFIX_CACHE_MAX_TOKENS,
+        metadata={
+            "help": "most prompt tokens the prefix cache keeps once their requests have left "
+            "(whole blocks); past it the least recently freed are forgotten and their blocks "
+            "written again first, so this prefill's memory holds the prompts in flight and "
+            "this much however many blocks it has; a number over --num-blocks' tokens keeps "
+            "every free block cached",
+            "min": 0,
         },
     )
     kv_transports: str = field(

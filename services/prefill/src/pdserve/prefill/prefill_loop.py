@@ -61,6 +61,8 @@ class PrefillLoop(EngineThread):
         max_chunk_bytes: Most K+V bytes per exported piece.
         enable_prefix_cache: Keep freed full blocks as an evictable prefix cache and skip
             computing the leading blocks a request finds there.
+        prefix_cache_max_tokens: The most tokens freed blocks keep cached (`BlockPool`'s
+            bound on what it writes); None: every free block.
         kv_fingerprint: The KV layout fingerprint the cache's block keys are rooted in.
         eos_token_ids: The model's end-of-sequence ids (``min_tokens`` masks them).
     """
@@ -72,13 +74,17 @@ class PrefillLoop(EngineThread):
         max_chunk_bytes: int,
         *,
         enable_prefix_cache: bool = False,
+        prefix_cache_max_tokens: int | None = None,
         kv_fingerprint: str = "",
         eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.runner = runner
         self.block_size = runner.block_size
+        max_cached = (
+            None if prefix_cache_max_tokens is None else prefix_cache_max_tokens // self.block_size
+        )
         self.scheduler = PrefillScheduler(
-            BlockPool(runner.kv_cache.num_blocks, enable_prefix_caching=enable_prefix_cache),
+            BlockPool(runner.kv_cache.num_blocks, enable_prefix_cache, max_cached),
             self.block_size,
             max_num_batched_tokens,
             kv_fingerprint,

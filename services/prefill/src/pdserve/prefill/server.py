@@ -53,6 +53,7 @@ class PrefillInstance(InstanceServer):
             config.max_num_batched_tokens,
             config.max_chunk_bytes,
             enable_prefix_cache=config.prefix_cache,
+            prefix_cache_max_tokens=config.prefix_cache_max_tokens,
             kv_fingerprint=host.kv_layout.fingerprint,
             eos_token_ids=host.eos_token_ids,
         )
@@ -178,6 +179,7 @@ async def create_server(
         **instance.describe(),
         max_num_batched_tokens=config.max_num_batched_tokens,
         prefix_cache=config.prefix_cache,
+        prefix_cache_max_tokens=config.prefix_cache_max_tokens,
         kv_store=config.kv_store,
     )
     return instance
