@@ -94,7 +94,9 @@ async def test_without_the_prefix_cache_every_prompt_token_is_computed(
             assert await pd.complete(request_id, prompt, GREEDY) == reference
         assert pd.prefill.loop.num_prompt_tokens == len(FIRST) + len(SECOND)
         assert pd.prefill.counters()["cached_prompt_tokens"][1] == 0
-        assert (await pd.prefill_pool()).pool.num_cached_blocks == 0
+        status = await pd.prefill_pool()
+        assert status.pool.num_cached_blocks == 0
+        assert status.load.HasField("max_cached_blocks") and status.load.max_cached_blocks == 0
         await pd.assert_whole()
 
 
@@ -144,6 +146,8 @@ async def test_a_bounded_prefix_cache_keeps_the_latest_prompts_and_forgets_older
             status = await pd.prefill_pool()
             assert status.pool.is_consistent, status.pool.detail
             assert status.pool.num_cached_blocks == 5
+        # NOTE: the load report tells a router how much of what it sent here is kept.
+        assert status.load.HasField("max_cached_blocks") and status.load.max_cached_blocks == 5
         assert pd.prefill.counters()["prefix_cache_hit_blocks"][1] == 0
         for request_id, prompt, num_hits in (("latest", prompts[2], 5), ("oldest", prompts[0], 0)):
             before = pd.prefill.counters()["prefix_cache_hit_blocks"][1]

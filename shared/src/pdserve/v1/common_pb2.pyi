@@ -180,7 +180,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[InstanceRole, str]] = ..., address: _Optional[str] = ..., protocol: _Optional[_Union[Protocol, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_queued_prompt_tokens", "num_queued_requests", "num_running_requests", "num_free_blocks", "num_total_blocks", "num_leased_blocks", "num_reserved_blocks", "is_draining")
+    __slots__ = ("num_queued_prompt_tokens", "num_queued_requests", "num_running_requests", "num_free_blocks", "num_total_blocks", "num_leased_blocks", "num_reserved_blocks", "is_draining", "max_cached_blocks")
     NUM_QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class LoadReport(_message.Message):
     NUM_LEASED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_queued_prompt_tokens: int
     num_queued_requests: int
     num_running_requests: int
@@ -197,7 +198,8 @@ class LoadReport(_message.Message):
     num_leased_blocks: int
     num_reserved_blocks: int
     is_draining: bool
-    def __init__(self, num_queued_prompt_tokens: _Optional[int] = ..., num_queued_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., is_draining: _Optional[bool] = ...) -> None: ...
+    max_cached_blocks: int
+    def __init__(self, num_queued_prompt_tokens: _Optional[int] = ..., num_queued_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_leased_blocks: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., is_draining: _Optional[bool] = ..., max_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolIntegrity(_message.Message):
     __slots__ = ("num_total_blocks", "num_free_blocks", "num_leased_blocks", "num_open_leases", "is_consistent", "detail", "num_cached_blocks")

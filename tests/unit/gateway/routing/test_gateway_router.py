@@ -16,6 +16,7 @@ from support.gateway_fakes import MODEL_NAME
 from support.memory_cluster import MemoryCluster, expected
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.gateway.fleet.convert import load_from_pb
 from pdserve.gateway.fleet.instance import InstanceRole, LoadReport
 from pdserve.gateway.fleet.registry import Registry
 from pdserve.gateway.routing.policy import CacheRouting, PrefillLoad, RouteReason, choose_prefill
@@ -27,6 +28,7 @@ from pdserve.gateway.routing.share_affinity import (
     choices_blocks,
     max_choice_tokens,
 )
+from pdserve.v1 import common_pb2
 
 P, D = InstanceRole.PREFILL, InstanceRole.DECODE
 _first_tokens = itertools.count(1000)
@@ -183,6 +185,24 @@ def test_only_uncached_tokens_are_booked_on_the_prefill() -> None:
     # NOTE: each books 2 tokens (8 blocks cached); booking all 34 would pass the balance (2048).
     for i in range(70):
         assert router.pick(MODEL_NAME, [*SHARED, 2, i], 4).prefill.instance_id == holder
+
+
+def test_the_memory_keeps_what_each_prefill_says_it_caches() -> None:
+    registry, router = _two_prefills()
+    registry.heartbeat("p1", LoadReport(num_total_blocks=1000, max_cached_blocks=3))
+    registry.heartbeat("p2", LoadReport(num_total_blocks=1000, max_cached_blocks=0))
+    picks = [router.pick(MODEL_NAME, [*SHARED, i], 4) for i in range(10)]
+    # NOTE: p1 keeps the head of the prefix (its 3 most recent blocks); p2 caches nothing.
+    assert router.prefix_memory.num_blocks("p1") == 3
+    assert "p2" not in router.prefix_memory.instance_ids
+    held = [p for p in picks[1:] if p.prefill_reason == RouteReason.PREFIX]
+    assert held and {(p.prefill.instance_id, p.num_matched_blocks) for p in held} == {("p1", 3)}
+
+
+def test_a_load_report_without_the_bound_reads_as_none_and_zero_as_zero() -> None:
+    assert load_from_pb(common_pb2.LoadReport(num_total_blocks=9)).max_cached_blocks is None
+    assert load_from_pb(common_pb2.LoadReport(max_cached_blocks=0)).max_cached_blocks == 0
+    assert load_from_pb(common_pb2.LoadReport(max_cached_blocks=7)).max_cached_blocks == 7
 
 
 def test_the_memory_forgets_prefills_that_leave_or_rejoin() -> None:

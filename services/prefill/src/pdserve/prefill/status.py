@@ -36,6 +36,7 @@ class PrefillStatus(InstanceStatus):
         with self.loop.lock:
             pool = self.loop.scheduler.pool
             num_free, num_total = pool.num_free_blocks, pool.num_blocks
+        max_cached = pool.max_cached_free_blocks if pool.enable_prefix_caching else 0
         return common_pb2.LoadReport(
             num_queued_prompt_tokens=sum(r.num_uncomputed_tokens for r in requests),
             num_queued_requests=num_preparing + num_waiting,
@@ -43,6 +44,7 @@ class PrefillStatus(InstanceStatus):
             num_free_blocks=num_free,
             num_total_blocks=num_total,
             is_draining=self.handoffs.is_draining,
+            max_cached_blocks=max_cached,
         )
 
     def pool_integrity(self, check: bool) -> common_pb2.PoolIntegrity:

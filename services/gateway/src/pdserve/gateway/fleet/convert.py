@@ -101,6 +101,9 @@ def load_from_pb(message: common_pb2.LoadReport) -> LoadReport:
         num_leased_blocks=message.num_leased_blocks,
         num_reserved_blocks=message.num_reserved_blocks,
         is_draining=message.is_draining,
+        max_cached_blocks=(
+            message.max_cached_blocks if message.HasField("max_cached_blocks") else None
+        ),
     )
 
 

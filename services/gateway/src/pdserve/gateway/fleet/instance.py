@@ -73,6 +73,7 @@ class LoadReport:
     num_leased_blocks: int = 0
     num_reserved_blocks: int = 0
     is_draining: bool = False
+    max_cached_blocks: int | None = None  # None: not reported (the whole pool may cache)
 
     @property
     def num_admissible_blocks(self) -> int:

@@ -2,10 +2,11 @@
 
 The gateway never asks a prefill what it caches: it remembers the block keys
 (`pdserve.common.prefix_keys`) of the prompts it routed to each one, least recently routed
-forgotten first, and within a bound per prefill (at most the prefill's pool, since a prefill
-cannot cache more blocks than it has). That mirrors the prefill's own cache closely enough to
-route by: a prefill evicts its least recently freed blocks first and frees a prompt's tail
-before its head, and this memory touches a prompt's keys head last, so it too forgets a
+forgotten first, and within a bound per prefill (the most free blocks it keeps cached, as its
+load report says, or else its pool, since a prefill cannot cache more blocks than it has; a
+prefill that caches none is not remembered to). That mirrors the prefill's own cache closely
+enough to route by: a prefill evicts its least recently freed blocks first and frees a prompt's
+tail before its head, and this memory touches a prompt's keys head last, so it too forgets a
 prefix's tail first. It is an estimate: another gateway's traffic, a restart or a failed
 attempt make it wrong until the next requests correct it, which costs a cache miss, never a
 wrong answer.
@@ -83,7 +84,8 @@ class PrefixMemory:
         Args:
             instance_id: The prefill the prompt was routed to.
             keys: The prompt's block keys, in order.
-            max_blocks: The instance's own bound (its pool size), if smaller than the memory's.
+            max_blocks: The instance's own bound (the most blocks it keeps cached, or its pool
+                size), if smaller than the memory's.
         """
         if not keys:
             return

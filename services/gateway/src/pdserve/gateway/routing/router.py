@@ -253,8 +253,11 @@ class Router:
     ) -> Pair:
         """Books the work on both, remembers the prompt's blocks on the prefill."""
         prefill, layout = choice.prefill, choice.prefill_pool.layout
-        if self._cache_routing.is_enabled:
-            max_blocks = prefill.load.num_total_blocks or None
+        # NOTE: a prefill that caches nothing (max_cached_blocks 0) is not remembered to; one
+        # that reports no bound may cache its whole pool.
+        max_cached = prefill.load.max_cached_blocks
+        if self._cache_routing.is_enabled and max_cached != 0:
+            max_blocks = max_cached or prefill.load.num_total_blocks or None
             self.prefix_memory.record(prefill.instance_id, keys.of(layout), max_blocks)
         num_uncached_tokens = num_tokens - choice.num_matched_blocks * layout.block_size
         self.loads.book(choice.prefill_pool, choice.prefill_at, num_uncached_tokens)
