@@ -9,9 +9,6 @@ from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50060
 KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp", "grpc")
-# NOTE: a long shared system prompt, or the last turns of a few conversations; a KV store
-# (--kv-store) keeps what the prefill forgets.
-DEFAULT_PREFIX_CACHE_MAX_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -69,14 +66,19 @@ class PrefillConfig(InstanceConfig):
             "compute only what follows the longest cached prefix of a new prompt"
         },
     )
-    prefix_cache_max_tokens: int = field(
-        default=DEFAULT_PREFIX_CACHE_MAX_TOKENS,
+    # NOTE: unbounded by default: with 4,096 tokens, 60 long prompts sent at once (more than
+    # a prefill computes within a decode's lease TTL) failed 34 of 60: their first leases
+    # expired, and the retries, which the whole-pool cache serves from the first attempt's
+    # blocks, had to compute again and expired too.
+    prefix_cache_max_tokens: int | None = field(
+        default=None,
         metadata={
             "help": "most prompt tokens the prefix cache keeps once their requests have left "
             "(whole blocks); past it the least recently freed are forgotten and their blocks "
             "written again first, so this prefill's memory holds the prompts in flight and "
-            "this much however many blocks it has; a number over --num-blocks' tokens keeps "
-            "every free block cached",
+            "this much however many blocks it has; unset: every free block stays cached (the "
+            "whole pool is written in time). A retry after an expired lease computes again "
+            "what the cache forgot",
             "min": 0,
         },
     )
