@@ -59,6 +59,17 @@ class PrefillConfig(InstanceConfig):
             "gt": 0,
         },
     )
+    lease_window_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "most prompt tokens still to compute of the requests that hold (or ask "
+            "for) a decode lease here; the next request waits in line, holding nothing of its "
+            "decode's, until earlier prompts are computed, so a lease's TTL runs only near its "
+            "prompt's turn (the first in line always gets in); unset: twice "
+            "--max-num-batched-tokens; 0: no bound (every request takes its lease on arrival)",
+            "min": 0,
+        },
+    )
     prefix_cache: bool = field(
         default=True,
         metadata={
@@ -66,19 +77,20 @@ class PrefillConfig(InstanceConfig):
             "compute only what follows the longest cached prefix of a new prompt"
         },
     )
-    # NOTE: unbounded by default: with 4,096 tokens, 60 long prompts sent at once (more than
-    # a prefill computes within a decode's lease TTL) failed 34 of 60: their first leases
-    # expired, and the retries, which the whole-pool cache serves from the first attempt's
-    # blocks, had to compute again and expired too.
-    prefix_cache_max_tokens: int | None = field(
-        default=None,
+    # NOTE: 4,096 tokens (94 MB of the default model's KV) keeps the system prompts and the
+    # latest conversations while the pool's untouched blocks stay unwritten. It needs the lease
+    # window: without it, 60 long prompts sent at once failed 34 of 60 with this bound (their
+    # leases expired while earlier prompts were computed, and their retries found nothing
+    # cached).
+    prefix_cache_max_tokens: int = field(
+        default=4096,
         metadata={
             "help": "most prompt tokens the prefix cache keeps once their requests have left "
             "(whole blocks); past it the least recently freed are forgotten and their blocks "
             "written again first, so this prefill's memory holds the prompts in flight and "
-            "this much however many blocks it has; unset: every free block stays cached (the "
-            "whole pool is written in time). A retry after an expired lease computes again "
-            "what the cache forgot",
+            "this much however many blocks it has; larger keeps more prompts (as many tokens "
+            "as the pool holds: every free block, the whole pool written in time), at their "
+            "KV's memory",
             "min": 0,
         },
     )
@@ -124,6 +136,13 @@ class PrefillConfig(InstanceConfig):
     def kv_transport_kinds(self) -> tuple[str, ...]:
         """The transports this prefill may use, in order of preference."""
         return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())
+
+    @property
+    def lease_window_bound(self) -> int | None:
+        """The lease window's bound in tokens; None: no bound."""
+        if self.lease_window_tokens is None:
+            return 2 * self.max_num_batched_tokens
+        return self.lease_window_tokens or None
 
     @property
     def kv_cache_max_seqs(self) -> int | None:

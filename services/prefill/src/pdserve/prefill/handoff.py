@@ -3,7 +3,8 @@
 One asyncio task per request walks it QUEUED -> PREPARING -> PREFILLING -> TRANSFERRING ->
 HANDED_OFF (or FINISHED when the first token already ends the request) through its own
 transitions (`Request.move_to`/`end`) and writes what the caller must see into the outbox of
-its `InFlight`; its decode lease comes from `leasing.open_lease`. Whether it ships KV at all
+its `InFlight`; it waits in QUEUED for its turn in the lease window (`leasing.LeaseWindow`),
+and its decode lease comes from `leasing.open_lease`. Whether it ships KV at all
 and whether its first token ends it is the one stop rule (`Request.is_length_capped`,
 `Request.first_token_finish`). Every way out of that task (success, a typed failure, `abort`,
 the caller hanging up) runs the same cleanup (`Handoffs._release`): a decode lease that was
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import time
 from collections.abc import Sequence
 
 import structlog
@@ -29,7 +31,7 @@ from pdserve.prefill.decode_client import DecodePeers
 from pdserve.prefill.events import FinishedOut, FirstTokenOut, HandedOffOut
 from pdserve.prefill.in_flight import InFlight
 from pdserve.prefill.kv.transfers import KvTransfers
-from pdserve.prefill.leasing import open_lease, release_lease
+from pdserve.prefill.leasing import LeaseWindow, open_lease, release_lease
 from pdserve.prefill.metrics import PrefillMetrics
 from pdserve.prefill.prefill_loop import PrefillLoop
 from pdserve.prefill.request import Request, RequestStatus
@@ -57,6 +59,9 @@ class Handoffs:
         kv_transports: The KV transports this prefill may use, in order of preference.
         fault_corrupt_kv: Request-id pattern whose first KV chunk is corrupted on purpose
             (fault injection for chaos tests), or None.
+        constraints: Compiles structured-output constraints (None: the model has no
+            tokenizer).
+        lease_window_tokens: The lease window's bound (`LeaseWindow`); None: none.
     """
 
     def __init__(
@@ -69,8 +74,10 @@ class Handoffs:
         kv_transports: Sequence[str] = ("grpc",),
         fault_corrupt_kv: str | None = None,
         constraints: ConstraintCompiler | None = None,
+        lease_window_tokens: int | None = None,
     ) -> None:
         self.loop = loop
+        self.window = LeaseWindow(lease_window_tokens)
         self.constraints = constraints
         self.peers = peers
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -224,6 +231,8 @@ class Handoffs:
             # and before a lease: a store that hangs (cut off, until it is found unreachable)
             # delays the request, but the decode's lease TTL runs only from the grant.
             await self.loop.store_loader.load(request)
+        await self._take_turn(flight)
+        assert flight.window_place is not None
         if request.is_sending_kv:
             request.move_to(RequestStatus.PREPARING)
             lease = await open_lease(self.peers, request, self._background)
@@ -232,6 +241,7 @@ class Handoffs:
             request.num_sent_blocks = lease.num_shared_blocks
             stub = self.peers.stub(request.decode_address, request.decode_instance_id)
             self.transfers.start(flight, stub)
+        flight.window_place.leased()  # NOTE: or it needs none
         if constraint_state is not None:
             request.constraint_state = await asyncio.wrap_future(constraint_state)
         request.move_to(RequestStatus.PREFILLING)
@@ -247,6 +257,7 @@ class Handoffs:
                 request.trace_context = otel_context.get_current()
             self.loop.submit(request)
             sampled = await flight.wait_first_token()
+        flight.window_place.leave()
         token_id, index = sampled.token_id, request.first_token_index
         flight.outbox.put_nowait(
             FirstTokenOut(token_id, index, sampled.logprobs, sampled.prompt_logprobs)
@@ -284,6 +295,25 @@ class Handoffs:
             num_bytes=sender.num_bytes,
             transport=sender.transport,
         )
+
+    async def _take_turn(self, flight: InFlight) -> None:
+        """Waits for the request's place in the lease window (in QUEUED: no lease, nothing in
+        the engine yet), which it gives back once its prompt is computed."""
+        request = flight.request
+        num_tokens = self.loop.num_tokens_to_compute(request)
+        num_ahead = self.window.num_tokens
+        started = time.monotonic()
+        decode = request.decode_address if request.is_sending_kv else ""
+        flight.window_place = await self.window.enter(num_tokens, decode)
+        waited_s = time.monotonic() - started
+        if flight.window_place.has_waited:
+            log.info(
+                "lease_turn",
+                request_id=request.request_id,
+                waited_ms=round(waited_s * 1000, 1),
+                num_tokens=num_tokens,
+                num_tokens_ahead_on_arrival=num_ahead,
+            )
 
     def _prepare_constraint(
         self, request: Request
@@ -323,6 +353,8 @@ class Handoffs:
         """Gives back what the request holds: the decode lease unless handed off, the
         SyncCache stream, and the prefill's blocks (freed on the engine thread)."""
         request = flight.request
+        if flight.window_place is not None:
+            flight.window_place.leave()
         if request.is_lease_open:
             # NOTE: release before cancelling the stream, so the decode ends the lease as
             # released rather than as a broken transfer.

@@ -24,6 +24,7 @@ from pdserve.prefill.events import (
     Outcome,
 )
 from pdserve.prefill.kv.sender import KvSender
+from pdserve.prefill.leasing import WindowPlace
 from pdserve.prefill.request import Request
 
 
@@ -36,6 +37,8 @@ class InFlight:
         outbox: What its caller reads: `Outcome`s (the first token, then a handoff, a finish
             or a `PdserveError`).
         first_token: Resolved by the engine thread's first token (made by `engine_sink`).
+        window_place: Its place in the lease window, from its turn until its prompt is
+            computed (`leasing.LeaseWindow`).
         sender: Its KV sender once a lease is granted; ``sender_task`` runs it.
         task: The event-loop task that walks the request through its states;
             ``cleanup_task`` releases what it holds.
@@ -44,6 +47,7 @@ class InFlight:
     request: Request
     outbox: asyncio.Queue[Outcome] = field(default_factory=asyncio.Queue)
     first_token: asyncio.Future[FirstTokenSampled] | None = None
+    window_place: WindowPlace | None = None
     sender: KvSender | None = None
     sender_task: asyncio.Task[object] | None = None
     task: asyncio.Task[None] | None = None

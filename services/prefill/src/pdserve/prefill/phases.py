@@ -9,7 +9,8 @@ span carries as ``pdserve.phase.<name>_ms``:
         --transfer_tail--> handed off
 
 A request that ships no KV takes no lease: its lease phase is 0 and its queue starts at arrival.
-The lease phase includes the AllocateBlocks retries; the queue phase includes the KV-store load
+The lease phase includes the wait for the request's turn in the lease window
+(`leasing.LeaseWindow`) and the AllocateBlocks retries; the queue phase includes the KV-store load
 and the wait for the engine's token budget. The compute phase ends when the engine thread
 sampled the first token (not when the event loop, perhaps busy sending KV, saw it). The
 transfer tail is the part of the KV transfer the computation did not hide: it delays the
@@ -31,7 +32,8 @@ class PhaseDurations:
     """A prefill request's phases in seconds (None: not reached).
 
     Attributes:
-        lease_s: Arrival until the decode granted the lease (0 when no KV is shipped).
+        lease_s: Arrival until the decode granted the lease, the wait for its turn included
+            (0 when no KV is shipped).
         queue_s: Lease (or arrival) until the engine scheduled the first chunk.
         compute_s: First scheduled chunk until the first token was sampled.
         transfer_tail_s: First token until the decode acknowledged the KV commit.

@@ -81,6 +81,7 @@ class PrefillInstance(InstanceServer):
             config.kv_transport_kinds,
             env.fault_corrupt_kv(),
             host.constraint_compiler(),
+            config.lease_window_bound,
         )
         limits = PrefillRequestBounds(
             vocab_size=host.runner.model_config.vocab_size,
@@ -178,6 +179,7 @@ async def create_server(
         "prefill_started",
         **instance.describe(),
         max_num_batched_tokens=config.max_num_batched_tokens,
+        lease_window_tokens=config.lease_window_bound,
         prefix_cache=config.prefix_cache,
         prefix_cache_max_tokens=config.prefix_cache_max_tokens,
         kv_store=config.kv_store,
