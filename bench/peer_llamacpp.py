@@ -18,6 +18,9 @@ bench/results/peer-llamacpp-<time>.json.
 The peer's setup follows shared/PEERS.md: llama-server built from the llama.cpp sources that
 PyPI's `llama-cpp-python` sdist vendors, one slot per client (``-np``), the context to match,
 ``-t`` threads (``--llama-threads``; 1 was its best on 2 cores beside the load generator).
+``--context 32768 --concurrency 8`` gives both the context of a deployment sized ahead
+(llama-server ``-np 8 -c 32768``, pdserve's decode 2,048 blocks of 16) instead of just what the
+load needs.
 """
 
 from __future__ import annotations
@@ -105,8 +108,9 @@ def start_llama(args: argparse.Namespace, gguf: Path, concurrency: int, log: Pat
 
 
 def peer_context(args: argparse.Namespace, concurrency: int) -> int:
-    """llama-server's ``-c``: the context its slots share."""
-    return concurrency * (args.isl + args.osl + 128)
+    """llama-server's ``-c``: the context its slots share (``--context``, or enough for each
+    client's request)."""
+    return args.context or concurrency * (args.isl + args.osl + 128)
 
 
 def start_pdserve(args: argparse.Namespace, concurrency: int, log: Path) -> tuple[
@@ -229,6 +233,13 @@ def main() -> None:
     parser.add_argument("--pdserve-args", default="", help="more `pdserve up` flags")
     parser.add_argument("--label", default="pdserve", help="the pdserve row's name")
     parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="llama-server's -c (and so pdserve's decode KV) at every concurrency; default: "
+        "each client's ISL + OSL + 128 tokens",
+    )
+    parser.add_argument(
         "--match-kv",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -252,7 +263,7 @@ def main() -> None:
               f"{ours['ttft_p50_ms'] / peer['ttft_p50_ms']:>15.2f}x"
               f"{ours['pss_mb'] / peer['pss_mb']:>10.2f}x")  # fmt: skip
     summary = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "isl": args.isl, "osl": args.osl,
-               "label": args.label, "results": results}  # fmt: skip
+               "label": args.label, "context": args.context, "results": results}  # fmt: skip
     print(f"results: {write_results('peer-llamacpp', summary)}")
 
 
