@@ -11,7 +11,8 @@ completions: input of about ``--isl`` tokens, ``--osl`` output tokens (``ignore_
 each ``--concurrency``, ``--requests-per-client`` requests per client. The servers run one
 after the other on the same machine; the table gives output tokens/s, TTFT and ITL (p50) of
 each and the ratios pdserve / llama.cpp, and the memory of each side after its run: the PSS of
-every process the server started (pdserve's decode KV sized to the peer's context, ``--match-kv``).
+every process the server started, idle for ``--idle-s`` seconds after the load (pdserve's decode
+KV sized to the peer's context, ``--match-kv``).
 The CPU flags and both servers' settings are printed and written to
 bench/results/peer-llamacpp-<time>.json.
 
@@ -209,6 +210,7 @@ def measure(args: argparse.Namespace, gguf: Path, tokenizer: Path) -> dict[str, 
                 row = run_aiperf(
                     args, url, tokenizer, concurrency, work / f"{server}-{concurrency}"
                 )
+                time.sleep(args.idle_s)
                 row["pss_mb"] = tree_pss_mb(process.pid)
             finally:
                 stop(process)
@@ -232,6 +234,12 @@ def main() -> None:
     parser.add_argument("--llama-threads", type=int, default=1)
     parser.add_argument("--pdserve-args", default="", help="more `pdserve up` flags")
     parser.add_argument("--label", default="pdserve", help="the pdserve row's name")
+    parser.add_argument(
+        "--idle-s",
+        type=float,
+        default=3.0,
+        help="seconds each server sits idle after its load before its memory is read",
+    )
     parser.add_argument(
         "--context",
         type=int,
@@ -263,7 +271,8 @@ def main() -> None:
               f"{ours['ttft_p50_ms'] / peer['ttft_p50_ms']:>15.2f}x"
               f"{ours['pss_mb'] / peer['pss_mb']:>10.2f}x")  # fmt: skip
     summary = {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "isl": args.isl, "osl": args.osl,
-               "label": args.label, "context": args.context, "results": results}  # fmt: skip
+               "label": args.label, "context": args.context, "idle_s": args.idle_s,
+               "results": results}  # fmt: skip
     print(f"results: {write_results('peer-llamacpp', summary)}")
 
 

@@ -9,21 +9,39 @@ from __future__ import annotations
 import abc
 import threading
 
+from pdserve.common.memory import return_freed_memory
+
+# NOTE: after work, how long a loop waits with nothing to do before the process hands its
+# allocator's free pages back: longer than the gap between one user's requests, so a steady
+# load never pays to fault them in again.
+IDLE_TRIM_S = 2.0
+
 
 class EngineThread(abc.ABC):
     """Base of the services' engine loops: model work never runs on the event loop.
 
-    A subclass implements `_run`: wait on `_cond` until there is work or `_is_stopped`, take
-    the work under the condition, step outside it. Other threads queue work under `_cond` and
-    notify it.
+    A subclass implements `_run`: wait on `_cond` (`_wait_for_work`) until there is work or
+    `_is_stopped`, take the work under the condition, step outside it. Other threads queue work
+    under `_cond` and notify it.
 
     Args:
         name: The thread's name (shows in stack dumps and profiles).
         lock: The lock under `_cond`, when the subclass guards more state with it.
+        idle_trim_s: After work, how long the loop waits idle before the process hands its
+            allocator's free pages back (`return_freed_memory`: what a burst of passes freed,
+            kept by glibc for the next one); None: never.
     """
 
-    def __init__(self, name: str, lock: threading.Lock | threading.RLock | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        lock: threading.Lock | threading.RLock | None = None,
+        idle_trim_s: float | None = IDLE_TRIM_S,
+    ) -> None:
         self._cond = threading.Condition(lock)
+        self._idle_trim_s = idle_trim_s
+        self._is_trimmed = False  # trimmed, and not woken since
+        self.num_idle_trims = 0
         self._is_stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -49,6 +67,18 @@ class EngineThread(abc.ABC):
         """Whether the thread is still in its loop (a stop that timed out leaves it in its
         step)."""
         return self._thread.is_alive()
+
+    def _wait_for_work(self) -> None:
+        """`_cond.wait()` (the caller holds `_cond`); an idle wait that lasts `idle_trim_s`
+        hands the process's free heap pages back to the system, once until the loop is woken
+        again."""
+        if self._idle_trim_s is None or self._is_trimmed:
+            self._cond.wait()
+            self._is_trimmed = False
+        elif not self._cond.wait(self._idle_trim_s):
+            return_freed_memory()
+            self.num_idle_trims += 1
+            self._is_trimmed = True
 
     @abc.abstractmethod
     def _run(self) -> None:

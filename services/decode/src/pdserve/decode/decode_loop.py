@@ -133,7 +133,7 @@ class DecodeLoop(EngineThread):
                     or self._aborts
                     or self._preempt_all
                 ):
-                    self._cond.wait()
+                    self._wait_for_work()
                 aborts, self._aborts = self._aborts, {}
                 is_stopping = self._is_stopped
                 if not is_stopping:

@@ -182,7 +182,7 @@ class PrefillLoop(EngineThread):
                     or self._releases
                     or (self.scheduler.has_unfinished_requests() and not self._is_blocked)
                 ):
-                    self._cond.wait()
+                    self._wait_for_work()
                 releases, self._releases = self._releases, []
                 for request, on_released in releases:
                     self.scheduler.release(request)
