@@ -4,21 +4,38 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.eventually import eventually
 from support.prefill_cluster import Cluster, cluster
 
+from pdserve.common import telemetry
 from pdserve.common.generation import SamplingParams
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.colocated import LLMEngine
+from pdserve.prefill import handoff
 from pdserve.prefill.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 300 + 3 for j in range(17)] for i in range(4)]
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """The prefill's handoff spans, recorded by a provider of this test alone."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(handoff, "_tracer", provider.get_tracer("pdserve.prefill"))
+    monkeypatch.setattr(telemetry, "_provider", provider)
+    yield exporter
+    provider.shutdown()
 
 
 class _HeldRunner:
@@ -58,7 +75,7 @@ async def _hold_and_send(pd: Cluster, gate: threading.Event) -> list[asyncio.Tas
 
 
 async def test_requests_behind_a_busy_engine_wait_for_their_turn_without_a_lease(
-    tiny_model_dir: Path, engine: LLMEngine
+    tiny_model_dir: Path, engine: LLMEngine, spans: InMemorySpanExporter
 ) -> None:
     gate = threading.Event()
     # One 17-token prompt at a time may hold a lease: 17 + 17 > 20.
@@ -78,6 +95,9 @@ async def test_requests_behind_a_busy_engine_wait_for_their_turn_without_a_lease
         assert _num_granted(pd) == 4 and window.num_waited == 3
         assert window.num_tokens == 0 and window.num_waiting == 0
         await pd.assert_whole()
+    turns = [s for s in spans.get_finished_spans() if s.name == "prefill.lease_turn"]
+    waited = sorted(str(dict(s.attributes or {})[telemetry.REQUEST_ID]) for s in turns)
+    assert waited == ["turn-1", "turn-2", "turn-3"]  # the first did not wait: no span
 
 
 @pytest.mark.parametrize("lease_window_tokens", [0, 1_000])

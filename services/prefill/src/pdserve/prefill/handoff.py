@@ -302,11 +302,21 @@ class Handoffs:
         request = flight.request
         num_tokens = self.loop.num_tokens_to_compute(request)
         num_ahead = self.window.num_tokens
-        started = time.monotonic()
+        started, started_ns = time.monotonic(), time.time_ns()
         decode = request.decode_address if request.is_sending_kv else ""
         flight.window_place = await self.window.enter(num_tokens, decode)
         waited_s = time.monotonic() - started
         if flight.window_place.has_waited:
+            # NOTE: a span only for a request that waited, drawn from when it began to.
+            _tracer.start_span(
+                "prefill.lease_turn",
+                start_time=started_ns,
+                attributes={
+                    telemetry.REQUEST_ID: request.request_id,
+                    "pdserve.num_tokens": num_tokens,
+                    "pdserve.lease_window.num_tokens_ahead": num_ahead,
+                },
+            ).end()
             log.info(
                 "lease_turn",
                 request_id=request.request_id,
