@@ -81,3 +81,31 @@ def test_a_loop_idle_from_its_start_trims_once_and_one_that_may_not_never(
     finally:
         assert idle.stop() and no_trim.stop()
     assert (idle.num_idle_trims, no_trim.num_idle_trims) == (1, 0)
+
+
+def test_the_trim_runs_outside_the_loops_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = _Loop(idle_trim_s=0.01)
+    taken: list[bool] = []
+    trimmed = threading.Event()
+
+    def try_the_lock() -> None:
+        is_free = loop._cond.acquire(blocking=False)
+        if is_free:
+            loop._cond.release()
+        taken.append(is_free)
+
+    def trim() -> None:
+        probe = threading.Thread(target=try_the_lock)
+        probe.start()
+        probe.join()
+        trimmed.set()
+
+    monkeypatch.setattr(engine_thread, "return_freed_memory", trim)
+    loop.start()
+    try:
+        assert trimmed.wait(30)
+        loop.put(1)  # the loop still takes work after a trim
+        assert loop.done.wait(30)
+    finally:
+        assert loop.stop()
+    assert taken[0], "another thread could not take the loop's lock during the trim"

@@ -69,16 +69,23 @@ class EngineThread(abc.ABC):
         return self._thread.is_alive()
 
     def _wait_for_work(self) -> None:
-        """`_cond.wait()` (the caller holds `_cond`); an idle wait that lasts `idle_trim_s`
-        hands the process's free heap pages back to the system, once until the loop is woken
-        again."""
+        """`_cond.wait()` (the caller holds `_cond` once); an idle wait that lasts
+        `idle_trim_s` hands the process's free heap pages back to the system, once until the
+        loop is woken again."""
         if self._idle_trim_s is None or self._is_trimmed:
             self._cond.wait()
             self._is_trimmed = False
         elif not self._cond.wait(self._idle_trim_s):
-            return_freed_memory()
-            self.num_idle_trims += 1
             self._is_trimmed = True
+            self.num_idle_trims += 1
+            # NOTE: outside the lock: trimming a heap that a burst left with hundreds of MB
+            # free takes tens of ms, and other threads queue work (and read state) under it.
+            # What they queue meanwhile, the caller's condition sees when this returns.
+            self._cond.release()
+            try:
+                return_freed_memory()
+            finally:
+                self._cond.acquire()
 
     @abc.abstractmethod
     def _run(self) -> None:
