@@ -103,11 +103,30 @@ def decode_config() -> DecodeConfig:
     )
 
 
+class _HeldSteps:
+    """Delegates to the decode's runner; every step waits until `go` is set."""
+
+    def __init__(self, runner: object, go: threading.Event) -> None:
+        self._runner = runner
+        self.go = go
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._runner, name)
+
+    def execute(self, *args: object, **kwargs: object) -> object:
+        self.go.wait(timeout=120)  # NOTE: bounded: a failed test cannot leave the loop stuck
+        return self._runner.execute(*args, **kwargs)  # type: ignore[attr-defined]
+
+
 async def test_headroom_keeps_running_requests_from_preemption(client: DecodeClient) -> None:
     # A running request holds 3 prompt blocks and is owed headroom for its next 32 tokens
     # (the default reserve_tokens), which covers all it may still generate. New admissions may
     # only use what is left, so however many arrive it is never preempted.
     sampling = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    # NOTE: its steps are held until the pool is filled: a runner that finished meanwhile (a
+    # busy machine makes the fill slow) would free its blocks and headroom for more fillers.
+    steps = threading.Event()
+    client.instance.loop.runner = _HeldSteps(client.instance.loop.runner, steps)  # type: ignore[assignment]
     _, lease = await _handoff(client, "runner", PROMPT, sampling)
     stream = asyncio.create_task(client.collect(lease.lease_id))
     status = await client.pool()
@@ -133,6 +152,7 @@ async def test_headroom_keeps_running_requests_from_preemption(client: DecodeCli
         except grpc.aio.AioRpcError as error:
             assert errors.from_rpc_error(error).reason is ErrorReason.DECODE_CAPACITY_EXHAUSTED
             break
+    steps.set()
     assert admitted and len(admitted) <= available // 9 + 1
     messages = await stream
     assert messages[-1][0] == "finished"  # type: ignore[index]
