@@ -11,6 +11,7 @@ import grpc
 import pytest
 from support.decode_harness import BLOCK_SIZE, DecodeClient, tokens_of
 from support.eventually import eventually
+from support.held_runner import HeldRunner
 
 from pdserve.common import errors
 from pdserve.common.errors import ErrorReason
@@ -103,21 +104,6 @@ def decode_config() -> DecodeConfig:
     )
 
 
-class _HeldSteps:
-    """Delegates to the decode's runner; every step waits until `go` is set."""
-
-    def __init__(self, runner: object, go: threading.Event) -> None:
-        self._runner = runner
-        self.go = go
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._runner, name)
-
-    def execute(self, *args: object, **kwargs: object) -> object:
-        self.go.wait(timeout=120)  # NOTE: bounded: a failed test cannot leave the loop stuck
-        return self._runner.execute(*args, **kwargs)  # type: ignore[attr-defined]
-
-
 async def test_headroom_keeps_running_requests_from_preemption(client: DecodeClient) -> None:
     # A running request holds 3 prompt blocks and is owed headroom for its next 32 tokens
     # (the default reserve_tokens), which covers all it may still generate. New admissions may
@@ -126,7 +112,7 @@ async def test_headroom_keeps_running_requests_from_preemption(client: DecodeCli
     # NOTE: its steps are held until the pool is filled: a runner that finished meanwhile (a
     # busy machine makes the fill slow) would free its blocks and headroom for more fillers.
     steps = threading.Event()
-    client.instance.loop.runner = _HeldSteps(client.instance.loop.runner, steps)  # type: ignore[assignment]
+    client.instance.loop.runner = HeldRunner(client.instance.loop.runner, steps)  # type: ignore[assignment]
     _, lease = await _handoff(client, "runner", PROMPT, sampling)
     stream = asyncio.create_task(client.collect(lease.lease_id))
     status = await client.pool()

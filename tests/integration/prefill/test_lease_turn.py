@@ -4,54 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-import torch
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.eventually import eventually
+from support.held_runner import HeldRunner
 from support.prefill_cluster import Cluster, cluster
 
 from pdserve.common import telemetry
 from pdserve.common.generation import SamplingParams
-from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.colocated import LLMEngine
-from pdserve.prefill import handoff
 from pdserve.prefill.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 300 + 3 for j in range(17)] for i in range(4)]
-
-
-@pytest.fixture
-def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
-    """The prefill's handoff spans, recorded by a provider of this test alone."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(handoff, "_tracer", provider.get_tracer("pdserve.prefill"))
-    monkeypatch.setattr(telemetry, "_provider", provider)
-    yield exporter
-    provider.shutdown()
-
-
-class _HeldRunner:
-    """Delegates to a runner; every forward pass waits until `gate` is set (a busy engine)."""
-
-    def __init__(self, runner: object, gate: threading.Event) -> None:
-        self._runner = runner
-        self.gate = gate
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._runner, name)
-
-    def execute(self, chunks: Sequence[ScheduledChunk], on_layer_done=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        # NOTE: bounded, so that a failed test cannot leave the engine thread stuck.
-        self.gate.wait(timeout=120)
-        return self._runner.execute(chunks, on_layer_done)  # type: ignore[attr-defined]
 
 
 def _num_granted(pd: Cluster) -> int:
@@ -64,7 +31,7 @@ def _is_computing_first(pd: Cluster) -> bool:
 
 
 async def _hold_and_send(pd: Cluster, gate: threading.Event) -> list[asyncio.Task[list[int]]]:
-    pd.prefill.loop.runner = _HeldRunner(pd.prefill.loop.runner, gate)  # type: ignore[assignment]
+    pd.prefill.loop.runner = HeldRunner(pd.prefill.loop.runner, gate)  # type: ignore[assignment]
     first = asyncio.create_task(pd.complete("turn-0", PROMPTS[0], GREEDY))
     await eventually(lambda: _is_computing_first(pd), what="the first request computing")
     rest = [

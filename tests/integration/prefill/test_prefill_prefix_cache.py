@@ -4,40 +4,20 @@ single-process engine's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import structlog
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.prefill_cluster import BLOCK_SIZE, Cluster, cluster
 
-from pdserve.common import telemetry
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.engine.colocated import LLMEngine
-from pdserve.prefill import chunk_spans, handoff
 
 PREFIX = [(11 * i + 7) % 290 + 3 for i in range(3 * BLOCK_SIZE)]  # 3 full blocks
 FIRST = [*PREFIX, 5, 9, 200]
 SECOND = [*PREFIX, 17, 33, 8, 41, 2]  # 4 full blocks and one token
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture
-def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
-    """The prefill's own spans, recorded by a provider of this test alone."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("pdserve.prefill")
-    monkeypatch.setattr(handoff, "_tracer", tracer)
-    monkeypatch.setattr(chunk_spans, "_tracer", tracer)
-    monkeypatch.setattr(telemetry, "_provider", provider)
-    yield exporter
-    provider.shutdown()
 
 
 async def _complete_counting_bytes(
