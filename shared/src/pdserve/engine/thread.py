@@ -11,9 +11,9 @@ import threading
 
 from pdserve.common.memory import return_freed_memory
 
-# NOTE: after work, how long a loop waits with nothing to do before the process hands its
-# allocator's free pages back: longer than the gap between one user's requests, so a steady
-# load never pays to fault them in again.
+# NOTE: how long a loop waits with nothing to do before the process hands its allocator's
+# free pages back: a loaded engine is never idle that long, so a steady load never pays to
+# fault them in again; a request after a pause faults in what it needs once more.
 IDLE_TRIM_S = 2.0
 
 
