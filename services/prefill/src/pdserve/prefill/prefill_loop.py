@@ -33,7 +33,7 @@ from opentelemetry import trace
 
 from pdserve.common import telemetry
 from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
-from pdserve.engine.block_pool import BlockPool, prefix_block_keys
+from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.parallel.group import TensorParallelError
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow
@@ -149,20 +149,12 @@ class PrefillLoop(EngineThread):
 
     def num_tokens_to_compute(self, request: Request) -> int:
         """About how many of `request`'s prompt tokens a pass will compute, as the cache and
-        the store stand now: those after the leading blocks the prefix cache holds or the KV
-        store gave it (the last token is always computed). Fills ``request.block_keys`` when
-        the prefix cache is on (any thread)."""
-        if request.sampling.prompt_logprobs is not None:
-            return request.num_tokens  # NOTE: scoring the prompt computes every position.
-        if self.scheduler.pool.enable_prefix_caching and not request.block_keys:
-            request.block_keys = prefix_block_keys(
-                self.scheduler.kv_fingerprint, request.token_ids, self.block_size
-            )
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        num_reused = self.num_cached_leading_blocks(request.block_keys[:max_blocks])
-        if request.stored_payloads and num_reused >= request.stored_first_block:
-            num_stored_end = request.stored_first_block + len(request.stored_payloads)
-            num_reused = max(num_reused, min(max_blocks, num_stored_end))
+        the store stand now (`PrefillScheduler.num_reusable_blocks`). Fills
+        ``request.block_keys`` when the prefix cache is on (any thread)."""
+        # NOTE: the keys (hashing the prompt) outside the lock: they read no shared state.
+        self.scheduler.fill_block_keys(request)
+        with self.lock:
+            num_reused = self.scheduler.num_reusable_blocks(request)
         return request.num_tokens - num_reused * self.block_size
 
     @property

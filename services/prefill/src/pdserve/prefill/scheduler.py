@@ -57,11 +57,15 @@ class PrefillScheduler:
 
     def add_request(self, request: Request) -> None:
         """Queues a prepared request (FCFS)."""
+        self.fill_block_keys(request)
+        self.waiting.append(request)
+
+    def fill_block_keys(self, request: Request) -> None:
+        """Gives `request` its blocks' cache keys, once, when the prefix cache is on."""
         if self.pool.enable_prefix_caching and not request.block_keys:
             request.block_keys = prefix_block_keys(
                 self.kv_fingerprint, request.token_ids, self.block_size
             )
-        self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -125,6 +129,12 @@ class PrefillScheduler:
             block_ids.append(block_id)
         return block_ids
 
+    def num_reusable_blocks(self, request: Request) -> int:
+        """How many leading blocks admission would not compute as the cache stands now: the
+        cached ones, then the stored payloads that continue them."""
+        num_hit_blocks = len(self.find_cached_blocks(request))
+        return num_hit_blocks + len(self._usable_stored_payloads(request, num_hit_blocks))
+
     def _admit(self, request: Request) -> bool:
         """Gives `request` blocks for its whole prompt (cache hits first), or returns False."""
         hit_block_ids = self.find_cached_blocks(request)
@@ -150,14 +160,19 @@ class PrefillScheduler:
         return True
 
     def _take_stored_payloads(self, request: Request, num_hit_blocks: int) -> list[bytes]:
+        """`_usable_stored_payloads`; the request drops its list."""
+        payloads = self._usable_stored_payloads(request, num_hit_blocks)
+        request.stored_payloads = []
+        return payloads
+
+    def _usable_stored_payloads(self, request: Request, num_hit_blocks: int) -> list[bytes]:
         """The stored payloads that continue the request's `num_hit_blocks` cached blocks
-        (capped so the last token is computed); the request drops its list."""
-        payloads, request.stored_payloads = request.stored_payloads, []
+        (capped so the last token is computed)."""
         skip = num_hit_blocks - request.stored_first_block
         if skip < 0:
             return []  # NOTE: a cached block was evicted since the lookup: there is a gap.
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return payloads[skip : max(skip, max_blocks - request.stored_first_block)]
+        return request.stored_payloads[skip : max(skip, max_blocks - request.stored_first_block)]
 
     def _cache_full_blocks(self, request: Request, num_computed_before: int) -> None:
         """Caches the blocks a pass filled, from `num_computed_before` to now, under their keys."""
