@@ -149,9 +149,15 @@ async def test_preemption_storm_is_invisible_to_clients(
         for p in prompts
     ]
 
-    results = await _streamed_greedy(client, prompts, max_tokens=48)
-    assert results == expected
-    metrics = (await cluster.http().get("/metrics")).text
+    # NOTE: the streams preempt each other only where enough of them run at once; where the
+    # decode refused some at first and they came in as others ended, none was preempted: the
+    # storm runs again (up to three rounds), every round's output checked.
+    for _ in range(3):
+        results = await _streamed_greedy(client, prompts, max_tokens=48)
+        assert results == expected
+        metrics = (await cluster.http().get("/metrics")).text
+        if _counter(metrics, "pdserve_gateway_reschedules") > 0:
+            break
     assert _counter(metrics, "pdserve_gateway_reschedules") > 0
     for decode in cluster.decodes:
         if decode.offload is not None:
