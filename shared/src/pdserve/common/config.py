@@ -1,8 +1,8 @@
 """The configuration pattern: frozen dataclasses that validate themselves and drive the CLI.
 
-A service declares its settings once, as a frozen dataclass whose fields carry their help
-text in ``metadata={"help": ...}``, their choices in ``"choices"`` and their range in
-``"min"`` (inclusive), ``"gt"`` (exclusive) and ``"max"`` (inclusive). `check_ranges` checks
+A service declares its settings once, as a frozen dataclass whose fields (`setting`) carry
+their default, their help text, their choices and their range: ``min`` (inclusive), ``gt``
+(exclusive) and ``max`` (inclusive), kept in the field's metadata. `check_ranges` checks
 every range at once (`ServiceConfig` does in its ``__post_init__``, which also holds the checks
 that span several fields and raises `ValueError` for bad values). `add_arguments` turns the
 fields into ``--kebab-case`` flags with the dataclass defaults, and `from_args` builds the
@@ -32,6 +32,23 @@ T = TypeVar("T")
 RANGE_KEYS = ("min", "gt", "max")
 PORT_RANGE = {"min": 0, "max": 65535}
 """The range of a port field (0 picks a free port)."""
+
+
+def setting(
+    default: Any,
+    help_text: str = "",
+    *,
+    choices: typing.Collection[str] | None = None,
+    min: float | None = None,
+    gt: float | None = None,
+    max: float | None = None,
+) -> Any:
+    """A config field: its default, its help text (the flag's ``--help``), its choices and its
+    range (``min`` inclusive, ``gt`` exclusive, ``max`` inclusive; `check_ranges`)."""
+    metadata: dict[str, Any] = {"help": help_text} if help_text else {}
+    given = {"choices": choices, "min": min, "gt": gt, "max": max}
+    metadata.update({key: value for key, value in given.items() if value is not None})
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def describe_range(metadata: typing.Mapping[str, Any]) -> str:
@@ -185,44 +202,28 @@ def from_args(config_cls: type[T], args: argparse.Namespace, **overrides: Any) -
 class ServiceConfig:
     """Settings every pdserve service has: logging, tracing and internal-plane security."""
 
-    log_level: str = dataclasses.field(
-        default="info", metadata={"help": "log level", "choices": LEVELS}
+    log_level: str = setting("info", "log level", choices=LEVELS)
+    otlp_endpoint: str | None = setting(
+        None,
+        "OTLP/gRPC collector for traces, e.g. localhost:4317 (Jaeger); the standard "
+        "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER variables also work; off if unset",
     )
-    otlp_endpoint: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "OTLP/gRPC collector for traces, e.g. localhost:4317 (Jaeger); the standard "
-            "OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_TRACES_EXPORTER variables also work; off if unset"
-        },
+    trace_sample_ratio: float | None = setting(
+        None, "fraction of new traces kept (parent-based); all when unset", min=0, max=1
     )
-    trace_sample_ratio: float | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "fraction of new traces kept (parent-based); all when unset",
-            "min": 0,
-            "max": 1,
-        },
+    tls_ca: str | None = setting(
+        None, "cluster CA certificate (PEM) every internal peer must be signed by"
     )
-    tls_ca: str | None = dataclasses.field(
-        default=None,
-        metadata={"help": "cluster CA certificate (PEM) every internal peer must be signed by"},
+    tls_cert: str | None = setting(
+        None,
+        "this service's certificate (PEM, from `pdserve certs issue`); its role and "
+        "instance id are the service's identity",
     )
-    tls_cert: str | None = dataclasses.field(
-        default=None,
-        metadata={
-            "help": "this service's certificate (PEM, from `pdserve certs issue`); its role and "
-            "instance id are the service's identity"
-        },
-    )
-    tls_key: str | None = dataclasses.field(
-        default=None, metadata={"help": "private key of --tls-cert (PEM)"}
-    )
-    insecure: bool = dataclasses.field(
-        default=False,
-        metadata={
-            "help": "run the internal gRPC plane in plaintext, trusting any caller that reaches "
-            "its ports (logs a warning; shown in GetInstanceStatus and /health)"
-        },
+    tls_key: str | None = setting(None, "private key of --tls-cert (PEM)")
+    insecure: bool = setting(
+        False,
+        "run the internal gRPC plane in plaintext, trusting any caller that reaches "
+        "its ports (logs a warning; shown in GetInstanceStatus and /health)",
     )
 
     def __post_init__(self) -> None:

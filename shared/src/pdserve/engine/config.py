@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.common.config import check_ranges
+from pdserve.common.config import check_ranges, setting
 from pdserve.engine.precision import (
     AUTO,
     QUANTIZATIONS,
@@ -63,7 +63,7 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=POSITIVE)
     num_blocks: int | None = field(default=None, metadata=POSITIVE)
     memory_bytes: int | None = field(default=None, metadata=POSITIVE)
-    memory_fraction: float | None = field(default=None, metadata={"gt": 0, "max": 1})
+    memory_fraction: float | None = setting(None, gt=0, max=1)
     max_seqs: int | None = field(default=None, metadata=POSITIVE)
     shm_dir: str | None = None
     dtype: str | None = None
@@ -142,9 +142,9 @@ class EngineConfig:
     dtype: str = AUTO
     device: str = "cpu"
     max_model_len: int | None = field(default=None, metadata=POSITIVE)
-    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
-    linear_backend: str = field(default="auto", metadata={"choices": LINEAR_BACKENDS})
-    quantization: str = field(default=AUTO, metadata={"choices": QUANTIZATIONS})
+    attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
+    linear_backend: str = setting("auto", choices=LINEAR_BACKENDS)
+    quantization: str = setting(AUTO, choices=QUANTIZATIONS)
     seed: int | None = None
     num_threads: int | None = field(default=None, metadata=POSITIVE)
     kernel_threads: int = field(default=1, metadata=POSITIVE)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.common.config import ServiceConfig
+from pdserve.common.config import ServiceConfig, setting
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 from pdserve.engine.precision import AUTO, QUANTIZATIONS
@@ -17,211 +17,156 @@ DETERMINISTIC_DEFAULT = False
 class InstanceConfig(ServiceConfig):
     """What every prefill and decode instance is configured with; field help is ``--help``."""
 
-    model: str = field(
-        default=DEFAULT_MODEL,
-        metadata={"help": MODEL_HELP},
+    model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    served_model_name: str | None = setting(
+        None, "model name clients use; the known name, file stem or directory name"
     )
-    served_model_name: str | None = field(
-        default=None,
-        metadata={"help": "model name clients use; the known name, file stem or directory name"},
+    host: str = setting("127.0.0.1", "address the gRPC server binds")
+    port: int = setting(0, "gRPC port; 0 picks a free port", min=0, max=65535)
+    advertise_address: str | None = setting(
+        None, "host:port peers use to reach this instance; host:port when unset"
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address the gRPC server binds"})
-    port: int = field(
-        default=0, metadata={"help": "gRPC port; 0 picks a free port", "min": 0, "max": 65535}
+    gateway: str | None = setting(
+        None,
+        "gateway internal host:port to register with and heartbeat to (the "
+        "embedded registry; see --registry for several gateways)",
     )
-    advertise_address: str | None = field(
-        default=None,
-        metadata={"help": "host:port peers use to reach this instance; host:port when unset"},
+    registry: str | None = setting(None, REGISTRY_HELP)
+    registry_ttl_s: float = setting(
+        10.0,
+        "with --registry etcd://...: TTL of the etcd lease that keeps this "
+        "instance registered (whole seconds); a lapsed lease removes it from every gateway",
     )
-    gateway: str | None = field(
-        default=None,
-        metadata={
-            "help": "gateway internal host:port to register with and heartbeat to (the "
-            "embedded registry; see --registry for several gateways)"
-        },
+    heartbeat_interval_s: float = setting(
+        2.0,
+        "with --registry etcd://...: seconds between lease keep-alives, each with a "
+        "fresh load report",
+        gt=0,
     )
-    registry: str | None = field(default=None, metadata={"help": REGISTRY_HELP})
-    registry_ttl_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "with --registry etcd://...: TTL of the etcd lease that keeps this "
-            "instance registered (whole seconds); a lapsed lease removes it from every gateway"
-        },
+    instance_id: str | None = setting(None, "stable instance id; a random one when unset")
+    num_blocks: int | None = setting(
+        None,
+        "KV cache blocks; when unset, what --kv-cache-memory-mb holds, or sized from "
+        "free memory without it",
+        gt=0,
     )
-    heartbeat_interval_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "with --registry etcd://...: seconds between lease keep-alives, each with a "
-            "fresh load report",
-            "gt": 0,
-        },
+    kv_cache_memory_mb: int | None = setting(
+        None,
+        "KV cache budget in MiB when --num-blocks is unset; when both are unset the "
+        "cache is sized from free memory (see --kv-cache-memory-fraction)",
+        gt=0,
     )
-    instance_id: str | None = field(
-        default=None, metadata={"help": "stable instance id; a random one when unset"}
+    kv_cache_memory_fraction: float | None = setting(
+        None,
+        "with neither --num-blocks nor --kv-cache-memory-mb, the share of free "
+        "memory the KV cache takes at start: on CPU of available RAM (MemAvailable, or the "
+        "cgroup's limit less its usage when less), default 0.1, at most 4 GiB, and for a "
+        "decode offering shm at most half of /dev/shm's free space; on a GPU of its free "
+        "memory once the weights are loaded, default 0.9, less 512 MiB for activations. "
+        "Never more than room for one --max-model-len sequence per request held at once "
+        "(a decode's --max-num-seqs, a prefill's --max-queue-len) plus one; at least one "
+        "such sequence when it fits in half the available memory",
+        gt=0,
+        max=1,
     )
-    num_blocks: int | None = field(
-        default=None,
-        metadata={
-            "help": "KV cache blocks; when unset, what --kv-cache-memory-mb holds, or sized from "
-            "free memory without it",
-            "gt": 0,
-        },
+    block_size: int = setting(16, "tokens per KV block (prefills and decodes must agree)", gt=0)
+    dtype: str = setting(
+        AUTO,
+        "weights and KV dtype: auto (bfloat16 on a CPU with native bf16, i.e. "
+        "AVX512-BF16 or AMX, else float32; the dtype_resolved log line says which), float32, "
+        "bfloat16 or float16. Prefills and decodes must agree: pin it where their machines "
+        "differ",
     )
-    kv_cache_memory_mb: int | None = field(
-        default=None,
-        metadata={
-            "help": "KV cache budget in MiB when --num-blocks is unset; when both are unset the "
-            "cache is sized from free memory (see --kv-cache-memory-fraction)",
-            "gt": 0,
-        },
+    quantization: str = setting(
+        AUTO,
+        "weight-only quantization on CPU: auto keeps a GGUF's Q4_0/Q4_1/Q4_K "
+        "weights as the file stores them (int4 groups of 32) where the weights are bfloat16 "
+        "on a CPU with one rank, else dequantizes them (the model_loaded log line says what "
+        "each tensor type became); none dequantizes every weight to --dtype; int8 (per "
+        "output channel) or int4 (groups of 32) quantize every projection but the LM head "
+        "from the float weights. Activations and KV keep --dtype",
+        choices=QUANTIZATIONS,
     )
-    kv_cache_memory_fraction: float | None = field(
-        default=None,
-        metadata={
-            "help": "with neither --num-blocks nor --kv-cache-memory-mb, the share of free "
-            "memory the KV cache takes at start: on CPU of available RAM (MemAvailable, or the "
-            "cgroup's limit less its usage when less), default 0.1, at most 4 GiB, and for a "
-            "decode offering shm at most half of /dev/shm's free space; on a GPU of its free "
-            "memory once the weights are loaded, default 0.9, less 512 MiB for activations. "
-            "Never more than room for one --max-model-len sequence per request held at once "
-            "(a decode's --max-num-seqs, a prefill's --max-queue-len) plus one; at least one "
-            "such sequence when it fits in half the available memory",
-            "gt": 0,
-            "max": 1,
-        },
+    device: str = setting("cpu", "torch device, e.g. cpu or cuda:0")
+    enforce_eager: bool = setting(
+        False,
+        "never replay decode steps from CUDA graphs (a decode on CUDA captures one "
+        "per batch-size bucket up to --max-num-seqs at start; a prefill runs no decode "
+        "steps and captures none; on CPU every step is eager)",
     )
-    block_size: int = field(
-        default=16,
-        metadata={"help": "tokens per KV block (prefills and decodes must agree)", "gt": 0},
+    deterministic: bool = setting(
+        DETERMINISTIC_DEFAULT,
+        "batch-invariant numerics: a request's tokens and logprobs do not depend on "
+        "the other requests of a step, on prompt chunking or the prefix cache, and a "
+        "prefill and a decode that both set it compute the same K/V for a token, so a "
+        "stream that is recomputed after a move or preemption continues with the same "
+        "tokens (in bfloat16 too). Costs some throughput (docs/BENCHMARKS.md); runs SDPA "
+        "in its invariant form and no flash-attn or decode graphs. Set it on prefills and "
+        "decodes alike; the batch_invariant log line says it is on",
     )
-    dtype: str = field(
-        default=AUTO,
-        metadata={
-            "help": "weights and KV dtype: auto (bfloat16 on a CPU with native bf16, i.e. "
-            "AVX512-BF16 or AMX, else float32; the dtype_resolved log line says which), float32, "
-            "bfloat16 or float16. Prefills and decodes must agree: pin it where their machines "
-            "differ"
-        },
+    num_threads: int | None = setting(
+        None,
+        "torch intra-op threads; torch's default (all cores) when unset. Give each "
+        "process its share when several run on one machine (pdserve up does)",
+        gt=0,
     )
-    quantization: str = field(
-        default=AUTO,
-        metadata={
-            "help": "weight-only quantization on CPU: auto keeps a GGUF's Q4_0/Q4_1/Q4_K "
-            "weights as the file stores them (int4 groups of 32) where the weights are bfloat16 "
-            "on a CPU with one rank, else dequantizes them (the model_loaded log line says what "
-            "each tensor type became); none dequantizes every weight to --dtype; int8 (per "
-            "output channel) or int4 (groups of 32) quantize every projection but the LM head "
-            "from the float weights. Activations and KV keep --dtype",
-            "choices": QUANTIZATIONS,
-        },
+    kernel_threads: int = setting(
+        1,
+        "threads that share each GEMM of a one-row decode step (one user) on the "
+        "int4/int8 kernels (float32 or bf16): a lone user's step waits on reading the "
+        "weights, and one thread keeps too few reads in flight on the float32 kernels (about "
+        "1.5x faster with 2; the bf16 ones read near the memory's speed alone, "
+        "docs/BENCHMARKS.md); the same tokens whatever the count. "
+        "Steps of more rows keep one thread, leaving the other cores to the other engines "
+        "(pdserve up gives a decode every core on the float32 kernels, one thread on the bf16 "
+        "ones)",
+        gt=0,
     )
-    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda:0"})
-    enforce_eager: bool = field(
-        default=False,
-        metadata={
-            "help": "never replay decode steps from CUDA graphs (a decode on CUDA captures one "
-            "per batch-size bucket up to --max-num-seqs at start; a prefill runs no decode "
-            "steps and captures none; on CPU every step is eager)"
-        },
+    max_model_len: int | None = setting(
+        None, "longest sequence served; the model's limit when unset", gt=1
     )
-    deterministic: bool = field(
-        default=DETERMINISTIC_DEFAULT,
-        metadata={
-            "help": "batch-invariant numerics: a request's tokens and logprobs do not depend on "
-            "the other requests of a step, on prompt chunking or the prefix cache, and a "
-            "prefill and a decode that both set it compute the same K/V for a token, so a "
-            "stream that is recomputed after a move or preemption continues with the same "
-            "tokens (in bfloat16 too). Costs some throughput (docs/BENCHMARKS.md); runs SDPA "
-            "in its invariant form and no flash-attn or decode graphs. Set it on prefills and "
-            "decodes alike; the batch_invariant log line says it is on"
-        },
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks (processes) the model is split over; this process serves as rank 0 "
+        "and starts the others. CPU only; the heads must split (or replicate) evenly",
+        gt=0,
     )
-    num_threads: int | None = field(
-        default=None,
-        metadata={
-            "help": "torch intra-op threads; torch's default (all cores) when unset. Give each "
-            "process its share when several run on one machine (pdserve up does)",
-            "gt": 0,
-        },
+    tensor_parallel_timeout_s: float = setting(
+        120.0, "how long the ranks may take to form their group and load at start-up", gt=0
     )
-    kernel_threads: int = field(
-        default=1,
-        metadata={
-            "help": "threads that share each GEMM of a one-row decode step (one user) on the "
-            "int4/int8 kernels (float32 or bf16): a lone user's step waits on reading the "
-            "weights, and one thread keeps too few reads in flight on the float32 kernels (about "
-            "1.5x faster with 2; the bf16 ones read near the memory's speed alone, "
-            "docs/BENCHMARKS.md); the same tokens whatever the count. "
-            "Steps of more rows keep one thread, leaving the other cores to the other engines "
-            "(pdserve up gives a decode every core on the float32 kernels, one thread on the bf16 "
-            "ones)",
-            "gt": 0,
-        },
+    tensor_parallel_step_timeout_s: float = setting(
+        30.0,
+        "the longest a rank waits on the others within a step: a rank silent for "
+        "longer (frozen, wedged) is taken as lost and the instance goes down, to be started "
+        "again",
+        gt=0,
     )
-    max_model_len: int | None = field(
-        default=None,
-        metadata={"help": "longest sequence served; the model's limit when unset", "gt": 1},
+    drain_timeout_s: float = setting(30.0, "on SIGTERM, how long work in flight may finish", min=0)
+    metrics_port: int | None = setting(
+        None,
+        "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset",
+        min=0,
+        max=65535,
     )
-    tensor_parallel_size: int = field(
-        default=1,
-        metadata={
-            "help": "ranks (processes) the model is split over; this process serves as rank 0 "
-            "and starts the others. CPU only; the heads must split (or replicate) evenly",
-            "gt": 0,
-        },
+    health_port: int | None = setting(
+        None,
+        "port of a plaintext gRPC server that answers grpc.health.v1 only (for "
+        "probes that cannot present a client certificate, such as Kubernetes'); 0 picks a "
+        "free one; off if unset",
+        min=0,
+        max=65535,
     )
-    tensor_parallel_timeout_s: float = field(
-        default=120.0,
-        metadata={
-            "help": "how long the ranks may take to form their group and load at start-up",
-            "gt": 0,
-        },
+    kv_store: str | None = setting(
+        None,
+        "KV storage tier shared by instances: file:DIR[?max_bytes=N] (one host) or "
+        "redis://HOST:PORT[/DB] (shared). The decode offloads preempted requests' blocks "
+        "there, the prefill writes computed prompt blocks and loads stored prefixes "
+        "instead of computing them; off if unset",
     )
-    tensor_parallel_step_timeout_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "the longest a rank waits on the others within a step: a rank silent for "
-            "longer (frozen, wedged) is taken as lost and the instance goes down, to be started "
-            "again",
-            "gt": 0,
-        },
-    )
-    drain_timeout_s: float = field(
-        default=30.0, metadata={"help": "on SIGTERM, how long work in flight may finish", "min": 0}
-    )
-    metrics_port: int | None = field(
-        default=None,
-        metadata={
-            "help": "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset",
-            "min": 0,
-            "max": 65535,
-        },
-    )
-    health_port: int | None = field(
-        default=None,
-        metadata={
-            "help": "port of a plaintext gRPC server that answers grpc.health.v1 only (for "
-            "probes that cannot present a client certificate, such as Kubernetes'); 0 picks a "
-            "free one; off if unset",
-            "min": 0,
-            "max": 65535,
-        },
-    )
-    kv_store: str | None = field(
-        default=None,
-        metadata={
-            "help": "KV storage tier shared by instances: file:DIR[?max_bytes=N] (one host) or "
-            "redis://HOST:PORT[/DB] (shared). The decode offloads preempted requests' blocks "
-            "there, the prefill writes computed prompt blocks and loads stored prefixes "
-            "instead of computing them; off if unset"
-        },
-    )
-    kv_store_queue_len: int = field(
-        default=DEFAULT_KV_STORE_QUEUE_LEN,
-        metadata={
-            "help": "most KV store writes waiting at once; beyond it the oldest is dropped",
-            "gt": 0,
-        },
+    kv_store_queue_len: int = setting(
+        DEFAULT_KV_STORE_QUEUE_LEN,
+        "most KV store writes waiting at once; beyond it the oldest is dropped",
+        gt=0,
     )
 
     def __post_init__(self) -> None:

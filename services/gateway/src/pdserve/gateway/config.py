@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.common.config import PORT_RANGE, ServiceConfig, mirror_field, settings_of
+from pdserve.common.config import PORT_RANGE, ServiceConfig, mirror_field, setting, settings_of
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.reasoning import REASONING_PARSERS
@@ -37,10 +37,7 @@ class GatewayConfig(ServiceConfig):
     request limits, the admission queue's bounds and cache routing mirror `RequestLimits`,
     `QueueLimits` and `CacheRouting`, which hold their defaults and help text)."""
 
-    host: str = field(
-        default="0.0.0.0",
-        metadata={"help": "address the REST and gRPC servers bind to"},
-    )
+    host: str = setting("0.0.0.0", "address the REST and gRPC servers bind to")
     port: int = port_field(8000, "REST (OpenAI-compatible) port")
     grpc_port: int = port_field(
         50050, "public gRPC port: GenerationService (API keys, no client certificates)"
@@ -50,112 +47,84 @@ class GatewayConfig(ServiceConfig):
         "internal gRPC port: RegistryService, where prefills and decodes register (mutual TLS "
         "with --tls-*; each instance may only speak for its own certificate)",
     )
-    prefill: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "HOST:PORT of a prefill instance to use without registration (repeatable); "
-            "polled for health and load"
-        },
+    prefill: tuple[str, ...] = setting(
+        (),
+        "HOST:PORT of a prefill instance to use without registration (repeatable); "
+        "polled for health and load",
     )
-    decode: tuple[str, ...] = field(
-        default=(),
-        metadata={
-            "help": "HOST:PORT of a static decode instance (repeatable); polled like --prefill"
-        },
+    decode: tuple[str, ...] = setting(
+        (), "HOST:PORT of a static decode instance (repeatable); polled like --prefill"
     )
-    registry: str | None = field(default=None, metadata={"help": REGISTRY_HELP})
-    tokenizer: str | None = field(
-        default=None,
-        metadata={
-            "help": "model directory with tokenizer.json (and tokenizer_config.json, chat "
-            "template) to use for every model instead of fetching it from a prefill"
-        },
+    registry: str | None = setting(None, REGISTRY_HELP)
+    tokenizer: str | None = setting(
+        None,
+        "model directory with tokenizer.json (and tokenizer_config.json, chat "
+        "template) to use for every model instead of fetching it from a prefill",
     )
-    api_key: str | None = field(
-        default=None,
-        metadata={
-            "help": "require 'Authorization: Bearer KEY' on the REST API (except /health and "
-            "/metrics) and 'authorization' metadata on GenerationService; this key is named "
-            "'default'"
-        },
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on the REST API (except /health and "
+        "/metrics) and 'authorization' metadata on GenerationService; this key is named "
+        "'default'",
     )
-    api_key_file: str | None = field(
-        default=None,
-        metadata={
-            "help": "file of named API keys, one 'NAME:KEY[:rpm=N][:concurrency=N]' a line ('#' "
-            "comments allowed), re-read within a second of a change; $PDSERVE_API_KEYS may hold "
-            "more, separated by ',' (with no key anywhere the gateway is open)"
-        },
+    api_key_file: str | None = setting(
+        None,
+        "file of named API keys, one 'NAME:KEY[:rpm=N][:concurrency=N]' a line ('#' "
+        "comments allowed), re-read within a second of a change; $PDSERVE_API_KEYS may hold "
+        "more, separated by ',' (with no key anywhere the gateway is open)",
     )
-    requests_per_minute_per_key: float | None = field(
-        default=None,
-        metadata={
-            "help": "generation requests one API key may start a minute (token bucket, bursts "
-            "of a minute's worth); more get 429 with Retry-After; a key's rpm= replaces it; "
-            "off when unset",
-            "gt": 0,
-        },
+    requests_per_minute_per_key: float | None = setting(
+        None,
+        "generation requests one API key may start a minute (token bucket, bursts "
+        "of a minute's worth); more get 429 with Retry-After; a key's rpm= replaces it; "
+        "off when unset",
+        gt=0,
     )
-    max_attempts: int = field(
-        default=3,
-        metadata={
-            "help": "attempts per request for retryable errors (capacity, draining, lease or "
-            "KV transfer failures), each on another instance where the error says so",
-            "min": 1,
-        },
+    max_attempts: int = setting(
+        3,
+        "attempts per request for retryable errors (capacity, draining, lease or "
+        "KV transfer failures), each on another instance where the error says so",
+        min=1,
     )
-    preempt_retry_count: int = field(
-        default=4,
-        metadata={
-            "help": "how often one request may be rescheduled (prompt + generated tokens) after "
-            "a decode preempted it or was lost mid-stream",
-            "min": 0,
-        },
+    preempt_retry_count: int = setting(
+        4,
+        "how often one request may be rescheduled (prompt + generated tokens) after "
+        "a decode preempted it or was lost mid-stream",
+        min=0,
     )
-    preempt_retry_exclude_decode: bool = field(
-        default=False,
-        metadata={"help": "reschedule a preempted request on a different decode instance"},
+    preempt_retry_exclude_decode: bool = setting(
+        False, "reschedule a preempted request on a different decode instance"
     )
-    peer_wait_s: float = field(
-        default=30.0,
-        metadata={
-            "help": "seconds a request that lost its instance (or failed an attempt) waits for "
-            "a prefill/decode pair to register again when none is alive, before it fails; the "
-            "request timeout bounds it too; 0 fails at once",
-            "min": 0,
-        },
+    peer_wait_s: float = setting(
+        30.0,
+        "seconds a request that lost its instance (or failed an attempt) waits for "
+        "a prefill/decode pair to register again when none is alive, before it fails; the "
+        "request timeout bounds it too; 0 fails at once",
+        min=0,
     )
-    request_timeout: float = field(
-        default=600.0,
-        metadata={"help": "seconds one request may take in all, retries included", "gt": 0},
+    request_timeout: float = setting(
+        600.0, "seconds one request may take in all, retries included", gt=0
     )
-    default_max_tokens: int = field(
-        default=16,
-        metadata={"help": "max_tokens of a /v1/completions request that does not set it", "min": 1},
+    default_max_tokens: int = setting(
+        16, "max_tokens of a /v1/completions request that does not set it", min=1
     )
-    default_chat_max_tokens: int = field(
-        default=1024,
-        metadata={
-            "help": "max_tokens of a chat request that sets none (GenerationService always sets "
-            "it), lowered to what fits in the model's length after the prompt",
-            "min": 1,
-        },
+    default_chat_max_tokens: int = setting(
+        1024,
+        "max_tokens of a chat request that sets none (GenerationService always sets "
+        "it), lowered to what fits in the model's length after the prompt",
+        min=1,
     )
-    max_body_bytes: int = field(
-        default=4 * MIB,
-        metadata={
-            "help": "largest REST request body in bytes; a larger one is refused with 413 "
-            "before it is read (by its Content-Length) or as soon as it grows past this",
-            "min": 1,
-        },
+    max_body_bytes: int = setting(
+        4 * MIB,
+        "largest REST request body in bytes; a larger one is refused with 413 "
+        "before it is read (by its Content-Length) or as soon as it grows past this",
+        min=1,
     )
-    grpc_max_receive_bytes: int = field(
-        default=4 * MIB,
-        metadata={
-            "help": "largest gRPC message the gateway receives (GenerationService, "
-            "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED",
-            "min": 1,
-        },
+    grpc_max_receive_bytes: int = setting(
+        4 * MIB,
+        "largest gRPC message the gateway receives (GenerationService, "
+        "RegistryService); gRPC refuses a larger one with RESOURCE_EXHAUSTED",
+        min=1,
     )
     max_prompt_chars: int = mirror_field(RequestLimits, "max_prompt_chars")
     max_prompt_tokens: int = mirror_field(RequestLimits, "max_prompt_tokens")
@@ -168,137 +137,100 @@ class GatewayConfig(ServiceConfig):
     max_prompts: int = mirror_field(RequestLimits, "max_prompts")
     max_logit_bias: int = mirror_field(RequestLimits, "max_logit_bias")
     max_tools: int = mirror_field(RequestLimits, "max_tools")
-    tool_call_parser: str = field(
-        default=AUTO,
-        metadata={
-            "help": "how tool calls are read from a model's output (tool_choice auto) and "
-            "shown to a model whose chat template does not render tools: hermes "
-            "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3, SmolLM), llama3_json "
-            '({"name": ..., "parameters": ...}: Llama 3.1-3.3), harmony (gpt-oss: '
-            "commentary messages to=functions.NAME; its analysis channel is the reasoning), "
-            "deepseek_v3 (DeepSeek-V3/R1: <｜tool▁calls▁begin｜>...); auto picks by the chat "
-            "template: harmony, deepseek_v3 or llama3_json for a template that writes that "
-            "format's markers, hermes otherwise",
-            "choices": TOOL_CALL_PARSERS,
-        },
+    tool_call_parser: str = setting(
+        AUTO,
+        "how tool calls are read from a model's output (tool_choice auto) and "
+        "shown to a model whose chat template does not render tools: hermes "
+        "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3, SmolLM), llama3_json "
+        '({"name": ..., "parameters": ...}: Llama 3.1-3.3), harmony (gpt-oss: '
+        "commentary messages to=functions.NAME; its analysis channel is the reasoning), "
+        "deepseek_v3 (DeepSeek-V3/R1: <｜tool▁calls▁begin｜>...); auto picks by the chat "
+        "template: harmony, deepseek_v3 or llama3_json for a template that writes that "
+        "format's markers, hermes otherwise",
+        choices=TOOL_CALL_PARSERS,
     )
-    reasoning_parser: str = field(
-        default=AUTO,
-        metadata={
-            "help": "how a chat completion's reasoning is read: think (what the model writes "
-            "between <think> and </think>, as Qwen3 and DeepSeek-R1 do, goes to "
-            "reasoning_content, streamed too; the rest to content), none (all content); auto "
-            "reads it for a model whose chat template knows </think>",
-            "choices": REASONING_PARSERS,
-        },
+    reasoning_parser: str = setting(
+        AUTO,
+        "how a chat completion's reasoning is read: think (what the model writes "
+        "between <think> and </think>, as Qwen3 and DeepSeek-R1 do, goes to "
+        "reasoning_content, streamed too; the rest to content), none (all content); auto "
+        "reads it for a model whose chat template knows </think>",
+        choices=REASONING_PARSERS,
     )
     max_constraint_chars: int = mirror_field(RequestLimits, "max_constraint_chars")
-    max_concurrent_requests: int = field(
-        default=512,
-        metadata={"help": "generation requests in flight on the gateway; more get 429", "min": 1},
+    max_concurrent_requests: int = setting(
+        512, "generation requests in flight on the gateway; more get 429", min=1
     )
-    max_concurrent_requests_per_key: int = field(
-        default=256,
-        metadata={
-            "help": "generation requests in flight per API key presented (requests without one "
-            "share a count); more get 429",
-            "min": 1,
-        },
+    max_concurrent_requests_per_key: int = setting(
+        256,
+        "generation requests in flight per API key presented (requests without one "
+        "share a count); more get 429",
+        min=1,
     )
-    max_stored_responses: int = field(
-        default=1024,
-        metadata={
-            "help": "resumable requests (background responses, resumable streams) this gateway "
-            "keeps running or ended at once; a new one past it gets 429",
-            "min": 1,
-        },
+    max_stored_responses: int = setting(
+        1024,
+        "resumable requests (background responses, resumable streams) this gateway "
+        "keeps running or ended at once; a new one past it gets 429",
+        min=1,
     )
-    response_keep_s: float = field(
-        default=600.0,
-        metadata={
-            "help": "seconds an ended background response or resumable stream stays readable "
-            "and resumable (then: 404)",
-            "gt": 0,
-        },
+    response_keep_s: float = setting(
+        600.0,
+        "seconds an ended background response or resumable stream stays readable "
+        "and resumable (then: 404)",
+        gt=0,
     )
-    resume_holder_ttl_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "with --registry etcd://...: seconds after this gateway stops answering "
-            "etcd (it died) before another gateway sharing the etcd adopts its running "
-            "background responses and resumable streams and runs them to their end",
-            "gt": 0,
-        },
+    resume_holder_ttl_s: float = setting(
+        10.0,
+        "with --registry etcd://...: seconds after this gateway stops answering "
+        "etcd (it died) before another gateway sharing the etcd adopts its running "
+        "background responses and resumable streams and runs them to their end",
+        gt=0,
     )
     max_queued_requests: int = mirror_field(QueueLimits, "max_queued_requests")
     max_queued_tokens: int = mirror_field(QueueLimits, "max_queued_tokens")
     max_queue_wait_s: float = mirror_field(QueueLimits, "max_queue_wait_s")
-    prepare_workers: int = field(
-        default=4,
-        metadata={
-            "help": "threads that tokenize prompts and render chat templates, off the event loop",
-            "min": 1,
-        },
+    prepare_workers: int = setting(
+        4, "threads that tokenize prompts and render chat templates, off the event loop", min=1
     )
-    parse_processes: int = field(
-        default=2,
-        metadata={
-            "help": "worker processes that parse request bodies and messages over 16 KiB, off "
-            "the gateway's process (started on the first such request)",
-            "min": 1,
-        },
+    parse_processes: int = setting(
+        2,
+        "worker processes that parse request bodies and messages over 16 KiB, off "
+        "the gateway's process (started on the first such request)",
+        min=1,
     )
-    prepare_timeout_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "seconds a request may wait for and use a parser process, then a tokenizer "
-            "thread (each); then it fails with DEADLINE_EXCEEDED (504)",
-            "gt": 0,
-        },
+    prepare_timeout_s: float = setting(
+        10.0,
+        "seconds a request may wait for and use a parser process, then a tokenizer "
+        "thread (each); then it fails with DEADLINE_EXCEEDED (504)",
+        gt=0,
     )
-    heartbeat_interval_s: float = field(
-        default=2.0,
-        metadata={
-            "help": "heartbeat interval the registry asks instances for, in seconds",
-            "gt": 0,
-        },
+    heartbeat_interval_s: float = setting(
+        2.0, "heartbeat interval the registry asks instances for, in seconds", gt=0
     )
-    instance_ttl_s: float = field(
-        default=10.0,
-        metadata={
-            "help": "seconds without a heartbeat after which an instance is lost: "
-            "dropped, and its streams move to other instances",
-            "gt": 0,
-        },
+    instance_ttl_s: float = setting(
+        10.0,
+        "seconds without a heartbeat after which an instance is lost: "
+        "dropped, and its streams move to other instances",
+        gt=0,
     )
-    poll_interval_s: float = field(
-        default=2.0,
-        metadata={"help": "seconds between status polls of --prefill/--decode instances", "gt": 0},
+    poll_interval_s: float = setting(
+        2.0, "seconds between status polls of --prefill/--decode instances", gt=0
     )
     cache_aware_routing: bool = mirror_field(CacheRouting, "is_enabled")
     cache_balance_tokens: int = mirror_field(CacheRouting, "balance_tokens")
     cache_memory_blocks: int = mirror_field(CacheRouting, "memory_blocks")
-    unavailable_retry_after_s: float = field(
-        default=1.0,
-        metadata={
-            "help": "retry delay (Retry-After) suggested when no healthy pair exists",
-            "min": 0,
-        },
+    unavailable_retry_after_s: float = setting(
+        1.0, "retry delay (Retry-After) suggested when no healthy pair exists", min=0
     )
-    shutdown_grace_s: float = field(
-        default=10.0,
-        metadata={"help": "seconds a stopping gateway lets running requests finish", "min": 0},
+    shutdown_grace_s: float = setting(
+        10.0, "seconds a stopping gateway lets running requests finish", min=0
     )
-    trace_polls: bool = field(
-        default=False,
-        metadata={
-            "help": "with tracing on, also trace polls: /health, /livez, /v1/models, /metrics "
-            "(by default only generation requests make traces)"
-        },
+    trace_polls: bool = setting(
+        False,
+        "with tracing on, also trace polls: /health, /livez, /v1/models, /metrics "
+        "(by default only generation requests make traces)",
     )
-    log_format: str = field(
-        default="json", metadata={"help": "log line format", "choices": LOG_FORMATS}
-    )
+    log_format: str = setting("json", "log line format", choices=LOG_FORMATS)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from pdserve.common import constraints
+from pdserve.common.config import setting
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import MAX_SEED
 from pdserve.gateway.prepare.messages import (
@@ -40,54 +41,30 @@ class RequestLimits:
     """What one request may ask for; each is a gateway flag of the same name, whose help text
     is the field's (``metadata["help"]``)."""
 
-    max_prompt_chars: int = dataclasses.field(
-        default=1_000_000,
-        metadata={"help": "characters of a text prompt, or of all chat messages together"},
+    max_prompt_chars: int = setting(
+        1_000_000, "characters of a text prompt, or of all chat messages together"
     )
-    max_prompt_tokens: int = dataclasses.field(
-        default=131072,
-        metadata={
-            "help": "tokens of a prompt (after the chat template); a prompt must also leave the "
-            "model's length room for one generated token"
-        },
+    max_prompt_tokens: int = setting(
+        131072,
+        "tokens of a prompt (after the chat template); a prompt must also leave the "
+        "model's length room for one generated token",
     )
-    max_messages: int = dataclasses.field(
-        default=1024, metadata={"help": "messages of one chat request"}
+    max_messages: int = setting(1024, "messages of one chat request")
+    max_stop_strings: int = setting(16, "stop strings of one request")
+    max_stop_chars: int = setting(256, "characters of one stop string")
+    max_stop_token_ids: int = setting(64, "stop token ids of one request")
+    max_tokens_limit: int = setting(
+        0,
+        "largest max_tokens a request may ask for; 0: whatever fits in the model's "
+        "length after the prompt",
     )
-    max_stop_strings: int = dataclasses.field(
-        default=16, metadata={"help": "stop strings of one request"}
-    )
-    max_stop_chars: int = dataclasses.field(
-        default=256, metadata={"help": "characters of one stop string"}
-    )
-    max_stop_token_ids: int = dataclasses.field(
-        default=64, metadata={"help": "stop token ids of one request"}
-    )
-    max_tokens_limit: int = dataclasses.field(
-        default=0,
-        metadata={
-            "help": "largest max_tokens a request may ask for; 0: whatever fits in the model's "
-            "length after the prompt"
-        },
-    )
-    max_n: int = dataclasses.field(
-        default=16, metadata={"help": "completions one request may ask for (n)"}
-    )
-    max_prompts: int = dataclasses.field(
-        default=64, metadata={"help": "prompts of one completions request (a list of prompts)"}
-    )
-    max_logit_bias: int = dataclasses.field(
-        default=1024, metadata={"help": "logit_bias entries of one request"}
-    )
-    max_tools: int = dataclasses.field(
-        default=128, metadata={"help": "tools (functions) of one chat request"}
-    )
-    max_constraint_chars: int = dataclasses.field(
-        default=100_000,
-        metadata={
-            "help": "characters of one request's constraint (schema, regex, grammar or choices "
-            "together)"
-        },
+    max_n: int = setting(16, "completions one request may ask for (n)")
+    max_prompts: int = setting(64, "prompts of one completions request (a list of prompts)")
+    max_logit_bias: int = setting(1024, "logit_bias entries of one request")
+    max_tools: int = setting(128, "tools (functions) of one chat request")
+    max_constraint_chars: int = setting(
+        100_000,
+        "characters of one request's constraint (schema, regex, grammar or choices together)",
     )
 
     def __post_init__(self) -> None:

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
+
+from pdserve.common.config import setting
 
 
 class RouteReason(enum.Enum):
@@ -41,26 +43,20 @@ class CacheRouting:
     """Settings of cache-aware prefill routing; each is a gateway flag (``--cache-aware-routing``,
     ``--cache-balance-tokens``, ``--cache-memory-blocks``), whose help text is the field's."""
 
-    is_enabled: bool = field(
-        default=True,
-        metadata={
-            "help": "send a prompt to the prefill believed to hold its longest prefix in its "
-            "prefix cache (off: always the prefill with the fewest queued prompt tokens)"
-        },
+    is_enabled: bool = setting(
+        True,
+        "send a prompt to the prefill believed to hold its longest prefix in its "
+        "prefix cache (off: always the prefill with the fewest queued prompt tokens)",
     )
-    balance_tokens: int = field(
-        default=2048,
-        metadata={
-            "help": "a prefill holding a prompt's prefix is preferred unless its queued prompt "
-            "tokens exceed the least-loaded prefill's by more than this"
-        },
+    balance_tokens: int = setting(
+        2048,
+        "a prefill holding a prompt's prefix is preferred unless its queued prompt "
+        "tokens exceed the least-loaded prefill's by more than this",
     )
-    memory_blocks: int = field(
-        default=65536,
-        metadata={
-            "help": "block keys remembered per prefill for cache-aware routing (least recently "
-            "routed forgotten first; at most the prefill's pool size)"
-        },
+    memory_blocks: int = setting(
+        65536,
+        "block keys remembered per prefill for cache-aware routing (least recently "
+        "routed forgotten first; at most the prefill's pool size)",
     )
 
     def __post_init__(self) -> None:

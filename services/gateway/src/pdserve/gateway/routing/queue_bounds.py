@@ -7,8 +7,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pdserve.common.config import setting
 from pdserve.common.errors import ErrorReason, PdserveError
 
 WAIT_REASONS = frozenset({ErrorReason.DECODE_CAPACITY_EXHAUSTED, ErrorReason.PREFILL_OVERLOADED})
@@ -29,29 +30,23 @@ class QueueLimits:
     """Bounds of the admission queue; each is a gateway flag of the same name (see
     docs/limits.md), whose help text and range are the field's."""
 
-    max_queued_requests: int = field(
-        default=256,
-        metadata={
-            "help": "requests that may wait at once in the admission queue for a decode (and "
-            "prefill) with room; one more gets 429 with Retry-After at once",
-            "min": 1,
-        },
+    max_queued_requests: int = setting(
+        256,
+        "requests that may wait at once in the admission queue for a decode (and "
+        "prefill) with room; one more gets 429 with Retry-After at once",
+        min=1,
     )
-    max_queued_tokens: int = field(
-        default=262_144,
-        metadata={
-            "help": "prompt tokens that may wait at once in the admission queue; a request that "
-            "would pass it gets 429 with Retry-After at once",
-            "min": 1,
-        },
+    max_queued_tokens: int = setting(
+        262_144,
+        "prompt tokens that may wait at once in the admission queue; a request that "
+        "would pass it gets 429 with Retry-After at once",
+        min=1,
     )
-    max_queue_wait_s: float = field(
-        default=60.0,
-        metadata={
-            "help": "seconds a new request may wait in the admission queue for room; then 429 "
-            "with Retry-After (a request already streaming waits up to --request-timeout)",
-            "gt": 0,
-        },
+    max_queue_wait_s: float = setting(
+        60.0,
+        "seconds a new request may wait in the admission queue for room; then 429 "
+        "with Retry-After (a request already streaming waits up to --request-timeout)",
+        gt=0,
     )
 
 
