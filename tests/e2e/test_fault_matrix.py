@@ -1183,16 +1183,24 @@ async def run_unattached_cell(cell: Cell, cluster: ProcessCluster) -> str:
                 expected = [d.output_text for d in done]
                 # NOTE: on a busy machine every response may end before the decodes freeze;
                 # the round is then read, checked and run again, twice at most.
+                assert cluster.gateway is not None
+                gateway = cluster.gateway
                 for attempt in range(3):
                     mark = log_mark(cluster)
                     created = await asyncio.gather(
                         *(client.responses.create(**b, background=True) for b in bodies)
                     )
                     on_decodes = running_decodes(cluster, mark)
+
+                    def decoding_or_ended(
+                        on_decodes: Callable[[], dict[str, int]] = on_decodes,
+                        mark: dict[str, int] = mark,
+                    ) -> bool:
+                        ended = since(mark, gateway, "request_finished")
+                        return any(on_decodes().values()) or len(ended) >= len(bodies)
+
                     await eventually(
-                        lambda on_decodes=on_decodes: any(on_decodes().values()),
-                        REQUEST_TIMEOUT_S,
-                        "a background response decoding",
+                        decoding_or_ended, REQUEST_TIMEOUT_S, "a background response decoding"
                     )
                     if await land_while_decoding(cell, cluster, mark, fault, attempt == 2):
                         break
