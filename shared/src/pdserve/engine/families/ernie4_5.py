@@ -16,9 +16,7 @@ from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import DENSE_LAYER_NAMES, ArchitectureRules
 
 
-def config_fields(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
-    """ERNIE 4.5's fields, dense or MoE: one switch for every projection's biases, tied
-    embeddings by default, RoPE on adjacent pairs."""
+def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
     use_bias = bool(hf.get("use_bias", False))
     fields["qkv_bias"] = fields["o_proj_bias"] = fields["qkv_bias"] or use_bias
     fields["mlp_bias"] = fields["mlp_bias"] or use_bias
@@ -26,23 +24,23 @@ def config_fields(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
     fields["is_rope_interleaved"] = True
 
 
-def load_tensor(name: str, tensor: Any, config: Any) -> Any:
+def _load_tensor(name: str, tensor: Any, config: Any) -> Any:
     # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
     return None if "mtp" in name else tensor
 
 
-def gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
+def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
     # NOTE: ERNIE 4.5 has one switch for the biases of every projection.
     config["use_bias"] = config.pop("attention_bias")
 
 
 FAMILY = Family(
     "ernie4_5",
-    config=config_fields,
-    load_tensor=load_tensor,
+    config=_config,
+    load_tensor=_load_tensor,
     gguf=GgufFamily(
         "ernie4_5",
         ArchitectureRules("ernie4_5", "Ernie4_5ForCausalLM", DENSE_LAYER_NAMES),
-        config=gguf_config,
+        config=_gguf_config,
     ),
 )

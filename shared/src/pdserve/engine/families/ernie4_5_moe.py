@@ -17,7 +17,7 @@ from typing import Any
 
 from pdserve.engine.arch_config import MoeConfig
 from pdserve.engine.checkpoint_names import SHARED_EXPERTS
-from pdserve.engine.families import ConfigGetter, Family, GgufFamily, ernie4_5
+from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import (
     DENSE_LAYER_NAMES,
     ROUTED_EXPERT_NAMES,
@@ -27,7 +27,11 @@ from pdserve.engine.gguf_architectures import (
 
 
 def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
-    ernie4_5.config_fields(hf, fields)
+    use_bias = bool(hf.get("use_bias", False))
+    fields["qkv_bias"] = fields["o_proj_bias"] = fields["qkv_bias"] or use_bias
+    fields["mlp_bias"] = fields["mlp_bias"] or use_bias
+    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+    fields["is_rope_interleaved"] = True
     fields["moe"] = _moe(hf, fields["num_hidden_layers"])
 
 
@@ -50,8 +54,14 @@ def _moe(hf: Mapping[str, Any], num_layers: int) -> MoeConfig:
     )
 
 
+def _load_tensor(name: str, tensor: Any, config: Any) -> Any:
+    # NOTE: ERNIE's multi-token-prediction layers (for speculation) are not served.
+    return None if "mtp" in name else tensor
+
+
 def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
-    ernie4_5.gguf_config(config, get, tensors)
+    # NOTE: ERNIE 4.5 has one switch for the biases of every projection.
+    config["use_bias"] = config.pop("attention_bias")
     config["moe_num_experts"] = int(get("expert_count"))
     config["moe_k"] = int(get("expert_used_count"))
     config["moe_intermediate_size"] = int(get("expert_feed_forward_length"))
@@ -72,7 +82,7 @@ FAMILY = Family(
             ".mlp.score_correction",
         ),
     ),
-    load_tensor=ernie4_5.load_tensor,
+    load_tensor=_load_tensor,
     gguf=GgufFamily(
         "ernie4_5-moe",
         ArchitectureRules(
