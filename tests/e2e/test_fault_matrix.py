@@ -142,20 +142,23 @@ DOWN_EVENTS = frozenset(
 
 @pytest.fixture(scope="module")
 def reference(demo_model_dir: Path) -> Reference:
-    return Reference(demo_model_dir)
+    return Reference(demo_model_dir, deterministic=True)
 
 
 def matrix_settings(lease_ttl_ms: int, instance_args: str = "") -> dict[str, str]:
     """The `ClusterConfig` fields of every cell's cluster: two decodes of `DECODE_BLOCKS`
-    blocks, prefills that compute 16 tokens a pass, short timeouts (`instance_args`: more
-    flags of both, e.g. tensor parallelism)."""
+    blocks, prefills that compute 16 tokens a pass, short timeouts, batch-invariant numerics
+    (`instance_args`: more flags of both, e.g. tensor parallelism)."""
     # NOTE: a frozen instance stops heartbeating: the gateway drops it after 2 s and moves the
-    # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease.
+    # streams that depend on it; a prefill gives a frozen decode 1.5 s to grant a lease. A
+    # stream moved off a lost decode is recomputed by a prefill, whose attention sums in
+    # another order than the decode steps it replaces: only `--deterministic` promises the same
+    # tokens after (a seeded stream moved after its first token once took another at its 60th).
     return {
         "prefill_args": f"--num-blocks 512 --max-num-batched-tokens 16 --allocate-timeout-ms "
-        f"1500 {instance_args}",
+        f"1500 --deterministic {instance_args}",
         "decode_args": f"--num-blocks {DECODE_BLOCKS} --lease-ttl-ms {lease_ttl_ms} "
-        f"{instance_args}",
+        f"--deterministic {instance_args}",
         "gateway_args": f"--request-timeout {REQUEST_TIMEOUT_S:g} --heartbeat-interval-s 0.5 "
         f"--instance-ttl-s {INSTANCE_TTL_S:g} --resume-holder-ttl-s {HOLDER_TTL_S:g}",
     }

@@ -162,9 +162,11 @@ class RealCluster:
 
 class Reference:
     """The single-process engine and the tokenizer, for expected outputs (one generation at a
-    time: callers on several threads take turns)."""
+    time: callers on several threads take turns). `deterministic`: batch-invariant numerics, as
+    a cluster whose instances run ``--deterministic`` (needed where a stream moves and its
+    tokens are compared: its new decode recomputes its K/V in a prefill)."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, *, deterministic: bool = False) -> None:
         self.model_dir = model_dir
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         # NOTE: float32 here and in the cluster: the outputs must be equal token for token.
@@ -172,6 +174,7 @@ class Reference:
             model=str(model_dir),
             dtype="float32",
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=512),
+            deterministic=deterministic,
         )
         self.engine = LLMEngine(config)
         self._turn = threading.Lock()
