@@ -30,8 +30,6 @@ T = TypeVar("T")
 
 
 RANGE_KEYS = ("min", "gt", "max")
-PORT_RANGE = {"min": 0, "max": 65535}
-"""The range of a port field (0 picks a free port)."""
 
 
 def setting(
@@ -49,6 +47,11 @@ def setting(
     given = {"choices": choices, "min": min, "gt": gt, "max": max}
     metadata.update({key: value for key, value in given.items() if value is not None})
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def port_setting(default: int | None, help_text: str) -> Any:
+    """A port's config field: 0 to 65535, where 0 picks a free port (`setting`)."""
+    return setting(default, help_text, min=0, max=65535)
 
 
 def describe_range(metadata: typing.Mapping[str, Any]) -> str:

@@ -23,7 +23,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-POSITIVE = {"gt": 0}
 """The range metadata of a positive count (`pdserve.common.config.check_ranges`)."""
 
 
@@ -60,11 +59,11 @@ class CacheConfig:
             The same memory then holds more tokens of the full-attention layers.
     """
 
-    block_size: int = field(default=16, metadata=POSITIVE)
-    num_blocks: int | None = field(default=None, metadata=POSITIVE)
-    memory_bytes: int | None = field(default=None, metadata=POSITIVE)
+    block_size: int = setting(16, gt=0)
+    num_blocks: int | None = setting(None, gt=0)
+    memory_bytes: int | None = setting(None, gt=0)
     memory_fraction: float | None = setting(None, gt=0, max=1)
-    max_seqs: int | None = field(default=None, metadata=POSITIVE)
+    max_seqs: int | None = setting(None, gt=0)
     shm_dir: str | None = None
     dtype: str | None = None
     enable_prefix_caching: bool = False
@@ -86,8 +85,8 @@ class SchedulerConfig:
         enable_chunked_prefill: Split prompts longer than the remaining budget across steps.
     """
 
-    max_num_seqs: int = field(default=64, metadata=POSITIVE)
-    max_num_batched_tokens: int = field(default=2048, metadata=POSITIVE)
+    max_num_seqs: int = setting(64, gt=0)
+    max_num_batched_tokens: int = setting(2048, gt=0)
     enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
@@ -141,16 +140,16 @@ class EngineConfig:
     model: str
     dtype: str = AUTO
     device: str = "cpu"
-    max_model_len: int | None = field(default=None, metadata=POSITIVE)
+    max_model_len: int | None = setting(None, gt=0)
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS)
     linear_backend: str = setting("auto", choices=LINEAR_BACKENDS)
     quantization: str = setting(AUTO, choices=QUANTIZATIONS)
     seed: int | None = None
-    num_threads: int | None = field(default=None, metadata=POSITIVE)
-    kernel_threads: int = field(default=1, metadata=POSITIVE)
-    tensor_parallel_size: int = field(default=1, metadata=POSITIVE)
-    tensor_parallel_timeout_s: float = field(default=120.0, metadata=POSITIVE)
-    tensor_parallel_step_timeout_s: float = field(default=30.0, metadata=POSITIVE)
+    num_threads: int | None = setting(None, gt=0)
+    kernel_threads: int = setting(1, gt=0)
+    tensor_parallel_size: int = setting(1, gt=0)
+    tensor_parallel_timeout_s: float = setting(120.0, gt=0)
+    tensor_parallel_step_timeout_s: float = setting(30.0, gt=0)
     enforce_eager: bool = False
     deterministic: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import ServiceConfig, setting
+from pdserve.common.config import ServiceConfig, port_setting, setting
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.engine.model_store import DEFAULT_MODEL, MODEL_HELP
 from pdserve.engine.precision import AUTO, QUANTIZATIONS
@@ -22,7 +22,7 @@ class InstanceConfig(ServiceConfig):
         None, "model name clients use; the known name, file stem or directory name"
     )
     host: str = setting("127.0.0.1", "address the gRPC server binds")
-    port: int = setting(0, "gRPC port; 0 picks a free port", min=0, max=65535)
+    port: int = port_setting(0, "gRPC port; 0 picks a free port")
     advertise_address: str | None = setting(
         None, "host:port peers use to reach this instance; host:port when unset"
     )
@@ -142,19 +142,14 @@ class InstanceConfig(ServiceConfig):
         gt=0,
     )
     drain_timeout_s: float = setting(30.0, "on SIGTERM, how long work in flight may finish", min=0)
-    metrics_port: int | None = setting(
-        None,
-        "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset",
-        min=0,
-        max=65535,
+    metrics_port: int | None = port_setting(
+        None, "port of the Prometheus /metrics endpoint; 0 picks a free one; off if unset"
     )
-    health_port: int | None = setting(
+    health_port: int | None = port_setting(
         None,
         "port of a plaintext gRPC server that answers grpc.health.v1 only (for "
         "probes that cannot present a client certificate, such as Kubernetes'); 0 picks a "
         "free one; off if unset",
-        min=0,
-        max=65535,
     )
     kv_store: str | None = setting(
         None,

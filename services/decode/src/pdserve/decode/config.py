@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import setting
+from pdserve.common.config import port_setting, setting
 from pdserve.serving.config import InstanceConfig
 
 DEFAULT_PORT = 50070
@@ -15,7 +15,7 @@ KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp")
 class DecodeConfig(InstanceConfig):
     """Configuration of `pdserve-decode`. Field help texts are the CLI's ``--help``."""
 
-    port: int = setting(DEFAULT_PORT, "gRPC port; 0 picks a free port", min=0, max=65535)
+    port: int = port_setting(DEFAULT_PORT, "gRPC port; 0 picks a free port")
     max_num_seqs: int = setting(64, "most requests decoded together in one step", gt=0)
     reserve_tokens: int = setting(
         32,
@@ -68,8 +68,8 @@ class DecodeConfig(InstanceConfig):
         "which addresses every layer by block id, is then not offered: "
         "--no-release-window-blocks keeps every layer's blocks and that transport",
     )
-    kv_tcp_port: int = setting(
-        0, "port of the TCP KV data port (bound on --host); 0 picks a free port", min=0, max=65535
+    kv_tcp_port: int = port_setting(
+        0, "port of the TCP KV data port (bound on --host); 0 picks a free port"
     )
     kv_offload_wait_ms: int = setting(
         1000,

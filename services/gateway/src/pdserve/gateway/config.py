@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from pdserve.common.config import PORT_RANGE, ServiceConfig, mirror_field, setting, settings_of
+from pdserve.common.config import (
+    ServiceConfig,
+    mirror_field,
+    port_setting,
+    setting,
+    settings_of,
+)
 from pdserve.common.etcd_registry import REGISTRY_HELP, check_registry_spec
 from pdserve.gateway.prepare.validation import RequestLimits
 from pdserve.gateway.reasoning import REASONING_PARSERS
@@ -15,13 +20,6 @@ from pdserve.gateway.tools.formats import AUTO, TOOL_CALL_PARSERS
 
 LOG_FORMATS = ("json", "console")
 MIB = 1024 * 1024
-
-
-def port_field(default: int, help_text: str) -> Any:
-    """A port's config field: 0 to 65535, where 0 picks a free port."""
-    return field(
-        default=default, metadata={"help": f"{help_text}; 0 picks a free one", **PORT_RANGE}
-    )
 
 
 def check_address(flag: str, address: str) -> None:
@@ -38,14 +36,17 @@ class GatewayConfig(ServiceConfig):
     `QueueLimits` and `CacheRouting`, which hold their defaults and help text)."""
 
     host: str = setting("0.0.0.0", "address the REST and gRPC servers bind to")
-    port: int = port_field(8000, "REST (OpenAI-compatible) port")
-    grpc_port: int = port_field(
-        50050, "public gRPC port: GenerationService (API keys, no client certificates)"
+    port: int = port_setting(8000, "REST (OpenAI-compatible) port; 0 picks a free one")
+    grpc_port: int = port_setting(
+        50050,
+        "public gRPC port: GenerationService (API keys, no client certificates); 0 picks a "
+        "free one",
     )
-    internal_port: int = port_field(
+    internal_port: int = port_setting(
         50051,
         "internal gRPC port: RegistryService, where prefills and decodes register (mutual TLS "
-        "with --tls-*; each instance may only speak for its own certificate)",
+        "with --tls-*; each instance may only speak for its own certificate); 0 picks a free "
+        "one",
     )
     prefill: tuple[str, ...] = setting(
         (),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.common.config import setting
+from pdserve.common.config import port_setting, setting
 from pdserve.common.grpc_server import MAX_MESSAGE_BYTES
 from pdserve.serving.config import InstanceConfig
 
@@ -16,7 +16,7 @@ KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp", "grpc")
 class PrefillConfig(InstanceConfig):
     """Configuration of `pdserve-prefill`. Field help texts are the CLI's ``--help``."""
 
-    port: int = setting(DEFAULT_PORT, "gRPC port; 0 picks a free port", min=0, max=65535)
+    port: int = port_setting(DEFAULT_PORT, "gRPC port; 0 picks a free port")
     num_blocks: int | None = setting(
         None,
         "KV cache blocks of this prefill (prompts being computed or shipped, and "
