@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.hf_reference import hf_greedy
+from support.hf_reference import hf_greedy, hf_greedy_margin
 from support.process_cluster import (
     ProcessCluster,
     greedy_streams_through_a_decode_kill,
@@ -28,10 +28,16 @@ from support.tiny_models import servable_tiny_model
 from pdserve.tokenizer import Tokenizer
 
 NUM_TOKENS = 56
-PROMPTS = [f"Latent attention keeps request {i} whole." for i in range(8)]
+# NOTE: numbered so that no greedy step of either tiny model is within 5e-3 of a tie (1, 3, 8,
+# 9, 15, 19, 20 and 23 have steps 1.9e-4 to 9.8e-4 from one; see MIN_GREEDY_MARGIN).
+PROMPTS = [f"Latent attention keeps request {i} whole." for i in (0, 2, 4, 6, 7, 11, 12, 13)]
 # NOTE: 10 blocks of 16 tokens and no growth headroom per decode: a request (about 40 prompt
 # tokens, 56 more) ends in 6 blocks, so two growing at once on a decode outgrow its pool.
 DECODE_ARGS = "--num-blocks 10 --reserve-tokens 0"
+# NOTE: the engine's float32 logits are held within 1e-4 of transformers' per architecture
+# (LOGITS_ATOL of tests/unit/engine/test_engine_model.py; transformers' own full and incremental
+# passes differ by up to 6e-5 on these models): a greedy step flips only within 2e-4 of a tie.
+MIN_GREEDY_MARGIN = 1e-3
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss"])
@@ -48,7 +54,13 @@ def expected(model_dir: Path) -> list[list[int]]:
 
     tokenizer = Tokenizer.from_pretrained(model_dir)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    return [hf_greedy(reference, tokenizer.encode(p), NUM_TOKENS) for p in PROMPTS]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    # NOTE: the streams below are compared with transformers token for token without
+    # --deterministic (a stream moved off a killed decode is recomputed by a prefill, whose
+    # sums run in another order): that holds only where no greedy step is near a tie.
+    margin = min(hf_greedy_margin(reference, prompt, NUM_TOKENS) for prompt in prompts)
+    assert margin > MIN_GREEDY_MARGIN, f"a greedy step {margin:.2e} from a tie: pick other prompts"
+    return [hf_greedy(reference, prompt, NUM_TOKENS) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")

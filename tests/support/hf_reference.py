@@ -28,6 +28,29 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[i
     return out[0, len(prompt) :].tolist()
 
 
+def hf_greedy_margin(model: torch.nn.Module, prompt: list[int], num_new: int) -> float:
+    """The smallest gap between the best and the second-best logit over the steps of
+    `hf_greedy(model, prompt, num_new)`: how far the reference's greedy choice is from a tie.
+
+    Another engine's float32 sums differ from transformers' in the last bits; where the gap is
+    far above that, a greedy comparison with transformers cannot flip on summation order.
+    """
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    steps = torch.cat([logits.float() for logits in out.logits])
+    top2 = steps.topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
 def chat_greedy(
     reference: tuple[Any, Any], messages: list[dict[str, Any]], max_tokens: int
 ) -> tuple[list[int], list[int]]:
