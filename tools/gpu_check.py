@@ -7,18 +7,19 @@ a step that fails or runs out of time does not stop the next:
 1. ``install``: joins the kit's pieces, checks every digest, and installs the wheels offline
    (``pip install --no-index --no-deps --target``); later steps run with that folder first on
    ``PYTHONPATH`` over the image's own packages.
-2. ``env``: the GPU, torch, CUDA, the flash-attn found, and the attention backend the engine
-   picks for bf16 on this device.
+2. ``env``: the GPU, torch, CUDA, the flash-attn and the NIXL found, and the attention backend
+   the engine picks for bf16 on this device.
 3. ``model``: the default model's GGUF into a fresh cache and prepared there (the demo model
    when the kit's model part did not arrive).
 4. ``gpu_tests``: the engine on CUDA against CPU logits (SDPA and flash-attn where importable),
    the CUDA block export/import, CUDA-graph decode replay against eager on the default model,
    a CUDA cache mapped through CUDA IPC by another process, bf16 KV through every transport
-   into a decode process (CUDA IPC included).
+   into a decode process (CUDA IPC included, and NIXL VRAM to VRAM with the kit's ``--nixl``).
 5. ``engine_bench``: bench/engine.py on the real model, engine vs transformers' generate.
 6. ``graphs_bench``: bench/decode_graphs.py, decode steps from CUDA graphs vs eager at batch
    1, 16 and 64.
-7. ``kv_bench``: bench/kv_transfer.py from a CUDA cache, each transport vs a raw copy.
+7. ``kv_bench``: bench/kv_transfer.py from a CUDA cache, each transport (NIXL where the kit
+   carried it) vs raw TCP and an in-process device-to-device copy.
 8. ``ipc_bench``: bench/kv_cuda_ipc.py, writes into another process's CUDA cache through CUDA
    IPC vs the same copy within one process.
 9. ``serve_compare``: bench/serve.py --compare, PD vs colocated on the same device.
@@ -75,6 +76,11 @@ backend = resolve_attention_backend("auto", device, torch.bfloat16, 16)
 info["attention_backend"] = attention_backend_name(backend)
 import google.protobuf, grpc
 info["protobuf"], info["grpcio"] = google.protobuf.__version__, grpc.__version__
+from pdserve.kv.transports import nixl
+try:
+    info["nixl"] = nixl.load_api().__name__.split(".")[0]
+except nixl.NixlUnavailable as error:
+    info["nixl"], info["nixl_error"] = None, str(error)
 print(json.dumps(info))
 """
 MODEL_PROBE = r"""
@@ -395,6 +401,7 @@ def main() -> None:
                 "cuda": env.get("cuda"),
                 "attention_backend": env.get("attention_backend"),
                 "flash_attn": env.get("flash_attn"),
+                "nixl": env.get("nixl"),
                 "model": context.get("model"),
                 "kit": context.get("kit"),
                 "is_ok": bool(check.steps) and all(s.status == "ok" for s in check.steps),

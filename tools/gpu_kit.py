@@ -16,7 +16,9 @@ The kit holds:
 * the default model's GGUF, which the check prepares into its cache on the machine (the
   prepared float32 checkpoint is five times larger);
 * with ``--flash`` (``make gpu-kit GPU_KIT_FLASH=1``), flash-attn 4 and its dependencies
-  (`FLASH_PACKAGES`).
+  (`FLASH_PACKAGES`);
+* with ``--nixl`` (``make gpu-kit GPU_KIT_NIXL=1``), NIXL's CUDA 13 wheel (`nixl_packages`),
+  so that the check moves KV over NIXL VRAM to VRAM and measures it.
 
 One device call carries at most 64 MiB, the working tree included, and the GGUF alone is
 larger, so the kit is cut into parts (``part1``, ``part2``, ...) that each fit beside the
@@ -79,6 +81,10 @@ FLASH_PACKAGES = {
     "quack-kernels": "0.6.5",
 }
 """With ``--flash``: flash-attn 4 for the engine's flash path (two more parts, two more calls)."""
+NIXL_EXTRA = "nixl-cu12"
+"""What the ``nixl`` extra installs here (the CUDA 12 build, which also runs without CUDA)."""
+NIXL_GPU_WHEEL = "nixl-cu13"
+"""NIXL's build for the GPU image's CUDA 13 torch (UCX with its CUDA transports inside)."""
 CHECK_REQUIREMENTS = ("pytest-asyncio",)
 """What the check itself runs that the image lacks (the test suite's asyncio plugin)."""
 
@@ -146,6 +152,13 @@ def missing_packages(pins: dict[str, str]) -> dict[str, str]:
             carried[name] = pins[name]
         queue.extend(_requirements(name, EXTRAS.get(name, tuple(requirement.extras))))
     return dict(sorted(carried.items()))
+
+
+def nixl_packages(pins: dict[str, str]) -> dict[str, str]:
+    """With ``--nixl``: NIXL's CUDA 13 wheel at the version constraints.txt pins for the
+    ``nixl`` extra (about 56 MiB: one more part, one more call). It needs only torch and numpy,
+    which the image has."""
+    return {NIXL_GPU_WHEEL: pins[NIXL_EXTRA]}
 
 
 def download(packages: dict[str, str], dest: Path) -> None:
@@ -239,22 +252,30 @@ def main() -> None:
         "--part-mib", type=float, help="largest part (default: 64 MiB less the tree and 4 MiB)"
     )
     parser.add_argument("--flash", action="store_true", help="add flash-attn 4 (about 96 MiB)")
+    parser.add_argument(
+        "--nixl", action="store_true", help="add NIXL's CUDA 13 wheel (about 56 MiB)"
+    )
     args = parser.parse_args()
     out: Path = args.out
     staging = out / "staging"
     for old in out.glob("part*"):
         shutil.rmtree(old)
     shutil.rmtree(staging / "project", ignore_errors=True)
-    for folder in ("deps", "flash"):
+    for folder in ("deps", "flash", "nixl"):
         (staging / folder).mkdir(parents=True, exist_ok=True)
     build_project_wheels(staging / "project")
     files = []
     model: dict[str, str] | None = None
-    if args.flash and not args.rehearsal:
-        download(FLASH_PACKAGES, staging / "flash")
-        files += [("wheel", p.name, p) for p in sorted((staging / "flash").glob("*.whl"))]
+    pins = pinned_versions(ROOT / "constraints.txt")
+    # NOTE: the opt-in wheels first: the last part, which holds the check's own wheels, installs
+    # and runs whatever of the earlier parts did not arrive.
+    optional = {"flash": FLASH_PACKAGES, "nixl": nixl_packages(pins)}
+    for name in ("flash", "nixl"):
+        if getattr(args, name) and not args.rehearsal:
+            download(optional[name], staging / name)
+            files += [("wheel", p.name, p) for p in sorted((staging / name).glob("*.whl"))]
     if not args.rehearsal:
-        packages = missing_packages(pinned_versions(ROOT / "constraints.txt"))
+        packages = missing_packages(pins)
         print(f"carrying {len(packages)} dependencies the GPU image lacks: {', '.join(packages)}")
         download(packages, staging / "deps")
         known = KNOWN_MODELS[DEFAULT_MODEL]

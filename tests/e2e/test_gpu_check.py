@@ -57,6 +57,16 @@ def test_the_kit_carries_what_the_image_lacks_and_never_torch() -> None:
     assert carried["protobuf"] == kit.pinned_versions(ROOT / "constraints.txt")["protobuf"]
 
 
+def test_nixl_rides_only_when_asked_as_the_images_cuda_build_of_the_tested_version() -> None:
+    from importlib import metadata
+
+    kit = load_tool("gpu_kit")
+    pins = kit.pinned_versions(ROOT / "constraints.txt")
+    assert not any(name.startswith("nixl") for name in kit.missing_packages(pins))
+    # NOTE: the CUDA 13 build of the very version the suite runs here (the CUDA 12 build).
+    assert kit.nixl_packages(pins) == {"nixl-cu13": metadata.version("nixl-cu12")}
+
+
 def test_a_file_split_across_parts_is_joined_and_a_damaged_piece_refused(tmp_path: Path) -> None:
     kit, check = load_tool("gpu_kit"), load_tool("gpu_check")
     big, small = tmp_path / "model.gguf", tmp_path / "a-1.0-py3-none-any.whl"
@@ -140,6 +150,7 @@ def test_the_gpu_check_rehearses_every_step_on_cpu_from_an_offline_kit(tmp_path:
     assert [row["batch_size"] for row in graphs["rows"]] == [1, 4]
     # NOTE: the bench runs nixl where its extra is installed (the rehearsal's Python has it).
     with_nixl = {"nixl"} if nixl.is_installed() else set()
+    assert (summary["nixl"] is not None) == bool(with_nixl), steps["env"]["results"]
     assert set(steps["kv_bench"]["results"]["transports"]) == {"grpc", "tcp", "shm", *with_nixl}
     ipc = steps["ipc_bench"]["results"]
     assert ipc["bit_exact"] and ipc["device_kind"] == "cpu"  # the stand-in
