@@ -138,8 +138,8 @@ test-transports: system-deps venv model  ## the e2e, chaos and prefill suites on
 	PDSERVE_TEST_KV_TRANSPORT=cuda_ipc PDSERVE_KV_IPC_STANDIN=1 \
 		$(BIN)/pytest -q tests/e2e/test_chaos.py tests/e2e/test_gateway_real_services.py
 
-gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model; GPU_KIT_FLASH=1 adds flash-attn 4, GPU_KIT_NIXL=1 NIXL): see docs/gpu.md
-	$(PY) tools/gpu_kit.py $(if $(GPU_KIT_FLASH),--flash) $(if $(GPU_KIT_NIXL),--nixl)
+gpu-kit: venv model  ## the GPU kit in .gpukit/ (py3.12 wheels, the model; GPU_KIT_FLASH=1 adds flash-attn 4, GPU_KIT_NIXL=0 leaves NIXL out): see docs/gpu.md
+	$(PY) tools/gpu_kit.py $(if $(GPU_KIT_FLASH),--flash) $(if $(filter 0,$(GPU_KIT_NIXL)),--no-nixl)
 
 # NOTE: deploy/image.py: the runtime at hand (podman or docker), the base (BASE_IMAGE, else
 # python:3.11-slim-bookworm, else a Debian base made with debootstrap where no registry

@@ -17,8 +17,8 @@ The kit holds:
   prepared float32 checkpoint is five times larger);
 * with ``--flash`` (``make gpu-kit GPU_KIT_FLASH=1``), flash-attn 4 and its dependencies
   (`FLASH_PACKAGES`);
-* with ``--nixl`` (``make gpu-kit GPU_KIT_NIXL=1``), NIXL's CUDA 13 wheel (`nixl_packages`),
-  so that the check moves KV over NIXL VRAM to VRAM and measures it.
+* NIXL's CUDA 13 wheel (`nixl_packages`), so that the check moves KV over NIXL VRAM to VRAM
+  and measures it (``--no-nixl``, ``make gpu-kit GPU_KIT_NIXL=0``: without it, one call fewer).
 
 One device call carries at most 64 MiB, the working tree included, and the GGUF alone is
 larger, so the kit is cut into parts (``part1``, ``part2``, ...) that each fit beside the
@@ -155,7 +155,7 @@ def missing_packages(pins: dict[str, str]) -> dict[str, str]:
 
 
 def nixl_packages(pins: dict[str, str]) -> dict[str, str]:
-    """With ``--nixl``: NIXL's CUDA 13 wheel at the version constraints.txt pins for the
+    """Unless ``--no-nixl``: NIXL's CUDA 13 wheel at the version constraints.txt pins for the
     ``nixl`` extra (about 56 MiB: one more part, one more call). It needs only torch and numpy,
     which the image has."""
     return {NIXL_GPU_WHEEL: pins[NIXL_EXTRA]}
@@ -253,7 +253,10 @@ def main() -> None:
     )
     parser.add_argument("--flash", action="store_true", help="add flash-attn 4 (about 96 MiB)")
     parser.add_argument(
-        "--nixl", action="store_true", help="add NIXL's CUDA 13 wheel (about 56 MiB)"
+        "--nixl",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="carry NIXL's CUDA 13 wheel (about 56 MiB, one part more; default: yes)",
     )
     args = parser.parse_args()
     out: Path = args.out
