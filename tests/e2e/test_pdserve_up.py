@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import select
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,6 +221,42 @@ async def test_cli_restarts_crashed_children_then_gives_up(
     assert "no restarts left (--max-restarts 1)" in stderr
     (exhausted,) = launcher.events("service_restarts_exhausted")
     assert exhausted["service"] == "decode-0"
+
+
+# NOTE: bounds only a run that goes wrong: idle services drain at once.
+SERVICES_GONE_WAIT_S = 120
+STOPPED_EVENTS = {"gateway": "gateway_stopped", "prefill": "prefill_stopped",
+                  "decode": "decode_stopped"}  # fmt: skip
+
+
+def test_the_services_of_a_killed_launcher_drain_stop_and_say_so(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """`kill -9` of `pdserve up` (or the OOM killer): its services run in sessions of their own,
+    so nothing signals them; each sees its supervisor gone (`pdserve.common.supervisor`) and
+    drains and stops as on SIGTERM, its last lines in its own log file. No process, and no
+    shared-memory segment of the decode's, is left."""
+    with running_launcher(_up_args(demo_model_dir, tmp_path)) as launcher:
+        launcher.wait_for_banner(120)
+        pids = launcher.pids
+        exits = {name: os.pidfd_open(pid) for name, pid in pids.items()}
+        launcher.process.kill()
+        launcher.process.wait()
+    try:
+        for name, fd in exits.items():
+            ready, _, _ = select.select([fd], [], [], SERVICES_GONE_WAIT_S)
+            assert ready, f"{name} still runs {SERVICES_GONE_WAIT_S} s after its launcher died"
+    finally:
+        for name, fd in exits.items():
+            os.close(fd)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[name], signal.SIGKILL)
+    for name in pids:
+        log_path = tmp_path / f"{name}.log"
+        (gone,) = _logged(log_path, "supervisor_gone")
+        (stopped,) = _logged(log_path, STOPPED_EVENTS[name.split("-")[0]])
+        assert gone["timestamp"] <= stopped["timestamp"]
+    assert not list(Path("/dev/shm").glob(f"pdserve-kv-{pids['decode-0']}-*"))
 
 
 def test_pass_through_flags_take_their_value_as_written() -> None:

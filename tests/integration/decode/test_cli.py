@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -222,3 +225,56 @@ async def test_an_unsupported_model_is_refused_by_name_and_never_registers(
     assert refused and "'gpt_neox'" in refused[0]["reason"]
     assert "qwen3_moe" in refused[0]["reason"] and "gemma3_text" in refused[0]["reason"]
     assert '"decode_started"' not in text and not registry.registered
+
+
+# NOTE: a supervisor as `pdserve up`'s launcher is one: it starts the decode with
+# `ChildProcess` (reading its stderr into the log file), says its pid once it started, then
+# lives until the test kills it outright.
+_SUPERVISOR = """
+import sys
+from pathlib import Path
+from pdserve.launcher.child import ChildProcess
+child = ChildProcess("decode", sys.argv[2:], Path(sys.argv[1]))
+child.wait_for_event("decode_started", 120)
+print(child.pid, flush=True)
+sys.stdin.read()
+"""
+# NOTE: bounds only a run that goes wrong: the decode drains an idle instance at once.
+SUPERVISOR_GONE_WAIT_S = 120
+
+
+def test_a_decode_whose_supervisor_is_killed_drains_stops_and_says_so_in_its_log(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "decode.log"
+    argv = [sys.executable, "-m", "pdserve.decode", "--model", str(tiny_model_dir),
+            "--port", "0", "--num-blocks", "32", "--insecure"]  # fmt: skip
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISOR, str(log_path), *argv],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    decode_pid = None
+    try:
+        assert supervisor.stdout is not None
+        decode_pid = int(supervisor.stdout.readline())
+        # NOTE: it offers the shm transport: its cache lives in a segment named for its pid.
+        segments = f"pdserve-kv-{decode_pid}-*"
+        assert list(Path("/dev/shm").glob(segments))
+        exited = os.pidfd_open(decode_pid)
+        supervisor.kill()
+        supervisor.wait()
+        ready, _, _ = select.select([exited], [], [], SUPERVISOR_GONE_WAIT_S)
+        os.close(exited)
+        assert ready, f"the decode still runs {SUPERVISOR_GONE_WAIT_S} s after its supervisor"
+        decode_pid = None
+    finally:
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
+        if decode_pid is not None:
+            os.kill(decode_pid, signal.SIGKILL)
+    events = [json.loads(line)["event"] for line in log_path.read_text().splitlines()
+              if line.startswith("{")]  # fmt: skip
+    # NOTE: the lines after the supervisor's death went on into the same file (its stdout).
+    assert events.index("supervisor_gone") < events.index("decode_stopped"), events[-8:]
+    assert not list(Path("/dev/shm").glob(segments))

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import structlog
@@ -48,3 +52,41 @@ def test_a_logger_made_before_configuration_follows_it(
     (line,) = captured.err.splitlines()
     assert "service_restarted" in line and "pid=12" in line
     assert "\x1b[" not in line, "colour codes in a log that is not a terminal"
+
+
+def test_a_broken_stderr_pipe_sends_the_lines_to_a_stdout_file_instead_of_raising(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NOTE: a supervisor that read the service's stderr is gone: its pipe has no reader.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    broken = os.fdopen(write_end, "w")
+    log_file = (tmp_path / "service.log").open("w", buffering=1)
+    monkeypatch.setattr(sys, "stderr", broken)
+    monkeypatch.setattr(sys, "stdout", log_file)
+    configure_logging("decode", "info")
+    get_logger("pdserve.decode").info("before_the_break_is_seen", n=1)
+    get_logger("pdserve.decode").warning("after_it", n=2)
+    assert sys.stderr is log_file
+    lines = [json.loads(line) for line in (tmp_path / "service.log").read_text().splitlines()]
+    assert [(line["event"], line["n"]) for line in lines] == [
+        ("before_the_break_is_seen", 1),
+        ("after_it", 2),
+    ]
+    with contextlib.suppress(OSError):
+        broken.close()  # NOTE: its buffer still holds the line it could not write
+
+
+def test_a_broken_stderr_without_a_stdout_file_drops_the_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    broken = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stderr", broken)
+    configure_logging("gateway", "info")
+    get_logger().info("nobody_reads_this")  # NOTE: would raise BrokenPipeError before
+    assert sys.stderr is not broken and sys.stderr.name == os.devnull
+    assert "nobody_reads_this" not in capsys.readouterr().out
+    with contextlib.suppress(OSError):
+        broken.close()

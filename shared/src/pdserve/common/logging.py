@@ -12,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 from collections.abc import MutableMapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import structlog
 
@@ -69,9 +70,35 @@ def configure_logging(service: str, level: str = "info", *, json: bool = True) -
 
 
 class _NamedPrintLogger(structlog.PrintLogger):
+    """structlog's PrintLogger on the current stderr, with the logger's name. A line stderr
+    cannot take (a pipe whose reader, the supervisor, is gone) does not raise into the code that
+    logged it: stderr becomes `_fallback_stream` for every later line, and the line goes there.
+    """
+
     def __init__(self, name: str | None) -> None:
         super().__init__(sys.stderr)
         self.name = name
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except OSError:
+            self._file = sys.stderr = _fallback_stream()
+            with contextlib.suppress(OSError):
+                super().msg(message)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+def _fallback_stream() -> TextIO:
+    """Where logs go once stderr broke: stdout where it is a file (a supervisor gives a
+    service its log file as stdout: the lines land after the ones it copied there), else
+    nowhere."""
+    with contextlib.suppress(OSError, ValueError):
+        if stat.S_ISREG(os.fstat(sys.stdout.fileno()).st_mode):
+            return sys.stdout
+    return open(os.devnull, "w")
 
 
 def _stderr_logger(*args: Any) -> structlog.PrintLogger:

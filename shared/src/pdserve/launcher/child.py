@@ -13,6 +13,7 @@ from collections import deque
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from pdserve.common.supervisor import supervised_env
 from pdserve.launcher.forkserver import ForkServer, ForkServerError
 
 NUM_TAIL_LINES = 40
@@ -38,7 +39,9 @@ class ChildProcess:
     """A service started as ``python -m <module> <args>``, stderr captured line by line.
 
     Every line goes to `log_path`; JSON lines are parsed so the supervisor can wait for events
-    such as ``decode_started`` (which carries the bound address) or ``registered``.
+    such as ``decode_started`` (which carries the bound address) or ``registered``. The service
+    is told who supervises it (`pdserve.common.supervisor`): if this process dies without
+    stopping it, it drains and stops by itself, its lines going on into `log_path`.
 
     Args:
         name: Short name for messages, e.g. "decode-0".
@@ -68,6 +71,7 @@ class ChildProcess:
         self._cond = threading.Condition()
         self._log = log_path.open("a" if is_append else "w", buffering=1)
         self.started_at = time.monotonic()
+        env = supervised_env(env)
         forked = None
         if fork_server is not None and argv[1:2] == ["-m"]:
             forked = self._fork(fork_server, argv[2], argv[3:], env)

@@ -33,6 +33,7 @@ from pdserve.common.memory import return_freed_memory
 from pdserve.common.metrics import InstanceMetrics
 from pdserve.common.registration import RegistrationClient
 from pdserve.common.security import Security
+from pdserve.common.supervisor import watch_supervisor
 from pdserve.engine.thread import EngineThread
 from pdserve.serving.config import InstanceConfig
 from pdserve.serving.kv_tier import kv_store_counters, open_kv_tier
@@ -280,13 +281,16 @@ class InstanceServer(abc.ABC):
             self.host.runner.close()
 
     async def run_until_signal(self) -> None:
-        """Serves until SIGTERM or SIGINT, then drains and stops (the body of ``serve``)."""
+        """Serves until SIGTERM or SIGINT (or its supervisor's exit,
+        `pdserve.common.supervisor`), then drains and stops (the body of ``serve``)."""
         stop = asyncio.Event()
         aio_loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio_loop.add_signal_handler(sig, stop.set)
+        unwatch = watch_supervisor(aio_loop, stop.set)
         waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self.is_down.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        unwatch()
         for wait in waits:
             wait.cancel()
         if self.is_down.is_set():

@@ -12,6 +12,7 @@ from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
 from pdserve.common.logging import configure_logging, exit_served_process
 from pdserve.common.security import Security
+from pdserve.common.supervisor import watch_supervisor
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
 from pdserve.gateway.access.api_keys import ApiKeyStore
 from pdserve.gateway.config import GatewayConfig
@@ -43,16 +44,19 @@ examples:
 
 
 async def serve(config: GatewayConfig) -> None:
-    """Runs a gateway until SIGTERM or SIGINT, then drains and stops it."""
+    """Runs a gateway until SIGTERM or SIGINT (or its supervisor's exit,
+    `pdserve.common.supervisor`), then drains and stops it."""
     server = create_server(config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    unwatch = watch_supervisor(loop, stop.set)
     try:
         await stop.wait()
     finally:
+        unwatch()
         await server.stop()
 
 
