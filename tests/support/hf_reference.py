@@ -16,16 +16,7 @@ from safetensors.torch import save_model
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
     """Exactly `num_new` greedy tokens (EOS ignored) of `prompt` from a transformers model."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return _greedy(model, prompt, num_new).sequences[0, len(prompt) :].tolist()
 
 
 def hf_greedy_margin(model: torch.nn.Module, prompt: list[int], num_new: int) -> float:
@@ -35,8 +26,14 @@ def hf_greedy_margin(model: torch.nn.Module, prompt: list[int], num_new: int) ->
     Another engine's float32 sums differ from transformers' in the last bits; where the gap is
     far above that, a greedy comparison with transformers cannot flip on summation order.
     """
+    steps = torch.cat([logits.float() for logits in _greedy(model, prompt, num_new).logits])
+    top2 = steps.topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
+def _greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> Any:
     with torch.no_grad():
-        out = model.generate(
+        return model.generate(
             torch.tensor([prompt]),
             max_new_tokens=num_new,
             min_new_tokens=num_new,
@@ -46,9 +43,6 @@ def hf_greedy_margin(model: torch.nn.Module, prompt: list[int], num_new: int) ->
             output_logits=True,
             return_dict_in_generate=True,
         )
-    steps = torch.cat([logits.float() for logits in out.logits])
-    top2 = steps.topk(2, dim=-1).values
-    return float((top2[:, 0] - top2[:, 1]).min())
 
 
 def chat_greedy(
