@@ -29,9 +29,9 @@ import json
 import mmap
 import multiprocessing as mp
 import os
+import secrets
 import statistics
 import sys
-import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -61,8 +61,8 @@ def _agent(name: str) -> Any:
 
 def _destination(kind: str, nbytes: int) -> tuple[mmap.mmap, str | None]:
     if kind == "shm":
-        path = tempfile.mktemp(prefix="pdserve-nixl-floor-", dir="/dev/shm")
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        path = f"/dev/shm/pdserve-nixl-floor-{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.posix_fallocate(fd, 0, nbytes)
             return mmap.mmap(fd, nbytes), path

@@ -14,7 +14,7 @@ a step that fails or runs out of time does not stop the next:
 4. ``gpu_tests``: the engine on CUDA against CPU logits (SDPA and flash-attn where importable),
    the CUDA block export/import, CUDA-graph decode replay against eager on the default model,
    a CUDA cache mapped through CUDA IPC by another process, bf16 KV through every transport
-   into a decode process (CUDA IPC included, and NIXL VRAM to VRAM with the kit's ``--nixl``).
+   into a decode process (CUDA IPC included, and NIXL VRAM to VRAM where the kit carries it).
 5. ``engine_bench``: bench/engine.py on the real model, engine vs transformers' generate.
 6. ``graphs_bench``: bench/decode_graphs.py, decode steps from CUDA graphs vs eager at batch
    1, 16 and 64.

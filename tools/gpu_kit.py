@@ -270,7 +270,7 @@ def main() -> None:
     files = []
     model: dict[str, str] | None = None
     pins = pinned_versions(ROOT / "constraints.txt")
-    # NOTE: the opt-in wheels first: the last part, which holds the check's own wheels, installs
+    # NOTE: the optional wheels first: the last part, which holds the check's own wheels, installs
     # and runs whatever of the earlier parts did not arrive.
     optional = {"flash": FLASH_PACKAGES, "nixl": nixl_packages(pins)}
     for name in ("flash", "nixl"):
