@@ -57,11 +57,12 @@ def test_the_kit_carries_what_the_image_lacks_and_never_torch() -> None:
     assert carried["protobuf"] == kit.pinned_versions(ROOT / "constraints.txt")["protobuf"]
 
 
-def test_nixl_rides_only_when_asked_as_the_images_cuda_build_of_the_tested_version() -> None:
+def test_nixl_rides_apart_as_the_images_cuda_build_of_the_tested_version() -> None:
     from importlib import metadata
 
     kit = load_tool("gpu_kit")
     pins = kit.pinned_versions(ROOT / "constraints.txt")
+    # NOTE: a part of its own (`--no-nixl` leaves it out), not one of the dependencies.
     assert not any(name.startswith("nixl") for name in kit.missing_packages(pins))
     # NOTE: the CUDA 13 build of the very version the suite runs here (the CUDA 12 build).
     assert kit.nixl_packages(pins) == {"nixl-cu13": metadata.version("nixl-cu12")}
