@@ -23,7 +23,6 @@ DTYPES: dict[str, torch.dtype] = {
 }
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-"""The range metadata of a positive count (`pdserve.common.config.check_ranges`)."""
 
 
 def resolve_dtype(name: str) -> torch.dtype:

@@ -47,7 +47,8 @@ class ChildProcess:
         name: Short name for messages, e.g. "decode-0".
         argv: The command line.
         log_path: Where its output is written.
-        env: Environment of the process.
+        env: Environment of the process (default: this one's), which also names this process
+            as its supervisor.
         is_append: Add to `log_path` instead of starting it afresh (a restart).
         fork_server: Fork the service from this server instead of starting `argv` (which must
             then read ``python -m <module> <args>``); `argv` is started where it cannot fork.
@@ -89,12 +90,11 @@ class ChildProcess:
         self._reader.start()
 
     def _fork(
-        self, server: ForkServer, module: str, args: list[str], env: dict[str, str] | None
+        self, server: ForkServer, module: str, args: list[str], env: dict[str, str]
     ) -> Process | None:
         """The service forked by `server`, its stderr a pipe to us; None where it could not
         fork (the caller starts `argv` instead)."""
         read_end, write_end = os.pipe()
-        env = dict(os.environ if env is None else env)
         try:
             process = server.spawn(module, args, env, self._log.fileno(), write_end)
         except ForkServerError:
