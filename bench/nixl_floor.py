@@ -4,7 +4,7 @@
     .venv/bin/python bench/nixl_floor.py --descriptor-kib 64 256 2048 --json
 
 No pdserve transfer around it: one process registers a destination buffer with a NIXL agent
-(UCX backend, configured as `pdserve.kv.transports.nixl` configures a cache's agent), another
+(`pdserve.kv.transports.nixl.new_agent`, as a cache's agent), another
 posts one WRITE transfer of the whole size from its own registered buffer, in descriptors of
 the given size, and polls it to completion; the clock runs from the post to DONE. Between two
 processes of one host UCX puts through CMA (``process_vm_writev``), which looks up every
@@ -47,18 +47,6 @@ DESTINATIONS = ("anon-huge", "anon", "shm")
 THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
-def _agent(name: str) -> Any:
-    api = nixl.load_api()
-    for key, value in nixl.UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    config = api.nixl_agent_config(
-        enable_prog_thread=False,
-        backends=[nixl.BACKEND],
-        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-    )
-    return api.nixl_agent(name, config)
-
-
 def _destination(kind: str, nbytes: int) -> tuple[mmap.mmap, str | None]:
     if kind == "shm":
         path = f"/dev/shm/pdserve-nixl-floor-{os.getpid()}-{secrets.token_hex(8)}"
@@ -76,7 +64,7 @@ def _destination(kind: str, nbytes: int) -> tuple[mmap.mmap, str | None]:
 def _target(conn: Connection, kind: str, nbytes: int) -> None:
     """The destination process: registers its buffer, progresses its agent until told to
     stop, then answers with a digest of what arrived."""
-    agent = _agent(f"floor-target-{os.getpid()}")
+    agent = nixl.new_agent(f"floor-target-{os.getpid()}")
     region, path = _destination(kind, nbytes)
     try:
         buffer = np.frombuffer(region, dtype=np.uint8)
@@ -101,7 +89,7 @@ def measure(kind: str, nbytes: int, descriptor_kibs: list[int], repeats: int) ->
     process.start()
     try:
         metadata, remote_address = here.recv()
-        agent = _agent(f"floor-sender-{os.getpid()}")
+        agent = nixl.new_agent(f"floor-sender-{os.getpid()}")
         source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         agent.register_memory([(source.ctypes.data, nbytes, 0, "")], "DRAM")
         name = agent.add_remote_agent(metadata)

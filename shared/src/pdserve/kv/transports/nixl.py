@@ -72,6 +72,32 @@ def load_api() -> ModuleType:
     raise NixlUnavailable("nixl is not installed (" + "; ".join(errors) + ")")
 
 
+def new_agent(name: str) -> Any:
+    """A NIXL agent named `name` with the UCX backend, as every pdserve agent is configured.
+
+    Raises:
+        NixlUnavailable: NIXL is not installed, or its UCX backend does not start.
+    """
+    api = load_api()
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)  # NOTE: read when UCX's context is created
+    # NOTE: several transfers post and poll from worker threads at once. No progress thread:
+    # NIXL's polls an idle agent at about a fifth of a core; a sender progresses its own WRITEs
+    # as it polls them, a target only while transfers are open (`Progress`).
+    config = api.nixl_agent_config(
+        enable_prog_thread=False,
+        backends=[BACKEND],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    try:
+        agent = api.nixl_agent(name, config)
+    except Exception as error:  # NOTE: NIXL raises its own exception types
+        raise NixlUnavailable(f"the NIXL agent does not start: {error}") from None
+    if BACKEND not in agent.backends:
+        raise NixlUnavailable(f"NIXL has no {BACKEND} backend here")
+    return agent
+
+
 def is_installed() -> bool:
     """Whether NIXL's Python API imports here."""
     try:
@@ -161,24 +187,8 @@ class CacheAgent:
     """
 
     def __init__(self, kv_cache: KVCache, role: str) -> None:
-        api = load_api()
-        for name, value in UCX_DEFAULTS.items():
-            os.environ.setdefault(name, value)  # NOTE: read when UCX's context is created
         self.name = f"pdserve-{role}-{os.getpid()}-{secrets.token_hex(8)}"
-        # NOTE: several transfers post and poll from worker threads at once. No progress
-        # thread: NIXL's polls an idle agent at about a fifth of a core; a sender progresses
-        # its own WRITEs as it polls them, a target only while transfers are open (`Progress`).
-        config = api.nixl_agent_config(
-            enable_prog_thread=False,
-            backends=[BACKEND],
-            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-        )
-        try:
-            self.agent: Any = api.nixl_agent(self.name, config)
-        except Exception as error:  # NOTE: NIXL raises its own exception types
-            raise NixlUnavailable(f"the NIXL agent does not start: {error}") from None
-        if BACKEND not in self.agent.backends:
-            raise NixlUnavailable(f"NIXL has no {BACKEND} backend here")
+        self.agent: Any = new_agent(self.name)
         if not kv_cache.kv.is_contiguous():
             raise NixlUnavailable("the KV cache is a strided view (one rank's heads)")
         self.kv_cache = kv_cache
