@@ -50,7 +50,7 @@ async def test_a_supervisor_gone_before_the_watch_fires_it_at_once(
     await asyncio.wait_for(gone.wait(), GONE_WAIT_S)
 
 
-@pytest.mark.parametrize("value", [None, "", "not-a-pid"])
+@pytest.mark.parametrize("value", [None, "", "not-a-pid", "-1", "99999999999999999999"])
 async def test_without_a_supervisor_nothing_is_watched(
     monkeypatch: pytest.MonkeyPatch, value: str | None
 ) -> None:

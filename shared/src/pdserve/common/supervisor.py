@@ -49,7 +49,7 @@ def watch_supervisor(
         log.warning("supervisor_gone", supervisor_pid=pid, detail="gone before this started")
         loop.call_soon(on_gone)
         return _nothing
-    except OSError as error:
+    except (OSError, OverflowError) as error:  # NOTE: no pidfd here, or no such pid at all
         log.info("supervisor_not_watched", supervisor_pid=pid, detail=str(error))
         return _nothing
 
