@@ -65,7 +65,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("tool_without_function", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools"),
     ("unknown_field", COMPLETIONS, _completion(best_guess=1), 400, "best_guess"),
     ("tool_without_call_id", CHAT, _chat(messages=TOOL), 400, "messages[0].tool_call_id"),
-    ("image_part", CHAT, _chat(messages=IMAGE), 400, "messages"),
+    ("image_part", CHAT, _chat(messages=IMAGE), 400, "messages[0].content[0]"),
     # per role, as the OpenAI API checks messages
     ("user_without_content", CHAT, _chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
     ("user_content_null", CHAT, _chat(messages=[{"role": "user", "content": None}]), 400,
@@ -203,6 +203,19 @@ async def test_unknown_model_is_404_through_the_sdk(pd: Cluster) -> None:
     assert raised.value.code == "model_not_found"
 
 
+async def test_a_model_is_retrieved_by_name_through_the_sdk(pd: Cluster) -> None:
+    client = pd.openai()
+    model = await client.models.retrieve(MODEL_NAME)
+    listed = (await client.models.list()).data
+    assert [m.id for m in listed] == [MODEL_NAME]
+    assert model.id == MODEL_NAME and model.object == "model"
+    assert model.model_dump() == listed[0].model_dump() | {"created": model.created}
+    with pytest.raises(openai.NotFoundError) as raised:
+        await client.models.retrieve("org/nope")
+    assert raised.value.code == "model_not_found"
+    assert "'org/nope' does not exist" in raised.value.message
+
+
 @pytest.mark.parametrize("api_key", [None, "wrong"])
 async def test_missing_or_wrong_api_key_is_401(cluster: Cluster, api_key: str | None) -> None:
     await cluster.start_gateway(api_key="s3cret")
@@ -217,6 +230,7 @@ async def test_missing_or_wrong_api_key_is_401(cluster: Cluster, api_key: str | 
             assert response.status_code == 401
             assert response.json()["error"]["code"] == "unauthenticated"
         assert (await http.get("/v1/models", headers=headers)).status_code == 401
+        assert (await http.get(f"/v1/models/{MODEL_NAME}", headers=headers)).status_code == 401
         assert (await http.get("/health")).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         await cluster.openai(api_key or "not-the-key").completions.create(

@@ -6,32 +6,39 @@ translation to the gateway's `ChatMessage` and `pdserve.gateway.tools.spec` type
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, NotRequired
+from typing import Annotated, Any, Literal, NotRequired, cast
 
-from pydantic import ConfigDict
+from pydantic import Tag
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from pdserve.gateway.openai.strict import STRICT, TEXT_OR_LIST, UnsupportedPart, type_tag
+from pdserve.gateway.prepare.messages import invalid
 from pdserve.gateway.prepare.params import ChatMessage
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-# NOTE: messages and their parts are TypedDicts (plain dicts), not models: they validate about
-# five times faster, which matters for a body of many thousands of messages.
-
 
 class TextContentPart(TypedDict):
-    """A text part of a message's content (other part types are not supported)."""
+    """A text part of a message's content (a part of another type, an image or audio, is
+    refused by its place and type: the models served read text only)."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["text"]
     text: str
+
+
+ContentPart = Annotated[
+    Annotated[TextContentPart, Tag("<text>")] | Annotated[UnsupportedPart, Tag("<other>")],
+    type_tag(frozenset({"text"})),
+]
+Content = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[ContentPart], Tag("<list>")], TEXT_OR_LIST
+]
 
 
 class FunctionCallBody(TypedDict):
     """The function and arguments of a tool call in the history."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     name: str
     arguments: str
 
@@ -39,7 +46,7 @@ class FunctionCallBody(TypedDict):
 class ToolCallBody(TypedDict):
     """One of an assistant message's ``tool_calls``."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     id: str
     type: Literal["function"]
     function: FunctionCallBody
@@ -49,9 +56,9 @@ class ChatMessageBody(TypedDict):
     """One message of ``messages`` (which fields each role needs is checked later, in
     `pdserve.gateway.prepare.messages`)."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     role: str
-    content: NotRequired[str | list[TextContentPart] | None]
+    content: NotRequired[Content | None]
     name: NotRequired[str | None]
     tool_calls: NotRequired[list[ToolCallBody] | None]
     tool_call_id: NotRequired[str | None]
@@ -61,7 +68,7 @@ class ChatMessageBody(TypedDict):
 class FunctionBody(TypedDict):
     """A function tool's definition."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     name: str
     description: NotRequired[str | None]
     parameters: NotRequired[dict[str, Any] | None]
@@ -71,7 +78,7 @@ class FunctionBody(TypedDict):
 class ToolBody(TypedDict):
     """One of ``tools`` (function tools only, as in the chat completions API)."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     function: FunctionBody
 
@@ -79,23 +86,30 @@ class ToolBody(TypedDict):
 class FunctionNameBody(TypedDict):
     """The function of a named ``tool_choice``."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     name: str
 
 
 class NamedToolChoiceBody(TypedDict):
     """``tool_choice`` naming the function to call."""
 
-    __pydantic_config__ = _STRICT  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     function: FunctionNameBody
 
 
-def message_from_body(body: ChatMessageBody) -> ChatMessage:
-    """A message body as a `ChatMessage` (its text parts joined)."""
+def message_from_body(body: ChatMessageBody, param: str = "messages") -> ChatMessage:
+    """A message body as a `ChatMessage` (its text parts joined).
+
+    Raises:
+        PdserveError: INVALID_REQUEST for a content part that is not text, naming it
+            (``param`` is the message's place, ``messages[2]``).
+    """
     content = body.get("content")
     if isinstance(content, list):
-        content = "".join(part["text"] for part in content)
+        content = "".join(
+            _part_text(part, f"{param}.content[{index}]") for index, part in enumerate(content)
+        )
     calls = tuple(
         ToolCall(call["id"], call["function"]["name"], call["function"]["arguments"])
         for call in body.get("tool_calls") or ()
@@ -108,6 +122,14 @@ def message_from_body(body: ChatMessageBody) -> ChatMessage:
         body.get("tool_call_id"),
         body.get("reasoning_content"),
     )
+
+
+def _part_text(part: TextContentPart | UnsupportedPart, param: str) -> str:
+    if part["type"] != "text":
+        raise invalid(
+            f"content parts of type {part['type'][:64]!r} are not supported (text only)", param
+        )
+    return cast(TextContentPart, part)["text"]
 
 
 def tool_from_body(body: ToolBody) -> FunctionTool:

@@ -7,20 +7,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind
+from pdserve.gateway.openai.strict import STRICT
 from pdserve.gateway.prepare.params import GenerationParams, PromptKind
 
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound on logprobs (chat: 20)
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StrictBody(BaseModel):
     """A body parsed strictly: unknown fields refused, no value coerced to another type."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
 
 class StreamOptions(StrictBody):

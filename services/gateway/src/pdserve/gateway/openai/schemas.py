@@ -137,7 +137,10 @@ class ChatCompletionRequest(SamplingBody):
             raise unsupported(*problem)
         params = dataclasses.replace(
             self._params(
-                PromptKind.CHAT, messages=tuple(message_from_body(m) for m in self.messages)
+                PromptKind.CHAT,
+                messages=tuple(
+                    message_from_body(m, f"messages[{i}]") for i, m in enumerate(self.messages)
+                ),
             ),
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             logprobs_name="top_logprobs",

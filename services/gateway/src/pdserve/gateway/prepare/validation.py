@@ -79,9 +79,13 @@ class RequestLimits:
 
 def _check_range(value: float | None, lowest: float, highest: float, param: str) -> None:
     # NOTE: NaN fails both comparisons, so it is refused too.
-    if value is not None and not lowest <= value <= highest:
-        bounds = ", ".join(f"{b:g}" if isinstance(b, float) else str(b) for b in (lowest, highest))
-        raise invalid(f"{param} must be in [{bounds}]", param)
+    if value is None or lowest <= value <= highest:
+        return
+    if highest in (MAX_FLOAT32, MAX_UINT32) and not value > highest:
+        # NOTE: the wire format's own bound is no limit a client chose to meet: not quoted.
+        raise invalid(f"{param} must be >= {lowest:g}", param)
+    bounds = ", ".join(f"{b:g}" if isinstance(b, float) else str(b) for b in (lowest, highest))
+    raise invalid(f"{param} must be in [{bounds}]", param)
 
 
 def check_counts(

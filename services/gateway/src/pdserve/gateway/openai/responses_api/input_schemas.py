@@ -7,35 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import ConfigDict, Discriminator, Tag
+from pydantic import Tag
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-OPEN = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-
-# NOTE: items and parts are TypedDicts (plain dicts), as chat messages are in
-# `pdserve.gateway.openai.schemas`: they validate several times faster than models.
-
-
-def type_tag(known: frozenset[str], default: str | None = None) -> Any:
-    """A discriminator on ``type``: a known type's own shape, anything else ``<other>``.
-
-    Tags are in angle brackets so that error locations can leave them out."""
-
-    def tag(value: Any) -> str:
-        kind = value.get("type", default) if isinstance(value, dict) else None
-        return f"<{kind}>" if kind in known else "<other>"
-
-    return Discriminator(tag)
-
-
-def _text_or_list(value: Any) -> str:
-    return "<text>" if isinstance(value, str) else "<list>"
-
-
-# NOTE: a string or a list, told apart before validation, so an error in a list's item is
-# reported alone rather than after "not a valid string".
-TEXT_OR_LIST = Discriminator(_text_or_list)
+from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, UnsupportedPart, type_tag
 
 
 class InputTextPart(TypedDict):
@@ -63,13 +38,6 @@ class RefusalPart(TypedDict):
     __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["refusal"]
     refusal: str
-
-
-class UnsupportedPart(TypedDict):
-    """A content part of any other type (images, files, audio): refused by name."""
-
-    __pydantic_config__ = OPEN  # type: ignore[misc]
-    type: str
 
 
 ContentPart = Annotated[

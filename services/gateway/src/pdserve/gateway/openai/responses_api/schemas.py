@@ -17,13 +17,8 @@ from typing import Annotated, Any, Literal, NotRequired
 from pydantic import BaseModel, Field, Tag
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
-from pdserve.gateway.openai.responses_api.input_schemas import (
-    OPEN,
-    STRICT,
-    TEXT_OR_LIST,
-    InputItem,
-    type_tag,
-)
+from pdserve.gateway.openai.responses_api.input_schemas import InputItem
+from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, type_tag
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
