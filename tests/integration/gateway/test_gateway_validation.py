@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import grpc
@@ -10,7 +11,9 @@ import pytest
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MAX_MODEL_LEN, MODEL_NAME
 
+from pdserve.common import constraints
 from pdserve.common.errors import ErrorReason, from_rpc_error
+from pdserve.common.generation import Constraint
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -201,6 +204,27 @@ async def test_unknown_model_is_404_through_the_sdk(pd: Cluster) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
         await pd.openai().chat.completions.create(model="nope", messages=MESSAGES)  # type: ignore[arg-type]
     assert raised.value.code == "model_not_found"
+
+
+async def test_a_constraint_is_checked_once_off_the_event_loop(
+    pd: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar can take llguidance a few hundred ms to check: on a worker thread, once."""
+    checked_on: list[threading.Thread] = []
+    check = constraints.check
+
+    def spy(constraint: Constraint) -> str:
+        checked_on.append(threading.current_thread())
+        return check(constraint)
+
+    monkeypatch.setattr(constraints, "check", spy)
+    with pytest.raises(openai.BadRequestError) as raised:
+        await pd.openai().chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, extra_body={"guided_grammar": "root ::= nowhere"}
+        )
+    assert "GBNF: Rule 'nowhere' not found" in raised.value.message
+    assert raised.value.param == "guided_grammar"  # type: ignore[attr-defined]
+    assert len(checked_on) == 1 and checked_on[0] is not threading.current_thread()
 
 
 async def test_a_model_is_retrieved_by_name_through_the_sdk(pd: Cluster) -> None:

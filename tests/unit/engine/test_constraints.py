@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from pdserve.common.constraints import check
+from pdserve.common.constraints import MAX_GBNF_RULES, check
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind, SamplingParams
 from pdserve.engine.constraints import ConstraintCompiler, ConstraintState
@@ -50,6 +50,14 @@ def compiler(tokenizer: Tokenizer) -> ConstraintCompiler:
         (Constraint(K.JSON_SCHEMA, "{not json"), "key must be a string"),
         (Constraint(K.JSON_SCHEMA, '{"$ref": "#/missing"}'), "does not exist"),
         (Constraint(K.GRAMMAR, "start: undefined_rule"), "unknown name"),
+        (Constraint(K.GRAMMAR, 'root ::= "a" | undefined'), "GBNF: Rule 'undefined' not found"),
+        (Constraint(K.GRAMMAR, 'item ::= "a"'), "GBNF: No 'root' rule found"),
+        (Constraint(K.GRAMMAR, "root ::= [0-9"), "GBNF: Unexpected end of input"),
+        (Constraint(K.GRAMMAR, "root ::= " + "(" * 5000 + '"a"' + ")" * 5000), "GBNF:"),
+        (
+            Constraint(K.GRAMMAR, "root ::= r0\n" + "".join(f'r{i} ::= "a"\n' for i in range(256))),
+            f"at most {MAX_GBNF_RULES} are converted",
+        ),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_an_invalid_request(
@@ -116,6 +124,11 @@ def test_a_completion_the_constraint_never_allowed_is_refused(
         (Constraint(K.CHOICE, choices=('say "hi"', "é ok")), re.compile(r'say "hi"|é ok')),
         (Constraint(K.REGEX, "[0-9]{3}-[a-z]{2}"), re.compile(r"[0-9]{3}-[a-z]{2}")),
         (Constraint(K.GRAMMAR, 'start: "(" NUM ")"\nNUM: /[1-9]/'), re.compile(r"\([1-9]\)")),
+        # NOTE: GBNF, llama.cpp's syntax (and xgrammar's), converted by llguidance.
+        (
+            Constraint(K.GRAMMAR, 'root ::= ("yes" | "no") " " num\nnum ::= [1-9] [0-9]?'),
+            re.compile(r"(yes|no) [1-9][0-9]?"),
+        ),
     ],
 )
 def test_every_kind_constrains_the_text(

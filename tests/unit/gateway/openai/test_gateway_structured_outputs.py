@@ -11,7 +11,7 @@ import pytest
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.parsing import parse_openai_body
-from pdserve.gateway.prepare.validation import RequestLimits
+from pdserve.gateway.prepare.validation import RequestLimits, check_constraint
 from pdserve.gateway.request import ApiKind
 
 K = ConstraintKind
@@ -80,6 +80,8 @@ def test_text_format_is_no_constraint() -> None:
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_choice": ["ok", ""]}, "guided_choice"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+        ({"guided_grammar": 'root ::= "a" | undefined'}, "guided_grammar"),
+        ({"structured_outputs": {"grammar": "root ::= [0-9"}}, "structured_outputs"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({"guided_regex": "a", "ignore_eos": True}, "ignore_eos"),
         ({"guided_regex": "a" * 101}, "guided_regex"),
@@ -89,6 +91,6 @@ def test_a_constraint_that_cannot_apply_is_refused_naming_it(
     body: dict[str, Any], param: str
 ) -> None:
     with pytest.raises(PdserveError) as raised:
-        parse(body, max_constraint_chars=100)
+        check_constraint(parse(body, max_constraint_chars=100))
     assert raised.value.reason is ErrorReason.INVALID_REQUEST
     assert raised.value.metadata.get("param") == param, raised.value

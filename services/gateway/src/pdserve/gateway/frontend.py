@@ -31,7 +31,12 @@ from pdserve.gateway.prepare.params import (
     PromptKind,
 )
 from pdserve.gateway.prepare.tokenize import is_short_prompt, tokenize_prompt
-from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
+from pdserve.gateway.prepare.validation import (
+    RequestLimits,
+    check_constraint,
+    invalid,
+    validate_request,
+)
 from pdserve.gateway.prepare.workers import WorkerPool
 from pdserve.gateway.reasoning import prompt_opens_thinking, uses_think_blocks
 from pdserve.gateway.request import GenerationRequest
@@ -190,6 +195,8 @@ class Frontend:
             raise PdserveError(ErrorReason.INSTANCE_DRAINING, "the gateway is shutting down")
         params = validate_request(params, self._limits)
         info = await self._info(params)
+        if params.constraint is not None:
+            await self._workers.run(check_constraint, params)
         tokenizer = info.tokenizer
         max_model_len = self._max_model_len(params.model, info)
         prompt_param = "messages" if params.messages is not None else "prompt"

@@ -30,7 +30,14 @@ from pdserve.gateway.prepare.messages import (
 )
 from pdserve.gateway.prepare.params import GenerationParams
 
-__all__ = ["RequestLimits", "check_counts", "check_text", "invalid", "validate_request"]
+__all__ = [
+    "RequestLimits",
+    "check_constraint",
+    "check_counts",
+    "check_text",
+    "invalid",
+    "validate_request",
+]
 
 MAX_UINT32 = 2**32 - 1
 MAX_FLOAT32 = 3.4028234663852886e38
@@ -167,7 +174,7 @@ def _check_controls(params: GenerationParams, limits: RequestLimits) -> None:
 
 
 def _check_constraint(params: GenerationParams, limits: RequestLimits) -> None:
-    """The constraint fits the limits and compiles (llguidance checks its grammar)."""
+    """The constraint fits the limits (whether it compiles: `check_constraint`)."""
     constraint = params.constraint
     if constraint is None:
         return
@@ -186,10 +193,24 @@ def _check_constraint(params: GenerationParams, limits: RequestLimits) -> None:
         if not choice:
             raise invalid("choices must not be empty strings", name)
         check_text(choice, name)
+
+
+def check_constraint(params: GenerationParams) -> None:
+    """The request's constraint (if any) compiles: llguidance checks its grammar.
+
+    Not part of `validate_request`: a grammar of a few hundred bytes can take llguidance a
+    few hundred milliseconds to check, so the gateway runs this on a worker thread (the check
+    lets go of the GIL), once per request, after `validate_request` has bounded its size.
+
+    Raises:
+        PdserveError: INVALID_REQUEST naming the constraint's parameter.
+    """
+    if params.constraint is None:
+        return
     try:
-        constraints.check(constraint)
+        constraints.check(params.constraint)
     except PdserveError as error:
-        raise invalid(error.message, name) from None
+        raise invalid(error.message, params.constraint_name) from None
 
 
 def _check_chat(params: GenerationParams, limits: RequestLimits) -> GenerationParams:
