@@ -220,11 +220,25 @@ async def test_a_constraint_is_checked_once_off_the_event_loop(
     monkeypatch.setattr(constraints, "check", spy)
     with pytest.raises(openai.BadRequestError) as raised:
         await pd.openai().chat.completions.create(
-            model=MODEL_NAME, messages=MESSAGES, extra_body={"guided_grammar": "root ::= nowhere"}
+            model=MODEL_NAME, messages=MESSAGES, extra_body={"guided_grammar": 'root ::= "a"{3,1}'}
         )
-    assert "GBNF: Rule 'nowhere' not found" in raised.value.message
+    assert "range end must be >= start" in raised.value.message
     assert raised.value.param == "guided_grammar"  # type: ignore[attr-defined]
     assert len(checked_on) == 1 and checked_on[0] is not threading.current_thread()
+    assert pd.prefills[0].requests == []
+
+
+async def test_a_gbnf_grammar_reaches_the_instances_in_lark_syntax(pd: Cluster) -> None:
+    await pd.openai().chat.completions.create(
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        max_tokens=2,
+        extra_body={"structured_outputs": {"grammar": 'root ::= "a" | "b"'}},
+    )
+    (sent,) = [r.sampling.constraint for r in pd.prefills[0].requests]
+    assert sent.WhichOneof("kind") == "grammar"
+    assert sent.grammar == constraints.as_lark('root ::= "a" | "b"')
+    assert sent.grammar.startswith("%llguidance") and "start:" in sent.grammar
 
 
 async def test_a_model_is_retrieved_by_name_through_the_sdk(pd: Cluster) -> None:

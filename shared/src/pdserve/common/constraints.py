@@ -14,6 +14,7 @@ other whitespace (flexible whitespace lets a small model pad forever).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import TYPE_CHECKING
@@ -80,6 +81,22 @@ def grammar_of(constraint: Constraint) -> str:
         alternatives = " | ".join(json.dumps(choice) for choice in constraint.choices)
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     return llguidance.LLMatcher.grammar_from_lark(as_lark(constraint.value))
+
+
+def in_lark(constraint: Constraint) -> Constraint:
+    """`constraint` as an instance compiles it: a GBNF grammar converted to Lark syntax
+    (`as_lark`; the gateway sends it on so, and the instances need not convert it), any other
+    as given.
+
+    Raises:
+        PdserveError: INVALID_REQUEST for a GBNF grammar that does not convert.
+    """
+    if constraint.kind is not ConstraintKind.GRAMMAR:
+        return constraint
+    try:
+        return dataclasses.replace(constraint, value=as_lark(constraint.value))
+    except ValueError as error:
+        raise invalid(constraint, str(error)) from None
 
 
 def check(constraint: Constraint) -> str:

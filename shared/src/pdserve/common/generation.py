@@ -41,7 +41,7 @@ class ConstraintKind(enum.Enum):
     JSON_OBJECT = "json_object"  # any JSON object (no value)
     REGEX = "regex"  # a regular expression the whole completion matches
     CHOICE = "choice"  # one of `Constraint.choices`
-    GRAMMAR = "grammar"  # a grammar in llguidance's Lark-like syntax
+    GRAMMAR = "grammar"  # a grammar in llguidance's Lark-like syntax (or GBNF)
 
 
 @dataclass(frozen=True)

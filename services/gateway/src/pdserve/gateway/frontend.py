@@ -196,7 +196,7 @@ class Frontend:
         params = validate_request(params, self._limits)
         info = await self._info(params)
         if params.constraint is not None:
-            await self._workers.run(check_constraint, params)
+            params = await self._workers.run(check_constraint, params)
         tokenizer = info.tokenizer
         max_model_len = self._max_model_len(params.model, info)
         prompt_param = "messages" if params.messages is not None else "prompt"

@@ -195,8 +195,9 @@ def _check_constraint(params: GenerationParams, limits: RequestLimits) -> None:
         check_text(choice, name)
 
 
-def check_constraint(params: GenerationParams) -> None:
-    """The request's constraint (if any) compiles: llguidance checks its grammar.
+def check_constraint(params: GenerationParams) -> GenerationParams:
+    """The request with its constraint (if any) checked: llguidance compiles its grammar. A
+    GBNF grammar comes back converted to Lark syntax, so the instances need not convert it.
 
     Not part of `validate_request`: a grammar of a few hundred bytes can take llguidance a
     few hundred milliseconds to check, so the gateway runs this on a worker thread (the check
@@ -206,11 +207,13 @@ def check_constraint(params: GenerationParams) -> None:
         PdserveError: INVALID_REQUEST naming the constraint's parameter.
     """
     if params.constraint is None:
-        return
+        return params
     try:
-        constraints.check(params.constraint)
+        constraint = constraints.in_lark(params.constraint)
+        constraints.check(constraint)
     except PdserveError as error:
         raise invalid(error.message, params.constraint_name) from None
+    return dataclasses.replace(params, constraint=constraint)
 
 
 def _check_chat(params: GenerationParams, limits: RequestLimits) -> GenerationParams:
