@@ -8,6 +8,9 @@ import json
 import os
 import select
 import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -257,6 +260,30 @@ def test_the_services_of_a_killed_launcher_drain_stop_and_say_so(
         (stopped,) = _logged(log_path, STOPPED_EVENTS[name.split("-")[0]])
         assert gone["timestamp"] <= stopped["timestamp"]
     assert not list(Path("/dev/shm").glob(f"pdserve-kv-{pids['decode-0']}-*"))
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port", "--internal-port"])
+def test_a_taken_gateway_port_is_refused_before_anything_starts(
+    demo_model_dir: Path, tmp_path: Path, flag: str
+) -> None:
+    """An earlier `pdserve up` still running: the next one says which port and flag, at once."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        args = _up_args(demo_model_dir, tmp_path)
+        args[args.index(flag) + 1] = str(port)
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve.launcher", "up", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert (
+        f"port {port} on 127.0.0.1 is in use (another pdserve up still running?); stop that, "
+        f"or pick free ports with {flag}"
+    ) in result.stderr
+    assert "fork_server_ready" not in result.stderr + result.stdout
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_pass_through_flags_take_their_value_as_written() -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -225,6 +226,30 @@ async def test_an_unsupported_model_is_refused_by_name_and_never_registers(
     assert refused and "'gpt_neox'" in refused[0]["reason"]
     assert "qwen3_moe" in refused[0]["reason"] and "gemma3_text" in refused[0]["reason"]
     assert '"decode_started"' not in text and not registry.registered
+
+
+@pytest.mark.parametrize("flag", ["--port", "--kv-tcp-port", "--metrics-port"])
+def test_a_taken_port_fails_the_start_in_one_line(tiny_model_dir: Path, flag: str) -> None:
+    """Another process on one of its ports (a decode still running there, say): exit 1
+    naming the address, no traceback, never registered."""
+    ports = {"--port": "0", "--kv-tcp-port": "0", "--metrics-port": "0"}
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        ports[flag] = str(port)
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve.decode", "--model", str(tiny_model_dir),
+             "--insecure", "--host", "127.0.0.1", "--gateway", "127.0.0.1:1",
+             "--kv-transports", "tcp", *[arg for pair in ports.items() for arg in pair]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        f"pdserve-decode: cannot listen on 127.0.0.1:{port}: "
+    ), result.stderr
+    assert '"registered"' not in result.stderr
 
 
 # NOTE: a supervisor as `pdserve up`'s launcher is one: it starts the decode with

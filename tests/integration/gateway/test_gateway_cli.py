@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -183,6 +184,33 @@ def test_process_serves_until_sigterm_then_stops_cleanly() -> None:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("flag", ["--port", "--grpc-port", "--internal-port"])
+def test_a_taken_port_fails_the_start_in_one_line(flag: str) -> None:
+    """Another process listening on a port: exit 1 naming it, no traceback (a gRPC port is
+    not shared with it, as gRPC's default SO_REUSEPORT would)."""
+    ports = {"--port": "0", "--grpc-port": "0", "--internal-port": "0"}
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        taken_port = taken.getsockname()[1]
+        ports[flag] = str(taken_port)
+        result = subprocess.run(
+            [sys.executable, "-m", "pdserve.gateway", "--insecure", "--host", "127.0.0.1",
+             *[arg for pair in ports.items() for arg in pair]],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1
+    # NOTE: gRPC's core logs its own line about the bind before ours.
+    assert result.stderr.splitlines()[-1] == (
+        f"pdserve-gateway: cannot listen on 127.0.0.1:{taken_port}: "
+        + ("Address already in use" if flag == "--port"
+           else "the port is in use (another server there?) or the address is not this host's")
+    ), result.stderr  # fmt: skip
+    assert "Traceback" not in result.stderr
+    assert any(json.loads(line)["event"] == "listen_failed" for line in result.stderr.splitlines()
+               if line.startswith("{"))  # fmt: skip
 
 
 def test_the_gateway_never_imports_torch_or_numpy() -> None:

@@ -29,10 +29,45 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.min_reconnect_backoff_ms", 2_000),
     ("grpc.max_reconnect_backoff_ms", 3_000),
 )
-_SERVER_PING_POLICY: tuple[tuple[str, int], ...] = (
+_SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    # NOTE: gRPC sets SO_REUSEPORT by default: a second server on a taken port then binds
+    # too, and the kernel splits the connections between the two (a stale decode and its
+    # replacement, say). Off, the second one fails to start instead (`bind`).
+    ("grpc.so_reuseport", 0),
 )
+
+
+class ListenError(OSError):
+    """A server's port cannot be bound: in use, or the address is not this host's."""
+
+
+def bind(
+    server: grpc.aio.Server,
+    address: str,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Binds `address` (host:port, port 0 picks one) on `server`, with TLS `credentials` if
+    given; returns the bound port.
+
+    Raises:
+        ListenError: It cannot be bound.
+    """
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:
+        # NOTE: grpcio raises "Failed to bind to address ..." (older ones returned 0).
+        port = 0
+    if port == 0:
+        raise ListenError(
+            f"cannot listen on {address}: the port is in use (another server there?) or the "
+            "address is not this host's"
+        )
+    return port
 
 
 def new_aio_server(
@@ -53,7 +88,7 @@ def new_aio_server(
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", max_receive_message_bytes),
-        *_SERVER_PING_POLICY,
+        *_SERVER_OPTIONS,
     ]
     return grpc.aio.server(interceptors=chain, options=options)
 
@@ -85,11 +120,9 @@ async def start_health_server(
     Kubernetes' gRPC probes present no client certificate, so they cannot reach a port that
     demands mutual TLS; this port answers grpc.health.v1 and nothing else.
     """
-    server = grpc.aio.server(options=list(_SERVER_PING_POLICY))
+    server = grpc.aio.server(options=list(_SERVER_OPTIONS))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the health port {address}")
+    port = bind(server, address)
     await server.start()
     return server, port
 

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.common.grpc_server import ListenError
 from pdserve.v1 import common_pb2
 
 # Seconds; from a millisecond (a decode step) to a minute (a long prompt on a small CPU).
@@ -120,12 +121,18 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> W
     Returns:
         The server: ``server_port`` is the bound port (useful with port 0), ``shutdown()``
         stops it.
+
+    Raises:
+        ListenError: The port cannot be bound.
     """
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_type = type("MetricsServer", (_MetricsServer,), {"address_family": family})
-    server: WSGIServer = make_server(
-        host, port, make_wsgi_app(registry), server_type, _QuietHandler
-    )
+    try:
+        server: WSGIServer = make_server(
+            host, port, make_wsgi_app(registry), server_type, _QuietHandler
+        )
+    except OSError as error:
+        raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from error
     thread = threading.Thread(
         target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics", daemon=True
     )

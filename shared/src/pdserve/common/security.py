@@ -17,6 +17,7 @@ import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from pdserve.common import grpc_server
 from pdserve.common.config import ServiceConfig
 from pdserve.common.grpc_server import CHANNEL_OPTIONS, insecure_channel
 from pdserve.common.pki import Identity, identity_of_pem
@@ -126,15 +127,19 @@ class Security:
         return self.identity.instance_id
 
     def bind(self, server: grpc.aio.Server, address: str) -> int:
-        """Binds `address` on `server` (mTLS, client certificates required); the port or 0."""
+        """Binds `address` on `server` (mTLS, client certificates required); returns the port.
+
+        Raises:
+            ListenError: It cannot be bound.
+        """
         if self.identity is None:
-            return server.add_insecure_port(address)
+            return grpc_server.bind(server, address)
         credentials = grpc.ssl_server_credentials(
             [(self._key_pem, self._cert_pem)],
             root_certificates=self._ca_pem,
             require_client_auth=True,
         )
-        return server.add_secure_port(address, credentials)
+        return grpc_server.bind(server, address, credentials)
 
     def channel(self, address: str, server_name: str) -> grpc.aio.Channel:
         """A client channel to `address` whose server must present `server_name`.

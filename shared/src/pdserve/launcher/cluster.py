@@ -201,6 +201,7 @@ class Cluster:
             RuntimeError: If a service exits or is not ready in time (everything is stopped).
         """
         config = self.config
+        self._check_ports()
         try:
             # NOTE: fetch and prepare once here, with progress bars; the instances then find
             # the prepared directory and load it.
@@ -235,6 +236,21 @@ class Cluster:
         except BaseException:
             self.stop(timeout_s=5)
             raise
+
+    def _check_ports(self) -> None:
+        """Refuses at once a gateway port another process listens on (an earlier `pdserve up`
+        still running, say), before anything starts; the gateway would fail on it later."""
+        config = self.config
+        flags = (("--port", config.port), ("--grpc-port", config.grpc_port),
+                 ("--internal-port", config.internal_port))  # fmt: skip
+        for index in range(config.gateways):
+            for flag, first in flags:
+                port = first + index if first else 0
+                if port and not _is_free(config.host, port):
+                    raise RuntimeError(
+                        f"port {port} on {config.host} is in use (another pdserve up still "
+                        f"running?); stop that, or pick free ports with {flag}"
+                    )
 
     def _start_gateways(self) -> None:
         """Starts every gateway, then waits for each to serve (ports from its start-up log)."""

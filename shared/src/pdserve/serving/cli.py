@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import structlog
 
 from pdserve.common.config import add_arguments, from_args
+from pdserve.common.grpc_server import ListenError
 from pdserve.common.logging import configure_logging, exit_served_process
 from pdserve.common.security import Security
 from pdserve.common.telemetry import configure_tracing, shutdown_tracing
@@ -45,8 +46,9 @@ def run(
     the process exits with status 0 (`exit_served_process`).
 
     Returns:
-        2 for settings the config refuses, unusable certificates or a model the engine refuses
-        (the reason goes to stderr); a served run does not return.
+        2 for settings the config refuses, unusable certificates or a model the engine refuses,
+        1 for a port it cannot listen on (the reason goes to stderr); a served run does not
+        return.
     """
     args = parser.parse_args(argv)
     try:
@@ -66,6 +68,10 @@ def run(
         structlog.get_logger(__name__).error("model_refused", model=config.model, reason=str(error))
         print(f"{parser.prog}: {error}", file=sys.stderr)
         return 2
+    except ListenError as error:
+        structlog.get_logger(__name__).error("listen_failed", reason=str(error))
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return 1
     finally:
         shutdown_tracing()
     exit_served_process(0)

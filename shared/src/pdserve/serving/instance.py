@@ -109,8 +109,6 @@ class InstanceServer(abc.ABC):
         guard = [] if self.security.is_insecure else [AuthorizationInterceptor()]
         self.server = new_aio_server([*guard, *interceptors])
         self.port = self.security.bind(self.server, f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {config.host}:{config.port}")
         self.instance = instance_info(config, self.role, self.port, self.host, instance_id)
         self.health: health.aio.HealthServicer | None = None
         self.registration: RegistrationClient | EtcdRegistrationClient | None = None

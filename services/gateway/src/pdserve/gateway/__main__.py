@@ -8,8 +8,11 @@ import signal
 import sys
 from collections.abc import Sequence
 
+import structlog
+
 from pdserve.common import env
 from pdserve.common.config import add_arguments, from_args
+from pdserve.common.grpc_server import ListenError
 from pdserve.common.logging import configure_logging, exit_served_process
 from pdserve.common.security import Security
 from pdserve.common.supervisor import watch_supervisor
@@ -89,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_tracing("pdserve-gateway", config.otlp_endpoint, config.trace_sample_ratio)
     try:
         asyncio.run(serve(config))
+    except ListenError as error:
+        structlog.get_logger(__name__).error("listen_failed", reason=str(error))
+        print(f"{parser.prog}: {error}", file=sys.stderr)
+        return 1
     finally:
         shutdown_tracing()
     exit_served_process(0)

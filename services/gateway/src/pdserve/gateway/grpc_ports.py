@@ -10,7 +10,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from pdserve.common.authz import AuthorizationInterceptor
-from pdserve.common.grpc_server import add_standard_services, new_aio_server
+from pdserve.common.grpc_server import add_standard_services, bind, new_aio_server
 from pdserve.common.security import Security
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.fleet.registry_servicer import RegistryServicer
@@ -32,13 +32,16 @@ async def start_public_grpc(
 
     Returns:
         The server, its health servicer and the bound port.
+
+    Raises:
+        ListenError: The port cannot be bound.
     """
     server = new_aio_server(max_receive_message_bytes=config.grpc_max_receive_bytes)
     servicer.add_to_server(generation, server)
     health = await add_standard_services(server, (GENERATION_SERVICE,))
     await health.set(GENERATION_SERVICE, NOT_SERVING)
     await update_readiness()
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    port = bind(server, f"{config.host}:{config.grpc_port}")
     await server.start()
     return server, health, port
 
@@ -52,14 +55,12 @@ async def start_internal_grpc(
         The server and the bound port.
 
     Raises:
-        OSError: The port cannot be bound.
+        ListenError: The port cannot be bound.
     """
     guard = [] if security.is_insecure else [AuthorizationInterceptor()]
     server = new_aio_server(guard, max_receive_message_bytes=config.grpc_max_receive_bytes)
     registry_pb2_grpc.add_RegistryServiceServicer_to_server(registry, server)
     await add_standard_services(server, (REGISTRY_SERVICE,))
     port = security.bind(server, f"{config.host}:{config.internal_port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.internal_port}")
     await server.start()
     return server, port

@@ -24,6 +24,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from pdserve.common.errors import ErrorReason, PdserveError
+from pdserve.common.grpc_server import ListenError
 from pdserve.decode.kv.receiver import CHECKSUM_WORKERS, KvChunkMeta, KvReceiver
 from pdserve.decode.kv.transfers import Transfers
 from pdserve.decode.request import DecodeRequest
@@ -67,7 +68,10 @@ class KvTcpServer:
         self.num_refused = 0
         self.num_transfers = 0
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
+        try:
+            self._listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
+        except OSError as error:
+            raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from error
         self.port: int = self._listener.getsockname()[1]
         self._is_stopped = False
         self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp", daemon=True)

@@ -16,6 +16,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.common.grpc_server import ListenError
+
 Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]]
 
 
@@ -64,13 +66,21 @@ class _UvicornServer(uvicorn.Server):
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (0 picks a free port), ready for uvicorn."""
+    """A TCP socket bound to ``host:port`` (0 picks a free port), ready for uvicorn.
+
+    Raises:
+        ListenError: It cannot be bound.
+    """
     # NOTE: proto must be IPPROTO_TCP: asyncio enables TCP_NODELAY on accepted sockets only
     # then, and without it small SSE/JSON writes wait on delayed ACKs (~40 ms each).
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from error
     sock.set_inheritable(True)
     return sock
 
