@@ -228,7 +228,7 @@ async def test_an_unsupported_model_is_refused_by_name_and_never_registers(
     assert '"decode_started"' not in text and not registry.registered
 
 
-@pytest.mark.parametrize("flag", ["--port", "--kv-tcp-port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--port", "--kv-tcp-port"])
 def test_a_taken_port_fails_the_start_in_one_line(tiny_model_dir: Path, flag: str) -> None:
     """Another process on one of its ports (a decode still running there, say): exit 1
     naming the address, no traceback, never registered."""
