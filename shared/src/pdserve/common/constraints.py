@@ -2,11 +2,11 @@
 
 llguidance (a Rust library with a dependency-free wheel) turns each kind into one grammar
 text: a JSON Schema, a regex or a Lark-like grammar (a GBNF grammar, llama.cpp's syntax and
-the one vLLM's xgrammar takes, is converted to it first by llguidance's own converter,
-`as_lark`). The gateway, which has no torch and no
-model, checks a constraint with `check` (the grammar is parsed, no tokenizer needed) and
-answers 400 for one that cannot compile; the prefill and decode compile the same text against
-the model's tokenizer (`pdserve.engine.constraints`).
+the one vLLM's xgrammar takes, is converted to Lark first by llguidance's own converter:
+`as_lark`, `in_lark`). The gateway, which has no torch and no model, checks a constraint with
+`check` (the grammar is parsed, no tokenizer needed) and answers 400 for one that cannot
+compile; the prefill and decode compile the same text against the model's tokenizer
+(`pdserve.engine.constraints`).
 
 JSON is generated compactly but readably: ``", "`` between items, ``": "`` after keys, and no
 other whitespace (flexible whitespace lets a small model pad forever).
