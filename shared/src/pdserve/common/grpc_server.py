@@ -42,6 +42,11 @@ _SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 class ListenError(OSError):
     """A server's port cannot be bound: in use, or the address is not this host's."""
 
+    @classmethod
+    def of_socket(cls, host: str, port: int, error: OSError) -> ListenError:
+        """The error of a plain socket's bind (REST, metrics, the KV data port), naming why."""
+        return cls(f"cannot listen on {host}:{port}: {error.strerror}")
+
 
 def bind(
     server: grpc.aio.Server,

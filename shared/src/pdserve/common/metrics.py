@@ -132,7 +132,7 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> W
             host, port, make_wsgi_app(registry), server_type, _QuietHandler
         )
     except OSError as error:
-        raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from error
+        raise ListenError.of_socket(host, port, error) from error
     thread = threading.Thread(
         target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="metrics", daemon=True
     )

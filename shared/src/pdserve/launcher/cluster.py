@@ -241,11 +241,8 @@ class Cluster:
         """Refuses at once a gateway port another process listens on (an earlier `pdserve up`
         still running, say), before anything starts; the gateway would fail on it later."""
         config = self.config
-        flags = (("--port", config.port), ("--grpc-port", config.grpc_port),
-                 ("--internal-port", config.internal_port))  # fmt: skip
         for index in range(config.gateways):
-            for flag, first in flags:
-                port = first + index if first else 0
+            for flag, port in zip(GATEWAY_PORT_FLAGS, self._asked_ports(index), strict=True):
                 if port and not _is_free(config.host, port):
                     raise RuntimeError(
                         f"port {port} on {config.host} is in use (another pdserve up still "
@@ -256,10 +253,7 @@ class Cluster:
         """Starts every gateway, then waits for each to serve (ports from its start-up log)."""
         config = self.config
         for i in range(config.gateways):
-            ports = [
-                port + i if port else 0
-                for port in (config.port, config.grpc_port, config.internal_port)
-            ]
+            ports = self._asked_ports(i)
             name = gateway_name(i)
             self.gateways.append(self._spawn(name, "pdserve.gateway", self._gateway_args(*ports)))
         for gateway in self.gateways:
@@ -271,6 +265,15 @@ class Cluster:
             # know it by them.
             ports = [started["http_port"], started["grpc_port"], started["internal_port"]]
             self._commands[gateway.name] = ("pdserve.gateway", self._gateway_args(*ports))
+
+    def _asked_ports(self, index: int) -> list[int]:
+        """Gateway `index`'s REST, public gRPC and internal ports as the flags ask for them
+        (each flag's port + `index`; 0: any free one)."""
+        config = self.config
+        return [
+            port + index if port else 0
+            for port in (config.port, config.grpc_port, config.internal_port)
+        ]
 
     def _gateway_args(self, port: int, grpc_port: int, internal_port: int) -> list[str]:
         config = self.config
@@ -318,6 +321,10 @@ class Cluster:
             self.fork_server = None
         if self.tls_dir is not None:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
+
+
+GATEWAY_PORT_FLAGS = ("--port", "--grpc-port", "--internal-port")
+"""The flags of `Cluster._asked_ports`' ports, in its order."""
 
 
 def _is_free(host: str, port: int) -> bool:

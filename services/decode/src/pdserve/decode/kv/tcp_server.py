@@ -71,7 +71,7 @@ class KvTcpServer:
         try:
             self._listener = socket.create_server((host, port), backlog=MAX_CONNECTIONS)
         except OSError as error:
-            raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from error
+            raise ListenError.of_socket(host, port, error) from error
         self.port: int = self._listener.getsockname()[1]
         self._is_stopped = False
         self._thread = threading.Thread(target=self._accept_loop, name="kv-tcp", daemon=True)

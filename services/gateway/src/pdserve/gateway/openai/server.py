@@ -80,7 +80,7 @@ def bind_tcp(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as error:
         sock.close()
-        raise ListenError(f"cannot listen on {host}:{port}: {error.strerror}") from error
+        raise ListenError.of_socket(host, port, error) from error
     sock.set_inheritable(True)
     return sock
 
