@@ -16,6 +16,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import num_blocks_for
@@ -27,6 +28,7 @@ from pdserve.engine.block_pool import BlockPool
 NUM_REMEMBERED_ENDED = 4096
 
 
+@dataclass(eq=False)
 class LeaseTable:
     """The open leases on a `BlockPool`, their transitions, and the block accounting.
 
@@ -37,23 +39,18 @@ class LeaseTable:
         sliding: The window slots of a cache whose sliding layers keep only their window.
     """
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        block_size: int,
-        clock: Callable[[], float] = time.monotonic,
-        sliding: SlidingKV | None = None,
-    ) -> None:
-        self.pool = pool
-        self.block_size = block_size
-        self.clock = clock
-        self.sliding = sliding
-        self.lock = threading.RLock()
-        self.num_expired = 0
-        self._leases: dict[str, DecodeRequest] = {}
-        self._ended: OrderedDict[str, RequestStatus] = OrderedDict()
-        # NOTE: ended while a transfer was writing into them; freed when the transfer ends.
-        self._held_for_writer: dict[str, DecodeRequest] = {}
+    pool: BlockPool
+    block_size: int
+    clock: Callable[[], float] = time.monotonic
+    sliding: SlidingKV | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+    num_expired: int = field(default=0, init=False)
+    _leases: dict[str, DecodeRequest] = field(default_factory=dict, init=False, repr=False)
+    _ended: OrderedDict[str, RequestStatus] = field(
+        default_factory=OrderedDict, init=False, repr=False
+    )
+    # NOTE: ended while a transfer was writing into them; freed when the transfer ends.
+    _held_for_writer: dict[str, DecodeRequest] = field(default_factory=dict, init=False, repr=False)
 
     # ---- lookups and transitions -----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import structlog
@@ -37,6 +38,7 @@ class StartedOffload(NamedTuple):
     stored_prefix_key: str  # hex key of the last block
 
 
+@dataclass(eq=False)
 class PreemptionOffload:
     """Stores preempted requests' blocks and holds their notices until the write landed.
 
@@ -52,18 +54,15 @@ class PreemptionOffload:
         num_blocks_exported: Blocks copied out of the cache for offloads.
     """
 
-    def __init__(
-        self, writer: KvStoreWriter, kv_cache: KVCache, block_size: int, wait_s: float
-    ) -> None:
-        self.writer = writer
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.wait_s = wait_s
-        self.num_written = 0
-        self.num_skipped = 0
-        self.num_blocks_exported = 0
-        self._num_pending = 0
-        self._lock = threading.Lock()
+    writer: KvStoreWriter
+    kv_cache: KVCache
+    block_size: int
+    wait_s: float
+    num_written: int = field(default=0, init=False)
+    num_skipped: int = field(default=0, init=False)
+    num_blocks_exported: int = field(default=0, init=False)
+    _num_pending: int = field(default=0, init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def num_pending(self) -> int:

@@ -10,7 +10,7 @@ its retry delay, incompatible layout, draining).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -86,6 +86,7 @@ def _is_connected(channel: grpc.aio.Channel) -> bool:
     return channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
 
 
+@dataclass(eq=False)
 class DecodePeers:
     """Channels to the decodes this prefill ships to, one per address, opened on first use.
 
@@ -98,21 +99,13 @@ class DecodePeers:
             connects if the server's certificate is that instance's, so KV goes to no one else.
     """
 
-    def __init__(
-        self,
-        instance_id: str,
-        kv_layout: common_pb2.KvLayout,
-        prepare_concurrency: int,
-        allocate_timeout_s: float,
-        security: Security | None = None,
-    ) -> None:
-        self.instance_id = instance_id
-        self.kv_layout = kv_layout
-        self.prepare_concurrency = prepare_concurrency
-        self.allocate_timeout_s = allocate_timeout_s
-        self.security = security or Security.insecure()
-        self._protocol = local_protocol()
-        self._peers: dict[tuple[str, str], _Peer] = {}
+    instance_id: str
+    kv_layout: common_pb2.KvLayout
+    prepare_concurrency: int
+    allocate_timeout_s: float
+    security: Security = field(default_factory=Security.insecure)
+    _protocol: common_pb2.Protocol = field(default_factory=local_protocol, init=False, repr=False)
+    _peers: dict[tuple[str, str], _Peer] = field(default_factory=dict, init=False, repr=False)
 
     def _peer(self, address: str, instance_id: str = "") -> _Peer:
         peer = self._peers.get((address, instance_id))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -50,6 +51,7 @@ WRITTEN_IN_PLACE = (
 WRITTEN_FROM_AFAR = (decode_pb2.TRANSPORT_KIND_CUDA_IPC, decode_pb2.TRANSPORT_KIND_NIXL)
 
 
+@dataclass(eq=False)
 class Transfers:
     """Opens, commits and fails the transfers into one decode's leases.
 
@@ -62,22 +64,16 @@ class Transfers:
             tokenizer.json and such a transfer fails with INVALID_REQUEST).
     """
 
-    def __init__(
-        self,
-        kv_cache: KVCache,
-        leases: LeaseManager,
-        loop: DecodeLoop,
-        metrics: DecodeMetrics | None = None,
-        constraints: ConstraintCompiler | None = None,
-    ) -> None:
-        self.kv_cache = kv_cache
-        self.leases = leases
-        self.loop = loop
-        self.metrics = metrics
-        self.constraints = constraints
-        self.num_kv_bytes_received = 0
-        # NOTE: lease id -> its constraint, compiled while the KV arrives (from `begin`).
-        self._constraints: dict[str, concurrent.futures.Future[ConstraintState]] = {}
+    kv_cache: KVCache
+    leases: LeaseManager
+    loop: DecodeLoop
+    metrics: DecodeMetrics | None = None
+    constraints: ConstraintCompiler | None = None
+    num_kv_bytes_received: int = field(default=0, init=False)
+    # NOTE: lease id -> its constraint, compiled while the KV arrives (from `begin`).
+    _constraints: dict[str, concurrent.futures.Future[ConstraintState]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def begin(
         self,

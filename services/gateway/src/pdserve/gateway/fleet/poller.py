@@ -8,8 +8,8 @@ unreachable. An instance that comes back with a new id (it restarted) replaces i
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -24,6 +24,7 @@ GetStatus = Callable[[str, float], Awaitable[tuple[InstanceInfo, LoadReport]]]
 IsServing = Callable[[str, float], Awaitable[bool]]
 
 
+@dataclass(eq=False)
 class StaticPoller:
     """Keeps static instances in the registry.
 
@@ -35,50 +36,42 @@ class StaticPoller:
         interval_s: Seconds between polls.
     """
 
-    def __init__(
-        self,
-        registry: Registry,
-        targets: list[tuple[str, InstanceRole]],
-        get_status: GetStatus,
-        is_serving: IsServing,
-        interval_s: float,
-    ) -> None:
-        self._registry = registry
-        self._targets = targets
-        self._get_status = get_status
-        self._is_serving = is_serving
-        self._interval_s = interval_s
-        self._ids_by_address: dict[str, str] = {}
+    registry: Registry
+    targets: list[tuple[str, InstanceRole]]
+    get_status: GetStatus
+    is_serving: IsServing
+    interval_s: float
+    _ids_by_address: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     async def poll_once(self) -> None:
         """Polls every target once, concurrently."""
-        await asyncio.gather(*(self._poll(address, role) for address, role in self._targets))
+        await asyncio.gather(*(self._poll(address, role) for address, role in self.targets))
 
     async def run(self) -> None:
         """Polls forever (cancel the task to stop)."""
         while True:
             await self.poll_once()
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(self.interval_s)
 
     async def _poll(self, address: str, role: InstanceRole) -> None:
-        timeout_s = max(0.5, self._interval_s)
+        timeout_s = max(0.5, self.interval_s)
         known_id = self._ids_by_address.get(address)
         try:
-            if not await self._is_serving(address, timeout_s):
+            if not await self.is_serving(address, timeout_s):
                 raise ConnectionError("health check is not SERVING")
-            info, load = await self._get_status(address, timeout_s)
+            info, load = await self.get_status(address, timeout_s)
             if info.role is not role:
                 raise ValueError(
                     f"instance reports role {info.role.value}, configured as {role.value}"
                 )
-            info = dataclasses.replace(info, address=address)
+            info = replace(info, address=address)
             if known_id is not None and known_id != info.instance_id:
-                self._registry.remove_all([known_id])
-            self._registry.register(info, load, is_static=True)
+                self.registry.remove_all([known_id])
+            self.registry.register(info, load, is_static=True)
             self._ids_by_address[address] = info.instance_id
         except (BackendError, PdserveError, ConnectionError, ValueError) as exc:
             if known_id is not None:
-                self._registry.mark_unreachable(known_id)
+                self.registry.mark_unreachable(known_id)
             log.debug(
                 "static_instance_poll_failed", address=address, role=role.value, error=str(exc)
             )

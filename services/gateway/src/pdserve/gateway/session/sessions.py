@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -50,6 +50,7 @@ ParseStored = Callable[[bytes], Awaitable[Parsed]]
 """Parses a stored body again (the front end's parser)."""
 
 
+@dataclass(eq=False)
 class Sessions:
     """Opens and finds the requests of every front end.
 
@@ -62,20 +63,12 @@ class Sessions:
         now: Wall clock.
     """
 
-    def __init__(
-        self,
-        streamer: Streamer,
-        frontend: Frontend,
-        runs: Runs | None = None,
-        backend: Backend | None = None,
-        now: Callable[[], float] = time.time,
-    ) -> None:
-        self._streamer = streamer
-        self._frontend = frontend
-        self._runs = runs
-        self._backend = backend
-        self._now = now
-        self._parsers: dict[ApiKind, ParseStored] = {}
+    streamer: Streamer
+    frontend: Frontend
+    runs: Runs | None = None
+    backend: Backend | None = None
+    now: Callable[[], float] = time.time
+    _parsers: dict[ApiKind, ParseStored] = field(default_factory=dict, init=False, repr=False)
 
     def parse_stored_with(self, kind: ApiKind, parse: ParseStored) -> None:
         """How the front end of `kind` parses its stored bodies (for `adopt_orphans`)."""
@@ -84,7 +77,7 @@ class Sessions:
     @property
     def can_keep(self) -> bool:
         """Whether requests can be resumable or run in the background here."""
-        return self._runs is not None
+        return self.runs is not None
 
     async def open(
         self,
@@ -116,7 +109,7 @@ class Sessions:
             n = prompts[0].n
 
             def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
-                return merged([self._streamer.stream(c, index=i) for i, c in enumerate(choices)], n)
+                return merged([self.streamer.stream(c, index=i) for i, c in enumerate(choices)], n)
 
             return Session(kind, prompts, source)
         runs = self._kept()
@@ -214,16 +207,16 @@ class Sessions:
             return
         end = StoredEnd(
             status=ResponseStatus.CANCELLED,
-            completed_at=self._now(),
+            completed_at=self.now(),
             error_code=ErrorReason.CANCELLED.name.lower(),
             error_message="the response was cancelled",
         )
         await runs.put(replace(found, end=end), runs.keep_s)
         placement = found.placement
         if placement is not None:
-            assert self._backend is not None
+            assert self.backend is not None
             try:
-                await self._backend.release_lease(
+                await self.backend.release_lease(
                     placement.decode_address, placement.lease_id, request_id, DECODE_TIMEOUT_S
                 )
             except BackendError as failure:
@@ -310,11 +303,11 @@ class Sessions:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _kept(self) -> Runs:
-        if self._runs is None:
+        if self.runs is None:
             raise PdserveError(
                 ErrorReason.INVALID_REQUEST, "resumable requests are not enabled on this gateway"
             )
-        return self._runs
+        return self.runs
 
     async def _find(
         self, request_id: str, kinds: tuple[ApiKind, ...], caller: Caller, shown_id: str | None
@@ -337,7 +330,7 @@ class Sessions:
         (`key_name`: the API key asking, for its limits and logs)."""
         parsed = await parse(raw_body(record))
         params = replace(parsed.params, seed=record.seed)
-        prepared = await self._frontend.prepare(params, record.request_id, key_name)
+        prepared = await self.frontend.prepare(params, record.request_id, key_name)
         return parsed, prepared
 
     async def _tokens_so_far(self, record: ResumeRecord) -> tuple[int, ...]:
@@ -345,9 +338,9 @@ class Sessions:
         placement = record.placement
         if placement is None:
             return ()
-        assert self._backend is not None
+        assert self.backend is not None
         try:
-            snapshot = await self._backend.snapshot(
+            snapshot = await self.backend.snapshot(
                 placement.decode_address, record.request_id, placement.lease_id, DECODE_TIMEOUT_S
             )
         except BackendError as failure:
