@@ -23,6 +23,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, SamplingParams, check_stop, resolve_seed
 from pdserve.gateway.fleet.backend import (
     BackendError,
+    DecodeCall,
     DecodeEvent,
     DecodeSnapshot,
     FinishedEvent,
@@ -238,19 +239,12 @@ class MemoryBackend:
         instance.history.append(f"abort {request_id}")
 
     async def generate(
-        self,
-        address: str,
-        request_id: str,
-        lease_id: str,
-        timeout_s: float,
-        trace_context: Any = None,
-        *,
-        resumable: bool = False,
-        resume: bool = False,
+        self, address: str, decode_call: DecodeCall, timeout_s: float
     ) -> AsyncGenerator[DecodeEvent, None]:
         # NOTE: `resumable` is accepted and changes nothing here (a closed stream still
         # releases the lease); no test of this fake resumes yet.
-        if resume:
+        lease_id = decode_call.lease_id
+        if decode_call.resume:
             raise NotImplementedError("the in-memory decode does not resume streams")
         decode = self._instance(address)
         decode.generate_calls.append(lease_id)

@@ -25,6 +25,7 @@ from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
 from pdserve.gateway.fleet.backend import (
     BackendError,
+    DecodeCall,
     DecodeSnapshot,
     FinishedEvent,
     TokenBatchEvent,
@@ -258,17 +259,15 @@ async def test_the_gateways_grpc_client_resumes_and_takes_snapshots(client: Deco
     backend = GrpcBackend()
     address = f"127.0.0.1:{client.instance.port}"
     try:
-        stream = backend.generate(address, "r", lease.lease_id, 30.0, resumable=True)
+        stream = backend.generate(address, DecodeCall("r", lease.lease_id, resumable=True), 30.0)
         assert isinstance(await anext(stream), TokenBatchEvent)
         await stream.aclose()  # the gateway went away
         await eventually(lambda: _request(client, lease).is_detached)
         peek = await backend.snapshot(address, "r", lease.lease_id, 5.0)
         assert peek.end is None
         assert list(peek.token_ids) == reference[: len(peek.token_ids)]
-        events = [
-            event
-            async for event in backend.generate(address, "r", lease.lease_id, 30.0, resume=True)
-        ]
+        resume = DecodeCall("r", lease.lease_id, resume=True)
+        events = [event async for event in backend.generate(address, resume, 30.0)]
         batches = [e for e in events if isinstance(e, TokenBatchEvent)]
         assert batches[0].first_index == 0
         assert [t for batch in batches for t in batch.token_ids] == reference

@@ -31,6 +31,7 @@ from pdserve.gateway.cleanups import Cleanups
 from pdserve.gateway.decisions import Failed, Lost, Preempted
 from pdserve.gateway.fleet.backend import (
     Backend,
+    DecodeCall,
     FinishedEvent,
     FirstTokenEvent,
     HandedOffEvent,
@@ -302,15 +303,14 @@ def follow_decode(
     Raises:
         AttemptFailed: The stream failed.
     """
-    decode = peers.backend.generate(
-        placement.decode_address,
+    call = DecodeCall(
         active.request_id,
         placement.lease_id,
-        active.remaining_s(),
         context,
         resumable=active.resumable is not None,
         resume=resume,
     )
+    decode = peers.backend.generate(placement.decode_address, call, active.remaining_s())
     watched = {placement.decode_instance_id: DECODE}
     relayed = relay(
         DECODE, decode, active.progress, peers.loss_watch, watched, peers.end_grace_s, on_end

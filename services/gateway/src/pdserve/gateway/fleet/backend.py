@@ -39,6 +39,26 @@ class PrefillCall:
 
 
 @dataclass(frozen=True)
+class DecodeCall:
+    """One Generate RPC: a decode's stream of a lease's tokens.
+
+    Attributes:
+        trace_context: The attempt's trace context; the call's span becomes its child.
+        resumable: The request outlives this stream: if the stream breaks, the decode keeps it
+            running (detached) for a later `resume` (contract 1.9).
+        resume: Attach to a resumable request instead (taking it over from a stream still
+            attached): the first batch holds every completion token from index 0, then the
+            live ones follow, then the terminal event.
+    """
+
+    request_id: str
+    lease_id: str
+    trace_context: Context | None = None
+    resumable: bool = False
+    resume: bool = False
+
+
+@dataclass(frozen=True)
 class PrefillPhases:
     """Where the prefill spent the attempt's time, in seconds (see PrefillPhases in
     prefill.proto): lease, queue and compute up to the first token; the transfer tail and its
@@ -158,25 +178,9 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self,
-        address: str,
-        request_id: str,
-        lease_id: str,
-        timeout_s: float,
-        trace_context: Context | None = None,
-        *,
-        resumable: bool = False,
-        resume: bool = False,
+        self, address: str, call: DecodeCall, timeout_s: float
     ) -> AsyncGenerator[DecodeEvent, None]:
-        """Streams a decode's events for a lease; closing the iterator cancels the call.
-
-        Args:
-            resumable: The request outlives this stream: if the stream breaks, the decode
-                keeps it running (detached) for a later `resume` (contract 1.9).
-            resume: Attach to a resumable request instead (taking it over from a stream
-                still attached): the first batch holds every completion token from index 0,
-                then the live ones follow, then the terminal event.
-        """
+        """Streams a decode's events for a lease; closing the iterator cancels the call."""
         ...
 
     async def snapshot(

@@ -23,6 +23,7 @@ from pdserve.common.security import Security
 from pdserve.gateway.fleet import convert
 from pdserve.gateway.fleet.backend import (
     BackendError,
+    DecodeCall,
     DecodeEvent,
     DecodeSnapshot,
     FinishedEvent,
@@ -132,27 +133,21 @@ class GrpcBackend:
             raise backend_error(error) from error
 
     def generate(
-        self,
-        address: str,
-        request_id: str,
-        lease_id: str,
-        timeout_s: float,
-        trace_context: Context | None = None,
-        *,
-        resumable: bool = False,
-        resume: bool = False,
+        self, address: str, call: DecodeCall, timeout_s: float
     ) -> AsyncGenerator[DecodeEvent, None]:
-        """Streams DecodeService.Generate's events; closing the iterator cancels the call
-        (`resumable` and `resume` as `Backend.generate`)."""
+        """Streams DecodeService.Generate's events; closing the iterator cancels the call."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address, DECODE_NAME))
         request = decode_pb2.DecodeServiceGenerateRequest(
-            request_id=request_id, lease_id=lease_id, resumable=resumable, resume=resume
+            request_id=call.request_id,
+            lease_id=call.lease_id,
+            resumable=call.resumable,
+            resume=call.resume,
         )
         return _server_stream(
             GENERATE,
             address,
-            request_id,
-            trace_context,
+            call.request_id,
+            call.trace_context,
             lambda metadata: stub.Generate(request, timeout=timeout_s, metadata=metadata),
             convert.decode_event_from_pb,
         )
