@@ -5,8 +5,9 @@ A fake prefill given one (`use`) makes the gateway see that model; `script` make
 completion the given text, its markup as the markup's own tokens.
 
 * gpt-oss: harmony's tokens and a template in harmony's shape (``<|start|>ROLE<|message|>``,
-  calls as commentary messages to ``functions.NAME``, the generation prompt
-  ``<|start|>assistant``); the real one is long, and what the gateway needs of it is that.
+  a system message with the reasoning effort, calls as commentary messages to
+  ``functions.NAME``, the generation prompt ``<|start|>assistant``); the real one is long, and
+  what the gateway needs of it is that.
 * DeepSeek: a template in DeepSeek-R1's shape (its tool calls and tool outputs written as
   DeepSeek's templates write them, DeepSeek-V3's call format; the generation prompt opens a
   think block) over DeepSeek's tokens.
@@ -33,6 +34,9 @@ HARMONY_TOKENS = (
     "<|return|>",
 )
 GPT_OSS_TEMPLATE = (
+    # NOTE: as gpt-oss's own template, a system message says the reasoning effort asked for.
+    "{%- if not reasoning_effort is defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
     "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\n"
     "namespace functions {\n{%- for tool in tools %}\n// {{ tool.function.description }}\n"
     "type {{ tool.function.name }} = (_: {{ tool.function.parameters | tojson }}) => any;\n"

@@ -307,7 +307,7 @@ REFUSED = [
     ({"input": []}, "input", "must not be empty"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input", "input.0.role"),
     ({"include": ["message.output_text.logprobs"]}, "include", "include"),
-    ({"reasoning": {"effort": "low"}}, "reasoning", "reasoning"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning", "reasoning.summary"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs"),
     ({"text": {"format": {"type": "yaml"}}}, "text", "'yaml'"),

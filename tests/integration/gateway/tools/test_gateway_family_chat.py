@@ -120,6 +120,26 @@ async def test_gpt_oss_answer_without_tools(cluster: Cluster, is_stream: bool) -
     }
 
 
+async def test_gpt_oss_hears_the_reasoning_effort_asked_for(cluster: Cluster) -> None:
+    await _start(cluster, GPT_OSS)
+    GPT_OSS.script(cluster, HARMONY_ANSWER)
+    client = cluster.openai()
+    for effort, expected in ((None, "medium"), ("low", "low"), ("high", "high")):
+        extra = {} if effort is None else {"reasoning_effort": effort}
+        response = await client.chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, max_tokens=400, **extra
+        )
+        assert response.choices[0].message.content == "Hello there!"
+        prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
+        assert prompt.startswith(f"<|start|>system<|message|>Reasoning: {expected}<|end|>")
+    responses = cluster.openai().responses
+    response = await responses.create(model=MODEL_NAME, input="Hi", reasoning={"effort": "low"})
+    assert response.output_text == "Hello there!"
+    assert response.reasoning is not None and response.reasoning.effort == "low"
+    prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
+    assert prompt.startswith("<|start|>system<|message|>Reasoning: low<|end|>")
+
+
 async def test_gpt_oss_plain_completions_keep_the_raw_text(cluster: Cluster) -> None:
     await _start(cluster, GPT_OSS)
     GPT_OSS.script(cluster, HARMONY_ANSWER)

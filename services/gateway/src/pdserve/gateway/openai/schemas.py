@@ -40,7 +40,12 @@ from pdserve.gateway.openai.sampling_body import (
     StrictBody,
     unsupported,
 )
-from pdserve.gateway.prepare.params import GenerationParams, PromptKind
+from pdserve.gateway.prepare.params import (
+    REASONING_EFFORT,
+    GenerationParams,
+    PromptKind,
+    ReasoningEffort,
+)
 
 
 class CompletionRequest(SamplingBody):
@@ -114,6 +119,7 @@ class ChatCompletionRequest(SamplingBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     store: bool | None = None
@@ -125,7 +131,8 @@ class ChatCompletionRequest(SamplingBody):
 
         ``logprobs: true`` asks for each token's logprob, ``top_logprobs`` (0 to 20) for that
         many alternatives. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are
-        OpenAI's (`pdserve.gateway.tools`).
+        OpenAI's (`pdserve.gateway.tools`). ``reasoning_effort`` goes to the chat template
+        with ``chat_template_kwargs``.
 
         Raises:
             PdserveError: INVALID_REQUEST for an unsupported parameter or message.
@@ -148,7 +155,7 @@ class ChatCompletionRequest(SamplingBody):
             tool_choice=tool_choice_from_body(self.tool_choice),
             parallel_tool_calls=self.parallel_tool_calls is not False,
             shows_reasoning=True,
-            template_variables=tuple((self.chat_template_kwargs or {}).items()),
+            template_variables=tuple(self._template_variables().items()),
         )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -160,6 +167,12 @@ class ChatCompletionRequest(SamplingBody):
             )
         return [params]
 
+    def _template_variables(self) -> dict[str, Any]:
+        variables = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            variables[REASONING_EFFORT] = self.reasoning_effort
+        return variables
+
     def _unsupported_chat(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs: true"
@@ -169,9 +182,14 @@ class ChatCompletionRequest(SamplingBody):
             return "function_call", "function_call is not supported (use tool_choice)"
         if self.store:
             return "store", "store is not supported"
-        taken = set(self.chat_template_kwargs or ()) & TEMPLATE_INPUTS
+        kwargs = self.chat_template_kwargs or {}
+        taken = set(kwargs) & TEMPLATE_INPUTS
         if taken:
             return "chat_template_kwargs", f"{sorted(taken)[0]} is set by the request itself"
+        if self.reasoning_effort not in (None, kwargs.get(REASONING_EFFORT, self.reasoning_effort)):
+            return "reasoning_effort", (
+                "reasoning_effort and chat_template_kwargs.reasoning_effort differ"
+            )
         if self.service_tier not in (None, "auto", "default"):
             return "service_tier", "service_tier is not supported"
         return None

@@ -13,7 +13,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
@@ -21,6 +21,12 @@ from pdserve.gateway.text import MarkupDecoder
 from pdserve.gateway.tools.plan import ToolPlan
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice
 from pdserve.tokenizer import SupportsDecode, Tokenizer
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+"""OpenAI's reasoning efforts (chat's ``reasoning_effort``, Responses' ``reasoning.effort``)."""
+REASONING_EFFORT = "reasoning_effort"
+"""The chat template variable the effort asked for goes to: gpt-oss's template writes it into its
+system message (``Reasoning: low``); a template that does not read it renders as without it."""
 
 
 class PromptKind(enum.Enum):
@@ -78,7 +84,7 @@ class GenerationParams:
     `constraint_name` the parameter the client set it with. `shows_reasoning`: the API has a
     place for reasoning read out of the completion (chat completions' ``reasoning_content``).
     `template_variables` go to the chat template too (``chat_template_kwargs``, e.g.
-    ``enable_thinking``).
+    ``enable_thinking``, and ``reasoning_effort``).
     """
 
     model: str

@@ -19,6 +19,7 @@ from typing_extensions import TypedDict  # pydantic needs this one before Python
 
 from pdserve.gateway.openai.responses_api.input_schemas import InputItem
 from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, type_tag
+from pdserve.gateway.prepare.params import ReasoningEffort
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
@@ -100,6 +101,16 @@ class JsonSchemaFormat(TypedDict):
     description: NotRequired[str | None]
 
 
+class ReasoningConfig(TypedDict):
+    """``reasoning``: the effort goes to the chat template as ``reasoning_effort`` (gpt-oss's
+    reads it); the reasoning itself comes back as the output's reasoning item, whole, so no
+    summary is written (``summary`` is accepted as null or ``auto`` only)."""
+
+    __pydantic_config__ = STRICT  # type: ignore[misc]
+    effort: NotRequired[ReasoningEffort | None]
+    summary: NotRequired[Literal["auto"] | None]
+
+
 class TextConfig(TypedDict):
     """``text``: the output's format."""
 
@@ -136,7 +147,7 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     prompt: dict[str, Any] | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
@@ -151,6 +162,11 @@ class ResponsesRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None
+
+    @property
+    def reasoning_effort(self) -> ReasoningEffort | None:
+        """``reasoning.effort``, if set."""
+        return self.reasoning.get("effort") if self.reasoning else None
 
     def refusal(self) -> tuple[str, str] | None:
         """The first parameter set to something pdserve does not implement, with why; None when
@@ -169,8 +185,6 @@ class ResponsesRequest(BaseModel):
             return "prompt", "prompt templates are not supported"
         if self.include:
             return "include", f"include is not supported (got {self.include[0][:64]!r})"
-        if self.reasoning is not None:
-            return "reasoning", "reasoning is not supported"
         if self.top_logprobs:
             return "top_logprobs", "top_logprobs is not supported"
         if self.max_tool_calls is not None:
