@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import pytest
 from support.family_chat import DEEPSEEK, GPT_OSS, FamilyModel
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME
+
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.grpc_server import insecure_channel
+from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 MAX_MODEL_LEN = 4096
 TOOLS: list[Any] = [
@@ -138,6 +143,35 @@ async def test_gpt_oss_hears_the_reasoning_effort_asked_for(cluster: Cluster) ->
     assert response.reasoning is not None and response.reasoning.effort == "low"
     prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
     assert prompt.startswith("<|start|>system<|message|>Reasoning: low<|end|>")
+
+
+async def test_grpc_chat_gives_gpt_oss_the_reasoning_effort(cluster: Cluster) -> None:
+    await _start(cluster, GPT_OSS)
+    GPT_OSS.script(cluster, HARMONY_ANSWER)
+
+    def request(effort: str) -> generation_pb2.GenerateRequest:
+        return generation_pb2.GenerateRequest(
+            model=MODEL_NAME,
+            chat=generation_pb2.ChatMessages(
+                messages=[generation_pb2.ChatMessage(role="user", content="Hi")],
+                reasoning_effort=effort,
+            ),
+            sampling=common_pb2.SamplingParams(max_tokens=400),
+        )
+
+    async with insecure_channel(cluster.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        for effort, expected in (("", "medium"), ("high", "high")):
+            responses = [r async for r in stub.Generate(request(effort))]
+            assert responses[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+            prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
+            assert prompt.startswith(f"<|start|>system<|message|>Reasoning: {expected}<|end|>")
+        num_sent = len(cluster.prefills[0].requests)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            [r async for r in stub.Generate(request("extreme"))]
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert from_rpc_error(caught.value).metadata["param"] == "chat.reasoning_effort"
+    assert len(cluster.prefills[0].requests) == num_sent
 
 
 async def test_gpt_oss_plain_completions_keep_the_raw_text(cluster: Cluster) -> None:

@@ -6,9 +6,17 @@ at the edge; nothing behind them sees a protobuf message.
 
 from __future__ import annotations
 
+from typing import get_args
+
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint
-from pdserve.gateway.prepare.params import ChatMessage, GenerationParams, PromptKind
+from pdserve.gateway.prepare.params import (
+    REASONING_EFFORT,
+    ChatMessage,
+    GenerationParams,
+    PromptKind,
+    ReasoningEffort,
+)
 from pdserve.gateway.request import OutputDelta, Usage
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
 from pdserve.serving.convert import (
@@ -71,8 +79,26 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         ),
         constraint=_constraint(sampling),
         constraint_name="sampling.constraint",
+        template_variables=_template_variables(message.chat) if kind == "chat" else (),
     )
     return params
+
+
+EFFORTS = get_args(ReasoningEffort)
+
+
+def _template_variables(chat: generation_pb2.ChatMessages) -> tuple[tuple[str, str], ...]:
+    """What the chat template gets besides the messages and tools (contract 1.17)."""
+    effort = chat.reasoning_effort
+    if not effort:
+        return ()
+    if effort not in EFFORTS:
+        raise PdserveError(
+            ErrorReason.INVALID_REQUEST,
+            f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort[:32]!r}",
+            {"param": "chat.reasoning_effort"},
+        )
+    return ((REASONING_EFFORT, effort),)
 
 
 def _message_from_pb(message: generation_pb2.ChatMessage) -> ChatMessage:
