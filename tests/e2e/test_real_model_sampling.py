@@ -339,6 +339,16 @@ async def test_tokenize_and_detokenize(
         back = await http.post("/detokenize", json={"model": DEFAULT_MODEL, "tokens": tokens})
         bad = await http.post("/detokenize", json={"model": DEFAULT_MODEL, "tokens": [10**6]})
         missing = await http.post("/tokenize", json={"model": DEFAULT_MODEL})
+        begun = [*MESSAGES, {"role": "assistant", "content": "The answer is"}]
+        continued = await http.post(
+            "/tokenize",
+            json={
+                "model": DEFAULT_MODEL,
+                "messages": begun,
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+            },
+        )
     assert chat.status_code == 200, chat.text
     assert chat.json()["tokens"] == chat_prompt(smollm2_reference)
     assert chat.json()["count"] == len(chat_prompt(smollm2_reference))
@@ -348,3 +358,7 @@ async def test_tokenize_and_detokenize(
     assert back.json() == {"prompt": "Hello sea"}
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert missing.status_code == 400
+    assert continued.status_code == 200, continued.text
+    assert continued.json()["tokens"] == tokenizer.apply_chat_template(
+        begun, add_generation_prompt=False, continue_final_message=True, return_dict=False
+    )

@@ -72,6 +72,45 @@ def test_matches_transformers(
     )
 
 
+CONTINUED: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}],
+    # NOTE: trailing spaces the template keeps, and text that also stands earlier.
+    [{"role": "user", "content": "Say: yes"}, {"role": "assistant", "content": "yes "}],
+    [
+        {"role": "user", "content": "Go on"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Once upon"}]},
+    ],
+]
+
+
+@pytest.mark.parametrize("messages", CONTINUED)
+def test_continue_final_message_matches_transformers(
+    demo_tokenizer_dir: Path, hf_tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
+) -> None:
+    ours = Tokenizer.from_pretrained(demo_tokenizer_dir)
+    text = ours.apply_chat_template(messages, False, continue_final_message=True)
+    assert text == hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert not text.endswith("<|end|>\n")
+    ids = ours.encode_chat(messages, False, continue_final_message=True)
+    assert ids == hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, return_dict=False
+    )
+
+
+def test_continue_final_message_refusals(demo_tokenizer: Tokenizer) -> None:
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(ChatTemplateError, match="add_generation_prompt"):
+        demo_tokenizer.apply_chat_template(turn, True, continue_final_message=True)
+    empty = [turn[0], {"role": "assistant", "content": "  "}]
+    with pytest.raises(ChatTemplateError, match="a last message with text"):
+        demo_tokenizer.apply_chat_template(empty, False, continue_final_message=True)
+    silent = ChatTemplate("{% for m in messages %}[{{ m.role }}]{% endfor %}")
+    with pytest.raises(ChatTemplateError, match="does not write the last message"):
+        silent.render(turn, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_template_sees_the_same_variables_as_transformers(
     demo_tokenizer: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase
 ) -> None:

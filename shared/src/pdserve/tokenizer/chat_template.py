@@ -182,6 +182,7 @@ class ChatTemplate:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         special_tokens: Mapping[str, str] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
@@ -197,6 +198,9 @@ class ChatTemplate:
         Args:
             messages: The conversation: mappings with at least ``role``.
             add_generation_prompt: Whether to end with the header of an assistant turn.
+            continue_final_message: End the prompt inside the last message, right after its
+                text, so that the model continues it (an assistant reply begun for it), as
+                transformers' ``continue_final_message``; not with `add_generation_prompt`.
             special_tokens: Named special tokens, e.g. ``{"bos_token": "<s>"}``.
             tools: Tool (function) JSON schemas, for templates that support them.
             documents: Retrieved documents, for templates that support them.
@@ -211,6 +215,11 @@ class ChatTemplate:
         """
         if not messages:
             raise ChatTemplateError("cannot render an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError(
+                "continue_final_message continues the last message: it cannot be combined "
+                "with add_generation_prompt"
+            )
         chat = []
         for message in messages:
             if not isinstance(message, Mapping):
@@ -225,8 +234,35 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
         }
         try:
-            return self._template.render(**context)
+            rendered = self._template.render(**context)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"chat template failed: {exc!r}") from exc
+        return _open_final_message(rendered, chat[-1]) if continue_final_message else rendered
+
+
+def _open_final_message(rendered: str, final: Mapping[str, Any]) -> str:
+    """`rendered` cut right after the last message's text (as transformers cuts it for
+    ``continue_final_message``: at its last occurrence, keeping the text's trailing spaces where
+    the template kept them).
+
+    Raises:
+        ChatTemplateError: The message has no text, or the template did not write its text.
+    """
+    content = final.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, Mapping)]
+        content = next((text for text in reversed(texts) if isinstance(text, str)), None)
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with text")
+    stripped = content.strip()
+    at = rendered.rfind(stripped)
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not write the last message's text"
+        )
+    kept = content.lstrip()
+    if rendered[at : at + len(kept)] == kept:
+        return rendered[: at + len(kept)]
+    return rendered[: at + len(stripped)]

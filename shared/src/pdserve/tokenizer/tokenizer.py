@@ -226,6 +226,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         *,
+        continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         **variables: Any,
@@ -243,6 +244,7 @@ class Tokenizer:
         return self._chat_template.render(
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             special_tokens=self._config.special_tokens,
             tools=tools,
             documents=documents,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import openai
 import pytest
 from support.family_chat import DEEPSEEK, GPT_OSS, FamilyModel
 from support.gateway_cluster import Cluster
@@ -143,6 +144,36 @@ async def test_gpt_oss_hears_the_reasoning_effort_asked_for(cluster: Cluster) ->
     assert response.reasoning is not None and response.reasoning.effort == "low"
     prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
     assert prompt.startswith("<|start|>system<|message|>Reasoning: low<|end|>")
+
+
+async def test_an_assistant_reply_begun_for_the_model_is_continued(cluster: Cluster) -> None:
+    await _start(cluster, GPT_OSS)
+    GPT_OSS.script(cluster, "<|channel|>final<|message|>Paris.<|return|>")
+    client = cluster.openai()
+    begun = [*QUESTION, {"role": "assistant", "content": "It is sunny in"}]
+    continued = {"continue_final_message": True, "add_generation_prompt": False}
+    await client.chat.completions.create(
+        model=MODEL_NAME, messages=begun, max_tokens=400, extra_body=continued
+    )
+    prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
+    assert prompt.endswith(
+        "<|start|>user<|message|>Weather in Zürich?<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is sunny in"
+    )
+    await client.chat.completions.create(model=MODEL_NAME, messages=begun, max_tokens=400)
+    prompt = GPT_OSS.decode(cluster.prefills[0].requests[-1].token_ids)
+    assert prompt.endswith("It is sunny in<|end|><|start|>assistant")  # a new turn after it
+    num_sent = len(cluster.prefills[0].requests)
+    for messages, extra, param in (
+        (begun, {"continue_final_message": True}, "add_generation_prompt"),
+        (QUESTION, continued, "continue_final_message"),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=400, extra_body=extra
+            )
+        assert caught.value.body["param"] == param  # type: ignore[index]
+    assert len(cluster.prefills[0].requests) == num_sent
 
 
 async def test_grpc_chat_gives_gpt_oss_the_reasoning_effort(cluster: Cluster) -> None:

@@ -10,7 +10,8 @@ silently ignored. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, as
 ``function_call`` are refused.
 Extensions (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``prompt_logprobs``,
-``stream_options.continuous_usage_stats``, and the constraints ``structured_outputs`` (one of
+``stream_options.continuous_usage_stats``, ``add_generation_prompt`` and
+``continue_final_message`` (chat), and the constraints ``structured_outputs`` (one of
 ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and the older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``; ``response_format`` is accepted on
 completions too.
@@ -120,6 +121,8 @@ class ChatCompletionRequest(SamplingBody):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: ReasoningEffort | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     store: bool | None = None
@@ -156,6 +159,8 @@ class ChatCompletionRequest(SamplingBody):
             parallel_tool_calls=self.parallel_tool_calls is not False,
             shows_reasoning=True,
             template_variables=tuple(self._template_variables().items()),
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
         )
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
@@ -192,6 +197,19 @@ class ChatCompletionRequest(SamplingBody):
             )
         if self.service_tier not in (None, "auto", "default"):
             return "service_tier", "service_tier is not supported"
+        return self._unsupported_continuation()
+
+    def _unsupported_continuation(self) -> tuple[str, str] | None:
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                return "add_generation_prompt", (
+                    "continue_final_message needs add_generation_prompt: false"
+                )
+            if self.messages[-1].get("role") != "assistant":
+                return "continue_final_message", (
+                    "continue_final_message continues an assistant message: the last message "
+                    "must be one"
+                )
         return None
 
 
@@ -203,16 +221,29 @@ class TokenizeRequest(StrictBody):
     prompt: str | None = None
     messages: list[ChatMessageBody] | None = None
     tools: list[ToolBody] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def to_params(self) -> GenerationParams:
         """The prompt as `GenerationParams` (validated like a generation request's)."""
         if (self.prompt is None) == (self.messages is None):
             raise unsupported("prompt", "exactly one of prompt and messages is required")
         if self.messages is not None:
-            chat = ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools)
+            chat = ChatCompletionRequest(
+                model=self.model,
+                messages=self.messages,
+                tools=self.tools,
+                add_generation_prompt=self.add_generation_prompt,
+                continue_final_message=self.continue_final_message,
+            )
             return chat.to_params()[0]
         if self.tools:
             raise unsupported("tools", "tools need messages")
+        if self.continue_final_message or not self.add_generation_prompt:
+            raise unsupported(
+                "add_generation_prompt",
+                "add_generation_prompt and continue_final_message need messages",
+            )
         return GenerationParams(model=self.model, kind=PromptKind.COMPLETION, text=self.prompt)
 
 

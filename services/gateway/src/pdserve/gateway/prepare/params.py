@@ -84,7 +84,9 @@ class GenerationParams:
     `constraint_name` the parameter the client set it with. `shows_reasoning`: the API has a
     place for reasoning read out of the completion (chat completions' ``reasoning_content``).
     `template_variables` go to the chat template too (``chat_template_kwargs``, e.g.
-    ``enable_thinking``, and ``reasoning_effort``).
+    ``enable_thinking``, and ``reasoning_effort``). `add_generation_prompt`: a chat prompt ends
+    with the header of an assistant turn (the default); `continue_final_message`: it ends inside
+    the last message instead (an assistant reply begun for the model to continue).
     """
 
     model: str
@@ -122,6 +124,8 @@ class GenerationParams:
     constraint_name: str = "response_format"
     shows_reasoning: bool = False
     template_variables: tuple[tuple[str, Any], ...] = ()
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def num_tool_chars(self) -> int:

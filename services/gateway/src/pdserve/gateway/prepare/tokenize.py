@@ -50,7 +50,11 @@ def tokenize_prompt(
                 params.messages, params.tools, call_format, tokenizer.tool_support
             )
             token_ids = tokenizer.encode_chat(
-                messages, tools=tools, **dict(params.template_variables)
+                messages,
+                params.add_generation_prompt,
+                continue_final_message=params.continue_final_message,
+                tools=tools,
+                **dict(params.template_variables),
             )
         except ChatTemplateError as exc:
             raise PdserveError(
