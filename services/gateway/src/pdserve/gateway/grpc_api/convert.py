@@ -11,11 +11,11 @@ from typing import get_args
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import Constraint
 from pdserve.gateway.prepare.params import (
-    REASONING_EFFORT,
     ChatMessage,
     GenerationParams,
     PromptKind,
     ReasoningEffort,
+    effort_variables,
 )
 from pdserve.gateway.request import OutputDelta, Usage
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
@@ -98,7 +98,7 @@ def _template_variables(chat: generation_pb2.ChatMessages) -> tuple[tuple[str, s
             f"reasoning_effort must be one of {', '.join(EFFORTS)}, got {effort[:32]!r}",
             {"param": "chat.reasoning_effort"},
         )
-    return ((REASONING_EFFORT, effort),)
+    return effort_variables(effort)
 
 
 def _message_from_pb(message: generation_pb2.ChatMessage) -> ChatMessage:

@@ -46,6 +46,7 @@ from pdserve.gateway.prepare.params import (
     GenerationParams,
     PromptKind,
     ReasoningEffort,
+    effort_variables,
 )
 
 
@@ -173,10 +174,10 @@ class ChatCompletionRequest(SamplingBody):
         return [params]
 
     def _template_variables(self) -> dict[str, Any]:
-        variables = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            variables[REASONING_EFFORT] = self.reasoning_effort
-        return variables
+        return {
+            **(self.chat_template_kwargs or {}),
+            **dict(effort_variables(self.reasoning_effort)),
+        }
 
     def _unsupported_chat(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -191,7 +192,8 @@ class ChatCompletionRequest(SamplingBody):
         taken = set(kwargs) & TEMPLATE_INPUTS
         if taken:
             return "chat_template_kwargs", f"{sorted(taken)[0]} is set by the request itself"
-        if self.reasoning_effort not in (None, kwargs.get(REASONING_EFFORT, self.reasoning_effort)):
+        asked = kwargs.get(REASONING_EFFORT, self.reasoning_effort)
+        if self.reasoning_effort is not None and asked != self.reasoning_effort:
             return "reasoning_effort", (
                 "reasoning_effort and chat_template_kwargs.reasoning_effort differ"
             )

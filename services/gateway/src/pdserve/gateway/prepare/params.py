@@ -29,6 +29,11 @@ REASONING_EFFORT = "reasoning_effort"
 system message (``Reasoning: low``); a template that does not read it renders as without it."""
 
 
+def effort_variables(effort: str | None) -> tuple[tuple[str, Any], ...]:
+    """The template variables of a reasoning effort asked for (none where it is None)."""
+    return () if effort is None else ((REASONING_EFFORT, effort),)
+
+
 class PromptKind(enum.Enum):
     """Which API a request came through (decides the default max_tokens and the trace's
     ``gen_ai.operation.name``)."""

@@ -38,10 +38,10 @@ from pdserve.gateway.openai.responses_api.input_schemas import (
 from pdserve.gateway.openai.responses_api.schemas import ResponsesRequest, TextConfig
 from pdserve.gateway.openai.responses_api.tools import echoed_tools, function_tools, tool_choice
 from pdserve.gateway.prepare.params import (
-    REASONING_EFFORT,
     ChatMessage,
     GenerationParams,
     PromptKind,
+    effort_variables,
 )
 from pdserve.gateway.prepare.validation import RequestLimits, invalid, validate_request
 from pdserve.gateway.tools.spec import ToolCall
@@ -98,7 +98,6 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
     # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
     top_k = 0 if request.top_k == -1 else request.top_k
     stop = request.stop
-    effort = request.reasoning_effort
     return GenerationParams(
         model=request.model,
         kind=PromptKind.CHAT,
@@ -124,7 +123,7 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         constraint=constraint_of(request.text),
         constraint_name="text.format",
         shows_reasoning=True,
-        template_variables=((REASONING_EFFORT, effort),) if effort is not None else (),
+        template_variables=effort_variables(request.reasoning_effort),
     )
 
 
