@@ -79,18 +79,12 @@ class FlashAttention(PagedAttention):
     exactly chunked prefill on top of cached KV.
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sliding_window: int | None,
-        scale: float | None = None,
-    ) -> None:
+    @property
+    def implementation(self) -> FlashImplementation:
+        """The importable flash-attn (the backend is chosen only where one is)."""
         if FLASH is None:
             raise RuntimeError("flash_attn is not installed")
-        super().__init__(num_heads, num_kv_heads, head_dim, sliding_window, scale)
-        self.implementation = FLASH
+        return FLASH
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PagedKV
@@ -98,35 +92,35 @@ class FlashAttention(PagedAttention):
         k_cache, v_cache, metadata = cache
         tensors = _flash_tensors(metadata)
         window = self.sliding_window
-        if self.implementation.name == "flash-attn-4":
-            result = self.implementation.varlen_func(
+        implementation = self.implementation
+        common = {
+            "cu_seqlens_q": tensors["cu_seqlens_q"],
+            "max_seqlen_q": int(metadata.query_lens.max()),
+            "max_seqlen_k": int(metadata.context_lens.max()),
+            "softmax_scale": self.scale,
+            "causal": True,
+        }
+        if implementation.name == "flash-attn-4":
+            result = implementation.varlen_func(
                 q,
                 k_cache,
                 v_cache,
-                cu_seqlens_q=tensors["cu_seqlens_q"],
                 seqused_k=tensors["seqused_k"],
-                max_seqlen_q=int(metadata.query_lens.max()),
-                max_seqlen_k=int(metadata.context_lens.max()),
                 page_table=tensors["block_table"],
-                softmax_scale=self.scale,
-                causal=True,
                 window_size=(None, None) if window is None else (window - 1, 0),
+                **common,
             )
             # NOTE: flash-attn 4 returns (out, lse).
             out: torch.Tensor = result[0] if isinstance(result, tuple) else result
             return out
-        out = self.implementation.varlen_func(
+        out = implementation.varlen_func(
             q,
             k_cache,
             v_cache,
-            cu_seqlens_q=tensors["cu_seqlens_q"],
             cu_seqlens_k=tensors["cu_seqlens_k"],
-            max_seqlen_q=int(metadata.query_lens.max()),
-            max_seqlen_k=int(metadata.context_lens.max()),
-            softmax_scale=self.scale,
-            causal=True,
-            window_size=(-1, -1) if window is None else (window - 1, 0),
             block_table=tensors["block_table"],
+            window_size=(-1, -1) if window is None else (window - 1, 0),
+            **common,
         )
         return out
 

@@ -176,3 +176,13 @@ def latent_attention(hf: Mapping[str, Any], rope: RopeConfig) -> MlaConfig:
         is_rope_interleaved=bool(hf.get("rope_interleave", True)),
         softmax_scale=scale,
     )
+
+
+def ernie_fields(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
+    """ERNIE 4.5's attention and embeddings (dense and MoE): one ``use_bias`` for every
+    projection's bias, embeddings tied unless said otherwise, RoPE over adjacent pairs."""
+    use_bias = bool(hf.get("use_bias", False))
+    fields["qkv_bias"] = fields["o_proj_bias"] = fields["qkv_bias"] or use_bias
+    fields["mlp_bias"] = fields["mlp_bias"] or use_bias
+    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
+    fields["is_rope_interleaved"] = True

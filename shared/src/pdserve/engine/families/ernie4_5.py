@@ -9,19 +9,11 @@ the biases in the file.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import DENSE_LAYER_NAMES, ArchitectureRules
-
-
-def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
-    use_bias = bool(hf.get("use_bias", False))
-    fields["qkv_bias"] = fields["o_proj_bias"] = fields["qkv_bias"] or use_bias
-    fields["mlp_bias"] = fields["mlp_bias"] or use_bias
-    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
-    fields["is_rope_interleaved"] = True
+from pdserve.engine.hf_config import ernie_fields
 
 
 def _load_tensor(name: str, tensor: Any, config: Any) -> Any:
@@ -36,7 +28,7 @@ def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -
 
 FAMILY = Family(
     "ernie4_5",
-    config=_config,
+    config=ernie_fields,
     load_tensor=_load_tensor,
     gguf=GgufFamily(
         "ernie4_5",

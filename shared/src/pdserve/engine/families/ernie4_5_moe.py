@@ -24,14 +24,11 @@ from pdserve.engine.gguf_architectures import (
     SHARED_EXPERTS_NAMES,
     ArchitectureRules,
 )
+from pdserve.engine.hf_config import ernie_fields
 
 
 def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
-    use_bias = bool(hf.get("use_bias", False))
-    fields["qkv_bias"] = fields["o_proj_bias"] = fields["qkv_bias"] or use_bias
-    fields["mlp_bias"] = fields["mlp_bias"] or use_bias
-    fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
-    fields["is_rope_interleaved"] = True
+    ernie_fields(hf, fields)
     fields["moe"] = _moe(hf, fields["num_hidden_layers"])
 
 

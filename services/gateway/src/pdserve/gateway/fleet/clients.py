@@ -9,7 +9,7 @@ model-info calls are not traced.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -122,15 +122,14 @@ class GrpcBackend:
     ) -> None:
         """PrefillService.AbortRequest."""
         stub = prefill_pb2_grpc.PrefillServiceStub(self.channel(address, PREFILL_NAME))
-        try:
-            with telemetry.client_span(ABORT_REQUEST, address, request_id, trace_context) as traced:
-                await stub.AbortRequest(
-                    prefill_pb2.AbortRequestRequest(request_id=request_id),
-                    timeout=timeout_s,
-                    metadata=traced.metadata,
-                )
-        except grpc.aio.AioRpcError as error:
-            raise backend_error(error) from error
+        request = prefill_pb2.AbortRequestRequest(request_id=request_id)
+        await _unary(
+            ABORT_REQUEST,
+            address,
+            request_id,
+            trace_context,
+            lambda metadata: stub.AbortRequest(request, timeout=timeout_s, metadata=metadata),
+        )
 
     def generate(
         self, address: str, call: DecodeCall, timeout_s: float
@@ -183,15 +182,14 @@ class GrpcBackend:
     ) -> None:
         """DecodeService.ReleaseLease."""
         stub = decode_pb2_grpc.DecodeServiceStub(self.channel(address, DECODE_NAME))
-        try:
-            with telemetry.client_span(RELEASE_LEASE, address, request_id, trace_context) as traced:
-                await stub.ReleaseLease(
-                    decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id),
-                    timeout=timeout_s,
-                    metadata=traced.metadata,
-                )
-        except grpc.aio.AioRpcError as error:
-            raise backend_error(error) from error
+        request = decode_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=request_id)
+        await _unary(
+            RELEASE_LEASE,
+            address,
+            request_id,
+            trace_context,
+            lambda metadata: stub.ReleaseLease(request, timeout=timeout_s, metadata=metadata),
+        )
 
     async def get_model_files(self, address: str, timeout_s: float = 10.0) -> ModelFiles:
         """PrefillService.GetModelInfo."""
@@ -225,6 +223,22 @@ class GrpcBackend:
         except grpc.aio.AioRpcError:
             return False
         return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _unary(
+    span_name: str,
+    address: str,
+    request_id: str,
+    trace_context: Context | None,
+    call: Callable[[Any], Awaitable[Any]],
+) -> None:
+    """Makes a request-path unary call, `call(metadata)`, under a CLIENT span; a failed call
+    raises `BackendError`."""
+    try:
+        with telemetry.client_span(span_name, address, request_id, trace_context) as traced:
+            await call(traced.metadata)
+    except grpc.aio.AioRpcError as error:
+        raise backend_error(error) from error
 
 
 async def _server_stream(
