@@ -140,6 +140,14 @@ async def test_logprobs_tokens_join_to_the_content_the_end_of_turn_left_out(
             if streamed_choice.logprobs is not None:
                 streamed += [e.token for e in streamed_choice.logprobs.content or ()]
     assert "".join(streamed) == content == choice.message.content
+    # NOTE: vLLM's options: the end of the turn is a stop token, left out even where special
+    # tokens are kept, and in the text (and its logprobs) with include_stop_str_in_output.
+    kept = {"skip_special_tokens": False}
+    for extra, ending in [(kept, ""), ({**kept, "include_stop_str_in_output": True}, "<|im_end|>")]:
+        shown = (await client.chat.completions.create(**settings, extra_body=extra)).choices[0]
+        assert shown.message.content == choice.message.content + ending
+        assert shown.logprobs is not None and shown.logprobs.content
+        assert "".join(entry.token for entry in shown.logprobs.content) == shown.message.content
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])

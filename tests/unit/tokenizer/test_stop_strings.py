@@ -133,3 +133,23 @@ def test_text_stream_after_stop(demo_tokenizer: Tokenizer) -> None:
     assert stream.finish() == ("", True, "b")
     with pytest.raises(RuntimeError):
         stream.add_tokens([ord("e")])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=st.text(alphabet="ab é👋", max_size=25),
+    stop=st.text(alphabet="ab é👋", min_size=1, max_size=3),
+)
+def test_text_stream_with_include_stop_ends_with_the_stop(
+    demo_tokenizer: Tokenizer, text: str, stop: str
+) -> None:
+    stream = TextStream(demo_tokenizer, [stop], include_stop=True)
+    deltas = []
+    for token_id in demo_tokenizer.encode(text, add_special_tokens=False):
+        delta = stream.add_tokens([token_id])
+        deltas.append(delta.text)
+        if delta.is_stopped:
+            break
+    deltas.append(stream.finish().text)
+    expected_text, expected_stop = _reference(text, [stop])
+    assert "".join(deltas) == stream.text == expected_text + (expected_stop or "")

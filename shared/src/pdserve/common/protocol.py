@@ -15,7 +15,7 @@ from pdserve.common.errors import ErrorReason, PdserveError
 
 # NOTE: bump MINOR with every contract addition; refresh the buf baseline (make
 # contract-baseline) only together with such a bump.
-PROTOCOL_VERSION = "1.17"
+PROTOCOL_VERSION = "1.18"
 
 # Capabilities this implementation speaks (see Protocol.features in common.proto).
 FEATURES: tuple[str, ...] = (

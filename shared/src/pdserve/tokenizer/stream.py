@@ -32,13 +32,16 @@ class TextStream:
     """Detokenizes one request's generated tokens and applies its stop strings.
 
     The concatenated deltas equal the decoded text of all tokens, truncated before the first
-    stop string completed (see `pdserve.tokenizer.stop`). Stop token ids (EOS) are not
-    handled here: the engine ends the request on them.
+    stop string completed, or after it with `include_stop` (see `pdserve.tokenizer.stop`).
+    Stop token ids (EOS) are not handled here: the engine ends the request on them.
 
     Args:
         tokenizer: The decoder of the model's tokenizer.
-        stop_strings: Strings that end generation; they are not part of the text.
+        stop_strings: Strings that end generation; they are not part of the text unless
+            `include_stop`.
         skip_special_tokens: Whether special tokens are left out of the text.
+        include_stop: The completed stop string ends the text (vLLM's
+            ``include_stop_str_in_output``); what follows it is still dropped.
         context_token_ids: The prompt (its last tokens are used as decoding context).
         num_context_tokens: How many context tokens to keep.
 
@@ -52,6 +55,7 @@ class TextStream:
         stop_strings: Iterable[str] = (),
         *,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
         context_token_ids: Sequence[int] = (),
         num_context_tokens: int = DEFAULT_NUM_CONTEXT_TOKENS,
     ) -> None:
@@ -62,6 +66,7 @@ class TextStream:
             num_context_tokens=num_context_tokens,
         )
         self._matcher = StopStringMatcher(stop_strings)
+        self._include_stop = include_stop
         self._text_parts: list[str] = []
         self._is_finished = False
 
@@ -108,6 +113,8 @@ class TextStream:
         released = match.text
         if is_final and not match.is_stopped:
             released += self._matcher.flush()
+        if match.is_stopped and self._include_stop:
+            released += match.stop or ""
         if released:
             self._text_parts.append(released)
         return TextDelta(released, match.is_stopped, match.stop)

@@ -43,7 +43,7 @@ from pdserve.gateway.request import GenerationRequest
 from pdserve.gateway.routing.router import Router
 from pdserve.gateway.text import markup_skips
 from pdserve.gateway.tools.formats import AUTO, ToolCallFormat, resolve_format
-from pdserve.gateway.tools.plan import plan_tools
+from pdserve.gateway.tools.plan import ToolPlan, plan_tools
 from pdserve.tokenizer import Tokenizer
 
 _tracer = telemetry.tracer("pdserve.gateway")
@@ -209,16 +209,21 @@ class Frontend:
             is_chat=is_chat,
             shows_reasoning=params.shows_reasoning and self._reasoning_parser != "none",
         )
+        kept = _kept_prompt_tokens(params, max_model_len)
         if params.token_ids is not None:
+            token_ids = params.token_ids if kept is None else params.token_ids[-kept:]
             # NOTE: checked before anything walks the ids (the vocabulary check below).
-            self._lengths.check_prompt_length(len(params.token_ids), max_model_len, prompt_param)
-            prompt_token_ids = list(params.token_ids)
+            self._lengths.check_prompt_length(len(token_ids), max_model_len, prompt_param)
+            prompt_token_ids = list(token_ids)
         elif is_short_prompt(params):
             prompt_token_ids = tokenize_prompt(params, tokenizer, call_format)
         else:
             prompt_token_ids = await self._workers.run(
                 tokenize_prompt, params, tokenizer, call_format
             )
+        is_truncated = kept is not None and len(prompt_token_ids) > kept
+        if kept is not None and is_truncated:
+            prompt_token_ids = prompt_token_ids[-kept:]
         num_prompt_tokens = len(prompt_token_ids)
         self._lengths.check_prompt_length(num_prompt_tokens, max_model_len, prompt_param)
         if not prompt_token_ids:
@@ -260,12 +265,15 @@ class Frontend:
             n=params.n,
             echo=params.echo,
             is_prompt_only=max_tokens == 0,
-            prompt_text=params.text,
+            prompt_text=None if is_truncated else params.text,
             tool_plan=tool_plan,
             reasoning_opens=self._reasoning_opens(params, tokenizer, prompt_token_ids),
             skipped_token_ids=None
             if tool_plan is None
             else markup_skips(tokenizer, tool_plan.format.markup_tokens),
+            skip_special_tokens=params.skip_special_tokens,
+            stop_token_ids=_hidden_stop_tokens(params, info.eos_token_ids, tokenizer, tool_plan),
+            include_stop=params.include_stop_str_in_output,
         )
 
     def _reasoning_opens(
@@ -281,3 +289,32 @@ class Frontend:
             return None
         tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
         return prompt_opens_thinking(tail)
+
+
+def _kept_prompt_tokens(params: GenerationParams, max_model_len: int) -> int | None:
+    """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all):
+    -1 keeps as many as leave room for ``max_tokens`` (one token when it is unset)."""
+    kept = params.truncate_prompt_tokens
+    if kept != -1:
+        return kept
+    if not max_model_len:
+        return None
+    return max(1, max_model_len - max(1, params.max_tokens or 1))
+
+
+def _hidden_stop_tokens(
+    params: GenerationParams,
+    eos_token_ids: Sequence[int],
+    tokenizer: Tokenizer,
+    tool_plan: ToolPlan | None,
+) -> frozenset[int]:
+    """The tokens that end a completion and whose text stays out of it (vLLM's rule; none
+    with ``include_stop_str_in_output``): the stop token ids, and the end of sequence where it
+    ends the completion; not a call format's markup, which its parser reads (harmony's
+    ``<|call|>``)."""
+    if params.include_stop_str_in_output:
+        return frozenset()
+    ends = () if params.ignore_eos else eos_token_ids
+    markup = () if tool_plan is None else tool_plan.format.markup_tokens
+    read = {tokenizer.token_to_id(token) for token in markup}
+    return frozenset((*params.stop_token_ids, *ends)) - read

@@ -43,8 +43,7 @@ async def with_reasoning(
 async def _replayed(
     prepared: PreparedRequest, token_ids: Sequence[int], end: GenerationEnd
 ) -> AsyncGenerator[OutputDelta, None]:
-    request = prepared.request
-    text = CompletionText(prepared.decoder, request.prompt_token_ids, prepared.stop)
+    text = prepared.completion_text()
     if token_ids:
         for delta in text_deltas(text, TokenChunk(tuple(token_ids), 0), one_by_one=True):
             yield delta

@@ -30,7 +30,6 @@ from pdserve.gateway.prepare.params import PreparedRequest, PromptKind
 from pdserve.gateway.reasoning import ReasoningStream
 from pdserve.gateway.relay import AttemptFailed
 from pdserve.gateway.request import GenerationEnd, OutputDelta, Resumable
-from pdserve.gateway.text import CompletionText
 from pdserve.gateway.tool_deltas import ToolCallStream
 
 log = structlog.get_logger("pdserve.gateway.streaming")
@@ -105,7 +104,7 @@ class Streamer:
         request = prepared.request
         loop = asyncio.get_running_loop()
         started = loop.time()
-        text = CompletionText(prepared.decoder, request.prompt_token_ids, prepared.stop)
+        text = prepared.completion_text()
         # NOTE: the calls are read here, not around this generator, so that what is recorded
         # (the log line, the span) has the finish reason the client gets (``tool_calls``).
         calls = None if prepared.tool_plan is None else ToolCallStream(prepared.tool_plan)

@@ -66,8 +66,10 @@ class CompletionText:
     Args:
         tokenizer: The model's tokenizer.
         prompt_token_ids: The prompt (its tail is decoding context for the first tokens).
-        stop: Stop strings; the text ends before the first one completed.
+        stop: Stop strings; the text ends before the first one completed (after it with
+            `include_stop`).
         skip_special_tokens: Leave special tokens (EOS, role markers) out of the text.
+        include_stop: The completed stop string is the end of the text.
     """
 
     def __init__(
@@ -77,12 +79,14 @@ class CompletionText:
         stop: Sequence[str] = (),
         *,
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._has_stop_strings = bool(stop)
         self._stream = TextStream(
             tokenizer,
             stop,
             skip_special_tokens=skip_special_tokens,
+            include_stop=include_stop,
             context_token_ids=prompt_token_ids,
         )
         self._num_tokens = 0

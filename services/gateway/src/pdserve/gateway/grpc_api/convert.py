@@ -80,6 +80,11 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
         constraint=_constraint(sampling),
         constraint_name="sampling.constraint",
         template_variables=_template_variables(message.chat) if kind == "chat" else (),
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        skip_special_tokens=(
+            message.skip_special_tokens if message.HasField("skip_special_tokens") else True
+        ),
+        truncate_prompt_tokens=message.truncate_prompt_tokens or None,
     )
     return params
 

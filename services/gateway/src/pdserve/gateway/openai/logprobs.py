@@ -12,12 +12,10 @@ from pdserve.tokenizer import Tokenizer
 
 
 class TokenTexts:
-    """Each token's text (and whether the completion's text leaves it out), decoded once per
-    response."""
+    """Each token's text, decoded once per response."""
 
     def __init__(self) -> None:
         self._texts: dict[int, str] = {}
-        self._is_special: dict[int, bool] = {}
 
     def text(self, tokenizer: Tokenizer, token_id: int) -> str:
         """The token's text, special tokens included."""
@@ -27,27 +25,18 @@ class TokenTexts:
             self._texts[token_id] = text
         return text
 
-    def is_special(self, tokenizer: Tokenizer, token_id: int) -> bool:
-        """Whether the token is one the text leaves out (EOS, an end of turn such as
-        ``<|im_end|>``): it has text of its own but none among the completion's."""
-        is_special = self._is_special.get(token_id)
-        if is_special is None:
-            is_special = bool(self.text(tokenizer, token_id)) and not tokenizer.decode(
-                [token_id], skip_special_tokens=True
-            )
-            self._is_special[token_id] = is_special
-        return is_special
-
 
 def chat_logprobs(
     texts: TokenTexts,
-    tokenizer: Tokenizer,
+    prompt: PreparedRequest,
     token_ids: Sequence[int],
     logprobs: Sequence[TokenLogprobs | None],
 ) -> dict[str, Any]:
     """``choices[i].logprobs`` of chat: one entry per token of ``message.content``, with
-    its alternatives (a special token, left out of the content, is left out here too, so
-    the entries' ``token`` strings join to the content, as OpenAI's do)."""
+    its alternatives (a token the content leaves out, a special token or the stop token, is
+    left out here too, so the entries' ``token`` strings join to the content, as OpenAI's
+    do)."""
+    tokenizer = prompt.tokenizer
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = texts.text(tokenizer, token_id)
@@ -55,7 +44,7 @@ def chat_logprobs(
 
     content = []
     for token_id, scored in zip(token_ids, padded(logprobs, len(token_ids)), strict=True):
-        if scored is None or texts.is_special(tokenizer, token_id):
+        if scored is None or prompt.leaves_out(token_id):
             continue
         item = entry(token_id, scored.logprob)
         item["top_logprobs"] = [entry(t, value) for t, value in scored.top]

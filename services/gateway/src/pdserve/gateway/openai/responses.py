@@ -144,7 +144,7 @@ class Responder:
                 choice["message"]["reasoning_content"] = reasoning
             if self.num_top is not None:
                 choice["logprobs"] = chat_logprobs(
-                    self._texts, self._prompt(index).tokenizer, token_ids, logprobs
+                    self._texts, self._prompt(index), token_ids, logprobs
                 )
         else:
             echoed, echoed_logprobs = ("", None)
@@ -174,7 +174,7 @@ class Responder:
         content_logprobs = None
         if self._is_chat and self.num_top is not None and delta.token_ids:
             content_logprobs = chat_logprobs(
-                self._texts, self._prompt(index).tokenizer, delta.token_ids, padded
+                self._texts, self._prompt(index), delta.token_ids, padded
             )
             if not content_logprobs["content"]:
                 content_logprobs = None  # NOTE: only special tokens (the end of the turn)

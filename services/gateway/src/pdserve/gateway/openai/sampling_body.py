@@ -114,6 +114,9 @@ class SamplingBody(StrictBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def _unsupported(self) -> tuple[str, str] | None:
         if self.stream_options is not None and not self.stream:
@@ -200,6 +203,9 @@ class SamplingBody(StrictBody):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             user=self.user,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **prompt,
         )
 

@@ -10,7 +10,8 @@ silently ignored. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``, as
 ``function_call`` are refused.
 Extensions (as in vLLM): ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``, ``prompt_logprobs``,
-``stream_options.continuous_usage_stats``, ``add_generation_prompt`` and
+``stream_options.continuous_usage_stats``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``truncate_prompt_tokens``, ``add_generation_prompt`` and
 ``continue_final_message`` (chat), and the constraints ``structured_outputs`` (one of
 ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and the older ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar``; ``response_format`` is accepted on

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pdserve.common.generation import MAX_SEED, MAX_TOP_LOGPROBS, Constraint, SamplingParams
 from pdserve.gateway.request import GenerationRequest
-from pdserve.gateway.text import MarkupDecoder
+from pdserve.gateway.text import CompletionText, MarkupDecoder
 from pdserve.gateway.tools.plan import ToolPlan
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice
 from pdserve.tokenizer import SupportsDecode, Tokenizer
@@ -131,6 +131,9 @@ class GenerationParams:
     template_variables: tuple[tuple[str, Any], ...] = ()
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     @property
     def num_tool_chars(self) -> int:
@@ -190,6 +193,12 @@ class PreparedRequest:
         skipped_token_ids: The special tokens left out of the completion's text when its
             parser reads others (a format's markup, `tool_plan.format.markup_tokens`);
             None: every special token is.
+        skip_special_tokens: Special tokens are left out of the text (as `skipped_token_ids`
+            says); False: every one is in it but `stop_token_ids`.
+        stop_token_ids: The tokens that end the completion (an end of sequence, a stop token
+            id) whose text is left out of it, as vLLM leaves them out; empty with
+            ``include_stop_str_in_output``.
+        include_stop: A completed stop string, and a stop token's text, end the text.
     """
 
     request: GenerationRequest
@@ -207,13 +216,42 @@ class PreparedRequest:
     tool_plan: ToolPlan | None = None
     reasoning_opens: bool | None = None
     skipped_token_ids: frozenset[int] | None = None
+    skip_special_tokens: bool = True
+    stop_token_ids: frozenset[int] = frozenset()
+    include_stop: bool = False
 
-    @property
-    def decoder(self) -> SupportsDecode:
-        """What decodes the completion's text (the tokenizer, keeping a format's markup)."""
-        if self.skipped_token_ids is None:
+    def completion_text(self) -> CompletionText:
+        """A detokenizer for one of its completions, with its stop strings."""
+        return CompletionText(
+            self._decoder(),
+            self.request.prompt_token_ids,
+            self.stop,
+            include_stop=self.include_stop,
+        )
+
+    def _decoder(self) -> SupportsDecode:
+        """What decodes the completion's text: the tokenizer, or one that leaves out given
+        tokens and keeps the other special ones (a format's markup, or every special token
+        but the stop tokens when `skip_special_tokens` is off)."""
+        if not self.skip_special_tokens:
+            return MarkupDecoder(self.tokenizer, self.stop_token_ids)
+        if self.skipped_token_ids is not None:
+            return MarkupDecoder(self.tokenizer, self.skipped_token_ids | self.stop_token_ids)
+        special = self.tokenizer.special_token_ids
+        if self.stop_token_ids <= special:
             return self.tokenizer
-        return MarkupDecoder(self.tokenizer, self.skipped_token_ids)
+        return MarkupDecoder(self.tokenizer, special | self.stop_token_ids)
+
+    def leaves_out(self, token_id: int) -> bool:
+        """Whether a token's text is never in the completion's text (a stop token, or a
+        special token that is skipped, a format's markup kept): its logprob entry is left out
+        too."""
+        if token_id in self.stop_token_ids:
+            return True
+        if not self.skip_special_tokens:
+            return False
+        skipped = self.skipped_token_ids
+        return token_id in (self.tokenizer.special_token_ids if skipped is None else skipped)
 
     def choices(self) -> list[PreparedRequest]:
         """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)

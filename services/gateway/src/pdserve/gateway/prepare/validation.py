@@ -143,6 +143,13 @@ def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
     _check_constraint(params, limits)
     if any(not 0 <= token_id <= MAX_UINT32 for token_id in params.stop_token_ids):
         raise invalid("stop_token_ids must be token ids (>= 0)", "stop_token_ids")
+    truncate = params.truncate_prompt_tokens
+    if truncate is not None and truncate != -1 and not 1 <= truncate <= MAX_UINT32:
+        raise invalid(
+            "truncate_prompt_tokens must be >= 1 (the prompt's last tokens kept) or -1 (as "
+            "many as fit)",
+            "truncate_prompt_tokens",
+        )
     for stop in params.stop:
         if not 0 < len(stop) <= limits.max_stop_chars:
             raise invalid(f"stop strings must have 1 to {limits.max_stop_chars} characters", "stop")
