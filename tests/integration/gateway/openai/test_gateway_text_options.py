@@ -163,3 +163,21 @@ async def test_a_truncation_of_no_tokens_is_refused_by_name(pd: Cluster, kept: i
         )
     assert raised.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
     assert pd.prefills[0].requests == []
+
+
+async def test_a_chat_without_max_tokens_keeps_half_the_model_for_its_reply(pd: Cluster) -> None:
+    # NOTE: -1 with max_tokens unset leaves room for chat's default (1024), at most half the
+    # model's length: the templated prompt keeps its last MAX_MODEL_LEN // 2 tokens.
+    content = "abcdefgh" * MAX_MODEL_LEN
+    templated = [USER, *content.encode(), 259]  # <|user|> ... <|assistant|>
+    result = await pd.openai().chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": content}],
+        seed=3,
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    kept = MAX_MODEL_LEN // 2
+    assert list(pd.prefills[0].requests[-1].token_ids) == templated[-kept:]
+    assert result.usage is not None and result.usage.prompt_tokens == kept
+    expected = expected_tokens(templated[-kept:], 3, MAX_MODEL_LEN - kept)
+    assert result.usage.completion_tokens == len(expected)

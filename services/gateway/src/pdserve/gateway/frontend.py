@@ -209,7 +209,7 @@ class Frontend:
             is_chat=is_chat,
             shows_reasoning=params.shows_reasoning and self._reasoning_parser != "none",
         )
-        kept = _kept_prompt_tokens(params, max_model_len)
+        kept = self._kept_prompt_tokens(params, max_model_len)
         if params.token_ids is not None:
             token_ids = params.token_ids if kept is None else params.token_ids[-kept:]
             # NOTE: checked before anything walks the ids (the vocabulary check below).
@@ -276,6 +276,22 @@ class Frontend:
             include_stop=params.include_stop_str_in_output,
         )
 
+    def _kept_prompt_tokens(self, params: GenerationParams, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all):
+        -1 keeps as many as leave room for ``max_tokens`` in the model's length (when it is
+        unset, for the API's default, at most half the length)."""
+        kept = params.truncate_prompt_tokens
+        if kept != -1:
+            return kept
+        if not max_model_len:
+            return None
+        room = params.max_tokens
+        if room is None:
+            room = min(
+                self._lengths.default_max_tokens(params, 0, max_model_len), max_model_len // 2
+            )
+        return max(1, max_model_len - max(1, room))
+
     def _reasoning_opens(
         self, params: GenerationParams, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]
     ) -> bool | None:
@@ -289,17 +305,6 @@ class Frontend:
             return None
         tail = tokenizer.decode(prompt_token_ids[-8:], skip_special_tokens=False)
         return prompt_opens_thinking(tail)
-
-
-def _kept_prompt_tokens(params: GenerationParams, max_model_len: int) -> int | None:
-    """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all):
-    -1 keeps as many as leave room for ``max_tokens`` (one token when it is unset)."""
-    kept = params.truncate_prompt_tokens
-    if kept != -1:
-        return kept
-    if not max_model_len:
-        return None
-    return max(1, max_model_len - max(1, params.max_tokens or 1))
 
 
 def _hidden_stop_tokens(
