@@ -370,3 +370,37 @@ async def test_tokenize_and_detokenize(
     assert continued.json()["tokens"] == tokenizer.apply_chat_template(
         begun, add_generation_prompt=False, continue_final_message=True, return_dict=False
     )
+
+
+async def test_allowed_token_ids_and_bad_words_steer_the_real_model(
+    cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
+) -> None:
+    """vLLM's filters on the default model, greedy: a bad word's tokens never come out where
+    they would finish it (the reply changes), and only allowed ids are sampled."""
+    tokenizer, _ = smollm2_reference
+    settings: dict[str, Any] = {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
+    client = cluster.openai()
+
+    async def reply(**extra: Any) -> tuple[str, list[int]]:
+        body = {"return_token_ids": True, **extra}
+        choice = (await client.chat.completions.create(**settings, extra_body=body)).choices[0]
+        return str(choice.message.content), (choice.model_extra or {})["token_ids"]
+
+    text, token_ids = await reply()
+    assert "Paris" in text, text
+    banned = [tokenizer.encode(w, add_special_tokens=False) for w in ("Paris", " Paris")]
+    steered, steered_ids = await reply(bad_words=["Paris"])
+    assert steered_ids != token_ids
+    for word in banned:
+        assert not any(steered_ids[i : i + len(word)] == word for i in range(len(steered_ids))), (
+            steered,
+            word,
+        )
+    allowed = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", "!")]
+    _, picked = await reply(allowed_token_ids=allowed, max_tokens=5)
+    assert picked and set(picked) <= set(allowed)

@@ -190,6 +190,7 @@ class FakeInstance:
         self.max_model_len = MAX_MODEL_LEN
         self.address = ""
         self.protocol_version = PROTOCOL_VERSION
+        self.features = FEATURES
         self.layout = kv_layout()
         self.server: grpc.aio.Server | None = None
         self.paused = asyncio.Event()  # set when a `pause_after` stream has paused
@@ -200,7 +201,9 @@ class FakeInstance:
             instance_id=self.instance_id,
             role=self.role,
             address=self.address,
-            protocol=common_pb2.Protocol(version=self.protocol_version, features=list(FEATURES)),
+            protocol=common_pb2.Protocol(
+                version=self.protocol_version, features=list(self.features)
+            ),
             kv_layout=self.layout,
             model_name=MODEL_NAME,
             max_model_len=self.max_model_len,

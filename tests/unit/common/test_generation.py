@@ -112,8 +112,11 @@ def test_sampling_round_trips_through_the_contract() -> None:
         max_tokens=33,
         stop_token_ids=(4, 5),
         ignore_eos=True,
+        allowed_token_ids=(9, 3),
+        bad_words=((7, 8), (6,)),
     )
     assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert params.allowed_token_ids == (3, 9) and params.has_token_filters
     seedless = SamplingParams(temperature=0.0, max_tokens=3)
     assert not sampling_to_proto(seedless).HasField("seed")
     assert sampling_from_proto(sampling_to_proto(seedless)) == seedless

@@ -136,8 +136,47 @@ def test_logprobs_are_the_raw_log_softmax_whatever_the_processing() -> None:
     assert picks[2].logprobs is None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_allowed_token_ids_are_the_only_ones_sampled(temperature: float) -> None:
+    allowed = (3, 17, 40)
+    params = SamplingParams(temperature=temperature, allowed_token_ids=allowed, seed=1)
+    sampler = Sampler(eos_token_ids=(EOS,))
+    logits = random_logits(16, seed=2)
+    picked = sampler(logits, [SamplingRow(params, 50 + i, i) for i in range(16)])
+    assert set(picked) <= set(allowed)
+    if temperature == 0:
+        assert picked == [allowed[int(logits[i, list(allowed)].argmax())] for i in range(16)]
+    else:
+        assert len(set(picked)) > 1  # drawn among them, not always the likeliest
+    # NOTE: the logprobs stay the model's: a log-softmax over the whole vocabulary.
+    scored = sampler.sample(logits[:1], [SamplingRow(SamplingParams(
+        temperature=0, allowed_token_ids=allowed, logprobs=1), 0, 0)])[0]  # fmt: skip
+    assert scored.logprobs is not None
+    expected = torch.log_softmax(logits[0], dim=-1)[scored.token_id]
+    assert scored.logprobs.logprob == pytest.approx(float(expected), abs=1e-5)
+
+
+def test_a_bad_word_is_banned_where_the_completion_would_finish_it() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 20] = 10.0  # the bad word's last token is the likeliest
+    logits[0, 21] = 5.0
+    params = SamplingParams(temperature=0, bad_words=((12, 20), (30,)))
+    sampler = Sampler(eos_token_ids=(EOS,))
+
+    def pick(completion: list[int]) -> int:
+        prompt = [1, 2]
+        row = SamplingRow.of_sequence(params, 0, [*prompt, *completion], len(prompt))
+        return sampler(logits, [row])[0]
+
+    assert pick([5, 12]) == 21  # 12 then 20 would complete (12, 20)
+    assert pick([12, 5]) == 20  # 20 alone is no bad word
+    assert pick([]) == 20  # the prompt does not count: only the completion
+    logits[0, 30] = 50.0
+    assert pick([4]) == 20  # a one-token bad word is never sampled
+
+
 def test_a_row_is_independent_of_its_batch() -> None:
-    logits = random_logits(6, seed=4)
+    logits = random_logits(7, seed=4)
     params = [
         SamplingParams(temperature=0.9, presence_penalty=1.0, seed=5),
         SamplingParams(temperature=0, logit_bias={2: 3.0}),
@@ -145,15 +184,16 @@ def test_a_row_is_independent_of_its_batch() -> None:
         SamplingParams(temperature=0.8, repetition_penalty=1.4, logprobs=3),
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0, min_tokens=3),
+        SamplingParams(temperature=0.7, allowed_token_ids=(1, 2, 30), bad_words=((4, 30),)),
     ]
-    histories = [[1, 2, 3, 3], [5], [9, 9, 9, 8], [10, 11, 12, 10], [], [4, 4]]
+    histories = [[1, 2, 3, 3], [5], [9, 9, 9, 8], [10, 11, 12, 10], [], [4, 4], [6, 4]]
     rows = [
         SamplingRow.of_sequence(p, 100 + i, h, 1 if h else 0)
         for i, (p, h) in enumerate(zip(params, histories, strict=True))
     ]
     sampler = Sampler(eos_token_ids=(EOS,))
     together = sampler.sample(logits, rows)
-    alone = [sampler.sample(logits[i : i + 1], [rows[i]])[0] for i in range(6)]
+    alone = [sampler.sample(logits[i : i + 1], [rows[i]])[0] for i in range(7)]
     assert [p.token_id for p in together] == [p.token_id for p in alone]
     lp_together, lp_alone = together[3].logprobs, alone[3].logprobs
     assert lp_together is not None and lp_alone is not None
@@ -181,6 +221,8 @@ def test_prompt_logprobs_score_each_next_token() -> None:
         ("logprobs", 21),
         ("min_tokens", -1),
         ("logit_bias", {3: 101.0}),
+        ("allowed_token_ids", (-1,)),
+        ("bad_words", ((),)),
     ],
 )
 def test_out_of_range_controls_are_refused(field: str, value: object) -> None:

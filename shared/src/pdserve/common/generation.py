@@ -102,6 +102,9 @@ class SamplingParams:
         prompt_logprobs: Return each prompt token's logprob (after the first) and this many
             alternatives; None: none.
         constraint: What the completion's text must match (structured outputs); None: free.
+        allowed_token_ids: When not empty, the only ids that can be sampled.
+        bad_words: Token sequences the completion must not produce: a sequence's last token
+            cannot be sampled where the completion so far ends with the rest of it.
     """
 
     temperature: float = 1.0
@@ -120,6 +123,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -157,6 +162,16 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias needs ids >= 0 and values in [-100, 100], got {token_id}: {value}"
                 )
+        object.__setattr__(
+            self, "allowed_token_ids", tuple(sorted({int(t) for t in self.allowed_token_ids}))
+        )
+        object.__setattr__(
+            self, "bad_words", tuple(tuple(int(t) for t in word) for word in self.bad_words)
+        )
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise ValueError("allowed_token_ids must be non-negative")
+        if any(not word or min(word) < 0 for word in self.bad_words):
+            raise ValueError("bad_words must be sequences of one or more token ids >= 0")
         if self.constraint is not None and self.ignore_eos:
             # NOTE: a complete constrained completion can only end: it would loop otherwise.
             raise ValueError("ignore_eos cannot be combined with a constraint")
@@ -169,6 +184,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def has_token_filters(self) -> bool:
+        """True when allowed_token_ids or bad_words take tokens out of the choice."""
+        return bool(self.allowed_token_ids or self.bad_words)
 
     @property
     def is_greedy(self) -> bool:

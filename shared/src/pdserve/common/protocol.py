@@ -23,6 +23,7 @@ FEATURES: tuple[str, ...] = (
     "token-index",
     "sync-cache-grpc",
     "constraints",
+    "token-filters",
 )
 
 _VERSION_RE = re.compile(r"^(0|[1-9]\d*)\.(0|[1-9]\d*)$")

@@ -76,7 +76,7 @@ class SamplingRow:
         Raises:
             PdserveError: INVALID_REQUEST when the completion breaks its constraint.
         """
-        needs_history = params.has_penalties
+        needs_history = params.has_penalties or bool(params.bad_words)
         completion = token_ids[num_prompt_tokens:]
         return cls(
             params,
@@ -107,11 +107,12 @@ class Sampler:
     Every step is vectorized over the batch, in this order: logit_bias; min_tokens (end ids
     masked, except in a constrained row: its constraint says when it may end); repetition,
     frequency and presence penalties; the constraint's mask (tokens it does not allow next get
-    -inf); then greedy argmax, or temperature, min-p, top-k and top-p and a Gumbel-max draw
-    with noise from a generator seeded by ``position_seed(seed, completion_index)``. Every
-    operation is row-wise, so a row's token depends only on its own (settings, history, seed,
-    completion index, mask, logits), whatever else is in the batch. Logprobs are a
-    log-softmax of the raw logits (`TokenLogprobs`).
+    -inf); allowed_token_ids and bad_words (-inf on what they take out); then greedy argmax,
+    or temperature, min-p, top-k and top-p and a Gumbel-max draw with noise from a generator
+    seeded by ``position_seed(seed, completion_index)``. Every operation is row-wise, so a
+    row's token depends only on its own (settings, history, seed, completion index, mask,
+    logits), whatever else is in the batch. Logprobs are a log-softmax of the raw logits
+    (`TokenLogprobs`).
 
     Args:
         eos_token_ids: The model's end-of-sequence ids (``min_tokens`` masks them).
@@ -167,7 +168,8 @@ class Sampler:
         ]
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
         constrained = [i for i, r in enumerate(rows) if r.token_mask is not None]
-        if not (biased or ended or penalized or constrained):
+        filtered = [i for i, r in enumerate(rows) if r.params.has_token_filters]
+        if not (biased or ended or penalized or constrained or filtered):
             return logits
         out = logits.clone()
         if biased:
@@ -185,6 +187,8 @@ class Sampler:
             masks = [rows[i].token_mask for i in constrained]
             allowed = unpack_masks(masks, vocab_size).to(device)  # type: ignore[arg-type]
             out[constrained] = out[constrained].masked_fill(~allowed, float("-inf"))
+        if filtered:
+            _filter_tokens(out, [(i, rows[i]) for i in filtered])
         return out
 
     def _sample(self, rows: Sequence[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
@@ -206,6 +210,34 @@ class Sampler:
             ]
         ).to(device)
         return (scaled + noise).argmax(dim=-1)
+
+
+def _filter_tokens(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingRow]]) -> None:
+    """Sets to -inf, in place, each row's tokens outside its ``allowed_token_ids`` and the
+    last token of each ``bad_words`` sequence whose rest the completion so far ends with."""
+    vocab_size = logits.shape[-1]
+    banned: list[tuple[int, int]] = []
+    for i, row in rows:
+        allowed = [t for t in row.params.allowed_token_ids if t < vocab_size]
+        if row.params.allowed_token_ids:
+            kept = torch.full(
+                (vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device
+            )
+            index = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+            kept[index] = logits[i, index]
+            logits[i] = kept
+        output = row.output_token_ids
+        for word in row.params.bad_words:
+            *rest, last = word
+            if last < vocab_size and (not rest or _ends_with(output, rest)):
+                banned.append((i, last))
+    if banned:
+        index = torch.tensor(banned, device=logits.device)
+        logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
+def _ends_with(sequence: Sequence[int], tail: Sequence[int]) -> bool:
+    return len(sequence) >= len(tail) and list(sequence[len(sequence) - len(tail) :]) == list(tail)
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -97,6 +97,8 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
                 if message.HasField("constraint")
                 else None
             ),
+            allowed_token_ids=tuple(message.allowed_token_ids),
+            bad_words=tuple(tuple(word.token_ids) for word in message.bad_words),
         )
     except ValueError as error:
         raise PdserveError(ErrorReason.INVALID_REQUEST, str(error)) from None
@@ -113,6 +115,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=params.ignore_eos,
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
+        allowed_token_ids=list(params.allowed_token_ids),
+        bad_words=[common_pb2.TokenSequence(token_ids=word) for word in params.bad_words],
     )
     if params.seed is not None:
         message.seed = params.seed

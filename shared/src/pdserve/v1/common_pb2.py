@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"-\n\x08Protocol\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x02 \x03(\t\"\xa5\x01\n\x08KvLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\x99\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x12\n\x05min_p\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x12*\n\nconstraint\x18\x10 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1c\n\nChoiceList\x12\x0e\n\x06values\x18\x01 \x03(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"c\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x03 \x01(\r\"]\n\x08\x46inished\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xa8\x02\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12&\n\x08protocol\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.Protocol\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\"\x9f\x02\n\nLoadReport\x12 \n\x18num_queued_prompt_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13num_queued_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_leased_blocks\x18\x06 \x01(\r\x12\x1b\n\x13num_reserved_blocks\x18\x07 \x01(\r\x12\x13\n\x0bis_draining\x18\x08 \x01(\x08\x12\x1e\n\x11max_cached_blocks\x18\t \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_max_cached_blocks\"\xb8\x01\n\rPoolIntegrity\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x19\n\x11num_leased_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_open_leases\x18\x04 \x01(\r\x12\x15\n\ris_consistent\x18\x05 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r*b\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x02*f\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"-\n\x08Protocol\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x02 \x03(\t\"\xa5\x01\n\x08KvLayout\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\"\n\x05\x64type\x18\x05 \x01(\x0e\x32\x13.pdserve.v1.KvDtype\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\"\xe2\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x12\n\x05min_p\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\t\x88\x01\x01\x12*\n\nconstraint\x18\x10 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12,\n\tbad_words\x18\x12 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x90\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1c\n\nChoiceList\x12\x0e\n\x06values\x18\x01 \x03(\t\"M\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"c\n\x05Usage\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x1d\n\x15num_completion_tokens\x18\x02 \x01(\r\x12 \n\x18num_cached_prompt_tokens\x18\x03 \x01(\r\"]\n\x08\x46inished\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xa8\x02\n\x0cInstanceInfo\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.InstanceRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12&\n\x08protocol\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.Protocol\x12\'\n\tkv_layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\"\x9f\x02\n\nLoadReport\x12 \n\x18num_queued_prompt_tokens\x18\x01 \x01(\x04\x12\x1b\n\x13num_queued_requests\x18\x02 \x01(\r\x12\x1c\n\x14num_running_requests\x18\x03 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\r\x12\x19\n\x11num_leased_blocks\x18\x06 \x01(\r\x12\x1b\n\x13num_reserved_blocks\x18\x07 \x01(\r\x12\x13\n\x0bis_draining\x18\x08 \x01(\x08\x12\x1e\n\x11max_cached_blocks\x18\t \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_max_cached_blocks\"\xb8\x01\n\rPoolIntegrity\x12\x18\n\x10num_total_blocks\x18\x01 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x02 \x01(\r\x12\x19\n\x11num_leased_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_open_leases\x18\x04 \x01(\r\x12\x15\n\ris_consistent\x18\x05 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x07 \x01(\r*b\n\x0cInstanceRole\x12\x1d\n\x19INSTANCE_ROLE_UNSPECIFIED\x10\x00\x12\x19\n\x15INSTANCE_ROLE_PREFILL\x10\x01\x12\x18\n\x14INSTANCE_ROLE_DECODE\x10\x02*f\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_INSTANCEROLE']._serialized_start=2150
-  _globals['_INSTANCEROLE']._serialized_end=2248
-  _globals['_KVDTYPE']._serialized_start=2250
-  _globals['_KVDTYPE']._serialized_end=2352
-  _globals['_FINISHREASON']._serialized_start=2354
-  _globals['_FINISHREASON']._serialized_end=2479
+  _globals['_INSTANCEROLE']._serialized_start=2259
+  _globals['_INSTANCEROLE']._serialized_end=2357
+  _globals['_KVDTYPE']._serialized_start=2359
+  _globals['_KVDTYPE']._serialized_end=2461
+  _globals['_FINISHREASON']._serialized_start=2463
+  _globals['_FINISHREASON']._serialized_end=2588
   _globals['_PROTOCOL']._serialized_start=39
   _globals['_PROTOCOL']._serialized_end=84
   _globals['_KVLAYOUT']._serialized_start=87
   _globals['_KVLAYOUT']._serialized_end=252
   _globals['_SAMPLINGPARAMS']._serialized_start=255
-  _globals['_SAMPLINGPARAMS']._serialized_end=920
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=718
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=766
-  _globals['_CONSTRAINT']._serialized_start=923
-  _globals['_CONSTRAINT']._serialized_end=1067
-  _globals['_CHOICELIST']._serialized_start=1069
-  _globals['_CHOICELIST']._serialized_end=1097
-  _globals['_TOKENLOGPROBS']._serialized_start=1099
-  _globals['_TOKENLOGPROBS']._serialized_end=1176
-  _globals['_USAGE']._serialized_start=1178
-  _globals['_USAGE']._serialized_end=1277
-  _globals['_FINISHED']._serialized_start=1279
-  _globals['_FINISHED']._serialized_end=1372
-  _globals['_INSTANCEINFO']._serialized_start=1375
-  _globals['_INSTANCEINFO']._serialized_end=1671
-  _globals['_LOADREPORT']._serialized_start=1674
-  _globals['_LOADREPORT']._serialized_end=1961
-  _globals['_POOLINTEGRITY']._serialized_start=1964
-  _globals['_POOLINTEGRITY']._serialized_end=2148
+  _globals['_SAMPLINGPARAMS']._serialized_end=993
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=791
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=839
+  _globals['_TOKENSEQUENCE']._serialized_start=995
+  _globals['_TOKENSEQUENCE']._serialized_end=1029
+  _globals['_CONSTRAINT']._serialized_start=1032
+  _globals['_CONSTRAINT']._serialized_end=1176
+  _globals['_CHOICELIST']._serialized_start=1178
+  _globals['_CHOICELIST']._serialized_end=1206
+  _globals['_TOKENLOGPROBS']._serialized_start=1208
+  _globals['_TOKENLOGPROBS']._serialized_end=1285
+  _globals['_USAGE']._serialized_start=1287
+  _globals['_USAGE']._serialized_end=1386
+  _globals['_FINISHED']._serialized_start=1388
+  _globals['_FINISHED']._serialized_end=1481
+  _globals['_INSTANCEINFO']._serialized_start=1484
+  _globals['_INSTANCEINFO']._serialized_end=1780
+  _globals['_LOADREPORT']._serialized_start=1783
+  _globals['_LOADREPORT']._serialized_end=2070
+  _globals['_POOLINTEGRITY']._serialized_start=2073
+  _globals['_POOLINTEGRITY']._serialized_end=2257
 # @@protoc_insertion_point(module_scope)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x95\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"8\n\x04Tool\x12\x30\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x1e.pdserve.v1.FunctionDefinition\"k\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\"B\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12*\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"[\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"S\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x18\n\x10reasoning_effort\x18\x02 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xb2\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0c\n\x04user\x18\x08 \x01(\t\x12 \n\x18include_prompt_token_ids\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\x12\x1f\n\x05tools\x18\x0b \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x0c \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\r \x01(\x08H\x01\x88\x01\x01\x12\x11\n\tresumable\x18\x0e \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16truncate_prompt_tokens\x18\x11 \x01(\x05\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x16\n\x14_skip_special_tokens\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"@\n\x0eResumeResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\"\xe8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\r\x12-\n\ntool_calls\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"\x82\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x1d\n\x15num_prefill_instances\x18\x03 \x01(\r\x12\x1c\n\x14num_decode_instances\x18\x04 \x01(\r\x12\x17\n\x0f\x62\x61tch_invariant\x18\x05 \x01(\x08\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xec\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x41\n\x06Resume\x12\x19.pdserve.v1.ResumeRequest\x1a\x1a.pdserve.v1.ResumeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/v1/generation.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x95\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x19\n\x11reasoning_content\x18\x06 \x01(\t\"8\n\x04Tool\x12\x30\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x1e.pdserve.v1.FunctionDefinition\"k\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\t\n\x07_strict\"B\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12*\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"[\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.pdserve.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"S\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x18\n\x10reasoning_effort\x18\x02 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xc5\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x0c\n\x04user\x18\x08 \x01(\t\x12 \n\x18include_prompt_token_ids\x18\t \x01(\x08\x12\t\n\x01n\x18\n \x01(\r\x12\x1f\n\x05tools\x18\x0b \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x0c \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\r \x01(\x08H\x01\x88\x01\x01\x12\x11\n\tresumable\x18\x0e \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x02\x88\x01\x01\x12\x1e\n\x16truncate_prompt_tokens\x18\x11 \x01(\x05\x12\x11\n\tbad_words\x18\x12 \x03(\tB\x07\n\x05inputB\x16\n\x14_parallel_tool_callsB\x16\n\x14_skip_special_tokens\"7\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_index\x18\x02 \x01(\r\"@\n\x0eResumeResponse\x12.\n\x08response\x18\x01 \x01(\x0b\x32\x1c.pdserve.v1.GenerateResponse\"\xe8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x66irst_index\x18\x03 \x01(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\r\x12-\n\ntool_calls\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x13\n\x11ListModelsRequest\"\x82\x01\n\x05Model\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x1d\n\x15num_prefill_instances\x18\x03 \x01(\r\x12\x1c\n\x14num_decode_instances\x18\x04 \x01(\r\x12\x17\n\x0f\x62\x61tch_invariant\x18\x05 \x01(\x08\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.pdserve.v1.Model*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03\x32\xec\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x41\n\x06Resume\x12\x19.pdserve.v1.ResumeRequest\x1a\x1a.pdserve.v1.ResumeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICEMODE']._serialized_start=2053
-  _globals['_TOOLCHOICEMODE']._serialized_end=2188
+  _globals['_TOOLCHOICEMODE']._serialized_start=2072
+  _globals['_TOOLCHOICEMODE']._serialized_end=2207
   _globals['_CHATMESSAGE']._serialized_start=69
   _globals['_CHATMESSAGE']._serialized_end=218
   _globals['_TOOL']._serialized_start=220
@@ -51,21 +51,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=682
   _globals['_TOKENIDS']._serialized_end=711
   _globals['_GENERATEREQUEST']._serialized_start=714
-  _globals['_GENERATEREQUEST']._serialized_end=1276
-  _globals['_RESUMEREQUEST']._serialized_start=1278
-  _globals['_RESUMEREQUEST']._serialized_end=1333
-  _globals['_RESUMERESPONSE']._serialized_start=1335
-  _globals['_RESUMERESPONSE']._serialized_end=1399
-  _globals['_GENERATERESPONSE']._serialized_start=1402
-  _globals['_GENERATERESPONSE']._serialized_end=1762
-  _globals['_TOOLCALLDELTA']._serialized_start=1764
-  _globals['_TOOLCALLDELTA']._serialized_end=1839
-  _globals['_LISTMODELSREQUEST']._serialized_start=1841
-  _globals['_LISTMODELSREQUEST']._serialized_end=1860
-  _globals['_MODEL']._serialized_start=1863
-  _globals['_MODEL']._serialized_end=1993
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1995
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2050
-  _globals['_GENERATIONSERVICE']._serialized_start=2191
-  _globals['_GENERATIONSERVICE']._serialized_end=2427
+  _globals['_GENERATEREQUEST']._serialized_end=1295
+  _globals['_RESUMEREQUEST']._serialized_start=1297
+  _globals['_RESUMEREQUEST']._serialized_end=1352
+  _globals['_RESUMERESPONSE']._serialized_start=1354
+  _globals['_RESUMERESPONSE']._serialized_end=1418
+  _globals['_GENERATERESPONSE']._serialized_start=1421
+  _globals['_GENERATERESPONSE']._serialized_end=1781
+  _globals['_TOOLCALLDELTA']._serialized_start=1783
+  _globals['_TOOLCALLDELTA']._serialized_end=1858
+  _globals['_LISTMODELSREQUEST']._serialized_start=1860
+  _globals['_LISTMODELSREQUEST']._serialized_end=1879
+  _globals['_MODEL']._serialized_start=1882
+  _globals['_MODEL']._serialized_end=2012
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2014
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2069
+  _globals['_GENERATIONSERVICE']._serialized_start=2210
+  _globals['_GENERATIONSERVICE']._serialized_end=2446
 # @@protoc_insertion_point(module_scope)

@@ -133,6 +133,8 @@ class GatewayConfig(ServiceConfig):
     max_stop_strings: int = mirror_field(RequestLimits, "max_stop_strings")
     max_stop_chars: int = mirror_field(RequestLimits, "max_stop_chars")
     max_stop_token_ids: int = mirror_field(RequestLimits, "max_stop_token_ids")
+    max_bad_words: int = mirror_field(RequestLimits, "max_bad_words")
+    max_allowed_token_ids: int = mirror_field(RequestLimits, "max_allowed_token_ids")
     max_tokens_limit: int = mirror_field(RequestLimits, "max_tokens_limit")
     max_n: int = mirror_field(RequestLimits, "max_n")
     max_prompts: int = mirror_field(RequestLimits, "max_prompts")

@@ -235,6 +235,12 @@ class Frontend:
             raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
         if any(t >= vocab_size for t, _ in params.logit_bias):
             raise invalid(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
+        if any(t >= vocab_size for t in params.allowed_token_ids):
+            raise invalid(
+                f"allowed_token_ids must be token ids in [0, {vocab_size})", "allowed_token_ids"
+            )
+        if any(t >= vocab_size for word in params.bad_word_ids for t in word):
+            raise invalid(f"bad_words must be token ids in [0, {vocab_size})", "bad_words")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self._lengths.default_max_tokens(params, num_prompt_tokens, max_model_len)
@@ -251,7 +257,11 @@ class Frontend:
             request_id=request_id,
             model=params.model,
             prompt_token_ids=tuple(prompt_token_ids),
-            sampling=params.to_sampling_params(max_tokens, resolve_seed(params.seed, self._rng)),
+            sampling=params.to_sampling_params(
+                max_tokens,
+                resolve_seed(params.seed, self._rng),
+                bad_word_tokens(tokenizer, params.bad_words),
+            ),
             eos_token_ids=info.eos_token_ids,
         )
         return PreparedRequest(
@@ -323,3 +333,19 @@ def _hidden_stop_tokens(
     markup = () if tool_plan is None else tool_plan.format.markup_tokens
     read = {tokenizer.token_to_id(token) for token in markup}
     return frozenset((*params.stop_token_ids, *ends)) - read
+
+
+def bad_word_tokens(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of `words` as vLLM reads ``bad_words``: each word as written (its
+    leading spaces dropped), and after a space where that makes a word of its own (another
+    first token, the same number of tokens)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not bare:
+            continue
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return tuple(sequences)

@@ -15,6 +15,7 @@ from pdserve.gateway.routing.queue_bounds import NoPairAlive, is_wait
 from pdserve.gateway.routing.router import Router
 
 CONSTRAINED = frozenset({"constraints"})  # what a constrained request needs of both instances
+FILTERED = frozenset({"token-filters"})  # allowed_token_ids or bad_words
 
 _tracer = telemetry.tracer("pdserve.gateway")
 
@@ -98,7 +99,8 @@ class PairChoice:
             prompt_keys=keys,
             require_room=True,
             required_features=(
-                CONSTRAINED if request.sampling.constraint is not None else frozenset()
+                (CONSTRAINED if request.sampling.constraint is not None else frozenset())
+                | (FILTERED if request.sampling.has_token_filters else frozenset())
             ),
             share_key=request.share_key,
             num_shared_tokens=len(request.prompt_token_ids),

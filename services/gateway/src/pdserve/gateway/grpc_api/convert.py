@@ -85,6 +85,9 @@ def generation_params_from_pb(message: generation_pb2.GenerateRequest) -> Genera
             message.skip_special_tokens if message.HasField("skip_special_tokens") else True
         ),
         truncate_prompt_tokens=message.truncate_prompt_tokens or None,
+        allowed_token_ids=tuple(sampling.allowed_token_ids),
+        bad_words=tuple(message.bad_words),
+        bad_word_ids=tuple(tuple(word.token_ids) for word in sampling.bad_words),
     )
     return params
 

@@ -49,6 +49,8 @@ def parse_generate_request(raw: bytes, limits: RequestLimits) -> GenerateBody:
         num_stop_strings=len(request.stop),
         num_stop_token_ids=len(request.sampling.stop_token_ids),
         num_tools=len(request.tools),
+        num_bad_words=len(request.bad_words) + len(request.sampling.bad_words),
+        num_allowed_token_ids=len(request.sampling.allowed_token_ids),
     )
     params = validate_request(convert.generation_params_from_pb(request), limits)
     if request.resumable:

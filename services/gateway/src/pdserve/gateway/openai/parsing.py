@@ -106,6 +106,8 @@ def parse_openai_body(raw: bytes, kind: ApiKind, limits: RequestLimits) -> OpenA
         num_stop_strings=len(body.stop) if isinstance(body.stop, list) else 0,
         num_stop_token_ids=len(body.stop_token_ids or ()),
         num_tools=len(getattr(body, "tools", None) or ()),
+        num_bad_words=len(body.bad_words or ()),
+        num_allowed_token_ids=len(body.allowed_token_ids or ()),
     )
     prompts = body.to_params()
     if len(prompts) > limits.max_prompts:

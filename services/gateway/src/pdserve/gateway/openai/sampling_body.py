@@ -117,6 +117,8 @@ class SamplingBody(StrictBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def _unsupported(self) -> tuple[str, str] | None:
         if self.stream_options is not None and not self.stream:
@@ -206,6 +208,8 @@ class SamplingBody(StrictBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            allowed_token_ids=tuple(self.allowed_token_ids or ()),
+            bad_words=tuple(self.bad_words or ()),
             **prompt,
         )
 

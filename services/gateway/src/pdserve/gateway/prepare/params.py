@@ -134,6 +134,9 @@ class GenerationParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tool_chars(self) -> int:
@@ -142,13 +145,16 @@ class GenerationParams:
             len(t.name) + len(t.description or "") + len(t.parameters or "") for t in self.tools
         )
 
-    def to_sampling_params(self, max_tokens: int, seed: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, seed: int, bad_words: tuple[tuple[int, ...], ...] = ()
+    ) -> SamplingParams:
         """The validated request's `SamplingParams`; unset fields take their defaults.
 
         Args:
             max_tokens: The request's own, or the API's default (0: score the prompt only,
                 which still samples one token, never shown).
             seed: The request's own, or one drawn for it.
+            bad_words: `bad_words` tokenized (`bad_word_ids` are added to them).
         """
         unset = SamplingParams(max_tokens=max(1, max_tokens))
 
@@ -172,6 +178,8 @@ class GenerationParams:
             logprobs=self.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             constraint=self.constraint,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=tuple(dict.fromkeys((*bad_words, *self.bad_word_ids))),
         )
 
 

@@ -60,6 +60,10 @@ class RequestLimits:
     max_stop_strings: int = setting(16, "stop strings of one request")
     max_stop_chars: int = setting(256, "characters of one stop string")
     max_stop_token_ids: int = setting(64, "stop token ids of one request")
+    max_bad_words: int = setting(
+        64, "bad_words of one request (each at most --max-stop-chars characters)"
+    )
+    max_allowed_token_ids: int = setting(65536, "allowed_token_ids of one request")
     max_tokens_limit: int = setting(
         0,
         "largest max_tokens a request may ask for; 0: whatever fits in the model's "
@@ -103,6 +107,8 @@ def check_counts(
     num_stop_strings: int = 0,
     num_stop_token_ids: int = 0,
     num_tools: int = 0,
+    num_bad_words: int = 0,
+    num_allowed_token_ids: int = 0,
 ) -> None:
     """Checks how many items a request's lists hold, before anything walks them.
 
@@ -127,6 +133,12 @@ def check_counts(
         raise invalid(f"at most {limits.max_stop_token_ids} stop_token_ids", "stop_token_ids")
     if num_tools > limits.max_tools:
         raise invalid(f"at most {limits.max_tools} tools", "tools")
+    if num_bad_words > limits.max_bad_words:
+        raise invalid(f"at most {limits.max_bad_words} bad_words", "bad_words")
+    if num_allowed_token_ids > limits.max_allowed_token_ids:
+        raise invalid(
+            f"at most {limits.max_allowed_token_ids} allowed_token_ids", "allowed_token_ids"
+        )
 
 
 def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
@@ -154,6 +166,23 @@ def _check_sampling(params: GenerationParams, limits: RequestLimits) -> None:
         if not 0 < len(stop) <= limits.max_stop_chars:
             raise invalid(f"stop strings must have 1 to {limits.max_stop_chars} characters", "stop")
         check_text(stop, "stop")
+    _check_token_filters(params, limits)
+
+
+def _check_token_filters(params: GenerationParams, limits: RequestLimits) -> None:
+    """allowed_token_ids and bad_words (the vocabulary is checked once the model is known)."""
+    if any(not 0 <= token_id <= MAX_UINT32 for token_id in params.allowed_token_ids):
+        raise invalid("allowed_token_ids must be token ids (>= 0)", "allowed_token_ids")
+    for word in params.bad_words:
+        if not word.strip() or len(word) > limits.max_stop_chars:
+            raise invalid(
+                f"bad_words must have 1 to {limits.max_stop_chars} characters, not only spaces",
+                "bad_words",
+            )
+        check_text(word, "bad_words")
+    for ids in params.bad_word_ids:
+        if not ids or any(not 0 <= token_id <= MAX_UINT32 for token_id in ids):
+            raise invalid("bad_words must be one or more token ids (>= 0) each", "bad_words")
 
 
 def _check_controls(params: GenerationParams, limits: RequestLimits) -> None:
@@ -258,6 +287,8 @@ def validate_request(params: GenerationParams, limits: RequestLimits) -> Generat
         num_stop_strings=len(params.stop),
         num_stop_token_ids=len(params.stop_token_ids),
         num_tools=len(params.tools),
+        num_bad_words=len(params.bad_words) + len(params.bad_word_ids),
+        num_allowed_token_ids=len(params.allowed_token_ids),
     )
     if params.messages is not None:
         params = with_tool_constraint(params)
