@@ -308,7 +308,7 @@ REFUSED = [
     ({"input": [{"role": "robot", "content": "x"}]}, "input", "input.0.role"),
     ({"include": ["message.output_text.logprobs"]}, "include", "include"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning", "reasoning.summary"),
-    ({"truncation": "auto"}, "truncation", "truncation"),
+    ({"truncation": "middle"}, "truncation", "truncation"),
     ({"top_logprobs": 2}, "top_logprobs", "top_logprobs"),
     ({"text": {"format": {"type": "yaml"}}}, "text", "'yaml'"),
     ({"text": {"format": {"type": "json_schema", "name": "has space", "schema": {}}}},
@@ -363,3 +363,34 @@ async def test_input_items_are_not_stored(pd: Cluster) -> None:
         response = await http.get("/v1/responses/resp_1/input_items")
     assert response.status_code == 404
     assert "only background responses are stored" in response.json()["error"]["message"]
+
+
+async def test_truncation_auto_drops_the_oldest_turns_until_the_prompt_fits(pd: Cluster) -> None:
+    turns: list[dict[str, Any]] = []
+    for index in range(5):
+        turns.append({"role": "user", "content": f"question {index} " + "q" * 40})
+        turns.append({"role": "assistant", "content": f"answer {index} " + "a" * 40})
+    turns.append({"role": "user", "content": "last question"})
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "instructions": "Be brief.",
+        "input": turns,
+        "max_output_tokens": 20,
+    }
+    client = pd.openai()
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(**body)  # 535 prompt tokens: too long for 256
+    response = await client.responses.create(**body, truncation="auto")
+    assert response.truncation == "auto" and response.output_text
+
+    def rendered(kept: list[dict[str, Any]]) -> list[int]:
+        # NOTE: the fakes' template: <|role|>content per message, then <|assistant|>.
+        ids = [257, *b"Be brief."]
+        for message in kept:
+            ids += [258 if message["role"] == "user" else 259, *message["content"].encode()]
+        return [*ids, 259]
+
+    sent = list(pd.prefills[0].requests[-1].token_ids)
+    # NOTE: the fewest turns dropped: one more kept would not leave max_output_tokens.
+    assert sent == rendered(turns[6:])
+    assert len(sent) + 20 <= 256 < len(rendered(turns[4:])) + 20

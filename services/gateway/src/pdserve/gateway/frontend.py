@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 
+import structlog
+
 from pdserve.common import telemetry
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import resolve_seed
@@ -47,6 +49,9 @@ from pdserve.gateway.tools.plan import ToolPlan, plan_tools
 from pdserve.tokenizer import Tokenizer
 
 _tracer = telemetry.tracer("pdserve.gateway")
+
+
+log = structlog.get_logger(__name__)
 
 
 class Frontend:
@@ -215,12 +220,12 @@ class Frontend:
             # NOTE: checked before anything walks the ids (the vocabulary check below).
             self._lengths.check_prompt_length(len(token_ids), max_model_len, prompt_param)
             prompt_token_ids = list(token_ids)
-        elif is_short_prompt(params):
-            prompt_token_ids = tokenize_prompt(params, tokenizer, call_format)
         else:
-            prompt_token_ids = await self._workers.run(
-                tokenize_prompt, params, tokenizer, call_format
-            )
+            prompt_token_ids = await self._tokenize(params, tokenizer, call_format)
+            if params.drops_old_messages and max_model_len:
+                params, prompt_token_ids = await self._fit_messages(
+                    params, prompt_token_ids, tokenizer, call_format, max_model_len
+                )
         is_truncated = kept is not None and len(prompt_token_ids) > kept
         if kept is not None and is_truncated:
             prompt_token_ids = prompt_token_ids[-kept:]
@@ -286,6 +291,54 @@ class Frontend:
             include_stop=params.include_stop_str_in_output,
         )
 
+    async def _tokenize(
+        self, params: GenerationParams, tokenizer: Tokenizer, call_format: ToolCallFormat
+    ) -> list[int]:
+        """The prompt's ids (a long one in a parser process)."""
+        if is_short_prompt(params):
+            return tokenize_prompt(params, tokenizer, call_format)
+        return await self._workers.run(tokenize_prompt, params, tokenizer, call_format)
+
+    async def _fit_messages(
+        self,
+        params: GenerationParams,
+        prompt_token_ids: list[int],
+        tokenizer: Tokenizer,
+        call_format: ToolCallFormat,
+        max_model_len: int,
+    ) -> tuple[GenerationParams, list[int]]:
+        """The conversation with its oldest turns dropped until the prompt leaves room for
+        its reply in the model's length (`_reply_room`; the Responses API's
+        ``truncation: "auto"``): the leading system messages stay, and the kept part starts
+        at a user message, so roles still alternate as templates expect. The fewest turns
+        are dropped (a binary search over where the kept part starts); when even the last
+        user turn alone does not fit, the prompt is left whole (and refused as too long)."""
+        messages = params.messages or ()
+        room = self._reply_room(params, max_model_len)
+        if len(prompt_token_ids) + room <= max_model_len:
+            return params, prompt_token_ids
+        head = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+        starts = [i for i in range(head + 1, len(messages)) if messages[i].role == "user"]
+        best: tuple[GenerationParams, list[int]] | None = None
+        low, high = 0, len(starts) - 1
+        while low <= high:
+            middle = (low + high) // 2
+            kept = (*messages[:head], *messages[starts[middle] :])
+            fitted = replace(params, messages=kept)
+            ids = await self._tokenize(fitted, tokenizer, call_format)
+            if len(ids) + room <= max_model_len:
+                best, high = (fitted, ids), middle - 1
+            else:
+                low = middle + 1
+        if best is None:
+            return params, prompt_token_ids
+        log.info(
+            "old_messages_dropped",
+            num_dropped=len(messages) - len(best[0].messages or ()),
+            num_prompt_tokens=len(best[1]),
+        )
+        return best
+
     def _kept_prompt_tokens(self, params: GenerationParams, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (None: all):
         -1 keeps as many as leave room for ``max_tokens`` in the model's length (when it is
@@ -295,12 +348,15 @@ class Frontend:
             return kept
         if not max_model_len:
             return None
-        room = params.max_tokens
-        if room is None:
-            room = min(
-                self._lengths.default_max_tokens(params, 0, max_model_len), max_model_len // 2
-            )
-        return max(1, max_model_len - max(1, room))
+        return max(1, max_model_len - self._reply_room(params, max_model_len))
+
+    def _reply_room(self, params: GenerationParams, max_model_len: int) -> int:
+        """What a prompt cut to fit leaves of the model's length: ``max_tokens``, or when it is
+        unset the API's default, at most half the length."""
+        if params.max_tokens is not None:
+            return max(1, params.max_tokens)
+        default = self._lengths.default_max_tokens(params, 0, max_model_len)
+        return max(1, min(default, max_model_len // 2))
 
     def _reasoning_opens(
         self, params: GenerationParams, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]

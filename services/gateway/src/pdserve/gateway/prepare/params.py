@@ -137,6 +137,7 @@ class GenerationParams:
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
+    drops_old_messages: bool = False
 
     @property
     def num_tool_chars(self) -> int:

@@ -124,6 +124,7 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         constraint_name="text.format",
         shows_reasoning=True,
         template_variables=effort_variables(request.reasoning_effort),
+        drops_old_messages=request.truncation == "auto",
     )
 
 
@@ -269,7 +270,7 @@ def _echoed(request: ResponsesRequest) -> dict[str, Any]:
         "max_output_tokens": request.max_output_tokens,
         "metadata": dict(request.metadata or {}),
         "text": {"format": dict(format_)},
-        "truncation": "disabled",
+        "truncation": request.truncation or "disabled",
         "reasoning": {"effort": request.reasoning_effort, "summary": None},
         **echoed_tools(request),
         "user": request.user,

@@ -189,8 +189,8 @@ class ResponsesRequest(BaseModel):
             return "top_logprobs", "top_logprobs is not supported"
         if self.max_tool_calls is not None:
             return "max_tool_calls", "max_tool_calls is not supported"
-        if self.truncation not in (None, "disabled"):
-            return "truncation", "only truncation 'disabled' is supported"
+        if self.truncation not in (None, "disabled", "auto"):
+            return "truncation", "truncation must be 'auto' or 'disabled'"
         if self.service_tier not in (None, "auto", "default"):
             return "service_tier", "service_tier is not supported"
         if self.tool_choice not in (None, "auto", "none") and not self.tools:
