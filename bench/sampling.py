@@ -3,8 +3,9 @@ ratios measured in one run.
 
 ``step``: the decode step (one batched forward pass over the paged cache, then sampling) with
 16 streams, every control off vs on for every stream (presence, frequency and repetition
-penalties, a 16-entry logit_bias, min_p, top-20 logprobs). The two settings alternate step by
-step on the same batch, so drift hits both alike.
+penalties, a 16-entry logit_bias, min_p, top-20 logprobs), and vs the token filters on every
+stream (a 1,000-id ``allowed_token_ids``, 8 two-token ``bad_words``). The settings take turns
+step by step on the same batch, so drift hits them alike.
 
 ``n``: ``n=4`` against 4 separate requests with the same ~1,000-token prompt sent at once,
 through gateway, prefill and decode processes: prompt tokens the prefill computed, KV bytes it
@@ -48,17 +49,26 @@ ON = SamplingParams(
     min_p=0.05,
     logprobs=20,
 )
+# NOTE: vLLM's token filters: a 1,000-id allow list and 8 two-token bad words on every stream.
+FILTERS = SamplingParams(
+    temperature=0.8,
+    seed=1,
+    max_tokens=1024,
+    allowed_token_ids=tuple(range(1000, 2000)),
+    bad_words=tuple((t, t + 1) for t in range(1000, 1016, 2)),
+)
 
 
 def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
-    """Median decode-step time with the controls off and on, alternating."""
+    """Median decode-step time with the controls off, on, and the token filters, in turn."""
     runner, sequences, tables = prefilled_streams(
-        model_dir, NUM_STREAMS, PROMPT_LEN, num_steps * 2, BLOCK_SIZE
+        model_dir, NUM_STREAMS, PROMPT_LEN, num_steps * 3, BLOCK_SIZE
     )
     sampler = Sampler()
-    timings: dict[str, list[float]] = {"off": [], "on": []}
-    for step in range(num_steps * 2):
-        name, params = ("off", OFF) if step % 2 == 0 else ("on", ON)
+    settings = [("off", OFF), ("on", ON), ("filters", FILTERS)]
+    timings: dict[str, list[float]] = {name: [] for name, _ in settings}
+    for step in range(num_steps * len(settings)):
+        name, params = settings[step % len(settings)]
         chunks = [
             ScheduledChunk([s[-1]], len(s) - 1, t) for s, t in zip(sequences, tables, strict=True)
         ]
@@ -70,12 +80,15 @@ def bench_step(model_dir: Path, num_steps: int) -> dict[str, Any]:
         for sequence, picked in zip(sequences, picks, strict=True):
             sequence.append(picked.token_id)
     off, on = statistics.median(timings["off"]), statistics.median(timings["on"])
+    filters = statistics.median(timings["filters"])
     return {
         "streams": NUM_STREAMS,
         "steps_each": num_steps,
         "off_ms": round(off * 1000, 2),
         "on_ms": round(on * 1000, 2),
         "ratio": round(on / off, 3),
+        "filters_ms": round(filters * 1000, 2),
+        "filters_ratio": round(filters / off, 3),
     }
 
 

@@ -4,6 +4,7 @@ of what was picked."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -216,24 +217,34 @@ def _filter_tokens(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingRow]]
     """Sets to -inf, in place, each row's tokens outside its ``allowed_token_ids`` and the
     last token of each ``bad_words`` sequence whose rest the completion so far ends with."""
     vocab_size = logits.shape[-1]
+    device = logits.device
+    allowing = [
+        (i, _allowed_index(r.params.allowed_token_ids, vocab_size))
+        for i, r in rows
+        if r.params.allowed_token_ids
+    ]
+    if allowing:
+        # mask: [rows allowing, vocab], 0 where allowed and -inf elsewhere
+        mask = torch.full((len(allowing), vocab_size), float("-inf"), dtype=logits.dtype)
+        positions = torch.cat([torch.full_like(index, k) for k, (_, index) in enumerate(allowing)])
+        mask[positions, torch.cat([index for _, index in allowing])] = 0.0
+        logits[[i for i, _ in allowing]] += mask.to(device)
     banned: list[tuple[int, int]] = []
     for i, row in rows:
-        allowed = [t for t in row.params.allowed_token_ids if t < vocab_size]
-        if row.params.allowed_token_ids:
-            kept = torch.full(
-                (vocab_size,), float("-inf"), dtype=logits.dtype, device=logits.device
-            )
-            index = torch.tensor(allowed, dtype=torch.long, device=logits.device)
-            kept[index] = logits[i, index]
-            logits[i] = kept
         output = row.output_token_ids
         for word in row.params.bad_words:
             *rest, last = word
             if last < vocab_size and (not rest or _ends_with(output, rest)):
                 banned.append((i, last))
     if banned:
-        index = torch.tensor(banned, device=logits.device)
+        index = torch.tensor(banned, device=device)
         logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
+@functools.lru_cache(maxsize=1024)
+def _allowed_index(token_ids: tuple[int, ...], vocab_size: int) -> torch.Tensor:
+    """``allowed_token_ids`` within the vocabulary as an index (kept across steps)."""
+    return torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.long)
 
 
 def _ends_with(sequence: Sequence[int], tail: Sequence[int]) -> bool:

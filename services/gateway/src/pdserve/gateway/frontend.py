@@ -265,7 +265,7 @@ class Frontend:
             sampling=params.to_sampling_params(
                 max_tokens,
                 resolve_seed(params.seed, self._rng),
-                bad_word_tokens(tokenizer, params.bad_words),
+                _bad_word_tokens(tokenizer, params.bad_words),
             ),
             eos_token_ids=info.eos_token_ids,
         )
@@ -391,7 +391,7 @@ def _hidden_stop_tokens(
     return frozenset((*params.stop_token_ids, *ends)) - read
 
 
-def bad_word_tokens(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+def _bad_word_tokens(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
     """The token sequences of `words` as vLLM reads ``bad_words``: each word as written (its
     leading spaces dropped), and after a space where that makes a word of its own (another
     first token, the same number of tokens)."""
