@@ -139,12 +139,16 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         processed = self.process(logits, rows)
-        # tokens: [num_rows]
-        tokens = processed.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if random_rows:
-            picked = self._sample([rows[i] for i in random_rows], processed[random_rows])
-            tokens[random_rows] = picked
+        # tokens: [num_rows]
+        if len(random_rows) == len(rows):
+            # NOTE: no greedy row: no argmax of its own, no copy of the rows to sample.
+            tokens = self._sample(rows, processed)
+        else:
+            tokens = processed.argmax(dim=-1)
+            if random_rows:
+                picked = self._sample([rows[i] for i in random_rows], processed[random_rows])
+                tokens[random_rows] = picked
         token_ids = [int(t) for t in tokens.tolist()]
         logprobs = _logprobs(logits, rows, tokens)
         return [Sampled(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
@@ -210,7 +214,8 @@ class Sampler:
                 for r in rows
             ]
         ).to(device)
-        return (scaled + noise).argmax(dim=-1)
+        # NOTE: `scaled` is this call's own tensor (the division made it): added to in place.
+        return scaled.add_(noise).argmax(dim=-1)
 
 
 def _filter_tokens(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingRow]]) -> None:
@@ -302,7 +307,9 @@ def _logprobs(
     if not asking:
         return result
     # NOTE: logprob = logit - logsumexp(logits): no [rows, vocab] log-softmax is written out.
-    asked = logits[asking].float()
+    # NOTE: every row asking (the usual case) reads the logits in place, with no copy.
+    asked = logits if len(asking) == len(rows) else logits[asking]
+    asked = asked.float()
     normalizer = torch.logsumexp(asked, dim=-1, keepdim=True)
     chosen = (asked.gather(1, tokens[asking][:, None]) - normalizer).squeeze(1).tolist()
     num_top = max(rows[i].params.logprobs or 0 for i in asking)

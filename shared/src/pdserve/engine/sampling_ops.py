@@ -35,7 +35,8 @@ def gumbel_noise(seed: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Sets each row's logits whose probability is below min_p times its top one's to -inf.
+    """Sets each row's logits whose probability is below min_p times its top one's to -inf,
+    in place (`scaled` is the sampler's own tensor).
 
     In logits: p_i < min_p * p_max exactly when logit_i < logit_max + log(min_p), so no
     softmax is needed.
@@ -45,7 +46,7 @@ def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
         dtype=scaled.dtype,
         device=scaled.device,
     )[:, None]
-    return scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + floor, float("-inf"))
+    return scaled.masked_fill_(scaled < scaled.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
 
 def apply_top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
