@@ -17,6 +17,8 @@ from pdserve.common.supervisor import supervised_env
 from pdserve.launcher.forkserver import ForkServer, ForkServerError
 
 NUM_TAIL_LINES = 40
+GROUP_DRAIN_S = 2.0
+"""How long `ChildProcess.close` lets a dead service's processes end on SIGTERM."""
 
 
 class Process(Protocol):
@@ -172,7 +174,12 @@ class ChildProcess:
     def close(self) -> None:
         """Kills the process if it still runs, and what it started (its session's processes,
         e.g. the gateway's parser workers, which would outlive a killed service), then closes
-        its log."""
+        its log.
+
+        What it started is first asked to stop (SIGTERM), and given up to `GROUP_DRAIN_S` to
+        be gone before it is killed: Python's resource tracker, which ignores SIGTERM, unlinks
+        the named semaphores of a dead service's process pool from ``/dev/shm`` once the
+        pool's processes are gone; killed with the rest, it left them there for good."""
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
@@ -180,6 +187,27 @@ class ChildProcess:
         # reused while any of its processes lives; a dead service's workers may still hold its
         # ports (inherited sockets), which a restart needs.
         with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + GROUP_DRAIN_S
+            while _group_runs(self.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
             os.killpg(self.pid, signal.SIGKILL)
         self._reader.join(timeout=2)
         self._log.close()
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies, which nothing may reap here, do
+    not count)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        # NOTE: the command name, in parentheses, may hold spaces: the fields follow its end.
+        state, _, group = stat[stat.rindex(")") + 2 :].split(" ", 3)[:3]
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
