@@ -208,12 +208,8 @@ class Sampler:
         top_p = [r.params.top_p for r in rows]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        noise = torch.stack(
-            [
-                gumbel_noise(position_seed(r.seed, r.completion_index), logits.shape[-1])
-                for r in rows
-            ]
-        ).to(device)
+        seeds = [position_seed(r.seed, r.completion_index) for r in rows]
+        noise = gumbel_noise(seeds, logits.shape[-1]).to(device)
         # NOTE: `scaled` is this call's own tensor (the division made it): added to in place.
         return scaled.add_(noise).argmax(dim=-1)
 

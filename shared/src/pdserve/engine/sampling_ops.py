@@ -25,13 +25,19 @@ def unpack_masks(masks: Sequence[bytes], vocab_size: int) -> torch.Tensor:
     return torch.cat([bits, padding], dim=1)
 
 
-def gumbel_noise(seed: int, vocab_size: int) -> torch.Tensor:
-    """``[vocab_size]`` Gumbel noise from a generator seeded with `seed` (on the CPU, so every
-    machine draws the same)."""
+def gumbel_noise(seeds: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """``[len(seeds), vocab_size]`` Gumbel noise, row i from a generator seeded with
+    ``seeds[i]`` (on the CPU, so every machine draws the same). Each row is drawn and
+    transformed on its own, in place in the result: the values do not depend on the other
+    rows."""
+    noise = torch.empty(len(seeds), vocab_size)
     generator = torch.Generator()
-    generator.manual_seed(seed)
-    uniform = torch.rand(vocab_size, generator=generator).clamp_(min=1e-20)
-    return -torch.log(-torch.log(uniform))
+    for row, seed in zip(noise, seeds, strict=True):
+        generator.manual_seed(seed)
+        torch.rand(vocab_size, generator=generator, out=row)
+        # NOTE: -log(-log(u)), each step in place.
+        row.clamp_(min=1e-20).log_().neg_().log_().neg_()
+    return noise
 
 
 def apply_min_p(scaled: torch.Tensor, min_p: list[float]) -> torch.Tensor:
