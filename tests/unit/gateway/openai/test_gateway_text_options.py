@@ -31,20 +31,20 @@ def _prepared(tokenizer: Tokenizer, **options: object) -> PreparedRequest:
     ("options", "completion", "expected"),
     [
         # NOTE: the default: special tokens out, the end of sequence with them.
-        ({"stop_token_ids": frozenset({EOS_TOKEN_ID})}, [A, USER, B, EOS_TOKEN_ID], "ab"),
+        ({"hidden_stop_ids": frozenset({EOS_TOKEN_ID})}, [A, USER, B, EOS_TOKEN_ID], "ab"),
         # A stop token id with text of its own: out, as vLLM leaves it out...
-        ({"stop_token_ids": frozenset({EOS_TOKEN_ID, DOT})}, [A, B, DOT], "ab"),
+        ({"hidden_stop_ids": frozenset({EOS_TOKEN_ID, DOT})}, [A, B, DOT], "ab"),
         # ...and in when include_stop_str_in_output emptied the set.
         ({"include_stop": True}, [A, B, DOT], "ab."),
         (
-            {"skip_special_tokens": False, "stop_token_ids": frozenset({EOS_TOKEN_ID})},
+            {"skip_special_tokens": False, "hidden_stop_ids": frozenset({EOS_TOKEN_ID})},
             [A, USER, B, EOS_TOKEN_ID],
             "a<|user|>b",
         ),
         ({"skip_special_tokens": False}, [A, USER, B, EOS_TOKEN_ID], "a<|user|>b<|eos|>"),
         # A format's markup kept (every special but <|user|> skipped), stop tokens still out.
         (
-            {"skipped_token_ids": frozenset({256, 257, 259}), "stop_token_ids": frozenset({DOT})},
+            {"skipped_token_ids": frozenset({256, 257, 259}), "hidden_stop_ids": frozenset({DOT})},
             [A, USER, 257, B, DOT],
             "a<|user|>b",
         ),

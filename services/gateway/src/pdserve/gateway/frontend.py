@@ -287,7 +287,7 @@ class Frontend:
             if tool_plan is None
             else markup_skips(tokenizer, tool_plan.format.markup_tokens),
             skip_special_tokens=params.skip_special_tokens,
-            stop_token_ids=_hidden_stop_tokens(params, info.eos_token_ids, tokenizer, tool_plan),
+            hidden_stop_ids=_hidden_stop_tokens(params, info.eos_token_ids, tokenizer, tool_plan),
             include_stop=params.include_stop_str_in_output,
         )
 

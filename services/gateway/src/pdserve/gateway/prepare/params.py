@@ -8,6 +8,7 @@ the prompt into token ids.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import time
 from array import array
@@ -203,8 +204,8 @@ class PreparedRequest:
             parser reads others (a format's markup, `tool_plan.format.markup_tokens`);
             None: every special token is.
         skip_special_tokens: Special tokens are left out of the text (as `skipped_token_ids`
-            says); False: every one is in it but `stop_token_ids`.
-        stop_token_ids: The tokens that end the completion (an end of sequence, a stop token
+            says); False: every one is in it but `hidden_stop_ids`.
+        hidden_stop_ids: The tokens that end the completion (an end of sequence, a stop token
             id) whose text is left out of it, as vLLM leaves them out; empty with
             ``include_stop_str_in_output``.
         include_stop: A completed stop string, and a stop token's text, end the text.
@@ -226,41 +227,38 @@ class PreparedRequest:
     reasoning_opens: bool | None = None
     skipped_token_ids: frozenset[int] | None = None
     skip_special_tokens: bool = True
-    stop_token_ids: frozenset[int] = frozenset()
+    hidden_stop_ids: frozenset[int] = frozenset()
     include_stop: bool = False
 
+    @functools.cached_property
+    def _left_out(self) -> frozenset[int]:
+        """The tokens whose text is never in a completion's text: the special ones that are
+        skipped (all of them, or all but a format's markup; none without
+        `skip_special_tokens`) and `hidden_stop_ids`."""
+        if not self.skip_special_tokens:
+            skipped: frozenset[int] = frozenset()
+        elif self.skipped_token_ids is not None:
+            skipped = self.skipped_token_ids
+        else:
+            skipped = self.tokenizer.special_token_ids
+        return skipped | self.hidden_stop_ids
+
     def completion_text(self) -> CompletionText:
-        """A detokenizer for one of its completions, with its stop strings."""
+        """A detokenizer for one of its completions, with its stop strings: the tokenizer's
+        own decode where that leaves out exactly the special tokens, else one that leaves out
+        `_left_out` and keeps the other special tokens."""
+        left_out = self._left_out
+        decoder: SupportsDecode = self.tokenizer
+        if left_out != self.tokenizer.special_token_ids:
+            decoder = MarkupDecoder(self.tokenizer, left_out)
         return CompletionText(
-            self._decoder(),
-            self.request.prompt_token_ids,
-            self.stop,
-            include_stop=self.include_stop,
+            decoder, self.request.prompt_token_ids, self.stop, include_stop=self.include_stop
         )
 
-    def _decoder(self) -> SupportsDecode:
-        """What decodes the completion's text: the tokenizer, or one that leaves out given
-        tokens and keeps the other special ones (a format's markup, or every special token
-        but the stop tokens when `skip_special_tokens` is off)."""
-        if not self.skip_special_tokens:
-            return MarkupDecoder(self.tokenizer, self.stop_token_ids)
-        if self.skipped_token_ids is not None:
-            return MarkupDecoder(self.tokenizer, self.skipped_token_ids | self.stop_token_ids)
-        special = self.tokenizer.special_token_ids
-        if self.stop_token_ids <= special:
-            return self.tokenizer
-        return MarkupDecoder(self.tokenizer, special | self.stop_token_ids)
-
     def leaves_out(self, token_id: int) -> bool:
-        """Whether a token's text is never in the completion's text (a stop token, or a
-        special token that is skipped, a format's markup kept): its logprob entry is left out
-        too."""
-        if token_id in self.stop_token_ids:
-            return True
-        if not self.skip_special_tokens:
-            return False
-        skipped = self.skipped_token_ids
-        return token_id in (self.tokenizer.special_token_ids if skipped is None else skipped)
+        """Whether a token's text is never in the completion's text: its logprob entry is
+        left out too."""
+        return token_id in self._left_out
 
     def choices(self) -> list[PreparedRequest]:
         """One request per completion: choice i has request id ``<id>-<i>`` (unless n is 1)
