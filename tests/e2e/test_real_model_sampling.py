@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import httpx
+import openai
 import pytest
 import torch
 from support.process_cluster import ProcessCluster
@@ -404,3 +405,43 @@ async def test_allowed_token_ids_and_bad_words_steer_the_real_model(
     allowed = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no", "!")]
     _, picked = await reply(allowed_token_ids=allowed, max_tokens=5)
     assert picked and set(picked) <= set(allowed)
+
+
+async def test_filters_that_leave_no_token_fail_the_request_by_name(
+    cluster: ProcessCluster, smollm2_reference: tuple[Any, Any]
+) -> None:
+    """Filters that leave out every token end the request with INVALID_REQUEST, on the prefill
+    (the first token: a 400) and on the decode (a later one: the stream's error), and the
+    cluster goes on serving. Before, the sampler picked token 0, which nothing allowed."""
+    tokenizer, _ = smollm2_reference
+    bang = tokenizer.encode("!", add_special_tokens=False)[0]
+    with pytest.raises(openai.BadRequestError) as refused:
+        await cluster.openai().chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"allowed_token_ids": [bang], "bad_words": ["!"]},
+        )
+    assert "no token may come next" in refused.value.message
+    yes, no = (tokenizer.encode(w, add_special_tokens=False)[0] for w in (" yes", " no"))
+    # NOTE: `no` is banned; `yes` comes first, then (yes, yes) bans it: nothing is left.
+    sampling = common_pb2.SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0, allowed_token_ids=[yes, no],
+        bad_words=[common_pb2.TokenSequence(token_ids=ids) for ids in ([no], [yes, yes])],
+    )  # fmt: skip
+    request = generation_pb2.GenerateRequest(model=DEFAULT_MODEL, text="Say", sampling=sampling)
+    received: list[int] = []
+    async with grpc.aio.insecure_channel(cluster.grpc_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for response in stub.Generate(request):
+                received.extend(response.token_ids)
+    assert received == [yes]  # the prefill's token; the decode found none after it
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no token may come next" in str(failed.value.details())
+    again = await cluster.openai().chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=MESSAGES,
+        max_tokens=3,  # type: ignore[arg-type]
+    )
+    assert again.choices[0].finish_reason == "length"

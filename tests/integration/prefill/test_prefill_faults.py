@@ -7,6 +7,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -263,3 +264,22 @@ async def test_a_refused_transfer_releases_its_lease_with_the_token(
         assert events.error.reason in (ErrorReason.PERMISSION_DENIED, ErrorReason.CACHE_SYNC_FAILED)
         assert pd.decodes[0].leases.num_access_refused >= 1
         await pd.eventually_whole()  # released, not left to the 10 s TTL
+
+
+async def test_filters_that_leave_no_first_token_fail_that_request_alone(
+    pd: Cluster, engine: LLMEngine
+) -> None:
+    """The only allowed id is a bad word: INVALID_REQUEST, its lease and blocks returned; a
+    request in the same pass gets its tokens as alone."""
+    stuck = replace(GREEDY, allowed_token_ids=(5,), bad_words=((5,),))
+    short = PROMPT[:5]
+    expected = engine.generate([short[::-1]], GREEDY)[0]
+    failed, tokens = await asyncio.gather(
+        pd.run_prefill(pd.request("stuck", short, stuck)),
+        pd.complete("beside", short[::-1], GREEDY),
+    )
+    _expect(failed, ErrorReason.INVALID_REQUEST)
+    assert failed.kinds == [] and failed.error is not None
+    assert "no token may come next" in failed.error.message
+    assert tokens == expected
+    await pd.eventually_whole()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -115,6 +116,25 @@ def test_stop_token_ends_the_request_and_is_included(
     tokens = [t for o in outputs for t in o.new_token_ids]
     assert tokens == full[: full.index(stop_id) + 1]
     assert outputs[-1].finished and outputs[-1].finish_reason is FinishReason.STOP
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
+
+
+def test_a_request_whose_filters_leave_no_token_ends_aborted(
+    make_engine: EngineFactory, prompts: PromptFactory
+) -> None:
+    first, second = prompts(2, seed=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    alone = make_engine("qwen2").generate([second], greedy)[0]
+    engine = make_engine("qwen2")
+    engine.add_request("stuck", first, replace(greedy, allowed_token_ids=(5,), bad_words=((5,),)))
+    engine.add_request("beside", second, greedy)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    stuck = [o for o in outputs if o.request_id == "stuck"]
+    assert [t for o in stuck for t in o.new_token_ids] == []
+    assert stuck[-1].finished and stuck[-1].finish_reason is FinishReason.ABORT
+    assert [t for o in outputs if o.request_id == "beside" for t in o.new_token_ids] == alone
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks
 
 

@@ -3,6 +3,8 @@ reference (transformers' processors where one exists), vectorized over mixed bat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -11,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from pdserve.common.generation import SamplingParams, TokenLogprobs
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import NO_TOKEN, Sampler, SamplingRow
 from pdserve.engine.sampling_ops import token_logprobs
 
 VOCAB = 64
@@ -173,6 +175,37 @@ def test_a_bad_word_is_banned_where_the_completion_would_finish_it() -> None:
     assert pick([]) == 20  # the prompt does not count: only the completion
     logits[0, 30] = 50.0
     assert pick([4]) == 20  # a one-token bad word is never sampled
+
+
+def mask_allowing(*token_ids: int) -> bytes:
+    """A constraint's bitmask (llguidance's layout) allowing `token_ids`."""
+    words = [0] * ((VOCAB + 31) // 32)
+    for t in token_ids:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_a_row_whose_filters_leave_no_token_gets_none(temperature: float) -> None:
+    sampler = Sampler(eos_token_ids=(EOS,))
+    logits = random_logits(4, seed=6)
+    params = SamplingParams(temperature=temperature, logprobs=2, seed=3)
+    nine_or_eleven = mask_allowing(9, 11)
+    rows = [
+        # NOTE: the only allowed id is a one-token bad word.
+        SamplingRow(replace(params, allowed_token_ids=(7,), bad_words=((7,),)), 1, 0),
+        # NOTE: the constraint allows 9 and 11, allowed_token_ids neither.
+        SamplingRow(replace(params, allowed_token_ids=(5, 6)), 2, 0, token_mask=nine_or_eleven),
+        SamplingRow(replace(params, allowed_token_ids=(5, 9)), 3, 0, token_mask=nine_or_eleven),
+        SamplingRow(params, 4, 0),
+    ]  # fmt: skip
+    picked = sampler.sample(logits, rows)
+    assert [p.token_id for p in picked[:3]] == [NO_TOKEN, NO_TOKEN, 9]
+    assert picked[0].logprobs is None and picked[1].logprobs is None
+    assert picked[2].logprobs is not None and picked[3].logprobs is not None
+    # NOTE: the other rows pick what they pick alone.
+    assert picked[3] == sampler.sample(logits[3:], rows[3:])[0]
+    assert sampler(logits[:1], rows[:1]) == [NO_TOKEN]
 
 
 def test_a_row_is_independent_of_its_batch() -> None:

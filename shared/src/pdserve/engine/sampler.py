@@ -24,6 +24,16 @@ if TYPE_CHECKING:
 
 _MASK64 = (1 << 64) - 1
 
+NO_TOKEN = -1
+"""`Sampled.token_id` of a row where nothing may come next: its constraint, allowed_token_ids
+and bad_words together leave every token out (the request cannot go on; its engine ends it
+with INVALID_REQUEST, `NO_TOKEN_DETAIL`)."""
+
+NO_TOKEN_DETAIL = (
+    "no token may come next: the request's allowed_token_ids, bad_words and constraint "
+    "together leave out every token"
+)
+
 
 def position_seed(seed: int, completion_index: int) -> int:
     """Mixes a request seed and a completion index into one 64-bit generator seed (splitmix64).
@@ -94,8 +104,9 @@ class Sampled:
     """One row's pick.
 
     Attributes:
-        token_id: The token.
-        logprobs: Its logprob and the top alternatives, when the row's params ask for them.
+        token_id: The token; `NO_TOKEN` where every token is left out.
+        logprobs: Its logprob and the top alternatives, when the row's params ask for them
+            (None with `NO_TOKEN`).
     """
 
     token_id: int
@@ -151,6 +162,8 @@ class Sampler:
                 tokens[random_rows] = picked
         token_ids = [int(t) for t in tokens.tolist()]
         logprobs = _logprobs(logits, rows, tokens)
+        for i in _left_without_a_token(processed, rows):
+            token_ids[i], logprobs[i] = NO_TOKEN, None
         return [Sampled(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
 
     def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -212,6 +225,20 @@ class Sampler:
         noise = gumbel_noise(seeds, logits.shape[-1]).to(device)
         # NOTE: `scaled` is this call's own tensor (the division made it): added to in place.
         return scaled.add_(noise).argmax(dim=-1)
+
+
+def _left_without_a_token(processed: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """The rows whose every logit is -inf after processing (greedy or random, the pick would be
+    token 0, which nothing allowed). Only a mask or a filter can take out every token: only
+    their rows are read."""
+    masked = [
+        i for i, r in enumerate(rows) if r.token_mask is not None or r.params.has_token_filters
+    ]
+    if not masked:
+        return []
+    # best: [rows masked], each row's largest logit
+    best = processed[masked].amax(dim=-1)
+    return [masked[k] for k in torch.nonzero(best == float("-inf")).flatten().tolist()]
 
 
 def _filter_tokens(logits: torch.Tensor, rows: Sequence[tuple[int, SamplingRow]]) -> None:

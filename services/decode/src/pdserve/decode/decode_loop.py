@@ -16,7 +16,7 @@ from collections import deque
 import structlog
 from opentelemetry import trace
 
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, check_stop
 from pdserve.decode.events import (
     EndedEvent,
@@ -33,7 +33,7 @@ from pdserve.decode.request import DecodeRequest
 from pdserve.engine.batch import ScheduledChunk
 from pdserve.engine.parallel.group import TensorParallelError
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import NO_TOKEN, NO_TOKEN_DETAIL, Sampler, SamplingRow
 from pdserve.engine.thread import EngineThread
 
 log = structlog.get_logger(__name__)
@@ -226,11 +226,16 @@ class DecodeLoop(EngineThread):
             batch, logits = [batch[i] for i in kept], logits[kept]
         tokens = self.sampler.sample(logits, rows)
         self.num_steps += 1
-        self.num_generated_tokens += len(tokens)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(time.perf_counter() - started)
         for request, picked in zip(batch, tokens, strict=True):
             token = picked.token_id
+            if token == NO_TOKEN:
+                self._end(
+                    request, RequestStatus.FAILED, NO_TOKEN_DETAIL, ErrorReason.INVALID_REQUEST
+                )
+                continue
+            self.num_generated_tokens += 1
             index = request.num_generated_tokens
             request.num_steps += 1
             request.token_ids.append(token)
@@ -255,7 +260,7 @@ class DecodeLoop(EngineThread):
                     )
                 )
             except PdserveError as error:
-                self._end(r, RequestStatus.FAILED, error.message)
+                self._end(r, RequestStatus.FAILED, error.message, error.reason)
         return rows
 
     def _check_stop(self, request: DecodeRequest) -> FinishReason | None:
@@ -300,10 +305,17 @@ class DecodeLoop(EngineThread):
         else:
             self.offload.emit_notice(request, event, offload)
 
-    def _end(self, request: DecodeRequest, status: RequestStatus, detail: str) -> None:
+    def _end(
+        self,
+        request: DecodeRequest,
+        status: RequestStatus,
+        detail: str,
+        reason: ErrorReason | None = None,
+    ) -> None:
+        """Ends `request` unfinished; `reason` overrides the error reason `status` implies."""
         self._running.remove(request)
         self.leases.table.end(request, status)
         if status is RequestStatus.FAILED:
             request.span.set_status(trace.Status(trace.StatusCode.ERROR, detail))
         request.end_span()
-        request.events.emit(EndedEvent(status, detail))
+        request.events.emit(EndedEvent(status, detail, reason))

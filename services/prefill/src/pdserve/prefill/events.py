@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.common.errors import PdserveError
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason, TokenLogprobs
 from pdserve.kv.transfer import KvPiece
 from pdserve.kv.transports.offer import TransportOffer
@@ -51,15 +51,18 @@ class FirstTokenSampled:
 
 @dataclass(frozen=True)
 class EngineFailed:
-    """A forward pass that included the request raised.
+    """The engine could not give the request its first token.
 
     Attributes:
-        is_instance_down: The pass failed because a tensor-parallel rank is gone: the
-            instance goes down as a whole, and the request may go on elsewhere.
+        reason: Why, as the request's error: INTERNAL for a forward pass that raised,
+            INSTANCE_DRAINING when a tensor-parallel rank is gone (the instance goes down as a
+            whole, and the request may go on elsewhere), INVALID_REQUEST when the request
+            itself cannot go on (its constraint refuses its completion, or its filters leave
+            no token).
     """
 
     detail: str
-    is_instance_down: bool = False
+    reason: ErrorReason = ErrorReason.INTERNAL
 
 
 EngineEvent = KvPiece | FirstTokenSampled | EngineFailed

@@ -84,10 +84,7 @@ class InFlight:
             request.phases.first_token = event.sampled_at or time.monotonic()
             self.first_token.set_result(event)
         elif isinstance(event, EngineFailed):
-            reason = (
-                ErrorReason.INSTANCE_DRAINING if event.is_instance_down else ErrorReason.INTERNAL
-            )
-            self.first_token.set_exception(PdserveError(reason, event.detail))
+            self.first_token.set_exception(PdserveError(event.reason, event.detail))
 
     async def wait_first_token(self) -> FirstTokenSampled:
         """The first token; fails early if the transfer broke before it was sampled."""

@@ -32,11 +32,12 @@ import torch
 from opentelemetry import trace
 
 from pdserve.common import telemetry
+from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.parallel.group import TensorParallelError
 from pdserve.engine.runner import ModelRunner
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import NO_TOKEN, NO_TOKEN_DETAIL, Sampler, SamplingRow
 from pdserve.engine.sampling_ops import token_logprobs
 from pdserve.engine.thread import EngineThread
 from pdserve.kv.codec import import_block_payloads
@@ -223,17 +224,7 @@ class PrefillLoop(EngineThread):
                     _score_prompt(scheduled[i], every_position[i])
             else:
                 logits = self.runner.execute(scheduled, ship_layer)
-            completed = [i for i, c in enumerate(scheduled) if c.completes_prompt]
-            rows = [
-                SamplingRow.of_sequence(
-                    scheduled[i].request.sampling,
-                    scheduled[i].request.seed,
-                    scheduled[i].request.token_ids,
-                    scheduled[i].request.num_prompt_tokens,
-                    scheduled[i].request.constraint_state,
-                )
-                for i in completed
-            ]
+            completed, rows = self._sampling_rows(scheduled)
             tokens = self.sampler.sample(logits[completed], rows) if completed else []
         except Exception as error:
             for span in spans:
@@ -248,7 +239,7 @@ class PrefillLoop(EngineThread):
                 # to the log above, the gateway gets a reason it retries elsewhere.
                 failed = EngineFailed(
                     "the prefill instance lost a tensor-parallel rank and is going down",
-                    is_instance_down=True,
+                    ErrorReason.INSTANCE_DRAINING,
                 )
             for chunk in scheduled:
                 chunk.request.sink(failed)
@@ -270,6 +261,9 @@ class PrefillLoop(EngineThread):
                 self.store_loader.write_through(chunk.request, first_block, end_block)
         for i, picked in zip(completed, tokens, strict=True):
             request = scheduled[i].request
+            if picked.token_id == NO_TOKEN:
+                request.sink(EngineFailed(NO_TOKEN_DETAIL, ErrorReason.INVALID_REQUEST))
+                continue
             request.sink(
                 FirstTokenSampled(
                     picked.token_id,
@@ -284,6 +278,33 @@ class PrefillLoop(EngineThread):
             num_batched_tokens=output.num_batched_tokens,
             num_first_tokens=len(completed),
         )
+
+    def _sampling_rows(
+        self, scheduled: list[ScheduledChunk[Request]]
+    ) -> tuple[list[int], list[SamplingRow]]:
+        """The indices in `scheduled` of the chunks that complete their prompt, and their
+        rows; a request whose constraint refuses the completion it carries (a continuation's)
+        fails alone (INVALID_REQUEST) and has no row."""
+        completed, rows = [], []
+        for i, chunk in enumerate(scheduled):
+            if not chunk.completes_prompt:
+                continue
+            request = chunk.request
+            try:
+                rows.append(
+                    SamplingRow.of_sequence(
+                        request.sampling,
+                        request.seed,
+                        request.token_ids,
+                        request.num_prompt_tokens,
+                        request.constraint_state,
+                    )
+                )
+            except PdserveError as error:
+                request.sink(EngineFailed(error.message, error.reason))
+                continue
+            completed.append(i)
+        return completed, rows
 
     def _import_stored_blocks(self, scheduled: list[ScheduledChunk[Request]]) -> None:
         """Copies the payloads admission took from the store into their blocks."""

@@ -17,6 +17,7 @@ from pdserve.engine.batch import ScheduledChunk, SchedulerOutput
 from pdserve.engine.colocated.kv_cache_manager import KVCacheManager
 from pdserve.engine.colocated.request import Request, RequestStatus
 from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.sampler import NO_TOKEN
 
 log = structlog.get_logger(__name__)
 
@@ -159,9 +160,12 @@ class Scheduler:
             new_token_ids: list[int] = []
             if item.completes_prompt:
                 token_id = sampled_token_ids[request.request_id]
-                request.append_output_token(token_id)
-                new_token_ids.append(token_id)
-                status = request.check_stop(self.max_model_len)
+                if token_id == NO_TOKEN:  # its filters left no token: it cannot go on
+                    status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+                else:
+                    request.append_output_token(token_id)
+                    new_token_ids.append(token_id)
+                    status = request.check_stop(self.max_model_len)
                 if status is not None:
                     self.running.remove(request)
                     self._finish(request, status)
