@@ -263,3 +263,43 @@ async def test_a_forced_call_is_a_function_call_item_and_its_output_continues(
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]  # type: ignore[union-attr]
     made = [(i.name, i.arguments) for i in answer.output if i.type == "function_call"]
     assert (answer.output_text, made) == (message.content or "", calls)
+
+
+async def test_output_text_logprobs_equal_the_chat_paths(smollm2_cluster: ProcessCluster) -> None:
+    """``include: ["message.output_text.logprobs"]`` gives the message's tokens with their
+    logprobs and ``top_logprobs`` alternatives: those chat gives the same conversation, joined
+    to the text; streamed, the delta events' entries add up to the part's; without the include
+    there are none (``top_logprobs`` alone is only repeated)."""
+    client = smollm2_cluster.openai()
+    settings: dict[str, Any] = {"model": DEFAULT_MODEL, "temperature": 0, "max_output_tokens": 16}
+    logprobs: dict[str, Any] = {"include": ["message.output_text.logprobs"], "top_logprobs": 3}
+    response = await client.responses.create(input=QUESTION, **settings, **logprobs)
+    chat = await client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_tokens=16, logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    (message,) = response.output
+    assert message.type == "message"
+    part = message.content[0]
+    assert part.type == "output_text" and part.logprobs
+    expected = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert expected is not None
+    assert part.text == chat.choices[0].message.content
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    assert [entry.token for entry in part.logprobs] == [entry.token for entry in expected]
+    # NOTE: two runs may batch differently: equal to float noise.
+    assert [entry.logprob for entry in part.logprobs] == pytest.approx(
+        [entry.logprob for entry in expected], abs=1e-4
+    )
+    assert all(len(entry.top_logprobs) == 3 for entry in part.logprobs)
+    assert response.top_logprobs == 3
+    stream = await client.responses.create(input=QUESTION, stream=True, **settings, **logprobs)
+    events = [event async for event in stream]
+    streamed = [e for event in events if event.type == "response.output_text.delta"
+                for e in event.logprobs]  # fmt: skip
+    (done,) = [event for event in events if event.type == "response.output_text.done"]
+    for entries in (streamed, done.logprobs):
+        assert [entry.token for entry in entries] == [entry.token for entry in part.logprobs]
+    plain = await client.responses.create(input=QUESTION, top_logprobs=2, **settings)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr]
+    assert plain.top_logprobs == 2 and plain.output_text == part.text

@@ -125,6 +125,8 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         shows_reasoning=True,
         template_variables=effort_variables(request.reasoning_effort),
         drops_old_messages=request.truncation == "auto",
+        logprobs=(request.top_logprobs or 0) if request.wants_logprobs else None,
+        logprobs_name="top_logprobs",
     )
 
 
@@ -271,6 +273,7 @@ def _echoed(request: ResponsesRequest) -> dict[str, Any]:
         "metadata": dict(request.metadata or {}),
         "text": {"format": dict(format_)},
         "truncation": request.truncation or "disabled",
+        "top_logprobs": request.top_logprobs,
         "reasoning": {"effort": request.reasoning_effort, "summary": None},
         **echoed_tools(request),
         "user": request.user,

@@ -9,13 +9,21 @@ follow each other in the order the completion writes them, one open at a time, a
 streams them: a call closes the message before it, text after calls opens a new message. A
 completion with neither text nor calls is one empty message.
 
+A request that asks for logprobs (``include: ["message.output_text.logprobs"]``) gets, on each
+``output_text`` part and in its delta and done events, the entries of the tokens whose text it
+holds: the writer gives `step` each delta's entries (its special and stop tokens left out, as
+chat's), and they go with the next text the message gets (a token whose text is held back, a
+stop string's candidate, joins the text it ends in); the tokens of a delta that wrote only
+reasoning or calls are theirs and listed nowhere, and a delta that wrote reasoning and text
+together lists all of its tokens with the text.
+
 `OutputItems` is pure: `step` and `finish` return the events as ``(type, fields)`` values, and
 the writer numbers and sends them (a non-streamed response only reads `items`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from pdserve.gateway.request import OutputDelta
@@ -39,7 +47,7 @@ class _TextKind(NamedTuple):
     part: Callable[[str], dict[str, Any]]
     delta_event: str
     done_event: str
-    event_fields: dict[str, Any]  # more fields of its delta and done events
+    has_logprobs: bool  # its part, delta and done events carry ``logprobs``
 
 
 def output_text(text: str) -> dict[str, Any]:
@@ -55,11 +63,11 @@ def reasoning_text(text: str) -> dict[str, Any]:
 _TEXT_KINDS = {
     "reasoning": _TextKind(
         "rs", {"summary": []}, reasoning_text,
-        "response.reasoning_text.delta", "response.reasoning_text.done", {},
+        "response.reasoning_text.delta", "response.reasoning_text.done", False,
     ),
     "message": _TextKind(
         "msg", {"role": "assistant"}, output_text,
-        "response.output_text.delta", "response.output_text.done", {"logprobs": []},
+        "response.output_text.delta", "response.output_text.done", True,
     ),
 }  # fmt: skip
 
@@ -76,13 +84,20 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._is_open = False  # whether the last item is still being written
         self._num_opened = dict.fromkeys(_TEXT_KINDS, 0)  # text items of each kind so far
+        self._pending_logprobs: list[dict[str, Any]] = []  # tokens whose text has not come
 
-    def step(self, delta: OutputDelta) -> list[Event]:
-        """The events of one delta: its reasoning, its text, then its calls' steps."""
+    def step(self, delta: OutputDelta, logprobs: Sequence[dict[str, Any]] = ()) -> list[Event]:
+        """The events of one delta: its reasoning, its text, then its calls' steps;
+        `logprobs`: its tokens' entries, for the message's text (see the module)."""
         events: list[Event] = []
-        for kind, text in (("reasoning", delta.reasoning), ("message", delta.text)):
-            if text:
-                events += self._text_step(kind, text)
+        self._pending_logprobs += logprobs
+        if delta.reasoning:
+            events += self._text_step("reasoning", delta.reasoning)
+        if delta.text:
+            pending, self._pending_logprobs = self._pending_logprobs, []
+            events += self._text_step("message", delta.text, pending)
+        elif delta.reasoning or delta.tool_calls:
+            self._pending_logprobs = []  # NOTE: the reasoning's or the calls' tokens
         for call in delta.tool_calls:
             events += self._call_step(call)
         return events
@@ -111,15 +126,23 @@ class OutputItems:
     def _is_open_as(self, kind: str) -> bool:
         return self._is_open and self.items[-1]["type"] == kind
 
-    def _text_step(self, kind: str, text: str) -> list[Event]:
-        """`text` added to the open item of `kind` (one opened after the others closed)."""
+    def _text_step(
+        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> list[Event]:
+        """`text` (and its tokens' `logprobs`, a message's) added to the open item of `kind`
+        (one opened after the others closed)."""
         events: list[Event] = []
         if not self._is_open_as(kind):
             events += self._close("completed")
             events += self._open_text(kind)
-        self.items[-1]["content"][CONTENT_INDEX]["text"] += text
+        part = self.items[-1]["content"][CONTENT_INDEX]
+        part["text"] += text
         spec = _TEXT_KINDS[kind]
-        events.append(self._text_event(spec.delta_event, delta=text, **spec.event_fields))
+        fields: dict[str, Any] = {"delta": text}
+        if spec.has_logprobs:
+            part["logprobs"] += logprobs or []
+            fields["logprobs"] = logprobs or []
+        events.append(self._text_event(spec.delta_event, **fields))
         return events
 
     def _open_text(self, kind: str) -> list[Event]:
@@ -178,8 +201,11 @@ class OutputItems:
         spec = _TEXT_KINDS.get(item["type"])
         if spec is not None:
             part = item["content"][CONTENT_INDEX]
+            fields = {"text": part["text"]}
+            if spec.has_logprobs:
+                fields["logprobs"] = list(part["logprobs"])
             events += [
-                self._text_event(spec.done_event, text=part["text"], **spec.event_fields),
+                self._text_event(spec.done_event, **fields),
                 self._text_event("response.content_part.done", part=dict(part)),
             ]
         else:

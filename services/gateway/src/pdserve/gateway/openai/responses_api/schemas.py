@@ -1,7 +1,7 @@
 """The request body of ``POST /v1/responses``, parsed strictly as the other endpoints' bodies are.
 
 Unknown fields are refused, no value is coerced, and every OpenAI parameter pdserve does not
-implement is accepted only at its neutral value (``include: []``...): any
+implement is accepted only at its neutral value (``service_tier: "auto"``...): any
 other value is a 400 naming it (`ResponsesRequest.refusal`). Input items and content parts are
 told apart by their ``type``; an item or part of a type pdserve does not read parses as
 `UnsupportedItem` / `UnsupportedPart`, so the refusal can name it (``input[2]``) instead of
@@ -17,10 +17,13 @@ from typing import Annotated, Any, Literal, NotRequired
 from pydantic import BaseModel, Field, Tag
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from pdserve.common.generation import MAX_TOP_LOGPROBS
 from pdserve.gateway.openai.responses_api.input_schemas import InputItem
 from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, type_tag
 from pdserve.gateway.prepare.params import ReasoningEffort
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+"""The one ``include`` item pdserve reads: the message's text with its tokens' logprobs."""
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -164,6 +167,12 @@ class ResponsesRequest(BaseModel):
     min_tokens: int | None = None
 
     @property
+    def wants_logprobs(self) -> bool:
+        """``include`` asks for the output text's logprobs (``top_logprobs`` alternatives each;
+        ``top_logprobs`` alone shows nothing, as OpenAI's)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    @property
     def reasoning_effort(self) -> ReasoningEffort | None:
         """``reasoning.effort``, if set."""
         return self.reasoning.get("effort") if self.reasoning else None
@@ -183,10 +192,16 @@ class ResponsesRequest(BaseModel):
             )
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
-        if self.include:
-            return "include", f"include is not supported (got {self.include[0][:64]!r})"
-        if self.top_logprobs:
-            return "top_logprobs", "top_logprobs is not supported"
+        for index, item in enumerate(self.include or ()):
+            if item != OUTPUT_LOGPROBS:
+                return f"include[{index}]", (
+                    f"include {item[:64]!r} is not supported (only {OUTPUT_LOGPROBS!r})"
+                )
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            return "top_logprobs", f"top_logprobs must be 0 to {MAX_TOP_LOGPROBS}"
+        if self.wants_logprobs and self.background:
+            # NOTE: a background response is replayed from its tokens, which keep no logprobs.
+            return "include", "a background response cannot return logprobs"
         if self.max_tool_calls is not None:
             return "max_tool_calls", "max_tool_calls is not supported"
         if self.truncation not in (None, "disabled", "auto"):

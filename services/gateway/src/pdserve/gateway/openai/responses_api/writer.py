@@ -29,6 +29,7 @@ from typing import Any
 
 from pdserve.common.errors import PdserveError
 from pdserve.common.generation import FinishReason
+from pdserve.gateway.openai.logprobs import TokenTexts, chat_logprobs, padded
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody
 from pdserve.gateway.openai.responses_api.items import Event, OutputItems
 from pdserve.gateway.prepare.params import PreparedRequest
@@ -63,6 +64,8 @@ class ResponseWriter:
         self._created_at = int(now() if created_at is None else created_at)
         self._completed_at = completed_at
         self._sequence_number = 0
+        self._wants_logprobs = prompt.request.sampling.logprobs is not None
+        self._texts = TokenTexts()
 
     # ---- objects ----------------------------------------------------------------------------
 
@@ -122,11 +125,22 @@ class ResponseWriter:
         """The non-streamed ``Response`` object of all of a request's deltas."""
         items = OutputItems(self.prompt.request_id)
         for _, delta in deltas:
-            items.step(delta)
+            items.step(delta, self._logprobs(delta))
         final = deltas[-1][1] if deltas else None
         status = _status(final)
         items.finish(_item_status(status))
         return self.response(status, items, final)
+
+    def _logprobs(self, delta: OutputDelta) -> list[dict[str, Any]]:
+        """The logprobs entries of the delta's tokens whose text a message may hold (none when
+        the request asks for none)."""
+        if not self._wants_logprobs or not delta.token_ids:
+            return []
+        scored = padded(delta.logprobs, len(delta.token_ids))
+        entries: list[dict[str, Any]] = chat_logprobs(
+            self._texts, self.prompt, delta.token_ids, scored
+        )["content"]
+        return entries
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -155,10 +169,10 @@ class ResponseWriter:
         try:
             if first is not None:
                 final = first[1]
-                for event in self._events(items.step(final)):
+                for event in self._events(items.step(final, self._logprobs(final))):
                     yield event
             async for _, delta in deltas:
-                for event in self._events(items.step(delta)):
+                for event in self._events(items.step(delta, self._logprobs(delta))):
                     yield event
                 final = delta
         except PdserveError as error:
