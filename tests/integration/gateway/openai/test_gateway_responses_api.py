@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import pytest
+import structlog
 from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import MODEL_NAME, expected_tokens
@@ -100,6 +101,30 @@ async def test_a_response_that_ends_is_completed(pd: Cluster) -> None:
     assert response.output[0].status == "completed"
     assert response.output_text == _text(expected_tokens(_chat_prompt_ids(("user", "hi")), SEED, 5))
     assert response.usage is not None and response.usage.output_tokens == 6  # EOS included
+
+
+async def test_cache_and_safety_fields_and_max_tool_calls_are_taken_and_repeated(
+    pd: Cluster,
+) -> None:
+    """OpenAI's request-level fields that change no token: repeated in the response; the
+    safety identifier is the request's user in the logs when ``user`` is unset."""
+    with structlog.testing.capture_logs() as logs:
+        response = await pd.openai().responses.create(
+            model=MODEL_NAME, input="hi", max_output_tokens=3, prompt_cache_key="thread-7",
+            prompt_cache_retention="24h", safety_identifier="person-42", max_tool_calls=2,
+        )  # fmt: skip
+    assert response.prompt_cache_key == "thread-7" and response.prompt_cache_retention == "24h"
+    assert response.safety_identifier == "person-42" and response.max_tool_calls == 2
+    (finished,) = [e for e in logs if e["event"] == "request_finished"]
+    assert finished["user"] == "person-42"
+    with structlog.testing.capture_logs() as logs:
+        chat = await pd.openai().chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            prompt_cache_key="thread-7", safety_identifier="person-43", user="named",
+        )  # fmt: skip
+    assert chat.choices[0].message.content is not None
+    (finished,) = [e for e in logs if e["event"] == "request_finished"]
+    assert finished["user"] == "named"  # NOTE: `user`, when set, stays the user
 
 
 async def test_max_output_tokens_makes_an_incomplete_response(pd: Cluster) -> None:
@@ -322,7 +347,10 @@ REFUSED = [
      "ignore_eos cannot be combined with text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"temperature": "hot"}, "temperature", "temperature"),
-    ({"prompt_cache_key": "k"}, "prompt_cache_key", "unrecognized request argument"),
+    ({"prompt_cache_key_v2": "k"}, "prompt_cache_key_v2", "unrecognized request argument"),
+    ({"safety_identifier": "u" * 65}, "safety_identifier", "at most 64 characters"),
+    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention", "prompt_cache_retention"),
+    ({"max_tool_calls": 0}, "max_tool_calls", "max_tool_calls"),
 ]  # fmt: skip
 
 

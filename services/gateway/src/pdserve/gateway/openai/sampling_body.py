@@ -5,7 +5,7 @@ stream options and the constraints (``response_format``, ``structured_outputs``,
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -14,6 +14,8 @@ from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.strict import STRICT
 from pdserve.gateway.prepare.params import GenerationParams, PromptKind
 
+MAX_SAFETY_IDENTIFIER_CHARS = 64  # OpenAI's bound
+MAX_PROMPT_CACHE_KEY_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound on logprobs (chat: 20)
 
 
@@ -99,6 +101,9 @@ class SamplingBody(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    safety_identifier: Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER_CHARS)] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     return_token_ids: bool = False
     n: int | None = None
     presence_penalty: float | None = None
@@ -204,7 +209,7 @@ class SamplingBody(StrictBody):
             stop=self._stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            user=self.user,
+            user=self.user if self.user is not None else self.safety_identifier,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,

@@ -19,6 +19,10 @@ from typing_extensions import TypedDict  # pydantic needs this one before Python
 
 from pdserve.common.generation import MAX_TOP_LOGPROBS
 from pdserve.gateway.openai.responses_api.input_schemas import InputItem
+from pdserve.gateway.openai.sampling_body import (
+    MAX_PROMPT_CACHE_KEY_CHARS,
+    MAX_SAFETY_IDENTIFIER_CHARS,
+)
 from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, type_tag
 from pdserve.gateway.prepare.params import ReasoningEffort
 
@@ -153,7 +157,10 @@ class ResponsesRequest(BaseModel):
     reasoning: ReasoningConfig | None = None
     prompt: dict[str, Any] | None = None
     top_logprobs: int | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
+    safety_identifier: Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER_CHARS)] | None = None
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     # extensions
     seed: int | None = None
     top_k: int | None = None
@@ -202,8 +209,6 @@ class ResponsesRequest(BaseModel):
         if self.wants_logprobs and self.background:
             # NOTE: a background response is replayed from its tokens, which keep no logprobs.
             return "include", "a background response cannot return logprobs"
-        if self.max_tool_calls is not None:
-            return "max_tool_calls", "max_tool_calls is not supported"
         if self.truncation not in (None, "disabled", "auto"):
             return "truncation", "truncation must be 'auto' or 'disabled'"
         if self.service_tier not in (None, "auto", "default"):
