@@ -14,8 +14,19 @@ from pdserve.common.generation import Constraint, ConstraintKind
 from pdserve.gateway.openai.strict import STRICT
 from pdserve.gateway.prepare.params import GenerationParams, PromptKind
 
-MAX_SAFETY_IDENTIFIER_CHARS = 64  # OpenAI's bound
-MAX_PROMPT_CACHE_KEY_CHARS = 256
+SafetyIdentifier = Annotated[str, Field(max_length=64)]  # OpenAI's bound
+"""``safety_identifier`` (chat, completions, responses): the request's user in logs and spans
+when ``user`` is unset (`user_of`)."""
+PromptCacheKey = Annotated[str, Field(max_length=256)]
+"""``prompt_cache_key``: accepted; the prefix cache is keyed by the prompt's tokens."""
+PromptCacheRetention = Literal["in-memory", "24h"]
+
+
+def user_of(user: str | None, safety_identifier: str | None) -> str | None:
+    """Who a request is for, in logs and spans: ``user``, else ``safety_identifier``."""
+    return user if user is not None else safety_identifier
+
+
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's bound on logprobs (chat: 20)
 
 
@@ -101,9 +112,9 @@ class SamplingBody(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    safety_identifier: Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER_CHARS)] | None = None
-    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: SafetyIdentifier | None = None
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
     return_token_ids: bool = False
     n: int | None = None
     presence_penalty: float | None = None
@@ -209,7 +220,7 @@ class SamplingBody(StrictBody):
             stop=self._stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            user=self.user if self.user is not None else self.safety_identifier,
+            user=user_of(self.user, self.safety_identifier),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,

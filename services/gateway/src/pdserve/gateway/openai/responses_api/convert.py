@@ -37,6 +37,7 @@ from pdserve.gateway.openai.responses_api.input_schemas import (
 )
 from pdserve.gateway.openai.responses_api.schemas import ResponsesRequest, TextConfig
 from pdserve.gateway.openai.responses_api.tools import echoed_tools, function_tools, tool_choice
+from pdserve.gateway.openai.sampling_body import user_of
 from pdserve.gateway.prepare.params import (
     ChatMessage,
     GenerationParams,
@@ -111,7 +112,7 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
-        user=request.user if request.user is not None else request.safety_identifier,
+        user=user_of(request.user, request.safety_identifier),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=request.repetition_penalty,

@@ -127,7 +127,7 @@ class OutputItems:
         return self._is_open and self.items[-1]["type"] == kind
 
     def _text_step(
-        self, kind: str, text: str, logprobs: list[dict[str, Any]] | None = None
+        self, kind: str, text: str, logprobs: Sequence[dict[str, Any]] = ()
     ) -> list[Event]:
         """`text` (and its tokens' `logprobs`, a message's) added to the open item of `kind`
         (one opened after the others closed)."""
@@ -140,8 +140,8 @@ class OutputItems:
         spec = _TEXT_KINDS[kind]
         fields: dict[str, Any] = {"delta": text}
         if spec.has_logprobs:
-            part["logprobs"] += logprobs or []
-            fields["logprobs"] = logprobs or []
+            part["logprobs"] += logprobs
+            fields["logprobs"] = list(logprobs)
         events.append(self._text_event(spec.delta_event, **fields))
         return events
 

@@ -20,8 +20,9 @@ from typing_extensions import TypedDict  # pydantic needs this one before Python
 from pdserve.common.generation import MAX_TOP_LOGPROBS
 from pdserve.gateway.openai.responses_api.input_schemas import InputItem
 from pdserve.gateway.openai.sampling_body import (
-    MAX_PROMPT_CACHE_KEY_CHARS,
-    MAX_SAFETY_IDENTIFIER_CHARS,
+    PromptCacheKey,
+    PromptCacheRetention,
+    SafetyIdentifier,
 )
 from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, type_tag
 from pdserve.gateway.prepare.params import ReasoningEffort
@@ -158,9 +159,9 @@ class ResponsesRequest(BaseModel):
     prompt: dict[str, Any] | None = None
     top_logprobs: int | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
-    safety_identifier: Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER_CHARS)] | None = None
-    prompt_cache_key: Annotated[str, Field(max_length=MAX_PROMPT_CACHE_KEY_CHARS)] | None = None
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    safety_identifier: SafetyIdentifier | None = None
+    prompt_cache_key: PromptCacheKey | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
     # extensions
     seed: int | None = None
     top_k: int | None = None
