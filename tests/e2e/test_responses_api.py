@@ -5,8 +5,10 @@ conversation (same seed), streamed or not; its events add up; ``max_output_token
 incomplete; refused parameters cost no work; ``text.format`` gives JSON of the format (on the
 default model, an instruct model), which the SDK's ``parse`` and ``stream`` read into a pydantic
 model; a forced ``tool_choice`` gives a ``function_call`` item whose arguments match the
-function's parameters, and the turn with its output continues as the chat path's. The
-reference engine runs in a worker thread: the services share this event loop.
+function's parameters, and the turn with its output continues as the chat path's, sent whole
+or by ``previous_response_id``; a conversation of turns that each name the one before is the
+conversation sent whole. The reference engine runs in a worker thread: the services share
+this event loop.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ async def test_the_stream_helper_completes_on_a_stop_and_is_incomplete_on_max_ou
 
 async def test_refused_parameters_are_400s_before_any_work(cluster: RealCluster) -> None:
     client = cluster.openai()
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.BadRequestError, match="no stored response"):
         await client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="r_1")
     with pytest.raises(openai.BadRequestError, match="'web_search'"):
         await client.responses.create(model=MODEL_NAME, input="hi", tools=[{"type": "web_search"}])
@@ -263,6 +265,49 @@ async def test_a_forced_call_is_a_function_call_item_and_its_output_continues(
     calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]  # type: ignore[union-attr]
     made = [(i.name, i.arguments) for i in answer.output if i.type == "function_call"]
     assert (answer.output_text, made) == (message.content or "", calls)
+    # NOTE: the same turn by previous_response_id: the stored call keeps the id it was sent with.
+    continued = await client.responses.create(
+        model=DEFAULT_MODEL,
+        input=items[2:],
+        previous_response_id=first.id,
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        max_output_tokens=32,
+        temperature=0,
+    )
+    assert continued.usage is not None
+    assert continued.usage.input_tokens == answer.usage.input_tokens
+    assert continued.output_text == answer.output_text
+
+
+async def test_a_conversation_goes_on_by_previous_response_id_as_if_sent_whole(
+    smollm2_cluster: ProcessCluster,
+) -> None:
+    """Each turn names the one before it and sends only its new message: the prompt and the
+    tokens are those of the whole conversation sent as items (greedy), every turn reads back
+    as it was answered, and the last one lists the conversation as its input items."""
+    client = smollm2_cluster.openai()
+    settings: dict[str, Any] = {"model": DEFAULT_MODEL, "temperature": 0, "max_output_tokens": 12}
+    questions = [QUESTION, "Say it in five words.", "Now in French."]
+    whole: list[Any] = []
+    previous: Any = None
+    for question in questions:
+        turn = await client.responses.create(
+            input=question, previous_response_id=previous.id if previous else None, **settings
+        )
+        whole.append({"role": "user", "content": question})
+        sent_whole = await client.responses.create(input=whole, store=False, **settings)
+        assert turn.usage is not None and sent_whole.usage is not None
+        assert turn.usage.input_tokens == sent_whole.usage.input_tokens
+        assert turn.output_text == sent_whole.output_text
+        assert turn.previous_response_id == (previous.id if previous else None)
+        read = await client.responses.retrieve(turn.id)
+        assert read.model_dump() == turn.model_dump()
+        whole += [item.model_dump(exclude_none=True) for item in turn.output]
+        previous = turn
+    items = await client.responses.input_items.list(previous.id, order="asc", limit=100)
+    assert [getattr(item, "role", None) for item in items.data] == [
+        "user", "assistant", "user", "assistant", "user"
+    ]  # fmt: skip
 
 
 async def test_output_text_logprobs_equal_the_chat_paths(smollm2_cluster: ProcessCluster) -> None:

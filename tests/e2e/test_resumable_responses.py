@@ -2,7 +2,8 @@
 etcd, real prefill and decode processes, the openai SDK as the client.
 
 A background response created on one gateway is read, streamed from a sequence number and
-cancelled through the other; only the key that created it sees it. Then the gateway holding 8
+cancelled through the other; only the key that created it sees it. A stored response is read
+and continued by ``previous_response_id`` through the other. Then the gateway holding 8
 live streams is killed (SIGKILL): each client resumes through the other gateway from the last
 event it got, receives every remaining event exactly once, and ends with the text an
 undisturbed run of the same request gives; the background responses nobody streams are
@@ -168,6 +169,33 @@ async def test_background_responses_through_either_gateway(cluster: ProcessClust
     await other.responses.delete(created.id)
     with pytest.raises(openai.NotFoundError):
         await first.responses.retrieve(created.id)
+
+
+async def test_a_stored_response_is_continued_through_the_other_gateway(
+    cluster: ProcessCluster,
+) -> None:
+    await _ready(cluster)
+    first, other = _client(cluster, 0), _client(cluster, 1)
+    body = _body(cluster, seed=11, max_output_tokens=8)
+    asked = await first.responses.create(**body)
+    assert (await other.responses.retrieve(asked.id)).model_dump() == asked.model_dump()
+    follow_up = {**body, "input": "And then?"}
+    continued = await other.responses.create(**follow_up, previous_response_id=asked.id)
+    whole = [
+        {"role": "user", "content": PROMPT},
+        *[item.model_dump(exclude_none=True) for item in asked.output],
+        {"role": "user", "content": "And then?"},
+    ]
+    sent_whole = await first.responses.create(**{**follow_up, "input": whole}, store=False)
+    assert continued.output_text == sent_whole.output_text
+    assert continued.usage is not None and sent_whole.usage is not None
+    assert continued.usage.input_tokens == sent_whole.usage.input_tokens
+    # NOTE: another key cannot continue it: to that key it does not exist.
+    with pytest.raises(openai.BadRequestError, match="no stored response"):
+        await _client(cluster, 1, "bob").responses.create(
+            **follow_up, previous_response_id=asked.id
+        )
+    await cluster.wait_whole(15)
 
 
 async def _has_output(client: openai.AsyncOpenAI, response_id: str) -> bool:

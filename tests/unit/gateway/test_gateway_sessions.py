@@ -5,7 +5,9 @@ releases its decode lease."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -19,9 +21,10 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import ApiKind, OutputDelta, Placement, ResponseStatus, Usage
+from pdserve.gateway.session import sessions as sessions_module
 from pdserve.gateway.session.positions import is_after
 from pdserve.gateway.session.runs import Runs
-from pdserve.gateway.session.session import Parsed, Session
+from pdserve.gateway.session.session import Parsed, Session, SessionMode
 from pdserve.gateway.session.sessions import Sessions
 from pdserve.gateway.session.store import MemoryResumeStore, ResumeRecord, StoredEnd
 from pdserve.gateway.streaming import Streamer
@@ -217,3 +220,84 @@ async def test_an_orphan_is_adopted_once_and_one_that_cannot_run_ends_failed() -
     assert mine is not None and mine.end is not None
     assert mine.end.status is ResponseStatus.FAILED
     assert mine.end.error_code == "model_not_found" and "'m'" in str(mine.end.error_message)
+
+
+# ---- stored requests: plain, their end written to the store ---------------------------------
+
+
+class _Streamer:
+    """Streams `STREAM` (then `error`, if any) for any request."""
+
+    def __init__(self, error: PdserveError | None = None) -> None:
+        self.error = error
+
+    async def stream(
+        self, prepared: object, index: int = 0
+    ) -> AsyncGenerator[tuple[int, OutputDelta], None]:
+        for delta in STREAM if self.error is None else TOKENS:
+            yield index, delta
+        if self.error is not None:
+            raise self.error
+
+
+class _SlowStore(MemoryResumeStore):
+    """Writes once `may_write` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(10)
+        self.may_write = asyncio.Event()
+
+    async def put(self, record: ResumeRecord, ttl_s: float) -> None:
+        await self.may_write.wait()
+        await super().put(record, ttl_s)
+
+
+def _stored(store: MemoryResumeStore, error: PdserveError | None = None) -> tuple[Sessions, Runs]:
+    streamer = cast(Streamer, _Streamer(error))
+    runs = Runs(store, streamer, GatewayMetrics(), request_timeout_s=60, keep_s=60)
+    return Sessions(streamer, cast(Frontend, None), runs), runs
+
+
+PROMPT = cast(
+    PreparedRequest,
+    SimpleNamespace(request_id="r9", request=SimpleNamespace(sampling=SimpleNamespace(seed=5))),
+)
+
+
+async def test_a_stored_request_is_in_the_store_before_its_client_has_its_end() -> None:
+    store = MemoryResumeStore(10)
+    sessions, _ = _stored(store)
+    session = await sessions.open(KINDS[0], [PROMPT], ALICE, SessionMode.STORED, b"{}")
+    async for _, delta in session.deltas():
+        stored = await store.get("r9")
+        assert (stored is not None) is (delta is FINAL)
+    assert stored is not None and stored.end is not None
+    assert (stored.owner, stored.seed, stored.body) == ("alice", 5, "{}")
+    assert (stored.end.status, stored.end.token_ids) == (ResponseStatus.COMPLETED, (10, 11, 12))
+    assert session.record == stored and session.clock() == stored.end.completed_at
+
+
+async def test_a_stored_request_that_failed_is_stored_failed() -> None:
+    store = MemoryResumeStore(10)
+    sessions, _ = _stored(store, PdserveError(ErrorReason.INTERNAL, "broke"))
+    session = await sessions.open(KINDS[0], [PROMPT], ALICE, SessionMode.STORED, b"{}")
+    with pytest.raises(PdserveError, match="broke"):
+        [delta async for delta in session.deltas()]
+    stored = await store.get("r9")
+    assert stored is not None and stored.end is not None
+    assert (stored.end.status, stored.end.error_code) == (ResponseStatus.FAILED, "internal")
+
+
+async def test_a_slow_store_does_not_hold_the_answer_and_writes_it_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sessions_module, "STORED_END_WAIT_S", 0.01)
+    store = _SlowStore()
+    sessions, runs = _stored(store)
+    session = await sessions.open(KINDS[0], [PROMPT], ALICE, SessionMode.STORED, b"{}")
+    assert [delta async for _, delta in session.deltas()] == STREAM
+    assert await MemoryResumeStore.get(store, "r9") is None
+    store.may_write.set()
+    await runs.leave(hand_over=False)  # NOTE: a gateway that stops waits for the write
+    stored = await store.get("r9")
+    assert stored is not None and stored.end is not None

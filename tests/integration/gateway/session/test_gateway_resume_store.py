@@ -73,6 +73,29 @@ async def test_the_memory_store_expires_records_and_bounds_their_number() -> Non
     assert store.num_writes == 4
 
 
+def _record(request_id: str, is_ended: bool = False) -> ResumeRecord:
+    end = StoredEnd("completed", (5,), "stop", 0, 1700000001.0) if is_ended else None
+    return replace(RECORD, request_id=request_id, end=end)
+
+
+async def test_a_full_memory_store_drops_the_ended_record_nearest_its_expiry() -> None:
+    store = MemoryResumeStore(max_records=3, clock=_Clock())
+    await store.put(_record("running"), ttl_s=100)
+    await store.put(_record("later", is_ended=True), ttl_s=20)
+    await store.put(_record("sooner", is_ended=True), ttl_s=10)
+    await store.put(_record("new"), ttl_s=100)
+    assert await store.get("sooner") is None and store.take_dropped() == ["sooner"]
+    assert await store.get("later") is not None and await store.get("running") is not None
+    await store.put(_record("newer"), ttl_s=100)
+    assert store.take_dropped() == ["later"] and store.take_dropped() == []
+    with pytest.raises(PdserveError) as refused:  # NOTE: all three run: nothing may go
+        await store.put(_record("newest"), ttl_s=100)
+    assert refused.value.reason is ErrorReason.RATE_LIMITED
+    await store.put(_record("new", is_ended=True), ttl_s=100)  # NOTE: its end, not a new one
+    await store.put(_record("newest"), ttl_s=100)
+    assert store.take_dropped() == ["new"]
+
+
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     with running_etcd(tmp_path) as server:
@@ -94,6 +117,20 @@ async def test_etcd_stores_share_records_and_etcd_expires_them(etcd: EtcdServer)
         await writer.put(RECORD, ttl_s=30)
         await reader.delete("r1")
         assert await writer.get("r1") is None
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_an_etcd_store_deletes_what_it_dropped_to_make_room(etcd: EtcdServer) -> None:
+    target = EtcdTarget.parse(f"{etcd.spec}/ns")
+    writer, reader = EtcdResumeStore(target, 2), EtcdResumeStore(target, 2)
+    try:
+        await writer.put(_record("ended", is_ended=True), ttl_s=60)
+        await writer.put(_record("running"), ttl_s=60)
+        await writer.put(_record("new"), ttl_s=60)
+        assert await reader.get("ended") is None
+        assert await reader.get("running") is not None and await reader.get("new") is not None
     finally:
         await writer.close()
         await reader.close()

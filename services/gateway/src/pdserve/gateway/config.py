@@ -172,14 +172,15 @@ class GatewayConfig(ServiceConfig):
     )
     max_stored_responses: int = setting(
         1024,
-        "resumable requests (background responses, resumable streams) this gateway "
-        "keeps running or ended at once; a new one past it gets 429",
+        "requests this gateway keeps in the store at once, running or ended (stored and "
+        "background responses, resumable streams); past it a new one takes the place of "
+        "the ended one nearest its expiry, and gets 429 only when all of them are running",
         min=1,
     )
     response_keep_s: float = setting(
         600.0,
-        "seconds an ended background response or resumable stream stays readable "
-        "and resumable (then: 404)",
+        "seconds an ended response (stored or background) or resumable stream stays "
+        "readable, resumable and continuable by previous_response_id (then: 404)",
         gt=0,
     )
     resume_holder_ttl_s: float = setting(

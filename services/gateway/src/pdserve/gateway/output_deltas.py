@@ -25,7 +25,7 @@ def replay(
         deltas = with_reasoning(deltas, prepared.reasoning_opens)
     if prepared.tool_plan is None:
         return deltas
-    return with_tool_calls(deltas, prepared.tool_plan)
+    return with_tool_calls(deltas, prepared.tool_plan, prepared.request_id)
 
 
 async def with_reasoning(

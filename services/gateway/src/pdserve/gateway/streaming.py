@@ -107,7 +107,8 @@ class Streamer:
         text = prepared.completion_text()
         # NOTE: the calls are read here, not around this generator, so that what is recorded
         # (the log line, the span) has the finish reason the client gets (``tool_calls``).
-        calls = None if prepared.tool_plan is None else ToolCallStream(prepared.tool_plan)
+        plan = prepared.tool_plan
+        calls = None if plan is None else ToolCallStream(plan, request.request_id)
         reasoning = (
             None if prepared.reasoning_opens is None else ReasoningStream(prepared.reasoning_opens)
         )

@@ -8,10 +8,16 @@ Whitespace next to calls is not content: whitespace before a call or at the end 
 completion with calls is dropped, and so is whitespace right after a call. A completion that
 ends by a stop (not by length) after at least one call ends with ``tool_calls`` (as OpenAI:
 ``stop`` for a named tool_choice).
+
+A call's id is a function of its request's id and its place among the request's calls, so a
+completion made again from its tokens (a resumed stream, a stored response read back, the
+calls of a `previous_response_id` that the next turn's `function_call_output` items answer)
+names its calls as the first time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import replace
@@ -30,9 +36,9 @@ from pdserve.gateway.tools.plan import ToolPlan
 from pdserve.gateway.tools.spec import ToolCallDelta
 
 
-def new_call_id() -> str:
-    """An id for a call read from a completion, shaped as OpenAI's (``call_`` + 24)."""
-    return "call_" + uuid.uuid4().hex[:24]
+def call_id(request_id: str, index: int) -> str:
+    """The id of a request's `index`-th call, shaped as OpenAI's (``call_`` + 24 hex)."""
+    return "call_" + hashlib.sha256(f"{request_id}/{index}".encode()).hexdigest()[:24]
 
 
 class ToolCallStream:
@@ -40,10 +46,13 @@ class ToolCallStream:
 
     Args:
         plan: The request's tools and tool_choice.
+        request_id: The choice's request id, which names its calls (`call_id`); None: a
+            new id each time.
     """
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, request_id: str | None = None) -> None:
         self._plan = plan
+        self._request_id = uuid.uuid4().hex if request_id is None else request_id
         self._parser: ToolCallParser = plan.new_parser()
         self._held_whitespace = ""  # content whitespace that a call may yet make void
         self._is_after_call = False  # drop whitespace that follows a call
@@ -84,7 +93,7 @@ class ToolCallStream:
                 self._is_after_call = True
                 index = self.num_calls
                 self.num_calls += 1
-                calls[index] = ToolCallDelta(index, new_call_id(), event.name)
+                calls[index] = ToolCallDelta(index, call_id(self._request_id, index), event.name)
             elif isinstance(event, ArgumentsAdded):
                 index = self.num_calls - 1
                 current = calls.get(index) or ToolCallDelta(index)
@@ -105,10 +114,10 @@ class ToolCallStream:
 
 
 async def with_tool_calls(
-    deltas: AsyncGenerator[OutputDelta, None], plan: ToolPlan
+    deltas: AsyncGenerator[OutputDelta, None], plan: ToolPlan, request_id: str
 ) -> AsyncGenerator[OutputDelta, None]:
     """One choice's deltas with its tool calls read out (see the module doc)."""
-    calls = ToolCallStream(plan)
+    calls = ToolCallStream(plan, request_id)
     try:
         async for delta in deltas:
             yield calls.step(delta)

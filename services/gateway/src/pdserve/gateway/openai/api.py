@@ -4,10 +4,10 @@ families.
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
 streaming as server-sent events ending in ``data: [DONE]``, or a single JSON body),
 ``POST /v1/responses`` (the Responses API on the chat path, its events typed; see
-`pdserve.gateway.openai.responses_api`), and for background responses ``GET``, ``DELETE``
-``/v1/responses/{id}`` (``?stream=true&starting_after=N``) and ``POST .../cancel``
-(`pdserve.gateway.openai.responses_api.background`; other ``/v1/responses/...`` paths are
-404s),
+`pdserve.gateway.openai.responses_api`), and for stored and background responses ``GET``,
+``DELETE`` ``/v1/responses/{id}`` (``?stream=true&starting_after=N``), ``GET
+.../input_items`` and ``POST .../cancel`` (`pdserve.gateway.openai.responses_api.stored`;
+other ``/v1/responses/...`` paths are 404s),
 ``POST /tokenize`` and ``POST /detokenize`` (as vLLM's),
 ``GET /health`` (readiness: 503 with a reason until a compatible prefill/decode pair serves
 some model, or while draining), ``GET /livez`` (liveness) and ``GET /metrics``. Errors are
@@ -50,7 +50,7 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.chat_routes import chat_routes
 from pdserve.gateway.openai.http import RequestIdMiddleware, error_response, http_error_response
-from pdserve.gateway.openai.responses_api.background import BackgroundResponses
+from pdserve.gateway.openai.responses_api.stored import StoredResponses
 from pdserve.gateway.openai.responses_routes import responses_routes
 from pdserve.gateway.openai.rest_context import RestContext
 from pdserve.gateway.openai.resumable import stored_parser
@@ -115,9 +115,10 @@ def create_app(
         trace_polls: Trace /health, readiness, /v1/models and /metrics requests too.
         now: Wall clock for ``created`` timestamps.
         internal_plane: ``mtls`` or ``insecure``, reported by /health.
-        sessions: Opens every request; one that can keep requests serves background
-            responses (``background: true``, ``GET``, ``cancel``, ``DELETE`` on
-            ``/v1/responses/{id}``) and resumable chat and completions streams
+        sessions: Opens every request; one that can keep requests serves stored and
+            background responses (``store``, ``previous_response_id``, ``background: true``,
+            ``GET``, ``cancel``, ``DELETE`` on ``/v1/responses/{id}``) and resumable chat and
+            completions streams
             (``stream_options.resumable``). None: plain requests only (the others are
             refused with 400, their routes are 404s).
     """
@@ -131,9 +132,7 @@ def create_app(
     )
     app.add_middleware(RequestIdMiddleware)
     sessions = sessions or Sessions(streamer, frontend)
-    background = (
-        BackgroundResponses(sessions, parser, frontend.limits) if sessions.can_keep else None
-    )
+    stored = StoredResponses(sessions, parser, frontend.limits) if sessions.can_keep else None
     context = RestContext(
         frontend,
         streamer,
@@ -145,7 +144,7 @@ def create_app(
         api_keys=api_keys or ApiKeyStore(),
         now=now,
         internal_plane=internal_plane,
-        background=background,
+        stored=stored,
     )
 
     @app.exception_handler(PdserveError)

@@ -98,11 +98,24 @@ async def _prepare(
     request_id = request_id_of(request)
     can_keep = context.sessions.can_keep
     if kind is ApiKind.RESPONSES:
+        stored = context.stored
+        if stored is not None and b"previous_response_id" in raw:
+            raw = await stored.continued(raw, caller)
         parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
-        if parsed.background and not can_keep:
-            raise invalid("background responses are not enabled on this gateway", "background")
+        if stored is None:
+            if parsed.background:
+                raise invalid("background responses are not enabled on this gateway", "background")
+            if parsed.previous_response_id is not None:
+                raise invalid("this gateway stores no responses", "previous_response_id")
+            parsed = parsed._replace(store=False)
         prompt = await frontend.prepare(parsed.params, request_id, caller.api_key_name)
-        mode = SessionMode.BACKGROUND if parsed.background else SessionMode.PLAIN
+        mode = (
+            SessionMode.BACKGROUND
+            if parsed.background
+            else SessionMode.STORED
+            if parsed.store
+            else SessionMode.PLAIN
+        )
         writer = ResponseWriter(prompt, parsed)
         return Prepared(writer, [prompt], parsed.stream, mode, raw, parsed)
     body = await parser.run(parse_openai_body, len(raw), raw, kind, limits)
@@ -133,9 +146,15 @@ async def _generate(
     session = await context.sessions.open(
         kind, prepared.prompts, caller, prepared.mode, prepared.raw, prepared.body
     )
-    if prepared.mode is not SessionMode.PLAIN:
+    if prepared.mode.is_kept:
         return _follow_kept(context, session, prepared, headers, admission)
     writer = prepared.writer
+    if prepared.mode is SessionMode.STORED:
+        # NOTE: its times are its record's, so any gateway reading it back says the same.
+        assert isinstance(prepared.body, ResponsesBody) and session.created_at is not None
+        writer = ResponseWriter(
+            session.prepared, prepared.body, session.clock, created_at=session.created_at
+        )
     deltas = session.deltas()
     if prepared.is_stream:
         # NOTE: the status waits for the first token (a request that cannot be served is
@@ -166,11 +185,11 @@ def _follow_kept(
     """The answer to a background response or a resumable stream just started; the client
     only follows it (leaving does not stop it)."""
     if isinstance(prepared.body, ResponsesBody):
-        background = context.background
-        assert background is not None
+        stored = context.stored
+        assert stored is not None
         if prepared.is_stream:
-            return EventStreamResponse(background.events(session), headers, admission)
-        return JSONResponse(background.queued(session), headers=headers)
+            return EventStreamResponse(stored.events(session), headers, admission)
+        return JSONResponse(stored.queued(session), headers=headers)
     responder = responder_for(session.kind, session, prepared.body)
     return EventStreamResponse(resumable_events(responder, session, None), headers, admission)
 

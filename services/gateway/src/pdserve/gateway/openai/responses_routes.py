@@ -1,8 +1,8 @@
 """The Responses API's routes: ``POST /v1/responses`` (on the chat path, its events typed; see
-`pdserve.gateway.openai.responses_api`), and for background responses ``GET`` and ``DELETE``
-``/v1/responses/{id}`` (``?stream=true&starting_after=N``) and ``POST .../cancel``
-(`pdserve.gateway.openai.responses_api.background`); other ``/v1/responses/...`` paths are
-404s."""
+`pdserve.gateway.openai.responses_api`), and for stored and background responses ``GET`` and
+``DELETE`` ``/v1/responses/{id}`` (``?stream=true&starting_after=N``), ``GET
+.../input_items`` and ``POST .../cancel`` (`pdserve.gateway.openai.responses_api.stored`);
+other ``/v1/responses/...`` paths are 404s."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.gateway.openai.generation import generate
-from pdserve.gateway.openai.responses_api.background import BackgroundResponses
+from pdserve.gateway.openai.responses_api.stored import ItemsPage, StoredResponses
 from pdserve.gateway.openai.rest_context import RestContext
 from pdserve.gateway.openai.resumable import position_of
 from pdserve.gateway.openai.sse import EventStreamResponse
 from pdserve.gateway.request import ApiKind
 
 NOT_STORED = (
-    "not found: only background responses are stored (POST /v1/responses with background: "
-    "true), and they are retrieved, cancelled or deleted at /v1/responses/{id}[/cancel]"
+    "not found: this gateway stores no responses; a stored response is read at "
+    "/v1/responses/{id}[/input_items], cancelled or deleted at /v1/responses/{id}[/cancel]"
 )
 
 
@@ -27,10 +27,10 @@ def responses_routes(context: RestContext) -> APIRouter:
     """The Responses API's routes over `context`."""
     router = APIRouter()
 
-    def stored() -> BackgroundResponses:
-        if context.background is None:
+    def stored() -> StoredResponses:
+        if context.stored is None:
             raise StarletteHTTPException(404, NOT_STORED)
-        return context.background
+        return context.stored
 
     @router.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -47,6 +47,12 @@ def responses_routes(context: RestContext) -> APIRouter:
         events = await background.stream(response_id, caller, starting_after)
         admission = context.limiter.admit(caller)
         return EventStreamResponse(events, {"X-Request-Id": response_id}, admission)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str) -> Response:
+        caller = context.authorize(request)
+        page = ItemsPage.of_query(request.query_params)
+        return JSONResponse(await stored().input_items(response_id, caller, page))
 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str) -> Response:

@@ -14,7 +14,7 @@ from pdserve.gateway.access.auth import Caller, authenticate
 from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.openai.http import check_json_content_type, read_body
-from pdserve.gateway.openai.responses_api.background import BackgroundResponses
+from pdserve.gateway.openai.responses_api.stored import StoredResponses
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.session.sessions import Sessions
 from pdserve.gateway.streaming import Streamer
@@ -23,7 +23,7 @@ from pdserve.gateway.streaming import Streamer
 @dataclass(frozen=True)
 class RestContext:
     """The parts the REST routes share: `pdserve.gateway.openai.api.create_app`'s arguments
-    (``api_keys`` always set: an open store accepts any key; ``background`` set where
+    (``api_keys`` always set: an open store accepts any key; ``stored`` set where
     ``sessions`` can keep requests)."""
 
     frontend: Frontend
@@ -36,7 +36,7 @@ class RestContext:
     api_keys: ApiKeyStore = field(default_factory=ApiKeyStore)
     now: Callable[[], float] = time.time
     internal_plane: str = "mtls"
-    background: BackgroundResponses | None = None
+    stored: StoredResponses | None = None
 
     def authorize(self, request: Request) -> Caller:
         """The caller of `request` by its Bearer key (401 without a valid one)."""

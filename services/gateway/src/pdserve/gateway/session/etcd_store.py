@@ -56,7 +56,8 @@ class EtcdResumeStore:
     Args:
         target: The registry's etcd (its namespace prefixes the keys).
         max_records: Most records this gateway creates while they live (etcd holds every
-            gateway's; each gateway bounds what it adds).
+            gateway's; each gateway bounds what it adds): past it the ended record of this
+            gateway's nearest its expiry is deleted (`MemoryResumeStore`).
         holder_ttl_s: TTL of this gateway's key (`hold`): how long after it stops answering
             another gateway may adopt its running requests.
         clock: Monotonic clock.
@@ -152,7 +153,7 @@ class EtcdResumeStore:
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
         # NOTE: the count of this gateway's live records is kept locally (an etcd count per
         # write would cost a range request each time).
-        await self._limit.put(replace(record, body=""), ttl_s)
+        await self._count(record, ttl_s)
         record = await self._held(record)
         try:
             lease = await self._lease(ttl_s)
@@ -160,6 +161,21 @@ class EtcdResumeStore:
         except aetcd.ClientError as error:
             raise self._unreachable(error) from error
         self._written(record, put.header.revision)
+
+    async def _count(self, record: ResumeRecord, ttl_s: float) -> None:
+        """Counts `record` among this gateway's; the ended records that made room for it are
+        deleted from etcd too (each gateway bounds what it adds there).
+
+        Raises:
+            PdserveError: RATE_LIMITED as `MemoryResumeStore.put`, PEER_UNAVAILABLE.
+        """
+        await self._limit.put(replace(record, body=""), ttl_s)
+        for request_id in self._limit.take_dropped():
+            self._revisions.pop(request_id, None)
+            try:
+                await self._etcd().delete(self._key(request_id))
+            except aetcd.ClientError as error:
+                raise self._unreachable(error) from error
 
     def _written(self, record: ResumeRecord, revision: int) -> None:
         if record.end is None:
@@ -176,7 +192,7 @@ class EtcdResumeStore:
                 return stored
             await self.put(record, ttl_s)
             return None
-        await self._limit.put(replace(record, body=""), ttl_s)
+        await self._count(record, ttl_s)
         record = await self._held(record)
         is_written, answers = await self._put_at(record, revision, ttl_s, read_on_failure=True)
         if is_written:
@@ -231,7 +247,7 @@ class EtcdResumeStore:
         adopted = await self._held(record)
         is_written, _ = await self._put_at(adopted, revision, ttl_s, read_on_failure=False)
         if is_written:
-            await self._limit.put(replace(adopted, body=""), ttl_s)
+            await self._count(adopted, ttl_s)
         return is_written
 
     async def _put_at(

@@ -94,7 +94,3 @@ class Run:
                     raise self.error
                 return
             await changed.wait()
-
-    def token_ids(self) -> tuple[int, ...]:
-        """Every completion token of its deltas so far."""
-        return tuple(t for delta in self.deltas for t in delta.token_ids)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import replace
+from typing import Any, TypeVar
 
 import structlog
 
@@ -21,12 +22,14 @@ from pdserve.common.errors import ErrorReason, PdserveError, is_taken_over
 from pdserve.common.generation import FinishReason
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
-from pdserve.gateway.request import ApiKind, Placement, ResponseStatus, Resumable
+from pdserve.gateway.request import ApiKind, OutputDelta, Placement, ResponseStatus, Resumable
 from pdserve.gateway.session.run import Run
 from pdserve.gateway.session.store import ResumeRecord, ResumeStore, StoredEnd
 from pdserve.gateway.streaming import Streamer
 
 log = structlog.get_logger("pdserve.gateway.session")
+
+T = TypeVar("T")
 
 
 class Runs:
@@ -58,7 +61,7 @@ class Runs:
         self.keep_s = keep_s
         self._now = now
         self._runs: dict[str, Run] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     def get(self, request_id: str) -> Run | None:
         """The run of `request_id` this gateway holds (also for `keep_s` after its end)."""
@@ -101,10 +104,42 @@ class Runs:
         Raises:
             PdserveError: From the store (full: RATE_LIMITED; unreachable: PEER_UNAVAILABLE).
         """
+        return await self.start(self.record_of(kind, body, prepared, owner), prepared)
+
+    def record_of(
+        self, kind: ApiKind, body: str, prepared: PreparedRequest, owner: str | None
+    ) -> ResumeRecord:
+        """A new request's record, created now (arguments as `begin`)."""
         seed = prepared.request.sampling.seed
         assert seed is not None, "the frontend gives every request a seed"
-        record = ResumeRecord(prepared.request_id, kind, owner, body, seed, self._now())
-        return await self.start(record, prepared)
+        return ResumeRecord(prepared.request_id, kind, owner, body, seed, self._now())
+
+    async def keep_end(
+        self, record: ResumeRecord, deltas: list[OutputDelta], error: PdserveError | None = None
+    ) -> ResumeRecord:
+        """Writes the record of a plain request that ended (a stored response), kept
+        `keep_s`: one write.
+
+        Args:
+            record: Its record (`record_of`).
+            deltas: Its deltas (the last one final, unless it failed).
+            error: How it failed; None: it finished.
+
+        Returns:
+            The record written.
+
+        Raises:
+            PdserveError: From the store (RATE_LIMITED, PEER_UNAVAILABLE).
+        """
+        now = self._now()
+        end = (
+            finished(deltas, now)
+            if error is None
+            else failed(ResponseStatus.FAILED, deltas, error, now)
+        )
+        ended = replace(record, end=end)
+        await self.put(ended, self.keep_s)
+        return ended
 
     async def take_over(self, record: ResumeRecord, prompt: PreparedRequest) -> Run:
         """The live run of a request another gateway held: this gateway's own if it has one
@@ -158,6 +193,13 @@ class Runs:
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def track(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """`work` as a task `leave` waits for (a write that may outlast its request)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
         """Writes `record` to the store (counted)."""
         await self.store.put(record, ttl_s)
@@ -202,10 +244,7 @@ class Runs:
                     "resume_record_not_written", request_id=run.request_id, reason=error.message
                 )
 
-        task = asyncio.get_running_loop().create_task(in_order())
-        run.last_write = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        run.last_write = self.track(in_order())
 
     async def _drive(self, run: Run, resumable: Resumable) -> None:
         end: StoredEnd | None = None
@@ -221,30 +260,19 @@ class Runs:
                         await asyncio.shield(run.last_write)
                         is_placement_stored = True
                     run.add(delta)
-            final = run.deltas[-1] if run.deltas else None
-            reason = final.finish_reason if final is not None else None
-            is_cut = reason is FinishReason.LENGTH
-            end = StoredEnd(
-                status=ResponseStatus.INCOMPLETE if is_cut else ResponseStatus.COMPLETED,
-                token_ids=run.token_ids(),
-                finish_reason=None if reason is None else reason.value,
-                num_cached_prompt_tokens=(
-                    final.usage.num_cached_prompt_tokens if final and final.usage else 0
-                ),
-                completed_at=self._now(),
-            )
+            end = finished(run.deltas, self._now())
         except PdserveError as error:
             if is_taken_over(error):
                 run.is_moved = True
                 log.info("resumable_request_moved", request_id=run.request_id)
             else:
                 run.error = error
-                end = _failed(run, ResponseStatus.FAILED, error, self._now())
+                end = failed(ResponseStatus.FAILED, run.deltas, error, self._now())
         except asyncio.CancelledError:
             if not resumable.is_left:
                 cancelled = PdserveError(ErrorReason.CANCELLED, "the response was cancelled")
                 run.error = cancelled
-                end = _failed(run, ResponseStatus.CANCELLED, cancelled, self._now())
+                end = failed(ResponseStatus.CANCELLED, run.deltas, cancelled, self._now())
             raise
         finally:
             if end is not None:
@@ -271,10 +299,28 @@ class Runs:
             del self._runs[run.request_id]
 
 
-def _failed(run: Run, status: ResponseStatus, error: PdserveError, now: float) -> StoredEnd:
+def finished(deltas: list[OutputDelta], now: float) -> StoredEnd:
+    """The end of a request that finished with `deltas` (the last one final)."""
+    final = deltas[-1] if deltas else None
+    reason = final.finish_reason if final is not None else None
+    usage = final.usage if final is not None else None
+    is_cut = reason is FinishReason.LENGTH
+    return StoredEnd(
+        status=ResponseStatus.INCOMPLETE if is_cut else ResponseStatus.COMPLETED,
+        token_ids=tuple(t for delta in deltas for t in delta.token_ids),
+        finish_reason=None if reason is None else reason.value,
+        num_cached_prompt_tokens=0 if usage is None else usage.num_cached_prompt_tokens,
+        completed_at=now,
+    )
+
+
+def failed(
+    status: ResponseStatus, deltas: list[OutputDelta], error: PdserveError, now: float
+) -> StoredEnd:
+    """The end of a request that failed or was cancelled (`status`) after `deltas`."""
     return StoredEnd(
         status=status,
-        token_ids=run.token_ids(),
+        token_ids=tuple(t for delta in deltas for t in delta.token_ids),
         completed_at=now,
         error_code=error.reason.name.lower(),
         error_message=error.message or error.reason.name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import NamedTuple
 
@@ -26,11 +27,20 @@ class SessionMode(enum.StrEnum):
             it, and any gateway sharing the store resumes it.
         BACKGROUND: Kept like a resumable stream; its client need not follow it at all (a
             background response).
+        STORED: Runs as a plain one; once it ended, its record is written, so that any
+            gateway sharing the store reads it after (a stored response, which the next turn
+            of a conversation continues by ``previous_response_id``).
     """
 
     PLAIN = "plain"
     RESUMABLE = "resumable"
     BACKGROUND = "background"
+    STORED = "stored"
+
+    @property
+    def is_kept(self) -> bool:
+        """It runs on without its client (its client only follows it)."""
+        return self in (SessionMode.RESUMABLE, SessionMode.BACKGROUND)
 
 
 class Snapshot(NamedTuple):
@@ -86,8 +96,8 @@ class Session:
         prompts: Its prepared requests (one per prompt of a completions prompt list).
         source: Makes its deltas from the start, as ``(choice index, delta)``.
         run: This gateway's run of it (a kept request running or ended here); None otherwise.
-        record: Its record (a kept request); None for a plain one.
-        body: Its body as the front end parsed it (a kept request); None otherwise.
+        record: Its record (a kept or stored request); None for a plain one.
+        body: Its body as the front end parsed it (a kept or stored request); None otherwise.
 
     Attributes:
         kind: The API that took it.
@@ -126,6 +136,19 @@ class Session:
     def record(self) -> ResumeRecord | None:
         """Its record as last known here (a run's is current); None for a plain request."""
         return self.run.record if self.run is not None else self._record
+
+    @record.setter
+    def record(self, record: ResumeRecord) -> None:
+        """A stored request's record, once written with its end."""
+        self._record = record
+
+    def clock(self) -> float:
+        """The time now, until the request's stored end; then the end's time (a stored
+        response's ``completed_at`` as any gateway reads it)."""
+        record = self.record
+        if record is not None and record.end is not None:
+            return record.end.completed_at
+        return time.time()
 
     @property
     def created_at(self) -> float | None:

@@ -11,6 +11,7 @@ gateway died is adopted here (`adopt_orphans`) with no client asking, whichever 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,8 @@ from pdserve.gateway.streaming import Streamer
 log = structlog.get_logger("pdserve.gateway.session")
 
 DECODE_TIMEOUT_S = 5.0
+# NOTE: how long a stored response's end waits for the store before it is answered anyway.
+STORED_END_WAIT_S = 1.0
 
 ParseStored = Callable[[bytes], Awaitable[Parsed]]
 """Parses a stored body again (the front end's parser)."""
@@ -76,7 +79,7 @@ class Sessions:
 
     @property
     def can_keep(self) -> bool:
-        """Whether requests can be resumable or run in the background here."""
+        """Whether requests can be resumable, stored or run in the background here."""
         return self.runs is not None
 
     async def open(
@@ -89,15 +92,15 @@ class Sessions:
         body: object | None = None,
     ) -> Session:
         """Opens a new request: a plain one runs as its deltas are read (each choice through
-        the streamer, merged); a kept one starts running here at once, its record written
-        first.
+        the streamer, merged); a stored one too, its record written as it ends; a kept one
+        starts running here at once, its record written first.
 
         Args:
             kind: The API that took it.
             prompts: Its prepared requests (a kept request has one, with one choice).
             caller: Who sent it (a kept request's owner).
             mode: How it runs.
-            raw: Its body as sent (kept in the record).
+            raw: Its body as sent (kept in the record of a kept or stored request).
             body: Its body as parsed (a kept request keeps it for its followers here).
 
         Raises:
@@ -114,6 +117,8 @@ class Sessions:
             return Session(kind, prompts, source)
         runs = self._kept()
         (prompt,) = prompts
+        if mode is SessionMode.STORED:
+            return self._stored(runs, kind, prompt, caller, stored_body(kind, raw), body)
         run = await runs.begin(kind, stored_body(kind, raw), prompt, caller.api_key_name)
         run.parsed = body
         return followed(kind, run)
@@ -187,6 +192,17 @@ class Sessions:
         deltas = (await collected(replay(prepared, token_ids, end)))[:-1]
         status = ResponseStatus.IN_PROGRESS
         return Snapshot(found, prepared, parsed.body, deltas, status, None)
+
+    async def record(
+        self,
+        request_id: str,
+        kinds: tuple[ApiKind, ...],
+        caller: Caller,
+        shown_id: str | None = None,
+    ) -> ResumeRecord:
+        """A kept or stored request's record as last known here. Errors as `resume`."""
+        found = await self._find(request_id, kinds, caller, shown_id)
+        return found.record if isinstance(found, Run) else found
 
     async def cancel(
         self,
@@ -301,6 +317,55 @@ class Sessions:
                 is_failing = False
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _stored(
+        self,
+        runs: Runs,
+        kind: ApiKind,
+        prompt: PreparedRequest,
+        caller: Caller,
+        body_text: str,
+        body: object | None,
+    ) -> Session:
+        """A plain request whose end is written to the store before its final delta is
+        given (a client that has the end finds it stored); one that failed is stored failed,
+        one its client left is not stored. A store that cannot write it is logged
+        (``response_not_stored``), and one that has not answered within `STORED_END_WAIT_S`
+        (``response_store_slow``) writes it after: the request is answered all the same."""
+        record = runs.record_of(kind, body_text, prompt, caller.api_key_name)
+
+        async def write(deltas: list[OutputDelta], error: PdserveError | None) -> ResumeRecord:
+            try:
+                return await runs.keep_end(record, deltas, error)
+            except PdserveError as failure:
+                log.warning(
+                    "response_not_stored", request_id=record.request_id, reason=failure.message
+                )
+                return record
+
+        async def keep(deltas: list[OutputDelta], error: PdserveError | None = None) -> None:
+            writing = runs.track(write(deltas, error))
+            try:
+                session.record = await asyncio.wait_for(asyncio.shield(writing), STORED_END_WAIT_S)
+            except TimeoutError:
+                log.warning("response_store_slow", request_id=record.request_id)
+
+        async def source() -> AsyncGenerator[tuple[int, OutputDelta], None]:
+            deltas: list[OutputDelta] = []
+            stream = self.streamer.stream(prompt)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for index, delta in stream:
+                        deltas.append(delta)
+                        if delta.finish_reason is not None:
+                            await keep(deltas)
+                        yield index, delta
+            except PdserveError as error:
+                await keep(deltas, error)
+                raise
+
+        session = Session(kind, [prompt], source, record=record, body=body)
+        return session
 
     def _kept(self) -> Runs:
         if self.runs is None:

@@ -114,8 +114,9 @@ class ResumeStore(Protocol):
         more) unless written again.
 
         Raises:
-            PdserveError: RATE_LIMITED when the store holds its most records (a new record),
-                PEER_UNAVAILABLE when the store cannot be reached.
+            PdserveError: RATE_LIMITED when the store holds its most records, all of them
+                running (a new record; an ended one makes room), PEER_UNAVAILABLE when the
+                store cannot be reached.
         """
         ...
 
@@ -169,8 +170,8 @@ class ResumeStore(Protocol):
 def _full(max_records: int) -> PdserveError:
     return PdserveError(
         ErrorReason.RATE_LIMITED,
-        f"the gateway keeps at most {max_records} resumable requests (--max-stored-responses);"
-        " retry once some have expired",
+        f"the gateway keeps at most {max_records} resumable requests and stored responses "
+        "(--max-stored-responses), all of them running; retry once some have ended",
         {"limit": "max_stored_responses"},
     )
 
@@ -180,13 +181,20 @@ class MemoryResumeStore:
     """Records in this gateway's memory, each until its time to live runs out.
 
     Args:
-        max_records: Most records held (running and kept); a new one past it is refused.
+        max_records: Most records held (running and ended). A new one past it takes the place
+            of the ended record nearest its expiry; when every record is of a running request,
+            it is refused.
         clock: Monotonic clock.
+
+    Attributes:
+        dropped: Ids of ended records dropped to make room, oldest first, until taken
+            (`take_dropped`).
     """
 
     max_records: int
     clock: Callable[[], float] = time.monotonic
     num_writes: int = 0
+    dropped: list[str] = field(default_factory=list)
     _records: dict[str, tuple[ResumeRecord, float]] = field(default_factory=dict)
 
     def _expire(self) -> None:
@@ -194,11 +202,25 @@ class MemoryResumeStore:
         for request_id in [k for k, (_, expires) in self._records.items() if expires <= now]:
             del self._records[request_id]
 
+    def _make_room(self) -> None:
+        """Drops the ended record nearest its expiry (none ended: the store is full)."""
+        ended = [(expires, k) for k, (r, expires) in self._records.items() if r.end is not None]
+        if not ended:
+            raise _full(self.max_records)
+        _, request_id = min(ended)
+        del self._records[request_id]
+        self.dropped.append(request_id)
+
+    def take_dropped(self) -> list[str]:
+        """The ids dropped since the last call."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
         self._expire()
         is_new = record.request_id not in self._records
         if is_new and len(self._records) >= self.max_records:
-            raise _full(self.max_records)
+            self._make_room()
         self._records[record.request_id] = (record, self.clock() + ttl_s)
         self.num_writes += 1
 

@@ -57,9 +57,12 @@ class ResponsesBody(NamedTuple):
         params: The validated chat request.
         model: The model as the client named it.
         stream: Stream the response's events.
-        background: Run it in the background (`pdserve.gateway.openai.responses_api.background`).
         echoed: The request's settings as a `Response` object states them (``instructions``,
             ``max_output_tokens``, ``text``, ``tools``, ...), JSON-ready.
+        background: Run it in the background (`pdserve.gateway.openai.responses_api.stored`).
+        store: Keep it once it ended (``store``, true unless the client says false).
+        previous_response_id: The response it continues (its input holds that response's
+            conversation once the gateway put it there: `StoredResponses.continued`).
     """
 
     params: GenerationParams
@@ -67,6 +70,8 @@ class ResponsesBody(NamedTuple):
     stream: bool
     echoed: dict[str, Any]
     background: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
 
 
 def parse_responses_body(raw: bytes, limits: RequestLimits) -> ResponsesBody:
@@ -85,8 +90,15 @@ def parse_responses_body(raw: bytes, limits: RequestLimits) -> ResponsesBody:
         param, message = refusal
         raise invalid(message, param)
     params = validate_request(to_params(request, limits), limits)
-    background = bool(request.background)
-    return ResponsesBody(params, request.model, request.stream, _echoed(request), background)
+    return ResponsesBody(
+        params,
+        request.model,
+        request.stream,
+        _echoed(request),
+        bool(request.background),
+        request.store is not False,
+        request.previous_response_id,
+    )
 
 
 def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationParams:
@@ -279,6 +291,7 @@ def _echoed(request: ResponsesRequest) -> dict[str, Any]:
         "prompt_cache_key": request.prompt_cache_key,
         "prompt_cache_retention": request.prompt_cache_retention,
         "safety_identifier": request.safety_identifier,
+        "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": request.reasoning_effort, "summary": None},
         **echoed_tools(request),
         "user": request.user,

@@ -188,16 +188,13 @@ class ResponsesRequest(BaseModel):
     def refusal(self) -> tuple[str, str] | None:
         """The first parameter set to something pdserve does not implement, with why; None when
         there is none. Built-in tools, tool choices and input items are `convert`'s to refuse."""
-        if self.previous_response_id is not None:
-            return "previous_response_id", (
-                "previous_response_id is not supported: pdserve keeps no conversation state; "
-                "send the whole conversation as input items"
-            )
         if self.conversation is not None:
-            return (
-                "conversation",
-                "conversation is not supported: pdserve keeps no conversation state",
+            return "conversation", (
+                "conversation objects are not supported: continue a conversation with "
+                "previous_response_id, or send it whole as input items"
             )
+        if self.background and self.store is False:
+            return "store", "a background response is stored: store must be true"
         if self.prompt is not None:
             return "prompt", "prompt templates are not supported"
         for index, item in enumerate(self.include or ()):

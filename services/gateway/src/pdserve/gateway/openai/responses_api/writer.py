@@ -83,24 +83,22 @@ class ResponseWriter:
         sampling = self.prompt.request.sampling
         is_done = status not in (ResponseStatus.IN_PROGRESS, ResponseStatus.QUEUED)
         completed_at = self._now() if self._completed_at is None else self._completed_at
-        is_background = self._body.background
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": "response",
             "created_at": self._created_at,
             "completed_at": int(completed_at) if is_done and error is None else None,
             "status": status,
-            "background": is_background,
+            "background": self._body.background,
             "error": None if error is None else _error(error),
             "incomplete_details": (
                 {"reason": "max_output_tokens"} if status == ResponseStatus.INCOMPLETE else None
             ),
             "model": self._body.model,
             "output": [] if items is None else items.output(_item_status(status), with_text),
-            "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "service_tier": "default",
-            "store": is_background,
+            "store": self._body.store,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "usage": None if final is None else self._usage(final),
