@@ -22,6 +22,7 @@ from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import ApiKind, OutputDelta, Placement, ResponseStatus, Usage
 from pdserve.gateway.session import sessions as sessions_module
+from pdserve.gateway.session.access import Lookup
 from pdserve.gateway.session.positions import is_after
 from pdserve.gateway.session.runs import Runs
 from pdserve.gateway.session.session import Parsed, Session, SessionMode
@@ -147,13 +148,13 @@ async def test_another_keys_request_is_not_found(caller: Caller, kinds: tuple[Ap
     sessions = _sessions(store, _Backend())
     for look in (sessions.resume, sessions.snapshot):
         with pytest.raises(PdserveError) as missing:
-            await look("r1", kinds, caller, _never_parsed, "resp_r1")
+            await look(Lookup("r1", kinds, caller, "resp_r1"), _never_parsed)
         assert missing.value.reason is ErrorReason.REQUEST_NOT_FOUND
         assert "resp_r1" in missing.value.message
     with pytest.raises(PdserveError):
-        await sessions.cancel("r1", kinds, caller)
+        await sessions.cancel(Lookup("r1", kinds, caller))
     with pytest.raises(PdserveError):
-        await sessions.delete("r1", kinds, caller)
+        await sessions.delete(Lookup("r1", kinds, caller))
     assert await store.get("r1") == RECORD  # NOTE: untouched
 
 
@@ -162,7 +163,7 @@ async def test_cancelling_a_request_running_elsewhere_releases_its_lease(fails: 
     store = MemoryResumeStore(10)
     await store.put(RECORD, ttl_s=60)
     backend = _Backend(fails)
-    await _sessions(store, backend).cancel("r1", KINDS, ALICE)
+    await _sessions(store, backend).cancel(Lookup("r1", KINDS, ALICE))
     assert backend.released == [("127.0.0.1:9", "lease-7", "r1")]
     stored = await store.get("r1")
     assert stored is not None and stored.end is not None
@@ -175,9 +176,9 @@ async def test_an_ended_request_stays_as_it_ended_and_is_deleted_by_its_owner() 
     await store.put(ended, ttl_s=60)
     backend = _Backend()
     sessions = _sessions(store, backend)
-    await sessions.cancel("r1", KINDS, ALICE)
+    await sessions.cancel(Lookup("r1", KINDS, ALICE))
     assert backend.released == [] and await store.get("r1") == ended
-    await sessions.delete("r1", KINDS, ALICE)
+    await sessions.delete(Lookup("r1", KINDS, ALICE))
     assert await store.get("r1") is None
 
 

@@ -27,7 +27,7 @@ from pdserve.gateway.grpc_api import convert
 from pdserve.gateway.grpc_api.parsing import GenerateBody, parse_generate_request, parse_message
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import ApiKind
-from pdserve.gateway.session.access import not_found
+from pdserve.gateway.session.access import Lookup, not_found
 from pdserve.gateway.session.run import RunMoved
 from pdserve.gateway.session.session import Parsed, Session, SessionMode
 from pdserve.gateway.session.sessions import Sessions
@@ -138,7 +138,8 @@ class GenerationServicer:
             request = parse_message(generation_pb2.ResumeRequest, raw)
             if not self._sessions.can_keep:
                 raise not_found(KIND, request.request_id)
-            session = await self._sessions.resume(request.request_id, (KIND,), caller, self._parse)
+            lookup = Lookup(request.request_id, (KIND,), caller)
+            session = await self._sessions.resume(lookup, self._parse)
             assert isinstance(session.body, GenerateBody)
             # NOTE: completion index k is position k; from index 0 is from the start.
             after = request.from_index or None

@@ -29,6 +29,7 @@ from pdserve.gateway.openai.rest_context import RestContext
 from pdserve.gateway.openai.sse import sse
 from pdserve.gateway.prepare.validation import invalid
 from pdserve.gateway.request import ApiKind
+from pdserve.gateway.session.access import Lookup
 from pdserve.gateway.session.run import RunMoved
 from pdserve.gateway.session.session import Parsed, Session
 from pdserve.gateway.session.sessions import ParseStored
@@ -50,7 +51,7 @@ async def resume(
     for prefix in PREFIXES:
         request_id = request_id.removeprefix(prefix)
     parse = stored_parser(context, kind)
-    session = await context.sessions.resume(request_id, (kind,), caller, parse, stream_id)
+    session = await context.sessions.resume(Lookup(request_id, (kind,), caller, stream_id), parse)
     assert isinstance(session.body, OpenAIBody)
     return events(responder_for(kind, session, session.body), session, starting_after)
 

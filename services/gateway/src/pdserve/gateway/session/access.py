@@ -4,6 +4,7 @@ for its owner alone; and an ended request's deltas made again from its stored en
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
+from typing import NamedTuple
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.common.generation import FinishReason
@@ -23,6 +24,26 @@ _NOUNS = {
 }
 
 
+class Lookup(NamedTuple):
+    """A kept or stored request as a client names it, and who asks.
+
+    Attributes:
+        request_id: The gateway's id of it.
+        kinds: The APIs it may have come through.
+        caller: Who asks (only its owner finds it).
+        shown_id: Its id as the client gave it (for the 404); None: `request_id`.
+    """
+
+    request_id: str
+    kinds: tuple[ApiKind, ...]
+    caller: Caller
+    shown_id: str | None = None
+
+    def not_found(self) -> PdserveError:
+        """The 404 of this lookup."""
+        return not_found(self.kinds[0], self.shown_id or self.request_id)
+
+
 def not_found(kind: ApiKind, shown_id: str) -> PdserveError:
     """The 404 (REQUEST_NOT_FOUND) of an unknown, expired or someone else's request.
 
@@ -38,12 +59,11 @@ def not_found(kind: ApiKind, shown_id: str) -> PdserveError:
     )
 
 
-async def find(
-    runs: Runs, request_id: str, kinds: tuple[ApiKind, ...], caller: Caller
-) -> Run | ResumeRecord | None:
-    """This gateway's run of `request_id` (unless another gateway took it over), else its
-    stored record; None when there is none of `kinds`, it expired, or `caller` is not its
-    owner (to whom it does not exist)."""
+async def find(runs: Runs, lookup: Lookup) -> Run | ResumeRecord | None:
+    """This gateway's run of the request (unless another gateway took it over), else its
+    stored record; None when there is none of the lookup's kinds, it expired, or its caller is
+    not its owner (to whom it does not exist)."""
+    request_id = lookup.request_id
     found: Run | ResumeRecord | None = runs.get(request_id)
     if isinstance(found, Run) and found.is_moved:
         found = None  # NOTE: another gateway took it over: what the store says is current
@@ -58,7 +78,7 @@ async def find(
     if found is None:
         return None
     record = found.record if isinstance(found, Run) else found
-    if record.kind not in kinds or not may_access(record, caller):
+    if record.kind not in lookup.kinds or not may_access(record, lookup.caller):
         return None
     return found
 

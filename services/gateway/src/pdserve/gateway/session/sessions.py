@@ -27,7 +27,13 @@ from pdserve.gateway.frontend import Frontend
 from pdserve.gateway.output_deltas import replay
 from pdserve.gateway.prepare.params import PreparedRequest
 from pdserve.gateway.request import ApiKind, GenerationEnd, OutputDelta, ResponseStatus
-from pdserve.gateway.session.access import collected, find, not_found, replay_end, stored_error
+from pdserve.gateway.session.access import (
+    Lookup,
+    collected,
+    find,
+    replay_end,
+    stored_error,
+)
 from pdserve.gateway.session.run import Run
 from pdserve.gateway.session.runs import Runs
 from pdserve.gateway.session.session import (
@@ -123,66 +129,49 @@ class Sessions:
         run.parsed = body
         return followed(kind, run)
 
-    async def resume(
-        self,
-        request_id: str,
-        kinds: tuple[ApiKind, ...],
-        caller: Caller,
-        parse: ParseStored,
-        shown_id: str | None = None,
-    ) -> Session:
-        """Reopens a kept request of `kinds`, the same way for every front end: this
+    async def resume(self, lookup: Lookup, parse: ParseStored) -> Session:
+        """Reopens a kept request of the lookup's kinds, the same way for every front end: this
         gateway's run is followed; a stored one is prepared again and replayed if it ended,
         else taken over from its decode. Counted in ``resumes{how}`` and logged
         (``resumable_request_resumed``, with ``how``).
 
         Args:
-            request_id: The gateway's id of it.
-            kinds: The APIs it may have come through.
-            caller: Who asks (only its owner finds it).
+            lookup: Which request, and who asks.
             parse: Parses its stored body (when this gateway does not hold it parsed).
-            shown_id: Its id as the client gave it (for the 404); default `request_id`.
 
         Raises:
             PdserveError: REQUEST_NOT_FOUND for an unknown, expired or other key's request;
                 as `parse`, preparing it, or the take-over.
         """
         runs = self._kept()
-        found = await self._find(request_id, kinds, caller, shown_id)
+        found = await self._find(lookup)
         resumes = runs.metrics.resumes
         if isinstance(found, Run):
             resumes.labels(how="local").inc()
-            log.info("resumable_request_resumed", request_id=request_id, how="local")
+            log.info("resumable_request_resumed", request_id=lookup.request_id, how="local")
             await self._keep_parsed(found, parse)
             return followed(found.record.kind, found)
-        parsed, prepared = await self._prepare(found, parse, caller.api_key_name)
+        parsed, prepared = await self._prepare(found, parse, lookup.caller.api_key_name)
         if found.end is None:
             resumes.labels(how="takeover").inc()
-            log.info("resumable_request_resumed", request_id=request_id, how="takeover")
+            log.info("resumable_request_resumed", request_id=lookup.request_id, how="takeover")
             run = await runs.take_over(found, prepared)
             run.parsed = run.parsed or parsed.body
             return followed(found.kind, run)
         resumes.labels(how="stored").inc()
-        log.info("resumable_request_resumed", request_id=request_id, how="stored")
+        log.info("resumable_request_resumed", request_id=lookup.request_id, how="stored")
         return replayed(found, prepared, parsed.body)
 
-    async def snapshot(
-        self,
-        request_id: str,
-        kinds: tuple[ApiKind, ...],
-        caller: Caller,
-        parse: ParseStored,
-        shown_id: str | None = None,
-    ) -> Snapshot:
+    async def snapshot(self, lookup: Lookup, parse: ParseStored) -> Snapshot:
         """A kept request as it stands: this gateway's run's deltas so far, an ended one's
         stored tokens, or a running one's tokens so far read from its decode (nothing is
         taken over). Arguments and errors as `resume`."""
-        found = await self._find(request_id, kinds, caller, shown_id)
+        found = await self._find(lookup)
         if isinstance(found, Run):
             body = await self._keep_parsed(found, parse)
             status, error = found.status, found.error
             return Snapshot(found.record, found.prepared, body, list(found.deltas), status, error)
-        parsed, prepared = await self._prepare(found, parse, caller.api_key_name)
+        parsed, prepared = await self._prepare(found, parse, lookup.caller.api_key_name)
         if found.end is not None:
             deltas = await collected(replay_end(prepared, found.end))
             error = stored_error(found.end)
@@ -193,29 +182,17 @@ class Sessions:
         status = ResponseStatus.IN_PROGRESS
         return Snapshot(found, prepared, parsed.body, deltas, status, None)
 
-    async def record(
-        self,
-        request_id: str,
-        kinds: tuple[ApiKind, ...],
-        caller: Caller,
-        shown_id: str | None = None,
-    ) -> ResumeRecord:
+    async def record(self, lookup: Lookup) -> ResumeRecord:
         """A kept or stored request's record as last known here. Errors as `resume`."""
-        found = await self._find(request_id, kinds, caller, shown_id)
+        found = await self._find(lookup)
         return found.record if isinstance(found, Run) else found
 
-    async def cancel(
-        self,
-        request_id: str,
-        kinds: tuple[ApiKind, ...],
-        caller: Caller,
-        shown_id: str | None = None,
-    ) -> None:
+    async def cancel(self, lookup: Lookup) -> None:
         """Cancels a running kept request: this gateway's run is cancelled (its lease
         released); one running elsewhere gets a cancelled end in the store, and its lease
         is released through the decode. An ended one stays as it is. Errors as `resume`."""
         runs = self._kept()
-        found = await self._find(request_id, kinds, caller, shown_id)
+        found = await self._find(lookup)
         if isinstance(found, Run):
             await runs.cancel(found)
             return
@@ -229,6 +206,7 @@ class Sessions:
         )
         await runs.put(replace(found, end=end), runs.keep_s)
         placement = found.placement
+        request_id = found.request_id
         if placement is not None:
             assert self.backend is not None
             try:
@@ -239,20 +217,14 @@ class Sessions:
                 log.info("cancel_release_failed", request_id=request_id, error=str(failure))
         log.info("response_cancelled", request_id=request_id, is_held_here=False)
 
-    async def delete(
-        self,
-        request_id: str,
-        kinds: tuple[ApiKind, ...],
-        caller: Caller,
-        shown_id: str | None = None,
-    ) -> None:
+    async def delete(self, lookup: Lookup) -> None:
         """Forgets a kept request (cancelling it first if it runs here). Errors as `resume`."""
         runs = self._kept()
-        found = await self._find(request_id, kinds, caller, shown_id)
+        found = await self._find(lookup)
         if isinstance(found, Run):
             await runs.cancel(found)
             runs.forget(found)
-        await runs.store.delete(request_id)
+        await runs.store.delete(lookup.request_id)
 
     async def adopt_orphans(self) -> int:
         """Takes over every running request whose gateway is gone (`ResumeStore.orphans`):
@@ -374,12 +346,10 @@ class Sessions:
             )
         return self.runs
 
-    async def _find(
-        self, request_id: str, kinds: tuple[ApiKind, ...], caller: Caller, shown_id: str | None
-    ) -> Run | ResumeRecord:
-        found = await find(self._kept(), request_id, kinds, caller)
+    async def _find(self, lookup: Lookup) -> Run | ResumeRecord:
+        found = await find(self._kept(), lookup)
         if found is None:
-            raise not_found(kinds[0], request_id if shown_id is None else shown_id)
+            raise lookup.not_found()
         return found
 
     async def _keep_parsed(self, run: Run, parse: ParseStored) -> object:

@@ -51,7 +51,7 @@ from pdserve.gateway.openai.responses_api.writer import ResponseWriter, request_
 from pdserve.gateway.prepare.validation import RequestLimits, invalid
 from pdserve.gateway.prepare.workers import ParserPool
 from pdserve.gateway.request import ApiKind, ResponseStatus
-from pdserve.gateway.session.access import not_found
+from pdserve.gateway.session.access import Lookup
 from pdserve.gateway.session.session import Parsed, Session, raw_body
 from pdserve.gateway.session.sessions import Sessions
 
@@ -91,8 +91,7 @@ class StoredResponses:
 
     async def retrieve(self, response_id: str, caller: Caller) -> dict[str, Any]:
         """The response as it stands (its output so far while it runs)."""
-        request_id = self._request_id(response_id)
-        found = await self._sessions.snapshot(request_id, KINDS, caller, self._parse, response_id)
+        found = await self._sessions.snapshot(self._lookup(response_id, caller), self._parse)
         assert isinstance(found.body, ResponsesBody)
         writer = writer_of(found.prepared, found.body, found.record)
         return response_snapshot(writer, found.deltas, found.status, found.error)
@@ -102,20 +101,17 @@ class StoredResponses:
     ) -> AsyncGenerator[str, None]:
         """The response's events after sequence number `starting_after` (all: None), live
         until it ends; a running response another gateway held is taken over."""
-        request_id = self._request_id(response_id)
-        session = await self._sessions.resume(request_id, KINDS, caller, self._parse, response_id)
+        session = await self._sessions.resume(self._lookup(response_id, caller), self._parse)
         return self.events(session, starting_after)
 
     async def cancel(self, response_id: str, caller: Caller) -> dict[str, Any]:
         """Cancels a running response (its lease is released); an ended one stays as it is."""
-        request_id = self._request_id(response_id)
-        await self._sessions.cancel(request_id, KINDS, caller, response_id)
+        await self._sessions.cancel(self._lookup(response_id, caller))
         return await self.retrieve(response_id, caller)
 
     async def delete(self, response_id: str, caller: Caller) -> dict[str, Any]:
         """Forgets a response (cancelling it first if it runs here)."""
-        request_id = self._request_id(response_id)
-        await self._sessions.delete(request_id, KINDS, caller, response_id)
+        await self._sessions.delete(self._lookup(response_id, caller))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     async def continued(self, raw: bytes, caller: Caller) -> bytes:
@@ -141,13 +137,8 @@ class StoredResponses:
 
     async def _conversation(self, response_id: str, caller: Caller) -> list[Any]:
         """A stored response's conversation: its input items, then its output items."""
-        request_id = request_id_of(response_id)
         try:
-            if request_id is None:
-                raise not_found(ApiKind.RESPONSES, response_id)
-            found = await self._sessions.snapshot(
-                request_id, KINDS, caller, self._parse, response_id
-            )
+            found = await self._sessions.snapshot(self._lookup(response_id, caller), self._parse)
         except PdserveError as error:
             if error.reason is not ErrorReason.REQUEST_NOT_FOUND:
                 raise
@@ -173,17 +164,17 @@ class StoredResponses:
     ) -> dict[str, Any]:
         """A page of the response's input items (``GET /v1/responses/{id}/input_items``),
         each with an ``id`` (an item sent without one gets ``msg_`` ... of its place)."""
-        request_id = self._request_id(response_id)
-        record = await self._sessions.record(request_id, KINDS, caller, response_id)
+        record = await self._sessions.record(self._lookup(response_id, caller))
         items = _as_items(json.loads(raw_body(record)).get("input")) or []
-        listed = [_listed(item, request_id, index) for index, item in enumerate(items)]
+        listed = [_listed(item, record.request_id, index) for index, item in enumerate(items)]
         return page.of(listed)
 
-    def _request_id(self, response_id: str) -> str:
-        request_id = request_id_of(response_id)
-        if request_id is None:
-            raise not_found(ApiKind.RESPONSES, response_id)
-        return request_id
+    def _lookup(self, response_id: str, caller: Caller) -> Lookup:
+        """The response `response_id` names, asked for by `caller` (unknown: a 404)."""
+        lookup = Lookup(request_id_of(response_id) or "", KINDS, caller, response_id)
+        if not lookup.request_id:
+            raise lookup.not_found()
+        return lookup
 
     async def _parse(self, raw: bytes) -> Parsed:
         body = await self._parser.run(parse_responses_body, len(raw), raw, self._limits)
