@@ -80,20 +80,19 @@ def _record(request_id: str, is_ended: bool = False) -> ResumeRecord:
 
 async def test_a_full_memory_store_drops_the_ended_record_nearest_its_expiry() -> None:
     store = MemoryResumeStore(max_records=3, clock=_Clock())
-    await store.put(_record("running"), ttl_s=100)
+    assert store.admit(_record("running"), ttl_s=100) is None
     await store.put(_record("later", is_ended=True), ttl_s=20)
     await store.put(_record("sooner", is_ended=True), ttl_s=10)
-    await store.put(_record("new"), ttl_s=100)
-    assert await store.get("sooner") is None and store.take_dropped() == ["sooner"]
+    assert store.admit(_record("new"), ttl_s=100) == "sooner"
+    assert await store.get("sooner") is None
     assert await store.get("later") is not None and await store.get("running") is not None
-    await store.put(_record("newer"), ttl_s=100)
-    assert store.take_dropped() == ["later"] and store.take_dropped() == []
+    assert store.admit(_record("newer"), ttl_s=100) == "later"
     with pytest.raises(PdserveError) as refused:  # NOTE: all three run: nothing may go
         await store.put(_record("newest"), ttl_s=100)
     assert refused.value.reason is ErrorReason.RATE_LIMITED
-    await store.put(_record("new", is_ended=True), ttl_s=100)  # NOTE: its end, not a new one
-    await store.put(_record("newest"), ttl_s=100)
-    assert store.take_dropped() == ["new"]
+    # NOTE: its end is not a new record: nothing is dropped for it.
+    assert store.admit(_record("new", is_ended=True), ttl_s=100) is None
+    assert store.admit(_record("newest"), ttl_s=100) == "new"
 
 
 @pytest.fixture

@@ -169,13 +169,14 @@ class EtcdResumeStore:
         Raises:
             PdserveError: RATE_LIMITED as `MemoryResumeStore.put`, PEER_UNAVAILABLE.
         """
-        await self._limit.put(replace(record, body=""), ttl_s)
-        for request_id in self._limit.take_dropped():
-            self._revisions.pop(request_id, None)
-            try:
-                await self._etcd().delete(self._key(request_id))
-            except aetcd.ClientError as error:
-                raise self._unreachable(error) from error
+        dropped = self._limit.admit(replace(record, body=""), ttl_s)
+        if dropped is None:
+            return
+        self._revisions.pop(dropped, None)
+        try:
+            await self._etcd().delete(self._key(dropped))
+        except aetcd.ClientError as error:
+            raise self._unreachable(error) from error
 
     def _written(self, record: ResumeRecord, revision: int) -> None:
         if record.end is None:

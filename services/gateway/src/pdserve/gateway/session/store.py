@@ -185,16 +185,11 @@ class MemoryResumeStore:
             of the ended record nearest its expiry; when every record is of a running request,
             it is refused.
         clock: Monotonic clock.
-
-    Attributes:
-        dropped: Ids of ended records dropped to make room, oldest first, until taken
-            (`take_dropped`).
     """
 
     max_records: int
     clock: Callable[[], float] = time.monotonic
     num_writes: int = 0
-    dropped: list[str] = field(default_factory=list)
     _records: dict[str, tuple[ResumeRecord, float]] = field(default_factory=dict)
 
     def _expire(self) -> None:
@@ -202,27 +197,30 @@ class MemoryResumeStore:
         for request_id in [k for k, (_, expires) in self._records.items() if expires <= now]:
             del self._records[request_id]
 
-    def _make_room(self) -> None:
-        """Drops the ended record nearest its expiry (none ended: the store is full)."""
+    def _make_room(self) -> str:
+        """Drops the ended record nearest its expiry and says which (none ended: full)."""
         ended = [(expires, k) for k, (r, expires) in self._records.items() if r.end is not None]
         if not ended:
             raise _full(self.max_records)
         _, request_id = min(ended)
         del self._records[request_id]
-        self.dropped.append(request_id)
+        return request_id
 
-    def take_dropped(self) -> list[str]:
-        """The ids dropped since the last call."""
-        dropped, self.dropped = self.dropped, []
+    def admit(self, record: ResumeRecord, ttl_s: float) -> str | None:
+        """`put`, saying which ended record made room for it (None: none had to).
+
+        Raises:
+            PdserveError: RATE_LIMITED as `put`.
+        """
+        self._expire()
+        is_new = record.request_id not in self._records
+        dropped = self._make_room() if is_new and len(self._records) >= self.max_records else None
+        self._records[record.request_id] = (record, self.clock() + ttl_s)
+        self.num_writes += 1
         return dropped
 
     async def put(self, record: ResumeRecord, ttl_s: float) -> None:
-        self._expire()
-        is_new = record.request_id not in self._records
-        if is_new and len(self._records) >= self.max_records:
-            self._make_room()
-        self._records[record.request_id] = (record, self.clock() + ttl_s)
-        self.num_writes += 1
+        self.admit(record, ttl_s)
 
     async def put_unless_ended(self, record: ResumeRecord, ttl_s: float) -> ResumeRecord | None:
         stored = await self.get(record.request_id)
