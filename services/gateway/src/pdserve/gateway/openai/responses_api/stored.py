@@ -54,6 +54,7 @@ from pdserve.gateway.request import ApiKind, ResponseStatus
 from pdserve.gateway.session.access import Lookup
 from pdserve.gateway.session.session import Parsed, Session, raw_body
 from pdserve.gateway.session.sessions import Sessions
+from pdserve.gateway.session.store import ResumeRecord
 
 KINDS = (ApiKind.RESPONSES,)
 
@@ -91,10 +92,15 @@ class StoredResponses:
 
     async def retrieve(self, response_id: str, caller: Caller) -> dict[str, Any]:
         """The response as it stands (its output so far while it runs)."""
+        _, response = await self._read(response_id, caller)
+        return response
+
+    async def _read(self, response_id: str, caller: Caller) -> tuple[ResumeRecord, dict[str, Any]]:
+        """The response's record, and the response as it stands."""
         found = await self._sessions.snapshot(self._lookup(response_id, caller), self._parse)
         assert isinstance(found.body, ResponsesBody)
         writer = writer_of(found.prepared, found.body, found.record)
-        return response_snapshot(writer, found.deltas, found.status, found.error)
+        return found.record, response_snapshot(writer, found.deltas, found.status, found.error)
 
     async def stream(
         self, response_id: str, caller: Caller, starting_after: int | None
@@ -138,7 +144,7 @@ class StoredResponses:
     async def _conversation(self, response_id: str, caller: Caller) -> list[Any]:
         """A stored response's conversation: its input items, then its output items."""
         try:
-            found = await self._sessions.snapshot(self._lookup(response_id, caller), self._parse)
+            record, response = await self._read(response_id, caller)
         except PdserveError as error:
             if error.reason is not ErrorReason.REQUEST_NOT_FOUND:
                 raise
@@ -147,16 +153,14 @@ class StoredResponses:
                 "with store: false, or another key's)",
                 PREVIOUS,
             ) from None
-        if found.status not in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE):
+        status = response["status"]
+        if status not in (ResponseStatus.COMPLETED, ResponseStatus.INCOMPLETE):
             raise invalid(
-                f"response {response_id[:200]!r} is {found.status}: only a response that "
-                "ended (completed or incomplete) can be continued",
+                f"response {response_id[:200]!r} is {status}: only a response that ended "
+                "(completed or incomplete) can be continued",
                 PREVIOUS,
             )
-        assert isinstance(found.body, ResponsesBody)
-        writer = writer_of(found.prepared, found.body, found.record)
-        response = response_snapshot(writer, found.deltas, found.status, found.error)
-        earlier = _as_items(json.loads(raw_body(found.record)).get("input")) or []
+        earlier = _as_items(json.loads(raw_body(record)).get("input")) or []
         return earlier + list(response["output"])
 
     async def input_items(
