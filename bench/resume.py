@@ -14,11 +14,17 @@ model), then:
   token). Against it, the time to first event of a new streamed response of the same prompt
   on gateway 1, taken in the same loop.
 * **Normal-path cost.** ``--requests`` streamed responses on gateway 0, ``--rounds`` rounds
-  alternating plain (stateless) and ``background: true`` (resumable: one delta per token, the
-  record in etcd, the decode keeping the stream): gateway 0's CPU seconds per request (from
-  /proc) and the records it wrote per request (``pdserve_gateway_resume_store_writes_total``).
+  rotating plain (``store: false``: stateless), stored (the default: its record written to etcd
+  as it ends) and ``background: true`` (resumable: one delta per token, the record in etcd, the
+  decode keeping the stream): gateway 0's CPU seconds per request (from /proc) and the records
+  it wrote per request (``pdserve_gateway_resume_store_writes_total``).
+* **A continuation.** ``--turns`` times: a stored response on gateway 0, then its next turn
+  through gateway 1, alternately by ``previous_response_id`` (the earlier turn read from etcd
+  and its output made again from its tokens) and sent whole (``store: false``), each the
+  time to its whole (non-streamed) answer of ``--turn-tokens`` tokens.
 
-    .venv/bin/python bench/resume.py [--resumes 50] [--requests 32] [--rounds 4] [--demo] [--json]
+    .venv/bin/python bench/resume.py [--resumes 50] [--requests 32] [--rounds 4] [--turns 20]
+        [--demo] [--json]
 """
 
 from __future__ import annotations
@@ -94,7 +100,12 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _body(model: str, max_tokens: int, background: bool, seed: int) -> dict[str, Any]:
+KINDS = ("plain", "stored", "resumable")
+
+
+def _body(model: str, max_tokens: int, kind: str, seed: int) -> dict[str, Any]:
+    """A streamed response of `kind` (``plain``: not stored, ``stored``, ``resumable``: in the
+    background)."""
     return {
         "model": model,
         "input": PROMPT,
@@ -103,7 +114,8 @@ def _body(model: str, max_tokens: int, background: bool, seed: int) -> dict[str,
         "seed": seed,
         "ignore_eos": True,
         "stream": True,
-        "background": background,
+        "background": kind == "resumable",
+        "store": kind != "plain",
     }
 
 
@@ -132,7 +144,7 @@ async def measure_resumes(
     resume_s: list[float] = []
     ttft_s: list[float] = []
     for index in range(args.resumes):
-        body = _body(model, args.max_tokens, True, seed=index)
+        body = _body(model, args.max_tokens, "resumable", seed=index)
         delta_numbers: list[int] = []
         response_id = ""
         async with http.stream("POST", f"{urls[0]}/v1/responses", json=body) as created:
@@ -148,7 +160,7 @@ async def measure_resumes(
         url = f"{urls[1]}/v1/responses/{response_id}"
         params = {"stream": "true", "starting_after": str(last)}
         resume_s.append(await _first_event_s(http, "GET", url, params=params))
-        new = _body(model, args.max_tokens, False, seed=index)
+        new = _body(model, args.max_tokens, "plain", seed=index)
         ttft_s.append(await _first_event_s(http, "POST", f"{urls[1]}/v1/responses", json=new))
     summary = {
         f"{name}_p{q}_ms": round(1000 * percentile(values, q), 2)
@@ -171,22 +183,22 @@ async def _store_writes(http: httpx.AsyncClient, url: str) -> float:
 async def measure_cost(
     http: httpx.AsyncClient, url: str, model: str, pid: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    rounds: dict[str, list[dict[str, float]]] = {"plain": [], "resumable": []}
+    rounds: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
 
-    async def one(background: bool, seed: int) -> None:
-        body = _body(model, args.max_tokens, background, seed)
+    async def one(kind: str, seed: int) -> None:
+        body = _body(model, args.max_tokens, kind, seed)
         async with http.stream("POST", f"{url}/v1/responses", json=body) as response:
             response.raise_for_status()
             async for _ in _events(response):
                 pass
 
     for index in range(args.rounds):
-        order = ("plain", "resumable") if index % 2 == 0 else ("resumable", "plain")
+        order = KINDS[index % 3 :] + KINDS[: index % 3]
         for name in order:
             writes_before, cpu_before = await _store_writes(http, url), cpu_s(pid)
             for start in range(0, args.requests, args.concurrency):
                 batch = range(start, min(start + args.concurrency, args.requests))
-                await asyncio.gather(*(one(name == "resumable", seed) for seed in batch))
+                await asyncio.gather(*(one(name, seed) for seed in batch))
             await asyncio.sleep(0.5)  # NOTE: the round's last end records land in it
             cpu = cpu_s(pid) - cpu_before
             writes = await _store_writes(http, url) - writes_before
@@ -200,12 +212,46 @@ async def measure_cost(
     for name, values in rounds.items():
         for key in values[0]:
             summary[f"{name}_{key}"] = round(statistics.median(v[key] for v in values), 3)
-    summary["cpu_ratio_resumable_over_plain"] = round(
-        summary["resumable_gateway_cpu_ms_per_request"]
-        / summary["plain_gateway_cpu_ms_per_request"],
-        3,
-    )
+    for name in ("stored", "resumable"):
+        summary[f"cpu_ratio_{name}_over_plain"] = round(
+            summary[f"{name}_gateway_cpu_ms_per_request"]
+            / summary["plain_gateway_cpu_ms_per_request"],
+            3,
+        )
     summary["rounds"] = rounds
+    return summary
+
+
+async def measure_continuations(
+    http: httpx.AsyncClient, urls: list[str], model: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    times: dict[str, list[float]] = {"continued": [], "whole": []}
+    for index in range(args.turns):
+        first = {"model": model, "input": f"{index}: {PROMPT}", "max_output_tokens": 16,
+                 "temperature": 0.0}  # fmt: skip
+        answer = (await http.post(f"{urls[0]}/v1/responses", json=first)).json()
+        turn = {"model": model, "max_output_tokens": args.turn_tokens, "temperature": 0.0,
+                "ignore_eos": True}  # fmt: skip
+        continued = {**turn, "input": "And then?", "previous_response_id": answer["id"]}
+        whole = {
+            **turn,
+            "store": False,
+            "input": [{"role": "user", "content": first["input"]}, *answer["output"],
+                      {"role": "user", "content": "And then?"}],
+        }  # fmt: skip
+        order = (("continued", continued), ("whole", whole))
+        for name, body in order if index % 2 == 0 else order[::-1]:
+            started = time.perf_counter()
+            response = await http.post(f"{urls[1]}/v1/responses", json=body)
+            response.raise_for_status()
+            times[name].append(time.perf_counter() - started)
+    summary: dict[str, Any] = {
+        f"{name}_p50_ms": round(1000 * statistics.median(values), 2)
+        for name, values in times.items()
+    }
+    summary["continued_over_whole_p50"] = round(
+        summary["continued_p50_ms"] / summary["whole_p50_ms"], 3
+    )
     return summary
 
 
@@ -216,13 +262,14 @@ async def measure(cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=120) as http:
         for url in urls:  # NOTE: warm both gateways (tokenizer, channels)
             await _first_event_s(
-                http, "POST", f"{url}/v1/responses", json=_body(model, 4, False, 0)
+                http, "POST", f"{url}/v1/responses", json=_body(model, 4, "plain", 0)
             )
         resumes = await measure_resumes(http, urls, model, args)
         await asyncio.sleep(2.0)  # NOTE: the last responses' end records are written meanwhile
         gateway_pid = cluster.gateways[0].pid
         cost = await measure_cost(http, urls[0], model, gateway_pid, args)
-    return {"resume": resumes, "cost": cost}
+        continuations = await measure_continuations(http, urls, model, args)
+    return {"resume": resumes, "cost": cost, "continuation": continuations}
 
 
 def parse_args() -> argparse.Namespace:
@@ -232,7 +279,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=20, help="continuations timed, each way")
+    parser.add_argument("--turn-tokens", type=int, default=8, help="tokens of a continuation")
     parser.add_argument("--demo", action="store_true", help="the tiny demo model instead")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser.parse_args()
@@ -274,10 +323,16 @@ def main() -> None:
         f"{resume['resume_over_ttft_p99']:>10}"
     )
     print()
-    print(f"{'':<34}{'plain':>10}{'resumable':>10}")
+    print(f"{'':<34}" + "".join(f"{kind:>11}" for kind in KINDS))
     for key in ("gateway_cpu_ms_per_request", "store_writes_per_request"):
-        print(f"{key:<34}{cost[f'plain_{key}']:>10}{cost[f'resumable_{key}']:>10}")
-    print(f"CPU ratio (resumable / plain): {cost['cpu_ratio_resumable_over_plain']}")
+        print(f"{key:<34}" + "".join(f"{cost[f'{kind}_{key}']:>11}" for kind in KINDS))
+    for name in ("stored", "resumable"):
+        print(f"CPU ratio ({name} / plain): {cost[f'cpu_ratio_{name}_over_plain']}")
+    turns = results["continuation"]
+    print(
+        f"a turn by previous_response_id / sent whole, p50: {turns['continued_p50_ms']} / "
+        f"{turns['whole_p50_ms']} ms ({turns['continued_over_whole_p50']}x)"
+    )
     print(f"results: {path}")
 
 

@@ -39,6 +39,8 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.access.auth import Caller
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_responses_body
@@ -55,6 +57,8 @@ from pdserve.gateway.session.access import Lookup
 from pdserve.gateway.session.session import Parsed, Session, raw_body
 from pdserve.gateway.session.sessions import Sessions
 from pdserve.gateway.session.store import ResumeRecord
+
+log = structlog.get_logger("pdserve.gateway.openai.responses_api.stored")
 
 KINDS = (ApiKind.RESPONSES,)
 
@@ -138,7 +142,11 @@ class StoredResponses:
         if current is None:
             return raw
         assert isinstance(previous, str)
-        data["input"] = await self._conversation(previous, caller) + current
+        earlier = await self._conversation(previous, caller)
+        data["input"] = earlier + current
+        log.info(
+            "response_continued", previous_response_id=previous, num_earlier_items=len(earlier)
+        )
         return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
 
     async def _conversation(self, response_id: str, caller: Caller) -> list[Any]:
