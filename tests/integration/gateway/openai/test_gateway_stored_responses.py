@@ -179,6 +179,32 @@ async def test_what_cannot_be_continued_is_a_400_naming_previous_response_id(
     assert len(cluster.prefills[0].requests) == num_sent
 
 
+@pytest.mark.parametrize(
+    ("new_input", "param", "words"),
+    [
+        ([{"type": "function_call_output", "call_id": "c9", "output": "1"}],
+         "input[0].call_id", "input[0].call_id 'c9' answers no function_call"),
+        ([{"role": "user", "content": "x"}, {"role": "robot", "content": "x"}],
+         "input", "input.1.role"),
+        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+         "input[0].content[0]", "'input_image'"),
+    ],
+)  # fmt: skip
+async def test_a_refused_item_of_a_continuation_is_named_as_its_client_sent_it(
+    pd: Cluster, new_input: list[Any], param: str, words: str
+) -> None:
+    client = pd.openai()
+    first = await client.responses.create(**_create(input="hello"))
+    async with pd.http() as http:
+        answer = await http.post(
+            "/v1/responses",
+            json={"model": MODEL_NAME, "input": new_input, "previous_response_id": first.id},
+        )
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
 async def test_a_function_call_is_answered_by_its_call_id_in_the_next_turn(
     cluster: Cluster,
 ) -> None:

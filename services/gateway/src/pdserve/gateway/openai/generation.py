@@ -25,6 +25,7 @@ from pdserve.gateway.openai.http import error_response, request_id_of
 from pdserve.gateway.openai.parsing import OpenAIBody, parse_openai_body
 from pdserve.gateway.openai.responses import Responder
 from pdserve.gateway.openai.responses_api.convert import ResponsesBody, parse_responses_body
+from pdserve.gateway.openai.responses_api.stored import as_sent
 from pdserve.gateway.openai.responses_api.writer import ResponseWriter
 from pdserve.gateway.openai.rest_context import RestContext
 from pdserve.gateway.openai.resumable import events as resumable_events
@@ -99,9 +100,13 @@ async def _prepare(
     can_keep = context.sessions.can_keep
     if kind is ApiKind.RESPONSES:
         stored = context.stored
+        num_earlier = 0
         if stored is not None and b"previous_response_id" in raw:
-            raw = await stored.continued(raw, caller)
-        parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
+            raw, num_earlier = await stored.continued(raw, caller)
+        try:
+            parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
+        except PdserveError as error:
+            raise as_sent(error, num_earlier) from None
         if stored is None:
             if parsed.background:
                 raise invalid("background responses are not enabled on this gateway", "background")

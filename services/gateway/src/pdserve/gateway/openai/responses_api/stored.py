@@ -35,6 +35,7 @@ it; to any other key (and for unknown or expired ids) it does not exist (404; 40
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,9 +125,10 @@ class StoredResponses:
         await self._sessions.delete(self._lookup(response_id, caller))
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    async def continued(self, raw: bytes, caller: Caller) -> bytes:
+    async def continued(self, raw: bytes, caller: Caller) -> tuple[bytes, int]:
         """`raw` with the conversation of the response its ``previous_response_id`` names
-        before its input (`raw` as it is without one, or where the parser will refuse it).
+        before its input (`raw` as it is without one, or where the parser will refuse it),
+        and how many items that conversation put there (`as_sent` names the client's).
 
         Raises:
             PdserveError: INVALID_REQUEST naming ``previous_response_id`` for a response that
@@ -136,18 +138,18 @@ class StoredResponses:
         try:
             data = json.loads(raw)
         except ValueError:
-            return raw
+            return raw, 0
         previous = data.get("previous_response_id") if isinstance(data, dict) else None
         current = _as_items(data.get("input")) if isinstance(previous, str) else None
         if current is None:
-            return raw
+            return raw, 0
         assert isinstance(previous, str)
         earlier = await self._conversation(previous, caller)
         data["input"] = earlier + current
         log.info(
             "response_continued", previous_response_id=previous, num_earlier_items=len(earlier)
         )
-        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(), len(earlier)
 
     async def _conversation(self, response_id: str, caller: Caller) -> list[Any]:
         """A stored response's conversation: its input items, then its output items."""
@@ -199,6 +201,26 @@ def _writer(session: Session) -> ResponseWriter:
 
 
 PREVIOUS = "previous_response_id"
+_INPUT_INDEX = re.compile(r"input(\[|\.)(\d+)")
+
+
+def as_sent(error: PdserveError, num_earlier: int) -> PdserveError:
+    """`error` about a continued request's input as its client sent it: an item of its own
+    input named by its place there (``input[i]``, ``input.i``), one of the earlier
+    conversation as ``previous_response_id``."""
+    param = error.metadata.get("param", "")
+    places = [int(found.group(2)) for found in _INPUT_INDEX.finditer(param + error.message)]
+    if not num_earlier or not places or error.reason is not ErrorReason.INVALID_REQUEST:
+        return error
+    if min(places) < num_earlier:
+        return invalid(
+            f"the conversation of previous_response_id is refused: {error.message}", PREVIOUS
+        )
+
+    def own(found: re.Match[str]) -> str:
+        return f"input{found.group(1)}{int(found.group(2)) - num_earlier}"
+
+    return invalid(_INPUT_INDEX.sub(own, error.message), _INPUT_INDEX.sub(own, param))
 
 
 def _as_items(value: object) -> list[Any] | None:
