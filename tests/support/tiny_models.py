@@ -6,11 +6,14 @@ serve them through real prefill and decode services.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from safetensors.numpy import load_file, save_file
 
 VOCAB_SIZE = 300
 # NOTE: a wide initializer spreads the logits, so greedy choices are not near-ties that a
@@ -348,3 +351,51 @@ def servable_tiny_model(name: str, path: Path, demo_model_dir: Path) -> Path:
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(demo_model_dir / file, path / file)
     return path
+
+
+# e2m1: the 4-bit code's value, as the MXFP4 format and transformers' FP4_VALUES give it.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+MXFP4_BLOCK = 32
+MXFP4_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def mxfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`weight` (``[..., rows, cols]``) in MXFP4 as gpt-oss's checkpoints hold it: per 32
+    columns an e8m0 scale (``2 ** (scale - 127)``, the block's largest value in [4, 8)) and
+    4-bit e2m1 codes, two to a byte, the even column in the low nibble.
+
+    Returns:
+        (blocks ``[..., rows, cols / 32, 16]``, scales ``[..., rows, cols / 32]``, the weight
+        the two hold).
+    """
+    groups = weight.reshape(*weight.shape[:-1], -1, MXFP4_BLOCK).astype(np.float64)
+    exponent = np.floor(np.log2(np.maximum(np.abs(groups).max(axis=-1), 2.0**-100))) - 2
+    step = np.exp2(exponent)[..., None]
+    codes = np.abs(groups[..., None] / step[..., None] - E2M1_VALUES).argmin(axis=-1)
+    codes = codes.astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    held = (E2M1_VALUES[codes] * step).reshape(weight.shape).astype(np.float32)
+    # NOTE: contiguous: safetensors writes an array's memory as it lies.
+    scales = np.ascontiguousarray((exponent + 127).astype(np.uint8))
+    return np.ascontiguousarray(blocks), scales, held
+
+
+def pack_mxfp4(hf_dir: Path, mxfp4_dir: Path) -> None:
+    """A saved gpt-oss as released: `mxfp4_dir` a copy of `hf_dir` with the experts packed as
+    the released checkpoints are (``*_blocks``, ``*_scales`` and an ``mxfp4``
+    quantization_config); `hf_dir`'s experts become the floats the packed ones hold, so the
+    two checkpoints are one model."""
+    shutil.copytree(hf_dir, mxfp4_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    packed = dict(tensors)
+    for name in [n for n in tensors if n.endswith(MXFP4_EXPERTS)]:
+        # transformers: [experts, in, out]; MXFP4 blocks run along in: [experts, out, in / 32]
+        blocks, scales, held = mxfp4(tensors[name].transpose(0, 2, 1))
+        tensors[name] = np.ascontiguousarray(held.transpose(0, 2, 1))
+        del packed[name]
+        packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, str(mxfp4_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((mxfp4_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (mxfp4_dir / "config.json").write_text(json.dumps(config))

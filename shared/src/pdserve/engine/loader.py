@@ -25,6 +25,7 @@ from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
+from pdserve.engine.mxfp4 import PackedPairs
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
 from pdserve.engine.quant import quantize_linears, weight_bytes
@@ -122,14 +123,17 @@ def load_model(
     family = family_of(config.model_type)
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t", None)
+    packed = PackedPairs(dtype)
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if hf_name in kept.hf_names:
                     continue
-                tensor = reader.get_tensor(hf_name)
-                _load_tensor(family, hf_name, tensor, params, pending, model)
-                del tensor  # NOTE: before the next one is read: one tensor in flight
+                joined = packed.join(hf_name, reader.get_tensor(hf_name))
+                if joined is not None:
+                    _load_tensor(family, *joined, params, pending, model)
+                del joined  # NOTE: before the next one is read: one tensor in flight
+    packed.check_done()
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ModelLoadError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
@@ -165,6 +169,7 @@ def load_model(
         quantization=quantization,
         num_quantized=num_quantized,
         tensor_types=kept.tensor_types or None,
+        mxfp4_weights=packed.num_joined or None,
         weight_bytes=weight_bytes(model),
     )
     return model

@@ -1,4 +1,5 @@
-"""gpt-oss (gpt-oss-20b, gpt-oss-120b, as bfloat16: the released MXFP4 experts are refused).
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b: as released, the experts in MXFP4, which the loader reads
+as the values they hold (`pdserve.engine.mxfp4`), or a bfloat16 copy).
 
 Attention sinks, sliding and full layers alternating by ``layer_types``, YaRN RoPE, a bias on
 every attention projection; every layer MoE: the router (with a bias) picks the top-k logits
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.engine.arch_config import ModelLoadError, MoeConfig
+from pdserve.engine.arch_config import MoeConfig
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import ATTENTION_NAMES, ArchitectureRules
 
@@ -55,11 +56,6 @@ def _load_tensor(name: str, tensor: torch.Tensor, config: Any) -> torch.Tensor:
     column by column in ``gate_up_proj`` (``[experts, in, 2 * size]``) and its bias, become
     the gate's half then the up's; the ``[experts, in, out]`` projections become ``[experts,
     out, in]``, how transformers' other families write stacked experts."""
-    if name.endswith(("_blocks", "_scales")):
-        raise ModelLoadError(
-            f"{name!r} is MXFP4 (gpt-oss's released expert weights): not supported; "
-            "serve a bfloat16 copy of the checkpoint"
-        )
     if name.endswith(".experts.gate_up_proj_bias"):
         return torch.cat((tensor[..., ::2], tensor[..., 1::2]), dim=-1)
     if name.endswith(".experts.gate_up_proj"):
