@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from support.prefill_cluster import cluster, reference_engine
-from support.tiny_models import ARCHITECTURES, save_tiny_model
+from support.tiny_models import ARCHITECTURES, pack_mxfp4, save_tiny_model
 
 from pdserve.common.generation import SamplingParams
 
@@ -68,6 +68,22 @@ async def test_a_family_through_the_split_equals_the_engine(
     async with cluster(family_dirs[family], kv_transports=transport) as pd:
         results = await asyncio.gather(
             *(pd.complete(f"{family}-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
+        )
+        assert results == expected
+        await pd.eventually_whole()
+
+
+async def test_gpt_oss_as_released_through_the_split_equals_its_float_copy(
+    tmp_path: Path,
+) -> None:
+    """The prefill and the decode both read the MXFP4 experts (`pdserve.engine.mxfp4`)."""
+    floats = save_tiny_model("gpt_oss", tmp_path / "float")
+    pack_mxfp4(floats, tmp_path / "mxfp4")
+    engine = reference_engine(floats)
+    expected = [engine.generate([prompt], GREEDY)[0] for prompt in PROMPTS]
+    async with cluster(tmp_path / "mxfp4", kv_transports="shm") as pd:
+        results = await asyncio.gather(
+            *(pd.complete(f"mxfp4-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
         )
         assert results == expected
         await pd.eventually_whole()
