@@ -399,3 +399,57 @@ def pack_mxfp4(hf_dir: Path, mxfp4_dir: Path) -> None:
     config = json.loads((mxfp4_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (mxfp4_dir / "config.json").write_text(json.dumps(config))
+
+
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+def _over_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """Block scales spread over the weight of `shape` they scale."""
+    rows, cols = shape[-2:]
+    spread = scale.repeat_interleave(block[0], -2)[..., :rows, :]
+    return spread.repeat_interleave(block[1], -1)[..., :cols]
+
+
+def _fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` (``[..., rows, cols]``) in block FP8: the e4m3 values and the float32 scales of
+    ``block`` rows by columns (each block's largest value at 448)."""
+    rows, cols = weight.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(*weight.shape[:-2], grid[0] * block[0], grid[1] * block[1])
+    padded[..., :rows, :cols] = weight
+    blocks = padded.unflatten(-1, (grid[1], block[1])).unflatten(-3, (grid[0], block[0]))
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)  # [..., grid rows, grid cols]
+    scale = (amax / FP8_MAX).to(torch.float32)
+    values = (weight / _over_blocks(scale, block, weight.shape)).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def pack_fp8(hf_dir: Path, fp8_dir: Path, block: tuple[int, int]) -> None:
+    """A saved model as block-FP8 checkpoints are released (DeepSeek-V3's form): `fp8_dir` a
+    copy of `hf_dir` whose projections are float8 e4m3 with ``<name>_scale_inv`` block scales
+    and an ``fp8`` quantization_config; `hf_dir`'s projections become the floats the FP8 ones
+    hold (each value times its scale, in float32), so the two checkpoints are one model."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    shutil.copytree(hf_dir, fp8_dir)
+    tensors = load_torch(str(hf_dir / "model.safetensors"))
+    packed = dict(tensors)
+    for name, weight in tensors.items():
+        is_projection = name.endswith(("proj.weight", "proj_with_mqa.weight"))
+        if not (is_projection or name.endswith(MXFP4_EXPERTS)):
+            continue
+        values, scale = _fp8(weight.float(), block)
+        tensors[name] = (values.float() * _over_blocks(scale, block, weight.shape)).contiguous()
+        packed |= {name: values.contiguous(), f"{name}_scale_inv": scale.contiguous()}
+    save_torch(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_torch(packed, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    (fp8_dir / "config.json").write_text(json.dumps(config))

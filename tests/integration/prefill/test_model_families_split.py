@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from support.prefill_cluster import cluster, reference_engine
-from support.tiny_models import ARCHITECTURES, pack_mxfp4, save_tiny_model
+from support.tiny_models import ARCHITECTURES, pack_fp8, pack_mxfp4, save_tiny_model
 
 from pdserve.common.generation import SamplingParams
 
@@ -73,17 +73,23 @@ async def test_a_family_through_the_split_equals_the_engine(
         await pd.eventually_whole()
 
 
-async def test_gpt_oss_as_released_through_the_split_equals_its_float_copy(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("family", "pack"),
+    [("gpt_oss", pack_mxfp4), ("deepseek_v3", lambda f, p: pack_fp8(f, p, (16, 16)))],
+    ids=["mxfp4", "fp8"],
+)
+async def test_a_model_as_released_through_the_split_equals_its_float_copy(
+    tmp_path: Path, family: str, pack: Callable[[Path, Path], None]
 ) -> None:
-    """The prefill and the decode both read the MXFP4 experts (`pdserve.engine.mxfp4`)."""
-    floats = save_tiny_model("gpt_oss", tmp_path / "float")
-    pack_mxfp4(floats, tmp_path / "mxfp4")
+    """The prefill and the decode both read the packed weights (gpt-oss's MXFP4 experts,
+    DeepSeek-V3's block FP8: `pdserve.engine.packed_weights`)."""
+    floats = save_tiny_model(family, tmp_path / "float")
+    pack(floats, tmp_path / "packed")
     engine = reference_engine(floats)
     expected = [engine.generate([prompt], GREEDY)[0] for prompt in PROMPTS]
-    async with cluster(tmp_path / "mxfp4", kv_transports="shm") as pd:
+    async with cluster(tmp_path / "packed", kv_transports="shm") as pd:
         results = await asyncio.gather(
-            *(pd.complete(f"mxfp4-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
+            *(pd.complete(f"packed-{i}", p, GREEDY) for i, p in enumerate(PROMPTS))
         )
         assert results == expected
         await pd.eventually_whole()

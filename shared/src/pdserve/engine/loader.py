@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import structlog
@@ -25,7 +26,7 @@ from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
-from pdserve.engine.mxfp4 import PackedPairs
+from pdserve.engine.packed_weights import DEFAULT_FP8_BLOCK, PackedPairs
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
 from pdserve.engine.quant import quantize_linears, weight_bytes
@@ -123,7 +124,7 @@ def load_model(
     family = family_of(config.model_type)
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t", None)
-    packed = PackedPairs(dtype)
+    packed = PackedPairs(dtype, _fp8_block(path))
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -169,10 +170,20 @@ def load_model(
         quantization=quantization,
         num_quantized=num_quantized,
         tensor_types=kept.tensor_types or None,
-        mxfp4_weights=packed.num_joined or None,
+        packed_weights=packed.num_joined or None,
         weight_bytes=weight_bytes(model),
     )
     return model
+
+
+def _fp8_block(path: Path) -> tuple[int, int]:
+    """The block of an FP8 checkpoint's weight scales (``quantization_config``)."""
+    config = json.loads((path / "config.json").read_text())
+    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    if not block:
+        return DEFAULT_FP8_BLOCK
+    rows, cols = (int(size) for size in block)
+    return rows, cols
 
 
 def _expected_shards(name: str, param: torch.Tensor) -> set[int]:

@@ -1,0 +1,143 @@
+"""Weights a safetensors checkpoint stores as two tensors, joined as the checkpoint is read.
+
+* **MXFP4**, as gpt-oss's released checkpoints hold their experts: a weight ``<name>`` is
+  ``<name>_blocks`` (uint8, ``[..., rows, cols / 32, 16]``: two 4-bit e2m1 codes a byte, the
+  even element in the low nibble) and ``<name>_scales`` (uint8 e8m0, ``[..., rows, cols / 32]``:
+  each block of 32 elements times ``2 ** (scale - 127)``). Every value is exact in bfloat16 and
+  float32 (an e2m1 value has one mantissa bit, the scale is a power of two): the weight is the
+  checkpoint's own values. Stacked experts (``[experts, rows, cols]``) come out as
+  transformers' MXFP4 dequantization gives them, ``[experts, cols, rows]``: the layout of the
+  same checkpoint in bfloat16.
+* **Block FP8**, as DeepSeek-V3's, GLM-4.5-FP8's and Qwen3's FP8 checkpoints hold their
+  projections (``quantization_config``: ``quant_method: fp8``, ``weight_block_size``): a weight
+  ``<name>`` in float8 (e4m3) and ``<name>_scale_inv`` (float32, ``[ceil(rows / block rows),
+  ceil(cols / block cols)]``), the weight being each value times its block's scale, computed
+  in float32 as transformers and DeepSeek's reference do (the product of an e4m3 value and a
+  float32 scale rounded once), then in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.arch_config import ModelLoadError
+
+BLOCKS = "_blocks"
+SCALES = "_scales"
+SCALE_INV = "_scale_inv"
+MXFP4_BLOCK = 32
+_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-value for value in _E2M1_MAGNITUDES)
+"""The value of each 4-bit e2m1 code."""
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DEFAULT_FP8_BLOCK = (128, 128)
+"""DeepSeek-V3's block, where a checkpoint's config does not say its own."""
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight an MXFP4 blocks and scales pair holds, ``[..., rows, cols]`` in `dtype` (made
+    one slice of the first dimension at a time: no float32 copy of a whole expert stack)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(
+            f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}"
+        )
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ModelLoadError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
+        )
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    # NOTE: byte b -> its two values (the low nibble's first): one lookup per byte.
+    pairs = torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
+    shape = (*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
+    out = torch.empty(shape, dtype=dtype)
+    flat_blocks = blocks.reshape(-1, *blocks.shape[-3:])
+    flat_scales = scales.reshape(-1, *scales.shape[-2:])
+    flat_out = out.view(-1, *shape[-2:])
+    for index in range(flat_out.shape[0]):
+        # weight: [rows, cols / 32, 32], times its block's power of two (exact)
+        weight = pairs[flat_blocks[index].long()].flatten(-2)
+        weight.mul_(torch.exp2(flat_scales[index].to(torch.float32) - 127)[..., None])
+        flat_out[index].copy_(weight.flatten(-2))
+    return out
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight a block-FP8 weight and its scales hold, ``[..., rows, cols]`` in `dtype`."""
+    rows, cols = weight.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if weight.dtype not in FP8_TYPES or tuple(scale_inv.shape[-2:]) != grid:
+        raise ModelLoadError(
+            f"an FP8 weight {tuple(weight.shape)} ({weight.dtype}) with blocks of {block} has "
+            f"scales {grid}, not {tuple(scale_inv.shape)}"
+        )
+    scale = scale_inv.to(torch.float32)
+    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+    return (weight.to(torch.float32) * scale).to(dtype)
+
+
+class PackedPairs:
+    """Joins each packed weight's two tensors as a checkpoint is read, one tensor at a time.
+
+    Args:
+        dtype: The dtype the weights are made in (the model's).
+        fp8_block: The block of an FP8 checkpoint's scales (rows, columns).
+
+    Attributes:
+        num_joined: Packed weights read so far, by format (``mxfp4``, ``fp8``).
+    """
+
+    def __init__(self, dtype: torch.dtype, fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> None:
+        self._dtype = dtype
+        self._fp8_block = fp8_block
+        # weight name -> (the half's role, the tensor), until the other half is read
+        self._halves: dict[str, tuple[str, torch.Tensor]] = {}
+        self.num_joined: dict[str, int] = {}
+
+    def join(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """`(name, tensor)` for a tensor that is no half of a pair; for a half, None until
+        its other half is read, then the weight under its own name."""
+        if name.endswith(BLOCKS):
+            weight, role = name.removesuffix(BLOCKS), BLOCKS
+        elif name.endswith(SCALES):
+            weight, role = name.removesuffix(SCALES), SCALES
+        elif name.endswith(SCALE_INV):
+            weight, role = name.removesuffix(SCALE_INV), SCALE_INV
+        elif tensor.dtype in FP8_TYPES:
+            weight, role = name, ""
+        else:
+            return name, tensor
+        other = self._halves.pop(weight, None)
+        if other is None:
+            self._halves[weight] = (role, tensor)
+            return None
+        halves = {role: tensor, other[0]: other[1]}
+        if BLOCKS in halves and SCALES in halves:
+            joined = dequantize_mxfp4(halves[BLOCKS], halves[SCALES], self._dtype)
+            self._count("mxfp4")
+            return weight, joined.transpose(-1, -2) if joined.dim() == 3 else joined
+        if "" in halves and SCALE_INV in halves:
+            self._count("fp8")
+            return weight, dequantize_fp8(
+                halves[""], halves[SCALE_INV], self._fp8_block, self._dtype
+            )
+        raise ModelLoadError(f"{weight!r} has halves {sorted(halves)} that make no weight")
+
+    def _count(self, kind: str) -> None:
+        self.num_joined[kind] = self.num_joined.get(kind, 0) + 1
+
+    def check_done(self) -> None:
+        """Raises for a half whose other half the checkpoint lacks.
+
+        Raises:
+            ModelLoadError: Naming it.
+        """
+        if not self._halves:
+            return
+        weight, (role, _) = next(iter(self._halves.items()))
+        lacking = {BLOCKS: SCALES, SCALES: BLOCKS, SCALE_INV: "", "": SCALE_INV}[role]
+        raise ModelLoadError(f"packed tensor {weight + role!r} has no {weight + lacking!r}")

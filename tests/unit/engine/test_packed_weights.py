@@ -1,0 +1,124 @@
+"""Checkpoints as released with packed weights load as the values they hold: gpt-oss's MXFP4
+experts (``*_blocks``, ``*_scales``), bit for bit what transformers' own MXFP4 dequantization
+gives, and DeepSeek-V3's block FP8 projections (float8 e4m3 with ``*_scale_inv``), as
+transformers' FP8 dequantization computes them. Each model is then the same checkpoint's in
+floats: the same logits and greedy tokens as transformers on it, the same bfloat16 weights as
+the bfloat16 copy; a pair missing its half is refused by name."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from support.hf_reference import hf_greedy
+from support.tiny_models import EAGER_ONLY, build_hf_model, pack_fp8, pack_mxfp4
+from transformers import AutoModelForCausalLM
+from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_config import ModelLoadError
+from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4
+
+LOGITS_ATOL = 1e-4
+NUM_NEW_TOKENS = 24
+FP8_BLOCK = (16, 16)  # NOTE: smaller than the tiny weights, with partial blocks at their ends
+
+
+class Released(NamedTuple):
+    """A tiny model as released with packed weights, and the same model in floats."""
+
+    family: str
+    floats: Path
+    packed: Path
+
+
+PACKERS: dict[str, tuple[str, Callable[[Path, Path], None]]] = {
+    "mxfp4": ("gpt_oss", pack_mxfp4),
+    "fp8": ("deepseek_v3", lambda floats, packed: pack_fp8(floats, packed, FP8_BLOCK)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PACKERS))
+def released(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Released:
+    family, pack = PACKERS[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    build_hf_model(family).save_pretrained(root / "float")
+    pack(root / "float", root / "packed")
+    return Released(family, root / "float", root / "packed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_values_are_transformers_dequantization_bit_for_bit(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 140, (3, 40, 4), dtype=torch.uint8, generator=generator)
+    ours = dequantize_mxfp4(blocks, scales, dtype)
+    assert ours.shape == (3, 40, 128) and ours.dtype == dtype
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [3, 128, 40]
+    assert torch.equal(ours.transpose(1, 2), expected)
+    # NOTE: exact in bfloat16 too
+    assert torch.equal(ours.float(), dequantize_mxfp4(blocks, scales, torch.float32))
+
+
+@pytest.mark.parametrize("shape", [(40, 70), (2, 33, 48)])
+def test_fp8_values_are_transformers_dequantization(shape: tuple[int, ...]) -> None:
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn(shape, generator=generator) * 50).to(torch.float8_e4m3fn)
+    grid = (*shape[:-2], -(-shape[-2] // 16), -(-shape[-1] // 16))
+    scale_inv = torch.rand(grid, generator=generator) / 100
+    ours = dequantize_fp8(weight, scale_inv, FP8_BLOCK, torch.float32)
+    expected = _dequantize_fp8_weight(weight, scale_inv, list(FP8_BLOCK), torch.float32)
+    assert torch.equal(ours, expected)
+    with pytest.raises(ModelLoadError, match="has scales"):
+        dequantize_fp8(weight, scale_inv[..., :-1], FP8_BLOCK, torch.float32)
+
+
+def test_the_released_form_equals_transformers_on_its_floats(released: Released) -> None:
+    reference = AutoModelForCausalLM.from_pretrained(
+        released.floats,
+        dtype=torch.float32,
+        attn_implementation="eager" if released.family in EAGER_ONLY else "sdpa",
+    ).eval()
+    config = EngineConfig(
+        model=str(released.packed), dtype="float32", seed=0, cache=CacheConfig(num_blocks=32)
+    )
+    engine = LLMEngine(config)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 290, (n,), generator=generator).tolist() for n in (7, 19, 33)]
+    chunk = ScheduledChunk(prompts[-1], 0, engine.block_pool.allocate(3))
+    logits = engine.runner.execute([chunk])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompts[-1]])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL, rtol=0)
+    engine.block_pool.free(chunk.block_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    for prompt, output in zip(prompts, engine.generate(prompts, params), strict=True):
+        assert output == hf_greedy(reference, prompt, NUM_NEW_TOKENS)
+
+
+def test_bfloat16_weights_equal_the_bfloat16_copys(released: Released) -> None:
+    from_floats = dict(load_model(released.floats, torch.bfloat16).named_parameters())
+    from_packed = dict(load_model(released.packed, torch.bfloat16).named_parameters())
+    assert from_floats.keys() == from_packed.keys()
+    for name, value in from_packed.items():
+        assert torch.equal(value, from_floats[name]), name
+
+
+def test_a_pair_missing_its_half_is_refused_by_name(released: Released, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(released.packed, broken)
+    tensors = load_file(broken / "model.safetensors")
+    lost = next(name for name in tensors if name.endswith(("down_proj_scales", "_scale_inv")))
+    del tensors[lost]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    kept = lost.removesuffix("_scales") + "_blocks" if lost.endswith("_scales") else None
+    kept = kept or lost.removesuffix("_scale_inv")
+    with pytest.raises(ModelLoadError, match=f"packed tensor {kept!r} has no {lost!r}"):
+        load_model(broken, torch.float32)
