@@ -1,7 +1,7 @@
 """Checkpoints as released with packed weights load as the values they hold: gpt-oss's MXFP4
 experts (``*_blocks``, ``*_scales``), bit for bit what transformers' own MXFP4 dequantization
-gives, and DeepSeek-V3's block FP8 projections (float8 e4m3 with ``*_scale_inv``), as
-transformers' FP8 dequantization computes them. Each model is then the same checkpoint's in
+gives, and DeepSeek-V3's block FP8 projections (float8 e4m3 with ``*_scale_inv``; Qwen3's FP8
+releases have the same form), as transformers' FP8 dequantization computes them. Each model is then the same checkpoint's in
 floats: the same logits and greedy tokens as transformers on it, the same bfloat16 weights as
 the bfloat16 copy; a pair missing its half is refused by name."""
 
@@ -42,6 +42,7 @@ class Released(NamedTuple):
 PACKERS: dict[str, tuple[str, Callable[[Path, Path], None]]] = {
     "mxfp4": ("gpt_oss", pack_mxfp4),
     "fp8": ("deepseek_v3", lambda floats, packed: pack_fp8(floats, packed, FP8_BLOCK)),
+    "fp8-qwen3": ("qwen3", lambda floats, packed: pack_fp8(floats, packed, FP8_BLOCK)),
 }
 
 
