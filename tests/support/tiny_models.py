@@ -453,3 +453,39 @@ def pack_fp8(hf_dir: Path, fp8_dir: Path, block: tuple[int, int]) -> None:
         "weight_block_size": list(block),
     }
     (fp8_dir / "config.json").write_text(json.dumps(config))
+
+
+def pack_fp8_channels(hf_dir: Path, fp8_dir: Path) -> None:
+    """A saved model as compressed-tensors writes FP8 checkpoints: `fp8_dir` a copy of `hf_dir`
+    whose 2-D projections are float8 e4m3 with a float32 ``<name>_scale`` per output row, an
+    ``input_scale`` beside each (a static scheme's) and a ``compressed-tensors``
+    ``float-quantized`` quantization_config; `hf_dir`'s projections become the floats the FP8
+    ones hold."""
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file as save_torch
+
+    shutil.copytree(hf_dir, fp8_dir)
+    tensors = load_torch(str(hf_dir / "model.safetensors"))
+    packed = dict(tensors)
+    for name, weight in tensors.items():
+        if not name.endswith("proj.weight") or weight.dim() != 2:
+            continue
+        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        values = (weight.float() / scale).to(torch.float8_e4m3fn)
+        tensors[name] = (values.float() * scale).contiguous()
+        prefix = name.removesuffix(".weight")
+        packed |= {
+            name: values.contiguous(),
+            f"{name}_scale": scale.contiguous(),
+            f"{prefix}.input_scale": torch.ones(1),
+        }
+    save_torch(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_torch(packed, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float"}}},
+        "ignore": ["lm_head"],
+    }
+    (fp8_dir / "config.json").write_text(json.dumps(config))

@@ -1,12 +1,16 @@
 """Checkpoints as released with packed weights load as the values they hold: gpt-oss's MXFP4
 experts (``*_blocks``, ``*_scales``), bit for bit what transformers' own MXFP4 dequantization
-gives, and DeepSeek-V3's block FP8 projections (float8 e4m3 with ``*_scale_inv``; Qwen3's FP8
-releases have the same form), as transformers' FP8 dequantization computes them. Each model is then the same checkpoint's in
-floats: the same logits and greedy tokens as transformers on it, the same bfloat16 weights as
-the bfloat16 copy; a pair missing its half is refused by name."""
+gives, DeepSeek-V3's block FP8 projections (float8 e4m3 with ``*_scale_inv``; Qwen3's FP8
+releases have the same form), as transformers' FP8 dequantization computes them, and
+compressed-tensors' FP8 (a ``*_scale`` per row; the static ``input_scale`` left out). Each
+model is then the same checkpoint's in floats: the same logits and greedy tokens as
+transformers on it, the same bfloat16 weights as the bfloat16 copy; a pair missing its half,
+and any other quantization (GPTQ, AWQ, ...), is refused by name."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from support.hf_reference import hf_greedy
-from support.tiny_models import EAGER_ONLY, build_hf_model, pack_fp8, pack_mxfp4
+from support.tiny_models import (
+    EAGER_ONLY,
+    build_hf_model,
+    pack_fp8,
+    pack_fp8_channels,
+    pack_mxfp4,
+)
 from transformers import AutoModelForCausalLM
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -43,6 +53,7 @@ PACKERS: dict[str, tuple[str, Callable[[Path, Path], None]]] = {
     "mxfp4": ("gpt_oss", pack_mxfp4),
     "fp8": ("deepseek_v3", lambda floats, packed: pack_fp8(floats, packed, FP8_BLOCK)),
     "fp8-qwen3": ("qwen3", lambda floats, packed: pack_fp8(floats, packed, FP8_BLOCK)),
+    "fp8-channels": ("llama3", pack_fp8_channels),
 }
 
 
@@ -116,10 +127,31 @@ def test_a_pair_missing_its_half_is_refused_by_name(released: Released, tmp_path
     broken = tmp_path / "broken"
     shutil.copytree(released.packed, broken)
     tensors = load_file(broken / "model.safetensors")
-    lost = next(name for name in tensors if name.endswith(("down_proj_scales", "_scale_inv")))
+    halves = ("down_proj_scales", "_scale_inv", "down_proj.weight_scale")
+    lost = next(name for name in tensors if name.endswith(halves))
     del tensors[lost]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    kept = lost.removesuffix("_scales") + "_blocks" if lost.endswith("_scales") else None
-    kept = kept or lost.removesuffix("_scale_inv")
-    with pytest.raises(ModelLoadError, match=f"packed tensor {kept!r} has no {lost!r}"):
+    if lost.endswith("_scales"):
+        words = f"packed tensor {lost.removesuffix('_scales') + '_blocks'!r} has no {lost!r}"
+    else:
+        words = f"the float8 tensor {lost.rpartition('_scale')[0]!r} has no scale"
+    with pytest.raises(ModelLoadError, match=re.escape(words)):
         load_model(broken, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "named"),
+    [({"quant_method": "gptq", "bits": 4}, "gptq"),
+     ({"quant_method": "awq"}, "awq"),
+     ({"quant_method": "compressed-tensors", "format": "pack-quantized"},
+      "compressed-tensors (pack-quantized)")],
+)  # fmt: skip
+def test_other_quantization_is_refused_by_name_before_any_weight_is_read(
+    tmp_path: Path, quantization: dict[str, object], named: str
+) -> None:
+    other = tmp_path / "other"
+    build_hf_model("llama3").save_pretrained(other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    with pytest.raises(ModelLoadError, match=re.escape(f"quantized with {named}, which")):
+        load_model(other, torch.float32)

@@ -26,7 +26,7 @@ from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
-from pdserve.engine.packed_weights import DEFAULT_FP8_BLOCK, PackedPairs
+from pdserve.engine.packed_weights import DEFAULT_FP8_BLOCK, PackedPairs, check_quantization
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
 from pdserve.engine.quant import quantize_linears, weight_bytes
@@ -100,6 +100,7 @@ def load_model(
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {str(path)!r}")
+    fp8_block = _fp8_block(path)
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, group).to(dtype)
@@ -124,7 +125,7 @@ def load_model(
     family = family_of(config.model_type)
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t", None)
-    packed = PackedPairs(dtype, _fp8_block(path))
+    packed = PackedPairs(dtype, fp8_block)
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -177,8 +178,10 @@ def load_model(
 
 
 def _fp8_block(path: Path) -> tuple[int, int]:
-    """The block of an FP8 checkpoint's weight scales (``quantization_config``)."""
+    """The block of an FP8 checkpoint's weight scales (``quantization_config``); a checkpoint
+    quantized in a form the loader does not read is refused (`check_quantization`)."""
     config = json.loads((path / "config.json").read_text())
+    check_quantization(config)
     block = (config.get("quantization_config") or {}).get("weight_block_size")
     if not block:
         return DEFAULT_FP8_BLOCK

@@ -14,6 +14,14 @@
   ceil(cols / block cols)]``), the weight being each value times its block's scale, computed
   in float32 as transformers and DeepSeek's reference do (the product of an e4m3 value and a
   float32 scale rounded once), then in the model's dtype.
+* **Channel FP8**, as compressed-tensors writes FP8 checkpoints (``quant_method:
+  compressed-tensors``, ``format: float-quantized``): a float8 ``<name>`` and its
+  ``<name>_scale`` (float32, one per output row, ``[rows, 1]``, or one for the tensor), the
+  weight being each value times its scale (in float32). A static scheme's ``input_scale`` is
+  left out: the activations run in the model's dtype, unquantized.
+
+Other quantization methods (GPTQ, AWQ, bitsandbytes, compressed-tensors' packed integers) are
+refused at load, by name (`check_quantization`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from pdserve.engine.arch_config import ModelLoadError
 BLOCKS = "_blocks"
 SCALES = "_scales"
 SCALE_INV = "_scale_inv"
+SCALE = "_scale"
+INPUT_SCALE = ".input_scale"
 MXFP4_BLOCK = 32
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = _E2M1_MAGNITUDES + tuple(-value for value in _E2M1_MAGNITUDES)
@@ -80,6 +90,45 @@ def dequantize_fp8(
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
+def dequantize_fp8_channels(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight a channel-FP8 weight and its scale hold (one scale per row, or one)."""
+    rows = weight.shape[-2] if weight.dim() >= 2 else 1
+    if weight.dtype not in FP8_TYPES or scale.numel() not in (1, rows):
+        raise ModelLoadError(
+            f"an FP8 weight {tuple(weight.shape)} ({weight.dtype}) has a scale of "
+            f"{tuple(scale.shape)}, not one per row or one"
+        )
+    factor = scale.to(torch.float32)
+    factor = factor.reshape(-1, 1) if scale.numel() > 1 else factor.reshape(())
+    return (weight.to(torch.float32) * factor).to(dtype)
+
+
+def check_quantization(config: dict[str, object]) -> None:
+    """Refuses a checkpoint quantized in a form the loader does not read.
+
+    Args:
+        config: The checkpoint's ``config.json``.
+
+    Raises:
+        ModelLoadError: Naming the method (and its format) and what is read.
+    """
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return
+    method = quantization.get("quant_method")
+    form = quantization.get("format")
+    if method in ("fp8", "mxfp4") or (method == "compressed-tensors" and form == "float-quantized"):
+        return
+    named = f"{method} ({form})" if form else str(method)
+    raise ModelLoadError(
+        f"the checkpoint is quantized with {named}, which pdserve does not read; it reads block "
+        "FP8 (fp8), MXFP4 (mxfp4) and compressed-tensors' float-quantized FP8, and any "
+        "bfloat16, float16 or float32 checkpoint (or a GGUF file)"
+    )
+
+
 class PackedPairs:
     """Joins each packed weight's two tensors as a checkpoint is read, one tensor at a time.
 
@@ -107,6 +156,10 @@ class PackedPairs:
             weight, role = name.removesuffix(SCALES), SCALES
         elif name.endswith(SCALE_INV):
             weight, role = name.removesuffix(SCALE_INV), SCALE_INV
+        elif name.endswith(".weight" + SCALE):
+            weight, role = name.removesuffix(SCALE), SCALE
+        elif name.endswith(INPUT_SCALE):
+            return None  # NOTE: the activations run unquantized
         elif tensor.dtype in FP8_TYPES:
             weight, role = name, ""
         else:
@@ -125,6 +178,9 @@ class PackedPairs:
             return weight, dequantize_fp8(
                 halves[""], halves[SCALE_INV], self._fp8_block, self._dtype
             )
+        if "" in halves and SCALE in halves:
+            self._count("fp8")
+            return weight, dequantize_fp8_channels(halves[""], halves[SCALE], self._dtype)
         raise ModelLoadError(f"{weight!r} has halves {sorted(halves)} that make no weight")
 
     def _count(self, kind: str) -> None:
@@ -139,5 +195,10 @@ class PackedPairs:
         if not self._halves:
             return
         weight, (role, _) = next(iter(self._halves.items()))
-        lacking = {BLOCKS: SCALES, SCALES: BLOCKS, SCALE_INV: "", "": SCALE_INV}[role]
+        if role == "":
+            raise ModelLoadError(
+                f"the float8 tensor {weight!r} has no scale ({weight + SCALE_INV!r} or "
+                f"{weight + SCALE!r})"
+            )
+        lacking = {BLOCKS: SCALES, SCALES: BLOCKS, SCALE_INV: "", SCALE: ""}[role]
         raise ModelLoadError(f"packed tensor {weight + role!r} has no {weight + lacking!r}")
