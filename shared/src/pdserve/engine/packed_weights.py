@@ -84,10 +84,15 @@ def dequantize_fp8(
             f"an FP8 weight {tuple(weight.shape)} ({weight.dtype}) with blocks of {block} has "
             f"scales {grid}, not {tuple(scale_inv.shape)}"
         )
-    scale = scale_inv.to(torch.float32)
-    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
-    return (weight.to(torch.float32) * scale).to(dtype)
+    # NOTE: the scales spread over the rows only; over the columns they broadcast through a
+    # view of the weight in blocks (no second weight-sized tensor).
+    scale = scale_inv.to(torch.float32).repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    out = weight.to(torch.float32)
+    full, rest = divmod(cols, block[1])
+    out[..., : full * block[1]].unflatten(-1, (full, block[1])).mul_(scale[..., :full, None])
+    if rest:
+        out[..., full * block[1] :].mul_(scale[..., full:])
+    return out.to(dtype)
 
 
 def dequantize_fp8_channels(
