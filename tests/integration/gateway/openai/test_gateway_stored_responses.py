@@ -8,6 +8,7 @@ be continued is a 400 naming ``previous_response_id``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,24 @@ async def test_a_turn_after_previous_response_id_is_the_conversation_sent_whole(
     assert (await client.responses.retrieve(third.id)).model_dump() == third.model_dump()
     again = await client.responses.input_items.list(third.id, order="asc")
     assert again.model_dump() == page.model_dump()
+
+
+async def test_a_previous_response_id_written_with_escapes_is_read_as_one(pd: Cluster) -> None:
+    client = pd.openai()
+    first = await client.responses.create(**_create(input="hello"))
+    body = {"model": MODEL_NAME, "input": "more", "max_output_tokens": 6, "seed": SEED,
+            "previous_response_id": first.id}  # fmt: skip
+    raw = json.dumps(body).replace("previous_response_id", "previous\\u005fresponse_id")
+    assert "previous_response_id" not in raw
+    async with pd.http() as http:
+        answer = await http.post(
+            "/v1/responses", content=raw, headers={"Content-Type": "application/json"}
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["previous_response_id"] == first.id
+    assert _last_prompt(pd) == _chat_prompt_ids(
+        ("user", "hello"), ("assistant", first.output_text), ("user", "more")
+    )
 
 
 async def test_a_background_response_is_continued_once_it_ended(pd: Cluster) -> None:

@@ -103,10 +103,11 @@ async def _prepare(
         num_earlier = 0
         if stored is not None and b"previous_response_id" in raw:
             raw, num_earlier = await stored.continued(raw, caller)
-        try:
-            parsed = await parser.run(parse_responses_body, len(raw), raw, limits)
-        except PdserveError as error:
-            raise as_sent(error, num_earlier) from None
+        parsed = await _parse_responses(context, raw, num_earlier)
+        if stored is not None and parsed.previous_response_id is not None and not num_earlier:
+            # NOTE: the key written with escapes (the byte test above missed it).
+            raw, num_earlier = await stored.continued(raw, caller)
+            parsed = await _parse_responses(context, raw, num_earlier)
         if stored is None:
             if parsed.background:
                 raise invalid("background responses are not enabled on this gateway", "background")
@@ -134,6 +135,16 @@ async def _prepare(
         raise invalid("resumable streams are not enabled", "stream_options.resumable")
     mode = SessionMode.RESUMABLE if body.resumable else SessionMode.PLAIN
     return Prepared(Responder(kind, prompts, body), prompts, body.stream, mode, raw, body)
+
+
+async def _parse_responses(context: RestContext, raw: bytes, num_earlier: int) -> ResponsesBody:
+    """A Responses body parsed; an error about its input names the items as its client sent
+    them (`num_earlier` put before them by a continuation: `as_sent`)."""
+    limits = context.frontend.limits
+    try:
+        return await context.parser.run(parse_responses_body, len(raw), raw, limits)
+    except PdserveError as error:
+        raise as_sent(error, num_earlier) from None
 
 
 async def _generate(
