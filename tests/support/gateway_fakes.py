@@ -130,6 +130,23 @@ def expected_tokens(
     return tokens
 
 
+def fake_text(token_ids: Sequence[int]) -> str:
+    """The text of `token_ids` (the byte tokens; the special ones write none)."""
+    return bytes(t for t in token_ids if t < 256).decode()
+
+
+def chat_prompt_ids(*messages: tuple[str, str]) -> list[int]:
+    """The prompt `CHAT_TEMPLATE` makes of ``(role, content)`` messages, ready for the
+    assistant's turn."""
+    role_ids = {
+        role: EOS_TOKEN_ID + 1 + i for i, role in enumerate(("system", "user", "assistant"))
+    }
+    ids: list[int] = []
+    for role, content in messages:
+        ids += [role_ids[role], *content.encode()]
+    return [*ids, role_ids["assistant"]]
+
+
 def _protocol() -> common_pb2.Protocol:
     return common_pb2.Protocol(version=PROTOCOL_VERSION, features=list(FEATURES))
 

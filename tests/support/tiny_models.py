@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -380,6 +381,23 @@ def mxfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.ascontiguousarray(blocks), scales, held
 
 
+def _write_released(
+    hf_dir: Path,
+    packed_dir: Path,
+    floats: dict[str, Any],
+    packed: dict[str, Any],
+    quantization: dict[str, Any],
+    save: Callable[..., None],
+) -> None:
+    """Writes a model twice: in `hf_dir` as the floats its packed weights hold, in
+    `packed_dir` (a copy of `hf_dir`) as released, its ``quantization_config`` saying how."""
+    save(floats, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save(packed, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((packed_dir / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (packed_dir / "config.json").write_text(json.dumps(config))
+
+
 def pack_mxfp4(hf_dir: Path, mxfp4_dir: Path) -> None:
     """A saved gpt-oss as released: `mxfp4_dir` a copy of `hf_dir` with the experts packed as
     the released checkpoints are (``*_blocks``, ``*_scales`` and an ``mxfp4``
@@ -394,11 +412,7 @@ def pack_mxfp4(hf_dir: Path, mxfp4_dir: Path) -> None:
         tensors[name] = np.ascontiguousarray(held.transpose(0, 2, 1))
         del packed[name]
         packed |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
-    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file(packed, str(mxfp4_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((mxfp4_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (mxfp4_dir / "config.json").write_text(json.dumps(config))
+    _write_released(hf_dir, mxfp4_dir, tensors, packed, {"quant_method": "mxfp4"}, save_file)
 
 
 FP8_MAX = 448.0  # the largest float8 e4m3 value
@@ -443,16 +457,9 @@ def pack_fp8(hf_dir: Path, fp8_dir: Path, block: tuple[int, int]) -> None:
         values, scale = _fp8(weight.float(), block)
         tensors[name] = (values.float() * _over_blocks(scale, block, weight.shape)).contiguous()
         packed |= {name: values.contiguous(), f"{name}_scale_inv": scale.contiguous()}
-    save_torch(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_torch(packed, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(block),
-    }
-    (fp8_dir / "config.json").write_text(json.dumps(config))
+    quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(block)}  # fmt: skip
+    _write_released(hf_dir, fp8_dir, tensors, packed, quantization, save_torch)
 
 
 def pack_fp8_channels(hf_dir: Path, fp8_dir: Path) -> None:
@@ -479,13 +486,10 @@ def pack_fp8_channels(hf_dir: Path, fp8_dir: Path) -> None:
             f"{name}_scale": scale.contiguous(),
             f"{prefix}.input_scale": torch.ones(1),
         }
-    save_torch(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_torch(packed, str(fp8_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((fp8_dir / "config.json").read_text())
-    config["quantization_config"] = {
+    quantization = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float"}}},
         "ignore": ["lm_head"],
     }
-    (fp8_dir / "config.json").write_text(json.dumps(config))
+    _write_released(hf_dir, fp8_dir, tensors, packed, quantization, save_torch)

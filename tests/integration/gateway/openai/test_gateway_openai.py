@@ -18,6 +18,7 @@ from support.gateway_fakes import (
     TOKENIZER_CONFIG,
     TOKENIZER_JSON,
     expected_tokens,
+    fake_text,
 )
 
 from pdserve.common.grpc_server import insecure_channel
@@ -25,10 +26,6 @@ from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 PROMPT = "hello world"
 PROMPT_IDS = list(PROMPT.encode())
-
-
-def _text(token_ids: list[int]) -> str:
-    return bytes(t for t in token_ids if t < 256).decode()
 
 
 def _chat_prompt_ids(content: str) -> list[int]:
@@ -48,7 +45,7 @@ async def test_completion_matches_reference_with_exact_usage(pd: Cluster) -> Non
     )
     expected = expected_tokens(PROMPT_IDS, 11, 9)
     choice = result.choices[0]
-    assert choice.text == _text(expected)
+    assert choice.text == fake_text(expected)
     assert choice.finish_reason == "length"
     assert choice.model_extra["token_ids"] == expected
     assert choice.model_extra["prompt_token_ids"] == PROMPT_IDS
@@ -70,7 +67,7 @@ async def test_streamed_completion_equals_non_streamed(pd: Cluster) -> None:
     )
     chunks = [chunk async for chunk in stream]
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text == _text(expected_tokens(PROMPT_IDS, 5, 14))
+    assert text == fake_text(expected_tokens(PROMPT_IDS, 5, 14))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
@@ -86,7 +83,7 @@ async def test_chat_stream_and_non_stream(pd: Cluster) -> None:
         model=MODEL_NAME, messages=messages, max_tokens=10, seed=3
     )
     assert result.choices[0].message.role == "assistant"
-    assert result.choices[0].message.content == _text(expected)
+    assert result.choices[0].message.content == fake_text(expected)
     assert result.usage is not None
     assert result.usage.prompt_tokens == len(_chat_prompt_ids("hi there"))
     assert result.usage.completion_tokens == 10
@@ -96,7 +93,7 @@ async def test_chat_stream_and_non_stream(pd: Cluster) -> None:
     )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == _text(expected)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == fake_text(expected)
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -111,7 +108,7 @@ async def test_sse_wire_format_ends_with_done(pd: Cluster) -> None:
     assert all(event.startswith("data: ") for event in events[:-1])
     assert events[-2] == "data: [DONE]"
     payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
-    assert "".join(p["choices"][0]["text"] for p in payloads) == _text(
+    assert "".join(p["choices"][0]["text"] for p in payloads) == fake_text(
         expected_tokens(PROMPT_IDS, 1, 5)
     )
 
@@ -135,7 +132,7 @@ async def test_token_id_prompt_and_stop_token_id(pd: Cluster) -> None:
 
 async def test_stop_string_across_tokens_ends_early_and_releases_the_lease(pd: Cluster) -> None:
     reference = expected_tokens(PROMPT_IDS, 4, 30)
-    text = _text(reference)
+    text = fake_text(reference)
     stop = text[7:10]  # three characters, so three tokens: spans token boundaries
     assert text.find(stop) == 7
     client = pd.openai()
@@ -180,14 +177,14 @@ async def test_eos_from_decode_ends_with_stop(pd: Cluster) -> None:
     assert choice.finish_reason == "stop"
     assert choice.model_extra["token_ids"][-1] == EOS_TOKEN_ID
     assert len(choice.model_extra["token_ids"]) == 7
-    assert choice.text == _text(choice.model_extra["token_ids"][:-1])  # EOS is not text
+    assert choice.text == fake_text(choice.model_extra["token_ids"][:-1])  # EOS is not text
 
 
 async def test_max_tokens_one_finishes_on_prefill(pd: Cluster) -> None:
     result = await pd.openai().completions.create(
         model=MODEL_NAME, prompt=PROMPT, max_tokens=1, seed=9
     )
-    assert result.choices[0].text == _text(expected_tokens(PROMPT_IDS, 9, 1))
+    assert result.choices[0].text == fake_text(expected_tokens(PROMPT_IDS, 9, 1))
     assert result.choices[0].finish_reason == "length"
     assert pd.decodes[0].generate_calls == []
 
@@ -263,7 +260,7 @@ async def test_local_tokenizer_directory_replaces_get_model_info(
     result = await cluster.openai().chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi there"}], max_tokens=4, seed=3
     )
-    assert result.choices[0].message.content == _text(
+    assert result.choices[0].message.content == fake_text(
         expected_tokens(_chat_prompt_ids("hi there"), 3, 4)
     )
     assert prefill.num_model_info_calls == 0

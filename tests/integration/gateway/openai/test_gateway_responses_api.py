@@ -12,7 +12,7 @@ import pytest
 import structlog
 from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
-from support.gateway_fakes import MODEL_NAME, expected_tokens
+from support.gateway_fakes import MODEL_NAME, chat_prompt_ids, expected_tokens, fake_text
 from support.responses_events import SDK_EVENTS
 
 from pdserve.gateway.prepare.workers import INLINE_PARSE_BYTES
@@ -35,19 +35,6 @@ SCHEMA = {
     "required": ["city", "population"],
     "additionalProperties": False,
 }
-
-
-def _text(token_ids: list[int]) -> str:
-    return bytes(t for t in token_ids if t < 256).decode()
-
-
-def _chat_prompt_ids(*messages: tuple[str, str]) -> list[int]:
-    # <|system|> = 257, <|user|> = 258, <|assistant|> = 259 in the fake tokenizer.
-    role_ids = {"system": 257, "user": 258, "assistant": 259}
-    ids: list[int] = []
-    for role, content in messages:
-        ids += [role_ids[role], *content.encode()]
-    return [*ids, 259]
 
 
 def _collapsed(types: list[str]) -> list[str]:
@@ -73,9 +60,9 @@ async def test_response_equals_the_chat_completion_of_the_same_messages(pd: Clus
         max_tokens=12,
         seed=SEED,
     )
-    prompt_ids = _chat_prompt_ids(("system", "Answer briefly."), ("user", "What is PD?"))
+    prompt_ids = chat_prompt_ids(("system", "Answer briefly."), ("user", "What is PD?"))
     assert response.output_text == chat.choices[0].message.content
-    assert response.output_text == _text(expected_tokens(prompt_ids, SEED, 12))
+    assert response.output_text == fake_text(expected_tokens(prompt_ids, SEED, 12))
     assert response.id.startswith("resp_") and response.object == "response"
     assert response.model == MODEL_NAME
     assert [item.type for item in response.output] == ["message"]
@@ -99,7 +86,9 @@ async def test_a_response_that_ends_is_completed(pd: Cluster) -> None:
     assert response.status == "completed"
     assert response.incomplete_details is None
     assert response.output[0].status == "completed"
-    assert response.output_text == _text(expected_tokens(_chat_prompt_ids(("user", "hi")), SEED, 5))
+    assert response.output_text == fake_text(
+        expected_tokens(chat_prompt_ids(("user", "hi")), SEED, 5)
+    )
     assert response.usage is not None and response.usage.output_tokens == 6  # EOS included
 
 
@@ -166,14 +155,14 @@ async def test_input_items_are_the_chat_messages_they_name(pd: Cluster) -> None:
         seed=SEED,
     )
     assert response.output_text == chat.choices[0].message.content
-    prompt_ids = _chat_prompt_ids(
+    prompt_ids = chat_prompt_ids(
         ("system", "Be terse."),
         ("user", "Name a color."),
         ("assistant", first.output_text),
         ("user", "Another one."),
     )
     assert response.usage is not None and response.usage.input_tokens == len(prompt_ids)
-    assert response.output_text == _text(expected_tokens(prompt_ids, SEED, 8))
+    assert response.output_text == fake_text(expected_tokens(prompt_ids, SEED, 8))
 
 
 async def test_a_large_body_parses_in_a_worker_process(pd: Cluster) -> None:
@@ -184,7 +173,7 @@ async def test_a_large_body_parses_in_a_worker_process(pd: Cluster) -> None:
         response = await http.post("/v1/responses", content=raw, headers=headers)
     assert response.status_code == 200, response.text
     text = response.json()["output"][0]["content"][0]["text"]
-    assert text == _text(expected_tokens(_chat_prompt_ids(("user", "hi")), SEED, 5))
+    assert text == fake_text(expected_tokens(chat_prompt_ids(("user", "hi")), SEED, 5))
 
 
 async def test_streamed_events_are_numbered_and_add_up_to_the_response(pd: Cluster) -> None:
@@ -219,7 +208,7 @@ async def test_the_stream_helper_gives_the_final_response(pd: Cluster) -> None:
         deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
         final = await stream.get_final_response()
     assert final.status == "completed"
-    expected = _text(expected_tokens(_chat_prompt_ids(("user", "hello")), SEED, 7))
+    expected = fake_text(expected_tokens(chat_prompt_ids(("user", "hello")), SEED, 7))
     assert "".join(deltas) == final.output_text == expected
 
 

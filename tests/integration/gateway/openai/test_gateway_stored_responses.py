@@ -16,23 +16,10 @@ import openai
 import pytest
 from openai.types import responses as sdk
 from support.gateway_cluster import Cluster
-from support.gateway_fakes import MODEL_NAME, expected_tokens
+from support.gateway_fakes import MODEL_NAME, chat_prompt_ids, expected_tokens, fake_text
 
 SEED = 7
 MAX_MODEL_LEN = 2048  # the fallback's tool instruction is long in a byte-level tokenizer
-
-
-def _text(token_ids: list[int]) -> str:
-    return bytes(t for t in token_ids if t < 256).decode()
-
-
-def _chat_prompt_ids(*messages: tuple[str, str]) -> list[int]:
-    # <|system|> = 257, <|user|> = 258, <|assistant|> = 259 in the fake tokenizer.
-    role_ids = {"system": 257, "user": 258, "assistant": 259}
-    ids: list[int] = []
-    for role, content in messages:
-        ids += [role_ids[role], *content.encode()]
-    return [*ids, 259]
 
 
 def _create(**extra: Any) -> dict[str, Any]:
@@ -76,11 +63,11 @@ async def test_a_turn_after_previous_response_id_is_the_conversation_sent_whole(
         **_create(input="Another one.", previous_response_id=first.id)
     )
     # NOTE: the instructions are the request's own: the first turn's are not carried over.
-    expected = _chat_prompt_ids(
+    expected = chat_prompt_ids(
         ("user", "Name a color."), ("assistant", first.output_text), ("user", "Another one.")
     )
     assert _last_prompt(pd) == expected
-    assert second.output_text == _text(expected_tokens(expected, SEED, 6))
+    assert second.output_text == fake_text(expected_tokens(expected, SEED, 6))
     assert second.previous_response_id == first.id
 
     whole: list[Any] = [
@@ -132,7 +119,7 @@ async def test_a_previous_response_id_written_with_escapes_is_read_as_one(pd: Cl
         )
     assert answer.status_code == 200, answer.text
     assert answer.json()["previous_response_id"] == first.id
-    assert _last_prompt(pd) == _chat_prompt_ids(
+    assert _last_prompt(pd) == chat_prompt_ids(
         ("user", "hello"), ("assistant", first.output_text), ("user", "more")
     )
 
@@ -155,7 +142,7 @@ async def test_a_background_response_is_continued_once_it_ended(pd: Cluster) -> 
     )
     while (await client.responses.retrieve(after.id)).status in ("queued", "in_progress"):
         await asyncio.sleep(0.05)
-    assert _last_prompt(pd) == _chat_prompt_ids(
+    assert _last_prompt(pd) == chat_prompt_ids(
         ("user", "hello"), ("assistant", ended.output_text), ("user", "more")
     )
 

@@ -9,7 +9,13 @@ from typing import Any
 import openai
 import pytest
 from support.gateway_cluster import Cluster
-from support.gateway_fakes import EOS_TOKEN_ID, MAX_MODEL_LEN, MODEL_NAME, expected_tokens
+from support.gateway_fakes import (
+    EOS_TOKEN_ID,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    expected_tokens,
+    fake_text,
+)
 
 from pdserve.common.grpc_server import insecure_channel
 from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -17,10 +23,6 @@ from pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 PROMPT = "hello world"
 PROMPT_IDS = list(PROMPT.encode())
 USER = 258  # <|user|>, special
-
-
-def _text(token_ids: list[int]) -> str:
-    return bytes(t for t in token_ids if t < 256).decode()
 
 
 async def _complete(pd: Cluster, stream: bool, **body: Any) -> tuple[str, str, Any]:
@@ -49,7 +51,7 @@ async def _grpc(pd: Cluster, **fields: Any) -> list[generation_pb2.GenerateRespo
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_a_stop_string_ends_the_text_when_asked(pd: Cluster, stream: bool) -> None:
-    text = _text(expected_tokens(PROMPT_IDS, 4, 30))
+    text = fake_text(expected_tokens(PROMPT_IDS, 4, 30))
     stop = text[7:10]
     assert text.find(stop) == 7
     body = {"prompt": PROMPT, "max_tokens": 30, "seed": 4, "stop": [stop]}
@@ -72,16 +74,16 @@ async def test_a_stop_tokens_text_is_left_out_unless_asked(pd: Cluster) -> None:
     result = await pd.openai().completions.create(model=MODEL_NAME, **body, extra_body=extra)
     choice = result.choices[0]
     assert choice.model_extra["token_ids"] == reference[: index + 1]
-    assert (choice.text, choice.finish_reason) == (_text(reference[:index]), "stop")
+    assert (choice.text, choice.finish_reason) == (fake_text(reference[:index]), "stop")
     extra["include_stop_str_in_output"] = True
     result = await pd.openai().completions.create(model=MODEL_NAME, **body, extra_body=extra)
-    assert result.choices[0].text == _text(reference[: index + 1])
+    assert result.choices[0].text == fake_text(reference[: index + 1])
     for include, expected in [(False, reference[:index]), (True, reference[: index + 1])]:
         sampling = common_pb2.SamplingParams(max_tokens=20, seed=2, stop_token_ids=[stop_id])
         responses = await _grpc(
             pd, text=PROMPT, sampling=sampling, include_stop_str_in_output=include
         )
-        assert "".join(r.text for r in responses) == _text(expected)
+        assert "".join(r.text for r in responses) == fake_text(expected)
 
 
 async def test_special_tokens_show_when_not_skipped(pd: Cluster) -> None:
@@ -138,7 +140,7 @@ async def test_the_prompt_is_cut_to_its_last_tokens(pd: Cluster, kept: int) -> N
     choice = result.choices[0]
     completion = expected_tokens(tail, 7, max_tokens)
     assert choice.model_extra["prompt_token_ids"] == tail
-    assert choice.text == _text(tail) + _text(completion)
+    assert choice.text == fake_text(tail) + fake_text(completion)
     assert result.usage is not None and result.usage.prompt_tokens == count
     assert list(pd.prefills[0].requests[-1].token_ids) == tail
     responses = await _grpc(
