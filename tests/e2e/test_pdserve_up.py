@@ -22,6 +22,7 @@ import pytest
 from support.etcd_server import running_etcd
 from support.eventually import eventually
 from support.launcher_cli import running_launcher
+from support.ports import free_port
 from support.real_cluster import Reference
 from support.resumable_sse import chat_content, sse_events
 
@@ -147,9 +148,18 @@ async def test_once_every_service_is_up_the_fork_server_settles(cluster: Cluster
     assert "failed_regions=0" in line
 
 
+MAX_GATEWAYS = 2
+"""The most gateways a case here starts."""
+
+
 def _up_args(model_dir: Path, log_dir: Path, *more: str) -> list[str]:
-    return ["--model", str(model_dir), "--port", "0", "--grpc-port", "0", "--internal-port", "0",
-            "--log-dir", str(log_dir), *more]  # fmt: skip
+    # NOTE: ports below the ephemeral range: a gateway the launcher restarts binds the ones it
+    # had, and one drawn from the range could meanwhile be another socket's. Gateway i takes
+    # each flag's port plus i: room for MAX_GATEWAYS.
+    first = free_port(count=3 * MAX_GATEWAYS)
+    ports = [str(first + flag * MAX_GATEWAYS) for flag in range(3)]
+    return ["--model", str(model_dir), "--port", ports[0], "--grpc-port", ports[1],
+            "--internal-port", ports[2], "--log-dir", str(log_dir), *more]  # fmt: skip
 
 
 def _logged(path: Path, event: str) -> list[dict[str, Any]]:

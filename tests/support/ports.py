@@ -19,20 +19,23 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port(hosts: tuple[str, ...] = ("127.0.0.1",)) -> int:
+def free_port(hosts: tuple[str, ...] = ("127.0.0.1",), count: int = 1) -> int:
     """A port free on every one of `hosts` at the time of asking, below the kernel's ephemeral
     range: between this answer and the server's bind no outgoing connection or port-0 server
     (of this test or of another beside it) can be given it, as one from the range could (a
-    chart's pod lost its metrics port so on a busy machine)."""
+    chart's pod lost its metrics port so on a busy machine; a gateway restarted on the port it
+    had drawn from the range found it taken). With `count`, the first of that many free ports
+    in a row."""
     low = _ephemeral_low()
-    candidates = range(LOWEST, low) if low - LOWEST >= 1000 else range(1024, low)
+    candidates = range(LOWEST, low - count) if low - LOWEST >= 1000 else range(1024, low - count)
     error: OSError | None = None
     for _ in range(1000):
         port = random.choice(candidates)
         try:
             for host in hosts:
-                with socket.socket() as probe:
-                    probe.bind((host, port))
+                for taken in range(port, port + count):
+                    with socket.socket() as probe:
+                        probe.bind((host, taken))
         except OSError as failed:
             error = failed
             continue
