@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,19 @@ def build_random_llama(
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     return path
+
+
+@contextlib.contextmanager
+def server_logs(prefix: str) -> Iterator[Path]:
+    """A fresh folder for the logs of the servers a bench starts: removed when the bench
+    ends well, kept (and named on stderr) when it fails, to read why."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    except BaseException:
+        print(f"the servers' logs: {path}", file=sys.stderr, flush=True)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def write_results(name: str, results: dict[str, Any]) -> Path:

@@ -60,13 +60,12 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import write_results
+from common import server_logs, write_results
 
 from pdserve.common.generation import SamplingParams, num_blocks_for
 from pdserve.common.pki import MEMBER_DNS_NAME, Identity, instance_dns_name
@@ -106,6 +105,8 @@ while True:
     conn, _ = server.accept()
     size = struct.unpack("!Q", conn.recv(8, socket.MSG_WAITALL))[0]
     received = 0
+    if size > len(buffer):
+        sys.exit(f"a payload of {size} bytes does not fit the receiver's {len(buffer)}")
     while received < size:
         received += conn.recv_into(buffer[received:size])
     conn.sendall(b"k")
@@ -307,6 +308,12 @@ def start_tcp_receiver(max_bytes: int) -> tuple[subprocess.Popen[str], int]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    with server_logs("bench-kv-logs-") as logs:
+        return await measure(args, logs)
+
+
+async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    """`run`'s rows, with the decodes' logs in `log_dir`."""
     from pdserve.common.env import cache_dir
 
     model = build_kv_model(cache_dir() / "bench-kv-llama-v1")
@@ -316,7 +323,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     layout = KVCacheLayout(block_size=BLOCK_SIZE, dtype=args.dtype, **MODEL_SHAPE)
     kv_cache = KVCache(layout, num_blocks_for(max_tokens, BLOCK_SIZE), torch.device(args.device))
     kv_cache.kv.normal_()  # stands in for a computed prompt: what the bytes are does not matter
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-kv-logs-"))
     decode = Decode(model, num_blocks, log_dir, False, layout, args.device)
     is_grpc = "grpc" in args.transports
     decode_tls = Decode(model, num_blocks, log_dir, True, layout, args.device) if is_grpc else None
@@ -329,7 +335,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     baselines = ["raw_tcp"] + (["d2h", "d2d"] if is_cuda else [])
     # NOTE: the d2d copy's destination, a second cache of the same shape on the same GPU.
     d2d_target = KVCache(layout, kv_cache.num_blocks, kv_cache.device) if is_cuda else None
-    receiver, port = start_tcp_receiver(max(args.sizes_mib) * MIB)
+    # NOTE: the payloads are whole blocks: a size below a block's bytes sends the whole block.
+    receiver, port = start_tcp_receiver(
+        num_blocks_for(max_tokens, BLOCK_SIZE) * BLOCK_SIZE * per_token
+    )
     rows = []
     try:
         # NOTE: a transfer of the smallest size each way first (connections, allocator, code

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import build_random_llama, write_results
+from common import build_random_llama, server_logs, write_results
 from loadgen import (
     PERCENTILES,
     RequestResult,
@@ -323,12 +323,17 @@ def run_one_endpoint(args: argparse.Namespace, specs: list[RequestSpec]) -> dict
 
 
 def run_compare(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[str, Any]:
+    with server_logs("bench-serve-logs-") as logs:
+        return compare(args, specs, logs)
+
+
+def compare(args: argparse.Namespace, specs: list[RequestSpec], log_dir: Path) -> dict[str, Any]:
+    """`run_compare`'s rounds, with the servers' logs in `log_dir`."""
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
         presets = {"mid": mid_model_dir, "demo": demo_model_dir, "smollm2": smollm2_model_dir}
         model_dir = presets[args.model_preset]()
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-serve-logs-"))
     warmup = make_workload(4, args.prompt_len, (8, 8), None, args.seed + 1)
     runs: dict[str, list[list[RequestResult]]] = {"pdserve": [], "colocated": []}
     summaries: dict[str, list[dict[str, Any]]] = {"pdserve": [], "colocated": []}
