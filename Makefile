@@ -103,13 +103,12 @@ $(LLAMA_CONVERT): | $(INSTALL_STAMP)
 
 llama-convert: $(LLAMA_CONVERT)  ## fetch llama.cpp's convert_hf_to_gguf.py (the llama-cpp-python sdist's) into .venv/llama.cpp
 
-# NOTE: two workers (pytest-xdist); a module's (or class's) tests stay on one worker, so the
-# clusters they share start once; the scope that took longest last run goes first
-# (tests/support/scheduling.py). PYTEST_WORKERS=0 runs in this process. Three workers on the
-# 2-core machine took pytest from 460 to 416 s idle but failed beside a 2-core CPU hog (a
-# restarted gateway's port taken meanwhile, streams that ended before a fault landed).
-PYTEST_WORKERS ?= 2
-test: system-deps venv model llama-convert lint typecheck node-deps image  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=2)
+# NOTE: three workers (pytest-xdist) on the 2-core machine: the end-to-end tests wait on
+# processes and events, and two left about a sixth of both cores idle. A module's (or class's)
+# tests stay on one worker, so the clusters they share start once; the scope that took longest
+# last run goes first (tests/support/scheduling.py). PYTEST_WORKERS=0 runs in this process.
+PYTEST_WORKERS ?= 3
+test: system-deps venv model llama-convert lint typecheck node-deps image  ## lint, type-check, then the whole pytest suite (PYTEST_WORKERS=3)
 	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadscope
 
 # NOTE: the scopes' seconds a clean clone schedules by (tests/support/scope_seconds.json), from

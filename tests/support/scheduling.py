@@ -1,4 +1,4 @@
-"""How `make test` (``pytest -n 2 --dist loadscope``) shares the suite's work between workers.
+"""How `make test` (``pytest -n 3 --dist loadscope``) shares the suite's work between workers.
 
 xdist's loadscope keeps a module's (or a class's) tests on one worker and hands out those scopes
 in order of their number of tests, most first. On this suite that order is the wrong way round:
