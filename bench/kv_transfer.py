@@ -93,9 +93,12 @@ TRANSPORTS = ("grpc", "tcp", "shm", "nixl", "cuda_ipc")
 WARMUP_TRANSFERS = 1
 
 # The receiver of the raw TCP baseline: a separate process, like the decode. It prints its port,
-# then per connection reads an 8-byte length and that many bytes into one buffer, and acks.
+# then per connection reads an 8-byte length and that many bytes into one buffer, and acks. It
+# exits when its standard input closes (the bench ended, however it ended) and on a payload it
+# cannot hold; a connection closed mid-payload is dropped.
 TCP_RECEIVER = r"""
-import socket, struct, sys
+import os, socket, struct, sys, threading
+threading.Thread(target=lambda: (sys.stdin.read(), os._exit(0)), daemon=True).start()
 server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 server.bind(("127.0.0.1", 0))
 server.listen(1)
@@ -104,12 +107,16 @@ buffer = memoryview(bytearray(int(sys.argv[1])))
 while True:
     conn, _ = server.accept()
     size = struct.unpack("!Q", conn.recv(8, socket.MSG_WAITALL))[0]
-    received = 0
     if size > len(buffer):
         sys.exit(f"a payload of {size} bytes does not fit the receiver's {len(buffer)}")
+    received = 0
     while received < size:
-        received += conn.recv_into(buffer[received:size])
-    conn.sendall(b"k")
+        got = conn.recv_into(buffer[received:size])
+        if got == 0:
+            break
+        received += got
+    if received == size:
+        conn.sendall(b"k")
     conn.close()
 """
 
@@ -297,7 +304,10 @@ def tcp_once(port: int, payloads: list[bytes]) -> float:
 
 def start_tcp_receiver(max_bytes: int) -> tuple[subprocess.Popen[str], int]:
     process = subprocess.Popen(
-        [sys.executable, "-c", TCP_RECEIVER, str(max_bytes)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", TCP_RECEIVER, str(max_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert process.stdout is not None
     ready, _, _ = select.select([process.stdout], [], [], 30)
