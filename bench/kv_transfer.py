@@ -345,10 +345,9 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     baselines = ["raw_tcp"] + (["d2h", "d2d"] if is_cuda else [])
     # NOTE: the d2d copy's destination, a second cache of the same shape on the same GPU.
     d2d_target = KVCache(layout, kv_cache.num_blocks, kv_cache.device) if is_cuda else None
-    # NOTE: the payloads are whole blocks: a size below a block's bytes sends the whole block.
-    receiver, port = start_tcp_receiver(
-        num_blocks_for(max_tokens, BLOCK_SIZE) * BLOCK_SIZE * per_token
-    )
+    # NOTE: the payloads are whole blocks (a size below a block's bytes sends the whole
+    # block): the largest is the whole cache.
+    receiver, port = start_tcp_receiver(kv_cache.nbytes)
     rows = []
     try:
         # NOTE: a transfer of the smallest size each way first (connections, allocator, code

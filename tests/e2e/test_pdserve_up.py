@@ -22,7 +22,7 @@ import pytest
 from support.etcd_server import running_etcd
 from support.eventually import eventually
 from support.launcher_cli import running_launcher
-from support.ports import free_port
+from support.ports import gateway_ports
 from support.real_cluster import Reference
 from support.resumable_sse import chat_content, sse_events
 
@@ -154,12 +154,10 @@ MAX_GATEWAYS = 2
 
 def _up_args(model_dir: Path, log_dir: Path, *more: str) -> list[str]:
     # NOTE: ports below the ephemeral range: a gateway the launcher restarts binds the ones it
-    # had, and one drawn from the range could meanwhile be another socket's. Gateway i takes
-    # each flag's port plus i: room for MAX_GATEWAYS.
-    first = free_port(count=3 * MAX_GATEWAYS)
-    ports = [str(first + flag * MAX_GATEWAYS) for flag in range(3)]
-    return ["--model", str(model_dir), "--port", ports[0], "--grpc-port", ports[1],
-            "--internal-port", ports[2], "--log-dir", str(log_dir), *more]  # fmt: skip
+    # had, and one drawn from the range could meanwhile be another socket's.
+    port, grpc_port, internal_port = gateway_ports(MAX_GATEWAYS)
+    return ["--model", str(model_dir), "--port", str(port), "--grpc-port", str(grpc_port),
+            "--internal-port", str(internal_port), "--log-dir", str(log_dir), *more]  # fmt: skip
 
 
 def _logged(path: Path, event: str) -> list[dict[str, Any]]:

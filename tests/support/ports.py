@@ -41,3 +41,10 @@ def free_port(hosts: tuple[str, ...] = ("127.0.0.1",), count: int = 1) -> int:
             continue
         return port
     raise RuntimeError(f"no free port on {hosts} below {low}: {error}")
+
+
+def gateway_ports(num_gateways: int) -> tuple[int, int, int]:
+    """The REST, public gRPC and internal ports to give a cluster of `num_gateways` gateways
+    (gateway i listens on each plus i): one run of free ports (`free_port`) holds them all."""
+    first = free_port(count=3 * num_gateways)
+    return first, first + num_gateways, first + 2 * num_gateways

@@ -34,7 +34,7 @@ from pdserve.launcher.forkserver import ForkServer, ForkServerError
 from pdserve.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from support.etcd_server import EtcdServer, running_etcd
 from support.eventually import eventually
-from support.ports import free_port
+from support.ports import gateway_ports
 
 STARTED_EVENTS = ("prefill_started", "decode_started")
 
@@ -72,7 +72,7 @@ class ProcessCluster(Cluster):
     """A launcher `Cluster` whose processes may each get extra environment variables.
 
     Args:
-        config: What to start (in tests, ports from `support.ports.free_port` or 0).
+        config: What to start (in tests, ports from `support.ports.gateway_ports` or 0).
         child_env: Extra variables per child name ("prefill-1", "decode-0", ...), e.g. a
             fault-injection switch for one instance only.
     """
@@ -194,7 +194,7 @@ def running_cluster(
     **settings: Any,
 ) -> Iterator[ProcessCluster]:
     """Starts a `ProcessCluster` on loopback; stops it on exit. Its gateways' ports lie below
-    the kernel's ephemeral range (`support.ports.free_port`): a gateway restarted binds the
+    the kernel's ephemeral range (`support.ports.gateway_ports`): a gateway restarted binds the
     ports it had, and one drawn from the range could meanwhile be another socket's.
 
     Args:
@@ -216,15 +216,13 @@ def running_cluster(
     forced = forced_kv_transport()
     if forced is not None:
         settings["prefill_args"] = f"{settings.get('prefill_args', '')} --kv-transports {forced}"
-    # NOTE: gateway i listens on each base port plus i: one run of free ports holds them all.
-    num_gateways = int(settings.get("gateways", 1))
-    first = free_port(count=3 * num_gateways)
+    port, grpc_port, internal_port = gateway_ports(int(settings.get("gateways", 1)))
     config = ClusterConfig(
         model=str(model_dir),
         host="127.0.0.1",
-        port=first,
-        grpc_port=first + num_gateways,
-        internal_port=first + 2 * num_gateways,
+        port=port,
+        grpc_port=grpc_port,
+        internal_port=internal_port,
         log_dir=str(log_dir),
         startup_timeout_s=120,
         **settings,
