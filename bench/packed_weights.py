@@ -3,10 +3,18 @@ seconds per weight of the released models' shapes, made in bfloat16 from random 
 
 * MXFP4: one gpt-oss-20b expert stack of gate and up (``[32, 5760, 2880]``) and of down
   (``[32, 2880, 2880]``), as the loader makes them (one expert at a time).
+  Each also as int8 groups (`pdserve.engine.packed_weights.mxfp4_as_int8`), the form the
+  loader keeps where pdserve's int8 kernel runs, and the megabytes of each form.
 * Block FP8: a DeepSeek-V3 expert's gate (``[2048, 7168]``) and its attention output projection
   (``[7168, 16384]``), 128 x 128 blocks.
+* The experts of one gpt-oss-20b MoE layer at work (``--experts`` of its 32, hidden and
+  intermediate 2,880, top 4, clamped SwiGLU), bfloat16 activations on one torch thread: the
+  milliseconds of a call for 1, 4 and 32 tokens (each token's 4 experts drawn at random) with
+  the weights in bfloat16 (`pdserve.engine.moe.Experts`) and kept as int8 groups
+  (`pdserve.engine.moe.Int8Experts`), and their ratio, with the bytes of the experts a
+  one-token call reads in each form.
 
-    .venv/bin/python bench/packed_weights.py [--repeats 3] [--json]
+    .venv/bin/python bench/packed_weights.py [--repeats 3] [--experts 8] [--json]
 """
 
 from __future__ import annotations
@@ -22,10 +30,16 @@ from typing import Any
 import torch
 from common import cpu_description, write_results
 
-from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4
+import pdserve.engine.int8_kernel as int8_kernel
+from pdserve.engine.arch_config import MoeConfig
+from pdserve.engine.moe import Experts, Int8Experts
+from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4, mxfp4_as_int8
 
 MXFP4_SHAPES = {"gpt-oss-20b gate_up (32 experts)": (32, 5760, 2880),
                 "gpt-oss-20b down (32 experts)": (32, 2880, 2880)}  # fmt: skip
+GPT_OSS_HIDDEN = GPT_OSS_INTERMEDIATE = 2880
+GPT_OSS_TOP_K = 4
+STEP_TOKENS = (1, 4, 32)
 FP8_SHAPES = {"DeepSeek-V3 expert gate": (2048, 7168), "DeepSeek-V3 o_proj": (7168, 16384)}
 
 
@@ -45,10 +59,16 @@ def measure(repeats: int) -> dict[str, Any]:
         blocks = torch.randint(0, 256, (experts, out, cols // 32, 16), dtype=torch.uint8)
         scales = torch.randint(118, 130, (experts, out, cols // 32), dtype=torch.uint8)
         seconds = _timed(partial(dequantize_mxfp4, blocks, scales, torch.bfloat16), repeats)
+        int8_seconds = _timed(partial(mxfp4_as_int8, blocks, scales), repeats)
+        num_values = experts * out * cols
         rows[name] = {
             "seconds": round(seconds, 3),
             "seconds_per_expert": round(seconds / experts, 4),
+            "int8_seconds": round(int8_seconds, 3),
             "packed_mb": round((blocks.numel() + scales.numel()) / 1e6, 1),
+            "bfloat16_mb": round(2 * num_values / 1e6, 1),
+            # NOTE: a float16 scale per 32 values (`Int8Experts.load_int8`)
+            "int8_mb": round((num_values + 2 * num_values // 32) / 1e6, 1),
         }
     for name, (out, cols) in FP8_SHAPES.items():
         weight = torch.randn(out, cols, generator=generator).to(torch.float8_e4m3fn)
@@ -59,12 +79,86 @@ def measure(repeats: int) -> dict[str, Any]:
     return rows
 
 
+def _gpt_oss_experts(num_experts: int) -> tuple[Experts, Int8Experts]:
+    """One gpt-oss-20b layer's experts (`num_experts` of them) from random MXFP4 bytes, in
+    bfloat16 and as int8 groups: the same values."""
+    moe = MoeConfig(
+        num_experts=num_experts,
+        num_experts_per_tok=GPT_OSS_TOP_K,
+        moe_intermediate_size=GPT_OSS_INTERMEDIATE,
+        norm_topk_prob=False,
+        moe_layers=(True,),
+        scoring="top_logits",
+        router_bias=True,
+        expert_bias=True,
+        clamped_swiglu=(1.702, 7.0),
+    )
+    floats = Experts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
+    kept = Int8Experts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
+    shapes = {"gate_up_proj": (2 * GPT_OSS_INTERMEDIATE, GPT_OSS_HIDDEN),
+              "down_proj": (GPT_OSS_HIDDEN, GPT_OSS_INTERMEDIATE)}  # fmt: skip
+    for part, (out, cols) in shapes.items():
+        blocks = torch.randint(0, 256, (num_experts, out, cols // 32, 16), dtype=torch.uint8)
+        scales = torch.randint(118, 124, (num_experts, out, cols // 32), dtype=torch.uint8)
+        kept.load_int8(part, *mxfp4_as_int8(blocks, scales))
+        # [experts, out, in] -> the floats' [experts, in, out]
+        weight = dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2)
+        getattr(floats, part).data = weight.contiguous()
+    with torch.no_grad():
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            bias = torch.randn(getattr(floats, name).shape) * 0.02
+            getattr(floats, name).copy_(bias)
+            getattr(kept, name).copy_(bias)
+    return floats, kept
+
+
+def measure_experts(num_experts: int, repeats: int) -> dict[str, Any]:
+    """Milliseconds of one MoE layer's experts at work, bfloat16 against int8 groups."""
+    why_not = int8_kernel.why_not(torch.bfloat16, GPT_OSS_HIDDEN)
+    if why_not is not None:
+        return {"skipped": why_not}
+    floats, kept = _gpt_oss_experts(num_experts)
+    generator = torch.Generator().manual_seed(1)
+    rows: dict[str, Any] = {}
+    for tokens in STEP_TOKENS:
+        x = torch.randn(tokens, GPT_OSS_HIDDEN, generator=generator).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(num_experts, generator=generator)[:GPT_OSS_TOP_K]
+                           for _ in range(tokens)])  # fmt: skip
+        weights = torch.rand(tokens, GPT_OSS_TOP_K, generator=generator)
+        with torch.no_grad():
+            expected = floats(x, ids, weights)
+            difference = (kept(x, ids, weights) - expected).abs().max() / expected.abs().max()
+            ms = {name: 1000 * _timed(partial(experts, x, ids, weights), repeats)
+                  for name, experts in (("bfloat16", floats), ("int8", kept))}  # fmt: skip
+        rows[f"{tokens} tokens"] = {
+            "bfloat16_ms": round(ms["bfloat16"], 2),
+            "int8_ms": round(ms["int8"], 2),
+            "int8_over_bfloat16": round(ms["int8"] / ms["bfloat16"], 3),
+            # NOTE: bfloat16 outputs of two summation orders: a few units of its last place
+            "max_difference_over_max_output": float(f"{difference.item():.2g}"),
+        }
+    per_expert = 3 * GPT_OSS_HIDDEN * GPT_OSS_INTERMEDIATE
+    rows["one token reads MB"] = {
+        "bfloat16": round(GPT_OSS_TOP_K * 2 * per_expert / 1e6, 1),
+        "int8": round(GPT_OSS_TOP_K * (per_expert + 2 * per_expert // 32) / 1e6, 1),
+    }
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--experts", type=int, default=8,
+        help="experts of the gpt-oss-20b layer timed at work (32 in the model; 8 hold 0.6 GB)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     rows = measure(args.repeats)
+    # NOTE: pdserve's int8 kernel runs where torch runs one thread (its own team aside)
+    torch.set_num_threads(1)
+    rows |= {f"gpt-oss-20b experts at work, {name}": row
+             for name, row in measure_experts(args.experts, args.repeats).items()}  # fmt: skip
     record = {"cpu": cpu_description(), "torch_threads": torch.get_num_threads(), "rows": rows}
     path = write_results("packed_weights", record)
     if args.json:

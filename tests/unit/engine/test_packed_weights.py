@@ -19,6 +19,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from structlog.testing import capture_logs
 from support.hf_reference import hf_greedy
 from support.tiny_models import (
     EAGER_ONLY,
@@ -31,10 +32,14 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+import pdserve.engine.cpu_kernels as cpu_kernels
+import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelLoadError
-from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4
+from pdserve.engine.moe import Experts, Int8Experts
+from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4, mxfp4_as_int8
+from pdserve.engine.quant import weight_bytes
 
 LOGITS_ATOL = 1e-4
 NUM_NEW_TOKENS = 24
@@ -77,6 +82,10 @@ def test_mxfp4_values_are_transformers_dequantization_bit_for_bit(dtype: torch.d
     assert torch.equal(ours.transpose(1, 2), expected)
     # NOTE: exact in bfloat16 too
     assert torch.equal(ours.float(), dequantize_mxfp4(blocks, scales, torch.float32))
+    # NOTE: and as int8 groups of 32 with a power-of-two scale each
+    values, halves = mxfp4_as_int8(blocks, scales)
+    assert values.dtype == torch.int8 and int(values.abs().max()) <= 12
+    assert torch.equal(values.float() * halves.repeat_interleave(32, dim=-1), ours.float())
 
 
 @pytest.mark.parametrize("shape", [(40, 70), (2, 33, 48)])
@@ -117,7 +126,8 @@ def test_the_released_form_equals_transformers_on_its_floats(released: Released)
 
 def test_bfloat16_weights_equal_the_bfloat16_copys(released: Released) -> None:
     from_floats = dict(load_model(released.floats, torch.bfloat16).named_parameters())
-    from_packed = dict(load_model(released.packed, torch.bfloat16).named_parameters())
+    packed = load_model(released.packed, torch.bfloat16, quantization="none")
+    from_packed = dict(packed.named_parameters())
     assert from_floats.keys() == from_packed.keys()
     for name, value in from_packed.items():
         assert torch.equal(value, from_floats[name]), name
@@ -155,3 +165,71 @@ def test_other_quantization_is_refused_by_name_before_any_weight_is_read(
     (other / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     with pytest.raises(ModelLoadError, match=re.escape(f"quantized with {named}, which")):
         load_model(other, torch.float32)
+
+
+def _mxfp4_released(tmp_path: Path) -> Path:
+    build_hf_model("gpt_oss").save_pretrained(tmp_path / "float")
+    pack_mxfp4(tmp_path / "float", tmp_path / "packed")
+    return tmp_path / "packed"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_experts_stay_int8_groups_of_the_checkpoints_values(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    packed = _mxfp4_released(tmp_path)
+    kept = load_model(packed, dtype)
+    floats = load_model(packed, dtype, quantization="none")
+    assert weight_bytes(kept) < 0.75 * weight_bytes(floats)
+    for layer, reference in zip(kept.model.layers, floats.model.layers, strict=True):
+        experts = layer.mlp.experts
+        assert isinstance(experts, Int8Experts) and type(reference.mlp.experts) is Experts
+        for which, float_weight in (("gate_up", reference.mlp.experts.gate_up_proj),
+                                    ("down", reference.mlp.experts.down_proj)):  # fmt: skip
+            values, scales = (
+                getattr(experts, f"{which}_values"),
+                getattr(experts, f"{which}_scales"),
+            )
+            assert values.dtype == torch.int8 and scales.dtype == torch.float16
+            # NOTE: [experts, out, in] here, [experts, in, out] in floats: the same values
+            weight = values.float() * scales.float().repeat_interleave(32, dim=-1)
+            assert torch.equal(weight.transpose(1, 2).to(dtype), float_weight.detach())
+
+
+def test_mxfp4_experts_kept_generate_the_dequantized_ones_tokens_in_bfloat16(
+    tmp_path: Path,
+) -> None:
+    packed = _mxfp4_released(tmp_path)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 290, (n,), generator=generator).tolist() for n in (5, 12, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outputs = {}
+    for quantization in ("auto", "none"):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(packed),
+                dtype="bfloat16",
+                seed=0,
+                quantization=quantization,
+                cache=CacheConfig(num_blocks=32),
+            )
+        )
+        assert isinstance(engine.runner.model.model.layers[0].mlp.experts, Int8Experts) == (
+            quantization == "auto"
+        )
+        outputs[quantization] = engine.generate(prompts, params)
+    assert outputs["auto"] == outputs["none"]
+
+
+def test_mxfp4_experts_that_the_kernel_cannot_take_are_dequantized_and_say_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packed = _mxfp4_released(tmp_path)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with capture_logs() as logs:
+        model = load_model(packed, torch.bfloat16)
+    assert type(model.model.layers[0].mlp.experts) is Experts
+    (line,) = [entry for entry in logs if entry["event"] == "mxfp4_experts"]
+    assert line["became"] == "bfloat16"
+    assert line["why_not_int8"] == int8_kernel.why_not(torch.bfloat16, 64)
+    assert "2 threads" in line["why_not_int8"] or cpu_kernels.why_unavailable(torch.bfloat16)

@@ -26,7 +26,13 @@ from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
-from pdserve.engine.packed_weights import DEFAULT_FP8_BLOCK, PackedPairs, check_quantization
+from pdserve.engine.moe import Int8Experts, SparseMoeBlock
+from pdserve.engine.packed_weights import (
+    DEFAULT_FP8_BLOCK,
+    Int8Pair,
+    PackedPairs,
+    check_quantization,
+)
 from pdserve.engine.parallel.group import TensorParallelGroup
 from pdserve.engine.parallel.sharding import shard_tensor
 from pdserve.engine.quant import quantize_linears, weight_bytes
@@ -84,7 +90,9 @@ def load_model(
             Q4_K tensors, `pdserve.engine.gguf_int4`) as they are where an int4 kernel runs them
             (bfloat16 on a CPU, or float32 where pdserve's float32 kernels run; one rank), and
             a Q8_0 LM head (with the embedding tied to it) where pdserve's int8 kernel runs,
-            and dequantizes them elsewhere;
+            and an MXFP4 checkpoint's experts (gpt-oss as released) as int8 groups, each value
+            the checkpoint's (`pdserve.engine.moe.Int8Experts`), where that kernel runs them
+            (one rank on a CPU), and dequantizes them elsewhere;
             ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
             projection but the LM head from the float weights (CPU; `pdserve.engine.quant`).
 
@@ -100,10 +108,13 @@ def load_model(
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {str(path)!r}")
-    fp8_block = _fp8_block(path)
+    fp8_block, quant_method = _packed_form(path)
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, group).to(dtype)
+    int8_experts: dict[str, Int8Experts] = {}
+    if quant_method == "mxfp4" and quantization == "auto" and device.type == "cpu":
+        int8_experts = _keep_mxfp4_experts(model, dtype)
     kept = KeptWeights(frozenset(), {})
     if (path / INT4_FILE).is_file():
         # NOTE: torch's int4 kernel is fast with bf16 activations only (float32: 16-40x
@@ -125,15 +136,22 @@ def load_model(
     family = family_of(config.model_type)
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t", None)
-    packed = PackedPairs(dtype, fp8_block)
+    for name in int8_experts:
+        pending[name] = {0}
+    packed = PackedPairs(dtype, fp8_block, lambda name: family.renamed(name) in int8_experts)
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if hf_name in kept.hf_names:
                     continue
                 joined = packed.join(hf_name, reader.get_tensor(hf_name))
-                if joined is not None:
-                    _load_tensor(family, *joined, params, pending, model)
+                if joined is None:
+                    pass
+                elif isinstance(joined[1], Int8Pair):
+                    _load_int8_experts(family, joined[0], joined[1], int8_experts, model.config)
+                    pending[family.renamed(joined[0])].clear()
+                else:
+                    _load_tensor(family, joined[0], joined[1], params, pending, model)
                 del joined  # NOTE: before the next one is read: one tensor in flight
     packed.check_done()
     missing = sorted(name for name, shards in pending.items() if shards)
@@ -142,7 +160,12 @@ def load_model(
     model.tie_weights()
     model.init_rotary(device)
     model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
+    # NOTE: weights kept quantized are buffers (int8 values; int4 ones two to a byte)
+    num_params = sum(p.numel() for p in model.parameters()) + sum(
+        buffer.numel() * (2 if name.endswith("packed") else 1)
+        for name, buffer in model.named_buffers()
+        if buffer.dtype in (torch.int8, torch.uint8)
+    )
     is_packed = linear_backend != "torch" and can_pack_for_onednn(device, dtype)
     if linear_backend == "onednn" and not is_packed:
         raise ValueError(
@@ -177,16 +200,73 @@ def load_model(
     return model
 
 
-def _fp8_block(path: Path) -> tuple[int, int]:
-    """The block of an FP8 checkpoint's weight scales (``quantization_config``); a checkpoint
-    quantized in a form the loader does not read is refused (`check_quantization`)."""
+def _packed_form(path: Path) -> tuple[tuple[int, int], str | None]:
+    """The block of an FP8 checkpoint's weight scales and the checkpoint's quantization method
+    (``quantization_config``); a checkpoint quantized in a form the loader does not read is
+    refused (`check_quantization`)."""
     config = json.loads((path / "config.json").read_text())
     check_quantization(config)
-    block = (config.get("quantization_config") or {}).get("weight_block_size")
+    quantization = config.get("quantization_config") or {}
+    method = quantization.get("quant_method")
+    block = quantization.get("weight_block_size")
     if not block:
-        return DEFAULT_FP8_BLOCK
+        return DEFAULT_FP8_BLOCK, method
     rows, cols = (int(size) for size in block)
-    return rows, cols
+    return (rows, cols), method
+
+
+def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, Int8Experts]:
+    """Puts `Int8Experts` in place of a meta-device model's experts where pdserve's int8 kernel
+    runs them (one rank), and says so in one line.
+
+    Returns:
+        Each stacked projection's checkpoint name (``...mlp.experts.gate_up_proj``) -> the
+        experts that take it.
+    """
+    config = model.config
+    assert config.moe is not None
+    why_not = Int8Experts.why_not(config.moe, config.hidden_size, dtype)
+    if why_not is None and model.group.world_size > 1:
+        why_not = "tensor-parallel ranks split the experts (no int8 form of that yet)"
+    kept: dict[str, Int8Experts] = {}
+    if why_not is None:
+        for name, block in model.named_modules():
+            if isinstance(block, SparseMoeBlock):
+                with torch.device("meta"):
+                    experts = Int8Experts(config.moe, config.hidden_size, config.hidden_act)
+                block.experts = experts.to(dtype)
+                for part in Int8Experts.PARTS:
+                    kept[f"{name}.experts.{part}"] = experts
+    log.info(
+        "mxfp4_experts",
+        became="int8 (pdserve's kernel)" if kept else str(dtype).removeprefix("torch."),
+        num_layers=len(kept) // len(Int8Experts.PARTS),
+        why_not_int8=why_not,
+    )
+    return kept
+
+
+def _load_int8_experts(
+    family: Family,
+    checkpoint_name: str,
+    pair: Int8Pair,
+    int8_experts: dict[str, Int8Experts],
+    config: ModelConfig,
+) -> None:
+    """One stacked projection of MXFP4 experts into its `Int8Experts`, reordered as the family
+    reorders the same weight in floats: a pair's ``[experts, out, in]`` values and ``[experts,
+    out, in / 32]`` scales go through the family's `Family.load_tensor` as the dequantized stack
+    would (``[experts, in, out]``, transformers' layout) and come out ``[experts, out, in]``."""
+    hf_name = family.renamed(checkpoint_name)
+    values, scales = pair.values.transpose(1, 2), pair.scales.transpose(1, 2)
+    if family.load_tensor is not None:
+        reordered_values = family.load_tensor(hf_name, values, config)
+        reordered_scales = family.load_tensor(hf_name, scales, config)
+        if reordered_values is None or reordered_scales is None:
+            raise ModelLoadError(f"the {family.model_type} family leaves out {hf_name!r}")
+        values, scales = reordered_values, reordered_scales
+    part = hf_name.rpartition(".")[2]
+    int8_experts[hf_name].load_int8(part, values, scales)
 
 
 def _expected_shards(name: str, param: torch.Tensor) -> set[int]:

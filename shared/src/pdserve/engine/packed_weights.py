@@ -26,6 +26,9 @@ refused at load, by name (`check_quantization`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from pdserve.engine.arch_config import ModelLoadError
@@ -49,14 +52,7 @@ def dequantize_mxfp4(
 ) -> torch.Tensor:
     """The weight an MXFP4 blocks and scales pair holds, ``[..., rows, cols]`` in `dtype` (made
     one slice of the first dimension at a time: no float32 copy of a whole expert stack)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ModelLoadError(
-            f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}"
-        )
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ModelLoadError(
-            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
-        )
+    _check_mxfp4(blocks, scales)
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
     # NOTE: byte b -> its two values (the low nibble's first): one lookup per byte.
     pairs = torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
@@ -71,6 +67,41 @@ def dequantize_mxfp4(
         weight.mul_(torch.exp2(flat_scales[index].to(torch.float32) - 127)[..., None])
         flat_out[index].copy_(weight.flatten(-2))
     return out
+
+
+class Int8Pair(NamedTuple):
+    """A packed weight kept as int8 groups (`mxfp4_as_int8`) instead of made in floats.
+
+    Attributes:
+        values: ``[..., rows, cols]`` int8.
+        scales: ``[..., rows, cols / 32]`` float32.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
+def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Pair:
+    """The weight an MXFP4 blocks and scales pair holds as int8 groups of `MXFP4_BLOCK`, each
+    value exactly: the e2m1 values times two (integers in -12..12) and the e8m0 scales halved
+    (``2 ** (scale - 128)``, float32: every one exact)."""
+    _check_mxfp4(blocks, scales)
+    doubled = torch.tensor([int(2 * value) for value in E2M1_VALUES], dtype=torch.int8)
+    # NOTE: the low nibble holds the even element
+    values = torch.stack((doubled[(blocks & 0x0F).long()], doubled[(blocks >> 4).long()]), -1)
+    shape = (*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
+    return Int8Pair(values.reshape(shape), torch.exp2(scales.to(torch.float32) - 128))
+
+
+def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(
+            f"MXFP4 blocks and scales are uint8, not {blocks.dtype} and {scales.dtype}"
+        )
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ModelLoadError(
+            f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}"
+        )
 
 
 def dequantize_fp8(
@@ -140,21 +171,32 @@ class PackedPairs:
     Args:
         dtype: The dtype the weights are made in (the model's).
         fp8_block: The block of an FP8 checkpoint's scales (rows, columns).
+        keeps_int8: Whether an MXFP4 weight (by its checkpoint name) is kept as int8 groups
+            (an `Int8Pair`, `mxfp4_as_int8`) rather than made in `dtype`.
 
     Attributes:
         num_joined: Packed weights read so far, by format (``mxfp4``, ``fp8``).
     """
 
-    def __init__(self, dtype: torch.dtype, fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
+        keeps_int8: Callable[[str], bool] = lambda name: False,
+    ) -> None:
         self._dtype = dtype
+        self._keeps_int8 = keeps_int8
         self._fp8_block = fp8_block
         # weight name -> (the half's role, the tensor), until the other half is read
         self._halves: dict[str, tuple[str, torch.Tensor]] = {}
         self.num_joined: dict[str, int] = {}
 
-    def join(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    def join(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[str, torch.Tensor] | tuple[str, Int8Pair] | None:
         """`(name, tensor)` for a tensor that is no half of a pair; for a half, None until
-        its other half is read, then the weight under its own name."""
+        its other half is read, then the weight under its own name (an `Int8Pair` where
+        `keeps_int8` says so)."""
         if name.endswith(BLOCKS):
             weight, role = name.removesuffix(BLOCKS), BLOCKS
         elif name.endswith(SCALES):
@@ -174,6 +216,9 @@ class PackedPairs:
             self._halves[weight] = (role, tensor)
             return None
         halves = {role: tensor, other[0]: other[1]}
+        if BLOCKS in halves and SCALES in halves and self._keeps_int8(weight):
+            self._count("mxfp4 as int8")
+            return weight, mxfp4_as_int8(halves[BLOCKS], halves[SCALES])
         if BLOCKS in halves and SCALES in halves:
             joined = dequantize_mxfp4(halves[BLOCKS], halves[SCALES], self._dtype)
             self._count("mxfp4")

@@ -261,27 +261,53 @@ class Int8GroupLinear(Int8Groups):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if self.kernel == "pdserve" and (x.shape[0] <= OWN_KERNEL_MAX_ROWS or self.min_rows > 1):
-            out = int8_kernel.matmul(x, self.values, self.scales, self.mins)
-            return out if self.bias is None else out.add_(self.bias)
-        rows = x.shape[0]
-        x = at_least_rows(x, self.min_rows)
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        for start in range(0, self.out_features, INT8_GROUP_CHUNK):
-            stop = min(start + INT8_GROUP_CHUNK, self.out_features)
-            weight = self.dequantized(start, stop, x.dtype)
-            torch.mm(x, weight.t(), out=out[:, start:stop])
-        out = out[:rows]
+        out = int8_group_matmul(x, self.values, self.scales, self.mins, self.kernel, self.min_rows)
         return out if self.bias is None else out.add_(self.bias)
 
-    def dequantized(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-        """Output rows ``[start, stop)`` of the weight in `dtype` (the file's values, rounded
-        once)."""
-        values, scales = self.values[start:stop], self.scales[start:stop]
-        mins = None if self.mins is None else self.mins[start:stop]
-        if self.kernel == "pdserve" and dtype == torch.bfloat16:
-            return int8_kernel.dequantize(values, scales, mins)
-        return int8_kernel.dequantize_torch(values, scales, mins, dtype)
+
+def int8_group_matmul(
+    x: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    kernel: str,
+    min_rows: int,
+    kernel_rows: int = OWN_KERNEL_MAX_ROWS,
+) -> torch.Tensor:
+    """``x @ w.T`` for an int8 weight in groups ``w = scale * values + min``, as
+    `Int8GroupLinear` runs it: on pdserve's kernel up to `kernel_rows` rows (every row count
+    where `min_rows` is above one), else one GEMM over the weight dequantized
+    `INT8_GROUP_CHUNK` output rows at a time, `x` padded to `min_rows`.
+
+    Args:
+        x: ``[rows, in]``.
+        values: ``[out, in]`` int8.
+        scales: ``[out, in / group]`` float16 or float32.
+        mins: ``[out, in / group]`` float32, or None.
+        kernel: ``pdserve`` where pdserve's int8 kernel takes the shape and dtype, else
+            ``torch``.
+        min_rows: Fewer rows run padded to this many (`pdserve.engine.batch_invariant`).
+        kernel_rows: Most rows the kernel multiplies where `min_rows` is one.
+
+    Returns:
+        ``[rows, out]`` in x's dtype.
+    """
+    if kernel == "pdserve" and (x.shape[0] <= kernel_rows or min_rows > 1):
+        return int8_kernel.matmul(x, values, scales, mins)
+    rows, num_out = x.shape[0], values.shape[0]
+    x = at_least_rows(x, min_rows)
+    out = torch.empty(x.shape[0], num_out, dtype=x.dtype)
+    for start in range(0, num_out, INT8_GROUP_CHUNK):
+        stop = min(start + INT8_GROUP_CHUNK, num_out)
+        part = None if mins is None else mins[start:stop]
+        if kernel == "pdserve" and x.dtype == torch.bfloat16:
+            weight = int8_kernel.dequantize(values[start:stop], scales[start:stop], part)
+        else:
+            weight = int8_kernel.dequantize_torch(
+                values[start:stop], scales[start:stop], part, x.dtype
+            )
+        torch.mm(x, weight.t(), out=out[:, start:stop])
+    return out[:rows]
 
 
 class Int8GroupEmbedding(Int8Groups):
