@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         default=AUTO,
         choices=QUANTIZATIONS,
-        help="auto keeps a GGUF's Q4_0/Q4_1/Q4_K weights as int4 (bfloat16 on CPU); none "
-        "dequantizes every weight; int8 / int4 quantize the float projections (CPU)",
+        help="auto keeps a GGUF's Q4_0/Q4_1/Q4_K weights as int4 (bfloat16 on CPU) and MXFP4 "
+        "experts as int8; none dequantizes every weight; int8 / int4 quantize the float "
+        "projections (CPU)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
