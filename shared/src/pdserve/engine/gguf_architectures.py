@@ -87,6 +87,10 @@ class ArchitectureRules:
             prefix, piece): tensors that llama.cpp split or reshaped, rebuilt by `join`
             once every piece of the name has been read.
         join: Rebuilds a tensor of `pieces`.
+        join_mxfp4: Rebuilds a tensor of `pieces` held in MXFP4 in the released checkpoints'
+            form (``[..., rows, cols / 32, 16]`` blocks, ``[..., rows, cols / 32]`` scales,
+            each joined alone; `pdserve.engine.gguf_import.mxfp4_tensors`); None: MXFP4 pieces
+            are dequantized like any other.
         has_mtp_layers: Whether layers past ``num_hidden_layers`` (multi-token prediction,
             which the engine does not run) are left out rather than refused.
     """
@@ -100,6 +104,7 @@ class ArchitectureRules:
     exact_names: Mapping[str, str] = field(default_factory=dict)
     pieces: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     join: Joiner | None = None
+    join_mxfp4: Joiner | None = None
     has_mtp_layers: bool = False
 
     def piece_count(self, hf_suffix: str) -> int:

@@ -3,7 +3,8 @@
 llama.cpp's GGUF holds the config and the tokenizer as metadata and the weights, often
 quantized, under its own tensor names. `convert_gguf` reads it with the `gguf` package (the
 field's reader), dequantizes every tensor to float32, renames it to the Hugging Face name and
-undoes what llama.cpp changed (per family, `pdserve.engine.families`), and writes
+undoes what llama.cpp changed (per family, `pdserve.engine.families`; MXFP4 experts stay
+MXFP4, `mxfp4_tensors`), and writes
 ``config.json``, ``generation_config.json``, ``model.safetensors``, ``tokenizer.json`` and
 ``tokenizer_config.json``. The result equals what transformers loads from the same GGUF.
 Beside it, `pdserve.engine.gguf_int4` keeps the 4-bit tensors as the file stores them
@@ -13,9 +14,9 @@ Beside it, `pdserve.engine.gguf_int4` keeps the 4-bit tensors as the file stores
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import structlog
@@ -24,9 +25,10 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
 from pdserve.engine.families import gguf_family, supported_architectures
-from pdserve.engine.gguf_architectures import ArchitectureRules, hf_checkpoint
+from pdserve.engine.gguf_architectures import PIECE, ArchitectureRules, hf_checkpoint, hf_tensors
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_int4 import write_int4_file
+from pdserve.engine.packed_weights import BLOCKS, SCALES
 from pdserve.tokenizer.gguf_vocab import GgufVocab, tokenizer_files
 
 log = structlog.get_logger(__name__)
@@ -92,10 +94,85 @@ def gguf_vocab(metadata: dict[str, Any]) -> GgufVocab:
     )
 
 
+MXFP4_BLOCK_BYTES = 17
+"""ggml's MXFP4 block: its e8m0 scale byte, then 16 bytes of 4-bit e2m1 codes (value ``j`` in
+byte ``j``'s low nibble, value ``j + 16`` in its high one)."""
+
+
+def released_mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's MXFP4 blocks (``[..., rows, bytes]`` uint8) as the released checkpoints hold the
+    same values: ``[..., rows, blocks, 16]`` codes with value ``2j`` in byte ``j``'s low nibble
+    and ``2j + 1`` in its high one, and ``[..., rows, blocks]`` e8m0 scales (the same bytes:
+    ggml's ``2 * e2m1 * 2 ** (e - 128)`` is ``e2m1 * 2 ** (e - 127)``)."""
+    rows = data.shape[:-1]
+    blocks = data.reshape(*rows, -1, MXFP4_BLOCK_BYTES)
+    nibbles = blocks[..., 1:]
+    # codes: [..., blocks, 32] in order
+    codes = np.concatenate((nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)), axis=-1)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+    return np.ascontiguousarray(packed), np.ascontiguousarray(blocks[..., 0])
+
+
+class Mxfp4Tensors(NamedTuple):
+    """A file's MXFP4 tensors kept packed (`mxfp4_tensors`).
+
+    Attributes:
+        gguf_names: The GGUF tensors they came from (left out of the dequantized ones).
+        tensors: Hugging Face name (``<name>_blocks``, ``<name>_scales``) -> array.
+    """
+
+    gguf_names: frozenset[str]
+    tensors: dict[str, np.ndarray]
+
+
+def mxfp4_tensors(
+    reader: GGUFReader, rules: ArchitectureRules, config: Mapping[str, Any]
+) -> Mxfp4Tensors:
+    """The file's MXFP4 tensors in the released checkpoints' form (``<name>_blocks``,
+    ``<name>_scales``; `released_mxfp4`), pieces joined by the family's
+    `ArchitectureRules.join_mxfp4`; none where the family has no such join (its MXFP4 tensors
+    are then dequantized like the others).
+
+    Raises:
+        ValueError: For an MXFP4 tensor that is no piece the family joins, or a stack whose
+            pieces the file does not all hold.
+    """
+    join = rules.join_mxfp4
+    names: set[str] = set()
+    tensors: dict[str, np.ndarray] = {}
+    if join is None:
+        return Mxfp4Tensors(frozenset(), tensors)
+    pending: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type != GGMLQuantizationType.MXFP4:
+            continue
+        blocks, scales = released_mxfp4(np.asarray(tensor.data))
+        ((name, _),) = hf_tensors(tensor.name, scales, rules, config)
+        hf_name, is_piece, piece = name.partition(PIECE)
+        if not is_piece:
+            raise ValueError(f"MXFP4 tensor {tensor.name!r} is no piece of an expert stack")
+        names.add(tensor.name)
+        pieces = pending.setdefault(hf_name, {})
+        pieces[piece] = (blocks, scales)
+        suffix = hf_name.split(".", 3)[3]
+        if len(pieces) == rules.piece_count(suffix):
+            joined = pending.pop(hf_name)
+            tensors[hf_name + BLOCKS] = join(suffix, {p: b for p, (b, _) in joined.items()})
+            tensors[hf_name + SCALES] = join(suffix, {p: s for p, (_, s) in joined.items()})
+    if pending:
+        raise ValueError(f"the GGUF file holds only part of {', '.join(sorted(pending))}")
+    return Mxfp4Tensors(frozenset(names), tensors)
+
+
 def dequantized_tensors(
-    reader: GGUFReader, rules: ArchitectureRules, config: dict[str, Any], progress: Any = None
+    reader: GGUFReader,
+    rules: ArchitectureRules,
+    config: dict[str, Any],
+    progress: Any = None,
+    skip: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields (Hugging Face name, float32 array) for every tensor of the file.
+    """Yields (Hugging Face name, float32 array) for every tensor of the file but those named
+    in `skip` (GGUF names).
 
     Raises:
         ValueError: For an unsupported tensor type or an unexpected tensor.
@@ -103,6 +180,10 @@ def dequantized_tensors(
 
     def dequantized() -> Iterator[tuple[str, np.ndarray]]:
         for tensor in reader.tensors:
+            if tensor.name in skip:
+                if progress is not None:
+                    progress.update(1)
+                continue
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
                 supported = ", ".join(t.name for t in SUPPORTED_TENSOR_TYPES)
                 raise ValueError(
@@ -150,8 +231,14 @@ def convert_gguf(
     progress = None
     if make_progress is not None:
         progress = make_progress(len(reader.tensors), f"preparing {path.name}")
+    packed = mxfp4_tensors(reader, rules, config)
+    if packed.tensors:
+        # NOTE: the released checkpoints' form: the loader keeps them as int8 groups or
+        # dequantizes them (`pdserve.engine.packed_weights`)
+        config["quantization_config"] = {"quant_method": "mxfp4"}
     try:
-        weights = dict(dequantized_tensors(reader, rules, config, progress))
+        weights = dict(dequantized_tensors(reader, rules, config, progress, packed.gguf_names))
+        weights |= packed.tensors
     finally:
         if progress is not None:
             progress.close()

@@ -8,7 +8,8 @@ and softmaxes over them alone, experts with biases and the clamped SwiGLU (gate 
 interleaved in the checkpoint, reordered at load); RMSNorm scaled in float32.
 
 GGUF: ``gpt-oss`` files; llama.cpp's separate gate and up experts are interleaved again into
-``gate_up_proj`` and the down experts transposed back; the SwiGLU limit and alpha, the layer
+``gate_up_proj`` and the down experts transposed back (MXFP4 experts stay MXFP4, repacked as
+the released checkpoints hold them); the SwiGLU limit and alpha, the layer
 pattern (sliding first) and YaRN's ``truncate: false`` are llama.cpp's, as the file does not
 say them.
 """
@@ -81,6 +82,16 @@ def _join_experts(hf_suffix: str, pieces: Mapping[str, np.ndarray]) -> np.ndarra
     return np.ascontiguousarray(interleaved.transpose(0, 2, 1))
 
 
+def _join_mxfp4_experts(hf_suffix: str, pieces: Mapping[str, np.ndarray]) -> np.ndarray:
+    """gpt-oss's MXFP4 experts as the released checkpoints pack them: ``gate_up_proj``'s
+    blocks (or scales) with gate and up interleaved row by row (``[experts, 2 * size, ...]``);
+    ``down_proj``'s as llama.cpp stores them (rows are outputs in both)."""
+    if hf_suffix.endswith("down_proj"):
+        return pieces["down"]
+    gate, up = pieces["gate"], pieces["up"]
+    return np.stack((gate, up), axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])
+
+
 def _gguf_config(config: dict[str, Any], get: ConfigGetter, tensors: set[str]) -> None:
     config["num_local_experts"] = int(get("expert_count"))
     config["num_experts_per_tok"] = int(get("expert_used_count"))
@@ -123,6 +134,7 @@ FAMILY = Family(
                 "ffn_down_exps.weight": ("mlp.experts.down_proj", "down"),
             },
             join=_join_experts,
+            join_mxfp4=_join_mxfp4_experts,
         ),
         config=_gguf_config,
     ),
