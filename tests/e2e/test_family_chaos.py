@@ -2,6 +2,7 @@
 of experts (a tiny DeepSeek-V3) and a mixture of experts with sliding-window layers (a tiny
 gpt-oss). Streams that preempt each other on small decode pools, and a decode SIGKILLed
 mid-stream, each come out equal to transformers' greedy output, nothing lost or duplicated.
+gpt-oss is served as released, its experts in MXFP4 (kept as int8 groups by the engines).
 DeepSeek-V3's KV blocks hold the latent only (`pdserve.engine.mla`): what moves between the
 prefill and the decodes, and what a decode that takes a stream over recomputes, is that latent.
 gpt-oss's decodes keep its sliding layers' KV in window slots (`--release-window-blocks`, the
@@ -23,7 +24,7 @@ from support.process_cluster import (
     sample_at,
     streamed_until_preempted,
 )
-from support.tiny_models import servable_tiny_model
+from support.tiny_models import pack_mxfp4, servable_tiny_model
 
 from pdserve.tokenizer import Tokenizer
 
@@ -41,19 +42,32 @@ MIN_GREEDY_MARGIN = 1e-3
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "gpt_oss"])
-def model_dir(
+def reference_dir(
     request: pytest.FixtureRequest, demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
+    """The tiny model in floats: what transformers runs."""
     family = request.param
     return servable_tiny_model(family, tmp_path_factory.mktemp(family), demo_model_dir)
 
 
 @pytest.fixture(scope="module")
-def expected(model_dir: Path) -> list[list[int]]:
+def model_dir(reference_dir: Path) -> Path:
+    """What the cluster serves: gpt-oss as released, its experts in MXFP4 (which the engines
+    keep as int8 groups, `pdserve.engine.moe.Int8Experts`; the reference's experts are the
+    floats those hold); DeepSeek-V3 in floats."""
+    if not reference_dir.name.startswith("gpt_oss"):
+        return reference_dir
+    released = reference_dir.with_name(f"{reference_dir.name}-mxfp4")
+    pack_mxfp4(reference_dir, released)
+    return released
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path, reference_dir: Path) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir).eval()
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     # NOTE: the streams below are compared with transformers token for token without
     # --deterministic (a stream moved off a killed decode is recomputed by a prefill, whose
