@@ -54,6 +54,9 @@ from pdserve.engine import (
 from pdserve.engine.demo import write_demo_model
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_import import convert_gguf, read_metadata
+from pdserve.engine.loader import load_model
+from pdserve.engine.moe import Experts, Int8Experts, SparseMoeBlock
+from pdserve.engine.quant import weight_bytes
 from pdserve.tokenizer import Tokenizer
 
 # fp32 on CPU: the same weights, differing only in summation order.
@@ -391,6 +394,56 @@ def test_quantized_checkpoint_is_the_original_within_the_type(
         np.testing.assert_allclose(
             converted[tensor_name], values, rtol=rtol, atol=atol, err_msg=tensor_name
         )
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-q8_0", MXFP4])
+def test_quantized_experts_are_kept_as_int8_groups_of_the_files_values(
+    families: dict[str, Family], name: str
+) -> None:
+    """A GGUF's Q8_0 experts (and a gpt-oss GGUF's MXFP4 ones) run as `Int8Experts`: each
+    weight the file's value (the dequantized checkpoint's, exactly), in bfloat16 and float32;
+    in float32 (where another summation order moves a logit by about 1e-6, not a random tiny
+    model's near-ties as bfloat16's rounding does) the same greedy tokens as the experts
+    dequantized."""
+    model_dir = families[name].model_dir
+    for dtype in (torch.bfloat16, torch.float32):
+        _assert_int8_experts_hold_the_dequantized_weights(model_dir, dtype)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, demo_tokenizer.NUM_BYTE_TOKENS, (n,), generator=generator).tolist()
+        for n in PROMPT_LENGTHS
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outputs = [
+        LLMEngine(
+            EngineConfig(model=str(model_dir), dtype="float32", seed=0,
+                         quantization=quantization, cache=CacheConfig(num_blocks=32))
+        ).generate(prompts, params)
+        for quantization in ("auto", "none")
+    ]  # fmt: skip
+    assert outputs[0] == outputs[1]
+
+
+def _assert_int8_experts_hold_the_dequantized_weights(model_dir: Path, dtype: torch.dtype) -> None:
+    kept = load_model(model_dir, dtype)
+    floats = load_model(model_dir, dtype, quantization="none")
+    assert weight_bytes(kept) < weight_bytes(floats)
+    for layer, reference in zip(kept.model.layers, floats.model.layers, strict=True):
+        if not isinstance(reference.mlp, SparseMoeBlock):
+            continue
+        experts = layer.mlp.experts
+        assert isinstance(experts, Int8Experts) and type(reference.mlp.experts) is Experts
+        for which in ("gate_up", "down"):
+            values = getattr(experts, f"{which}_values")
+            scales = getattr(experts, f"{which}_scales")
+            group = values.shape[-1] // scales.shape[-1]
+            weight = values.float() * scales.float().repeat_interleave(group, dim=-1)
+            mins = getattr(experts, f"{which}_mins")
+            if mins is not None:
+                weight += mins.repeat_interleave(group, dim=-1)
+            expected = getattr(reference.mlp.experts, f"{which}_proj").detach()
+            # NOTE: [experts, out, in] against the floats' [experts, in, out]
+            assert torch.equal(weight.transpose(1, 2).to(dtype), expected), which
 
 
 def test_mxfp4_experts_stay_mxfp4_in_the_file(families: dict[str, Family]) -> None:

