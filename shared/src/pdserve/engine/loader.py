@@ -145,12 +145,10 @@ def load_model(
                 if hf_name in kept.hf_names:
                     continue
                 joined = packed.join(hf_name, reader.get_tensor(hf_name))
-                if joined is None:
-                    pass
-                elif isinstance(joined[1], Int8Pair):
+                if joined is not None and isinstance(joined[1], Int8Pair):
                     _load_int8_experts(family, joined[0], joined[1], int8_experts, model.config)
                     pending[family.renamed(joined[0])].clear()
-                else:
+                elif joined is not None:
                     _load_tensor(family, joined[0], joined[1], params, pending, model)
                 del joined  # NOTE: before the next one is read: one tensor in flight
     packed.check_done()

@@ -85,13 +85,19 @@ class Int8Pair(NamedTuple):
 def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Pair:
     """The weight an MXFP4 blocks and scales pair holds as int8 groups of `MXFP4_BLOCK`, each
     value exactly: the e2m1 values times two (integers in -12..12) and the e8m0 scales halved
-    (``2 ** (scale - 128)``, float32: every one exact)."""
+    (``2 ** (scale - 128)``, float32: every one exact). Made one slice of the first dimension
+    at a time, as `dequantize_mxfp4`: no index tensor over a whole expert stack."""
     _check_mxfp4(blocks, scales)
     doubled = torch.tensor([int(2 * value) for value in E2M1_VALUES], dtype=torch.int8)
-    # NOTE: the low nibble holds the even element
-    values = torch.stack((doubled[(blocks & 0x0F).long()], doubled[(blocks >> 4).long()]), -1)
+    # NOTE: byte b -> its two values (the low nibble's first): one lookup per byte.
+    pairs = torch.stack((doubled.repeat(16), doubled.repeat_interleave(16)), dim=-1)
     shape = (*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
-    return Int8Pair(values.reshape(shape), torch.exp2(scales.to(torch.float32) - 128))
+    values = torch.empty(shape, dtype=torch.int8)
+    flat_blocks = blocks.reshape(-1, *blocks.shape[-3:])
+    flat_values = values.view(-1, *shape[-2:])
+    for index in range(flat_values.shape[0]):
+        flat_values[index].copy_(pairs[flat_blocks[index].long()].flatten(-3))
+    return Int8Pair(values, torch.exp2(scales.to(torch.float32) - 128))
 
 
 def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
