@@ -13,6 +13,7 @@ Beside it, `pdserve.engine.gguf_int4` keeps the 4-bit tensors as the file stores
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -25,7 +26,7 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
 from pdserve.engine.families import gguf_family, supported_architectures
-from pdserve.engine.gguf_architectures import PIECE, ArchitectureRules, hf_checkpoint, hf_tensors
+from pdserve.engine.gguf_architectures import ArchitectureRules, hf_checkpoint
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_int4 import write_int4_file
 from pdserve.engine.packed_weights import BLOCKS, SCALES
@@ -129,39 +130,31 @@ def mxfp4_tensors(
     reader: GGUFReader, rules: ArchitectureRules, config: Mapping[str, Any]
 ) -> Mxfp4Tensors:
     """The file's MXFP4 tensors in the released checkpoints' form (``<name>_blocks``,
-    ``<name>_scales``; `released_mxfp4`), pieces joined by the family's
-    `ArchitectureRules.join_mxfp4`; none where the family has no such join (its MXFP4 tensors
-    are then dequantized like the others).
+    ``<name>_scales``; `released_mxfp4`), pieces joined by `hf_checkpoint` with the family's
+    `ArchitectureRules.join_mxfp4` (blocks and scales each alone); none where the family has no
+    such join (its MXFP4 tensors are then dequantized like the others).
 
     Raises:
         ValueError: For an MXFP4 tensor that is no piece the family joins, or a stack whose
             pieces the file does not all hold.
     """
-    join = rules.join_mxfp4
-    names: set[str] = set()
+    packed = {
+        tensor.name: released_mxfp4(np.asarray(tensor.data))
+        for tensor in reader.tensors
+        if tensor.tensor_type == GGMLQuantizationType.MXFP4
+    }
+    if rules.join_mxfp4 is None or not packed:
+        return Mxfp4Tensors(frozenset(), {})
+    joining = dataclasses.replace(rules, join=rules.join_mxfp4)
+    joined_suffixes = {suffix for suffix, _ in rules.pieces.values()}
     tensors: dict[str, np.ndarray] = {}
-    if join is None:
-        return Mxfp4Tensors(frozenset(), tensors)
-    pending: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
-    for tensor in reader.tensors:
-        if tensor.tensor_type != GGMLQuantizationType.MXFP4:
-            continue
-        blocks, scales = released_mxfp4(np.asarray(tensor.data))
-        ((name, _),) = hf_tensors(tensor.name, scales, rules, config)
-        hf_name, is_piece, piece = name.partition(PIECE)
-        if not is_piece:
-            raise ValueError(f"MXFP4 tensor {tensor.name!r} is no piece of an expert stack")
-        names.add(tensor.name)
-        pieces = pending.setdefault(hf_name, {})
-        pieces[piece] = (blocks, scales)
-        suffix = hf_name.split(".", 3)[3]
-        if len(pieces) == rules.piece_count(suffix):
-            joined = pending.pop(hf_name)
-            tensors[hf_name + BLOCKS] = join(suffix, {p: b for p, (b, _) in joined.items()})
-            tensors[hf_name + SCALES] = join(suffix, {p: s for p, (_, s) in joined.items()})
-    if pending:
-        raise ValueError(f"the GGUF file holds only part of {', '.join(sorted(pending))}")
-    return Mxfp4Tensors(frozenset(names), tensors)
+    for half, suffix in enumerate((BLOCKS, SCALES)):
+        halves = ((name, arrays[half]) for name, arrays in packed.items())
+        for hf_name, array in hf_checkpoint(halves, joining, config):
+            if hf_name.split(".", 3)[-1] not in joined_suffixes:
+                raise ValueError(f"MXFP4 tensor {hf_name!r} is no piece of an expert stack")
+            tensors[hf_name + suffix] = array
+    return Mxfp4Tensors(frozenset(packed), tensors)
 
 
 def dequantized_tensors(

@@ -333,10 +333,10 @@ def attach_experts(
         if match is not None:
             key = (int(match.group(2)), match.group(3))
             layers.setdefault(match.group(1).removesuffix(".experts"), {})[key] = hf_name
+    num_experts = config.moe.num_experts
+    wanted = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
     for module_name, names in layers.items():
         block = model.get_submodule(module_name)
-        num_experts = config.moe.num_experts
-        wanted = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
         if not isinstance(block, SparseMoeBlock) or any(key not in names for key in wanted):
             continue
         parts = {key: _int8_part(reader, names[key], types[names[key]], int4_type_names)
@@ -347,9 +347,7 @@ def attach_experts(
         stacks = [_stacked(gate_up), _stacked(down)]
         if any(stack is None for stack in stacks):
             continue  # NOTE: experts of one stack in different layouts: dequantized
-        with torch.device("meta"):
-            experts = Int8Experts(config.moe, config.hidden_size, config.hidden_act)
-        experts = experts.to(dtype)
+        experts = Int8Experts.placeholder(config, dtype)
         for part, stack in zip(Int8Experts.PARTS, stacks, strict=True):
             assert stack is not None
             experts.load_int8(part, *stack)

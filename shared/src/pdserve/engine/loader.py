@@ -230,9 +230,8 @@ def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str
     if why_not is None:
         for name, block in model.named_modules():
             if isinstance(block, SparseMoeBlock):
-                with torch.device("meta"):
-                    experts = Int8Experts(config.moe, config.hidden_size, config.hidden_act)
-                block.experts = experts.to(dtype)
+                experts = Int8Experts.placeholder(config, dtype)
+                block.experts = experts
                 for part in Int8Experts.PARTS:
                     kept[f"{name}.experts.{part}"] = experts
     log.info(

@@ -161,6 +161,14 @@ class Int8Experts(Experts):
         self.kernel = "pdserve"
         """pdserve's int8 kernel (`why_not` says where it would not run)."""
 
+    @classmethod
+    def placeholder(cls, config: ModelConfig, dtype: torch.dtype) -> Int8Experts:
+        """A model's experts on the meta device, their tensors for `load_int8` to put in."""
+        assert config.moe is not None
+        with torch.device("meta"):
+            experts = cls(config.moe, config.hidden_size, config.hidden_act)
+        return experts.to(dtype)
+
     @staticmethod
     def why_not(moe: MoeConfig, hidden_size: int, dtype: torch.dtype) -> str | None:
         """Why pdserve's int8 kernel does not take the experts' projections (None where it
@@ -186,21 +194,17 @@ class Int8Experts(Experts):
         """
         which = part.removesuffix("_proj")
         expected = getattr(self, f"{which}_values").shape
-        num_groups = scales.shape[-1] if scales.dim() == 3 else 0
-        group = expected[-1] // num_groups if num_groups else 0
-        if (
-            values.shape != expected
-            or values.dtype != torch.int8
-            or scales.shape != (*expected[:-1], num_groups)
-            or group not in int8_kernel.GROUPS
-            or group * num_groups != expected[-1]
-            or (mins is not None and mins.shape != scales.shape)
-        ):
+        try:
+            if values.shape != expected or scales.shape[0] != expected[0]:
+                raise ValueError(f"expected {tuple(expected)} values")
+            int8_kernel.group_of(values[0], scales[0])  # NOTE: the kernel's dtypes and groups
+            if mins is not None and mins.shape != scales.shape:
+                raise ValueError(f"mins {tuple(mins.shape)} do not fit the scales")
+        except ValueError as error:
             raise ModelLoadError(
                 f"int8 experts {part!r} hold {tuple(values.shape)} {values.dtype} values and "
-                f"{tuple(scales.shape)} scales, expected {tuple(expected)} int8 values in "
-                f"groups of {int8_kernel.GROUPS}"
-            )
+                f"{tuple(scales.shape)} scales: {error}"
+            ) from error
         halves = scales.to(torch.float16)
         if torch.equal(halves.float(), scales.float()):
             scales = halves

@@ -54,9 +54,7 @@ def dequantize_mxfp4(
     """The weight an MXFP4 blocks and scales pair holds, ``[..., rows, cols]`` in `dtype` (made
     one slice of the first dimension at a time: no float32 copy of a whole expert stack)."""
     _check_mxfp4(blocks, scales)
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
-    # NOTE: byte b -> its two values (the low nibble's first): one lookup per byte.
-    pairs = torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
+    pairs = _byte_pairs(torch.tensor(E2M1_VALUES, dtype=torch.float32))
     shape = (*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
     out = torch.empty(shape, dtype=dtype)
     flat_blocks = blocks.reshape(-1, *blocks.shape[-3:])
@@ -88,9 +86,7 @@ def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Pair:
     (``2 ** (scale - 128)``, float32: every one exact). Made one slice of the first dimension
     at a time, as `dequantize_mxfp4`: no index tensor over a whole expert stack."""
     _check_mxfp4(blocks, scales)
-    doubled = torch.tensor([int(2 * value) for value in E2M1_VALUES], dtype=torch.int8)
-    # NOTE: byte b -> its two values (the low nibble's first): one lookup per byte.
-    pairs = torch.stack((doubled.repeat(16), doubled.repeat_interleave(16)), dim=-1)
+    pairs = _byte_pairs(torch.tensor([int(2 * v) for v in E2M1_VALUES], dtype=torch.int8))
     shape = (*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
     values = torch.empty(shape, dtype=torch.int8)
     flat_blocks = blocks.reshape(-1, *blocks.shape[-3:])
@@ -98,6 +94,12 @@ def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Pair:
     for index in range(flat_values.shape[0]):
         flat_values[index].copy_(pairs[flat_blocks[index].long()].flatten(-3))
     return Int8Pair(values, torch.exp2(scales.to(torch.float32) - 128))
+
+
+def _byte_pairs(values: torch.Tensor) -> torch.Tensor:
+    """``[256, 2]``: byte b's two 4-bit codes as `values` (the low nibble's first), so that a
+    stack of MXFP4 blocks decodes with one lookup per byte."""
+    return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=-1)
 
 
 def _check_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> None:
