@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import scheduling
+from support import failure_logs, scheduling
 
 from pdserve.engine.model_store import DEFAULT_MODEL, KNOWN_MODELS, ResolvedModel, resolve_model
 
@@ -75,6 +75,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     cache = getattr(config, "cache", None)
     timed = scheduling.timed_seconds({} if cache is None else cache.get(scheduling.CACHE_KEY, {}))
     return scheduling.make_scheduler(config, log, timed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report carries the log tails of the pdserve processes it started
+    (`support.failure_logs`)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed and report.when == "call":
+        tails = failure_logs.pdserve_log_tails(getattr(item, "funcargs", {}))
+        if tails:
+            report.sections.append(("pdserve processes' logs", tails))
 
 
 def pytest_configure(config: pytest.Config) -> None:
