@@ -44,7 +44,8 @@ def test_a_test_that_started_none_adds_nothing() -> None:
 
 def test_the_report_of_a_failed_test_shows_them(tmp_path: Path) -> None:
     # NOTE: the suite's own conftest as a plugin, in a pytest run of its own, with one failing
-    # and one passing test that each hold a process.
+    # and one passing test that each hold a process (its temp dirs inside this test's: pytest
+    # keeps the last three runs' and would rotate the suite's own away).
     tests = Path(__file__).resolve().parents[1]
     cases = tmp_path / "test_cases.py"
     cases.write_text(
@@ -74,7 +75,7 @@ def test_the_report_of_a_failed_test_shows_them(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": path}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider",
-         "-p", "no:xdist", str(cases)],
+         "-p", "no:xdist", f"--basetemp={tmp_path / 'basetemp'}", str(cases)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
