@@ -10,9 +10,9 @@ seconds per weight of the released models' shapes, made in bfloat16 from random 
 * The experts of one gpt-oss-20b MoE layer at work (``--experts`` of its 32, hidden and
   intermediate 2,880, top 4, clamped SwiGLU), bfloat16 activations on one torch thread: the
   milliseconds of a call for 1, 4 and 32 tokens (each token's 4 experts drawn at random) with
-  the weights in bfloat16 (`pdserve.engine.moe.Experts`) and kept as int8 groups
-  (`pdserve.engine.moe.Int8Experts`), and their ratio, with the bytes of the experts a
-  one-token call reads in each form.
+  the weights in bfloat16 (`pdserve.engine.moe.Experts`), kept as int8 groups (MXFP4's values)
+  and as int4 groups (a Q4 GGUF's; `pdserve.engine.moe.KeptExperts`), and their ratios, with
+  the bytes of the experts a one-token call reads in each form.
 
     .venv/bin/python bench/packed_weights.py [--repeats 3] [--experts 8] [--json]
 """
@@ -32,7 +32,7 @@ from common import cpu_description, write_results
 
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.arch_config import MoeConfig
-from pdserve.engine.moe import Experts, Int8Experts
+from pdserve.engine.moe import Experts, KeptExperts
 from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4, mxfp4_as_int8
 
 MXFP4_SHAPES = {"gpt-oss-20b gate_up (32 experts)": (32, 5760, 2880),
@@ -40,6 +40,8 @@ MXFP4_SHAPES = {"gpt-oss-20b gate_up (32 experts)": (32, 5760, 2880),
 GPT_OSS_HIDDEN = GPT_OSS_INTERMEDIATE = 2880
 GPT_OSS_TOP_K = 4
 STEP_TOKENS = (1, 4, 32)
+PART_SHAPES = {"gate_up_proj": (2 * GPT_OSS_INTERMEDIATE, GPT_OSS_HIDDEN),
+               "down_proj": (GPT_OSS_HIDDEN, GPT_OSS_INTERMEDIATE)}  # fmt: skip
 FP8_SHAPES = {"DeepSeek-V3 expert gate": (2048, 7168), "DeepSeek-V3 o_proj": (7168, 16384)}
 
 
@@ -67,7 +69,7 @@ def measure(repeats: int) -> dict[str, Any]:
             "int8_seconds": round(int8_seconds, 3),
             "packed_mb": round((blocks.numel() + scales.numel()) / 1e6, 1),
             "bfloat16_mb": round(2 * num_values / 1e6, 1),
-            # NOTE: a float16 scale per 32 values (`Int8Experts.load_int8`)
+            # NOTE: a float16 scale per 32 values (`KeptExperts.load_int8`)
             "int8_mb": round((num_values + 2 * num_values // 32) / 1e6, 1),
         }
     for name, (out, cols) in FP8_SHAPES.items():
@@ -79,10 +81,8 @@ def measure(repeats: int) -> dict[str, Any]:
     return rows
 
 
-def _gpt_oss_experts(num_experts: int) -> tuple[Experts, Int8Experts]:
-    """One gpt-oss-20b layer's experts (`num_experts` of them) from random MXFP4 bytes, in
-    bfloat16 and as int8 groups: the same values."""
-    moe = MoeConfig(
+def _gpt_oss_moe(num_experts: int) -> MoeConfig:
+    return MoeConfig(
         num_experts=num_experts,
         num_experts_per_tok=GPT_OSS_TOP_K,
         moe_intermediate_size=GPT_OSS_INTERMEDIATE,
@@ -93,31 +93,59 @@ def _gpt_oss_experts(num_experts: int) -> tuple[Experts, Int8Experts]:
         expert_bias=True,
         clamped_swiglu=(1.702, 7.0),
     )
+
+
+def _gpt_oss_experts(num_experts: int) -> tuple[Experts, KeptExperts]:
+    """One gpt-oss-20b layer's experts (`num_experts` of them) from random MXFP4 bytes, in
+    bfloat16 and as int8 groups: the same values."""
+    moe = _gpt_oss_moe(num_experts)
     floats = Experts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
-    kept = Int8Experts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
-    shapes = {"gate_up_proj": (2 * GPT_OSS_INTERMEDIATE, GPT_OSS_HIDDEN),
-              "down_proj": (GPT_OSS_HIDDEN, GPT_OSS_INTERMEDIATE)}  # fmt: skip
-    for part, (out, cols) in shapes.items():
+    kept = KeptExperts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
+    for part, (out, cols) in PART_SHAPES.items():
         blocks = torch.randint(0, 256, (num_experts, out, cols // 32, 16), dtype=torch.uint8)
         scales = torch.randint(118, 124, (num_experts, out, cols // 32), dtype=torch.uint8)
         kept.load_int8(part, *mxfp4_as_int8(blocks, scales))
         # [experts, out, in] -> the floats' [experts, in, out]
         weight = dequantize_mxfp4(blocks, scales, torch.bfloat16).transpose(1, 2)
         getattr(floats, part).data = weight.contiguous()
+    _same_biases(floats, kept)
+    return floats, kept
+
+
+def _int4_experts(num_experts: int) -> tuple[Experts, KeptExperts]:
+    """The same layer's shapes in a GGUF's 4-bit form (random Q4_0-like values, a float16
+    scale per 32 and a min of -8 scales), in bfloat16 and as int4 groups: the same values."""
+    moe = _gpt_oss_moe(num_experts)
+    floats = Experts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
+    kept = KeptExperts(moe, GPT_OSS_HIDDEN, "silu").to(torch.bfloat16)
+    for part, (out, cols) in PART_SHAPES.items():
+        values = torch.randint(0, 256, (num_experts, out, cols // 2), dtype=torch.uint8)
+        steps = (torch.rand(num_experts, out, cols // 32) * 0.01 + 0.001).half().float()
+        kept.load_int4(part, values, steps, -8 * steps)
+        q = torch.stack([values & 0x0F, values >> 4], dim=-1).flatten(2).float()
+        weight = q * steps.repeat_interleave(32, dim=-1) - 8 * steps.repeat_interleave(32, dim=-1)
+        getattr(floats, part).data = weight.to(torch.bfloat16).transpose(1, 2).contiguous()
+    _same_biases(floats, kept)
+    return floats, kept
+
+
+def _same_biases(floats: Experts, kept: KeptExperts) -> None:
     with torch.no_grad():
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             bias = torch.randn(getattr(floats, name).shape) * 0.02
             getattr(floats, name).copy_(bias)
             getattr(kept, name).copy_(bias)
-    return floats, kept
 
 
 def measure_experts(num_experts: int, repeats: int) -> dict[str, Any]:
-    """Milliseconds of one MoE layer's experts at work, bfloat16 against int8 groups."""
+    """Milliseconds of one MoE layer's experts at work: bfloat16, int8 groups (MXFP4's values)
+    and int4 groups (a Q4 GGUF's)."""
     why_not = int8_kernel.why_not(torch.bfloat16, GPT_OSS_HIDDEN)
     if why_not is not None:
         return {"skipped": why_not}
     floats, kept = _gpt_oss_experts(num_experts)
+    floats4, kept4 = _int4_experts(num_experts)
+    forms = {"bfloat16": floats, "int8": kept, "int4": kept4}
     generator = torch.Generator().manual_seed(1)
     rows: dict[str, Any] = {}
     for tokens in STEP_TOKENS:
@@ -126,21 +154,29 @@ def measure_experts(num_experts: int, repeats: int) -> dict[str, Any]:
                            for _ in range(tokens)])  # fmt: skip
         weights = torch.rand(tokens, GPT_OSS_TOP_K, generator=generator)
         with torch.no_grad():
-            expected = floats(x, ids, weights)
-            difference = (kept(x, ids, weights) - expected).abs().max() / expected.abs().max()
+            differences = {}
+            for name, (reference, experts) in {"int8": (floats, kept),
+                                               "int4": (floats4, kept4)}.items():  # fmt: skip
+                expected = reference(x, ids, weights)
+                difference = (experts(x, ids, weights) - expected).abs().max()
+                differences[name] = difference / expected.abs().max()
             ms = {name: 1000 * _timed(partial(experts, x, ids, weights), repeats)
-                  for name, experts in (("bfloat16", floats), ("int8", kept))}  # fmt: skip
+                  for name, experts in forms.items()}  # fmt: skip
         rows[f"{tokens} tokens"] = {
             "bfloat16_ms": round(ms["bfloat16"], 2),
             "int8_ms": round(ms["int8"], 2),
+            "int4_ms": round(ms["int4"], 2),
             "int8_over_bfloat16": round(ms["int8"] / ms["bfloat16"], 3),
+            "int4_over_bfloat16": round(ms["int4"] / ms["bfloat16"], 3),
             # NOTE: bfloat16 outputs of two summation orders: a few units of its last place
-            "max_difference_over_max_output": float(f"{difference.item():.2g}"),
-        }
+            **{f"{name}_max_difference_over_max_output": float(f"{value.item():.2g}")
+               for name, value in differences.items()},
+        }  # fmt: skip
     per_expert = 3 * GPT_OSS_HIDDEN * GPT_OSS_INTERMEDIATE
     rows["one token reads MB"] = {
         "bfloat16": round(GPT_OSS_TOP_K * 2 * per_expert / 1e6, 1),
         "int8": round(GPT_OSS_TOP_K * (per_expert + 2 * per_expert // 32) / 1e6, 1),
+        "int4": round(GPT_OSS_TOP_K * (per_expert // 2 + 4 * per_expert // 32) / 1e6, 1),
     }
     return rows
 

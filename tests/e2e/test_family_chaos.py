@@ -53,7 +53,7 @@ def reference_dir(
 @pytest.fixture(scope="module")
 def model_dir(reference_dir: Path) -> Path:
     """What the cluster serves: gpt-oss as released, its experts in MXFP4 (which the engines
-    keep as int8 groups, `pdserve.engine.moe.Int8Experts`; the reference's experts are the
+    keep as int8 groups, `pdserve.engine.moe.KeptExperts`; the reference's experts are the
     floats those hold); DeepSeek-V3 in floats."""
     if not reference_dir.name.startswith("gpt_oss"):
         return reference_dir

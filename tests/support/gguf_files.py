@@ -250,3 +250,32 @@ def tiny_tensors(spec: TinyGgufSpec, vocab_size: int) -> dict[str, np.ndarray]:
     if not spec.tie_word_embeddings:
         tensors["output.weight"] = weight(vocab_size, HIDDEN_SIZE)
     return tensors
+
+
+def requantized(source: Path, target: Path, tensor_types: dict[str, GGMLQuantizationType]) -> Path:
+    """Writes `source` (an F32 GGUF file) again as `target`, every tensor whose name ends with
+    a key of `tensor_types` quantized to that type (as ``llama-quantize`` would store it), the
+    rest and every setting as they are."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(source)
+    architecture = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(target, architecture)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] is GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    for tensor in reader.tensors:
+        # data: [..., rows, cols] float32, the last dimension the input one
+        data = np.asarray(tensor.data).reshape(tuple(reversed(tensor.shape.tolist())))
+        wanted = next((t for end, t in tensor_types.items() if tensor.name.endswith(end)), None)
+        if wanted is None:
+            writer.add_tensor(tensor.name, data)
+        else:
+            writer.add_tensor(tensor.name, quantize(data, wanted), raw_dtype=wanted)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

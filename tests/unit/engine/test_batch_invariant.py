@@ -20,7 +20,7 @@ from pdserve.engine.arch_config import MoeConfig
 from pdserve.engine.batch_invariant import INVARIANT_BACKEND, MIN_ROWS
 from pdserve.engine.linear import Linear, can_pack_for_onednn
 from pdserve.engine.model_store import ResolvedModel
-from pdserve.engine.moe import Int8Experts
+from pdserve.engine.moe import KeptExperts
 from pdserve.engine.packed_weights import mxfp4_as_int8
 from pdserve.engine.precision import choose_dtype
 from pdserve.engine.quant import Int4Linear, Int8Linear
@@ -250,30 +250,39 @@ _MOE = MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=153
                       clamped_swiglu=(1.702, 7.0))  # fmt: skip
 
 
-def test_experts_kept_as_int8_give_a_token_the_same_result_for_any_number_of_tokens() -> None:
-    """gpt-oss's MXFP4 experts as int8 groups (`Int8Experts`): with `MIN_ROWS` a token's
-    output has the same bits whatever the other tokens routed to its experts (more rows than
-    the kernel takes alone, `Int8Experts.KERNEL_MAX_ROWS`, run on it too)."""
-    if (why_not := Int8Experts.why_not(_MOE, _HIDDEN, torch.bfloat16)) is not None:
+@pytest.mark.parametrize("form", ["int8", "int4"])
+def test_kept_experts_give_a_token_the_same_result_for_any_number_of_tokens(form: str) -> None:
+    """Experts kept quantized (`KeptExperts`), as int8 groups (gpt-oss's MXFP4 ones) or int4
+    groups (a GGUF's Q4_0/Q4_1/Q4_K): with `MIN_ROWS` a token's output has the same bits
+    whatever the other tokens routed to its experts (more rows than the kernel takes alone,
+    `KeptExperts.KERNEL_MAX_ROWS`, run on it too)."""
+    if (why_not := KeptExperts.why_not(_MOE, _HIDDEN, torch.bfloat16)) is not None:
         pytest.fail(f"pdserve's int8 kernel does not run here: {why_not}")
     generator = torch.Generator().manual_seed(0)
-    experts = Int8Experts(_MOE, _HIDDEN, "silu").to(torch.bfloat16)
+    experts = KeptExperts(_MOE, _HIDDEN, "silu").to(torch.bfloat16)
     size = _MOE.moe_intermediate_size
     for part, (out, cols) in {
         "gate_up_proj": (2 * size, _HIDDEN),
         "down_proj": (_HIDDEN, size),
     }.items():
+        if form == "int4":
+            values = torch.randint(0, 256, (4, out, cols // 2), dtype=torch.uint8,
+                                   generator=generator)  # fmt: skip
+            steps = torch.rand(4, out, cols // 32, generator=generator) * 0.01 + 0.001
+            experts.load_int4(part, values, steps, -8 * steps)
+            continue
         blocks = torch.randint(0, 256, (4, out, cols // 32, 16), dtype=torch.uint8,
                                generator=generator)  # fmt: skip
         scales = torch.randint(118, 124, (4, out, cols // 32), dtype=torch.uint8,
                                generator=generator)  # fmt: skip
         experts.load_int8(part, *mxfp4_as_int8(blocks, scales))
+    assert set(experts.forms.values()) == {form}
     with torch.no_grad():
         for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):
             assert bias is not None
             bias.normal_(0, 0.02, generator=generator)
     experts.min_rows = MIN_ROWS
-    num = 3 * Int8Experts.KERNEL_MAX_ROWS
+    num = 3 * KeptExperts.KERNEL_MAX_ROWS
     x = torch.randn(num, _HIDDEN, generator=generator).to(torch.bfloat16)
     # NOTE: every token on experts 0 and 1: each sees up to `num` rows at once
     ids = torch.tensor([[0, 1]] * num)
@@ -284,5 +293,5 @@ def test_experts_kept_as_int8_give_a_token_the_same_result_for_any_number_of_tok
         alone = torch.cat([experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1])
                            for i in range(num)])  # fmt: skip
         assert torch.equal(alone, whole)
-        rows = Int8Experts.KERNEL_MAX_ROWS + 1
+        rows = KeptExperts.KERNEL_MAX_ROWS + 1
         assert torch.equal(experts(x[:rows], ids[:rows], weights[:rows]), whole[:rows])

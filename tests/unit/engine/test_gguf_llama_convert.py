@@ -35,14 +35,16 @@ import pytest
 import sentencepiece
 import torch
 import transformers
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.numpy import load_file, save_file
+from support.gguf_files import requantized
 from support.gguf_from_hf import TinyHfSpec, gguf_tensors
 from support.hf_reference import hf_greedy
 from support.llama_convert import CONVERTER, ConversionJob, convert_with_llama_cpp
 from support.tiny_models import EAGER_ONLY, build_hf_model, pack_mxfp4
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+import pdserve.engine.int4_kernel as int4_kernel
 from pdserve.engine import (
     CacheConfig,
     EngineConfig,
@@ -55,7 +57,7 @@ from pdserve.engine.demo import write_demo_model
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_import import convert_gguf, read_metadata
 from pdserve.engine.loader import load_model
-from pdserve.engine.moe import Experts, Int8Experts, SparseMoeBlock
+from pdserve.engine.moe import Experts, KeptExperts, SparseMoeBlock
 from pdserve.engine.quant import weight_bytes
 from pdserve.tokenizer import Tokenizer
 
@@ -396,18 +398,40 @@ def test_quantized_checkpoint_is_the_original_within_the_type(
         )
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-q8_0", MXFP4])
-def test_quantized_experts_are_kept_as_int8_groups_of_the_files_values(
-    families: dict[str, Family], name: str
+Q4_EXPERTS = "qwen3_moe-q4"
+"""The Qwen3-MoE file with its experts requantized as ``llama-quantize`` stores 4-bit ones:
+gate and up Q4_0, down Q4_1 (one group of 32 a row: too narrow for the int4 kernel, so int8)."""
+
+
+@pytest.fixture(scope="module")
+def q4_experts_dir(families: dict[str, Family]) -> Path:
+    family = families["qwen3_moe"]
+    q4 = GGMLQuantizationType.Q4_0
+    types = {"gate_exps.weight": q4, "up_exps.weight": q4,
+             "down_exps.weight": GGMLQuantizationType.Q4_1}  # fmt: skip
+    path = requantized(family.gguf_path, family.gguf_path.with_name("model-q4.gguf"), types)
+    model_dir = family.model_dir.with_name("out-q4")
+    model_dir.mkdir()
+    convert_gguf(path, model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-q8_0", MXFP4, Q4_EXPERTS])
+def test_quantized_experts_are_kept_as_the_files_values(
+    families: dict[str, Family], request: pytest.FixtureRequest, name: str
 ) -> None:
-    """A GGUF's Q8_0 experts (and a gpt-oss GGUF's MXFP4 ones) run as `Int8Experts`: each
-    weight the file's value (the dequantized checkpoint's, exactly), in bfloat16 and float32;
-    in float32 (where another summation order moves a logit by about 1e-6, not a random tiny
-    model's near-ties as bfloat16's rounding does) the same greedy tokens as the experts
-    dequantized."""
-    model_dir = families[name].model_dir
+    """A GGUF's Q8_0 experts (and a gpt-oss GGUF's MXFP4 ones) run as int8 groups, its Q4_0
+    ones as int4 groups (`KeptExperts`): each weight the file's value (the dequantized
+    checkpoint's, exactly), in bfloat16 and float32; in float32 (where another summation order
+    moves a logit by about 1e-6, not a random tiny model's near-ties as bfloat16's rounding
+    does) the same greedy tokens as the experts dequantized."""
+    if name == Q4_EXPERTS:
+        model_dir: Path = request.getfixturevalue("q4_experts_dir")
+    else:
+        model_dir = families[name].model_dir
+    forms = {"gate_up": "int4", "down": "int8"} if name == Q4_EXPERTS else None
     for dtype in (torch.bfloat16, torch.float32):
-        _assert_int8_experts_hold_the_dequantized_weights(model_dir, dtype)
+        _assert_kept_experts_hold_the_dequantized_weights(model_dir, dtype, forms)
     generator = torch.Generator().manual_seed(3)
     prompts = [
         torch.randint(3, demo_tokenizer.NUM_BYTE_TOKENS, (n,), generator=generator).tolist()
@@ -424,7 +448,9 @@ def test_quantized_experts_are_kept_as_int8_groups_of_the_files_values(
     assert outputs[0] == outputs[1]
 
 
-def _assert_int8_experts_hold_the_dequantized_weights(model_dir: Path, dtype: torch.dtype) -> None:
+def _assert_kept_experts_hold_the_dequantized_weights(
+    model_dir: Path, dtype: torch.dtype, forms: dict[str, str] | None
+) -> None:
     kept = load_model(model_dir, dtype)
     floats = load_model(model_dir, dtype, quantization="none")
     assert weight_bytes(kept) < weight_bytes(floats)
@@ -432,18 +458,28 @@ def _assert_int8_experts_hold_the_dequantized_weights(model_dir: Path, dtype: to
         if not isinstance(reference.mlp, SparseMoeBlock):
             continue
         experts = layer.mlp.experts
-        assert isinstance(experts, Int8Experts) and type(reference.mlp.experts) is Experts
+        assert isinstance(experts, KeptExperts) and type(reference.mlp.experts) is Experts
+        assert experts.forms == (forms or {"gate_up": "int8", "down": "int8"})
         for which in ("gate_up", "down"):
-            values = getattr(experts, f"{which}_values")
-            scales = getattr(experts, f"{which}_scales")
-            group = values.shape[-1] // scales.shape[-1]
-            weight = values.float() * scales.float().repeat_interleave(group, dim=-1)
-            mins = getattr(experts, f"{which}_mins")
-            if mins is not None:
-                weight += mins.repeat_interleave(group, dim=-1)
+            weight = _kept_weight(experts, which)
             expected = getattr(reference.mlp.experts, f"{which}_proj").detach()
             # NOTE: [experts, out, in] against the floats' [experts, in, out]
             assert torch.equal(weight.transpose(1, 2).to(dtype), expected), which
+
+
+def _kept_weight(experts: KeptExperts, which: str) -> torch.Tensor:
+    """A part's weights in float32, ``[experts, out, in]``."""
+    values = getattr(experts, f"{which}_values")
+    scales = getattr(experts, f"{which}_scales")
+    mins = getattr(experts, f"{which}_mins")
+    if experts.forms[which] == "int4":
+        return torch.stack([int4_kernel.dequantize(values[e], scales[e], mins[e], torch.float32)
+                            for e in range(values.shape[0])])  # fmt: skip
+    group = values.shape[-1] // scales.shape[-1]
+    weight = values.float() * scales.float().repeat_interleave(group, dim=-1)
+    if mins is not None:
+        weight += mins.repeat_interleave(group, dim=-1)
+    return weight
 
 
 def test_mxfp4_experts_stay_mxfp4_in_the_file(families: dict[str, Family]) -> None:

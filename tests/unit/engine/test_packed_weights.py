@@ -37,7 +37,7 @@ import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelLoadError
-from pdserve.engine.moe import Experts, Int8Experts
+from pdserve.engine.moe import Experts, KeptExperts
 from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4, mxfp4_as_int8
 from pdserve.engine.quant import weight_bytes
 
@@ -183,7 +183,7 @@ def test_mxfp4_experts_stay_int8_groups_of_the_checkpoints_values(
     assert weight_bytes(kept) < 0.75 * weight_bytes(floats)
     for layer, reference in zip(kept.model.layers, floats.model.layers, strict=True):
         experts = layer.mlp.experts
-        assert isinstance(experts, Int8Experts) and type(reference.mlp.experts) is Experts
+        assert isinstance(experts, KeptExperts) and type(reference.mlp.experts) is Experts
         for which, float_weight in (("gate_up", reference.mlp.experts.gate_up_proj),
                                     ("down", reference.mlp.experts.down_proj)):  # fmt: skip
             values, scales = (
@@ -216,7 +216,7 @@ def test_mxfp4_experts_kept_give_the_dequantized_ones_logits_in_bfloat16(
                 cache=CacheConfig(num_blocks=32),
             )
         )
-        assert isinstance(engine.runner.model.model.layers[0].mlp.experts, Int8Experts) == (
+        assert isinstance(engine.runner.model.model.layers[0].mlp.experts, KeptExperts) == (
             quantization == "auto"
         )
         chunk = ScheduledChunk(prompt, 0, engine.block_pool.allocate(3))

@@ -31,7 +31,7 @@ from pdserve.engine.kernel_image import map_buffers
 from pdserve.engine.linear import Linear
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_config import ModelLoadError
-from pdserve.engine.moe import Int8Experts, SparseMoeBlock
+from pdserve.engine.moe import KeptExperts, SparseMoeBlock
 from pdserve.engine.quant import (
     INT4_GROUP_SIZE,
     Int4Linear,
@@ -164,8 +164,11 @@ def attach_int4(
         if is_kept:
             experts = attach_experts(model, reader, types, dtype, attached)
             built |= experts
-            if experts:
-                kernels["int8 experts (pdserve's kernel)"] = len(experts)
+            for kept_experts in experts.values():
+                # NOTE: each layer's two stacked projections, by form.
+                for form in kept_experts.forms.values():
+                    key = f"{form} experts (pdserve's kernel)"
+                    kernels[key] = kernels.get(key, 0) + 1
     # NOTE: the projections and experts were built from copies of the file's tensors and now map
     # their image; the LM head and the embedding map the file's own, through a reader of their
     # own so that the pages read to build the others leave this process's memory with the first.
@@ -312,18 +315,21 @@ def attach_experts(
     types: dict[str, str],
     dtype: torch.dtype,
     attached: dict[str, str],
-) -> dict[str, Int8Experts]:
+) -> dict[str, KeptExperts]:
     """Replaces the routed experts of each MoE layer whose every expert the file keeps (int4 or
-    int8 types) by `Int8Experts` over their values, exactly (int4 values widened, `int8_parts`
-    for gate and up), where pdserve's int8 kernel runs them; adds the names it kept to
-    `attached`.
+    int8 types) by `KeptExperts` over their values, exactly, where pdserve's int8 kernel runs;
+    adds the names it kept, and what each became, to `attached`.
+
+    Each projection (gate and up together, down) stays int4 where every expert's is int4
+    (Q4_0, Q4_1, Q4_K) and the int4 kernel takes its width (`KeptExperts.load_int4`); else it
+    becomes int8 groups (`int8_parts` for gate and up; 4-bit values widened).
 
     Returns:
         The experts it built, by module name.
     """
     config = model.config
-    kept: dict[str, Int8Experts] = {}
-    if config.moe is None or Int8Experts.why_not(config.moe, config.hidden_size, dtype):
+    kept: dict[str, KeptExperts] = {}
+    if config.moe is None or KeptExperts.why_not(config.moe, config.hidden_size, dtype):
         return kept
     int4_type_names = {t.name for t in INT4_TYPES}
     # module name -> {(expert, part): checkpoint name}
@@ -334,26 +340,48 @@ def attach_experts(
             key = (int(match.group(2)), match.group(3))
             layers.setdefault(match.group(1).removesuffix(".experts"), {})[key] = hf_name
     num_experts = config.moe.num_experts
+    sources = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    in_features = {"gate_up_proj": config.hidden_size,
+                   "down_proj": config.moe.moe_intermediate_size}  # fmt: skip
     wanted = [(e, p) for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
     for module_name, names in layers.items():
         block = model.get_submodule(module_name)
         if not isinstance(block, SparseMoeBlock) or any(key not in names for key in wanted):
             continue
-        parts = {key: _int8_part(reader, names[key], types[names[key]], int4_type_names)
-                 for key in wanted}  # fmt: skip
-        gate_up = [int8_parts([parts[e, "gate_proj"], parts[e, "up_proj"]])
-                   for e in range(num_experts)]  # fmt: skip
-        down = [parts[e, "down_proj"] for e in range(num_experts)]
-        stacks = [_stacked(gate_up), _stacked(down)]
-        if any(stack is None for stack in stacks):
-            continue  # NOTE: experts of one stack in different layouts: dequantized
-        experts = Int8Experts.placeholder(config, dtype)
-        for part, stack in zip(Int8Experts.PARTS, stacks, strict=True):
-            assert stack is not None
-            experts.load_int8(part, *stack)
-        block.experts = experts
-        attached.update(dict.fromkeys(names.values(), "int8"))
-        kept[f"{module_name}.experts"] = experts
+        loads: list[tuple[str, str, tuple[torch.Tensor, ...]]] = []
+        for part, projections in sources.items():
+            part_names = [names[e, p] for e in range(num_experts) for p in projections]
+            if all(types[n] in int4_type_names for n in part_names) and KeptExperts.takes_int4(
+                in_features[part], dtype
+            ):
+                # NOTE: an expert's gate and up rows one after the other, as for int8.
+                stacks = tuple(
+                    torch.stack(
+                        [torch.cat([reader.get_tensor(names[e, p] + suffix) for p in projections])
+                         for e in range(num_experts)]
+                    )
+                    for suffix in (VALUES, SCALES, MINS)
+                )  # fmt: skip
+                loads.append((part, "int4", stacks))
+                continue
+            parts = [[_int8_part(reader, names[e, p], types[names[e, p]], int4_type_names)
+                      for p in projections] for e in range(num_experts)]  # fmt: skip
+            stack = _stacked([int8_parts(expert) for expert in parts])
+            if stack is None:
+                break  # NOTE: experts of one stack in different layouts: dequantized
+            loads.append((part, "int8", tuple(t for t in stack if t is not None)))
+        else:
+            experts = KeptExperts.placeholder(config, dtype)
+            for part, form, tensors in loads:
+                if form == "int4":
+                    experts.load_int4(part, *tensors)
+                else:
+                    experts.load_int8(part, *tensors)
+                for e in range(num_experts):
+                    for p in sources[part]:
+                        attached[names[e, p]] = form
+            block.experts = experts
+            kept[f"{module_name}.experts"] = experts
     return kept
 
 

@@ -26,7 +26,7 @@ from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
-from pdserve.engine.moe import Int8Experts, SparseMoeBlock
+from pdserve.engine.moe import KeptExperts, SparseMoeBlock
 from pdserve.engine.packed_weights import (
     DEFAULT_FP8_BLOCK,
     Int8Pair,
@@ -91,7 +91,7 @@ def load_model(
             (bfloat16 on a CPU, or float32 where pdserve's float32 kernels run; one rank), and
             a Q8_0 LM head (with the embedding tied to it) where pdserve's int8 kernel runs,
             and an MXFP4 checkpoint's experts (gpt-oss as released) as int8 groups, each value
-            the checkpoint's (`pdserve.engine.moe.Int8Experts`), where that kernel runs them
+            the checkpoint's (`pdserve.engine.moe.KeptExperts`), where that kernel runs them
             (one rank on a CPU), and dequantizes them elsewhere;
             ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
             projection but the LM head from the float weights (CPU; `pdserve.engine.quant`).
@@ -112,7 +112,7 @@ def load_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, group).to(dtype)
-    int8_experts: dict[str, Int8Experts] = {}
+    int8_experts: dict[str, KeptExperts] = {}
     if quant_method == "mxfp4" and quantization == "auto" and device.type == "cpu":
         int8_experts = _keep_mxfp4_experts(model, dtype)
     kept = KeptWeights(frozenset(), {})
@@ -213,8 +213,8 @@ def _packed_form(path: Path) -> tuple[tuple[int, int], str | None]:
     return (rows, cols), method
 
 
-def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, Int8Experts]:
-    """Puts `Int8Experts` in place of a meta-device model's experts where pdserve's int8 kernel
+def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, KeptExperts]:
+    """Puts `KeptExperts` in place of a meta-device model's experts where pdserve's int8 kernel
     runs them (one rank), and says so in one line.
 
     Returns:
@@ -223,21 +223,21 @@ def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str
     """
     config = model.config
     assert config.moe is not None
-    why_not = Int8Experts.why_not(config.moe, config.hidden_size, dtype)
+    why_not = KeptExperts.why_not(config.moe, config.hidden_size, dtype)
     if why_not is None and model.group.world_size > 1:
         why_not = "tensor-parallel ranks split the experts (no int8 form of that yet)"
-    kept: dict[str, Int8Experts] = {}
+    kept: dict[str, KeptExperts] = {}
     if why_not is None:
         for name, block in model.named_modules():
             if isinstance(block, SparseMoeBlock):
-                experts = Int8Experts.placeholder(config, dtype)
+                experts = KeptExperts.placeholder(config, dtype)
                 block.experts = experts
-                for part in Int8Experts.PARTS:
+                for part in KeptExperts.PARTS:
                     kept[f"{name}.experts.{part}"] = experts
     log.info(
         "mxfp4_experts",
         became="int8 (pdserve's kernel)" if kept else str(dtype).removeprefix("torch."),
-        num_layers=len(kept) // len(Int8Experts.PARTS),
+        num_layers=len(kept) // len(KeptExperts.PARTS),
         why_not_int8=why_not,
     )
     return kept
@@ -247,10 +247,10 @@ def _load_int8_experts(
     family: Family,
     checkpoint_name: str,
     pair: Int8Pair,
-    int8_experts: dict[str, Int8Experts],
+    int8_experts: dict[str, KeptExperts],
     config: ModelConfig,
 ) -> None:
-    """One stacked projection of MXFP4 experts into its `Int8Experts`, reordered as the family
+    """One stacked projection of MXFP4 experts into its `KeptExperts`, reordered as the family
     reorders the same weight in floats: a pair's ``[experts, out, in]`` values and ``[experts,
     out, in / 32]`` scales go through the family's `Family.load_tensor` as the dequantized stack
     would (``[experts, in, out]``, transformers' layout) and come out ``[experts, out, in]``."""

@@ -5,8 +5,8 @@ A router scores every expert per token; each token runs through its top-k expert
 outputs are summed with the routing weights. The experts run grouped: the tokens routed to one
 expert are gathered and go through it as one matrix product, expert after expert, so a step
 costs one GEMM pair per expert hit, not one per token. The experts' weights are in the model's
-dtype (`Experts`), or int8 groups where the checkpoint holds them quantized: MXFP4, or a
-GGUF's quantized types (`Int8Experts`).
+dtype (`Experts`), or kept as the checkpoint holds them quantized (`KeptExperts`): int8 groups
+for MXFP4 and a GGUF's 8-, 6- and 5-bit types, int4 groups for its 4-bit ones.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.layers import gated_activation
 from pdserve.engine.linear import at_least_rows
@@ -114,31 +115,40 @@ class Experts(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-class Int8Experts(Experts):
-    """`Experts` whose weights are int8 in groups ``scale * value + min`` of 16 or 32 input
-    features, ``[experts, out, in]`` like `pdserve.engine.quant.Int8GroupLinear`'s, each the
-    checkpoint's own value:
+class KeptExperts(Experts):
+    """`Experts` whose weights stay quantized as the checkpoint holds them, each the file's own
+    value, ``[experts, out, in]`` per projection (`PARTS`) in one of two forms:
 
-    * gpt-oss's released MXFP4 experts: an e2m1 value times two is an integer in -12..12 and
-      its block's e8m0 scale halved is a power of two
-      (`pdserve.engine.packed_weights.mxfp4_as_int8`), 8.5 bits a weight (a float16 scale per
-      32; float32 where one is out of float16's range) instead of bfloat16's 16;
-    * a GGUF's Q8_0, Q6_K and Q5_K experts as `pdserve.engine.gguf_int4` keeps them, and its
-      Q4_0, Q4_1 and Q4_K ones widened to int8 (exact; `pdserve.engine.int4_weights`).
+    * **int8** groups ``scale * value + min`` of 16 or 32 input features, like
+      `pdserve.engine.quant.Int8GroupLinear`'s: gpt-oss's released MXFP4 experts (an e2m1
+      value times two is an integer in -12..12 and its block's e8m0 scale halved is a power of
+      two, `pdserve.engine.packed_weights.mxfp4_as_int8`: 8.5 bits a weight, a float16 scale
+      per 32, float32 where one is out of float16's range), a GGUF's Q8_0, Q6_K and Q5_K
+      experts, and its 4-bit ones where the int4 kernel does not take the shape (widened,
+      exactly);
+    * **int4** groups ``scale * q + min`` of 32, q in 0..15, like
+      `pdserve.engine.quant.Int4Linear`'s on pdserve's kernel: a GGUF's Q4_0, Q4_1 and Q4_K
+      experts (4.5-5 bits a weight), where the projection's input width is a multiple of 64
+      (`load_int4`).
 
-    Each expert's projection runs as `Int8GroupLinear` runs one: pdserve's int8 kernel up to
-    `KERNEL_MAX_ROWS` rows, a GEMM over the expert's weight dequantized for more. Built where
-    that kernel takes both projections (`why_not`); the loader fills the tensors (`load_int8`).
+    Each expert's projection runs as the matching linear runs one: pdserve's kernel up to
+    `KERNEL_MAX_ROWS` rows (every row count in `--deterministic` mode, whose rows must not
+    depend on each other), a GEMM over the expert's weight dequantized for more. Built where
+    the int8 kernel takes both projections (`why_not`; the int4 one runs where it does); the
+    loader fills the tensors (`load_int8`, `load_int4`).
 
     Attributes:
-        gate_up_values: ``[num_experts, 2 * moe_intermediate_size, hidden_size]`` int8, gate
-            then up.
+        forms: Each part's form (``gate_up``, ``down`` -> ``int8`` or ``int4``).
+        gate_up_values: int8: ``[num_experts, 2 * moe_intermediate_size, hidden_size]``, gate
+            then up; int4: ``[num_experts, 2 * moe_intermediate_size, hidden_size / 2]`` uint8
+            in the int4 kernel's order (`pdserve.engine.int4_kernel.pack`).
         gate_up_scales: ``[num_experts, 2 * moe_intermediate_size, hidden_size / group]``
             float16 or float32.
-        gate_up_mins: Likewise float32, or None.
-        down_values: ``[num_experts, hidden_size, moe_intermediate_size]`` int8.
-        down_scales: ``[num_experts, hidden_size, moe_intermediate_size / group]``.
-        down_mins: Likewise, or None.
+        gate_up_mins: int8: likewise float32, or None; int4: ``[num_experts, hidden_size / 32,
+            2 * moe_intermediate_size]`` (transposed, as the int4 kernel reads them) in the
+            scales' dtype.
+        down_values, down_scales, down_mins: Likewise for ``down_proj`` (``[num_experts,
+            hidden_size, moe_intermediate_size]`` and so on).
     """
 
     PARTS = ("gate_up_proj", "down_proj")
@@ -151,6 +161,7 @@ class Int8Experts(Experts):
     def __init__(self, moe: MoeConfig, hidden_size: int, hidden_act: str) -> None:
         super().__init__(moe, hidden_size, hidden_act)
         del self.gate_up_proj, self.down_proj
+        self.hidden_size = hidden_size
         size, num = self.intermediate_size, moe.num_experts
         shapes = {"gate_up": (num, 2 * size, hidden_size), "down": (num, hidden_size, size)}
         for which, shape in shapes.items():
@@ -158,11 +169,12 @@ class Int8Experts(Experts):
             scales = (*shape[:-1], shape[-1] // MXFP4_BLOCK)
             self.register_buffer(f"{which}_scales", torch.empty(scales, dtype=torch.float16))
             self.register_buffer(f"{which}_mins", None)
+        self.forms = dict.fromkeys(shapes, "int8")
         self.kernel = "pdserve"
-        """pdserve's int8 kernel (`why_not` says where it would not run)."""
+        """pdserve's kernels (`why_not` says where they would not run)."""
 
     @classmethod
-    def placeholder(cls, config: ModelConfig, dtype: torch.dtype) -> Int8Experts:
+    def placeholder(cls, config: ModelConfig, dtype: torch.dtype) -> KeptExperts:
         """A model's experts on the meta device, their tensors for `load_int8` to put in."""
         assert config.moe is not None
         with torch.device("meta"):
@@ -177,6 +189,12 @@ class Int8Experts(Experts):
             dtype, moe.moe_intermediate_size
         )
 
+    @staticmethod
+    def takes_int4(in_features: int, dtype: torch.dtype) -> bool:
+        """Whether a part of `in_features` inputs can be kept in the int4 form (pdserve's int4
+        kernel takes it)."""
+        return int4_kernel.takes(in_features, dtype)
+
     def load_int8(
         self,
         part: str,
@@ -184,16 +202,16 @@ class Int8Experts(Experts):
         scales: torch.Tensor,
         mins: torch.Tensor | None = None,
     ) -> None:
-        """Takes one projection of every expert (`PARTS`): ``values`` ``[experts, out, in]``
-        int8, ``scales`` ``[experts, out, in / group]`` (16 or 32 input features a group)
-        float16 or float32, held in float16 where each is exact there, and ``mins`` likewise
-        (float32) or None.
+        """Takes one projection of every expert (`PARTS`) in the int8 form: ``values``
+        ``[experts, out, in]`` int8, ``scales`` ``[experts, out, in / group]`` (16 or 32 input
+        features a group) float16 or float32, held in float16 where each is exact there, and
+        ``mins`` likewise (float32) or None.
 
         Raises:
             ModelLoadError: Where the shapes are not this model's or the kernel's.
         """
         which = part.removesuffix("_proj")
-        expected = getattr(self, f"{which}_values").shape
+        expected = self._expected(which)
         try:
             if values.shape != expected or scales.shape[0] != expected[0]:
                 raise ValueError(f"expected {tuple(expected)} values")
@@ -208,14 +226,77 @@ class Int8Experts(Experts):
         halves = scales.to(torch.float16)
         if torch.equal(halves.float(), scales.float()):
             scales = halves
+        self._put(which, "int8", values, scales, None if mins is None else mins.float())
+
+    def load_int4(
+        self, part: str, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    ) -> None:
+        """Takes one projection of every expert (`PARTS`) in the int4 form, as a GGUF's Q4_0,
+        Q4_1 and Q4_K blocks hold it (`pdserve.engine.gguf_int4`): ``values`` ``[experts, out,
+        in / 2]`` uint8 (column ``2i`` in the low nibble, ``2i + 1`` in the high one),
+        ``scales`` and ``mins`` ``[experts, out, in / 32]`` float32; the scales and mins are
+        held in float16 where every one is exact there.
+
+        Raises:
+            ModelLoadError: Where the shapes are not this model's or the int4 kernel's.
+        """
+        which = part.removesuffix("_proj")
+        num, num_out, num_in = self._expected(which)
+        groups = (num, num_out, num_in // int4_kernel.GROUP)
+        if (
+            values.shape != (num, num_out, num_in // 2)
+            or scales.shape != groups
+            or mins.shape != groups
+            or num_in % int4_kernel.PAIR
+        ):
+            raise ModelLoadError(
+                f"int4 experts {part!r} hold {tuple(values.shape)} values, {tuple(scales.shape)} "
+                f"scales and {tuple(mins.shape)} mins; expected {(num, num_out, num_in // 2)} "
+                f"and {groups}, {num_in} inputs a multiple of {int4_kernel.PAIR}"
+            )
+        scale_dtype = int4_kernel.scale_dtype(scales, mins)
+        # q: [out, in] in 0..15 per expert, packed in the kernel's order
+        packed = torch.stack(
+            [int4_kernel.pack(torch.stack([v & 0x0F, v >> 4], dim=-1).flatten(1)) for v in values]
+        )
+        self._put(
+            which,
+            "int4",
+            packed,
+            scales.to(scale_dtype).contiguous(),
+            mins.transpose(1, 2).to(scale_dtype),
+        )
+
+    def _expected(self, which: str) -> tuple[int, int, int]:
+        """A part's ``[experts, out, in]`` shape."""
+        size, num = self.intermediate_size, self.num_experts
+        if which == "gate_up":
+            return num, 2 * size, self.hidden_size
+        return num, self.hidden_size, size
+
+    def _put(
+        self,
+        which: str,
+        form: str,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+    ) -> None:
         self._buffers[f"{which}_values"] = values.contiguous()
         self._buffers[f"{which}_scales"] = scales.contiguous()
-        self._buffers[f"{which}_mins"] = None if mins is None else mins.float().contiguous()
+        self._buffers[f"{which}_mins"] = None if mins is None else mins.contiguous()
+        self.forms[which] = form
 
     def project(self, x: torch.Tensor, expert: int, which: str) -> torch.Tensor:
         values = getattr(self, f"{which}_values")[expert]
         scales = getattr(self, f"{which}_scales")[expert]
         mins = getattr(self, f"{which}_mins")
+        if self.forms[which] == "int4":
+            assert mins is not None
+            if x.shape[0] <= self.KERNEL_MAX_ROWS or self.min_rows > 1:
+                return int4_kernel.matmul(x, values, scales, mins[expert])
+            weight = int4_kernel.dequantize(values, scales, mins[expert], x.dtype)
+            return torch.mm(x, weight.t())
         return int8_group_matmul(
             x,
             values,

@@ -8,7 +8,7 @@
   checkpoint's own values. Stacked experts (``[experts, rows, cols]``) come out as
   transformers' MXFP4 dequantization gives them, ``[experts, cols, rows]``: the layout of the
   same checkpoint in bfloat16. Where the loader keeps them as int8 groups instead
-  (`pdserve.engine.moe.Int8Experts`), they come out as those (`mxfp4_as_int8`), exactly too.
+  (`pdserve.engine.moe.KeptExperts`), they come out as those (`mxfp4_as_int8`), exactly too.
 * **Block FP8**, as DeepSeek-V3's, GLM-4.5-FP8's and Qwen3's FP8 checkpoints hold their
   projections (``quantization_config``: ``quant_method: fp8``, ``weight_block_size``): a weight
   ``<name>`` in float8 (e4m3) and ``<name>_scale_inv`` (float32, ``[ceil(rows / block rows),

@@ -1,5 +1,5 @@
 """gpt-oss (gpt-oss-20b, gpt-oss-120b: as released, the experts in MXFP4, which the loader keeps
-as int8 groups of the values they hold on a CPU (`pdserve.engine.moe.Int8Experts`) or reads as
+as int8 groups of the values they hold on a CPU (`pdserve.engine.moe.KeptExperts`) or reads as
 those values in the model's dtype (`pdserve.engine.packed_weights`), or a bfloat16 copy).
 
 Attention sinks, sliding and full layers alternating by ``layer_types``, YaRN RoPE, a bias on
