@@ -175,7 +175,8 @@ class KeptExperts(Experts):
 
     @classmethod
     def placeholder(cls, config: ModelConfig, dtype: torch.dtype) -> KeptExperts:
-        """A model's experts on the meta device, their tensors for `load_int8` to put in."""
+        """A model's experts on the meta device, their tensors for `load_int8` or `load_int4`
+        to put in."""
         assert config.moe is not None
         with torch.device("meta"):
             experts = cls(config.moe, config.hidden_size, config.hidden_act)
