@@ -138,23 +138,27 @@ def mxfp4_tensors(
         ValueError: For an MXFP4 tensor that is no piece the family joins, or a stack whose
             pieces the file does not all hold.
     """
-    packed = {
-        tensor.name: released_mxfp4(np.asarray(tensor.data))
-        for tensor in reader.tensors
-        if tensor.tensor_type == GGMLQuantizationType.MXFP4
-    }
-    if rules.join_mxfp4 is None or not packed:
+    if rules.join_mxfp4 is None:
         return Mxfp4Tensors(frozenset(), {})
+    # suffix -> GGUF name -> that half of the tensor
+    halves: dict[str, dict[str, np.ndarray]] = {BLOCKS: {}, SCALES: {}}
+    for tensor in reader.tensors:
+        if tensor.tensor_type == GGMLQuantizationType.MXFP4:
+            blocks, scales = released_mxfp4(np.asarray(tensor.data))
+            halves[BLOCKS][tensor.name], halves[SCALES][tensor.name] = blocks, scales
+    names = frozenset(halves[BLOCKS])
     joining = dataclasses.replace(rules, join=rules.join_mxfp4)
     joined_suffixes = {suffix for suffix, _ in rules.pieces.values()}
     tensors: dict[str, np.ndarray] = {}
-    for half, suffix in enumerate((BLOCKS, SCALES)):
-        halves = ((name, arrays[half]) for name, arrays in packed.items())
-        for hf_name, array in hf_checkpoint(halves, joining, config):
+    for suffix, by_name in halves.items():
+        # NOTE: each piece let go of as it is handed over: a stack's pieces are not held
+        # beside the stack they are joined into once it is.
+        pieces = ((name, by_name.pop(name)) for name in list(by_name))
+        for hf_name, array in hf_checkpoint(pieces, joining, config):
             if hf_name.split(".", 3)[-1] not in joined_suffixes:
                 raise ValueError(f"MXFP4 tensor {hf_name!r} is no piece of an expert stack")
             tensors[hf_name + suffix] = array
-    return Mxfp4Tensors(frozenset(packed), tensors)
+    return Mxfp4Tensors(names, tensors)
 
 
 def dequantized_tensors(

@@ -46,6 +46,12 @@ def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
     return cpu_kernels.why_not_gemm(dtype, in_features, PAIR)
 
 
+def unpack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """4-bit values as a GGUF's int4 tensors hold them (``[..., in / 2]`` uint8, column ``2i``
+    in the low nibble, ``2i + 1`` in the high one) as ``[..., in]`` uint8 in 0..15."""
+    return torch.stack([values & 0x0F, values >> 4], dim=-1).flatten(-2)
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """The kernel's layout of ``[out, in]`` values in 0..15: ``[out, in / 2]`` uint8, each pair
     of groups as ``shared/csrc/int4_gemm.cpp`` describes."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -107,6 +108,7 @@ def attach_int4(
         shards: dict[str, dict[int, str]] = {}
         expected: dict[str, int] = {}
         int4_type_names = {t.name for t in INT4_TYPES}
+        keys = set(reader.keys())
         int8_type_names = {t.name for t in INT8_TYPES}
         for hf_name in types if is_kept else ():
             if types[hf_name] not in int4_type_names | int8_type_names:
@@ -149,7 +151,8 @@ def attach_int4(
                 int8_why_not = int8_kernel.why_not(dtype, in_features)
                 if int8_why_not is not None:
                     continue
-                parts = [_int8_part(reader, name, types[name], int4_type_names) for name in names]
+                parts = [_int8_part(reader, keys, name, types[name], int4_type_names)
+                         for name in names]  # fmt: skip
                 values, scales, int8_mins = int8_parts(parts)
                 _check_shape(module_name, values, (out_features, in_features))
                 kept = Int8GroupLinear(values, scales, dtype, int8_mins, linear.bias)
@@ -205,14 +208,15 @@ Int8Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """An int8 weight's (values ``[out, in]`` int8, scales ``[out, in / group]``, mins or None)."""
 
 
-def _int8_part(reader: Any, name: str, type_name: str, int4_type_names: set[str]) -> Int8Part:
-    """One kept weight as int8 groups: an int4 one's 4-bit values widened (exact)."""
+def _int8_part(
+    reader: Any, keys: Collection[str], name: str, type_name: str, int4_type_names: set[str]
+) -> Int8Part:
+    """One kept weight as int8 groups: an int4 one's 4-bit values widened (exact); `keys` are
+    the reader's (built once by the caller, not for each of a layer's hundreds of experts)."""
     if type_name in int4_type_names:
-        packed = reader.get_tensor(name + VALUES)
         # values: [out, in] int8 in 0..15
-        values = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(1).to(torch.int8)
+        values = int4_kernel.unpack_nibbles(reader.get_tensor(name + VALUES)).to(torch.int8)
         return values, reader.get_tensor(name + SCALES), reader.get_tensor(name + MINS)
-    keys = set(reader.keys())
     mins = reader.get_tensor(name + MINS) if name + MINS in keys else None
     return reader.get_tensor(name + INT8), reader.get_tensor(name + SCALES), mins
 
@@ -332,6 +336,7 @@ def attach_experts(
     if config.moe is None or KeptExperts.why_not(config.moe, config.hidden_size, dtype):
         return kept
     int4_type_names = {t.name for t in INT4_TYPES}
+    keys = set(reader.keys())
     # module name -> {(expert, part): checkpoint name}
     layers: dict[str, dict[tuple[int, str], str]] = {}
     for hf_name in types:
@@ -351,7 +356,7 @@ def attach_experts(
         loads: list[tuple[str, str, tuple[torch.Tensor, ...]]] = []
         for part, projections in sources.items():
             part_names = [names[e, p] for e in range(num_experts) for p in projections]
-            if all(types[n] in int4_type_names for n in part_names) and KeptExperts.takes_int4(
+            if all(types[n] in int4_type_names for n in part_names) and int4_kernel.takes(
                 in_features[part], dtype
             ):
                 # NOTE: an expert's gate and up rows one after the other, as for int8.
@@ -364,7 +369,7 @@ def attach_experts(
                 )  # fmt: skip
                 loads.append((part, "int4", stacks))
                 continue
-            parts = [[_int8_part(reader, names[e, p], types[names[e, p]], int4_type_names)
+            parts = [[_int8_part(reader, keys, names[e, p], types[names[e, p]], int4_type_names)
                       for p in projections] for e in range(num_experts)]  # fmt: skip
             stack = _stacked([int8_parts(expert) for expert in parts])
             if stack is None:

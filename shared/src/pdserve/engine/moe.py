@@ -190,12 +190,6 @@ class KeptExperts(Experts):
             dtype, moe.moe_intermediate_size
         )
 
-    @staticmethod
-    def takes_int4(in_features: int, dtype: torch.dtype) -> bool:
-        """Whether a part of `in_features` inputs can be kept in the int4 form (pdserve's int4
-        kernel takes it)."""
-        return int4_kernel.takes(in_features, dtype)
-
     def load_int8(
         self,
         part: str,
@@ -256,16 +250,10 @@ class KeptExperts(Experts):
                 f"and {groups}, {num_in} inputs a multiple of {int4_kernel.PAIR}"
             )
         scale_dtype = int4_kernel.scale_dtype(scales, mins)
-        # q: [out, in] in 0..15 per expert, packed in the kernel's order
-        packed = torch.stack(
-            [int4_kernel.pack(torch.stack([v & 0x0F, v >> 4], dim=-1).flatten(1)) for v in values]
-        )
+        # NOTE: each expert's [out, in] values in 0..15, packed in the kernel's order
+        packed = torch.stack([int4_kernel.pack(int4_kernel.unpack_nibbles(v)) for v in values])
         self._put(
-            which,
-            "int4",
-            packed,
-            scales.to(scale_dtype).contiguous(),
-            mins.transpose(1, 2).to(scale_dtype),
+            which, "int4", packed, scales.to(scale_dtype), mins.transpose(1, 2).to(scale_dtype)
         )
 
     def _expected(self, which: str) -> tuple[int, int, int]:

@@ -176,8 +176,7 @@ class Int4Linear(nn.Module):
             dtype: The activation dtype.
         """
         # q: [out, in] uint8 in 0..15
-        q = torch.stack([values & 0x0F, values >> 4], dim=-1).flatten(1)
-        return cls(q, scales, mins, bias, dtype)
+        return cls(int4_kernel.unpack_nibbles(values), scales, mins, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
