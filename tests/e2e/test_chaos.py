@@ -197,7 +197,7 @@ async def expected_ids(
     """What the undisturbed single-process engine produces (run off the event loop)."""
 
     def run() -> list[list[int]]:
-        return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
+        return reference.completions([(p, {**s, "max_tokens": max_tokens}) for p, s in requests])
 
     return await asyncio.to_thread(run)
 
@@ -934,13 +934,11 @@ class TestPreemption:
         seeded = {**SEEDED, "seed": 77}
         assert len(reference.tokenizer.encode(CHOICE_PROMPT)) // BLOCK_SIZE == 2
         assert len(reference.tokenizer.encode(LONG_PROMPT)) // BLOCK_SIZE == 20
-        expected_long = reference.completion(LONG_PROMPT, max_tokens=long_tokens, **GREEDY)
-        expected_choices = [
-            reference.completion(
-                CHOICE_PROMPT, max_tokens=choice_tokens, **{**seeded, "seed": 77 + i}
-            )
-            for i in range(n)
-        ]
+        expected_long, *expected_choices = reference.completions(
+            [(LONG_PROMPT, {**GREEDY, "max_tokens": long_tokens})]
+            + [(CHOICE_PROMPT, {**seeded, "seed": 77 + i, "max_tokens": choice_tokens})
+               for i in range(n)]
+        )  # fmt: skip
         decode = cluster.decodes[0]
         assert cluster.gateway is not None
         gateway = cluster.gateway

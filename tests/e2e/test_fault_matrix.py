@@ -906,7 +906,7 @@ async def run_cell(cell: Cell, cluster: ProcessCluster, reference: Reference) ->
     # once arrived one by one and none waited in the admission queue. Streams the client
     # cancels need none unless one ended first.
     def undisturbed() -> list[list[int]]:
-        return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
+        return reference.completions([(p, {**s, "max_tokens": max_tokens}) for p, s in requests])
 
     expected_task: asyncio.Future[list[list[int]]] | None = None
     mark = log_mark(cluster)

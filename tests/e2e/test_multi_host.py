@@ -120,7 +120,7 @@ async def expected_ids(
     """What the undisturbed single-process engine produces (run off the event loop)."""
 
     def run() -> list[list[int]]:
-        return [reference.completion(p, max_tokens=max_tokens, **s) for p, s in requests]
+        return reference.completions([(p, {**s, "max_tokens": max_tokens}) for p, s in requests])
 
     return await asyncio.to_thread(run)
 

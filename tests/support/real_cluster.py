@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +169,7 @@ class Reference:
 
     def __init__(self, model_dir: Path, *, deterministic: bool = False) -> None:
         self.model_dir = model_dir
+        self.deterministic = deterministic
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         # NOTE: float32 here and in the cluster: the outputs must be equal token for token.
         config = EngineConfig(
@@ -185,6 +187,18 @@ class Reference:
 
     def completion(self, prompt: str, **sampling: Any) -> list[int]:
         return self.generate(self.tokenizer.encode(prompt), SamplingParams(**sampling))
+
+    def completions(self, requests: Sequence[tuple[str, Mapping[str, Any]]]) -> list[list[int]]:
+        """The tokens of each ``(prompt, sampling)`` in `requests` (``max_tokens`` among the
+        sampling), as `completion` gives each alone. A deterministic reference runs them as one
+        batch: batch-invariant numerics give each request its tokens alone whatever runs beside
+        it (`tests/unit/engine/test_batch_invariant.py`), in a fraction of the steps."""
+        if not self.deterministic:
+            return [self.completion(prompt, **sampling) for prompt, sampling in requests]
+        prompts = [self.tokenizer.encode(prompt) for prompt, _ in requests]
+        params = [SamplingParams(**sampling) for _, sampling in requests]
+        with self._turn:
+            return self.engine.generate(prompts, params)
 
     def chat(self, messages: list[dict[str, str]], **sampling: Any) -> list[int]:
         return self.generate(self.tokenizer.encode_chat(messages), SamplingParams(**sampling))

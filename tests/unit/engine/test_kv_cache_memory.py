@@ -44,3 +44,28 @@ def test_a_cpu_cache_can_move_into_a_host_buffer() -> None:
     cache.place_in(memoryview(buffer))
     assert cache.layer(0)[0][2].sum().item() == 1.5 * k[2].numel()
     assert any(buffer)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+@pytest.mark.parametrize("is_empty", [True, False])
+def test_an_empty_cache_moves_into_its_segment_without_touching_its_pages(is_empty: bool) -> None:
+    from pdserve.kv.transports.shm import KvSegment
+
+    cache = KVCache(LAYOUT, 256 * MIB // (32 * 1024), torch.device("cpu"))
+    if not is_empty:
+        cache.layer(1)[1][5].fill_(3.0)  # a written block: it moves with the cache
+    before = _resident_bytes()
+    segment = KvSegment.create(cache, is_empty=is_empty)
+    try:
+        grown = _resident_bytes() - before
+        # NOTE: the copy writes every page of the mapping (256 MiB); the empty cache none.
+        assert grown < 32 * MIB if is_empty else grown > 200 * MIB
+        k, v = cache.layer(1)
+        assert k.abs().sum().item() == 0.0
+        assert v[5].sum().item() == (0.0 if is_empty else 3.0 * v[5].numel())
+        k[3].fill_(2.0)  # lands in the segment: another mapping of its file reads it
+        with segment.path.open("rb") as file:
+            file.seek(cache.kv[1, 0, 3].data_ptr() - cache.kv.data_ptr())
+            assert file.read(4) == torch.tensor([2.0]).numpy().tobytes()
+    finally:
+        segment.remove()

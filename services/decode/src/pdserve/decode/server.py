@@ -147,7 +147,9 @@ class DecodeInstance(InstanceServer):
             elif kind == "shm":
                 try:
                     if self.kv_segment is None:
-                        self.kv_segment = KvSegment.create(kv_cache)
+                        # NOTE: at construction, before the loop or the servicer runs: no
+                        # block was handed out, so the empty cache moves without a copy.
+                        self.kv_segment = KvSegment.create(kv_cache, is_empty=True)
                 except (OSError, ValueError) as error:
                     log.warning("kv_transport_unavailable", transport="shm", detail=str(error))
                     continue

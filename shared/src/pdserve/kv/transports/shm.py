@@ -56,9 +56,12 @@ class KvSegment:
         return self.path.name
 
     @classmethod
-    def create(cls, kv_cache: KVCache, directory: Path = SHM_DIR) -> KvSegment:
+    def create(
+        cls, kv_cache: KVCache, directory: Path = SHM_DIR, *, is_empty: bool = False
+    ) -> KvSegment:
         """Creates a segment of the cache's size and moves `kv_cache` into it (or, for a cache
-        already in a shared file, names that file).
+        already in a shared file, names that file). `is_empty`: no block of the cache was
+        handed out yet, so nothing is copied (the new file's pages read as zeros).
 
         Raises:
             OSError: The segment cannot be created or its pages allocated (e.g. /dev/shm full).
@@ -70,7 +73,7 @@ class KvSegment:
             return cls._link(kv_cache, kv_cache.shared_path, path)
         mapping = _allocate_and_map(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, kv_cache.nbytes)
         try:
-            kv_cache.place_in(memoryview(mapping))
+            kv_cache.place_in(memoryview(mapping), keep_contents=not is_empty)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
