@@ -19,16 +19,19 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> list[i
     return _greedy(model, prompt, num_new).sequences[0, len(prompt) :].tolist()
 
 
-def hf_greedy_margin(model: torch.nn.Module, prompt: list[int], num_new: int) -> float:
-    """The smallest gap between the best and the second-best logit over the steps of
-    `hf_greedy(model, prompt, num_new)`: how far the reference's greedy choice is from a tie.
+def hf_greedy_with_margin(
+    model: torch.nn.Module, prompt: list[int], num_new: int
+) -> tuple[list[int], float]:
+    """`hf_greedy(model, prompt, num_new)`, and the smallest gap between the best and the
+    second-best logit over its steps: how far the reference's greedy choice is from a tie.
 
     Another engine's float32 sums differ from transformers' in the last bits; where the gap is
     far above that, a greedy comparison with transformers cannot flip on summation order.
     """
-    steps = torch.cat([logits.float() for logits in _greedy(model, prompt, num_new).logits])
+    output = _greedy(model, prompt, num_new)
+    steps = torch.cat([logits.float() for logits in output.logits])
     top2 = steps.topk(2, dim=-1).values
-    return float((top2[:, 0] - top2[:, 1]).min())
+    return output.sequences[0, len(prompt) :].tolist(), float((top2[:, 0] - top2[:, 1]).min())
 
 
 def _greedy(model: torch.nn.Module, prompt: list[int], num_new: int) -> Any:
