@@ -165,7 +165,7 @@ def smollm2_gguf(smollm2: ResolvedModel) -> Path:
 def smollm2_reference(smollm2_gguf: Path, pytestconfig: pytest.Config) -> tuple[Any, Any]:
     """(tokenizer, model) as transformers loads the same GGUF: the reference in tests.
 
-    transformers' reading of the GGUF takes ~18 s; what it read is kept in pytest's cache
+    transformers' reading of the GGUF takes ~7 s; what it read is kept in pytest's cache
     (`support.hf_reference.gguf_reference`), so each worker of a run, and later runs, load it
     in ~1 s. Without the cache provider it is read from the GGUF every time.
     """
