@@ -80,10 +80,10 @@ def _gguf_parsed_once() -> Iterator[None]:
     import gguf
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, Any] = {}
+    readers: dict[tuple[Any, ...], Any] = {}
 
     def reader(path: Any, *args: Any) -> Any:
-        key = f"{os.fspath(path)}:{args}"
+        key = (os.fspath(path), *args)
         if key not in readers:
             readers[key] = reader_class(path, *args)
         return readers[key]

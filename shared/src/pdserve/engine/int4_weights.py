@@ -108,8 +108,8 @@ def attach_int4(
         shards: dict[str, dict[int, str]] = {}
         expected: dict[str, int] = {}
         int4_type_names = {t.name for t in INT4_TYPES}
-        keys = set(reader.keys())
         int8_type_names = {t.name for t in INT8_TYPES}
+        keys = set(reader.keys())
         for hf_name in types if is_kept else ():
             if types[hf_name] not in int4_type_names | int8_type_names:
                 continue
