@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from support import failure_logs
 
 from pdserve.launcher.child import ChildProcess
@@ -81,3 +83,53 @@ def test_the_report_of_a_failed_test_shows_them(tmp_path: Path) -> None:
     assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("pdserve processes' logs") == 1
     assert "the decode said why" in result.stdout
+
+
+def json_child(tmp_path: Path, name: str, records: list[dict[str, str]]) -> ChildProcess:
+    lines = "\n".join(f"print({json.dumps(json.dumps(r))}, file=sys.stderr)" for r in records)
+    child = ChildProcess(name, [sys.executable, "-c", f"import sys\n{lines}"], tmp_path / name)
+    assert child.wait(60) == 0
+    child.close()
+    return child
+
+
+def test_the_report_ends_with_every_process_warnings_merged_by_time(tmp_path: Path) -> None:
+    def record(second: int, level: str, event: str) -> dict[str, str]:
+        return {"timestamp": f"2026-01-01T00:00:{second:02d}Z", "level": level, "event": event}
+
+    gateway = json_child(
+        tmp_path,
+        "gateway",
+        [record(1, "info", "request_started"), record(4, "warning", "instance_expired")],
+    )
+    decode = json_child(
+        tmp_path,
+        "decode-1",
+        [record(2, "warning", "registration_failed"), record(5, "info", "registered")],
+    )
+    tails = failure_logs.pdserve_log_tails({"g": gateway, "d": decode})
+    timeline = tails.split("---- warnings and errors of every process, by time\n")[1]
+    events = [line.split()[1:4] for line in timeline.splitlines()]
+    assert events == [
+        ["decode-1", "warning", "registration_failed"],
+        ["gateway", "warning", "instance_expired"],
+        ["decode-1", "info", "registered"],
+    ]
+
+
+def test_a_process_that_never_logs_the_event_is_reported_with_its_last_lines(
+    tmp_path: Path,
+) -> None:
+    started = json.dumps({"event": "started"})
+    code = "import sys, time; print('waiting on the gateway', file=sys.stderr); "
+    code += f"print({started!r}, file=sys.stderr, flush=True); time.sleep(600)"
+    child = ChildProcess("prefill-0", [sys.executable, "-c", code], tmp_path / "prefill-0.log")
+    try:
+        child.wait_for_event("started", 60)
+        with pytest.raises(RuntimeError) as raised:
+            child.wait_for_event("registered", 0.1)
+        message = str(raised.value)
+        assert message.startswith("prefill-0 (pid ") and "did not log registered" in message
+        assert "(still running)" in message and "waiting on the gateway" in message
+    finally:
+        child.close()

@@ -151,15 +151,18 @@ class ChildProcess:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RuntimeError(
-                        f"{self.name} did not log {event} {fields or ''} within {timeout_s:.0f}s"
+                        self.describe_exit(
+                            f"did not log {event} {fields or ''} within {timeout_s:.0f}s"
+                        )
                     )
                 self._cond.wait(min(remaining, 0.2))
 
     def describe_exit(self, what: str = "exited") -> str:
         """A report of the process's end: status and the last lines it printed."""
         code = self.process.poll()
+        state = "still running" if code is None else f"status {code}"
         tail = "\n".join(f"    {line}" for line in self.tail)
-        return f"{self.name} (pid {self.pid}) {what} with status {code}; last output:\n{tail}"
+        return f"{self.name} (pid {self.pid}) {what} ({state}); last output:\n{tail}"
 
     def signal(self, sig: int) -> None:
         if self.process.poll() is None:
