@@ -21,6 +21,7 @@ class _Registry(registry_pb2_grpc.RegistryServiceServicer):
         self.deregistered: list[str] = []
         self.answer_register = asyncio.Event()  # cleared: a Register is counted, then held
         self.answer_register.set()
+        self.num_heartbeats_to_fail = 0  # answered UNAVAILABLE (a gateway that stalled)
 
     async def Register(self, request, context):
         self.num_registers += 1
@@ -33,6 +34,9 @@ class _Registry(registry_pb2_grpc.RegistryServiceServicer):
             await abort_with_error(
                 context, PdserveError(ErrorReason.INSTANCE_NOT_REGISTERED, "unknown instance")
             )
+        if self.num_heartbeats_to_fail > 0:
+            self.num_heartbeats_to_fail -= 1
+            await abort_with_error(context, PdserveError(ErrorReason.PEER_UNAVAILABLE, "stalled"))
         self.heartbeats.append(request)
         return registry_pb2.HeartbeatResponse(heartbeat_interval_ms=50)
 
@@ -79,6 +83,24 @@ async def test_registers_heartbeats_reregisters_and_deregisters(
     await client.stop()
     await asyncio.wait_for(task, 30)
     assert servicer.deregistered == ["d1"]
+
+
+async def test_one_failed_heartbeat_is_sent_again_without_registering_again(
+    registry: tuple[_Registry, str],
+) -> None:
+    servicer, address = registry
+    instance = common_pb2.InstanceInfo(instance_id="d4", role=common_pb2.INSTANCE_ROLE_DECODE)
+    client = RegistrationClient(address, instance, common_pb2.LoadReport)
+    task = asyncio.create_task(client.run())
+    await _until(lambda: len(servicer.heartbeats) >= 1)
+    servicer.num_heartbeats_to_fail = 1
+    await _until(lambda: servicer.num_heartbeats_to_fail == 0 and len(servicer.heartbeats) >= 3)
+    assert servicer.num_registers == 1 and client.is_registered.is_set()
+
+    servicer.num_heartbeats_to_fail = 2  # still failing when sent again: it registers again
+    await _until(lambda: servicer.num_registers == 2)
+    await client.stop()
+    await asyncio.wait_for(task, 30)
 
 
 async def test_keeps_retrying_while_the_gateway_is_down() -> None:

@@ -2,9 +2,10 @@
 
 `RegistrationClient.run()` registers, then heartbeats with a fresh load report at the interval
 the gateway asks for. When the gateway answers INSTANCE_NOT_REGISTERED (it restarted or dropped
-the instance) the client registers again; when the gateway is unreachable it keeps retrying
-with capped backoff. `stop()` ends the loop, waiting for a call under way (a Register the
-gateway may already have counted), then deregisters (best effort).
+the instance) the client registers again; a heartbeat that fails otherwise is sent again at
+once, then with capped backoff while the gateway stays unreachable. `stop()` ends the loop,
+waiting for a call under way (a Register the gateway may already have counted), then
+deregisters (best effort).
 """
 
 from __future__ import annotations
@@ -70,25 +71,37 @@ class RegistrationClient:
 
     async def _keep_registered(self) -> None:
         backoff_s = self.interval_s
+        num_failed = 0
         while not self._stopping.is_set():
+            call = "heartbeat" if self.is_registered.is_set() else "register"
             try:
-                if not self.is_registered.is_set():
+                if call == "register":
                     await self._register()
                 else:
                     await self._heartbeat()
-                backoff_s = self.interval_s
+                backoff_s, num_failed = self.interval_s, 0
                 await self._sleep(self.interval_s)
             except PdserveError as error:
                 if error.reason is ErrorReason.INSTANCE_NOT_REGISTERED:
                     log.info("registration_lost", instance_id=self.instance.instance_id)
                     self.is_registered.clear()
                     continue
+                num_failed += 1
                 log.warning(
                     "registration_failed",
                     gateway=self.gateway_address,
+                    call=call,
+                    num_failed=num_failed,
                     reason=error.reason.name,
                     detail=error.message,
                 )
+                # NOTE: a failed heartbeat most likely met a stall (this process or the
+                # gateway paused a moment): it is sent again at once, the instance still
+                # registered (the gateway answers INSTANCE_NOT_REGISTERED if it dropped it
+                # meanwhile). Registering again only after a backoff left the gateway without
+                # news for seconds more, past its TTL on a busy host.
+                if call == "heartbeat" and num_failed == 1:
+                    continue
                 self.is_registered.clear()
                 await self._sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, MAX_BACKOFF_S)
