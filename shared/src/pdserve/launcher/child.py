@@ -158,7 +158,8 @@ class ChildProcess:
                 self._cond.wait(min(remaining, 0.2))
 
     def describe_exit(self, what: str = "exited") -> str:
-        """A report of the process's end: status and the last lines it printed."""
+        """A report of the process: `what` happened, whether it still runs (or its exit
+        status), and the last lines it printed."""
         code = self.process.poll()
         state = "still running" if code is None else f"status {code}"
         tail = "\n".join(f"    {line}" for line in self.tail)
