@@ -16,13 +16,17 @@ from support import failure_logs
 from pdserve.launcher.child import ChildProcess
 
 
-def logging_child(tmp_path: Path, name: str, num_lines: int) -> ChildProcess:
-    lines = f"for i in range({num_lines}): print(f'{name} line {{i}}', file=sys.stderr)"
-    script = f"import sys\n{lines}"
+def printing_child(tmp_path: Path, name: str, lines: list[str]) -> ChildProcess:
+    """A process named `name` that printed `lines` to its log and exited."""
+    script = f"import sys\nfor line in {lines!r}: print(line, file=sys.stderr)"
     child = ChildProcess(name, [sys.executable, "-c", script], tmp_path / f"{name}.log")
     assert child.wait(60) == 0
     child.close()
     return child
+
+
+def logging_child(tmp_path: Path, name: str, num_lines: int) -> ChildProcess:
+    return printing_child(tmp_path, name, [f"{name} line {i}" for i in range(num_lines)])
 
 
 @dataclass
@@ -86,11 +90,7 @@ def test_the_report_of_a_failed_test_shows_them(tmp_path: Path) -> None:
 
 
 def json_child(tmp_path: Path, name: str, records: list[dict[str, str]]) -> ChildProcess:
-    lines = "\n".join(f"print({json.dumps(json.dumps(r))}, file=sys.stderr)" for r in records)
-    child = ChildProcess(name, [sys.executable, "-c", f"import sys\n{lines}"], tmp_path / name)
-    assert child.wait(60) == 0
-    child.close()
-    return child
+    return printing_child(tmp_path, name, [json.dumps(record) for record in records])
 
 
 def test_the_report_ends_with_every_process_warnings_merged_by_time(tmp_path: Path) -> None:
