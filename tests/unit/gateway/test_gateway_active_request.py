@@ -59,6 +59,7 @@ def test_queue_waits_count_in_the_time_to_first_token_only_before_it() -> None:
     active.timeline.on_first_token(None)
     active.on_queue_wait(0.25)
     assert (active.queued_s, active.timeline.queue_wait_s) == (0.75, 0.5)
+    assert active.end().queued_s == 0.75  # what its request_finished line says
 
 
 async def test_the_orchestrator_advances_the_one_request_object() -> None:

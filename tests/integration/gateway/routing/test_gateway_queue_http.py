@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import structlog
 from support.eventually import eventually
 from support.gateway_cluster import Cluster
 from support.gateway_fakes import BLOCK_SIZE, MODEL_NAME, FakeDecode, expected_tokens
@@ -66,13 +67,18 @@ async def _one_at_a_time(cluster: Cluster, **gateway: Any) -> FakeDecode:
 
 async def test_a_request_with_no_room_waits_and_completes(cluster: Cluster) -> None:
     decode = await _one_at_a_time(cluster)
-    async with cluster.http() as http:
-        holder = await _hold(cluster, decode, http)
-        waiting = asyncio.ensure_future(_token_ids(http, seed=4))
-        await eventually(lambda: _queue(cluster).num_waiting == 1)
-        assert decode.allocations and len(decode.allocations) == 1  # it waits at the gateway
-        decode.resume.set()
-        first, second = await asyncio.gather(holder, waiting)
+    with structlog.testing.capture_logs() as logs:
+        async with cluster.http() as http:
+            holder = await _hold(cluster, decode, http)
+            waiting = asyncio.ensure_future(_token_ids(http, seed=4))
+            await eventually(lambda: _queue(cluster).num_waiting == 1)
+            assert decode.allocations and len(decode.allocations) == 1  # it waits at the gateway
+            decode.resume.set()
+            first, second = await asyncio.gather(holder, waiting)
+    # NOTE: its log line says how long it waited for room (the holder's says it did not).
+    finished = [entry for entry in logs if entry["event"] == "request_finished"]
+    assert len(finished) == 2 and finished[0]["queued_s"] == 0
+    assert finished[1]["queued_s"] > 0
     prompt_ids = list(PROMPT.encode())
     assert first == expected_tokens(prompt_ids, 3, MAX_TOKENS)
     assert second == expected_tokens(prompt_ids, 4, MAX_TOKENS)

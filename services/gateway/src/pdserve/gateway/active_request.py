@@ -124,4 +124,5 @@ class ActiveRequest:
             num_cached_prompt_tokens=finished.num_cached_prompt_tokens if finished else 0,
             num_attempts=self.state.num_attempts,
             num_reschedules=self.state.num_reschedules,
+            queued_s=self.queued_s,
         )

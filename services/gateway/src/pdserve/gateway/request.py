@@ -132,6 +132,8 @@ class GenerationEnd:
         num_cached_prompt_tokens: Prompt tokens a prefix cache served on the last attempt.
         num_attempts: Prefill attempts it took (1 when nothing went wrong).
         num_reschedules: Reschedules after preemption or a lost decode.
+        queued_s: Seconds it waited in the gateway's admission queue for a decode with room,
+            over all its attempts.
     """
 
     finish_reason: FinishReason
@@ -139,6 +141,7 @@ class GenerationEnd:
     num_cached_prompt_tokens: int = 0
     num_attempts: int = 1
     num_reschedules: int = 0
+    queued_s: float = 0.0
 
 
 @dataclass(frozen=True)

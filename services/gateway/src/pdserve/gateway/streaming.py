@@ -197,6 +197,7 @@ class Streamer:
                 num_completion_tokens=usage.num_completion_tokens,
                 num_attempts=end.num_attempts if end else None,
                 num_reschedules=end.num_reschedules if end else None,
+                queued_s=round(end.queued_s, 4) if end else None,
                 duration_s=round(loop.time() - started, 4),
             )
             yield index, final
