@@ -44,7 +44,9 @@ def children_in(values: Iterable[Any]) -> Iterator[ChildProcess]:
 
 
 def tail_of(child: ChildProcess) -> str:
-    """The last `NUM_LINES` lines of `child`'s log file, each cut at `MAX_LINE_CHARS`."""
+    """The last `NUM_LINES` lines of `child`'s log file, each cut at `MAX_LINE_CHARS` (of an
+    exited process, once what it printed last is there)."""
+    child.read_to_end()
     try:
         with child.log_path.open("rb") as log:
             size = log.seek(0, 2)

@@ -1,5 +1,6 @@
 """Closing a supervised service ends what it started without leaving its process pool's named
-semaphores in /dev/shm (a real service process with a forkserver process pool)."""
+semaphores in /dev/shm (a real service process with a forkserver process pool); the report of
+a process that exited holds the last lines it printed."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def test_closing_a_service_unlinks_its_process_pools_semaphores(tmp_path: Path) 
         child.close()
     assert child.returncode is not None
     assert [f for f in files if f.exists()] == []
+
+
+def test_the_report_of_an_exited_process_ends_with_its_last_line(tmp_path: Path) -> None:
+    # NOTE: a burst of lines, then the exit: the thread that copies them to the log is still
+    # at work when the process is gone, as it was for a crash's traceback on a busy machine.
+    script = "import sys\nfor i in range(30000): print(f'line {i}', file=sys.stderr)\n"
+    script += "print('the last line', file=sys.stderr)"
+    child = ChildProcess("burst", [sys.executable, "-c", script], tmp_path / "burst.log")
+    try:
+        assert child.wait(60) == 0
+        report = child.describe_exit()
+        assert report.rstrip().endswith("the last line"), report[-200:]
+        assert child.read_to_end(0) and child.tail[-1] == "the last line"
+        assert (tmp_path / "burst.log").read_text().endswith("the last line\n")
+    finally:
+        child.close()

@@ -18,6 +18,9 @@ from pdserve.launcher.forkserver import ForkServer, ForkServerError
 
 NUM_TAIL_LINES = 40
 GROUP_DRAIN_S = 2.0
+# NOTE: how long a report of an exited process waits for its last lines to reach the log (a
+# thread copies them there; on a busy machine it may run well after the exit).
+READ_TO_END_S = 5.0
 """How long `ChildProcess.close` lets a dead service's processes end on SIGTERM."""
 
 
@@ -157,9 +160,21 @@ class ChildProcess:
                     )
                 self._cond.wait(min(remaining, 0.2))
 
+    def read_to_end(self, timeout_s: float = READ_TO_END_S) -> bool:
+        """Once the process has exited, waits up to `timeout_s` for what it printed last to
+        reach its log, `tail` and `events` (a thread copies them there, and may lag behind
+        the exit); whether all of it did. Its output ends when every process holding it has
+        closed it: processes it started may hold it longer."""
+        if self.process.poll() is None:
+            return False
+        self._reader.join(timeout_s)
+        return not self._reader.is_alive()
+
     def describe_exit(self, what: str = "exited") -> str:
         """A report of the process: `what` happened, whether it still runs (or its exit
-        status), and the last lines it printed."""
+        status), and the last lines it printed (all of them, once it has exited:
+        `read_to_end`)."""
+        self.read_to_end()
         code = self.process.poll()
         state = "still running" if code is None else f"status {code}"
         tail = "\n".join(f"    {line}" for line in self.tail)
