@@ -705,11 +705,14 @@ async def test_sigstop_decode(frozen_decode_cluster: ProcessCluster, reference: 
 # NOTE: 40 blocks of 16 tokens and no growth headroom: 16 two-block prompts fit, their
 # growth to up to 6 blocks each does not, so running streams keep preempting each other.
 TINY_DECODE_ARGS = f"--num-blocks 40 --reserve-tokens 0 {DETERMINISTIC}"
-# NOTE: a forced call's prompt (the tool listed in the system message) is ~710 byte tokens:
-# the gateway books 47 blocks for each (the prompt and a 32-token headroom), so two run at
-# once in 96 blocks; a call (over 160 tokens: its query has 160 or more characters, cut at
-# 64) grows each to 49 blocks, so they preempt each other.
-TOOL_DECODE_ARGS = f"--num-blocks 96 --reserve-tokens 0 {DETERMINISTIC}"
+# NOTE: a forced call's prompt (the tool listed in the system message) is 731 byte tokens:
+# the gateway books 48 blocks for each (the prompt and a 32-token headroom), the decode leases
+# 46 and a call (64 tokens: its query has 160 or more characters, cut there) grows each to 50,
+# so two that run at once in 98 blocks preempt each other. Not 96, which two bookings fill
+# exactly: a load report taken while a call had grown past its booking (to 49 or 50 blocks)
+# leaves the gateway 1-2 blocks short once the call ends (it takes off what it booked), so it
+# sent one call at a time until the next report, and a busy run preempted nothing in 3 storms.
+TOOL_DECODE_ARGS = f"--num-blocks 98 --reserve-tokens 0 {DETERMINISTIC}"
 STORM_POOLS: dict[str, tuple[str, str, str]] = {  # name: (model, store, decode args)
     "dense": ("dense", "off", TINY_DECODE_ARGS),
     "dense-store": ("dense", "file", TINY_DECODE_ARGS),
