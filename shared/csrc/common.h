@@ -116,7 +116,7 @@ void rms_norm_f32(const float* x, int rows, int size, const float* weight, float
 
 // The bf16 kernels as the fused decode step calls them (AVX512-BF16; bf16 as uint16_t).
 void int4_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
-                    const void* mins, int out_features, uint16_t* out, bool half_scales);
+                    const void* mins, int out_features, uint16_t* out, bool half_scales, const uint16_t* table = nullptr);
 void int8_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
                     bool scales_f32, int group, const float* mins, int out_features, uint16_t* out);
 void rms_norm_bf16(const uint16_t* x, int rows, int size, const uint16_t* weight, float eps, bool scaled_in_float32,

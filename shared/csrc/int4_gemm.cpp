@@ -18,6 +18,13 @@
 // pair L = 2t + g of the widened bytes belongs to group g: the pair's two scales broadcast as
 // [s0, s1, s0, s1, ...]. Scales are [out][G]; mins are transposed, [G][out], so that the mins'
 // share of 16 output rows is one FMA per group.
+//
+// With a table the 4-bit values are codes: w = s * table[q] (+ m), the table 16 bf16 numbers
+// (MXFP4's e2m1 values: gpt-oss's experts as released, their e8m0 block scales the group
+// scales, no mins). One VPERMW turns a code into its bf16 value and the same VDPBF16PS takes
+// it, with no offset to take back: exact products, float32 sums, as above.
+#include <algorithm>
+
 #include "common.h"
 
 namespace pdserve {
@@ -149,9 +156,10 @@ KERNEL_TARGET void mins_terms(const S* mins, const float* sums, int num_groups, 
 // accumulators are independent chains; one chain would wait on each FMA's latency). `scales` are
 // the float32 scales of the output rows from o_begin, [o - o_begin][G]; each output row's
 // weight and scales are read through pointers set once per block of OB rows.
-template <int R, int OB>
+template <int R, int OB, bool kTable>
 KERNEL_TARGET void rows_kernel(const PreparedRow* rows, int num_pairs, const uint8_t* weight,
-                               const float* scales, int o_begin, int o_end, uint16_t* const* out) {
+                               const float* scales, __m512i table, int o_begin, int o_end,
+                               uint16_t* const* out) {
   const size_t num_groups = 2 * static_cast<size_t>(num_pairs);
   const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
   const size_t ahead = static_cast<size_t>(kPrefetchBlocks) * OB * row_bytes;  // a 64-byte line every 2 pairs
@@ -174,7 +182,7 @@ KERNEL_TARGET void rows_kernel(const PreparedRow* rows, int num_pairs, const uin
       __m512 start[R];
       __m512i lo_x[R], hi_x[R];
       for (int r = 0; r < R; ++r) {
-        start[r] = _mm512_loadu_ps(starts[r] + static_cast<size_t>(p) * 16);
+        start[r] = kTable ? _mm512_setzero_ps() : _mm512_loadu_ps(starts[r] + static_cast<size_t>(p) * 16);
         lo_x[r] = _mm512_loadu_si512(words[r] + static_cast<size_t>(p) * 64);
         hi_x[r] = _mm512_loadu_si512(words[r] + static_cast<size_t>(p) * 64 + 32);
       }
@@ -183,9 +191,17 @@ KERNEL_TARGET void rows_kernel(const PreparedRow* rows, int num_pairs, const uin
       for (int b = 0; b < OB; ++b, w += row_bytes, s += num_groups) {
         if ((p & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T0);
         __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
-        // (wide & 0xF) | 0x4300 and (wide >> 4) | 0x4300: bf16 128 + q
-        __m512i lo = _mm512_ternarylogic_epi32(wide, nibble, offset, 0xEA);
-        __m512i hi = _mm512_or_si512(_mm512_srli_epi16(wide, 4), offset);
+        __m512i lo, hi;
+        if constexpr (kTable) {
+          // table[q]: VPERMW reads an index's low 5 bits, and the table's 32 words are its 16
+          // twice, so the high nibble's low bit (bit 4 of the low index) selects nothing
+          lo = _mm512_permutexvar_epi16(wide, table);
+          hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(wide, 4), table);
+        } else {
+          // (wide & 0xF) | 0x4300 and (wide >> 4) | 0x4300: bf16 128 + q
+          lo = _mm512_ternarylogic_epi32(wide, nibble, offset, 0xEA);
+          hi = _mm512_or_si512(_mm512_srli_epi16(wide, 4), offset);
+        }
         // the pair's two scales [s0, s1] as one 64-bit broadcast: [s0, s1, s0, s1, ...]
         double two;
         memcpy(&two, s, sizeof two);
@@ -211,8 +227,8 @@ KERNEL_TARGET void rows_kernel(const PreparedRow* rows, int num_pairs, const uin
     }
   }
   if (o < o_end) {
-    rows_kernel<R, 1>(rows, num_pairs, weight, scales + static_cast<size_t>(o - o_begin) * num_groups, o,
-                      o_end, out);
+    rows_kernel<R, 1, kTable>(rows, num_pairs, weight, scales + static_cast<size_t>(o - o_begin) * num_groups,
+                              table, o, o_end, out);
   }
 }
 
@@ -229,6 +245,25 @@ KERNEL_TARGET inline void widen_scales(const uint16_t* half, size_t count, float
   for (; i < count; ++i) out[i] = _cvtsh_ss(half[i]);
 }
 
+// A table's 16 bf16 words twice over, as VPERMW reads them (zero where there is none).
+KERNEL_TARGET inline __m512i table_words(const uint16_t* table) {
+  if (table == nullptr) return _mm512_setzero_si512();
+  const __m256i sixteen = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(table));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(sixteen), sixteen, 1);
+}
+
+// rows_kernel for a block of 1-4 input rows, as many output rows at a time as registers allow.
+template <bool kTable>
+KERNEL_TARGET inline void rows_block(int block, const PreparedRow* rows, int num_pairs, const uint8_t* weight,
+                                     const float* s, __m512i table, int o, int o_end, uint16_t* const* outs) {
+  switch (block) {
+    case 4: rows_kernel<4, 3, kTable>(rows, num_pairs, weight, s, table, o, o_end, outs); break;
+    case 3: rows_kernel<3, 4, kTable>(rows, num_pairs, weight, s, table, o, o_end, outs); break;
+    case 2: rows_kernel<2, 6, kTable>(rows, num_pairs, weight, s, table, o, o_end, outs); break;
+    default: rows_kernel<1, 8, kTable>(rows, num_pairs, weight, s, table, o, o_end, outs); break;
+  }
+}
+
 // A call's output rows [begin, end) over its prepared input rows: the mins' terms of those
 // rows, then block after block of kOutBlock output rows. The kernel team (team.cpp) splits a
 // one-row call into parts of whole blocks (`run`); each output is computed as one thread
@@ -241,7 +276,8 @@ struct Outputs {
   int num_rows, num_pairs, out_features;
   const uint8_t* weight;
   const S* scales;
-  const S* mins;
+  const S* mins;           // null: none
+  const uint16_t* table;   // null: w = s * q + m; else 16 bf16 values, w = s * table[q] + m
   uint16_t* out;
 
   KERNEL_TARGET void compute(int begin, int end) const {
@@ -255,9 +291,15 @@ struct Outputs {
       for (size_t i = 0; i < bytes; i += 64) _mm_prefetch(sc + i, _MM_HINT_T0);
     }
     for (int r = 0; r < num_rows; ++r) {
-      mins_terms<S>(mins, sums + static_cast<size_t>(r) * num_groups, num_groups, out_features, begin, end,
-                    terms + static_cast<size_t>(r) * out_features);
+      float* row_terms = terms + static_cast<size_t>(r) * out_features;
+      if (mins == nullptr) {
+        std::fill(row_terms + begin, row_terms + end, 0.0f);
+      } else {
+        mins_terms<S>(mins, sums + static_cast<size_t>(r) * num_groups, num_groups, out_features, begin, end,
+                      row_terms);
+      }
     }
+    const __m512i lookup = table_words(table);
     thread_local std::vector<float> block_scales;
     block_scales.resize(static_cast<size_t>(kOutBlock) * num_groups);
     // NOTE: a block of output rows stays in cache while every block of input rows passes it.
@@ -277,11 +319,10 @@ struct Outputs {
         int block = num_rows - r < kRowBlock ? num_rows - r : kRowBlock;
         for (int i = 0; i < block; ++i) outs[i] = out + static_cast<size_t>(r + i) * out_features;
         const PreparedRow* rows = prepared + r;
-        switch (block) {
-          case 4: rows_kernel<4, 3>(rows, num_pairs, weight, s, o, o_end, outs); break;
-          case 3: rows_kernel<3, 4>(rows, num_pairs, weight, s, o, o_end, outs); break;
-          case 2: rows_kernel<2, 6>(rows, num_pairs, weight, s, o, o_end, outs); break;
-          default: rows_kernel<1, 8>(rows, num_pairs, weight, s, o, o_end, outs); break;
+        if (table == nullptr) {
+          rows_block<false>(block, rows, num_pairs, weight, s, lookup, o, o_end, outs);
+        } else {
+          rows_block<true>(block, rows, num_pairs, weight, s, lookup, o, o_end, outs);
         }
       }
     }
@@ -298,7 +339,7 @@ struct Outputs {
 
 template <typename S>
 KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight,
-                        const S* scales, const S* mins, int out_features, uint16_t* out) {
+                        const S* scales, const S* mins, const uint16_t* table, int out_features, uint16_t* out) {
   const int num_pairs = in_features / 64;
   const int num_groups = in_features / kGroup;
   thread_local std::vector<uint16_t> words;
@@ -325,14 +366,15 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
     prepared[r] = PreparedRow{w, st, su, te};
   }
   Outputs<S> call{prepared.data(), sums.data(), terms.data(), num_rows, num_pairs, out_features,
-                  weight, scales, mins, out};
+                  weight, scales, mins, table, out};
   team_run(&Outputs<S>::run, &call, num_rows);
 }
 
-// The weight as bf16 ``s * q + m`` (rounded once, to nearest even), [out][in] in the columns'
-// own order. A GEMM of many rows runs faster as one bf16 GEMM over this than through `gemm`.
+// The weight as bf16 ``s * q + m`` (or ``s * table[q] + m``; no m where mins is null; rounded
+// once, to nearest even), [out][in] in the columns' own order. A GEMM of many rows runs faster
+// as one bf16 GEMM over this than through `gemm`.
 template <typename S>
-KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* mins,
+KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* mins, const uint16_t* table,
                               int out_features, int in_features, uint16_t* out) {
   const int num_pairs = in_features / 64;
   // Word k (0..15) of a widened half-part holds group g = (k >> 1) & 1, column 2 (k >> 2) +
@@ -341,6 +383,7 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
   const __m512i spread = _mm512_set_epi32(1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0);
   const __m512i gather = _mm512_set_epi32(15, 14, 11, 10, 7, 6, 3, 2, 13, 12, 9, 8, 5, 4, 1, 0);
   const __m512i nibble = _mm512_set1_epi16(0x000F);
+  const __m512i lookup = table_words(table);
   for (int o = 0; o < out_features; ++o) {
     const uint8_t* w = weight + static_cast<size_t>(o) * num_pairs * 32;
     const S* s = scales + static_cast<size_t>(o) * 2 * num_pairs;
@@ -349,14 +392,22 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
       __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
       __m512i halves[2] = {_mm512_and_si512(wide, nibble), _mm512_srli_epi16(wide, 4)};
       __m512 scale = _mm512_permutexvar_ps(spread, load_pair<S>(s + 2 * p));
-      const S* m = mins + static_cast<size_t>(2 * p) * out_features + o;
-      __m512 min = _mm512_permutexvar_ps(
-          spread, _mm512_broadcast_f32x2(_mm_setr_ps(load1<S>(m), load1<S>(m + out_features), 0, 0)));
+      __m512 min = _mm512_setzero_ps();
+      if (mins != nullptr) {
+        const S* m = mins + static_cast<size_t>(2 * p) * out_features + o;
+        min = _mm512_permutexvar_ps(
+            spread, _mm512_broadcast_f32x2(_mm_setr_ps(load1<S>(m), load1<S>(m + out_features), 0, 0)));
+      }
+      if (table != nullptr) {  // each code's bf16 value in place of the code
+        for (int h = 0; h < 2; ++h) halves[h] = _mm512_permutexvar_epi16(halves[h], lookup);
+      }
       for (int h = 0; h < 2; ++h) {
         for (int part = 0; part < 2; ++part) {
           __m256i words = part == 0 ? _mm512_castsi512_si256(halves[h])
                                     : _mm512_extracti64x4_epi64(halves[h], 1);
-          __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(words));
+          __m512i wide_words = _mm512_cvtepu16_epi32(words);
+          __m512 q = table != nullptr ? _mm512_castsi512_ps(_mm512_slli_epi32(wide_words, 16))
+                                      : _mm512_cvtepi32_ps(wide_words);
           __m512 value = _mm512_permutexvar_ps(gather, _mm512_fmadd_ps(q, scale, min));
           __m256i bf16 = (__m256i)_mm512_cvtneps_pbh(value);
           uint16_t* column = row + p * 64 + h * 16 + part * 8;
@@ -371,21 +422,21 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
 }  // namespace
 
 void int4_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
-                    const void* mins, int out_features, uint16_t* out, bool half_scales) {
+                    const void* mins, int out_features, uint16_t* out, bool half_scales, const uint16_t* table) {
   if (half_scales) {
     gemm<uint16_t>(x, num_rows, in_features, weight, static_cast<const uint16_t*>(scales),
-                   static_cast<const uint16_t*>(mins), out_features, out);
+                   static_cast<const uint16_t*>(mins), table, out_features, out);
   } else {
     gemm<float>(x, num_rows, in_features, weight, static_cast<const float*>(scales), static_cast<const float*>(mins),
-                out_features, out);
+                table, out_features, out);
   }
 }
 
 PyObject* py_int4_gemm(PyObject*, PyObject* args) {
-  unsigned long long x, weight, scales, mins, out;
+  unsigned long long x, weight, scales, mins, out, table = 0;
   int num_rows, in_features, out_features, half_scales;
-  if (!PyArg_ParseTuple(args, "KiiKKKiKp", &x, &num_rows, &in_features, &weight, &scales, &mins,
-                        &out_features, &out, &half_scales)) {
+  if (!PyArg_ParseTuple(args, "KiiKKKiKp|K", &x, &num_rows, &in_features, &weight, &scales, &mins,
+                        &out_features, &out, &half_scales, &table)) {
     return nullptr;
   }
   if (!cpu_supported()) {
@@ -399,16 +450,16 @@ PyObject* py_int4_gemm(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   int4_gemm_bf16(reinterpret_cast<const uint16_t*>(x), num_rows, in_features, reinterpret_cast<const uint8_t*>(weight),
                  reinterpret_cast<const void*>(scales), reinterpret_cast<const void*>(mins), out_features,
-                 reinterpret_cast<uint16_t*>(out), half_scales != 0);
+                 reinterpret_cast<uint16_t*>(out), half_scales != 0, reinterpret_cast<const uint16_t*>(table));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
 
 PyObject* py_int4_dequantize(PyObject*, PyObject* args) {
-  unsigned long long weight, scales, mins, out;
+  unsigned long long weight, scales, mins, out, table = 0;
   int out_features, in_features, half_scales;
-  if (!PyArg_ParseTuple(args, "KKKiiKp", &weight, &scales, &mins, &out_features, &in_features,
-                        &out, &half_scales)) {
+  if (!PyArg_ParseTuple(args, "KKKiiKp|K", &weight, &scales, &mins, &out_features, &in_features,
+                        &out, &half_scales, &table)) {
     return nullptr;
   }
   if (!cpu_supported()) {
@@ -422,11 +473,13 @@ PyObject* py_int4_dequantize(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   if (half_scales) {
     dequantize<uint16_t>(reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const uint16_t*>(scales),
-                         reinterpret_cast<const uint16_t*>(mins), out_features, in_features,
+                         reinterpret_cast<const uint16_t*>(mins), reinterpret_cast<const uint16_t*>(table),
+                         out_features, in_features,
                          reinterpret_cast<uint16_t*>(out));
   } else {
     dequantize<float>(reinterpret_cast<const uint8_t*>(weight), reinterpret_cast<const float*>(scales),
-                      reinterpret_cast<const float*>(mins), out_features, in_features,
+                      reinterpret_cast<const float*>(mins), reinterpret_cast<const uint16_t*>(table),
+                      out_features, in_features,
                       reinterpret_cast<uint16_t*>(out));
   }
   Py_END_ALLOW_THREADS

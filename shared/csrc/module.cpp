@@ -19,12 +19,13 @@ PyObject* py_supported(PyObject*, PyObject*) { return PyBool_FromLong(cpu_suppor
 PyMethodDef methods[] = {
     {"supported", py_supported, METH_NOARGS, "Whether this CPU runs the kernels (AVX512-BF16)."},
     {"int4_gemm", py_int4_gemm, METH_VARARGS,
-     "int4_gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales): out = x @ w.T, "
-     "addresses of contiguous bf16 x [rows, in], packed weight, scales [out, in / 32], mins "
-     "[in / 32, out] (float16 when half_scales, else float32), bf16 out [rows, out_features]."},
+     "int4_gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales[, table]): out = "
+     "x @ w.T, addresses of contiguous bf16 x [rows, in], packed weight, scales [out, in / 32], mins "
+     "[in / 32, out] or 0 (float16 when half_scales, else float32), bf16 out [rows, out_features]; "
+     "with a table (16 bf16 values), w = scale * table[q] + min."},
     {"int4_dequantize", py_int4_dequantize, METH_VARARGS,
-     "int4_dequantize(weight, scales, mins, out_features, in, out, half_scales): the weight as "
-     "bf16 [out_features, in]."},
+     "int4_dequantize(weight, scales, mins, out_features, in, out, half_scales[, table]): the "
+     "weight as bf16 [out_features, in]."},
     {"int8_gemm", py_int8_gemm, METH_VARARGS,
      "int8_gemm(x, rows, in, weight, scales, scales_f32, group, mins, out_features, out): out = "
      "x @ w.T for w = scale * q + min in groups of 16 or 32, addresses of contiguous bf16 x "

@@ -21,7 +21,7 @@ from pdserve.engine.batch_invariant import INVARIANT_BACKEND, MIN_ROWS
 from pdserve.engine.linear import Linear, can_pack_for_onednn
 from pdserve.engine.model_store import ResolvedModel
 from pdserve.engine.moe import KeptExperts
-from pdserve.engine.packed_weights import mxfp4_as_int8
+from pdserve.engine.packed_weights import mxfp4_as_int8, mxfp4_codes
 from pdserve.engine.precision import choose_dtype
 from pdserve.engine.quant import Int4Linear, Int8Linear
 
@@ -250,10 +250,11 @@ _MOE = MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=153
                       clamped_swiglu=(1.702, 7.0))  # fmt: skip
 
 
-@pytest.mark.parametrize("form", ["int8", "int4"])
+@pytest.mark.parametrize("form", ["int8", "int4", "mxfp4"])
 def test_kept_experts_give_a_token_the_same_result_for_any_number_of_tokens(form: str) -> None:
-    """Experts kept quantized (`KeptExperts`), as int8 groups (gpt-oss's MXFP4 ones) or int4
-    groups (a GGUF's Q4_0/Q4_1/Q4_K): with `MIN_ROWS` a token's output has the same bits
+    """Experts kept quantized (`KeptExperts`), as int8 groups (a GGUF's Q8_0, or gpt-oss's
+    MXFP4 ones widened), int4 groups (a GGUF's Q4_0/Q4_1/Q4_K) or MXFP4 codes (gpt-oss's on the
+    int4 kernel's table): with `MIN_ROWS` a token's output has the same bits
     whatever the other tokens routed to its experts (more rows than the kernel takes alone,
     `KeptExperts.KERNEL_MAX_ROWS`, run on it too)."""
     if (why_not := KeptExperts.why_not(_MOE, _HIDDEN, torch.bfloat16)) is not None:
@@ -275,7 +276,10 @@ def test_kept_experts_give_a_token_the_same_result_for_any_number_of_tokens(form
                                generator=generator)  # fmt: skip
         scales = torch.randint(118, 124, (4, out, cols // 32), dtype=torch.uint8,
                                generator=generator)  # fmt: skip
-        experts.load_int8(part, *mxfp4_as_int8(blocks, scales))
+        if form == "mxfp4":
+            experts.load_mxfp4(part, mxfp4_codes(blocks, scales), torch.bfloat16)
+        else:
+            experts.load_int8(part, *mxfp4_as_int8(blocks, scales))
     assert set(experts.forms.values()) == {form}
     with torch.no_grad():
         for bias in (experts.gate_up_proj_bias, experts.down_proj_bias):

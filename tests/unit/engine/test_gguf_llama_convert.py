@@ -37,6 +37,7 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFReader
 from safetensors.numpy import load_file, save_file
+from structlog.testing import capture_logs
 from support.gguf_files import requantized
 from support.gguf_from_hf import TinyHfSpec, gguf_tensors
 from support.hf_reference import hf_greedy
@@ -57,7 +58,7 @@ from pdserve.engine.demo import write_demo_model
 from pdserve.engine.gguf_config import hf_config
 from pdserve.engine.gguf_import import convert_gguf, read_metadata
 from pdserve.engine.loader import load_model
-from pdserve.engine.moe import Experts, KeptExperts, SparseMoeBlock
+from pdserve.engine.moe import E2M1_TABLE, Experts, KeptExperts, SparseMoeBlock
 from pdserve.engine.quant import weight_bytes
 from pdserve.tokenizer import Tokenizer
 
@@ -420,8 +421,9 @@ def q4_experts_dir(families: dict[str, Family]) -> Path:
 def test_quantized_experts_are_kept_as_the_files_values(
     families: dict[str, Family], request: pytest.FixtureRequest, name: str
 ) -> None:
-    """A GGUF's Q8_0 experts (and a gpt-oss GGUF's MXFP4 ones) run as int8 groups, its Q4_0
-    ones as int4 groups (`KeptExperts`): each weight the file's value (the dequantized
+    """A GGUF's Q8_0 experts run as int8 groups, its Q4_0 ones as int4 groups, a gpt-oss GGUF's
+    MXFP4 ones as their codes in bfloat16 and int8 groups in float32 (`KeptExperts`): each
+    weight the file's value (the dequantized
     checkpoint's, exactly), in bfloat16 and float32; in float32 (where another summation order
     moves a logit by about 1e-6, not a random tiny model's near-ties as bfloat16's rounding
     does) the same greedy tokens as the experts dequantized."""
@@ -429,8 +431,13 @@ def test_quantized_experts_are_kept_as_the_files_values(
         model_dir: Path = request.getfixturevalue("q4_experts_dir")
     else:
         model_dir = families[name].model_dir
-    forms = {"gate_up": "int4", "down": "int8"} if name == Q4_EXPERTS else None
     for dtype in (torch.bfloat16, torch.float32):
+        forms = {"gate_up": "int8", "down": "int8"}
+        if name == Q4_EXPERTS:
+            forms = {"gate_up": "int4", "down": "int8"}
+        elif name == MXFP4 and dtype == torch.bfloat16:
+            # NOTE: the file's codes, on the int4 kernel
+            forms = {"gate_up": "mxfp4", "down": "mxfp4"}
         _assert_kept_experts_hold_the_dequantized_weights(model_dir, dtype, forms)
     generator = torch.Generator().manual_seed(3)
     prompts = [
@@ -449,9 +456,13 @@ def test_quantized_experts_are_kept_as_the_files_values(
 
 
 def _assert_kept_experts_hold_the_dequantized_weights(
-    model_dir: Path, dtype: torch.dtype, forms: dict[str, str] | None
+    model_dir: Path, dtype: torch.dtype, forms: dict[str, str]
 ) -> None:
-    kept = load_model(model_dir, dtype)
+    with capture_logs() as logs:
+        kept = load_model(model_dir, dtype)
+    (loaded,) = [entry for entry in logs if entry["event"] == "model_loaded"]
+    if "MXFP4" in (loaded["tensor_types"] or {}):  # NOTE: the start-up line names the form
+        assert loaded["tensor_types"]["MXFP4"] == ", ".join(sorted(set(forms.values())))
     floats = load_model(model_dir, dtype, quantization="none")
     assert weight_bytes(kept) < weight_bytes(floats)
     for layer, reference in zip(kept.model.layers, floats.model.layers, strict=True):
@@ -459,7 +470,7 @@ def _assert_kept_experts_hold_the_dequantized_weights(
             continue
         experts = layer.mlp.experts
         assert isinstance(experts, KeptExperts) and type(reference.mlp.experts) is Experts
-        assert experts.forms == (forms or {"gate_up": "int8", "down": "int8"})
+        assert experts.forms == forms
         for which in ("gate_up", "down"):
             weight = _kept_weight(experts, which)
             expected = getattr(reference.mlp.experts, f"{which}_proj").detach()
@@ -474,6 +485,10 @@ def _kept_weight(experts: KeptExperts, which: str) -> torch.Tensor:
     mins = getattr(experts, f"{which}_mins")
     if experts.forms[which] == "int4":
         return torch.stack([int4_kernel.dequantize(values[e], scales[e], mins[e], torch.float32)
+                            for e in range(values.shape[0])])  # fmt: skip
+    if experts.forms[which] == "mxfp4":
+        return torch.stack([int4_kernel.dequantize(values[e], scales[e], None, torch.bfloat16,
+                                                   E2M1_TABLE).float()
                             for e in range(values.shape[0])])  # fmt: skip
     group = values.shape[-1] // scales.shape[-1]
     weight = values.float() * scales.float().repeat_interleave(group, dim=-1)

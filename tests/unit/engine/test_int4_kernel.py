@@ -18,6 +18,7 @@ from support.gguf_files import random_weight
 
 from pdserve.engine import int4_kernel
 from pdserve.engine.gguf_int4 import INT4_TYPES, int4_blocks
+from pdserve.engine.packed_weights import E2M1_VALUES
 from pdserve.engine.quant import OWN_KERNEL_MAX_ROWS, Int4Linear
 
 
@@ -128,6 +129,55 @@ def test_many_rows_take_a_bf16_gemm_over_the_dequantized_weight() -> None:
     linear.min_rows = 2
     with torch.no_grad():
         assert torch.equal(linear(x), _matmul(x, q, scales, mins))
+
+
+def _mxfp4(
+    out_features: int, in_features: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [out, in] in 0..15, their powers-of-two scales [out, in / 32] float32, the
+    weight in float64)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    exponents = torch.randint(-12, 3, (out_features, in_features // 32), generator=generator)
+    scales = torch.exp2(exponents.float())
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float64)[codes]
+    weight = values * scales.double().repeat_interleave(32, dim=-1)
+    return codes.to(torch.uint8), scales, weight
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["float16_scales", "float32_scales"])
+def test_codes_through_a_table_give_the_exact_product_rounded_to_bf16(half: bool) -> None:
+    """MXFP4's e2m1 codes (gpt-oss's experts) on the same kernel: each weight the table's
+    value times its block's scale, no mins."""
+    codes, scales, weight = _mxfp4(320, 2880, seed=8)
+    table = int4_kernel.table_of(E2M1_VALUES)
+    packed = int4_kernel.pack(codes)
+    scales = scales.half() if half else scales
+    x = torch.randn(17, 2880, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    exact = x.double() @ weight.t()
+    out = int4_kernel.matmul(x, packed, scales, None, table)
+    equal = (out == exact.to(torch.bfloat16)).float().mean().item()
+    assert equal >= 0.99, equal
+    bound = exact.abs() * 2**-8 + 2**-20 * (x.double().abs() @ weight.abs().t())
+    assert ((out.double() - exact).abs() <= bound).all()
+    for rows in (1, 2, 3, 4, 5, 16):  # NOTE: each row alone: its bits whatever the rows beside it
+        assert torch.equal(int4_kernel.matmul(x[:rows], packed, scales, None, table), out[:rows])
+    dequantized = int4_kernel.dequantize(packed, scales, None, torch.bfloat16, table)
+    assert torch.equal(dequantized.double(), weight)
+
+
+def test_a_table_runs_with_bf16_activations_and_sixteen_exact_values_only() -> None:
+    assert int4_kernel.why_not_table(torch.bfloat16, 2880) is None
+    assert "bfloat16" in (int4_kernel.why_not_table(torch.float32, 2880) or "")
+    assert int4_kernel.why_not_table(torch.bfloat16, 2880 + 32) is not None
+    with pytest.raises(ValueError, match="16 values exact in bfloat16"):
+        int4_kernel.table_of((0.1,) * 16)
+    with pytest.raises(ValueError, match="16 values"):
+        int4_kernel.table_of(E2M1_VALUES[:8])
+    codes, scales, _ = _mxfp4(16, 64, seed=10)
+    table = int4_kernel.table_of(E2M1_VALUES)
+    with pytest.raises(ValueError, match="bfloat16 x only"):
+        int4_kernel.matmul(torch.ones(1, 64), int4_kernel.pack(codes), scales, None, table)
 
 
 def test_torch_kernel_runs_where_torch_has_more_threads() -> None:

@@ -33,12 +33,19 @@ from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import pdserve.engine.cpu_kernels as cpu_kernels
+import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelLoadError
-from pdserve.engine.moe import Experts, KeptExperts
-from pdserve.engine.packed_weights import dequantize_fp8, dequantize_mxfp4, mxfp4_as_int8
+from pdserve.engine.moe import E2M1_TABLE, Experts, KeptExperts
+from pdserve.engine.packed_weights import (
+    E2M1_VALUES,
+    dequantize_fp8,
+    dequantize_mxfp4,
+    mxfp4_as_int8,
+    mxfp4_codes,
+)
 from pdserve.engine.quant import weight_bytes
 
 LOGITS_ATOL = 1e-4
@@ -86,6 +93,11 @@ def test_mxfp4_values_are_transformers_dequantization_bit_for_bit(dtype: torch.d
     values, halves = mxfp4_as_int8(blocks, scales)
     assert values.dtype == torch.int8 and int(values.abs().max()) <= 12
     assert torch.equal(values.float() * halves.repeat_interleave(32, dim=-1), ours.float())
+    # NOTE: and as one code a value with its block's scale
+    codes, powers = mxfp4_codes(blocks, scales)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    table = torch.tensor(E2M1_VALUES)
+    assert torch.equal(table[codes.long()] * powers.repeat_interleave(32, dim=-1), ours.float())
 
 
 @pytest.mark.parametrize("shape", [(40, 70), (2, 33, 48)])
@@ -174,13 +186,14 @@ def _mxfp4_released(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mxfp4_experts_stay_int8_groups_of_the_checkpoints_values(
-    tmp_path: Path, dtype: torch.dtype
-) -> None:
+def test_mxfp4_experts_stay_the_checkpoints_values(tmp_path: Path, dtype: torch.dtype) -> None:
+    """In bfloat16 the experts keep their 4-bit codes (on the int4 kernel's e2m1 table); in
+    float32 they are int8 groups: each weight the checkpoint's value either way."""
     packed = _mxfp4_released(tmp_path)
     kept = load_model(packed, dtype)
     floats = load_model(packed, dtype, quantization="none")
     assert weight_bytes(kept) < 0.75 * weight_bytes(floats)
+    form = "mxfp4" if dtype == torch.bfloat16 else "int8"
     for layer, reference in zip(kept.model.layers, floats.model.layers, strict=True):
         experts = layer.mlp.experts
         assert isinstance(experts, KeptExperts) and type(reference.mlp.experts) is Experts
@@ -190,16 +203,24 @@ def test_mxfp4_experts_stay_int8_groups_of_the_checkpoints_values(
                 getattr(experts, f"{which}_values"),
                 getattr(experts, f"{which}_scales"),
             )
-            assert values.dtype == torch.int8 and scales.dtype == torch.float16
+            assert experts.forms[which] == form and scales.dtype == torch.float16
+            if form == "mxfp4":
+                # NOTE: two codes a byte, no mins: 4.5 bits a weight with the scales
+                assert values.dtype == torch.uint8 and values.numel() * 2 == float_weight.numel()
+                assert getattr(experts, f"{which}_mins") is None
+                weight = torch.stack([int4_kernel.dequantize(v, s, None, dtype, E2M1_TABLE)
+                                      for v, s in zip(values, scales, strict=True)])  # fmt: skip
+            else:
+                assert values.dtype == torch.int8
+                weight = values.float() * scales.float().repeat_interleave(32, dim=-1)
             # NOTE: [experts, out, in] here, [experts, in, out] in floats: the same values
-            weight = values.float() * scales.float().repeat_interleave(32, dim=-1)
             assert torch.equal(weight.transpose(1, 2).to(dtype), float_weight.detach())
 
 
 def test_mxfp4_experts_kept_give_the_dequantized_ones_logits_in_bfloat16(
     tmp_path: Path,
 ) -> None:
-    """Within bfloat16's rounding: another summation order (the int8 kernel's) moves a
+    """Within bfloat16's rounding: another summation order (the int4 kernel's) moves a
     logit by a few units of its last place, which can flip a random tiny model's near-ties;
     greedy tokens against transformers are compared in float32 above."""
     packed = _mxfp4_released(tmp_path)
@@ -235,5 +256,5 @@ def test_mxfp4_experts_that_the_kernel_cannot_take_are_dequantized_and_say_why(
     assert type(model.model.layers[0].mlp.experts) is Experts
     (line,) = [entry for entry in logs if entry["event"] == "mxfp4_experts"]
     assert line["became"] == "bfloat16"
-    assert line["why_not_int8"] == int8_kernel.why_not(torch.bfloat16, 64)
-    assert "2 threads" in line["why_not_int8"] or cpu_kernels.why_unavailable(torch.bfloat16)
+    assert line["why_not"] == int8_kernel.why_not(torch.bfloat16, 64)
+    assert "2 threads" in line["why_not"] or cpu_kernels.why_unavailable(torch.bfloat16)

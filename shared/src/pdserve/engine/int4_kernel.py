@@ -14,6 +14,10 @@ optional: without a C++ compiler pdserve installs without it); it is single-thre
 engine uses it where torch runs one thread (``pdserve up`` gives each engine its share of the
 cores; on a host with more, torch's kernel runs over its threads).
 
+With a table, the 4-bit values are codes: ``scale * table[q]`` (MXFP4's e2m1 values times
+their block's power of two, gpt-oss's experts as released), each code turned into its bf16
+value by one lookup in the kernel (`takes_table`: bfloat16 activations only).
+
 With float32 activations (``--dtype auto`` on a CPU without native bf16) the same packed weight
 runs on ``f32_gemm.cpp``'s kernel (AVX2, FMA and F16C): each value widened to a float32 integer
 and multiplied with FMA, the group's scale and min applied as here; `matmul` and `dequantize`
@@ -44,6 +48,26 @@ def takes(in_features: int, dtype: torch.dtype) -> bool:
 def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
     """Why the kernel does not take a projection (None where it does), for the logs."""
     return cpu_kernels.why_not_gemm(dtype, in_features, PAIR)
+
+
+def why_not_table(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
+    """Why the kernel does not take a projection of 4-bit codes through a table (None where it
+    does): the bf16 kernel only (the float32 one reads plain values)."""
+    if dtype != torch.bfloat16:
+        return f"a table of 4-bit codes runs with bfloat16 activations, not {dtype}"
+    return why_not(dtype, in_features)
+
+
+def table_of(values: tuple[float, ...]) -> torch.Tensor:
+    """The 16 values of a code table as the kernel reads them (bfloat16).
+
+    Raises:
+        ValueError: Where there are not 16 or one is not exact in bfloat16.
+    """
+    table = torch.tensor(values, dtype=torch.float32)
+    if table.numel() != 16 or not torch.equal(table.bfloat16().float(), table):
+        raise ValueError(f"a code table holds 16 values exact in bfloat16, not {values}")
+    return table.bfloat16()
 
 
 def unpack_nibbles(values: torch.Tensor) -> torch.Tensor:
@@ -77,37 +101,44 @@ def scale_dtype(scales: torch.Tensor, mins: torch.Tensor) -> torch.dtype:
 def dequantize(
     packed: torch.Tensor,
     scales: torch.Tensor,
-    mins: torch.Tensor,
+    mins: torch.Tensor | None,
     dtype: torch.dtype = torch.bfloat16,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The weight ``scale * q + min`` as ``[out, in]`` `dtype` (bfloat16 or float32; the
-    arguments as `matmul` takes them): in float32 the product and the sum each rounded once, the
-    `gguf` package's values."""
+    """The weight ``scale * q + min`` (``scale * table[q] + min`` with a table) as ``[out,
+    in]`` `dtype` (bfloat16 or float32, bfloat16 with a table; the arguments as `matmul` takes
+    them): in float32 the product and the sum each rounded once, the `gguf` package's values."""
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(num_out, num_in, dtype=dtype)
     cpu_kernels.kernel("int4_dequantize", dtype)(
         packed.data_ptr(),
         scales.data_ptr(),
-        mins.data_ptr(),
+        0 if mins is None else mins.data_ptr(),
         num_out,
         num_in,
         out.data_ptr(),
         scales.dtype == torch.float16,
+        *_table_argument(table, mins, dtype),
     )
     return out
 
 
 def matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ w.T`` for ``w = scale * q + min``.
+    """``x @ w.T`` for ``w = scale * q + min`` (``scale * table[q] + min`` with a table).
 
     Args:
         x: ``[rows, in]`` bfloat16 (AVX512-BF16) or float32 (AVX2).
         packed: `pack`'s ``[out, in / 2]``.
         scales: ``[out, in / 32]`` float16 or float32.
         mins: ``[in / 32, out]`` (transposed: the kernel sums each output row's mins times the
-            groups' sums of x for 16 output rows at a time), the same dtype.
+            groups' sums of x for 16 output rows at a time), the same dtype; None: no mins.
+        table: `table_of`'s 16 bfloat16 values, or None (x in bfloat16 with one).
 
     Returns:
         ``[rows, out]`` in x's dtype.
@@ -123,9 +154,24 @@ def matmul(
             num_in,
             packed.data_ptr(),
             scales.data_ptr(),
-            mins.data_ptr(),
+            0 if mins is None else mins.data_ptr(),
             num_out,
             out.data_ptr(),
             scales.dtype == torch.float16,
+            *_table_argument(table, mins, x.dtype),
         )
     return out
+
+
+def _table_argument(
+    table: torch.Tensor | None, mins: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[int, ...]:
+    """The kernel's optional last argument: the table's address, or nothing (the bf16 kernel
+    alone takes a table or no mins)."""
+    if dtype != torch.bfloat16 and (table is not None or mins is None):
+        raise ValueError(f"a code table or no mins runs with bfloat16 x only, not {dtype}")
+    if table is None:
+        return ()
+    if table.dtype != torch.bfloat16 or table.numel() != 16:
+        raise ValueError(f"a code table is 16 bfloat16 values, not {table.numel()} {table.dtype}")
+    return (table.data_ptr(),)

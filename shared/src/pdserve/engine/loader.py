@@ -29,7 +29,7 @@ from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.moe import KeptExperts, SparseMoeBlock
 from pdserve.engine.packed_weights import (
     DEFAULT_FP8_BLOCK,
-    Int8Pair,
+    Mxfp4Codes,
     PackedPairs,
     check_quantization,
 )
@@ -90,9 +90,10 @@ def load_model(
             Q4_K tensors, `pdserve.engine.gguf_int4`) as they are where an int4 kernel runs them
             (bfloat16 on a CPU, or float32 where pdserve's float32 kernels run; one rank), and
             a Q8_0 LM head (with the embedding tied to it) where pdserve's int8 kernel runs,
-            and an MXFP4 checkpoint's experts (gpt-oss as released) as int8 groups, each value
-            the checkpoint's (`pdserve.engine.moe.KeptExperts`), where that kernel runs them
-            (one rank on a CPU), and dequantizes them elsewhere;
+            and an MXFP4 checkpoint's experts (gpt-oss as released) as their codes on the int4
+            kernel (bfloat16), or as int8 groups, each value the checkpoint's
+            (`pdserve.engine.moe.KeptExperts`), where pdserve's kernels run them (one rank on
+            a CPU), and dequantizes them elsewhere;
             ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
             projection but the LM head from the float weights (CPU; `pdserve.engine.quant`).
 
@@ -112,9 +113,9 @@ def load_model(
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, group).to(dtype)
-    int8_experts: dict[str, KeptExperts] = {}
+    mxfp4_experts: dict[str, KeptExperts] = {}
     if quant_method == "mxfp4" and quantization == "auto" and device.type == "cpu":
-        int8_experts = _keep_mxfp4_experts(model, dtype)
+        mxfp4_experts = _keep_mxfp4_experts(model, dtype)
     kept = KeptWeights(frozenset(), {})
     if (path / INT4_FILE).is_file():
         # NOTE: torch's int4 kernel is fast with bf16 activations only (float32: 16-40x
@@ -136,17 +137,19 @@ def load_model(
     family = family_of(config.model_type)
     if config.tie_word_embeddings:
         pending.pop("lm_head.weight_t", None)
-    for name in int8_experts:
+    for name in mxfp4_experts:
         pending[name] = {0}
-    packed = PackedPairs(dtype, fp8_block, lambda name: family.renamed(name) in int8_experts)
+    packed = PackedPairs(dtype, fp8_block, lambda name: family.renamed(name) in mxfp4_experts)
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for hf_name in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if hf_name in kept.hf_names:
                     continue
                 joined = packed.join(hf_name, reader.get_tensor(hf_name))
-                if joined is not None and isinstance(joined[1], Int8Pair):
-                    _load_int8_experts(family, joined[0], joined[1], int8_experts, model.config)
+                if joined is not None and isinstance(joined[1], Mxfp4Codes):
+                    _load_mxfp4_experts(
+                        family, joined[0], joined[1], mxfp4_experts, model.config, dtype
+                    )
                     pending[family.renamed(joined[0])].clear()
                 elif joined is not None:
                     _load_tensor(family, joined[0], joined[1], params, pending, model)
@@ -158,10 +161,10 @@ def load_model(
     model.tie_weights()
     model.init_rotary(device)
     model.eval()
-    # NOTE: weights kept quantized are buffers (int8 values; int4 ones two to a byte)
+    # NOTE: weights kept quantized are buffers (int8 values; 4-bit ones two to a uint8)
     num_params = sum(p.numel() for p in model.parameters()) + sum(
-        buffer.numel() * (2 if name.endswith("packed") else 1)
-        for name, buffer in model.named_buffers()
+        buffer.numel() * (2 if buffer.dtype == torch.uint8 else 1)
+        for buffer in model.buffers()
         if buffer.dtype in (torch.int8, torch.uint8)
     )
     is_packed = linear_backend != "torch" and can_pack_for_onednn(device, dtype)
@@ -191,7 +194,7 @@ def load_model(
         tensor_parallel_size=model.group.world_size,
         quantization=quantization,
         num_quantized=num_quantized,
-        tensor_types=kept.tensor_types or None,
+        tensor_types=_with_mxfp4_experts(kept.tensor_types, mxfp4_experts) or None,
         packed_weights=packed.num_joined or None,
         weight_bytes=weight_bytes(model),
     )
@@ -214,8 +217,9 @@ def _packed_form(path: Path) -> tuple[tuple[int, int], str | None]:
 
 
 def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, KeptExperts]:
-    """Puts `KeptExperts` in place of a meta-device model's experts where pdserve's int8 kernel
-    runs them (one rank), and says so in one line.
+    """Puts `KeptExperts` in place of a meta-device model's experts where pdserve's kernels
+    run them (one rank), and says in one line what they became: their MXFP4 codes on the int4
+    kernel, or int8 groups (`KeptExperts.mxfp4_form`).
 
     Returns:
         Each stacked projection's checkpoint name (``...mlp.experts.gate_up_proj``) -> the
@@ -234,28 +238,42 @@ def _keep_mxfp4_experts(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str
                 block.experts = experts
                 for part in KeptExperts.PARTS:
                     kept[f"{name}.experts.{part}"] = experts
+    form = KeptExperts.mxfp4_form(config.hidden_size, config.moe.moe_intermediate_size, dtype)
     log.info(
         "mxfp4_experts",
-        became="int8 (pdserve's kernel)" if kept else str(dtype).removeprefix("torch."),
+        became=f"{form} (pdserve's kernel)" if kept else str(dtype).removeprefix("torch."),
         num_layers=len(kept) // len(KeptExperts.PARTS),
-        why_not_int8=why_not,
+        why_not=why_not,
     )
     return kept
 
 
-def _load_int8_experts(
+def _with_mxfp4_experts(
+    tensor_types: dict[str, str], mxfp4_experts: dict[str, KeptExperts]
+) -> dict[str, str]:
+    """A GGUF's tensor types and what each became, its MXFP4 tensors (gpt-oss's experts, read
+    as the released checkpoint's: `pdserve.engine.gguf_import.mxfp4_tensors`) by the form the
+    experts took where they were kept."""
+    if "MXFP4" not in tensor_types or not mxfp4_experts:
+        return tensor_types
+    forms = sorted({form for experts in mxfp4_experts.values() for form in experts.forms.values()})
+    return {**tensor_types, "MXFP4": ", ".join(forms)}
+
+
+def _load_mxfp4_experts(
     family: Family,
     checkpoint_name: str,
-    pair: Int8Pair,
-    int8_experts: dict[str, KeptExperts],
+    weight: Mxfp4Codes,
+    mxfp4_experts: dict[str, KeptExperts],
     config: ModelConfig,
+    dtype: torch.dtype,
 ) -> None:
     """One stacked projection of MXFP4 experts into its `KeptExperts`, reordered as the family
-    reorders the same weight in floats: a pair's ``[experts, out, in]`` values and ``[experts,
-    out, in / 32]`` scales go through the family's `Family.load_tensor` as the dequantized stack
+    reorders the same weight in floats: its ``[experts, out, in]`` codes and ``[experts, out,
+    in / 32]`` scales go through the family's `Family.load_tensor` as the dequantized stack
     would (``[experts, in, out]``, transformers' layout) and come out ``[experts, out, in]``."""
     hf_name = family.renamed(checkpoint_name)
-    values, scales = pair.values.transpose(1, 2), pair.scales.transpose(1, 2)
+    values, scales = weight.codes.transpose(1, 2), weight.scales.transpose(1, 2)
     if family.load_tensor is not None:
         reordered_values = family.load_tensor(hf_name, values, config)
         reordered_scales = family.load_tensor(hf_name, scales, config)
@@ -263,7 +281,7 @@ def _load_int8_experts(
             raise ModelLoadError(f"the {family.model_type} family leaves out {hf_name!r}")
         values, scales = reordered_values, reordered_scales
     part = hf_name.rpartition(".")[2]
-    int8_experts[hf_name].load_int8(part, values, scales)
+    mxfp4_experts[hf_name].load_mxfp4(part, Mxfp4Codes(values.contiguous(), scales), dtype)
 
 
 def _expected_shards(name: str, param: torch.Tensor) -> set[int]:

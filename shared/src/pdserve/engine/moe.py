@@ -5,8 +5,8 @@ A router scores every expert per token; each token runs through its top-k expert
 outputs are summed with the routing weights. The experts run grouped: the tokens routed to one
 expert are gathered and go through it as one matrix product, expert after expert, so a step
 costs one GEMM pair per expert hit, not one per token. The experts' weights are in the model's
-dtype (`Experts`), or kept as the checkpoint holds them quantized (`KeptExperts`): int8 groups
-for MXFP4 and a GGUF's 8-, 6- and 5-bit types, int4 groups for its 4-bit ones.
+dtype (`Experts`), or kept as the checkpoint holds them quantized (`KeptExperts`): MXFP4 codes
+as they are, int8 groups for a GGUF's 8-, 6- and 5-bit types, int4 groups for its 4-bit ones.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.layers import gated_activation
 from pdserve.engine.linear import at_least_rows
 from pdserve.engine.model_config import ModelConfig, ModelLoadError, MoeConfig
-from pdserve.engine.packed_weights import MXFP4_BLOCK
+from pdserve.engine.packed_weights import E2M1_VALUES, MXFP4_BLOCK, Mxfp4Codes
 from pdserve.engine.parallel.group import RankShard, TensorParallelGroup
 from pdserve.engine.quant import int8_group_matmul
+
+E2M1_TABLE = int4_kernel.table_of(E2M1_VALUES)
+"""MXFP4's 16 e2m1 values as the int4 kernel's table."""
 
 
 class Experts(nn.Module):
@@ -117,15 +120,19 @@ class Experts(nn.Module):
 
 class KeptExperts(Experts):
     """`Experts` whose weights stay quantized as the checkpoint holds them, each the file's own
-    value, ``[experts, out, in]`` per projection (`PARTS`) in one of two forms:
+    value, ``[experts, out, in]`` per projection (`PARTS`) in one of three forms:
 
+    * **mxfp4**: gpt-oss's released MXFP4 experts as they are, a 4-bit e2m1 code a weight and
+      its block's power-of-two scale per 32 (4.5 bits a weight: the scale in float16, float32
+      where one is out of its range), on the int4 kernel through its table of the 16 e2m1
+      values (`pdserve.engine.int4_kernel.table_of`), where it takes the projection's width
+      with bfloat16 activations (`load_mxfp4`);
     * **int8** groups ``scale * value + min`` of 16 or 32 input features, like
-      `pdserve.engine.quant.Int8GroupLinear`'s: gpt-oss's released MXFP4 experts (an e2m1
-      value times two is an integer in -12..12 and its block's e8m0 scale halved is a power of
-      two, `pdserve.engine.packed_weights.mxfp4_as_int8`: 8.5 bits a weight, a float16 scale
-      per 32, float32 where one is out of float16's range), a GGUF's Q8_0, Q6_K and Q5_K
-      experts, and its 4-bit ones where the int4 kernel does not take the shape (widened,
-      exactly);
+      `pdserve.engine.quant.Int8GroupLinear`'s: MXFP4 experts where the int4 kernel does not
+      take them (an e2m1 value times two is an integer in -12..12 and its scale halved a power
+      of two, `pdserve.engine.packed_weights.Mxfp4Codes.as_int8`: 8.5 bits a weight), a GGUF's
+      Q8_0, Q6_K and Q5_K experts, and its 4-bit ones where the int4 kernel does not take the
+      shape (widened, exactly);
     * **int4** groups ``scale * q + min`` of 32, q in 0..15, like
       `pdserve.engine.quant.Int4Linear`'s on pdserve's kernel: a GGUF's Q4_0, Q4_1 and Q4_K
       experts (4.5-5 bits a weight), where the projection's input width is a multiple of 64
@@ -138,15 +145,15 @@ class KeptExperts(Experts):
     loader fills the tensors (`load_int8`, `load_int4`).
 
     Attributes:
-        forms: Each part's form (``gate_up``, ``down`` -> ``int8`` or ``int4``).
+        forms: Each part's form (``gate_up``, ``down`` -> ``int8``, ``int4`` or ``mxfp4``).
         gate_up_values: int8: ``[num_experts, 2 * moe_intermediate_size, hidden_size]``, gate
-            then up; int4: ``[num_experts, 2 * moe_intermediate_size, hidden_size / 2]`` uint8
-            in the int4 kernel's order (`pdserve.engine.int4_kernel.pack`).
+            then up; int4 and mxfp4: ``[num_experts, 2 * moe_intermediate_size, hidden_size /
+            2]`` uint8 in the int4 kernel's order (`pdserve.engine.int4_kernel.pack`).
         gate_up_scales: ``[num_experts, 2 * moe_intermediate_size, hidden_size / group]``
             float16 or float32.
         gate_up_mins: int8: likewise float32, or None; int4: ``[num_experts, hidden_size / 32,
             2 * moe_intermediate_size]`` (transposed, as the int4 kernel reads them) in the
-            scales' dtype.
+            scales' dtype; mxfp4: None.
         down_values, down_scales, down_mins: Likewise for ``down_proj`` (``[num_experts,
             hidden_size, moe_intermediate_size]`` and so on).
     """
@@ -223,6 +230,39 @@ class KeptExperts(Experts):
             scales = halves
         self._put(which, "int8", values, scales, None if mins is None else mins.float())
 
+    @staticmethod
+    def mxfp4_form(hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> str:
+        """The form MXFP4 experts take with `dtype` activations: ``mxfp4`` where the int4
+        kernel takes both projections' input widths through its table, else ``int8``."""
+        widths = (hidden_size, intermediate_size)
+        takes = all(int4_kernel.why_not_table(dtype, width) is None for width in widths)
+        return "mxfp4" if takes else "int8"
+
+    def load_mxfp4(self, part: str, weight: Mxfp4Codes, dtype: torch.dtype) -> None:
+        """Takes one projection of every expert (`PARTS`) as MXFP4 codes and scales,
+        ``[experts, out, in]`` and ``[experts, out, in / 32]``, in the form `mxfp4_form` picks
+        for `dtype` activations: the codes packed for the int4 kernel, or int8 groups.
+
+        Raises:
+            ModelLoadError: Where the shapes are not this model's or the kernel's.
+        """
+        which = part.removesuffix("_proj")
+        if self.mxfp4_form(self.hidden_size, self.intermediate_size, dtype) == "int8":
+            self.load_int8(part, *weight.as_int8())
+            return
+        expected = self._expected(which)
+        codes, scales = weight
+        if codes.shape != expected or scales.shape != (*expected[:2], expected[2] // MXFP4_BLOCK):
+            raise ModelLoadError(
+                f"mxfp4 experts {part!r} hold {tuple(codes.shape)} codes and "
+                f"{tuple(scales.shape)} scales; expected {tuple(expected)}"
+            )
+        halves = scales.to(torch.float16)
+        if torch.equal(halves.float(), scales):
+            scales = halves
+        packed = torch.stack([int4_kernel.pack(expert) for expert in codes])
+        self._put(which, "mxfp4", packed, scales, None)
+
     def load_int4(
         self, part: str, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
     ) -> None:
@@ -280,11 +320,12 @@ class KeptExperts(Experts):
         values = getattr(self, f"{which}_values")[expert]
         scales = getattr(self, f"{which}_scales")[expert]
         mins = getattr(self, f"{which}_mins")
-        if self.forms[which] == "int4":
-            assert mins is not None
+        if self.forms[which] in ("int4", "mxfp4"):
+            table = E2M1_TABLE if self.forms[which] == "mxfp4" else None
+            own_mins = None if mins is None else mins[expert]
             if x.shape[0] <= self.KERNEL_MAX_ROWS or self.min_rows > 1:
-                return int4_kernel.matmul(x, values, scales, mins[expert])
-            weight = int4_kernel.dequantize(values, scales, mins[expert], x.dtype)
+                return int4_kernel.matmul(x, values, scales, own_mins, table)
+            weight = int4_kernel.dequantize(values, scales, own_mins, x.dtype, table)
             return torch.mm(x, weight.t())
         return int8_group_matmul(
             x,

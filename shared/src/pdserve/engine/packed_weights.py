@@ -7,8 +7,8 @@
   float32 (an e2m1 value has one mantissa bit, the scale is a power of two): the weight is the
   checkpoint's own values. Stacked experts (``[experts, rows, cols]``) come out as
   transformers' MXFP4 dequantization gives them, ``[experts, cols, rows]``: the layout of the
-  same checkpoint in bfloat16. Where the loader keeps them as int8 groups instead
-  (`pdserve.engine.moe.KeptExperts`), they come out as those (`mxfp4_as_int8`), exactly too.
+  same checkpoint in bfloat16. Where the loader keeps them quantized instead
+  (`pdserve.engine.moe.KeptExperts`), they come out as their codes and scales (`mxfp4_codes`).
 * **Block FP8**, as DeepSeek-V3's, GLM-4.5-FP8's and Qwen3's FP8 checkpoints hold their
   projections (``quantization_config``: ``quant_method: fp8``, ``weight_block_size``): a weight
   ``<name>`` in float8 (e4m3) and ``<name>_scale_inv`` (float32, ``[ceil(rows / block rows),
@@ -69,7 +69,7 @@ def dequantize_mxfp4(
 
 
 class Int8Pair(NamedTuple):
-    """A packed weight kept as int8 groups (`mxfp4_as_int8`) instead of made in floats.
+    """A packed weight as int8 groups (`Mxfp4Codes.as_int8`).
 
     Attributes:
         values: ``[..., rows, cols]`` int8.
@@ -80,20 +80,44 @@ class Int8Pair(NamedTuple):
     scales: torch.Tensor
 
 
+class Mxfp4Codes(NamedTuple):
+    """An MXFP4 weight kept as the checkpoint holds it, one 4-bit e2m1 code a value
+    (`mxfp4_codes`): the weight is ``E2M1_VALUES[code] * scale``.
+
+    Attributes:
+        codes: ``[..., rows, cols]`` uint8 in 0..15.
+        scales: ``[..., rows, cols / 32]`` float32, each block's ``2 ** (e8m0 - 127)``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def as_int8(self) -> Int8Pair:
+        """The same weight as int8 groups of `MXFP4_BLOCK`, each value exactly: the e2m1
+        values times two (integers in -12..12) and the scales halved. Made one slice of the
+        first dimension at a time: no index tensor over a whole expert stack."""
+        doubled = torch.tensor([int(2 * v) for v in E2M1_VALUES], dtype=torch.int8)
+        values = torch.empty(self.codes.shape, dtype=torch.int8)
+        flat_codes = self.codes.reshape(-1, *self.codes.shape[-2:])
+        flat_values = values.view(-1, *self.codes.shape[-2:])
+        for index in range(flat_values.shape[0]):
+            flat_values[index].copy_(doubled[flat_codes[index].long()])
+        return Int8Pair(values, self.scales / 2)
+
+
+def mxfp4_codes(blocks: torch.Tensor, scales: torch.Tensor) -> Mxfp4Codes:
+    """An MXFP4 blocks and scales pair as one code a value, ``[..., rows, cols]``, the even
+    element's code from the low nibble, and its scales as float32 powers of two (exact)."""
+    _check_mxfp4(blocks, scales)
+    packed = blocks.flatten(-2)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+    return Mxfp4Codes(codes, torch.exp2(scales.to(torch.float32) - 127))
+
+
 def mxfp4_as_int8(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Pair:
     """The weight an MXFP4 blocks and scales pair holds as int8 groups of `MXFP4_BLOCK`, each
-    value exactly: the e2m1 values times two (integers in -12..12) and the e8m0 scales halved
-    (``2 ** (scale - 128)``, float32: every one exact). Made one slice of the first dimension
-    at a time, as `dequantize_mxfp4`: no index tensor over a whole expert stack."""
-    _check_mxfp4(blocks, scales)
-    pairs = _byte_pairs(torch.tensor([int(2 * v) for v in E2M1_VALUES], dtype=torch.int8))
-    shape = (*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
-    values = torch.empty(shape, dtype=torch.int8)
-    flat_blocks = blocks.reshape(-1, *blocks.shape[-3:])
-    flat_values = values.view(-1, *shape[-2:])
-    for index in range(flat_values.shape[0]):
-        flat_values[index].copy_(pairs[flat_blocks[index].long()].flatten(-3))
-    return Int8Pair(values, torch.exp2(scales.to(torch.float32) - 128))
+    value exactly (`Mxfp4Codes.as_int8`)."""
+    return mxfp4_codes(blocks, scales).as_int8()
 
 
 def _byte_pairs(values: torch.Tensor) -> torch.Tensor:
@@ -180,8 +204,8 @@ class PackedPairs:
     Args:
         dtype: The dtype the weights are made in (the model's).
         fp8_block: The block of an FP8 checkpoint's scales (rows, columns).
-        keeps_int8: Whether an MXFP4 weight (by its checkpoint name) is kept as int8 groups
-            (an `Int8Pair`, `mxfp4_as_int8`) rather than made in `dtype`.
+        keeps_codes: Whether an MXFP4 weight (by its checkpoint name) is kept as its codes
+            (`Mxfp4Codes`, `mxfp4_codes`) rather than made in `dtype`.
 
     Attributes:
         num_joined: Packed weights read so far, by format (``mxfp4``, ``fp8``).
@@ -191,10 +215,10 @@ class PackedPairs:
         self,
         dtype: torch.dtype,
         fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
-        keeps_int8: Callable[[str], bool] = lambda name: False,
+        keeps_codes: Callable[[str], bool] = lambda name: False,
     ) -> None:
         self._dtype = dtype
-        self._keeps_int8 = keeps_int8
+        self._keeps_codes = keeps_codes
         self._fp8_block = fp8_block
         # weight name -> (the half's role, the tensor), until the other half is read
         self._halves: dict[str, tuple[str, torch.Tensor]] = {}
@@ -202,10 +226,10 @@ class PackedPairs:
 
     def join(
         self, name: str, tensor: torch.Tensor
-    ) -> tuple[str, torch.Tensor] | tuple[str, Int8Pair] | None:
+    ) -> tuple[str, torch.Tensor] | tuple[str, Mxfp4Codes] | None:
         """`(name, tensor)` for a tensor that is no half of a pair; for a half, None until
-        its other half is read, then the weight under its own name (an `Int8Pair` where
-        `keeps_int8` says so)."""
+        its other half is read, then the weight under its own name (its `Mxfp4Codes` where
+        `keeps_codes` says so)."""
         if name.endswith(BLOCKS):
             weight, role = name.removesuffix(BLOCKS), BLOCKS
         elif name.endswith(SCALES):
@@ -225,9 +249,9 @@ class PackedPairs:
             self._halves[weight] = (role, tensor)
             return None
         halves = {role: tensor, other[0]: other[1]}
-        if BLOCKS in halves and SCALES in halves and self._keeps_int8(weight):
-            self._count("mxfp4 as int8")
-            return weight, mxfp4_as_int8(halves[BLOCKS], halves[SCALES])
+        if BLOCKS in halves and SCALES in halves and self._keeps_codes(weight):
+            self._count("mxfp4 kept")
+            return weight, mxfp4_codes(halves[BLOCKS], halves[SCALES])
         if BLOCKS in halves and SCALES in halves:
             joined = dequantize_mxfp4(halves[BLOCKS], halves[SCALES], self._dtype)
             self._count("mxfp4")
