@@ -36,7 +36,7 @@ import pdserve.engine.cpu_kernels as cpu_kernels
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
-from pdserve.engine.loader import load_model
+from pdserve.engine.loader import KERNEL_IMAGE_DIR, load_model
 from pdserve.engine.model_config import ModelLoadError
 from pdserve.engine.moe import E2M1_TABLE, Experts, KeptExperts
 from pdserve.engine.packed_weights import (
@@ -215,6 +215,40 @@ def test_mxfp4_experts_stay_the_checkpoints_values(tmp_path: Path, dtype: torch.
                 weight = values.float() * scales.float().repeat_interleave(32, dim=-1)
             # NOTE: [experts, out, in] here, [experts, in, out] in floats: the same values
             assert torch.equal(weight.transpose(1, 2).to(dtype), float_weight.detach())
+
+
+def test_mxfp4_experts_kept_map_one_image_that_every_load_shares(tmp_path: Path) -> None:
+    """The experts repacked for the kernel are written once to an image in the checkpoint's
+    directory (not a shard of it) and every later load maps the same pages."""
+    packed = _mxfp4_released(tmp_path)
+    loads = []
+    for _ in range(2):
+        with capture_logs() as logs:
+            model = load_model(packed, torch.bfloat16)
+        (mapped,) = [entry for entry in logs if entry["event"] == "kernel_image_mapped"]
+        loads.append((model, mapped))
+    assert [mapped["written"] for _, mapped in loads] == [True, False]
+    image = Path(loads[0][1]["path"])
+    assert image.parent == packed / KERNEL_IMAGE_DIR and not list(packed.glob("kernels-*"))
+    inodes = set()
+    for model, _ in loads:
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            assert isinstance(experts, KeptExperts) and set(experts.forms.values()) == {"mxfp4"}
+            inodes |= {_mapped_inode(buffer) for buffer in experts.buffers()}
+    assert inodes == {image.stat().st_ino}
+
+
+def _mapped_inode(tensor: torch.Tensor) -> int:
+    """The inode of the file mapping `tensor` lies in (0: none)."""
+    pointer = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(x, 16) for x in fields[0].split("-"))
+            if low <= pointer < high:
+                return int(fields[4])
+    return 0
 
 
 def test_mxfp4_experts_kept_give_the_dequantized_ones_logits_in_bfloat16(

@@ -1,10 +1,12 @@
 """The kept projections' buffers in their kernels' layout, written once beside the prepared int4
-file and mapped by every engine that loads it.
+file (or in a directory of a released checkpoint's) and mapped by every engine that loads it.
 
 A file's int4 and int8 projections (`pdserve.engine.int4_weights`) are not used as the file
 stores them: the int4 values are reordered for the kernel, their scales narrowed, q/k/v and
 gate/up stacked. Built in each engine, those buffers are private memory: on the default model
-about 64 MB in the prefill and again in the decode, beside the file's own pages. So the first
+about 64 MB in the prefill and again in the decode, beside the file's own pages; a released
+gpt-oss's MXFP4 experts, repacked for the int4 kernel (`pdserve.engine.moe.KeptExperts`), 10.7
+GB for gpt-oss-20b. So the first
 engine to load writes what it built to an image (a safetensors file, `image_path`) and every
 engine, itself included, then holds the image's pages instead: one copy in the page cache,
 shared by the prefill and the decode on a host.
@@ -51,7 +53,8 @@ def map_buffers(modules: dict[str, nn.Module], source: Path) -> int:
 
     Args:
         modules: The modules whose buffers loading built, by name.
-        source: The file they were built from (the image lives beside it).
+        source: The file they were built from: the image lives beside it (in its directory,
+            made where it is missing).
 
     Returns:
         Bytes now mapped from the image; 0 where it could not be written (the buffers stay).
@@ -66,6 +69,7 @@ def map_buffers(modules: dict[str, nn.Module], source: Path) -> int:
         return 0
     path = image_path(source, buffers)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with locked(path.parent, f".{path.name}.lock"):
             mapped = _read(path, buffers)
             is_written = mapped is None

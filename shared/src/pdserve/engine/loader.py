@@ -24,6 +24,7 @@ from pdserve.engine.checkpoint_names import (
 from pdserve.engine.families import Family, family_of
 from pdserve.engine.gguf_int4 import INT4_FILE
 from pdserve.engine.int4_weights import KeptWeights, attach_int4
+from pdserve.engine.kernel_image import map_buffers
 from pdserve.engine.model import LlamaForCausalLM, can_pack_for_onednn
 from pdserve.engine.model_config import ModelConfig, ModelLoadError
 from pdserve.engine.moe import KeptExperts, SparseMoeBlock
@@ -38,6 +39,10 @@ from pdserve.engine.parallel.sharding import shard_tensor
 from pdserve.engine.quant import quantize_linears, weight_bytes
 
 log = structlog.get_logger(__name__)
+
+KERNEL_IMAGE_DIR = "pdserve-kernels"
+"""The directory, in a released checkpoint's, of the image its kept MXFP4 experts map
+(`pdserve.engine.kernel_image`)."""
 
 
 def _qkv_sizes(config: ModelConfig, group: TensorParallelGroup) -> list[int]:
@@ -155,6 +160,11 @@ def load_model(
                     _load_tensor(family, joined[0], joined[1], params, pending, model)
                 del joined  # NOTE: before the next one is read: one tensor in flight
     packed.check_done()
+    if mxfp4_experts:
+        # NOTE: the experts repacked for the kernel, mapped from one image that every engine
+        # loading this checkpoint shares (in a directory of its own: not a checkpoint shard).
+        experts_by_module = {n.rpartition(".")[0]: e for n, e in mxfp4_experts.items()}
+        map_buffers(experts_by_module, path / KERNEL_IMAGE_DIR / "mxfp4-experts")
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ModelLoadError(f"checkpoint {str(path)!r} lacks parameters: {missing[:8]}")
