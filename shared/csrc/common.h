@@ -109,7 +109,7 @@ PyObject* py_decode_layers_f32(PyObject*, PyObject* args);
 // The float32 kernels as the fused decode step (fused_decode.cpp) calls them, each as its
 // Python entry does (arguments as there, addresses as pointers).
 void int4_gemm_f32(const float* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
-                   const void* mins, int out_features, float* out, bool half_scales);
+                   const void* mins, int out_features, float* out, bool half_scales, const uint16_t* table = nullptr);
 void int8_gemm_f32(const float* x, int num_rows, int in_features, const int8_t* weight, const void* scales,
                    bool scales_f32, int group, const float* mins, int out_features, float* out);
 void rms_norm_f32(const float* x, int rows, int size, const float* weight, float eps, float* out);

@@ -22,6 +22,12 @@
 // high one. Read as eight 32-bit lanes (lane L = t), nibble n = 4g + 2e + h of every lane belongs
 // to group g: the input row is laid out once per call so that nibble n's eight lanes meet their
 // columns, g * 32 + h * 16 + 2L + e.
+//
+// With a table (int4_gemm.cpp's: 16 bf16 values, MXFP4's e2m1 ones for gpt-oss's experts) a
+// 4-bit value is a code, widened to table[q] in float32 (two VPERMPS over the table's halves and
+// a blend on the code's bit 3), and a null mins pointer adds no mins' share.
+#include <algorithm>
+
 #include "common.h"
 
 namespace pdserve {
@@ -114,27 +120,54 @@ F32_TARGET void int4_mins_terms(const S* mins, const float* sums, int num_groups
   }
 }
 
+// A table of 16 bf16 values as two vectors of float32 (entries 0-7, 8-15); zeros for none.
+struct Table {
+  __m256 low, high;
+};
+
+// Eight bf16 values as float32 (exact).
+F32_TARGET inline __m256 bf16x8(const uint16_t* values) {
+  const __m128i words = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(words), 16));
+}
+
+F32_TARGET inline Table table_of(const uint16_t* table) {
+  if (table == nullptr) return Table{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  return Table{bf16x8(table), bf16x8(table + 8)};
+}
+
+// Eight codes (0..15 in 32-bit lanes) as their table values.
+F32_TARGET inline __m256 looked_up(__m256i q, const Table& table) {
+  const __m256 low = _mm256_permutevar8x32_ps(table.low, q);  // NOTE: a lane's low 3 bits
+  const __m256 high = _mm256_permutevar8x32_ps(table.high, q);
+  return _mm256_blendv_ps(low, high, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)));
+}
+
+// Eight 4-bit values (0..15 in 32-bit lanes) as float32: themselves, or their table values.
+template <bool kTable>
+F32_TARGET inline __m256 int4_value(__m256i q, const Table& table) {
+  if constexpr (kTable) return looked_up(q, table);
+  return _mm256_cvtepi32_ps(q);
+}
+
 // A pair's 64 values as float32, in eight vectors: nibble n of every 32-bit lane.
-F32_TARGET inline void int4_values(__m256i v, __m256* q) {
+template <bool kTable>
+F32_TARGET inline void int4_values(__m256i v, const Table& table, __m256* q) {
   const __m256i nibble = _mm256_set1_epi32(0xF);
-  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4), nibble));
-  q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), nibble));
-  q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 12), nibble));
-  q[4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), nibble));
-  q[5] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 20), nibble));
-  q[6] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 24), nibble));
-  q[7] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+  for (int n = 0; n < 7; ++n) {
+    q[n] = int4_value<kTable>(_mm256_and_si256(_mm256_srli_epi32(v, 4 * n), nibble), table);
+  }
+  q[7] = int4_value<kTable>(_mm256_srli_epi32(v, 28), table);
 }
 
 // COUNT output rows from `o` for ROWS input rows: each pair of groups widened once, then
 // multiplied with every input row's laid-out x, in one order for every row (nibbles 0-3 into
 // group 0's lanes, 4-7 into group 1's, then each group's lanes times its scale into the row's
 // running sum). `scales` are the block's own, [COUNT][G].
-template <int COUNT, int ROWS>
+template <int COUNT, int ROWS, bool kTable>
 F32_TARGET inline void int4_outputs(const float* const* laid, const float* const* terms,
                                     int num_pairs, const uint8_t* weight, const float* scales,
-                                    int o, float* const* out) {
+                                    const Table& table, int o, float* const* out) {
   const size_t row_bytes = static_cast<size_t>(num_pairs) * 32;
   const size_t num_groups = static_cast<size_t>(num_pairs) * 2;
   __m256 total[COUNT][ROWS];
@@ -145,7 +178,7 @@ F32_TARGET inline void int4_outputs(const float* const* laid, const float* const
       const uint8_t* w = weight + (o + i) * row_bytes + p * 32;
       const float* s = scales + i * num_groups + 2 * p;
       __m256 q[8];
-      int4_values(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), q);
+      int4_values<kTable>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), table, q);
       for (int r = 0; r < ROWS; ++r) {
         const float* xs = laid[r] + p * 64;
         __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xs));
@@ -259,16 +292,24 @@ struct Int4Step {
   float* out;
   const uint8_t* weight;
   const S* scales;
-  const S* mins;
+  const S* mins;          // null: none
+  const uint16_t* table;  // null: the values themselves
   float* buffer;
   int num_rows, in_features, out_features, num_pairs;
   const float* block_scales;
+  Table values;
 
   F32_TARGET void prepare(int begin, int end) {
     const int num_groups = num_pairs * 2;
+    values = table_of(table);
     for (int r = 0; r < num_rows; ++r) {
-      int4_mins_terms<S>(mins, sums + static_cast<size_t>(r) * num_groups, num_groups, out_features, begin, end,
-                         terms + static_cast<size_t>(r) * out_features);
+      float* row_terms = terms + static_cast<size_t>(r) * out_features;
+      if (mins == nullptr) {
+        std::fill(row_terms + begin, row_terms + end, 0.0f);
+      } else {
+        int4_mins_terms<S>(mins, sums + static_cast<size_t>(r) * num_groups, num_groups, out_features, begin, end,
+                           row_terms);
+      }
     }
   }
 
@@ -287,13 +328,15 @@ struct Int4Step {
       t[k] = terms + static_cast<size_t>(r + k) * out_features;
       y[k] = out + static_cast<size_t>(r + k) * out_features;
     }
-    int4_outputs<COUNT, ROWS>(l, t, num_pairs, weight, block_scales + i * 2 * num_pairs, o, y);
+    const float* s = block_scales + i * 2 * num_pairs;
+    if (table == nullptr) int4_outputs<COUNT, ROWS, false>(l, t, num_pairs, weight, s, values, o, y);
+    else int4_outputs<COUNT, ROWS, true>(l, t, num_pairs, weight, s, values, o, y);
   }
 };
 
 template <typename S>
 F32_TARGET void int4_gemm(const float* x, int num_rows, int in_features, const uint8_t* weight,
-                          const S* scales, const S* mins, int out_features, float* out) {
+                          const S* scales, const S* mins, const uint16_t* table, int out_features, float* out) {
   const int num_pairs = in_features / 64;
   const int num_groups = in_features / 32;
   thread_local std::vector<float> laid, sums, terms;
@@ -305,19 +348,21 @@ F32_TARGET void int4_gemm(const float* x, int num_rows, int in_features, const u
     prepare_int4_row(x + static_cast<size_t>(r) * in_features, num_pairs,
                      laid.data() + static_cast<size_t>(r) * in_features, su);
   }
-  Int4Step<S> step{laid.data(), sums.data(), terms.data(), out,       weight, scales,
-                   mins,        nullptr,     num_rows,     in_features, out_features, num_pairs, nullptr};
+  Int4Step<S> step{laid.data(), sums.data(), terms.data(), out,         weight,       scales,    mins,
+                   table,       nullptr,     num_rows,     in_features, out_features, num_pairs, nullptr};
   Parts<Int4Step<S>>{step, num_rows, out_features, weight, static_cast<size_t>(num_pairs) * 32,
                      static_cast<size_t>(kOutStep) * num_groups}();
 }
 
-// The weight as float32 ``s * q + m`` (the product and the sum each rounded once), [out][in] in
-// the columns' own order: a GEMM of many rows runs as one float32 GEMM over it.
+// The weight as float32 ``s * q + m`` (``s * table[q] + m`` with a table, no m without mins; the
+// product and the sum each rounded once), [out][in] in the columns' own order: a GEMM of many
+// rows runs as one float32 GEMM over it.
 template <typename S>
-F32_TARGET void int4_dequantize(const uint8_t* weight, const S* scales, const S* mins,
+F32_TARGET void int4_dequantize(const uint8_t* weight, const S* scales, const S* mins, const uint16_t* table,
                                 int out_features, int in_features, float* out) {
   const int num_pairs = in_features / 64;
   const __m256i nibble = _mm256_set1_epi32(0xF);
+  const Table values_of = table_of(table);
   for (int o = 0; o < out_features; ++o) {
     const uint8_t* w = weight + static_cast<size_t>(o) * num_pairs * 32;
     const S* s = scales + static_cast<size_t>(o) * 2 * num_pairs;
@@ -326,13 +371,16 @@ F32_TARGET void int4_dequantize(const uint8_t* weight, const S* scales, const S*
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
       for (int g = 0; g < 2; ++g) {
         const __m256 scale = _mm256_set1_ps(scalar<S>(s + 2 * p + g));
-        const __m256 min = _mm256_set1_ps(scalar<S>(mins + static_cast<size_t>(2 * p + g) * out_features + o));
+        const __m256 min = mins == nullptr
+                               ? _mm256_setzero_ps()
+                               : _mm256_set1_ps(scalar<S>(mins + static_cast<size_t>(2 * p + g) * out_features + o));
         for (int h = 0; h < 2; ++h) {
           __m256 values[2];
           for (int e = 0; e < 2; ++e) {
             const int n = 4 * g + 2 * e + h;
             __m256i q = _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * n)), nibble);
-            values[e] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), min);
+            const __m256 value = table == nullptr ? _mm256_cvtepi32_ps(q) : looked_up(q, values_of);
+            values[e] = _mm256_add_ps(_mm256_mul_ps(value, scale), min);
           }
           // lanes L of e = 0 are columns 2L, of e = 1 columns 2L + 1: interleave them
           const __m256 lo = _mm256_unpacklo_ps(values[0], values[1]);
@@ -449,21 +497,21 @@ void int8_dispatch_mins(const float* x, int rows, int in, const int8_t* w, const
 }  // namespace
 
 void int4_gemm_f32(const float* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
-                   const void* mins, int out_features, float* out, bool half_scales) {
+                   const void* mins, int out_features, float* out, bool half_scales, const uint16_t* table) {
   if (half_scales) {
     int4_gemm<uint16_t>(x, num_rows, in_features, weight, static_cast<const uint16_t*>(scales),
-                        static_cast<const uint16_t*>(mins), out_features, out);
+                        static_cast<const uint16_t*>(mins), table, out_features, out);
   } else {
     int4_gemm<float>(x, num_rows, in_features, weight, static_cast<const float*>(scales),
-                     static_cast<const float*>(mins), out_features, out);
+                     static_cast<const float*>(mins), table, out_features, out);
   }
 }
 
 PyObject* py_int4_gemm_f32(PyObject*, PyObject* args) {
-  unsigned long long x, weight, scales, mins, out;
+  unsigned long long x, weight, scales, mins, out, table = 0;
   int num_rows, in_features, out_features, half_scales;
-  if (!PyArg_ParseTuple(args, "KiiKKKiKp", &x, &num_rows, &in_features, &weight, &scales, &mins,
-                        &out_features, &out, &half_scales)) {
+  if (!PyArg_ParseTuple(args, "KiiKKKiKp|K", &x, &num_rows, &in_features, &weight, &scales, &mins,
+                        &out_features, &out, &half_scales, &table)) {
     return nullptr;
   }
   if (!f32_supported_or_error()) return nullptr;
@@ -474,16 +522,16 @@ PyObject* py_int4_gemm_f32(PyObject*, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   int4_gemm_f32(reinterpret_cast<const float*>(x), num_rows, in_features, reinterpret_cast<const uint8_t*>(weight),
                 reinterpret_cast<const void*>(scales), reinterpret_cast<const void*>(mins), out_features,
-                reinterpret_cast<float*>(out), half_scales != 0);
+                reinterpret_cast<float*>(out), half_scales != 0, reinterpret_cast<const uint16_t*>(table));
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
 
 PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args) {
-  unsigned long long weight, scales, mins, out;
+  unsigned long long weight, scales, mins, out, table = 0;
   int out_features, in_features, half_scales;
-  if (!PyArg_ParseTuple(args, "KKKiiKp", &weight, &scales, &mins, &out_features, &in_features,
-                        &out, &half_scales)) {
+  if (!PyArg_ParseTuple(args, "KKKiiKp|K", &weight, &scales, &mins, &out_features, &in_features,
+                        &out, &half_scales, &table)) {
     return nullptr;
   }
   if (!f32_supported_or_error()) return nullptr;
@@ -492,14 +540,15 @@ PyObject* py_int4_dequantize_f32(PyObject*, PyObject* args) {
     return nullptr;
   }
   const auto* w = reinterpret_cast<const uint8_t*>(weight);
+  const auto* codes = reinterpret_cast<const uint16_t*>(table);
   auto* y = reinterpret_cast<float*>(out);
   Py_BEGIN_ALLOW_THREADS
   if (half_scales) {
     int4_dequantize<uint16_t>(w, reinterpret_cast<const uint16_t*>(scales),
-                              reinterpret_cast<const uint16_t*>(mins), out_features, in_features, y);
+                              reinterpret_cast<const uint16_t*>(mins), codes, out_features, in_features, y);
   } else {
     int4_dequantize<float>(w, reinterpret_cast<const float*>(scales),
-                           reinterpret_cast<const float*>(mins), out_features, in_features, y);
+                           reinterpret_cast<const float*>(mins), codes, out_features, in_features, y);
   }
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;

@@ -42,10 +42,10 @@ PyMethodDef methods[] = {
     {"f32_supported", py_f32_supported, METH_NOARGS,
      "Whether this CPU runs the float32 kernels (AVX2, FMA and F16C)."},
     {"int4_gemm_f32", py_int4_gemm_f32, METH_VARARGS,
-     "int4_gemm_f32(x, rows, in, weight, scales, mins, out_features, out, half_scales): as "
+     "int4_gemm_f32(x, rows, in, weight, scales, mins, out_features, out, half_scales[, table]): as "
      "int4_gemm with float32 x [rows, in] and out [rows, out_features] (AVX2)."},
     {"int4_dequantize_f32", py_int4_dequantize_f32, METH_VARARGS,
-     "int4_dequantize_f32(weight, scales, mins, out_features, in, out, half_scales): the weight "
+     "int4_dequantize_f32(weight, scales, mins, out_features, in, out, half_scales[, table]): the weight "
      "as float32 [out_features, in] (AVX2)."},
     {"int8_gemm_f32", py_int8_gemm_f32, METH_VARARGS,
      "int8_gemm_f32(x, rows, in, weight, scales, scales_f32, group, mins, out_features, out): as "

@@ -422,8 +422,7 @@ def test_quantized_experts_are_kept_as_the_files_values(
     families: dict[str, Family], request: pytest.FixtureRequest, name: str
 ) -> None:
     """A GGUF's Q8_0 experts run as int8 groups, its Q4_0 ones as int4 groups, a gpt-oss GGUF's
-    MXFP4 ones as their codes in bfloat16 and int8 groups in float32 (`KeptExperts`): each
-    weight the file's value (the dequantized
+    MXFP4 ones as their codes (`KeptExperts`): each weight the file's value (the dequantized
     checkpoint's, exactly), in bfloat16 and float32; in float32 (where another summation order
     moves a logit by about 1e-6, not a random tiny model's near-ties as bfloat16's rounding
     does) the same greedy tokens as the experts dequantized."""
@@ -435,7 +434,7 @@ def test_quantized_experts_are_kept_as_the_files_values(
         forms = {"gate_up": "int8", "down": "int8"}
         if name == Q4_EXPERTS:
             forms = {"gate_up": "int4", "down": "int8"}
-        elif name == MXFP4 and dtype == torch.bfloat16:
+        elif name == MXFP4:
             # NOTE: the file's codes, on the int4 kernel
             forms = {"gate_up": "mxfp4", "down": "mxfp4"}
         _assert_kept_experts_hold_the_dequantized_weights(model_dir, dtype, forms)

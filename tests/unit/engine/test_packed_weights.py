@@ -37,7 +37,7 @@ import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, ScheduledChunk
 from pdserve.engine.loader import KERNEL_IMAGE_DIR, load_model
-from pdserve.engine.model_config import ModelLoadError
+from pdserve.engine.model_config import ModelLoadError, MoeConfig
 from pdserve.engine.moe import E2M1_TABLE, Experts, KeptExperts
 from pdserve.engine.packed_weights import (
     E2M1_VALUES,
@@ -187,13 +187,13 @@ def _mxfp4_released(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_experts_stay_the_checkpoints_values(tmp_path: Path, dtype: torch.dtype) -> None:
-    """In bfloat16 the experts keep their 4-bit codes (on the int4 kernel's e2m1 table); in
-    float32 they are int8 groups: each weight the checkpoint's value either way."""
+    """The experts keep their 4-bit codes (on the int4 kernels' e2m1 table, bf16 and
+    float32): each weight the checkpoint's value."""
     packed = _mxfp4_released(tmp_path)
     kept = load_model(packed, dtype)
     floats = load_model(packed, dtype, quantization="none")
     assert weight_bytes(kept) < 0.75 * weight_bytes(floats)
-    form = "mxfp4" if dtype == torch.bfloat16 else "int8"
+    form = "mxfp4"
     for layer, reference in zip(kept.model.layers, floats.model.layers, strict=True):
         experts = layer.mlp.experts
         assert isinstance(experts, KeptExperts) and type(reference.mlp.experts) is Experts
@@ -215,6 +215,27 @@ def test_mxfp4_experts_stay_the_checkpoints_values(tmp_path: Path, dtype: torch.
                 weight = values.float() * scales.float().repeat_interleave(32, dim=-1)
             # NOTE: [experts, out, in] here, [experts, in, out] in floats: the same values
             assert torch.equal(weight.transpose(1, 2).to(dtype), float_weight.detach())
+
+
+def test_mxfp4_experts_the_int4_kernel_cannot_take_are_int8_groups_of_their_values() -> None:
+    """An input width that is not a multiple of 64 (the int4 kernel's step) but of 32 (the
+    int8 kernel's group): int8 groups, each the checkpoint's value."""
+    moe = MoeConfig(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=96,
+                    norm_topk_prob=False, moe_layers=(True,))  # fmt: skip
+    assert KeptExperts.mxfp4_form(128, 96, torch.bfloat16) == "int8"
+    experts = KeptExperts(moe, 128, "silu").to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(4)
+    for part, (out, cols) in {"gate_up_proj": (192, 128), "down_proj": (128, 96)}.items():
+        blocks = torch.randint(0, 256, (2, out, cols // 32, 16), dtype=torch.uint8,
+                               generator=generator)  # fmt: skip
+        scales = torch.randint(118, 130, (2, out, cols // 32), dtype=torch.uint8,
+                               generator=generator)  # fmt: skip
+        experts.load_mxfp4(part, mxfp4_codes(blocks, scales), torch.bfloat16)
+        which = part.removesuffix("_proj")
+        values, halves = getattr(experts, f"{which}_values"), getattr(experts, f"{which}_scales")
+        weight = values.float() * halves.float().repeat_interleave(32, dim=-1)
+        assert torch.equal(weight, dequantize_mxfp4(blocks, scales, torch.float32))
+    assert experts.forms == {"gate_up": "int8", "down": "int8"}
 
 
 def test_mxfp4_experts_kept_map_one_image_that_every_load_shares(tmp_path: Path) -> None:

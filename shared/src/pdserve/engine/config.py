@@ -108,8 +108,8 @@ class EngineConfig:
         quantization: Weight-only quantization of the projections on CPU: ``auto`` (a GGUF's
             Q4_0 / Q4_1 / Q4_K weights kept as the file stores them where the weights are
             bfloat16 on a CPU with one rank, else dequantized; `pdserve.engine.gguf_int4`; an
-            MXFP4 checkpoint's experts, gpt-oss as released, as their own codes (bfloat16) or
-            int8 groups of their values where pdserve's kernels run,
+            MXFP4 checkpoint's experts, gpt-oss as released, as their own codes where
+            pdserve's kernels run,
             `pdserve.engine.moe.KeptExperts`),
             ``none`` (every weight in `dtype`), ``int8`` (per output channel) or ``int4``
             (groups of 32) quantized from the float weights; see `pdserve.engine.quant`.

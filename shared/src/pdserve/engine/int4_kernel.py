@@ -15,8 +15,9 @@ engine uses it where torch runs one thread (``pdserve up`` gives each engine its
 cores; on a host with more, torch's kernel runs over its threads).
 
 With a table, the 4-bit values are codes: ``scale * table[q]`` (MXFP4's e2m1 values times
-their block's power of two, gpt-oss's experts as released), each code turned into its bf16
-value by one lookup in the kernel (`takes_table`: bfloat16 activations only).
+their block's power of two, gpt-oss's experts as released), each code turned into its value by
+a lookup in the kernel (`table_of`; the bf16 and the float32 kernel alike), and the mins may
+be left out.
 
 With float32 activations (``--dtype auto`` on a CPU without native bf16) the same packed weight
 runs on ``f32_gemm.cpp``'s kernel (AVX2, FMA and F16C): each value widened to a float32 integer
@@ -48,14 +49,6 @@ def takes(in_features: int, dtype: torch.dtype) -> bool:
 def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
     """Why the kernel does not take a projection (None where it does), for the logs."""
     return cpu_kernels.why_not_gemm(dtype, in_features, PAIR)
-
-
-def why_not_table(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
-    """Why the kernel does not take a projection of 4-bit codes through a table (None where it
-    does): the bf16 kernel only (the float32 one reads plain values)."""
-    if dtype != torch.bfloat16:
-        return f"a table of 4-bit codes runs with bfloat16 activations, not {dtype}"
-    return why_not(dtype, in_features)
 
 
 def table_of(values: tuple[float, ...]) -> torch.Tensor:
@@ -106,8 +99,8 @@ def dequantize(
     table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weight ``scale * q + min`` (``scale * table[q] + min`` with a table) as ``[out,
-    in]`` `dtype` (bfloat16 or float32, bfloat16 with a table; the arguments as `matmul` takes
-    them): in float32 the product and the sum each rounded once, the `gguf` package's values."""
+    in]`` `dtype` (bfloat16 or float32; the arguments as `matmul` takes them): in float32 the
+    product and the sum each rounded once, the `gguf` package's values."""
     num_out, num_in = packed.shape[0], packed.shape[1] * 2
     out = torch.empty(num_out, num_in, dtype=dtype)
     cpu_kernels.kernel("int4_dequantize", dtype)(
@@ -118,7 +111,7 @@ def dequantize(
         num_in,
         out.data_ptr(),
         scales.dtype == torch.float16,
-        *_table_argument(table, mins, dtype),
+        *_table_argument(table),
     )
     return out
 
@@ -138,7 +131,7 @@ def matmul(
         scales: ``[out, in / 32]`` float16 or float32.
         mins: ``[in / 32, out]`` (transposed: the kernel sums each output row's mins times the
             groups' sums of x for 16 output rows at a time), the same dtype; None: no mins.
-        table: `table_of`'s 16 bfloat16 values, or None (x in bfloat16 with one).
+        table: `table_of`'s 16 bfloat16 values, or None.
 
     Returns:
         ``[rows, out]`` in x's dtype.
@@ -158,18 +151,13 @@ def matmul(
             num_out,
             out.data_ptr(),
             scales.dtype == torch.float16,
-            *_table_argument(table, mins, x.dtype),
+            *_table_argument(table),
         )
     return out
 
 
-def _table_argument(
-    table: torch.Tensor | None, mins: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[int, ...]:
-    """The kernel's optional last argument: the table's address, or nothing (the bf16 kernel
-    alone takes a table or no mins)."""
-    if dtype != torch.bfloat16 and (table is not None or mins is None):
-        raise ValueError(f"a code table or no mins runs with bfloat16 x only, not {dtype}")
+def _table_argument(table: torch.Tensor | None) -> tuple[int, ...]:
+    """The kernel's optional last argument: the table's address, or nothing."""
     if table is None:
         return ()
     if table.dtype != torch.bfloat16 or table.numel() != 16:

@@ -96,7 +96,7 @@ def load_model(
             (bfloat16 on a CPU, or float32 where pdserve's float32 kernels run; one rank), and
             a Q8_0 LM head (with the embedding tied to it) where pdserve's int8 kernel runs,
             and an MXFP4 checkpoint's experts (gpt-oss as released) as their codes on the int4
-            kernel (bfloat16), or as int8 groups, each value the checkpoint's
+            kernel (or int8 groups where it does not take them), each value the checkpoint's
             (`pdserve.engine.moe.KeptExperts`), where pdserve's kernels run them (one rank on
             a CPU), and dequantizes them elsewhere;
             ``none`` dequantizes every weight to `dtype`; ``int8`` / ``int4`` quantize every
@@ -163,7 +163,9 @@ def load_model(
     if mxfp4_experts:
         # NOTE: the experts repacked for the kernel, mapped from one image that every engine
         # loading this checkpoint shares (in a directory of its own: not a checkpoint shard).
-        experts_by_module = {n.rpartition(".")[0]: e for n, e in mxfp4_experts.items()}
+        experts_by_module: dict[str, nn.Module] = {
+            n.rpartition(".")[0]: e for n, e in mxfp4_experts.items()
+        }
         map_buffers(experts_by_module, path / KERNEL_IMAGE_DIR / "mxfp4-experts")
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:

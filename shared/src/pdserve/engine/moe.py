@@ -126,7 +126,7 @@ class KeptExperts(Experts):
       its block's power-of-two scale per 32 (4.5 bits a weight: the scale in float16, float32
       where one is out of its range), on the int4 kernel through its table of the 16 e2m1
       values (`pdserve.engine.int4_kernel.table_of`), where it takes the projection's width
-      with bfloat16 activations (`load_mxfp4`);
+      (`load_mxfp4`);
     * **int8** groups ``scale * value + min`` of 16 or 32 input features, like
       `pdserve.engine.quant.Int8GroupLinear`'s: MXFP4 experts where the int4 kernel does not
       take them (an e2m1 value times two is an integer in -12..12 and its scale halved a power
@@ -235,7 +235,7 @@ class KeptExperts(Experts):
         """The form MXFP4 experts take with `dtype` activations: ``mxfp4`` where the int4
         kernel takes both projections' input widths through its table, else ``int8``."""
         widths = (hidden_size, intermediate_size)
-        takes = all(int4_kernel.why_not_table(dtype, width) is None for width in widths)
+        takes = all(int4_kernel.why_not(dtype, width) is None for width in widths)
         return "mxfp4" if takes else "int8"
 
     def load_mxfp4(self, part: str, weight: Mxfp4Codes, dtype: torch.dtype) -> None:
