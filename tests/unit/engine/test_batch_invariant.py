@@ -17,10 +17,10 @@ import torch
 
 from pdserve.engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from pdserve.engine.arch_config import MoeConfig
-from pdserve.engine.batch_invariant import INVARIANT_BACKEND, MIN_ROWS
-from pdserve.engine.linear import Linear, can_pack_for_onednn
+from pdserve.engine.batch_invariant import INVARIANT_BACKEND, MIN_ROWS, make_batch_invariant
+from pdserve.engine.linear import INVARIANT_MAX_ROWS, Linear, can_pack_for_onednn
 from pdserve.engine.model_store import ResolvedModel
-from pdserve.engine.moe import KeptExperts
+from pdserve.engine.moe import Experts, KeptExperts
 from pdserve.engine.packed_weights import mxfp4_as_int8, mxfp4_codes
 from pdserve.engine.precision import choose_dtype
 from pdserve.engine.quant import Int4Linear, Int8Linear
@@ -211,10 +211,12 @@ def test_a_projection_gives_a_row_the_same_result_for_any_number_of_rows(
     else:
         module = Int4Linear.from_linear(linear)
     module.min_rows = MIN_ROWS
-    x = torch.randn(33, in_features, generator=generator).to(dtype)
+    # NOTE: more rows than `INVARIANT_MAX_ROWS`: on a CPU with AMX oneDNN's bf16 GEMM sums a
+    # call of more than 32 rows in another order (Intel Xeon: rows 1-32 alike, 33 not).
+    x = torch.randn(2 * INVARIANT_MAX_ROWS + 6, in_features, generator=generator).to(dtype)
     with torch.no_grad():
         whole = module(x)
-        for rows in (1, 2, 3, 7, 16, 17):
+        for rows in (1, 2, 3, 7, 16, 17, INVARIANT_MAX_ROWS, INVARIANT_MAX_ROWS + 1, 48):
             assert torch.equal(module(x[:rows]), whole[:rows]), rows
             assert torch.equal(module(x[rows : rows + 1])[0], whole[rows]), rows
 
@@ -299,3 +301,33 @@ def test_kept_experts_give_a_token_the_same_result_for_any_number_of_tokens(form
         assert torch.equal(alone, whole)
         rows = KeptExperts.KERNEL_MAX_ROWS + 1
         assert torch.equal(experts(x[:rows], ids[:rows], weights[:rows]), whole[:rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_dense_experts_give_a_token_the_same_result_for_any_number_of_tokens(
+    dtype: torch.dtype,
+) -> None:
+    """Experts in the serving dtype (`Experts`, a bf16 or float32 checkpoint's): under
+    `make_batch_invariant` (oneDNN's GEMM over each expert's ``[out, in]`` layout, at most
+    `INVARIANT_MAX_ROWS` rows a call) a token's output has the same bits alone and beside
+    others. torch.mm over the ``[in, out]`` weight gives other bits from 7-28 rows in bf16
+    on a CPU with AMX."""
+    generator = torch.Generator().manual_seed(0)
+    experts = Experts(_MOE, _HIDDEN, "silu")
+    with torch.no_grad():
+        for weight in experts.parameters():
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
+    experts = experts.to(dtype)
+    assert make_batch_invariant(experts) == 1 and experts.min_rows == MIN_ROWS
+    assert experts.gate_up_proj[0].t().is_contiguous()  # the [out, in] layout
+    num = 2 * INVARIANT_MAX_ROWS + 6
+    x = torch.randn(num, _HIDDEN, generator=generator).to(dtype)
+    ids = torch.tensor([[0, 1]] * num)  # NOTE: every token on experts 0 and 1
+    weights = torch.rand(num, 2, generator=generator)
+    with torch.no_grad():
+        whole = experts(x, ids, weights)
+        alone = torch.cat([experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1])
+                           for i in range(num)])  # fmt: skip
+        assert torch.equal(alone, whole)
+        for rows in (7, INVARIANT_MAX_ROWS + 1):
+            assert torch.equal(experts(x[:rows], ids[:rows], weights[:rows]), whole[:rows])

@@ -8,10 +8,14 @@ on this engine's CPU kernels (tests/unit/engine/test_batch_invariant.py checks e
 it runs on):
 
 * **Projections.** oneDNN's GEMM gives a row the same result for any number of rows from two
-  up, but a one-row call takes another path (a GEMV that splits the inner dimension over the
-  threads) whose sums differ from 2048 inputs up. A one-row call runs as two rows
-  (`MIN_ROWS`): a decode step of one user streams the same weights either way. The int8
-  projection, which switches kernels by row count, keeps one kernel.
+  up to 32 (on a CPU without AMX, for any number from two), but a one-row call takes another
+  path (a GEMV that splits the inner dimension over the threads) whose sums differ from 2048
+  inputs up, and on a CPU with AMX a call of more than 32 rows takes the AMX kernels, which
+  sum in another order. A one-row call runs as two rows (`MIN_ROWS`): a decode step of one
+  user streams the same weights either way; a call of more rows runs 32 at a time
+  (`pdserve.engine.linear.invariant_rows`). The int8 projection, which switches kernels by
+  row count, keeps one kernel; dense experts run on oneDNN's GEMM over a ``[out, in]``
+  layout (torch.mm's bf16 GEMM over ``[in, out]`` sums differently from 7 rows on AMX).
 * **Attention.** torch's CPU SDPA splits the keys into blocks of 512 (one block when there
   are fewer) and its sums depend on that split and on the queries sharing a call: a decode
   padded to its group's longest context, or a prefill's causal call, attend differently from
@@ -38,6 +42,7 @@ from torch import nn
 
 from pdserve.engine.attention import PagedKV, SdpaAttention, with_sink
 from pdserve.engine.attention_metadata import PrefillSpan
+from pdserve.engine.moe import Experts
 
 MIN_ROWS = 2
 """The fewest rows a projection runs with (a one-row call is padded to two)."""
@@ -61,6 +66,8 @@ def make_batch_invariant(model: nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, "min_rows"):
             setattr(module, "min_rows", MIN_ROWS)  # noqa: B010 (nn.Module's typed __setattr__)
+            if isinstance(module, Experts):
+                module.lay_out_for_onednn()
             count += 1
     return count
 

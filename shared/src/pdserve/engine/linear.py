@@ -3,6 +3,8 @@ tensor-parallel group."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -14,6 +16,31 @@ def at_least_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] >= rows or x.shape[0] == 0:
         return x
     return torch.cat([x, x[:1].expand(rows - x.shape[0], *x.shape[1:])])
+
+
+INVARIANT_MAX_ROWS = 32
+"""The most rows a batch-invariant projection multiplies in one call. oneDNN's bf16 GEMM gives a
+row the same bits for 2 to 32 rows on every CPU measured, and for any number from 2 on a CPU
+without AMX; on one with AMX (Intel Xeon, Sapphire Rapids and later) a call of more than 32
+rows takes the AMX kernels, which sum in another order."""
+
+
+def invariant_rows(
+    forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, min_rows: int
+) -> torch.Tensor:
+    """``forward(x)`` (``[rows, ...] -> [rows, ...]``, each row on its own); with `min_rows`
+    above one (`pdserve.engine.batch_invariant`) in calls of `min_rows` to
+    `INVARIANT_MAX_ROWS` rows: fewer rows run padded, more run that many at a time."""
+    rows = x.shape[0]
+    if min_rows <= 1 or rows == 0:
+        return forward(x)
+    if rows <= INVARIANT_MAX_ROWS:
+        return forward(at_least_rows(x, min_rows))[:rows]
+    parts = []
+    for start in range(0, rows, INVARIANT_MAX_ROWS):
+        part = x[start : start + INVARIANT_MAX_ROWS]
+        parts.append(forward(at_least_rows(part, min_rows))[: part.shape[0]])
+    return torch.cat(parts)
 
 
 def can_pack_for_onednn(device: torch.device, dtype: torch.dtype) -> bool:
@@ -59,7 +86,8 @@ class Linear(nn.Module):
         self.packed_weight: torch.Tensor | None = None
         self.group = group if group is not None and group.world_size > 1 else None
         self.min_rows = 1
-        """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`)."""
+        """Fewer rows run padded to this many; above one, more than `INVARIANT_MAX_ROWS`
+        run that many at a time (`pdserve.engine.batch_invariant`)."""
 
     def pack_for_onednn(self, keep_weight: bool = False) -> None:
         """Repacks the weight for oneDNN (see `can_pack_for_onednn`) and uses it from now on.
@@ -76,9 +104,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
-        if 0 < x.shape[0] < self.min_rows:
-            return self._forward(at_least_rows(x, self.min_rows))[: x.shape[0]]
-        return self._forward(x)
+        return invariant_rows(self._forward, x, self.min_rows)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:

@@ -18,7 +18,7 @@ from torch import nn
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.layers import gated_activation
-from pdserve.engine.linear import at_least_rows
+from pdserve.engine.linear import can_pack_for_onednn, invariant_rows
 from pdserve.engine.model_config import ModelConfig, ModelLoadError, MoeConfig
 from pdserve.engine.packed_weights import E2M1_VALUES, MXFP4_BLOCK, Mxfp4Codes
 from pdserve.engine.parallel.group import RankShard, TensorParallelGroup
@@ -107,7 +107,26 @@ class Experts(nn.Module):
         """``x`` (``[rows, in]``) through one expert's ``gate_up`` or ``down`` projection,
         ``[rows, out]``."""
         weight = self.gate_up_proj[expert] if which == "gate_up" else self.down_proj[expert]
-        return torch.mm(at_least_rows(x, self.min_rows), weight)[: x.shape[0]]
+        if self.min_rows > 1 and can_pack_for_onednn(x.device, x.dtype):
+            # NOTE: oneDNN's GEMM over the ``[out, in]`` weight (`lay_out_for_onednn`) sums a
+            # row alike for 2 to `INVARIANT_MAX_ROWS` rows; torch.mm's over ``[in, out]``
+            # does not (bf16 on a CPU with AMX: from 7 rows for gpt-oss's sizes).
+            weight_out_in = weight.t()
+            return invariant_rows(
+                lambda rows: torch.ops.mkldnn._linear_pointwise(
+                    rows, weight_out_in, None, "none", [], ""
+                ),
+                x,
+                self.min_rows,
+            )
+        return invariant_rows(lambda rows: torch.mm(rows, weight), x, self.min_rows)
+
+    def lay_out_for_onednn(self) -> None:
+        """Stores each expert's weight ``[out, in]`` in memory (the same ``[in, out]`` view):
+        what oneDNN's GEMM takes without a copy (`pdserve.engine.batch_invariant`)."""
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
 
     def _activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.clamped_swiglu is None:
@@ -179,6 +198,10 @@ class KeptExperts(Experts):
         self.forms = dict.fromkeys(shapes, "int8")
         self.kernel = "pdserve"
         """pdserve's kernels (`why_not` says where they would not run)."""
+
+    def lay_out_for_onednn(self) -> None:
+        """Nothing to lay out: the kept weights are ``[out, in]`` already, and run on pdserve's
+        kernels at every row count under `pdserve.engine.batch_invariant`."""
 
     @classmethod
     def placeholder(cls, config: ModelConfig, dtype: torch.dtype) -> KeptExperts:

@@ -19,7 +19,7 @@ from torch import nn
 
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
-from pdserve.engine.linear import Linear, at_least_rows, can_pack_for_onednn
+from pdserve.engine.linear import Linear, at_least_rows, can_pack_for_onednn, invariant_rows
 
 INT4_GROUP_SIZE = 32
 """Input features sharing one int4 scale and zero (torch's kernel takes 32 to 256)."""
@@ -63,20 +63,25 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.min_rows = 1
         """Fewer rows run padded to this many; above one (`pdserve.engine.batch_invariant`)
-        every call takes the GEMM, whose result for a row does not depend on the row count
-        (oneDNN's where it runs the dtype: MKL's float32 GEMM sums two or three rows in
-        another order than more)."""
+        every call takes the GEMM, `INVARIANT_MAX_ROWS` rows at a time (`invariant_rows`),
+        whose result for a row does not depend on the row count (oneDNN's where it runs the
+        dtype: MKL's float32 GEMM sums two or three rows in another order than more)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.min_rows > 1:
-            rows = x.shape[0]
-            padded, weight = at_least_rows(x, self.min_rows), self.weight.to(x.dtype)
+            weight = self.weight.to(x.dtype)
             if can_pack_for_onednn(x.device, x.dtype):
-                out = torch.ops.mkldnn._linear_pointwise(padded, weight, None, "none", [], "")
+                out = invariant_rows(
+                    lambda rows: torch.ops.mkldnn._linear_pointwise(
+                        rows, weight, None, "none", [], ""
+                    ),
+                    x,
+                    self.min_rows,
+                )
             else:
-                out = F.linear(padded, weight)
-            out = out[:rows].mul_(self.scales)
+                out = invariant_rows(lambda rows: F.linear(rows, weight), x, self.min_rows)
+            out = out.mul_(self.scales)
         elif x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype != torch.float32:
             out = torch._weight_int8pack_mm(x, self.weight, self.scales)
         else:
