@@ -288,9 +288,22 @@ def test_kept_experts_give_a_token_the_same_result_for_any_number_of_tokens(form
             assert bias is not None
             bias.normal_(0, 0.02, generator=generator)
     experts.min_rows = MIN_ROWS
-    num = 3 * KeptExperts.KERNEL_MAX_ROWS
-    x = torch.randn(num, _HIDDEN, generator=generator).to(torch.bfloat16)
-    # NOTE: every token on experts 0 and 1: each sees up to `num` rows at once
+    rows = KeptExperts.KERNEL_MAX_ROWS + 1
+    assert_each_token_alike(experts, torch.bfloat16, 3 * KeptExperts.KERNEL_MAX_ROWS, (rows,),
+                            generator)  # fmt: skip
+
+
+def assert_each_token_alike(
+    experts: Experts,
+    dtype: torch.dtype,
+    num: int,
+    row_counts: Sequence[int],
+    generator: torch.Generator,
+) -> None:
+    """`num` tokens, every one on experts 0 and 1 (each expert sees up to `num` rows at once):
+    a token's output has the same bits alone, among the first of each of `row_counts` tokens,
+    and among all `num`."""
+    x = torch.randn(num, _HIDDEN, generator=generator).to(dtype)
     ids = torch.tensor([[0, 1]] * num)
     weights = torch.rand(num, 2, generator=generator)
     with torch.no_grad():
@@ -299,8 +312,8 @@ def test_kept_experts_give_a_token_the_same_result_for_any_number_of_tokens(form
         alone = torch.cat([experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1])
                            for i in range(num)])  # fmt: skip
         assert torch.equal(alone, whole)
-        rows = KeptExperts.KERNEL_MAX_ROWS + 1
-        assert torch.equal(experts(x[:rows], ids[:rows], weights[:rows]), whole[:rows])
+        for rows in row_counts:
+            assert torch.equal(experts(x[:rows], ids[:rows], weights[:rows]), whole[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
@@ -320,14 +333,6 @@ def test_dense_experts_give_a_token_the_same_result_for_any_number_of_tokens(
     experts = experts.to(dtype)
     assert make_batch_invariant(experts) == 1 and experts.min_rows == MIN_ROWS
     assert experts.gate_up_proj[0].t().is_contiguous()  # the [out, in] layout
-    num = 2 * INVARIANT_MAX_ROWS + 6
-    x = torch.randn(num, _HIDDEN, generator=generator).to(dtype)
-    ids = torch.tensor([[0, 1]] * num)  # NOTE: every token on experts 0 and 1
-    weights = torch.rand(num, 2, generator=generator)
-    with torch.no_grad():
-        whole = experts(x, ids, weights)
-        alone = torch.cat([experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1])
-                           for i in range(num)])  # fmt: skip
-        assert torch.equal(alone, whole)
-        for rows in (7, INVARIANT_MAX_ROWS + 1):
-            assert torch.equal(experts(x[:rows], ids[:rows], weights[:rows]), whole[:rows])
+    assert_each_token_alike(
+        experts, dtype, 2 * INVARIANT_MAX_ROWS + 6, (7, INVARIANT_MAX_ROWS + 1), generator
+    )
