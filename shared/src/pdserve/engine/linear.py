@@ -43,6 +43,14 @@ def invariant_rows(
     return torch.cat(parts)
 
 
+def onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` on oneDNN's GEMM: `weight` ``[out, in]``, plain (contiguous) or
+    packed (`Linear.pack_for_onednn`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def can_pack_for_onednn(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `Linear.pack_for_onednn` can run here: float32, or bfloat16 where oneDNN runs it,
     on a CPU torch built with oneDNN."""
@@ -104,15 +112,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
+        if self.min_rows == 1:
+            return self._forward(x)
         return invariant_rows(self._forward, x, self.min_rows)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group is not None:
             return self._row_parallel(x)
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
-            )
+            return onednn_linear(x, self.packed_weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -120,7 +128,7 @@ class Linear(nn.Module):
     def _row_parallel(self, x: torch.Tensor) -> torch.Tensor:
         assert self.group is not None
         if self.packed_weight is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
+            y = onednn_linear(x, self.packed_weight)
         else:
             y = torch.mm(x, self.weight_t)
         y = self.group.all_reduce(y)

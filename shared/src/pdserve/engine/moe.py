@@ -18,7 +18,7 @@ from torch import nn
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.layers import gated_activation
-from pdserve.engine.linear import can_pack_for_onednn, invariant_rows
+from pdserve.engine.linear import can_pack_for_onednn, invariant_rows, onednn_linear
 from pdserve.engine.model_config import ModelConfig, ModelLoadError, MoeConfig
 from pdserve.engine.packed_weights import E2M1_VALUES, MXFP4_BLOCK, Mxfp4Codes
 from pdserve.engine.parallel.group import RankShard, TensorParallelGroup
@@ -111,14 +111,7 @@ class Experts(nn.Module):
             # NOTE: oneDNN's GEMM over the ``[out, in]`` weight (`lay_out_for_onednn`) sums a
             # row alike for 2 to `INVARIANT_MAX_ROWS` rows; torch.mm's over ``[in, out]``
             # does not (bf16 on a CPU with AMX: from 7 rows for gpt-oss's sizes).
-            weight_out_in = weight.t()
-            return invariant_rows(
-                lambda rows: torch.ops.mkldnn._linear_pointwise(
-                    rows, weight_out_in, None, "none", [], ""
-                ),
-                x,
-                self.min_rows,
-            )
+            return invariant_rows(lambda rows: onednn_linear(rows, weight.t()), x, self.min_rows)
         return invariant_rows(lambda rows: torch.mm(rows, weight), x, self.min_rows)
 
     def lay_out_for_onednn(self) -> None:

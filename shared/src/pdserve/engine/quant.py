@@ -19,7 +19,13 @@ from torch import nn
 
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
-from pdserve.engine.linear import Linear, at_least_rows, can_pack_for_onednn, invariant_rows
+from pdserve.engine.linear import (
+    Linear,
+    at_least_rows,
+    can_pack_for_onednn,
+    invariant_rows,
+    onednn_linear,
+)
 
 INT4_GROUP_SIZE = 32
 """Input features sharing one int4 scale and zero (torch's kernel takes 32 to 256)."""
@@ -71,16 +77,8 @@ class Int8Linear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.min_rows > 1:
             weight = self.weight.to(x.dtype)
-            if can_pack_for_onednn(x.device, x.dtype):
-                out = invariant_rows(
-                    lambda rows: torch.ops.mkldnn._linear_pointwise(
-                        rows, weight, None, "none", [], ""
-                    ),
-                    x,
-                    self.min_rows,
-                )
-            else:
-                out = invariant_rows(lambda rows: F.linear(rows, weight), x, self.min_rows)
+            gemm = onednn_linear if can_pack_for_onednn(x.device, x.dtype) else F.linear
+            out = invariant_rows(lambda rows: gemm(rows, weight), x, self.min_rows)
             out = out.mul_(self.scales)
         elif x.shape[0] <= INT8_KERNEL_MAX_ROWS and x.dtype != torch.float32:
             out = torch._weight_int8pack_mm(x, self.weight, self.scales)
