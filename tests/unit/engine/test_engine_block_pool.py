@@ -195,3 +195,19 @@ def test_a_bounded_cache_keeps_the_most_recently_freed_prefixes_and_forgets_the_
 def test_the_bound_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="max_cached_free_blocks"):
         BlockPool(4, enable_prefix_caching=True, max_cached_free_blocks=-1)
+
+
+def test_the_written_free_blocks_without_a_prefix_are_taken_once() -> None:
+    pool = BlockPool(8, enable_prefix_caching=True, max_cached_free_blocks=4)
+    assert pool.take_written_free() == []  # nothing was ever written
+    kept, cached, freed = pool.allocate(2), pool.allocate(1), pool.allocate(3)
+    pool.cache_block(cached[0], b"prefix")
+    pool.free([*cached, *freed])
+    assert pool.take_written_free() == sorted(freed)  # not the used, not the cached
+    assert pool.take_written_free() == []  # counted unwritten since
+    pool.free(kept)
+    again = pool.allocate(2)  # the freed blocks first, then the rest
+    pool.free(again)
+    assert pool.take_written_free() == sorted(set(kept) | set(again))
+    assert pool.get_cached_block(b"prefix") == cached[0]
+    pool.check_integrity()

@@ -69,3 +69,60 @@ def test_an_empty_cache_moves_into_its_segment_without_touching_its_pages(is_emp
             assert file.read(4) == torch.tensor([2.0]).numpy().tobytes()
     finally:
         segment.remove()
+
+
+def _mapping_resident_bytes(address: int) -> int:
+    """Rss of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for index, line in enumerate(lines):
+        span = line.split(" ", 1)[0]
+        if "-" not in span or ":" in span:
+            continue
+        start, end = (int(part, 16) for part in span.split("-"))
+        if start <= address < end:
+            for detail in lines[index + 1 :]:
+                if detail.startswith("Rss:"):
+                    return int(detail.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads /proc")
+def test_released_blocks_hand_their_pages_back_and_the_others_keep_their_bytes() -> None:
+    # 8 KiB per block of one layer's K (or V): two pages.
+    layout = KVCacheLayout(
+        num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"
+    )
+    cache = KVCache(layout, 64, torch.device("cpu"))
+    cache.kv.fill_(1.0)
+    written = _mapping_resident_bytes(cache.kv.data_ptr())
+    assert written >= cache.nbytes
+    released = [*range(8, 40), 50]
+    assert cache.release_pages(released) == len(released) * 3 * 2 * layout.block_nbytes
+    assert written - _mapping_resident_bytes(cache.kv.data_ptr()) >= 33 * 6 * layout.block_nbytes
+    for layer in range(3):
+        for kv in cache.layer(layer):
+            assert kv[released].abs().sum().item() == 0.0  # read as zeros
+            kept = [b for b in range(64) if b not in released]
+            assert kv[kept].eq(1.0).all()
+    cache.layer(1)[0][50].fill_(4.0)  # written again: the block takes memory and holds it
+    assert cache.layer(1)[0][50].eq(4.0).all()
+
+
+def test_pages_a_released_run_shares_with_a_kept_block_stay() -> None:
+    # 1 KiB per block of one layer's K: four blocks to a page.
+    layout = KVCacheLayout(
+        num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype="float32"
+    )
+    cache = KVCache(layout, 32, torch.device("cpu"))
+    cache.kv.fill_(1.0)
+    assert cache.release_pages([1, 2, 3, 4, 5, 6]) == 0  # no whole page: blocks 0 and 7 share
+    assert cache.kv.eq(1.0).all()
+    assert cache.release_pages(range(4, 12)) == 2 * 2 * 4096  # blocks 4-11 fill two pages, K and V
+    assert cache.kv[:, :, 4:12].abs().sum().item() == 0.0 and cache.kv[:, :, :4].eq(1.0).all()
+
+
+def test_a_cache_in_private_memory_hands_back_nothing() -> None:
+    kv = torch.ones(LAYOUT.cache_shape(64))
+    cache = KVCache(LAYOUT, 64, torch.device("cpu"), kv=kv)
+    assert cache.release_pages(range(64)) == 0
+    assert cache.kv.eq(1.0).all()

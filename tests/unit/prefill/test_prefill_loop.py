@@ -187,6 +187,41 @@ def test_cached_leading_blocks_are_shipped_with_the_first_pass(host: ModelHost) 
         loop.stop()
 
 
+def test_an_idle_loop_hands_back_the_pages_of_its_free_blocks_but_not_of_its_prefixes(
+    host: ModelHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handed_back: list[list[int]] = []
+    done = threading.Event()
+
+    def release_pages(block_ids: Sequence[int]) -> int:
+        handed_back.append(list(block_ids))
+        if block_ids:
+            done.set()
+        return 0
+
+    monkeypatch.setattr(host.runner.kv_cache, "release_pages", release_pages)
+    recorder = _Recorder()
+    loop = _loop(host, recorder, budget=64, chunk_bytes=1 << 20, enable_prefix_cache=True)
+    loop._idle_trim_s = 0.01  # an idle spell of 10 ms instead of the services' 2 s
+    request = _request(recorder)
+    loop.start()
+    try:
+        loop.submit(request)
+        assert recorder.done.wait(30)
+        block_ids = list(request.block_ids)
+        released = threading.Event()
+        loop.release(request, released.set)
+        assert released.wait(10)
+        assert done.wait(30), "the loop went idle and handed nothing back"
+        # PROMPT's 9 full blocks stay in the prefix cache; its partial last block goes.
+        assert [ids for ids in handed_back if ids] == [[block_ids[-1]]]
+        pool = loop.scheduler.pool
+        assert [pool.get_cached_block(key) for key in request.block_keys] == block_ids[:-1]
+        loop.scheduler.check_integrity()
+    finally:
+        loop.stop()
+
+
 class _RecordingCall:
     """A SyncCache call that keeps what is written and commits."""
 

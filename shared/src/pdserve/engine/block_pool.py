@@ -55,6 +55,9 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_of_block: dict[int, BlockHash] = {}
         self._block_of_hash: dict[BlockHash, int] = {}
+        # NOTE: the blocks allocated since `take_written_free` last took them (their pages
+        # hold memory until handed back).
+        self._written: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +92,18 @@ class BlockPool:
             self._evict(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
+        self._written.update(block_ids)
+        return block_ids
+
+    def take_written_free(self) -> list[int]:
+        """The free blocks that keep no prefix and were allocated since this last took them,
+        in id order; from now on they count as unwritten, for the caller to hand their memory
+        back (`KVCache.release_pages`) before any is allocated again. Their place in the free
+        queue does not change."""
+        block_ids = sorted(
+            b for b in self._written if self.ref_counts[b] == 0 and b not in self._hash_of_block
+        )
+        self._written.difference_update(block_ids)
         return block_ids
 
     def free(self, block_ids: Iterable[int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import warnings
@@ -88,6 +89,34 @@ def _zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         # NOTE: the tensor holds a reference to the mapping; it is unmapped with the tensor.
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
     return flat.view(dtype).view(shape)
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending ids as ``[start, stop)`` runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][1] == block_id:
+            runs[-1] = (runs[-1][0], block_id + 1)
+        else:
+            runs.append((block_id, block_id + 1))
+    return runs
+
+
+def _remove_pages(begin: int, end: int) -> int:
+    """Hands the whole pages within addresses ``[begin, end)`` of a shared mapping back to the
+    system (``madvise(MADV_REMOVE)``: they read as zeros after); returns how many bytes, or -1
+    where the memory is no shared mapping."""
+    page = mmap.PAGESIZE
+    first, last = -(-begin // page) * page, end // page * page
+    if last <= first:
+        return 0
+    if _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_REMOVE) != 0:
+        return -1
+    return last - first
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
 
 def _contiguous_run(block_ids: Sequence[int]) -> bool:
@@ -177,6 +206,7 @@ class KVCache:
             raise ValueError(f"storage of shape {tuple(kv.shape)} for a cache of shape {shape}")
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv = kv if kv is not None else self._zeros(shape, device)
+        self._can_release = True  # until madvise refuses the storage
 
     def _zeros(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         if device.type == "cpu" and math.prod(shape) > 0:
@@ -223,6 +253,39 @@ class KVCache:
             if keep_contents:
                 window_kv.copy_(self.window_kv)
             self.window_kv = window_kv
+
+    def release_pages(self, block_ids: Sequence[int]) -> int:
+        """Hands the memory of `block_ids` back to the system: the whole pages their K and V
+        cover in every layer read as zeros after and take memory again once written. For
+        blocks nobody reads or writes (free, keeping no prefix); a window layer's slots keep
+        theirs.
+
+        Only a CPU cache in one contiguous shared mapping does this (a prefill's own pool, which
+        takes memory as its blocks are first written); elsewhere (a GPU, one rank's heads of a
+        shared segment, private memory) it hands back nothing.
+
+        Returns:
+            The bytes handed back.
+        """
+        kv = self.kv
+        if not block_ids or not self._can_release or kv.device.type != "cpu":
+            return 0
+        if not kv.is_contiguous():
+            self._can_release = False
+            return 0
+        block_nbytes = self.layout.block_nbytes
+        row_nbytes = self.num_blocks * block_nbytes  # one layer's K (or V)
+        base = kv.data_ptr()
+        released = 0
+        for start, stop in _runs(sorted(block_ids)):
+            for row in range(kv.shape[0] * 2):
+                begin = base + row * row_nbytes + start * block_nbytes
+                removed = _remove_pages(begin, begin + (stop - start) * block_nbytes)
+                if removed < 0:
+                    self._can_release = False
+                    return released
+                released += removed
+        return released
 
     def block_bytes(self, layer_cache: torch.Tensor, start: int, stop: int) -> memoryview:
         """The bytes of blocks [start, stop) of one layer's K or V (a `layer` view) on CPU, as

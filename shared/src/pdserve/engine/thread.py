@@ -83,9 +83,15 @@ class EngineThread(abc.ABC):
             # What they queue meanwhile, the caller's condition sees when this returns.
             self._cond.release()
             try:
-                return_freed_memory()
+                self._hand_back_memory()
             finally:
                 self._cond.acquire()
+
+    def _hand_back_memory(self) -> None:
+        """What an idle loop does once `idle_trim_s` passed (called without `_cond` held):
+        hands the process's free heap pages back; a loop with memory of its own to hand back
+        (a prefill's free KV blocks) adds it."""
+        return_freed_memory()
 
     @abc.abstractmethod
     def _run(self) -> None:

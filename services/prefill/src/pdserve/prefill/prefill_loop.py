@@ -193,6 +193,26 @@ class PrefillLoop(EngineThread):
             if not output.is_empty:
                 self._execute(output)
 
+    def _hand_back_memory(self) -> None:
+        """Idle: the free blocks written since the last idle spell and keeping no prefix hand
+        their pages back (`KVCache.release_pages`), so that the pool's memory follows the
+        prompts in flight and the bounded prefix cache, not the largest burst since start;
+        then the heap's free pages."""
+        started = time.perf_counter()
+        with self.lock:
+            block_ids = self.scheduler.pool.take_written_free()
+            # NOTE: under the lock (tens of ms for hundreds of MB, idle): a pass allocates
+            # under it, and nothing reads or writes a free block.
+            num_bytes = self.runner.kv_cache.release_pages(block_ids)
+        if num_bytes:
+            log.info(
+                "idle_kv_memory_returned",
+                num_blocks=len(block_ids),
+                num_bytes=num_bytes,
+                duration_ms=round((time.perf_counter() - started) * 1000, 1),
+            )
+        super()._hand_back_memory()
+
     def _execute(self, output: SchedulerOutput[Request]) -> None:
         scheduled = output.scheduled
         exports = [export for chunk in scheduled if (export := plan_export(chunk, self.block_size))]
