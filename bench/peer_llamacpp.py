@@ -11,8 +11,9 @@ completions: input of about ``--isl`` tokens, ``--osl`` output tokens (``ignore_
 each ``--concurrency``, ``--requests-per-client`` requests per client. The servers run one
 after the other on the same machine; the table gives output tokens/s, TTFT and ITL (p50) of
 each and the ratios pdserve / llama.cpp, and the memory of each side after its run: the PSS of
-every process the server started, idle for ``--idle-s`` seconds after the load (pdserve's decode
-KV sized to the peer's context, ``--match-kv``).
+every process the server started, idle for ``--idle-s`` seconds after the load, and the pages of
+its shared-memory files that no process has touched yet (pdserve's decode KV, allocated whole at
+start and sized to the peer's context, ``--match-kv``).
 The CPU flags and both servers' settings are printed and written to
 bench/results/peer-llamacpp-<time>.json.
 
@@ -152,9 +153,39 @@ def pss_mb(pid: int) -> float:
     return next((int(line.split()[1]) for line in lines if line.startswith("Pss:")), 0) / 1024
 
 
+def shm_outside_pss_mb(pids: set[int]) -> float:
+    """The memory of the shared-memory files (``/dev/shm``) the processes map that no PSS
+    counts: each file's allocated pages less the PSS its mappings hold. A decode's KV segment
+    is allocated whole at start (``posix_fallocate``) and its pages enter a process's PSS only
+    once it touches them; the memory is taken either way."""
+    counted: dict[str, float] = {}  # file -> the PSS of its mappings, MB
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+        except OSError:
+            continue
+        current = None
+        for line in lines:
+            parts = line.split()
+            if parts and "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header
+                current = parts[5] if len(parts) > 5 and parts[5].startswith("/dev/shm/") else None
+            elif current is not None and parts[:1] == ["Pss:"]:
+                counted[current] = counted.get(current, 0.0) + int(parts[1]) / 1024
+    outside = 0.0
+    for path, pss in counted.items():
+        try:
+            allocated = os.stat(path).st_blocks * 512 / (1 << 20)
+        except OSError:  # removed since (its pages go with the last mapping)
+            continue
+        outside += max(0.0, allocated - pss)
+    return outside
+
+
 def tree_pss_mb(root: int) -> float:
     """The proportional memory (PSS) of a process and all its descendants (pdserve's launcher,
-    gateway, prefill and decode, which run in sessions of their own), from ``smaps_rollup``."""
+    gateway, prefill and decode, which run in sessions of their own), from ``smaps_rollup``,
+    with the pages of their shared-memory files that none of them has touched yet
+    (`shm_outside_pss_mb`)."""
     parents = process_parents()
     tree = {root}
     while True:
@@ -162,7 +193,7 @@ def tree_pss_mb(root: int) -> float:
         if not children:
             break
         tree |= children
-    return sum(pss_mb(pid) for pid in tree)
+    return sum(pss_mb(pid) for pid in tree) + shm_outside_pss_mb(tree)
 
 
 def served_model(url: str) -> str:

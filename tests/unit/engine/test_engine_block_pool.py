@@ -198,7 +198,10 @@ def test_the_bound_must_not_be_negative() -> None:
 
 
 def test_the_written_free_blocks_without_a_prefix_are_taken_once() -> None:
-    pool = BlockPool(8, enable_prefix_caching=True, max_cached_free_blocks=4)
+    untracked = BlockPool(4)
+    untracked.free(untracked.allocate(4))
+    assert untracked.take_written_free() == []  # a pool made without track_written
+    pool = BlockPool(8, enable_prefix_caching=True, max_cached_free_blocks=4, track_written=True)
     assert pool.take_written_free() == []  # nothing was ever written
     kept, cached, freed = pool.allocate(2), pool.allocate(1), pool.allocate(3)
     pool.cache_block(cached[0], b"prefix")

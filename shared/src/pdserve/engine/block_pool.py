@@ -30,7 +30,9 @@ class BlockPool:
     a block freed without a prefix is reused first, before any block never used. The blocks
     ever written then stay within the most in use at once plus that bound, however large the
     pool (its pages are touched only when written): a prefill's cache can hold many prompts at
-    a peak without keeping their memory after.
+    a peak without keeping their memory after. With ``track_written`` it remembers which free
+    blocks without a prefix were written since `take_written_free` last asked, whose memory the
+    owner hands back when idle (a prefill's).
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class BlockPool:
         num_blocks: int,
         enable_prefix_caching: bool = False,
         max_cached_free_blocks: int | None = None,
+        track_written: bool = False,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -55,8 +58,9 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._hash_of_block: dict[int, BlockHash] = {}
         self._block_of_hash: dict[BlockHash, int] = {}
-        # NOTE: the blocks allocated since `take_written_free` last took them (their pages
-        # hold memory until handed back).
+        # NOTE: with `track_written`, the blocks allocated since `take_written_free` last took
+        # them (their pages hold memory until handed back).
+        self._track_written = track_written
         self._written: set[int] = set()
 
     @property
@@ -92,14 +96,15 @@ class BlockPool:
             self._evict(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
-        self._written.update(block_ids)
+        if self._track_written:
+            self._written.update(block_ids)
         return block_ids
 
     def take_written_free(self) -> list[int]:
         """The free blocks that keep no prefix and were allocated since this last took them,
         in id order; from now on they count as unwritten, for the caller to hand their memory
         back (`KVCache.release_pages`) before any is allocated again. Their place in the free
-        queue does not change."""
+        queue does not change. Empty unless the pool was made with `track_written`."""
         block_ids = sorted(
             b for b in self._written if self.ref_counts[b] == 0 and b not in self._hash_of_block
         )

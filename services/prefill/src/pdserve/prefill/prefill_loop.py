@@ -85,7 +85,9 @@ class PrefillLoop(EngineThread):
             None if prefix_cache_max_tokens is None else prefix_cache_max_tokens // self.block_size
         )
         self.scheduler = PrefillScheduler(
-            BlockPool(runner.kv_cache.num_blocks, enable_prefix_cache, max_cached),
+            BlockPool(
+                runner.kv_cache.num_blocks, enable_prefix_cache, max_cached, track_written=True
+            ),
             self.block_size,
             max_num_batched_tokens,
             kv_fingerprint,
