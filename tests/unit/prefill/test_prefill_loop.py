@@ -85,6 +85,13 @@ def _request(recorder: _Recorder, token_ids: Sequence[int] = PROMPT) -> Request:
     )
 
 
+def _release(loop: PrefillLoop, request: Request) -> None:
+    """Releases `request` and waits until its blocks are free."""
+    released = threading.Event()
+    loop.release(request, released.set)
+    assert released.wait(10)
+
+
 def _run(
     host: ModelHost, budget: int, chunk_bytes: int
 ) -> tuple[list[object], Request, dict[tuple[int, int], bytes]]:
@@ -101,9 +108,7 @@ def _run(
             for layer in range(host.runner.kv_cache.layout.num_layers)
             for b in range(len(block_ids))
         }
-        released = threading.Event()
-        loop.release(request, released.set)
-        assert released.wait(10)
+        _release(loop, request)
         assert loop.scheduler.pool.num_free_blocks == loop.scheduler.pool.num_blocks
     finally:
         loop.stop()
@@ -166,15 +171,13 @@ def test_cached_leading_blocks_are_shipped_with_the_first_pass(host: ModelHost) 
             request = _request(recorder, token_ids)
             loop.submit(request)
             assert recorder.done.wait(30)
-            released = threading.Event()
             block_ids = list(request.block_ids)
             expected = {
                 (layer, b): bytes(host.runner.kv_cache.export_blocks(layer, [block_ids[b]]).k)
                 for layer in range(host.runner.kv_cache.layout.num_layers)
                 for b in range(len(block_ids))
             }
-            loop.release(request, released.set)
-            assert released.wait(10)
+            _release(loop, request)
         pieces = [e for e in recorder.events if isinstance(e, KvPiece)]
         assert _shipped_blocks(pieces) == expected
         first_return = recorder.events.index("pass_returned")
@@ -209,9 +212,7 @@ def test_an_idle_loop_hands_back_the_pages_of_its_free_blocks_but_not_of_its_pre
         loop.submit(request)
         assert recorder.done.wait(30)
         block_ids = list(request.block_ids)
-        released = threading.Event()
-        loop.release(request, released.set)
-        assert released.wait(10)
+        _release(loop, request)
         assert done.wait(30), "the loop went idle and handed nothing back"
         # PROMPT's 9 full blocks stay in the prefix cache; its partial last block goes.
         assert [ids for ids in handed_back if ids] == [[block_ids[-1]]]
@@ -277,9 +278,7 @@ async def test_one_pass_prompt_is_sent_as_sync_cache_messages_builds_it(host: Mo
         expected = sync_cache_messages(request, host.runner.kv_cache, first.token_id, chunk_bytes)
         assert stub.call.messages == list(expected)
         assert [m.chunk.num_blocks for m in stub.call.messages[1:5]] == [3, 3, 3, 1]
-        released = threading.Event()
-        loop.release(request, released.set)
-        assert released.wait(10)
+        _release(loop, request)
     finally:
         loop.stop()
 
