@@ -126,3 +126,25 @@ def test_a_cache_in_private_memory_hands_back_nothing() -> None:
     cache = KVCache(LAYOUT, 64, torch.device("cpu"), kv=kv)
     assert cache.release_pages(range(64)) == 0
     assert cache.kv.eq(1.0).all()
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
+def test_a_tensor_parallel_cache_file_hands_back_the_pages_of_released_blocks() -> None:
+    from pdserve.engine.parallel.shared_cache import create_shared_cache, remove_shared_cache
+
+    layout = KVCacheLayout(
+        num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"
+    )
+    cache = create_shared_cache(layout, 64)  # in /dev/shm, as a tensor-parallel instance's
+    try:
+        assert cache.shared_path is not None
+        cache.kv.fill_(1.0)
+        allocated = cache.shared_path.stat().st_blocks * 512
+        released = cache.release_pages(range(16, 48))
+        assert released == 32 * 2 * 2 * layout.block_nbytes
+        # NOTE: the file's pages themselves are gone, for every rank that maps it.
+        assert allocated - cache.shared_path.stat().st_blocks * 512 == released
+        assert cache.kv[:, :, 16:48].abs().sum().item() == 0.0
+        assert cache.kv[:, :, :16].eq(1.0).all() and cache.kv[:, :, 48:].eq(1.0).all()
+    finally:
+        remove_shared_cache(cache)
