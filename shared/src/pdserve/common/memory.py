@@ -1,9 +1,11 @@
-"""Handing memory that glibc's allocator keeps after a burst of work back to the system, and
-bounding what oneDNN keeps for GEMM shapes it may never see again."""
+"""Handing memory back to the system (what glibc's allocator keeps after a burst of work, the
+pages of a shared mapping nobody needs), and bounding what oneDNN keeps for GEMM shapes it may
+never see again."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
@@ -39,3 +41,24 @@ def return_freed_memory() -> None:
     except OSError:  # not glibc
         return
     libc.malloc_trim(0)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
+
+
+def remove_pages(begin: int, end: int) -> int:
+    """Hands the whole pages within addresses ``[begin, end)`` of a shared mapping back to the
+    system (``madvise(MADV_REMOVE)``: they read as zeros after, and take memory again once
+    written).
+
+    Returns:
+        The bytes handed back, or -1 where the memory is no shared mapping.
+    """
+    page = mmap.PAGESIZE
+    first, last = -(-begin // page) * page, end // page * page
+    if last <= first:
+        return 0
+    if _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_REMOVE) != 0:
+        return -1
+    return last - first

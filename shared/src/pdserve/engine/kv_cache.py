@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -14,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from pdserve.common.generation import num_blocks_for
+from pdserve.common.memory import remove_pages
 from pdserve.engine.window_slots import WindowSlots
 
 _BytesLike = bytes | bytearray | memoryview
@@ -91,32 +91,13 @@ def _zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return flat.view(dtype).view(shape)
 
 
-def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Ascending ids as ``[start, stop)`` runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    for block_id in block_ids:
-        if runs and runs[-1][1] == block_id:
-            runs[-1] = (runs[-1][0], block_id + 1)
-        else:
-            runs.append((block_id, block_id + 1))
-    return runs
-
-
-def _remove_pages(begin: int, end: int) -> int:
-    """Hands the whole pages within addresses ``[begin, end)`` of a shared mapping back to the
-    system (``madvise(MADV_REMOVE)``: they read as zeros after); returns how many bytes, or -1
-    where the memory is no shared mapping."""
-    page = mmap.PAGESIZE
-    first, last = -(-begin // page) * page, end // page * page
-    if last <= first:
-        return 0
-    if _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_REMOVE) != 0:
-        return -1
-    return last - first
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
+def id_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """Maximal runs of consecutive ids in `block_ids`, as ``(first_id, last_id + 1)``."""
+    start = 0
+    for i in range(1, len(block_ids) + 1):
+        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
+            yield block_ids[start], block_ids[i - 1] + 1
+            start = i
 
 
 def _contiguous_run(block_ids: Sequence[int]) -> bool:
@@ -277,10 +258,10 @@ class KVCache:
         row_nbytes = self.num_blocks * block_nbytes  # one layer's K (or V)
         base = kv.data_ptr()
         released = 0
-        for start, stop in _runs(sorted(block_ids)):
+        for start, stop in id_runs(sorted(block_ids)):
             for row in range(kv.shape[0] * 2):
                 begin = base + row * row_nbytes + start * block_nbytes
-                removed = _remove_pages(begin, begin + (stop - start) * block_nbytes)
+                removed = remove_pages(begin, begin + (stop - start) * block_nbytes)
                 if removed < 0:
                     self._can_release = False
                     return released

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fastcrc import crc32
 
-from pdserve.engine.kv_cache import KVBlockData, KVCache, KVCacheLayout
+from pdserve.engine.kv_cache import KVBlockData, KVCache, KVCacheLayout, id_runs
 from pdserve.kv.staging import export_to_host
 
 
@@ -96,15 +96,6 @@ def blocks_crc32c(kv_cache: KVCache, layer_index: int, block_ids: Sequence[int])
                 data = kv_cache.block_bytes(cache[start:stop].cpu(), 0, stop - start)
             crc = crc32.iscsi(data, crc)
     return int(crc)
-
-
-def id_runs(block_ids: Sequence[int]) -> Iterator[tuple[int, int]]:
-    """Maximal runs of consecutive ids in `block_ids`, as ``(first_id, last_id + 1)``."""
-    start = 0
-    for i in range(1, len(block_ids) + 1):
-        if i == len(block_ids) or block_ids[i] != block_ids[i - 1] + 1:
-            yield block_ids[start], block_ids[i - 1] + 1
-            start = i
 
 
 def writable_range(piece: KvPiece, num_leased: int, num_unwritable: int) -> range:

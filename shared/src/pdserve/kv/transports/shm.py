@@ -29,8 +29,8 @@ import numpy as np
 import structlog
 
 from pdserve.common.stale_files import remove_orphaned_files
-from pdserve.engine.kv_cache import KVCache, KVCacheLayout, layer_storage
-from pdserve.kv.transfer import KvPiece, check_lease_blocks, chunk_crc32c, id_runs, writable_range
+from pdserve.engine.kv_cache import KVCache, KVCacheLayout, id_runs, layer_storage
+from pdserve.kv.transfer import KvPiece, check_lease_blocks, chunk_crc32c, writable_range
 
 log = structlog.get_logger(__name__)
 

@@ -30,9 +30,9 @@ from pdserve.common.generation import num_blocks_for
 from pdserve.decode.block_sharing import prefix_mismatch
 from pdserve.decode.lease_state import RequestStatus
 from pdserve.decode.request import DecodeRequest
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.kv_cache import KVCache, id_runs
 from pdserve.kv.staging import HostStaging, StagedChunk
-from pdserve.kv.transfer import blocks_crc32c, chunk_crc32c, id_runs
+from pdserve.kv.transfer import blocks_crc32c, chunk_crc32c
 
 # Checksums over the cache are independent reads that release the GIL: a few threads share them.
 CHECKSUM_WORKERS = ThreadPoolExecutor(
