@@ -1,11 +1,12 @@
 """The decoder layer most families share: attention (q/k norm, partial RoPE, a scale of the
 family's own, sinks; or latent attention), the dense or expert feed-forward, and Llama's
 pre-norm arrangement around them (`LlamaDecoderLayer`). `DecoderLayer` is what every
-arrangement shares; a family that arranges its norms otherwise has its layer in its own module
-(`pdserve.engine.families`), a `DecoderLayer` that says where its norms stand (the norms after
-each block: `PostNormDecoderLayer`)."""
+arrangement shares; where a layer's norms stand is data (`NormPlaces`): a family that places
+them otherwise names its own (`PostNormDecoderLayer`: after each block; Gemma 3's: both)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -156,14 +157,40 @@ def feed_forward(config: ModelConfig, layer_index: int, group: TensorParallelGro
     return LlamaMLP(config, group=group)
 
 
+@dataclass(frozen=True)
+class NormPlaces:
+    """Where a decoder layer's norms stand, each by its checkpoint's name (None: no norm
+    there): on a block's input, or on its output before the residual add."""
+
+    attention_input: str | None = None
+    attention_output: str | None = None
+    feed_forward_input: str | None = None
+    feed_forward_output: str | None = None
+
+    def names(self) -> tuple[str, ...]:
+        """The norms' names, each once."""
+        places = (
+            self.attention_input,
+            self.attention_output,
+            self.feed_forward_input,
+            self.feed_forward_output,
+        )
+        return tuple(name for name in places if name is not None)
+
+
+# NOTE: "post_attention_layernorm" is the checkpoints' name for Llama's norm before the
+# feed-forward.
+PRE_NORMS = NormPlaces(
+    attention_input="input_layernorm", feed_forward_input="post_attention_layernorm"
+)
+POST_NORMS = NormPlaces(
+    attention_output="post_attention_layernorm", feed_forward_output="post_feedforward_layernorm"
+)
+
+
 class DecoderLayer(nn.Module):
     """A decoder layer: the attention block, then the feed-forward block, each one's output
-    added to the residual.
-
-    Where the norms stand is the family's: a subclass makes them (under its checkpoint's names)
-    and applies them to a block's input (`_attention_input`, `_feed_forward_input`) or to its
-    output before the residual add (`_attention_output`, `_feed_forward_output`); each of the
-    four passes its tensor through unchanged by default.
+    added to the residual, with norms where `norms` (the family's) places them.
 
     Args:
         config: The model's config.
@@ -172,10 +199,14 @@ class DecoderLayer(nn.Module):
         group: The tensor-parallel group.
     """
 
+    norms = NormPlaces()
+
     def __init__(
         self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
     ) -> None:
         super().__init__()
+        for name in self.norms.names():
+            self.add_module(name, make_norm(config, config.hidden_size))
         self.self_attn: nn.Module = (
             MlaAttention(config, group)
             if config.mla is not None
@@ -190,55 +221,25 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        attended = self.self_attn(self._attention_input(hidden), rope, kv_cache, metadata)
-        hidden = hidden + self._attention_output(attended)
-        fed = self.mlp(self._feed_forward_input(hidden))
-        return hidden + self._feed_forward_output(fed)
+        norms = self.norms
+        attended = self.self_attn(
+            self._norm(norms.attention_input, hidden), rope, kv_cache, metadata
+        )
+        hidden = hidden + self._norm(norms.attention_output, attended)
+        fed = self.mlp(self._norm(norms.feed_forward_input, hidden))
+        return hidden + self._norm(norms.feed_forward_output, fed)
 
-    def _attention_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-    def _attention_output(self, attended: torch.Tensor) -> torch.Tensor:
-        return attended
-
-    def _feed_forward_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-    def _feed_forward_output(self, fed: torch.Tensor) -> torch.Tensor:
-        return fed
+    def _norm(self, name: str | None, x: torch.Tensor) -> torch.Tensor:
+        return x if name is None else self._modules[name](x)  # type: ignore[misc]
 
 
 class LlamaDecoderLayer(DecoderLayer):
     """Pre-norm attention block followed by a pre-norm feed-forward (dense or experts)."""
 
-    def __init__(
-        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
-    ) -> None:
-        super().__init__(config, layer_index, backend, group)
-        self.input_layernorm = make_norm(config, config.hidden_size)
-        # NOTE: the checkpoints' name for the norm before the feed-forward.
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
-
-    def _attention_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.input_layernorm(hidden)
-
-    def _feed_forward_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(hidden)
+    norms = PRE_NORMS
 
 
 class PostNormDecoderLayer(DecoderLayer):
-    """Each block's output normed, then added to the residual (OLMo 2's layer; Gemma 3's norms
-    each block's input too)."""
+    """Each block's output normed, then added to the residual (OLMo 2's layer)."""
 
-    def __init__(
-        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
-    ) -> None:
-        super().__init__(config, layer_index, backend, group)
-        self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
-
-    def _attention_output(self, attended: torch.Tensor) -> torch.Tensor:
-        return self.post_attention_layernorm(attended)
-
-    def _feed_forward_output(self, fed: torch.Tensor) -> torch.Tensor:
-        return self.post_feedforward_layernorm(fed)
+    norms = POST_NORMS

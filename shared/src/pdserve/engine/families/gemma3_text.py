@@ -16,16 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from pdserve.engine.arch_config import RopeConfig
-from pdserve.engine.decoder import PostNormDecoderLayer
+from pdserve.engine.decoder import DecoderLayer, NormPlaces
 from pdserve.engine.families import ConfigGetter, Family, GgufFamily
 from pdserve.engine.gguf_architectures import DENSE_LAYER_NAMES, QK_NORM_NAMES, ArchitectureRules
 from pdserve.engine.hf_config import layer_windows
-from pdserve.engine.layers import make_norm
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.parallel.group import TensorParallelGroup
 
 # NOTE: llama.cpp hardcodes Gemma 3's layer pattern (five sliding-window layers, then a global
 # one) and the sliding layers' RoPE base; newer files may state them, older ones do not.
@@ -34,21 +29,15 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 GEMMA3_27B_NUM_LAYERS = 62
 
 
-class GemmaDecoderLayer(PostNormDecoderLayer):
+class GemmaDecoderLayer(DecoderLayer):
     """Gemma 3's layer: each block normed before and after, then added to the residual."""
 
-    def __init__(
-        self, config: ModelConfig, layer_index: int, backend: str, group: TensorParallelGroup
-    ) -> None:
-        super().__init__(config, layer_index, backend, group)
-        self.input_layernorm = make_norm(config, config.hidden_size)
-        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
-
-    def _attention_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.input_layernorm(hidden)
-
-    def _feed_forward_input(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.pre_feedforward_layernorm(hidden)
+    norms = NormPlaces(
+        attention_input="input_layernorm",
+        attention_output="post_attention_layernorm",
+        feed_forward_input="pre_feedforward_layernorm",
+        feed_forward_output="post_feedforward_layernorm",
+    )
 
 
 def _config(hf: Mapping[str, Any], fields: dict[str, Any]) -> None:
