@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -116,3 +117,22 @@ def why_not_gemm(dtype: torch.dtype, in_features: int, multiple: int) -> str | N
     if torch.get_num_threads() != 1:
         return f"torch runs {torch.get_num_threads()} threads (the kernel runs one)"
     return None
+
+
+@dataclass(frozen=True)
+class GemmFit:
+    """What a GEMM kernel that walks `multiple` input features at a time takes (an int4 or
+    int8 kernel module's `takes` and `why_not`)."""
+
+    multiple: int
+
+    def takes(self, in_features: int, dtype: torch.dtype) -> bool:
+        """Whether the kernel takes a projection of `in_features` with `dtype` activations, on
+        one torch thread."""
+        return self.why_not(dtype, in_features) is None
+
+    def why_not(self, dtype: torch.dtype, in_features: int | None = None) -> str | None:
+        """Why the kernel does not take a projection (None where it does), for the logs;
+        without `in_features`, whether it takes `dtype` at all."""
+        width = self.multiple if in_features is None else in_features
+        return why_not_gemm(dtype, width, self.multiple)

@@ -38,17 +38,9 @@ PAIR = 2 * GROUP
 """Input features per step of the kernel: in_features must be a multiple of it."""
 
 available = cpu_kernels.available
-
-
-def takes(in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel takes a projection of `in_features` with `dtype` activations, on one
-    torch thread."""
-    return why_not(dtype, in_features) is None
-
-
-def why_not(dtype: torch.dtype, in_features: int = PAIR) -> str | None:
-    """Why the kernel does not take a projection (None where it does), for the logs."""
-    return cpu_kernels.why_not_gemm(dtype, in_features, PAIR)
+_FIT = cpu_kernels.GemmFit(PAIR)
+takes = _FIT.takes
+why_not = _FIT.why_not
 
 
 def table_of(values: tuple[float, ...]) -> torch.Tensor:

@@ -29,17 +29,9 @@ GROUPS = (16, 32)
 """Input features per scale (and min) the kernel takes."""
 
 available = cpu_kernels.available
-
-
-def takes(in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the kernel takes a projection of `in_features` with `dtype` activations, on one
-    torch thread."""
-    return why_not(dtype, in_features) is None
-
-
-def why_not(dtype: torch.dtype, in_features: int = GROUP) -> str | None:
-    """Why the kernel does not take a projection (None where it does), for the logs."""
-    return cpu_kernels.why_not_gemm(dtype, in_features, GROUP)
+_FIT = cpu_kernels.GemmFit(GROUP)
+takes = _FIT.takes
+why_not = _FIT.why_not
 
 
 def group_of(values: torch.Tensor, scales: torch.Tensor) -> int:
