@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -107,18 +107,16 @@ def attach_int4(
         counts: dict[str, int] = json.loads(metadata.get(COUNTS_KEY, "{}"))
         shards: dict[str, dict[int, str]] = {}
         expected: dict[str, int] = {}
-        int4_type_names = {t.name for t in INT4_TYPES}
-        int8_type_names = {t.name for t in INT8_TYPES}
-        keys = set(reader.keys())
+        attached: dict[str, str] = {}
+        kept_file = _KeptFile(reader, types, dtype, attached)
         for hf_name in types if is_kept else ():
-            if types[hf_name] not in int4_type_names | int8_type_names:
+            if types[hf_name] not in _INT4_TYPE_NAMES | _INT8_TYPE_NAMES:
                 continue
             target = _int4_target(hf_name, model)
             if target is not None:
                 module_name, shard, num_shards = target
                 shards.setdefault(module_name, {})[shard] = hf_name
                 expected[module_name] = num_shards
-        attached: dict[str, str] = {}
         built: dict[str, nn.Module] = {}
         kernels: dict[str, int] = {}
         int8_why_not: str | None = None
@@ -130,7 +128,7 @@ def attach_int4(
             if len(names) != expected[module_name]:
                 continue
             kept: Int4Linear | Int8GroupLinear
-            if all(types[name] in int4_type_names for name in names):
+            if all(types[name] in _INT4_TYPE_NAMES for name in names):
                 if not can_quantize_int4(in_features, out_features, INT4_GROUP_SIZE) or (
                     dtype != torch.bfloat16 and not int4_kernel.takes(in_features, dtype)
                 ):
@@ -151,9 +149,7 @@ def attach_int4(
                 int8_why_not = int8_kernel.why_not(dtype, in_features)
                 if int8_why_not is not None:
                     continue
-                parts = [_int8_part(reader, keys, name, types[name], int4_type_names)
-                         for name in names]  # fmt: skip
-                values, scales, int8_mins = int8_parts(parts)
+                values, scales, int8_mins = int8_parts([kept_file.int8_part(n) for n in names])
                 _check_shape(module_name, values, (out_features, in_features))
                 kept = Int8GroupLinear(values, scales, dtype, int8_mins, linear.bias)
                 kind = "int8"
@@ -165,7 +161,7 @@ def attach_int4(
             key = f"{kind} ({kept.kernel}'s kernel)"
             kernels[key] = kernels.get(key, 0) + 1
         if is_kept:
-            experts = attach_experts(model, reader, types, dtype, attached)
+            experts = attach_experts(model, kept_file)
             built |= experts
             for kept_experts in experts.values():
                 # NOTE: each layer's two stacked projections, by form.
@@ -179,7 +175,7 @@ def attach_int4(
     lm_head = None
     if is_kept:
         with safe_open(str(int4_file), framework="pt") as reader:
-            lm_head = attach_int8(model, reader, types, dtype, attached)
+            lm_head = attach_int8(model, _KeptFile(reader, types, dtype, attached))
     if kernels or lm_head is not None:
         # NOTE: one line per load says which kernel runs each kind of projection and, for
         # torch's, why, and what a quantized LM head became.
@@ -208,17 +204,41 @@ Int8Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """An int8 weight's (values ``[out, in]`` int8, scales ``[out, in / group]``, mins or None)."""
 
 
-def _int8_part(
-    reader: Any, keys: Collection[str], name: str, type_name: str, int4_type_names: set[str]
-) -> Int8Part:
-    """One kept weight as int8 groups: an int4 one's 4-bit values widened (exact); `keys` are
-    the reader's (built once by the caller, not for each of a layer's hundreds of experts)."""
-    if type_name in int4_type_names:
-        # values: [out, in] int8 in 0..15
-        values = int4_kernel.unpack_nibbles(reader.get_tensor(name + VALUES)).to(torch.int8)
-        return values, reader.get_tensor(name + SCALES), reader.get_tensor(name + MINS)
-    mins = reader.get_tensor(name + MINS) if name + MINS in keys else None
-    return reader.get_tensor(name + INT8), reader.get_tensor(name + SCALES), mins
+_INT4_TYPE_NAMES = frozenset(t.name for t in INT4_TYPES)
+_INT8_TYPE_NAMES = frozenset(t.name for t in INT8_TYPES)
+
+
+@dataclass
+class _KeptFile:
+    """The open `INT4_FILE` as each attach step reads it.
+
+    Attributes:
+        reader: The file's reader.
+        types: Each kept weight's GGUF type.
+        dtype: The activation dtype.
+        attached: The names kept so far, and what each became (the steps add theirs).
+        keys: The reader's tensor names (read once, not for each of a layer's hundreds of
+            experts).
+    """
+
+    reader: Any
+    types: dict[str, str]
+    dtype: torch.dtype
+    attached: dict[str, str]
+    keys: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.keys = frozenset(self.reader.keys())
+
+    def int8_part(self, name: str) -> Int8Part:
+        """One kept weight as int8 groups: an int4 one's 4-bit values widened (exact)."""
+        reader = self.reader
+        if self.types[name] in _INT4_TYPE_NAMES:
+            # values: [out, in] int8 in 0..15
+            values = int4_kernel.unpack_nibbles(reader.get_tensor(name + VALUES)).to(torch.int8)
+            return values, reader.get_tensor(name + SCALES), reader.get_tensor(name + MINS)
+        mins = reader.get_tensor(name + MINS) if name + MINS in self.keys else None
+        return reader.get_tensor(name + INT8), reader.get_tensor(name + SCALES), mins
 
 
 def int8_parts(parts: list[Int8Part]) -> Int8Part:
@@ -254,45 +274,30 @@ def int8_parts(parts: list[Int8Part]) -> Int8Part:
     return values, scales, mins
 
 
-def attach_int8(
-    model: LlamaForCausalLM,
-    reader: Any,
-    types: dict[str, str],
-    dtype: torch.dtype,
-    attached: dict[str, str],
-) -> str | None:
+def attach_int8(model: LlamaForCausalLM, kept_file: _KeptFile) -> str | None:
     """Replaces an int8-typed LM head (Q8_0, Q6_K, Q5_K) by an `Int8GroupLinear` over the
     file's values, scales and mins, and such an embedding by an `Int8GroupEmbedding` (the
     head's own tensors when they are tied), where pdserve's int8 kernel runs; adds the names it
-    kept to `attached`.
-
-    Args:
-        model: The model on the meta device.
-        reader: The open `INT4_FILE`.
-        types: Each kept weight's GGUF type.
-        dtype: The activation dtype.
-        attached: The names kept so far, and what each became.
+    kept to `kept_file.attached`.
 
     Returns:
         What the LM head became, for the start-up line (None where the file's is not int8).
     """
-    int8_type_names = {t.name for t in INT8_TYPES}
+    types, dtype = kept_file.types, kept_file.dtype
     embedding_name = "model.embed_tokens.weight"
     head_name = embedding_name if model.config.tie_word_embeddings else "lm_head.weight"
     head_type = types.get(head_name)
-    if head_type not in int8_type_names:
+    if head_type not in _INT8_TYPE_NAMES:
         return None
     why_not = int8_kernel.why_not(dtype, model.config.hidden_size)
     if why_not is not None:
         return f"{str(dtype).removeprefix('torch.')} ({head_type} dequantized: {why_not})"
     num_rows = model.config.vocab_size
-    keys = set(reader.keys())
     kept: dict[str, Int8Part] = {}
     for name in {head_name, embedding_name}:
-        if types.get(name) not in int8_type_names:
+        if types.get(name) not in _INT8_TYPE_NAMES:
             continue
-        values, scales = reader.get_tensor(name + INT8), reader.get_tensor(name + SCALES)
-        mins = reader.get_tensor(name + MINS) if name + MINS in keys else None
+        values, scales, mins = kept_file.int8_part(name)
         expected = (num_rows, model.config.hidden_size)
         if tuple(values.shape) != expected:
             raise ModelLoadError(
@@ -309,20 +314,14 @@ def attach_int8(
             values, scales, mins = kept[embedding_name]
             embedding = Int8GroupEmbedding(values, scales, dtype, mins)
         setattr(model.model, "embed_tokens", embedding)  # noqa: B010 (nn.Module's typed __setattr__)
-    attached.update(dict.fromkeys(kept, "int8"))
+    kept_file.attached.update(dict.fromkeys(kept, "int8"))
     return f"int8 ({head_type}, {head.kernel}'s kernel)"
 
 
-def attach_experts(
-    model: LlamaForCausalLM,
-    reader: Any,
-    types: dict[str, str],
-    dtype: torch.dtype,
-    attached: dict[str, str],
-) -> dict[str, KeptExperts]:
+def attach_experts(model: LlamaForCausalLM, kept_file: _KeptFile) -> dict[str, KeptExperts]:
     """Replaces the routed experts of each MoE layer whose every expert the file keeps (int4 or
     int8 types) by `KeptExperts` over their values, exactly, where pdserve's int8 kernel runs;
-    adds the names it kept, and what each became, to `attached`.
+    adds the names it kept, and what each became, to `kept_file.attached`.
 
     Each projection (gate and up together, down) stays int4 where every expert's is int4
     (Q4_0, Q4_1, Q4_K) and the int4 kernel takes its width (`KeptExperts.load_int4`); else it
@@ -331,12 +330,10 @@ def attach_experts(
     Returns:
         The experts it built, by module name.
     """
-    config = model.config
+    config, reader, types, dtype = model.config, kept_file.reader, kept_file.types, kept_file.dtype
     kept: dict[str, KeptExperts] = {}
     if config.moe is None or KeptExperts.why_not(config.moe, config.hidden_size, dtype):
         return kept
-    int4_type_names = {t.name for t in INT4_TYPES}
-    keys = set(reader.keys())
     # module name -> {(expert, part): checkpoint name}
     layers: dict[str, dict[tuple[int, str], str]] = {}
     for hf_name in types:
@@ -356,7 +353,7 @@ def attach_experts(
         loads: list[tuple[str, str, tuple[torch.Tensor, ...]]] = []
         for part, projections in sources.items():
             part_names = [names[e, p] for e in range(num_experts) for p in projections]
-            if all(types[n] in int4_type_names for n in part_names) and int4_kernel.takes(
+            if all(types[n] in _INT4_TYPE_NAMES for n in part_names) and int4_kernel.takes(
                 in_features[part], dtype
             ):
                 # NOTE: an expert's gate and up rows one after the other, as for int8.
@@ -369,8 +366,8 @@ def attach_experts(
                 )  # fmt: skip
                 loads.append((part, "int4", stacks))
                 continue
-            parts = [[_int8_part(reader, keys, names[e, p], types[names[e, p]], int4_type_names)
-                      for p in projections] for e in range(num_experts)]  # fmt: skip
+            parts = [[kept_file.int8_part(names[e, p]) for p in projections]
+                     for e in range(num_experts)]  # fmt: skip
             stack = _stacked([int8_parts(expert) for expert in parts])
             if stack is None:
                 break  # NOTE: experts of one stack in different layouts: dequantized
@@ -384,7 +381,7 @@ def attach_experts(
                     experts.load_int8(part, *tensors)
                 for e in range(num_experts):
                     for p in sources[part]:
-                        attached[names[e, p]] = form
+                        kept_file.attached[names[e, p]] = form
             block.experts = experts
             kept[f"{module_name}.experts"] = experts
     return kept
