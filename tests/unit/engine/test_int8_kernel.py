@@ -115,7 +115,7 @@ def test_one_hot_rows_read_the_files_values(kernel: str) -> None:
 def test_the_embedding_reads_the_files_rows(kernel: str) -> None:
     values, scales, expected = file_weight(300, 256, seed=2)
     embedding = Int8GroupEmbedding(values, scales, torch.bfloat16)
-    embedding.is_compiled = kernel == "pdserve"
+    embedding.kernel = kernel
     ids = torch.tensor([[5, 0], [299, 5]])
     rows = embedding(ids)
     assert rows.shape == (2, 2, 256) and rows.dtype == torch.bfloat16

@@ -103,7 +103,7 @@ def test_one_hot_rows_read_the_files_values(tensor_type: GGMLQuantizationType, k
 def test_the_embedding_reads_the_files_rows(tensor_type: GGMLQuantizationType, kernel: str) -> None:
     (values, scales, mins), expected = file_weight(tensor_type, 300, 256, seed=2)
     embedding = Int8GroupEmbedding(values, scales, torch.bfloat16, mins)
-    embedding.is_compiled = kernel == "pdserve"
+    embedding.kernel = kernel
     ids = torch.tensor([[5, 0], [299, 5]])
     assert torch.equal(embedding(ids), expected.to(torch.bfloat16)[ids])
 

@@ -206,6 +206,7 @@ class Int8Groups(nn.Module):
     Args:
         values: ``[rows, cols]`` int8.
         scales: ``[rows, cols / group]`` float16 or float32.
+        dtype: The activation dtype (the embedding's: of the rows it returns).
         mins: ``[rows, cols / group]`` (kept as float32), or None.
     """
 
@@ -214,7 +215,11 @@ class Int8Groups(nn.Module):
     mins: torch.Tensor | None
 
     def __init__(
-        self, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        dtype: torch.dtype,
+        mins: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.group_size = int8_kernel.group_of(values, scales)
@@ -222,6 +227,9 @@ class Int8Groups(nn.Module):
         self.register_buffer("values", values.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("mins", None if mins is None else mins.float().contiguous())
+        self.dtype = dtype
+        self.kernel = "pdserve" if int8_kernel.takes(values.shape[1], dtype) else "torch"
+        """Which kernel runs: ``pdserve`` or ``torch`` (over the dequantized weight)."""
 
 
 class Int8GroupLinear(Int8Groups):
@@ -252,14 +260,12 @@ class Int8GroupLinear(Int8Groups):
         mins: torch.Tensor | None = None,
         bias: nn.Parameter | None = None,
     ) -> None:
-        super().__init__(values, scales, mins)
+        super().__init__(values, scales, dtype, mins)
         self.out_features, self.in_features = values.shape
         self.bias = bias
         self.min_rows = 1
         """Fewer rows run padded to this many (`pdserve.engine.batch_invariant`); above one,
         pdserve's kernel runs every row count (its rows are independent of each other)."""
-        self.kernel = "pdserve" if int8_kernel.takes(self.in_features, dtype) else "torch"
-        """Which kernel runs: ``pdserve`` or ``torch`` (a GEMM over the dequantized weight)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
@@ -316,26 +322,12 @@ class Int8GroupEmbedding(Int8Groups):
     """The token embedding over `Int8GroupLinear`'s int8 rows (a tied LM head's own tensors, or
     an untied embedding's): a lookup dequantizes only the rows it reads.
 
-    Args:
-        values: ``[vocab, hidden]`` int8.
-        scales: ``[vocab, hidden / group]`` float16 or float32.
-        dtype: The dtype of the rows it returns.
-        mins: ``[vocab, hidden / group]`` float32, or None.
+    Args (`Int8Groups`'): values ``[vocab, hidden]``; `dtype`, that of the rows it returns.
     """
 
-    def __init__(
-        self,
-        values: torch.Tensor,
-        scales: torch.Tensor,
-        dtype: torch.dtype,
-        mins: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(values, scales, mins)
-        self.num_embeddings, self.embedding_dim = values.shape
-        self.dtype = dtype
-        # NOTE: the compiled lookup writes bf16 rows; float32 ones come from torch's ops (the
-        # same values, exact in float32).
-        self.is_compiled = dtype == torch.bfloat16 and int8_kernel.takes(self.embedding_dim, dtype)
+    @property
+    def embedding_dim(self) -> int:
+        return int(self.values.shape[1])
 
     @classmethod
     def tied_to(cls, head: Int8GroupLinear, dtype: torch.dtype) -> Int8GroupEmbedding:
@@ -345,7 +337,9 @@ class Int8GroupEmbedding(Int8Groups):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [...] -> [..., embedding_dim]
         ids = input_ids.reshape(-1)
-        if self.is_compiled:
+        # NOTE: the compiled lookup writes bf16 rows; float32 ones come from torch's ops (the
+        # same values, exact in float32).
+        if self.kernel == "pdserve" and self.dtype == torch.bfloat16:
             rows = int8_kernel.dequantize(self.values, self.scales, self.mins, ids)
         else:
             mins = None if self.mins is None else self.mins[ids]
