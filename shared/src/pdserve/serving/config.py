@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.common.config import ServiceConfig, port_setting, setting
@@ -207,3 +208,23 @@ class InstanceConfig(ServiceConfig):
     def runs_decode_steps(self) -> bool:
         """Whether the role's engine steps decodes (a decode), so graphs may pay off."""
         return False
+
+
+def transport_list(text: str, known: Sequence[str], *, at_least_one: bool) -> tuple[str, ...]:
+    """The KV transports a comma-separated ``--kv-transports`` names, in order of preference.
+
+    Raises:
+        ValueError: Where it names one not in `known` or one twice, or none where
+            `at_least_one`.
+    """
+    kinds = tuple(kind.strip() for kind in text.split(",") if kind.strip())
+    problems = [f"unknown {kind!r}" for kind in dict.fromkeys(kinds) if kind not in known]
+    problems += [f"{kind!r} twice" for kind in dict.fromkeys(kinds) if kinds.count(kind) > 1]
+    if at_least_one and not kinds:
+        problems.append("none named")
+    if problems:
+        raise ValueError(
+            f"kv_transports {text!r}: {', '.join(problems)} (name some of "
+            f"{', '.join(known)}, each once)"
+        )
+    return kinds

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.common.config import port_setting, setting
-from pdserve.serving.config import InstanceConfig
+from pdserve.serving.config import InstanceConfig, transport_list
 
 DEFAULT_PORT = 50070
 KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp")
@@ -97,17 +97,12 @@ class DecodeConfig(InstanceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        unknown = set(self.kv_transport_kinds) - set(KV_TRANSPORTS)
-        if unknown:
-            raise ValueError(
-                f"kv_transports: unknown {', '.join(sorted(unknown))} (choose from "
-                f"{', '.join(KV_TRANSPORTS)}; gRPC is always offered)"
-            )
+        _ = self.kv_transport_kinds  # NOTE: a bad list is refused at start, not at first use
 
     @property
     def kv_transport_kinds(self) -> tuple[str, ...]:
-        """The offered transports besides gRPC, in order of preference."""
-        return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())
+        """The offered transports besides gRPC (always offered), in order of preference."""
+        return transport_list(self.kv_transports, KV_TRANSPORTS, at_least_one=False)
 
     @property
     def kv_cache_max_seqs(self) -> int | None:

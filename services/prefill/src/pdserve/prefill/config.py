@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pdserve.common.config import port_setting, setting
 from pdserve.common.grpc_server import MAX_MESSAGE_BYTES
-from pdserve.serving.config import InstanceConfig
+from pdserve.serving.config import InstanceConfig, transport_list
 
 DEFAULT_PORT = 50060
 KV_TRANSPORTS = ("nixl", "cuda_ipc", "shm", "tcp", "grpc")
@@ -93,13 +93,7 @@ class PrefillConfig(InstanceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        kinds = self.kv_transport_kinds
-        unknown = set(kinds) - set(KV_TRANSPORTS)
-        if not kinds or unknown or len(set(kinds)) != len(kinds):
-            raise ValueError(
-                f"kv_transports must list some of {', '.join(KV_TRANSPORTS)} once each, got "
-                f"{self.kv_transports!r}"
-            )
+        _ = self.kv_transport_kinds  # NOTE: a bad list is refused at start, not at first use
         # NOTE: a chunk also carries its header fields; keep the K+V payload well inside the
         # channels' message limit.
         if self.max_chunk_bytes > MAX_MESSAGE_BYTES // 2:
@@ -111,7 +105,7 @@ class PrefillConfig(InstanceConfig):
     @property
     def kv_transport_kinds(self) -> tuple[str, ...]:
         """The transports this prefill may use, in order of preference."""
-        return tuple(kind.strip() for kind in self.kv_transports.split(",") if kind.strip())
+        return transport_list(self.kv_transports, KV_TRANSPORTS, at_least_one=True)
 
     @property
     def lease_window_bound(self) -> int | None:
