@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -127,12 +128,7 @@ class RegistrationClient:
 
     async def _register(self) -> None:
         request = registry_pb2.RegisterRequest(instance=self.instance, load=self.load_report())
-        try:
-            response = await self._stub.Register(request, timeout=RPC_TIMEOUT_S)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from None
-        if response.heartbeat_interval_ms:
-            self.interval_s = response.heartbeat_interval_ms / 1000
+        response = await self._call(self._stub.Register, request)
         self.num_registrations += 1
         self.is_registered.set()
         log.info(
@@ -146,12 +142,18 @@ class RegistrationClient:
         request = registry_pb2.HeartbeatRequest(
             instance_id=self.instance.instance_id, load=self.load_report()
         )
+        await self._call(self._stub.Heartbeat, request)
+
+    async def _call(self, rpc: Callable[..., Awaitable[Any]], request: Any) -> Any:
+        """Register or Heartbeat: a failed call raises its `PdserveError`; the interval the
+        gateway asks for is adopted."""
         try:
-            response = await self._stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)
+            response = await rpc(request, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
         if response.heartbeat_interval_ms:
             self.interval_s = response.heartbeat_interval_ms / 1000
+        return response
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -187,10 +187,10 @@ class FileKvStore(KvStore):
                 total -= entry.nbytes
             with self._lock:
                 self._num_bytes = total
-            self.stats.record_evictions(num_evicted)
+            self.stats.add(evictions=num_evicted)
             log.debug("kv_store_evicted", root=str(self.root), num_evicted=num_evicted)
         except OSError as e:
-            self.stats.record_error()
+            self.stats.add(errors=1)
             log.warning("kv_store_eviction_failed", root=str(self.root), error=str(e))
         finally:
             self._evict_lock.release()

@@ -67,7 +67,8 @@ class KvStoreSkipped(KvStoreUnavailable):
 
 @dataclass
 class KvStoreStats:
-    """Cumulative counters of one store object (thread-safe: change them through `record_*`).
+    """Cumulative counters of one store object (thread-safe: change them through `add` and
+    `record_lookup`).
 
     Attributes:
         num_hits: Blocks `get_blocks` returned.
@@ -104,34 +105,31 @@ class KvStoreStats:
             for cause in misses:
                 self.num_misses[cause] += 1
 
-    def record_io(
-        self, *, get_s: float = 0.0, put_s: float = 0.0, loaded: int = 0, stored: int = 0
+    def add(
+        self,
+        *,
+        get_s: float = 0.0,
+        put_s: float = 0.0,
+        loaded: int = 0,
+        stored: int = 0,
+        evictions: int = 0,
+        errors: int = 0,
+        unreachable: int = 0,
+        skipped: int = 0,
+        full: int = 0,
     ) -> None:
+        """Adds to the counters (seconds spent in gets and puts, bytes loaded and stored,
+        entries evicted, failed calls, calls while unreachable, skips, refused puts)."""
         with self._lock:
             self.get_seconds += get_s
             self.put_seconds += put_s
             self.num_bytes_loaded += loaded
             self.num_bytes_stored += stored
-
-    def record_evictions(self, count: int) -> None:
-        with self._lock:
-            self.num_evictions += count
-
-    def record_error(self) -> None:
-        with self._lock:
-            self.num_errors += 1
-
-    def record_unreachable(self) -> None:
-        with self._lock:
-            self.num_unreachable += 1
-
-    def record_skip(self) -> None:
-        with self._lock:
-            self.num_skipped += 1
-
-    def record_full(self) -> None:
-        with self._lock:
-            self.num_full += 1
+            self.num_evictions += evictions
+            self.num_errors += errors
+            self.num_unreachable += unreachable
+            self.num_skipped += skipped
+            self.num_full += full
 
     def snapshot(self) -> KvStoreStats:
         """A consistent copy, e.g. for a metrics exporter."""
@@ -184,7 +182,7 @@ class KvStore(abc.ABC):
                 self._has_room()
             return written
         finally:
-            self.stats.record_io(put_s=time.perf_counter() - start, stored=written)
+            self.stats.add(put_s=time.perf_counter() - start, stored=written)
 
     def _went_full(self, error: KvStoreFull) -> None:
         """Says once that the store is full (however many writes fail until one finds room)."""
@@ -192,7 +190,7 @@ class KvStore(abc.ABC):
             if self._full_since is not None:
                 return
             self._full_since = time.monotonic()
-        self.stats.record_full()
+        self.stats.add(full=1)
         log.warning(
             "kv_store_full",
             store=self.name,
@@ -217,7 +215,7 @@ class KvStore(abc.ABC):
             loaded = sum(len(b) for b in blobs if b is not None)
             return blobs
         finally:
-            self.stats.record_io(get_s=time.perf_counter() - start, loaded=loaded)
+            self.stats.add(get_s=time.perf_counter() - start, loaded=loaded)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` have an entry (the longest stored prefix, unchecked)."""
@@ -228,18 +226,18 @@ class KvStore(abc.ABC):
         reach it takes it as down (with a probe)."""
         down_since = self._down_since
         if down_since is not None:
-            self.stats.record_skip()
+            self.stats.add(skipped=1)
             raise KvStoreSkipped(
                 f"{self.name} unreachable for {time.monotonic() - down_since:.1f} s: skipped"
             )
         try:
             return operation(argument)
         except KvStoreUnreachable as error:
-            self.stats.record_error()
+            self.stats.add(errors=1)
             self._went_unreachable(error)
             raise
         except KvStoreUnavailable:
-            self.stats.record_error()
+            self.stats.add(errors=1)
             raise
 
     def _went_unreachable(self, error: KvStoreUnreachable) -> None:
@@ -251,7 +249,7 @@ class KvStore(abc.ABC):
             if self._down_since is not None or self._closed.is_set():
                 return
             self._down_since = time.monotonic()
-        self.stats.record_unreachable()
+        self.stats.add(unreachable=1)
         log.warning(
             "kv_store_unreachable",
             store=self.name,
