@@ -73,7 +73,7 @@ def test_choose_prefill(
 def test_no_candidate_and_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
         choose_prefill([], ON)
-    with pytest.raises(ValueError, match="cache_balance_tokens"):
+    with pytest.raises(ValueError, match="balance_tokens must be >= 0"):
         CacheRouting(balance_tokens=-1)
-    with pytest.raises(ValueError, match="cache_memory_blocks"):
+    with pytest.raises(ValueError, match="memory_blocks must be >= 1"):
         CacheRouting(memory_blocks=0)

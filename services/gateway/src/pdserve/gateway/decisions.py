@@ -38,6 +38,7 @@ import enum
 from dataclasses import dataclass, replace
 from typing import TypeAlias
 
+from pdserve.common.config import check_ranges, setting
 from pdserve.common.errors import ErrorReason, PdserveError, RetryScope
 from pdserve.gateway.fleet.instance import InstanceRole
 from pdserve.gateway.progress import RequestState
@@ -60,20 +61,15 @@ class RetryPolicy:
             0 fails at once. The request's deadline bounds it too.
     """
 
-    max_attempts: int = 3
-    preempt_retry_count: int = 4
+    max_attempts: int = setting(3, min=1)
+    preempt_retry_count: int = setting(4, min=0)
     preempt_retry_exclude_decode: bool = False
-    cleanup_timeout_s: float = 2.0
-    end_grace_s: float = 1.0
-    peer_wait_s: float = 30.0
+    cleanup_timeout_s: float = setting(2.0, gt=0)
+    end_grace_s: float = setting(1.0, min=0)
+    peer_wait_s: float = setting(30.0, min=0)
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.preempt_retry_count < 0:
-            raise ValueError(f"preempt_retry_count must be >= 0, got {self.preempt_retry_count}")
-        if self.peer_wait_s < 0:
-            raise ValueError(f"peer_wait_s must be >= 0, got {self.peer_wait_s}")
+        check_ranges(self)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.common.config import setting
+from pdserve.common.config import check_ranges, setting
 
 
 class RouteReason(enum.Enum):
@@ -52,18 +52,17 @@ class CacheRouting:
         2048,
         "a prefill holding a prompt's prefix is preferred unless its queued prompt "
         "tokens exceed the least-loaded prefill's by more than this",
+        min=0,
     )
     memory_blocks: int = setting(
         65536,
         "block keys remembered per prefill for cache-aware routing (least recently "
         "routed forgotten first; at most the prefill's pool size)",
+        min=1,
     )
 
     def __post_init__(self) -> None:
-        if self.balance_tokens < 0:
-            raise ValueError(f"cache_balance_tokens must be >= 0, got {self.balance_tokens}")
-        if self.memory_blocks < 1:
-            raise ValueError(f"cache_memory_blocks must be >= 1, got {self.memory_blocks}")
+        check_ranges(self)
 
 
 @dataclass(frozen=True)

@@ -140,10 +140,7 @@ class CallObject:
         self._chars.append(char)
         state = self._state
         if state is _State.START:
-            if char == "{":
-                self._state = _State.KEY_OR_END
-            elif char not in WHITESPACE:
-                self._state = _State.BROKEN
+            self._expect(char, "{", _State.KEY_OR_END)
         elif state is _State.KEY_OR_END:
             if char == '"':
                 self._token = []
@@ -155,10 +152,7 @@ class CallObject:
         elif state in (_State.KEY, _State.STRING_VALUE):
             self._push_string(char)
         elif state is _State.COLON:
-            if char == ":":
-                self._state = _State.VALUE_START
-            elif char not in WHITESPACE:
-                self._state = _State.BROKEN
+            self._expect(char, ":", _State.VALUE_START)
         elif state is _State.VALUE_START:
             self._start_value(char)
         elif state is _State.CONTAINER_VALUE:
@@ -175,6 +169,13 @@ class CallObject:
                 self._token.append(char)
         elif state is _State.AFTER_VALUE:
             self._after_value(char)
+
+    def _expect(self, char: str, wanted: str, then: _State) -> None:
+        """White space waits; `wanted` leads to `then`; anything else breaks the object."""
+        if char == wanted:
+            self._state = then
+        elif char not in WHITESPACE:
+            self._state = _State.BROKEN
 
     def _push_string(self, char: str) -> None:
         if self._escaped:
