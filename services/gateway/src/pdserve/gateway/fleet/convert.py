@@ -10,9 +10,11 @@ settings, finish reasons and the Protocol message convert with the services' sha
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Any, TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from pdserve.common.errors import ErrorReason, PdserveError
 from pdserve.gateway.fleet.backend import (
@@ -47,20 +49,22 @@ _ROLES = {
     common_pb2.INSTANCE_ROLE_DECODE: InstanceRole.DECODE,
 }
 
+_T = TypeVar("_T")
+
 # Instances -------------------------------------------------------------------------------------
+
+
+def _same_named(cls: type[_T], message: Message, **converted: Any) -> _T:
+    """The dataclass `cls` made of `message`'s fields of the same names, except those
+    `converted` gives (a field the message lacks fails here, in every test that converts)."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    names = [field.name for field in fields if field.name not in converted]
+    return cls(**{name: getattr(message, name) for name in names}, **converted)
 
 
 def kv_layout_from_pb(message: common_pb2.KvLayout) -> KvLayout:
     """KvLayout message -> `KvLayout`."""
-    return KvLayout(
-        model_id=message.model_id,
-        num_layers=message.num_layers,
-        num_kv_heads=message.num_kv_heads,
-        head_dim=message.head_dim,
-        dtype=common_pb2.KvDtype.Name(message.dtype),
-        block_size=message.block_size,
-        fingerprint=message.fingerprint,
-    )
+    return _same_named(KvLayout, message, dtype=common_pb2.KvDtype.Name(message.dtype))
 
 
 def instance_info_from_pb(message: common_pb2.InstanceInfo) -> InstanceInfo:
@@ -92,19 +96,8 @@ def instance_info_from_pb(message: common_pb2.InstanceInfo) -> InstanceInfo:
 
 def load_from_pb(message: common_pb2.LoadReport) -> LoadReport:
     """LoadReport message -> `LoadReport`."""
-    return LoadReport(
-        num_queued_prompt_tokens=message.num_queued_prompt_tokens,
-        num_queued_requests=message.num_queued_requests,
-        num_running_requests=message.num_running_requests,
-        num_free_blocks=message.num_free_blocks,
-        num_total_blocks=message.num_total_blocks,
-        num_leased_blocks=message.num_leased_blocks,
-        num_reserved_blocks=message.num_reserved_blocks,
-        is_draining=message.is_draining,
-        max_cached_blocks=(
-            message.max_cached_blocks if message.HasField("max_cached_blocks") else None
-        ),
-    )
+    cached = message.max_cached_blocks if message.HasField("max_cached_blocks") else None
+    return _same_named(LoadReport, message, max_cached_blocks=cached)
 
 
 def instance_status_from_pb(
