@@ -97,32 +97,59 @@ def response_format_constraint(value: dict[str, Any]) -> Constraint | None:
     )
 
 
-class SamplingBody(StrictBody):
-    """Parameters both endpoints share."""
+class SharedSampling(StrictBody):
+    """What the completions, chat and Responses bodies share: the model, the stream switch,
+    the sampling parameters (with vLLM's extensions) and who the request is for."""
 
     model: str
-    max_tokens: int | None = None
+    stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
+    min_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
     safety_identifier: SafetyIdentifier | None = None
     prompt_cache_key: PromptCacheKey | None = None
     prompt_cache_retention: PromptCacheRetention | None = None
+
+    def shared_params(self) -> dict[str, Any]:
+        """The `GenerationParams` fields these set."""
+        # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
+        stop = self.stop
+        return {
+            "model": self.model,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": 0 if self.top_k == -1 else self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": (stop,) if isinstance(stop, str) else tuple(stop or ()),
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens or 0,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "user": user_of(self.user, self.safety_identifier),
+        }
+
+
+class SamplingBody(SharedSampling):
+    """Parameters the completions and chat endpoints share."""
+
+    max_tokens: int | None = None
+    stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
     prompt_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -181,11 +208,6 @@ class SamplingBody(StrictBody):
         except ValueError as error:
             raise unsupported(name, str(error)) from None
 
-    def _stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` with its keys (token ids as JSON strings) as integers."""
         pairs = []
@@ -196,31 +218,16 @@ class SamplingBody(StrictBody):
         return tuple(pairs)
 
     def _params(self, kind: PromptKind, **prompt: Any) -> GenerationParams:
-        # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
-        top_k = 0 if self.top_k == -1 else self.top_k
         constraint, constraint_name = self._constraint()
         return GenerationParams(
+            **self.shared_params(),
             constraint=constraint,
             constraint_name=constraint_name,
             n=1 if self.n is None else self.n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             logit_bias=self._logit_bias(),
-            min_tokens=self.min_tokens or 0,
-            min_p=self.min_p,
             prompt_logprobs=self.prompt_logprobs,
-            model=self.model,
             kind=kind,
             max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=top_k,
-            seed=self.seed,
-            stop=self._stop_strings(),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-            user=user_of(self.user, self.safety_identifier),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,

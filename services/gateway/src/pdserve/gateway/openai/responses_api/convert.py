@@ -37,7 +37,6 @@ from pdserve.gateway.openai.responses_api.input_schemas import (
 )
 from pdserve.gateway.openai.responses_api.schemas import ResponsesRequest, TextConfig
 from pdserve.gateway.openai.responses_api.tools import echoed_tools, function_tools, tool_choice
-from pdserve.gateway.openai.sampling_body import user_of
 from pdserve.gateway.prepare.params import (
     ChatMessage,
     GenerationParams,
@@ -108,28 +107,12 @@ def to_params(request: ResponsesRequest, limits: RequestLimits) -> GenerationPar
         PdserveError: INVALID_REQUEST for an input item, content part, tool or size pdserve
             refuses.
     """
-    # NOTE: vLLM's convention -1 disables top_k; the contract uses 0.
-    top_k = 0 if request.top_k == -1 else request.top_k
-    stop = request.stop
     return GenerationParams(
-        model=request.model,
+        **request.shared_params(),
         kind=PromptKind.CHAT,
         messages=_messages(request, limits),
         max_tokens=request.max_output_tokens,
         max_tokens_name="max_output_tokens",
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=top_k,
-        seed=request.seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
-        stop_token_ids=tuple(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-        user=user_of(request.user, request.safety_identifier),
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
-        min_tokens=request.min_tokens or 0,
-        min_p=request.min_p,
         tools=function_tools(request),
         tool_choice=tool_choice(request),
         parallel_tool_calls=request.parallel_tool_calls is not False,

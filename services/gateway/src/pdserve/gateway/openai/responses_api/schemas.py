@@ -14,16 +14,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import BaseModel, Field, Tag
+from pydantic import Field, Tag
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from pdserve.common.generation import MAX_TOP_LOGPROBS
 from pdserve.gateway.openai.responses_api.input_schemas import InputItem
-from pdserve.gateway.openai.sampling_body import (
-    PromptCacheKey,
-    PromptCacheRetention,
-    SafetyIdentifier,
-)
+from pdserve.gateway.openai.sampling_body import SharedSampling
 from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, type_tag
 from pdserve.gateway.prepare.params import ReasoningEffort
 
@@ -128,27 +124,20 @@ class TextConfig(TypedDict):
     ]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(SharedSampling):
     """Body of ``POST /v1/responses``."""
 
-    model_config = STRICT
-
-    model: str
     input: Annotated[
         Annotated[str, Tag("<text>")] | Annotated[list[InputItem], Tag("<list>")], TEXT_OR_LIST
     ]
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
     text: TextConfig | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceValue | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
     truncation: str | None = None
     service_tier: str | None = None
     previous_response_id: str | None = None
@@ -159,20 +148,6 @@ class ResponsesRequest(BaseModel):
     prompt: dict[str, Any] | None = None
     top_logprobs: int | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
-    safety_identifier: SafetyIdentifier | None = None
-    prompt_cache_key: PromptCacheKey | None = None
-    prompt_cache_retention: PromptCacheRetention | None = None
-    # extensions
-    seed: int | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int | None = None
 
     @property
     def wants_logprobs(self) -> bool:
