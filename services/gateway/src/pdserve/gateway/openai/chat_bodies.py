@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, NotRequired, cast
 
-from pydantic import Tag
+from pydantic import Tag, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from pdserve.gateway.openai.strict import STRICT, TEXT_OR_LIST, UnsupportedPart, type_tag
@@ -17,11 +17,11 @@ from pdserve.gateway.prepare.params import ChatMessage
 from pdserve.gateway.tools.spec import FunctionTool, ToolCall, ToolChoice, ToolChoiceMode
 
 
+@with_config(STRICT)
 class TextContentPart(TypedDict):
     """A text part of a message's content (a part of another type, an image or audio, is
     refused by its place and type: the models served read text only)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["text"]
     text: str
 
@@ -35,28 +35,28 @@ Content = Annotated[
 ]
 
 
+@with_config(STRICT)
 class FunctionCallBody(TypedDict):
     """The function and arguments of a tool call in the history."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     name: str
     arguments: str
 
 
+@with_config(STRICT)
 class ToolCallBody(TypedDict):
     """One of an assistant message's ``tool_calls``."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     id: str
     type: Literal["function"]
     function: FunctionCallBody
 
 
+@with_config(STRICT)
 class ChatMessageBody(TypedDict):
     """One message of ``messages`` (which fields each role needs is checked later, in
     `pdserve.gateway.prepare.messages`)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     role: str
     content: NotRequired[Content | None]
     name: NotRequired[str | None]
@@ -65,35 +65,35 @@ class ChatMessageBody(TypedDict):
     reasoning_content: NotRequired[str | None]
 
 
+@with_config(STRICT)
 class FunctionBody(TypedDict):
     """A function tool's definition."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     name: str
     description: NotRequired[str | None]
     parameters: NotRequired[dict[str, Any] | None]
     strict: NotRequired[bool | None]
 
 
+@with_config(STRICT)
 class ToolBody(TypedDict):
     """One of ``tools`` (function tools only, as in the chat completions API)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     function: FunctionBody
 
 
+@with_config(STRICT)
 class FunctionNameBody(TypedDict):
     """The function of a named ``tool_choice``."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     name: str
 
 
+@with_config(STRICT)
 class NamedToolChoiceBody(TypedDict):
     """``tool_choice`` naming the function to call."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     function: FunctionNameBody
 

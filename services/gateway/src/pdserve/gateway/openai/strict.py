@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ConfigDict, Discriminator
+from pydantic import ConfigDict, Discriminator, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -39,9 +39,9 @@ def _text_or_list(value: Any) -> str:
 TEXT_OR_LIST = Discriminator(_text_or_list)
 
 
+@with_config(OPEN)
 class UnsupportedPart(TypedDict):
     """A content part of a type pdserve does not read (images, files, audio): parsed so that
     the refusal can name its type and place."""
 
-    __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str

@@ -7,35 +7,35 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import Tag
+from pydantic import Tag, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from pdserve.gateway.openai.strict import OPEN, STRICT, TEXT_OR_LIST, UnsupportedPart, type_tag
 
 
+@with_config(STRICT)
 class InputTextPart(TypedDict):
     """``{"type": "input_text", "text"}``: text the user (or system) wrote."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["input_text"]
     text: str
 
 
+@with_config(STRICT)
 class OutputTextPart(TypedDict):
     """``{"type": "output_text", "text"}``: text of an earlier response, sent back as input
     (its annotations and logprobs are accepted and not read)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["output_text"]
     text: str
     annotations: NotRequired[list[Any]]
     logprobs: NotRequired[list[Any] | None]
 
 
+@with_config(STRICT)
 class RefusalPart(TypedDict):
     """``{"type": "refusal", "refusal"}``: an earlier response's refusal, sent back as input."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["refusal"]
     refusal: str
 
@@ -52,12 +52,12 @@ Content = Annotated[
 ]
 
 
+@with_config(STRICT)
 class MessageItem(TypedDict):
     """A message: ``{"role", "content"}`` (``type: "message"`` optional), content a string or
     a list of parts. An earlier response's output message (with ``id`` and ``status``) is one
     too."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: NotRequired[Literal["message"]]
     role: Literal["user", "system", "developer", "assistant"]
     content: Content
@@ -66,10 +66,10 @@ class MessageItem(TypedDict):
     phase: NotRequired[str | None]
 
 
+@with_config(STRICT)
 class FunctionCallItem(TypedDict):
     """A function call the model made earlier (``type: "function_call"``)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -78,10 +78,10 @@ class FunctionCallItem(TypedDict):
     status: NotRequired[Literal["in_progress", "completed", "incomplete"]]
 
 
+@with_config(STRICT)
 class FunctionCallOutputItem(TypedDict):
     """What a function call returned (``type: "function_call_output"``)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function_call_output"]
     call_id: str
     output: Content
@@ -89,28 +89,28 @@ class FunctionCallOutputItem(TypedDict):
     status: NotRequired[Literal["in_progress", "completed", "incomplete"] | None]
 
 
+@with_config(STRICT)
 class ReasoningTextPart(TypedDict):
     """``{"type": "reasoning_text", "text"}``: reasoning of an earlier response."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["reasoning_text"]
     text: str
 
 
+@with_config(STRICT)
 class SummaryTextPart(TypedDict):
     """``{"type": "summary_text", "text"}``: a summary of an earlier response's reasoning."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["summary_text"]
     text: str
 
 
+@with_config(STRICT)
 class ReasoningItem(TypedDict):
     """Reasoning the model wrote earlier (``type: "reasoning"``), as a response's output gives
     it back: its text in ``content`` (pdserve's), or only a ``summary``. Encrypted reasoning
     (``encrypted_content``) cannot be read here and is refused."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["reasoning"]
     summary: list[SummaryTextPart]
     content: NotRequired[list[ReasoningTextPart] | None]
@@ -119,11 +119,11 @@ class ReasoningItem(TypedDict):
     status: NotRequired[Literal["in_progress", "completed", "incomplete"] | None]
 
 
+@with_config(OPEN)
 class UnsupportedItem(TypedDict):
     """An input item of any other type (item references, built-in tool calls): refused by
     name."""
 
-    __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str
 
 

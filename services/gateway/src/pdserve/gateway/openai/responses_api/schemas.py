@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import Field, Tag
+from pydantic import Field, Tag, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from pdserve.common.generation import MAX_TOP_LOGPROBS
@@ -33,11 +33,11 @@ MAX_METADATA_VALUE_CHARS = 512
 # (`pdserve.gateway.openai.responses_api.input_schemas`): they validate faster than models.
 
 
+@with_config(STRICT)
 class FunctionTool(TypedDict):
     """``{"type": "function", "name", "parameters", "strict", "description"}``: Responses' flat
     shape of chat's ``{"type": "function", "function": {...}}``."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     name: str
     parameters: NotRequired[dict[str, Any] | None]
@@ -45,25 +45,25 @@ class FunctionTool(TypedDict):
     description: NotRequired[str | None]
 
 
+@with_config(OPEN)
 class UnsupportedTool(TypedDict):
     """A built-in tool (web search, file search, ...): refused by name."""
 
-    __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str
 
 
+@with_config(STRICT)
 class FunctionToolChoice(TypedDict):
     """``{"type": "function", "name"}``: call this function."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["function"]
     name: str
 
 
+@with_config(OPEN)
 class UnsupportedToolChoice(TypedDict):
     """A tool_choice of any other type (a built-in tool, ``allowed_tools``): refused by name."""
 
-    __pydantic_config__ = OPEN  # type: ignore[misc]
     type: str
 
 
@@ -79,25 +79,25 @@ Tool = Annotated[
 ]
 
 
+@with_config(STRICT)
 class TextFormat(TypedDict):
     """``{"type": "text"}``: free text (the default)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["text"]
 
 
+@with_config(STRICT)
 class JsonObjectFormat(TypedDict):
     """``{"type": "json_object"}``: any JSON object."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["json_object"]
 
 
+@with_config(STRICT)
 class JsonSchemaFormat(TypedDict):
     """``{"type": "json_schema", "name", "schema", "strict", "description"}``: JSON that
     matches ``schema``."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     type: Literal["json_schema"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     schema: dict[str, Any]
@@ -105,20 +105,20 @@ class JsonSchemaFormat(TypedDict):
     description: NotRequired[str | None]
 
 
+@with_config(STRICT)
 class ReasoningConfig(TypedDict):
     """``reasoning``: the effort goes to the chat template as ``reasoning_effort`` (gpt-oss's
     reads it); the reasoning itself comes back as the output's reasoning item, whole, so no
     summary is written (``summary`` is accepted as null or ``auto`` only)."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     effort: NotRequired[ReasoningEffort | None]
     summary: NotRequired[Literal["auto"] | None]
 
 
+@with_config(STRICT)
 class TextConfig(TypedDict):
     """``text``: the output's format."""
 
-    __pydantic_config__ = STRICT  # type: ignore[misc]
     format: NotRequired[
         Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
     ]
