@@ -322,7 +322,7 @@ class Int8GroupEmbedding(Int8Groups):
     """The token embedding over `Int8GroupLinear`'s int8 rows (a tied LM head's own tensors, or
     an untied embedding's): a lookup dequantizes only the rows it reads.
 
-    Args (`Int8Groups`'): values ``[vocab, hidden]``; `dtype`, that of the rows it returns.
+    Made as an `Int8Groups` is: values ``[vocab, hidden]``, and `dtype` the rows' it returns.
     """
 
     @property
