@@ -9,7 +9,7 @@ Each setting (``DTYPE[+QUANTIZATION][+deterministic]``) is a gateway + 1 prefill
 closed-loop workload (bench/loadgen.py) against each in turn, the order rotating from round to
 round so that drift on a noisy machine is shared. Reported: medians over rounds of output
 tokens/s and p50 TTFT / TPOT per setting, and their ratios to float32 and to bfloat16, from the
-same rounds.
+same rounds, and every setting's tokens/s, TTFT and TPOT as ratios to the first setting's.
 """
 
 from __future__ import annotations
@@ -109,8 +109,12 @@ def main() -> None:
         f"\n{next(iter(models.values()))}, {args.threads} thread(s) per engine, concurrency "
         f"{args.concurrency}, {args.num_requests} requests, {args.rounds} rounds\n"
     )
-    print("| setting | output tok/s | TTFT p50 ms | TPOT p50 ms | tok/s vs fp32 | tok/s vs bf16 |")
-    print("|---|---|---|---|---|---|")
+    first = medians[settings[0]]
+    print(
+        "| setting | output tok/s | TTFT p50 ms | TPOT p50 ms | tok/s vs fp32 | tok/s vs bf16 "
+        f"| tok/s, TTFT, TPOT vs {'+'.join(p for p in settings[0] if p)} |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for key, values in medians.items():
         row: dict[str, Any] = {
             "dtype": key[0],
@@ -122,12 +126,16 @@ def main() -> None:
             if base in medians:
                 ratio = values["output_tokens_per_s"] / medians[base]["output_tokens_per_s"]
                 row[f"throughput_vs_{base[0]}"] = ratio
+        against_first = {m: values[m] / first[m] for m in METRICS}
+        row["vs_first_setting"] = against_first
         rows.append(row)
         print(
             f"| {'+'.join(p for p in key if p)} | {values['output_tokens_per_s']:.1f} | "
             f"{values['ttft_p50_ms']:.0f} | {values['tpot_p50_ms']:.1f} | "
             f"{row.get('throughput_vs_float32', float('nan')):.2f}x | "
-            f"{row.get('throughput_vs_bfloat16', float('nan')):.2f}x |"
+            f"{row.get('throughput_vs_bfloat16', float('nan')):.2f}x | "
+            + ", ".join(f"{against_first[m]:.2f}x" for m in METRICS)
+            + " |"
         )
     path = write_results(
         "serve_precision",
