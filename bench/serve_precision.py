@@ -132,8 +132,8 @@ def main() -> None:
         print(
             f"| {'+'.join(p for p in key if p)} | {values['output_tokens_per_s']:.1f} | "
             f"{values['ttft_p50_ms']:.0f} | {values['tpot_p50_ms']:.1f} | "
-            f"{row.get('throughput_vs_float32', float('nan')):.2f}x | "
-            f"{row.get('throughput_vs_bfloat16', float('nan')):.2f}x | "
+            f"{_ratio(row.get('throughput_vs_float32'))} | "
+            f"{_ratio(row.get('throughput_vs_bfloat16'))} | "
             + ", ".join(f"{against_first[m]:.2f}x" for m in METRICS)
             + " |"
         )
@@ -142,6 +142,11 @@ def main() -> None:
         {"settings": {**vars(args), "model_dir": str(model_dir), **cpu}, "rows": rows},
     )
     print(f"\nresults: {path}")
+
+
+def _ratio(value: float | None) -> str:
+    """A ratio for the table ("-" where its baseline setting did not run)."""
+    return "-" if value is None else f"{value:.2f}x"
 
 
 if __name__ == "__main__":
