@@ -26,6 +26,7 @@ setup(
                 "csrc/f32_gemm.cpp",
                 "csrc/fused_decode.cpp",
                 "csrc/team.cpp",
+                "csrc/amx_gemm.cpp",
             ],
             depends=["csrc/common.h"],
             extra_compile_args=["-O3", "-std=c++17", "-pthread"],

@@ -78,6 +78,13 @@ PyMethodDef methods[] = {
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x, rows, size, weight, eps, scaled_in_float32, out): RMSNorm of contiguous bf16 "
      "rows with a bf16 weight, in float32, into bf16 out."},
+    {"amx_supported", py_amx_supported, METH_NOARGS,
+     "Whether this CPU and process run amx_gemm (AMX-TILE, AMX-BF16, the tile data granted)."},
+    {"amx_int4_gemm", py_amx_int4_gemm, METH_VARARGS,
+     "amx_int4_gemm(x, rows, in, weight, scales, mins, out_features, out, half_scales): out = "
+     "x @ w.T as int4_gemm's arguments (no table; out_features a multiple of 32), w dequantized "
+     "to bf16 and multiplied on AMX tiles, each element summed in one order whatever the rows "
+     "of the call."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -56,20 +56,25 @@ call: a longer span means fewer calls and more masked keys."""
 INVARIANT_BACKEND = "sdpa-invariant"
 
 
-def make_batch_invariant(model: nn.Module) -> int:
-    """Sets every projection of `model` that supports it to batch-invariant use.
+def make_batch_invariant(model: nn.Module) -> tuple[int, int]:
+    """Sets every projection of `model` that supports it to batch-invariant use; an int4
+    projection runs on the AMX GEMM of one summation order where the CPU has one
+    (`Int4Linear.use_fixed_order_gemm`: its prefill rows then run at AMX's speed).
 
     Returns:
-        How many modules were set.
+        How many modules were set, and how many of them run on the AMX GEMM.
     """
-    count = 0
+    count = fixed_order = 0
     for module in model.modules():
         if hasattr(module, "min_rows"):
             setattr(module, "min_rows", MIN_ROWS)  # noqa: B010 (nn.Module's typed __setattr__)
             if isinstance(module, Experts):
                 module.lay_out_for_onednn()
+            use_fixed_order = getattr(module, "use_fixed_order_gemm", None)
+            if use_fixed_order is not None and use_fixed_order():
+                fixed_order += 1
             count += 1
-    return count
+    return count, fixed_order
 
 
 def padded_len(num_keys: int, span: int) -> int:

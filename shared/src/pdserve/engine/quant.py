@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pdserve.engine.amx_gemm as amx_gemm
 import pdserve.engine.int4_kernel as int4_kernel
 import pdserve.engine.int8_kernel as int8_kernel
 from pdserve.engine.linear import (
@@ -150,6 +151,18 @@ class Int4Linear(nn.Module):
             self.register_buffer("mins", None)
             self.register_buffer("scale_zeros", _torch_scale_zeros(q, scales, mins, dtype))
         self.bias = bias
+        self.is_fixed_order = False
+        """Whether every bf16 call runs on the AMX GEMM of one summation order
+        (`use_fixed_order_gemm`)."""
+
+    def use_fixed_order_gemm(self) -> bool:
+        """Runs every bf16 call from now on on the AMX GEMM whose sums run in one order for any
+        number of rows (`pdserve.engine.amx_gemm`), where it takes the shape; returns whether it
+        does."""
+        self.is_fixed_order = self.kernel == "pdserve" and amx_gemm.takes(
+            self.out_features, self.in_features, torch.bfloat16
+        )
+        return self.is_fixed_order
 
     @classmethod
     def from_linear(cls, linear: Linear) -> Int4Linear:
@@ -185,6 +198,9 @@ class Int4Linear(nn.Module):
         # x: [num_tokens, in_features] -> [num_tokens, out_features]
         if self.kernel == "pdserve":
             assert self.scales is not None and self.mins is not None
+            if self.is_fixed_order and x.dtype == torch.bfloat16:
+                out = amx_gemm.int4_matmul(x, self.packed, self.scales, self.mins)
+                return out if self.bias is None else out.add_(self.bias)
             if x.shape[0] > OWN_KERNEL_MAX_ROWS and self.min_rows == 1:
                 weight = int4_kernel.dequantize(self.packed, self.scales, self.mins, x.dtype)
                 out = F.linear(x, weight)

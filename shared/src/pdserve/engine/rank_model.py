@@ -111,10 +111,12 @@ def load_rank_model(
         quantization=config.quantization,
     )
     if config.deterministic:
+        projections, fixed_order = make_batch_invariant(model)
         # NOTE: one line per model load says that the numerics are batch-invariant.
         log.info(
             "batch_invariant",
-            projections=make_batch_invariant(model),
+            projections=projections,
+            amx_projections=fixed_order,
             attention=backend,
             min_rows=MIN_ROWS,
             key_span=KEY_SPAN,

@@ -1,0 +1,62 @@
+"""pdserve's AMX GEMM (``shared/csrc/amx_gemm.cpp``): bf16 activations times a packed int4
+weight (`pdserve.engine.int4_kernel`'s) on AMX tiles, every output element summed over the
+inputs in one order whatever the rows of the call: batch-invariant numerics
+(`pdserve.engine.batch_invariant`) for an int4 projection at AMX's speed.
+
+pdserve's int4 kernel gives a row the same bits for any number of rows, but it is written for
+the few rows of a decode step (AVX512-BF16, one thread), so under ``--deterministic``, where it
+ran every prefill row too, a 512-token prompt of the default model took 8x its fast-path time
+on a CPU with AMX. This kernel dequantizes 32 output rows of the weight at a time (``s * q +
+m``, rounded once to bf16) and accumulates each 16 x 16 tile of the output over the inputs 32
+at a time, in order, so a row's result depends only on itself: a one-row decode step and a
+512-row prefill compute a token alike, and a call still reads the int4 weight once.
+
+It runs where the CPU has AMX-TILE and AMX-BF16, Linux grants the process the tiles' state, the
+compiled module was built, the activations are bfloat16, the weight has no code table, and in
+and out features are multiples of 64 and 32 (`takes`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import pdserve.engine.cpu_kernels as cpu_kernels
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the compiled module runs its AMX GEMM on this CPU, in this process."""
+    return cpu_kernels.available() and bool(cpu_kernels.compiled().amx_supported())
+
+
+def takes(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether the kernel takes an int4 projection of this shape with `dtype` activations."""
+    return (
+        dtype == torch.bfloat16 and out_features % 32 == 0 and in_features % 64 == 0 and available()
+    )
+
+
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ w.T`` for bf16 ``x [rows, in]`` and ``w = scale * q + min`` as
+    `pdserve.engine.int4_kernel.matmul` takes it (no table); ``[rows, out]`` bf16."""
+    x = x.contiguous()
+    num_rows, num_in = x.shape
+    num_out = packed.shape[0]
+    out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
+    if num_rows:
+        cpu_kernels.compiled().amx_int4_gemm(
+            x.data_ptr(),
+            num_rows,
+            num_in,
+            packed.data_ptr(),
+            scales.data_ptr(),
+            0 if mins is None else mins.data_ptr(),
+            num_out,
+            out.data_ptr(),
+            scales.dtype == torch.float16,
+        )
+    return out
