@@ -15,7 +15,11 @@ it runs on):
   user streams the same weights either way; a call of more rows runs 32 at a time
   (`pdserve.engine.linear.invariant_rows`). The int8 projection, which switches kernels by
   row count, keeps one kernel; dense experts run on oneDNN's GEMM over a ``[out, in]``
-  layout (torch.mm's bf16 GEMM over ``[in, out]`` sums differently from 7 rows on AMX).
+  layout (torch.mm's bf16 GEMM over ``[in, out]`` sums differently from 7 rows on AMX). An
+  int4 projection keeps pdserve's int4 kernel (its rows are independent) or, on a CPU with
+  AMX, runs every call on `pdserve.engine.amx_gemm` (one summation order on AMX tiles; a
+  prefill's rows at AMX's speed), so under this mode an int4 model's instances agree bit for
+  bit when all have AMX or none has.
 * **Attention.** torch's CPU SDPA splits the keys into blocks of 512 (one block when there
   are fewer) and its sums depend on that split and on the queries sharing a call: a decode
   padded to its group's longest context, or a prefill's causal call, attend differently from

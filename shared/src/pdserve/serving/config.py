@@ -101,9 +101,9 @@ class InstanceConfig(ServiceConfig):
         "the other requests of a step, on prompt chunking or the prefix cache, and a "
         "prefill and a decode that both set it compute the same K/V for a token, so a "
         "stream that is recomputed after a move or preemption continues with the same "
-        "tokens (in bfloat16 too). Costs throughput, most on a quantized model on a CPU "
-        "with AMX (the default model at 16 clients: 0.70x tokens/s, 5.4x the time to first "
-        "token; docs/BENCHMARKS.md); runs SDPA "
+        "tokens (in bfloat16 too). Costs throughput (the default model at 16 clients on a "
+        "CPU with AMX: 0.90x tokens/s; a lone stream's token about 4.5x as long; "
+        "docs/BENCHMARKS.md); runs SDPA "
         "in its invariant form and no flash-attn or decode graphs. Set it on prefills and "
         "decodes alike; the batch_invariant log line says it is on",
     )
