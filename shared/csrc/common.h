@@ -85,10 +85,6 @@ PyObject* py_int8_gemm(PyObject*, PyObject* args);
 PyObject* py_int8_dequantize(PyObject*, PyObject* args);
 PyObject* py_decode_attention(PyObject*, PyObject* args);
 PyObject* py_rms_norm(PyObject*, PyObject* args);
-// int4_gemm.cpp: the output rows [begin, end) of a packed int4 weight (no table) as bf16
-// [end - begin][in] (mins null: none; half_scales: float16 scales and mins, else float32).
-void int4_dequantize_rows(const uint8_t* weight, const void* scales, const void* mins, bool half_scales,
-                          int out_features, int in_features, int begin, int end, uint16_t* out);
 // amx_gemm.cpp: an int4 GEMM on AMX tiles in one summation order for every row count.
 PyObject* py_amx_supported(PyObject*, PyObject*);
 PyObject* py_amx_int4_gemm(PyObject*, PyObject* args);

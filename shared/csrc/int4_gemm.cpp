@@ -371,12 +371,11 @@ KERNEL_TARGET void gemm(const uint16_t* x, int num_rows, int in_features, const 
 }
 
 // The weight as bf16 ``s * q + m`` (or ``s * table[q] + m``; no m where mins is null; rounded
-// once, to nearest even), [out][in] in the columns' own order: its output rows [begin, end)
-// (all where end < 0), row o at out + (o - begin) * in. A GEMM of many rows runs faster as one
-// bf16 GEMM over this than through `gemm`.
+// once, to nearest even), [out][in] in the columns' own order. A GEMM of many rows runs faster
+// as one bf16 GEMM over this than through `gemm`.
 template <typename S>
 KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* mins, const uint16_t* table,
-                              int out_features, int in_features, uint16_t* out, int begin = 0, int end = -1) {
+                              int out_features, int in_features, uint16_t* out) {
   const int num_pairs = in_features / 64;
   // Word k (0..15) of a widened half-part holds group g = (k >> 1) & 1, column 2 (k >> 2) +
   // (k & 1) of the part's eight: `spread` gives a lane its group's scale and min, `gather`
@@ -385,11 +384,10 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
   const __m512i gather = _mm512_set_epi32(15, 14, 11, 10, 7, 6, 3, 2, 13, 12, 9, 8, 5, 4, 1, 0);
   const __m512i nibble = _mm512_set1_epi16(0x000F);
   const __m512i lookup = table_words(table);
-  if (end < 0) end = out_features;
-  for (int o = begin; o < end; ++o) {
+  for (int o = 0; o < out_features; ++o) {
     const uint8_t* w = weight + static_cast<size_t>(o) * num_pairs * 32;
     const S* s = scales + static_cast<size_t>(o) * 2 * num_pairs;
-    uint16_t* row = out + static_cast<size_t>(o - begin) * in_features;
+    uint16_t* row = out + static_cast<size_t>(o) * in_features;
     for (int p = 0; p < num_pairs; ++p) {
       __m512i wide = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
       __m512i halves[2] = {_mm512_and_si512(wide, nibble), _mm512_srli_epi16(wide, 4)};
@@ -422,17 +420,6 @@ KERNEL_TARGET void dequantize(const uint8_t* weight, const S* scales, const S* m
 }
 
 }  // namespace
-
-void int4_dequantize_rows(const uint8_t* weight, const void* scales, const void* mins, bool half_scales,
-                          int out_features, int in_features, int begin, int end, uint16_t* out) {
-  if (half_scales) {
-    dequantize<uint16_t>(weight, static_cast<const uint16_t*>(scales), static_cast<const uint16_t*>(mins),
-                         nullptr, out_features, in_features, out, begin, end);
-  } else {
-    dequantize<float>(weight, static_cast<const float*>(scales), static_cast<const float*>(mins), nullptr,
-                      out_features, in_features, out, begin, end);
-  }
-}
 
 void int4_gemm_bf16(const uint16_t* x, int num_rows, int in_features, const uint8_t* weight, const void* scales,
                     const void* mins, int out_features, uint16_t* out, bool half_scales, const uint16_t* table) {
