@@ -102,7 +102,7 @@ class InstanceConfig(ServiceConfig):
         "prefill and a decode that both set it compute the same K/V for a token, so a "
         "stream that is recomputed after a move or preemption continues with the same "
         "tokens (in bfloat16 too). Costs throughput (the default model at 16 clients on a "
-        "CPU with AMX: 0.90x tokens/s; a lone stream's token about 4.5x as long; "
+        "CPU with AMX: 0.95x tokens/s; a lone stream's token about 4x as long; "
         "docs/BENCHMARKS.md); runs SDPA "
         "in its invariant form and no flash-attn or decode graphs. Set it on prefills and "
         "decodes alike; the batch_invariant log line says it is on",
