@@ -47,6 +47,11 @@ def _linear(out_features: int, in_features: int, seed: int, half: bool = False) 
     return linear
 
 
+def _fixed(linear: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    assert linear.scales is not None
+    return int4_kernel.matmul(x, linear.packed, linear.scales, linear.mins, fixed_order=True)
+
+
 def test_the_kernel_runs_here() -> None:
     assert amx_gemm.available()
     assert amx_gemm.takes(96, 128, torch.bfloat16)
@@ -63,7 +68,7 @@ def test_it_multiplies_by_the_dequantized_weight(
     assert linear.scales is not None
     weight = int4_kernel.dequantize(linear.packed, linear.scales, linear.mins, torch.bfloat16)
     x = torch.randn(37, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
-    out = amx_gemm.int4_matmul(x, linear.packed, linear.scales, linear.mins)
+    out = int4_kernel.matmul(x, linear.packed, linear.scales, linear.mins, fixed_order=True)
     expected = x.double() @ weight.double().t()
     assert out.shape == (37, out_features) and out.dtype == torch.bfloat16
     # float32 sums of exact bf16 products, rounded once to bf16
@@ -76,15 +81,13 @@ def test_a_rows_bits_do_not_depend_on_the_call() -> None:
     assert linear.scales is not None
     generator = torch.Generator().manual_seed(4)
     rows = torch.randn(100, 128, generator=generator).bfloat16()
-    alone = torch.cat(
-        [amx_gemm.int4_matmul(row[None], linear.packed, linear.scales, linear.mins) for row in rows]
-    )
+    alone = torch.cat([_fixed(linear, row[None]) for row in rows])
     for num_rows in (2, 7, 31, 32, 33, 64, 100):
         picked = torch.randint(0, 100, (num_rows,), generator=generator)
         x = torch.randn(num_rows, 128, generator=generator).bfloat16()
         keep = torch.rand(num_rows, generator=generator) < 0.6
         x[keep] = rows[picked[keep]]
-        out = amx_gemm.int4_matmul(x, linear.packed, linear.scales, linear.mins)
+        out = int4_kernel.matmul(x, linear.packed, linear.scales, linear.mins, fixed_order=True)
         assert torch.equal(out[keep], alone[picked[keep]]), num_rows
 
 
@@ -98,5 +101,5 @@ def test_a_deterministic_int4_projection_runs_on_it_for_every_row_count() -> Non
     one_by_one = torch.cat([linear(row[None]) for row in x])
     assert torch.equal(together, one_by_one)
     assert linear.scales is not None
-    plain = amx_gemm.int4_matmul(x, linear.packed, linear.scales, linear.mins)
+    plain = int4_kernel.matmul(x, linear.packed, linear.scales, linear.mins, fixed_order=True)
     assert torch.equal(together, plain + linear.bias)

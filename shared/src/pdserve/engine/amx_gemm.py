@@ -16,7 +16,8 @@ against its 41 us, the price a lone decode stream pays (`docs/BENCHMARKS.md`).
 
 It runs where the CPU has AMX-TILE and AMX-BF16, Linux grants the process the tiles' state, the
 compiled module was built, the activations are bfloat16, the weight has no code table, and in
-and out features are multiples of 64 and 32 (`takes`).
+and out features are multiples of 64 and 32 (`takes`); `pdserve.engine.int4_kernel.matmul`
+calls it with ``fixed_order``.
 """
 
 from __future__ import annotations
@@ -39,27 +40,3 @@ def takes(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
     return (
         dtype == torch.bfloat16 and out_features % 32 == 0 and in_features % 64 == 0 and available()
     )
-
-
-def int4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
-) -> torch.Tensor:
-    """``x @ w.T`` for bf16 ``x [rows, in]`` and ``w = scale * q + min`` as
-    `pdserve.engine.int4_kernel.matmul` takes it (no table); ``[rows, out]`` bf16."""
-    x = x.contiguous()
-    num_rows, num_in = x.shape
-    num_out = packed.shape[0]
-    out = torch.empty(num_rows, num_out, dtype=torch.bfloat16)
-    if num_rows:
-        cpu_kernels.compiled().amx_int4_gemm(
-            x.data_ptr(),
-            num_rows,
-            num_in,
-            packed.data_ptr(),
-            scales.data_ptr(),
-            0 if mins is None else mins.data_ptr(),
-            num_out,
-            out.data_ptr(),
-            scales.dtype == torch.float16,
-        )
-    return out

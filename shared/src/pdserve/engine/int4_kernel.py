@@ -114,6 +114,7 @@ def matmul(
     scales: torch.Tensor,
     mins: torch.Tensor | None,
     table: torch.Tensor | None = None,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
     """``x @ w.T`` for ``w = scale * q + min`` (``scale * table[q] + min`` with a table).
 
@@ -124,6 +125,8 @@ def matmul(
         mins: ``[in / 32, out]`` (transposed: the kernel sums each output row's mins times the
             groups' sums of x for 16 output rows at a time), the same dtype; None: no mins.
         table: `table_of`'s 16 bfloat16 values, or None.
+        fixed_order: On `pdserve.engine.amx_gemm`'s AMX kernel (where it `takes` the call: bf16,
+            no table), whose sums run in one order for any number of rows.
 
     Returns:
         ``[rows, out]`` in x's dtype.
@@ -133,7 +136,9 @@ def matmul(
     num_out = packed.shape[0]
     out = torch.empty(num_rows, num_out, dtype=x.dtype)
     if num_rows:
-        cpu_kernels.kernel("int4_gemm", x.dtype)(
+        compiled = cpu_kernels.compiled()
+        gemm = compiled.amx_int4_gemm if fixed_order else cpu_kernels.kernel("int4_gemm", x.dtype)
+        gemm(
             x.data_ptr(),
             num_rows,
             num_in,

@@ -199,7 +199,7 @@ class Int4Linear(nn.Module):
         if self.kernel == "pdserve":
             assert self.scales is not None and self.mins is not None
             if self.is_fixed_order and x.dtype == torch.bfloat16:
-                out = amx_gemm.int4_matmul(x, self.packed, self.scales, self.mins)
+                out = int4_kernel.matmul(x, self.packed, self.scales, self.mins, fixed_order=True)
                 return out if self.bias is None else out.add_(self.bias)
             if x.shape[0] > OWN_KERNEL_MAX_ROWS and self.min_rows == 1:
                 weight = int4_kernel.dequantize(self.packed, self.scales, self.mins, x.dtype)
