@@ -8,40 +8,23 @@ it); elsewhere these tests skip and the int4 kernel keeps running every row coun
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from support.int4_blocks import random_int4_blocks
 
 from pdserve.engine import amx_gemm, int4_kernel
 from pdserve.engine.batch_invariant import MIN_ROWS, make_batch_invariant
+from pdserve.engine.precision import cpu_flags
 from pdserve.engine.quant import Int4Linear
 
-
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 pytestmark = pytest.mark.skipif(
-    not {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags(),
+    not {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags(),
     reason="the kernel needs AMX-TILE, AMX-BF16 and AVX512-BF16",
 )
 
 
 def _linear(out_features: int, in_features: int, seed: int, half: bool = False) -> Int4Linear:
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-    shape = (out_features, in_features // 32)
-    scales = torch.rand(shape, generator=generator) * 0.02 + 1e-3
-    mins = -8 * scales + torch.randn(shape, generator=generator) * 1e-3
-    if half:
-        scales, mins = scales.half().float(), mins.half().float()
+    q, scales, mins = random_int4_blocks(out_features, in_features, seed, half)
     linear = Int4Linear(q, scales, mins, None, torch.bfloat16)
     assert linear.kernel == "pdserve"
     return linear

@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from support.gguf_files import random_weight
+from support.int4_blocks import random_int4_blocks
 
 from pdserve.engine import int4_kernel
 from pdserve.engine.gguf_int4 import INT4_TYPES, int4_blocks
@@ -35,20 +36,6 @@ pytestmark = pytest.mark.skipif(
 def test_the_compiled_kernel_is_installed_and_runs_here() -> None:
     assert int4_kernel.why_not(torch.bfloat16) is None
     assert int4_kernel.available()
-
-
-def _random_blocks(
-    out_features: int, in_features: int, seed: int, half: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q [out, in] in 0..15, scales, mins [out, in / 32] float32, float16-exact if `half`)."""
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-    shape = (out_features, in_features // 32)
-    scales = torch.rand(shape, generator=generator) * 0.02 + 1e-3
-    mins = -8 * scales + torch.randn(shape, generator=generator) * 1e-3
-    if half:
-        scales, mins = scales.half().float(), mins.half().float()
-    return q, scales, mins
 
 
 def _weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -81,16 +68,16 @@ def test_the_kernel_computes_with_the_files_values(tensor_type: GGMLQuantization
 
 
 def test_scales_stay_float16_only_where_that_holds_them_exactly() -> None:
-    _, scales, mins = _random_blocks(16, 64, seed=0, half=True)
+    _, scales, mins = random_int4_blocks(16, 64, seed=0, half=True)
     assert int4_kernel.scale_dtype(scales, mins) == torch.float16
-    _, scales, mins = _random_blocks(16, 64, seed=0, half=False)
+    _, scales, mins = random_int4_blocks(16, 64, seed=0, half=False)
     assert int4_kernel.scale_dtype(scales, mins) == torch.float32
 
 
 @pytest.mark.parametrize("half", [True, False], ids=["float16_scales", "float32_scales"])
 @pytest.mark.parametrize("shape", [(64, 64), (960, 576), (576, 1536)])
 def test_the_product_is_the_exact_one_rounded_to_bf16(half: bool, shape: tuple[int, int]) -> None:
-    q, scales, mins = _random_blocks(*shape, seed=1, half=half)
+    q, scales, mins = random_int4_blocks(*shape, seed=1, half=half)
     x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     weight = _weight(q, scales, mins)
     exact = x.double() @ weight.t()
@@ -106,7 +93,7 @@ def test_the_product_is_the_exact_one_rounded_to_bf16(half: bool, shape: tuple[i
 
 
 def test_a_row_gets_the_same_bits_alone_and_beside_any_number_of_rows() -> None:
-    q, scales, mins = _random_blocks(96, 576, seed=4, half=True)
+    q, scales, mins = random_int4_blocks(96, 576, seed=4, half=True)
     x = torch.randn(17, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     whole = _matmul(x, q, scales, mins)
     for rows in range(1, 17):
@@ -115,7 +102,7 @@ def test_a_row_gets_the_same_bits_alone_and_beside_any_number_of_rows() -> None:
 
 
 def test_many_rows_take_a_bf16_gemm_over_the_dequantized_weight() -> None:
-    q, scales, mins = _random_blocks(64, 128, seed=6, half=True)
+    q, scales, mins = random_int4_blocks(64, 128, seed=6, half=True)
     packed = int4_kernel.pack(q)
     dequantized = int4_kernel.dequantize(packed, scales.half(), mins.t().contiguous().half())
     assert torch.equal(dequantized, _weight(q, scales, mins).float().to(torch.bfloat16))
@@ -186,7 +173,7 @@ def test_a_code_table_holds_sixteen_values_exact_in_bf16() -> None:
 
 
 def test_torch_kernel_runs_where_torch_has_more_threads() -> None:
-    q, scales, mins = _random_blocks(64, 128, seed=8, half=True)
+    q, scales, mins = random_int4_blocks(64, 128, seed=8, half=True)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
