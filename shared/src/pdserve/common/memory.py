@@ -36,13 +36,12 @@ def return_freed_memory() -> None:
     values: 120 MB of a bf16 engine's RSS on the default model) or building a tokenizer (its
     parsed tokenizer.json: 25 MB of the 42 a tokenizer of the default model takes to build).
     """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return
-    libc.malloc_trim(0)
+    malloc_trim = getattr(_LIBC, "malloc_trim", None)
+    if malloc_trim is not None:  # glibc's
+        malloc_trim(0)
 
 
+# NOTE: the C library this process runs on (its own symbols): glibc's malloc_trim, madvise.
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _MADV_REMOVE = getattr(mmap, "MADV_REMOVE", 9)
 
