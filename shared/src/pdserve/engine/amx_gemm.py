@@ -11,8 +11,8 @@ m``, rounded once to bf16, in the packed bytes' own order, the activations laid 
 and accumulates each 16 x 16 tile of the output over the inputs 32 at a time, in order, so a
 row's result depends only on itself: a one-row decode step and a 512-row prefill compute a
 token alike, and a call still reads the int4 weight once. On SmolLM2's 1536 x 576 projection,
-one thread: 975 us for 512 rows against the int4 kernel's 12,761 us, and 128 us for one row
-against its 41 us, the price a lone decode stream pays (`docs/BENCHMARKS.md`).
+one thread: 705-1,650 us for 512 rows against the int4 kernel's 12,082-12,761 us, and 113-157
+us for one row against its 36-43 us, the price a lone decode stream pays (`docs/BENCHMARKS.md`).
 
 It runs where the CPU has AMX-TILE and AMX-BF16, Linux grants the process the tiles' state, the
 compiled module was built, the activations are bfloat16, the weight has no code table, and in
